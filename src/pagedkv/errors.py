@@ -1,0 +1,55 @@
+"""Typed exceptions of pagedkv.
+
+Every error a caller can trigger raises one of these, with a message that names the problem, and leaves the
+manager exactly as it was before the call. All derive from :class:`PagedKVError`; each also derives from the
+closest built-in type so that generic handlers keep working (``except KeyError`` catches an unknown sequence).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "PagedKVError",
+    "InvalidArgumentError",
+    "InvalidTokensError",
+    "UnknownSequenceError",
+    "DuplicateSequenceError",
+    "SequenceStateError",
+    "OutOfBlocksError",
+    "PromptTooLongError",
+]
+
+
+class PagedKVError(Exception):
+    """Base class of every pagedkv error."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message; keep it readable
+        return str(self.args[0]) if self.args else self.__class__.__name__
+
+
+class InvalidArgumentError(PagedKVError, ValueError):
+    """A size, count or option is out of range (negative sizes, zero blocks, bad watermark, ...)."""
+
+
+class InvalidTokensError(PagedKVError, ValueError):
+    """Token ids are empty, not integers, negative, too large, or of the wrong shape."""
+
+
+class UnknownSequenceError(PagedKVError, KeyError):
+    """The sequence id was never allocated or was already freed (this includes a double free)."""
+
+
+class DuplicateSequenceError(PagedKVError, ValueError):
+    """The sequence id is already allocated, or appears twice in one batch."""
+
+
+class SequenceStateError(PagedKVError, RuntimeError):
+    """The sequence is not where the call needs it: appending to a swapped-out sequence, swapping in a
+    sequence that is not swapped out, swapping out one that already is."""
+
+
+class OutOfBlocksError(PagedKVError, RuntimeError):
+    """The pool does not have enough free blocks for the call right now (nothing was changed)."""
+
+
+class PromptTooLongError(OutOfBlocksError):
+    """The prompt needs more blocks than the pool can ever give it (pool size minus the watermark)."""
