@@ -699,6 +699,8 @@ class BlockManager:
                 rs.append(rows[ok][shared]); cs.append(col[ok][shared]); ss.append(src[shared].astype(np.int64))
             if rs and sum(len(r) for r in rs):
                 cow = (np.concatenate(rs), np.concatenate(cs), np.concatenate(ss))
+        if cow is not None:
+            cow = self._last_writer_keeps(cow)
         n_cow = 0 if cow is None else cow[0].size
         available = self.num_free_gpu_blocks
         release = None
@@ -712,6 +714,22 @@ class BlockManager:
                     blk = blk[blk >= 0]
                     available += int((ref[blk] == 1).sum())
         return n_new + n_cow, available, need, cow, release
+
+    def _last_writer_keeps(self, cow: tuple) -> tuple | None:
+        """Sequential semantics inside one batch: when every holder of a shared block writes it in this step,
+        the earlier writers copy and the last one (in batch order) keeps the original."""
+        c_rows, c_cols, c_src = cow
+        uniq, inv, cnt = np.unique(c_src, return_inverse=True, return_counts=True)
+        full = cnt == self._gpu._ref[uniq]  # every holder writes it
+        if not full.any():
+            return cow
+        last = np.zeros(uniq.size, dtype=np.int64)
+        last[inv] = np.arange(c_src.size)  # later indices overwrite earlier ones: the last writer wins
+        keep = np.ones(c_src.size, dtype=bool)
+        keep[last[full]] = False
+        if not keep.any():
+            return None
+        return c_rows[keep], c_cols[keep], c_src[keep]
 
     def _append(self, rows: np.ndarray, counts: np.ndarray, flat: np.ndarray, la: int, tables: bool) -> StepResult:
         if flat.size != counts.sum():
@@ -735,7 +753,7 @@ class BlockManager:
             c_rows, c_cols, c_src = cow
             dst = self._take(c_rows.size)
             self._table[c_rows, c_cols] = dst
-            self._gpu._ref[c_src] -= 1
+            np.subtract.at(self._gpu._ref, c_src, 1)  # a source may be copied by several writers
             cow_pairs = np.stack((c_src, dst.astype(np.int64)), axis=1)
             self._cow_copies += c_rows.size
         else:
