@@ -1,0 +1,47 @@
+"""Reference inference engine for pagedkv (needs the ``engine`` extra: torch, gguf, tokenizers, jinja2).
+
+Submodules:
+
+* :mod:`pagedkv.engine.gguf_loader`: read a Llama GGUF file (config, float weights, tokenizer metadata).
+* :mod:`pagedkv.engine.tokenizer`: byte-level BPE tokenizer and chat template from GGUF metadata.
+* :mod:`pagedkv.engine.model`: Llama forward over a paged KV cache (slot mapping + block tables).
+* :mod:`pagedkv.engine.reference`: a simple contiguous-cache reference forward and greedy generation.
+
+Names are exported lazily so that ``import pagedkv.engine`` does not import torch by itself.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "ModelConfig": "gguf_loader",
+    "ModelNotFoundError": "gguf_loader",
+    "TokenizerMetadata": "gguf_loader",
+    "find_default_model": "gguf_loader",
+    "load_gguf": "gguf_loader",
+    "GGUFTokenizer": "tokenizer",
+    "AttentionMetadata": "model",
+    "PagedLlama": "model",
+    "build_attention_metadata": "model",
+    "copy_blocks": "model",
+    "kv_cache_shape": "model",
+    "swap_blocks": "model",
+    "ReferenceLlama": "reference",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

