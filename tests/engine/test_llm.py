@@ -1,0 +1,135 @@
+"""The paged engine end to end: greedy output through LLM equals the contiguous reference, token for token,
+under prefix caching, preemption (recompute and swap), parallel sampling with copy-on-write, lookahead slots
+and a sliding window."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+GREEDY = None
+
+
+def greedy(max_tokens, n=1):
+    from pagedkv.engine.sampling import SamplingParams
+
+    return SamplingParams(n=n, temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def make_llm(engine, **kw):
+    from pagedkv.engine.llm import LLM
+
+    kw.setdefault("max_num_seqs", 8)
+    return LLM(engine.paged, **kw)
+
+
+def ids(out, i=0):
+    return list(out.outputs[i].token_ids)
+
+
+PROMPTS = [
+    [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173],
+    [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198, 504, 3575, 282, 4649, 314, 30],
+    [1, 520, 9531, 198, 57, 5248],
+    list(range(200, 240)),
+]
+
+
+def test_reference_json_through_the_paged_engine(engine, reference_case):
+    llm = make_llm(engine, num_gpu_blocks=32)
+    out = llm.chat(reference_case["messages"], greedy(reference_case["max_tokens"]), use_tqdm=False)[0]
+    assert list(out.prompt_token_ids) == reference_case["prompt_ids"]
+    assert ids(out) == reference_case["gen_ids"]
+    llm.block_manager.check_invariants()
+
+
+def test_batch_of_mixed_lengths_and_prefix_cache_rerun(engine):
+    n_new = 8
+    expected = [engine.reference_greedy(tuple(p), n_new).token_ids for p in PROMPTS]
+    llm = make_llm(engine, num_gpu_blocks=64, block_size=4)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy(n_new), use_tqdm=False)
+    assert [ids(o) for o in outs] == [list(e) for e in expected]
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 0, 0]
+    again = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy(n_new), use_tqdm=False)
+    assert [ids(o) for o in again] == [list(e) for e in expected]
+    assert [o.num_cached_tokens for o in again] == [(len(p) - 1) // 4 * 4 for p in PROMPTS]
+    llm.block_manager.check_invariants()
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_then_resume_gives_the_same_tokens(engine, mode):
+    n_new = 10
+    expected = [engine.reference_greedy(tuple(p), n_new).token_ids for p in PROMPTS]
+    # 4 tokens a block: the first three prompts are admitted (3+6+2 blocks) and grow to 5+8+4 = 17 > 14 blocks
+    llm = make_llm(engine, num_gpu_blocks=14, block_size=4, num_cpu_blocks=32 if mode == "swap" else 0,
+                   preemption_mode=mode, enable_prefix_caching=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy(n_new), use_tqdm=False)
+    assert [ids(o) for o in outs] == [list(e) for e in expected]
+    st = llm.scheduler.stats
+    assert st.preemptions > 0
+    if mode == "swap":
+        assert st.swap_outs > 0 and st.swap_ins > 0
+    llm.block_manager.check_invariants()
+
+
+def test_parallel_sampling_copies_the_shared_partial_block(engine):
+    prompt = PROMPTS[1]  # 22 tokens: the last block (block_size 8) is shared and partly filled
+    expected = list(engine.reference_greedy(tuple(prompt), 6).token_ids)
+    llm = make_llm(engine, num_gpu_blocks=32, block_size=8)
+    out = llm.generate({"prompt_token_ids": prompt}, greedy(6, n=4), use_tqdm=False)[0]
+    assert [ids(out, i) for i in range(4)] == [expected] * 4
+    assert llm.block_manager.stats.cow_copies >= 3
+    llm.block_manager.check_invariants()
+
+
+def test_lookahead_slots(engine):
+    expected = [list(engine.reference_greedy(tuple(p), 6).token_ids) for p in PROMPTS[:3]]
+    llm = make_llm(engine, num_gpu_blocks=64, block_size=4, num_lookahead_slots=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:3]], greedy(6), use_tqdm=False)
+    assert [ids(o) for o in outs] == expected
+
+
+def test_sliding_window_matches_a_windowed_reference(engine):
+    window = 12
+    prompt = PROMPTS[3]  # 40 tokens > window
+    expected = list(engine.reference_greedy(tuple(prompt), 8, window=window).token_ids)
+    llm = make_llm(engine, num_gpu_blocks=32, block_size=4, sliding_window=window, enable_prefix_caching=False)
+    out = llm.generate({"prompt_token_ids": prompt}, greedy(8), use_tqdm=False)[0]
+    assert ids(out) == expected
+    assert llm.block_manager.num_free_gpu_blocks == 32
+
+
+def test_sampling_is_reproducible_with_a_seed(engine):
+    from pagedkv.engine.sampling import SamplingParams
+
+    llm = make_llm(engine, num_gpu_blocks=64)
+    sp = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=7, max_tokens=6)
+    a = llm.generate({"prompt_token_ids": PROMPTS[0]}, sp, use_tqdm=False)[0]
+    b = llm.generate([{"prompt_token_ids": PROMPTS[2]}, {"prompt_token_ids": PROMPTS[0]}], sp, use_tqdm=False)[1]
+    assert ids(a) == ids(b)
+
+
+def test_user_errors_have_clear_messages(engine, tmp_path):
+    from pagedkv.errors import InvalidArgumentError, PromptTooLongError
+    from pagedkv.engine.llm import LLM
+    from pagedkv.engine.sampling import SamplingParams
+
+    with pytest.raises(FileNotFoundError, match="not found"):
+        LLM(str(tmp_path / "missing.gguf"))
+    llm = make_llm(engine, num_gpu_blocks=16, max_num_seqs=2)
+    with pytest.raises(PromptTooLongError, match="context"):
+        llm.generate({"prompt_token_ids": [5] * llm.max_model_len}, greedy(4), use_tqdm=False)
+    with pytest.raises(PromptTooLongError, match="never fit"):
+        llm.generate({"prompt_token_ids": [5] * 300}, greedy(4), use_tqdm=False)
+    with pytest.raises(InvalidArgumentError, match="max_num_seqs"):
+        llm.generate({"prompt_token_ids": [5, 6]}, greedy(4, n=3), use_tqdm=False)
+    for bad in (dict(temperature=-1), dict(top_p=0), dict(top_k=-5), dict(max_tokens=0), dict(n=0)):
+        with pytest.raises(InvalidArgumentError, match="SamplingParams"):
+            SamplingParams(**bad)
+    with pytest.raises(InvalidArgumentError, match="CUDA"):
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("CUDA present")
+        LLM(engine.paged, device="cuda")
