@@ -36,7 +36,7 @@ from .errors import (
     UnknownSequenceError,
 )
 from .pool import BlockPool
-from .prefix_cache import CacheEntry, PrefixCache
+from .prefix_cache import CacheEntry, PrefixCache, _encode_namespace
 
 __all__ = ["AllocStatus", "BlockManager", "NULL_BLOCK", "StepResult", "Stats"]
 
@@ -45,6 +45,8 @@ NULL_BLOCK = -1
 
 _TOKEN_MAX = 2**31 - 1
 _EMPTY_I64 = np.zeros(0, dtype=np.int64)
+_NO_COW = np.zeros((0, 2), dtype=np.int64)
+_NO_COW.flags.writeable = False
 
 
 class AllocStatus(enum.Enum):
@@ -120,6 +122,10 @@ class BlockManager:
     Sequences are keyed by any hashable ``seq_id`` chosen by the caller. Every method either completes or raises
     a :mod:`pagedkv.errors` exception and leaves the manager exactly as it was.
     """
+
+    atomic_append = True
+    """decode_step / append_slots are all-or-nothing for the whole batch: a scheduler may call them without asking
+    can_append_slots first and preempt when they raise OutOfBlocksError."""
 
     def __init__(
         self,
@@ -280,8 +286,10 @@ class BlockManager:
         needed = -(-(arr.size + la) // self._bs)
         if needed > self._gpu.num_blocks - self._watermark_blocks:
             return AllocStatus.NEVER
-        if self._cache is not None:
-            hits, _ = self._lookup(arr, self._cache.root(namespace))
+        if self._cache is None:
+            _encode_namespace(namespace)  # validate it all the same
+        else:
+            hits, _ = self._lookup(arr, self._cache.root(namespace, intern=False))
             ref = self._gpu._ref
             needed -= sum(1 for b in hits if ref[b] > 0)
         if self.num_free_gpu_blocks - needed >= self._watermark_blocks:
@@ -301,7 +309,12 @@ class BlockManager:
         """
         self._check_new_id(seq_id)
         arr = _as_tokens(token_ids)
-        root = self._cache.root(namespace) if self._cache is not None else None
+        # a new namespace's root is interned only once the allocation succeeds
+        if self._cache is None:
+            _encode_namespace(namespace)  # validate it all the same
+            root = None
+        else:
+            root = self._cache.root(namespace, intern=False)
         n, bs = arr.size, self._bs
         nblocks = -(-n // bs)
         if nblocks > self._gpu.num_blocks - self._watermark_blocks:
@@ -336,6 +349,7 @@ class BlockManager:
         self._nblk[row] = nblocks
         self._nreg[row] = len(hits)
         if self._cache is not None:
+            self._cache._roots.setdefault(root.data, root)
             self._ensure_token_cols(n)
             self._tokens[row, :n] = arr
             self._chain[row] = chain
@@ -430,13 +444,17 @@ class BlockManager:
             arr, counts = self._batch_tokens(token_ids, b)
         if arr.dtype.kind not in "iu":
             raise InvalidTokensError(f"token_ids must be integers, got dtype {arr.dtype}")
-        if self._tokens is not None and arr.size and (arr.min() < 0 or arr.max() > _TOKEN_MAX):
+        if arr.size and (arr.min() < 0 or arr.max() > _TOKEN_MAX):
             raise InvalidTokensError("token_ids must lie in [0, 2**31)")
         la = num_lookahead_slots if type(num_lookahead_slots) is int and num_lookahead_slots >= 0 else \
             _check_int("num_lookahead_slots", num_lookahead_slots, 0)
         if b == 0:
             return StepResult(_EMPTY_I64, np.zeros((0, 0), np.int32), np.zeros(0, np.int32), np.zeros((0, 2), np.int64))
         if counts is None:
+            if la == 0 and self._window is None:
+                res = self._step1(rows, arr)
+                if res is not None:
+                    return res
             counts = np.ones(b, dtype=np.int64)
         return self._append(rows, counts, arr, la, tables=True)
 
@@ -499,16 +517,16 @@ class BlockManager:
         ref = self._gpu._ref
         copy_mask = reuse < 0
         n_copy = int(copy_mask.sum())
-        from_evictor = sum(1 for g in reuse if g >= 0 and ref[g] == 0)
-        if n_copy + from_evictor > self.num_free_gpu_blocks:
+        # distinct: two CPU blocks (swapped out separately) may both come back to the same cached GPU block
+        from_evictor = {g for g in reuse.tolist() if g >= 0 and ref[g] == 0}
+        if n_copy + len(from_evictor) > self.num_free_gpu_blocks:
             raise OutOfBlocksError(
-                f"swap_in needs {n_copy + from_evictor} GPU blocks; {self.num_free_gpu_blocks} are free"
+                f"swap_in needs {n_copy + len(from_evictor)} GPU blocks; {self.num_free_gpu_blocks} are free"
             )
         if from_evictor:
             evictor = self._cache.evictor
-            for g in reuse.tolist():
-                if g >= 0 and ref[g] == 0:
-                    evictor.discard(g)
+            for g in from_evictor:
+                evictor.discard(g)
         gpu_ids = reuse.copy()
         new = self._take(n_copy)
         ref[new] = 0  # _remap adds one reference per holder
@@ -583,7 +601,8 @@ class BlockManager:
     def _rows_where(self, seq_ids: list, swapped: bool) -> np.ndarray:
         rows = np.array([self._row(s) for s in seq_ids], dtype=np.int64)
         if np.unique(rows).size != rows.size:
-            raise DuplicateSequenceError("a sequence appears twice in one swap group")
+            dup = next(s for i, s in enumerate(seq_ids) if s in seq_ids[:i])
+            raise DuplicateSequenceError(f"sequence {dup!r} appears twice in one swap group")
         bad = np.flatnonzero(self._swapped[rows] != swapped)
         if bad.size:
             s = seq_ids[int(bad[0])]
@@ -656,7 +675,9 @@ class BlockManager:
             raise InvalidTokensError(f"token_ids must have shape ({b},) or ({b}, k), got {arr.shape}")
         if len(token_ids) != b:
             raise InvalidTokensError(f"token_ids has {len(token_ids)} lists for a batch of {b}")
-        parts = [np.asarray(t).reshape(-1) for t in token_ids]
+        parts = [np.asarray(t) for t in token_ids]
+        if any(p.ndim != 1 for p in parts):
+            raise InvalidTokensError("token_ids: a ragged batch needs one 1-D token list per sequence")
         counts = np.fromiter((p.size for p in parts), dtype=np.int64, count=b)
         if counts.min() < 1:
             raise InvalidTokensError("every sequence of the batch needs at least one new token")
@@ -709,10 +730,10 @@ class BlockManager:
             rel = target > self._nrel[rows]
             if rel.any():
                 release = (rows[rel], self._nrel[rows][rel], target[rel])
-                for r, a, z in zip(*release):
-                    blk = self._table[r, a:z]
-                    blk = blk[blk >= 0]
-                    available += int((ref[blk] == 1).sum())
+                blk = np.concatenate([self._table[r, a:z] for r, a, z in zip(*release)])
+                # a block is freed when every holder releases it in this step (forks advancing in lockstep)
+                blk, n_rel = np.unique(blk[blk >= 0], return_counts=True)
+                available += int((ref[blk] == n_rel).sum())
         return n_new + n_cow, available, need, cow, release
 
     def _last_writer_keeps(self, cow: tuple) -> tuple | None:
@@ -730,6 +751,45 @@ class BlockManager:
         if not keep.any():
             return None
         return c_rows[keep], c_cols[keep], c_src[keep]
+
+    def _step1(self, rows: np.ndarray, tokens: np.ndarray) -> StepResult | None:
+        """Fast path of decode_step for one token per sequence, no lookahead, no window: about a dozen numpy
+        operations. Returns None (having changed nothing) when the step needs copy-on-write or more blocks than
+        are free; the general path then handles or reports it."""
+        bs = self._bs
+        ntok = self._ntok[rows]
+        j, off = np.divmod(ntok, bs)  # the new token goes to table position j, offset off
+        nb = self._nblk[rows]
+        grow = j >= nb  # a new block is needed
+        written = self._table[rows, np.minimum(j, nb - 1)]
+        ref_w = self._gpu._ref[written]
+        if ref_w.max() > 1 and (ref_w[~grow] > 1).any():
+            return None  # a shared block would be written: copy-on-write
+        n_grow = int(np.count_nonzero(grow))
+        if n_grow > self.num_free_gpu_blocks:
+            return None
+        # ---- mutation: nothing below can fail
+        if self._cache is not None:
+            reg = self._nreg[rows] < j
+            if reg.any():
+                for row in rows[reg].tolist():
+                    self._register(row)
+        width = int(nb.max())
+        if n_grow:
+            ids = self._take(n_grow)
+            g_rows, g_j = rows[grow], j[grow]
+            width = max(width, int(g_j.max()) + 1)
+            self._ensure_cols(width)
+            self._table[g_rows, g_j] = ids
+            self._nblk[g_rows] = g_j + 1
+            written[grow] = ids
+        end = ntok + 1
+        if self._tokens is not None:
+            self._ensure_token_cols(int(end.max()))
+            self._tokens[rows, ntok] = tokens
+        self._ntok[rows] = end
+        slots = written.astype(np.int64) * bs + off
+        return StepResult(slots, self._table[rows, :width], end.astype(np.int32), _NO_COW)
 
     def _append(self, rows: np.ndarray, counts: np.ndarray, flat: np.ndarray, la: int, tables: bool) -> StepResult:
         if flat.size != counts.sum():
@@ -764,7 +824,7 @@ class BlockManager:
         if n_grow:
             self._ensure_cols(int(need.max()))
             ids = self._take(n_grow)
-            if n_grow == grow.size or (grow <= 1).all():
+            if (grow <= 1).all():  # at most one new block per row (n_grow == grow.size is not enough: [2, 0])
                 g = grow > 0
                 self._table[rows[g], nb[g]] = ids
             else:

@@ -121,12 +121,16 @@ class PrefixCache:
         self._roots: dict[bytes, CacheEntry] = {}
         self.evictions = 0
 
-    def root(self, namespace: object) -> CacheEntry:
-        """The (interned) root entry of a namespace; block 0 of a prompt chains from it."""
+    def root(self, namespace: object, intern: bool = True) -> CacheEntry:
+        """The (interned) root entry of a namespace; block 0 of a prompt chains from it. With ``intern=False`` a
+        namespace seen for the first time gets a fresh root that is not stored (no cached block chains from it;
+        the caller stores it with ``_roots.setdefault(root.data, root)`` once it commits)."""
         data = _encode_namespace(namespace)
         r = self._roots.get(data)
         if r is None:
-            r = self._roots[data] = CacheEntry(_xxh3(b"pagedkv-ns:" + data), None, data)
+            r = CacheEntry(_xxh3(b"pagedkv-ns:" + data), None, data)
+            if intern:
+                self._roots[data] = r
         return r
 
     def find(self, parent: CacheEntry, data: bytes) -> int:
