@@ -288,6 +288,8 @@ class LLM:
             swap_blocks(self.cpu_kv_cache, self.kv_cache, plan.swap_in)
         if plan.copy_on_write.size:
             copy_blocks(self.kv_cache, plan.copy_on_write)
+        if not plan.has_forward:  # a step that only moved blocks
+            return []
         new_tokens, computed, slots, tables, owners = [], [], [], [], []
         for pw in plan.prefills:
             new_tokens.append(pw.token_ids)
