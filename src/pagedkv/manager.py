@@ -451,7 +451,7 @@ class BlockManager:
         if b == 0:
             return StepResult(_EMPTY_I64, np.zeros((0, 0), np.int32), np.zeros(0, np.int32), np.zeros((0, 2), np.int64))
         if counts is None:
-            if la == 0 and self._window is None:
+            if la == 0:
                 res = self._step1(rows, arr)
                 if res is not None:
                     return res
@@ -753,7 +753,7 @@ class BlockManager:
         return c_rows[keep], c_cols[keep], c_src[keep]
 
     def _step1(self, rows: np.ndarray, tokens: np.ndarray) -> StepResult | None:
-        """Fast path of decode_step for one token per sequence, no lookahead, no window: about a dozen numpy
+        """Fast path of decode_step for one token per sequence and no lookahead: about a dozen numpy
         operations. Returns None (having changed nothing) when the step needs copy-on-write or more blocks than
         are free; the general path then handles or reports it."""
         bs = self._bs
@@ -766,13 +766,21 @@ class BlockManager:
         if ref_w.max() > 1 and (ref_w[~grow] > 1).any():
             return None  # a shared block would be written: copy-on-write
         n_grow = int(np.count_nonzero(grow))
+        release = None
+        if self._window is not None:  # table positions before the window of the new token's query
+            target = np.maximum(ntok - self._window + 1, 0) // bs
+            rel = target > self._nrel[rows]
+            if rel.any():
+                release = (rows[rel], self._nrel[rows][rel], target[rel])
         if n_grow > self.num_free_gpu_blocks:
-            return None
+            return None  # (the general path also counts the blocks the window releases)
         # ---- mutation: nothing below can fail
         if self._cache is not None:
             reg = self._nreg[rows] < j
             if reg.any():
                 self._register_rows(rows[reg])
+        if release is not None:
+            self._release_window(release)
         width = int(nb.max())
         if n_grow:
             ids = self._take(n_grow)
@@ -804,11 +812,7 @@ class BlockManager:
             if reg.any():
                 self._register_rows(rows[reg])
         if release is not None:
-            for r, a, z in zip(*release):
-                blk = self._table[r, a:z]
-                self._release_gpu(blk[blk >= 0][::-1].copy())
-                self._table[r, a:z] = NULL_BLOCK
-                self._nrel[r] = z
+            self._release_window(release)
         if cow is not None:
             c_rows, c_cols, c_src = cow
             dst = self._take(c_rows.size)
@@ -918,6 +922,14 @@ class BlockManager:
             j += 1
         self._chain[row] = parent
         self._nreg[row] = full
+
+    def _release_window(self, release: tuple) -> None:
+        """Release table ranges ``[a, z)`` of rows (tail first) and mark them NULL_BLOCK."""
+        for r, a, z in zip(*release):
+            blk = self._table[r, a:z]
+            self._release_gpu(blk[blk >= 0][::-1].copy())
+            self._table[r, a:z] = NULL_BLOCK
+            self._nrel[r] = z
 
     def _register_rows(self, rows: np.ndarray) -> None:
         """:meth:`_register` for a batch of rows, with the common case (exactly one newly full block) gathered in
