@@ -21,6 +21,7 @@ handful of vectorised operations whatever the batch size. Per-block state lives 
 from __future__ import annotations
 
 import enum
+from itertools import chain
 from operator import itemgetter
 from typing import Hashable, Iterable, NamedTuple, Sequence
 
@@ -675,13 +676,16 @@ class BlockManager:
             raise InvalidTokensError(f"token_ids must have shape ({b},) or ({b}, k), got {arr.shape}")
         if len(token_ids) != b:
             raise InvalidTokensError(f"token_ids has {len(token_ids)} lists for a batch of {b}")
-        parts = [np.asarray(t) for t in token_ids]
-        if any(p.ndim != 1 for p in parts):
+        try:  # one pass of C-level iteration, not one numpy call per sequence
+            counts = np.fromiter(map(len, token_ids), dtype=np.int64, count=b)
+            flat = np.asarray(list(chain.from_iterable(token_ids)))
+        except (TypeError, ValueError):
+            flat = None
+        if flat is None or flat.ndim != 1:
             raise InvalidTokensError("token_ids: a ragged batch needs one 1-D token list per sequence")
-        counts = np.fromiter((p.size for p in parts), dtype=np.int64, count=b)
         if counts.min() < 1:
             raise InvalidTokensError("every sequence of the batch needs at least one new token")
-        return np.concatenate(parts), counts
+        return flat, counts
 
     # ------------------------------------------------------------------ internals: the append
     def _plan(self, rows: np.ndarray, counts: np.ndarray, la: int) -> tuple:
