@@ -133,3 +133,20 @@ def test_user_errors_have_clear_messages(engine, tmp_path):
         if torch.cuda.is_available():
             pytest.skip("CUDA present")
         LLM(engine.paged, device="cuda")
+
+
+def test_stop_string_and_streaming(engine, reference_case):
+    from pagedkv.engine.sampling import SamplingParams
+
+    llm = make_llm(engine, num_gpu_blocks=32)
+    prompt = {"prompt_token_ids": reference_case["prompt_ids"]}
+    full = llm.generate(prompt, greedy(12), use_tqdm=False)[0].outputs[0]
+    assert full.text.startswith("The capital of France is Paris.")
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, stop=" Paris"), use_tqdm=False)[0]
+    assert out.outputs[0].text == "The capital of France is"
+    assert out.outputs[0].finish_reason == "stop"
+    assert len(out.outputs[0].token_ids) < 12
+    pieces = list(llm.stream(prompt, greedy(12)))
+    assert len(pieces) > 1 and "".join(pieces) == full.text
+    llm.block_manager.check_invariants()
+    assert llm.block_manager.num_free_gpu_blocks == 32

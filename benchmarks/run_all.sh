@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Run the block-manager suite for pagedkv, then side by side with each anchor (each lives in its own virtualenv,
+# made by scripts/install_anchors.sh), then the ablation. Results: benchmarks/results/*.json, charts in
+# benchmarks/results/plots. A workload an anchor cannot finish within PER_RUN_TIMEOUT seconds is reported so.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+T=${PER_RUN_TIMEOUT:-900}
+REPEATS=${REPEATS:-5}
+.venv/bin/python -m pagedkv.bench --repeats "$REPEATS" --plot benchmarks/results/plots --no-progress
+for anchor in vllm_v2 vllm_v1 nanovllm; do
+  case $anchor in vllm_v2) venv=.venv-anchor-v2;; vllm_v1) venv=.venv-anchor-v1;; nanovllm) venv=.venv-anchor-nano;; esac
+  if [ ! -x "$venv/bin/python" ]; then echo "skip $anchor: $venv missing (bash scripts/install_anchors.sh)"; continue; fi
+  for wl in seed constrained-recompute constrained-swap prefix-shared prefix-none parallel-n4 spec-decode sliding-window; do
+    timeout "$T" "$venv/bin/python" -m pagedkv.bench --impl pagedkv "$anchor" --workload "$wl" --repeats "$REPEATS" \
+      --no-progress || echo "$anchor/$wl: did not finish within ${T}s or failed (exit $?)"
+  done
+done
+.venv/bin/python -m pagedkv.bench.ablation --json benchmarks/results/ablation.json
