@@ -193,7 +193,7 @@ class VllmV1Anchor(AnchorAdapter):
         self._reqs: dict[int, Any] = {}
         self._key: Any = None
         self._batch: list[Any] = []
-        self._n_new = 1
+        self._n_new: list[int] = []
         self._prepared = False
         self._prompt_tokens = 0
         self._hit_tokens = 0
@@ -263,31 +263,28 @@ class VllmV1Anchor(AnchorAdapter):
         rows = token_rows(token_ids)
         if len(rows) != len(seq_ids):
             raise ValueError("seq_ids and token_ids differ in length")
-        n = len(rows[0]) if rows else 1
-        batch = []
+        batch, counts = [], []
         for sid, row in zip(seq_ids, rows):
-            if len(row) != n:
-                raise ValueError("every sequence of a batch must get the same number of tokens")
             req = self._reqs[sid]
             if req.status != RequestStatus.RUNNING:
                 raise ValueError(f"sequence {sid} is not running")
             req.num_computed_tokens = req.num_tokens
-            req.append_output_token_ids(row[0] if n == 1 else row)
+            req.append_output_token_ids(row[0] if len(row) == 1 else list(row))
             batch.append(req)
+            counts.append(len(row))  # ragged with speculative decoding: accepted tokens + 1 per request
         self._batch = batch
         self._key = seq_ids
-        self._n_new = n
+        self._n_new = counts
         self._prepared = True
 
     def decode_step(self, seq_ids: Seq[int], token_ids: Any = None, num_lookahead_slots: int = 0) -> AnchorStep:
         """Timed: the KV-cache-manager calls of V1's scheduler for one decode step of the batch."""
         reqs = self._batch if seq_ids is self._key else [self._reqs[s] for s in seq_ids]
-        n = self._n_new
         km = self.km
         allocate_slots = km.allocate_slots
         km.new_step_starts()
         new_ids: list[Any] = []
-        for req in reqs:
+        for req, n in zip(reqs, self._n_new):
             blocks = allocate_slots(req, n, num_lookahead_tokens=num_lookahead_slots)
             if blocks is None:
                 self._prepared = False
