@@ -949,17 +949,10 @@ class BlockManager:
                 return
         blocks = self._table[rows, j].tolist()
         raw = self._tokens[rows[:, None], j[:, None] * bs + np.arange(bs)].tobytes()
-        step = 4 * bs
-        chain, entry, register = self._chain, self._cache._entry, self._cache.register
-        for i, (row, b) in enumerate(zip(rows.tolist(), blocks)):
-            parent = chain[row]
-            if parent is None:
-                continue
-            if b < 0:  # released by the window before it could be cached
-                chain[row] = None
-                continue
-            e = entry[b]
-            chain[row] = e if e is not None else register(b, parent, raw[i * step : (i + 1) * step])
+        chain = self._chain
+        rows_l = rows.tolist()
+        for row, e in zip(rows_l, self._cache.register_many(blocks, [chain[r] for r in rows_l], raw, 4 * bs)):
+            chain[row] = e
         self._nreg[rows] = j + 1
 
     # ------------------------------------------------------------------ internals: swapping

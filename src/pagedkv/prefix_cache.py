@@ -146,15 +146,32 @@ class PrefixCache:
         """Cache ``block`` (full, its KV written) as ``data`` after ``parent``; return the entry that now stands
         for this content: the new one, or the existing one when another block already caches the same content
         (this block then stays uncached). None on a hash collision with different content (chain ends)."""
-        key = _xxh3(data, seed=parent.key)
-        other = self._map.get(key)
-        if other is None:
-            e = CacheEntry(key, parent, data)
-            self._entry[block] = e
-            self._map[key] = block
-            return e
-        e = self._entry[other]
-        return e if (e.parent is parent and e.data == data) else None
+        return self.register_many([block], [parent], data, len(data))[0]
+
+    def register_many(self, blocks: list[int], parents: list, raw: bytes, width: int) -> list:
+        """:meth:`register` for a batch: block ``blocks[i]`` holds ``raw[i * width : (i + 1) * width]`` after
+        ``parents[i]``. A None parent (broken chain) or a negative block (released) gives None; a block that is
+        already cached gives its entry. About a microsecond per block."""
+        out = []
+        append, get, entry, mp, new = out.append, self._map.get, self._entry, self._map, tuple.__new__
+        for i, (block, parent) in enumerate(zip(blocks, parents)):
+            if parent is None or block < 0:
+                append(None)
+                continue
+            e = entry[block]
+            if e is None:
+                data = raw[i * width : (i + 1) * width]
+                key = _xxh3(data, seed=parent.key)
+                other = get(key)
+                if other is None:
+                    e = entry[block] = new(CacheEntry, (key, parent, data))
+                    mp[key] = block
+                else:
+                    e = entry[other]
+                    if e.parent is not parent or e.data != data:
+                        e = None  # hash collision: never share
+            append(e)
+        return out
 
     def adopt(self, block: int, entry: CacheEntry) -> bool:
         """Cache ``block`` under an existing entry (swap-in of a block that was cached before it left). False
