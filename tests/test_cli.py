@@ -1,0 +1,35 @@
+"""The `pagedkv` command: the block-manager bench needs no torch; the engine commands load the real model."""
+
+import pytest
+
+from pagedkv.cli import main
+
+
+def test_bench_suite_quick(capsys, tmp_path):
+    assert main(["bench", "--quick", "--workload", "seed", "--no-progress", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "seed" in out and "pagedkv" in out
+    assert list(tmp_path.glob("bench-*.json"))
+
+
+@pytest.mark.engine
+def test_generate_streams_and_throughput_prints_vllm_style_figures(capsys):
+    pytest.importorskip("torch")
+    from pagedkv.engine.gguf_loader import ModelNotFoundError, find_default_model
+
+    try:
+        find_default_model()
+    except ModelNotFoundError as e:
+        pytest.skip(str(e))
+    assert main(["generate", "--max-tokens", "8", "What is the capital of France?"]) == 0
+    assert "Paris" in capsys.readouterr().out
+    assert main(["bench", "throughput", "--input-len", "16", "--output-len", "4", "--num-prompts", "3",
+                 "--num-gpu-blocks", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "Throughput:" in out and "requests/s" in out and "tokens/s" in out and "Block manager:" in out
+
+
+def test_generate_reports_a_missing_model_cleanly(capsys, tmp_path):
+    pytest.importorskip("torch")
+    assert main(["generate", "--model", str(tmp_path / "nope.gguf"), "hi"]) == 2
+    assert "not found" in capsys.readouterr().err
