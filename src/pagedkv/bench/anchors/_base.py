@@ -90,6 +90,29 @@ class AnchorAdapter:
     missing: str = ""
     check_in_step: bool = False
 
+    _seqs: dict  # seq_id -> the anchor's own sequence (or request) object; set by each adapter
+    _allocations = _prompt_tokens = _hit_tokens = 0  # allocate() counters kept by each adapter
+
+    # -- shared introspection -----------------------------------------------------------------------------
+    def is_swapped(self, seq_id: int) -> bool:
+        if seq_id not in self._seqs:
+            raise KeyError(seq_id)
+        return False
+
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self._seqs
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    @property
+    def stats(self) -> dict[str, float]:
+        return {
+            "allocations": self._allocations,
+            "prompt_tokens": self._prompt_tokens,
+            "prefix_hit_tokens": self._hit_tokens,
+        }
+
     # -- helpers for subclasses -------------------------------------------------------------------------
     def _lacks(self, feature: str) -> NotImplementedError:
         return NotImplementedError(f"{self.name} does not support {feature} ({self.missing})")

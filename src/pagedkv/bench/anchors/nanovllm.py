@@ -205,21 +205,3 @@ class NanoVllmAnchor(AnchorAdapter):
     def num_tokens(self, seq_id: int) -> int:
         return len(self._seqs[seq_id])
 
-    def is_swapped(self, seq_id: int) -> bool:
-        if seq_id not in self._seqs:
-            raise KeyError(seq_id)
-        return False
-
-    def __contains__(self, seq_id: object) -> bool:
-        return seq_id in self._seqs
-
-    def __len__(self) -> int:
-        return len(self._seqs)
-
-    @property
-    def stats(self) -> dict[str, float]:
-        return {
-            "allocations": self._allocations,
-            "prompt_tokens": self._prompt_tokens,
-            "prefix_hit_tokens": self._hit_tokens,
-        }

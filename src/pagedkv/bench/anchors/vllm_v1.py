@@ -191,6 +191,7 @@ class VllmV1Anchor(AnchorAdapter):
             self._hasher = _V["get_request_block_hasher"](block_size, sha256)
         self._sampling = _V["SamplingParams"](max_tokens=1 << 30)
         self._reqs: dict[int, Any] = {}
+        self._seqs = self._reqs  # what the base class introspects
         self._key: Any = None
         self._batch: list[Any] = []
         self._n_new: list[int] = []
@@ -314,21 +315,3 @@ class VllmV1Anchor(AnchorAdapter):
     def num_tokens(self, seq_id: int) -> int:
         return self._reqs[seq_id].num_tokens
 
-    def is_swapped(self, seq_id: int) -> bool:
-        if seq_id not in self._reqs:
-            raise KeyError(seq_id)
-        return False
-
-    def __contains__(self, seq_id: object) -> bool:
-        return seq_id in self._reqs
-
-    def __len__(self) -> int:
-        return len(self._reqs)
-
-    @property
-    def stats(self) -> dict[str, float]:
-        return {
-            "allocations": self._allocations,
-            "prompt_tokens": self._prompt_tokens,
-            "prefix_hit_tokens": self._hit_tokens,
-        }

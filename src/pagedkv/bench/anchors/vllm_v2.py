@@ -315,19 +315,9 @@ class VllmV2Anchor(AnchorAdapter):
     def num_cpu_blocks(self) -> int:
         return self.bm.num_total_cpu_blocks
 
-    def __contains__(self, seq_id: object) -> bool:
-        return seq_id in self._seqs
-
-    def __len__(self) -> int:
-        return len(self._seqs)
-
     @property
     def stats(self) -> dict[str, float]:
-        out: dict[str, float] = {
-            "allocations": self._allocations,
-            "prompt_tokens": self._prompt_tokens,
-            "prefix_hit_tokens": self._hit_tokens,
-        }
+        out = dict(AnchorAdapter.stats.fget(self))
         if self.enable_prefix_caching:
             out["vllm_block_hit_rate"] = self.bm.get_prefix_cache_hit_rate(Device.GPU)
         return out
