@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import enum
 from itertools import chain
-from operator import itemgetter
 from typing import Hashable, Iterable, NamedTuple, Sequence
 
 import numpy as np

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Hashable, NamedTuple, Sequence as Seq
 
 import numpy as np
