@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Run the block-manager suite for pagedkv, then side by side with each anchor (each lives in its own virtualenv,
-# made by scripts/install_anchors.sh), then the ablation. Results: benchmarks/results/*.json, charts in
+# Install the anchors (scripts/install_anchors.sh: one virtualenv each), run the block-manager suite for pagedkv,
+# then side by side with each anchor, then the ablation. Results: benchmarks/results/*.json, charts in
 # benchmarks/results/plots. A workload an anchor cannot finish within PER_RUN_TIMEOUT seconds is reported so.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 T=${PER_RUN_TIMEOUT:-900}
+[ -x .venv/bin/python ] || bash scripts/setup.sh
+bash scripts/install_anchors.sh  # idempotent: creates or checks the three anchor virtualenvs
 REPEATS=${REPEATS:-5}
 .venv/bin/python -m pagedkv.bench --repeats "$REPEATS" --plot benchmarks/results/plots --no-progress
 for anchor in vllm_v2 vllm_v1 nanovllm; do
