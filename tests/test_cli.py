@@ -33,3 +33,19 @@ def test_generate_reports_a_missing_model_cleanly(capsys, tmp_path):
     pytest.importorskip("torch")
     assert main(["generate", "--model", str(tmp_path / "nope.gguf"), "hi"]) == 2
     assert "not found" in capsys.readouterr().err
+
+
+@pytest.mark.engine
+def test_chat_keeps_the_conversation(capsys, monkeypatch):
+    pytest.importorskip("torch")
+    from pagedkv.engine.gguf_loader import ModelNotFoundError, find_default_model
+
+    try:
+        find_default_model()
+    except ModelNotFoundError as e:
+        pytest.skip(str(e))
+    lines = iter(["What is the capital of France?", "And of Italy?", ""])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    assert main(["chat", "--max-tokens", "12"]) == 0
+    out = capsys.readouterr().out
+    assert "Paris" in out and "Rome" in out
