@@ -779,9 +779,10 @@ class BlockManager:
             return None  # (the general path also counts the blocks the window releases)
         # ---- mutation: nothing below can fail
         if self._cache is not None:
-            reg = self._nreg[rows] < j
+            nreg = self._nreg[rows]
+            reg = nreg < j
             if reg.any():
-                self._register_rows(rows[reg])
+                self._register_rows(rows[reg], nreg[reg], j[reg])
         if release is not None:
             self._release_window(release)
         width = int(nb.max())
@@ -811,9 +812,10 @@ class BlockManager:
         bs = self._bs
         ntok = self._ntok[rows]
         if self._cache is not None:
-            reg = ntok // bs > self._nreg[rows]
+            full, nreg = ntok // bs, self._nreg[rows]
+            reg = full > nreg
             if reg.any():
-                self._register_rows(rows[reg])
+                self._register_rows(rows[reg], nreg[reg], full[reg])
         if release is not None:
             self._release_window(release)
         if cow is not None:
@@ -934,12 +936,12 @@ class BlockManager:
             self._table[r, a:z] = NULL_BLOCK
             self._nrel[r] = z
 
-    def _register_rows(self, rows: np.ndarray) -> None:
-        """:meth:`_register` for a batch of rows, with the common case (exactly one newly full block) gathered in
-        one numpy operation: about a microsecond of Python per block."""
+    def _register_rows(self, rows: np.ndarray, j: np.ndarray, full: np.ndarray) -> None:
+        """:meth:`_register` for a batch of rows whose ``_nreg`` is ``j`` and whose full blocks number ``full``,
+        with the common case (exactly one newly full block) gathered in one numpy operation: about a microsecond
+        of Python per block."""
         bs = self._bs
-        j = self._nreg[rows]
-        one = self._ntok[rows] // bs - j == 1
+        one = full - j == 1
         if not one.all():
             for row in rows[~one].tolist():
                 self._register(row)
