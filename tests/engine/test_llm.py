@@ -150,3 +150,12 @@ def test_stop_string_and_streaming(engine, reference_case):
     assert len(pieces) > 1 and "".join(pieces) == full.text
     llm.block_manager.check_invariants()
     assert llm.block_manager.num_free_gpu_blocks == 32
+
+
+def test_public_names_are_exported_lazily():
+    import subprocess
+    import sys
+
+    code = ("import sys, pagedkv.engine as e; assert 'torch' not in sys.modules; "
+            "from pagedkv.engine import LLM, SamplingParams, RequestOutput, CompletionOutput")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -6,6 +6,8 @@ Submodules:
 * :mod:`pagedkv.engine.tokenizer`: byte-level BPE tokenizer and chat template from GGUF metadata.
 * :mod:`pagedkv.engine.model`: Llama forward over a paged KV cache (slot mapping + block tables).
 * :mod:`pagedkv.engine.reference`: a simple contiguous-cache reference forward and greedy generation.
+* :mod:`pagedkv.engine.sampling` and :mod:`pagedkv.engine.llm`: ``SamplingParams``, ``LLM`` (generate / chat /
+  stream through the block manager and the scheduler).
 
 Names are exported lazily so that ``import pagedkv.engine`` does not import torch by itself.
 """
@@ -29,6 +31,10 @@ _EXPORTS = {
     "kv_cache_shape": "model",
     "swap_blocks": "model",
     "ReferenceLlama": "reference",
+    "LLM": "llm",
+    "CompletionOutput": "llm",
+    "RequestOutput": "llm",
+    "SamplingParams": "sampling",
 }
 
 __all__ = sorted(_EXPORTS)
