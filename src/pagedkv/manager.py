@@ -727,16 +727,12 @@ class BlockManager:
             cow = self._last_writer_keeps(cow)
         n_cow = 0 if cow is None else cow[0].size
         available = self.num_free_gpu_blocks
-        release = None
-        if self._window is not None:
-            target = np.maximum(ntok - self._window + 1, 0) // bs
-            rel = target > self._nrel[rows]
-            if rel.any():
-                release = (rows[rel], self._nrel[rows][rel], target[rel])
-                blk = np.concatenate([self._table[r, a:z] for r, a, z in zip(*release)])
-                # a block is freed when every holder releases it in this step (forks advancing in lockstep)
-                blk, n_rel = np.unique(blk[blk >= 0], return_counts=True)
-                available += int((ref[blk] == n_rel).sum())
+        release = self._window_release(rows, ntok)
+        if release is not None:
+            blk = np.concatenate([self._table[r, a:z] for r, a, z in zip(*release)])
+            # a block is freed when every holder releases it in this step (forks advancing in lockstep)
+            blk, n_rel = np.unique(blk[blk >= 0], return_counts=True)
+            available += int((ref[blk] == n_rel).sum())
         return n_new + n_cow, available, need, cow, release
 
     def _last_writer_keeps(self, cow: tuple) -> tuple | None:
@@ -769,12 +765,7 @@ class BlockManager:
         if ref_w.max() > 1 and (ref_w[~grow] > 1).any():
             return None  # a shared block would be written: copy-on-write
         n_grow = int(np.count_nonzero(grow))
-        release = None
-        if self._window is not None:  # table positions before the window of the new token's query
-            target = np.maximum(ntok - self._window + 1, 0) // bs
-            rel = target > self._nrel[rows]
-            if rel.any():
-                release = (rows[rel], self._nrel[rows][rel], target[rel])
+        release = self._window_release(rows, ntok)
         if n_grow > self.num_free_gpu_blocks:
             return None  # (the general path also counts the blocks the window releases)
         # ---- mutation: nothing below can fail
@@ -927,6 +918,16 @@ class BlockManager:
             j += 1
         self._chain[row] = parent
         self._nreg[row] = full
+
+    def _window_release(self, rows: np.ndarray, ntok: np.ndarray) -> tuple | None:
+        """Table ranges the sliding window lets go before appending at positions ``ntok``: (rows, first, stop)
+        of the rows whose leading blocks no query of the step can see any more, or None."""
+        if self._window is None:
+            return None
+        target = np.maximum(ntok - self._window + 1, 0) // self._bs
+        nrel = self._nrel[rows]
+        rel = target > nrel
+        return (rows[rel], nrel[rel], target[rel]) if rel.any() else None
 
     def _release_window(self, release: tuple) -> None:
         """Release table ranges ``[a, z)`` of rows (tail first) and mark them NULL_BLOCK."""
