@@ -311,8 +311,8 @@ class LLM:
                                         block_size=self.block_manager.block_size,
                                         sliding_window=self.sliding_window, device=self.device)
         logits = self.model(meta, self.kv_cache).cpu()
-        return [sample(logits[i], r.params, num, r.generator) if num > 1 else
-                sample(logits[i], r.params, 1, r.generator)[0] for i, (r, num) in enumerate(owners)]
+        drawn = [sample(logits[i], r.params, num, r.generator) for i, (r, num) in enumerate(owners)]
+        return [toks if num > 1 else toks[0] for toks, (_, num) in zip(drawn, owners)]
 
     def _after_step(self, plan: Any, by_id: dict) -> list:
         """Record sample 0's tokens for streaming; finish samples whose text now contains a stop string."""
