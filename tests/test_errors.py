@@ -22,11 +22,6 @@ from pagedkv.errors import (
 
 
 # ---------------------------------------------------------------------- snapshot of the whole internal state
-def _entry(e):
-    """A cache entry by identity (hits compare parents with ``is``) and by value."""
-    return None if e is None else (id(e), e.key, e.data)
-
-
 def _pool(p):
     return {
         "num_blocks": p.num_blocks,
@@ -38,8 +33,9 @@ def _pool(p):
 
 
 def snapshot(bm: BlockManager) -> dict:
-    """Everything a call could change: per-row arrays of live rows, tables, token buffers, pools, the prefix
-    cache (map, per-block entries, LRU order, namespace roots), CPU entries, counters and the batch memo."""
+    """Everything a call could change: per-row arrays of live rows, tables, pools, the prefix cache (map,
+    per-block tokens / keys / content ids, LRU order, namespace roots), the CPU side of the cache, counters and
+    the batch memo."""
     caching = bm._cache is not None
     rows = []
     for sid, row in bm._row_of.items():
@@ -54,8 +50,7 @@ def snapshot(bm: BlockManager) -> dict:
                 "nreg": int(bm._nreg[row]),
                 "swapped": bool(bm._swapped[row]),
                 "table": bm._table[row].tolist(),  # the whole row: padding must stay NULL_BLOCK
-                "tokens": bm._tokens[row, :n].tolist() if caching else None,
-                "chain": _entry(bm._chain[row]) if caching else None,
+                "chain": (int(bm._ccid[row]), int(bm._ckey[row])),
             }
         )
     snap = {
@@ -64,7 +59,7 @@ def snapshot(bm: BlockManager) -> dict:
         "row_of": list(bm._row_of.items()),
         "seq_of": list(bm._seq_of),
         "free_rows": list(bm._free_rows),
-        "capacity": (bm._table.shape, None if bm._tokens is None else bm._tokens.shape, len(bm._ntok)),
+        "capacity": (bm._table.shape, len(bm._ntok)),
         "gpu": _pool(bm._gpu),
         "cpu": _pool(bm._cpu),
         "counters": (
@@ -83,13 +78,17 @@ def snapshot(bm: BlockManager) -> dict:
         c = bm._cache
         snap["cache"] = {
             "map": list(c._map.items()),
-            "entries": [_entry(e) for e in c._entry],
+            "tokens": c.tok.tolist(),  # every block's, free ones included: a failed call writes none
+            "key": c.key.tolist(),
+            "cid": c.cid.tolist(),
+            "pcid": c.pcid.tolist(),
+            "serial": c._serial,
             "lru": list(c.evictor),
             "lru_len": len(c.evictor),
-            "roots": [(k, _entry(e)) for k, e in c._roots.items()],
+            "roots": list(c._roots.items()),
             "evictions": c.evictions,
         }
-        snap["cpu_entries"] = [_entry(e) for e in bm._cpu_entry]
+        snap["cpu_cache"] = (bm._cpu_tok.tolist(), bm._cpu_id.tolist())
     return snap
 
 

@@ -140,3 +140,20 @@ def test_sliding_window_releases_blocks_and_marks_them_null():
     assert bm.num_free_gpu_blocks == 32 - held[-1]
     # released blocks were reused in ring order
     assert table(bm, "s")[-1] < 32
+
+
+def test_copy_on_write_follows_batch_order_when_sequences_write_different_columns():
+    # b runs one token ahead of a; both hold block 4 (a's column 4, b's column 4) and both write it in one
+    # ragged step: a comes first in the batch, so a copies and b, the last writer, keeps block 4. Block 5 is
+    # written by b alone while a still holds it: b copies it. (Found by the stateful test: the copies used to be
+    # ordered by column offset, not by batch position, and a kept block 4.)
+    bm = BlockManager(16, 1, watermark=0)
+    bm.allocate("a", [1, 2])
+    bm.decode_step(["a"], np.array([3]), num_lookahead_slots=3)
+    bm.fork("a", "b")
+    assert bm.append_slots("b", [9]) == [(3, 6)]
+    r = bm.decode_step(["a", "b"], [[7, 8], [7, 8]])
+    assert r.cow.tolist() == [[4, 7], [5, 8]]
+    assert bm.block_table("a").tolist() == [0, 1, 2, 3, 7, 5]
+    assert bm.block_table("b").tolist() == [0, 1, 2, 6, 4, 8]
+    bm.check_invariants()

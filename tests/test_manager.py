@@ -216,9 +216,8 @@ def test_namespaces_never_share():
 
 def test_keys_are_deterministic_across_processes():
     code = (
-        "from pagedkv.prefix_cache import PrefixCache;"
-        "import numpy as np;c=PrefixCache(4);r=c.root('ns');"
-        "e=c.register(0,r,np.arange(4,dtype=np.int32).tobytes());print(r.key,e.key)"
+        "from pagedkv import BlockManager;bm=BlockManager(4,4,enable_prefix_caching=True,watermark=0);"
+        "bm.allocate('s',list(range(9)),namespace='ns');bm.free('s');print(sorted(bm._cache._map))"
     )
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            env={"PYTHONHASHSEED": str(seed)}).stdout for seed in (1, 2)}

@@ -36,7 +36,7 @@ from .errors import (
     UnknownSequenceError,
 )
 from .pool import BlockPool
-from .prefix_cache import CacheEntry, PrefixCache, _encode_namespace
+from .prefix_cache import PrefixCache, _encode_namespace
 
 __all__ = ["AllocStatus", "BlockManager", "NULL_BLOCK", "StepResult", "Stats"]
 
@@ -44,6 +44,7 @@ NULL_BLOCK = -1
 """Pads batch block tables and marks table positions released by the sliding window."""
 
 _TOKEN_MAX = 2**31 - 1
+_U64 = 2**64 - 1  # keys are stored as int64 bit patterns on the CPU side
 _EMPTY_I64 = np.zeros(0, dtype=np.int64)
 _NO_COW = np.zeros((0, 2), dtype=np.int64)
 _NO_COW.flags.writeable = False
@@ -147,8 +148,10 @@ class BlockManager:
         self._bs = block_size
         self._gpu = BlockPool(num_gpu_blocks)
         self._cpu = BlockPool(num_cpu_blocks)
-        self._cache = PrefixCache(num_gpu_blocks) if enable_prefix_caching else None
-        self._cpu_entry: list[CacheEntry | None] | None = [None] * num_cpu_blocks if enable_prefix_caching else None
+        self._cache = PrefixCache(num_gpu_blocks, block_size) if enable_prefix_caching else None
+        # with prefix caching a swapped-out block keeps its tokens and cache identity (0: none) on the CPU side
+        self._cpu_tok = np.zeros((num_cpu_blocks, block_size), np.int32) if enable_prefix_caching else None
+        self._cpu_id = np.zeros((3, num_cpu_blocks), np.int64) if enable_prefix_caching else None  # cid, key, pcid
         self._window = sliding_window
         self._watermark_blocks = int(watermark * num_gpu_blocks)
         # sequences: seq_id -> row of the per-sequence arrays
@@ -159,10 +162,10 @@ class BlockManager:
         self._nblk = np.zeros(0, dtype=np.int64)  # table length (incl. released and lookahead-only blocks)
         self._nrel = np.zeros(0, dtype=np.int64)  # leading blocks released by the sliding window
         self._nreg = np.zeros(0, dtype=np.int64)  # leading blocks already offered to the prefix cache
+        self._ccid = np.zeros(0, dtype=np.int64)  # chain: cid of block nreg-1 (a root's before block 0), 0: broken
+        self._ckey = np.zeros(0, dtype=np.uint64)  # chain: key of that content
         self._swapped = np.zeros(0, dtype=bool)
         self._table = np.full((0, 4), NULL_BLOCK, dtype=np.int32)
-        self._tokens = np.zeros((0, 4 * block_size), dtype=np.int32) if enable_prefix_caching else None
-        self._chain: list[CacheEntry | None] = []  # entry of block nreg-1 (root before block 0); None: chain broken
         # one-entry memo of the last batch: seq_ids list -> validated rows
         self._memo_ids: list | None = None
         self._memo_rows = _EMPTY_I64
@@ -207,7 +210,7 @@ class BlockManager:
     @property
     def num_cached_blocks(self) -> int:
         """GPU blocks whose content is in the prefix cache (referenced or not)."""
-        return len(self._cache._map) if self._cache is not None else 0
+        return len(self._cache) if self._cache is not None else 0
 
     @property
     def gpu_usage(self) -> float:
@@ -323,7 +326,7 @@ class BlockManager:
                 f"with {self._watermark_blocks} kept free"
             )
         hits: list[int] = []
-        chain = root
+        chain = (0, 0)
         if root is not None:
             hits, chain = self._lookup(arr, root)
         ref = self._gpu._ref
@@ -349,10 +352,14 @@ class BlockManager:
         self._nblk[row] = nblocks
         self._nreg[row] = len(hits)
         if self._cache is not None:
-            self._cache._roots.setdefault(root.data, root)
-            self._ensure_token_cols(n)
-            self._tokens[row, :n] = arr
-            self._chain[row] = chain
+            self._cache.intern(namespace)
+            h = len(hits) * bs  # the hit blocks already hold the tokens before h
+            k = (n - h) // bs
+            tok = self._cache.tok
+            tok[new[:k]] = arr[h : h + k * bs].reshape(k, bs)
+            if h + k * bs < n:
+                tok[new[k], : n - h - k * bs] = arr[h + k * bs :]
+            self._ccid[row], self._ckey[row] = chain
             self._query_tokens += n
             self._hit_tokens += len(hits) * bs
             self._query_blocks += (n - 1) // bs
@@ -367,16 +374,12 @@ class BlockManager:
         self._check_new_id(child_seq_id)
         crow = self._new_row(child_seq_id)
         nb = int(self._nblk[prow])
-        for arr in (self._ntok, self._nblk, self._nrel, self._nreg, self._swapped):
+        for arr in (self._ntok, self._nblk, self._nrel, self._nreg, self._swapped, self._ccid, self._ckey):
             arr[crow] = arr[prow]
         self._table[crow, :nb] = self._table[prow, :nb]
         blocks = self._table[prow, int(self._nrel[prow]) : nb]
         pool = self._cpu if self._swapped[prow] else self._gpu
         pool._ref[blocks] += 1
-        if self._cache is not None:
-            n = int(self._ntok[prow])
-            self._tokens[crow, :n] = self._tokens[prow, :n]
-            self._chain[crow] = self._chain[prow]
 
     def free(self, seq_id: Hashable, *, cache: bool = True) -> None:
         """Release every block of the sequence and forget it. With prefix caching its full blocks stay cached
@@ -480,10 +483,13 @@ class BlockManager:
         cpu_ids = self._cpu.take(uniq.size)
         self._cpu._ref[cpu_ids] = 0  # _remap adds one reference per holder
         self._remap(rows, uniq, cpu_ids, self._gpu._ref, self._cpu._ref)
-        if self._cpu_entry is not None:
-            entry = self._cache._entry
-            for g, c in zip(uniq.tolist(), cpu_ids.tolist()):
-                self._cpu_entry[c] = entry[g]
+        if self._cache is not None:
+            cache = self._cache
+            self._cpu_tok[cpu_ids] = cache.tok[uniq]
+            ident = self._cpu_id
+            ident[0, cpu_ids] = cache.cid[uniq]
+            ident[1, cpu_ids] = cache.key[uniq].view(np.int64)
+            ident[2, cpu_ids] = cache.pcid[uniq]
         self._swapped[rows] = True
         rev = uniq[::-1]  # tail blocks appear last: release them first
         self._park_gpu(rev[self._gpu._ref[rev] == 0])
@@ -497,7 +503,7 @@ class BlockManager:
         rows = self._rows_where(list(seq_ids), swapped=True)
         la = _check_int("num_lookahead_slots", num_lookahead_slots, 0)
         uniq = self._unique_blocks(rows)
-        reuse, _ = self._swap_in_reuse(uniq)
+        reuse = self._swap_in_reuse(uniq)
         extra = np.maximum(-(-(self._ntok[rows] + la) // self._bs) - self._nblk[rows], 0).sum()
         need = int(uniq.size + extra)
         if need > self._gpu.num_blocks - self._watermark_blocks:
@@ -513,7 +519,7 @@ class BlockManager:
         seq_ids = list(seq_ids)
         rows = self._rows_where(seq_ids, swapped=True)
         uniq = self._unique_blocks(rows)
-        reuse, entries = self._swap_in_reuse(uniq)
+        reuse = self._swap_in_reuse(uniq)
         ref = self._gpu._ref
         copy_mask = reuse < 0
         n_copy = int(copy_mask.sum())
@@ -532,15 +538,17 @@ class BlockManager:
         ref[new] = 0  # _remap adds one reference per holder
         gpu_ids[copy_mask] = new
         self._remap(rows, uniq, gpu_ids, self._cpu._ref, ref)
-        if entries is not None:
-            for c, g, e in zip(uniq.tolist(), gpu_ids.tolist(), entries):
-                if e is not None and self._cache._entry[g] is None:
-                    self._cache.adopt(g, e)
+        if self._cache is not None:
+            cache = self._cache
+            c_new, g_new = uniq[copy_mask], gpu_ids[copy_mask]
+            cache.tok[g_new] = self._cpu_tok[c_new]
+            ident = self._cpu_id
+            for c, g in zip(c_new[ident[0, c_new] != 0].tolist(), g_new[ident[0, c_new] != 0].tolist()):
+                cache.adopt(g, int(ident[0, c]), int(ident[1, c]) & _U64, int(ident[2, c]))
         self._swapped[rows] = False
         freed = uniq[self._cpu._ref[uniq] == 0]
-        if self._cpu_entry is not None:
-            for c in freed.tolist():
-                self._cpu_entry[c] = None
+        if self._cpu_id is not None:
+            self._cpu_id[0, freed] = 0
         self._cpu.give(freed)
         self._swapped_in += uniq.size
         self._memo_ids = None
@@ -554,8 +562,7 @@ class BlockManager:
             return 0
         freed = self._cache.clear()
         self._gpu.give(np.asarray(freed, dtype=np.int32))
-        if self._cpu_entry is not None:
-            self._cpu_entry[:] = [None] * len(self._cpu_entry)
+        self._cpu_id[0] = 0
         return len(freed)
 
     # ------------------------------------------------------------------ internals: rows
@@ -622,8 +629,7 @@ class BlockManager:
         self._table[row, : self._nblk[row]] = NULL_BLOCK
         self._ntok[row] = self._nblk[row] = self._nrel[row] = self._nreg[row] = 0
         self._swapped[row] = False
-        if self._cache is not None:
-            self._chain[row] = None
+        self._ccid[row] = self._ckey[row] = 0
         del self._row_of[seq_id]
         self._seq_of[row] = None
         self._free_rows.append(row)
@@ -632,7 +638,7 @@ class BlockManager:
     def _grow_rows(self) -> None:
         old = len(self._seq_of)
         new = max(8, 2 * old)
-        for name in ("_ntok", "_nblk", "_nrel", "_nreg", "_swapped"):
+        for name in ("_ntok", "_nblk", "_nrel", "_nreg", "_swapped", "_ccid", "_ckey"):
             a = getattr(self, name)
             b = np.zeros(new, dtype=a.dtype)
             b[:old] = a
@@ -640,12 +646,7 @@ class BlockManager:
         t = np.full((new, self._table.shape[1]), NULL_BLOCK, dtype=np.int32)
         t[:old] = self._table
         self._table = t
-        if self._tokens is not None:
-            k = np.zeros((new, self._tokens.shape[1]), dtype=np.int32)
-            k[:old] = self._tokens
-            self._tokens = k
         self._seq_of.extend([None] * (new - old))
-        self._chain.extend([None] * (new - old))
         self._free_rows.extend(range(new - 1, old - 1, -1))
 
     def _ensure_cols(self, n: int) -> None:
@@ -654,13 +655,6 @@ class BlockManager:
             t = np.full((self._table.shape[0], max(n, 2 * cols)), NULL_BLOCK, dtype=np.int32)
             t[:, :cols] = self._table
             self._table = t
-
-    def _ensure_token_cols(self, n: int) -> None:
-        cols = self._tokens.shape[1]
-        if n > cols:
-            k = np.zeros((self._tokens.shape[0], max(n, 2 * cols)), dtype=np.int32)
-            k[:, :cols] = self._tokens
-            self._tokens = k
 
     @staticmethod
     def _batch_tokens(token_ids: object, b: int) -> tuple[np.ndarray, np.ndarray | None]:
@@ -700,7 +694,16 @@ class BlockManager:
         need = np.maximum((end + la + bs - 1) // bs, nb)
         n_new = int(need.sum() - nb.sum())
         ref = self._gpu._ref
-        # copy-on-write: existing blocks that receive one of the new tokens and are shared
+        available = self.num_free_gpu_blocks
+        release = self._window_release(rows, ntok)
+        rel = None  # (blocks, counts): references the window drops in this step, before anything is written
+        if release is not None:
+            blk = np.concatenate([self._table[r, a:z] for r, a, z in zip(*release)])
+            rel = np.unique(blk[blk >= 0], return_counts=True)
+            # a block is freed when every holder releases it in this step (forks advancing in lockstep)
+            available += int((ref[rel[0]] == rel[1]).sum())
+        # copy-on-write: existing blocks that receive one of the new tokens and are still shared once the window
+        # has released what it releases
         first = ntok // bs
         last = np.minimum((end - 1) // bs, nb - 1)
         span = int((last - first).max()) if last.size else -1
@@ -708,43 +711,46 @@ class BlockManager:
         if span == 0 and last.size:  # one written block per row (the common case)
             hit = first <= last
             src = self._table[rows, np.minimum(first, nb - 1)]
-            shared = hit & (ref[src] > 1)
+            shared = hit & (self._holders(src, rel) > 1)
             if shared.any():
                 cow = (rows[shared], first[shared], src[shared].astype(np.int64))
         elif span > 0:
-            rs, cs, ss = [], [], []
+            bi, cs, ss = [], [], []
             for d in range(span + 1):
                 col = first + d
-                ok = col <= last
-                if not ok.any():
-                    continue
+                ok = np.flatnonzero(col <= last)
                 src = self._table[rows[ok], col[ok]]
-                shared = ref[src] > 1
-                rs.append(rows[ok][shared]); cs.append(col[ok][shared]); ss.append(src[shared].astype(np.int64))
-            if rs and sum(len(r) for r in rs):
-                cow = (np.concatenate(rs), np.concatenate(cs), np.concatenate(ss))
+                shared = self._holders(src, rel) > 1
+                bi.append(ok[shared]); cs.append(col[ok][shared]); ss.append(src[shared].astype(np.int64))
+            bi, cs, ss = np.concatenate(bi), np.concatenate(cs), np.concatenate(ss)
+            if bi.size:
+                order = np.lexsort((cs, bi))  # batch order, then column: the order the writes happen in
+                cow = (rows[bi[order]], cs[order], ss[order])
         if cow is not None:
-            cow = self._last_writer_keeps(cow)
+            cow = self._last_writer_keeps(cow, rel)
         n_cow = 0 if cow is None else cow[0].size
-        available = self.num_free_gpu_blocks
-        release = self._window_release(rows, ntok)
-        if release is not None:
-            blk = np.concatenate([self._table[r, a:z] for r, a, z in zip(*release)])
-            # a block is freed when every holder releases it in this step (forks advancing in lockstep)
-            blk, n_rel = np.unique(blk[blk >= 0], return_counts=True)
-            available += int((ref[blk] == n_rel).sum())
         return n_new + n_cow, available, need, cow, release
 
-    def _last_writer_keeps(self, cow: tuple) -> tuple | None:
-        """Sequential semantics inside one batch: when every holder of a shared block writes it in this step,
-        the earlier writers copy and the last one (in batch order) keeps the original."""
+    def _holders(self, blocks: np.ndarray, rel: tuple | None) -> np.ndarray:
+        """Refcounts of ``blocks`` less the references the window releases in this step (``rel``)."""
+        held = self._gpu._ref[blocks]
+        if rel is None or blocks.size == 0:
+            return held
+        rb, rc = rel
+        i = np.minimum(np.searchsorted(rb, blocks), rb.size - 1)
+        return held - np.where(rb[i] == blocks, rc[i], 0)
+
+    def _last_writer_keeps(self, cow: tuple, rel: tuple | None) -> tuple | None:
+        """Sequential semantics inside one batch: when every (remaining) holder of a shared block writes it in
+        this step, the earlier writers copy and the last one (in batch order) keeps the original. ``cow`` is in
+        write order."""
         c_rows, c_cols, c_src = cow
         uniq, inv, cnt = np.unique(c_src, return_inverse=True, return_counts=True)
-        full = cnt == self._gpu._ref[uniq]  # every holder writes it
+        full = cnt == self._holders(uniq, rel)  # every holder writes it
         if not full.any():
             return cow
         last = np.zeros(uniq.size, dtype=np.int64)
-        last[inv] = np.arange(c_src.size)  # later indices overwrite earlier ones: the last writer wins
+        np.maximum.at(last, inv, np.arange(c_src.size))  # the last writer of each block
         keep = np.ones(c_src.size, dtype=bool)
         keep[last[full]] = False
         if not keep.any():
@@ -772,7 +778,7 @@ class BlockManager:
         if self._cache is not None:
             nreg = self._nreg[rows]
             reg = nreg < j
-            if reg.any():
+            if np.count_nonzero(reg):
                 self._register_rows(rows[reg], nreg[reg], j[reg])
         if release is not None:
             self._release_window(release)
@@ -786,11 +792,10 @@ class BlockManager:
             self._nblk[g_rows] = g_j + 1
             written[grow] = ids
         end = ntok + 1
-        if self._tokens is not None:
-            self._ensure_token_cols(int(end.max()))
-            self._tokens[rows, ntok] = tokens
         self._ntok[rows] = end
         slots = written.astype(np.int64) * bs + off
+        if self._cache is not None:
+            self._cache.tok.reshape(-1)[slots] = tokens
         return StepResult(slots, self._table[rows, :width], end.astype(np.int32), _NO_COW)
 
     def _append(self, rows: np.ndarray, counts: np.ndarray, flat: np.ndarray, la: int, tables: bool) -> StepResult:
@@ -813,6 +818,8 @@ class BlockManager:
             c_rows, c_cols, c_src = cow
             dst = self._take(c_rows.size)
             self._table[c_rows, c_cols] = dst
+            if self._cache is not None:
+                self._cache.tok[dst] = self._cache.tok[c_src]
             np.subtract.at(self._gpu._ref, c_src, 1)  # a source may be copied by several writers
             cow_pairs = np.stack((c_src, dst.astype(np.int64)), axis=1)
             self._cow_copies += c_rows.size
@@ -838,12 +845,11 @@ class BlockManager:
         else:
             tok_rows = np.repeat(rows, counts)
             pos = np.repeat(ntok - (np.cumsum(counts) - counts), counts) + np.arange(flat.size)
-        if self._tokens is not None:
-            self._ensure_token_cols(int(end.max()))
-            self._tokens[tok_rows, pos] = flat
         self._ntok[rows] = end
         blk, off = np.divmod(pos, bs)
         slots = self._table[tok_rows, blk] * np.int64(bs) + off
+        if self._cache is not None:
+            self._cache.tok.reshape(-1)[slots] = flat
         if not tables:
             return StepResult(slots, None, None, cow_pairs)
         width = int(need.max())
@@ -876,14 +882,10 @@ class BlockManager:
         if self._cache is None:
             self._gpu.give(zero)
             return
-        entry, push = self._cache._entry, self._cache.evictor.push
-        plain = []
-        for b in zero.tolist():
-            if entry[b] is None:
-                plain.append(b)
-            else:
-                push(b)
-        self._gpu.give(np.asarray(plain, dtype=np.int32))
+        cached = self._cache.cid[zero] != 0
+        for b in zero[cached].tolist():
+            self._cache.evictor.push(b)
+        self._gpu.give(zero[~cached])
 
     def _release_cpu(self, blocks: np.ndarray) -> None:
         if blocks.size == 0:
@@ -891,32 +893,27 @@ class BlockManager:
         ref = self._cpu._ref
         ref[blocks] -= 1
         zero = blocks[ref[blocks] == 0]
-        if self._cpu_entry is not None:
-            for c in zero.tolist():
-                self._cpu_entry[c] = None
+        if self._cpu_id is not None:
+            self._cpu_id[0, zero] = 0
         self._cpu.give(zero)
 
     def _register(self, row: int) -> None:
-        """Offer the row's full, written blocks to the prefix cache (blocks ``nreg .. ntok // bs - 1``)."""
-        bs = self._bs
-        full = int(self._ntok[row]) // bs
+        """Offer the row's full, written blocks to the prefix cache (blocks ``nreg .. ntok // bs - 1``), one
+        after the other (each key chains from the previous one)."""
+        full = int(self._ntok[row]) // self._bs
         j = int(self._nreg[row])
         if full <= j:
             return
-        parent = self._chain[row]
-        cache = self._cache
-        entry = cache._entry
-        table = self._table[row]
-        toks = self._tokens[row]
-        while parent is not None and j < full:
-            b = int(table[j])
-            if b < 0:  # released by the window before it could be cached
-                parent = None
+        pcid, pkey = int(self._ccid[row]), int(self._ckey[row])
+        register = self._cache.register
+        for b in self._table[row, j:full].tolist():
+            if pcid == 0:
                 break
-            e = entry[b]
-            parent = e if e is not None else cache.register(b, parent, toks[j * bs : (j + 1) * bs].tobytes())
-            j += 1
-        self._chain[row] = parent
+            if b < 0:  # released by the window before it could be cached
+                pcid = pkey = 0
+                break
+            pcid, pkey = register(b, pcid, pkey)
+        self._ccid[row], self._ckey[row] = pcid, pkey
         self._nreg[row] = full
 
     def _window_release(self, rows: np.ndarray, ntok: np.ndarray) -> tuple | None:
@@ -938,24 +935,22 @@ class BlockManager:
             self._nrel[r] = z
 
     def _register_rows(self, rows: np.ndarray, j: np.ndarray, full: np.ndarray) -> None:
-        """:meth:`_register` for a batch of rows whose ``_nreg`` is ``j`` and whose full blocks number ``full``,
-        with the common case (exactly one newly full block) gathered in one numpy operation: about a microsecond
-        of Python per block."""
-        bs = self._bs
-        one = full - j == 1
-        if not one.all():
-            for row in rows[~one].tolist():
+        """:meth:`_register` for a batch of rows whose ``_nreg`` is ``j`` and whose full blocks number ``full``
+        (``full > j``): one :meth:`PrefixCache.register_chains` call, or row by row when that declines."""
+        counts = full - j
+        if np.count_nonzero(counts - 1):  # some row has several new full blocks (a prompt, a k-token append)
+            cr = np.repeat(rows, counts)
+            cols = np.repeat(j - np.cumsum(counts) + counts, counts) + np.arange(cr.size)
+            blocks = self._table[cr, cols]
+        else:
+            blocks = self._table[rows, j]
+        got = self._cache.register_chains(blocks, counts, self._ccid[rows], self._ckey[rows])
+        if got is None:
+            for row in rows.tolist():
                 self._register(row)
-            rows, j = rows[one], j[one]
-            if rows.size == 0:
-                return
-        blocks = self._table[rows, j].tolist()
-        raw = self._tokens[rows[:, None], j[:, None] * bs + np.arange(bs)].tobytes()
-        chain = self._chain
-        rows_l = rows.tolist()
-        for row, e in zip(rows_l, self._cache.register_many(blocks, [chain[r] for r in rows_l], raw, 4 * bs)):
-            chain[row] = e
-        self._nreg[rows] = j + 1
+            return
+        self._ccid[rows], self._ckey[rows] = got
+        self._nreg[rows] = full
 
     # ------------------------------------------------------------------ internals: swapping
     def _unique_blocks(self, rows: np.ndarray) -> np.ndarray:
@@ -980,35 +975,35 @@ class BlockManager:
             src_ref[old] -= 1
             dst_ref[new] += 1
 
-    def _swap_in_reuse(self, cpu_blocks: np.ndarray) -> tuple[np.ndarray, list | None]:
+    def _swap_in_reuse(self, cpu_blocks: np.ndarray) -> np.ndarray:
         """For each CPU block: the GPU block still caching the same content (reuse instead of copy), or -1."""
         reuse = np.full(cpu_blocks.size, -1, dtype=np.int64)
-        if self._cpu_entry is None:
-            return reuse, None
-        entries = [self._cpu_entry[c] for c in cpu_blocks.tolist()]
-        for i, e in enumerate(entries):
-            if e is not None:
-                reuse[i] = self._cache.lookup_entry(e)
-        return reuse, entries
+        if self._cache is None:
+            return reuse
+        ident = self._cpu_id
+        for i, c in enumerate(cpu_blocks.tolist()):
+            if ident[0, c]:
+                reuse[i] = self._cache.lookup(int(ident[0, c]), int(ident[1, c]) & _U64)
+        return reuse
 
     # ------------------------------------------------------------------ internals: lookup
-    def _lookup(self, arr: np.ndarray, root: CacheEntry) -> tuple[list[int], CacheEntry]:
+    def _lookup(self, arr: np.ndarray, root: tuple[int, int]) -> tuple[list[int], tuple[int, int]]:
         """Cached blocks matching the prompt's leading full blocks (at most (len - 1) // block_size, so at least
-        one token is left to compute), and the entry of the last hit (the root if none). O(hit blocks)."""
+        one token is left to compute), and the (cid, key) of the last hit (the root's if none). O(hit blocks)."""
         bs = self._bs
         data = arr.tobytes()
         step = 4 * bs
-        find = self._cache.find
-        entry = self._cache._entry
+        cache = self._cache
+        find, cid = cache.find, cache.cid
         hits: list[int] = []
-        parent = root
+        pcid, pkey = root
         for j in range((arr.size - 1) // bs):
-            b = find(parent, data[j * step : (j + 1) * step])
+            b, key = find(pcid, pkey, data[j * step : (j + 1) * step])
             if b < 0:
                 break
             hits.append(b)
-            parent = entry[b]
-        return hits, parent
+            pcid, pkey = int(cid[b]), key
+        return hits, (pcid, pkey)
 
     # ------------------------------------------------------------------ invariants
     def check_invariants(self) -> None:
@@ -1068,28 +1063,40 @@ class BlockManager:
             if free.size + cached_free + used != pool.num_blocks:
                 fail(f"{name}: free {free.size} + cached {cached_free} + used {used} != {pool.num_blocks}")
         if self._cache is not None:
-            cache, ref = self._cache, self._gpu._ref
-            entry = cache._entry
-            ev = list(cache.evictor)
-            if len(ev) != len(cache.evictor) or len(set(ev)) != len(ev):
-                fail("evictor list is inconsistent")
-            for b in ev:
-                if ref[b] != 0 or entry[b] is None:
-                    fail(f"evictor holds block {b} that is referenced or uncached")
-            free = set(self._gpu.free_ids().tolist())
-            if free & set(ev):
-                fail("a block is both free and evictable")
-            for b in free:
-                if entry[b] is not None:
-                    fail(f"free block {b} still has a cache entry")
-            n_entries = 0
-            for b, e in enumerate(entry):
-                if e is not None:
-                    n_entries += 1
-                    if cache._map.get(e.key) != b:
-                        fail(f"block {b} has an entry the map does not point to")
-            if n_entries != len(cache._map):
-                fail("cache map and block entries disagree")
-            for c, e in enumerate(self._cpu_entry):
-                if e is not None and self._cpu._ref[c] == 0:
-                    fail(f"free CPU block {c} carries a cache entry")
+            self._check_cache_invariants(fail)
+
+    def _check_cache_invariants(self, fail) -> None:
+        cache, ref = self._cache, self._gpu._ref
+        cid = cache.cid
+        ev = list(cache.evictor)
+        if len(ev) != len(cache.evictor) or len(set(ev)) != len(ev):
+            fail("evictor list is inconsistent")
+        ev_arr = np.asarray(ev, dtype=np.int64)
+        if (ref[ev_arr] != 0).any() or (cid[ev_arr] == 0).any():
+            fail("the evictor holds a block that is referenced or uncached")
+        free = self._gpu.free_ids()
+        if np.intersect1d(free, ev_arr).size:
+            fail("a block is both free and evictable")
+        if (cid[free] != 0).any():
+            fail("a free block is still cached")
+        cached = np.flatnonzero(cid)
+        if cached.size != len(cache._map):
+            fail(f"{cached.size} blocks are cached but the map has {len(cache._map)} keys")
+        if np.unique(cid[cached]).size != cached.size or (cid[cached] < 0).any() or cid.max(initial=0) > cache._serial:
+            fail("content ids are not unique positive serials")
+        for b, k in zip(cached.tolist(), cache.key[cached].tolist()):
+            if cache._map.get(k) != b:
+                fail(f"cached block {b} is not where the map points for its key")
+        # every cached block's key is the chained hash of its stored tokens (catches writes into cached blocks)
+        parent_key = dict(cache._roots.values())
+        parent_key.update(zip(cid[cached].tolist(), cache.key[cached].tolist()))
+        for b, p, k in zip(cached.tolist(), cache.pcid[cached].tolist(), cache.key[cached].tolist()):
+            if p in parent_key and cache.find(p, parent_key[p], cache.tok[b].tobytes()) != (b, k):
+                fail(f"cached block {b}: its key is not the hash of its tokens after its parent")
+        for row in self._row_of.values():
+            c = int(self._ccid[row])
+            if c and c in parent_key and parent_key[c] != int(self._ckey[row]):
+                fail(f"row {row}: its chain key is not the key of its chain's content")
+        cpu_cached = np.flatnonzero(self._cpu_id[0])
+        if (self._cpu._ref[cpu_cached] == 0).any():
+            fail("a free CPU block carries a cache identity")

@@ -3,52 +3,54 @@
 A full block is identified by a chained key::
 
     root  = xxh3_64("pagedkv-ns:" + namespace)
-    key_0 = xxh3_64(tokens of block 0, seed=root.key)
-    key_i = xxh3_64(tokens of block i, seed=key_{i-1})
+    key_0 = xxh3_64(token bytes of block 0, seed=root)
+    key_i = xxh3_64(token bytes of block i, seed=key_{i-1})
 
-xxh3 is deterministic across processes and machines (no built-in ``hash()``). A key is only a lookup hint: each
-cached block keeps a :class:`CacheEntry` holding its tokens and the entry of its parent, and a hit requires the
-stored tokens to be equal and the stored parent to be *the same entry object* as the one verified one block
-earlier (for block 0: the namespace's root entry). A hash collision therefore costs a miss, never another
+xxh3 is deterministic across processes and machines (no built-in ``hash()``). A key is only a lookup hint. Each
+cached content also gets a *content id* (``cid``, a positive serial number, never reused; namespace roots have
+negative ones), and a hit requires the candidate block's stored tokens to equal the query's and its stored
+parent cid to be the cid verified one block earlier. A hash collision therefore costs a miss, never another
 sequence's KV.
 
-Per-block state (flat, indexed by block id): ``_entry`` (list, ``CacheEntry`` or None) and the LRU links of
-:class:`LRUEvictor` (two ``array('i')``). The map ``key -> block id`` is a dict keyed by content, not by block.
+Everything is flat and indexed by block id; there is no object per block::
+
+    tok   int32[num_blocks, block_size]  token ids written in the block (mirrors the KV; the manager writes it)
+    key   uint64[num_blocks]             chained key of a cached block
+    cid   int64[num_blocks]              content id of a cached block, 0 when the block is not cached
+    pcid  int64[num_blocks]              content id of its parent (a root's for block 0 of a prompt)
+    _prev, _next  array('i')             LRU links of the unreferenced cached blocks (LRUEvictor)
+
+plus the dict ``key -> block id`` of the cached blocks (content-keyed, one entry per cached block).
 """
 
 from __future__ import annotations
 
 from array import array
-from operator import itemgetter
 from typing import Iterator
 
+import numpy as np
 import xxhash
 
 from .errors import InvalidArgumentError
 
-__all__ = ["CacheEntry", "LRUEvictor", "PrefixCache", "block_key"]
+__all__ = ["LRUEvictor", "PrefixCache", "block_key"]
 
 _xxh3 = xxhash.xxh3_64_intdigest
-
-
-class CacheEntry(tuple):
-    """Identity of a cached block's content: ``CacheEntry((key, parent, data))``. Immutable (a tuple): a block's
-    key is written once, when it is cached. A plain tuple subclass rather than a NamedTuple because one is made
-    for every block that fills, and this constructs in about half the time.
-
-    ``key``: the chained key; ``parent``: the parent block's entry (None only for a namespace root); ``data``:
-    the block's token ids as int32 bytes (for a root: the encoded namespace).
-    """
-
-    __slots__ = ()
-    key: int = property(itemgetter(0))  # type: ignore[assignment]
-    parent: "CacheEntry | None" = property(itemgetter(1))  # type: ignore[assignment]
-    data: bytes = property(itemgetter(2))  # type: ignore[assignment]
+_slice_memo: dict[int, list[slice]] = {}
 
 
 def block_key(parent_key: int, data: bytes) -> int:
-    """Key of a block with token bytes ``data`` whose parent block has key ``parent_key``."""
+    """Key of a block with token bytes ``data`` whose parent has key ``parent_key``."""
     return _xxh3(data, seed=parent_key)
+
+
+def _slices(n: int, width: int) -> list[slice]:
+    """``[slice(0, width), slice(width, 2 * width), ...]``, ``n`` of them (memoised per width)."""
+    got = _slice_memo.get(width)
+    if got is None or len(got) < n:
+        size = max(n, 2 * len(got) if got else 64)
+        got = _slice_memo[width] = [slice(i * width, (i + 1) * width) for i in range(size)]
+    return got[:n]
 
 
 def _encode_namespace(namespace: object) -> bytes:
@@ -118,97 +120,156 @@ class LRUEvictor:
 
 
 class PrefixCache:
-    """Map from content key to block id, each cached block's entry, and the evictor of unreferenced ones."""
+    """Per-block content state (see the module docstring), the map ``key -> block`` and the evictor.
 
-    __slots__ = ("_map", "_entry", "evictor", "_roots", "evictions")
+    Internal to pagedkv: the manager reads and writes ``tok`` (and reads ``cid``) directly on its hot path.
+    A *parent* is passed as ``(cid, key)``; ``cid == 0`` means a broken chain (nothing after it is cached).
+    """
 
-    def __init__(self, num_blocks: int) -> None:
+    __slots__ = ("_map", "tok", "key", "cid", "pcid", "evictor", "_roots", "_serial", "evictions", "_width")
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
         self._map: dict[int, int] = {}
-        self._entry: list[CacheEntry | None] = [None] * num_blocks
+        self.tok = np.zeros((num_blocks, block_size), dtype=np.int32)
+        self.key = np.zeros(num_blocks, dtype=np.uint64)
+        self.cid = np.zeros(num_blocks, dtype=np.int64)
+        self.pcid = np.zeros(num_blocks, dtype=np.int64)
         self.evictor = LRUEvictor(num_blocks)
-        self._roots: dict[bytes, CacheEntry] = {}
+        self._roots: dict[bytes, tuple[int, int]] = {}  # encoded namespace -> (cid < 0, key)
+        self._serial = 0  # last content id handed out
         self.evictions = 0
+        self._width = 4 * block_size  # bytes of one block's tokens
 
-    def root(self, namespace: object, intern: bool = True) -> CacheEntry:
-        """The (interned) root entry of a namespace; block 0 of a prompt chains from it. With ``intern=False`` a
-        namespace seen for the first time gets a fresh root that is not stored (no cached block chains from it;
-        the caller stores it with ``_roots.setdefault(root.data, root)`` once it commits)."""
+    def __len__(self) -> int:
+        """Cached blocks (referenced or not)."""
+        return len(self._map)
+
+    # ------------------------------------------------------------------ namespaces
+    def root(self, namespace: object, intern: bool = True) -> tuple[int, int]:
+        """``(cid, key)`` of a namespace's root; block 0 of a prompt chains from it. With ``intern=False`` a
+        namespace seen for the first time is not stored (the caller calls :meth:`intern` once it commits)."""
         data = _encode_namespace(namespace)
         r = self._roots.get(data)
         if r is None:
-            r = CacheEntry((_xxh3(b"pagedkv-ns:" + data), None, data))
+            r = (-(len(self._roots) + 1), _xxh3(b"pagedkv-ns:" + data))
             if intern:
                 self._roots[data] = r
         return r
 
-    def find(self, parent: CacheEntry, data: bytes) -> int:
-        """Block holding ``data`` after ``parent``, or -1. O(1) plus one compare of ``data``."""
-        b = self._map.get(_xxh3(data, seed=parent.key), -1)
-        if b >= 0:
-            e = self._entry[b]
-            if e.parent is not parent or e.data != data:
-                return -1  # hash collision: never a hit
-        return b
+    def intern(self, namespace: object) -> None:
+        self.root(namespace, intern=True)
 
-    def register(self, block: int, parent: CacheEntry, data: bytes) -> CacheEntry | None:
-        """Cache ``block`` (full, its KV written) as ``data`` after ``parent``; return the entry that now stands
-        for this content: the new one, or the existing one when another block already caches the same content
-        (this block then stays uncached). None on a hash collision with different content (chain ends)."""
-        return self.register_many([block], [parent], data, len(data))[0]
+    # ------------------------------------------------------------------ lookup
+    def find(self, pcid: int, pkey: int, data: bytes) -> tuple[int, int]:
+        """``(block, key)``: the block caching ``data`` after parent ``(pcid, pkey)``, or -1, and the key of
+        that content. O(1) plus one compare of ``data``."""
+        key = _xxh3(data, seed=pkey)
+        b = self._map.get(key, -1)
+        if b >= 0 and (self.pcid[b] != pcid or self.tok[b].tobytes() != data):
+            return -1, key  # hash collision: never a hit
+        return b, key
 
-    def register_many(self, blocks: list[int], parents: list, raw: bytes, width: int) -> list:
-        """:meth:`register` for a batch: block ``blocks[i]`` holds ``raw[i * width : (i + 1) * width]`` after
-        ``parents[i]``. A None parent (broken chain) or a negative block (released) gives None; a block that is
-        already cached gives its entry. About a microsecond per block."""
-        out = []
-        append, get, entry, mp = out.append, self._map.get, self._entry, self._map
-        for i, (block, parent) in enumerate(zip(blocks, parents)):
-            if parent is None or block < 0:
-                append(None)
-                continue
-            e = entry[block]
-            if e is None:
-                data = raw[i * width : (i + 1) * width]
-                key = _xxh3(data, seed=parent.key)
-                other = get(key)
-                if other is None:
-                    e = entry[block] = CacheEntry((key, parent, data))
-                    mp[key] = block
-                else:
-                    e = entry[other]
-                    if e.parent is not parent or e.data != data:
-                        e = None  # hash collision: never share
-            append(e)
-        return out
+    def lookup(self, cid: int, key: int) -> int:
+        """Block currently caching exactly the content ``cid`` (known by its ``key``), or -1."""
+        b = self._map.get(key, -1)
+        return b if b >= 0 and self.cid[b] == cid else -1
 
-    def adopt(self, block: int, entry: CacheEntry) -> bool:
-        """Cache ``block`` under an existing entry (swap-in of a block that was cached before it left). False
-        when the key is taken."""
-        if entry.key in self._map:
+    # ------------------------------------------------------------------ registration
+    def register(self, block: int, pcid: int, pkey: int) -> tuple[int, int]:
+        """Cache ``block`` (full, its KV and ``tok`` written) after parent ``(pcid, pkey)``. Returns the
+        ``(cid, key)`` that now stands for this content: the block's own (new, or the one it already had), or
+        that of another block already caching the same content (this block then stays uncached). ``(0, 0)``
+        when the chain ends here: a broken parent, or a hash collision with other content."""
+        cid = self.cid
+        if pcid == 0:
+            return 0, 0
+        c = int(cid[block])
+        if c:
+            return c, int(self.key[block])
+        data = self.tok[block].tobytes()
+        key = _xxh3(data, seed=pkey)
+        other = self._map.get(key)
+        if other is None:
+            self._serial += 1
+            cid[block], self.key[block], self.pcid[block] = self._serial, key, pcid
+            self._map[key] = block
+            return self._serial, key
+        if self.pcid[other] == pcid and self.tok[other].tobytes() == data:
+            return int(cid[other]), key  # same content cached by another block: share its identity
+        return 0, 0
+
+    def register_chains(self, blocks: np.ndarray, counts: np.ndarray, pcids: np.ndarray,
+                        pkeys: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """:meth:`register` for several chains at once: chain ``r`` is the next ``counts[r]`` blocks of
+        ``blocks`` (in order, each the parent of the next) after parent ``(pcids[r], pkeys[r])``. Returns the
+        ``(cid, key)`` of each chain's last block, or None, having changed nothing, unless every chain is intact,
+        every block is new and uncached and every key is distinct and absent (then the caller goes block by
+        block with :meth:`register`).
+
+        That common case costs a gather of the tokens, xxh3 per block through C-level ``map`` (a Python loop
+        along chains longer than one block), one ``map(dict.setdefault, ...)`` pass that inserts the keys and
+        detects any present one, and four vectorised writes: well under a microsecond a block."""
+        n = blocks.size
+        cid = self.cid
+        # (count_nonzero costs a fraction of .any() / .all() / .min() on small arrays)
+        if not n or np.count_nonzero(pcids) != pcids.size or np.count_nonzero(cid[blocks]) or blocks.min() < 0:
+            return None
+        raw = self.tok[blocks].tobytes()
+        datas = map(raw.__getitem__, _slices(n, self._width))
+        if n == counts.size:  # one block per chain: the per-step case
+            keys = list(map(_xxh3, datas, pkeys.tolist()))
+        else:
+            keys = []
+            append = keys.append
+            for k, m in zip(pkeys.tolist(), counts.tolist()):
+                for _ in range(m):
+                    k = _xxh3(next(datas), k)
+                    append(k)
+        mp, bl = self._map, blocks.tolist()
+        got = list(map(mp.setdefault, keys, bl))  # inserts the absent keys, returns the present ones' blocks
+        if got != bl:  # a key was present or repeats (a repeated block repeats its key): undo this call's inserts
+            for k, g, b in zip(keys, got, bl):
+                if g == b:
+                    mp.pop(k, None)
+            return None
+        new = np.arange(self._serial + 1, self._serial + n + 1, dtype=np.int64)
+        self._serial += n
+        karr = np.fromiter(keys, dtype=np.uint64, count=n)
+        cid[blocks] = new
+        self.key[blocks] = karr
+        if n == counts.size:
+            self.pcid[blocks] = pcids
+            return new, karr
+        last = np.cumsum(counts) - 1
+        parent = new - 1  # within a chain each block's parent is the previous block
+        parent[last[:-1] + 1] = pcids[1:]
+        parent[0] = pcids[0]
+        self.pcid[blocks] = parent
+        return new[last], karr[last]
+
+    def adopt(self, block: int, cid: int, key: int, pcid: int) -> bool:
+        """Cache ``block`` (uncached, ``tok`` written) as the existing content ``cid`` (swap-in of a block that
+        was cached before it left: blocks chained after it stay reachable). False when the key is taken."""
+        if key in self._map:
             return False
-        self._entry[block] = entry
-        self._map[entry.key] = block
+        self.cid[block], self.key[block], self.pcid[block] = cid, key, pcid
+        self._map[key] = block
         return True
 
-    def lookup_entry(self, entry: CacheEntry) -> int:
-        """Block currently cached under exactly this entry, or -1."""
-        b = self._map.get(entry.key, -1)
-        return b if b >= 0 and self._entry[b] is entry else -1
-
+    # ------------------------------------------------------------------ eviction
     def evict(self) -> int:
         """Evict the least recently used unreferenced block and return its id (now uncached)."""
         b = self.evictor.pop()
-        del self._map[self._entry[b].key]
-        self._entry[b] = None
+        del self._map[int(self.key[b])]
+        self.cid[b] = 0
         self.evictions += 1
         return b
 
     def clear(self) -> list[int]:
-        """Forget every entry; return the unreferenced cached blocks (LRU first) for the free list."""
+        """Forget every cached content; return the unreferenced cached blocks (LRU first) for the free list."""
         freed = list(self.evictor)
         for b in freed:
             self.evictor.discard(b)
-        for b in self._map.values():
-            self._entry[b] = None
+        self.cid[np.fromiter(self._map.values(), dtype=np.int64, count=len(self._map))] = 0
         self._map.clear()
         return freed
