@@ -256,14 +256,38 @@ def run_scale(wl: Workload, impl: Impl, repeats: int, warmup: int) -> dict:
                 if tracemalloc.is_tracing():
                     tracemalloc.stop()
             t = np.asarray(times)
-            rows.append({
+            row = {
                 "num_blocks": size,
                 "prefix_caching": caching,
                 "construct_ms": {"min": float(t.min()), "median": float(np.median(t)), "max": float(t.max())},
                 "bytes": int(size_bytes),
                 "bytes_per_block": size_bytes / size,
-            })
+            }
+            if caching and size == wl.scale_sizes[0]:
+                row["bytes_per_block_full"] = _full_cache_bytes(make, size, wl.block_size) / size
+            rows.append(row)
     return {"pools": rows}
+
+
+def _full_cache_bytes(make: Callable[[], Any], size: int, block_size: int, blocks_per_prompt: int = 64) -> int:
+    """Bytes held by a new manager once about 90% of its blocks cache distinct content: prompts of
+    ``blocks_per_prompt`` full blocks plus one token are allocated and freed (their full blocks stay cached),
+    measured with tracemalloc from before construction to after the frees."""
+    rng = np.random.default_rng(0)
+    n_prompts = int(0.9 * size) // (blocks_per_prompt + 1)
+    prompts = rng.integers(0, 32_000, size=(n_prompts, blocks_per_prompt * block_size + 1)).tolist()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        bm = make()
+        for i, p in enumerate(prompts):
+            bm.allocate(i, p)
+            bm.free(i)
+        gc.collect()
+        return tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
 
 
 _SUMMARY_KEYS = ("median_us_per_step", "p99_us_per_step", "median_us_per_step_at_max_batch", "us_per_seq_step",

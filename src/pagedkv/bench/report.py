@@ -48,7 +48,8 @@ def format_table(doc: dict) -> str:
         if "pools" in m:
             for p in m["pools"]:
                 scale.append([r["impl"], f"{p['num_blocks']:,}", "on" if p["prefix_caching"] else "off",
-                              _mmm(p["construct_ms"], 2), _f(p["bytes"] / 2**20, 2), _f(p["bytes_per_block"], 1)])
+                              _mmm(p["construct_ms"], 2), _f(p["bytes"] / 2**20, 2), _f(p["bytes_per_block"], 1),
+                              _f(p["bytes_per_block_full"], 1) if "bytes_per_block_full" in p else "-"])
             continue
         extra = ""
         if "max_blocks_per_seq" in m:
@@ -65,7 +66,8 @@ def format_table(doc: dict) -> str:
             ["workload", "impl", "batch", "us/step med [min-max]", "p99", "us/step@batch", "us/seq/step",
              "bm s med [min-max]", "hit", "preempt", "cow", "swap o/i", "window"], replay))
     if scale:
-        parts.append(_table(["impl", "blocks", "cache", "construct ms med [min-max]", "MiB", "bytes/block"], scale))
+        parts.append(_table(["impl", "blocks", "cache", "construct ms med [min-max]", "MiB", "bytes/block",
+                                    "bytes/block, cache 90% full"], scale))
     if other:
         parts.append("not run:\n" + "\n".join(other))
     return "\n\n".join(parts)
