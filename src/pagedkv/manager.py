@@ -937,6 +937,10 @@ class BlockManager:
     def _register_rows(self, rows: np.ndarray, j: np.ndarray, full: np.ndarray) -> None:
         """:meth:`_register` for a batch of rows whose ``_nreg`` is ``j`` and whose full blocks number ``full``
         (``full > j``): one :meth:`PrefixCache.register_chains` call, or row by row when that declines."""
+        if rows.size <= 3:  # below this the batch call's fixed cost (~6 us) exceeds block-by-block (~1.5 us each)
+            for row in rows.tolist():
+                self._register(row)
+            return
         counts = full - j
         if np.count_nonzero(counts - 1):  # some row has several new full blocks (a prompt, a k-token append)
             cr = np.repeat(rows, counts)
