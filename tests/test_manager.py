@@ -293,6 +293,13 @@ def test_reset_prefix_cache():
     assert bm.reset_prefix_cache() == 2
     assert bm.num_cached_blocks == 0 and bm.num_free_gpu_blocks == 13
     assert bm.allocate("c", range(9)) == 0
+    # b lived through the reset: its blocks are never cached again; c, allocated after it, caches as usual
+    bm.decode_step(["b", "c"], np.array([2, 3]))
+    bm.decode_step(["b", "c"], np.array([4, 5]))
+    assert bm.num_cached_blocks == 2  # c's two full prompt blocks
+    bm.free("b")
+    assert bm.num_cached_blocks == 2
+    assert bm.allocate("d", [*range(100, 109), 1, 2, 4, 9]) == 0
     bm.check_invariants()
     assert BlockManager(4, 4).reset_prefix_cache() == 0
 

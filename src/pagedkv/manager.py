@@ -557,12 +557,15 @@ class BlockManager:
     # ------------------------------------------------------------------ cache maintenance
     def reset_prefix_cache(self) -> int:
         """Forget every cached block: unreferenced ones return to the free ring (LRU first), referenced ones
-        stay with their sequences, uncached. Returns how many blocks were freed. O(cached blocks)."""
+        stay with their sequences, uncached. Live sequences never cache their blocks afterwards (their KV may
+        predate whatever made the reset necessary, e.g. new weights); new sequences cache as usual. Returns how
+        many blocks were freed. O(cached blocks + live sequences)."""
         if self._cache is None:
             return 0
         freed = self._cache.clear()
         self._gpu.give(np.asarray(freed, dtype=np.int32))
         self._cpu_id[0] = 0
+        self._ccid[:] = 0  # break every live chain
         return len(freed)
 
     # ------------------------------------------------------------------ internals: rows
