@@ -436,8 +436,8 @@ class BlockManager:
         copy-on-write destinations are taken before new blocks. All or nothing: raises OutOfBlocksError and
         changes nothing if the step does not fit (check with :meth:`can_append_slots`). Prefix caching: full
         blocks whose KV the previous step wrote enter the cache here. Sliding window: blocks no query of this
-        step can see are released first. O(B) numpy work, plus O(1) Python work per block that fills, is
-        released or is copied.
+        step can see are released first. O(B) numpy work, plus O(1) C-level work per block that fills (its
+        key and map entry) and O(1) Python work per block released by the window or evicted.
         """
         rows = self._rows(seq_ids)
         b = rows.size

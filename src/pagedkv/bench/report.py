@@ -146,7 +146,8 @@ def plot(doc: dict, outdir: str | Path) -> list[Path]:
             ax.set_yscale("log")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
-        fig.suptitle("Per-step block-manager cost vs batch size (median per batch size)")
+        fig.suptitle("Block-manager cost per step vs batch size\n(median per batch size)" if len(workloads) == 1 else
+                     "Per-step block-manager cost vs batch size (median per batch size)")
         fig.tight_layout()
         p = outdir / "step_cost_vs_batch.png"
         fig.savefig(p, dpi=110)
