@@ -440,6 +440,27 @@ def test_bad_decode_step_tokens(bm, toks):
     check_raises(bm, InvalidTokensError, bm.decode_step, ["b", 3], toks, must_mention=["token"])
 
 
+BAD_FLAT_STEPS = {  # (token_ids, num_new_tokens) for the batch ["a", "b"]
+    "counts-short": (np.array([1, 2]), np.array([2])),
+    "counts-long": (np.array([1, 2, 3]), np.array([1, 1, 1])),
+    "counts-zero": (np.array([1, 2]), np.array([2, 0])),
+    "counts-negative": (np.array([1, 2]), np.array([3, -1])),
+    "counts-float": (np.array([1, 2]), np.array([1.0, 1.0])),
+    "counts-2d": (np.array([1, 2]), np.array([[1, 1]])),
+    "sum-too-small": (np.array([1, 2]), np.array([2, 1])),
+    "sum-too-large": (np.array([1, 2, 3, 4]), np.array([2, 1])),
+    "tokens-2d": (np.array([[1, 2], [3, 4]]), np.array([2, 2])),
+    "tokens-float": (np.array([1.0, 2.0, 3.0]), np.array([2, 1])),
+    "tokens-negative": (np.array([1, -2, 3]), np.array([2, 1])),
+}
+
+
+@pytest.mark.parametrize("toks,counts", list(BAD_FLAT_STEPS.values()), ids=list(BAD_FLAT_STEPS))
+def test_bad_flat_decode_step(bm, toks, counts):
+    check_raises(bm, InvalidTokensError, bm.decode_step, ["a", "b"], toks, num_new_tokens=counts,
+                 must_mention=["token"])
+
+
 def test_tokens_of_other_integer_dtypes_are_accepted(bm):
     bm.allocate("u8", np.array([1, 2, 3], dtype=np.uint8))
     bm.append_slots("u8", np.array([4], dtype=np.uint64))

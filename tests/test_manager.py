@@ -144,6 +144,30 @@ def test_decode_step_shapes_and_k_tokens():
     bm.check_invariants()
 
 
+@pytest.mark.parametrize("caching", [False, True])
+def test_flat_tokens_with_counts_equal_the_ragged_form(caching):
+    rng = np.random.default_rng(3)
+    ragged_bm = BlockManager(256, 4, enable_prefix_caching=caching, watermark=0)
+    flat_bm = BlockManager(256, 4, enable_prefix_caching=caching, watermark=0)
+    for bm in (ragged_bm, flat_bm):
+        for s in range(5):
+            bm.allocate(s, [s, 1, 2, 3, 4, 5][: 2 + s])
+    for step in range(12):
+        counts = rng.integers(1, 6, size=5)
+        ragged = [rng.integers(0, 100, size=int(c)).tolist() for c in counts]
+        a = ragged_bm.decode_step(list(range(5)), ragged, num_lookahead_slots=step % 3)
+        flat = np.concatenate([np.asarray(r) for r in ragged])
+        b = flat_bm.decode_step(list(range(5)), flat, num_lookahead_slots=step % 3, num_new_tokens=counts)
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x, y)
+        flat_bm.check_invariants()
+    # all counts 1: the flat form takes the one-token path
+    a = ragged_bm.decode_step(list(range(5)), [[7]] * 5)
+    b = flat_bm.decode_step(list(range(5)), np.full(5, 7), num_new_tokens=[1] * 5)
+    np.testing.assert_array_equal(a.slot_mapping, b.slot_mapping)
+    assert ragged_bm.num_cached_blocks == flat_bm.num_cached_blocks
+
+
 def test_decode_step_memo_follows_changes_of_the_batch():
     bm = BlockManager(64, 4)
     for s in "abc":

@@ -443,7 +443,7 @@ class PagedKVMachine(RuleBasedStateMachine):
         if not gpu_ids:
             return self.bootstrap(data)
         sids = data.draw(st.lists(st.sampled_from(gpu_ids), unique=True, max_size=len(gpu_ids)), label="batch")
-        form = data.draw(st.sampled_from(["1d", "1d", "list", "2d", "ragged"]), label="form")
+        form = data.draw(st.sampled_from(["1d", "1d", "list", "2d", "ragged", "flat"]), label="form")
         la = data.draw(st.sampled_from([0, 0, 0, 1, 2, 5]), label="lookahead")
         b = len(sids)
         if form in ("1d", "list"):
@@ -459,6 +459,8 @@ class PagedKVMachine(RuleBasedStateMachine):
             toks = list(flat)
         elif form == "2d":
             toks = np.asarray(flat, dtype=np.int64).reshape(b, counts[0] if b else 1)
+        elif form == "flat":  # flat tokens + num_new_tokens
+            toks = np.asarray(flat, dtype=np.int64)
         else:
             toks, i = [], 0
             for k in counts:
@@ -468,12 +470,13 @@ class PagedKVMachine(RuleBasedStateMachine):
             res = self.bm.decode_step([], np.zeros(0, dtype=np.int64), la)
             assert res.slot_mapping.size == 0 and res.block_tables.shape[0] == 0
             return
-        if form != "ragged":
+        if form not in ("ragged", "flat"):
             can = self.bm.can_append_slots(sids, la, num_new_tokens=counts[0])
             assert can == self.plan(sids, counts, la)[0], "can_append_slots disagrees with the model"
+        kw = {"num_new_tokens": np.asarray(counts)} if form == "flat" else {}
 
         def call():
-            r = self.bm.decode_step(sids, toks, la)
+            r = self.bm.decode_step(sids, toks, la, **kw)
             return r.slot_mapping, r.block_tables, r.seq_lens, r.cow
 
         call.__name__ = "decode_step"

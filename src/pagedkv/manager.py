@@ -420,11 +420,14 @@ class BlockManager:
         res = self._append(rows, np.array([arr.size], dtype=np.int64), arr, la, tables=False)
         return [(int(s), int(d)) for s, d in res.cow]
 
-    def decode_step(self, seq_ids: Sequence[Hashable], token_ids: object, num_lookahead_slots: int = 0) -> StepResult:
+    def decode_step(self, seq_ids: Sequence[Hashable], token_ids: object, num_lookahead_slots: int = 0, *,
+                    num_new_tokens: object = None) -> StepResult:
         """The batched hot path: append new tokens to every sequence of a batch in one call.
 
         ``token_ids``: shape ``(B,)`` (one token per sequence), ``(B, k)``, or a ragged list of B token lists
-        (speculative decoding with a different number of accepted tokens per sequence). Reserves
+        (speculative decoding with a different number of accepted tokens per sequence). A ragged batch can also
+        come flat, as an engine's sampler produces it: ``token_ids`` 1-D with sequence 0's tokens first and
+        ``num_new_tokens`` (B,) the count of each sequence (>= 1); this skips converting Python lists. Reserves
         ``num_lookahead_slots`` empty slots after each sequence's tokens. Returns :class:`StepResult`:
 
         - ``slot_mapping`` int64 (total new tokens,): slot of each new token, sequence 0's tokens first;
@@ -441,7 +444,9 @@ class BlockManager:
         """
         rows = self._rows(seq_ids)
         b = rows.size
-        if type(token_ids) is np.ndarray and token_ids.ndim == 1 and token_ids.size == b:
+        if num_new_tokens is not None:
+            arr, counts = self._flat_tokens(token_ids, num_new_tokens, b)
+        elif type(token_ids) is np.ndarray and token_ids.ndim == 1 and token_ids.size == b:
             arr, counts = token_ids, None  # the common case: one token each
         else:
             arr, counts = self._batch_tokens(token_ids, b)
@@ -658,6 +663,21 @@ class BlockManager:
             t = np.full((self._table.shape[0], max(n, 2 * cols)), NULL_BLOCK, dtype=np.int32)
             t[:, :cols] = self._table
             self._table = t
+
+    @staticmethod
+    def _flat_tokens(token_ids: object, num_new_tokens: object, b: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Validate a flat batch (tokens, counts); counts None when every sequence gets exactly one token."""
+        counts = np.asarray(num_new_tokens)
+        if counts.ndim != 1 or counts.size != b or (b and counts.dtype.kind not in "iu"):
+            raise InvalidTokensError(f"num_new_tokens must be {b} integers, got {counts.dtype} of shape {counts.shape}")
+        if b and counts.min() < 1:
+            raise InvalidTokensError("every sequence of the batch needs at least one new token")
+        arr = np.asarray(token_ids)
+        if arr.ndim != 1:
+            raise InvalidTokensError(f"with num_new_tokens, token_ids must be 1-D, got shape {arr.shape}")
+        if arr.size != counts.sum():
+            raise InvalidTokensError(f"got {arr.size} tokens for num_new_tokens summing to {counts.sum()}")
+        return arr, (None if arr.size == b else counts.astype(np.int64, copy=False))
 
     @staticmethod
     def _batch_tokens(token_ids: object, b: int) -> tuple[np.ndarray, np.ndarray | None]:

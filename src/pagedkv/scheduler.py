@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
+from itertools import chain
 from dataclasses import dataclass
 from typing import Any, Hashable, NamedTuple, Sequence as Seq
 
@@ -553,20 +554,24 @@ class Scheduler:
             else:
                 ok = bm.can_append_slots(ids, k, num_new_tokens=max(qs))
             if ok:
+                counts_arg = None
                 if uniform:
                     token_arg: Any = np.array(toks, dtype=np.int64)
                 else:
+                    ragged = [[t] if isinstance(t, int) else t for t in toks]
                     q0 = qs[0]
                     if q0 > 0 and all(q == q0 for q in qs):
-                        token_arg = np.array(
-                            [[t] if isinstance(t, int) else t for t in toks], dtype=np.int64
-                        ).reshape(len(ids), q0)
-                    else:
-                        token_arg = [[t] if isinstance(t, int) else t for t in toks]
+                        token_arg = np.array(ragged, dtype=np.int64).reshape(len(ids), q0)
+                    else:  # flat tokens + counts: the block manager need not convert Python lists
+                        token_arg = np.fromiter(chain.from_iterable(ragged), dtype=np.int64, count=sum(qs))
+                        counts_arg = np.array(qs, dtype=np.int64)
                 if self._prepare is not None:
-                    self._prepare(ids, token_arg)
+                    self._prepare(ids, token_arg if counts_arg is None else ragged)
                 try:
-                    result = bm.decode_step(ids, token_arg, k)
+                    if counts_arg is None:
+                        result = bm.decode_step(ids, token_arg, k)
+                    else:
+                        result = bm.decode_step(ids, token_arg, k, num_new_tokens=counts_arg)
                     break
                 except OutOfBlocksError:
                     pass
@@ -600,14 +605,8 @@ class Scheduler:
             query_lens = np.ones(B, dtype=np.int32)
         else:
             query_lens = np.array(qs, dtype=np.int32)
-            flat: list[int] = []
-            for t in toks:
-                if isinstance(t, int):
-                    flat.append(t)
-                else:
-                    flat.extend(t)
-            input_tokens = np.array(flat, dtype=np.int64)
-            T = len(flat)
+            input_tokens = token_arg.reshape(-1)  # (B, q) or already flat
+            T = input_tokens.size
             offsets = np.cumsum(query_lens, dtype=np.int64) - query_lens
             positions = (np.arange(T, dtype=np.int64) - np.repeat(offsets, query_lens)
                          + np.repeat(np.array(starts, dtype=np.int64), query_lens))

@@ -167,7 +167,8 @@ class NanoVllmAnchor(AnchorAdapter):
         self._key = seq_ids
         self._prepared = True
 
-    def decode_step(self, seq_ids: Seq[int], token_ids: Any = None, num_lookahead_slots: int = 0) -> AnchorStep:
+    def decode_step(self, seq_ids: Seq[int], token_ids: Any = None, num_lookahead_slots: int = 0, *,
+                    num_new_tokens: Any = None) -> AnchorStep:
         """Timed: nano-vllm's scheduler block-manager calls for one decode step of the batch."""
         self._no_lookahead(num_lookahead_slots)
         seqs = self._batch if seq_ids is self._key else [self._seqs[s] for s in seq_ids]

@@ -278,7 +278,8 @@ class VllmV1Anchor(AnchorAdapter):
         self._n_new = counts
         self._prepared = True
 
-    def decode_step(self, seq_ids: Seq[int], token_ids: Any = None, num_lookahead_slots: int = 0) -> AnchorStep:
+    def decode_step(self, seq_ids: Seq[int], token_ids: Any = None, num_lookahead_slots: int = 0, *,
+                    num_new_tokens: Any = None) -> AnchorStep:
         """Timed: the KV-cache-manager calls of V1's scheduler for one decode step of the batch."""
         reqs = self._batch if seq_ids is self._key else [self._reqs[s] for s in seq_ids]
         km = self.km

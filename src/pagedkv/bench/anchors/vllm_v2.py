@@ -196,7 +196,8 @@ class VllmV2Anchor(AnchorAdapter):
         self._plan = self._make_plan(seq_ids)
         self._plan_key = seq_ids
 
-    def decode_step(self, seq_ids: Seq[int], token_ids: Any = None, num_lookahead_slots: int = 0) -> AnchorStep:
+    def decode_step(self, seq_ids: Seq[int], token_ids: Any = None, num_lookahead_slots: int = 0, *,
+                    num_new_tokens: Any = None) -> AnchorStep:
         """Timed: the block-manager calls of vLLM 0.6.3's scheduler for one decode step of the batch."""
         plan = self._plan if seq_ids is self._plan_key else self._make_plan(seq_ids)
         bm = self.bm
