@@ -452,7 +452,7 @@ class BlockManager:
             arr, counts = self._batch_tokens(token_ids, b)
         if arr.dtype.kind not in "iu":
             raise InvalidTokensError(f"token_ids must be integers, got dtype {arr.dtype}")
-        if arr.size and (arr.min() < 0 or arr.max() > _TOKEN_MAX):
+        if arr.size and np.count_nonzero(arr >> 31):  # negative or >= 2**31, in one pass
             raise InvalidTokensError("token_ids must lie in [0, 2**31)")
         la = num_lookahead_slots if type(num_lookahead_slots) is int and num_lookahead_slots >= 0 else \
             _check_int("num_lookahead_slots", num_lookahead_slots, 0)
@@ -789,7 +789,7 @@ class BlockManager:
         j, off = np.divmod(ntok, bs)  # the new token goes to table position j, offset off
         nb = self._nblk[rows]
         grow = j >= nb  # a new block is needed
-        written = self._table[rows, np.minimum(j, nb - 1)]
+        written = self._table[rows, j - grow]  # j <= nb: a growing row's last block stands in (it is replaced)
         ref_w = self._gpu._ref[written]
         if ref_w.max() > 1 and (ref_w[~grow] > 1).any():
             return None  # a shared block would be written: copy-on-write
@@ -816,7 +816,7 @@ class BlockManager:
             written[grow] = ids
         end = ntok + 1
         self._ntok[rows] = end
-        slots = written.astype(np.int64) * bs + off
+        slots = written * np.int64(bs) + off  # int64
         if self._cache is not None:
             self._cache.tok.reshape(-1)[slots] = tokens
         return StepResult(slots, self._table[rows, :width], end.astype(np.int32), _NO_COW)
