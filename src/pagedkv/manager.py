@@ -548,7 +548,8 @@ class BlockManager:
             c_new, g_new = uniq[copy_mask], gpu_ids[copy_mask]
             cache.tok[g_new] = self._cpu_tok[c_new]
             ident = self._cpu_id
-            for c, g in zip(c_new[ident[0, c_new] != 0].tolist(), g_new[ident[0, c_new] != 0].tolist()):
+            was_cached = ident[0, c_new] != 0
+            for c, g in zip(c_new[was_cached].tolist(), g_new[was_cached].tolist()):
                 cache.adopt(g, int(ident[0, c]), int(ident[1, c]) & _U64, int(ident[2, c]))
         self._swapped[rows] = False
         freed = uniq[self._cpu._ref[uniq] == 0]

@@ -567,11 +567,9 @@ class Scheduler:
                         counts_arg = np.array(qs, dtype=np.int64)
                 if self._prepare is not None:
                     self._prepare(ids, token_arg if counts_arg is None else ragged)
+                kw = {} if counts_arg is None else {"num_new_tokens": counts_arg}
                 try:
-                    if counts_arg is None:
-                        result = bm.decode_step(ids, token_arg, k)
-                    else:
-                        result = bm.decode_step(ids, token_arg, k, num_new_tokens=counts_arg)
+                    result = bm.decode_step(ids, token_arg, k, **kw)
                     break
                 except OutOfBlocksError:
                     pass
