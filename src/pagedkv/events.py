@@ -1,0 +1,57 @@
+"""KV cache events: what a KV-aware router learns about an engine's prefix cache.
+
+The types and field names are those of vLLM V1's KV events (``vllm.distributed.kv_events``), so a router
+written for vLLM (llm-d, NVIDIA Dynamo, SGLang's router) reads them unchanged once they are serialised in
+vLLM's layout (:mod:`pagedkv.server` does that). A block's hash is its prefix-cache key, the chained xxh3 of
+:func:`pagedkv.block_hashes`, so a router computes the keys of a prompt it has not routed yet from its tokens.
+
+``BlockManager(..., enable_kv_events=True)`` records them; ``BlockManager.take_events()`` returns, in order, and
+clears the events since the last call:
+
+- :class:`BlockStored`: blocks entered the prefix cache (a chain of consecutive blocks of one sequence:
+  ``block_hashes[i]`` is the parent of ``block_hashes[i + 1]``; ``parent_block_hash`` is the parent of the first,
+  None for the first block of a prompt). ``token_ids`` holds the tokens of every block, concatenated.
+- :class:`BlockRemoved`: blocks left the prefix cache (evicted, or withdrawn by ``free(seq, cache=False)``).
+- :class:`AllBlocksCleared`: ``reset_prefix_cache()``, or a resynchronisation after the buffer overflowed (it is
+  then followed by a :class:`BlockStored` for every block cached at that moment).
+
+``medium`` is ``"GPU"`` or ``"CPU"`` (the CPU tier of the prefix cache); ``namespace`` is the request's prefix-cache
+namespace (None for the default one: keys of different namespaces never coincide, the field only tells a router
+which tenant or adapter a block belongs to; vLLM's ``lora_id`` plays the same part and is kept for layout
+compatibility).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Union
+
+__all__ = ["BlockStored", "BlockRemoved", "AllBlocksCleared", "KVCacheEvent", "MEDIUM_GPU", "MEDIUM_CPU"]
+
+MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+
+
+class BlockStored(NamedTuple):
+    """A chain of blocks entered the prefix cache (see the module docstring)."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str = MEDIUM_GPU
+    namespace: object = None
+
+
+class BlockRemoved(NamedTuple):
+    """Blocks left the prefix cache of ``medium``."""
+
+    block_hashes: list[int]
+    medium: str = MEDIUM_GPU
+
+
+class AllBlocksCleared(NamedTuple):
+    """Every block left the prefix cache (reset, or the start of a resynchronisation after an overflow)."""
+
+
+KVCacheEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
