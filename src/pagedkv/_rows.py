@@ -81,10 +81,10 @@ class _Rows:
         return row
 
     def _drop_row(self, seq_id: Hashable, row: int) -> None:
-        self._table[row, : self._nblk[row]] = NULL_BLOCK
-        self._ntok[row] = self._nblk[row] = self._nrel[row] = self._nreg[row] = self._pend[row] = 0
-        self._swapped[row] = False
-        self._ccid[row] = self._ckey[row] = 0
+        ntok, nblk, _, swapped, _, nreg, pend, nrel, ccid, ckey = self._views()
+        self._table[row, : nblk[row]] = NULL_BLOCK
+        ntok[row] = nblk[row] = nrel[row] = nreg[row] = pend[row] = ccid[row] = ckey[row] = 0
+        swapped[row] = False
         del self._row_of[seq_id]
         self._seq_of[row] = self._ns_of[row] = None
         self._free_rows.append(row)

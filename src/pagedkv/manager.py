@@ -44,7 +44,7 @@ from ._checks import as_tokens as _as_tokens, batch_tokens, check_int as _check_
 from ._invariants import _Invariants
 from ._registry import _Registry
 from ._rows import _EMPTY_I64, _Rows
-from ._small import _Small
+from ._small import SMALL_BATCH, _Small
 from ._step import _Stepper
 from ._swap import _Swapper
 from ._window import _Window
@@ -354,15 +354,7 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Invar
         prow = self._row(parent_seq_id)
         self._check_new_id(child_seq_id)
         crow = self._new_row(child_seq_id)
-        nb = int(self._nblk[prow])
-        for arr in (self._ntok, self._nblk, self._nrel, self._nreg, self._swapped, self._ccid, self._ckey):
-            arr[crow] = arr[prow]
-        self._pend[prow] = self._pend[crow] = self._nreg[prow]  # the parent's KV is written (it is forked)
-        self._ns_of[crow] = self._ns_of[prow]
-        self._table[crow, :nb] = self._table[prow, :nb]
-        blocks = self._table[prow, int(self._nrel[prow]) : nb]
-        pool = self._cpu if self._swapped[prow] else self._gpu
-        pool._ref[blocks] += 1
+        self._fork_row(prow, crow)
 
 
     def free(self, seq_id: Hashable, *, cache: bool = True) -> None:
@@ -382,12 +374,10 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Invar
         row = self._row(seq_id)
         if not cache and self._cache is not None and not self._swapped[row]:
             self._withdraw_pending(seq_id, row)  # may raise; changes nothing then
-        nb, nrel = int(self._nblk[row]), int(self._nrel[row])
-        blocks = self._table[row, nrel:nb][::-1].copy()
         if self._swapped[row]:
-            self._release_cpu(blocks)
+            self._release_cpu(self._table[row, self._nrel[row] : self._nblk[row]][::-1].copy())
         else:
-            self._release_gpu(blocks)
+            self._release_row(row)
         self._drop_row(seq_id, row)
 
     # ------------------------------------------------------------------ appending (the per-step path)
@@ -406,6 +396,11 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Invar
         """Append ``token_ids`` (whose KV the engine is about to write) to one sequence and reserve
         ``num_lookahead_slots`` empty slots after them. Returns the copy-on-write pairs (src, dst) to copy before
         writing. A convenience over :meth:`decode_step`; raises OutOfBlocksError (changing nothing) when full."""
+        if num_lookahead_slots == 0 and self._window is None and type(num_lookahead_slots) is int:
+            toks = self._small_tokens(token_ids, 1) if len(token_ids) == 1 else None
+            got = self._step_small([seq_id], toks) if toks is not None else None
+            if got is not None:  # the plain-Python path (see _small.py)
+                return got[2]
         rows = self._rows([seq_id])
         arr = _as_tokens(token_ids)
         la = _check_int("num_lookahead_slots", num_lookahead_slots, 0)
@@ -429,11 +424,19 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Invar
 
         Blocks for the step come from the free ring (oldest first), then from evicting LRU cached blocks;
         copy-on-write destinations are taken before new blocks. All or nothing: raises OutOfBlocksError and
-        changes nothing if the step does not fit (check with :meth:`can_append_slots`). Prefix caching: full
-        blocks whose KV the previous step wrote enter the cache here. Sliding window: blocks no query of this
-        step can see are released first. O(B) numpy work, plus O(1) C-level work per block that fills (its
-        key and map entry) and O(1) Python work per block released by the window or evicted.
+        changes nothing if the step does not fit (check with :meth:`can_append_slots`). Prefix caching: the
+        blocks this step fills enter the cache before it returns (burst sharing). Sliding window: blocks no
+        query of this step can see are released first. O(B) numpy work, plus O(1) C-level work per block that
+        fills (its key and map entry) and O(1) Python work per block released by the window or evicted; up to
+        ``SMALL_BATCH`` sequences with one token each take a plain-Python path of the same semantics (numpy's
+        fixed costs dominate there).
         """
+        if num_new_tokens is None and num_lookahead_slots == 0 and self._window is None and \
+                0 < len(seq_ids) <= SMALL_BATCH and type(num_lookahead_slots) is int:
+            toks = self._small_tokens(token_ids, len(seq_ids))
+            got = self._step_small(seq_ids, toks) if toks is not None else None
+            if got is not None:  # the plain-Python path for small batches (see _small.py)
+                return self._small_result(*got)
         rows = self._rows(seq_ids)
         b = rows.size
         if num_new_tokens is not None:
