@@ -251,8 +251,9 @@ def format_table(docs: Sequence[dict]) -> str:
                         cells.append("-")
                         continue
                     r = rs[0]
-                    cells.append(f"{r['ratio']['median']:.2f} [{r['ratio']['min']:.2f}-{r['ratio']['max']:.2f}] "
-                                 f"({r['ratio_vs_bm_only']['median']:.2f})")
+                    q = r["ratio"]
+                    cells.append(f"{q['median']:.3g} [{q['min']:.3g}-{q['max']:.3g}] "
+                                 f"({r['ratio_vs_bm_only']['median']:.3g})")
                 out.append(f"| {b} | " + " | ".join(cells) + " |")
             out.append("")
     return "\n".join(out).rstrip() + "\n"
