@@ -114,6 +114,15 @@ def _cases(n: int):
         tok = [5]
         return lambda: bm.append_slots(0, tok)
 
+    def append_cow():  # each call: a child's first token into the partial block it shares with its parent
+        bm = BlockManager(8 * n + 64, 16)
+        bm.allocate(0, list(range(20)))
+        for c in range(1, 4 * n + 1000):
+            bm.fork(0, c)
+        it = iter(range(1, 10**9))
+        tok = [5]
+        return lambda: bm.append_slots(next(it), tok)
+
     def allocate():
         bm = BlockManager(4 * n * 2 + 64, 16)
         prompt = list(range(20))
@@ -135,7 +144,8 @@ def _cases(n: int):
         return lambda: bm.free(next(it))
 
     return {"decode_step B=1, caching off": decode1(False), "decode_step B=1, caching on": decode1(True),
-            "append_slots(seq, [tok])": append, "allocate(20 tokens)": allocate, "fork": fork, "free": free}
+            "append_slots(seq, [tok])": append,
+            "append_slots with copy-on-write": append_cow, "allocate(20 tokens)": allocate, "fork": fork, "free": free}
 
 
 def main(argv=None) -> int:
