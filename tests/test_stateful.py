@@ -102,6 +102,7 @@ class PagedKVMachine(RuleBasedStateMachine):
     PREFIX = False
     WINDOW = False
     MAX_EVENTS = 100_000
+    SMALL_PATH = True  # small batches take the plain-Python step (False: always the vectorised one)
 
     # ------------------------------------------------------------------ setup
     @initialize(
@@ -120,6 +121,8 @@ class PagedKVMachine(RuleBasedStateMachine):
             enable_kv_events=self.PREFIX, max_kv_events=self.MAX_EVENTS,
         )
         self.index: set[int] = set()  # block hashes a router knows, fed only by KV events
+        if not self.SMALL_PATH:
+            self.bm._small_batch = 0  # drive the vectorised step on small batches too
         self.seqs: dict[object, MSeq] = {}
         self.next_id = 0
         self.intern: dict[tuple, int] = {}
@@ -770,9 +773,10 @@ class PagedKVMachine(RuleBasedStateMachine):
                     )
 
 
-def _machine(prefix: bool, window: bool, max_events: int = 100_000):
-    name = f"Machine_{'cache' if prefix else 'nocache'}_{'window' if window else 'full'}_{max_events}"
-    cls = type(name, (PagedKVMachine,), {"PREFIX": prefix, "WINDOW": window, "MAX_EVENTS": max_events})
+def _machine(prefix: bool, window: bool, max_events: int = 100_000, small: bool = True):
+    name = f"Machine_{'cache' if prefix else 'nocache'}_{'window' if window else 'full'}_{max_events}_{small}"
+    cls = type(name, (PagedKVMachine,), {"PREFIX": prefix, "WINDOW": window, "MAX_EVENTS": max_events,
+                                         "SMALL_PATH": small})
     cls.TestCase.settings = settings(
         max_examples=EXAMPLES,
         stateful_step_count=STEPS,
@@ -787,6 +791,10 @@ TestNoCacheWindow = _machine(False, True).TestCase
 TestCacheFull = _machine(True, False).TestCase
 TestCacheWindow = _machine(True, True).TestCase
 TestCacheEventOverflow = _machine(True, False, max_events=3).TestCase  # overflows often: resyncs keep the index exact
+# the same operation sequences through the vectorised step only (the machines above take the plain-Python step
+# for small batches without a window)
+TestNoCacheFullVectorised = _machine(False, False, small=False).TestCase
+TestCacheFullVectorised = _machine(True, False, small=False).TestCase
 
 
 # ---------------------------------------------------------------------- regressions found by the machine above

@@ -9,6 +9,7 @@ import numpy as np
 from .errors import InvalidArgumentError, InvalidTokensError
 
 _TOKEN_MAX = 2**31 - 1
+_INT = {int}
 
 
 def check_int(name: str, value: object, minimum: int) -> int:
@@ -22,6 +23,9 @@ def check_int(name: str, value: object, minimum: int) -> int:
 
 def as_tokens(token_ids: object, what: str = "token_ids") -> np.ndarray:
     """Validate a 1-D sequence of token ids and return it as int32."""
+    if type(token_ids) is list and 0 < len(token_ids) <= 512 and set(map(type, token_ids)) == _INT:
+        if min(token_ids) >= 0 and max(token_ids) <= _TOKEN_MAX:  # a short list of ints: no numpy reductions
+            return np.array(token_ids, dtype=np.int32)
     arr = token_ids if isinstance(token_ids, np.ndarray) else np.asarray(token_ids)
     if arr.ndim != 1:
         raise InvalidTokensError(f"{what} must be a 1-D sequence of ints, got shape {arr.shape}")

@@ -81,8 +81,13 @@ class _Rows:
         return row
 
     def _drop_row(self, seq_id: Hashable, row: int) -> None:
-        ntok, nblk, _, swapped, _, nreg, pend, nrel, ccid, ckey = self._views()
-        self._table[row, : nblk[row]] = NULL_BLOCK
+        ntok, nblk, table, swapped, _, nreg, pend, nrel, ccid, ckey = self._views()
+        nb = nblk[row]
+        if nb <= 4:
+            for c in range(nb):
+                table[row, c] = NULL_BLOCK
+        else:
+            self._table[row, :nb] = NULL_BLOCK
         ntok[row] = nblk[row] = nrel[row] = nreg[row] = pend[row] = ccid[row] = ckey[row] = 0
         swapped[row] = False
         del self._row_of[seq_id]
@@ -101,6 +106,7 @@ class _Rows:
         t = np.full((new, self._table.shape[1]), NULL_BLOCK, dtype=np.int32)
         t[:old] = self._table
         self._table = t
+        self._mvs = None  # the plain-Python paths' memoryviews point at the old arrays
         self._seq_of.extend([None] * (new - old))
         self._ns_of.extend([None] * (new - old))
         self._free_rows.extend(range(new - 1, old - 1, -1))
@@ -111,4 +117,5 @@ class _Rows:
             t = np.full((self._table.shape[0], max(n, 2 * cols)), NULL_BLOCK, dtype=np.int32)
             t[:, :cols] = self._table
             self._table = t
+            self._mvs = None
 

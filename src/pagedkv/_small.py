@@ -35,8 +35,8 @@ class _Small:
 
     def _views(self) -> tuple:
         """Memoryviews of the row arrays and the GPU refcounts (rebuilt after the row arrays grow)."""
-        mvs = self._mvs
-        if mvs is None or mvs[0].obj is not self._ntok or mvs[2].obj is not self._table:
+        mvs = self._mvs  # reset to None wherever the row arrays or the table are reallocated
+        if mvs is None:
             mvs = self._mvs = (memoryview(self._ntok), memoryview(self._nblk), memoryview(self._table),
                                memoryview(self._swapped), memoryview(self._gpu._ref), memoryview(self._nreg),
                                memoryview(self._pend), memoryview(self._nrel), memoryview(self._ccid),
@@ -56,7 +56,10 @@ class _Small:
                     return None
         else:
             return None
-        if min(toks) < 0 or max(toks) > _TOKEN_MAX:
+        if b == 1:
+            if not 0 <= toks[0] <= _TOKEN_MAX:
+                return None
+        elif min(toks) < 0 or max(toks) > _TOKEN_MAX:
             return None
         return toks
 
@@ -68,7 +71,7 @@ class _Small:
             rows = [row_of[s] for s in seq_ids]
         except (KeyError, TypeError):
             return None
-        if len(set(rows)) != len(rows):
+        if len(rows) > 1 and len(set(rows)) != len(rows):
             return None
         ntok, nblk, table, swapped, ref, nreg, pend = self._views()[:7]
         bs = self._bs
@@ -90,14 +93,17 @@ class _Small:
                     shared = {}
                 shared[w] = shared.get(w, 0) + 1
         cows = []  # batch positions that copy, in batch order
-        if shared is not None:
+        if shared is not None and len(rows) == 1:
+            cows = [0]  # one writer of a block held by others: it copies
+        elif shared is not None:
             keeper = {w: None for w, c in shared.items() if c == ref[w]}  # every holder writes it
             for i in range(len(rows) - 1, -1, -1):  # the last writer in batch order keeps the original
                 w = written[i]
                 if w in keeper and keeper[w] is None:
                     keeper[w] = i
             cows = [i for i, w in enumerate(written) if w in shared and keeper.get(w) != i]
-        if n_grow + len(cows) > self.num_free_gpu_blocks:
+        need = n_grow + len(cows)
+        if need and need > self.num_free_gpu_blocks:
             return None
         # ---- mutation: nothing below can fail
         take = self._take_one
@@ -115,10 +121,10 @@ class _Small:
         if pairs:
             self._cow_copies += len(pairs)
         if n_grow:
-            need = max(nblk[r] for r in rows) + 1
+            need = max([nblk[r] for r in rows]) + 1
             if need > self._table.shape[1]:
                 self._ensure_cols(need)
-                table = self._views()[2]
+                table = self._views()[2]  # (_ensure_cols dropped the old views)
             for i, r in enumerate(rows):
                 if written[i] < 0:
                     j = ntok[r] // bs

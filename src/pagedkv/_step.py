@@ -202,6 +202,9 @@ class _Stepper:
     def _take(self, n: int) -> np.ndarray:
         """``n`` GPU blocks with refcount 1: from the free ring first, then by evicting LRU cached blocks."""
         pool = self._gpu
+        if n <= 4:  # a few blocks: element by element beats numpy's fixed costs
+            take = self._take_one
+            return np.array([take() for _ in range(n)], dtype=np.int32)
         k = min(n, pool._nfree)
         ids = pool.take(k)
         if k < n:

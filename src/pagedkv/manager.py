@@ -129,6 +129,7 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Invar
         self._swapped = np.zeros(0, dtype=bool)
         self._table = np.full((0, 4), NULL_BLOCK, dtype=np.int32)
         # one-entry memo of the last batch: seq_ids list -> validated rows
+        self._small_batch = SMALL_BATCH  # batches up to this size take the plain-Python step (0: never)
         self._memo_ids: list | None = None
         self._memo_rows = _EMPTY_I64
         self._cow_copies = self._swapped_out = self._swapped_in = 0
@@ -314,7 +315,7 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Invar
         chain = (0, 0)
         if root is not None:
             hits, chain = self._lookup(arr, root)
-        ref = self._gpu._ref
+        ref = self._gpu._ref_mv
         reused_free = sum(1 for b in hits if ref[b] == 0)
         if nblocks - len(hits) + reused_free > self.num_free_gpu_blocks:
             raise OutOfBlocksError(
@@ -396,8 +397,9 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Invar
         """Append ``token_ids`` (whose KV the engine is about to write) to one sequence and reserve
         ``num_lookahead_slots`` empty slots after them. Returns the copy-on-write pairs (src, dst) to copy before
         writing. A convenience over :meth:`decode_step`; raises OutOfBlocksError (changing nothing) when full."""
-        if num_lookahead_slots == 0 and self._window is None and type(num_lookahead_slots) is int:
-            toks = self._small_tokens(token_ids, 1) if len(token_ids) == 1 else None
+        if num_lookahead_slots == 0 and self._small_batch and self._window is None and \
+                type(num_lookahead_slots) is int:
+            toks = self._small_tokens(token_ids, 1)
             got = self._step_small([seq_id], toks) if toks is not None else None
             if got is not None:  # the plain-Python path (see _small.py)
                 return got[2]
@@ -432,7 +434,7 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Invar
         fixed costs dominate there).
         """
         if num_new_tokens is None and num_lookahead_slots == 0 and self._window is None and \
-                0 < len(seq_ids) <= SMALL_BATCH and type(num_lookahead_slots) is int:
+                0 < len(seq_ids) <= self._small_batch and type(num_lookahead_slots) is int:
             toks = self._small_tokens(token_ids, len(seq_ids))
             got = self._step_small(seq_ids, toks) if toks is not None else None
             if got is not None:  # the plain-Python path for small batches (see _small.py)
