@@ -23,9 +23,10 @@ def check_int(name: str, value: object, minimum: int) -> int:
 
 def as_tokens(token_ids: object, what: str = "token_ids") -> np.ndarray:
     """Validate a 1-D sequence of token ids and return it as int32."""
-    if type(token_ids) is list and 0 < len(token_ids) <= 512 and set(map(type, token_ids)) == _INT:
-        if min(token_ids) >= 0 and max(token_ids) <= _TOKEN_MAX:  # a short list of ints: no numpy reductions
-            return np.array(token_ids, dtype=np.int32)
+    if type(token_ids) is list and 0 < len(token_ids) <= 512:  # a short list: Python reductions beat numpy's
+        arr = np.array(token_ids)
+        if arr.dtype.kind in "iu" and arr.ndim == 1 and min(token_ids) >= 0 and max(token_ids) <= _TOKEN_MAX:
+            return arr.astype(np.int32)
     arr = token_ids if isinstance(token_ids, np.ndarray) else np.asarray(token_ids)
     if arr.ndim != 1:
         raise InvalidTokensError(f"{what} must be a 1-D sequence of ints, got shape {arr.shape}")
@@ -36,6 +37,14 @@ def as_tokens(token_ids: object, what: str = "token_ids") -> np.ndarray:
     if arr.min() < 0 or arr.max() > _TOKEN_MAX:
         raise InvalidTokensError(f"{what} must lie in [0, 2**31), got min {arr.min()} max {arr.max()}")
     return arr.astype(np.int32, copy=False)
+
+
+def token_count(token_ids: list) -> int:
+    """``len(token_ids)`` of a list that :func:`as_tokens` would accept (checked in Python for short lists)."""
+    if 0 < len(token_ids) <= 512 and set(map(type, token_ids)) == _INT:
+        if min(token_ids) >= 0 and max(token_ids) <= _TOKEN_MAX:
+            return len(token_ids)
+    return as_tokens(token_ids).size  # raises the precise error (or accepts a long list)
 
 
 def flat_tokens(token_ids: object, num_new_tokens: object, b: int) -> tuple[np.ndarray, np.ndarray | None]:

@@ -88,7 +88,8 @@ class _Rows:
                 table[row, c] = NULL_BLOCK
         else:
             self._table[row, :nb] = NULL_BLOCK
-        ntok[row] = nblk[row] = nrel[row] = nreg[row] = pend[row] = ccid[row] = ckey[row] = 0
+        # allocate sets ntok, nblk, nreg, pend and the chain; fork copies every field: only these must be reset
+        nrel[row] = ccid[row] = 0
         swapped[row] = False
         del self._row_of[seq_id]
         self._seq_of[row] = self._ns_of[row] = None

@@ -18,7 +18,7 @@ import numpy as np
 
 from .types import StepResult
 
-SMALL_BATCH = 8
+SMALL_BATCH = 16
 """Batches of at most this many sequences take the plain-Python step (the measured crossover: see README)."""
 SMALL_TABLE = 16
 """Tables of at most this many blocks are forked and released element by element."""
@@ -132,66 +132,70 @@ class _Small:
                     table[r, j] = b
                     nblk[r] = j + 1
         slots = []
+        lens = []
         if cache is None:
             for r, w in zip(rows, written):
                 n = ntok[r]
                 slots.append(w * bs + n % bs)
-                ntok[r] = n + 1
+                ntok[r] = n = n + 1
+                lens.append(n)
         else:
-            tok = cache.tok
+            tok = cache._tok_mv
             for r, w, t in zip(rows, written, toks):
                 n = ntok[r]
                 off = n % bs
                 slots.append(w * bs + off)
                 ntok[r] = n + 1
+                lens.append(n + 1)
                 tok[w, off] = t
                 pend[r] = nreg[r]  # this call confirms the row's earlier KV
                 if off == bs - 1:  # the block is full: cache it now (burst sharing)
                     self._register(r)
-        return rows, slots, pairs
+        return rows, slots, pairs, lens
 
-    def _small_result(self, rows: list, slots: list, pairs: list) -> StepResult:
+    def _small_result(self, rows: list, slots: list, pairs: list, lens: list) -> StepResult:
         """The StepResult of a small step: slot mapping, padded block tables, lengths, copy-on-write pairs."""
-        nblk, ntok = self._nblk, self._ntok
+        nblk = self._mvs[1]
         if len(rows) == 1:
             r = rows[0]
             tables = self._table[r : r + 1, : nblk[r]].copy()
-            lens = np.array([ntok[r]], dtype=np.int32)
         else:
-            ra = np.array(rows)
-            tables = self._table.take(ra, axis=0)[:, : nblk[ra].max()]
-            lens = ntok[ra].astype(np.int32)
+            tables = self._table.take(rows, axis=0)[:, : max([nblk[r] for r in rows])]  # (cheapest for a few rows)
         cow = np.array(pairs, dtype=np.int64) if pairs else _NO_COW
-        return StepResult(np.array(slots, dtype=np.int64), tables, lens, cow)
+        return StepResult(np.array(slots, dtype=np.int64), tables, np.array(lens, dtype=np.int32), cow)
 
     def _fork_row(self, prow: int, crow: int) -> None:
         """Copy row ``prow`` into the new row ``crow`` and add the child's references (element by element up to
         ``SMALL_TABLE`` blocks, vectorised beyond)."""
-        ntok, nblk, table, swapped, ref, nreg, pend, nrel, ccid, ckey = self._views()
-        for mv in (ntok, nblk, nrel, nreg, swapped, ccid, ckey):
-            mv[crow] = mv[prow]
-        pend[prow] = pend[crow] = nreg[prow]  # the parent's KV is written (it is forked)
-        self._ns_of[crow] = self._ns_of[prow]
+        ntok, nblk, table, swapped, ref, nreg, pend, nrel, ccid, ckey = self._mvs or self._views()
+        ntok[crow], nblk[crow], nrel[crow], swapped[crow] = ntok[prow], nblk[prow], nrel[prow], swapped[prow]
+        if self._cache is not None:  # (without a cache the chain fields stay 0)
+            nreg[crow], ccid[crow], ckey[crow] = nreg[prow], ccid[prow], ckey[prow]
+            pend[prow] = pend[crow] = nreg[prow]  # the parent's KV is written (it is forked)
+            self._ns_of[crow] = self._ns_of[prow]
         nb, a = nblk[prow], nrel[prow]
-        self._table[crow, :nb] = self._table[prow, :nb]
-        if swapped[prow]:
-            self._cpu._ref[self._table[prow, a:nb]] += 1
-        elif nb - a <= SMALL_TABLE:
-            for c in range(a, nb):
-                ref[table[prow, c]] += 1
-        else:
-            self._gpu._ref[self._table[prow, a:nb]] += 1
-
-    def _release_row(self, row: int) -> None:
-        """Release the GPU blocks of a row, tail first (as :meth:`_release_gpu`), element by element up to
-        ``SMALL_TABLE`` blocks."""
-        ntok, nblk, table, swapped, ref = self._views()[:5]
-        a, z = self._nrel[row], nblk[row]
-        if z - a > SMALL_TABLE:
-            self._release_gpu(self._table[row, a:z][::-1].copy())
+        if nb <= SMALL_TABLE and not swapped[prow]:
+            for c in range(nb):
+                b = table[prow, c]
+                table[crow, c] = b
+                if c >= a:
+                    ref[b] += 1
             return
+        self._table[crow, :nb] = self._table[prow, :nb]
+        pool = self._cpu if swapped[prow] else self._gpu
+        pool._ref[self._table[prow, a:nb]] += 1
+
+    def _free_small(self, seq_id, row: int) -> bool:
+        """free() of a GPU-resident row of at most ``SMALL_TABLE`` blocks, element by element: release its blocks
+        tail first (as :meth:`_release_gpu`) and drop the row (as :meth:`_drop_row`). False (nothing done)
+        for any other row."""
+        ntok, nblk, table, swapped, ref, nreg, pend, nrel, ccid, ckey = self._mvs or self._views()
+        a, z = nrel[row], nblk[row]
+        if z > SMALL_TABLE or swapped[row]:
+            return False
         cache, pool = self._cache, self._gpu
         cid = cache._cid_mv if cache is not None else None
+        ring, size = pool._ring_mv, pool.num_blocks
         for c in range(z - 1, a - 1, -1):
             b = table[row, c]
             n = ref[b] - 1
@@ -199,8 +203,17 @@ class _Small:
             if n == 0:
                 if cid is not None and cid[b]:
                     cache.evictor.push(b)
-                else:
-                    pool.give_one(b)
+                else:  # BlockPool.give_one, inlined
+                    ring[(pool._head + pool._nfree) % size] = b
+                    pool._nfree += 1
+        for c in range(z):
+            table[row, c] = -1  # NULL_BLOCK
+        nrel[row] = ccid[row] = 0  # the fields allocate does not set (fork sets them all)
+        del self._row_of[seq_id]
+        self._seq_of[row] = self._ns_of[row] = None
+        self._free_rows.append(row)
+        self._memo_ids = None
+        return True
 
     def _take_one(self) -> int:
         """One GPU block with refcount 1: the oldest free block, else the LRU cached one (evicted)."""

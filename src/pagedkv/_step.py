@@ -203,6 +203,8 @@ class _Stepper:
         """``n`` GPU blocks with refcount 1: from the free ring first, then by evicting LRU cached blocks."""
         pool = self._gpu
         if n <= 4:  # a few blocks: element by element beats numpy's fixed costs
+            if n <= pool._nfree:
+                return np.array(pool.take_few(n), dtype=np.int32)
             take = self._take_one
             return np.array([take() for _ in range(n)], dtype=np.int32)
         k = min(n, pool._nfree)

@@ -40,7 +40,7 @@ from typing import Hashable, Iterable, Sequence
 
 import numpy as np
 
-from ._checks import as_tokens as _as_tokens, batch_tokens, check_int as _check_int, flat_tokens
+from ._checks import as_tokens as _as_tokens, batch_tokens, check_int as _check_int, flat_tokens, token_count
 from ._invariants import _Invariants
 from ._registry import _Registry
 from ._rows import _EMPTY_I64, _Rows
@@ -297,14 +297,18 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Invar
         now (admission control with the watermark is :meth:`can_allocate`'s job). O(prompt blocks).
         """
         self._check_new_id(seq_id)
-        arr = _as_tokens(token_ids)
         # a new namespace's root is interned only once the allocation succeeds
         if self._cache is None:
-            _encode_namespace(namespace)  # validate it all the same
+            # without a cache only the count matters: a short list is checked in Python, never converted
+            n = token_count(token_ids) if type(token_ids) is list else _as_tokens(token_ids).size
+            if namespace is not None:
+                _encode_namespace(namespace)  # validate it all the same
             root = None
         else:
+            arr = _as_tokens(token_ids)
+            n = arr.size
             root = self._cache.root(namespace, intern=False)
-        n, bs = arr.size, self._bs
+        bs = self._bs
         nblocks = -(-n // bs)
         if nblocks > self._gpu.num_blocks - self._watermark_blocks:
             raise PromptTooLongError(
@@ -316,8 +320,9 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Invar
         if root is not None:
             hits, chain = self._lookup(arr, root)
         ref = self._gpu._ref_mv
-        reused_free = sum(1 for b in hits if ref[b] == 0)
-        if nblocks - len(hits) + reused_free > self.num_free_gpu_blocks:
+        reused_free = sum(1 for b in hits if ref[b] == 0) if hits else 0
+        if nblocks - len(hits) + reused_free > self._gpu._nfree and \
+                nblocks - len(hits) + reused_free > self.num_free_gpu_blocks:
             raise OutOfBlocksError(
                 f"prompt of {n} tokens needs {nblocks - len(hits)} new blocks; {self.num_free_gpu_blocks} are free"
             )
@@ -328,16 +333,26 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Invar
                 if ref[b] == 0:
                     evictor.discard(b)
                 ref[b] += 1
-        new = self._take(nblocks - len(hits))
+        m = nblocks - len(hits)
+        new = self._gpu.take_few(m) if m <= 4 and m <= self._gpu._nfree else self._take(m)
         row = self._new_row(seq_id)
         self._ns_of[row] = namespace
-        self._ensure_cols(nblocks)
-        t = self._table[row]
-        t[: len(hits)] = hits
-        t[len(hits) : nblocks] = new
-        self._ntok[row] = n
-        self._nblk[row] = nblocks
-        self._nreg[row] = self._pend[row] = len(hits)
+        if nblocks > self._table.shape[1]:
+            self._ensure_cols(nblocks)
+        mvs = self._mvs or self._views()
+        if nblocks <= 4:
+            table = mvs[2]
+            for c, b in enumerate(hits):
+                table[row, c] = b
+            for c, b in enumerate(new, len(hits)):
+                table[row, c] = b
+        else:
+            t = self._table[row]
+            t[: len(hits)] = hits
+            t[len(hits) : nblocks] = new
+        mvs[0][row] = n
+        mvs[1][row] = nblocks
+        mvs[5][row] = mvs[6][row] = len(hits)
         if self._cache is not None:
             self._cache.intern(namespace)
             self._ccid[row], self._ckey[row] = chain
@@ -352,10 +367,16 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Invar
         """Create ``child_seq_id`` sharing every block of the parent (refcounts + 1); a later write into a shared
         block gets a copy-on-write pair. Works for swapped-out parents too (the child is swapped out as well).
         O(table length)."""
-        prow = self._row(parent_seq_id)
-        self._check_new_id(child_seq_id)
-        crow = self._new_row(child_seq_id)
-        self._fork_row(prow, crow)
+        row_of = self._row_of
+        try:  # (the checks of _row and _check_new_id, inlined: fork is a per-sequence call)
+            prow = row_of[parent_seq_id]
+            fresh = child_seq_id not in row_of
+        except (KeyError, TypeError):
+            prow = self._row(parent_seq_id)
+            fresh = False
+        if not fresh:
+            self._check_new_id(child_seq_id)
+        self._fork_row(prow, self._new_row(child_seq_id))
 
 
     def free(self, seq_id: Hashable, *, cache: bool = True) -> None:
@@ -375,10 +396,12 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Invar
         row = self._row(seq_id)
         if not cache and self._cache is not None and not self._swapped[row]:
             self._withdraw_pending(seq_id, row)  # may raise; changes nothing then
+        if self._free_small(seq_id, row):
+            return
         if self._swapped[row]:
             self._release_cpu(self._table[row, self._nrel[row] : self._nblk[row]][::-1].copy())
         else:
-            self._release_row(row)
+            self._release_gpu(self._table[row, self._nrel[row] : self._nblk[row]][::-1].copy())
         self._drop_row(seq_id, row)
 
     # ------------------------------------------------------------------ appending (the per-step path)

@@ -71,6 +71,16 @@ class BlockPool:
         self._ref_mv[b] = 1
         return b
 
+    def take_few(self, n: int) -> list[int]:
+        """:meth:`take` of a few blocks (``n <= num_free``), in plain Python; returns a list."""
+        ring, ref, size, h = self._ring_mv, self._ref_mv, self.num_blocks, self._head
+        ids = [ring[(h + i) % size] for i in range(n)]
+        for b in ids:
+            ref[b] = 1
+        self._head = (h + n) % size
+        self._nfree -= n
+        return ids
+
     def give_one(self, b: int) -> None:
         """:meth:`give` of one block, in plain Python."""
         self._ring_mv[(self._head + self._nfree) % self.num_blocks] = b

@@ -152,7 +152,7 @@ class PrefixCache:
     """
 
     __slots__ = ("_map", "tok", "key", "cid", "pcid", "evictor", "_roots", "_serial", "evictions", "_width",
-                 "_cid_mv", "events", "event_overflows", "_ev_max", "_ev_lost", "pkey", "nsid", "_ns_ids", "_ns_list", "_bs")
+                 "_cid_mv", "_tok_mv", "events", "event_overflows", "_ev_max", "_ev_lost", "pkey", "nsid", "_ns_ids", "_ns_list", "_bs")
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self._map: dict[int, int] = {}
@@ -161,6 +161,7 @@ class PrefixCache:
         self.cid = np.zeros(num_blocks, dtype=np.int64)
         self.pcid = np.zeros(num_blocks, dtype=np.int64)
         self._cid_mv = memoryview(self.cid)  # element access for the plain-Python paths
+        self._tok_mv = memoryview(self.tok)
         self.evictor = LRUEvictor(num_blocks)
         self._roots: dict[bytes, tuple[int, int]] = {}  # encoded namespace -> (cid < 0, key)
         self._serial = 0  # last content id handed out
