@@ -72,10 +72,14 @@ class Trace:
         ids = self.hash_ids
         if ids.size and int(ids.max()) >= (2**31 - 1) // self.trace_block:  # keep tokens < 2**31: dense ids
             _, dense = np.unique(ids, return_inverse=True)
+            if dense.size and int(dense.max()) >= (2**31 - 1) // self.trace_block:
+                raise TraceFormatError(f"more than {(2**31 - 1) // self.trace_block:,} distinct hash ids", 0, self.name)
             self._dense = dense.astype(np.int64)
         else:
             self._dense = ids
-        self._lanes = np.arange(self.trace_block, dtype=np.int64)
+        # int32 arithmetic for tokens: every token is below 2**31 by the rule above
+        self._dense32 = (self._dense * self.trace_block).astype(np.int32)
+        self._lanes = np.arange(self.trace_block, dtype=np.int32)
 
     def __len__(self) -> int:
         return int(self.input_lengths.size)
@@ -90,9 +94,8 @@ class Trace:
 
     def tokens(self, i: int) -> np.ndarray:
         """The ``input_lengths[i]`` prompt tokens of request ``i`` (int32, fresh array). O(prompt tokens)."""
-        d = self._dense[self.offsets[i] : self.offsets[i + 1]]
-        t = (d[:, None] * self.trace_block + self._lanes).ravel()[: int(self.input_lengths[i])]
-        return t.astype(np.int32)
+        d = self._dense32[self.offsets[i] : self.offsets[i + 1]]
+        return (d[:, None] + self._lanes).ravel()[: int(self.input_lengths[i])]
 
     def limit(self, n: int | None) -> Trace:
         """The first ``n`` requests (all of them when ``n`` is None or larger)."""
