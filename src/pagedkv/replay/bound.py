@@ -48,17 +48,14 @@ class NodeTrace:
         return int(self.cap.size)
 
 
-def node_trace(trace: Trace, block_size: int) -> NodeTrace:
-    """Nodes, caps and next uses of ``trace`` at ``block_size`` (a divisor of the trace block). O(B log B)."""
-    nodes, offsets = trace.nodes(block_size)
-    n = len(trace)
-    lengths = trace.input_lengths
-    cap = (lengths - 1) // block_size
-    slots = -(-lengths // block_size)
-    counts = np.diff(offsets)
-    req = np.repeat(np.arange(n, dtype=np.int64), counts)
+def _next_use(nodes: np.ndarray, offsets: np.ndarray, cap: np.ndarray, keep: np.ndarray | None) -> np.ndarray:
+    """For each occurrence: the next request (among ``keep``, all when None) that can hit the same node."""
+    n = cap.size
+    req = np.repeat(np.arange(n, dtype=np.int64), np.diff(offsets))
     depth = np.arange(nodes.size, dtype=np.int64) - offsets[req]
     hittable = depth < cap[req]
+    if keep is not None:
+        hittable &= keep[req]
     order = np.lexsort((req, nodes))  # by node, then request
     s_node, s_req, s_hit = nodes[order], req[order], hittable[order]
     # for each sorted occurrence j: the first hittable occurrence after j (same node), by a backward min-scan
@@ -74,7 +71,17 @@ def node_trace(trace: Trace, block_size: int) -> NodeTrace:
     nxt_sorted[same] = s_req[after[same]]
     nxt = np.empty_like(nxt_sorted)
     nxt[order] = nxt_sorted
-    return NodeTrace(block_size, nodes, offsets, cap, slots, nxt, trace.prompt_tokens)
+    return nxt
+
+
+def node_trace(trace: Trace, block_size: int) -> NodeTrace:
+    """Nodes, caps and next uses of ``trace`` at ``block_size`` (a divisor of the trace block). O(B log B)."""
+    nodes, offsets = trace.nodes(block_size)
+    lengths = trace.input_lengths
+    cap = (lengths - 1) // block_size
+    slots = -(-lengths // block_size)
+    return NodeTrace(block_size, nodes, offsets, cap, slots, _next_use(nodes, offsets, cap, None),
+                     trace.prompt_tokens)
 
 
 def ceiling(nt: NodeTrace) -> int:
@@ -91,11 +98,14 @@ def ceiling(nt: NodeTrace) -> int:
 
 def belady(nt: NodeTrace, capacity_blocks: int, progress=None) -> tuple[int, int]:
     """Belady's offline optimum at ``capacity_blocks``: ``(hit tokens, skipped requests)``; a request needing more
-    than ``capacity_blocks`` blocks is skipped (it counts in no hit and changes no cache state), as in the replay.
+    than ``capacity_blocks`` blocks is skipped (it counts in no hit and changes no cache state), as in the replay,
+    and next uses are then recomputed without the skipped requests.
     ``progress(k)`` is called now and then with the number of requests done since the last call. O(B log B)."""
     C = int(capacity_blocks)
     nodes = nt.nodes.tolist()
-    nxt = nt.next_use.tolist()
+    fits = nt.slots <= C
+    # requests too long for the pool never run: their occurrences are no use to keep a block for
+    nxt = (nt.next_use if fits.all() else _next_use(nt.nodes, nt.offsets, nt.cap, fits)).tolist()
     offs = nt.offsets.tolist()
     caps = nt.cap.tolist()
     slots = nt.slots.tolist()
