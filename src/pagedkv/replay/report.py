@@ -99,12 +99,14 @@ def plot(docs: list[dict], outdir: str | Path, name: str | None = None) -> Path:
 
     outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, ax = plt.subplots(figsize=(6.4, 5.0))
     bound_pts: dict[int, float] = {}
     for i, d in enumerate(docs):
         pts = sorted(d["points"], key=lambda p: p["capacity_tokens"])
-        ax.plot([p["capacity_tokens"] for p in pts], [100 * p["hit_rate"] for p in pts], "o-", color=f"C{i}",
-                label=f"{d['impl']} (LRU)" if d["mode"] == "sequence" else f"{d['impl']} ({d['mode']})")
+        # later runs drawn thinner on top, so identical curves (pagedkv and vLLM V1) both stay visible
+        ax.plot([p["capacity_tokens"] for p in pts], [100 * p["hit_rate"] for p in pts], marker="o",
+                linestyle=("-", "--", ":", "-.")[i % 4], markersize=max(9 - 3 * i, 3), linewidth=max(3 - i, 1),
+                color=f"C{i}", label=d["impl"] if d["mode"] == "sequence" else f"{d['impl']} ({d['mode']})")
         for p in pts:
             if p.get("bound") is not None:
                 bound_pts.setdefault(p["capacity_tokens"], p["bound"])
@@ -122,7 +124,7 @@ def plot(docs: list[dict], outdir: str | Path, name: str | None = None) -> Path:
     ax.set_ylim(bottom=0)
     ax.set_title(f"{docs[0]['trace']}: {docs[0]['requests']:,} requests, {docs[0]['mode']} mode", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
     fig.tight_layout()
     stem = name or f"replay-{Path(docs[0]['trace']).stem}"
     path = outdir / f"{stem}.png"
