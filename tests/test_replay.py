@@ -222,6 +222,21 @@ def test_timed_preempts_when_the_pool_fills():
     assert r.extra["steps"] >= 300
 
 
+def test_timed_request_outgrowing_the_pool_is_truncated():
+    # 63 prompt blocks + 100 output tokens need 70 blocks; the pool has 64: it runs alone, then is stopped
+    tr = trace_of((1000, [0, 1], 0, 100), (100, [5], 0, 2))
+    r = replay_timed(tr, 1024, model=ServiceModel(watermark=0.0, max_running=1))
+    assert r.extra["truncated"] == 1 and r.extra["preemptions"] == 0 and r.requests == 2
+
+
+def test_timed_mode_needs_an_atomic_decode_step():
+    class NotAtomic(BlockManager):
+        atomic_append = False
+
+    with pytest.raises(InvalidArgumentError, match="all-or-nothing"):
+        replay_timed(trace_of((100, [0])), 1024, manager_cls=NotAtomic)
+
+
 def test_service_model_validates():
     with pytest.raises(InvalidArgumentError):
         ServiceModel(max_running=0)

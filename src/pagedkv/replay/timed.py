@@ -10,7 +10,9 @@ Service model (simulated clock, nothing sleeps; every figure is an option of :cl
   blocks stay cached), after ``output_length`` tokens.
 - When ``decode_step`` finds no free block, the most recently admitted request is preempted by recompute: freed
   (its blocks stay cached) and put back first in line; when readmitted it allocates its prompt plus the tokens it
-  had generated (hits on that second allocate are reported apart, as ``recompute_*``).
+  had generated (hits on that second allocate are reported apart, as ``recompute_*``). A request that runs alone
+  and still finds no block has outgrown the whole pool: it is stopped there (``truncated``), as an engine stops
+  at its maximum length.
 - With nothing running and nobody waiting the clock jumps to the next arrival.
 
 Output token ``k`` of request ``r`` is ``2**30 + (r * 2**16 + k) % 2**30``: distinct from every prompt token of the
@@ -61,10 +63,13 @@ def replay_timed(trace: Trace, capacity_tokens: int, *, block_size: int = 16, cp
                  model: ServiceModel = ServiceModel(), manager_cls=None, impl: str = "pagedkv",
                  progress=None) -> PointResult:
     """Replay ``trace`` in timed mode at ``capacity_tokens``. Hit figures count first admissions only;
-    ``extra`` holds ``preemptions``, ``recompute_tokens``, ``recompute_hit_tokens``, ``makespan_s`` (simulated),
+    ``extra`` holds ``preemptions``, ``truncated``, ``recompute_tokens``, ``recompute_hit_tokens``, ``makespan_s`` (simulated),
     ``mean_wait_s`` (arrival to first admission) and ``steps``. ``progress(k)``: k requests finished or skipped."""
     if manager_cls is None:
         from ..manager import BlockManager as manager_cls
+    if not getattr(manager_cls, "atomic_append", False):
+        raise InvalidArgumentError(f"timed mode needs a manager whose decode_step is all-or-nothing for the batch "
+                                   f"(atomic_append); {getattr(manager_cls, '__name__', manager_cls)} is not")
     num_blocks = capacity_tokens // block_size
     bm = make_manager(manager_cls, num_blocks, block_size, cpu_capacity_tokens // block_size, model.watermark)
     limit = num_blocks - int(getattr(bm, "watermark_blocks", 0) or 0)
@@ -78,7 +83,7 @@ def replay_timed(trace: Trace, capacity_tokens: int, *, block_size: int = 16, cp
     running: list[int] = []
     gen = [0] * n  # output tokens generated so far
     admitted = [False] * n
-    hits = prompt = skipped = preempt = rc_tok = rc_hit = steps = 0
+    hits = prompt = skipped = preempt = rc_tok = rc_hit = steps = truncated = 0
     wait_sum = 0.0
     clock, j, done = 0.0, 0, 0
     t0 = time.perf_counter()
@@ -134,8 +139,12 @@ def replay_timed(trace: Trace, capacity_tokens: int, *, block_size: int = 16, cp
                 except OutOfBlocksError:
                     victim = running.pop()
                     free(victim)
-                    waiting.appendleft(victim)
-                    preempt += 1
+                    if running:
+                        waiting.appendleft(victim)
+                        preempt += 1
+                    else:  # alone and out of blocks: it can never grow further
+                        truncated += 1
+                        done += 1
             if running:
                 steps += 1
                 step_s += model.decode_step_s
@@ -159,7 +168,8 @@ def replay_timed(trace: Trace, capacity_tokens: int, *, block_size: int = 16, cp
                       skipped=skipped, prompt_tokens=prompt, hit_tokens=hits, seconds=seconds)
     for k, v in tier_figures(bm.stats).items():
         setattr(res, k, v)
-    res.extra = {"preemptions": preempt, "recompute_tokens": rc_tok, "recompute_hit_tokens": rc_hit,
+    res.extra = {"preemptions": preempt, "truncated": truncated, "recompute_tokens": rc_tok,
+                 "recompute_hit_tokens": rc_hit,
                  "makespan_s": clock, "mean_wait_s": wait_sum / max(n - skipped, 1), "steps": steps,
                  "model": asdict(model)}
     return res
