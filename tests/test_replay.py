@@ -261,6 +261,17 @@ def test_command_json_table_and_plot(tmp_path, capsys):
     assert "ceiling" in text and "1M" in text and "100k" in text
 
 
+def test_command_bound_at_512(tmp_path):
+    out = tmp_path / "r.json"
+    assert cli_main(["replay", str(SAMPLE), "--limit", "40", "--capacity", "1M", "--bound", "--bound-block", "512",
+                     "--json", str(out), "--no-progress"]) == 0
+    doc = json.loads(out.read_text())
+    tr = load_trace(SAMPLE, limit=40)
+    assert doc["bound_block_size"] == 512 and doc["block_size"] == 16
+    assert doc["ceiling"] == ceiling(node_trace(tr, 16)) / tr.prompt_tokens  # the ceiling stays at 16
+    assert doc["points"][0]["bound"] == belady(node_trace(tr, 512), 1_000_000 // 512)[0] / tr.prompt_tokens
+
+
 def test_command_timed_mode(capsys):
     assert cli_main(["replay", str(SAMPLE), "--limit", "10", "--capacity", "200k", "--mode", "timed",
                      "--max-running", "4", "--no-progress"]) == 0

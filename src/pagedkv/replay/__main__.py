@@ -119,14 +119,16 @@ def run(args: argparse.Namespace) -> dict:
 
         make_manager(cls, 1, bs, max(args.cpu_capacity // bs, 1))
     trace = load_trace(args.trace, args.limit)
-    nt = node_trace(trace, bb)
+    nt = node_trace(trace, bs)  # the ceiling at the replay's block size
     ceil = ceiling(nt) / trace.prompt_tokens
+    if args.bound and bb != bs:
+        nt = node_trace(trace, bb)
     n = len(trace)
     bar = _bar(n * len(caps) * (2 if args.bound else 1), args.no_progress)
     tick = bar.update if bar is not None else None
     say = bar.write if bar is not None else print
     say(f"{trace.name}: {n:,} requests, {trace.prompt_tokens:,} prompt tokens; ceiling {100 * ceil:.1f}% "
-        f"(infinite cache, blocks of {bb})")
+        f"(infinite cache, blocks of {bs})")
     points: list[PointResult] = []
     try:
         for c in caps:
