@@ -114,6 +114,8 @@ def run(args: argparse.Namespace) -> dict:
             raise _CliError(f"--capacity {c} is less than one block of {bs} tokens")
     model = ServiceModel(args.prefill_tps, args.decode_step_ms / 1000.0, args.max_running, args.watermark)
     cls, impl = _manager_cls(args.impl)
+    if args.mode == "timed" and not getattr(cls, "atomic_append", False):
+        raise _CliError(f"--mode timed needs an all-or-nothing decode_step; {impl} has none (use sequence mode)")
     if args.cpu_capacity:  # fail before the long part
         from .point import make_manager
 
