@@ -6,8 +6,10 @@
     pagedkv chat                         interactive chat
     pagedkv bench [options]              block-manager benchmark suite (pagedkv vs anchors, ablation)
     pagedkv bench throughput [options]   end-to-end engine throughput, like vLLM's benchmark_throughput.py
+    pagedkv replay TRACE.jsonl [options] replay a production trace through the prefix cache (hit rate vs capacity)
 
-The engine commands import torch lazily; ``pagedkv bench`` (the block-manager suite) never does.
+The engine commands import torch lazily; ``pagedkv bench`` (the block-manager suite) and ``pagedkv replay`` never
+do.
 """
 
 from __future__ import annotations
@@ -69,8 +71,16 @@ def _cmd_bench_suite(argv: Sequence[str]) -> int:
     return bench_main(list(argv))
 
 
+def _cmd_replay(argv: Sequence[str]) -> int:
+    from .replay.__main__ import main as replay_main
+
+    return replay_main(list(argv))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["replay"]:
+        return _cmd_replay(argv[1:])
     if argv[:1] == ["bench"]:
         rest = argv[1:]
         if rest[:1] == ["throughput"]:
@@ -88,6 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _engine_args(c)
     _sampling_args(c)
     sub.add_parser("bench", help="benchmarks: `pagedkv bench --help`, `pagedkv bench throughput --help`")
+    sub.add_parser("replay", help="replay a request trace through the prefix cache: `pagedkv replay --help`")
     args = parser.parse_args(argv)
     from .errors import PagedKVError
 

@@ -1,0 +1,201 @@
+"""``pagedkv replay TRACE.jsonl`` (also ``python -m pagedkv.replay``): replay a production request trace through
+the prefix cache and report hit rates per capacity, the trace's ceiling and, with ``--bound``, Belady's optimum.
+
+Core only (numpy, xxhash; tqdm and matplotlib when asked for): never imports torch. ``--impl vllm_v1`` (or
+``nanovllm``) replays through an anchor's adapter instead; run it under that anchor's virtualenv and merge the JSON
+files with ``python -m pagedkv.replay.report A.json B.json --plot DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shlex
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from ..errors import PagedKVError
+
+__all__ = ["main", "parse_tokens"]
+
+DEFAULT_CAPACITIES = (300_000, 1_000_000, 3_000_000, 10_000_000)
+_SUFFIX = {"k": 10**3, "m": 10**6, "g": 10**9}
+
+
+def parse_tokens(text: str) -> int:
+    """``"300000"``, ``"300k"``, ``"1M"``, ``"2.5m"`` -> tokens (an int >= 0)."""
+    t = text.strip().lower().replace("_", "").replace(",", "")
+    mult = _SUFFIX.get(t[-1:], 1)
+    if mult > 1:
+        t = t[:-1]
+    try:
+        v = float(t) * mult if "." in t or "e" in t else int(t) * mult
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a token count: {text!r} (e.g. 300000, 300k, 1M)") from None
+    if v < 0 or v != int(v):
+        raise argparse.ArgumentTypeError(f"not a token count: {text!r}")
+    return int(v)
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="pagedkv replay", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace", help="a Mooncake-format trace (JSON lines: timestamp, input_length, output_length, "
+                                  "hash_ids of 512-token blocks)")
+    ap.add_argument("--capacity", type=parse_tokens, action="append", metavar="TOKENS",
+                    help="GPU prefix-cache capacity in tokens (repeat for several points; suffixes k, M; "
+                         "default 300k 1M 3M 10M)")
+    ap.add_argument("--cpu-capacity", type=parse_tokens, default=0, metavar="TOKENS",
+                    help="CPU tier of the prefix cache, in tokens (needs a BlockManager with cpu_prefix_cache)")
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block (a divisor of 512; default 16)")
+    ap.add_argument("--mode", choices=("sequence", "timed"), default="sequence",
+                    help="sequence: allocate then free each request in order (default; the paper's Fig. 9); "
+                         "timed: requests arrive at their timestamps and run concurrently")
+    ap.add_argument("--bound", action="store_true", help="also compute Belady's offline optimum at each capacity")
+    ap.add_argument("--bound-block", type=int, default=None, metavar="TOKENS",
+                    help="block size of the bound (default: --block-size; 512 is far cheaper)")
+    ap.add_argument("--limit", type=int, default=None, metavar="N", help="replay only the first N requests")
+    ap.add_argument("--impl", default="pagedkv",
+                    help="pagedkv (default) or an anchor (vllm_v1, vllm_v2, nanovllm) run in its virtualenv")
+    ap.add_argument("--json", metavar="OUT", help="write the results as JSON to OUT")
+    ap.add_argument("--plot", metavar="DIR", help="draw hit rate against capacity into DIR (matplotlib)")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t = ap.add_argument_group("timed mode (service model, see pagedkv.replay.timed)")
+    t.add_argument("--prefill-tps", type=float, default=50_000.0, help="uncached prompt tokens per second (50000)")
+    t.add_argument("--decode-step-ms", type=float, default=30.0, help="ms per decode step of the batch (30)")
+    t.add_argument("--max-running", type=int, default=64, help="most requests running at once (64)")
+    t.add_argument("--watermark", type=float, default=0.01, help="fraction of blocks admission keeps free (0.01)")
+    return ap
+
+
+def _bar(total: int, disable: bool):
+    if disable:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover - tqdm is in the bench extra
+        return None
+    return tqdm(total=total, unit="req", file=sys.stderr, dynamic_ncols=True)
+
+
+def _manager_cls(impl: str):
+    if impl == "pagedkv":
+        from ..manager import BlockManager
+
+        return BlockManager, "pagedkv"
+    from ..bench.anchors import load_anchor
+
+    cls = load_anchor(impl)
+    return cls, getattr(cls, "name", impl)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Run the replay described by parsed ``args`` and return the JSON document (printing as it goes)."""
+    from .bound import belady, ceiling, node_trace
+    from .point import PointResult
+    from .report import build_doc
+    from .sequence import replay_sequence
+    from .timed import ServiceModel, replay_timed
+    from .trace import TRACE_BLOCK, load_trace
+
+    bs = args.block_size
+    if bs < 1 or TRACE_BLOCK % bs:
+        raise _CliError(f"--block-size must divide {TRACE_BLOCK}, got {bs}")
+    bb = args.bound_block or bs
+    if bb < 1 or TRACE_BLOCK % bb:
+        raise _CliError(f"--bound-block must divide {TRACE_BLOCK}, got {bb}")
+    if args.limit is not None and args.limit < 1:
+        raise _CliError(f"--limit must be >= 1, got {args.limit}")
+    caps = args.capacity or list(DEFAULT_CAPACITIES)
+    for c in caps:
+        if c < bs:
+            raise _CliError(f"--capacity {c} is less than one block of {bs} tokens")
+    model = ServiceModel(args.prefill_tps, args.decode_step_ms / 1000.0, args.max_running, args.watermark)
+    cls, impl = _manager_cls(args.impl)
+    if args.mode == "timed" and not getattr(cls, "atomic_append", False):
+        raise _CliError(f"--mode timed needs an all-or-nothing decode_step; {impl} has none (use sequence mode)")
+    if args.cpu_capacity:  # fail before the long part
+        from .point import make_manager
+
+        make_manager(cls, 1, bs, max(args.cpu_capacity // bs, 1))
+    trace = load_trace(args.trace, args.limit)
+    nt = node_trace(trace, bs)  # the ceiling at the replay's block size
+    ceil = ceiling(nt) / trace.prompt_tokens
+    if args.bound and bb != bs:
+        nt = node_trace(trace, bb)
+    n = len(trace)
+    bar = _bar(n * len(caps) * (2 if args.bound else 1), args.no_progress)
+    tick = bar.update if bar is not None else None
+    say = bar.write if bar is not None else print
+    say(f"{trace.name}: {n:,} requests, {trace.prompt_tokens:,} prompt tokens; ceiling {100 * ceil:.1f}% "
+        f"(infinite cache, blocks of {bs})")
+    points: list[PointResult] = []
+    try:
+        for c in caps:
+            if bar is not None:
+                bar.set_description(f"{impl} {c:,} tokens")
+            if args.mode == "sequence":
+                p = replay_sequence(trace, c, block_size=bs, cpu_capacity_tokens=args.cpu_capacity,
+                                    manager_cls=cls, impl=impl, progress=tick)
+            else:
+                p = replay_timed(trace, c, block_size=bs, cpu_capacity_tokens=args.cpu_capacity, model=model,
+                                 manager_cls=cls, impl=impl, progress=tick)
+            if args.bound:
+                if bar is not None:
+                    bar.set_description(f"Belady {c:,} tokens")
+                hit, _ = belady(nt, c // bb, progress=tick)
+                p.bound = hit / trace.prompt_tokens
+            points.append(p)
+            say(f"  {c:>12,} tokens: hit rate {100 * p.hit_rate:.1f}%"
+                + (f", bound {100 * p.bound:.1f}%" if p.bound is not None else "")
+                + f", {p.evictions if p.evictions is not None else '-'} evictions, {p.skipped} skipped, "
+                  f"{p.seconds:.2f} s")
+    finally:
+        if bar is not None:
+            bar.close()
+    import numpy
+
+    import pagedkv
+
+    meta = {"command": "pagedkv replay " + " ".join(shlex.quote(a) for a in args.argv),
+            "versions": {"python": platform.python_version(), "numpy": numpy.__version__,
+                         "pagedkv": pagedkv.__version__, "impl": impl},
+            "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine()}}
+    return build_doc(trace.name, n, trace.prompt_tokens, ceil, points, impl=impl, mode=args.mode, block_size=bs,
+                     bound_block_size=bb if args.bound else None, **meta)
+
+
+class _CliError(Exception):
+    pass
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    args.argv = argv
+    from .point import CpuTierUnavailable  # noqa: F401  (a PagedKVError)
+    from .report import format_table, plot
+
+    try:
+        doc = run(args)
+    except (PagedKVError, _CliError, OSError, ImportError, NotImplementedError, KeyError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        if isinstance(e, FileNotFoundError):
+            msg = f"no such file: {e.filename}"
+        print(f"pagedkv replay: error: {msg}", file=sys.stderr)
+        return 2
+    print(format_table(doc))
+    if args.json:
+        out = Path(args.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"results: {out}")
+    if args.plot:
+        print(f"chart: {plot([doc], args.plot)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

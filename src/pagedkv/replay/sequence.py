@@ -1,0 +1,50 @@
+"""Sequence mode (the Mooncake paper's Fig. 9 method): each request is allocated, then freed, in trace order.
+
+Nothing runs concurrently, so the pool holds only cached blocks between requests and the hit rate measures the
+prefix cache and its eviction policy alone (timestamps and output lengths are ignored).
+"""
+
+from __future__ import annotations
+
+import time
+
+from .point import PointResult, make_manager, tier_figures
+from .trace import Trace
+
+__all__ = ["replay_sequence"]
+
+
+def replay_sequence(trace: Trace, capacity_tokens: int, *, block_size: int = 16, cpu_capacity_tokens: int = 0,
+                    manager_cls=None, impl: str = "pagedkv", progress=None) -> PointResult:
+    """Replay ``trace`` through a prefix-caching manager of ``capacity_tokens // block_size`` GPU blocks (no
+    watermark). ``manager_cls`` defaults to :class:`pagedkv.BlockManager`; an anchor adapter works the same.
+    A request needing more blocks than the pool is skipped and counted. ``progress(k)`` is called every 512
+    requests. Cost: one allocate and one free per request, plus O(prompt tokens) numpy work for its tokens.
+    """
+    if manager_cls is None:
+        from ..manager import BlockManager as manager_cls
+    num_blocks = capacity_tokens // block_size
+    bm = make_manager(manager_cls, num_blocks, block_size, cpu_capacity_tokens // block_size)
+    limit = num_blocks - int(getattr(bm, "watermark_blocks", 0) or 0)
+    need = (-(-trace.input_lengths // block_size)).tolist()
+    lengths = trace.input_lengths.tolist()
+    allocate, free, tokens = bm.allocate, bm.free, trace.tokens
+    hits = skipped = prompt = 0
+    t0 = time.perf_counter()
+    for i, nb in enumerate(need):
+        if progress is not None and not i & 511 and i:
+            progress(512)
+        if nb > limit:
+            skipped += 1
+            continue
+        hits += allocate(i, tokens(i))
+        free(i)
+        prompt += lengths[i]
+    seconds = time.perf_counter() - t0
+    if progress is not None and need:
+        progress(len(need) - ((len(need) - 1) // 512) * 512)
+    res = PointResult(impl, "sequence", capacity_tokens, cpu_capacity_tokens, block_size, requests=len(need) - skipped,
+                      skipped=skipped, prompt_tokens=prompt, hit_tokens=hits, seconds=seconds)
+    for k, v in tier_figures(bm.stats).items():
+        setattr(res, k, v)
+    return res
