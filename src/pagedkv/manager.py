@@ -327,7 +327,12 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Invar
                 f"prompt of {n} tokens needs {nblocks - len(hits)} new blocks; {self.num_free_gpu_blocks} are free"
             )
         # mutation starts here; nothing below can fail
-        if hits:
+        if len(hits) > 8:
+            h = np.array(hits, dtype=np.int64)
+            gref = self._gpu._ref
+            self._cache.evictor.discard_many(h[gref[h] == 0])
+            gref[h] += 1
+        elif hits:
             evictor = self._cache.evictor
             for b in hits:
                 if ref[b] == 0:
