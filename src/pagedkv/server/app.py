@@ -22,7 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import PagedKVError
+from ..errors import PagedKVError, PromptTooLongError
 from .async_engine import AsyncEngine, Delta, EngineDead, EngineOverloaded, Finished, RequestStream
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import APIError, ResponseHead, error_body, parse_chat, parse_completion, usage
@@ -78,8 +78,8 @@ def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = Non
             params = SamplingParams(**req.sampling_kwargs(default_max))
             request = await asyncio.to_thread(engine.prepare, prompt, params, req.cache_salt)
         except PagedKVError as e:
-            raise APIError(400, str(e), "invalid_request_error",
-                           "context_length_exceeded" if "exceed" in str(e) or "never fit" in str(e) else None)
+            code = "context_length_exceeded" if isinstance(e, PromptTooLongError) else None
+            raise APIError(400, str(e), "invalid_request_error", code) from None
         try:
             return engine.submit(request)
         except EngineOverloaded as e:
