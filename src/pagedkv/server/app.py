@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import re
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -28,8 +29,6 @@ from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import APIError, ResponseHead, error_body, parse_chat, parse_completion, usage
 
 __all__ = ["build_app"]
-
-_DISCONNECT_POLL_S = 0.2
 
 
 def _error(status: int, message: str, type: str, code: str | None = None, param: str | None = None) -> JSONResponse:
@@ -79,7 +78,9 @@ def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = Non
             request = await asyncio.to_thread(engine.prepare, prompt, params, req.cache_salt)
         except PagedKVError as e:
             code = "context_length_exceeded" if isinstance(e, PromptTooLongError) else None
-            raise APIError(400, str(e), "invalid_request_error", code) from None
+            m = re.match(r"SamplingParams: (\w+)", str(e))
+            param = m.group(1) if m else ("prompt" if code else None)
+            raise APIError(400, str(e), "invalid_request_error", code, param) from None
         try:
             return engine.submit(request)
         except EngineOverloaded as e:
@@ -87,31 +88,40 @@ def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = Non
         except EngineDead as e:
             raise APIError(503, str(e), "server_error", "engine_dead")
 
+    def abort_on_disconnect(request: Request, stream: RequestStream) -> asyncio.Task:
+        """A task that aborts ``stream`` when the client disconnects (cancel it once the response is done).
+        uvicorn drops writes to a closed connection silently, so the disconnect must be watched for."""
+        async def watch() -> None:
+            while not stream.finished:
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    stream.abort()
+                    return
+
+        return asyncio.ensure_future(watch())
+
     async def until_done(stream: RequestStream, request: Request) -> Finished | None:
         """The final result, or None (the request aborted) if the client goes away first."""
-        task = asyncio.ensure_future(stream.result())
+        watcher = abort_on_disconnect(request, stream)
         try:
-            while True:
-                finished, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-                if finished:
-                    try:
-                        return task.result()
-                    except EngineDead as e:
-                        raise APIError(500, str(e), "server_error") from None
-                if await request.is_disconnected():
-                    return None
+            async for item in stream:
+                if isinstance(item, Finished):
+                    return item
+            return None
+        except EngineDead as e:
+            raise APIError(500, str(e), "server_error") from None
         finally:
-            if not task.done():
-                task.cancel()
-                stream.abort()
+            watcher.cancel()
+            stream.abort()
 
     def sse(obj: Any) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-    async def stream_events(stream: RequestStream, make_chunk, kind: str, head: ResponseHead,
+    async def stream_events(request: Request, stream: RequestStream, make_chunk, kind: str, head: ResponseHead,
                             include_usage: bool, first: list | None) -> AsyncIterator[str]:
         """SSE body: ``first`` chunks (chat's role deltas), then text deltas, finish reasons, usage, [DONE].
-        Cancelled when the client disconnects: the request is then aborted."""
+        A client that disconnects aborts the request, which ends this iteration."""
+        watcher = abort_on_disconnect(request, stream)
         try:
             for chunk in first or ():
                 yield sse(chunk)
@@ -126,10 +136,12 @@ def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = Non
                 if include_usage:
                     yield sse({"id": head.id, "object": kind, "created": head.created,
                                "model": head.model, "choices": [], "usage": result_usage(res)})
-            yield "data: [DONE]\n\n"
+            if not stream.aborted:
+                yield "data: [DONE]\n\n"
         except EngineDead as e:
             yield sse(error_body(str(e), "server_error"))
         finally:
+            watcher.cancel()
             stream.abort()
 
     def result_usage(res: Any) -> dict:
@@ -151,8 +163,8 @@ def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = Non
                     "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": reason}]}
 
         if req.stream:
-            return StreamingResponse(stream_events(stream, chunk, "text_completion", head, req.include_usage, None),
-                                     media_type="text/event-stream")
+            events = stream_events(request, stream, chunk, "text_completion", head, req.include_usage, None)
+            return StreamingResponse(events, media_type="text/event-stream")
         done = await until_done(stream, request)
         if done is None:
             return Response(status_code=499)  # nobody is listening
@@ -184,8 +196,8 @@ def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = Non
 
         if req.stream:
             first = [chunk(i, "", None, role=True) for i in range(stream.n)]
-            return StreamingResponse(stream_events(stream, chunk, "chat.completion.chunk", head, req.include_usage,
-                                                   first), media_type="text/event-stream")
+            events = stream_events(request, stream, chunk, "chat.completion.chunk", head, req.include_usage, first)
+            return StreamingResponse(events, media_type="text/event-stream")
         done = await until_done(stream, request)
         if done is None:
             return Response(status_code=499)

@@ -65,6 +65,9 @@ class Failed:
     message: str
 
 
+_ABORTED = object()  # wakes a consumer waiting on an aborted stream
+
+
 class RequestStream:
     """The consumer side of one request: iterate it (``async for``) for :class:`Delta` items; the last item is
     a :class:`Finished` (or the iteration raises :class:`EngineDead`)."""
@@ -74,6 +77,7 @@ class RequestStream:
         self.prompt_token_ids = request.prompt_token_ids
         self.n = request.params.n
         self.finished = False
+        self.aborted = False
         self._engine = engine
         self._queue: asyncio.Queue = asyncio.Queue()
         self._loop = asyncio.get_running_loop()
@@ -91,6 +95,8 @@ class RequestStream:
         if self.finished:
             raise StopAsyncIteration
         item = await self._queue.get()
+        if item is _ABORTED:
+            raise StopAsyncIteration
         if isinstance(item, Failed):
             self.finished = True
             raise EngineDead(item.message)
@@ -106,10 +112,13 @@ class RequestStream:
         raise EngineDead("stream ended without a result")
 
     def abort(self) -> None:
-        """Abort the request unless it finished (idempotent; the engine frees its blocks after the current step)."""
+        """Abort the request unless it finished (idempotent; call it on the loop that submitted the request).
+        The engine frees its blocks after its current step; an iteration waiting on this stream ends."""
         if not self.finished:
             self.finished = True
+            self.aborted = True
             self._engine.abort(self.request_id)
+            self._queue.put_nowait(_ABORTED)
 
 
 @dataclass
