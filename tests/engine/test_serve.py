@@ -293,3 +293,135 @@ def test_load_with_disconnects_and_bad_requests(server, offline):
     # every hung-up client's request was aborted (not run to its 100 tokens)
     n_gone = role.count("disconnect")
     assert metric(server, "pagedkv:request_success_total", 'finished_reason="abort"') == aborted + n_gone
+
+
+def test_bench_serve_reports_vllm_style_figures(server):
+    from pagedkv.server.bench import make_prompts, run_benchmark
+
+    prompts = make_prompts(4, 40, 32, seed=3, low=1000, high=20000)
+    s = asyncio.run(asyncio.wait_for(run_benchmark(server.url, None, prompts, 4, max_concurrency=1, api_key=KEY,
+                                                   progress=False), 120))
+    assert s["model"] == MODEL and s["completed"] == 4 and s["failed"] == 0
+    assert s["total_output_tokens"] == 16 and s["total_prompt_tokens"] == 160
+    assert s["cached_prompt_tokens"] == 3 * 32  # one at a time: requests 2..4 reuse the 32-token shared prefix
+    for k in ("request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
+              "p99_tpot_ms", "median_itl_ms", "p99_itl_ms"):
+        assert s[k] > 0, k
+    assert s["p99_ttft_ms"] >= s["median_ttft_ms"]
+
+
+def test_serve_command_in_a_subprocess(tmp_path):
+    """``pagedkv serve`` as users start it: loopback, a free port, the default model; stopped by SIGINT."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.Popen([sys.executable, "-m", "pagedkv.cli", "serve", "--port", str(port), "--num-gpu-blocks",
+                             "32", "--api-key", "k", "--served-model-name", "smol"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.3)
+        c = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0, timeout=60)
+        r = c.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
+        assert r.usage.completion_tokens <= 3 and r.choices[0].message.content
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def _kv_events_supported() -> bool:
+    import inspect
+
+    from pagedkv import BlockManager
+    from pagedkv.engine import LLM
+
+    return hasattr(BlockManager, "take_events") and "enable_kv_events" in inspect.signature(LLM).parameters
+
+
+def test_kv_events_rebuild_the_cached_key_set(engine):
+    """A subscriber of the server's KV events rebuilds exactly the block manager's set of cached block keys,
+    through evictions (a small pool), from the live stream plus the replay socket."""
+    zmq = pytest.importorskip("zmq")
+    if not _kv_events_supported():
+        pytest.skip("the block manager has no take_events yet (tests/test_kv_events.py covers the publisher)")
+    from pagedkv.engine import LLM
+    from pagedkv.server.kv_events import END_SEQ, decode_payload
+    from pagedkv.server.launch import make_server
+
+    llm = LLM(engine.paged, num_gpu_blocks=24, max_num_seqs=4, block_size=BLOCK, enable_kv_events=True)
+    srv = make_server(llm, model_name=MODEL, kv_events_endpoint="tcp://127.0.0.1:*",
+                      kv_events_replay_endpoint="tcp://127.0.0.1:*").start_in_thread()
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVTIMEO, 200)
+    sub.connect(srv.publisher.endpoint)
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        prompts = [f"Story {i}: " + "once upon a time there was a block of sixteen tokens " * 3 for i in range(6)]
+        prompts += prompts[:2]  # hits
+        for p in prompts:
+            c.completions.create(model=MODEL, prompt=p, max_tokens=4, temperature=0)
+        wait_idle(srv)
+        srv.publisher.flush()
+        live = {}
+        while True:
+            try:
+                _, seq, payload = sub.recv_multipart()
+            except zmq.Again:
+                break
+            live[int.from_bytes(seq, "big")] = payload
+        # fill the gaps (a PUB socket drops what it sends before the subscription arrives) from the replay socket
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.RCVTIMEO, 5000)
+        dealer.connect(srv.publisher.replay_endpoint)
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        while True:
+            _, seq, payload = dealer.recv_multipart()
+            if seq == END_SEQ:
+                break
+            live.setdefault(int.from_bytes(seq, "big"), payload)
+        dealer.close(0)
+        assert sorted(live) == list(range(srv.publisher.next_seq)) and live
+        keys: set = set()
+        removed = 0
+        for num in sorted(live):
+            for e in decode_payload(live[num]).events:
+                name = type(e).__name__
+                if name == "BlockStored":
+                    assert e.block_size == BLOCK and len(e.token_ids) == BLOCK * len(e.block_hashes)
+                    keys.update(e.block_hashes)
+                elif name == "BlockRemoved":
+                    removed += len(e.block_hashes)
+                    keys.difference_update(e.block_hashes)
+                else:
+                    keys.clear()
+        assert removed > 0  # the pool is small: blocks were evicted
+        assert keys == set(llm.block_manager._cache._map)
+        import pagedkv
+
+        if hasattr(pagedkv, "block_hashes"):  # the last prompt's full blocks are cached under these keys
+            ids = llm.tokenizer.encode(prompts[-1], add_special_tokens=True)
+            full = ids[: len(ids) // BLOCK * BLOCK]
+            assert set(pagedkv.block_hashes(full, BLOCK, None)) <= keys
+    finally:
+        sub.close(0)
+        srv.close()
