@@ -191,6 +191,18 @@ def test_full_waiting_queue_answers_503(server, client):
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens == 2
 
 
+def test_a_non_streaming_client_that_hangs_up_aborts_its_request(server):
+    wait_idle(server)
+    aborted = metric(server, "pagedkv:request_success_total", 'finished_reason="abort"')
+    body = {"model": MODEL, "prompt": "Count to a thousand:", "max_tokens": 500, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                   timeout=httpx.Timeout(10, read=0.5))
+    wait_idle(server, timeout=10)  # 500 tokens would take far longer than this
+    assert metric(server, "pagedkv:request_success_total", 'finished_reason="abort"') == aborted + 1
+    assert server.engine.llm.block_manager.gpu_usage == 0.0
+
+
 def test_cache_salt_isolates_prefix_cache_tenants(server):
     h = {"Authorization": f"Bearer {KEY}"}
     prompt = "Tell me a story about a paged KV cache that was shared by many tenants, " * 2  # > 2 blocks
@@ -424,4 +436,26 @@ def test_kv_events_rebuild_the_cached_key_set(engine):
             assert set(pagedkv.block_hashes(full, BLOCK, None)) <= keys
     finally:
         sub.close(0)
+        srv.close()
+
+
+def test_an_engine_failure_fails_requests_in_flight_and_health(engine):
+    """A step that raises (a bug) answers 500 to the requests in flight, then /health and new requests 503."""
+    from pagedkv.engine import LLM
+    from pagedkv.server.launch import make_server
+
+    llm = LLM(engine.paged, num_gpu_blocks=16, max_num_seqs=2, block_size=BLOCK)
+
+    def broken(*_a, **_k):
+        raise RuntimeError("injected")
+
+    llm._execute = broken
+    srv = make_server(llm, model_name=MODEL).start_in_thread()
+    try:
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        assert httpx.get(srv.url + "/health", timeout=10).status_code == 503
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 503 and "error" in r.json()
+    finally:
         srv.close()

@@ -12,6 +12,8 @@ Contract:
   the loop that submitted it); text is decoded in the engine thread with the same rules as ``LLM``: a piece is
   held back while it ends in an incomplete UTF-8 sequence or could be the start of a stop string, and the
   final text of a sample is exactly ``LLM.generate``'s (stop strings cut, special tokens skipped).
+* A step that raises (a bug, never a client's mistake) fails every request in flight and stops the engine:
+  :attr:`alive` turns False (/health answers 503) and new requests are refused.
 * :attr:`AsyncEngine.snapshot` holds counters and gauges as of the end of the last loop iteration (for
   /metrics); latency observations go to the optional ``observer`` (``observer(kind, seconds)``, kind one of
   ``"ttft"``, ``"itl"``, ``"e2e"``), called from the engine thread.
@@ -201,10 +203,10 @@ class AsyncEngine:
     def submit(self, request: Any) -> RequestStream:
         """Queue a prepared request (call from the event loop); raises :class:`EngineOverloaded` or
         :class:`EngineDead` and queues nothing when it cannot be taken."""
-        if not self.alive:
-            raise EngineDead(self._error or "the engine is stopped")
         stream = RequestStream(self, request)
         with self._cond:
+            if not self.alive:
+                raise EngineDead(self._error or "the engine is stopped")
             if len(self._adds) + self.llm.scheduler.num_waiting >= self.max_waiting:
                 raise EngineOverloaded(f"{self.max_waiting} requests are already waiting; retry later")
             n = request.params.n
@@ -242,9 +244,11 @@ class AsyncEngine:
                         plan, done = self.llm._step(self._by_id)
                         self._emit(plan, done)
                     self._publish_events()
-            except Exception as e:  # a bug, not a client's mistake: fail every request, keep serving
-                log.exception("engine step failed")
-                self._fail_all(f"engine error: {e!r}")
+            except Exception as e:  # a bug, not a client's mistake; the scheduler may be mid-step: stop here
+                log.exception("engine step failed; the engine stops")
+                self._error = f"engine error: {e!r}"
+                self._fail_all(self._error)
+                return
             self._take_snapshot()
         self._fail_all("the server is shutting down")
 
@@ -364,7 +368,7 @@ class AsyncEngine:
             adds, self._adds = self._adds, []
         for live in adds:
             live.stream._push(Failed(message))
-        if self._stopping:
+        if self._stopping and self._error is None:
             self._error = message
 
     def _take_snapshot(self) -> None:
