@@ -218,10 +218,13 @@ class LLM:
                 raise InvalidArgumentError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
         return [self._make_request(p, sp) for p, sp in zip(prompts, params)]
 
-    def _make_request(self, prompt: Any, sp: SamplingParams, *, namespace: Any = None) -> "_Request":
+    def _make_request(self, prompt: Any, sp: SamplingParams, *, namespace: Any = None,
+                      check_fit: bool = True) -> "_Request":
         """Validate one prompt (a string or ``{"prompt_token_ids": [...]}``) and build its request; raises a
         ``pagedkv.errors`` exception and changes nothing if it can never run. ``namespace`` isolates its
-        prefix-cache blocks (None: the shared default namespace)."""
+        prefix-cache blocks (None: the shared default namespace). ``check_fit=False`` skips the KV-cache fit
+        check, which reads the block manager; a caller on another thread than the step loop (the server) makes
+        its own check from the pool's sizes instead."""
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         elif isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
@@ -240,7 +243,7 @@ class LLM:
             )
         if sp.n > self.max_num_seqs:
             raise InvalidArgumentError(f"n={sp.n} is larger than max_num_seqs={self.max_num_seqs}")
-        if self.block_manager.can_allocate(ids, namespace=namespace) is AllocStatus.NEVER:
+        if check_fit and self.block_manager.can_allocate(ids, namespace=namespace) is AllocStatus.NEVER:
             raise PromptTooLongError(
                 f"prompt of {len(ids)} tokens can never fit in the KV cache of "
                 f"{self.block_manager.num_gpu_blocks} blocks of {self.block_manager.block_size} tokens"

@@ -156,7 +156,7 @@ class AsyncEngine:
         self._observer = observer
         self._event_sink = event_sink
         self._take_events = getattr(llm.block_manager, "take_events", None) if event_sink is not None else None
-        self._lock = threading.Lock()  # held by the engine thread during a step (and by prepare)
+        self._lock = threading.Lock()  # held by the engine thread while it touches the scheduler
         self._cond = threading.Condition()
         self._adds: list[_Live] = []
         self._aborts: list[Any] = []
@@ -187,9 +187,8 @@ class AsyncEngine:
         """Validate and tokenise one prompt (blocking: call it with ``asyncio.to_thread``); raises
         ``pagedkv.errors.PagedKVError`` for a request that can never run: besides ``LLM``'s checks, one whose
         prompt plus ``max_tokens`` would not fit in the whole KV cache (it would be preempted forever). Changes
-        no engine state."""
-        with self._lock:
-            req = self.llm._make_request(prompt, params, namespace=namespace)
+        no engine state, and reads only the pool's fixed sizes, so it runs while a step does."""
+        req = self.llm._make_request(prompt, params, namespace=namespace, check_fit=False)
         bm = self.llm.block_manager
         usable = bm.num_gpu_blocks - bm.watermark_blocks
         need = -(-(len(req.prompt_token_ids) + params.max_tokens) // bm.block_size)
