@@ -17,6 +17,7 @@ import asyncio
 import hmac
 import json
 import re
+import time
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -40,7 +41,7 @@ def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = Non
     """The application serving ``engine`` under the model id ``model_name``."""
     app = FastAPI(title="pagedkv", docs_url=None, redoc_url=None, openapi_url=None)
     llm = engine.llm
-    created = ResponseHead.make("x", model_name).created
+    created = int(time.time())
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
