@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install the anchors (scripts/install_anchors.sh: one virtualenv each), run the block-manager suite for pagedkv,
-# then side by side with each anchor, then the ablation. Results: benchmarks/results/*.json, charts in
+# then side by side with each anchor, then the ablation, the batch-size sweep and the single-call benchmark. Results: benchmarks/results/*.json, charts in
 # benchmarks/results/plots. A workload an anchor cannot finish within PER_RUN_TIMEOUT seconds is reported so.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,3 +18,16 @@ for anchor in vllm_v2 vllm_v1 nanovllm; do
   done
 done
 .venv/bin/python -m pagedkv.bench.ablation --json benchmarks/results/ablation.json
+# batch-size sweep and single-sequence calls: one run per anchor virtualenv (pagedkv in each), then the merged chart
+sweeps=()
+for anchor in nanovllm vllm_v2 vllm_v1; do
+  case $anchor in vllm_v2) venv=.venv-anchor-v2;; vllm_v1) venv=.venv-anchor-v1;; nanovllm) venv=.venv-anchor-nano;; esac
+  [ -x "$venv/bin/python" ] || venv=.venv  # the anchor is then reported as skipped
+  before=$(ls benchmarks/results/sweep-*.json 2>/dev/null)
+  timeout "$T" "$venv/bin/python" -m pagedkv.bench sweep --impl pagedkv "$anchor" --repeats "$REPEATS" \
+    || echo "sweep $anchor: did not finish within ${T}s or failed (exit $?)"
+  for f in benchmarks/results/sweep-*.json; do grep -qxF "$f" <<<"$before" || sweeps+=("$f"); done
+  timeout "$T" "$venv/bin/python" -m pagedkv.bench single --impl pagedkv "$anchor" --repeats "$REPEATS" \
+    || echo "single $anchor: did not finish within ${T}s or failed (exit $?)"
+done
+[ ${#sweeps[@]} -gt 0 ] && .venv/bin/python -m pagedkv.bench sweep report "${sweeps[@]}" --plot benchmarks/results/plots

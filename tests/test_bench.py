@@ -47,7 +47,7 @@ def test_quick_suite_runs_and_writes_results(tmp_path, capsys):
     # block's token ids (4 * block_size) -- flat arrays, so the figure does not grow as the cache fills
     by_caching = {p["prefix_caching"]: p["bytes_per_block"] for p in pools}
     assert 8 <= by_caching[False] < 9
-    assert 40 + 4 * 16 <= by_caching[True] < 41 + 4 * 16
+    assert 40 + 4 * 16 <= by_caching[True] < 41.5 + 4 * 16  # (+ a few fixed bytes spread over the pool)
     assert {p.name for p in plots.glob("*.png")} >= {"step_cost_vs_batch.png", "block_usage.png", "hit_rate.png",
                                                     "scale.png"}
     # the report re-renders the file

@@ -157,3 +157,23 @@ def test_copy_on_write_follows_batch_order_when_sequences_write_different_column
     assert bm.block_table("a").tolist() == [0, 1, 2, 3, 7, 5]
     assert bm.block_table("b").tolist() == [0, 1, 2, 6, 4, 8]
     bm.check_invariants()
+
+
+def test_burst_sharing_block_ids_and_eviction_order():
+    bm = BlockManager(8, 4, enable_prefix_caching=True, watermark=0)
+    p = list(range(14))  # 3 full blocks + 2 tokens
+    assert bm.allocate("a", p) == 0
+    assert table(bm, "a") == [0, 1, 2, 3]
+    assert bm.allocate("b", p) == 12  # same step: a's 3 full blocks, cached as allocate returned
+    assert table(bm, "b") == [0, 1, 2, 4]
+    res = bm.decode_step(["a", "b"], np.array([5, 6]))  # both fill their own partial block 3 / 4
+    assert res.cow.shape == (0, 2) and res.slot_mapping.tolist() == [3 * 4 + 2, 4 * 4 + 2]
+    res = bm.decode_step(["a", "b"], np.array([7, 7]))  # blocks 3 and 4 are full now: 3 cached, 4 differs
+    assert bm.num_cached_blocks == 5
+    bm.free("b")  # released tail first: 4, then 2 1 0 stay held by a
+    bm.free("a")  # 3, 2, 1, 0
+    assert list(bm._cache.evictor) == [4, 3, 2, 1, 0]
+    assert bm.allocate("c", list(range(100, 120))) == 0  # 5 blocks: free ring 5 6 7, then evicts 4 and 3
+    assert table(bm, "c") == [5, 6, 7, 4, 3]
+    assert list(bm._cache.evictor) == [2, 1, 0]
+    bm.check_invariants()

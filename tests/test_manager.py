@@ -10,6 +10,9 @@ import pytest
 import pagedkv
 from pagedkv import NULL_BLOCK, AllocStatus, BlockManager
 from pagedkv import prefix_cache as pc_mod
+from pagedkv.errors import SequenceStateError
+
+from test_errors import assert_unchanged, snapshot
 
 
 class KVStore:
@@ -218,13 +221,74 @@ def test_prefix_hit_is_block_aligned_and_leaves_a_token_to_compute():
     bm.check_invariants()
 
 
-def test_blocks_enter_the_cache_only_after_their_kv_is_written():
+def test_burst_sharing_prompt_blocks_are_findable_as_soon_as_allocate_returns():
+    bm = BlockManager(32, 4, enable_prefix_caching=True, watermark=0)
+    p = list(range(5 * 4 + 3))  # 5 full blocks + 3 tokens
+    assert bm.allocate("a", p) == 0
+    assert bm.allocate("b", p) == 20  # same step: b shares a's 5 full blocks, computed once
+    assert bm.block_table("b")[:5].tolist() == bm.block_table("a")[:5].tolist()
+    assert bm.block_table("b")[5] != bm.block_table("a")[5]  # the partial block is b's own
+    assert bm.num_free_gpu_blocks == 32 - 7
+    st = bm.stats
+    assert (st.prefix_hit_tokens, st.prefix_hit_blocks) == (20, 5)
+    bm.check_invariants()
+
+
+def test_burst_sharing_a_block_filled_by_a_step_is_findable_after_the_step():
+    bm = BlockManager(32, 4, enable_prefix_caching=True, watermark=0)
+    bm.allocate("a", [1, 2, 3, 4, 5, 6, 7])
+    assert bm.allocate("b", [1, 2, 3, 4, 5, 6, 7, 8, 9]) == 4
+    bm.decode_step(["a"], np.array([8]))  # a's block 1 is now full: same content as b's block 1, cached first
+    assert bm.allocate("c", [1, 2, 3, 4, 5, 6, 7, 8, 0]) == 8
+    assert bm.block_table("c")[1] == bm.block_table("b")[1] != bm.block_table("a")[1]
+    bm.decode_step(["a"], np.array([9]))
+    bm.decode_step(["a"], np.array([9]))
+    bm.decode_step(["a"], np.array([9]))
+    bm.decode_step(["a"], np.array([9]))  # a's block 2 [9 9 9 9] is cached after a's chain (b's block 1)
+    assert bm.allocate("e", [1, 2, 3, 4, 5, 6, 7, 8, 9, 9, 9, 9, 1]) == 12
+    bm.free("e")
+    bm.append_slots("c", [1, 2, 3, 4], num_lookahead_slots=3)  # fills block 2; lookahead-only block 3 never cached
+    assert bm.allocate("d", [1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 2, 3, 9]) == 12
+    bm.check_invariants()
+
+
+def test_free_without_cache_withdraws_the_blocks_of_the_last_call():
     bm = BlockManager(32, 4, enable_prefix_caching=True, watermark=0)
     bm.allocate("a", range(9))
-    assert bm.allocate("b", range(9)) == 0  # a's prefill has not run yet
+    bm.free("a", cache=False)  # aborted before its prefill ran: nothing of it stays cached
+    assert bm.num_cached_blocks == 0
+    assert bm.allocate("b", range(9)) == 0
+    bm.decode_step(["b"], np.array([1]))  # the step ran: b's prompt blocks are confirmed
+    bm.decode_step(["b"], np.array([2]))
+    bm.decode_step(["b"], np.array([3]))  # fills block 2, not yet written
+    assert bm.num_cached_blocks == 3
     bm.free("b", cache=False)
-    bm.free("a")  # freeing after the forward: a's full blocks are cached
-    assert bm.allocate("c", range(9)) == 8
+    assert bm.num_cached_blocks == 2  # only the block of the last call is withdrawn
+    assert bm.allocate("c", list(range(9)) + [1, 2, 3, 4]) == 8
+    bm.check_invariants()
+
+
+def test_free_without_cache_refuses_to_strand_a_dependent_sequence():
+    bm = BlockManager(32, 4, enable_prefix_caching=True, watermark=0)
+    p = list(range(9))
+    bm.allocate("a", p)
+    assert bm.allocate("b", p) == 8  # b relies on KV that a's prefill writes
+    before = snapshot(bm)
+    with pytest.raises(SequenceStateError, match="'b'"):
+        bm.free("a", cache=False)
+    assert_unchanged(bm, before, "free(cache=False) with a dependent")
+    bm.free("b", cache=False)  # reverse order of allocation always works
+    bm.free("a", cache=False)
+    assert bm.num_cached_blocks == 0 and bm.num_free_gpu_blocks == 32
+    bm.check_invariants()
+    # once a later call touched "a", its prompt's KV counts as written and b may depend on it
+    bm.allocate("a", p)
+    bm.fork("a", "a2")  # fork confirms the parent
+    assert bm.allocate("b", p) == 8
+    bm.free("a", cache=False)
+    bm.free("a2", cache=False)
+    assert bm.num_cached_blocks == 2
+    bm.check_invariants()
 
 
 def test_namespaces_never_share():

@@ -30,7 +30,8 @@ from hypothesis import strategies as st
 from hypothesis import event
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from pagedkv import NULL_BLOCK, AllocStatus, BlockManager
+from pagedkv import NULL_BLOCK, AllocStatus, BlockManager, block_hashes
+from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored
 from pagedkv.errors import (
     DuplicateSequenceError,
     OutOfBlocksError,
@@ -71,7 +72,7 @@ class LBlock:
 
 
 class MSeq:
-    __slots__ = ("tokens", "keys", "ns", "blocks", "swapped")
+    __slots__ = ("tokens", "keys", "ns", "blocks", "swapped", "pending")
 
     def __init__(self, ns, tokens, keys, blocks):
         self.ns = ns
@@ -79,6 +80,7 @@ class MSeq:
         self.keys = keys  # keys[p]: identity of the prefix tokens[: p + 1] in namespace ns
         self.blocks = blocks  # list[LBlock | None]; None: released by the sliding window
         self.swapped = False
+        self.pending: list = []  # own blocks the last call filled (their KV counts as unwritten until the next)
 
     def clone(self) -> "MSeq":
         c = MSeq(self.ns, list(self.tokens), list(self.keys), list(self.blocks))
@@ -99,6 +101,8 @@ MISSING = object()
 class PagedKVMachine(RuleBasedStateMachine):
     PREFIX = False
     WINDOW = False
+    MAX_EVENTS = 100_000
+    SMALL_PATH = True  # small batches take the plain-Python step (False: always the vectorised one)
 
     # ------------------------------------------------------------------ setup
     @initialize(
@@ -113,8 +117,12 @@ class PagedKVMachine(RuleBasedStateMachine):
         self.W = window if self.WINDOW else None
         self.wm = int(watermark * gpu)
         self.bm = BlockManager(
-            gpu, bs, num_cpu_blocks=cpu, enable_prefix_caching=self.PREFIX, sliding_window=self.W, watermark=watermark
+            gpu, bs, num_cpu_blocks=cpu, enable_prefix_caching=self.PREFIX, sliding_window=self.W, watermark=watermark,
+            enable_kv_events=self.PREFIX, max_kv_events=self.MAX_EVENTS,
         )
+        self.index: set[int] = set()  # block hashes a router knows, fed only by KV events
+        if not self.SMALL_PATH:
+            self.bm._small_batch = 0  # drive the vectorised step on small batches too
         self.seqs: dict[object, MSeq] = {}
         self.next_id = 0
         self.intern: dict[tuple, int] = {}
@@ -304,6 +312,7 @@ class PagedKVMachine(RuleBasedStateMachine):
             new_toks = flat_tokens[i : i + k]
             i += k
             ntok = len(s.tokens)
+            s.pending = [L for L in s.blocks[ntok // bs : (ntok + k) // bs] if L is not None]
             s.tokens.extend(new_toks)
             s.keys = self.keys_for(s.ns, s.tokens, s.keys)
             exp_slots = [s.blocks[p // bs].phys * bs + p % bs for p in range(ntok, ntok + k)]
@@ -393,6 +402,12 @@ class PagedKVMachine(RuleBasedStateMachine):
         if must_fail:
             self.expect_failure(OutOfBlocksError, bm.allocate, sid, prompt, namespace=ns)
             return
+        self.drain_events()
+        predicted = 0
+        if self.PREFIX:  # what a router predicts from the events alone
+            hashes = block_hashes(prompt, bs, ns)
+            while predicted < (n - 1) // bs and hashes[predicted] in self.index:
+                predicted += 1
         try:
             hit = bm.allocate(sid, prompt, namespace=ns)
         except OutOfBlocksError:
@@ -401,6 +416,7 @@ class PagedKVMachine(RuleBasedStateMachine):
             event("allocate: out of blocks")
             return
         event("allocate: prefix hit" if hit else "allocate: no hit")
+        assert hit == predicted * bs, f"the events' index predicted a hit of {predicted * bs}, allocate gave {hit}"
 
         assert isinstance(hit, int) and hit % bs == 0 and 0 <= hit <= max_hit * bs
         table = bm.block_table(sid).tolist()
@@ -418,6 +434,7 @@ class PagedKVMachine(RuleBasedStateMachine):
                 blocks.append(LBlock(b, True))
         assert nb - live_hits <= free
         s = self.seqs[sid] = MSeq(ns, list(prompt), keys, blocks)
+        s.pending = blocks[hit // bs : n // bs]
         if self.PREFIX:
             self.stats["qtok"] += n
             self.stats["htok"] += hit
@@ -513,6 +530,7 @@ class PagedKVMachine(RuleBasedStateMachine):
             self.expect_failure(DuplicateSequenceError, self.bm.fork, parent, child)
             return
         self.bm.fork(parent, child)
+        self.seqs[parent].pending = []  # fork confirms the parent's KV
         self.seqs[child] = self.seqs[parent].clone()
         assert self.bm.block_table(child).tolist() == self.bm.block_table(parent).tolist()
 
@@ -525,6 +543,13 @@ class PagedKVMachine(RuleBasedStateMachine):
         if not self.seqs:
             return self.bootstrap(data)
         sid = data.draw(st.sampled_from(list(self.seqs)), label="seq")
+        s = self.seqs[sid]
+        if not cache and self.PREFIX and not s.swapped:
+            others = [o for o in self.seqs.values() if o is not s and not o.swapped]
+            if any(L is M for L in s.pending for o in others for M in o.blocks):
+                event("free(cache=False): refused, a dependent holds its unwritten blocks")
+                self.expect_failure(SequenceStateError, self.bm.free, sid, cache=False)
+                return
         self.bm.free(sid, cache=cache)
         self.history.append((self.seqs[sid].ns, list(self.seqs[sid].tokens)))
         del self.seqs[sid]
@@ -560,6 +585,7 @@ class PagedKVMachine(RuleBasedStateMachine):
             s = self.seqs[sid]
             s.blocks = [None if L is None else moved[id(L)] for L in s.blocks]
             s.swapped = True
+            s.pending = []
         self.stats["out"] += len(uniq)
 
     @rule(data=st.data(), la=st.sampled_from([0, 0, 1, 4]))
@@ -691,10 +717,26 @@ class PagedKVMachine(RuleBasedStateMachine):
         self.expect_failure(UnknownSequenceError, self.bm.decode_step, [self.unknown_id()], np.array([1]))
 
     # ------------------------------------------------------------------ checks after every step
+    def drain_events(self) -> None:
+        """Apply the manager's KV events to the router's index, as a KV-aware router would."""
+        for e in self.bm.take_events():
+            if isinstance(e, BlockStored):
+                assert e.block_size == self.bs and len(e.token_ids) == self.bs * len(e.block_hashes)
+                self.index.update(e.block_hashes)
+            elif isinstance(e, BlockRemoved):
+                assert set(e.block_hashes) <= self.index, "removed a block the index never stored"
+                self.index.difference_update(e.block_hashes)
+            else:
+                assert isinstance(e, AllBlocksCleared)
+                self.index.clear()
+
     @invariant()
     def consistent(self):
         bm, bs = self.bm, self.bs
         bm.check_invariants()
+        if self.PREFIX:
+            self.drain_events()
+            assert self.index == set(bm._cache._map), "the events' index differs from the cache's keys"
         assert len(bm) == len(self.seqs)
         assert bm.seq_ids == tuple(self.seqs)  # allocation order
         for sid, s in self.seqs.items():
@@ -731,9 +773,10 @@ class PagedKVMachine(RuleBasedStateMachine):
                     )
 
 
-def _machine(prefix: bool, window: bool):
-    name = f"Machine_{'cache' if prefix else 'nocache'}_{'window' if window else 'full'}"
-    cls = type(name, (PagedKVMachine,), {"PREFIX": prefix, "WINDOW": window})
+def _machine(prefix: bool, window: bool, max_events: int = 100_000, small: bool = True):
+    name = f"Machine_{'cache' if prefix else 'nocache'}_{'window' if window else 'full'}_{max_events}_{small}"
+    cls = type(name, (PagedKVMachine,), {"PREFIX": prefix, "WINDOW": window, "MAX_EVENTS": max_events,
+                                         "SMALL_PATH": small})
     cls.TestCase.settings = settings(
         max_examples=EXAMPLES,
         stateful_step_count=STEPS,
@@ -747,6 +790,11 @@ TestNoCacheFull = _machine(False, False).TestCase
 TestNoCacheWindow = _machine(False, True).TestCase
 TestCacheFull = _machine(True, False).TestCase
 TestCacheWindow = _machine(True, True).TestCase
+TestCacheEventOverflow = _machine(True, False, max_events=3).TestCase  # overflows often: resyncs keep the index exact
+# the same operation sequences through the vectorised step only (the machines above take the plain-Python step
+# for small batches without a window)
+TestNoCacheFullVectorised = _machine(False, False, small=False).TestCase
+TestCacheFullVectorised = _machine(True, False, small=False).TestCase
 
 
 # ---------------------------------------------------------------------- regressions found by the machine above

@@ -14,7 +14,9 @@ from .errors import (
     SequenceStateError,
     UnknownSequenceError,
 )
+from . import events
 from .manager import NULL_BLOCK, AllocStatus, BlockManager, Stats, StepResult
+from .prefix_cache import block_hashes
 
 __version__ = "0.1.0"
 
@@ -24,6 +26,8 @@ __all__ = [
     "NULL_BLOCK",
     "Stats",
     "StepResult",
+    "block_hashes",
+    "events",
     "errors",
     "PagedKVError",
     "InvalidArgumentError",

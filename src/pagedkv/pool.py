@@ -31,7 +31,7 @@ class BlockPool:
     ``take`` and ``give`` are O(n) in the number of blocks moved and O(1) otherwise.
     """
 
-    __slots__ = ("num_blocks", "_ref", "_ring", "_head", "_nfree")
+    __slots__ = ("num_blocks", "_ref", "_ring", "_head", "_nfree", "_ref_mv", "_ring_mv")
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
@@ -39,6 +39,9 @@ class BlockPool:
         self._ring = np.arange(num_blocks, dtype=np.int32)
         self._head = 0
         self._nfree = num_blocks
+        # element access for the plain-Python paths (a third of a numpy scalar access); same memory
+        self._ref_mv = memoryview(self._ref)
+        self._ring_mv = memoryview(self._ring)
 
     @property
     def num_free(self) -> int:
@@ -59,6 +62,19 @@ class BlockPool:
         self._nfree -= n
         self._ref[ids] = 1
         return ids
+
+    def take_one(self) -> int:
+        """:meth:`take` of one block, in plain Python (the pool is not empty)."""
+        b = self._ring_mv[self._head]
+        self._head = (self._head + 1) % self.num_blocks
+        self._nfree -= 1
+        self._ref_mv[b] = 1
+        return b
+
+    def give_one(self, b: int) -> None:
+        """:meth:`give` of one block, in plain Python."""
+        self._ring_mv[(self._head + self._nfree) % self.num_blocks] = b
+        self._nfree += 1
 
     def give(self, ids: np.ndarray) -> None:
         """Append ``ids`` (blocks whose refcount is already 0) to the tail of the ring, in order."""

@@ -31,9 +31,10 @@ from typing import Iterator
 import numpy as np
 import xxhash
 
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, InvalidTokensError
+from .events import AllBlocksCleared, BlockRemoved, BlockStored
 
-__all__ = ["LRUEvictor", "PrefixCache", "block_key"]
+__all__ = ["LRUEvictor", "PrefixCache", "block_hashes", "block_key"]
 
 _xxh3 = xxhash.xxh3_64_intdigest
 _slice_memo: dict[int, list[slice]] = {}
@@ -42,6 +43,30 @@ _slice_memo: dict[int, list[slice]] = {}
 def block_key(parent_key: int, data: bytes) -> int:
     """Key of a block with token bytes ``data`` whose parent has key ``parent_key``."""
     return _xxh3(data, seed=parent_key)
+
+
+def _root_key(namespace: object) -> int:
+    return _xxh3(b"pagedkv-ns:" + _encode_namespace(namespace))
+
+
+def block_hashes(token_ids, block_size: int = 16, namespace: object = None) -> list[int]:
+    """The prefix-cache keys of the full blocks of ``token_ids`` (``len // block_size`` of them), as a
+    BlockManager with this ``block_size`` computes them and as its KV events name the blocks: what a router
+    computes for a request it has not routed yet. Deterministic across processes. O(len(token_ids))."""
+    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
+        raise InvalidArgumentError(f"block_size must be an int >= 1, got {block_size!r}")
+    arr = np.asarray(token_ids)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise InvalidTokensError(f"token_ids must be a 1-D sequence of ints, got {arr.dtype} of shape {arr.shape}")
+    if arr.size and (arr.min() < 0 or arr.max() > 2**31 - 1):
+        raise InvalidTokensError("token_ids must lie in [0, 2**31)")
+    n = arr.size // block_size
+    data = arr[: n * block_size].astype(np.int32).tobytes()
+    out, k = [], _root_key(namespace)
+    for sl in _slices(n, 4 * block_size):
+        k = _xxh3(data[sl], seed=k)
+        out.append(k)
+    return out
 
 
 def _slices(n: int, width: int) -> list[slice]:
@@ -126,7 +151,8 @@ class PrefixCache:
     A *parent* is passed as ``(cid, key)``; ``cid == 0`` means a broken chain (nothing after it is cached).
     """
 
-    __slots__ = ("_map", "tok", "key", "cid", "pcid", "evictor", "_roots", "_serial", "evictions", "_width")
+    __slots__ = ("_map", "tok", "key", "cid", "pcid", "evictor", "_roots", "_serial", "evictions", "_width",
+                 "_cid_mv", "events", "event_overflows", "_ev_max", "_ev_lost", "pkey", "nsid", "_ns_ids", "_ns_list", "_bs")
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self._map: dict[int, int] = {}
@@ -134,11 +160,80 @@ class PrefixCache:
         self.key = np.zeros(num_blocks, dtype=np.uint64)
         self.cid = np.zeros(num_blocks, dtype=np.int64)
         self.pcid = np.zeros(num_blocks, dtype=np.int64)
+        self._cid_mv = memoryview(self.cid)  # element access for the plain-Python paths
         self.evictor = LRUEvictor(num_blocks)
         self._roots: dict[bytes, tuple[int, int]] = {}  # encoded namespace -> (cid < 0, key)
         self._serial = 0  # last content id handed out
         self.evictions = 0
         self._width = 4 * block_size  # bytes of one block's tokens
+        self._bs = block_size
+        # KV events (enable_events): None when off, so that every emission point costs one test
+        self.events: list | None = None
+        self.event_overflows = 0
+        self._ev_max = 0
+        self._ev_lost = False
+        self.pkey = self.nsid = None  # per-block parent key and namespace index, kept only for events
+        self._ns_ids: dict[bytes, int] = {}
+        self._ns_list: list[object] = []
+
+    # ------------------------------------------------------------------ KV events
+    def enable_events(self, max_events: int) -> None:
+        """Record KV events (:mod:`pagedkv.events`), at most ``max_events`` until taken. Adds 12 bytes a block
+        (each cached block's parent key and namespace, for the events and for a resynchronisation)."""
+        n = self.cid.size
+        self.events, self._ev_max = [], max_events
+        self.pkey = np.zeros(n, dtype=np.uint64)
+        self.nsid = np.zeros(n, dtype=np.int32)
+
+    def _ns_index(self, namespace: object) -> int:
+        data = _encode_namespace(namespace)
+        i = self._ns_ids.get(data)
+        if i is None:
+            i = self._ns_ids[data] = len(self._ns_list)
+            self._ns_list.append(namespace)
+        return i
+
+    def _emit(self, event) -> None:
+        ev = self.events
+        if len(ev) >= self._ev_max:  # overflow: drop the buffer; the next take answers with a full resync
+            ev.clear()
+            self._ev_lost = True
+            self.event_overflows += 1
+            return
+        if not self._ev_lost:
+            ev.append(event)
+
+    def _stored(self, blocks: list[int], keys: list[int], pcid: int, pkey: int, namespace: object) -> None:
+        """Record a BlockStored for a chain of newly cached ``blocks`` (and their parent key and namespace)."""
+        nsi = self._ns_index(namespace)
+        bl = np.asarray(blocks, dtype=np.int64)
+        self.pkey[bl[0]] = pkey
+        if bl.size > 1:
+            self.pkey[bl[1:]] = np.asarray(keys[:-1], dtype=np.uint64)
+        self.nsid[bl] = nsi
+        self._emit(BlockStored(list(keys), None if pcid < 0 else pkey, self.tok[bl].reshape(-1).tolist(), self._bs,
+                               None, "GPU", namespace))
+
+    def take_events(self) -> list:
+        """The events since the last call, in order (and clear them); a full resync after an overflow."""
+        if self._ev_lost:
+            self._ev_lost = False
+            self.events = []
+            return [AllBlocksCleared()] + self.snapshot_events()
+        out, self.events = self.events, []
+        return out
+
+    def snapshot_events(self) -> list:
+        """One BlockStored per cached block, parents before children (content ids grow along a chain)."""
+        cached = np.flatnonzero(self.cid)
+        cached = cached[np.argsort(self.cid[cached], kind="stable")]
+        bs, ns = self._bs, self._ns_list
+        out = []
+        for b, k, p, pc, i in zip(cached.tolist(), self.key[cached].tolist(), self.pkey[cached].tolist(),
+                                  self.pcid[cached].tolist(), self.nsid[cached].tolist()):
+            out.append(BlockStored([k], None if pc < 0 else p, self.tok[b].tolist(), bs, None, "GPU",
+                                   ns[i] if ns else None))
+        return out
 
     def __len__(self) -> int:
         """Cached blocks (referenced or not)."""
@@ -175,7 +270,7 @@ class PrefixCache:
         return b if b >= 0 and self.cid[b] == cid else -1
 
     # ------------------------------------------------------------------ registration
-    def register(self, block: int, pcid: int, pkey: int) -> tuple[int, int]:
+    def register(self, block: int, pcid: int, pkey: int, namespace: object = None, emit: bool = True) -> tuple[int, int]:
         """Cache ``block`` (full, its KV and ``tok`` written) after parent ``(pcid, pkey)``. Returns the
         ``(cid, key)`` that now stands for this content: the block's own (new, or the one it already had), or
         that of another block already caching the same content (this block then stays uncached). ``(0, 0)``
@@ -193,13 +288,15 @@ class PrefixCache:
             self._serial += 1
             cid[block], self.key[block], self.pcid[block] = self._serial, key, pcid
             self._map[key] = block
+            if emit and self.events is not None:
+                self._stored([block], [key], pcid, pkey, namespace)
             return self._serial, key
         if self.pcid[other] == pcid and self.tok[other].tobytes() == data:
             return int(cid[other]), key  # same content cached by another block: share its identity
         return 0, 0
 
     def register_chains(self, blocks: np.ndarray, counts: np.ndarray, pcids: np.ndarray,
-                        pkeys: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+                        pkeys: np.ndarray, namespaces: list | None = None) -> tuple[np.ndarray, np.ndarray] | None:
         """:meth:`register` for several chains at once: chain ``r`` is the next ``counts[r]`` blocks of
         ``blocks`` (in order, each the parent of the next) after parent ``(pcids[r], pkeys[r])``. Returns the
         ``(cid, key)`` of each chain's last block, or None, having changed nothing, unless every chain is intact,
@@ -237,6 +334,11 @@ class PrefixCache:
         karr = np.fromiter(keys, dtype=np.uint64, count=n)
         cid[blocks] = new
         self.key[blocks] = karr
+        if self.events is not None:
+            pos = 0
+            for r, (m, pc, pk) in enumerate(zip(counts.tolist(), pcids.tolist(), pkeys.tolist())):
+                self._stored(bl[pos : pos + m], keys[pos : pos + m], pc, pk, namespaces[r] if namespaces else None)
+                pos += m
         if n == counts.size:
             self.pcid[blocks] = pcids
             return new, karr
@@ -247,22 +349,36 @@ class PrefixCache:
         self.pcid[blocks] = parent
         return new[last], karr[last]
 
-    def adopt(self, block: int, cid: int, key: int, pcid: int) -> bool:
+    def adopt(self, block: int, cid: int, key: int, pcid: int, pkey: int = 0, namespace: object = None) -> bool:
         """Cache ``block`` (uncached, ``tok`` written) as the existing content ``cid`` (swap-in of a block that
         was cached before it left: blocks chained after it stay reachable). False when the key is taken."""
         if key in self._map:
             return False
         self.cid[block], self.key[block], self.pcid[block] = cid, key, pcid
         self._map[key] = block
+        if self.events is not None:
+            self._stored([block], [key], pcid, pkey, namespace)
         return True
+
+    def withdraw(self, blocks: list[int]) -> None:
+        """Uncache ``blocks`` (cached, referenced: their KV was never written). O(len(blocks))."""
+        keys = [int(self.key[b]) for b in blocks]
+        for k in keys:
+            del self._map[k]
+        self.cid[blocks] = 0
+        if self.events is not None and keys:
+            self._emit(BlockRemoved(keys, "GPU"))
 
     # ------------------------------------------------------------------ eviction
     def evict(self) -> int:
         """Evict the least recently used unreferenced block and return its id (now uncached)."""
         b = self.evictor.pop()
-        del self._map[int(self.key[b])]
+        k = int(self.key[b])
+        del self._map[k]
         self.cid[b] = 0
         self.evictions += 1
+        if self.events is not None:
+            self._emit(BlockRemoved([k], "GPU"))
         return b
 
     def clear(self) -> list[int]:
@@ -272,4 +388,8 @@ class PrefixCache:
             self.evictor.discard(b)
         self.cid[np.fromiter(self._map.values(), dtype=np.int64, count=len(self._map))] = 0
         self._map.clear()
+        if self.events is not None:
+            self.events.clear()  # nothing before the clear matters to a consumer any more
+            self._ev_lost = False
+            self.events.append(AllBlocksCleared())
         return freed

@@ -39,6 +39,10 @@ tokens sampled in the previous step (one, or the accepted tokens of speculative 
 The engine executes a plan in this order: ``swap_out`` copies (GPU -> CPU), ``swap_in`` copies (CPU -> GPU),
 ``copy_on_write`` copies, then the forward pass over ``prefills`` and ``decode``. (Blocks freed by a swap-out can
 be handed out again in the same step, so the swap-out copies must come first.)
+Within the forward pass, each layer writes the K/V of every new token of the step before any attention of the
+step reads the cache, and a plan is always executed in full, even if one of its requests is aborted meanwhile:
+with prefix caching a prompt admitted in the same step as an identical one reads the blocks the other writes
+(the block manager's burst sharing), so the KV of a prefill is computed once per step, not once per request.
 
 Bookkeeping is O(batch) per step: running requests live in an insertion-ordered dict (the most recently admitted
 is the last key), waiting requests in a deque, swapped requests in a heap keyed by arrival.
@@ -389,10 +393,11 @@ class Scheduler:
         g = self._requests.get(request_id)
         if g is None:
             return None
-        cache = self._outstanding is None  # the KV of a scheduled step may not have been written
         if g.status == _RUNNING:
+            # a scheduled plan is executed in full (other requests of the step may read this one's blocks:
+            # burst sharing), so its KV is written even when the request is aborted in between
             for s in g.live:
-                self._free(s.seq_id, cache)
+                self._free(s.seq_id, True)
             del self._running[g.arrival]
             self._num_running_seqs -= len(g.live) if g.forked else g.n
         elif g.status == _SWAPPED:
@@ -723,7 +728,7 @@ class Scheduler:
                     break
                 done.append((s, toks, int(hit)))
             if verdict != "OK":
-                for s, _, _ in done:
+                for s, _, _ in reversed(done):  # later samples may share earlier ones' unwritten blocks
                     self._free(s.seq_id, False)
                 if verdict == "NEVER":
                     waiting.popleft()

@@ -159,3 +159,22 @@ def test_public_names_are_exported_lazily():
     code = ("import sys, pagedkv.engine as e; assert 'torch' not in sys.modules; "
             "from pagedkv.engine import LLM, SamplingParams, RequestOutput, CompletionOutput")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("copies", [2, 8])
+def test_identical_prompts_admitted_in_one_step_share_blocks_computed_once(engine, reference_case, copies):
+    """Burst sharing: the copies of one prompt, admitted in the same step, share its full blocks from the first
+    allocation on; the prompt's full blocks are computed once in that step and every copy reproduces the
+    independent reference output."""
+    prompt = reference_case["prompt_ids"]
+    bs = 16
+    llm = make_llm(engine, num_gpu_blocks=64, block_size=bs, max_num_seqs=copies)
+    outs = llm.generate([{"prompt_token_ids": prompt}] * copies, greedy(reference_case["max_tokens"]), use_tqdm=False)
+    assert all(ids(o) == reference_case["gen_ids"] for o in outs)
+    shared = (len(prompt) - 1) // bs * bs
+    assert [o.num_cached_tokens for o in outs] == [0] + [shared] * (copies - 1)
+    st, sched = llm.block_manager.stats, llm.scheduler.stats
+    assert st.prefix_hit_tokens == (copies - 1) * shared
+    assert sched.steps == reference_case["max_tokens"]  # all copies prefilled in step 1 (its first token), then decodes
+    assert sched.computed_prefill_tokens == len(prompt) + (copies - 1) * (len(prompt) - shared)
+    llm.block_manager.check_invariants()

@@ -5,7 +5,13 @@ managers behind the same API, see :mod:`pagedkv.bench.anchors`; run under the an
 ``.venv-anchor-v2/bin/python -m pagedkv.bench --impl pagedkv vllm_v2``). Only the block-manager calls are timed.
 Results go to ``benchmarks/results/*.json`` with the machine, the versions and the exact command.
 
-``python -m pagedkv.bench ablation ...`` runs the hot-path ablation (:mod:`pagedkv.bench.ablation`).
+Sub-benchmarks (each has its own ``--help`` and ``--quick``):
+
+``python -m pagedkv.bench ablation ...``  the hot-path ablation (:mod:`pagedkv.bench.ablation`);
+``python -m pagedkv.bench sweep ...``     decode step vs batch size 1..1024, pagedkv against each anchor
+                                          (:mod:`pagedkv.bench.sweep`; ``sweep report FILES --plot DIR`` merges);
+``python -m pagedkv.bench single ...``    single-sequence calls (allocate, append_slots, fork, free) against a
+                                          plain-Python reference and the anchors (:mod:`pagedkv.bench.single`).
 """
 
 from __future__ import annotations
@@ -100,6 +106,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .ablation import main as ablation_main
 
         return ablation_main(argv[1:])
+    if argv[:1] == ["sweep"]:
+        from .sweep import main as sweep_main
+
+        return sweep_main(argv[1:])
+    if argv[:1] == ["single"]:
+        from .single import main as single_main
+
+        return single_main(argv[1:])
     names = [*build_workloads(False), *WORKLOAD_GROUPS]
     ap = argparse.ArgumentParser(prog="python -m pagedkv.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

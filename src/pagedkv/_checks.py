@@ -1,0 +1,77 @@
+"""Input validation shared by the block manager's calls (every bad input raises a typed error)."""
+
+from __future__ import annotations
+
+from itertools import chain
+
+import numpy as np
+
+from .errors import InvalidArgumentError, InvalidTokensError
+
+_TOKEN_MAX = 2**31 - 1
+_INT = {int}
+
+
+def check_int(name: str, value: object, minimum: int) -> int:
+    """``value`` as an int, or InvalidArgumentError if it is not an int (bools excluded) or is below ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise InvalidArgumentError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise InvalidArgumentError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def as_tokens(token_ids: object, what: str = "token_ids") -> np.ndarray:
+    """Validate a 1-D sequence of token ids and return it as int32."""
+    if type(token_ids) is list and 0 < len(token_ids) <= 512 and set(map(type, token_ids)) == _INT:
+        if min(token_ids) >= 0 and max(token_ids) <= _TOKEN_MAX:  # a short list of ints: no numpy reductions
+            return np.array(token_ids, dtype=np.int32)
+    arr = token_ids if isinstance(token_ids, np.ndarray) else np.asarray(token_ids)
+    if arr.ndim != 1:
+        raise InvalidTokensError(f"{what} must be a 1-D sequence of ints, got shape {arr.shape}")
+    if arr.size == 0:
+        raise InvalidTokensError(f"{what} is empty")
+    if arr.dtype.kind not in "iu":
+        raise InvalidTokensError(f"{what} must be integers, got dtype {arr.dtype}")
+    if arr.min() < 0 or arr.max() > _TOKEN_MAX:
+        raise InvalidTokensError(f"{what} must lie in [0, 2**31), got min {arr.min()} max {arr.max()}")
+    return arr.astype(np.int32, copy=False)
+
+
+def flat_tokens(token_ids: object, num_new_tokens: object, b: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """Validate a flat batch (tokens, counts); counts None when every sequence gets exactly one token."""
+    counts = np.asarray(num_new_tokens)
+    if counts.ndim != 1 or counts.size != b or (b and counts.dtype.kind not in "iu"):
+        raise InvalidTokensError(f"num_new_tokens must be {b} integers, got {counts.dtype} of shape {counts.shape}")
+    if b and counts.min() < 1:
+        raise InvalidTokensError("every sequence of the batch needs at least one new token")
+    arr = np.asarray(token_ids)
+    if arr.ndim != 1:
+        raise InvalidTokensError(f"with num_new_tokens, token_ids must be 1-D, got shape {arr.shape}")
+    if arr.size != counts.sum():
+        raise InvalidTokensError(f"got {arr.size} tokens for num_new_tokens summing to {counts.sum()}")
+    return arr, (None if arr.size == b else counts.astype(np.int64, copy=False))
+
+def batch_tokens(token_ids: object, b: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """Flatten a batch's new tokens; returns (flat tokens, per-sequence counts or None for one each)."""
+    if isinstance(token_ids, np.ndarray) or not isinstance(token_ids, (list, tuple)) or not token_ids or \
+            not isinstance(token_ids[0], (list, tuple, np.ndarray)):
+        arr = np.asarray(token_ids)
+        if arr.ndim == 1 and arr.size == b:
+            return arr, None
+        if arr.ndim == 2 and arr.shape[0] == b and arr.shape[1] >= 1:
+            return arr.reshape(-1), np.full(b, arr.shape[1], dtype=np.int64)
+        raise InvalidTokensError(f"token_ids must have shape ({b},) or ({b}, k), got {arr.shape}")
+    if len(token_ids) != b:
+        raise InvalidTokensError(f"token_ids has {len(token_ids)} lists for a batch of {b}")
+    try:  # one pass of C-level iteration, not one numpy call per sequence
+        counts = np.fromiter(map(len, token_ids), dtype=np.int64, count=b)
+        flat = np.asarray(list(chain.from_iterable(token_ids)))
+    except (TypeError, ValueError):
+        flat = None
+    if flat is None or flat.ndim != 1:
+        raise InvalidTokensError("token_ids: a ragged batch needs one 1-D token list per sequence")
+    if counts.min() < 1:
+        raise InvalidTokensError("every sequence of the batch needs at least one new token")
+    return flat, counts
+

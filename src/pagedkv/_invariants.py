@@ -1,0 +1,106 @@
+"""The O(n) audit of every invariant of the block manager (tests call it after every step)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .types import NULL_BLOCK
+
+
+class _Invariants:
+    """Mixin of :class:`pagedkv.BlockManager`: :meth:`check_invariants`."""
+
+    def check_invariants(self) -> None:
+        """Check every invariant of the manager in O(blocks + total table length); raise AssertionError.
+
+        - each GPU (CPU) block's refcount equals the number of GPU-resident (swapped-out) tables holding it;
+        - no block appears twice in one table, released positions hold NULL_BLOCK, tables cover the tokens;
+        - free ring, evictor and used blocks partition each pool (free + cached-free + used == total);
+        - the free ring holds unreferenced uncached blocks, the evictor unreferenced cached ones, in a
+          consistent linked list; the cache map and the per-block entries agree (no block under two keys).
+        """
+
+        def fail(msg: str) -> None:
+            raise AssertionError(msg)
+
+        bs = self._bs
+        counts = {False: np.zeros(self._gpu.num_blocks, np.int64), True: np.zeros(self._cpu.num_blocks, np.int64)}
+        if len(self._row_of) + len(self._free_rows) != len(self._seq_of):
+            fail("rows: live + free != capacity")
+        for seq_id, row in self._row_of.items():
+            if self._seq_of[row] != seq_id:
+                fail(f"row {row} maps back to {self._seq_of[row]!r}, not {seq_id!r}")
+            n, nb, nrel = int(self._ntok[row]), int(self._nblk[row]), int(self._nrel[row])
+            t = self._table[row]
+            if nb * bs < n or n < 1:
+                fail(f"{seq_id!r}: {nb} blocks cannot hold {n} tokens")
+            if (t[:nrel] != NULL_BLOCK).any() or (t[nb:] != NULL_BLOCK).any():
+                fail(f"{seq_id!r}: released or unused table positions hold blocks")
+            live = t[nrel:nb]
+            if (live < 0).any():
+                fail(f"{seq_id!r}: a held position has no block")
+            if np.unique(live).size != live.size:
+                fail(f"{seq_id!r}: a block appears twice in one table")
+            swapped = bool(self._swapped[row])
+            size = self._cpu.num_blocks if swapped else self._gpu.num_blocks
+            if live.size and live.max() >= size:
+                fail(f"{seq_id!r}: block id out of range")
+            np.add.at(counts[swapped], live, 1)
+            if self._window is not None and nrel > max(n - self._window, 0) // bs:
+                fail(f"{seq_id!r}: released blocks the window still sees")
+            if self._cache is not None and int(self._nreg[row]) > n // bs:
+                fail(f"{seq_id!r}: more blocks offered to the cache than are full")
+        for rows_free in self._free_rows:
+            if self._seq_of[rows_free] is not None or (self._table[rows_free] != NULL_BLOCK).any():
+                fail(f"free row {rows_free} is not clean")
+        for swapped, pool, name in ((False, self._gpu, "GPU"), (True, self._cpu, "CPU")):
+            if not np.array_equal(counts[swapped], pool._ref):
+                bad = int(np.flatnonzero(counts[swapped] != pool._ref)[0])
+                fail(f"{name} block {bad}: refcount {pool._ref[bad]} but {counts[swapped][bad]} holders")
+            free = pool.free_ids()
+            if np.unique(free).size != free.size:
+                fail(f"{name} free ring holds a block twice")
+            if (pool._ref[free] != 0).any():
+                fail(f"{name} free ring holds a referenced block")
+            used = int((pool._ref > 0).sum())
+            cached_free = len(self._cache.evictor) if (self._cache is not None and not swapped) else 0
+            if free.size + cached_free + used != pool.num_blocks:
+                fail(f"{name}: free {free.size} + cached {cached_free} + used {used} != {pool.num_blocks}")
+        if self._cache is not None:
+            self._check_cache_invariants(fail)
+
+    def _check_cache_invariants(self, fail) -> None:
+        cache, ref = self._cache, self._gpu._ref
+        cid = cache.cid
+        ev = list(cache.evictor)
+        if len(ev) != len(cache.evictor) or len(set(ev)) != len(ev):
+            fail("evictor list is inconsistent")
+        ev_arr = np.asarray(ev, dtype=np.int64)
+        if (ref[ev_arr] != 0).any() or (cid[ev_arr] == 0).any():
+            fail("the evictor holds a block that is referenced or uncached")
+        free = self._gpu.free_ids()
+        if np.intersect1d(free, ev_arr).size:
+            fail("a block is both free and evictable")
+        if (cid[free] != 0).any():
+            fail("a free block is still cached")
+        cached = np.flatnonzero(cid)
+        if cached.size != len(cache._map):
+            fail(f"{cached.size} blocks are cached but the map has {len(cache._map)} keys")
+        if np.unique(cid[cached]).size != cached.size or (cid[cached] < 0).any() or cid.max(initial=0) > cache._serial:
+            fail("content ids are not unique positive serials")
+        for b, k in zip(cached.tolist(), cache.key[cached].tolist()):
+            if cache._map.get(k) != b:
+                fail(f"cached block {b} is not where the map points for its key")
+        # every cached block's key is the chained hash of its stored tokens (catches writes into cached blocks)
+        parent_key = dict(cache._roots.values())
+        parent_key.update(zip(cid[cached].tolist(), cache.key[cached].tolist()))
+        for b, p, k in zip(cached.tolist(), cache.pcid[cached].tolist(), cache.key[cached].tolist()):
+            if p in parent_key and cache.find(p, parent_key[p], cache.tok[b].tobytes()) != (b, k):
+                fail(f"cached block {b}: its key is not the hash of its tokens after its parent")
+        for row in self._row_of.values():
+            c = int(self._ccid[row])
+            if c and c in parent_key and parent_key[c] != int(self._ckey[row]):
+                fail(f"row {row}: its chain key is not the key of its chain's content")
+        cpu_cached = np.flatnonzero(self._cpu_id[0])
+        if (self._cpu._ref[cpu_cached] == 0).any():
+            fail("a free CPU block carries a cache identity")
