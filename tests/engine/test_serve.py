@@ -330,12 +330,17 @@ def test_serve_command_in_a_subprocess(tmp_path):
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    port, ev_port, replay_port = free_port(), free_port(), free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     proc = subprocess.Popen([sys.executable, "-m", "pagedkv.cli", "serve", "--port", str(port), "--num-gpu-blocks",
-                             "32", "--api-key", "k", "--served-model-name", "smol"],
+                             "32", "--api-key", "k", "--served-model-name", "smol",
+                             "--kv-events-endpoint", f"tcp://127.0.0.1:{ev_port}",
+                             "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay_port}"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -350,6 +355,22 @@ def test_serve_command_in_a_subprocess(tmp_path):
         c = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0, timeout=60)
         r = c.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
         assert r.usage.completion_tokens <= 3 and r.choices[0].message.content
+        if _kv_events_supported():  # the prompt's full blocks were announced: ask the replay socket
+            zmq = pytest.importorskip("zmq")
+            from pagedkv.server.kv_events import END_SEQ, decode_payload
+
+            dealer = zmq.Context.instance().socket(zmq.DEALER)
+            dealer.setsockopt(zmq.RCVTIMEO, 10000)
+            dealer.connect(f"tcp://127.0.0.1:{replay_port}")
+            dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+            names = []
+            while True:
+                _, seq, payload = dealer.recv_multipart()
+                if seq == END_SEQ:
+                    break
+                names += [type(e).__name__ for e in decode_payload(payload).events]
+            dealer.close(0)
+            assert "BlockStored" in names
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -378,7 +399,7 @@ def test_kv_events_rebuild_the_cached_key_set(engine):
     from pagedkv.server.kv_events import END_SEQ, decode_payload
     from pagedkv.server.launch import make_server
 
-    llm = LLM(engine.paged, num_gpu_blocks=24, max_num_seqs=4, block_size=BLOCK, enable_kv_events=True)
+    llm = LLM(engine.paged, num_gpu_blocks=12, max_num_seqs=4, block_size=BLOCK, enable_kv_events=True)
     srv = make_server(llm, model_name=MODEL, kv_events_endpoint="tcp://127.0.0.1:*",
                       kv_events_replay_endpoint="tcp://127.0.0.1:*").start_in_thread()
     ctx = zmq.Context.instance()
@@ -388,7 +409,7 @@ def test_kv_events_rebuild_the_cached_key_set(engine):
     sub.connect(srv.publisher.endpoint)
     try:
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
-        prompts = [f"Story {i}: " + "once upon a time there was a block of sixteen tokens " * 3 for i in range(6)]
+        prompts = [f"Story {i}: " + "once upon a time there was a block of sixteen tokens " * 5 for i in range(6)]
         prompts += prompts[:2]  # hits
         for p in prompts:
             c.completions.create(model=MODEL, prompt=p, max_tokens=4, temperature=0)
