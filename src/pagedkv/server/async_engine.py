@@ -162,6 +162,7 @@ class AsyncEngine:
         self._aborts: list[Any] = []
         self._live: dict[Any, _Live] = {}
         self._by_id: dict[Any, Any] = {}
+        self._in_transit = 0  # requests taken from _adds and not yet in _live
         self._stopping = False
         self._error: str | None = None
         self._prompt_tokens = 0
@@ -181,7 +182,7 @@ class AsyncEngine:
     def num_unfinished(self) -> int:
         """Requests submitted and not yet finished or aborted (queued here or in the scheduler)."""
         with self._cond:
-            return len(self._adds) + len(self._live)
+            return len(self._adds) + self._in_transit + len(self._live)
 
     def prepare(self, prompt: str | Mapping, params: Any, namespace: Any = None) -> Any:
         """Validate and tokenise one prompt (blocking: call it with ``asyncio.to_thread``); raises
@@ -206,7 +207,7 @@ class AsyncEngine:
         with self._cond:
             if not self.alive:
                 raise EngineDead(self._error or "the engine is stopped")
-            if len(self._adds) + self.llm.scheduler.num_waiting >= self.max_waiting:
+            if len(self._adds) + self._in_transit + self.llm.scheduler.num_waiting >= self.max_waiting:
                 raise EngineOverloaded(f"{self.max_waiting} requests are already waiting; retry later")
             n = request.params.n
             self._adds.append(_Live(request, stream, time.perf_counter(), [""] * n, [0] * n))
@@ -236,9 +237,11 @@ class AsyncEngine:
                     break
                 adds, self._adds = self._adds, []
                 aborts, self._aborts = self._aborts, []
+                self._in_transit = len(adds)
             try:
                 with self._lock:
                     self._apply(adds, aborts)
+                    self._in_transit = 0
                     if sched.has_unfinished():
                         plan, done = self.llm._step(self._by_id)
                         self._emit(plan, done)
@@ -246,6 +249,9 @@ class AsyncEngine:
             except Exception as e:  # a bug, not a client's mistake; the scheduler may be mid-step: stop here
                 log.exception("engine step failed; the engine stops")
                 self._error = f"engine error: {e!r}"
+                for live in adds:  # some may not have reached _live
+                    live.stream._push(Failed(self._error))
+                self._in_transit = 0
                 self._fail_all(self._error)
                 return
             self._take_snapshot()
