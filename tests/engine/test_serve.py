@@ -106,6 +106,26 @@ def test_openai_client_completions_and_chat_match_llm_generate(server, client, o
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_parallel_sampling_with_a_seed_and_default_max_tokens(server, client, offline):
+    from pagedkv.engine import SamplingParams
+
+    sp = SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=6, ignore_eos=True)
+    want = [o.text for o in offline.generate("Once upon a time", sp, use_tqdm=False)[0].outputs]
+    kw = dict(model=MODEL, prompt="Once upon a time", n=2, temperature=0.8, seed=7, max_tokens=6,
+              extra_body={"ignore_eos": True})
+    r = client.completions.create(**kw)
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == want and r.usage.completion_tokens == 12
+    texts = ["", ""]
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == want
+    # a chat without max_tokens may use the rest of the KV cache (small here), not fail for the context's sake
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi."}],
+                                       temperature=0)
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens < 200
+
+
 def test_stop_strings_and_sse_framing(server, offline):
     prompt = "1, 2, 3, 4,"
     want = offline.generate(prompt, greedy(max_tokens=8, stop=(" 6",)), use_tqdm=False)[0].outputs[0]

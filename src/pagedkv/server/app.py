@@ -186,7 +186,9 @@ def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = Non
         except Exception as e:  # the template rejected the conversation (e.g. roles out of order)
             raise APIError(400, f"the chat template rejected the messages: {e}", "invalid_request_error",
                            None, "messages")
-        stream = await start({"prompt_token_ids": ids}, req, max(1, llm.max_model_len - len(ids)))
+        bm = llm.block_manager  # default max_tokens: the rest of the context, or of the KV cache if smaller
+        room = min(llm.max_model_len, (bm.num_gpu_blocks - bm.watermark_blocks) * bm.block_size)
+        stream = await start({"prompt_token_ids": ids}, req, max(1, room - len(ids)))
         head = ResponseHead.make("chatcmpl", model_name)
 
         def chunk(index: int, text: str, reason: str | None, role: bool = False) -> dict:
