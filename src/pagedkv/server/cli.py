@@ -55,9 +55,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (PagedKVError, FileNotFoundError, ValueError, RuntimeError) as e:
         print(f"pagedkv serve: error: {e}", file=sys.stderr)
         return 2
-    except TypeError as e:  # an engine without enable_kv_events
-        print(f"pagedkv serve: error: {e}", file=sys.stderr)
-        return 2
     print(f"pagedkv serve: model {server.model_name!r} on http://{args.host}:{args.port}", file=sys.stderr)
     server.run()
     return 0
