@@ -227,7 +227,7 @@ class PrefixCache:
     """
 
     __slots__ = ("_map", "tok", "key", "cid", "pcid", "evictor", "_roots", "_serial", "evictions", "_width",
-                 "_cid_mv", "_tok_mv", "events", "event_overflows", "_ev_max", "_ev_lost", "pkey", "nsid", "_ns_ids", "_ns_list", "_bs")
+                 "_cid_mv", "_tok_mv", "tier", "fresh", "fresh_serial", "events", "event_overflows", "_ev_max", "_ev_lost", "pkey", "nsid", "_ns_ids", "_ns_list", "_bs")
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self._map: dict[int, int] = {}
@@ -243,6 +243,11 @@ class PrefixCache:
         self.evictions = 0
         self._width = 4 * block_size  # bytes of one block's tokens
         self._bs = block_size
+        # the CPU tier (cpu_tier.CpuTier) when on: evicted blocks spill into it; ``fresh`` stamps each block with
+        # the step serial at which it was cached (a block cached in the current step is never demoted)
+        self.tier = None
+        self.fresh = None
+        self.fresh_serial = 0
         # KV events (enable_events): None when off, so that every emission point costs one test
         self.events: list | None = None
         self.event_overflows = 0
@@ -309,6 +314,8 @@ class PrefixCache:
                                   self.pcid[cached].tolist(), self.nsid[cached].tolist()):
             out.append(BlockStored([k], None if pc < 0 else p, self.tok[b].tolist(), bs, None, "GPU",
                                    ns[i] if ns else None))
+        if self.tier is not None:
+            out.extend(self.tier.snapshot_events())
         return out
 
     def __len__(self) -> int:
@@ -364,6 +371,8 @@ class PrefixCache:
             self._serial += 1
             cid[block], self.key[block], self.pcid[block] = self._serial, key, pcid
             self._map[key] = block
+            if self.fresh is not None:
+                self.fresh[block] = self.fresh_serial
             if emit and self.events is not None:
                 self._stored([block], [key], pcid, pkey, namespace)
             return self._serial, key
@@ -410,6 +419,8 @@ class PrefixCache:
         karr = np.fromiter(keys, dtype=np.uint64, count=n)
         cid[blocks] = new
         self.key[blocks] = karr
+        if self.fresh is not None:
+            self.fresh[blocks] = self.fresh_serial
         if self.events is not None:
             pos = 0
             for r, (m, pc, pk) in enumerate(zip(counts.tolist(), pcids.tolist(), pkeys.tolist())):
@@ -432,6 +443,8 @@ class PrefixCache:
             return False
         self.cid[block], self.key[block], self.pcid[block] = cid, key, pcid
         self._map[key] = block
+        if self.fresh is not None:
+            self.fresh[block] = self.fresh_serial
         if self.events is not None:
             self._stored([block], [key], pcid, pkey, namespace)
         return True
@@ -452,10 +465,13 @@ class PrefixCache:
         blocks = self.evictor.pop_many(n)
         keys = self.key[blocks].tolist()
         collections.deque(map(self._map.__delitem__, keys), maxlen=0)
+        cids = self.cid[blocks].copy() if self.tier is not None else None
         self.cid[blocks] = 0
         self.evictions += n
         if self.events is not None:
             self._emit(BlockRemoved(keys, "GPU"))
+        if cids is not None:
+            self.tier.demote(blocks, cids)
         return blocks
 
     def evict(self) -> int:
@@ -463,10 +479,13 @@ class PrefixCache:
         b = self.evictor.pop()
         k = int(self.key[b])
         del self._map[k]
+        c = int(self.cid[b])
         self.cid[b] = 0
         self.evictions += 1
         if self.events is not None:
             self._emit(BlockRemoved([k], "GPU"))
+        if self.tier is not None:
+            self.tier.demote(np.array([b]), np.array([c]))
         return b
 
     def clear(self) -> list[int]:
