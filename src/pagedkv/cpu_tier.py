@@ -108,62 +108,65 @@ class CpuTier:
     # ------------------------------------------------------------------ demotion (GPU -> CPU)
     def demote(self, blocks: np.ndarray, cids: np.ndarray) -> None:
         """GPU ``blocks`` (just evicted; ``cids`` their content ids before eviction) move to the tier, in order.
-        A block cached in the current step, or whose content the tier already holds, is not copied; when every
-        CPU block is held by swapped sequences or pinned, the demotion is dropped."""
+        A block cached in the current step, or whose content the tier already holds, is not copied. CPU blocks
+        come from the free ring first, then by evicting the tier's LRU blocks; when every CPU block is held by
+        swapped sequences or pinned, the remaining demotions are dropped. A few numpy calls and C-level dict
+        passes whatever the number of blocks."""
         cache = self._cache
-        fresh = cache.fresh[blocks] == cache.fresh_serial
-        keys = cache.key[blocks].tolist()
-        for g, cid, key, is_fresh in zip(blocks.tolist(), cids.tolist(), keys, fresh.tolist()):
-            if is_fresh or key in self._map:
-                continue
-            c = self._room()
-            if c < 0:
-                self.dropped += 1
-                continue
-            self._tok[c] = cache.tok[g]
-            pk = int(cache.pkey[g]) if cache.pkey is not None else 0
-            ns = int(cache.nsid[g]) if cache.nsid is not None else 0
-            self._id[:, c] = (cid, key - (1 << 64) if key >= 1 << 63 else key, int(cache.pcid[g]),
-                              pk - (1 << 64) if pk >= 1 << 63 else pk, ns)
-            self._map[key] = c
-            self._pinned.add(c)
-            self._demote.append((g, c))
-            self.demotions += 1
-            if cache.events is not None:
-                pcid = int(cache.pcid[g])
+        keep = cache.fresh[blocks] != cache.fresh_serial
+        keys = cache.key[blocks]
+        if self._map:
+            keep &= ~np.fromiter(map(self._map.__contains__, keys.tolist()), dtype=bool, count=keys.size)
+        if not keep.all():
+            blocks, cids, keys = blocks[keep], cids[keep], keys[keep]
+        k = blocks.size
+        if not k:
+            return
+        pool = self._pool
+        got = pool.take(min(k, pool._nfree))
+        pool._ref[got] = 0
+        if got.size < k and len(self.evictor):
+            got = np.concatenate((got, self._forget(self.evictor.pop_many(min(k - got.size, len(self.evictor))))))
+        if got.size < k:  # every CPU block is held by swapped sequences or pinned
+            self.dropped += k - got.size
+            blocks, cids, keys = blocks[: got.size], cids[: got.size], keys[: got.size]
+            if not got.size:
+                return
+        self._tok[got] = cache.tok[blocks]
+        ident = self._id
+        ident[0, got] = cids
+        ident[1, got] = keys.view(np.int64)
+        ident[2, got] = cache.pcid[blocks]
+        if cache.pkey is not None:
+            ident[3, got] = cache.pkey[blocks].view(np.int64)
+            ident[4, got] = cache.nsid[blocks]
+        cl = got.tolist()
+        self._map.update(zip(keys.tolist(), cl))
+        self._pinned.update(cl)
+        self._demote.extend(zip(blocks.tolist(), cl))
+        self.demotions += len(cl)
+        if cache.events is not None:
+            for c in cl:
+                cid, key, pcid, pk, ns = self.content(c)
                 cache._emit(BlockStored([key], None if pcid < 0 else pk, self._tok[c].tolist(), cache._bs, None,
                                         "CPU", cache._ns_list[ns] if cache._ns_list else None))
 
-    def _room(self) -> int:
-        """A CPU block for a demotion: a free one, else the tier's LRU (evicted); -1 if none."""
-        pool = self._pool
-        if pool._nfree:
-            b = pool.take_one()
-            pool._ref_mv[b] = 0
-            return b
-        if len(self.evictor):
-            c = self.evictor.pop()
-            self._forget(c)
-            return c
-        return -1
-
-    def _forget(self, c: int) -> None:
-        key = int(self._id[1, c]) & _U64
-        del self._map[key]
-        self._id[0, c] = 0
-        self.evictions += 1
-        if self._cache.events is not None:
-            self._cache._emit(BlockRemoved([key], "CPU"))
+    def _forget(self, blocks: np.ndarray) -> np.ndarray:
+        """Uncache tier ``blocks`` (popped from the evictor); returns them."""
+        keys = (self._id[1, blocks].view(np.uint64)).tolist()
+        for key in keys:
+            del self._map[key]
+        self._id[0, blocks] = 0
+        self.evictions += blocks.size
+        if self._cache.events is not None and keys:
+            self._cache._emit(BlockRemoved(keys, "CPU"))
+        return blocks
 
     # ------------------------------------------------------------------ room for swap
     def evict(self, n: int) -> None:
         """Return ``n`` unpinned tier blocks (LRU first) to the pool's free ring (``n <= num_evictable``)."""
-        if n <= 0:
-            return
-        blocks = self.evictor.pop_many(n)
-        for c in blocks.tolist():
-            self._forget(c)
-        self._pool.give(blocks)
+        if n > 0:
+            self._pool.give(self._forget(self.evictor.pop_many(n)))
 
     # ------------------------------------------------------------------ the step's copies
     def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
