@@ -65,7 +65,7 @@ class _Invariants:
             used = int((pool._ref > 0).sum())
             if swapped:  # the CPU tier's blocks (cached or pinned) are neither free nor referenced
                 tier = self._tier
-                cached_free = 0 if tier is None else len(set(tier._map.values()) | tier._pinned)
+                cached_free = 0 if tier is None else len(set(tier._map.values()) | set(tier._pinned))
             else:
                 cached_free = len(self._cache.evictor) if self._cache is not None else 0
             if free.size + cached_free + used != pool.num_blocks:

@@ -156,15 +156,17 @@ class _Registry:
     def _promote(self, hits: list, cpu_hits: list, taken) -> tuple[list, list]:
         """Give each CPU-tier hit the next of the ``taken`` GPU blocks: the block adopts the CPU block's content
         (tokens and identity, so chains continue) and a CPU -> GPU copy is recorded. Returns the prompt's hit
-        blocks in table order and the taken blocks left for the rest of the prompt."""
-        taken = list(taken) if not isinstance(taken, list) else taken
-        cache, tier = self._cache, self._tier
+        blocks in table order and the taken blocks left for the rest of the prompt. Vectorised over the hits."""
+        taken = taken.tolist() if isinstance(taken, np.ndarray) else taken
+        cache, tier, k = self._cache, self._tier, len(cpu_hits)
+        cs = [c for _, c in cpu_hits]
+        gs = taken[:k]
+        ca, ga = np.array(cs, dtype=np.int64), np.array(gs, dtype=np.int64)
+        ident = self._cpu_id[:, ca]
+        cache.tok[ga] = self._cpu_tok[ca]
+        cache.adopt_many(ga, ident[0], ident[1].view(np.uint64), ident[2], ident[3].view(np.uint64), ident[4])
+        tier.promote_many(cs, gs)
         out = list(hits)
-        for i, (j, c) in enumerate(cpu_hits):
-            g = taken[i]
-            cid, key, pcid, pk, nsi = tier.content(c)
-            cache.tok[g] = self._cpu_tok[c]
-            cache.adopt(g, cid, key, pcid, pk, cache._ns_list[nsi] if cache._ns_list else None)
-            tier.promote(c, g)
+        for (j, _), g in zip(cpu_hits, gs):
             out.insert(j, g)
-        return out, taken[len(cpu_hits):]
+        return out, taken[k:]

@@ -31,6 +31,8 @@ step reuses them; and a block whose KV the current step computes (cached since t
 
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 import xxhash
 
@@ -51,7 +53,7 @@ class CpuTier:
         self._pool, self._tok, self._id, self._cache = pool, cpu_tok, cpu_id, cache
         self._map: dict[int, int] = {}  # key -> CPU block
         self.evictor = LRUEvictor(pool.num_blocks)
-        self._pinned: set[int] = set()  # CPU blocks read or written by pending copies
+        self._pinned: dict[int, None] = {}  # CPU blocks read or written by pending copies, in pinning order
         self._demote: list[tuple[int, int]] = []
         self._promote: list[tuple[int, int]] = []
         cache.fresh = np.zeros(cache.cid.size, dtype=np.int32)  # step serial at which a GPU block was cached
@@ -103,7 +105,19 @@ class CpuTier:
         if c not in self._pinned:
             if c in self.evictor:
                 self.evictor.discard(c)
-            self._pinned.add(c)
+            self._pinned[c] = None
+
+    def pin_many(self, cs: list[int]) -> None:
+        """:meth:`pin` of each of ``cs`` (distinct cached CPU blocks)."""
+        new = [c for c in cs if c not in self._pinned]
+        arr = np.array(new, dtype=np.int64)
+        self.evictor.discard_many(arr[self.evictor._stamp[arr] != 0])
+        self._pinned.update(dict.fromkeys(new))
+
+    def promote_many(self, cs: list[int], gs: list[int]) -> None:
+        """:meth:`promote` of each pair (the CPU blocks are pinned already)."""
+        self._promote.extend(zip(cs, gs))
+        self.promotions += len(cs)
 
     # ------------------------------------------------------------------ demotion (GPU -> CPU)
     def demote(self, blocks: np.ndarray, cids: np.ndarray) -> None:
@@ -142,7 +156,7 @@ class CpuTier:
             ident[4, got] = cache.nsid[blocks]
         cl = got.tolist()
         self._map.update(zip(keys.tolist(), cl))
-        self._pinned.update(cl)
+        self._pinned.update(dict.fromkeys(cl))
         self._demote.extend(zip(blocks.tolist(), cl))
         self.demotions += len(cl)
         if cache.events is not None:
@@ -154,8 +168,7 @@ class CpuTier:
     def _forget(self, blocks: np.ndarray) -> np.ndarray:
         """Uncache tier ``blocks`` (popped from the evictor); returns them."""
         keys = (self._id[1, blocks].view(np.uint64)).tolist()
-        for key in keys:
-            del self._map[key]
+        collections.deque(map(self._map.__delitem__, keys), maxlen=0)
         self._id[0, blocks] = 0
         self.evictions += blocks.size
         if self._cache.events is not None and keys:
@@ -175,12 +188,12 @@ class CpuTier:
         belong to the next step. O(copies)."""
         dem, pro = self._demote, self._promote
         self._demote, self._promote = [], []
-        for c in self._pinned:
-            if self._id[0, c]:
-                self.evictor.push(c)
-            else:  # uncached meanwhile (reset_prefix_cache): back to the free ring
-                self._pool.give_one(c)
-        self._pinned.clear()
+        if self._pinned:
+            pinned = np.fromiter(self._pinned, dtype=np.int64, count=len(self._pinned))
+            cached = self._id[0, pinned] != 0
+            self.evictor.push_many(pinned[cached])  # in pinning order: the most recently used last
+            self._pool.give(pinned[~cached])  # uncached meanwhile (reset_prefix_cache): back to the free ring
+            self._pinned.clear()
         self._cache.fresh_serial += 1
         return dem, pro
 

@@ -367,9 +367,8 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Invar
                 f"prompt of {n} tokens needs {nblocks - len(hits)} new blocks; {self.num_free_gpu_blocks} are free"
             )
         # mutation starts here; nothing below can fail
-        if cpu_hits:
-            for _, c in cpu_hits:  # pinned first: taking GPU blocks below may demote into the CPU tier
-                self._tier.pin(c)
+        if cpu_hits:  # pinned first: taking GPU blocks below may demote into the CPU tier
+            self._tier.pin_many([c for _, c in cpu_hits])
         if len(hits) > 8:
             h = np.array(hits, dtype=np.int64)
             gref = self._gpu._ref

@@ -449,6 +449,24 @@ class PrefixCache:
             self._stored([block], [key], pcid, pkey, namespace)
         return True
 
+    def adopt_many(self, blocks: np.ndarray, cids: np.ndarray, keys: np.ndarray, pcids: np.ndarray,
+                   pkeys: np.ndarray, nsids: np.ndarray) -> None:
+        """:meth:`adopt` of several blocks (promotions from the CPU tier; namespaces as indexes of this cache's
+        namespace list). A block whose key is taken stays uncached."""
+        kl = keys.tolist()
+        mp = self._map
+        free = np.fromiter((k not in mp for k in kl), dtype=bool, count=len(kl))
+        if not free.all():
+            blocks, cids, keys, pcids, pkeys, nsids = (a[free] for a in (blocks, cids, keys, pcids, pkeys, nsids))
+            kl = keys.tolist()
+        self.cid[blocks], self.key[blocks], self.pcid[blocks] = cids, keys, pcids
+        mp.update(zip(kl, blocks.tolist()))
+        if self.fresh is not None:
+            self.fresh[blocks] = self.fresh_serial
+        if self.events is not None:
+            for b, k, pc, pk, i in zip(blocks.tolist(), kl, pcids.tolist(), pkeys.tolist(), nsids.tolist()):
+                self._stored([b], [k], pc, pk, self._ns_list[i] if self._ns_list else None)
+
     def withdraw(self, blocks: list[int]) -> None:
         """Uncache ``blocks`` (cached, referenced: their KV was never written). O(len(blocks))."""
         keys = [int(self.key[b]) for b in blocks]
