@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install the anchors (scripts/install_anchors.sh: one virtualenv each), run the block-manager suite for pagedkv,
-# then side by side with each anchor, then the ablation, the batch-size sweep and the single-call benchmark. Results: benchmarks/results/*.json, charts in
+# then side by side with each anchor, then the ablation (SKIP_ABLATION=1 skips it), the batch-size sweep, the
+# single-call benchmark and the cost of KV events. Results: benchmarks/results/*.json, charts in
 # benchmarks/results/plots. A workload an anchor cannot finish within PER_RUN_TIMEOUT seconds is reported so.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +18,7 @@ for anchor in vllm_v2 vllm_v1 nanovllm; do
       --no-progress || echo "$anchor/$wl: did not finish within ${T}s or failed (exit $?)"
   done
 done
-.venv/bin/python -m pagedkv.bench.ablation --json benchmarks/results/ablation.json
+[ "${SKIP_ABLATION:-0}" = 1 ] || .venv/bin/python -m pagedkv.bench.ablation --json benchmarks/results/ablation.json
 # batch-size sweep and single-sequence calls: one run per anchor virtualenv (pagedkv in each), then the merged chart
 sweeps=()
 for anchor in nanovllm vllm_v2 vllm_v1; do
@@ -31,3 +32,4 @@ for anchor in nanovllm vllm_v2 vllm_v1; do
     || echo "single $anchor: did not finish within ${T}s or failed (exit $?)"
 done
 [ ${#sweeps[@]} -gt 0 ] && .venv/bin/python -m pagedkv.bench sweep report "${sweeps[@]}" --plot benchmarks/results/plots
+PYTHONPATH=src .venv/bin/python benchmarks/events_cost.py  # what KV events cost the batched step
