@@ -151,8 +151,28 @@ class _Small:
                 tok[w, off] = t
                 pend[r] = nreg[r]  # this call confirms the row's earlier KV
                 if off == bs - 1:  # the block is full: cache it now (burst sharing)
-                    self._register(r)
+                    self._register1(r, w, n // bs)
         return rows, slots, pairs, lens
+
+    def _register1(self, r: int, w: int, j: int) -> None:
+        """:meth:`_register` of the one block ``w`` (column ``j``) a small step filled, through memoryviews."""
+        mvs = self._mvs
+        nreg, ccid, ckey = mvs[5], mvs[8], mvs[9]
+        if nreg[r] != j:  # not the plain case (a chain to catch up): the general form
+            self._register(r)
+            return
+        pcid = ccid[r]
+        if pcid:
+            cache = self._cache
+            if cache.events is None:
+                ccid[r], ckey[r] = cache.register(w, pcid, ckey[r])
+            else:
+                was = cache._cid_mv[w]
+                c, k = cache.register(w, pcid, ckey[r], self._ns_of[r], emit=False)
+                if c and not was and cache._cid_mv[w] == c:
+                    cache._stored([w], [k], pcid, ckey[r], self._ns_of[r])
+                ccid[r], ckey[r] = c, k
+        nreg[r] = j + 1
 
     def _small_result(self, rows: list, slots: list, pairs: list, lens: list) -> StepResult:
         """The StepResult of a small step: slot mapping, padded block tables, lengths, copy-on-write pairs."""

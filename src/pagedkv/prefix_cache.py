@@ -227,7 +227,7 @@ class PrefixCache:
     """
 
     __slots__ = ("_map", "tok", "key", "cid", "pcid", "evictor", "_roots", "_serial", "evictions", "_width",
-                 "_cid_mv", "_tok_mv", "tier", "fresh", "fresh_serial", "events", "event_overflows", "_ev_max", "_ev_lost", "pkey", "nsid", "_ns_ids", "_ns_list", "_bs")
+                 "_cid_mv", "_tok_mv", "_key_mv", "_pcid_mv", "tier", "fresh", "fresh_serial", "events", "event_overflows", "_ev_max", "_ev_lost", "pkey", "nsid", "_ns_ids", "_ns_list", "_bs")
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self._map: dict[int, int] = {}
@@ -237,6 +237,7 @@ class PrefixCache:
         self.pcid = np.zeros(num_blocks, dtype=np.int64)
         self._cid_mv = memoryview(self.cid)  # element access for the plain-Python paths
         self._tok_mv = memoryview(self.tok)
+        self._key_mv, self._pcid_mv = memoryview(self.key), memoryview(self.pcid)
         self.evictor = LRUEvictor(num_blocks)
         self._roots: dict[bytes, tuple[int, int]] = {}  # encoded namespace -> (cid < 0, key)
         self._serial = 0  # last content id handed out
@@ -390,12 +391,12 @@ class PrefixCache:
         ``(cid, key)`` that now stands for this content: the block's own (new, or the one it already had), or
         that of another block already caching the same content (this block then stays uncached). ``(0, 0)``
         when the chain ends here: a broken parent, or a hash collision with other content."""
-        cid = self.cid
+        cid = self._cid_mv  # (element access: a third of a numpy scalar's cost)
         if pcid == 0:
             return 0, 0
-        c = int(cid[block])
+        c = cid[block]
         if c:
-            return c, int(self.key[block])
+            return c, self._key_mv[block]
         data = self.tok[block].tobytes()
         key = _xxh3(data, seed=pkey)
         other = self._map.get(key)
@@ -406,15 +407,15 @@ class PrefixCache:
             else:
                 self._serial += 1
                 new = self._serial
-            cid[block], self.key[block], self.pcid[block] = new, key, pcid
+            cid[block], self._key_mv[block], self._pcid_mv[block] = new, key, pcid
             self._map[key] = block
             if self.fresh is not None:
                 self.fresh[block] = self.fresh_serial
             if emit and self.events is not None:
                 self._stored([block], [key], pcid, pkey, namespace)
             return new, key
-        if self.pcid[other] == pcid and self.tok[other].tobytes() == data:
-            return int(cid[other]), key  # same content cached by another block: share its identity
+        if self._pcid_mv[other] == pcid and self.tok[other].tobytes() == data:
+            return cid[other], key  # same content cached by another block: share its identity
         return 0, 0
 
     def register_chains(self, blocks: np.ndarray, counts: np.ndarray, pcids: np.ndarray,
