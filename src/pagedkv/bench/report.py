@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import datetime as _dt
 import json
 import math
 from pathlib import Path
@@ -243,3 +244,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":  # pragma: no cover
     raise SystemExit(main())
+
+
+def save_result(doc: dict, out: str, kind: str, impls, quick: bool = False) -> Path:
+    """Write a benchmark's JSON document as ``OUT/KIND-YYYYmmdd-HHMMSS-IMPL-IMPL[-quick].json``; returns the path."""
+    outdir = Path(out)
+    outdir.mkdir(parents=True, exist_ok=True)
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = outdir / f"{kind}-{stamp}-{'-'.join(sorted(set(impls)))}{'-quick' if quick else ''}.json"
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    return path

@@ -62,6 +62,7 @@ from ..errors import (
     PromptTooLongError,
     UnknownSequenceError,
 )
+from .report import save_result
 
 __all__ = ["CALLS", "Reference", "run_single", "format_table", "main"]
 
@@ -479,13 +480,7 @@ def main(argv: Sequence[str] | None = None) -> int:
            "elapsed_s": round(time.perf_counter() - t0, 1), **body}
     print(format_table([doc]), end="")
     if not a.no_save:
-        out = Path(a.out)
-        out.mkdir(parents=True, exist_ok=True)
-        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        tag = "-".join(sorted(set(a.impl)))
-        path = out / f"single-{stamp}-{tag}{'-quick' if a.quick else ''}.json"
-        path.write_text(json.dumps(doc, indent=1) + "\n")
-        print(f"\nwrote {path}")
+        print(f"\nwrote {save_result(doc, a.out, 'single', a.impl, a.quick)}")
     return 0
 
 

@@ -42,11 +42,12 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from .harness import Impl, resolve_impl
+from .report import save_result
 from .runner_tables import ListTables, PersistentTables
 
 __all__ = ["BATCH_SIZES", "run_sweep", "merge", "format_table", "plot", "main"]
@@ -383,13 +384,7 @@ def main(argv: Sequence[str] | None = None) -> int:
            "elapsed_s": round(time.perf_counter() - t0, 1), **{k: v for k, v in doc.items() if k not in ("schema", "kind")}}
     print(format_table([doc]), end="")
     if not a.no_save:
-        out = Path(a.out)
-        out.mkdir(parents=True, exist_ok=True)
-        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        tag = "-".join(sorted(set(a.impl)))
-        path = out / f"sweep-{stamp}-{tag}{'-quick' if a.quick else ''}.json"
-        path.write_text(json.dumps(doc, indent=1) + "\n")
-        print(f"\nwrote {path}")
+        print(f"\nwrote {save_result(doc, a.out, 'sweep', a.impl, a.quick)}")
     if a.plot:
         for p in plot([doc], a.plot):
             print(f"wrote {p}")

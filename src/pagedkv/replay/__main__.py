@@ -175,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     args.argv = argv
-    from .point import CpuTierUnavailable  # noqa: F401  (a PagedKVError)
+
     from .report import format_table, plot
 
     try:
