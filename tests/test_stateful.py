@@ -422,7 +422,10 @@ class PagedKVMachine(RuleBasedStateMachine):
             return
         event("allocate: prefix hit" if hit else "allocate: no hit")
         self.sync_tier()
-        assert hit == predicted * bs, f"the events' index predicted a hit of {predicted * bs}, allocate gave {hit}"
+        if self.W is None:
+            assert hit == predicted * bs, f"the events' index predicted {predicted * bs}, allocate gave {hit}"
+        else:  # a block whose parent the window released, then eviction dropped, can linger: a stale hint
+            assert hit <= predicted * bs, f"allocate hit {hit} beyond the events' index ({predicted * bs})"
 
         assert isinstance(hit, int) and hit % bs == 0 and 0 <= hit <= max_hit * bs
         table = bm.block_table(sid).tolist()

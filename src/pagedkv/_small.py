@@ -194,22 +194,28 @@ class _Small:
         crow = self._free_rows.pop()
         self._row_of[child] = crow
         self._seq_of[crow] = child
-        self._memo_ids = None
+        # (the batch memo stays valid: it maps live ids only, and a new id was in no memoised batch)
         ntok, nblk, table, swapped, ref, nreg, pend, nrel, ccid, ckey, flat, cols = self._mvs or self._views()
-        ntok[crow], nblk[crow], nrel[crow], swapped[crow] = ntok[prow], nblk[prow], nrel[prow], swapped[prow]
+        ntok[crow] = ntok[prow]
+        nblk[crow] = nb = nblk[prow]
+        a = nrel[prow]
+        if a:  # a free row has nrel 0 and is not swapped (_drop_row, _free_small): copy only what differs
+            nrel[crow] = a
+        sw = swapped[prow]
+        if sw:
+            swapped[crow] = True
         if self._cache is not None:  # (without a cache the chain fields stay 0)
             nreg[crow], ccid[crow], ckey[crow] = nreg[prow], ccid[prow], ckey[prow]
             pend[prow] = pend[crow] = nreg[prow]  # the parent's KV is written (it is forked)
             self._ns_of[crow] = self._ns_of[prow]
-        nb, a = nblk[prow], nrel[prow]
-        if nb <= SMALL_TABLE and not swapped[prow]:
+        if nb <= SMALL_TABLE and not sw:
             p0, c0 = prow * cols, crow * cols
             flat[c0 : c0 + nb] = flat[p0 : p0 + nb]  # one C-level copy of the table row
             for b in flat[p0 + a : p0 + nb].tolist():
                 ref[b] += 1
             return
         self._table[crow, :nb] = self._table[prow, :nb]
-        pool = self._cpu if swapped[prow] else self._gpu
+        pool = self._cpu if sw else self._gpu
         pool._ref[self._table[prow, a:nb]] += 1
 
     def _free_small(self, seq_id, row: int) -> bool:
