@@ -147,7 +147,8 @@ def plot(docs: list[dict], outdir, name: str | None = None) -> Path:
         bars = ax.bar(xs, ys, width * 0.95, label=s if s != "pooled" else f"pooled ({doc['replicas']} x capacity, one "
                                                                            f"manager)", color=f"C{j}")
         for b, lab, y in zip(bars, labels, ys):
-            ax.text(b.get_x() + b.get_width() / 2, y + 0.4, f"{y:.1f}%\n{lab}", ha="center", va="bottom", fontsize=7)
+            ax.text(b.get_x() + b.get_width() / 2, y - 0.5, f"{y:.1f}%\n{lab}", ha="center", va="top", fontsize=7,
+                    color="white" if y > 4 else "black")
     if doc.get("ceiling") is not None:
         ax.axhline(100 * doc["ceiling"], color="k", linestyle=":", label=f"ceiling {100 * doc['ceiling']:.1f}%")
     ax.set_xticks(range(len(caps)))
