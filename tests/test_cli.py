@@ -49,3 +49,14 @@ def test_chat_keeps_the_conversation(capsys, monkeypatch):
     assert main(["chat", "--max-tokens", "12"]) == 0
     out = capsys.readouterr().out
     assert "Paris" in out and "Rome" in out
+
+
+def test_the_command_imports_neither_torch_nor_the_server_stack():
+    import subprocess
+    import sys
+
+    code = ("import sys, pagedkv.cli; bad = [m for m in ('torch', 'fastapi', 'uvicorn', 'zmq') if m in sys.modules];"
+            " sys.exit(str(bad) if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={**__import__("os").environ, "PYTHONPATH": __import__("os").pathsep.join(sys.path)})
+    assert r.returncode == 0, r.stderr

@@ -7,9 +7,12 @@
     pagedkv bench [options]              block-manager benchmark suite (pagedkv vs anchors, ablation)
     pagedkv bench throughput [options]   end-to-end engine throughput, like vLLM's benchmark_throughput.py
     pagedkv replay TRACE.jsonl [options] replay a production trace through the prefix cache (hit rate vs capacity)
+    pagedkv serve [options]              OpenAI-compatible HTTP server (extra pagedkv[serve])
+    pagedkv bench serve [options]        load a running server, like vLLM's benchmark_serving.py
+    pagedkv router --backend URL,EVENTS  KV-cache-aware router over several `pagedkv serve` replicas
 
 The engine commands import torch lazily; ``pagedkv bench`` (the block-manager suite) and ``pagedkv replay`` never
-do.
+do, and nothing imports FastAPI before ``pagedkv serve`` or ``pagedkv router`` runs.
 """
 
 from __future__ import annotations
@@ -65,10 +68,28 @@ def _cmd_bench_throughput(argv: Sequence[str]) -> int:
     return throughput_main(argv)
 
 
+def _cmd_serve(argv: Sequence[str]) -> int:
+    from .server.cli import main as serve_main
+
+    return serve_main(argv)
+
+
+def _cmd_bench_serve(argv: Sequence[str]) -> int:
+    from .server.bench import main as bench_serve_main
+
+    return bench_serve_main(argv)
+
+
 def _cmd_bench_suite(argv: Sequence[str]) -> int:
     from .bench.__main__ import main as bench_main
 
     return bench_main(list(argv))
+
+
+def _cmd_router(argv: Sequence[str]) -> int:
+    from .router.cli import main as router_main
+
+    return router_main(list(argv))
 
 
 def _cmd_replay(argv: Sequence[str]) -> int:
@@ -85,7 +106,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         rest = argv[1:]
         if rest[:1] == ["throughput"]:
             return _cmd_bench_throughput(rest[1:])
+        if rest[:1] == ["serve"]:
+            return _cmd_bench_serve(rest[1:])
         return _cmd_bench_suite(rest)
+    if argv[:1] == ["serve"]:
+        return _cmd_serve(argv[1:])
+    if argv[:1] == ["router"]:
+        return _cmd_router(argv[1:])
     parser = argparse.ArgumentParser(prog="pagedkv", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -97,8 +124,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     c = sub.add_parser("chat", help="interactive chat")
     _engine_args(c)
     _sampling_args(c)
-    sub.add_parser("bench", help="benchmarks: `pagedkv bench --help`, `pagedkv bench throughput --help`")
+    sub.add_parser("bench", help="benchmarks: `pagedkv bench --help`, `pagedkv bench throughput --help`, "
+                                 "`pagedkv bench serve --help`")
     sub.add_parser("replay", help="replay a request trace through the prefix cache: `pagedkv replay --help`")
+    sub.add_parser("serve", help="OpenAI-compatible server: `pagedkv serve --help`")
+    sub.add_parser("router", help="KV-cache-aware router over serve replicas: `pagedkv router --help`")
     args = parser.parse_args(argv)
     from .errors import PagedKVError
 

@@ -218,58 +218,77 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise InvalidArgumentError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
-        reqs = []
-        for p, sp in zip(prompts, params):
-            if isinstance(p, str):
-                text, ids = p, self.tokenizer.encode(p, add_special_tokens=True)
-            elif isinstance(p, Mapping) and "prompt_token_ids" in p:
-                text, ids = None, [int(t) for t in p["prompt_token_ids"]]
-            else:
-                raise InvalidArgumentError("a prompt is a string or a dict with 'prompt_token_ids'")
-            if not ids:
-                raise InvalidArgumentError("empty prompt")
-            vocab = self.model.config.vocab_size
-            if min(ids) < 0 or max(ids) >= vocab:
-                raise InvalidArgumentError(f"prompt token ids must lie in [0, {vocab})")
-            if len(ids) + sp.max_tokens > self.max_model_len:
-                raise PromptTooLongError(
-                    f"prompt of {len(ids)} tokens plus max_tokens={sp.max_tokens} exceeds the model's context of "
-                    f"{self.max_model_len} tokens"
-                )
-            if sp.n > self.max_num_seqs:
-                raise InvalidArgumentError(f"n={sp.n} is larger than max_num_seqs={self.max_num_seqs}")
-            if self.block_manager.can_allocate(ids) is AllocStatus.NEVER:
-                raise PromptTooLongError(
-                    f"prompt of {len(ids)} tokens can never fit in the KV cache of "
-                    f"{self.block_manager.num_gpu_blocks} blocks of {self.block_manager.block_size} tokens"
-                )
-            gen = torch.Generator().manual_seed(sp.seed) if sp.seed is not None else self._generator
-            reqs.append(_Request(next(self._ids), text, tuple(ids), sp, gen, self.tokenizer))
-        return reqs
+        return [self._make_request(p, sp) for p, sp in zip(prompts, params)]
+
+    def _make_request(self, prompt: Any, sp: SamplingParams, *, namespace: Any = None,
+                      check_fit: bool = True) -> "_Request":
+        """Validate one prompt (a string or ``{"prompt_token_ids": [...]}``) and build its request; raises a
+        ``pagedkv.errors`` exception and changes nothing if it can never run. ``namespace`` isolates its
+        prefix-cache blocks (None: the shared default namespace). ``check_fit=False`` skips the KV-cache fit
+        check, which reads the block manager; a caller on another thread than the step loop (the server) makes
+        its own check from the pool's sizes instead."""
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        elif isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
+            text, ids = None, [int(t) for t in prompt["prompt_token_ids"]]
+        else:
+            raise InvalidArgumentError("a prompt is a string or a dict with 'prompt_token_ids'")
+        if not ids:
+            raise InvalidArgumentError("empty prompt")
+        vocab = self.model.config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise InvalidArgumentError(f"prompt token ids must lie in [0, {vocab})")
+        if len(ids) + sp.max_tokens > self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt of {len(ids)} tokens plus max_tokens={sp.max_tokens} exceeds the model's context of "
+                f"{self.max_model_len} tokens"
+            )
+        if sp.n > self.max_num_seqs:
+            raise InvalidArgumentError(f"n={sp.n} is larger than max_num_seqs={self.max_num_seqs}")
+        if check_fit and self.block_manager.can_allocate(ids, namespace=namespace) is AllocStatus.NEVER:
+            raise PromptTooLongError(
+                f"prompt of {len(ids)} tokens can never fit in the KV cache of "
+                f"{self.block_manager.num_gpu_blocks} blocks of {self.block_manager.block_size} tokens"
+            )
+        gen = torch.Generator().manual_seed(sp.seed) if sp.seed is not None else self._generator
+        return _Request(next(self._ids), text, tuple(ids), sp, gen, self.tokenizer, namespace)
+
+    def _add(self, r: "_Request") -> None:
+        """Queue a request built by :meth:`_make_request` in the scheduler."""
+        p = r.params
+        self.scheduler.add_request(r.request_id, r.prompt_token_ids, n=p.n, max_tokens=p.max_tokens,
+                                   eos_token_id=self.tokenizer.eos_token_id, ignore_eos=p.ignore_eos,
+                                   stop_token_ids=p.stop_token_ids, namespace=r.namespace)
+
+    def _step(self, by_id: dict, times: EngineTimes | None = None) -> tuple[Any, list]:
+        """Run one engine step for the requests of ``by_id`` (request id -> ``_Request``): schedule, KV copies,
+        forward, sample, update, stop strings. Returns the plan and the scheduler outputs of the requests that
+        finished in it (not yet applied to their ``_Request``). Not thread-safe: one caller at a time, and
+        ``abort_request`` only between two calls."""
+        sched = self.scheduler
+        t0 = time.perf_counter()
+        plan = sched.schedule()
+        t1 = time.perf_counter()
+        sampled = self._execute(plan, by_id) if not plan.is_empty else []
+        t2 = time.perf_counter()
+        done = sched.update(plan, sampled)
+        done += self._after_step(plan, by_id)
+        if times is not None:
+            times.scheduler += (t1 - t0) + (time.perf_counter() - t2)
+            times.model += t2 - t1
+        return plan, done
 
     def _run(self, requests: list["_Request"]) -> Iterator[list["_Request"]]:
         """Run until every request finished; yields the requests finished by each step."""
-        sched, eos = self.scheduler, self.tokenizer.eos_token_id
         by_id = {r.request_id: r for r in requests}
         for r in requests:
-            sched.add_request(r.request_id, r.prompt_token_ids, n=r.params.n, max_tokens=r.params.max_tokens,
-                              eos_token_id=eos, ignore_eos=r.params.ignore_eos,
-                              stop_token_ids=r.params.stop_token_ids)
+            self._add(r)
         times = self.last_times = EngineTimes()
         bm0 = self._timed_bm.seconds
         t_start = time.perf_counter()
         pending = len(requests)
         while pending:
-            t0 = time.perf_counter()
-            plan = sched.schedule()
-            t1 = time.perf_counter()
-            sampled = self._execute(plan, by_id) if not plan.is_empty else []
-            t2 = time.perf_counter()
-            done = sched.update(plan, sampled)
-            done += self._after_step(plan, by_id)
-            t3 = time.perf_counter()
-            times.scheduler += (t1 - t0) + (t3 - t2)
-            times.model += t2 - t1
+            plan, done = self._step(by_id, times)
             finished = []
             for out in done:
                 r = by_id.get(out.request_id)
@@ -344,10 +363,11 @@ class LLM:
 
 
 class _Request:
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "generator", "tokenizer", "result", "live")
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "generator", "tokenizer", "result", "live",
+                 "namespace")
 
     def __init__(self, rid: int, prompt: str | None, ids: tuple, params: SamplingParams,
-                 generator: torch.Generator, tokenizer: GGUFTokenizer) -> None:
+                 generator: torch.Generator, tokenizer: GGUFTokenizer, namespace: Any = None) -> None:
         self.request_id = rid
         self.prompt = prompt
         self.prompt_token_ids = ids
@@ -356,6 +376,7 @@ class _Request:
         self.tokenizer = tokenizer
         self.result: RequestOutput | None = None
         self.live: tuple = ()  # tokens generated so far by sample 0 (for streaming)
+        self.namespace = namespace  # prefix-cache namespace (None: the shared default)
 
     def text(self) -> str:
         """Text of sample 0 so far (the final text once finished)."""

@@ -1,0 +1,15 @@
+"""``pagedkv serve``: an OpenAI-compatible HTTP server over the reference engine (extra ``pagedkv[serve]``).
+
+Modules, each with one job (dependencies point one way: app -> async_engine -> engine -> scheduler -> manager):
+
+* :mod:`~pagedkv.server.protocol`: request parsing and validation, response shapes, OpenAI-shaped errors.
+* :mod:`~pagedkv.server.async_engine`: the engine's step loop in one background thread; per-request streams,
+  aborts between steps, a bounded waiting queue, counters for the metrics.
+* :mod:`~pagedkv.server.metrics`: the Prometheus registry (``pagedkv:`` names, vLLM style).
+* :mod:`~pagedkv.server.kv_events`: KV-cache events over ZMQ in vLLM's wire layout, with a replay socket.
+* :mod:`~pagedkv.server.app`: the FastAPI routes.
+* :mod:`~pagedkv.server.launch`: wires an ``LLM`` into the above and runs it (foreground, or a thread for tests).
+* :mod:`~pagedkv.server.cli`: ``pagedkv serve``; :mod:`~pagedkv.server.bench`: ``pagedkv bench serve``.
+
+Nothing here is imported by the core or by ``pagedkv.cli`` at import time.
+"""

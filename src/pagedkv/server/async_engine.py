@@ -1,0 +1,395 @@
+"""``AsyncEngine``: one background thread runs an :class:`~pagedkv.engine.LLM`'s step loop for many clients.
+
+Contract:
+
+* :meth:`AsyncEngine.prepare` validates a prompt (tokenises it, checks it against the context and the KV cache)
+  and raises a ``pagedkv.errors`` exception without changing any state when it can never run.
+* :meth:`AsyncEngine.submit` queues a prepared request and returns its :class:`RequestStream`; it raises
+  :class:`EngineOverloaded` (and queues nothing) when ``max_waiting`` requests already wait for admission.
+* The engine thread applies new requests and aborts only between two steps (the scheduler's contract), so an
+  abort that arrives while a step runs is applied right after it; the aborted request's blocks are freed then.
+* Each step's new text of every running sample is pushed to its request's asyncio queue (thread-safely, on
+  the loop that submitted it); text is decoded in the engine thread with the same rules as ``LLM``: a piece is
+  held back while it ends in an incomplete UTF-8 sequence or could be the start of a stop string, and the
+  final text of a sample is exactly ``LLM.generate``'s (stop strings cut, special tokens skipped).
+* A step that raises (a bug, never a client's mistake) fails every request in flight and stops the engine:
+  :attr:`alive` turns False (/health answers 503) and new requests are refused.
+* :attr:`AsyncEngine.snapshot` holds counters and gauges as of the end of the last loop iteration (for
+  /metrics); latency observations go to the optional ``observer`` (``observer(kind, seconds)``, kind one of
+  ``"ttft"``, ``"itl"``, ``"e2e"``), called from the engine thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from ..errors import PromptTooLongError
+from ..scheduler import FINISH_ABORT
+
+__all__ = ["AsyncEngine", "EngineOverloaded", "RequestStream", "Delta", "Finished"]
+
+log = logging.getLogger("pagedkv.server")
+
+
+class EngineOverloaded(Exception):
+    """The waiting queue is full: the request was not queued (the server answers 503)."""
+
+
+class EngineDead(Exception):
+    """The engine thread failed or was stopped."""
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New output of one sample: ``text`` (possibly empty while text is held back) and ``num_tokens`` tokens."""
+
+    index: int
+    text: str
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The request finished: ``result`` is the ``pagedkv.engine.RequestOutput`` (texts as ``LLM.generate``'s),
+    ``deltas`` the last pieces of text of each sample not yet sent (one per sample)."""
+
+    result: Any
+    deltas: tuple
+
+
+@dataclass(frozen=True)
+class Failed:
+    message: str
+
+
+_ABORTED = object()  # wakes a consumer waiting on an aborted stream
+
+
+class RequestStream:
+    """The consumer side of one request: iterate it (``async for``) for :class:`Delta` items; the last item is
+    a :class:`Finished` (or the iteration raises :class:`EngineDead`)."""
+
+    def __init__(self, engine: "AsyncEngine", request: Any) -> None:
+        self.request_id = request.request_id
+        self.prompt_token_ids = request.prompt_token_ids
+        self.n = request.params.n
+        self.finished = False
+        self.aborted = False
+        self._engine = engine
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._loop = asyncio.get_running_loop()
+
+    def _push(self, item: Any) -> None:  # engine thread
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody listens any more
+            pass
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> Delta | Finished:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if item is _ABORTED:
+            raise StopAsyncIteration
+        if isinstance(item, Failed):
+            self.finished = True
+            raise EngineDead(item.message)
+        if isinstance(item, Finished):
+            self.finished = True
+        return item
+
+    async def result(self) -> Finished:
+        """Wait for the end of the request."""
+        async for item in self:
+            if isinstance(item, Finished):
+                return item
+        raise EngineDead("stream ended without a result")
+
+    def abort(self) -> None:
+        """Abort the request unless it finished (idempotent; call it on the loop that submitted the request).
+        The engine frees its blocks after its current step; an iteration waiting on this stream ends."""
+        if not self.finished:
+            self.finished = True
+            self.aborted = True
+            self._engine.abort(self.request_id)
+            self._queue.put_nowait(_ABORTED)
+
+
+@dataclass
+class _Live:
+    """Engine-thread state of one request."""
+
+    req: Any  # pagedkv.engine.llm._Request
+    stream: RequestStream
+    arrival: float
+    sent_text: list = field(default_factory=list)  # per sample: text already pushed
+    sent_tokens: list = field(default_factory=list)  # per sample: tokens already accounted
+    first: float | None = None
+    last: float | None = None
+
+
+class AsyncEngine:
+    """Runs ``llm`` (a :class:`pagedkv.engine.LLM`) in a background thread; see the module docstring.
+
+    Args:
+        llm: the engine; nothing else may call its generate/chat/stream while this runs.
+        max_waiting: most requests waiting for admission (queued here or in the scheduler's waiting queue).
+        observer: ``observer(kind, seconds)`` for latency histograms (engine thread).
+        event_sink: ``event_sink(events)`` receives the block manager's KV events after every step (when the
+            block manager has ``take_events``).
+    """
+
+    def __init__(self, llm: Any, *, max_waiting: int = 256, observer: Callable[[str, float], None] | None = None,
+                 event_sink: Callable[[list], None] | None = None) -> None:
+        if max_waiting < 1:
+            raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
+        self.llm = llm
+        self.max_waiting = int(max_waiting)
+        self._observer = observer
+        self._event_sink = event_sink
+        self._take_events = getattr(llm.block_manager, "take_events", None) if event_sink is not None else None
+        self._lock = threading.Lock()  # held by the engine thread while it touches the scheduler
+        self._cond = threading.Condition()
+        self._adds: list[_Live] = []
+        self._aborts: list[Any] = []
+        self._live: dict[Any, _Live] = {}
+        self._by_id: dict[Any, Any] = {}
+        self._in_transit = 0  # requests taken from _adds and not yet in _live
+        self._stopping = False
+        self._error: str | None = None
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._finished: dict[str, int] = {}
+        self.snapshot: dict = {}
+        self._take_snapshot()
+        self._thread = threading.Thread(target=self._loop, name="pagedkv-engine", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------------------------------- client side
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self._error is None
+
+    @property
+    def num_unfinished(self) -> int:
+        """Requests submitted and not yet finished or aborted (queued here or in the scheduler)."""
+        with self._cond:
+            return len(self._adds) + self._in_transit + len(self._live)
+
+    def prepare(self, prompt: str | Mapping, params: Any, namespace: Any = None) -> Any:
+        """Validate and tokenise one prompt (blocking: call it with ``asyncio.to_thread``); raises
+        ``pagedkv.errors.PagedKVError`` for a request that can never run: besides ``LLM``'s checks, one whose
+        prompt plus ``max_tokens`` would not fit in the whole KV cache (it would be preempted forever). Changes
+        no engine state, and reads only the pool's fixed sizes, so it runs while a step does."""
+        req = self.llm._make_request(prompt, params, namespace=namespace, check_fit=False)
+        bm = self.llm.block_manager
+        usable = bm.num_gpu_blocks - bm.watermark_blocks
+        need = -(-(len(req.prompt_token_ids) + params.max_tokens) // bm.block_size)
+        if need > usable:
+            raise PromptTooLongError(
+                f"prompt of {len(req.prompt_token_ids)} tokens plus max_tokens={params.max_tokens} needs {need} KV "
+                f"blocks of {bm.block_size} tokens; the KV cache has {usable}"
+            )
+        return req
+
+    def submit(self, request: Any) -> RequestStream:
+        """Queue a prepared request (call from the event loop); raises :class:`EngineOverloaded` or
+        :class:`EngineDead` and queues nothing when it cannot be taken."""
+        stream = RequestStream(self, request)
+        with self._cond:
+            if not self.alive:
+                raise EngineDead(self._error or "the engine is stopped")
+            if len(self._adds) + self._in_transit + self.llm.scheduler.num_waiting >= self.max_waiting:
+                raise EngineOverloaded(f"{self.max_waiting} requests are already waiting; retry later")
+            n = request.params.n
+            self._adds.append(_Live(request, stream, time.perf_counter(), [""] * n, [0] * n))
+            self._cond.notify()
+        return stream
+
+    def abort(self, request_id: Any) -> None:
+        """Abort a request (thread-safe, idempotent); applied between two steps."""
+        with self._cond:
+            self._aborts.append(request_id)
+            self._cond.notify()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    # ---------------------------------------------------------------------------------------- engine thread
+    def _loop(self) -> None:
+        sched = self.llm.scheduler
+        while True:
+            with self._cond:
+                while not (self._stopping or self._adds or self._aborts or sched.has_unfinished()):
+                    self._cond.wait()
+                if self._stopping:
+                    break
+                adds, self._adds = self._adds, []
+                aborts, self._aborts = self._aborts, []
+                self._in_transit = len(adds)
+            try:
+                with self._lock:
+                    self._apply(adds, aborts)
+                    self._in_transit = 0
+                    if sched.has_unfinished():
+                        plan, done = self.llm._step(self._by_id)
+                        self._emit(plan, done)
+                    self._publish_events()
+            except Exception as e:  # a bug, not a client's mistake; the scheduler may be mid-step: stop here
+                log.exception("engine step failed; the engine stops")
+                self._error = f"engine error: {e!r}"
+                for live in adds:  # some may not have reached _live
+                    live.stream._push(Failed(self._error))
+                self._in_transit = 0
+                self._fail_all(self._error)
+                return
+            self._take_snapshot()
+        self._fail_all("the server is shutting down")
+
+    def _apply(self, adds: list[_Live], aborts: list) -> None:
+        sched = self.llm.scheduler
+        dropped = set(aborts)
+        for live in adds:
+            rid = live.req.request_id
+            if rid in dropped:
+                continue
+            self.llm._add(live.req)
+            self._live[rid] = live
+            self._by_id[rid] = live.req
+        for rid in aborts:
+            self._live.pop(rid, None)
+            self._by_id.pop(rid, None)
+            if sched.abort_request(rid) is not None:
+                self._finished[FINISH_ABORT] = self._finished.get(FINISH_ABORT, 0) + 1
+
+    def _emit(self, plan: Any, done: list) -> None:
+        """Push the step's new text of every touched sample, then finish the requests of ``done``."""
+        now = time.perf_counter()
+        sched = self.llm.scheduler
+        finished_ids = {out.request_id for out in done}
+        seq_ids = [pw.seq_id for pw in plan.prefills]
+        if plan.decode is not None:
+            seq_ids += plan.decode.seq_ids.tolist()
+        touched: set = set()
+        for sid in seq_ids:
+            try:
+                view = sched.sequence(sid)
+            except KeyError:  # its request finished in this step
+                continue
+            if view.request_id in finished_ids:
+                continue
+            live = self._live.get(view.request_id)
+            if live is None:
+                continue
+            i = view.sample_index
+            new = len(view.output) - live.sent_tokens[i]
+            if new <= 0:
+                continue
+            live.sent_tokens[i] = len(view.output)
+            self._generation_tokens += new
+            text = self._visible_text(live.req, view.output)
+            piece = text[len(live.sent_text[i]):] if text.startswith(live.sent_text[i]) else ""
+            if piece:
+                live.sent_text[i] += piece
+            live.stream._push(Delta(i, piece, new))
+            touched.add(view.request_id)
+        for rid in touched:
+            self._timing(self._live[rid], now)
+        for out in done:
+            live = self._live.pop(out.request_id, None)
+            self._by_id.pop(out.request_id, None)
+            if live is None:
+                continue
+            req = live.req
+            req.finish(out)
+            self._timing(live, now)
+            deltas = []
+            for c in req.result.outputs:
+                i = c.index
+                self._generation_tokens += max(0, len(c.token_ids) - live.sent_tokens[i])
+                sent = live.sent_text[i]
+                deltas.append(Delta(i, c.text[len(sent):] if c.text.startswith(sent) else c.text,
+                                    len(c.token_ids) - live.sent_tokens[i]))
+            reason = out.finish_reason
+            self._finished[reason] = self._finished.get(reason, 0) + 1
+            if self._observer is not None:
+                self._observer("e2e", now - live.arrival)
+            live.stream._push(Finished(req.result, tuple(deltas)))
+
+    def _timing(self, live: _Live, now: float) -> None:
+        if live.first is None:
+            live.first = now
+            self._prompt_tokens += len(live.req.prompt_token_ids)
+            if self._observer is not None:
+                self._observer("ttft", now - live.arrival)
+        elif self._observer is not None and live.last is not None and now > live.last:
+            self._observer("itl", now - live.last)
+        live.last = now
+
+    @staticmethod
+    def _visible_text(req: Any, tokens: tuple) -> str:
+        """Text that is safe to send before the sample finishes: no trailing partial UTF-8 character, nothing
+        from a stop string on, and the last ``len(longest stop) - 1`` characters held back (they might begin one)."""
+        text = req.tokenizer.decode(tokens, skip_special_tokens=True)
+        stops = req.params.stop
+        if stops:
+            cut = min((k for k in (text.find(s) for s in stops) if k >= 0), default=-1)
+            if cut >= 0:
+                return text[:cut]
+            hold = max(len(s) for s in stops) - 1
+            text = text[: len(text) - hold] if hold else text
+        while text.endswith("\ufffd"):
+            text = text[:-1]
+        return text
+
+    def _publish_events(self) -> None:
+        if self._take_events is not None:
+            events = self._take_events()
+            if events:
+                self._event_sink(events)
+
+    def _fail_all(self, message: str) -> None:
+        with self._lock:
+            for rid, live in list(self._live.items()):
+                try:
+                    self.llm.scheduler.abort_request(rid)
+                except Exception:  # keep failing the others
+                    log.exception("abort of %r failed", rid)
+                live.stream._push(Failed(message))
+            self._live.clear()
+            self._by_id.clear()
+        with self._cond:
+            adds, self._adds = self._adds, []
+        for live in adds:
+            live.stream._push(Failed(message))
+        if self._stopping and self._error is None:
+            self._error = message
+
+    def _take_snapshot(self) -> None:
+        sched, bm = self.llm.scheduler, self.llm.block_manager
+        st = bm.stats
+        with self._cond:
+            queued = len(self._adds)
+        self.snapshot = {
+            "num_requests_running": sched.num_running,
+            "num_requests_waiting": sched.num_waiting + queued,
+            "num_requests_swapped": sched.num_swapped,
+            "kv_cache_usage_perc": bm.gpu_usage,
+            "prefix_cache_queries": st.prefix_query_tokens,
+            "prefix_cache_hits": st.prefix_hit_tokens,
+            "num_preemptions": sched.stats.preemptions,
+            "prompt_tokens": self._prompt_tokens,
+            "generation_tokens": self._generation_tokens,
+            "request_success": dict(self._finished),
+        }

@@ -1,0 +1,225 @@
+"""``pagedkv bench serve``: load a running OpenAI-compatible server and report latency and throughput figures
+(what vLLM's ``benchmark_serving.py`` reports), over streamed ``/v1/completions`` requests.
+
+Workload: ``--num-prompts`` prompts of ``--input-len`` random token ids (sent as token ids, so lengths are
+exact), of which the first ``--shared-prefix-len`` are the same in every prompt (a system prompt, say); each asks
+for exactly ``--output-len`` tokens (``ignore_eos``, greedy). Requests start at ``--request-rate`` per second
+(Poisson arrivals; ``inf``, the default, sends them all at once), at most ``--max-concurrency`` at a time.
+
+Per request: TTFT (send to first streamed text), ITL (gaps between streamed chunks), TPOT ((latency - TTFT) /
+(output tokens - 1)). Printed: requests/s, output tokens/s, and the median and p99 of TTFT, TPOT and ITL (ms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Sequence
+
+__all__ = ["main", "run_benchmark", "RequestResult"]
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    prompt_len: int
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list = field(default_factory=list)
+    error: str = ""
+
+
+def make_prompts(num: int, input_len: int, shared_prefix_len: int, seed: int, low: int, high: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(low, high) for _ in range(min(shared_prefix_len, input_len))]
+    return [shared + [rng.randrange(low, high) for _ in range(input_len - len(shared))] for _ in range(num)]
+
+
+async def _one(http, url: str, model: str, prompt: list[int], output_len: int, headers: dict) -> RequestResult:
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    res = RequestResult(False, len(prompt))
+    t0 = time.perf_counter()
+    last = None
+    try:
+        async with http.stream("POST", url, json=body, headers=headers) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    res.ok = True
+                    break
+                chunk = json.loads(data)
+                now = time.perf_counter()
+                if chunk.get("usage"):
+                    res.output_tokens = chunk["usage"]["completion_tokens"]
+                    res.cached_tokens = chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    if last is None:
+                        res.ttft = now - t0
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+    except Exception as e:  # a failed request is reported, not fatal
+        res.error = f"{type(e).__name__}: {e}"
+        return res
+    res.latency = time.perf_counter() - t0
+    return res
+
+
+async def run_benchmark(base_url: str, model: str | None, prompts: list[list[int]], output_len: int, *,
+                        request_rate: float = float("inf"), max_concurrency: int | None = None,
+                        api_key: str | None = None, seed: int = 0, progress: bool = True) -> dict:
+    """Send every prompt, return the summary (and per-request results under ``"requests"``)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=max_concurrency or len(prompts) + 1)
+    async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(600.0), limits=limits) as http:
+        if model is None:
+            r = await http.get("/v1/models", headers=headers)
+            r.raise_for_status()
+            model = r.json()["data"][0]["id"]
+        sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(prompts), desc="bench serve", unit="req")
+
+        async def limited(p: list[int]) -> RequestResult:
+            if sem is None:
+                out = await _one(http, "/v1/completions", model, p, output_len, headers)
+            else:
+                async with sem:
+                    out = await _one(http, "/v1/completions", model, p, output_len, headers)
+            if bar is not None:
+                bar.update(1)
+            return out
+
+        rng = random.Random(seed)
+        tasks = []
+        t0 = time.perf_counter()
+        for p in prompts:
+            tasks.append(asyncio.create_task(limited(p)))
+            if request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+        if bar is not None:
+            bar.close()
+    return summarize(results, duration, model)
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    v = sorted(values)
+    k = (len(v) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(v) - 1)
+    return (v[lo] + (v[hi] - v[lo]) * (k - lo)) * 1000
+
+
+def summarize(results: list[RequestResult], duration: float, model: str) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    itl = [x for r in ok for x in r.itl]
+    ttft = [r.ttft for r in ok]
+    return {
+        "model": model,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": out_tokens / duration,
+        "total_token_throughput": (out_tokens + sum(r.prompt_len for r in ok)) / duration,
+        "total_output_tokens": out_tokens,
+        "cached_prompt_tokens": sum(r.cached_tokens for r in ok),
+        "total_prompt_tokens": sum(r.prompt_len for r in ok),
+        **{f"{stat}_{name}_ms": _pct(vals, q) for name, vals in (("ttft", ttft), ("tpot", tpot), ("itl", itl))
+           for stat, q in (("median", 50), ("p99", 99))},
+        "mean_ttft_ms": sum(ttft) / len(ttft) * 1000 if ttft else float("nan"),
+        "requests": [asdict(r) for r in results],
+    }
+
+
+def print_summary(s: dict) -> None:
+    print("=" * 16 + " Serving Benchmark Result " + "=" * 16)
+    rows = [
+        ("Successful requests:", s["completed"]), ("Failed requests:", s["failed"]),
+        ("Benchmark duration (s):", f"{s['duration_s']:.2f}"),
+        ("Total input tokens:", s["total_prompt_tokens"]), ("Cached input tokens:", s["cached_prompt_tokens"]),
+        ("Total generated tokens:", s["total_output_tokens"]),
+        ("Request throughput (req/s):", f"{s['request_throughput']:.2f}"),
+        ("Output token throughput (tok/s):", f"{s['output_throughput']:.2f}"),
+        ("Total token throughput (tok/s):", f"{s['total_token_throughput']:.2f}"),
+    ]
+    for name in ("ttft", "tpot", "itl"):
+        rows += [(f"Median {name.upper()} (ms):", f"{s[f'median_{name}_ms']:.2f}"),
+                 (f"P99 {name.upper()} (ms):", f"{s[f'p99_{name}_ms']:.2f}")]
+    for k, v in rows:
+        print(f"{k:<40}{v:>12}")
+    for e in s["errors"]:
+        print(f"error: {e}")
+    print("=" * 58)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pagedkv bench serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="model id (default: the server's first model)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--shared-prefix-len", type=int, default=0, help="leading prompt tokens shared by all prompts")
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: all at once")
+    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--token-range", type=int, nargs=2, default=(1000, 20000), metavar=("LOW", "HIGH"),
+                   help="random prompt token ids are drawn from [LOW, HIGH)")
+    p.add_argument("--result-json", default=None, help="write the summary and per-request results here")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
+        print("pagedkv bench serve: error: --num-prompts, --input-len and --output-len must be >= 1", file=sys.stderr)
+        return 2
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        print("pagedkv bench serve: error: --max-concurrency must be >= 1", file=sys.stderr)
+        return 2
+    prompts = make_prompts(args.num_prompts, args.input_len, args.shared_prefix_len, args.seed, *args.token_range)
+    try:
+        s = asyncio.run(run_benchmark(args.base_url, args.model, prompts, args.output_len,
+                                      request_rate=args.request_rate, max_concurrency=args.max_concurrency,
+                                      api_key=args.api_key, seed=args.seed, progress=not args.no_progress))
+    except Exception as e:  # server unreachable, bad URL, ...
+        print(f"pagedkv bench serve: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    print_summary(s)
+    if args.result_json:
+        s["args"] = {k: v for k, v in vars(args).items()}
+        with open(args.result_json, "w") as f:
+            json.dump(s, f, indent=1, default=str)
+    return 0 if s["failed"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

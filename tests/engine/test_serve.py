@@ -1,0 +1,502 @@
+"""``pagedkv serve`` with real clients on the loopback: the official ``openai`` package and raw HTTP (httpx).
+
+One server per module (127.0.0.1, a free port, a background thread, an API key) over the session's already
+loaded weights, and an offline ``LLM`` on the same weights for the expected outputs. Every request is small
+(max_tokens <= 8) and every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
+
+KEY = "test-key"
+MODEL = "smollm2-test"
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def offline(engine):
+    from pagedkv.engine import LLM
+
+    return LLM(engine.paged, num_gpu_blocks=256, max_num_seqs=8, block_size=BLOCK)
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    from pagedkv.engine import LLM
+    from pagedkv.server.launch import make_server
+
+    llm = LLM(engine.paged, num_gpu_blocks=96, max_num_seqs=16, block_size=BLOCK)
+    srv = make_server(llm, model_name=MODEL, api_key=KEY, max_waiting=64).start_in_thread()
+    yield srv
+    srv.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def greedy(max_tokens=8, **kw):
+    from pagedkv.engine import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
+
+
+def wait_idle(server, timeout=30.0) -> None:
+    """Until the engine holds no request (aborts are applied between steps)."""
+    deadline = time.monotonic() + timeout
+    while server.engine.num_unfinished or server.engine.llm.scheduler.has_unfinished():
+        assert time.monotonic() < deadline, "requests are stuck in the engine"
+        time.sleep(0.02)
+    time.sleep(0.05)  # the snapshot is taken right after the step that finished them
+
+
+def metric(server, name: str, label: str = "") -> float:
+    """The value of ``name`` (its first sample whose labels contain ``label``; 0 if there is none with a label)."""
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    m = re.search(rf"^{re.escape(name)}{{[^}}]*{re.escape(label)}[^}}]*}} (\S+)$", text, re.M)
+    if m is None and label:
+        return 0.0
+    assert m, f"{name} missing from /metrics"
+    return float(m.group(1))
+
+
+def test_openai_client_completions_and_chat_match_llm_generate(server, client, offline):
+    prompt = "The capital of France is"
+    want = offline.generate(prompt, greedy(), use_tqdm=False)[0]
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    assert r.choices[0].text == want.outputs[0].text and r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len(want.prompt_token_ids) and r.usage.completion_tokens == 8
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 8
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+    # streamed: the pieces concatenate to the same text, then usage, then [DONE] (the SDK checks it)
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want.outputs[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 8 and len([c for c in chunks if c.choices]) >= 2
+    # token ids as the prompt
+    ids = list(want.prompt_token_ids)
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
+    assert r.choices[0].text == want.outputs[0].text
+
+    conv = [{"role": "user", "content": "What is the capital of France?"}]
+    want = offline.chat(conv, greedy(), use_tqdm=False)[0]
+    r = client.chat.completions.create(model=MODEL, messages=conv, max_tokens=8, temperature=0)
+    assert r.choices[0].message.content == want.outputs[0].text and r.choices[0].message.role == "assistant"
+    assert r.usage.prompt_tokens == len(want.prompt_token_ids)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=conv, max_tokens=8, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.outputs[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_parallel_sampling_with_a_seed_and_default_max_tokens(server, client, offline):
+    from pagedkv.engine import SamplingParams
+
+    sp = SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=6, ignore_eos=True)
+    want = [o.text for o in offline.generate("Once upon a time", sp, use_tqdm=False)[0].outputs]
+    kw = dict(model=MODEL, prompt="Once upon a time", n=2, temperature=0.8, seed=7, max_tokens=6,
+              extra_body={"ignore_eos": True})
+    r = client.completions.create(**kw)
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == want and r.usage.completion_tokens == 12
+    texts = ["", ""]
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == want
+    # a chat without max_tokens may use the rest of the KV cache (small here), not fail for the context's sake
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi."}],
+                                       temperature=0)
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens < 200
+
+
+def test_stop_strings_and_sse_framing(server, offline):
+    prompt = "1, 2, 3, 4,"
+    want = offline.generate(prompt, greedy(max_tokens=8, stop=(" 6",)), use_tqdm=False)[0].outputs[0]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0, "stop": " 6", "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]" and all(ln.startswith("data: ") for ln in lines)
+    chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == want.text
+    assert chunks[-1]["choices"][0]["finish_reason"] == want.finish_reason
+
+
+def test_models_health_and_api_key(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": KEY}):
+        r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1},
+                       headers=headers, timeout=10)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(server.url + "/v1/models", timeout=10).status_code == 401
+    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0, timeout=10)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+
+
+BAD_REQUESTS = [
+    (b"{not json", 400),
+    (b"[1, 2]", 400),
+    (json.dumps({"model": MODEL}).encode(), 400),  # no prompt
+    (json.dumps({"model": MODEL, "prompt": ""}).encode(), 400),
+    (json.dumps({"model": MODEL, "prompt": "hi", "temperature": -1}).encode(), 400),
+    (json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 0}).encode(), 400),
+    (json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": "8"}).encode(), 400),
+    (json.dumps({"model": MODEL, "prompt": "hi", "top_p": 0}).encode(), 400),
+    (json.dumps({"model": MODEL, "prompt": "hi", "n": 0}).encode(), 400),
+    (json.dumps({"model": MODEL, "prompt": "hi", "n": 999}).encode(), 400),
+    (json.dumps({"model": MODEL, "prompt": "hi", "logprobs": 5}).encode(), 400),
+    (json.dumps({"model": MODEL, "prompt": [1, -5]}).encode(), 400),
+    (json.dumps({"model": MODEL, "prompt": [10**9]}).encode(), 400),
+    (json.dumps({"model": MODEL, "prompt": ["a", "b"]}).encode(), 400),
+    (json.dumps({"model": MODEL, "prompt": [1] * 9000}).encode(), 400),  # longer than the context
+    (json.dumps({"model": MODEL, "prompt": [1] * 2000}).encode(), 400),  # longer than the KV cache
+    (json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 4000}).encode(), 400),  # never fits the cache
+    (json.dumps({"model": "gpt-4", "prompt": "hi"}).encode(), 404),
+]
+
+
+def test_bad_requests_get_openai_errors_and_change_nothing(server):
+    bm = server.engine.llm.block_manager
+    before = (bm.num_free_gpu_blocks, bm.num_cached_blocks, server.engine.llm.scheduler.stats.finished)
+    h = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    for body, status in BAD_REQUESTS:
+        r = httpx.post(server.url + "/v1/completions", content=body, headers=h, timeout=10)
+        assert r.status_code == status, (body[:60], r.text)
+        err = r.json()["error"]
+        assert set(err) >= {"message", "type", "code"} and err["message"], err
+    chat_bad = [{"model": MODEL, "messages": []}, {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]},
+                {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": -1},
+                {"model": MODEL, "messages": "hello"}]
+    for body in chat_bad:
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=h, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    r = httpx.get(server.url + "/v1/nowhere", headers=h, timeout=10)
+    assert r.status_code == 404 and "error" in r.json()
+    assert (bm.num_free_gpu_blocks, bm.num_cached_blocks, server.engine.llm.scheduler.stats.finished) == before
+    assert not server.engine.num_unfinished
+    bm.check_invariants()
+
+
+def test_full_waiting_queue_answers_503(server, client):
+    engine = server.engine
+    saved = engine.max_waiting
+    engine.max_waiting = 0  # every new request finds the queue full
+    try:
+        r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+                       headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "server_overloaded"
+        assert not engine.num_unfinished
+    finally:
+        engine.max_waiting = saved
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_a_non_streaming_client_that_hangs_up_aborts_its_request(server):
+    wait_idle(server)
+    aborted = metric(server, "pagedkv:request_success_total", 'finished_reason="abort"')
+    body = {"model": MODEL, "prompt": "Count to a thousand:", "max_tokens": 500, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                   timeout=httpx.Timeout(10, read=0.5))
+    wait_idle(server, timeout=10)  # 500 tokens would take far longer than this
+    assert metric(server, "pagedkv:request_success_total", 'finished_reason="abort"') == aborted + 1
+    assert server.engine.llm.block_manager.gpu_usage == 0.0
+
+
+def test_cache_salt_isolates_prefix_cache_tenants(server):
+    h = {"Authorization": f"Bearer {KEY}"}
+    prompt = "Tell me a story about a paged KV cache that was shared by many tenants, " * 2  # > 2 blocks
+
+    def cached(salt):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+        if salt is not None:
+            body["cache_salt"] = salt
+        r = httpx.post(server.url + "/v1/completions", json=body, headers=h, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached("tenant-a") == 0
+    hit = cached("tenant-a")
+    assert hit >= 2 * BLOCK and hit % BLOCK == 0  # the same tenant shares its prefix
+    assert cached("tenant-b") == 0  # another tenant does not, although the prompt is the same
+    assert cached(None) == 0  # nor does the default namespace
+    assert cached("tenant-b") == hit and cached(None) == hit
+
+
+def test_metrics_after_traffic(server, client):
+    client.completions.create(model=MODEL, prompt="Metrics are", max_tokens=4, temperature=0)
+    wait_idle(server)
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    for name in ("pagedkv:num_requests_running", "pagedkv:num_requests_waiting", "pagedkv:kv_cache_usage_perc",
+                 "pagedkv:prefix_cache_queries_total", "pagedkv:prefix_cache_hits_total",
+                 "pagedkv:num_preemptions_total", "pagedkv:prompt_tokens_total", "pagedkv:generation_tokens_total",
+                 "pagedkv:time_to_first_token_seconds_bucket", "pagedkv:inter_token_latency_seconds_bucket",
+                 "pagedkv:e2e_request_latency_seconds_count"):
+        assert name in text, name
+    assert metric(server, "pagedkv:kv_cache_usage_perc") == 0.0
+    assert metric(server, "pagedkv:num_requests_running") == 0.0
+    assert metric(server, "pagedkv:generation_tokens_total") >= 4
+    assert metric(server, "pagedkv:prompt_tokens_total") >= 3
+    q, h = metric(server, "pagedkv:prefix_cache_queries_total"), metric(server, "pagedkv:prefix_cache_hits_total")
+    assert q > h > 0  # the cache_salt test hit the cache
+    assert metric(server, "pagedkv:e2e_request_latency_seconds_count") >= 1
+
+
+def test_load_with_disconnects_and_bad_requests(server, offline):
+    """32 concurrent streaming clients: 8 hang up after their first chunk, 4 send bad requests. Afterwards no
+    request is stuck, no block is held, the manager's invariants hold, and every completed output equals the
+    offline engine's."""
+    n_clients, max_tokens = 32, 8
+    prompts = [f"Request number {i} asks: what is {i} plus {i}?" for i in range(n_clients)]
+    role = ["ok"] * n_clients
+    for i in range(0, n_clients, 4):
+        role[i] = "disconnect"
+    for i in range(1, n_clients, 8):
+        role[i] = "bad"
+    h = {"Authorization": f"Bearer {KEY}"}
+
+    async def one(http: httpx.AsyncClient, i: int):
+        body = {"model": MODEL, "prompt": prompts[i], "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        if role[i] == "disconnect":
+            body["max_tokens"] = 100  # still generating when the client hangs up
+        if role[i] == "bad":
+            body["top_k"] = -7
+        async with http.stream("POST", "/v1/completions", json=body, headers=h) as r:
+            if role[i] == "bad":
+                await r.aread()
+                return r.status_code, r.json()
+            assert r.status_code == 200
+            text, done = "", False
+            async for line in r.aiter_lines():
+                if not line:
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    break
+                chunk = json.loads(line[6:])
+                text += chunk["choices"][0]["text"]
+                if role[i] == "disconnect":
+                    return "gone", None  # leaving the block closes the connection mid-stream
+            return ("done" if done else "cut"), text
+
+    async def run():
+        limits = httpx.Limits(max_connections=n_clients + 4)
+        async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as http:
+            return await asyncio.wait_for(asyncio.gather(*(one(http, i) for i in range(n_clients))), 240)
+
+    aborted = metric(server, "pagedkv:request_success_total", 'finished_reason="abort"')
+    results = asyncio.run(run())
+    wait_idle(server)
+    bm = server.engine.llm.block_manager
+    bm.check_invariants()
+    assert bm.gpu_usage == 0.0 and metric(server, "pagedkv:kv_cache_usage_perc") == 0.0
+    assert metric(server, "pagedkv:num_requests_running") == 0 and metric(server, "pagedkv:num_requests_waiting") == 0
+    ok = [i for i in range(n_clients) if role[i] == "ok"]
+    want = offline.generate([prompts[i] for i in ok], greedy(max_tokens, ignore_eos=True), use_tqdm=False)
+    for i, w in zip(ok, want):
+        assert results[i] == ("done", w.outputs[0].text), i
+    for i in range(n_clients):
+        if role[i] == "bad":
+            status, err = results[i]
+            assert status == 400 and err["error"]["param"] == "top_k"
+        elif role[i] == "disconnect":
+            assert results[i][0] == "gone"
+    # every hung-up client's request was aborted (not run to its 100 tokens)
+    n_gone = role.count("disconnect")
+    assert metric(server, "pagedkv:request_success_total", 'finished_reason="abort"') == aborted + n_gone
+
+
+def test_bench_serve_reports_vllm_style_figures(server):
+    from pagedkv.server.bench import make_prompts, run_benchmark
+
+    prompts = make_prompts(4, 40, 32, seed=3, low=1000, high=20000)
+    s = asyncio.run(asyncio.wait_for(run_benchmark(server.url, None, prompts, 4, max_concurrency=1, api_key=KEY,
+                                                   progress=False), 120))
+    assert s["model"] == MODEL and s["completed"] == 4 and s["failed"] == 0
+    assert s["total_output_tokens"] == 16 and s["total_prompt_tokens"] == 160
+    assert s["cached_prompt_tokens"] == 3 * 32  # one at a time: requests 2..4 reuse the 32-token shared prefix
+    for k in ("request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
+              "p99_tpot_ms", "median_itl_ms", "p99_itl_ms"):
+        assert s[k] > 0, k
+    assert s["p99_ttft_ms"] >= s["median_ttft_ms"]
+
+
+def test_serve_command_in_a_subprocess(tmp_path):
+    """``pagedkv serve`` as users start it: loopback, a free port, the default model; stopped by SIGINT."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    port, ev_port, replay_port = free_port(), free_port(), free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.Popen([sys.executable, "-m", "pagedkv.cli", "serve", "--port", str(port), "--num-gpu-blocks",
+                             "32", "--api-key", "k", "--served-model-name", "smol",
+                             "--kv-events-endpoint", f"tcp://127.0.0.1:{ev_port}",
+                             "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay_port}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.3)
+        c = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0, timeout=60)
+        r = c.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
+        assert r.usage.completion_tokens <= 3 and r.choices[0].message.content
+        if _kv_events_supported():  # the prompt's full blocks were announced: ask the replay socket
+            zmq = pytest.importorskip("zmq")
+            from pagedkv.server.kv_events import END_SEQ, decode_payload
+
+            dealer = zmq.Context.instance().socket(zmq.DEALER)
+            dealer.setsockopt(zmq.RCVTIMEO, 10000)
+            dealer.connect(f"tcp://127.0.0.1:{replay_port}")
+            dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+            names = []
+            while True:
+                _, seq, payload = dealer.recv_multipart()
+                if seq == END_SEQ:
+                    break
+                names += [type(e).__name__ for e in decode_payload(payload).events]
+            dealer.close(0)
+            assert "BlockStored" in names
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def _kv_events_supported() -> bool:
+    import inspect
+
+    from pagedkv import BlockManager
+    from pagedkv.engine import LLM
+
+    return hasattr(BlockManager, "take_events") and "enable_kv_events" in inspect.signature(LLM).parameters
+
+
+def test_kv_events_rebuild_the_cached_key_set(engine):
+    """A subscriber of the server's KV events rebuilds exactly the block manager's set of cached block keys,
+    through evictions (a small pool), from the live stream plus the replay socket."""
+    zmq = pytest.importorskip("zmq")
+    if not _kv_events_supported():
+        pytest.skip("the block manager has no take_events yet (tests/test_kv_events.py covers the publisher)")
+    from pagedkv.engine import LLM
+    from pagedkv.server.kv_events import END_SEQ, decode_payload
+    from pagedkv.server.launch import make_server
+
+    llm = LLM(engine.paged, num_gpu_blocks=12, max_num_seqs=4, block_size=BLOCK, enable_kv_events=True)
+    srv = make_server(llm, model_name=MODEL, kv_events_endpoint="tcp://127.0.0.1:*",
+                      kv_events_replay_endpoint="tcp://127.0.0.1:*").start_in_thread()
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVTIMEO, 200)
+    sub.connect(srv.publisher.endpoint)
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        prompts = [f"Story {i}: " + "once upon a time there was a block of sixteen tokens " * 5 for i in range(6)]
+        prompts += prompts[:2]  # hits
+        for p in prompts:
+            c.completions.create(model=MODEL, prompt=p, max_tokens=4, temperature=0)
+        wait_idle(srv)
+        srv.publisher.flush()
+        live = {}
+        while True:
+            try:
+                _, seq, payload = sub.recv_multipart()
+            except zmq.Again:
+                break
+            live[int.from_bytes(seq, "big")] = payload
+        # fill the gaps (a PUB socket drops what it sends before the subscription arrives) from the replay socket
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.RCVTIMEO, 5000)
+        dealer.connect(srv.publisher.replay_endpoint)
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        while True:
+            _, seq, payload = dealer.recv_multipart()
+            if seq == END_SEQ:
+                break
+            live.setdefault(int.from_bytes(seq, "big"), payload)
+        dealer.close(0)
+        assert sorted(live) == list(range(srv.publisher.next_seq)) and live
+        keys: set = set()
+        removed = 0
+        for num in sorted(live):
+            for e in decode_payload(live[num]).events:
+                name = type(e).__name__
+                if name == "BlockStored":
+                    assert e.block_size == BLOCK and len(e.token_ids) == BLOCK * len(e.block_hashes)
+                    keys.update(e.block_hashes)
+                elif name == "BlockRemoved":
+                    removed += len(e.block_hashes)
+                    keys.difference_update(e.block_hashes)
+                else:
+                    keys.clear()
+        assert removed > 0  # the pool is small: blocks were evicted
+        assert keys == set(llm.block_manager._cache._map)
+        import pagedkv
+
+        if hasattr(pagedkv, "block_hashes"):  # the last prompt's full blocks are cached under these keys
+            ids = llm.tokenizer.encode(prompts[-1], add_special_tokens=True)
+            full = ids[: len(ids) // BLOCK * BLOCK]
+            assert set(pagedkv.block_hashes(full, BLOCK, None)) <= keys
+    finally:
+        sub.close(0)
+        srv.close()
+
+
+def test_an_engine_failure_fails_requests_in_flight_and_health(engine):
+    """A step that raises (a bug) answers 500 to the requests in flight, then /health and new requests 503."""
+    from pagedkv.engine import LLM
+    from pagedkv.server.launch import make_server
+
+    llm = LLM(engine.paged, num_gpu_blocks=16, max_num_seqs=2, block_size=BLOCK)
+
+    def broken(*_a, **_k):
+        raise RuntimeError("injected")
+
+    llm._execute = broken
+    srv = make_server(llm, model_name=MODEL).start_in_thread()
+    try:
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        assert httpx.get(srv.url + "/health", timeout=10).status_code == 503
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 503 and "error" in r.json()
+    finally:
+        srv.close()
