@@ -6,6 +6,8 @@ Every policy has ``choose(replicas, loads, hashes, cost) -> Decision`` and ``rou
 - ``loads``: ``{replica: load}``, in whatever unit the caller keeps: the replay uses prompt tokens routed so far,
   the live router requests in flight. ``cost`` is this request's load in the same unit.
 - ``hashes``: the request's block hashes (:func:`pagedkv.block_hashes`); only prefix policies read them.
+- ``tiebreak`` (optional, ``{replica: number}``): among equally loaded replicas the lowest wins (the live router
+  passes its decision counts, so sequential traffic, where nothing is ever in flight, still spreads).
 - ``routed`` is called once the request was sent (``prefix-approx`` learns from it; the others ignore it).
 
 Policies (:func:`make_policy` builds one by name):
@@ -46,7 +48,9 @@ class Decision(NamedTuple):
     policy: str
 
 
-def _least_loaded(replicas: Sequence, loads: Mapping) -> Hashable:
+def _least_loaded(replicas: Sequence, loads: Mapping, tiebreak: Mapping | None = None) -> Hashable:
+    if tiebreak:
+        return min(replicas, key=lambda r: (loads.get(r, 0), tiebreak.get(r, 0)))
     return min(replicas, key=lambda r: loads.get(r, 0))
 
 
@@ -58,7 +62,7 @@ class RoundRobin:
         self._i = 0
 
     def choose(self, replicas: Sequence, loads: Mapping, hashes: Sequence[int] | None = None,
-               cost: float = 1.0) -> Decision:
+               cost: float = 1.0, tiebreak: Mapping | None = None) -> Decision:
         if not replicas:
             raise ValueError("no replica to route to")
         r = replicas[self._i % len(replicas)]
@@ -73,10 +77,10 @@ class LeastLoaded(RoundRobin):
     name = "least-loaded"
 
     def choose(self, replicas: Sequence, loads: Mapping, hashes: Sequence[int] | None = None,
-               cost: float = 1.0) -> Decision:
+               cost: float = 1.0, tiebreak: Mapping | None = None) -> Decision:
         if not replicas:
             raise ValueError("no replica to route to")
-        return Decision(_least_loaded(replicas, loads), 0, self.name)
+        return Decision(_least_loaded(replicas, loads, tiebreak), 0, self.name)
 
 
 class PrefixPolicy:
@@ -106,7 +110,7 @@ class PrefixPolicy:
         return {r: gpu.get(r, 0) + w * (n - gpu.get(r, 0)) for r, n in any_tier.items()}, any_tier
 
     def choose(self, replicas: Sequence, loads: Mapping, hashes: Sequence[int] | None = None,
-               cost: float = 1.0) -> Decision:
+               cost: float = 1.0, tiebreak: Mapping | None = None) -> Decision:
         if not replicas:
             raise ValueError("no replica to route to")
         score, matched = self.scores(hashes)
@@ -115,12 +119,13 @@ class PrefixPolicy:
             limit = (1 + self.slack) * (sum(loads.get(r, 0) for r in replicas) + cost) / len(replicas) + self.abs_slack
             allowed = [r for r in replicas if loads.get(r, 0) + cost <= limit]
             if not allowed:
-                r = _least_loaded(replicas, loads)
+                r = _least_loaded(replicas, loads, tiebreak)
                 return Decision(r, matched.get(r, 0), self.name)
+        tb = tiebreak or {}
         best = allowed[0]
-        key = (score.get(best, 0), -loads.get(best, 0))
+        key = (score.get(best, 0), -loads.get(best, 0), -tb.get(best, 0))
         for r in allowed[1:]:
-            k = (score.get(r, 0), -loads.get(r, 0))
+            k = (score.get(r, 0), -loads.get(r, 0), -tb.get(r, 0))
             if k > key:
                 best, key = r, k
         return Decision(best, matched.get(best, 0), self.name)

@@ -1,0 +1,122 @@
+"""The router's state: replicas (health, load), the prefix index, the policy, and one routing decision.
+
+A replica is named by its base URL. It is *routable* while its health checks pass. When a check fails (or a
+request cannot even connect to it) the replica leaves routing and the index (``drop_replica``) and its event
+numbering is forgotten; when checks pass again it comes back with no blocks (a restarted replica has an empty
+cache; its new events fill the index again). Load is the number of requests in flight through this router.
+
+Index access is serialised by one lock (the event thread writes, request handlers read).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from ..cluster.index import MemoryIndex, predicted_tokens
+from ..cluster.policy import ApproxPrefixPolicy, make_policy
+
+__all__ = ["Replica", "RouterState", "parse_backend"]
+
+
+@dataclass
+class Replica:
+    url: str
+    events: str | None = None
+    replay: str | None = None
+    healthy: bool = True
+    inflight: int = 0
+    decisions: int = 0
+    predicted_tokens: int = 0
+    failures: int = 0  #: consecutive failed health checks
+
+
+def parse_backend(spec: str) -> Replica:
+    """``URL`` or ``URL,EVENTS_ENDPOINT`` (the replay endpoint is the events port + 1, as ``pagedkv serve``'s
+    default) or ``URL,EVENTS_ENDPOINT,REPLAY_ENDPOINT``. ValueError on anything else."""
+    from .events import replay_endpoint_for
+
+    parts = [p.strip() for p in spec.split(",")]
+    url = parts[0].rstrip("/")
+    if not url.startswith(("http://", "https://")) or len(parts) > 3 or any(not p for p in parts):
+        raise ValueError(f"--backend must be URL[,EVENTS_ENDPOINT[,REPLAY_ENDPOINT]], got {spec!r}")
+    events = parts[1] if len(parts) > 1 else None
+    replay = parts[2] if len(parts) > 2 else (replay_endpoint_for(events) if events else None)
+    return Replica(url, events, replay)
+
+
+class RouterState:
+    """Replicas + index + policy. ``route`` is a name of :data:`pagedkv.cluster.policy.ROUTES`."""
+
+    def __init__(self, replicas: list[Replica], index=None, *, route: str = "prefix", balance_slack: float = 0.2,
+                 balance_abs: float = 2.0, block_size: int = 16, approx_capacity_blocks: int = 65536) -> None:
+        if not replicas:
+            raise ValueError("at least one --backend is needed")
+        urls = [r.url for r in replicas]
+        if len(set(urls)) != len(urls):
+            raise ValueError("a backend is listed twice")
+        self.replicas = {r.url: r for r in replicas}
+        self.order = urls
+        self.index = index if index is not None else MemoryIndex()
+        self.block_size = block_size
+        self.policy = make_policy(route, self.index, slack=balance_slack, abs_slack=balance_abs,
+                                  capacity_blocks=approx_capacity_blocks)
+        self.route = route
+        self.lock = threading.Lock()
+        self.subscriber = None
+
+    # ------------------------------------------------------------------ events (subscriber thread)
+    def apply_events(self, replica: str, events) -> None:
+        with self.lock:
+            if self.replicas[replica].healthy:
+                for e in events:
+                    self.index.apply(replica, e)
+
+    def clear_replica(self, replica: str) -> None:
+        with self.lock:
+            self.index.drop_replica(replica)
+            if isinstance(self.policy, ApproxPrefixPolicy):
+                self.policy.forget(replica)
+
+    # ------------------------------------------------------------------ health
+    def mark(self, replica: str, healthy: bool) -> bool:
+        """Record a health result; True when the replica's state changed. Going down drops it from the index;
+        coming back (a restart) starts it empty."""
+        r = self.replicas[replica]
+        r.failures = 0 if healthy else r.failures + 1
+        if r.healthy == healthy:
+            return False
+        r.healthy = healthy
+        self.clear_replica(replica)
+        if self.subscriber is not None and replica in self.subscriber.feeds:
+            self.subscriber.forget(replica)
+        return True
+
+    def routable(self, exclude: set = frozenset()) -> list[str]:
+        return [u for u in self.order if self.replicas[u].healthy and u not in exclude]
+
+    # ------------------------------------------------------------------ decisions
+    def choose(self, hashes: list[int], num_tokens: int, exclude: set = frozenset()):
+        """``(replica url, predicted cached tokens)`` or None when no replica is routable. Counts the decision
+        and the request as in flight (call :meth:`done` when it ends)."""
+        with self.lock:
+            urls = self.routable(exclude)
+            if not urls:
+                return None
+            loads = {u: self.replicas[u].inflight for u in urls}
+            d = self.policy.choose(urls, loads, hashes, 1, {u: self.replicas[u].decisions for u in urls})
+            self.policy.routed(d.replica, hashes)
+            r = self.replicas[d.replica]
+            r.inflight += 1
+            r.decisions += 1
+            pred = predicted_tokens(d.matched_blocks, num_tokens, self.block_size)
+            r.predicted_tokens += pred
+            return d.replica, pred
+
+    def done(self, replica: str) -> None:
+        with self.lock:
+            self.replicas[replica].inflight -= 1
+
+    def index_blocks(self) -> int:
+        with self.lock:
+            return self.index.num_blocks()
