@@ -233,3 +233,15 @@ def test_replay_command_unknown_route(capsys):
     with pytest.raises(SystemExit) as e:
         cli_main(["replay", str(SAMPLE), "--replicas", "2", "--route", "random"])
     assert e.value.code == 2 and "invalid choice" in capsys.readouterr().err
+
+
+def test_min_match_ignores_a_prefix_everybody_shares():
+    ix = MemoryIndex()
+    ix.apply("a", stored([1, 2, 3, 4]))
+    reps = ["a", "b"]
+    # the request shares only block 1 (a system prompt) with a: 1 of 4 blocks < 0.3 -> least decisions wins
+    pol = PrefixPolicy(ix, slack=0.2, abs_slack=2, min_match=0.3)
+    assert pol.choose(reps, {"a": 0, "b": 0}, [1, 7, 8, 9], 1, {"a": 1, "b": 0}) == ("b", 0, "prefix")
+    assert pol.choose(reps, {"a": 0, "b": 0}, [1, 2, 8, 9], 1, {"a": 1, "b": 0}) == ("a", 2, "prefix")
+    with pytest.raises(ValueError):
+        PrefixPolicy(ix, min_match=2)

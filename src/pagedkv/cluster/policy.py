@@ -18,7 +18,9 @@ Policies (:func:`make_policy` builds one by name):
   counts 1, a block only in the CPU tier ``cpu_weight``); but a replica whose load would exceed the balance
   limit is skipped: ``load + cost > (1 + slack) * (sum of loads + cost) / len(replicas) + abs_slack``. Ties go
   to the least loaded. When every replica is over the limit the least loaded one serves. ``slack=None``:
-  no limit (the longest prefix alone).
+  no limit (the longest prefix alone). ``min_match`` (a fraction of the prompt's blocks, 0 by default): a
+  shorter match counts as none, so a prefix every request shares (a system prompt) does not pull all traffic
+  to one replica when loads are equal.
 - ``prefix-approx``: the same choice over an index the policy builds from its own decisions only (as llm-d's
   approximate scorer does): a request's blocks are assumed cached on the replica it was sent to, each replica
   keeping at most ``capacity_blocks`` of them, least recently routed evicted first (a prompt's tail before its
@@ -90,9 +92,13 @@ class PrefixPolicy:
     name = "prefix"
     uses_index = True
 
-    def __init__(self, index, *, slack: float | None = 0.2, abs_slack: float = 0.0, cpu_weight: float = 0.5) -> None:
+    def __init__(self, index, *, slack: float | None = 0.2, abs_slack: float = 0.0, cpu_weight: float = 0.5,
+                 min_match: float = 0.0) -> None:
         if slack is not None and slack < 0:
             raise ValueError(f"balance slack must be >= 0, got {slack}")
+        if not 0 <= min_match <= 1:
+            raise ValueError(f"min_match must lie in [0, 1], got {min_match}")
+        self.min_match = min_match
         self.index = index
         self.slack = slack
         self.abs_slack = abs_slack
@@ -114,6 +120,9 @@ class PrefixPolicy:
         if not replicas:
             raise ValueError("no replica to route to")
         score, matched = self.scores(hashes)
+        if self.min_match and score:
+            floor = self.min_match * len(hashes)
+            score = {r: v for r, v in score.items() if v >= floor}
         allowed = replicas
         if self.slack is not None:
             limit = (1 + self.slack) * (sum(loads.get(r, 0) for r in replicas) + cost) / len(replicas) + self.abs_slack
@@ -140,10 +149,11 @@ class ApproxPrefixPolicy(PrefixPolicy):
     name = "prefix-approx"
     uses_index = False
 
-    def __init__(self, capacity_blocks: int, *, slack: float | None = 0.2, abs_slack: float = 0.0) -> None:
+    def __init__(self, capacity_blocks: int, *, slack: float | None = 0.2, abs_slack: float = 0.0,
+                 min_match: float = 0.0) -> None:
         if capacity_blocks < 1:
             raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
-        super().__init__(MemoryIndex(), slack=slack, abs_slack=abs_slack)
+        super().__init__(MemoryIndex(), slack=slack, abs_slack=abs_slack, min_match=min_match)
         self.capacity_blocks = capacity_blocks
         self._lru: dict[Hashable, OrderedDict] = {}
 
@@ -171,7 +181,7 @@ class ApproxPrefixPolicy(PrefixPolicy):
 
 
 def make_policy(route: str, index=None, *, slack: float | None = 0.2, abs_slack: float = 0.0,
-                capacity_blocks: int | None = None):
+                capacity_blocks: int | None = None, min_match: float = 0.0):
     """A policy by name (:data:`ROUTES`). ``prefix`` needs ``index``; ``prefix-approx`` needs
     ``capacity_blocks`` (each replica's prefix-cache size as the router assumes it)."""
     if route == "round-robin":
@@ -181,9 +191,9 @@ def make_policy(route: str, index=None, *, slack: float | None = 0.2, abs_slack:
     if route == "prefix":
         if index is None:
             raise ValueError("the prefix route needs an index")
-        return PrefixPolicy(index, slack=slack, abs_slack=abs_slack)
+        return PrefixPolicy(index, slack=slack, abs_slack=abs_slack, min_match=min_match)
     if route == "prefix-approx":
         if capacity_blocks is None:
             raise ValueError("the prefix-approx route needs the replicas' capacity in blocks")
-        return ApproxPrefixPolicy(capacity_blocks, slack=slack, abs_slack=abs_slack)
+        return ApproxPrefixPolicy(capacity_blocks, slack=slack, abs_slack=abs_slack, min_match=min_match)
     raise ValueError(f"unknown route {route!r} (choose from {', '.join(ROUTES)})")

@@ -14,7 +14,7 @@ otherwise); ``GET /metrics`` is the router's own (:mod:`.metrics`).
 :class:`RouterServer` assembles everything (state, event subscriber, health checker, app) and runs it.
 """
 
-from __future__ import annotations
+# (no `from __future__ import annotations`: FastAPI reads the handlers' annotations, imported locally)
 
 import asyncio
 import socket

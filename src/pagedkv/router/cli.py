@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefix routes skip a replica whose in-flight requests would exceed (1 + slack) x the "
                         "mean + --balance-abs (default 0.2)")
     p.add_argument("--balance-abs", type=float, default=2.0, help="absolute allowance in requests (default 2)")
+    p.add_argument("--min-match", type=float, default=0.3,
+                   help="a cached prefix shorter than this fraction of the prompt counts as none (default 0.3)")
     p.add_argument("--approx-capacity-blocks", type=int, default=65536,
                    help="prefix-approx: blocks each replica is assumed to cache (default 65536)")
     p.add_argument("--health-interval", type=float, default=1.0, help="seconds between health checks (1.0)")
@@ -57,6 +59,8 @@ def make_router(args: argparse.Namespace):
         raise ValueError(f"--block-size must be >= 1, got {args.block_size}")
     if args.balance_slack < 0 or args.balance_abs < 0:
         raise ValueError("--balance-slack and --balance-abs must be >= 0")
+    if not 0 <= args.min_match <= 1:
+        raise ValueError(f"--min-match must lie in [0, 1], got {args.min_match}")
     if args.health_interval <= 0:
         raise ValueError("--health-interval must be > 0")
     replicas = [parse_backend(b) for b in args.backend]
@@ -71,7 +75,7 @@ def make_router(args: argparse.Namespace):
         index = open_index(args.index)
     state = RouterState(replicas, index, route=args.route, balance_slack=args.balance_slack,
                         balance_abs=args.balance_abs, block_size=args.block_size,
-                        approx_capacity_blocks=args.approx_capacity_blocks)
+                        approx_capacity_blocks=args.approx_capacity_blocks, min_match=args.min_match)
     builder = PromptBuilder(load_tokenizer(args.model), args.block_size)
     return RouterServer(state, builder, host=args.host, port=args.port, topic=args.kv_events_topic,
                         health_interval=args.health_interval)

@@ -49,7 +49,8 @@ class RouterState:
     """Replicas + index + policy. ``route`` is a name of :data:`pagedkv.cluster.policy.ROUTES`."""
 
     def __init__(self, replicas: list[Replica], index=None, *, route: str = "prefix", balance_slack: float = 0.2,
-                 balance_abs: float = 2.0, block_size: int = 16, approx_capacity_blocks: int = 65536) -> None:
+                 balance_abs: float = 2.0, block_size: int = 16, approx_capacity_blocks: int = 65536,
+                 min_match: float = 0.3) -> None:
         if not replicas:
             raise ValueError("at least one --backend is needed")
         urls = [r.url for r in replicas]
@@ -60,7 +61,7 @@ class RouterState:
         self.index = index if index is not None else MemoryIndex()
         self.block_size = block_size
         self.policy = make_policy(route, self.index, slack=balance_slack, abs_slack=balance_abs,
-                                  capacity_blocks=approx_capacity_blocks)
+                                  capacity_blocks=approx_capacity_blocks, min_match=min_match)
         self.route = route
         self.lock = threading.Lock()
         self.subscriber = None
