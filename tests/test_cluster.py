@@ -245,3 +245,27 @@ def test_min_match_ignores_a_prefix_everybody_shares():
     assert pol.choose(reps, {"a": 0, "b": 0}, [1, 2, 8, 9], 1, {"a": 1, "b": 0}) == ("a", 2, "prefix")
     with pytest.raises(ValueError):
         PrefixPolicy(ix, min_match=2)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--backend", "localhost:8000"], "--backend must be URL"),
+    (["--backend", "http://a:1,tcp://b:2,tcp://b:3,x"], "--backend must be URL"),
+    (["--backend", "http://a:1", "--backend", "http://a:1"], "listed twice"),
+    (["--backend", "http://a:1", "--index", "mongodb://x"], "--index must be 'memory' or redis://"),
+    (["--backend", "http://a:1", "--balance-slack", "-1"], "must be >= 0"),
+    (["--backend", "http://a:1", "--min-match", "2"], "--min-match"),
+    (["--backend", "http://a:1,ipc:///tmp/ev"], "cannot derive a replay endpoint"),
+    (["--backend", "http://a:1", "--index", "redis://127.0.0.1:1"], "cannot reach the Redis index"),
+])
+def test_router_command_bad_input(args, words, capsys):
+    if "redis://" in " ".join(args):
+        pytest.importorskip("redis")
+    assert cli_main(["router", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pagedkv router: error:") and words in err
+
+
+def test_router_command_needs_a_backend(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli_main(["router"])
+    assert e.value.code == 2 and "--backend" in capsys.readouterr().err

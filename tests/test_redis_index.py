@@ -9,14 +9,6 @@ import pytest
 from pagedkv import BlockManager, block_hashes
 from pagedkv.cluster import MemoryIndex, RedisIndex, open_index
 from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored
-from redis_server import RedisServer
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    srv = RedisServer(tmp_path_factory.mktemp("redis"))
-    yield srv.url
-    srv.stop()
 
 
 @pytest.fixture
