@@ -194,6 +194,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="random prompt token ids are drawn from [LOW, HIGH)")
     p.add_argument("--result-json", default=None, help="write the summary and per-request results here")
     p.add_argument("--no-progress", action="store_true")
+    t = p.add_argument_group("multi-turn workload from a Mooncake trace (pagedkv.cluster.workload)")
+    t.add_argument("--trace", default=None, help="send whole conversations sampled from this trace, scaled down, "
+                                                 "in arrival order (replaces the random prompts)")
+    t.add_argument("--trace-conversations", type=int, default=24, help="conversations sampled (24)")
+    t.add_argument("--trace-tokens-per-id", type=int, default=16, help="tokens per 512-token trace block (16)")
+    t.add_argument("--trace-max-tokens", type=int, default=1536, help="longest scaled prompt kept (1536)")
     return p
 
 
@@ -205,7 +211,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.max_concurrency is not None and args.max_concurrency < 1:
         print("pagedkv bench serve: error: --max-concurrency must be >= 1", file=sys.stderr)
         return 2
-    prompts = make_prompts(args.num_prompts, args.input_len, args.shared_prefix_len, args.seed, *args.token_range)
+    if args.trace:
+        from ..cluster.workload import trace_prompts
+
+        try:
+            prompts = trace_prompts(args.trace, conversations=args.trace_conversations,
+                                    tokens_per_id=args.trace_tokens_per_id, max_tokens=args.trace_max_tokens,
+                                    seed=args.seed, low=args.token_range[0], high=args.token_range[1])
+        except (OSError, ValueError, KeyError) as e:
+            print(f"pagedkv bench serve: error: --trace: {e}", file=sys.stderr)
+            return 2
+    else:
+        prompts = make_prompts(args.num_prompts, args.input_len, args.shared_prefix_len, args.seed, *args.token_range)
     try:
         s = asyncio.run(run_benchmark(args.base_url, args.model, prompts, args.output_len,
                                       request_rate=args.request_rate, max_concurrency=args.max_concurrency,
