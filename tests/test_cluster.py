@@ -269,3 +269,23 @@ def test_router_command_needs_a_backend(capsys):
     with pytest.raises(SystemExit) as e:
         cli_main(["router"])
     assert e.value.code == 2 and "--backend" in capsys.readouterr().err
+
+
+def test_trace_workload_keeps_conversations_and_their_shared_prefixes(tmp_path):
+    from pagedkv.cluster.workload import trace_prompts
+
+    lines = [json.dumps({"timestamp": t, "input_length": n, "output_length": 1, "hash_ids": ids})
+             for t, n, ids in [(0, 1024, [0, 1]), (5, 1536, [0, 1, 2]), (9, 700, [0, 7]), (12, 2048, [0, 1, 2, 3]),
+                               (20, 1100, [0, 7, 8]), (30, 600, [0, 9])]]
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    ps = trace_prompts(path, conversations=5, min_turns=2, tokens_per_id=8)
+    # conversation (0, 1): 3 turns, (0, 7): 2 turns; (0, 9) has one request and is left out; arrival order kept
+    assert [len(p) for p in ps] == [16, 24, 11, 32, 18]
+    assert ps[1][:16] == ps[0] and ps[3][:24] == ps[1] and ps[4][:11] == ps[2]
+    assert ps[0][:8] == ps[2][:8] and ps[0][8:16] != ps[2][8:16]  # the shared first block, then their own
+    assert all(1000 <= t < 20000 for p in ps for t in p)
+    one = trace_prompts(path, conversations=1, min_turns=2, tokens_per_id=8, seed=1)
+    assert [len(p) for p in one] in ([16, 24, 32], [11, 18])
+    with pytest.raises(ValueError):
+        trace_prompts(path, min_turns=9)
