@@ -56,17 +56,15 @@ def run_route(route: str, args, outdir: Path) -> dict:
     logs = []
     try:
         for i in range(args.replicas):
-            port, ev = free_port(), free_port()
-            while ev + 1 == port:
-                ev = free_port()
+            port, ev, rep = free_port(), free_port(), free_port()
             log = open(outdir / f"replica-{route}-{i}.log", "w")
             logs.append(log)
             procs.append(subprocess.Popen(pagedkv("serve", "--port", str(port), "--num-gpu-blocks",
                                                   str(args.num_gpu_blocks), "--max-num-seqs", "8",
                                                   "--kv-events-endpoint", f"tcp://127.0.0.1:{ev}",
-                                                  "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{free_port()}"),
+                                                  "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{rep}"),
                                           env=env, stdout=log, stderr=subprocess.STDOUT))
-            backends.append((f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{ev}"))
+            backends.append((f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{ev},tcp://127.0.0.1:{rep}"))
         for url, _ in backends:
             wait_health(url, procs)
         rport = free_port()
@@ -81,7 +79,8 @@ def run_route(route: str, args, outdir: Path) -> dict:
         out = outdir / f"bench-{route}.json"
         bench = pagedkv("bench", "serve", "--base-url", rurl, "--trace", args.trace, "--trace-conversations",
                         str(args.conversations), "--output-len", str(args.output_len), "--max-concurrency",
-                        str(args.concurrency), "--no-progress", "--result-json", str(out))
+                        str(args.concurrency), "--trace-time-scale", str(args.time_scale), "--no-progress",
+                        "--result-json", str(out))
         subprocess.run(bench, env=env, check=False)
         import httpx
 
@@ -89,7 +88,8 @@ def run_route(route: str, args, outdir: Path) -> dict:
         doc["router_metrics"] = httpx.get(rurl + "/metrics").text
         doc["setup"] = {"route": route, "replicas": args.replicas, "num_gpu_blocks": args.num_gpu_blocks,
                         "threads_per_replica": args.threads, "concurrency": args.concurrency,
-                        "conversations": args.conversations, "output_len": args.output_len}
+                        "conversations": args.conversations, "output_len": args.output_len,
+                        "time_scale": args.time_scale}
         out.write_text(json.dumps(doc, indent=1, default=str))
         return doc
     finally:
@@ -116,11 +116,12 @@ def main() -> int:
     ap.add_argument("--trace", required=True)
     ap.add_argument("--route", action="append", help="routes to compare (default: prefix, round-robin)")
     ap.add_argument("--replicas", type=int, default=3)
-    ap.add_argument("--num-gpu-blocks", type=int, default=160, help="KV blocks of 16 tokens per replica (160)")
+    ap.add_argument("--num-gpu-blocks", type=int, default=256, help="KV blocks of 16 tokens per replica (256)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per replica (1)")
     ap.add_argument("--conversations", type=int, default=24)
     ap.add_argument("--output-len", type=int, default=8)
-    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--time-scale", type=float, default=40.0, help="trace time / this = send time (40)")
     ap.add_argument("--out", default="benchmarks/results/router")
     args = ap.parse_args()
     outdir = Path(args.out)

@@ -285,6 +285,8 @@ def test_trace_workload_keeps_conversations_and_their_shared_prefixes(tmp_path):
     assert ps[1][:16] == ps[0] and ps[3][:24] == ps[1] and ps[4][:11] == ps[2]
     assert ps[0][:8] == ps[2][:8] and ps[0][8:16] != ps[2][8:16]  # the shared first block, then their own
     assert all(1000 <= t < 20000 for p in ps for t in p)
+    again, times = trace_prompts(path, conversations=5, min_turns=2, tokens_per_id=8, return_times=True)
+    assert again == ps and times == [0.0, 0.005, 0.009, 0.012, 0.02]
     one = trace_prompts(path, conversations=1, min_turns=2, tokens_per_id=8, seed=1)
     assert [len(p) for p in one] in ([16, 24, 32], [11, 18])
     with pytest.raises(ValueError):

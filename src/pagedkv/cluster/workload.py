@@ -24,8 +24,11 @@ __all__ = ["trace_prompts"]
 
 
 def trace_prompts(path: str | Path, *, conversations: int = 24, min_turns: int = 3, tokens_per_id: int = 16,
-                  max_tokens: int = 2048, seed: int = 0, low: int = 1000, high: int = 20000) -> list[list[int]]:
-    """Prompts (token-id lists) of the sampled conversations, in arrival order (see the module docstring)."""
+                  max_tokens: int = 2048, seed: int = 0, low: int = 1000, high: int = 20000,
+                  return_times: bool = False):
+    """Prompts (token-id lists) of the sampled conversations, in arrival order (see the module docstring).
+    With ``return_times``: ``(prompts, times)``, ``times[i]`` the arrival of prompt ``i`` in seconds after the
+    first kept one."""
     if conversations < 1 or min_turns < 1 or not 1 <= tokens_per_id <= TRACE_BLOCK:
         raise ValueError("conversations and min_turns must be >= 1, tokens_per_id in [1, 512]")
     rows = []
@@ -53,12 +56,15 @@ def trace_prompts(path: str | Path, *, conversations: int = 24, min_turns: int =
             b = memo[h] = [rng.randrange(low, high) for _ in range(tokens_per_id)]
         return b
 
-    out = []
+    out, times = [], []
     for i in picked:
-        _, n, ids = rows[i]
+        ts, n, ids = rows[i]
         m = -(-n * tokens_per_id // TRACE_BLOCK)
         if m > max_tokens:
             continue
         toks = [t for h in ids for t in block(h)]
         out.append(toks[:m])
+        times.append(ts / 1000.0)
+    if return_times:
+        return out, [t - times[0] for t in times] if times else []
     return out
