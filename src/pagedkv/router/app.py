@@ -152,9 +152,11 @@ def build_app(state, builder, metrics):
 
 class HealthChecker:
     """Polls ``GET /health`` of every replica every ``interval`` seconds on its own thread; a replica that
-    fails ``fails`` checks in a row leaves routing (and the index), one that answers 200 comes back."""
+    fails ``fails`` checks in a row (no answer within ``timeout`` seconds, or not 200) leaves routing (and the
+    index), one that answers 200 comes back. A busy replica on a saturated CPU can take a second to answer:
+    the defaults (3 checks of 3 s) keep it in."""
 
-    def __init__(self, state, interval: float = 1.0, timeout: float = 1.0, fails: int = 1) -> None:
+    def __init__(self, state, interval: float = 1.0, timeout: float = 3.0, fails: int = 3) -> None:
         self.state, self.interval, self.timeout, self.fails = state, interval, timeout, fails
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pagedkv-router-health", daemon=True)
@@ -192,7 +194,7 @@ class RouterServer:
     :meth:`start_in_thread` (tests)."""
 
     def __init__(self, state, builder, *, host: str = "127.0.0.1", port: int = 8080, topic: str = "kv-events",
-                 health_interval: float = 1.0) -> None:
+                 health_interval: float = 1.0, health_timeout: float = 3.0, health_fails: int = 3) -> None:
         from .metrics import RouterMetrics
 
         self.state, self.builder = state, builder
@@ -211,7 +213,7 @@ class RouterServer:
                 if hasattr(idx, "get_seq") else None,
                 applied=idx.set_seq if hasattr(idx, "set_seq") else None)
             state.subscriber = self.subscriber
-        self.health = HealthChecker(state, health_interval)
+        self.health = HealthChecker(state, health_interval, health_timeout, health_fails)
         self._uvicorn = None
         self._thread = None
 

@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--approx-capacity-blocks", type=int, default=65536,
                    help="prefix-approx: blocks each replica is assumed to cache (default 65536)")
     p.add_argument("--health-interval", type=float, default=1.0, help="seconds between health checks (1.0)")
+    p.add_argument("--health-timeout", type=float, default=3.0, help="seconds a health check may take (3.0)")
+    p.add_argument("--health-fails", type=int, default=3,
+                   help="failed checks in a row before a replica leaves routing (3)")
     p.add_argument("--kv-events-topic", default="kv-events")
     return p
 
@@ -61,8 +64,8 @@ def make_router(args: argparse.Namespace):
         raise ValueError("--balance-slack and --balance-abs must be >= 0")
     if not 0 <= args.min_match <= 1:
         raise ValueError(f"--min-match must lie in [0, 1], got {args.min_match}")
-    if args.health_interval <= 0:
-        raise ValueError("--health-interval must be > 0")
+    if args.health_interval <= 0 or args.health_timeout <= 0 or args.health_fails < 1:
+        raise ValueError("--health-interval and --health-timeout must be > 0, --health-fails >= 1")
     replicas = [parse_backend(b) for b in args.backend]
     if args.index.startswith(("redis://", "rediss://", "unix://")):
         try:
@@ -78,7 +81,8 @@ def make_router(args: argparse.Namespace):
                         approx_capacity_blocks=args.approx_capacity_blocks, min_match=args.min_match)
     builder = PromptBuilder(load_tokenizer(args.model), args.block_size)
     return RouterServer(state, builder, host=args.host, port=args.port, topic=args.kv_events_topic,
-                        health_interval=args.health_interval)
+                        health_interval=args.health_interval, health_timeout=args.health_timeout,
+                        health_fails=args.health_fails)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

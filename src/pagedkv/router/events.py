@@ -105,7 +105,8 @@ class EventSubscriber:
             self.feeds[replica].dropping += n
 
     def forget(self, replica: str) -> None:
-        """The replica restarted or died (health checks): follow its numbering from scratch."""
+        """The replica left or came back (health checks): follow its numbering from scratch, replaying from 0
+        (done by the subscriber's thread within one poll interval)."""
         with self._lock:
             self.feeds[replica].reset = True
 
@@ -129,6 +130,11 @@ class EventSubscriber:
             self._replay(f, start, initial=True)
         try:
             while not self._stop.is_set():
+                for f in self.feeds.values():
+                    if f.reset:  # the replica came back (health checks): rebuild it from its replay now
+                        with self._lock:
+                            f.seq, f.ts, f.reset = None, 0.0, False
+                        self._replay(f, 0, initial=True)
                 for s, _ in poller.poll(50):
                     f = by_sock[s]
                     while True:

@@ -2,7 +2,8 @@
 
 - ``pagedkv_router_decisions_total{replica}``: requests routed to each replica.
 - ``pagedkv_router_predicted_cached_tokens_total{replica}``: prompt tokens the index predicted as cached there.
-- ``pagedkv_router_inflight{replica}``, ``pagedkv_router_replica_healthy{replica}`` (1 or 0).
+- ``pagedkv_router_inflight{replica}``, ``pagedkv_router_replica_healthy{replica}`` (1 or 0),
+  ``pagedkv_router_replica_down_total{replica}`` (times it left routing).
 - ``pagedkv_router_index_blocks``: entries in the index ((block, medium, replica) triples).
 - ``pagedkv_router_event_lag_seconds{replica}``: age of the last applied event message when it was applied.
 - ``pagedkv_router_event_messages_total{replica}``, ``pagedkv_router_resyncs_total{replica}`` (gaps repaired
@@ -37,12 +38,15 @@ class RouterMetrics:
                                         "prompt tokens predicted cached on the chosen replica", labels=["replica"]),
             "inflight": GaugeMetricFamily("pagedkv_router_inflight", "requests in flight", labels=["replica"]),
             "healthy": GaugeMetricFamily("pagedkv_router_replica_healthy", "1 if routable", labels=["replica"]),
+            "downs": CounterMetricFamily("pagedkv_router_replica_down", "times a replica left routing",
+                                         labels=["replica"]),
         }
         for u, r in reps.items():
             fams["decisions"].add_metric([u], r.decisions)
             fams["pred"].add_metric([u], r.predicted_tokens)
             fams["inflight"].add_metric([u], r.inflight)
             fams["healthy"].add_metric([u], 1 if r.healthy else 0)
+            fams["downs"].add_metric([u], r.downs)
         yield from fams.values()
         g = GaugeMetricFamily("pagedkv_router_index_blocks", "entries in the prefix index")
         try:

@@ -1,9 +1,10 @@
 """The router's state: replicas (health, load), the prefix index, the policy, and one routing decision.
 
-A replica is named by its base URL. It is *routable* while its health checks pass. When a check fails (or a
-request cannot even connect to it) the replica leaves routing and the index (``drop_replica``) and its event
-numbering is forgotten; when checks pass again it comes back with no blocks (a restarted replica has an empty
-cache; its new events fill the index again). Load is the number of requests in flight through this router.
+A replica is named by its base URL. It is *routable* while its health checks pass. When they fail (or a
+request cannot even connect to it) the replica leaves routing and the index (``drop_replica``); when checks pass
+again it comes back and the event subscriber rebuilds its blocks at once from the replica's replay socket (from
+sequence number 0: a replica that restarted numbers from 0 again, one that was only slow still holds its
+cache; either way the buffered messages give its current blocks, as far as the buffer reaches back). Load is the number of requests in flight through this router.
 
 Index access is serialised by one lock (the event thread writes, request handlers read).
 """
@@ -29,6 +30,7 @@ class Replica:
     decisions: int = 0
     predicted_tokens: int = 0
     failures: int = 0  #: consecutive failed health checks
+    downs: int = 0  #: times it left routing
 
 
 def parse_backend(spec: str) -> Replica:
@@ -88,6 +90,7 @@ class RouterState:
         if r.healthy == healthy:
             return False
         r.healthy = healthy
+        r.downs += not healthy
         self.clear_replica(replica)
         if self.subscriber is not None and replica in self.subscriber.feeds:
             self.subscriber.forget(replica)
