@@ -103,6 +103,7 @@ class PagedKVMachine(RuleBasedStateMachine):
     WINDOW = False
     MAX_EVENTS = 100_000
     SMALL_PATH = True  # small batches take the plain-Python step (False: always the vectorised one)
+    TIER = False  # the CPU tier of the prefix cache (when there is a CPU pool)
 
     # ------------------------------------------------------------------ setup
     @initialize(
@@ -119,8 +120,10 @@ class PagedKVMachine(RuleBasedStateMachine):
         self.bm = BlockManager(
             gpu, bs, num_cpu_blocks=cpu, enable_prefix_caching=self.PREFIX, sliding_window=self.W, watermark=watermark,
             enable_kv_events=self.PREFIX, max_kv_events=self.MAX_EVENTS,
+            cpu_prefix_cache=self.TIER and self.PREFIX and cpu > 0,
         )
-        self.index: set[int] = set()  # block hashes a router knows, fed only by KV events
+        self.index: set[int] = set()  # block hashes a router knows, fed only by KV events (GPU tier)
+        self.cpu_index: set[int] = set()  # the same for the CPU tier
         if not self.SMALL_PATH:
             self.bm._small_batch = 0  # drive the vectorised step on small batches too
         self.seqs: dict[object, MSeq] = {}
@@ -281,6 +284,7 @@ class PagedKVMachine(RuleBasedStateMachine):
             self.expect_failure(OutOfBlocksError, call)
             return None
         res_slots, res_tables, res_lens, res_cow = call()
+        self.sync_tier()
         bs = self.bs
         # copy-on-write pairs: exactly the predicted (sequence, column) positions change block
         old = {(sid, col): self.seqs[sid].blocks[col] for sid, col in cows}
@@ -406,7 +410,8 @@ class PagedKVMachine(RuleBasedStateMachine):
         predicted = 0
         if self.PREFIX:  # what a router predicts from the events alone
             hashes = block_hashes(prompt, bs, ns)
-            while predicted < (n - 1) // bs and hashes[predicted] in self.index:
+            while predicted < (n - 1) // bs and (hashes[predicted] in self.index or
+                                                 hashes[predicted] in self.cpu_index):
                 predicted += 1
         try:
             hit = bm.allocate(sid, prompt, namespace=ns)
@@ -416,6 +421,7 @@ class PagedKVMachine(RuleBasedStateMachine):
             event("allocate: out of blocks")
             return
         event("allocate: prefix hit" if hit else "allocate: no hit")
+        self.sync_tier()
         assert hit == predicted * bs, f"the events' index predicted a hit of {predicted * bs}, allocate gave {hit}"
 
         assert isinstance(hit, int) and hit % bs == 0 and 0 <= hit <= max_hit * bs
@@ -574,6 +580,7 @@ class PagedKVMachine(RuleBasedStateMachine):
             self.expect_failure(OutOfBlocksError, self.bm.swap_out, sids)
             return
         pairs = self.bm.swap_out(sids)
+        self.sync_tier()
         assert len(pairs) == len(uniq)
         g2c = dict(pairs)
         assert len(g2c) == len(pairs) and len(set(g2c.values())) == len(pairs)
@@ -628,6 +635,7 @@ class PagedKVMachine(RuleBasedStateMachine):
             assert not must_ok, "swap_in raised OutOfBlocksError although the blocks fit"
             event("swap_in: out of blocks")
             return
+        self.sync_tier()
         c2g = dict(pairs)
         assert len(c2g) == len(pairs) and len(set(c2g.values())) == len(pairs)
         if not self.PREFIX:
@@ -717,18 +725,34 @@ class PagedKVMachine(RuleBasedStateMachine):
         self.expect_failure(UnknownSequenceError, self.bm.decode_step, [self.unknown_id()], np.array([1]))
 
     # ------------------------------------------------------------------ checks after every step
+    def sync_tier(self) -> None:
+        """The engine's part of a step with the CPU tier: its demotions (GPU -> CPU), then its promotions
+        (CPU -> GPU), before anything else of the step is copied or written."""
+        dem, pro = self.bm.take_copies()
+        if not self.bm.cpu_prefix_cache:
+            assert dem.size == 0 and pro.size == 0
+            return
+        if dem.size or pro.size:
+            event("CPU tier: " + ("demotions " if dem.size else "") + ("promotions" if pro.size else ""))
+        for g, c in dem.tolist():
+            self.copy_block(self.kv_gpu, g, self.kv_cpu, c)
+        for c, g in pro.tolist():
+            self.copy_block(self.kv_cpu, c, self.kv_gpu, g)
+
     def drain_events(self) -> None:
         """Apply the manager's KV events to the router's index, as a KV-aware router would."""
         for e in self.bm.take_events():
             if isinstance(e, BlockStored):
                 assert e.block_size == self.bs and len(e.token_ids) == self.bs * len(e.block_hashes)
-                self.index.update(e.block_hashes)
+                (self.index if e.medium == "GPU" else self.cpu_index).update(e.block_hashes)
             elif isinstance(e, BlockRemoved):
-                assert set(e.block_hashes) <= self.index, "removed a block the index never stored"
-                self.index.difference_update(e.block_hashes)
+                idx = self.index if e.medium == "GPU" else self.cpu_index
+                assert set(e.block_hashes) <= idx, "removed a block the index never stored"
+                idx.difference_update(e.block_hashes)
             else:
                 assert isinstance(e, AllBlocksCleared)
                 self.index.clear()
+                self.cpu_index.clear()
 
     @invariant()
     def consistent(self):
@@ -737,6 +761,7 @@ class PagedKVMachine(RuleBasedStateMachine):
         if self.PREFIX:
             self.drain_events()
             assert self.index == set(bm._cache._map), "the events' index differs from the cache's keys"
+            assert self.cpu_index == (set(bm._tier._map) if bm.cpu_prefix_cache else set())
         assert len(bm) == len(self.seqs)
         assert bm.seq_ids == tuple(self.seqs)  # allocation order
         for sid, s in self.seqs.items():
@@ -773,10 +798,10 @@ class PagedKVMachine(RuleBasedStateMachine):
                     )
 
 
-def _machine(prefix: bool, window: bool, max_events: int = 100_000, small: bool = True):
-    name = f"Machine_{'cache' if prefix else 'nocache'}_{'window' if window else 'full'}_{max_events}_{small}"
+def _machine(prefix: bool, window: bool, max_events: int = 100_000, small: bool = True, tier: bool = False):
+    name = f"Machine_{'cache' if prefix else 'nocache'}_{'window' if window else 'full'}_{max_events}_{small}_{tier}"
     cls = type(name, (PagedKVMachine,), {"PREFIX": prefix, "WINDOW": window, "MAX_EVENTS": max_events,
-                                         "SMALL_PATH": small})
+                                         "SMALL_PATH": small, "TIER": tier})
     cls.TestCase.settings = settings(
         max_examples=EXAMPLES,
         stateful_step_count=STEPS,
@@ -795,6 +820,10 @@ TestCacheEventOverflow = _machine(True, False, max_events=3).TestCase  # overflo
 # for small batches without a window)
 TestNoCacheFullVectorised = _machine(False, False, small=False).TestCase
 TestCacheFullVectorised = _machine(True, False, small=False).TestCase
+# the CPU tier of the prefix cache, with swap, forks, windows and event overflows
+TestCpuTierFull = _machine(True, False, tier=True).TestCase
+TestCpuTierWindow = _machine(True, True, tier=True).TestCase
+TestCpuTierOverflow = _machine(True, False, max_events=3, tier=True).TestCase
 
 
 # ---------------------------------------------------------------------- regressions found by the machine above

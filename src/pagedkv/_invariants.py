@@ -63,7 +63,11 @@ class _Invariants:
             if (pool._ref[free] != 0).any():
                 fail(f"{name} free ring holds a referenced block")
             used = int((pool._ref > 0).sum())
-            cached_free = len(self._cache.evictor) if (self._cache is not None and not swapped) else 0
+            if swapped:  # the CPU tier's blocks (cached or pinned) are neither free nor referenced
+                tier = self._tier
+                cached_free = 0 if tier is None else len(set(tier._map.values()) | set(tier._pinned))
+            else:
+                cached_free = len(self._cache.evictor) if self._cache is not None else 0
             if free.size + cached_free + used != pool.num_blocks:
                 fail(f"{name}: free {free.size} + cached {cached_free} + used {used} != {pool.num_blocks}")
         if self._cache is not None:
@@ -102,5 +106,8 @@ class _Invariants:
             if c and c in parent_key and parent_key[c] != int(self._ckey[row]):
                 fail(f"row {row}: its chain key is not the key of its chain's content")
         cpu_cached = np.flatnonzero(self._cpu_id[0])
-        if (self._cpu._ref[cpu_cached] == 0).any():
+        tier_blocks = set() if self._tier is None else set(self._tier._map.values())
+        if any(self._cpu._ref[c] == 0 and c not in tier_blocks for c in cpu_cached.tolist()):
             fail("a free CPU block carries a cache identity")
+        if self._tier is not None:
+            self._tier.check(fail)

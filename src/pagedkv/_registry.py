@@ -127,7 +127,8 @@ class _Registry:
 
     def _lookup(self, arr: np.ndarray, root: tuple[int, int]) -> tuple[list[int], tuple[int, int]]:
         """Cached blocks matching the prompt's leading full blocks (at most (len - 1) // block_size, so at least
-        one token is left to compute), and the (cid, key) of the last hit (the root's if none). O(hit blocks)."""
+        one token is left to compute), and the (cid, key) of the last hit (the root's if none). With the CPU tier
+        a block missing on the GPU may be found there: it is listed as ``~cpu_block`` (negative). O(hit blocks)."""
         bs = self._bs
         data = arr.tobytes()
         step = 4 * bs
@@ -135,10 +136,37 @@ class _Registry:
         find, cid = cache.find, cache.cid
         hits: list[int] = []
         pcid, pkey = root
+        tier = self._tier
         for j in range((arr.size - 1) // bs):
-            b, key = find(pcid, pkey, data[j * step : (j + 1) * step])
+            d = data[j * step : (j + 1) * step]
+            b, key = find(pcid, pkey, d)
             if b < 0:
-                break
+                if tier is None:
+                    break
+                c = tier.find_keyed(pcid, key, d)  # the prefix continues in the CPU tier?
+                if c < 0:
+                    break
+                hits.append(~c)
+                pcid, pkey = int(self._cpu_id[0, c]), key
+                continue
             hits.append(b)
             pcid, pkey = int(cid[b]), key
         return hits, (pcid, pkey)
+
+    def _promote(self, hits: list, cpu_hits: list, taken) -> tuple[list, list]:
+        """Give each CPU-tier hit the next of the ``taken`` GPU blocks: the block adopts the CPU block's content
+        (tokens and identity, so chains continue) and a CPU -> GPU copy is recorded. Returns the prompt's hit
+        blocks in table order and the taken blocks left for the rest of the prompt. Vectorised over the hits."""
+        taken = taken.tolist() if isinstance(taken, np.ndarray) else taken
+        cache, tier, k = self._cache, self._tier, len(cpu_hits)
+        cs = [c for _, c in cpu_hits]
+        gs = taken[:k]
+        ca, ga = np.array(cs, dtype=np.int64), np.array(gs, dtype=np.int64)
+        ident = self._cpu_id[:, ca]
+        cache.tok[ga] = self._cpu_tok[ca]
+        cache.adopt_many(ga, ident[0], ident[1].view(np.uint64), ident[2], ident[3].view(np.uint64), ident[4])
+        tier.promote_many(cs, gs)
+        out = list(hits)
+        for (j, _), g in zip(cpu_hits, gs):
+            out.insert(j, g)
+        return out, taken[k:]

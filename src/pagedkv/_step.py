@@ -210,8 +210,7 @@ class _Stepper:
         k = min(n, pool._nfree)
         ids = pool.take(k)
         if k < n:
-            cache = self._cache
-            extra = np.fromiter((cache.evict() for _ in range(n - k)), dtype=np.int32, count=n - k)
+            extra = self._cache.evict_many(n - k)
             pool._ref[extra] = 1
             ids = np.concatenate((ids, extra))
         return ids
@@ -232,8 +231,7 @@ class _Stepper:
             self._gpu.give(zero)
             return
         cached = self._cache.cid[zero] != 0
-        for b in zero[cached].tolist():
-            self._cache.evictor.push(b)
+        self._cache.evictor.push_many(zero[cached])
         self._gpu.give(zero[~cached])
 
     def _release_cpu(self, blocks: np.ndarray) -> None:

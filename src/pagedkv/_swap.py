@@ -22,8 +22,10 @@ class _Swapper:
         seq_ids = list(seq_ids)
         rows = self._rows_where(seq_ids, swapped=False)
         uniq = self._unique_blocks(rows)
-        if uniq.size > self._cpu._nfree:
-            raise OutOfBlocksError(f"swap_out needs {uniq.size} CPU blocks; {self._cpu._nfree} are free")
+        if uniq.size > self.num_free_cpu_blocks:
+            raise OutOfBlocksError(f"swap_out needs {uniq.size} CPU blocks; {self.num_free_cpu_blocks} are free")
+        if uniq.size > self._cpu._nfree:  # swapped sequences come first: evict CPU-tier blocks, LRU first
+            self._tier.evict(uniq.size - self._cpu._nfree)
         if self._cache is not None:
             self._pend[rows] = self._nreg[rows]  # their KV is written (the engine copies it out)
         cpu_ids = self._cpu.take(uniq.size)

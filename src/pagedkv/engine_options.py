@@ -17,7 +17,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-gpu-blocks", type=int, default=None, help="KV-cache blocks (default: 1 GiB worth)")
-    p.add_argument("--num-cpu-blocks", type=int, default=0, help="CPU blocks for swap preemption")
+    p.add_argument("--num-cpu-blocks", type=int, default=0,
+                   help="CPU blocks for swap preemption and the CPU tier of the prefix cache")
+    p.add_argument("--cpu-prefix-cache", action="store_true",
+                   help="demote evicted prefix-cache blocks to the CPU blocks and promote them back on a hit")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -41,7 +44,7 @@ def make_llm(args: argparse.Namespace, **over):
         block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks, num_cpu_blocks=args.num_cpu_blocks,
         enable_prefix_caching=not args.no_prefix_caching, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, preemption_mode=args.preemption_mode,
-        sliding_window=args.sliding_window, device=args.device,
+        sliding_window=args.sliding_window, device=args.device, cpu_prefix_cache=args.cpu_prefix_cache,
     )
     kw.update(over)
     return LLM(args.model, **kw)

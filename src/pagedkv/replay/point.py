@@ -84,13 +84,13 @@ def make_manager(cls, num_gpu_blocks: int, block_size: int, num_cpu_blocks: int 
     return cls(num_gpu_blocks, block_size, **kw)
 
 
-def tier_figures(stats: object) -> dict:
+def tier_figures(stats: object, tier: bool = True) -> dict:
     """``{"evictions", "cpu_hit_tokens", "demotions", "promotions"}`` from a manager's ``stats`` (a NamedTuple
-    or a dict); a counter the manager does not keep reads as None."""
+    or a dict); a counter the manager does not keep, or any tier counter when ``tier`` is False, reads as None."""
     get = stats.get if isinstance(stats, dict) else (lambda k, d=None: getattr(stats, k, d))
     out = {"evictions": get("evictions", None)}
     for name, keys in _TIER_FIELDS.items():
-        out[name] = next((int(get(k)) for k in keys if get(k, None) is not None), None)
+        out[name] = next((int(get(k)) for k in keys if get(k, None) is not None), None) if tier else None
     if out["evictions"] is not None:
         out["evictions"] = int(out["evictions"])
     return out

@@ -101,12 +101,24 @@ def plot(docs: list[dict], outdir: str | Path, name: str | None = None) -> Path:
     outdir.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(6.4, 5.0))
     bound_pts: dict[int, float] = {}
-    for i, d in enumerate(docs):
-        pts = sorted(d["points"], key=lambda p: p["capacity_tokens"])
+    # one series per run, except that runs with a CPU tier are merged per (impl, mode, GPU capacity) and drawn
+    # against the total capacity (GPU + CPU tokens)
+    series: dict[tuple, list] = {}
+    for d in docs:
+        for p in d["points"]:
+            tier = p.get("cpu_capacity_tokens") or 0
+            key = (d["impl"], d["mode"], p["capacity_tokens"] if tier else None)
+            series.setdefault(key, []).append(p)
+    for i, ((impl, mode, gpu), pts) in enumerate(series.items()):
+        pts = sorted(pts, key=lambda p: p["capacity_tokens"] + (p.get("cpu_capacity_tokens") or 0))
+        label = impl if mode == "sequence" else f"{impl} ({mode})"
+        if gpu is not None:
+            label += f", {_tokens(gpu)} GPU + CPU tier"
         # later runs drawn thinner on top, so identical curves (pagedkv and vLLM V1) both stay visible
-        ax.plot([p["capacity_tokens"] for p in pts], [100 * p["hit_rate"] for p in pts], marker="o",
+        ax.plot([p["capacity_tokens"] + (p.get("cpu_capacity_tokens") or 0) for p in pts],
+                [100 * p["hit_rate"] for p in pts], marker="o",
                 linestyle=("-", "--", ":", "-.")[i % 4], markersize=max(9 - 3 * i, 3), linewidth=max(3 - i, 1),
-                color=f"C{i}", label=d["impl"] if d["mode"] == "sequence" else f"{d['impl']} ({d['mode']})")
+                color=f"C{i}", label=label)
         for p in pts:
             if p.get("bound") is not None:
                 bound_pts.setdefault(p["capacity_tokens"], p["bound"])
@@ -119,7 +131,7 @@ def plot(docs: list[dict], outdir: str | Path, name: str | None = None) -> Path:
     if ceil is not None:
         ax.axhline(100 * ceil, color="k", linestyle=":", label=f"ceiling (infinite cache) {100 * ceil:.1f}%")
     ax.set_xscale("log")
-    ax.set_xlabel("prefix cache capacity (tokens)")
+    ax.set_xlabel("prefix cache capacity (tokens; with a CPU tier: GPU + CPU)")
     ax.set_ylabel("prompt tokens served from cache (%)")
     ax.set_ylim(bottom=0)
     ax.set_title(f"{docs[0]['trace']}: {docs[0]['requests']:,} requests, {docs[0]['mode']} mode", fontsize=10)

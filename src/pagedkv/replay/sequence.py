@@ -29,6 +29,8 @@ def replay_sequence(trace: Trace, capacity_tokens: int, *, block_size: int = 16,
     need = (-(-trace.input_lengths // block_size)).tolist()
     lengths = trace.input_lengths.tolist()
     allocate, free, tokens = bm.allocate, bm.free, trace.tokens
+    # with the CPU tier each request is one engine step: its copies are taken (and the pinned blocks released)
+    step = bm.take_copies if getattr(bm, "cpu_prefix_cache", False) else None
     hits = skipped = prompt = 0
     t0 = time.perf_counter()
     for i, nb in enumerate(need):
@@ -38,6 +40,8 @@ def replay_sequence(trace: Trace, capacity_tokens: int, *, block_size: int = 16,
             skipped += 1
             continue
         hits += allocate(i, tokens(i))
+        if step is not None:
+            step()
         free(i)
         prompt += lengths[i]
     seconds = time.perf_counter() - t0
@@ -45,6 +49,6 @@ def replay_sequence(trace: Trace, capacity_tokens: int, *, block_size: int = 16,
         progress(len(need) - ((len(need) - 1) // 512) * 512)
     res = PointResult(impl, "sequence", capacity_tokens, cpu_capacity_tokens, block_size, requests=len(need) - skipped,
                       skipped=skipped, prompt_tokens=prompt, hit_tokens=hits, seconds=seconds)
-    for k, v in tier_figures(bm.stats).items():
+    for k, v in tier_figures(bm.stats, bool(getattr(bm, "cpu_prefix_cache", False))).items():
         setattr(res, k, v)
     return res

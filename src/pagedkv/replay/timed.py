@@ -78,6 +78,7 @@ def replay_timed(trace: Trace, capacity_tokens: int, *, block_size: int = 16, cp
     lengths = trace.input_lengths.tolist()
     outlen = trace.output_lengths.tolist()
     allocate, free, decode_step = bm.allocate, bm.free, bm.decode_step
+    take_copies = bm.take_copies if getattr(bm, "cpu_prefix_cache", False) else None
     prepare = getattr(bm, "prepare_step", None)  # anchors: engine-side bookkeeping before each step
     waiting: deque[int] = deque()
     running: list[int] = []
@@ -157,6 +158,8 @@ def replay_timed(trace: Trace, capacity_tokens: int, *, block_size: int = 16, cp
                     free(r)
                     running.remove(r)
                 done += len(finished)
+        if take_copies is not None:  # the engine makes the CPU tier's copies of the step
+            take_copies()
         clock += step_s
         if progress is not None and done >= 256:
             progress(done)
@@ -166,7 +169,7 @@ def replay_timed(trace: Trace, capacity_tokens: int, *, block_size: int = 16, cp
         progress(done)
     res = PointResult(impl, "timed", capacity_tokens, cpu_capacity_tokens, block_size, requests=n - skipped,
                       skipped=skipped, prompt_tokens=prompt, hit_tokens=hits, seconds=seconds)
-    for k, v in tier_figures(bm.stats).items():
+    for k, v in tier_figures(bm.stats, bool(getattr(bm, "cpu_prefix_cache", False))).items():
         setattr(res, k, v)
     res.extra = {"preemptions": preempt, "truncated": truncated, "recompute_tokens": rc_tok,
                  "recompute_hit_tokens": rc_hit,

@@ -1,0 +1,240 @@
+"""The CPU tier of the prefix cache: evicted GPU blocks demoted to the CPU pool, found again by prompts.
+
+With ``BlockManager(..., num_cpu_blocks=N, cpu_prefix_cache=True)`` an unreferenced cached GPU block that is
+evicted is *demoted*: its content (KV, token ids, identity) moves to a CPU block instead of being dropped. A
+prompt whose cached prefix continues in the CPU tier gets those blocks back: each is *promoted* into a new GPU
+block (a CPU->GPU copy), and counts in the hit. The CPU copy stays cached (the tier is inclusive), so a block
+promoted and evicted again costs no second copy.
+
+The CPU pool is shared with swap. A CPU block is free (in the pool's ring), held by swapped-out sequences
+(refcount > 0), or cached by the tier (refcount 0, in ``_map``). Swapping comes first: swap_out evicts tier
+blocks, least recently used first, when the ring is short; the tier itself evicts its LRU block to make room
+for a demotion and drops the demotion when every CPU block is held.
+
+Per CPU block, the tier uses the manager's CPU-side arrays: ``cpu_tok`` (token ids) and ``cpu_id`` rows
+(content id, key, parent content id, parent key, namespace index), plus the ``key -> CPU block`` dict, an
+:class:`~pagedkv.prefix_cache.LRUEvictor` over the unpinned tier blocks and a GPU-sized int32 array ``fresh``.
+
+**The copies of a step** come out of :meth:`take_copies`, once per step, after the block manager's calls of the
+step and before any copy or forward of it::
+
+    demotions   (gpu, cpu) pairs   GPU -> CPU    execute first
+    promotions  (cpu, gpu) pairs   CPU -> GPU    then these
+    then the step's swap-out, swap-in and copy-on-write copies, then the forward
+
+Why this order is safe: a demotion reads a GPU block before anything of the step writes it (a promotion, a
+swap-in or copy-on-write copy into the same block, or the forward of its new owner); the CPU blocks that pending
+copies read or write are *pinned* (out of the evictor, not free) until :meth:`take_copies`, so nothing of the
+step reuses them; and a block whose KV the current step computes (cached since the last :meth:`take_copies`,
+``fresh``) is never demoted (its KV is not written yet when the demotion copy runs): it is dropped instead.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import xxhash
+
+from .events import BlockRemoved, BlockStored
+from .pool import BlockPool
+from .prefix_cache import LRUEvictor, PrefixCache
+
+__all__ = ["CpuTier"]
+
+_xxh3 = xxhash.xxh3_64_intdigest
+_U64 = 2**64 - 1
+
+
+class CpuTier:
+    """Cached CPU blocks of the prefix cache (see the module docstring). Internal to pagedkv."""
+
+    def __init__(self, pool: BlockPool, cpu_tok: np.ndarray, cpu_id: np.ndarray, cache: PrefixCache) -> None:
+        self._pool, self._tok, self._id, self._cache = pool, cpu_tok, cpu_id, cache
+        self._map: dict[int, int] = {}  # key -> CPU block
+        self.evictor = LRUEvictor(pool.num_blocks)
+        self._pinned: dict[int, None] = {}  # CPU blocks read or written by pending copies, in pinning order
+        self._demote: list[tuple[int, int]] = []
+        self._promote: list[tuple[int, int]] = []
+        cache.fresh = np.zeros(cache.cid.size, dtype=np.int32)  # step serial at which a GPU block was cached
+        cache.fresh_serial = 1
+        cache.tier = self
+        self.demotions = self.promotions = self.evictions = self.dropped = 0
+        self.hit_tokens = self.hit_blocks = 0
+
+    def __len__(self) -> int:
+        """Cached CPU blocks (pinned or not)."""
+        return len(self._map)
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self.evictor)
+
+    # ------------------------------------------------------------------ lookup
+    def find(self, pcid: int, pkey: int, data: bytes) -> tuple[int, int]:
+        """``(cpu block, key)`` caching ``data`` after parent ``(pcid, pkey)``, or ``(-1, key)``; a hit
+        verifies the stored tokens and parent content id (a hash collision costs a miss)."""
+        key = _xxh3(data, seed=pkey)
+        c = self._map.get(key, -1)
+        if c >= 0 and (self._id[2, c] != pcid or self._tok[c].tobytes() != data):
+            return -1, key
+        return c, key
+
+    def find_keyed(self, pcid: int, key: int, data: bytes) -> int:
+        """:meth:`find` with the key already computed (the GPU lookup computed it)."""
+        c = self._map.get(key, -1)
+        if c >= 0 and (self._id[2, c] != pcid or self._tok[c].tobytes() != data):
+            return -1
+        return c
+
+    def content(self, c: int) -> tuple[int, int, int, int, int]:
+        """(cid, key, pcid, parent key, namespace index) of CPU block ``c``."""
+        i = self._id[:, c].tolist()
+        return i[0], i[1] & _U64, i[2], i[3] & _U64, i[4]
+
+    # ------------------------------------------------------------------ promotion (CPU -> GPU)
+    def promote(self, c: int, g: int) -> None:
+        """Record the copy of cached CPU block ``c`` into GPU block ``g`` (the caller adopted its identity and
+        tokens into ``g``); ``c`` is pinned until :meth:`take_copies`."""
+        self.pin(c)
+        self._promote.append((c, g))
+        self.promotions += 1
+
+    def pin(self, c: int) -> None:
+        """Keep cached CPU block ``c`` out of the evictor until :meth:`take_copies`."""
+        if c not in self._pinned:
+            if c in self.evictor:
+                self.evictor.discard(c)
+            self._pinned[c] = None
+
+    def pin_many(self, cs: list[int]) -> None:
+        """:meth:`pin` of each of ``cs`` (distinct cached CPU blocks)."""
+        new = [c for c in cs if c not in self._pinned]
+        arr = np.array(new, dtype=np.int64)
+        self.evictor.discard_many(arr[self.evictor._stamp[arr] != 0])
+        self._pinned.update(dict.fromkeys(new))
+
+    def promote_many(self, cs: list[int], gs: list[int]) -> None:
+        """:meth:`promote` of each pair (the CPU blocks are pinned already)."""
+        self._promote.extend(zip(cs, gs))
+        self.promotions += len(cs)
+
+    # ------------------------------------------------------------------ demotion (GPU -> CPU)
+    def demote(self, blocks: np.ndarray, cids: np.ndarray) -> None:
+        """GPU ``blocks`` (just evicted; ``cids`` their content ids before eviction) move to the tier, in order.
+        A block cached in the current step, or whose content the tier already holds, is not copied. CPU blocks
+        come from the free ring first, then by evicting the tier's LRU blocks; when every CPU block is held by
+        swapped sequences or pinned, the remaining demotions are dropped. A few numpy calls and C-level dict
+        passes whatever the number of blocks."""
+        cache = self._cache
+        keep = cache.fresh[blocks] != cache.fresh_serial
+        keys = cache.key[blocks]
+        if self._map:
+            keep &= ~np.fromiter(map(self._map.__contains__, keys.tolist()), dtype=bool, count=keys.size)
+        if not keep.all():
+            blocks, cids, keys = blocks[keep], cids[keep], keys[keep]
+        k = blocks.size
+        if not k:
+            return
+        pool = self._pool
+        got = pool.take(min(k, pool._nfree))
+        pool._ref[got] = 0
+        if got.size < k and len(self.evictor):
+            got = np.concatenate((got, self._forget(self.evictor.pop_many(min(k - got.size, len(self.evictor))))))
+        if got.size < k:  # every CPU block is held by swapped sequences or pinned
+            self.dropped += k - got.size
+            blocks, cids, keys = blocks[: got.size], cids[: got.size], keys[: got.size]
+            if not got.size:
+                return
+        self._tok[got] = cache.tok[blocks]
+        ident = self._id
+        ident[0, got] = cids
+        ident[1, got] = keys.view(np.int64)
+        ident[2, got] = cache.pcid[blocks]
+        if cache.pkey is not None:
+            ident[3, got] = cache.pkey[blocks].view(np.int64)
+            ident[4, got] = cache.nsid[blocks]
+        cl = got.tolist()
+        self._map.update(zip(keys.tolist(), cl))
+        self._pinned.update(dict.fromkeys(cl))
+        self._demote.extend(zip(blocks.tolist(), cl))
+        self.demotions += len(cl)
+        if cache.events is not None:
+            for c in cl:
+                cid, key, pcid, pk, ns = self.content(c)
+                cache._emit(BlockStored([key], None if pcid < 0 else pk, self._tok[c].tolist(), cache._bs, None,
+                                        "CPU", cache._ns_list[ns] if cache._ns_list else None))
+
+    def _forget(self, blocks: np.ndarray) -> np.ndarray:
+        """Uncache tier ``blocks`` (popped from the evictor); returns them."""
+        keys = (self._id[1, blocks].view(np.uint64)).tolist()
+        collections.deque(map(self._map.__delitem__, keys), maxlen=0)
+        self._id[0, blocks] = 0
+        self.evictions += blocks.size
+        if self._cache.events is not None and keys:
+            self._cache._emit(BlockRemoved(keys, "CPU"))
+        return blocks
+
+    # ------------------------------------------------------------------ room for swap
+    def evict(self, n: int) -> None:
+        """Return ``n`` unpinned tier blocks (LRU first) to the pool's free ring (``n <= num_evictable``)."""
+        if n > 0:
+            self._pool.give(self._forget(self.evictor.pop_many(n)))
+
+    # ------------------------------------------------------------------ the step's copies
+    def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The step's ``(demotions, promotions)`` (see the module docstring) and clear them: the pinned CPU
+        blocks become evictable again (demoted ones most recently used), and the blocks cached from now on
+        belong to the next step. O(copies)."""
+        dem, pro = self._demote, self._promote
+        self._demote, self._promote = [], []
+        if self._pinned:
+            pinned = np.fromiter(self._pinned, dtype=np.int64, count=len(self._pinned))
+            cached = self._id[0, pinned] != 0
+            self.evictor.push_many(pinned[cached])  # in pinning order: the most recently used last
+            self._pool.give(pinned[~cached])  # uncached meanwhile (reset_prefix_cache): back to the free ring
+            self._pinned.clear()
+        self._cache.fresh_serial += 1
+        return dem, pro
+
+    def snapshot_events(self) -> list:
+        """One BlockStored (medium CPU) per cached CPU block, parents before children."""
+        blocks = sorted(self._map.values(), key=lambda c: self._id[0, c])
+        cache, out = self._cache, []
+        for c in blocks:
+            cid, key, pcid, pk, ns = self.content(c)
+            out.append(BlockStored([key], None if pcid < 0 else pk, self._tok[c].tolist(), cache._bs, None, "CPU",
+                                   cache._ns_list[ns] if cache._ns_list else None))
+        return out
+
+    def clear(self) -> None:
+        """Forget every cached CPU block (reset_prefix_cache); pinned ones return to the ring at take_copies."""
+        freed = list(self.evictor)
+        self.evictor.discard_many(np.asarray(freed, dtype=np.int64))
+        for c in self._map.values():
+            self._id[0, c] = 0
+        self._map.clear()
+        self._pool.give(np.asarray(freed, dtype=np.int32))
+
+    # ------------------------------------------------------------------ invariants
+    def check(self, fail) -> None:
+        pool, ident = self._pool, self._id
+        ev = list(self.evictor)
+        cached = set(self._map.values())
+        if len(cached) != len(self._map):
+            fail("CPU tier: a block under two keys")
+        if set(ev) | set(self._pinned) != cached | {c for c in self._pinned if not ident[0, c]}:
+            fail("CPU tier: cached blocks are not exactly the evictable plus the pinned ones")
+        if set(ev) & set(self._pinned):
+            fail("CPU tier: a pinned block is evictable")
+        for key, c in self._map.items():
+            if pool._ref[c] != 0:
+                fail(f"CPU tier: block {c} is cached and held by a swapped sequence")
+            if not ident[0, c] or int(ident[1, c]) & _U64 != key:
+                fail(f"CPU tier: block {c} does not carry the identity of its key")
+            if self._cache.pkey is not None and ident[2, c] > 0 and \
+                    _xxh3(self._tok[c].tobytes(), seed=int(ident[3, c]) & _U64) != key:
+                fail(f"CPU tier: block {c}'s key is not the hash of its tokens after its parent")
+        free = set(pool.free_ids().tolist())
+        if free & (cached | set(self._pinned)):
+            fail("CPU tier: a cached or pinned block is in the free ring")
