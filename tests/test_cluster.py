@@ -131,6 +131,10 @@ def test_prefix_policy_respects_the_balance_limit():
     # abs_slack lets small absolute loads through (the live router counts requests in flight)
     assert PrefixPolicy(ix, slack=0.2, abs_slack=2).choose(reps, {"a": 1, "b": 0, "c": 0}, [1, 2, 3]).replica == "a"
     assert PrefixPolicy(ix, slack=0.2).choose(reps, {"a": 1, "b": 0, "c": 0}, [1, 2, 3]).replica == "b"
+    # per-replica costs (the live router: only the tokens a replica lacks): a's hit makes it cheap enough
+    loads = {"a": 100, "b": 90, "c": 90}
+    assert pol.choose(reps, loads, [1, 2, 3], {"a": 10, "b": 40, "c": 40}).replica == "a"  # 110 <= 1.2 * 290 / 3
+    assert pol.choose(reps, loads, [1, 2, 3], 40).replica == "b"  # a: 140 > 1.2 * 320 / 3; b holds block 1
 
 
 def test_prefix_approx_learns_from_its_own_decisions_only():

@@ -4,7 +4,9 @@ Every policy has ``choose(replicas, loads, hashes, cost) -> Decision`` and ``rou
 
 - ``replicas``: the replicas that may serve (in a fixed order; the order breaks the last ties).
 - ``loads``: ``{replica: load}``, in whatever unit the caller keeps: the replay uses prompt tokens routed so far,
-  the live router requests in flight. ``cost`` is this request's load in the same unit.
+  the live router the prompt tokens still to compute of its requests in flight. ``cost`` is this request's
+  load in the same unit: a number, or ``{replica: cost}`` when it depends on the replica (the live router
+  counts only the tokens a replica does not hold already).
 - ``hashes``: the request's block hashes (:func:`pagedkv.block_hashes`); only prefix policies read them.
 - ``tiebreak`` (optional, ``{replica: number}``): among equally loaded replicas the lowest wins (the live router
   passes its decision counts, so sequential traffic, where nothing is ever in flight, still spreads).
@@ -116,17 +118,19 @@ class PrefixPolicy:
         return {r: gpu.get(r, 0) + w * (n - gpu.get(r, 0)) for r, n in any_tier.items()}, any_tier
 
     def choose(self, replicas: Sequence, loads: Mapping, hashes: Sequence[int] | None = None,
-               cost: float = 1.0, tiebreak: Mapping | None = None) -> Decision:
+               cost: float | Mapping = 1.0, tiebreak: Mapping | None = None, *, scored: tuple | None = None) -> Decision:
+        """``scored``: :meth:`scores`'s answer for ``hashes`` when the caller already has it."""
         if not replicas:
             raise ValueError("no replica to route to")
-        score, matched = self.scores(hashes)
+        score, matched = scored if scored is not None else self.scores(hashes)
         if self.min_match and score:
             floor = self.min_match * len(hashes)
             score = {r: v for r, v in score.items() if v >= floor}
         allowed = replicas
         if self.slack is not None:
-            limit = (1 + self.slack) * (sum(loads.get(r, 0) for r in replicas) + cost) / len(replicas) + self.abs_slack
-            allowed = [r for r in replicas if loads.get(r, 0) + cost <= limit]
+            total, n, f, a = sum(loads.get(r, 0) for r in replicas), len(replicas), 1 + self.slack, self.abs_slack
+            costs = cost if isinstance(cost, Mapping) else dict.fromkeys(replicas, cost)
+            allowed = [r for r in replicas if loads.get(r, 0) + costs[r] <= f * (total + costs[r]) / n + a]
             if not allowed:
                 r = _least_loaded(replicas, loads, tiebreak)
                 return Decision(r, matched.get(r, 0), self.name)

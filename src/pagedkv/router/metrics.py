@@ -2,7 +2,7 @@
 
 - ``pagedkv_router_decisions_total{replica}``: requests routed to each replica.
 - ``pagedkv_router_predicted_cached_tokens_total{replica}``: prompt tokens the index predicted as cached there.
-- ``pagedkv_router_inflight{replica}``, ``pagedkv_router_replica_healthy{replica}`` (1 or 0),
+- ``pagedkv_router_inflight{replica}``, ``pagedkv_router_inflight_prompt_tokens{replica}`` (the load), ``pagedkv_router_replica_healthy{replica}`` (1 or 0),
   ``pagedkv_router_replica_down_total{replica}`` (times it left routing).
 - ``pagedkv_router_index_blocks``: entries in the index ((block, medium, replica) triples).
 - ``pagedkv_router_event_lag_seconds{replica}``: age of the last applied event message when it was applied.
@@ -37,6 +37,8 @@ class RouterMetrics:
             "pred": CounterMetricFamily("pagedkv_router_predicted_cached_tokens",
                                         "prompt tokens predicted cached on the chosen replica", labels=["replica"]),
             "inflight": GaugeMetricFamily("pagedkv_router_inflight", "requests in flight", labels=["replica"]),
+            "load": GaugeMetricFamily("pagedkv_router_inflight_prompt_tokens",
+                                      "prompt tokens still to compute of the requests in flight", labels=["replica"]),
             "healthy": GaugeMetricFamily("pagedkv_router_replica_healthy", "1 if routable", labels=["replica"]),
             "downs": CounterMetricFamily("pagedkv_router_replica_down", "times a replica left routing",
                                          labels=["replica"]),
@@ -45,6 +47,7 @@ class RouterMetrics:
             fams["decisions"].add_metric([u], r.decisions)
             fams["pred"].add_metric([u], r.predicted_tokens)
             fams["inflight"].add_metric([u], r.inflight)
+            fams["load"].add_metric([u], r.inflight_tokens)
             fams["healthy"].add_metric([u], 1 if r.healthy else 0)
             fams["downs"].add_metric([u], r.downs)
         yield from fams.values()

@@ -4,7 +4,7 @@ A replica is named by its base URL. It is *routable* while its health checks pas
 request cannot even connect to it) the replica leaves routing and the index (``drop_replica``); when checks pass
 again it comes back and the event subscriber rebuilds its blocks at once from the replica's replay socket (from
 sequence number 0: a replica that restarted numbers from 0 again, one that was only slow still holds its
-cache; either way the buffered messages give its current blocks, as far as the buffer reaches back). Load is the number of requests in flight through this router.
+cache; either way the buffered messages give its current blocks, as far as the buffer reaches back). Load is the prompt tokens still to compute of the requests in flight through this router (see :meth:`choose`).
 
 Index access is serialised by one lock (the event thread writes, request handlers read).
 """
@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass
 
 from ..cluster.index import MemoryIndex, predicted_tokens
-from ..cluster.policy import ApproxPrefixPolicy, make_policy
+from ..cluster.policy import ApproxPrefixPolicy, PrefixPolicy, make_policy
 
 __all__ = ["Replica", "RouterState", "parse_backend"]
 
@@ -27,6 +27,7 @@ class Replica:
     replay: str | None = None
     healthy: bool = True
     inflight: int = 0
+    inflight_tokens: int = 0  #: prompt tokens still to compute (predicted uncached) of the requests in flight
     decisions: int = 0
     predicted_tokens: int = 0
     failures: int = 0  #: consecutive failed health checks
@@ -51,7 +52,7 @@ class RouterState:
     """Replicas + index + policy. ``route`` is a name of :data:`pagedkv.cluster.policy.ROUTES`."""
 
     def __init__(self, replicas: list[Replica], index=None, *, route: str = "prefix", balance_slack: float = 0.2,
-                 balance_abs: float = 2.0, block_size: int = 16, approx_capacity_blocks: int = 65536,
+                 balance_abs: float = 1024.0, block_size: int = 16, approx_capacity_blocks: int = 65536,
                  min_match: float = 0.3) -> None:
         if not replicas:
             raise ValueError("at least one --backend is needed")
@@ -101,25 +102,38 @@ class RouterState:
 
     # ------------------------------------------------------------------ decisions
     def choose(self, hashes: list[int], num_tokens: int, exclude: set = frozenset()):
-        """``(replica url, predicted cached tokens)`` or None when no replica is routable. Counts the decision
-        and the request as in flight (call :meth:`done` when it ends)."""
+        """``(replica url, predicted cached tokens, load added)`` or None when no replica is routable. The load of
+        a replica is the prompt tokens it still has to compute for the requests in flight (each request's
+        tokens minus what the index predicts it holds); the balance limit and ``least-loaded`` use it. Counts
+        the decision and the request as in flight (call :meth:`done` with the load when it ends)."""
         with self.lock:
             urls = self.routable(exclude)
             if not urls:
                 return None
-            loads = {u: self.replicas[u].inflight for u in urls}
-            d = self.policy.choose(urls, loads, hashes, 1, {u: self.replicas[u].decisions for u in urls})
+            loads = {u: self.replicas[u].inflight_tokens for u in urls}
+            tiebreak = {u: self.replicas[u].decisions for u in urls}
+            if isinstance(self.policy, PrefixPolicy):
+                scored = self.policy.scores(hashes)
+                costs = {u: num_tokens - predicted_tokens(scored[1].get(u, 0), num_tokens, self.block_size)
+                         for u in urls}
+                d = self.policy.choose(urls, loads, hashes, costs, tiebreak, scored=scored)
+            else:
+                d = self.policy.choose(urls, loads, hashes, num_tokens, tiebreak)
             self.policy.routed(d.replica, hashes)
             r = self.replicas[d.replica]
-            r.inflight += 1
-            r.decisions += 1
             pred = predicted_tokens(d.matched_blocks, num_tokens, self.block_size)
+            r.inflight += 1
+            r.inflight_tokens += num_tokens - pred
+            r.decisions += 1
             r.predicted_tokens += pred
-            return d.replica, pred
+            return d.replica, pred, num_tokens - pred
 
-    def done(self, replica: str) -> None:
+    def done(self, replica: str, cost: int = 0) -> None:
+        """A request routed with :meth:`choose` ended (``cost``: the third value choose returned)."""
         with self.lock:
-            self.replicas[replica].inflight -= 1
+            r = self.replicas[replica]
+            r.inflight -= 1
+            r.inflight_tokens -= cost
 
     def index_blocks(self) -> int:
         with self.lock:
