@@ -295,3 +295,26 @@ def test_trace_workload_keeps_conversations_and_their_shared_prefixes(tmp_path):
     assert [len(p) for p in one] in ([16, 24, 32], [11, 18])
     with pytest.raises(ValueError):
         trace_prompts(path, min_turns=9)
+
+
+def test_pending_prompts_steer_a_burst_before_the_events_arrive():
+    from pagedkv.router.state import PendingIndex, Replica, RouterState
+
+    st = RouterState([Replica("http://a"), Replica("http://b"), Replica("http://c")], route="prefix", block_size=4,
+                     balance_abs=100)
+    prompt = list(range(40))
+    h = block_hashes(prompt, 4)
+    first = st.choose(h, 40)
+    second = st.choose(h, 40)  # no event yet, but the first request's prompt is pending there
+    assert second[0] == first[0] and second[1] == 36 and second[2] == 4
+    other = st.choose(block_hashes(list(range(100, 140)), 4), 40)
+    assert other[0] != first[0]
+    st.done(first[0], first[2], h)
+    assert st.pending.index.longest_prefix(h) == {first[0]: 10}  # the second still holds it
+    st.done(second[0], second[2], h)
+    assert st.pending.index.longest_prefix(h) == {} and st.replicas[first[0]].inflight_tokens == 0
+    p = PendingIndex()
+    p.add("x", [1, 2])
+    p.drop_replica("x")
+    p.remove("x", [1, 2])  # after a drop: nothing to remove, no error
+    assert p.index.longest_prefix([1, 2]) == {}

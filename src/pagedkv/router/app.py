@@ -89,14 +89,14 @@ def build_app(state, builder, metrics):
             except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError) as e:
                 # nothing reached the engine: the request has not started; the replica is down
                 del e
-                state.done(url, load)
+                state.done(url, load, prompt.hashes)
                 state.mark(url, False)
                 metrics.retries += 1
                 continue
             if resp.status_code == 503:  # full or dead: not started there; another replica may take it
                 await resp.aread()
                 await resp.aclose()
-                state.done(url, load)
+                state.done(url, load, prompt.hashes)
                 if state.routable(tried):
                     metrics.retries += 1
                     continue
@@ -110,7 +110,7 @@ def build_app(state, builder, metrics):
                     pass  # the replica died mid-answer: the client sees the stream end
                 finally:
                     await resp.aclose()
-                    state.done(url, load)
+                    state.done(url, load, prompt.hashes)
 
             out = {"x-pagedkv-replica": url, "x-pagedkv-predicted-cached-tokens": str(predicted)}
             return StreamingResponse(relay(), status_code=resp.status_code, headers=out,

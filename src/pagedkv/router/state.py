@@ -6,7 +6,9 @@ again it comes back and the event subscriber rebuilds its blocks at once from th
 sequence number 0: a replica that restarted numbers from 0 again, one that was only slow still holds its
 cache; either way the buffered messages give its current blocks, as far as the buffer reaches back). Load is the prompt tokens still to compute of the requests in flight through this router (see :meth:`choose`).
 
-Index access is serialised by one lock (the event thread writes, request handlers read).
+Index access is serialised by one lock (the event thread writes, request handlers read). Besides the events
+index, the policy sees the prompts of the requests in flight (:class:`PendingIndex`): a burst of requests sharing
+a prefix lands where the first went even before that replica's events report the prefix cached.
 """
 
 from __future__ import annotations
@@ -17,7 +19,71 @@ from dataclasses import dataclass
 from ..cluster.index import MemoryIndex, predicted_tokens
 from ..cluster.policy import ApproxPrefixPolicy, PrefixPolicy, make_policy
 
-__all__ = ["Replica", "RouterState", "parse_backend"]
+__all__ = ["Replica", "RouterState", "PendingIndex", "parse_backend"]
+
+
+class PendingIndex:
+    """Prompts routed to a replica whose requests are still in flight: their blocks are about to be cached
+    there, though the replica's events may not have said so yet (a request waits for admission and for its
+    prefill before its blocks are stored). Reference-counted per (replica, block), so two requests sharing a
+    prefix keep it until both end. A :class:`MemoryIndex` of the blocks with a count > 0 answers queries."""
+
+    def __init__(self) -> None:
+        self.index = MemoryIndex()
+        self._count: dict = {}
+
+    def add(self, replica, hashes) -> None:
+        from ..events import BlockStored
+
+        new = []
+        for h in hashes:
+            k = (replica, h)
+            c = self._count.get(k, 0)
+            self._count[k] = c + 1
+            if not c:
+                new.append(h)
+        if new:
+            self.index.apply(replica, BlockStored(new, None, [], 0))
+
+    def remove(self, replica, hashes) -> None:
+        from ..events import BlockRemoved
+
+        gone = []
+        for h in hashes:
+            k = (replica, h)
+            c = self._count.get(k, 0)
+            if c <= 1:
+                self._count.pop(k, None)
+                if c:
+                    gone.append(h)
+            else:
+                self._count[k] = c - 1
+        if gone:
+            self.index.apply(replica, BlockRemoved(gone))
+
+    def drop_replica(self, replica) -> None:
+        self.index.drop_replica(replica)
+        self._count = {k: v for k, v in self._count.items() if k[0] != replica}
+
+
+class _WithPending:
+    """The policy's view: per replica the longer of the events index's match and the pending prompts' match
+    (pending blocks count as GPU blocks)."""
+
+    def __init__(self, index, pending: PendingIndex) -> None:
+        self.index, self.pending = index, pending
+
+    @property
+    def has_cpu(self) -> bool:
+        return self.index.has_cpu
+
+    def longest_prefix(self, hashes, medium=None) -> dict:
+        out = self.index.longest_prefix(hashes, medium)
+        if medium in (None, "GPU"):
+            for r, n in self.pending.index.longest_prefix(hashes).items():
+                if n > out.get(r, 0):
+                    out[r] = n
+        return out
 
 
 @dataclass
@@ -63,7 +129,9 @@ class RouterState:
         self.order = urls
         self.index = index if index is not None else MemoryIndex()
         self.block_size = block_size
-        self.policy = make_policy(route, self.index, slack=balance_slack, abs_slack=balance_abs,
+        self.pending = PendingIndex()
+        self.policy = make_policy(route, _WithPending(self.index, self.pending), slack=balance_slack,
+                                  abs_slack=balance_abs,
                                   capacity_blocks=approx_capacity_blocks, min_match=min_match)
         self.route = route
         self.lock = threading.Lock()
@@ -79,6 +147,7 @@ class RouterState:
     def clear_replica(self, replica: str) -> None:
         with self.lock:
             self.index.drop_replica(replica)
+            self.pending.drop_replica(replica)
             if isinstance(self.policy, ApproxPrefixPolicy):
                 self.policy.forget(replica)
 
@@ -120,6 +189,8 @@ class RouterState:
             else:
                 d = self.policy.choose(urls, loads, hashes, num_tokens, tiebreak)
             self.policy.routed(d.replica, hashes)
+            if hashes:
+                self.pending.add(d.replica, hashes)
             r = self.replicas[d.replica]
             pred = predicted_tokens(d.matched_blocks, num_tokens, self.block_size)
             r.inflight += 1
@@ -128,9 +199,12 @@ class RouterState:
             r.predicted_tokens += pred
             return d.replica, pred, num_tokens - pred
 
-    def done(self, replica: str, cost: int = 0) -> None:
-        """A request routed with :meth:`choose` ended (``cost``: the third value choose returned)."""
+    def done(self, replica: str, cost: int = 0, hashes=()) -> None:
+        """A request routed with :meth:`choose` ended (``cost``: the third value choose returned; ``hashes``:
+        the prompt's block hashes, leaving the pending index)."""
         with self.lock:
+            if hashes:
+                self.pending.remove(replica, hashes)
             r = self.replicas[replica]
             r.inflight -= 1
             r.inflight_tokens -= cost
