@@ -106,6 +106,32 @@ def run_route(route: str, args, outdir: Path) -> dict:
             f.close()
 
 
+def simulate(args) -> None:
+    """The same prompts one at a time through ``replicas`` prefix-caching managers of ``num_gpu_blocks`` blocks,
+    routed by the router's own state (policies, events-fed index), no concurrency and no output tokens."""
+    from pagedkv import BlockManager, block_hashes
+    from pagedkv.cluster.workload import trace_prompts
+    from pagedkv.router.state import Replica, RouterState
+
+    prompts = trace_prompts(args.trace, conversations=args.conversations, max_tokens=1536)
+    for route in args.route or ["prefix", "round-robin"]:
+        names = [f"r{i}" for i in range(args.replicas)]
+        st = RouterState([Replica(f"http://{n}") for n in names], route=route)
+        bms = {f"http://{n}": BlockManager(args.num_gpu_blocks, 16, enable_prefix_caching=True, watermark=0.0,
+                                           enable_kv_events=True) for n in names}
+        hit = total = 0
+        for i, p in enumerate(prompts):
+            h = block_hashes(p, 16)
+            url, _, load = st.choose(h, len(p))
+            hit += bms[url].allocate(i, p)
+            bms[url].free(i)
+            st.apply_events(url, bms[url].take_events())
+            st.done(url, load, h)
+            total += len(p)
+        print(f"simulated {route}: hit rate {100 * hit / total:.1f}% of {total:,} prompt tokens, decisions "
+              f"{[st.replicas[u].decisions for u in bms]}")
+
+
 def decisions(metrics: str) -> list[int]:
     return [int(float(line.split()[-1])) for line in metrics.splitlines()
             if line.startswith("pagedkv_router_decisions_total{")]
@@ -123,7 +149,12 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--time-scale", type=float, default=40.0, help="trace time / this = send time (40)")
     ap.add_argument("--out", default="benchmarks/results/router")
+    ap.add_argument("--simulate", action="store_true", help="only the one-at-a-time simulation (no processes)")
     args = ap.parse_args()
+    if args.simulate:
+        sys.path.insert(0, str(ROOT / "src"))
+        simulate(args)
+        return 0
     outdir = Path(args.out)
     outdir.mkdir(parents=True, exist_ok=True)
     rows = []
