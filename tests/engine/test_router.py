@@ -210,6 +210,66 @@ def test_a_router_restarted_on_the_redis_index_routes_by_prefix_at_once(cluster,
         srv.stop()
 
 
+def test_the_router_tokenizer_reads_only_metadata_and_matches_the_engine(engine):
+    from pagedkv.router.prompt import PromptBuilder, load_tokenizer
+
+    tok = load_tokenizer()
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Héllo, wörld! 12345 <|im_end|>"}]
+    assert tok.apply_chat_template(msgs) == engine.tokenizer.apply_chat_template(msgs)
+    for text in ("The capital of France is", "  spaces\n\ttabs 3.14159 ünïcödé 🙂"):
+        assert tok.encode(text, add_special_tokens=True) == engine.tokenizer.encode(text, add_special_tokens=True)
+    b = PromptBuilder(tok, BLOCK)
+    rp = b.build("chat", json.dumps({"model": MODEL, "messages": msgs, "cache_salt": "t1"}).encode())
+    from pagedkv import block_hashes
+
+    ids = engine.tokenizer.apply_chat_template(msgs)
+    assert rp.token_ids == ids and rp.namespace == "t1" and rp.hashes == block_hashes(ids, BLOCK, "t1")
+
+
+def test_the_router_command_in_a_subprocess(cluster):
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    reps, router = cluster
+    first = complete(router.url, doc(3) + " First question?").headers["x-pagedkv-replica"]
+    n_doc = len(router.builder.tokenizer.encode(doc(3), add_special_tokens=True)) - 2
+    assert wait_events(router, first, router.builder.tokenizer.encode(doc(3), add_special_tokens=True)[:-2])
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    cmd = [sys.executable, "-m", "pagedkv.cli", "router", "--port", str(port), "--health-interval", "0.5"]
+    for r in reps:
+        cmd += ["--backend", f"{r.url},{r.publisher.endpoint},{r.publisher.replay_endpoint}"]
+    env = dict(os.environ)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_for(lambda: _ok(url + "/health"), timeout=60), proc.stdout.read1() if proc.poll() else ""
+        r = complete(url, doc(3) + " One more question?")
+        # the new router learnt doc(3)'s blocks from the replicas' replay sockets: it goes where they are
+        assert r.status_code == 200 and r.headers["x-pagedkv-replica"] == first
+        predicted = int(r.headers["x-pagedkv-predicted-cached-tokens"])
+        assert predicted >= n_doc // BLOCK * BLOCK
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= predicted
+        assert "pagedkv_router_decisions_total" in httpx.get(url + "/metrics").text
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def test_a_killed_replica_loses_no_request_that_had_not_started(cluster, engine):
     """Kill the replica holding a document's prefix; requests for it (which the index sends there) are retried
     on the others, nothing fails, and the dead replica leaves routing and the index."""
