@@ -271,8 +271,10 @@ def _ok(url: str) -> bool:
 
 
 def test_a_killed_replica_loses_no_request_that_had_not_started(cluster, engine):
-    """Kill the replica holding a document's prefix; requests for it (which the index sends there) are retried
-    on the others, nothing fails, and the dead replica leaves routing and the index."""
+    """Mid-run: streamed requests are in flight on every replica when the one holding a document's prefix is
+    killed. Requests in flight elsewhere finish; those sent afterwards (which the index would send to the dead
+    replica) are retried on the others and all succeed; the dead replica leaves routing and the index. Only a
+    request that had already started on the killed replica may end early."""
     reps, router = cluster
     tok = router.builder.tokenizer
     r = complete(router.url, doc(20) + " Question?")
@@ -281,20 +283,37 @@ def test_a_killed_replica_loses_no_request_that_had_not_started(cluster, engine)
     router.health.interval = 60  # the router must find out from the requests themselves
     time.sleep(0.8)
     retries = router.metrics.retries
+    before, after = [], []
+
+    def streamed(i, out):
+        body = {"model": MODEL, "prompt": doc(30 + i) + " Go on.", "max_tokens": 24, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        try:
+            with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=120) as s:
+                lines = [ln for ln in s.iter_lines() if ln.startswith("data: ")]
+                out.append((s.headers.get("x-pagedkv-replica"), s.status_code, lines[-1:] == ["data: [DONE]"]))
+        except httpx.HTTPError as e:
+            out.append((None, 0, str(e)))
+
+    running = [threading.Thread(target=streamed, args=(i, before)) for i in range(6)]
+    for t in running:
+        t.start()
+    time.sleep(1.0)  # all six routed (two per replica) and generating
     next(s for s in reps if s.url == victim).close()
-    results = []
 
     def one(i):
-        results.append(complete(router.url, doc(20) + f" Question {i}?"))
+        after.append(complete(router.url, doc(20) + f" Question {i}?"))
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
     for t in threads:
         t.start()
-    for t in threads:
+    for t in threads + running:
         t.join(120)
-    assert len(results) == 6 and all(x.status_code == 200 for x in results), [x.text for x in results]
-    assert all(x.headers["x-pagedkv-replica"] != victim for x in results)
+    assert len(after) == 6 and all(x.status_code == 200 for x in after), [x.text for x in after]
+    assert all(x.headers["x-pagedkv-replica"] != victim for x in after)
     assert 1 <= router.metrics.retries - retries <= 6  # those sent to the victim before it left routing
+    assert len(before) == 6 and all(ok for rep, code, ok in before if rep != victim), before
+    assert sum(rep != victim for rep, _, _ in before) >= 3
     assert not router.state.replicas[victim].healthy
     assert router.state.index.num_blocks(victim) == 0
     text = httpx.get(router.url + "/metrics").text

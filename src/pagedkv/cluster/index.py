@@ -227,6 +227,7 @@ class RedisIndex:
             client = redis.Redis.from_url(url)
         self.r = client
         self.p = prefix
+        self._has_cpu, self._cpu_checked = False, -1e9
         self.r.ping()
 
     def _blk(self, medium: str, h: int) -> str:
@@ -293,7 +294,18 @@ class RedisIndex:
 
     @property
     def has_cpu(self) -> bool:
-        return any(self.r.scard(self._rep(r, MEDIUM_CPU)) for r in self.replicas())
+        """Whether any replica holds a CPU-tier block (asked of Redis at most once a second)."""
+        import time
+
+        now = time.monotonic()
+        if now - self._cpu_checked > 1.0:
+            reps = self.replicas()
+            pipe = self.r.pipeline(transaction=False)
+            for r in reps:
+                pipe.scard(self._rep(r, MEDIUM_CPU))
+            self._has_cpu = any(pipe.execute()) if reps else False
+            self._cpu_checked = now
+        return self._has_cpu
 
     def num_blocks(self, replica=None) -> int:
         reps = self.replicas() if replica is None else [str(replica)]
