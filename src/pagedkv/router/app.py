@@ -39,6 +39,7 @@ def build_app(state, builder, metrics):
     import httpx
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from starlette.background import BackgroundTask
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     from ..server.protocol import APIError
@@ -102,19 +103,28 @@ def build_app(state, builder, metrics):
                     continue
                 return Response(resp.content, status_code=503, media_type=resp.headers.get("content-type"))
 
-            async def relay(resp=resp, url=url, load=load):
+            finished = []
+
+            async def finish(resp=resp, url=url, load=load) -> None:
+                """Close the upstream answer and end the request's load, once (after the relay, or as the
+                response's background task when a client left before the relay started)."""
+                if not finished:
+                    finished.append(True)
+                    await resp.aclose()
+                    state.done(url, load, prompt.hashes)
+
+            async def relay(resp=resp):
                 try:
                     async for chunk in resp.aiter_raw():
                         yield chunk
                 except httpx.HTTPError:
                     pass  # the replica died mid-answer: the client sees the stream end
                 finally:
-                    await resp.aclose()
-                    state.done(url, load, prompt.hashes)
+                    await finish()
 
             out = {"x-pagedkv-replica": url, "x-pagedkv-predicted-cached-tokens": str(predicted)}
             return StreamingResponse(relay(), status_code=resp.status_code, headers=out,
-                                     media_type=resp.headers.get("content-type"))
+                                     media_type=resp.headers.get("content-type"), background=BackgroundTask(finish))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
