@@ -105,17 +105,20 @@ class _Registry:
 
     def _withdraw_pending(self, seq_id, row: int) -> None:
         """``free(seq_id, cache=False)``: uncache the blocks the row's last call filled (its own blocks in
-        ``_pend .. _nreg - 1``; those still cached were cached by it). Raises SequenceStateError, changing
-        nothing, if another sequence holds one of them."""
+        ``_pend .. _nreg - 1``; those still cached were cached by it), and every cached block chained after them
+        in either tier (their KV was computed from KV nobody wrote). Raises SequenceStateError, changing
+        nothing, if another sequence holds one of these blocks. O(cached blocks) when there is one to withdraw."""
         a, z = int(self._pend[row]), int(self._nreg[row])
         if z <= a:
             return
         blocks = self._table[row, a:z]
         blocks = blocks[blocks >= 0]
         cache = self._cache
+        own = blocks[cache.cid[blocks] > 0]
+        gpu_kids, cpu_kids = self._descendants(own)
         # another holder of one of these blocks got it as a prefix hit (forks confirm, writes copy on write),
         # cached or not by now (reset_prefix_cache may have uncached it since)
-        shared = blocks[self._gpu._ref[blocks] > 1].tolist()
+        shared = blocks[self._gpu._ref[blocks] > 1].tolist() + gpu_kids[self._gpu._ref[gpu_kids] > 0].tolist()
         if shared:
             holders = [s for s, r in self._row_of.items() if r != row and not self._swapped[r]
                        and np.isin(self._table[r, self._nrel[r] : self._nblk[r]], shared).any()]
@@ -123,7 +126,38 @@ class _Registry:
                 f"free({seq_id!r}, cache=False): sequences {holders!r} hold blocks whose KV {seq_id!r} never "
                 "wrote (prefix hits in the same step); free them first, or run the step and free with cache=True"
             )
-        cache.withdraw(blocks[cache.cid[blocks] > 0].tolist())
+        cache.withdraw(own.tolist())
+        if gpu_kids.size:  # unreferenced: they wait in the evictor
+            cache.evictor.discard_many(gpu_kids)
+            cache.withdraw(gpu_kids.tolist())
+            self._gpu.give(gpu_kids.astype(np.int32))
+        if cpu_kids.size:
+            self._tier.withdraw(cpu_kids)
+
+    def _descendants(self, roots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Cached GPU blocks (other than ``roots``) and CPU-tier blocks whose chain passes through the content of
+        one of the cached GPU blocks ``roots``. O(cached blocks) per generation of descendants."""
+        none = np.zeros(0, dtype=np.int64)
+        if not roots.size:
+            return none, none
+        cache = self._cache
+        frontier = cache.cid[roots]
+        gpu = np.flatnonzero(cache.cid)
+        gpu = gpu[~np.isin(gpu, roots)]
+        tier = self._tier
+        cpu = np.fromiter(tier._map.values(), dtype=np.int64, count=len(tier._map)) if tier is not None else none
+        found_g, found_c = [], []
+        while frontier.size:
+            kg = np.isin(cache.pcid[gpu], frontier)
+            kc = np.isin(self._cpu_id[2, cpu], frontier) if cpu.size else np.zeros(0, dtype=bool)
+            if not kg.any() and not kc.any():
+                break
+            found_g.append(gpu[kg])
+            found_c.append(cpu[kc])
+            frontier = np.concatenate((cache.cid[gpu[kg]], self._cpu_id[0, cpu[kc]]))
+            gpu, cpu = gpu[~kg], cpu[~kc]
+        return (np.concatenate(found_g).astype(np.int64) if found_g else none,
+                np.concatenate(found_c).astype(np.int64) if found_c else none)
 
     def _lookup(self, arr: np.ndarray, root: tuple[int, int]) -> tuple[list[int], tuple[int, int]]:
         """Cached blocks matching the prompt's leading full blocks (at most (len - 1) // block_size, so at least

@@ -81,7 +81,7 @@ class _Rows:
         return row
 
     def _drop_row(self, seq_id: Hashable, row: int) -> None:
-        ntok, nblk, table, swapped, _, nreg, pend, nrel, ccid, ckey = self._views()
+        ntok, nblk, table, swapped, _, nreg, pend, nrel, ccid, ckey = self._views()[:10]
         nb = nblk[row]
         if nb <= 4:
             for c in range(nb):

@@ -26,6 +26,7 @@ SMALL_TABLE = 16
 _TOKEN_MAX = 2**31 - 1
 _NO_COW = np.zeros((0, 2), dtype=np.int64)
 _NO_COW.flags.writeable = False
+_NULLS = memoryview(np.full(64, -1, dtype=np.int32))  # NULL_BLOCK x SMALL_TABLE (and more), to clear a row
 
 
 class _Small:
@@ -40,7 +41,7 @@ class _Small:
             mvs = self._mvs = (memoryview(self._ntok), memoryview(self._nblk), memoryview(self._table),
                                memoryview(self._swapped), memoryview(self._gpu._ref), memoryview(self._nreg),
                                memoryview(self._pend), memoryview(self._nrel), memoryview(self._ccid),
-                               memoryview(self._ckey))
+                               memoryview(self._ckey), memoryview(self._table.reshape(-1)), self._table.shape[1])
         return mvs
 
     def _small_tokens(self, token_ids: object, b: int) -> list | None:
@@ -164,10 +165,17 @@ class _Small:
         cow = np.array(pairs, dtype=np.int64) if pairs else _NO_COW
         return StepResult(np.array(slots, dtype=np.int64), tables, np.array(lens, dtype=np.int32), cow)
 
-    def _fork_row(self, prow: int, crow: int) -> None:
-        """Copy row ``prow`` into the new row ``crow`` and add the child's references (element by element up to
-        ``SMALL_TABLE`` blocks, vectorised beyond)."""
-        ntok, nblk, table, swapped, ref, nreg, pend, nrel, ccid, ckey = self._mvs or self._views()
+    def _fork_row(self, prow: int, child) -> None:
+        """Give ``child`` (a new, valid id) a new row, a copy of row ``prow``, and add its references (element by
+        element up to ``SMALL_TABLE`` blocks, vectorised beyond). :meth:`_new_row`'s work is inlined: fork is a
+        per-sequence call."""
+        if not self._free_rows:
+            self._grow_rows()
+        crow = self._free_rows.pop()
+        self._row_of[child] = crow
+        self._seq_of[crow] = child
+        self._memo_ids = None
+        ntok, nblk, table, swapped, ref, nreg, pend, nrel, ccid, ckey, flat, cols = self._mvs or self._views()
         ntok[crow], nblk[crow], nrel[crow], swapped[crow] = ntok[prow], nblk[prow], nrel[prow], swapped[prow]
         if self._cache is not None:  # (without a cache the chain fields stay 0)
             nreg[crow], ccid[crow], ckey[crow] = nreg[prow], ccid[prow], ckey[prow]
@@ -175,11 +183,10 @@ class _Small:
             self._ns_of[crow] = self._ns_of[prow]
         nb, a = nblk[prow], nrel[prow]
         if nb <= SMALL_TABLE and not swapped[prow]:
-            for c in range(nb):
-                b = table[prow, c]
-                table[crow, c] = b
-                if c >= a:
-                    ref[b] += 1
+            p0, c0 = prow * cols, crow * cols
+            flat[c0 : c0 + nb] = flat[p0 : p0 + nb]  # one C-level copy of the table row
+            for b in flat[p0 + a : p0 + nb].tolist():
+                ref[b] += 1
             return
         self._table[crow, :nb] = self._table[prow, :nb]
         pool = self._cpu if swapped[prow] else self._gpu
@@ -189,15 +196,17 @@ class _Small:
         """free() of a GPU-resident row of at most ``SMALL_TABLE`` blocks, element by element: release its blocks
         tail first (as :meth:`_release_gpu`) and drop the row (as :meth:`_drop_row`). False (nothing done)
         for any other row."""
-        ntok, nblk, table, swapped, ref, nreg, pend, nrel, ccid, ckey = self._mvs or self._views()
+        ntok, nblk, table, swapped, ref, nreg, pend, nrel, ccid, ckey, flat, cols = self._mvs or self._views()
         a, z = nrel[row], nblk[row]
         if z > SMALL_TABLE or swapped[row]:
             return False
+        r0 = row * cols
         cache, pool = self._cache, self._gpu
         cid = cache._cid_mv if cache is not None else None
         ring, size = pool._ring_mv, pool.num_blocks
-        for c in range(z - 1, a - 1, -1):
-            b = table[row, c]
+        held = flat[r0 + a : r0 + z].tolist()
+        held.reverse()  # released tail first
+        for b in held:
             n = ref[b] - 1
             ref[b] = n
             if n == 0:
@@ -206,8 +215,7 @@ class _Small:
                 else:  # BlockPool.give_one, inlined
                     ring[(pool._head + pool._nfree) % size] = b
                     pool._nfree += 1
-        for c in range(z):
-            table[row, c] = -1  # NULL_BLOCK
+        flat[r0 : r0 + z] = _NULLS[:z]  # NULL_BLOCK, one C-level copy
         nrel[row] = ccid[row] = 0  # the fields allocate does not set (fork sets them all)
         del self._row_of[seq_id]
         self._seq_of[row] = self._ns_of[row] = None

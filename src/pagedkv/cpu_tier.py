@@ -189,7 +189,12 @@ class CpuTier:
         dem, pro = self._demote, self._promote
         self._demote, self._promote = [], []
         if self._pinned:
-            pinned = np.fromiter(self._pinned, dtype=np.int64, count=len(self._pinned))
+            # demotion destinations in demotion order (children first: the GPU evicts tail first), then promotion
+            # sources children first too (recorded parent first): a parent is always more recent than its children
+            order = dict.fromkeys(c for _, c in dem)
+            order.update(dict.fromkeys(c for c, _ in reversed(pro)))
+            order.update(self._pinned)
+            pinned = np.fromiter(order, dtype=np.int64, count=len(order))
             cached = self._id[0, pinned] != 0
             self.evictor.push_many(pinned[cached])  # in pinning order: the most recently used last
             self._pool.give(pinned[~cached])  # uncached meanwhile (reset_prefix_cache): back to the free ring
@@ -206,6 +211,16 @@ class CpuTier:
             out.append(BlockStored([key], None if pcid < 0 else pk, self._tok[c].tolist(), cache._bs, None, "CPU",
                                    cache._ns_list[ns] if cache._ns_list else None))
         return out
+
+    def withdraw(self, blocks: np.ndarray) -> None:
+        """Uncache tier ``blocks`` whose KV derives from KV nobody wrote (``free(seq, cache=False)``): unpinned ones
+        return to the free ring now, pinned ones at :meth:`take_copies`."""
+        ev = self.evictor
+        loose = blocks[ev._stamp[blocks] != 0]
+        ev.discard_many(loose)
+        self._forget(blocks)
+        self.evictions -= blocks.size  # (not evictions)
+        self._pool.give(loose.astype(np.int32))
 
     def clear(self) -> None:
         """Forget every cached CPU block (reset_prefix_cache); pinned ones return to the ring at take_copies."""

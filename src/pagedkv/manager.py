@@ -428,7 +428,7 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Invar
             fresh = False
         if not fresh:
             self._check_new_id(child_seq_id)
-        self._fork_row(prow, self._new_row(child_seq_id))
+        self._fork_row(prow, child_seq_id)
 
 
     def free(self, seq_id: Hashable, *, cache: bool = True) -> None:

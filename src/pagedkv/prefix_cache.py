@@ -368,14 +368,19 @@ class PrefixCache:
         key = _xxh3(data, seed=pkey)
         other = self._map.get(key)
         if other is None:
-            self._serial += 1
-            cid[block], self.key[block], self.pcid[block] = self._serial, key, pcid
+            t = self.tier.find_keyed(pcid, key, data) if self.tier is not None else -1
+            if t >= 0:  # the CPU tier holds this content: the block takes its identity (chains stay whole)
+                new = int(self.tier._id[0, t])
+            else:
+                self._serial += 1
+                new = self._serial
+            cid[block], self.key[block], self.pcid[block] = new, key, pcid
             self._map[key] = block
             if self.fresh is not None:
                 self.fresh[block] = self.fresh_serial
             if emit and self.events is not None:
                 self._stored([block], [key], pcid, pkey, namespace)
-            return self._serial, key
+            return new, key
         if self.pcid[other] == pcid and self.tok[other].tobytes() == data:
             return int(cid[other]), key  # same content cached by another block: share its identity
         return 0, 0
@@ -408,6 +413,8 @@ class PrefixCache:
                     k = _xxh3(next(datas), k)
                     append(k)
         mp, bl = self._map, blocks.tolist()
+        if self.tier is not None and self.tier._map and any(map(self.tier._map.__contains__, keys)):
+            return None  # a content the CPU tier holds: block by block, taking its identity
         got = list(map(mp.setdefault, keys, bl))  # inserts the absent keys, returns the present ones' blocks
         if got != bl:  # a key was present or repeats (a repeated block repeats its key): undo this call's inserts
             for k, g, b in zip(keys, got, bl):
