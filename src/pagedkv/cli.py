@@ -9,9 +9,10 @@
     pagedkv replay TRACE.jsonl [options] replay a production trace through the prefix cache (hit rate vs capacity)
     pagedkv serve [options]              OpenAI-compatible HTTP server (extra pagedkv[serve])
     pagedkv bench serve [options]        load a running server, like vLLM's benchmark_serving.py
+    pagedkv router --backend URL,EVENTS  KV-cache-aware router over several `pagedkv serve` replicas
 
 The engine commands import torch lazily; ``pagedkv bench`` (the block-manager suite) and ``pagedkv replay`` never
-do, and nothing imports FastAPI before ``pagedkv serve`` runs.
+do, and nothing imports FastAPI before ``pagedkv serve`` or ``pagedkv router`` runs.
 """
 
 from __future__ import annotations
@@ -85,6 +86,12 @@ def _cmd_bench_suite(argv: Sequence[str]) -> int:
     return bench_main(list(argv))
 
 
+def _cmd_router(argv: Sequence[str]) -> int:
+    from .router.cli import main as router_main
+
+    return router_main(list(argv))
+
+
 def _cmd_replay(argv: Sequence[str]) -> int:
     from .replay.__main__ import main as replay_main
 
@@ -104,6 +111,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _cmd_bench_suite(rest)
     if argv[:1] == ["serve"]:
         return _cmd_serve(argv[1:])
+    if argv[:1] == ["router"]:
+        return _cmd_router(argv[1:])
     parser = argparse.ArgumentParser(prog="pagedkv", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -119,6 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  "`pagedkv bench serve --help`")
     sub.add_parser("replay", help="replay a request trace through the prefix cache: `pagedkv replay --help`")
     sub.add_parser("serve", help="OpenAI-compatible server: `pagedkv serve --help`")
+    sub.add_parser("router", help="KV-cache-aware router over serve replicas: `pagedkv router --help`")
     args = parser.parse_args(argv)
     from .errors import PagedKVError
 

@@ -62,6 +62,13 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", metavar="OUT", help="write the results as JSON to OUT")
     ap.add_argument("--plot", metavar="DIR", help="draw hit rate against capacity into DIR (matplotlib)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    c = ap.add_argument_group("cluster (several replicas behind a router, sequence mode; pagedkv.cluster.replay)")
+    c.add_argument("--replicas", type=int, default=None, metavar="N",
+                   help="replay over N replicas, each a manager of --capacity tokens, plus the pooled reference")
+    c.add_argument("--route", action="append", choices=("round-robin", "least-loaded", "prefix", "prefix-approx"),
+                   help="routing policy (repeat for several; default: all four)")
+    c.add_argument("--balance-slack", type=float, default=0.2,
+                   help="prefix routes skip a replica whose load would exceed (1 + slack) x the mean (0.2)")
     t = ap.add_argument_group("timed mode (service model, see pagedkv.replay.timed)")
     t.add_argument("--prefill-tps", type=float, default=50_000.0, help="uncached prompt tokens per second (50000)")
     t.add_argument("--decode-step-ms", type=float, default=30.0, help="ms per decode step of the batch (30)")
@@ -100,6 +107,10 @@ def run(args: argparse.Namespace) -> dict:
     from .timed import ServiceModel, replay_timed
     from .trace import TRACE_BLOCK, load_trace
 
+    if args.replicas is not None or args.route:
+        from ..cluster.cli import run_cluster
+
+        return run_cluster(args, _CliError)
     bs = args.block_size
     if bs < 1 or TRACE_BLOCK % bs:
         raise _CliError(f"--block-size must divide {TRACE_BLOCK}, got {bs}")
@@ -177,6 +188,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.argv = argv
 
     from .report import format_table, plot
+
+    if args.replicas is not None or args.route:
+        from ..cluster.cli import format_table, plot  # noqa: F811
 
     try:
         doc = run(args)

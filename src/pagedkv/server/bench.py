@@ -80,8 +80,10 @@ async def _one(http, url: str, model: str, prompt: list[int], output_len: int, h
 
 async def run_benchmark(base_url: str, model: str | None, prompts: list[list[int]], output_len: int, *,
                         request_rate: float = float("inf"), max_concurrency: int | None = None,
-                        api_key: str | None = None, seed: int = 0, progress: bool = True) -> dict:
-    """Send every prompt, return the summary (and per-request results under ``"requests"``)."""
+                        api_key: str | None = None, seed: int = 0, progress: bool = True,
+                        send_times: list[float] | None = None) -> dict:
+    """Send every prompt, return the summary (and per-request results under ``"requests"``). ``send_times``
+    (seconds from the start, one per prompt, non-decreasing) replaces the Poisson arrivals."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -111,9 +113,11 @@ async def run_benchmark(base_url: str, model: str | None, prompts: list[list[int
         rng = random.Random(seed)
         tasks = []
         t0 = time.perf_counter()
-        for p in prompts:
+        for i, p in enumerate(prompts):
+            if send_times is not None:
+                await asyncio.sleep(max(0.0, t0 + send_times[i] - time.perf_counter()))
             tasks.append(asyncio.create_task(limited(p)))
-            if request_rate != float("inf"):
+            if send_times is None and request_rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(request_rate))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
@@ -194,6 +198,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="random prompt token ids are drawn from [LOW, HIGH)")
     p.add_argument("--result-json", default=None, help="write the summary and per-request results here")
     p.add_argument("--no-progress", action="store_true")
+    t = p.add_argument_group("multi-turn workload from a Mooncake trace (pagedkv.cluster.workload)")
+    t.add_argument("--trace", default=None, help="send whole conversations sampled from this trace, scaled down, "
+                                                 "in arrival order (replaces the random prompts)")
+    t.add_argument("--trace-conversations", type=int, default=24, help="conversations sampled (24)")
+    t.add_argument("--trace-tokens-per-id", type=int, default=16, help="tokens per 512-token trace block (16)")
+    t.add_argument("--trace-max-tokens", type=int, default=1536, help="longest scaled prompt kept (1536)")
+    t.add_argument("--trace-time-scale", type=float, default=0.0,
+                   help="send each request at its trace time divided by this (0: in order, as fast as the "
+                        "concurrency cap allows)")
     return p
 
 
@@ -205,11 +218,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.max_concurrency is not None and args.max_concurrency < 1:
         print("pagedkv bench serve: error: --max-concurrency must be >= 1", file=sys.stderr)
         return 2
-    prompts = make_prompts(args.num_prompts, args.input_len, args.shared_prefix_len, args.seed, *args.token_range)
+    send_times = None
+    if args.trace:
+        from ..cluster.workload import trace_prompts
+
+        try:
+            prompts, times = trace_prompts(args.trace, conversations=args.trace_conversations,
+                                           tokens_per_id=args.trace_tokens_per_id, max_tokens=args.trace_max_tokens,
+                                           seed=args.seed, low=args.token_range[0], high=args.token_range[1],
+                                           return_times=True)
+        except (OSError, ValueError, KeyError) as e:
+            print(f"pagedkv bench serve: error: --trace: {e}", file=sys.stderr)
+            return 2
+        if args.trace_time_scale < 0:
+            print("pagedkv bench serve: error: --trace-time-scale must be >= 0", file=sys.stderr)
+            return 2
+        if args.trace_time_scale > 0:
+            send_times = [t / args.trace_time_scale for t in times]
+    else:
+        prompts = make_prompts(args.num_prompts, args.input_len, args.shared_prefix_len, args.seed, *args.token_range)
     try:
         s = asyncio.run(run_benchmark(args.base_url, args.model, prompts, args.output_len,
                                       request_rate=args.request_rate, max_concurrency=args.max_concurrency,
-                                      api_key=args.api_key, seed=args.seed, progress=not args.no_progress))
+                                      api_key=args.api_key, seed=args.seed, progress=not args.no_progress,
+                                      send_times=send_times))
     except Exception as e:  # server unreachable, bad URL, ...
         print(f"pagedkv bench serve: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

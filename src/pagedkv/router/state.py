@@ -1,0 +1,214 @@
+"""The router's state: replicas (health, load), the prefix index, the policy, and one routing decision.
+
+A replica is named by its base URL. It is *routable* while its health checks pass. When they fail (or a
+request cannot even connect to it) the replica leaves routing and the index (``drop_replica``); when checks pass
+again it comes back and the event subscriber rebuilds its blocks at once from the replica's replay socket (from
+sequence number 0: a replica that restarted numbers from 0 again, one that was only slow still holds its
+cache; either way the buffered messages give its current blocks, as far as the buffer reaches back). Load is the prompt tokens still to compute of the requests in flight through this router (see :meth:`choose`).
+
+Index access is serialised by one lock (the event thread writes, request handlers read). Besides the events
+index, the policy sees the prompts of the requests in flight (:class:`PendingIndex`): a burst of requests sharing
+a prefix lands where the first went even before that replica's events report the prefix cached.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from ..cluster.index import MemoryIndex, predicted_tokens
+from ..cluster.policy import ApproxPrefixPolicy, PrefixPolicy, make_policy
+
+__all__ = ["Replica", "RouterState", "PendingIndex", "parse_backend"]
+
+
+class PendingIndex:
+    """Prompts routed to a replica whose requests are still in flight: their blocks are about to be cached
+    there, though the replica's events may not have said so yet (a request waits for admission and for its
+    prefill before its blocks are stored). Reference-counted per (replica, block), so two requests sharing a
+    prefix keep it until both end. A :class:`MemoryIndex` of the blocks with a count > 0 answers queries."""
+
+    def __init__(self) -> None:
+        self.index = MemoryIndex()
+        self._count: dict = {}
+
+    def add(self, replica, hashes) -> None:
+        from ..events import BlockStored
+
+        new = []
+        for h in hashes:
+            k = (replica, h)
+            c = self._count.get(k, 0)
+            self._count[k] = c + 1
+            if not c:
+                new.append(h)
+        if new:
+            self.index.apply(replica, BlockStored(new, None, [], 0))
+
+    def remove(self, replica, hashes) -> None:
+        from ..events import BlockRemoved
+
+        gone = []
+        for h in hashes:
+            k = (replica, h)
+            c = self._count.get(k, 0)
+            if c <= 1:
+                self._count.pop(k, None)
+                if c:
+                    gone.append(h)
+            else:
+                self._count[k] = c - 1
+        if gone:
+            self.index.apply(replica, BlockRemoved(gone))
+
+    def drop_replica(self, replica) -> None:
+        self.index.drop_replica(replica)
+        self._count = {k: v for k, v in self._count.items() if k[0] != replica}
+
+
+class _WithPending:
+    """The policy's view: per replica the longer of the events index's match and the pending prompts' match
+    (pending blocks count as GPU blocks)."""
+
+    def __init__(self, index, pending: PendingIndex) -> None:
+        self.index, self.pending = index, pending
+
+    @property
+    def has_cpu(self) -> bool:
+        return self.index.has_cpu
+
+    def longest_prefix(self, hashes, medium=None) -> dict:
+        out = self.index.longest_prefix(hashes, medium)
+        if medium in (None, "GPU"):
+            for r, n in self.pending.index.longest_prefix(hashes).items():
+                if n > out.get(r, 0):
+                    out[r] = n
+        return out
+
+
+@dataclass
+class Replica:
+    url: str
+    events: str | None = None
+    replay: str | None = None
+    healthy: bool = True
+    inflight: int = 0
+    inflight_tokens: int = 0  #: prompt tokens still to compute (predicted uncached) of the requests in flight
+    decisions: int = 0
+    predicted_tokens: int = 0
+    failures: int = 0  #: consecutive failed health checks
+    downs: int = 0  #: times it left routing
+
+
+def parse_backend(spec: str) -> Replica:
+    """``URL`` or ``URL,EVENTS_ENDPOINT`` (the replay endpoint is the events port + 1, as ``pagedkv serve``'s
+    default) or ``URL,EVENTS_ENDPOINT,REPLAY_ENDPOINT``. ValueError on anything else."""
+    from .events import replay_endpoint_for
+
+    parts = [p.strip() for p in spec.split(",")]
+    url = parts[0].rstrip("/")
+    if not url.startswith(("http://", "https://")) or len(parts) > 3 or any(not p for p in parts):
+        raise ValueError(f"--backend must be URL[,EVENTS_ENDPOINT[,REPLAY_ENDPOINT]], got {spec!r}")
+    events = parts[1] if len(parts) > 1 else None
+    replay = parts[2] if len(parts) > 2 else (replay_endpoint_for(events) if events else None)
+    return Replica(url, events, replay)
+
+
+class RouterState:
+    """Replicas + index + policy. ``route`` is a name of :data:`pagedkv.cluster.policy.ROUTES`."""
+
+    def __init__(self, replicas: list[Replica], index=None, *, route: str = "prefix", balance_slack: float = 0.2,
+                 balance_abs: float = 1024.0, block_size: int = 16, approx_capacity_blocks: int = 65536,
+                 min_match: float = 0.3) -> None:
+        if not replicas:
+            raise ValueError("at least one --backend is needed")
+        urls = [r.url for r in replicas]
+        if len(set(urls)) != len(urls):
+            raise ValueError("a backend is listed twice")
+        self.replicas = {r.url: r for r in replicas}
+        self.order = urls
+        self.index = index if index is not None else MemoryIndex()
+        self.block_size = block_size
+        self.pending = PendingIndex()
+        self.policy = make_policy(route, _WithPending(self.index, self.pending), slack=balance_slack,
+                                  abs_slack=balance_abs,
+                                  capacity_blocks=approx_capacity_blocks, min_match=min_match)
+        self.route = route
+        self.lock = threading.Lock()
+        self.subscriber = None
+
+    # ------------------------------------------------------------------ events (subscriber thread)
+    def apply_events(self, replica: str, events) -> None:
+        with self.lock:
+            if self.replicas[replica].healthy:
+                for e in events:
+                    self.index.apply(replica, e)
+
+    def clear_replica(self, replica: str) -> None:
+        with self.lock:
+            self.index.drop_replica(replica)
+            self.pending.drop_replica(replica)
+            if isinstance(self.policy, ApproxPrefixPolicy):
+                self.policy.forget(replica)
+
+    # ------------------------------------------------------------------ health
+    def mark(self, replica: str, healthy: bool) -> bool:
+        """Record a health result; True when the replica's state changed. Going down drops it from the index;
+        coming back (a restart) starts it empty."""
+        r = self.replicas[replica]
+        r.failures = 0 if healthy else r.failures + 1
+        if r.healthy == healthy:
+            return False
+        r.healthy = healthy
+        r.downs += not healthy
+        self.clear_replica(replica)
+        if self.subscriber is not None and replica in self.subscriber.feeds:
+            self.subscriber.forget(replica)
+        return True
+
+    def routable(self, exclude: set = frozenset()) -> list[str]:
+        return [u for u in self.order if self.replicas[u].healthy and u not in exclude]
+
+    # ------------------------------------------------------------------ decisions
+    def choose(self, hashes: list[int], num_tokens: int, exclude: set = frozenset()):
+        """``(replica url, predicted cached tokens, load added)`` or None when no replica is routable. The load of
+        a replica is the prompt tokens it still has to compute for the requests in flight (each request's
+        tokens minus what the index predicts it holds); the balance limit and ``least-loaded`` use it. Counts
+        the decision and the request as in flight (call :meth:`done` with the load when it ends)."""
+        with self.lock:
+            urls = self.routable(exclude)
+            if not urls:
+                return None
+            loads = {u: self.replicas[u].inflight_tokens for u in urls}
+            tiebreak = {u: self.replicas[u].decisions for u in urls}
+            if isinstance(self.policy, PrefixPolicy):
+                scored = self.policy.scores(hashes)
+                costs = {u: num_tokens - predicted_tokens(scored[1].get(u, 0), num_tokens, self.block_size)
+                         for u in urls}
+                d = self.policy.choose(urls, loads, hashes, costs, tiebreak, scored=scored)
+            else:
+                d = self.policy.choose(urls, loads, hashes, num_tokens, tiebreak)
+            self.policy.routed(d.replica, hashes)
+            if hashes:
+                self.pending.add(d.replica, hashes)
+            r = self.replicas[d.replica]
+            pred = predicted_tokens(d.matched_blocks, num_tokens, self.block_size)
+            r.inflight += 1
+            r.inflight_tokens += num_tokens - pred
+            r.decisions += 1
+            r.predicted_tokens += pred
+            return d.replica, pred, num_tokens - pred
+
+    def done(self, replica: str, cost: int = 0, hashes=()) -> None:
+        """A request routed with :meth:`choose` ended (``cost``: the third value choose returned; ``hashes``:
+        the prompt's block hashes, leaving the pending index)."""
+        with self.lock:
+            if hashes:
+                self.pending.remove(replica, hashes)
+            r = self.replicas[replica]
+            r.inflight -= 1
+            r.inflight_tokens -= cost
+
+    def index_blocks(self) -> int:
+        with self.lock:
+            return self.index.num_blocks()
