@@ -238,7 +238,7 @@ class _Small:
             if n == 0:
                 if cid is not None and cid[b]:
                     cache.evictor.push(b)
-                else:  # BlockPool.give_one, inlined
+                else:  # to the tail of the free ring (BlockPool.give, one block, inlined)
                     ring[(pool._head + pool._nfree) % size] = b
                     pool._nfree += 1
         flat[r0 : r0 + z] = _NULLS[:z]  # NULL_BLOCK, one C-level copy

@@ -71,17 +71,9 @@ class CpuTier:
         return len(self.evictor)
 
     # ------------------------------------------------------------------ lookup
-    def find(self, pcid: int, pkey: int, data: bytes) -> tuple[int, int]:
-        """``(cpu block, key)`` caching ``data`` after parent ``(pcid, pkey)``, or ``(-1, key)``; a hit
-        verifies the stored tokens and parent content id (a hash collision costs a miss)."""
-        key = _xxh3(data, seed=pkey)
-        c = self._map.get(key, -1)
-        if c >= 0 and (self._id[2, c] != pcid or self._tok[c].tobytes() != data):
-            return -1, key
-        return c, key
-
     def find_keyed(self, pcid: int, key: int, data: bytes) -> int:
-        """:meth:`find` with the key already computed (the GPU lookup computed it)."""
+        """The CPU block caching ``data`` after parent content ``pcid`` (``key``, computed by the GPU lookup, is its
+        key), or -1. A hit verifies the stored tokens and the parent content id: a hash collision costs a miss."""
         c = self._map.get(key, -1)
         if c >= 0 and (self._id[2, c] != pcid or self._tok[c].tobytes() != data):
             return -1
@@ -93,29 +85,17 @@ class CpuTier:
         return i[0], i[1] & _U64, i[2], i[3] & _U64, i[4]
 
     # ------------------------------------------------------------------ promotion (CPU -> GPU)
-    def promote(self, c: int, g: int) -> None:
-        """Record the copy of cached CPU block ``c`` into GPU block ``g`` (the caller adopted its identity and
-        tokens into ``g``); ``c`` is pinned until :meth:`take_copies`."""
-        self.pin(c)
-        self._promote.append((c, g))
-        self.promotions += 1
-
-    def pin(self, c: int) -> None:
-        """Keep cached CPU block ``c`` out of the evictor until :meth:`take_copies`."""
-        if c not in self._pinned:
-            if c in self.evictor:
-                self.evictor.discard(c)
-            self._pinned[c] = None
-
     def pin_many(self, cs: list[int]) -> None:
-        """:meth:`pin` of each of ``cs`` (distinct cached CPU blocks)."""
+        """Keep the cached CPU blocks ``cs`` (distinct) out of the evictor until :meth:`take_copies`: they are the
+        sources of promotions about to be recorded, and taking GPU blocks may demote into the tier meanwhile."""
         new = [c for c in cs if c not in self._pinned]
         arr = np.array(new, dtype=np.int64)
         self.evictor.discard_many(arr[self.evictor._stamp[arr] != 0])
         self._pinned.update(dict.fromkeys(new))
 
     def promote_many(self, cs: list[int], gs: list[int]) -> None:
-        """:meth:`promote` of each pair (the CPU blocks are pinned already)."""
+        """Record the CPU -> GPU copies ``(cs[i], gs[i])``: the caller adopted each CPU block's identity and tokens
+        into its GPU block; the CPU blocks are pinned already (:meth:`pin_many`)."""
         self._promote.extend(zip(cs, gs))
         self.promotions += len(cs)
 

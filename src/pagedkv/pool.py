@@ -81,11 +81,6 @@ class BlockPool:
         self._nfree -= n
         return ids
 
-    def give_one(self, b: int) -> None:
-        """:meth:`give` of one block, in plain Python."""
-        self._ring_mv[(self._head + self._nfree) % self.num_blocks] = b
-        self._nfree += 1
-
     def give(self, ids: np.ndarray) -> None:
         """Append ``ids`` (blocks whose refcount is already 0) to the tail of the ring, in order."""
         n = len(ids)
