@@ -38,7 +38,8 @@ import xxhash
 
 from .events import BlockRemoved, BlockStored
 from .pool import BlockPool
-from .prefix_cache import LRUEvictor, PrefixCache
+from .evictor import LRUEvictor
+from .prefix_cache import PrefixCache
 
 __all__ = ["CpuTier"]
 
