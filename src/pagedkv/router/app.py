@@ -17,9 +17,7 @@ otherwise); ``GET /metrics`` is the router's own (:mod:`.metrics`).
 # (no `from __future__ import annotations`: FastAPI reads the handlers' annotations, imported locally)
 
 import asyncio
-import socket
 import threading
-import time
 from typing import Any
 
 __all__ = ["build_app", "RouterServer"]
@@ -238,23 +236,11 @@ class RouterServer:
         self.health.start()
 
     def start_in_thread(self, timeout: float = 30.0) -> "RouterServer":
-        import uvicorn
+        from ..server.launch import serve_in_thread
 
         self._start_background()
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.host, self.port))
-        self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
-        self._uvicorn = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [sock]},
-                                        name="pagedkv-router-uvicorn", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + timeout
-        while not self._uvicorn.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError("the router did not start")
-            time.sleep(0.02)
+        self._uvicorn, self._thread, self.port = serve_in_thread(self.app, self.host, self.port,
+                                                                 "pagedkv-router-uvicorn", timeout)
         return self
 
     def run(self) -> None:

@@ -22,6 +22,27 @@ def default_model_name(llm: Any, path: str | None) -> str:
     return Path(path).stem
 
 
+def serve_in_thread(app, host: str, port: int, name: str, timeout: float = 30.0):
+    """Run ASGI ``app`` with uvicorn on ``host:port`` (port 0: a free one) in a daemon thread; wait until it
+    accepts connections. Returns ``(uvicorn server, thread, port)``; RuntimeError if it does not start in
+    ``timeout`` seconds."""
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name=name, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError(f"{name}: the server did not start")
+        time.sleep(0.02)
+    return server, thread, port
+
+
 @dataclass
 class Server:
     """A running or runnable server: ``app`` (ASGI), ``engine``, ``metrics``, ``publisher`` (or None)."""
@@ -42,22 +63,8 @@ class Server:
 
     def start_in_thread(self, timeout: float = 30.0) -> "Server":
         """Serve on ``host:port`` (port 0: a free port, written back to ``self.port``) in a daemon thread."""
-        import uvicorn
-
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.host, self.port))
-        self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
-        self._uvicorn = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [sock]},
-                                        name="pagedkv-uvicorn", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + timeout
-        while not self._uvicorn.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError("the server did not start")
-            time.sleep(0.02)
+        self._uvicorn, self._thread, self.port = serve_in_thread(self.app, self.host, self.port, "pagedkv-uvicorn",
+                                                                 timeout)
         return self
 
     def run(self) -> None:
