@@ -33,6 +33,7 @@ class _Registry:
         pcid, pkey = int(self._ccid[row]), int(self._ckey[row])
         cache, ns = self._cache, self._ns_of[row]
         register, cid = cache.register, cache.cid
+        events = cache.events is not None
         run: list[tuple[int, int]] = []  # (block, key) of newly cached consecutive blocks: one event per run
         start = (pcid, pkey)
         for b in self._table[row, j:full].tolist():
@@ -41,6 +42,9 @@ class _Registry:
             if b < 0:  # released by the window before it could be cached
                 pcid = pkey = 0
                 break
+            if not events:
+                pcid, pkey = register(b, pcid, pkey)
+                continue
             was_cached = cid[b]
             prev = (pcid, pkey)
             pcid, pkey = register(b, pcid, pkey, ns, emit=False)
@@ -57,9 +61,7 @@ class _Registry:
         self._nreg[row] = full
 
     def _stored_run(self, run: list, parent: tuple[int, int], ns: object) -> None:
-        cache = self._cache
-        if cache.events is not None:
-            cache._stored([b for b, _ in run], [k for _, k in run], parent[0], parent[1], ns)
+        self._cache._stored([b for b, _ in run], [k for _, k in run], parent[0], parent[1], ns)
 
     def _register_rows(self, rows: np.ndarray, j: np.ndarray, full: np.ndarray) -> None:
         """:meth:`_register` for a batch of rows whose ``_nreg`` is ``j`` and whose full blocks number ``full``

@@ -162,16 +162,8 @@ class _Small:
             self._register(r)
             return
         pcid = ccid[r]
-        if pcid:
-            cache = self._cache
-            if cache.events is None:
-                ccid[r], ckey[r] = cache.register(w, pcid, ckey[r])
-            else:
-                was = cache._cid_mv[w]
-                c, k = cache.register(w, pcid, ckey[r], self._ns_of[r], emit=False)
-                if c and not was and cache._cid_mv[w] == c:
-                    cache._stored([w], [k], pcid, ckey[r], self._ns_of[r])
-                ccid[r], ckey[r] = c, k
+        if pcid:  # (register records the block's KV event itself when it caches it)
+            ccid[r], ckey[r] = self._cache.register(w, pcid, ckey[r], self._ns_of[r])
         nreg[r] = j + 1
 
     def _small_result(self, rows: list, slots: list, pairs: list, lens: list) -> StepResult:

@@ -140,11 +140,6 @@ class PrefixCache:
         self.nsid = np.zeros(n, dtype=np.int32)
 
     def _ns_index(self, namespace: object) -> int:
-        if namespace is None:
-            return 0 if self._ns_list and self._ns_list[0] is None else self._ns_index_slow(None)
-        return self._ns_index_slow(namespace)
-
-    def _ns_index_slow(self, namespace: object) -> int:
         data = _encode_namespace(namespace)
         i = self._ns_ids.get(data)
         if i is None:
@@ -178,12 +173,11 @@ class PrefixCache:
         """:meth:`_stored` for the chains of one :meth:`register_chains` call: the per-block arrays in a few
         vectorised writes, then one BlockStored per chain (a microsecond or so each)."""
         cl = counts.tolist()
-        karr = np.fromiter(keys, dtype=np.uint64, count=len(keys))
         if len(cl) == len(keys):  # one block per chain
             self.pkey[blocks] = pkeys
         else:
             parent = np.empty(len(keys), dtype=np.uint64)
-            parent[1:] = karr[:-1]
+            parent[1:] = keys[:-1]
             heads = np.cumsum(counts) - counts
             parent[heads] = pkeys
             self.pkey[blocks] = parent

@@ -36,7 +36,8 @@ prefilled sequence inputs the token sampled from the prefill (position ``len(pro
 tokens sampled in the previous step (one, or the accepted tokens of speculative decoding), at positions
 ``num_tokens - q .. num_tokens - 1`` after the append. Positions and slots are exactly those of the block manager.
 
-The engine executes a plan in this order: ``swap_out`` copies (GPU -> CPU), ``swap_in`` copies (CPU -> GPU),
+The engine executes a plan in this order: with the CPU tier of the prefix cache its ``cache_demotions`` (GPU ->
+CPU) then ``cache_promotions`` (CPU -> GPU), ``swap_out`` copies (GPU -> CPU), ``swap_in`` copies (CPU -> GPU),
 ``copy_on_write`` copies, then the forward pass over ``prefills`` and ``decode``. (Blocks freed by a swap-out can
 be handed out again in the same step, so the swap-out copies must come first.)
 Within the forward pass, each layer writes the K/V of every new token of the step before any attention of the
