@@ -21,8 +21,8 @@ import argparse
 import sys
 from typing import Sequence
 
-from .engine_options import add_engine_args as _engine_args, add_sampling_args as _sampling_args
-from .engine_options import make_llm as _make_llm, make_params as _params
+from .engine.options import add_engine_args as _engine_args, add_sampling_args as _sampling_args
+from .engine.options import make_llm as _make_llm, make_params as _params
 
 __all__ = ["main"]
 

@@ -54,7 +54,7 @@ def run_throughput(llm, *, input_len: int, output_len: int, num_prompts: int, n:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from ..engine_options import add_engine_args as _engine_args, make_llm as _make_llm
+    from .options import add_engine_args as _engine_args, make_llm as _make_llm
 
     p = argparse.ArgumentParser(prog="pagedkv bench throughput", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

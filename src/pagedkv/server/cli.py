@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from ..engine_options import add_engine_args, make_llm
+from ..engine.options import add_engine_args, make_llm
 
 __all__ = ["main", "build_parser"]
 

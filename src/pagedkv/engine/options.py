@@ -1,8 +1,8 @@
 """Command-line options shared by every command that builds an engine (``generate``, ``chat``,
 ``bench throughput``, ``serve``), and the constructors that turn them into an ``LLM`` and ``SamplingParams``.
 
-Torch-free at import time (the engine is imported inside the constructors), so the ``pagedkv`` command and the
-engine's own entry points both import it and neither imports the other.
+Torch-free at import time (the engine is imported inside the constructors), so the ``pagedkv`` command imports it
+without loading torch until an engine command runs.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def make_llm(args: argparse.Namespace, **over):
     """An ``LLM`` from the options of :func:`add_engine_args`; keywords in ``over`` take precedence."""
-    from .engine.llm import LLM
+    from .llm import LLM
 
     kw = dict(
         block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks, num_cpu_blocks=args.num_cpu_blocks,
@@ -52,7 +52,7 @@ def make_llm(args: argparse.Namespace, **over):
 
 def make_params(args: argparse.Namespace, **over):
     """``SamplingParams`` from the options of :func:`add_sampling_args`."""
-    from .engine.sampling import SamplingParams
+    from .sampling import SamplingParams
 
     kw = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
               seed=args.seed)
