@@ -19,36 +19,17 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import os
-import platform
 import shlex
 import sys
 from pathlib import Path
 from typing import Sequence
 
 from .harness import resolve_impl, run_workload
+from .meta import machine as _machine, versions as _versions
 from .report import format_ratios, format_table, plot
 from .workloads import WORKLOAD_GROUPS, build_workloads, resolve_workloads
 
 __all__ = ["main", "run_suite"]
-
-
-def _machine() -> dict:
-    return {
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "processor": platform.processor(),
-        "cpu_count": os.cpu_count(),
-        "python_implementation": platform.python_implementation(),
-    }
-
-
-def _versions() -> dict:
-    import numpy
-
-    import pagedkv
-
-    return {"python": platform.python_version(), "numpy": numpy.__version__, "pagedkv": pagedkv.__version__}
 
 
 def run_suite(args: argparse.Namespace, command: str) -> dict:

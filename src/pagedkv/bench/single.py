@@ -62,6 +62,7 @@ from ..errors import (
     PromptTooLongError,
     UnknownSequenceError,
 )
+from .meta import machine as _machine, versions as _versions
 from .report import save_result
 
 __all__ = ["CALLS", "Reference", "run_single", "format_table", "main"]
@@ -451,8 +452,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         docs = [json.loads(Path(f).read_text()) for f in argv[1:]]
         print(format_table(docs), end="")
         return 0
-    from .__main__ import _machine, _versions
-
     ap = argparse.ArgumentParser(prog="python -m pagedkv.bench single", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--impl", nargs="+", default=["pagedkv"], metavar="NAME",

@@ -47,6 +47,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .harness import Impl, resolve_impl
+from .meta import machine as _machine, versions as _versions
 from .report import save_result
 from .runner_tables import ListTables, PersistentTables
 
@@ -347,8 +348,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["report"]:
         return _report_main(argv[1:])
-    from .__main__ import _machine, _versions
-
     ap = argparse.ArgumentParser(prog="python -m pagedkv.bench sweep", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--impl", nargs="+", default=["pagedkv"], metavar="NAME",
