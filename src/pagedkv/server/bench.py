@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="random prompt token ids are drawn from [LOW, HIGH)")
     p.add_argument("--result-json", default=None, help="write the summary and per-request results here")
     p.add_argument("--no-progress", action="store_true")
-    t = p.add_argument_group("multi-turn workload from a Mooncake trace (pagedkv.cluster.workload)")
+    t = p.add_argument_group("multi-turn workload from a Mooncake trace (pagedkv.replay.workload)")
     t.add_argument("--trace", default=None, help="send whole conversations sampled from this trace, scaled down, "
                                                  "in arrival order (replaces the random prompts)")
     t.add_argument("--trace-conversations", type=int, default=24, help="conversations sampled (24)")
@@ -220,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     send_times = None
     if args.trace:
-        from ..cluster.workload import trace_prompts
+        from ..replay.workload import trace_prompts
 
         try:
             prompts, times = trace_prompts(args.trace, conversations=args.trace_conversations,
