@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from .._help import HelpFormatter, plain
 from ..errors import PagedKVError
 from .command import DEFAULT_CAPACITIES, progress_bar
 
@@ -40,25 +41,25 @@ def parse_tokens(text: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="pagedkv replay", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="pagedkv replay", description=plain(__doc__), formatter_class=HelpFormatter)
     ap.add_argument("trace", help="a Mooncake-format trace (JSON lines: timestamp, input_length, output_length, "
                                   "hash_ids of 512-token blocks)")
     ap.add_argument("--capacity", type=parse_tokens, action="append", metavar="TOKENS",
                     help="GPU prefix-cache capacity in tokens (repeat for several points; suffixes k, M; "
                          "default 300k 1M 3M 10M)")
     ap.add_argument("--cpu-capacity", type=parse_tokens, default=0, metavar="TOKENS",
-                    help="CPU tier of the prefix cache, in tokens (needs a BlockManager with cpu_prefix_cache)")
-    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block (a divisor of 512; default 16)")
+                    help="CPU tier of the prefix cache, in tokens; 0: none (needs a BlockManager with "
+                         "cpu_prefix_cache)")
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block (a divisor of 512)")
     ap.add_argument("--mode", choices=("sequence", "timed"), default="sequence",
-                    help="sequence: allocate then free each request in order (default; the paper's Fig. 9); "
+                    help="sequence: allocate then free each request in order (the paper's Fig. 9); "
                          "timed: requests arrive at their timestamps and run concurrently")
     ap.add_argument("--bound", action="store_true", help="also compute Belady's offline optimum at each capacity")
     ap.add_argument("--bound-block", type=int, default=None, metavar="TOKENS",
                     help="block size of the bound (default: --block-size; 512 is far cheaper)")
     ap.add_argument("--limit", type=int, default=None, metavar="N", help="replay only the first N requests")
     ap.add_argument("--impl", default="pagedkv",
-                    help="pagedkv (default) or an anchor (vllm_v1, vllm_v2, nanovllm) run in its virtualenv")
+                    help="pagedkv or an anchor (vllm_v1, vllm_v2, nanovllm) run in its virtualenv")
     ap.add_argument("--json", metavar="OUT", help="write the results as JSON to OUT")
     ap.add_argument("--plot", metavar="DIR", help="draw hit rate against capacity into DIR (matplotlib)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
