@@ -56,14 +56,27 @@ def _links(page: Path):
         yield m.group(1)
 
 
+def _anchors(page: Path) -> set[str]:
+    """The heading anchors of a markdown page, as GitHub and mkdocs' toc make them."""
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    out = set()
+    for m in re.finditer(r"^#+ (.+)$", text, flags=re.M):
+        title = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower())
+        out.add(title.replace(" ", "-"))
+    return out
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_relative_link_resolves(page):
     bad = []
     for target in _links(page):
-        if re.match(r"^[a-z]+:", target) or target.startswith("#"):
+        if re.match(r"^[a-z]+:", target):
             continue
-        path = target.split("#", 1)[0]
-        if not (page.parent / path).resolve().exists():
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if not dest.exists():
+            bad.append(target)
+        elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
             bad.append(target)
     assert not bad, f"{page.relative_to(ROOT)}: links to nothing: {bad}"
 
@@ -72,6 +85,8 @@ def test_the_link_checker_sees_links(tmp_path):
     page = tmp_path / "p.md"
     page.write_text("see [a](x.md#y) and ![b](img/c.png) but not `[c](d.md)` nor\n```\n[e](f.md)\n```\n")
     assert list(_links(page)) == ["x.md#y", "img/c.png"]
+    page.write_text("# The CPU tier: what it buys\n\n## Side by side, rerun\n")
+    assert _anchors(page) == {"the-cpu-tier-what-it-buys", "side-by-side-rerun"}
 
 
 def _python_blocks(page: Path) -> list[str]:
