@@ -19,7 +19,7 @@ import numpy as np
 from .types import StepResult
 
 SMALL_BATCH = 16
-"""Batches of at most this many sequences take the plain-Python step (the measured crossover: see docs/benchmarks/round-two.md)."""
+"""Batches of at most this many sequences take the plain-Python step (the measured crossover: see README)."""
 SMALL_TABLE = 16
 """Tables of at most this many blocks are forked and released element by element."""
 
