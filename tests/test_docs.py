@@ -117,3 +117,16 @@ def test_readme_keeps_the_test_command_ci_runs():
     cmd = [ln for ln in m.group(1).splitlines() if ln and not ln.startswith(("<!--", "```"))]
     assert cmd == ["bash scripts/setup.sh && .venv/bin/python -m pytest"]
     assert "bash scripts/setup.sh && .venv/bin/pagedkv generate" in text  # the main job's command
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_result_files_named_in_the_docs_are_in_the_repository(page):
+    # a table whose source files are gone cannot be checked or regenerated (`git show REV:path` names history)
+    missing = []
+    for m in re.finditer(r"(\S*?)(benchmarks/results/[\w./*-]*)", page.read_text()):
+        if m.group(1).endswith(":"):  # git show REV:benchmarks/results/...
+            continue
+        pattern = m.group(2).rstrip(".")
+        if not list(ROOT.glob(pattern)):
+            missing.append(pattern)
+    assert not missing, f"{page.relative_to(ROOT)} names result files that are not in benchmarks/results: {missing}"
