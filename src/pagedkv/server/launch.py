@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -10,7 +11,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Server", "make_server", "default_model_name"]
+__all__ = ["Server", "make_server", "default_model_name", "quiet_health_access_log"]
+
+
+class _NoHealthLines(logging.Filter):
+    """Drops uvicorn's access-log lines of ``GET /health`` (a router checks every replica every second)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        return not (isinstance(args, tuple) and len(args) >= 3 and args[2] == "/health")
+
+
+def quiet_health_access_log() -> None:
+    """Leave ``GET /health`` out of uvicorn's access log (idempotent; the rest of the log is unchanged)."""
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, _NoHealthLines) for f in access.filters):
+        access.addFilter(_NoHealthLines())
 
 
 def default_model_name(llm: Any, path: str | None) -> str:
@@ -71,6 +87,7 @@ class Server:
         """Serve in the foreground until interrupted."""
         import uvicorn
 
+        quiet_health_access_log()
         try:
             uvicorn.run(self.app, host=self.host, port=self.port, log_level="info", lifespan="off",
                         timeout_graceful_shutdown=5)
