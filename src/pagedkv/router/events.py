@@ -16,9 +16,9 @@ that message:
 - when the router starts, each replica is asked for a replay from ``start_seq(replica)`` (0, or the sequence
   number after the last one a shared Redis index recorded), so a replica that is idle is known at once;
 - when a replica leaves routing or comes back (:meth:`EventSubscriber.forget`, from the health checks) its
-  numbering is forgotten and it is rebuilt from its replay socket; the last numbering seen is kept aside so
-  that the first message after it tells a restart (numbering back at or below it, with a later timestamp) from
-  a replica that was only unreachable. Restarts are counted in :attr:`Feed.restarts` either way.
+  numbering is forgotten, its blocks cleared and rebuilt from its replay socket; the last numbering seen is kept
+  aside so that the first message after it tells a restart (numbering back at or below it, with a later
+  timestamp) from a replica that was only unreachable. Restarts are counted in :attr:`Feed.restarts` either way.
 
 Faults (the thread never ends on one; see docs/router-reliability.md):
 
@@ -237,6 +237,7 @@ class EventSubscriber:
                     self._forget_numbering(f)
                     f.reset = False
                 self._initial.discard(f.replica)
+                self._clear(f.replica)
                 self._replay(f, 0, initial=True)
             elif f.replica in self._initial:  # learn what idle replicas already cache
                 start = self._start_seq(f.replica) if f.seq is None else f.seq + 1
@@ -281,7 +282,7 @@ class EventSubscriber:
         self.health.index_recovered()
 
     @staticmethod
-    def _forget_numbering(f: Feed) -> None:
+    def _forget_numbering(f: Feed) -> None:  # (under the lock)
         if f.seq is not None:
             f.prev = (f.seq, f.ts)
         f.seq, f.ts, f.dropping = None, 0.0, 0
@@ -363,6 +364,7 @@ class EventSubscriber:
             pseq, pts = f.prev
             if seq <= pseq and batch.ts > pts:
                 self._restarted(f)
+                self._clear(f.replica)
             f.prev = None
         self._apply(f.replica, batch.events)
         f.seq, f.ts = seq, batch.ts

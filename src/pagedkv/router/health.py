@@ -4,6 +4,8 @@ One thread polls ``GET /health`` of every replica every ``interval`` seconds ove
 check is one short request, not a new connection each time; replicas leave these requests out of their access
 log). A replica that fails ``fails`` checks in a row (no answer within ``timeout`` seconds, or not 200) leaves
 routing and the index; one that answers 200 comes back. Each change is one log line (:meth:`RouterState.mark`).
+Each round also pings the index (an outage shows in ``/health`` within a round even when no request or event
+touches it) and, when no event subscriber does it, notices when the index is back.
 A busy replica on a saturated CPU can take a second to answer: the defaults (3 checks of 3 s) keep it in. The
 thread never ends on an error (it is logged, at most once a minute per kind).
 """
@@ -55,8 +57,13 @@ class HealthChecker:
                 st.mark(url, False, f"{reason}, {self.fails} checks in a row" if r.healthy else reason)
             else:
                 r.failures += 1
-        if st.subscriber is None and not st.index_ok and st.probe_index():
-            st.index_recovered()  # nothing to rebuild it from: events are off
+        if st.index_ok:  # an idle router learns of an index outage here, not from its next request
+            if not st.probe_index():
+                from ..cluster.index import IndexUnavailableError
+
+                st.index_failed(IndexUnavailableError("the index does not answer PING"))
+        elif st.subscriber is None and st.probe_index():
+            st.index_recovered()  # nothing to rebuild it from (events are off): route with it again
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
