@@ -31,7 +31,7 @@ from typing import Any
 
 __all__ = ["build_app", "RouterServer", "DEFAULT_MAX_BODY_BYTES"]
 
-DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024  # the server's default too (pagedkv.server.validation.Limits)
 log = logging.getLogger("pagedkv.router")
 
 
@@ -211,7 +211,7 @@ class RouterServer:
     def run(self) -> None:
         import uvicorn
 
-        from ..server.launch import quiet_health_access_log
+        from ..server.access_log import quiet_health_access_log
 
         self._start_background()
         quiet_health_access_log()

@@ -61,8 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--upstream-max-connections", type=int, default=256,
                    help="connections to each replica at once; requests beyond wait up to 5 s, then go to another "
                         "replica or get 503 (default 256)")
-    p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024,
-                   help="largest request body accepted; larger ones get 413 (default 8 MiB)")
+    p.add_argument("--max-body-bytes", type=int, default=2 * 1024 * 1024,
+                   help="largest request body accepted; larger ones get 413 (default 2 MiB, as pagedkv serve)")
     return p
 
 

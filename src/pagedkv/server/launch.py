@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import logging
 import socket
 import threading
 import time
@@ -11,22 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Server", "make_server", "default_model_name", "quiet_health_access_log"]
-
-
-class _NoHealthLines(logging.Filter):
-    """Drops uvicorn's access-log lines of ``GET /health`` (a router checks every replica every second)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        args = record.args
-        return not (isinstance(args, tuple) and len(args) >= 3 and args[2] == "/health")
-
-
-def quiet_health_access_log() -> None:
-    """Leave ``GET /health`` out of uvicorn's access log (idempotent; the rest of the log is unchanged)."""
-    access = logging.getLogger("uvicorn.access")
-    if not any(isinstance(f, _NoHealthLines) for f in access.filters):
-        access.addFilter(_NoHealthLines())
+__all__ = ["Server", "make_server", "default_model_name"]
 
 
 def default_model_name(llm: Any, path: str | None) -> str:
@@ -86,6 +70,8 @@ class Server:
     def run(self) -> None:
         """Serve in the foreground until interrupted."""
         import uvicorn
+
+        from .access_log import quiet_health_access_log
 
         quiet_health_access_log()
         try:
