@@ -490,3 +490,18 @@ def _answers(url):
         return httpx.get(url, timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--upstream-read-timeout", "0"], "read_timeout must be > 0"),
+    (["--upstream-max-connections", "0"], "max_connections must be an int >= 1"),
+    (["--upstream-connect-timeout", "nan"], "connect_timeout must be > 0"),
+    (["--max-body-bytes", "10"], "--max-body-bytes must be >= 1024"),
+    (["--api-key", " "], "--api-key must not be empty"),
+])
+def test_bad_router_options_are_one_line_and_exit_2(flags, message, capsys):
+    from pagedkv.router.cli import main
+
+    assert main(["--backend", "http://127.0.0.1:9", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("pagedkv router: error: ") and message in err and "\n" not in err
