@@ -243,11 +243,23 @@ def test_in_flight_bookkeeping_survives_any_error(cleanup, monkeypatch):
         async def send(self, *a, **k):
             raise RuntimeError("injected")
 
+    real_client = router.proxy.client
     monkeypatch.setattr(router.proxy, "client", lambda url: Broken())
     r = httpx.post(router.url + "/v1/completions", json={"prompt": "hello world, a prompt", "max_tokens": 2})
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
     assert settled(router) and router.state.replicas[rep.url].decisions == 1
     assert not router.state.pending.index.num_blocks()
+
+    # a client that leaves while the routing decision is being made (in its thread): the decision is undone
+    monkeypatch.setattr(router.proxy, "client", real_client)
+    real_choose = router.state.choose
+    monkeypatch.setattr(router.state, "choose", lambda *a: (time.sleep(0.6), real_choose(*a))[1])
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(router.url + "/v1/completions", json={"prompt": "hello world, a prompt", "max_tokens": 2},
+                   timeout=httpx.Timeout(10, read=0.2))
+    assert wait_for(lambda: router.state.replicas[rep.url].decisions == 2)
+    assert wait_for(lambda: settled(router)) and not router.state.pending.index.num_blocks()
+    assert router.metrics.client_disconnects == 1 and rep.stats["requests"] == 0
 
 
 def test_api_key(cleanup):

@@ -126,7 +126,7 @@ class _Exchange(Response):
         state = p.state
         tried: set = set()
         while True:
-            choice = await asyncio.to_thread(state.choose, prompt.hashes, len(prompt.token_ids), tried)
+            choice = await self._choose(tried)
             if choice is None:
                 await _send_json(send, 503, error_body("no replica is available", "server_overloaded", "no_replica"))
                 return
@@ -152,7 +152,8 @@ class _Exchange(Response):
                         "replica_timeout"))
                     return
                 except (httpx.ConnectError, httpx.ConnectTimeout) as e:
-                    state.mark(url, False, f"connection failed: {type(e).__name__}")
+                    # (in a thread: leaving routing clears its blocks from the index, which may be Redis)
+                    await asyncio.to_thread(state.mark, url, False, f"connection failed: {type(e).__name__}")
                     p.retry(url, f"connection failed ({type(e).__name__})")
                     continue
                 except httpx.TransportError as e:  # reset or closed before any answer: nothing was sent back
@@ -174,6 +175,22 @@ class _Exchange(Response):
                 state.done(url, load, prompt.hashes)  # first, and synchronous: nothing can skip it
                 if resp is not None:
                     await _close(resp)
+
+    async def _choose(self, tried: set):
+        """``state.choose`` in a thread (the index may be Redis). If this request is cancelled meanwhile, the
+        decision still completes in its thread and is then undone, so that it leaves no load behind."""
+        state, prompt = self.proxy.state, self.prompt
+        fut = asyncio.ensure_future(asyncio.to_thread(state.choose, prompt.hashes, len(prompt.token_ids), tried))
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            def undo(f) -> None:
+                if not f.cancelled() and f.exception() is None and f.result() is not None:
+                    url, _, load = f.result()
+                    state.done(url, load, prompt.hashes)
+
+            fut.add_done_callback(undo)
+            raise
 
     async def _relay_body(self, resp, send, url: str, ctype: str, extra: list) -> None:
         import httpx
