@@ -169,6 +169,73 @@ def test_kill_9_of_a_replica_mid_stream_is_an_error_at_the_client_and_leaks_noth
     assert metric(router, "pagedkv_router_inflight", f'replica="{victim}"') == 0
 
 
+class RawReplica:
+    """A replica that answers every POST with fixed bytes and closes the connection (``/health``: 200)."""
+
+    def __init__(self, answer: bytes) -> None:
+        import socket
+
+        self.answer = answer
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    data += chunk
+                if data.startswith(b"GET /health"):
+                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+                else:
+                    conn.sendall(self.answer)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n" % len(data) + data + b"\r\n"
+
+
+_SSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+_EVENT = b'data: {"choices": [1]}\n\n'
+
+
+@pytest.mark.parametrize("answer, status", [
+    # a JSON answer cut short (the replica died after its headers): 502, nothing half-sent
+    (b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 500\r\n\r\n{"choices": [', 502),
+    # a stream cut inside an event: the half event is not relayed, the error event follows the whole ones
+    (_SSE_HEAD + _chunk(_EVENT + b'data: {"ch'), 200),
+    # a stream that ends cleanly but without [DONE]: not a complete answer either
+    (_SSE_HEAD + _chunk(_EVENT) + b"0\r\n\r\n", 200),
+], ids=["json", "half-event", "no-done"])
+def test_answers_cut_short_are_errors_at_the_client(cleanup, answer, status):
+    rep = RawReplica(answer)
+    cleanup.append(rep)
+    router = make_router([rep.url])
+    cleanup.append(router)
+    r = httpx.post(router.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+    assert r.status_code == status
+    if status != 200:
+        assert r.json()["error"]["code"] == "replica_failed"
+    else:
+        events = [e for e in r.text.split("\n\n") if e]
+        assert events[0] == 'data: {"choices": [1]}' and len(events) == 2, r.text
+        assert json.loads(events[1][6:])["error"]["code"] == "replica_failed"
+    assert wait_for(lambda: settled(router)) and router.metrics.upstream_failures == 1
+
+
 @pytest.mark.parametrize("streamed", [False, True])
 def test_a_client_that_hangs_up_aborts_its_request_on_the_replica(cleanup, streamed):
     rep = ThreadReplica(0.05)
