@@ -44,8 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a cached prefix shorter than this fraction of the prompt counts as none (default 0.3)")
     p.add_argument("--approx-capacity-blocks", type=int, default=65536,
                    help="prefix-approx: blocks each replica is assumed to cache (default 65536)")
-    p.add_argument("--health-interval", type=float, default=1.0, help="seconds between health checks (1.0)")
-    p.add_argument("--health-timeout", type=float, default=3.0, help="seconds a health check may take (3.0)")
+    p.add_argument("--health-interval", type=float, default=1.0, help="seconds between health checks")
+    p.add_argument("--health-timeout", type=float, default=3.0, help="seconds a health check may take")
     p.add_argument("--health-fails", type=int, default=3,
                    help="failed checks in a row before a replica leaves routing (3)")
     p.add_argument("--kv-events-topic", default="kv-events", help="ZMQ topic of the replicas' KV-event messages")
