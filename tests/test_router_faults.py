@@ -57,7 +57,7 @@ def make_router(urls, *, events=None, index=None, **kw):
     reps = [Replica(u, *((events or {}).get(u, (None, None)))) for u in urls]
     state = RouterState(reps, index, block_size=BLOCK)
     return RouterServer(state, PromptBuilder(ByteTokenizer(), BLOCK), port=0, health_interval=0.2,
-                        health_timeout=1.0, health_fails=2, **kw).start_in_thread()
+                        health_timeout=3.0, health_fails=2, **kw).start_in_thread()
 
 
 def wait_for(cond, timeout=10.0):
