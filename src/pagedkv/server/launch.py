@@ -71,6 +71,9 @@ class Server:
         """Serve in the foreground until interrupted."""
         import uvicorn
 
+        from .access_log import quiet_health_access_log
+
+        quiet_health_access_log()
         try:
             uvicorn.run(self.app, host=self.host, port=self.port, log_level="info", lifespan="off",
                         timeout_graceful_shutdown=5)
