@@ -13,7 +13,8 @@ Contract: a body is accepted only if every field has the type the OpenAI API giv
 numbers are finite (JSON's ``NaN``/``Infinity`` and overflowing literals such as ``1e400`` are refused), integers
 are bounded (``seed`` fits 64 bits, ``n`` <= :attr:`Limits.max_n`, token ids < the vocabulary). A temperature
 below :data:`GREEDY_TEMPERATURE` (including denormals such as ``1e-45``) means greedy sampling, as in vLLM: such a
-temperature would overflow the logits. Unknown fields are refused as OpenAI refuses them ("Unrecognized request
+temperature would overflow the logits; so does a ``top_p`` below it (it keeps only the most likely token).
+Unknown fields are refused as OpenAI refuses them ("Unrecognized request
 argument supplied"), in the body and in each message. OpenAI fields this server does not implement are refused
 when set to anything that would change the output (``logprobs``, ``echo``, penalties, tools, ...) and accepted
 and ignored when they only label the request (``user``, ``metadata``, ``store``, ``service_tier``, ...).
@@ -152,8 +153,9 @@ def load_json(body: bytes | str) -> dict:
         raise _bad("The request body is not valid UTF-8", code="invalid_json") from None
     except RecursionError:
         raise _bad("The request body is nested too deeply", code="invalid_json") from None
-    except ValueError as e:  # includes integers longer than Python's 4300-digit conversion limit
-        raise _bad(f"We could not parse the JSON body of your request: {str(e)[:200]}", code="invalid_json") from None
+    except ValueError as e:
+        why = "a number has too many digits" if "integer string conversion" in str(e) else str(e)[:200]
+        raise _bad(f"We could not parse the JSON body of your request: {why}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise _bad("The request body must be a JSON object", code="invalid_json")
     return data
@@ -321,10 +323,11 @@ class _Common:
     include_usage: bool
 
     def sampling_kwargs(self, default_max_tokens: int) -> dict:
-        """Keyword arguments of ``pagedkv.engine.SamplingParams`` (a tiny temperature becomes 0: greedy)."""
+        """Keyword arguments of ``pagedkv.engine.SamplingParams`` (a tiny temperature or top_p: greedy)."""
+        greedy = self.temperature < GREEDY_TEMPERATURE or self.top_p < GREEDY_TEMPERATURE
         return dict(
-            n=self.n, temperature=0.0 if self.temperature < GREEDY_TEMPERATURE else self.temperature,
-            top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+            n=self.n, temperature=0.0 if greedy else self.temperature,
+            top_p=1.0 if greedy else self.top_p, top_k=self.top_k, seed=self.seed,
             max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
             ignore_eos=self.ignore_eos, stop=self.stop, stop_token_ids=self.stop_token_ids,
         )

@@ -1,0 +1,152 @@
+"""Fault injection against ``pagedkv serve`` (bounded: one small server, ~50 hostile requests, three short-lived
+processes). Every hostile request of tests/hostile_inputs.py is answered with its 4xx (or, for the documented
+denormal rows, served), the server stays healthy, and no KV block stays held; SIGTERM mid-stream drains and
+exits 0; a bad option ends start-up with one line and exit status 2 before the model loads."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hostile_inputs import HOSTILE
+
+pytestmark = pytest.mark.engine
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+MODEL = "smollm2-test"
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    from pagedkv.engine import LLM
+    from pagedkv.server.launch import make_server
+
+    llm = LLM(engine.paged, num_gpu_blocks=64, max_num_seqs=8, block_size=16)
+    srv = make_server(llm, model_name=MODEL).start_in_thread()
+    yield srv
+    srv.close()
+
+
+def wait_idle(srv, timeout=30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while srv.engine.num_unfinished or srv.engine.llm.scheduler.has_unfinished():
+        assert time.monotonic() < deadline, "requests are stuck in the engine"
+        time.sleep(0.02)
+
+
+def test_hostile_requests_get_4xx_and_leave_the_server_healthy(server):
+    bm = server.engine.llm.block_manager
+    answers = []
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        for name, route, body, ctype, status, param in HOSTILE:
+            path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
+            r = http.post(path, content=body, headers={"Content-Type": ctype})
+            answers.append((name, r.status_code))
+            assert r.status_code == status, (name, r.status_code, r.text[:300])
+            if status >= 400:
+                err = r.json()["error"]
+                assert err["param"] == param and err["message"] and err["type"] == "invalid_request_error", \
+                    (name, err)
+            assert http.get("/health").status_code == 200, name
+        wait_idle(server)
+        assert bm.gpu_usage == 0.0 and server.engine.faults == 0 and server.engine.alive
+        bm.check_invariants()
+        r = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    assert not [a for a in answers if a[1] >= 500]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(*args: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    return subprocess.Popen([sys.executable, "-m", "pagedkv.cli", "serve", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env, text=True)
+
+
+def test_bad_options_exit_2_with_one_line_before_the_model_loads():
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    taken = str(busy.getsockname()[1])
+    cases = {
+        "port out of range": (["--port", "99999"], "--port"),
+        "port in use": (["--port", taken], "cannot listen"),
+        "malformed endpoint": (["--port", "0", "--kv-events-endpoint", "tcp//nowhere"], "--kv-events-endpoint"),
+        "endpoint in use": (["--port", "0", "--kv-events-endpoint", f"tcp://127.0.0.1:{taken}",
+                             "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{_free_port()}"], "KV-event"),
+        "missing model file": (["--port", "0", "--model", "/nonexistent/model.gguf"], "no such file"),
+        "bad block size": (["--port", "0", "--block-size", "0"], "--block-size"),
+    }
+    try:
+        procs = {name: _serve(*argv) for name, (argv, _) in cases.items()}
+        for name, p in procs.items():
+            out, err = p.communicate(timeout=120)
+            lines = [ln for ln in err.splitlines() if ln.strip()]
+            assert p.returncode == 2, (name, p.returncode, err[-500:])
+            assert len(lines) == 1 and lines[0].startswith("pagedkv serve: error:"), (name, err[-500:])
+            assert cases[name][1] in lines[0] and "Traceback" not in err, (name, lines)
+    finally:
+        busy.close()
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+
+
+def test_sigterm_mid_stream_drains_and_exits_0():
+    """A stream still generating when SIGTERM arrives: /health and new requests answer 503 at once, the stream
+    ends with an error event and [DONE] once the drain timeout passes, and the process exits 0."""
+    port = _free_port()
+    proc = _serve("--port", str(port), "--num-gpu-blocks", "64", "--max-num-seqs", "4", "--drain-timeout", "2")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.3)
+        body = {"prompt": "Count to a thousand:", "max_tokens": 900, "ignore_eos": True, "stream": True}
+        events = []
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            for line in lines:
+                if line:
+                    events.append(line)
+                    break
+            t_signal = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            assert httpx.get(url + "/health", timeout=5).status_code == 503
+            late = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=5)
+            assert late.status_code == 503 and late.json()["error"]["code"] == "server_shutting_down"
+            events += [ln for ln in lines if ln]
+        assert events[-1] == "data: [DONE]", events[-3:]
+        err = json.loads(events[-2][6:])["error"]
+        assert err["code"] == "server_shutting_down" and err["type"] == "server_error"
+        assert proc.wait(30) == 0
+        took = time.monotonic() - t_signal
+        _, stderr = proc.communicate(timeout=5)
+        assert "Traceback" not in stderr and "ERROR" not in stderr, stderr[-2000:]
+        assert took < 20, took  # bounded: the 2 s drain plus the shutdown (generous for a loaded machine)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
