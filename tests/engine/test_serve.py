@@ -375,22 +375,23 @@ def test_serve_command_in_a_subprocess(tmp_path):
         c = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0, timeout=60)
         r = c.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
         assert r.usage.completion_tokens <= 3 and r.choices[0].message.content
-        if _kv_events_supported():  # the prompt's full blocks were announced: ask the replay socket
-            zmq = pytest.importorskip("zmq")
-            from pagedkv.server.kv_events import END_SEQ, decode_payload
+        # the prompt's full blocks were announced: ask the replay socket
+        import zmq
 
-            dealer = zmq.Context.instance().socket(zmq.DEALER)
-            dealer.setsockopt(zmq.RCVTIMEO, 10000)
-            dealer.connect(f"tcp://127.0.0.1:{replay_port}")
-            dealer.send_multipart([b"", (0).to_bytes(8, "big")])
-            names = []
-            while True:
-                _, seq, payload = dealer.recv_multipart()
-                if seq == END_SEQ:
-                    break
-                names += [type(e).__name__ for e in decode_payload(payload).events]
-            dealer.close(0)
-            assert "BlockStored" in names
+        from pagedkv.server.kv_events import END_SEQ, decode_payload
+
+        dealer = zmq.Context.instance().socket(zmq.DEALER)
+        dealer.setsockopt(zmq.RCVTIMEO, 10000)
+        dealer.connect(f"tcp://127.0.0.1:{replay_port}")
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        names = []
+        while True:
+            _, seq, payload = dealer.recv_multipart()
+            if seq == END_SEQ:
+                break
+            names += [type(e).__name__ for e in decode_payload(payload).events]
+        dealer.close(0)
+        assert "BlockStored" in names
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -400,21 +401,11 @@ def test_serve_command_in_a_subprocess(tmp_path):
             proc.wait(10)
 
 
-def _kv_events_supported() -> bool:
-    import inspect
-
-    from pagedkv import BlockManager
-    from pagedkv.engine import LLM
-
-    return hasattr(BlockManager, "take_events") and "enable_kv_events" in inspect.signature(LLM).parameters
-
-
 def test_kv_events_rebuild_the_cached_key_set(engine):
     """A subscriber of the server's KV events rebuilds exactly the block manager's set of cached block keys,
     through evictions (a small pool), from the live stream plus the replay socket."""
-    zmq = pytest.importorskip("zmq")
-    if not _kv_events_supported():
-        pytest.skip("the block manager has no take_events yet (tests/test_kv_events.py covers the publisher)")
+    import zmq
+
     from pagedkv.engine import LLM
     from pagedkv.server.kv_events import END_SEQ, decode_payload
     from pagedkv.server.launch import make_server
@@ -471,10 +462,10 @@ def test_kv_events_rebuild_the_cached_key_set(engine):
         assert keys == set(llm.block_manager._cache._map)
         import pagedkv
 
-        if hasattr(pagedkv, "block_hashes"):  # the last prompt's full blocks are cached under these keys
-            ids = llm.tokenizer.encode(prompts[-1], add_special_tokens=True)
-            full = ids[: len(ids) // BLOCK * BLOCK]
-            assert set(pagedkv.block_hashes(full, BLOCK, None)) <= keys
+        # the last prompt's full blocks are cached under these keys
+        ids = llm.tokenizer.encode(prompts[-1], add_special_tokens=True)
+        full = ids[: len(ids) // BLOCK * BLOCK]
+        assert full and set(pagedkv.block_hashes(full, BLOCK, None)) <= keys
     finally:
         sub.close(0)
         srv.close()
