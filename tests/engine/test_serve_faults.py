@@ -150,3 +150,42 @@ def test_sigterm_mid_stream_drains_and_exits_0():
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_drain_lets_requests_in_flight_finish_and_refuses_new_ones(engine):
+    """``AsyncEngine.drain`` (what SIGTERM runs): a request in flight that can finish within the timeout ends
+    normally with its full output; requests arriving meanwhile get 503 (server_shutting_down)."""
+    from pagedkv.engine import LLM
+    from pagedkv.server.launch import make_server
+
+    llm = LLM(engine.paged, num_gpu_blocks=32, max_num_seqs=4, block_size=16)
+    srv = make_server(llm, model_name=MODEL, drain_timeout=60).start_in_thread()
+    try:
+        import threading
+
+        result = {}
+
+        def run():
+            result["r"] = httpx.post(srv.url + "/v1/completions", timeout=120,
+                                     json={"prompt": "Hello", "max_tokens": 24, "ignore_eos": True})
+
+        t = threading.Thread(target=run)
+        t.start()
+        deadline = time.monotonic() + 60
+        while not srv.engine.num_unfinished:
+            assert time.monotonic() < deadline and t.is_alive()
+            time.sleep(0.01)
+        clean = {}
+        d = threading.Thread(target=lambda: clean.setdefault("ok", srv.engine.drain(60)))
+        d.start()
+        time.sleep(0.05)
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down"
+        assert httpx.get(srv.url + "/health", timeout=10).status_code == 503
+        t.join(120)
+        d.join(60)
+        assert clean == {"ok": True}
+        assert result["r"].status_code == 200 and result["r"].json()["usage"]["completion_tokens"] == 24
+        assert llm.block_manager.gpu_usage == 0.0
+    finally:
+        srv.close()
