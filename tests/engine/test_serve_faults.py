@@ -189,3 +189,27 @@ def test_drain_lets_requests_in_flight_finish_and_refuses_new_ones(engine):
         assert llm.block_manager.gpu_usage == 0.0
     finally:
         srv.close()
+
+
+def test_offline_generate_raises_a_sampler_fault_and_stays_usable(engine, monkeypatch):
+    """``LLM.generate`` with a request whose sampling raises: a RuntimeError naming it, every request of the call
+    aborted (no block held, nothing left in the scheduler), and the next call works."""
+    import pagedkv.engine.llm as llm_mod
+    from pagedkv.engine import LLM, SamplingParams
+
+    real = llm_mod.sample
+
+    def picky(logits, params, num, generator):
+        if params.seed == 666:
+            raise FloatingPointError("injected")
+        return real(logits, params, num, generator)
+
+    monkeypatch.setattr(llm_mod, "sample", picky)
+    llm = LLM(engine.paged, num_gpu_blocks=32, max_num_seqs=4, block_size=16)
+    with pytest.raises(RuntimeError, match="sampling failed"):
+        llm.generate(["Hello", "World"], [SamplingParams(max_tokens=4, temperature=0),
+                                          SamplingParams(max_tokens=4, seed=666)], use_tqdm=False)
+    assert not llm.scheduler.has_unfinished() and llm.block_manager.gpu_usage == 0.0 and not llm.sample_faults
+    llm.block_manager.check_invariants()
+    out = llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
