@@ -216,3 +216,47 @@ def test_offline_generate_raises_a_sampler_fault_and_stays_usable(engine, monkey
     llm.block_manager.check_invariants()
     out = llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+_FATAL_SCRIPT = """
+import sys, threading, time
+import httpx
+from pagedkv.engine import LLM
+from pagedkv.server.launch import bind_socket, make_server
+
+llm = LLM(num_gpu_blocks=16, max_num_seqs=2)
+
+def broken(*_a, **_k):
+    raise RuntimeError("injected")
+
+llm.scheduler.schedule = broken
+sock = bind_socket("127.0.0.1", 0)
+srv = make_server(llm, model_name="m", sock=sock, port=sock.getsockname()[1])
+
+def poke():
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.1)
+    r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+    print("ANSWER", r.status_code, r.json()["error"]["code"], flush=True)
+
+t = threading.Thread(target=poke, daemon=True)
+t.start()
+rc = srv.run()
+t.join(30)  # (the answer was sent before the server stopped; let the client print it)
+sys.exit(rc)
+"""
+
+
+def test_an_unusable_engine_makes_the_foreground_server_exit_non_zero():
+    """In the foreground (as ``pagedkv serve`` runs it), a fault that leaves the engine unusable answers the
+    request in flight with an error and ends the process with status 1 (for a supervisor), not 503 forever."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    p = subprocess.run([sys.executable, "-c", _FATAL_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1, (p.returncode, p.stderr[-2000:])
+    assert "ANSWER 500 engine_dead" in p.stdout, (p.stdout, p.stderr[-2000:])
+    assert "the engine stopped" in p.stderr
