@@ -87,8 +87,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Check every option, bind the HTTP port and the KV-event sockets, then load the model and serve. A bad
     option, a port in use or a missing file: one line on stderr and exit status 2, before the model loads."""
     args = build_parser().parse_args(argv)
+    import logging
+
     from ..errors import PagedKVError
     from .launch import bind_socket, default_model_name, make_server
+
+    handler = logging.StreamHandler()  # the server's own lines (drain, faults), in uvicorn's format
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+    logger = logging.getLogger("pagedkv")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
 
     sock = publisher = None
     try:
@@ -132,8 +141,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     rc = server.run()
     # Everything is closed (sockets, engine thread, publisher): skip the interpreter's teardown, which takes
     # seconds with torch loaded, so that a drained server exits as soon as its last request is answered.
-    import logging
-
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
