@@ -58,6 +58,11 @@ def test_hostile_requests_get_4xx_and_leave_the_server_healthy(server):
                 assert err["param"] == param and err["message"] and err["type"] == "invalid_request_error", \
                     (name, err)
             assert http.get("/health").status_code == 200, name
+        # a body without Content-Length (chunked): cut off at the limit while it is read
+        chunks = (b'{"prompt": "' + b"a" * 2**20 if i == 0 else b"a" * 2**20 for i in range(3))
+        r = http.post("/v1/completions", content=chunks, headers={"Content-Type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        assert http.get("/health").status_code == 200
         wait_idle(server)
         assert bm.gpu_usage == 0.0 and server.engine.faults == 0 and server.engine.alive
         bm.check_invariants()
