@@ -5,12 +5,14 @@ exits 0; a bad option ends start-up with one line and exit status 2 before the m
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -168,8 +170,6 @@ def test_drain_lets_requests_in_flight_finish_and_refuses_new_ones(engine):
     llm = LLM(engine.paged, num_gpu_blocks=32, max_num_seqs=4, block_size=16)
     srv = make_server(llm, model_name=MODEL, drain_timeout=60).start_in_thread()
     try:
-        import threading
-
         result = {}
 
         def run():
@@ -217,7 +217,7 @@ def test_offline_generate_raises_a_sampler_fault_and_stays_usable(engine, monkey
     with pytest.raises(RuntimeError, match="sampling failed"):
         llm.generate(["Hello", "World"], [SamplingParams(max_tokens=4, temperature=0),
                                           SamplingParams(max_tokens=4, seed=666)], use_tqdm=False)
-    assert not llm.scheduler.has_unfinished() and llm.block_manager.gpu_usage == 0.0 and not llm.sample_faults
+    assert not llm.scheduler.has_unfinished() and llm.block_manager.gpu_usage == 0.0 and not llm._sample_faults
     llm.block_manager.check_invariants()
     out = llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
@@ -265,3 +265,41 @@ def test_an_unusable_engine_makes_the_foreground_server_exit_non_zero():
     assert p.returncode == 1, (p.returncode, p.stderr[-2000:])
     assert "ANSWER 500 engine_dead" in p.stdout, (p.stdout, p.stderr[-2000:])
     assert "the engine stopped" in p.stderr
+
+
+def test_a_text_decoding_fault_fails_only_its_request(engine, monkeypatch):
+    """Decoding one request's streamed text raises: that stream ends with an error event, the stream next to it
+    completes normally, no block stays held."""
+    from pagedkv.engine import LLM
+    from pagedkv.server.async_engine import AsyncEngine
+    from pagedkv.server.launch import make_server
+
+    real = AsyncEngine._visible_text
+
+    def picky(req, tokens):
+        if req.params.seed == 666:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+        return real(req, tokens)
+
+    monkeypatch.setattr(AsyncEngine, "_visible_text", staticmethod(picky))
+    llm = LLM(engine.paged, num_gpu_blocks=32, max_num_seqs=4, block_size=16)
+    srv = make_server(llm, model_name=MODEL).start_in_thread()
+
+    async def one(http, seed):
+        body = {"prompt": "Hello", "max_tokens": 6, "ignore_eos": True, "stream": True, "seed": seed}
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            return [ln async for ln in r.aiter_lines() if ln]
+
+    async def both():
+        async with httpx.AsyncClient(base_url=srv.url, timeout=60) as http:
+            return await asyncio.wait_for(asyncio.gather(one(http, 1), one(http, 666)), 120)
+
+    try:
+        good, bad = asyncio.run(both())
+        assert good[-1] == "data: [DONE]" and "error" not in good[-2]
+        assert json.loads(bad[-2][6:])["error"]["code"] == "internal_error" and bad[-1] == "data: [DONE]"
+        wait_idle(srv)
+        assert llm.block_manager.gpu_usage == 0.0 and srv.engine.faults == 1
+        llm.block_manager.check_invariants()
+    finally:
+        srv.close()

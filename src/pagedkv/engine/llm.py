@@ -159,7 +159,7 @@ class LLM:
         self.last_times = EngineTimes()
         # request id -> the exception its sampling raised in a step (that request got placeholder tokens and must
         # be aborted; the others of the step are unaffected). ``generate`` raises it; the server fails the request.
-        self.sample_faults: dict = {}
+        self._sample_faults: dict = {}
 
     # ------------------------------------------------------------------ public API
     def generate(
@@ -294,8 +294,8 @@ class LLM:
         pending = len(requests)
         while pending:
             plan, done = self._step(by_id, times)
-            if self.sample_faults:
-                faults, self.sample_faults = self.sample_faults, {}
+            if self._sample_faults:
+                faults, self._sample_faults = self._sample_faults, {}
                 for rid in faults:
                     self.scheduler.abort_request(rid)
                 for r in requests:
@@ -354,8 +354,8 @@ class LLM:
         for i, (r, num) in enumerate(owners):
             try:
                 drawn.append(sample(logits[i], r.params, num, r.generator))
-            except Exception as e:  # this request's sampling failed: it alone fails (see sample_faults)
-                self.sample_faults.setdefault(r.request_id, e)
+            except Exception as e:  # this request's sampling failed: it alone fails (see _sample_faults)
+                self._sample_faults.setdefault(r.request_id, e)
                 drawn.append([0] * num)  # a placeholder; the caller aborts the request after the step
         return [toks if num > 1 else toks[0] for toks, (_, num) in zip(drawn, owners)]
 

@@ -14,7 +14,7 @@ Contract:
   final text of a sample is exactly ``LLM.generate``'s (stop strings cut, special tokens skipped).
 * Fault isolation. An error that one request causes fails that request alone: its stream ends with
   :class:`RequestFailed`, it is aborted (its blocks freed) and the engine goes on. That covers a request the
-  scheduler refuses when it is added, a sampler that raises for one request (``LLM.sample_faults``), and text
+  scheduler refuses when it is added, a sampler that raises for one request (``LLM._sample_faults``), and text
   decoding of one request. A forward pass that raises cannot be pinned on one request: the step is completed with
   placeholder tokens and every request of the step fails, the others go on. After any fault the block manager's
   invariants are checked. Only a fault that leaves the engine unusable (the scheduler itself raising, a failed
@@ -187,7 +187,7 @@ class AsyncEngine:
         self._draining = False
         self._error: str | None = None
         self._on_fatal = on_fatal
-        self.faults = 0  # requests failed by a fault of their own (or of their step), the engine going on
+        self._faults = 0
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._finished: dict[str, int] = {}
@@ -203,7 +203,13 @@ class AsyncEngine:
 
     @property
     def draining(self) -> bool:
+        """True once :meth:`drain` began: new requests are refused."""
         return self._draining
+
+    @property
+    def faults(self) -> int:
+        """Requests failed by a fault of their own (or of their step) while the engine went on."""
+        return self._faults
 
     @property
     def num_unfinished(self) -> int:
@@ -324,19 +330,16 @@ class AsyncEngine:
             sampled = [[0] * pw.num_samples if pw.num_samples > 1 else 0 for pw in plan.prefills]
             if plan.decode is not None:
                 sampled += [0] * len(plan.decode.seq_ids)
-            rids = {pw.request_id for pw in plan.prefills}
-            if plan.decode is not None:
-                rids.update(sched.sequence(sid).request_id for sid in plan.decode.seq_ids.tolist())
-            faults = dict.fromkeys(rids, e)
-        if llm.sample_faults:
-            faults.update(llm.sample_faults)
-            llm.sample_faults = {}
+            faults = dict.fromkeys(self._plan_requests(plan), e)
+        if llm._sample_faults:
+            faults.update(llm._sample_faults)
+            llm._sample_faults = {}
         done = sched.update(plan, sampled)
         try:
             done += llm._after_step(plan, self._by_id)
         except Exception as e:  # (stop strings: text decoding) pin it on no one: the step's requests fail
             log.exception("stop-string checks failed; the requests of the step fail, the engine goes on")
-            faults.update(dict.fromkeys(self._live, e))
+            faults.update(dict.fromkeys(self._plan_requests(plan) | {out.request_id for out in done}, e))
         if faults:
             done = [out for out in done if out.request_id not in faults]
         self._emit(plan, done, faults)
@@ -347,6 +350,18 @@ class AsyncEngine:
             log.warning("the prefix cache was reset after a failed forward (%d blocks freed)", n)
             self.llm.block_manager.check_invariants()
 
+    def _plan_requests(self, plan: Any) -> set:
+        """Ids of the requests a step plan computes for. O(plan)."""
+        rids = {pw.request_id for pw in plan.prefills}
+        if plan.decode is not None:
+            seq = self.llm.scheduler.sequence
+            for sid in plan.decode.seq_ids.tolist():
+                try:
+                    rids.add(seq(sid).request_id)
+                except KeyError:  # finished (and freed) by the step's update
+                    pass
+        return rids
+
     def _fail_requests(self, faults: dict) -> None:
         """Abort each faulty request, free its blocks, fail its stream; then check the block manager."""
         sched = self.llm.scheduler
@@ -354,7 +369,7 @@ class AsyncEngine:
             live = self._live.pop(rid, None)
             self._by_id.pop(rid, None)
             sched.abort_request(rid)
-            self.faults += 1
+            self._faults += 1
             self._finished["error"] = self._finished.get("error", 0) + 1
             log.error("request %r failed in the engine: %r (the engine goes on)", rid, e)
             if live is not None:
