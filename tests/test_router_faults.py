@@ -374,6 +374,8 @@ def test_hostile_requests_are_answered_4xx_by_the_router_and_never_reach_a_repli
         assert r.json()["error"]["type"] == "invalid_request_error", name
     r = httpx.post(router.url + "/v1/chat/completions", json={"messages": []})
     assert r.status_code == 400
+    r = httpx.post(router.url + "/v1/completions", content=b'{"prompt": "x"}', headers={"content-type": "text/plain"})
+    assert r.status_code == 415, r.text
     assert rep.stats["requests"] == 0
     assert settled(router) and httpx.get(router.url + "/health").json()["status"] == "ok"
 
@@ -387,7 +389,6 @@ def test_non_finite_and_huge_numbers_get_the_servers_answer(cleanup):
     cleanup.append(rep)
     router = make_router([rep.url])
     cleanup.append(router)
-    seen = 0
     for body in (b'{"prompt": "x", "temperature": NaN}', b'{"prompt": "x", "top_p": Infinity}',
                  b'{"prompt": "x", "seed": 1180591620717411303424}'):
         try:
@@ -396,9 +397,8 @@ def test_non_finite_and_huge_numbers_get_the_servers_answer(cleanup):
         except APIError as e:
             want = e.status
         r = httpx.post(router.url + "/v1/completions", content=body, headers={"content-type": "application/json"})
-        assert r.status_code == want and r.status_code < 500, (body, r.text)
-        seen += want == 200
-    assert rep.stats["requests"] == seen
+        assert r.status_code == want == 400, (body, r.text)
+    assert rep.stats["requests"] == 0
 
 
 # ------------------------------------------------------------------------------------------------ event faults

@@ -403,7 +403,8 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Invar
         mvs[1][row] = nblocks
         mvs[5][row] = mvs[6][row] = len(hits)
         if self._cache is not None:
-            self._cache.intern(namespace)
+            if self._cache.intern(namespace) and len(self._cache._roots) > self._cache.sweep_at:
+                self._release_namespaces()
             self._ccid[row], self._ckey[row] = chain
             self._fill_prompt(row, arr, new, len(hits))
             self._query_tokens += n
@@ -414,6 +415,13 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Invar
                 self._tier.hit_tokens += len(cpu_hits) * bs
                 self._tier.hit_blocks += len(cpu_hits)
         return nhit * bs
+
+    def _release_namespaces(self) -> None:
+        """Forget the prefix-cache namespaces that no live sequence and no cached block uses (bounded state per
+        tenant: memory proportional to the namespaces in use, not to all ever seen). Amortised O(1) per new
+        namespace (see :meth:`PrefixCache.release_namespaces`)."""
+        keep = {b""} | {_encode_namespace(ns) for ns in self._ns_of if ns is not None}
+        self._cache.release_namespaces(keep, self._cpu_id)
 
     def fork(self, parent_seq_id: Hashable, child_seq_id: Hashable) -> None:
         """Create ``child_seq_id`` sharing every block of the parent (refcounts + 1); a later write into a shared

@@ -68,6 +68,7 @@ def build_app(state, builder, metrics, proxy=None, *, api_key: str | None = None
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     from ..server.protocol import APIError
+    from ..server.validation import check_content_type, read_body
     from .proxy import Proxy
 
     if proxy is None:
@@ -96,23 +97,10 @@ def build_app(state, builder, metrics, proxy=None, *, api_key: str | None = None
             raise APIError(401, "missing or incorrect API key (send 'Authorization: Bearer KEY')",
                            "authentication_error", "invalid_api_key")
 
-    async def read_body(request: Request) -> bytes:
-        too_big = APIError(413, f"the request body is larger than {max_body_bytes} bytes", "invalid_request_error",
-                           "request_too_large")
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > max_body_bytes:
-            raise too_big
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_body_bytes:
-                raise too_big
-            chunks.append(chunk)
-        return b"".join(chunks)
-
     async def route(kind: str, path: str, request: Request) -> Response:
         check_auth(request)
-        body = await read_body(request)
+        check_content_type(request.headers.get("content-type"))  # 415, as a replica answers
+        body = await read_body(request, max_body_bytes)  # 413
         prompt = await asyncio.to_thread(builder.build, kind, body)  # APIError: the server's 4xx
         return proxy.respond(path, body, request.headers, prompt)
 
