@@ -206,7 +206,6 @@ def test_allocate_batch_equals_consecutive_allocates(seed, tier):
     assert a.take_copies().promotions.tolist() == b.take_copies().promotions.tolist()
     a.check_invariants()
     # the flat metadata is what slot_mapping / block_table give sequence by sequence
-    bs = a.block_size
     assert res.seq_ids == tuple(ids) and res.seq_lens.tolist() == [len(p) for p in prompts]
     qsl = res.query_start_loc
     for i, (s, p) in enumerate(zip(ids, prompts)):
