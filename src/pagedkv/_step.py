@@ -46,10 +46,11 @@ class _Stepper:
             rel = np.unique(blk[blk >= 0], return_counts=True)
             # a block is freed when every holder releases it in this step (forks advancing in lockstep)
             available += int((ref[rel[0]] == rel[1]).sum())
-        # copy-on-write: existing blocks that receive one of the new tokens and are still shared once the window
-        # has released what it releases
+        # copy-on-write: existing blocks that receive one of the new tokens, or hold one of the reserved lookahead
+        # slots (the engine writes draft KV there), and are still shared once the window has released what it
+        # releases (a fork shares the parent's lookahead-only blocks too)
         first = ntok // bs
-        last = np.minimum((end - 1) // bs, nb - 1)
+        last = np.minimum((end + la - 1) // bs, nb - 1)
         span = int((last - first).max()) if last.size else -1
         cow = None
         if span == 0 and last.size:  # one written block per row (the common case)
