@@ -304,3 +304,21 @@ def test_block_table_width_is_fixed_and_enforced(small):
     assert bm.decode_step(["a"], np.array([1])).block_tables.shape == (1, 4)  # a fits: 7 tokens, 4 blocks
     with pytest.raises(InvalidArgumentError):
         BlockManager(8, 2, block_table_width=0)
+
+
+@pytest.mark.parametrize("small", [True, False])
+def test_forked_lookahead_blocks_are_copied_on_write(small):
+    """A fork shares the parent's lookahead-only blocks; when both decode with lookahead, each must get its own
+    lookahead slots (their drafts' KV would collide in one block otherwise)."""
+    bm = BlockManager(32, 4, enable_prefix_caching=True)
+    if not small:
+        bm._small_batch = 0
+    bm.allocate("p", [1, 2, 3, 4, 5, 6], 5)  # 11 slots: blocks [full | 2 tokens + 2 lookahead | lookahead]
+    bm.fork("p", "c")
+    assert bm.can_append_slots(["p", "c"], 5)
+    r = bm.decode_step(["p", "c"], np.array([7, 8]), 5)
+    assert len(r.cow) == 2  # the partial block and the lookahead-only block, for the first writer
+    lp, lc = bm.slot_mapping("p", 7, 12).tolist(), bm.slot_mapping("c", 7, 12).tolist()
+    assert not set(lp) & set(lc)
+    assert r.slot_mapping[0] != r.slot_mapping[1]
+    bm.check_invariants()

@@ -46,15 +46,15 @@ def test_toy_engine_speculative_lookahead_sliding_window_fixed_width():
     bm = BlockManager(26, 4, num_cpu_blocks=16, enable_prefix_caching=True, cpu_prefix_cache=True, watermark=0.0,
                       sliding_window=10, block_table_width=-(-(16 + 6 + 9 + k) // 4))
     engine = ToyEngine(model, bm, lookahead=k, swap=True, token_budget=40, seed=5)
-    # (no parallel samples here: forks and lookahead slots, see docs/api-contract.md)
-    _workload(engine, 6, 30, samples=(1,), namespaces=(None, 7))
+    # forks here share the lookahead-only blocks allocate reserved: they are copied on write at the first decode
+    _workload(engine, 6, 30, samples=(1, 1, 2), namespaces=(None, 7))
     engine.run()
     checked = check_against_reference(engine)
     c, st = engine.counts, bm.stats
     print(c, st)
     assert checked > 300
     assert c["drafts_accepted"] > 0 and c["drafts_rejected"] > 0
-    assert c["window_nulls"] > 0
+    assert c["window_nulls"] > 0 and c["forks"] > 0 and st.cow_copies > 0
     assert c["cached_tokens"] > 0
     assert c["swap_outs"] + c["recomputes"] > 0
     assert len(bm) == 0

@@ -38,21 +38,23 @@ class _Allocator:
     """Mixin of :class:`pagedkv.BlockManager`: planning and committing allocations."""
 
     def _alloc_plan(self, token_ids: object, la: int, namespace: object, root: tuple | None = None,
-                    lookup: bool = True) -> tuple:
+                    lookup: bool = True, checked: bool = False) -> tuple:
         """Everything an allocation of ``token_ids`` needs, without changing anything: ``(arr, n, nblocks, hits,
         cpu_hits, chain, need)``. ``hits``: GPU hit blocks in table order (CPU-tier hits left out); ``cpu_hits``:
         ``[(table position, CPU block)]`` or None; ``chain``: (cid, key) after the last hit; ``need``: free GPU
         blocks the allocation consumes. Raises InvalidTokensError, InvalidArgumentError (namespace),
         PromptTooLongError, TableWidthError. ``root`` replaces the namespace's root (a batch's new namespaces);
-        ``lookup=False`` leaves the hits out (a batch walks its prompts itself)."""
+        ``lookup=False`` leaves the hits out (a batch walks its prompts itself); ``checked``: ``token_ids`` is
+        already a validated int32 array."""
         if self._cache is None:
             # without a cache only the count matters: a short list is checked in Python, never converted
             arr = None
-            n = token_count(token_ids) if type(token_ids) is list else _as_tokens(token_ids).size
+            n = token_ids.size if checked else \
+                token_count(token_ids) if type(token_ids) is list else _as_tokens(token_ids).size
             if namespace is not None:
                 _encode_namespace(namespace)  # validate it all the same
         else:
-            arr = _as_tokens(token_ids)
+            arr = token_ids if checked else _as_tokens(token_ids)
             n = arr.size
             if root is None:
                 root = self._cache.root(namespace, intern=False)
@@ -144,7 +146,7 @@ class _Allocator:
         roots = self._batch_roots(namespaces)
         arrs = [_as_tokens(p, f"token_ids[{i}]") for i, p in enumerate(prompts)]
         walk = self._cache is not None and len(arrs) > 1  # sharing inside the batch: walked below instead
-        plans = [self._alloc_plan(a, la, ns, r, lookup=not walk) for a, ns, r in zip(arrs, namespaces, roots)]
+        plans = [self._alloc_plan(a, la, ns, r, not walk, True) for a, ns, r in zip(arrs, namespaces, roots)]
         if walk:
             virt: dict = {}
             plans = [self._batch_walk(i, p, roots[i], virt) for i, p in enumerate(plans)]

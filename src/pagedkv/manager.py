@@ -20,10 +20,18 @@ mixed into :class:`BlockManager` (each reads the others' state directly, so the 
     _step.py        the append: planning, the one-token fast path, the general path, take/release
     _small.py       the same append in plain Python for small batches (no numpy fixed costs)
     _window.py      sliding-window releases
+    _alloc.py       allocate / allocate_batch / lookup_prefix: plan, then commit
     _registry.py    prefix-cache registration (burst sharing), lookup, withdrawal, KV events
     _swap.py        swap_out / swap_in
     _invariants.py  check_invariants
     pool.py, prefix_cache.py   per-block flat arrays (refcounts, free ring; keys, tokens, LRU)
+
+**KV layout.** A *slot* is ``block_id * block_size + offset``: the row of one token's K (or V) in a layer's KV
+tensor viewed as ``(num_gpu_blocks * block_size, num_kv_heads, head_dim)`` (e.g. ``kv_cache[layer, i]
+.flatten(0, 1)`` of a ``(layers, 2, num_gpu_blocks, block_size, heads, head_dim)`` tensor); position ``p`` of a
+sequence lives in block ``table[p // block_size]`` at offset ``p % block_size``. docs/api-contract.md is the
+engine builder's guide: the prefill and decode metadata, which token a decode step takes, what ``seq_lens``
+counts, lookahead slots, fixed-width tables and the order of a step's copies.
 
 **The engine contract** (what burst sharing relies on): an engine writes the KV of every token scheduled in a step
 before any attention of that step reads it (in each layer, the whole batch's K/V are written through the slot
@@ -498,9 +506,18 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
         ``num_lookahead_slots`` empty slots after each sequence's tokens. Returns :class:`StepResult`:
 
         - ``slot_mapping`` int64 (total new tokens,): slot of each new token, sequence 0's tokens first;
-        - ``block_tables`` int32 (B, max table length) padded with NULL_BLOCK;
-        - ``seq_lens`` int32 (B,): tokens per sequence after the append;
+        - ``block_tables`` int32 (B, max table length, or ``block_table_width``) padded with NULL_BLOCK;
+        - ``seq_lens`` int32 (B,): tokens per sequence after the append, the new ones included (the attention
+          context length of each sequence's last new token; lookahead slots not counted);
         - ``cow`` int64 (m, 2): copy-on-write pairs (src, dst), to copy before writing the new KV.
+
+        The tokens are those whose KV this step computes: the token sampled in the previous step (from the
+        prompt's last logits after a prefill), or the tokens accepted by speculative decoding; they take
+        positions ``num_tokens .. num_tokens + k - 1`` and the logits of the last one give the next token.
+        Reserved lookahead slots (``slot_mapping(seq, num_tokens, num_tokens + num_lookahead_slots)`` after the
+        call) take the drafts' KV; a block still shared (a fork) that holds one of them is copied on write like a
+        written block. With ``block_table_width`` a step that would give a sequence more blocks raises
+        TableWidthError.
 
         Blocks for the step come from the free ring (oldest first), then from evicting LRU cached blocks;
         copy-on-write destinations are taken before new blocks. All or nothing: raises OutOfBlocksError and
