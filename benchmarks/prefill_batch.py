@@ -6,8 +6,8 @@ source trees, alternately, for an A/B of the same calls (e.g. ``main`` against a
                        PYTHONPATH=src .venv/bin/python benchmarks/prefill_batch.py branch; done
 
 Prompts: B prompts of 200-299 tokens (blocks of 16) drawn from 8 stems of 160 tokens plus a random tail, so that
-about half of every prompt is a prefix hit, some inside the batch. Prints microseconds per prompt (median of 7
-rounds) and the ratio batch / per-sequence. With an older tree that has no ``allocate_batch`` only the
+about half of every prompt is a prefix hit, some inside the batch. Prints microseconds per prompt (median of the
+rounds, interleaved) and the ratio batch / (allocate + metadata). With an older tree that has no ``allocate_batch`` only the
 per-sequence figures and the decode step are printed.
 """
 
@@ -39,19 +39,22 @@ def batched(bm: BlockManager, ids, prompts) -> None:
     bm.allocate_batch(ids, prompts)
 
 
-def time_prefill(b: int, how: str, rounds: int = 7) -> float:
-    ts = []
+def time_prefill(b: int, hows: tuple, rounds: int) -> dict:
+    """Microseconds per prompt of each way in ``hows``, interleaved round by round (the same prompts, a fresh
+    manager each), median over the rounds."""
+    ts: dict = {h: [] for h in hows}
     for r in range(rounds):
         prompts = _prompts(b, r)
-        bm = BlockManager(b * 24 + 64, 16, enable_prefix_caching=True)
         ids = list(range(b))
-        t = time.perf_counter()
-        if how == "batch":
-            batched(bm, ids, prompts)
-        else:
-            per_sequence(bm, ids, prompts, meta=how == "seq+meta")
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts)) / b * 1e6
+        for how in hows:
+            bm = BlockManager(b * 24 + 64, 16, enable_prefix_caching=True)
+            t = time.perf_counter()
+            if how == "batch":
+                batched(bm, ids, prompts)
+            else:
+                per_sequence(bm, ids, prompts, meta=how == "seq+meta")
+            ts[how].append(time.perf_counter() - t)
+    return {h: float(np.median(v)) / b * 1e6 for h, v in ts.items()}
 
 
 def time_step(batch: int, caching: bool, steps: int = 300) -> float:
@@ -75,12 +78,11 @@ if __name__ == "__main__":
     has_batch = hasattr(BlockManager, "allocate_batch")
     out = []
     for b in (1, 8, 64):
-        seq = time_prefill(b, "seq")
-        meta = time_prefill(b, "seq+meta")
-        part = f"B{b}: allocate {seq:.1f} +meta {meta:.1f}"
+        hows = ("seq", "seq+meta", "batch") if has_batch else ("seq", "seq+meta")
+        got = time_prefill(b, hows, rounds=max(15, 512 // b))
+        part = f"B{b}: allocate {got['seq']:.1f} +meta {got['seq+meta']:.1f}"
         if has_batch:
-            bat = time_prefill(b, "batch")
-            part += f" batch {bat:.1f} ({bat / meta:.2f}x)"
+            part += f" batch {got['batch']:.1f} ({got['batch'] / got['seq+meta']:.2f}x)"
         out.append(part)
     print(tag, "prefill us/prompt |", " | ".join(out))
     print(tag, "decode_step us/step |", " ".join(f"B{b}/{'on' if c else 'off'}={time_step(b, c):.1f}"

@@ -162,8 +162,12 @@ class _Allocator:
         if self._cache is not None:  # every planned hit first: no prompt of the batch evicts a later one's hit
             held = [h for p in plans for h in p[3] if h >= 0]
             if held:
-                self._cache.evictor.discard_many(np.array(sorted(reused), dtype=np.int64))
-                np.add.at(self._gpu._ref, np.array(held, dtype=np.int64), 1)
+                if reused:
+                    self._cache.evictor.discard_many(np.array(sorted(reused), dtype=np.int64))
+                if len(plans) == 1:  # (distinct blocks)
+                    self._gpu._ref[held] += 1
+                else:  # a block hit by several prompts gains one reference each
+                    np.add.at(self._gpu._ref, np.array(held, dtype=np.int64), 1)
             pins = [c for p in plans if p[4] for _, c in p[4]]
             if pins:
                 self._tier.pin_many(list(dict.fromkeys(pins)))
@@ -271,9 +275,19 @@ class _Allocator:
         return out, chain
 
     def _prefill_result(self, seq_ids: tuple, arrs: list, plans: list, rows: list, nhit: list) -> PrefillBatch:
-        """The flat prefill metadata of committed allocations (see :class:`PrefillBatch`). O(tokens) numpy."""
+        """The flat prefill metadata of committed allocations (see :class:`PrefillBatch`). O(tokens) numpy; a
+        batch of one takes a shorter path (numpy's fixed costs dominate there)."""
         bs = self._bs
         b = len(rows)
+        if b == 1:
+            row, n, c = rows[0], plans[0][1], nhit[0] * bs
+            pos = np.arange(c, n, dtype=np.int64)
+            table = self._table[row]
+            slots = table[pos // bs] * np.int64(bs) + pos % bs
+            width = self._fixed_w or int(self._nblk[row])
+            return PrefillBatch(seq_ids, _frozen(np.array([c], np.int32)), _frozen(np.array([0, n - c], np.int32)),
+                                _frozen(arrs[0][c:].copy()), _frozen(pos), _frozen(slots),
+                                _frozen(table[None, :width].copy()), _frozen(np.array([n], np.int32)))
         r = np.array(rows, dtype=np.int64)
         n = np.array([p[1] for p in plans], dtype=np.int64)
         cached = np.array(nhit, dtype=np.int64) * bs
