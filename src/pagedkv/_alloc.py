@@ -29,6 +29,10 @@ _xxh3 = xxhash.xxh3_64_intdigest
 _COL = 1 << 24  # a planned hit on column c of the batch's prompt i is encoded ~(i * _COL + c) until commit
 
 
+def _what(n: int, la: int) -> str:
+    return f"prompt of {n} tokens" + (f" plus {la} lookahead slots" if la else "")
+
+
 def _frozen(a: np.ndarray) -> np.ndarray:
     a.flags.writeable = False
     return a
@@ -60,14 +64,13 @@ class _Allocator:
                 root = self._cache.root(namespace, intern=False)
         bs = self._bs
         nblocks = -(-(n + la) // bs)
-        what = f"prompt of {n} tokens" + (f" plus {la} lookahead slots" if la else "")
         if nblocks > self._gpu.num_blocks - self._watermark_blocks:
             raise PromptTooLongError(
-                f"{what} needs {nblocks} blocks; the pool has {self._gpu.num_blocks} with "
+                f"{_what(n, la)} needs {nblocks} blocks; the pool has {self._gpu.num_blocks} with "
                 f"{self._watermark_blocks} kept free"
             )
         if self._fixed_w and nblocks > self._fixed_w:
-            raise TableWidthError(f"{what} needs {nblocks} blocks; block_table_width is {self._fixed_w}")
+            raise TableWidthError(f"{_what(n, la)} needs {nblocks} blocks; block_table_width is {self._fixed_w}")
         if arr is None or not lookup:
             return arr, n, nblocks, [], None, (0, 0), nblocks
         hits, chain = self._lookup(arr, root)
