@@ -1,4 +1,4 @@
-"""A toy engine written against pagedkv's public API and docs/api-contract.md only (no private attribute).
+"""A toy engine written against pagedkv's public API and docs/engine-contract.md only (no private attribute).
 
 A tiny random transformer in numpy (float64; embeddings plus absolute sinusoidal positions, pre-norm attention
 and MLP blocks, tied output), its KV in paged stores indexed by slot (``block_id * block_size + offset``), and a

@@ -29,7 +29,7 @@ mixed into :class:`BlockManager` (each reads the others' state directly, so the 
 **KV layout.** A *slot* is ``block_id * block_size + offset``: the row of one token's K (or V) in a layer's KV
 tensor viewed as ``(num_gpu_blocks * block_size, num_kv_heads, head_dim)`` (e.g. ``kv_cache[layer, i]
 .flatten(0, 1)`` of a ``(layers, 2, num_gpu_blocks, block_size, heads, head_dim)`` tensor); position ``p`` of a
-sequence lives in block ``table[p // block_size]`` at offset ``p % block_size``. docs/api-contract.md is the
+sequence lives in block ``table[p // block_size]`` at offset ``p % block_size``. docs/engine-contract.md is the
 engine builder's guide: the prefill and decode metadata, which token a decode step takes, what ``seq_lens``
 counts, lookahead slots, fixed-width tables and the order of a step's copies.
 

@@ -26,7 +26,7 @@ class StepResult(NamedTuple):
     """What the engine needs for one batched append (see :meth:`BlockManager.decode_step`).
 
     A *slot* is ``block_id * block_size + offset``: the row of the token in the engine's KV tensors viewed as
-    ``(num_gpu_blocks * block_size, ...)`` (docs/api-contract.md, "KV layout")."""
+    ``(num_gpu_blocks * block_size, ...)`` (docs/engine-contract.md, "KV layout")."""
 
     slot_mapping: np.ndarray  #: int64 (total new tokens,): physical slot of each new token, batch order
     block_tables: np.ndarray  #: int32 (B, width): block tables padded with NULL_BLOCK (width: the longest, or the manager's block_table_width)
