@@ -282,3 +282,26 @@ def test_cli_generate_with_model_name(gemma, reference):
                           "--max-tokens", "5", c["prompt"]], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr
     assert c["text"][:10].strip() in out.stdout
+
+
+def test_chunked_prefill_then_decode(gemma, reference):
+    """The forward computes a prompt in chunks (each chunk's queries read the earlier chunks' KV through the block
+    table, a sliding layer only its window, which spans chunk edges) and decodes after it: the reference ids. The
+    scheduler's chunked prefill (issue 17) will drive exactly these steps."""
+    from pagedkv.engine.model import build_attention_metadata
+
+    c = reference["cases"][5]  # 783 tokens: chunks of 300 put window edges inside earlier chunks
+    ids, n_new = c["prompt_ids"], 4
+    table = list(range(blocks(len(ids) + n_new)))[::-1]  # any block order
+    kv = gemma.allocate_kv_cache(len(table), BLOCK)
+
+    def step(new, done):
+        slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(done, done + len(new))]
+        return gemma(build_attention_metadata([new], [done], slots, [table], block_size=BLOCK), kv)
+
+    for start in range(0, len(ids), 300):
+        logits = step(ids[start:start + 300], start)
+    out = [int(logits[0].argmax())]
+    while len(out) < n_new:
+        out.append(int(step([out[-1]], len(ids) + len(out) - 1)[0].argmax()))
+    assert out == c["gen_ids"][:n_new]
