@@ -305,3 +305,34 @@ def test_chunked_prefill_then_decode(gemma, reference):
     while len(out) < n_new:
         out.append(int(step([out[-1]], len(ids) + len(out) - 1)[0].argmax()))
     assert out == c["gen_ids"][:n_new]
+
+
+def test_gguf_layout_facts_decide_the_reference(gemma, reference):
+    """The two GGUF facts the loader relies on, shown to matter: with the stored norm values taken as ``w`` (so
+    ``2 + w``), or with llama.cpp's Llama Q/K row permutation undone, the first token of a reference case changes."""
+    import numpy as np
+
+    from pagedkv.engine.gemma3 import _LAYER_TENSORS, PagedGemma3
+    from pagedkv.engine.gguf_loader import unpermute_qk
+    from pagedkv.engine.model import build_attention_metadata
+
+    c = reference["cases"][4]  # the shortest prompt (423 tokens)
+    ids = c["prompt_ids"]
+    weights = {"token_embd.weight": gemma.tok_embd, "output_norm.weight": gemma.out_norm}
+    for i, layer in enumerate(gemma.layers):
+        weights.update({f"blk.{i}.{n}.weight": t for n, t in zip(_LAYER_TENSORS, layer)})
+
+    def first_token(w):
+        w = {**w, "output.weight": w["token_embd.weight"]}
+        m = PagedGemma3(gemma.config, w, tokenizer_metadata=gemma.tokenizer_metadata)
+        n = blocks(len(ids))
+        meta = build_attention_metadata([ids], [0], np.arange(len(ids)), [list(range(n))], block_size=BLOCK)
+        return int(m(meta, m.allocate_kv_cache(n, BLOCK))[0].argmax())
+
+    assert first_token(weights) == c["gen_ids"][0]
+    assert first_token({k: v + 1 if k.endswith("norm.weight") else v for k, v in weights.items()}) != c["gen_ids"][0]
+    cfg = gemma.config
+    permuted = {k: torch.from_numpy(np.ascontiguousarray(
+        unpermute_qk(v.numpy(), cfg.n_head if k.endswith("attn_q.weight") else cfg.n_head_kv)))
+        if k.endswith(("attn_q.weight", "attn_k.weight")) else v for k, v in weights.items()}
+    assert first_token(permuted) != c["gen_ids"][0]
