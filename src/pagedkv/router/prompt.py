@@ -20,19 +20,18 @@ __all__ = ["PromptBuilder", "RoutedPrompt", "load_tokenizer"]
 
 
 def load_tokenizer(model: str | Path | None = None):
-    """The engine's tokenizer of GGUF file ``model`` (default: the default model), from its metadata only."""
+    """The engine's tokenizer of model ``model`` (a model name such as ``gemma-3-270m``, a GGUF path, or None for
+    the default model), from its GGUF metadata only."""
     from gguf import GGUFReader
 
-    from ..engine.gguf_loader import _read_tokenizer_metadata, find_default_model
-    from ..engine.tokenizer import GGUFTokenizer
+    from ..engine.gguf_loader import _read_tokenizer_metadata
+    from ..engine.registry import make_tokenizer, resolve_model_path
 
-    path = Path(model) if model is not None else find_default_model()
-    if not path.is_file():
-        raise FileNotFoundError(f"GGUF model file not found: {path}")
+    path = resolve_model_path(model)
     reader = GGUFReader(str(path), "r")
     meta = _read_tokenizer_metadata(reader)
     del reader
-    return GGUFTokenizer(meta)
+    return make_tokenizer(meta)
 
 
 @dataclass
