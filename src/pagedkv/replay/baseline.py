@@ -44,6 +44,7 @@ class LruResult:
     hit_tokens: int
     evictions: int
     seconds: float  #: the replay loop (the nodes are computed before, untimed)
+    cpu_seconds: float  #: the same, in the process's CPU time
 
 
 def lru_replay(trace: Trace, capacity_tokens: int, *, block_size: int = 16) -> LruResult:
@@ -58,7 +59,7 @@ def lru_replay(trace: Trace, capacity_tokens: int, *, block_size: int = 16) -> L
     contains, popitem = cache.__contains__, cache.popitem
     free = num_blocks
     hits = evictions = skipped = prompt = 0
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for i, n in enumerate(lengths):
         nb = -(-n // bs)
         if nb > num_blocks:
@@ -91,5 +92,6 @@ def lru_replay(trace: Trace, capacity_tokens: int, *, block_size: int = 16) -> L
             cache[x] = None
             released += 1
         free += nb - released
-    return LruResult(capacity_tokens, bs, len(lengths) - skipped, skipped, prompt, hits * bs, evictions,
-                     time.perf_counter() - t0)
+    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
+    return LruResult(capacity_tokens, bs, len(lengths) - skipped, skipped, prompt, hits * bs, evictions, seconds,
+                     cpu_seconds)
