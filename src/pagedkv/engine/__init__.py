@@ -8,6 +8,8 @@ Submodules:
 * :mod:`pagedkv.engine.reference`: a simple contiguous-cache reference forward and greedy generation.
 * :mod:`pagedkv.engine.sampling` and :mod:`pagedkv.engine.llm`: ``SamplingParams``, ``LLM`` (generate / chat /
   stream through the block manager and the scheduler).
+* :mod:`pagedkv.engine.options`: the command-line options of every command that builds an engine (torch-free at
+  import time).
 
 Names are exported lazily so that ``import pagedkv.engine`` does not import torch by itself.
 """

