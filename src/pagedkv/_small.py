@@ -90,6 +90,8 @@ class _Small:
         cache = self._cache
         pair = None
         if j == nblk[r]:  # the token opens a new block
+            if j >= self._fixed_w > 0:
+                return None  # past block_table_width: the vectorised path reports it
             if not self._gpu._nfree and (cache is None or not len(cache.evictor)):
                 return None
             # ---- mutation: nothing below can fail
@@ -125,7 +127,7 @@ class _Small:
         slots[0] = w * bs + off
         lens = _ONE_I32.copy()
         lens[0] = n + 1
-        return _new_result((slots, self._table[r : r + 1, : nblk[r]].copy(), lens,
+        return _new_result((slots, self._table[r : r + 1, : self._fixed_w or nblk[r]].copy(), lens,
                             _NO_COW if pair is None else np.array([pair], dtype=np.int64)))
 
     def _step_small(self, seq_ids: list, token_ids: object, b: int) -> StepResult | None:
@@ -163,6 +165,8 @@ class _Small:
         for r in rows:
             j = ntok[r] // bs
             if j == nblk[r]:
+                if j >= self._fixed_w > 0:
+                    return None  # past block_table_width: the vectorised path reports it
                 written.append(-1)
                 n_grow += 1
                 continue
@@ -234,8 +238,8 @@ class _Small:
                     self._register1(r, w, n // bs)
                 if nblk[r] > width:
                     width = nblk[r]
-        return _new_result((np.array(slots, dtype=np.int64), self._table.take(rows, axis=0)[:, :width],
-                            np.array(lens, dtype=np.int32),
+        tables = self._table.take(rows, axis=0)[:, : self._fixed_w or width]  # (take: cheapest for a few rows)
+        return _new_result((np.array(slots, dtype=np.int64), tables, np.array(lens, dtype=np.int32),
                             np.array(pairs, dtype=np.int64) if pairs else _NO_COW))
 
     def _small_rows(self, seq_ids: list) -> list | None:

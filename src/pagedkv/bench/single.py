@@ -156,7 +156,8 @@ class Reference:
         end = n + k
         nb = len(table)
         need = max(-(-(end + la) // bs), nb)
-        shared = [j for j in range(n // bs, min((end - 1) // bs, nb - 1) + 1) if ref[table[j]] > 1]
+        # blocks written, or holding reserved lookahead slots (draft KV), still shared: copied on write
+        shared = [j for j in range(n // bs, min((end + la - 1) // bs, nb - 1) + 1) if ref[table[j]] > 1]
         if need - nb + len(shared) > len(self.free_blocks):
             raise OutOfBlocksError(f"the append needs {need - nb + len(shared)} new blocks")
         cow = []

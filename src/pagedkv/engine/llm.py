@@ -161,6 +161,9 @@ class LLM:
         self._generator = torch.Generator().manual_seed(seed)
         self._ids = itertools.count()
         self.last_times = EngineTimes()
+        # request id -> the exception its sampling raised in a step (that request got placeholder tokens and must
+        # be aborted; the others of the step are unaffected). ``generate`` raises it; the server fails the request.
+        self._sample_faults: dict = {}
 
     # ------------------------------------------------------------------ public API
     def generate(
@@ -295,6 +298,15 @@ class LLM:
         pending = len(requests)
         while pending:
             plan, done = self._step(by_id, times)
+            if self._sample_faults:
+                faults, self._sample_faults = self._sample_faults, {}
+                for rid in faults:
+                    self.scheduler.abort_request(rid)
+                for r in requests:
+                    if r.result is None:
+                        self.scheduler.abort_request(r.request_id)
+                rid, e = next(iter(faults.items()))
+                raise RuntimeError(f"sampling failed for request {rid}: {e!r}") from e
             finished = []
             for out in done:
                 r = by_id.get(out.request_id)
@@ -342,7 +354,13 @@ class LLM:
                                         block_size=self.block_manager.block_size,
                                         sliding_window=self.sliding_window, device=self.device)
         logits = self.model(meta, self.kv_cache).cpu()
-        drawn = [sample(logits[i], r.params, num, r.generator) for i, (r, num) in enumerate(owners)]
+        drawn = []
+        for i, (r, num) in enumerate(owners):
+            try:
+                drawn.append(sample(logits[i], r.params, num, r.generator))
+            except Exception as e:  # this request's sampling failed: it alone fails (see _sample_faults)
+                self._sample_faults.setdefault(r.request_id, e)
+                drawn.append([0] * num)  # a placeholder; the caller aborts the request after the step
         return [toks if num > 1 else toks[0] for toks, (_, num) in zip(drawn, owners)]
 
     def _after_step(self, plan: Any, by_id: dict) -> list:

@@ -78,7 +78,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, num: int, generator: to
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
         sorted_p, idx = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < params.top_p  # always keeps the most likely token
+        keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < params.top_p
+        keep[0] = True  # always keep the most likely token (a denormal top_p rounds to 0 in float32)
         sorted_p = sorted_p * keep
         probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
     return torch.multinomial(probs, num, replacement=True, generator=generator).tolist()

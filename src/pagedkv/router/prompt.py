@@ -3,7 +3,8 @@
 Parsing and validation are the server's own (:func:`pagedkv.server.protocol.parse_completion` and
 ``parse_chat``), so the router answers a bad request with the same 400 a replica would. Token ids come from the
 engine's tokenizer (:class:`pagedkv.engine.tokenizer.GGUFTokenizer`) built from the GGUF file's metadata only:
-the weights are never read. A completion's string prompt is encoded with the special tokens (as
+the weights are never read, and torch is never imported (the ``gguf`` package reads the metadata;
+tests/test_router_torch_free.py checks it). A completion's string prompt is encoded with the special tokens (as
 ``LLM.generate``), token ids are taken as given, and a chat's messages go through the model's chat template (as
 the server's chat route). The prefix-cache namespace is the request's ``cache_salt`` (as the server passes it).
 """
