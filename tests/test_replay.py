@@ -23,6 +23,7 @@ from pagedkv.replay import (
     replay_sequence,
     replay_timed,
 )
+from pagedkv.replay.baseline import lru_replay
 from pagedkv.replay.point import CpuTierUnavailable, make_manager, tier_figures
 
 SAMPLE = Path(__file__).parent / "data" / "mooncake_conversation_sample.jsonl"
@@ -322,3 +323,29 @@ def test_replay_never_imports_torch():
             f"main(['replay', {str(SAMPLE)!r}, '--limit', '3', '--capacity', '100k', '--no-progress'])\n"
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+# ---------------------------------------------------------------------------------------------- the speed baseline
+@pytest.mark.parametrize("cap", [1_000, 16_000, 100_000, 300_000, 10**8])
+def test_lru_baseline_equals_the_manager_to_the_block(cap):
+    # benchmarks/replay_speed.py times the manager against this OrderedDict model and asserts the same equality on
+    # the whole trace; here on the sample: skipped requests (1k), heavy eviction (16k-300k), none (10**8)
+    tr = load_trace(SAMPLE)
+    b, p = lru_replay(tr, cap), replay_sequence(tr, cap)
+    assert (b.hit_tokens, b.evictions, b.skipped, b.prompt_tokens, b.requests) == \
+        (p.hit_tokens, p.evictions, p.skipped, p.prompt_tokens, p.requests)
+    if cap == 300_000:
+        assert (b.hit_tokens, b.evictions) == (153_088, 238_414)  # the figures of test_sample_figures_are_deterministic
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3), st.integers(1, 1536)), min_size=1, max_size=16),
+       st.sampled_from([1, 40, 64, 96, 160]), st.sampled_from([16, 32, 512]))
+def test_lru_baseline_equals_the_manager_on_random_traces(reqs, cap_blocks, bs):
+    # prompt lengths that are multiples of the block size included (the last full block is never looked up)
+    rows = [(n - n % bs if n > bs and a == b else n,
+             [a] + ([10 + 4 * a + b] if n > 512 else []) + ([100 + 16 * a + b] if n > 1024 else [])) for a, b, n in reqs]
+    rows = [(n, ids[: -(-n // 512)]) for n, ids in rows]
+    tr = trace_of(*rows)
+    b, p = lru_replay(tr, cap_blocks * bs, block_size=bs), replay_sequence(tr, cap_blocks * bs, block_size=bs)
+    assert (b.hit_tokens, b.evictions, b.skipped) == (p.hit_tokens, p.evictions, p.skipped)

@@ -9,6 +9,11 @@ lookahead, no sliding window; copy-on-write included) and returns None, having c
 everything else (bad input, out of blocks, a window), which the vectorised path then handles or reports.
 The stateful tests drive both paths on the same operation sequences.
 
+A batch of one (and ``append_slots(seq, [tok])``) takes :meth:`_Small._step_one`, the same step without the
+batch's lists; it builds its one-element results by copying templates (cheaper than ``np.array`` of a list).
+Larger small batches memoise their rows with the vectorised path's batch memo, so an engine that decodes the same
+running set step after step pays one list compare instead of a dict lookup per sequence.
+
 Work is O(B) Python operations plus O(1) per block taken, copied or registered.
 """
 
@@ -18,14 +23,18 @@ import numpy as np
 
 from .types import StepResult
 
-SMALL_BATCH = 16
-"""Batches of at most this many sequences take the plain-Python step (the measured crossover: see README)."""
+SMALL_BATCH = 24
+"""Batches of at most this many sequences take the plain-Python step (the measured crossover with the vectorised
+step: about 24 sequences with prefix caching off, 30 with it on; docs/benchmarks/speed-round3.md)."""
 SMALL_TABLE = 16
 """Tables of at most this many blocks are forked and released element by element."""
 
 _TOKEN_MAX = 2**31 - 1
 _NO_COW = np.zeros((0, 2), dtype=np.int64)
 _NO_COW.flags.writeable = False
+_ONE_I64 = np.zeros(1, dtype=np.int64)  # templates of one-element results (a copy is cheaper than np.array)
+_ONE_I32 = np.zeros(1, dtype=np.int32)
+_new_result = StepResult._make  # (cheaper than StepResult(...); raises if the fields change)
 _NULLS = memoryview(np.full(64, -1, dtype=np.int32))  # NULL_BLOCK x SMALL_TABLE (and more), to clear a row
 
 
@@ -33,6 +42,7 @@ class _Small:
     """Mixin of :class:`pagedkv.BlockManager`: the plain-Python step for small batches."""
 
     _mvs: tuple | None = None
+    _memo_small: tuple | None = None  # (seq_ids list, rows list): see _small_rows
 
     def _views(self) -> tuple:
         """Memoryviews of the row arrays and the GPU refcounts (rebuilt after the row arrays grow)."""
@@ -44,8 +54,87 @@ class _Small:
                                memoryview(self._ckey), memoryview(self._table.reshape(-1)), self._table.shape[1])
         return mvs
 
-    def _small_tokens(self, token_ids: object, b: int) -> list | None:
-        """The batch's tokens as a list of ints when they are one valid token per sequence, else None."""
+    def _step_one(self, seq_id: object, token_ids: object, result: bool):
+        """One token appended to one sequence: ``decode_step`` at batch 1 (``result``: returns its StepResult)
+        and ``append_slots(seq, [tok])`` (returns the copy-on-write pairs). None, having changed nothing, when
+        the call is not this path's case (bad input, a swapped sequence, out of blocks). :meth:`_step_small`
+        for one sequence, without the batch's lists."""
+        if type(token_ids) is np.ndarray:
+            if token_ids.dtype.kind not in "iu":
+                return None
+            toks = token_ids.tolist()  # (a 0-d array gives an int, a 2-d one a list of lists: rejected below)
+            if type(toks) is not list or len(toks) != 1:
+                return None
+            t = toks[0]
+            if type(t) is not int:
+                return None
+        elif type(token_ids) is list and len(token_ids) == 1:
+            t = token_ids[0]
+            if type(t) is not int:
+                return None
+        else:
+            return None
+        if not 0 <= t <= _TOKEN_MAX:
+            return None
+        try:
+            r = self._row_of[seq_id]
+        except (KeyError, TypeError):
+            return None
+        ntok, nblk, table, swapped, ref, nreg, pend, _, _, _, _, cols = self._mvs or self._views()
+        if swapped[r]:
+            return None
+        bs = self._bs
+        n = ntok[r]
+        j = n // bs
+        off = n - j * bs
+        cache = self._cache
+        pair = None
+        if j == nblk[r]:  # the token opens a new block
+            if j >= self._fixed_w > 0:
+                return None  # past block_table_width: the vectorised path reports it
+            if not self._gpu._nfree and (cache is None or not len(cache.evictor)):
+                return None
+            # ---- mutation: nothing below can fail
+            w = self._take_one()
+            if j >= cols:
+                self._ensure_cols(j + 1)
+                table = self._views()[2]  # (_ensure_cols dropped the old views)
+            table[r, j] = w
+            nblk[r] = j + 1
+        else:
+            w = table[r, j]
+            if ref[w] > 1:  # held by others too: copy-on-write
+                if not self._gpu._nfree and (cache is None or not len(cache.evictor)):
+                    return None
+                # ---- mutation: nothing below can fail
+                dst = self._take_one()
+                table[r, j] = dst
+                if cache is not None:
+                    cache.tok[dst] = cache.tok[w]
+                ref[w] -= 1
+                pair = (w, dst)
+                self._cow_copies += 1
+                w = dst
+        ntok[r] = n + 1
+        if cache is not None:
+            cache._tok_mv[w, off] = t
+            pend[r] = nreg[r]  # this call confirms the row's earlier KV
+            if off == bs - 1:  # the block is full: cache it now (burst sharing)
+                self._register1(r, w, j)
+        if not result:
+            return [] if pair is None else [pair]
+        slots = _ONE_I64.copy()
+        slots[0] = w * bs + off
+        lens = _ONE_I32.copy()
+        lens[0] = n + 1
+        return _new_result((slots, self._table[r : r + 1, : self._fixed_w or nblk[r]].copy(), lens,
+                            _NO_COW if pair is None else np.array([pair], dtype=np.int64)))
+
+    def _step_small(self, seq_ids: list, token_ids: object, b: int) -> StepResult | None:
+        """``decode_step`` of a few sequences (``b`` >= 2), one token each: returns its StepResult, or None
+        (nothing changed) when the call is not this path's case; the vectorised path then handles or reports
+        it. The batch's rows are memoised with the vectorised path's memo (see :meth:`_small_rows`)."""
+        # the tokens: one valid int per sequence
         if type(token_ids) is np.ndarray:
             if token_ids.ndim != 1 or token_ids.size != b or token_ids.dtype.kind not in "iu":
                 return None
@@ -57,31 +146,23 @@ class _Small:
                     return None
         else:
             return None
-        if b == 1:
-            if not 0 <= toks[0] <= _TOKEN_MAX:
+        if min(toks) < 0 or max(toks) > _TOKEN_MAX:
+            return None
+        if type(seq_ids) is not list:
+            seq_ids = list(seq_ids)
+        memo = self._memo_small
+        if memo is not None and memo[0] is self._memo_ids and seq_ids == memo[0]:
+            rows = memo[1]  # (validated: live, distinct, GPU-resident)
+        else:
+            rows = self._small_rows(seq_ids)
+            if rows is None:
                 return None
-        elif min(toks) < 0 or max(toks) > _TOKEN_MAX:
-            return None
-        return toks
-
-    def _step_small(self, seq_ids: list, toks: list) -> tuple | None:
-        """Append one token to each of a few sequences. Returns (rows, slots, cow pairs) or None (nothing
-        changed) when the call is not this path's case; the vectorised path then handles or reports it."""
-        row_of = self._row_of
-        try:
-            rows = [row_of[s] for s in seq_ids]
-        except (KeyError, TypeError):
-            return None
-        if len(rows) > 1 and len(set(rows)) != len(rows):
-            return None
         ntok, nblk, table, swapped, ref, nreg, pend = self._views()[:7]
         bs = self._bs
         written = []  # block each row writes (-1: a new block), before copy-on-write
         n_grow = 0
         shared = None  # block -> number of writers in this batch, for shared written blocks
         for r in rows:
-            if swapped[r]:
-                return None
             j = ntok[r] // bs
             if j == nblk[r]:
                 if j >= self._fixed_w > 0:
@@ -96,9 +177,7 @@ class _Small:
                     shared = {}
                 shared[w] = shared.get(w, 0) + 1
         cows = []  # batch positions that copy, in batch order
-        if shared is not None and len(rows) == 1:
-            cows = [0]  # one writer of a block held by others: it copies
-        elif shared is not None:
+        if shared is not None:
             keeper = {w: None for w, c in shared.items() if c == ref[w]}  # every holder writes it
             for i in range(len(rows) - 1, -1, -1):  # the last writer in batch order keeps the original
                 w = written[i]
@@ -131,17 +210,20 @@ class _Small:
             for i, r in enumerate(rows):
                 if written[i] < 0:
                     j = ntok[r] // bs
-                    written[i] = b = take()
-                    table[r, j] = b
+                    written[i] = w = take()
+                    table[r, j] = w
                     nblk[r] = j + 1
         slots = []
         lens = []
+        width = 0
         if cache is None:
             for r, w in zip(rows, written):
                 n = ntok[r]
                 slots.append(w * bs + n % bs)
                 ntok[r] = n = n + 1
                 lens.append(n)
+                if nblk[r] > width:
+                    width = nblk[r]
         else:
             tok = cache._tok_mv
             for r, w, t in zip(rows, written, toks):
@@ -154,7 +236,31 @@ class _Small:
                 pend[r] = nreg[r]  # this call confirms the row's earlier KV
                 if off == bs - 1:  # the block is full: cache it now (burst sharing)
                     self._register1(r, w, n // bs)
-        return rows, slots, pairs, lens
+                if nblk[r] > width:
+                    width = nblk[r]
+        tables = self._table.take(rows, axis=0)[:, : self._fixed_w or width]  # (take: cheapest for a few rows)
+        return _new_result((np.array(slots, dtype=np.int64), tables, np.array(lens, dtype=np.int32),
+                            np.array(pairs, dtype=np.int64) if pairs else _NO_COW))
+
+    def _small_rows(self, seq_ids: list) -> list | None:
+        """The rows of a batch of live, distinct, GPU-resident sequences, memoised (None: not so). The memo is
+        the vectorised path's (:meth:`_rows`): ``_memo_small`` holds the very list object that is
+        ``_memo_ids``, so whatever drops or replaces that memo (a new or freed row, a swap) drops this one too."""
+        row_of = self._row_of
+        try:
+            rows = [row_of[s] for s in seq_ids]
+        except (KeyError, TypeError):
+            return None
+        if len(set(rows)) != len(rows):
+            return None
+        swapped = self._views()[3]
+        for r in rows:
+            if swapped[r]:
+                return None
+        ids = seq_ids.copy()
+        self._memo_ids, self._memo_rows = ids, np.array(rows, dtype=np.int64)
+        self._memo_small = (ids, rows)
+        return rows
 
     def _register1(self, r: int, w: int, j: int) -> None:
         """:meth:`_register` of the one block ``w`` (column ``j``) a small step filled, through memoryviews."""
@@ -167,17 +273,6 @@ class _Small:
         if pcid:  # (register records the block's KV event itself when it caches it)
             ccid[r], ckey[r] = self._cache.register(w, pcid, ckey[r], self._ns_of[r])
         nreg[r] = j + 1
-
-    def _small_result(self, rows: list, slots: list, pairs: list, lens: list) -> StepResult:
-        """The StepResult of a small step: slot mapping, padded block tables, lengths, copy-on-write pairs."""
-        nblk = self._mvs[1]
-        if len(rows) == 1:
-            r = rows[0]
-            tables = self._table[r : r + 1, : self._fixed_w or nblk[r]].copy()
-        else:  # (take: cheapest for a few rows)
-            tables = self._table.take(rows, axis=0)[:, : self._fixed_w or max([nblk[r] for r in rows])]
-        cow = np.array(pairs, dtype=np.int64) if pairs else _NO_COW
-        return StepResult(np.array(slots, dtype=np.int64), tables, np.array(lens, dtype=np.int32), cow)
 
     def _fork_row(self, prow: int, child) -> None:
         """Give ``child`` (a new, valid id) a new row, a copy of row ``prow``, and add its references (element by

@@ -492,10 +492,9 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
         writing. A convenience over :meth:`decode_step`; raises OutOfBlocksError (changing nothing) when full."""
         if num_lookahead_slots == 0 and self._small_batch and self._window is None and \
                 type(num_lookahead_slots) is int:
-            toks = self._small_tokens(token_ids, 1)
-            got = self._step_small([seq_id], toks) if toks is not None else None
+            got = self._step_one(seq_id, token_ids, False)
             if got is not None:  # the plain-Python path (see _small.py)
-                return got[2]
+                return got
         rows = self._rows([seq_id])
         arr = _as_tokens(token_ids)
         la = _check_int("num_lookahead_slots", num_lookahead_slots, 0)
@@ -536,11 +535,17 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
         fixed costs dominate there).
         """
         if num_new_tokens is None and num_lookahead_slots == 0 and self._window is None and \
-                0 < len(seq_ids) <= self._small_batch and type(num_lookahead_slots) is int:
-            toks = self._small_tokens(token_ids, len(seq_ids))
-            got = self._step_small(seq_ids, toks) if toks is not None else None
-            if got is not None:  # the plain-Python path for small batches (see _small.py)
-                return self._small_result(*got)
+                type(num_lookahead_slots) is int:  # the plain-Python path for small batches (see _small.py)
+            b = len(seq_ids)
+            if b == 1 and self._small_batch:
+                (s,) = seq_ids  # (any iterable of one id)
+                got = self._step_one(s, token_ids, True)
+                if got is not None:
+                    return got
+            elif 0 < b <= self._small_batch:
+                got = self._step_small(seq_ids, token_ids, b)
+                if got is not None:
+                    return got
         rows = self._rows(seq_ids)
         b = rows.size
         if num_new_tokens is not None:

@@ -2,6 +2,7 @@
 
 Modules: :mod:`.trace` (parsing, token synthesis), :mod:`.sequence` and :mod:`.timed` (the two replay modes),
 :mod:`.point` (one capacity point: the manager and its figures), :mod:`.bound` (ceiling and Belady's optimum),
+:mod:`.baseline` (the same LRU replay with an OrderedDict: the yardstick of the replay's speed),
 :mod:`.report` (JSON, table, chart), :mod:`.__main__` (the command). Core only: numpy and xxhash, never torch.
 
 Several replicas: :mod:`.cluster` (a trace routed over N managers with the router's index and policies from

@@ -46,6 +46,7 @@ class PointResult:
     demotions: int | None = None
     promotions: int | None = None
     seconds: float = 0.0  #: replay time (trace parsing excluded)
+    cpu_seconds: float | None = None  #: the same in the process's CPU time (sequence mode; steadier when shared)
     bound: float | None = None  #: Belady's hit rate at this capacity (with --bound)
     extra: dict = field(default_factory=dict)  #: mode-specific figures (timed mode: preemptions, ...)
 

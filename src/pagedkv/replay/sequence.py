@@ -32,7 +32,7 @@ def replay_sequence(trace: Trace, capacity_tokens: int, *, block_size: int = 16,
     # with the CPU tier each request is one engine step: its copies are taken (and the pinned blocks released)
     step = bm.take_copies if getattr(bm, "cpu_prefix_cache", False) else None
     hits = skipped = prompt = 0
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for i, nb in enumerate(need):
         if progress is not None and not i & 511 and i:
             progress(512)
@@ -45,10 +45,12 @@ def replay_sequence(trace: Trace, capacity_tokens: int, *, block_size: int = 16,
         free(i)
         prompt += lengths[i]
     seconds = time.perf_counter() - t0
+    cpu_seconds = time.process_time() - c0
     if progress is not None and need:
         progress(len(need) - ((len(need) - 1) // 512) * 512)
     res = PointResult(impl, "sequence", capacity_tokens, cpu_capacity_tokens, block_size, requests=len(need) - skipped,
                       skipped=skipped, prompt_tokens=prompt, hit_tokens=hits, seconds=seconds)
     for k, v in tier_figures(bm.stats, bool(getattr(bm, "cpu_prefix_cache", False))).items():
         setattr(res, k, v)
+    res.cpu_seconds = cpu_seconds
     return res
