@@ -43,6 +43,8 @@ from .prefix_cache import PrefixCache
 
 __all__ = ["CpuTier"]
 
+DEMOTE, PROMOTE = 3, 4  # tags of the tier's parts in the manager's pending plan (CopyKind GPU_TO_CPU, CPU_TO_GPU)
+
 _xxh3 = xxhash.xxh3_64_intdigest
 _U64 = 2**64 - 1
 
@@ -50,13 +52,13 @@ _U64 = 2**64 - 1
 class CpuTier:
     """Cached CPU blocks of the prefix cache (see the module docstring). Internal to pagedkv."""
 
-    def __init__(self, pool: BlockPool, cpu_tok: np.ndarray, cpu_id: np.ndarray, cache: PrefixCache) -> None:
+    def __init__(self, pool: BlockPool, cpu_tok: np.ndarray, cpu_id: np.ndarray, cache: PrefixCache,
+                 plan: list) -> None:
         self._pool, self._tok, self._id, self._cache = pool, cpu_tok, cpu_id, cache
         self._map: dict[int, int] = {}  # key -> CPU block
         self.evictor = LRUEvictor(pool.num_blocks)
         self._pinned: dict[int, None] = {}  # CPU blocks read or written by pending copies, in pinning order
-        self._demote: list[tuple[int, int]] = []
-        self._promote: list[tuple[int, int]] = []
+        self._plan = plan  # the manager's pending copy plan: (tag, src, dst) parts in call order
         cache.fresh = np.zeros(cache.cid.size, dtype=np.int32)  # step serial at which a GPU block was cached
         cache.fresh_serial = 1
         cache.tier = self
@@ -97,7 +99,7 @@ class CpuTier:
     def promote_many(self, cs: list[int], gs: list[int]) -> None:
         """Record the CPU -> GPU copies ``(cs[i], gs[i])``: the caller adopted each CPU block's identity and tokens
         into its GPU block; the CPU blocks are pinned already (:meth:`pin_many`)."""
-        self._promote.extend(zip(cs, gs))
+        self._plan.append((PROMOTE, cs, gs))
         self.promotions += len(cs)
 
     # ------------------------------------------------------------------ demotion (GPU -> CPU)
@@ -138,7 +140,7 @@ class CpuTier:
         cl = got.tolist()
         self._map.update(zip(keys.tolist(), cl))
         self._pinned.update(dict.fromkeys(cl))
-        self._demote.extend(zip(blocks.tolist(), cl))
+        self._plan.append((DEMOTE, blocks.tolist(), cl))
         self.demotions += len(cl)
         if cache.events is not None:
             for c in cl:
@@ -163,12 +165,10 @@ class CpuTier:
             self._pool.give(self._forget(self.evictor.pop_many(n)))
 
     # ------------------------------------------------------------------ the step's copies
-    def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """The step's ``(demotions, promotions)`` (see the module docstring) and clear them: the pinned CPU
+    def end_step(self, dem: list[tuple[int, int]], pro: list[tuple[int, int]]) -> None:
+        """The step's copies were taken (``dem``: its demotions, ``pro``: its promotions, in order): the pinned CPU
         blocks become evictable again (demoted ones most recently used), and the blocks cached from now on
         belong to the next step. O(copies)."""
-        dem, pro = self._demote, self._promote
-        self._demote, self._promote = [], []
         if self._pinned:
             # demotion destinations in demotion order (children first: the GPU evicts tail first), then promotion
             # sources children first too (recorded parent first): a parent is always more recent than its children
@@ -181,7 +181,6 @@ class CpuTier:
             self._pool.give(pinned[~cached])  # uncached meanwhile (reset_prefix_cache): back to the free ring
             self._pinned.clear()
         self._cache.fresh_serial += 1
-        return dem, pro
 
     def snapshot_events(self) -> list:
         """One BlockStored (medium CPU) per cached CPU block, parents before children."""
