@@ -15,7 +15,7 @@ from .errors import (
     UnknownSequenceError,
 )
 from . import events
-from .manager import NULL_BLOCK, AllocStatus, BlockManager, Stats, StepResult
+from .manager import NULL_BLOCK, AllocStatus, BlockManager, CopyKind, CopyPlan, Stats, StepResult
 from .prefix_cache import block_hashes
 
 __version__ = "0.1.0"
@@ -23,6 +23,8 @@ __version__ = "0.1.0"
 __all__ = [
     "AllocStatus",
     "BlockManager",
+    "CopyKind",
+    "CopyPlan",
     "NULL_BLOCK",
     "Stats",
     "StepResult",
