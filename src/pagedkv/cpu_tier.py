@@ -15,18 +15,31 @@ Per CPU block, the tier uses the manager's CPU-side arrays: ``cpu_tok`` (token i
 (content id, key, parent content id, parent key, namespace index), plus the ``key -> CPU block`` dict, an
 :class:`~pagedkv.prefix_cache.LRUEvictor` over the unpinned tier blocks and a GPU-sized int32 array ``fresh``.
 
-**The copies of a step** come out of :meth:`take_copies`, once per step, after the block manager's calls of the
-step and before any copy or forward of it::
+**The copies of a step** are part of the manager's one ordered copy plan (``BlockManager.take_copy_plan``):
+every call appends its copies when it makes them, so a demotion (GPU -> CPU) or promotion (CPU -> GPU) sits
+among the step's swap-outs, swap-ins and copy-on-writes in call order, and within a call in the order it makes
+them (an eviction's demotion before its block is reused). The engine executes the plan in that order, then the
+forward::
 
-    demotions   (gpu, cpu) pairs   GPU -> CPU    execute first
-    promotions  (cpu, gpu) pairs   CPU -> GPU    then these
-    then the step's swap-out, swap-in and copy-on-write copies, then the forward
+    calls   swap_out(A)          allocate(B): evicts g, promotes into g     swap_in(C)
+    plan    GPU>CPU A's blocks   GPU>CPU g -> c1      CPU>GPU c0 -> g       CPU>GPU C's blocks
 
-Why this order is safe: a demotion reads a GPU block before anything of the step writes it (a promotion, a
-swap-in or copy-on-write copy into the same block, or the forward of its new owner); the CPU blocks that pending
-copies read or write are *pinned* (out of the evictor, not free) until :meth:`take_copies`, so nothing of the
-step reuses them; and a block whose KV the current step computes (cached since the last :meth:`take_copies`,
-``fresh``) is never demoted (its KV is not written yet when the demotion copy runs): it is dropped instead.
+This is the one place the order and why it is safe are stated (docs/design.md and docs/engine-contract.md
+repeat it for readers of the docs):
+
+- *Call order.* The bookkeeping moves a block's content the moment a copy is recorded and hands a block to a new
+  use (a copy destination, new slots) only after every earlier use of its content is recorded. Executed in call
+  order, when a copy runs every block holds what the bookkeeping said when that copy was recorded.
+- *Nothing reads the forward's KV.* The forward runs after every copy of the plan, so no copy may read KV it
+  writes: a block cached in the current step (``fresh``: stamped when registered or adopted, compared with the
+  serial :meth:`end_step` advances) is dropped, never demoted; and the manager refuses ``swap_out`` and ``fork`` of
+  a sequence handed slots in the current step.
+- *Pins.* The CPU blocks that pending demotions write and promotions read are pinned (out of the evictor, not
+  free) until the plan is taken, so no block is written twice within a step's tier copies.
+
+Any fixed order of kinds is unsafe: the order documented before (demotions, promotions, then swap-out, swap-in,
+copy-on-write) let a promotion overwrite a GPU block that a swap-out of the same step had freed but not yet
+copied, and a demotion or swap-out overwrite CPU blocks a swap-in had released but not yet copied.
 """
 
 from __future__ import annotations
@@ -89,7 +102,7 @@ class CpuTier:
 
     # ------------------------------------------------------------------ promotion (CPU -> GPU)
     def pin_many(self, cs: list[int]) -> None:
-        """Keep the cached CPU blocks ``cs`` (distinct) out of the evictor until :meth:`take_copies`: they are the
+        """Keep the cached CPU blocks ``cs`` (distinct) out of the evictor until :meth:`end_step`: they are the
         sources of promotions about to be recorded, and taking GPU blocks may demote into the tier meanwhile."""
         new = [c for c in cs if c not in self._pinned]
         arr = np.array(new, dtype=np.int64)
@@ -194,7 +207,7 @@ class CpuTier:
 
     def withdraw(self, blocks: np.ndarray) -> None:
         """Uncache tier ``blocks`` whose KV derives from KV nobody wrote (``free(seq, cache=False)``): unpinned ones
-        return to the free ring now, pinned ones at :meth:`take_copies`."""
+        return to the free ring now, pinned ones at :meth:`end_step`."""
         ev = self.evictor
         loose = blocks[ev._stamp[blocks] != 0]
         ev.discard_many(loose)
@@ -203,7 +216,7 @@ class CpuTier:
         self._pool.give(loose.astype(np.int32))
 
     def clear(self) -> None:
-        """Forget every cached CPU block (reset_prefix_cache); pinned ones return to the ring at take_copies."""
+        """Forget every cached CPU block (reset_prefix_cache); pinned ones return to the ring at end_step."""
         freed = list(self.evictor)
         self.evictor.discard_many(np.asarray(freed, dtype=np.int64))
         for c in self._map.values():

@@ -25,7 +25,10 @@ mixed into :class:`BlockManager` (each reads the others' state directly, so the 
     _invariants.py  check_invariants
     pool.py, prefix_cache.py   per-block flat arrays (refcounts, free ring; keys, tokens, LRU)
 
-**The engine contract** (what burst sharing relies on): an engine writes the KV of every token scheduled in a step
+**The engine contract** (docs/engine-contract.md): once per step, after the step's calls, the engine takes
+:meth:`BlockManager.take_copy_plan` (every KV block copy the calls handed out: swap-out, swap-in, copy-on-write,
+the CPU tier's demotions and promotions) and executes it in order, then the step's forward. Why that order is
+safe: :mod:`pagedkv.cpu_tier`. Burst sharing relies on the forward's part of it: an engine writes the KV of every token scheduled in a step
 before any attention of that step reads it (in each layer, the whole batch's K/V are written through the slot
 mapping, then attention runs, as paged-attention engines do), and it runs every scheduled step in full. A block
 full of known tokens is then findable in the prefix cache from the moment the call that hands it out returns
@@ -82,7 +85,7 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Invar
         enable_kv_events: record the prefix cache's KV events (:mod:`pagedkv.events`) for :meth:`take_events`.
         cpu_prefix_cache: a CPU tier of the prefix cache in the CPU pool (:mod:`pagedkv.cpu_tier`): evicted GPU
             blocks are demoted to it and prompts get them back as hits; the engine then makes the copies that
-            :meth:`take_copies` returns once per step. Needs prefix caching and ``num_cpu_blocks``.
+            :meth:`take_copy_plan` returns once per step. Needs prefix caching and ``num_cpu_blocks``.
         max_kv_events: events kept until taken; past it the buffer is dropped and the next :meth:`take_events`
             returns a full resynchronisation (``AllBlocksCleared`` then a ``BlockStored`` per cached block).
 
@@ -490,7 +493,11 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Invar
         SequenceStateError naming it and changes nothing; free the dependent sequences first (sequences
         allocated later in the same step are the ones that can depend on it, so freeing in reverse order of
         allocation always works), or run the step. Any other call that touches the sequence (decode_step,
-        append_slots, fork, swap_out) confirms that its earlier calls' KV was written."""
+        append_slots, fork, swap_out) confirms that its earlier calls' KV was written.
+
+        ``cache=True`` says the sequence's KV is written: before the step's forward it is for sequences not handed
+        slots in the step; abort one that was with ``cache=False`` and leave it out of the forward (see
+        docs/engine-contract.md)."""
         row = self._row(seq_id)
         if not cache and self._cache is not None and not self._swapped[row]:
             self._withdraw_pending(seq_id, row)  # may raise; changes nothing then

@@ -33,7 +33,8 @@ class StepResult(NamedTuple):
 
 
 class CacheCopies(NamedTuple):
-    """The CPU tier's copies of one step (see :meth:`BlockManager.take_copies`), to execute in this order."""
+    """The CPU tier's copies of one step (deprecated :meth:`BlockManager.take_copies`; execute
+    :meth:`BlockManager.take_copy_plan` instead: these lists are not in a safe order when a step also swaps)."""
 
     demotions: np.ndarray  #: int64 (m, 2): (gpu, cpu) pairs, GPU -> CPU, first
     promotions: np.ndarray  #: int64 (k, 2): (cpu, gpu) pairs, CPU -> GPU, then
