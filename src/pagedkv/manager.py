@@ -57,7 +57,7 @@ from .events import KVCacheEvent
 from .pool import BlockPool
 from .prefix_cache import PrefixCache, _encode_namespace
 from .cpu_tier import DEMOTE, PROMOTE
-from .types import NULL_BLOCK, AllocStatus, CacheCopies, CopyKind, CopyPlan, Stats, StepResult
+from .types import _EMPTY_PLAN, NULL_BLOCK, AllocStatus, CacheCopies, CopyKind, CopyPlan, Stats, StepResult
 
 __all__ = ["AllocStatus", "BlockManager", "CacheCopies", "CopyKind", "CopyPlan", "NULL_BLOCK", "StepResult", "Stats"]
 
@@ -134,6 +134,7 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Invar
         # the step's copies, (tag, src, dst) parts in call order, until take_copy_plan (the CPU tier appends too)
         self._copies: list = []
         self._stepping = False  # take_copy_plan has been called: steps are known, the same-step checks are on
+        self._snap = None  # memoryviews (_ntok0, _ntok) for take_copy_plan's snapshot
         self._tier = CpuTier(self._cpu, self._cpu_tok, self._cpu_id, self._cache, self._copies) \
             if cpu_prefix_cache else None
         self._window = sliding_window
@@ -228,9 +229,15 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Invar
             dem = [p for t, s, d in parts if t == DEMOTE for p in zip(s, d)]
             pro = [p for t, s, d in parts if t == PROMOTE for p in zip(s, d)]
             tier.end_step(dem, pro)
-        plan = CopyPlan.build([(_KIND_OF_TAG[t], s, d) for t, s, d in parts]) if parts else CopyPlan.build([])
-        parts.clear()
-        np.copyto(self._ntok0, self._ntok)
+        if parts:
+            plan = CopyPlan.build([(_KIND_OF_TAG[t], s, d) for t, s, d in parts])
+            parts.clear()
+        else:
+            plan = _EMPTY_PLAN
+        snap = self._snap
+        if snap is None or snap[2] is not self._ntok:  # (the row arrays were reallocated)
+            snap = self._snap = (memoryview(self._ntok0), memoryview(self._ntok), self._ntok)
+        snap[0][:] = snap[1]  # the token counts at the step's end (a C-level copy)
         self._stepping = True
         return plan
 
