@@ -480,4 +480,5 @@ def run(seed: int, steps: int, order: str = "plan", check_every: int = 1, cfg: C
     model = KVModel(cfg, seed, order=order, check_every=check_every)
     for _ in range(steps):
         model.step()
+    model.report.count("event_overflows", model.bm.kv_event_overflows)
     return model.report

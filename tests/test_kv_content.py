@@ -24,7 +24,8 @@ def test_every_sequence_reads_its_own_kv_after_every_step(chunk):
         for k, v in r.counts.items():
             total[k] = total.get(k, 0) + v
     # the run exercised what it is meant to (bursts share prefixes, copies of every kind happen, aborts refused)
-    for what in ("admits", "decodes", "swap_outs", "swap_ins", "cow", "aborts", "forks", "copies", "hit_tokens"):
+    for what in ("admits", "decodes", "swap_outs", "swap_ins", "cow", "aborts", "forks", "copies", "hit_tokens",
+                 "event_overflows", "refusals_ok", "swap_out_refused_pending"):
         assert total.get(what, 0) > 0, (what, total)
 
 
