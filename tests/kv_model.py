@@ -310,10 +310,15 @@ class KVModel:
             later = sorted((t for t in self.touched if t in self.seqs and t not in self.aborted
                             and self.order_of.get(t, -1) > self.order_of.get(s, -1)), key=self.order_of.get,
                            reverse=True)
-            for t in later + [s]:
+            for i, t in enumerate(later + [s]):
+                try:
+                    bm.free(t, cache=False)
+                except SequenceStateError:  # held by a sequence swapped in on a block cached in this step
+                    self.report.count("abort_refused")
+                    self.deferred.extend(u for u in (later + [s])[i:] if u not in self.deferred)
+                    return
                 if t in self.deferred:
                     self.deferred.remove(t)
-                bm.free(t, cache=False)
                 del self.seqs[t]
                 self.aborted.add(t)
                 self.report.count("aborts")
