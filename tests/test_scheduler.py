@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from pagedkv import NULL_BLOCK, BlockManager
+from pagedkv import NULL_BLOCK, BlockManager, CopyKind
 from pagedkv.scheduler import (
     FINISH_ABORT,
     FINISH_IGNORED,
@@ -75,6 +75,12 @@ def check_plan(bm: BlockManager, sched: Scheduler, plan: StepPlan) -> None:
     assert plan.is_empty == (not plan.has_forward and not copies and not plan.preempted and not plan.ignored)
     if len(plan.swap_in) and len(plan.swap_out):
         assert not set(plan.swap_in[:, 1].tolist()) & set(plan.swap_out[:, 0].tolist())
+    if not bm.cpu_prefix_cache:  # the copy plan holds exactly the step's swaps and copy-on-writes
+        c = plan.copies
+        assert len(c) == copies
+        for kind, pairs in ((CopyKind.GPU_TO_CPU, plan.swap_out), (CopyKind.CPU_TO_GPU, plan.swap_in),
+                            (CopyKind.GPU_TO_GPU, plan.copy_on_write)):
+            np.testing.assert_array_equal(c.pairs(kind).reshape(-1, 2), np.asarray(pairs).reshape(-1, 2))
     for pw in plan.prefills:
         L = pw.seq_len
         assert bm.num_tokens(pw.seq_id) == L
@@ -634,3 +640,30 @@ def test_swap_in_with_nothing_running_decodes_in_the_same_step():
         sched.update(plan, model.sample(plan))
         bm.check_invariants()
     assert sched.stats.swap_ins > 0 and saw
+
+
+class _NoPlan:
+    """A block manager without take_copy_plan (as another project's adapter): the scheduler orders the copies."""
+
+    def __init__(self, bm):
+        self._bm = bm
+
+    def __getattr__(self, name):
+        if name == "take_copy_plan":
+            raise AttributeError(name)
+        return getattr(self._bm, name)
+
+
+def test_scheduler_orders_the_copies_of_a_manager_without_a_plan():
+    reqs = make_requests(7, 12, max_out=20, n=2)
+    plans = {}
+    for wrap in (False, True):
+        bm = BlockManager(24, 4, num_cpu_blocks=64)
+        sched = Scheduler(_NoPlan(bm) if wrap else bm, max_num_seqs=8, preemption_mode="swap")
+        for r in reqs:
+            sched.add_request(r["request_id"], r["prompt"], n=r["n"], max_tokens=r["max_tokens"], ignore_eos=True)
+        plans[wrap] = [(p.copies.src.tolist(), p.copies.dst.tolist(), p.copies.kind.tolist())
+                       for p in drive(sched, bm)[1]]
+    assert plans[False] == plans[True]
+    kinds = {k for _, _, ks in plans[True] for k in ks}
+    assert kinds == {0, 1, 2}  # swaps both ways and copy-on-write happened

@@ -129,15 +129,16 @@ def copy_blocks(src: KVStore, dst: KVStore, pairs) -> None:
             db[:, pairs[:, 1]] = sb[:, pairs[:, 0]]
 
 
-def run_copies(gpu: KVStore, cpu: KVStore, tier, swap_out, swap_in, cow) -> None:
-    """Execute one step's copies in the documented order: the CPU tier's demotions (GPU -> CPU), its
-    promotions (CPU -> GPU), then swap-out (GPU -> CPU), swap-in (CPU -> GPU), copy-on-write (GPU -> GPU).
-    (When the block manager hands out one ordered copy plan per step, this becomes one loop over it.)"""
-    copy_blocks(gpu, cpu, tier.demotions)
-    copy_blocks(cpu, gpu, tier.promotions)
-    copy_blocks(gpu, cpu, swap_out)
-    copy_blocks(cpu, gpu, swap_in)
-    copy_blocks(gpu, gpu, cow)
+def run_copies(gpu: KVStore, cpu: KVStore, plan) -> None:
+    """Execute one step's copy plan (``bm.take_copy_plan()``) in its order, run by run: each run is one
+    gather-then-scatter of whole blocks (GPU -> CPU: swap-outs and CPU-tier demotions; CPU -> GPU: swap-ins and
+    promotions; GPU -> GPU: copy-on-write)."""
+    from pagedkv import CopyKind
+
+    stores = {CopyKind.GPU_TO_CPU: (gpu, cpu), CopyKind.CPU_TO_GPU: (cpu, gpu), CopyKind.GPU_TO_GPU: (gpu, gpu)}
+    for kind, src, dst in plan.batches():
+        a, b = stores[CopyKind(kind)]
+        copy_blocks(a, b, np.stack((np.asarray(src), np.asarray(dst)), axis=1))
 
 
 # ---------------------------------------------------------------------------------------------------- driver
@@ -211,9 +212,8 @@ class ToyEngine:
 
     # -------------------------------------------------------------- one step
     def step(self) -> None:
-        """One step. To keep clear of the known ordering hazards between swaps and the CPU tier in one step
-        (issue 14, items 1-3, fixed on the `integrity` branch), a step that swaps in does nothing else, and a
-        step that preempts admits nothing."""
+        """One step: a swap-in step does nothing else and a step that preempts admits nothing (a simple
+        scheduling policy; the copy plan is safe for any mix of calls, which tests/test_kv_content.py checks)."""
         bm = self.bm
         self.counts["steps"] += 1
         if self.swapped:
@@ -226,13 +226,13 @@ class ToyEngine:
                     s.status = "running"
                 self.running.extend(group)
                 self.counts["swap_ins"] += 1
-                run_copies(self.gpu, self.cpu, bm.take_copies(), [], pairs, [])
+                del pairs  # (the same copies are in the step's plan)
+                run_copies(self.gpu, self.cpu, bm.take_copy_plan())
                 return
         swap_out: list = []
         decode, preempted = self._decode(swap_out)
         prefill = [] if preempted or self.swapped else self._admit()
-        tier = bm.take_copies()
-        run_copies(self.gpu, self.cpu, tier, swap_out, [], decode[1] if decode else [])
+        run_copies(self.gpu, self.cpu, bm.take_copy_plan())
         segs, owners = [], []
         if prefill:
             res, seqs = prefill

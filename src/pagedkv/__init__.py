@@ -16,7 +16,8 @@ from .errors import (
     UnknownSequenceError,
 )
 from . import events
-from .manager import NULL_BLOCK, AllocStatus, BlockManager, PrefillBatch, PrefixHit, Stats, StepResult
+from .manager import (NULL_BLOCK, AllocStatus, BlockManager, CopyKind, CopyPlan, PrefillBatch, PrefixHit, Stats,
+                      StepResult)
 from .prefix_cache import block_hashes
 
 __version__ = "0.1.0"
@@ -24,6 +25,8 @@ __version__ = "0.1.0"
 __all__ = [
     "AllocStatus",
     "BlockManager",
+    "CopyKind",
+    "CopyPlan",
     "NULL_BLOCK",
     "PrefillBatch",
     "PrefixHit",

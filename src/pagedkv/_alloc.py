@@ -108,6 +108,7 @@ class _Allocator:
             hits, new = self._promote(hits, cpu_hits, new)
         row = self._new_row(seq_id)
         self._ns_of[row] = namespace
+        self._ntok0[row] = -1  # every position is handed out in this step
         if nblocks > self._table.shape[1]:
             self._ensure_cols(nblocks)
         mvs = self._mvs or self._views()

@@ -99,7 +99,7 @@ class _Rows:
     def _grow_rows(self) -> None:
         old = len(self._seq_of)
         new = max(8, 2 * old)
-        for name in ("_ntok", "_nblk", "_nrel", "_nreg", "_pend", "_swapped", "_ccid", "_ckey"):
+        for name in ("_ntok", "_ntok0", "_nblk", "_nrel", "_nreg", "_pend", "_swapped", "_ccid", "_ckey"):
             a = getattr(self, name)
             b = np.zeros(new, dtype=a.dtype)
             b[:old] = a

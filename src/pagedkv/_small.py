@@ -202,6 +202,7 @@ class _Small:
             pairs.append((src, dst))
         if pairs:
             self._cow_copies += len(pairs)
+            self._copies.append((2, [p[0] for p in pairs], [p[1] for p in pairs]))  # the plan's COW part
         if n_grow:
             need = max([nblk[r] for r in rows]) + 1
             if need > self._table.shape[1]:

@@ -171,6 +171,7 @@ class _Stepper:
             np.subtract.at(self._gpu._ref, c_src, 1)  # a source may be copied by several writers
             cow_pairs = np.stack((c_src, dst.astype(np.int64)), axis=1)
             self._cow_copies += c_rows.size
+            self._copies.append((2, c_src, dst))  # COW (the plan's copy-on-write part)
         else:
             cow_pairs = np.zeros((0, 2), dtype=np.int64)
         nb = self._nblk[rows]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import OutOfBlocksError
+from .errors import OutOfBlocksError, SequenceStateError
 
 
 _U64 = 2**64 - 1  # keys are stored as int64 bit patterns on the CPU side
@@ -21,6 +21,13 @@ class _Swapper:
     def _swap_out(self, seq_ids: list) -> list[tuple[int, int]]:
         seq_ids = list(seq_ids)
         rows = self._rows_where(seq_ids, swapped=False)
+        if self._stepping:
+            pending = np.flatnonzero(self._ntok[rows] != self._ntok0[rows])
+            if pending.size:
+                raise SequenceStateError(
+                    f"swap_out: sequence {seq_ids[int(pending[0])]!r} was handed slots in this step, whose KV only "
+                    "the step's forward writes (after every copy): swap it out in a later step, or free it with "
+                    "cache=False (an abort)")
         uniq = self._unique_blocks(rows)
         if uniq.size > self.num_free_cpu_blocks:
             raise OutOfBlocksError(f"swap_out needs {uniq.size} CPU blocks; {self.num_free_cpu_blocks} are free")
@@ -46,7 +53,10 @@ class _Swapper:
         self._park_gpu(rev[self._gpu._ref[rev] == 0])
         self._swapped_out += uniq.size
         self._memo_ids = None
-        return list(zip(uniq.tolist(), cpu_ids.tolist()))
+        src, dst = uniq.tolist(), cpu_ids.tolist()
+        if src:
+            self._copies.append((0, src, dst))  # SWAP_OUT
+        return list(zip(src, dst))
 
     def _swap_in(self, seq_ids: list) -> list[tuple[int, int]]:
         seq_ids = list(seq_ids)
@@ -66,6 +76,11 @@ class _Swapper:
             evictor = self._cache.evictor
             for g in from_evictor:
                 evictor.discard(g)
+        if self._tier is not None and self._stepping:
+            cache, reused = self._cache, reuse[~copy_mask]
+            if reused.size and (cache.fresh[reused] == cache.fresh_serial).any():
+                # a block cached in this step is reused: its KV may be this step's forward's to write
+                self._ntok0[rows] = -1
         gpu_ids = reuse.copy()
         new = self._take(n_copy)
         ref[new] = 0  # _remap adds one reference per holder
@@ -88,7 +103,10 @@ class _Swapper:
         self._cpu.give(freed)
         self._swapped_in += uniq.size
         self._memo_ids = None
-        return [(int(c), int(g)) for c, g in zip(uniq[copy_mask], gpu_ids[copy_mask])]
+        src, dst = uniq[copy_mask].tolist(), gpu_ids[copy_mask].tolist()
+        if src:
+            self._copies.append((1, src, dst))  # SWAP_IN
+        return list(zip(src, dst))
 
     def _unique_blocks(self, rows: np.ndarray) -> np.ndarray:
         """Distinct non-null blocks of the rows, in order of first appearance (int64)."""

@@ -15,18 +15,31 @@ Per CPU block, the tier uses the manager's CPU-side arrays: ``cpu_tok`` (token i
 (content id, key, parent content id, parent key, namespace index), plus the ``key -> CPU block`` dict, an
 :class:`~pagedkv.prefix_cache.LRUEvictor` over the unpinned tier blocks and a GPU-sized int32 array ``fresh``.
 
-**The copies of a step** come out of :meth:`take_copies`, once per step, after the block manager's calls of the
-step and before any copy or forward of it::
+**The copies of a step** are part of the manager's one ordered copy plan (``BlockManager.take_copy_plan``):
+every call appends its copies when it makes them, so a demotion (GPU -> CPU) or promotion (CPU -> GPU) sits
+among the step's swap-outs, swap-ins and copy-on-writes in call order, and within a call in the order it makes
+them (an eviction's demotion before its block is reused). The engine executes the plan in that order, then the
+forward::
 
-    demotions   (gpu, cpu) pairs   GPU -> CPU    execute first
-    promotions  (cpu, gpu) pairs   CPU -> GPU    then these
-    then the step's swap-out, swap-in and copy-on-write copies, then the forward
+    calls   swap_out(A)          allocate(B): evicts g, promotes into g     swap_in(C)
+    plan    GPU>CPU A's blocks   GPU>CPU g -> c1      CPU>GPU c0 -> g       CPU>GPU C's blocks
 
-Why this order is safe: a demotion reads a GPU block before anything of the step writes it (a promotion, a
-swap-in or copy-on-write copy into the same block, or the forward of its new owner); the CPU blocks that pending
-copies read or write are *pinned* (out of the evictor, not free) until :meth:`take_copies`, so nothing of the
-step reuses them; and a block whose KV the current step computes (cached since the last :meth:`take_copies`,
-``fresh``) is never demoted (its KV is not written yet when the demotion copy runs): it is dropped instead.
+This is the one place the order and why it is safe are stated (docs/design.md and docs/engine-contract.md
+repeat it for readers of the docs):
+
+- *Call order.* The bookkeeping moves a block's content the moment a copy is recorded and hands a block to a new
+  use (a copy destination, new slots) only after every earlier use of its content is recorded. Executed in call
+  order, when a copy runs every block holds what the bookkeeping said when that copy was recorded.
+- *Nothing reads the forward's KV.* The forward runs after every copy of the plan, so no copy may read KV it
+  writes: a block cached in the current step (``fresh``: stamped when registered or adopted, compared with the
+  serial :meth:`end_step` advances) is dropped, never demoted; and the manager refuses ``swap_out`` and ``fork`` of
+  a sequence handed slots in the current step.
+- *Pins.* The CPU blocks that pending demotions write and promotions read are pinned (out of the evictor, not
+  free) until the plan is taken, so no block is written twice within a step's tier copies.
+
+Any fixed order of kinds is unsafe: the order documented before (demotions, promotions, then swap-out, swap-in,
+copy-on-write) let a promotion overwrite a GPU block that a swap-out of the same step had freed but not yet
+copied, and a demotion or swap-out overwrite CPU blocks a swap-in had released but not yet copied.
 """
 
 from __future__ import annotations
@@ -43,6 +56,8 @@ from .prefix_cache import PrefixCache
 
 __all__ = ["CpuTier"]
 
+DEMOTE, PROMOTE = 3, 4  # tags of the tier's parts in the manager's pending plan (CopyKind GPU_TO_CPU, CPU_TO_GPU)
+
 _xxh3 = xxhash.xxh3_64_intdigest
 _U64 = 2**64 - 1
 
@@ -50,13 +65,13 @@ _U64 = 2**64 - 1
 class CpuTier:
     """Cached CPU blocks of the prefix cache (see the module docstring). Internal to pagedkv."""
 
-    def __init__(self, pool: BlockPool, cpu_tok: np.ndarray, cpu_id: np.ndarray, cache: PrefixCache) -> None:
+    def __init__(self, pool: BlockPool, cpu_tok: np.ndarray, cpu_id: np.ndarray, cache: PrefixCache,
+                 plan: list) -> None:
         self._pool, self._tok, self._id, self._cache = pool, cpu_tok, cpu_id, cache
         self._map: dict[int, int] = {}  # key -> CPU block
         self.evictor = LRUEvictor(pool.num_blocks)
         self._pinned: dict[int, None] = {}  # CPU blocks read or written by pending copies, in pinning order
-        self._demote: list[tuple[int, int]] = []
-        self._promote: list[tuple[int, int]] = []
+        self._plan = plan  # the manager's pending copy plan: (tag, src, dst) parts in call order
         cache.fresh = np.zeros(cache.cid.size, dtype=np.int32)  # step serial at which a GPU block was cached
         cache.fresh_serial = 1
         cache.tier = self
@@ -87,7 +102,7 @@ class CpuTier:
 
     # ------------------------------------------------------------------ promotion (CPU -> GPU)
     def pin_many(self, cs: list[int]) -> None:
-        """Keep the cached CPU blocks ``cs`` (distinct) out of the evictor until :meth:`take_copies`: they are the
+        """Keep the cached CPU blocks ``cs`` (distinct) out of the evictor until :meth:`end_step`: they are the
         sources of promotions about to be recorded, and taking GPU blocks may demote into the tier meanwhile."""
         new = [c for c in cs if c not in self._pinned]
         arr = np.array(new, dtype=np.int64)
@@ -97,7 +112,7 @@ class CpuTier:
     def promote_many(self, cs: list[int], gs: list[int]) -> None:
         """Record the CPU -> GPU copies ``(cs[i], gs[i])``: the caller adopted each CPU block's identity and tokens
         into its GPU block; the CPU blocks are pinned already (:meth:`pin_many`)."""
-        self._promote.extend(zip(cs, gs))
+        self._plan.append((PROMOTE, cs, gs))
         self.promotions += len(cs)
 
     # ------------------------------------------------------------------ demotion (GPU -> CPU)
@@ -138,7 +153,7 @@ class CpuTier:
         cl = got.tolist()
         self._map.update(zip(keys.tolist(), cl))
         self._pinned.update(dict.fromkeys(cl))
-        self._demote.extend(zip(blocks.tolist(), cl))
+        self._plan.append((DEMOTE, blocks.tolist(), cl))
         self.demotions += len(cl)
         if cache.events is not None:
             for c in cl:
@@ -163,12 +178,10 @@ class CpuTier:
             self._pool.give(self._forget(self.evictor.pop_many(n)))
 
     # ------------------------------------------------------------------ the step's copies
-    def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """The step's ``(demotions, promotions)`` (see the module docstring) and clear them: the pinned CPU
+    def end_step(self, dem: list[tuple[int, int]], pro: list[tuple[int, int]]) -> None:
+        """The step's copies were taken (``dem``: its demotions, ``pro``: its promotions, in order): the pinned CPU
         blocks become evictable again (demoted ones most recently used), and the blocks cached from now on
         belong to the next step. O(copies)."""
-        dem, pro = self._demote, self._promote
-        self._demote, self._promote = [], []
         if self._pinned:
             # demotion destinations in demotion order (children first: the GPU evicts tail first), then promotion
             # sources children first too (recorded parent first): a parent is always more recent than its children
@@ -181,7 +194,6 @@ class CpuTier:
             self._pool.give(pinned[~cached])  # uncached meanwhile (reset_prefix_cache): back to the free ring
             self._pinned.clear()
         self._cache.fresh_serial += 1
-        return dem, pro
 
     def snapshot_events(self) -> list:
         """One BlockStored (medium CPU) per cached CPU block, parents before children."""
@@ -195,7 +207,7 @@ class CpuTier:
 
     def withdraw(self, blocks: np.ndarray) -> None:
         """Uncache tier ``blocks`` whose KV derives from KV nobody wrote (``free(seq, cache=False)``): unpinned ones
-        return to the free ring now, pinned ones at :meth:`take_copies`."""
+        return to the free ring now, pinned ones at :meth:`end_step`."""
         ev = self.evictor
         loose = blocks[ev._stamp[blocks] != 0]
         ev.discard_many(loose)
@@ -204,7 +216,7 @@ class CpuTier:
         self._pool.give(loose.astype(np.int32))
 
     def clear(self) -> None:
-        """Forget every cached CPU block (reset_prefix_cache); pinned ones return to the ring at take_copies."""
+        """Forget every cached CPU block (reset_prefix_cache); pinned ones return to the ring at end_step."""
         freed = list(self.evictor)
         self.evictor.discard_many(np.asarray(freed, dtype=np.int64))
         for c in self._map.values():

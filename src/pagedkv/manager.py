@@ -33,7 +33,10 @@ sequence lives in block ``table[p // block_size]`` at offset ``p % block_size``.
 engine builder's guide: the prefill and decode metadata, which token a decode step takes, what ``seq_lens``
 counts, lookahead slots, fixed-width tables and the order of a step's copies.
 
-**The engine contract** (what burst sharing relies on): an engine writes the KV of every token scheduled in a step
+**The engine contract** (docs/engine-contract.md): once per step, after the step's calls, the engine takes
+:meth:`BlockManager.take_copy_plan` (every KV block copy the calls handed out: swap-out, swap-in, copy-on-write,
+the CPU tier's demotions and promotions) and executes it in order, then the step's forward. Why that order is
+safe: :mod:`pagedkv.cpu_tier`. Burst sharing relies on the forward's part of it: an engine writes the KV of every token scheduled in a step
 before any attention of that step reads it (in each layer, the whole batch's K/V are written through the slot
 mapping, then attention runs, as paged-attention engines do), and it runs every scheduled step in full. A block
 full of known tokens is then findable in the prefix cache from the moment the call that hands it out returns
@@ -62,10 +65,17 @@ from .cpu_tier import CpuTier
 from .events import KVCacheEvent
 from .pool import BlockPool
 from .prefix_cache import PrefixCache, _encode_namespace
-from .types import NULL_BLOCK, AllocStatus, CacheCopies, PrefillBatch, PrefixHit, Stats, StepResult
+from .cpu_tier import DEMOTE, PROMOTE
+from .types import (_EMPTY_PLAN, NULL_BLOCK, AllocStatus, CacheCopies, CopyKind, CopyPlan, PrefillBatch, PrefixHit,
+                    Stats, StepResult)
 
-__all__ = ["AllocStatus", "BlockManager", "CacheCopies", "NULL_BLOCK", "PrefillBatch", "PrefixHit", "StepResult",
-           "Stats"]
+__all__ = ["AllocStatus", "BlockManager", "CacheCopies", "CopyKind", "CopyPlan", "NULL_BLOCK", "PrefillBatch",
+           "PrefixHit", "StepResult", "Stats"]
+
+# tags of the parts of the pending copy plan (the _Swapper's and _Stepper's; the CPU tier's are DEMOTE, PROMOTE)
+SWAP_OUT, SWAP_IN, COW = 0, 1, 2
+_KIND_OF_TAG = (CopyKind.GPU_TO_CPU, CopyKind.CPU_TO_GPU, CopyKind.GPU_TO_GPU, CopyKind.GPU_TO_CPU,
+                CopyKind.CPU_TO_GPU)
 
 _NO_PAIRS = np.zeros((0, 2), dtype=np.int64)
 _NO_PAIRS.flags.writeable = False
@@ -86,7 +96,7 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
         enable_kv_events: record the prefix cache's KV events (:mod:`pagedkv.events`) for :meth:`take_events`.
         cpu_prefix_cache: a CPU tier of the prefix cache in the CPU pool (:mod:`pagedkv.cpu_tier`): evicted GPU
             blocks are demoted to it and prompts get them back as hits; the engine then makes the copies that
-            :meth:`take_copies` returns once per step. Needs prefix caching and ``num_cpu_blocks``.
+            :meth:`take_copy_plan` returns once per step. Needs prefix caching and ``num_cpu_blocks``.
         max_kv_events: events kept until taken; past it the buffer is dropped and the next :meth:`take_events`
             returns a full resynchronisation (``AllBlocksCleared`` then a ``BlockStored`` per cached block).
         block_table_width: give every batch block table (``StepResult.block_tables``,
@@ -140,7 +150,12 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
         self._cpu_tok = np.zeros((num_cpu_blocks, block_size), np.int32) if enable_prefix_caching else None
         # cid, key, pcid, parent key, namespace index (the last two for KV events)
         self._cpu_id = np.zeros((5, num_cpu_blocks), np.int64) if enable_prefix_caching else None
-        self._tier = CpuTier(self._cpu, self._cpu_tok, self._cpu_id, self._cache) if cpu_prefix_cache else None
+        # the step's copies, (tag, src, dst) parts in call order, until take_copy_plan (the CPU tier appends too)
+        self._copies: list = []
+        self._stepping = False  # take_copy_plan has been called: steps are known, the same-step checks are on
+        self._snap = None  # memoryviews (_ntok0, _ntok) for take_copy_plan's snapshot
+        self._tier = CpuTier(self._cpu, self._cpu_tok, self._cpu_id, self._cache, self._copies) \
+            if cpu_prefix_cache else None
         self._window = sliding_window
         self._watermark_blocks = int(watermark * num_gpu_blocks)
         # sequences: seq_id -> row of the per-sequence arrays
@@ -149,6 +164,7 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
         self._ns_of: list[object] = []  # namespace of each row (for KV events)
         self._free_rows: list[int] = []
         self._ntok = np.zeros(0, dtype=np.int64)  # tokens appended
+        self._ntok0 = np.zeros(0, dtype=np.int64)  # tokens at the last take_copy_plan (-1: allocated since)
         self._nblk = np.zeros(0, dtype=np.int64)  # table length (incl. released and lookahead-only blocks)
         self._nrel = np.zeros(0, dtype=np.int64)  # leading blocks released by the sliding window
         self._nreg = np.zeros(0, dtype=np.int64)  # leading blocks already offered to the prefix cache
@@ -210,16 +226,50 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
         """CPU blocks whose content is in the CPU tier of the prefix cache."""
         return len(self._tier) if self._tier is not None else 0
 
+    def take_copy_plan(self) -> CopyPlan:
+        """Every KV block copy of the step, in the order to execute them, and end the step. O(copies + rows).
+
+        A *step* is the calls made since the previous ``take_copy_plan()``. The plan holds every copy those calls
+        handed out, in call order (and in order within a call): swap-out and CPU-tier demotion copies (GPU ->
+        CPU), swap-in and CPU-tier promotion copies (CPU -> GPU), copy-on-write copies (GPU -> GPU). The engine
+        takes it once per step, after the step's calls, executes it in order (:meth:`CopyPlan.batches`), then
+        runs the step's forward. The calls' own return values (``swap_out``/``swap_in`` pairs,
+        ``StepResult.cow``) are the same copies; executing those lists in any fixed order of kinds is not safe
+        (a swap-out frees GPU blocks a later promotion of the same step writes; a swap-in frees CPU blocks a
+        later demotion or swap-out writes): execute the plan. Why its order is safe: :mod:`pagedkv.cpu_tier`
+        and docs/engine-contract.md.
+
+        The first call also switches on the same-step checks: from then on ``swap_out`` and ``fork`` refuse a
+        sequence that was handed slots in the current step (SequenceStateError: its KV is written only by the
+        step's forward, after every copy of the plan). Until a plan is taken, copies accumulate.
+        """
+        parts = self._copies
+        tier = self._tier
+        if tier is not None:
+            dem = [p for t, s, d in parts if t == DEMOTE for p in zip(s, d)]
+            pro = [p for t, s, d in parts if t == PROMOTE for p in zip(s, d)]
+            tier.end_step(dem, pro)
+        if parts:
+            plan = CopyPlan.build([(_KIND_OF_TAG[t], s, d) for t, s, d in parts])
+            parts.clear()
+        else:
+            plan = _EMPTY_PLAN
+        snap = self._snap
+        if snap is None or snap[2] is not self._ntok:  # (the row arrays were reallocated)
+            snap = self._snap = (memoryview(self._ntok0), memoryview(self._ntok), self._ntok)
+        snap[0][:] = snap[1]  # the token counts at the step's end (a C-level copy)
+        self._stepping = True
+        return plan
+
     def take_copies(self) -> CacheCopies:
-        """The CPU tier's copies of this step, and clear them: ``demotions`` (gpu, cpu) pairs to copy GPU -> CPU
-        first, then ``promotions`` (cpu, gpu) pairs CPU -> GPU, before the step's swap and copy-on-write copies and
-        its forward (see :mod:`pagedkv.cpu_tier` for why this order is safe). Call it once per step, after the
-        step's block-manager calls: until then the CPU blocks involved stay pinned, and blocks cached since the
-        last call count as not yet written (they are dropped, not demoted, if evicted). Empty without the
-        tier. O(copies)."""
-        if self._tier is None:
-            return CacheCopies(_NO_PAIRS, _NO_PAIRS)
-        dem, pro = self._tier.take_copies()
+        """Deprecated: :meth:`take_copy_plan` (it ends the step the same way) narrowed to the CPU tier's copies,
+        ``demotions`` (gpu, cpu) and ``promotions`` (cpu, gpu) pairs; the step's swap and copy-on-write copies
+        are then only in the calls' return values. Executing these lists kind after kind is not safe when a step
+        mixes swaps with tier copies (see :meth:`take_copy_plan`). O(copies + rows)."""
+        parts = [(t, s, d) for t, s, d in self._copies if t in (DEMOTE, PROMOTE)]
+        self.take_copy_plan()
+        dem = [p for t, s, d in parts if t == DEMOTE for p in zip(s, d)]
+        pro = [p for t, s, d in parts if t == PROMOTE for p in zip(s, d)]
         return CacheCopies(np.array(dem, dtype=np.int64).reshape(-1, 2), np.array(pro, dtype=np.int64).reshape(-1, 2))
 
     @property
@@ -446,7 +496,13 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
             fresh = False
         if not fresh:
             self._check_new_id(child_seq_id)
+        if self._stepping and self._ntok[prow] != self._ntok0[prow]:
+            raise SequenceStateError(
+                f"fork({parent_seq_id!r}, ...): the parent was handed slots in this step and their KV is written "
+                "only by the step's forward; fork after it (after take_copy_plan() and the forward)")
         self._fork_row(prow, child_seq_id)
+        if self._stepping:
+            self._ntok0[self._row_of[child_seq_id]] = self._ntok0[prow]
 
 
     def free(self, seq_id: Hashable, *, cache: bool = True) -> None:
@@ -462,7 +518,11 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
         SequenceStateError naming it and changes nothing; free the dependent sequences first (sequences
         allocated later in the same step are the ones that can depend on it, so freeing in reverse order of
         allocation always works), or run the step. Any other call that touches the sequence (decode_step,
-        append_slots, fork, swap_out) confirms that its earlier calls' KV was written."""
+        append_slots, fork, swap_out) confirms that its earlier calls' KV was written.
+
+        ``cache=True`` says the sequence's KV is written: before the step's forward it is for sequences not handed
+        slots in the step; abort one that was with ``cache=False`` and leave it out of the forward (see
+        docs/engine-contract.md)."""
         row = self._row(seq_id)
         if not cache and self._cache is not None and not self._swapped[row]:
             self._withdraw_pending(seq_id, row)  # may raise; changes nothing then

@@ -36,10 +36,13 @@ prefilled sequence inputs the token sampled from the prefill (position ``len(pro
 tokens sampled in the previous step (one, or the accepted tokens of speculative decoding), at positions
 ``num_tokens - q .. num_tokens - 1`` after the append. Positions and slots are exactly those of the block manager.
 
-The engine executes a plan in this order: with the CPU tier of the prefix cache its ``cache_demotions`` (GPU ->
-CPU) then ``cache_promotions`` (CPU -> GPU), ``swap_out`` copies (GPU -> CPU), ``swap_in`` copies (CPU -> GPU),
-``copy_on_write`` copies, then the forward pass over ``prefills`` and ``decode``. (Blocks freed by a swap-out can
-be handed out again in the same step, so the swap-out copies must come first.)
+The engine executes a plan this way: every copy of ``plan.copies`` (a :class:`~pagedkv.CopyPlan`: swap-outs,
+swap-ins, copy-on-writes and the CPU tier's demotions and promotions, in the order the block-manager calls handed
+them out), in order, then the forward pass over ``prefills`` and ``decode``. The plan comes from the block
+manager's ``take_copy_plan()``, called once per step at the end of :meth:`Scheduler.schedule` (for a block manager
+without it, the scheduler builds the same call-ordered plan from the calls' return values). ``swap_out``,
+``swap_in`` and ``copy_on_write`` are the same copies by kind, for statistics: executed kind after kind they can
+corrupt KV (a swap-out frees GPU blocks that a later call of the step hands out again; see docs/engine-contract.md).
 Within the forward pass, each layer writes the K/V of every new token of the step before any attention of the
 step reads the cache, and a plan is always executed in full, even if one of its requests is aborted meanwhile:
 with prefix caching a prompt admitted in the same step as an identical one reads the blocks the other writes
@@ -64,6 +67,7 @@ from typing import Any, Hashable, NamedTuple, Sequence as Seq
 import numpy as np
 
 from .errors import OutOfBlocksError
+from .types import CopyKind, CopyPlan
 
 __all__ = [
     "Scheduler",
@@ -156,19 +160,18 @@ _NO_PAIRS.flags.writeable = False
 
 
 class StepPlan(NamedTuple):
-    """What one step computes. Execute the CPU tier's demotions then promotions, swap_out, swap_in,
-    copy_on_write copies, then the forward pass."""
+    """What one step computes. Execute every copy of ``copies`` in order (:meth:`CopyPlan.batches`), then the
+    forward pass. ``swap_out``, ``swap_in`` and ``copy_on_write`` list the same copies by kind (statistics only)."""
 
     step: int
-    swap_out: np.ndarray  # int64 (m, 2): (gpu_block, cpu_block)
-    swap_in: np.ndarray  # int64 (m, 2): (cpu_block, gpu_block)
-    copy_on_write: np.ndarray  # int64 (m, 2): (src, dst), copy before writing this step's KV
+    swap_out: np.ndarray  # int64 (m, 2): (gpu_block, cpu_block) of the requests swapped out (in copies too)
+    swap_in: np.ndarray  # int64 (m, 2): (cpu_block, gpu_block) of the requests swapped in (in copies too)
+    copy_on_write: np.ndarray  # int64 (m, 2): (src, dst) of the decode's copy-on-writes (in copies too)
     prefills: tuple  # tuple[PrefillWork, ...]
     decode: DecodeBatch | None
     preempted: tuple  # tuple[Preemption, ...]
     ignored: tuple  # tuple[RequestOutput, ...]: requests finished as "ignored" in this step
-    cache_demotions: np.ndarray = _NO_PAIRS  # int64 (m, 2): (gpu, cpu), the CPU tier's GPU -> CPU copies, first
-    cache_promotions: np.ndarray = _NO_PAIRS  # int64 (m, 2): (cpu, gpu), its CPU -> GPU copies, second
+    copies: CopyPlan = CopyPlan.build([])  # every copy of the step (CPU tier included), in execution order
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -192,9 +195,8 @@ class StepPlan(NamedTuple):
     @property
     def is_empty(self) -> bool:
         """Nothing at all to do: no forward pass, no copies, no preemption, nothing ignored."""
-        return (not self.prefills and self.decode is None and not len(self.swap_out) and not len(self.swap_in)
-                and not len(self.copy_on_write) and not self.preempted and not self.ignored
-                and not len(self.cache_demotions) and not len(self.cache_promotions))
+        return (not self.prefills and self.decode is None and not len(self.copies) and not len(self.swap_out)
+                and not len(self.swap_in) and not len(self.copy_on_write) and not self.preempted and not self.ignored)
 
 
 @dataclass(frozen=True)
@@ -345,6 +347,9 @@ class Scheduler:
         self._next_seq_id = 0
         self._next_arrival = 0
         self._outstanding: StepPlan | None = None
+        # a block manager without take_copy_plan (another's adapter): the scheduler orders the calls' copies
+        self._own_plan = getattr(block_manager, "take_copy_plan", None) is None
+        self._step_copies: list = []
         self.stats = SchedulerStats()
 
     # -------------------------------------------------------------------------------------------- requests
@@ -485,6 +490,7 @@ class Scheduler:
         if self._outstanding is not None:
             raise RuntimeError("schedule() called twice without update(): pass the sampled tokens first")
         self.stats.steps += 1
+        self._step_copies: list = []  # (kind, pairs) in call order, for a block manager without take_copy_plan
         swap_out: list[np.ndarray] = []
         swap_in: list[np.ndarray] = []
         preempted: list[Preemption] = []
@@ -520,7 +526,7 @@ class Scheduler:
                     why = "the prompt does not fit in the pool even when it is empty"
                 ignored.append(self._ignore(g, why))
 
-        cow = decode.result.cow if decode is not None else None
+        cow = decode.result.cow if decode is not None else None  # (the plan's GPU -> GPU copies)
         cow = _pairs(cow)
         if len(cow):
             self.stats.copy_on_writes += len(cow)
@@ -533,12 +539,16 @@ class Scheduler:
             decode=decode,
             preempted=tuple(preempted),
             ignored=tuple(ignored),
+            copies=self._take_copy_plan(),
         )
-        if getattr(self.bm, "cpu_prefix_cache", False):  # the tier's copies of this step, executed first
-            copies = self.bm.take_copies()
-            plan = plan._replace(cache_demotions=copies.demotions, cache_promotions=copies.promotions)
         self._outstanding = plan
         return plan
+
+    def _take_copy_plan(self) -> CopyPlan:
+        """The step's copies in call order: the block manager's own plan, or one built from the calls' results."""
+        if not self._own_plan:
+            return self.bm.take_copy_plan()
+        return CopyPlan.build([(k, p[:, 0], p[:, 1]) for k, p in self._step_copies if len(p)])
 
     def _schedule_decode(self, swap_out: list, preempted: list, ignored: list,
                          allow_preempt: bool = True) -> DecodeBatch | None:
@@ -587,6 +597,8 @@ class Scheduler:
                 kw = {} if counts_arg is None else {"num_new_tokens": counts_arg}
                 try:
                     result = bm.decode_step(ids, token_arg, k, **kw)
+                    if self._own_plan:
+                        self._step_copies.append((CopyKind.GPU_TO_GPU, _pairs(result.cow)))
                     break
                 except OutOfBlocksError:
                     pass
@@ -646,6 +658,7 @@ class Scheduler:
         if self.preemption_mode == "swap" and bm.can_swap_out(ids):
             pairs = _pairs(bm.swap_out(ids))
             swap_out.append(pairs)
+            self._step_copies.append((CopyKind.GPU_TO_CPU, pairs))
             self.stats.swap_outs += 1
             self.stats.swapped_out_blocks += len(pairs)
             g.status = _SWAPPED
@@ -683,6 +696,7 @@ class Scheduler:
                 heapq.heappop(self._swapped)
                 pairs = _pairs(bm.swap_in(ids))
                 swap_in.append(pairs)
+                self._step_copies.append((CopyKind.CPU_TO_GPU, pairs))
                 self.stats.swap_ins += 1
                 self.stats.swapped_in_blocks += len(pairs)
                 g.status = _RUNNING

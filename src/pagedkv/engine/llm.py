@@ -3,7 +3,7 @@
 One engine step::
 
     plan = scheduler.schedule()          # block-manager calls: allocate / decode_step / swap / fork
-    swap_out, swap_in, copy-on-write     # executed on the KV tensors
+    plan.copies                          # every KV block copy of the step, executed in order
     logits = model(metadata(plan), kv)   # prefills and decodes in one forward
     scheduler.update(plan, sampled)      # append, stop, free
 
@@ -25,7 +25,7 @@ import torch
 from ..errors import InvalidArgumentError, PromptTooLongError
 from ..manager import AllocStatus, BlockManager
 from ..scheduler import FINISH_STOP, Scheduler
-from .model import build_attention_metadata, copy_blocks, swap_blocks
+from .model import build_attention_metadata, execute_copy_plan
 from .registry import load_model, make_tokenizer
 from .sampling import SamplingParams, sample
 
@@ -326,16 +326,8 @@ class LLM:
         times.block_manager = self._timed_bm.seconds - bm0
 
     def _execute(self, plan: Any, by_id: dict) -> list:
-        if plan.cache_demotions.size:  # the CPU tier of the prefix cache first (see pagedkv.cpu_tier)
-            swap_blocks(self.kv_cache, self.cpu_kv_cache, plan.cache_demotions)
-        if plan.cache_promotions.size:
-            swap_blocks(self.cpu_kv_cache, self.kv_cache, plan.cache_promotions)
-        if plan.swap_out.size:
-            swap_blocks(self.kv_cache, self.cpu_kv_cache, plan.swap_out)
-        if plan.swap_in.size:
-            swap_blocks(self.cpu_kv_cache, self.kv_cache, plan.swap_in)
-        if plan.copy_on_write.size:
-            copy_blocks(self.kv_cache, plan.copy_on_write)
+        if len(plan.copies):  # every copy of the step, in the order the block manager handed them out
+            execute_copy_plan(plan.copies, self.kv_cache, self.cpu_kv_cache)
         if not plan.has_forward:  # a step that only moved blocks
             return []
         new_tokens, computed, slots, tables, owners = [], [], [], [], []

@@ -61,6 +61,7 @@ __all__ = [
     "PagedLlama",
     "build_attention_metadata",
     "copy_blocks",
+    "execute_copy_plan",
     "kv_cache_shape",
     "swap_blocks",
 ]
@@ -262,6 +263,22 @@ def copy_blocks(kv_cache: torch.Tensor, pairs: Any) -> None:
         return
     src, dst = idx
     kv_cache[:, :, dst] = kv_cache[:, :, src]
+
+
+@torch.inference_mode()
+def execute_copy_plan(plan: Any, kv_cache: torch.Tensor, cpu_kv_cache: torch.Tensor | None) -> None:
+    """Execute a step's :class:`pagedkv.CopyPlan` (``BlockManager.take_copy_plan()``, ``StepPlan.copies``) on the
+    KV caches, in order: each of its batches (consecutive copies of one kind that may run together) as one
+    gather-then-scatter between the device cache and the CPU cache (or within the device cache)."""
+    for kind, src, dst in plan.batches():
+        if kind == 2:  # CopyKind.GPU_TO_GPU
+            copy_blocks(kv_cache, np.stack((src, dst), axis=1))
+        elif cpu_kv_cache is None:
+            raise ValueError("the copy plan moves blocks to or from the CPU but there is no CPU KV cache")
+        elif kind == 0:  # CopyKind.GPU_TO_CPU
+            swap_blocks(kv_cache, cpu_kv_cache, np.stack((src, dst), axis=1))
+        else:  # CopyKind.CPU_TO_GPU
+            swap_blocks(cpu_kv_cache, kv_cache, np.stack((src, dst), axis=1))
 
 
 @torch.inference_mode()

@@ -1,0 +1,489 @@
+"""The KV-content model: a BlockManager driven step by step as an engine drives it, checked in the KV data itself.
+
+A simulated GPU and CPU KV store (one int64 per slot, ``slot = block * block_size + offset``) holds, instead of
+K/V, the *identity* of the prefix whose KV belongs there: the KV of position ``p`` depends on the namespace and
+on tokens ``0..p``, so identities are interned ``(parent identity, token)`` pairs. One step is what an engine does:
+
+1. the calls of the step, several of them, in a random order: decodes (one token, or several with lookahead
+   slots that receive rejected speculative tokens), admissions (bursts of identical and prefix-sharing prompts,
+   namespaces), preemption by swap-out and by recompute, swap-ins, aborts with ``free(cache=False)`` (refusals
+   included: the dependents are aborted first, or the abort waits for the forward), ``reset_prefix_cache``,
+   KV-event reads (with a small buffer that overflows);
+2. the step's copies, taken once (:meth:`BlockManager.take_copy_plan`) and executed in order (copy by copy, or
+   batch by batch with :meth:`CopyPlan.batches`, the way a GPU engine does it);
+3. the forward: the KV of every token handed out in the step is written through the slot it was handed out at
+   (prefix hits are not written: a hit on wrong content shows up as a wrong read); lookahead slots get garbage;
+4. after the forward, what an engine does between steps: finished sequences are freed, sampled prompts forked.
+
+After every step every live sequence must read back exactly its own identities through its block table (on the
+CPU side while swapped out), except at positions the sliding window released. ``order="documented"`` executes
+the copies in the order the documentation gave before the copy plan existed (the tier's demotions, its
+promotions, then the swap-out, swap-in and copy-on-write lists of the calls): it corrupts KV, which is what the
+copy plan fixes.
+
+Used by tests/test_kv_content.py (a CI-sized run) and scripts/soak_kv.py (long runs).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pagedkv import BlockManager
+from pagedkv.errors import OutOfBlocksError, SequenceStateError
+
+GARBAGE = -2  # what a rejected speculative token leaves in a lookahead slot
+UNWRITTEN = -1
+
+
+@dataclass
+class Config:
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    block_size: int
+    prefix: bool
+    tier: bool
+    window: int | None
+    lookahead: int
+    events: bool
+    max_events: int
+
+    @staticmethod
+    def draw(rng: random.Random) -> "Config":
+        bs = rng.choice([4, 4, 4, 2, 8])
+        prefix = rng.random() < 0.85
+        tier = prefix and rng.random() < 0.75
+        return Config(
+            num_gpu_blocks=rng.randint(12, 48) * 4 // bs,
+            num_cpu_blocks=rng.randint(16, 96) * 4 // bs,
+            block_size=bs,
+            prefix=prefix,
+            tier=tier,
+            window=rng.choice([None, None, None, rng.randint(6, 30)]),
+            lookahead=rng.choice([0, 0, 1, 2]),
+            events=prefix and rng.random() < 0.3,
+            max_events=rng.randint(4, 64),
+        )
+
+    def manager(self) -> BlockManager:
+        return BlockManager(
+            self.num_gpu_blocks, self.block_size, num_cpu_blocks=self.num_cpu_blocks,
+            enable_prefix_caching=self.prefix, cpu_prefix_cache=self.tier, sliding_window=self.window,
+            watermark=0, enable_kv_events=self.events, max_kv_events=self.max_events,
+        )
+
+
+class _Seq:
+    __slots__ = ("ns", "toks", "ids", "swapped")
+
+    def __init__(self, ns, toks, ids):
+        self.ns, self.toks, self.ids, self.swapped = ns, toks, ids, False
+
+
+@dataclass
+class Report:
+    steps: int = 0
+    calls: int = 0
+    violations: int = 0
+    messages: list = field(default_factory=list)
+    counts: dict = field(default_factory=dict)
+
+    def count(self, what: str, n: int = 1) -> None:
+        self.counts[what] = self.counts.get(what, 0) + n
+
+
+class KVModel:
+    """One manager, its simulated KV stores and the live sequences (see the module docstring)."""
+
+    def __init__(self, cfg: Config, seed: int, order: str = "plan", check_every: int = 1) -> None:
+        self.cfg = cfg
+        self.rng = random.Random(seed)
+        self.np_rng = np.random.default_rng(seed)
+        self.order = order
+        self.check_every = check_every
+        self.bm = cfg.manager()
+        bs = cfg.block_size
+        self.gpu = np.full((cfg.num_gpu_blocks, bs), UNWRITTEN, dtype=np.int64)
+        self.cpu = np.full((max(cfg.num_cpu_blocks, 1), bs), UNWRITTEN, dtype=np.int64)
+        self.intern: dict = {}
+        self.seqs: dict[int, _Seq] = {}
+        self.order_of: dict[int, int] = {}  # allocation serial (abort dependents in reverse order)
+        self.next_id = 0
+        self.waiting: list = []  # (tokens, namespace) of sequences preempted by recompute
+        self.docs = [[self.rng.randrange(3) for _ in range(48)] for _ in range(4)]
+        self.report = Report()
+        if order == "plan":
+            self.bm.take_copy_plan()  # (an empty step: the same-step checks are on from the first step)
+        self._new_step()
+
+    # ------------------------------------------------------------------ identities
+    def _ids(self, ns, toks, start_ids=None) -> list:
+        ids = list(start_ids) if start_ids else []
+        parent = ids[-1] if ids else self.intern.setdefault(("root", ns), len(self.intern))
+        for t in toks[len(ids):]:
+            parent = self.intern.setdefault((parent, t), len(self.intern))
+            ids.append(parent)
+        return ids
+
+    # ------------------------------------------------------------------ step bookkeeping
+    def _new_step(self) -> None:
+        self.touched: dict[int, int] = {}  # sequences handed slots in this step (in order): how many calls
+        self.writes: list = []  # (seq_id, slots, values) of this step's forward
+        self.aborted: set = set()
+        self.swapped_in: set = set()  # (swap_out may refuse these: a reused GPU block may be cached in this step)
+        self.deferred: list = []  # aborts refused before the forward: freed after it
+        self.legacy = {"swap_out": [], "swap_in": [], "cow": []}
+
+    def _fail(self, msg: str) -> None:
+        self.report.violations += 1
+        if len(self.report.messages) < 20:
+            self.report.messages.append(f"step {self.report.steps}: {msg}")
+
+    def _write(self, sid: int, slots, values) -> None:
+        self.writes.append((sid, np.asarray(slots, dtype=np.int64), np.asarray(values, dtype=np.int64)))
+        self.touched[sid] = self.touched.get(sid, 0) + 1
+
+    def _gpu_seqs(self) -> list:
+        return [s for s, q in self.seqs.items() if not q.swapped]
+
+    # ------------------------------------------------------------------ the calls of a step
+    def op_decode(self) -> None:
+        bm, rng, cfg = self.bm, self.rng, self.cfg
+        cand = [s for s in self._gpu_seqs() if s not in self.touched]  # one slot-handing call a step each
+        if not cand:
+            return
+        rng.shuffle(cand)
+        batch = cand[: rng.randint(1, len(cand))]
+        la = cfg.lookahead
+        counts = [rng.randint(1, la + 1) if la and rng.random() < 0.5 else 1 for _ in batch]
+        toks = [[rng.randrange(3) for _ in range(c)] for c in counts]
+        before = {s: len(self.seqs[s].toks) for s in batch}
+        try:
+            if len(batch) == 1 and rng.random() < 0.3:
+                cow = bm.append_slots(batch[0], toks[0], la)
+                slots = np.asarray(bm.slot_mapping(batch[0], before[batch[0]], before[batch[0]] + counts[0]))
+            elif all(c == 1 for c in counts) and rng.random() < 0.7:
+                res = bm.decode_step(batch, np.array([t[0] for t in toks], dtype=np.int64), la)
+                cow, slots = res.cow, res.slot_mapping
+            else:
+                res = bm.decode_step(batch, toks, la)
+                cow, slots = res.cow, res.slot_mapping
+        except OutOfBlocksError:
+            self.report.count("decode_refused")
+            return
+        self.report.count("decodes")
+        self.legacy["cow"].extend((int(a), int(b)) for a, b in np.asarray(cow).reshape(-1, 2))
+        pos = 0
+        for s, c, t in zip(batch, counts, toks):
+            q = self.seqs[s]
+            q.toks.extend(t)
+            q.ids = self._ids(q.ns, q.toks, q.ids)
+            self._write(s, slots[pos : pos + c], q.ids[-c:])
+            pos += c
+            if la:  # the forward also writes the draft tokens' KV into the lookahead slots: rejected here
+                n = len(q.toks)
+                self.writes.append((s, np.asarray(bm.slot_mapping(s, n, n + la)), np.full(la, GARBAGE)))
+        if len(cow):
+            self.report.count("cow", len(cow))
+
+    def _prompt(self) -> tuple:
+        rng = self.rng
+        doc = rng.choice(self.docs)
+        k = rng.randint(1, len(doc))
+        toks = doc[:k] + [rng.randrange(3) for _ in range(rng.choice([0, 0, 1, 3, 6]))]
+        return toks, rng.choice([None, None, None, "t1", 2])
+
+    def op_admit(self) -> None:
+        bm, rng = self.bm, self.rng
+        burst = []
+        if self.waiting and rng.random() < 0.5:
+            burst.append(self.waiting.pop(rng.randrange(len(self.waiting))))
+        base = self._prompt()
+        for _ in range(rng.choice([1, 1, 2, 3, 5])):  # identical and prefix-sharing prompts in one step
+            if rng.random() < 0.5:
+                burst.append((list(base[0]), base[1]))
+            else:
+                toks, ns = base
+                cut = rng.randint(1, len(toks))
+                burst.append((toks[:cut] + [rng.randrange(3) for _ in range(rng.randint(0, 5))], ns))
+        for toks, ns in burst:
+            if not toks:
+                continue
+            sid = self.next_id
+            self.next_id += 1
+            try:
+                hit = bm.allocate(sid, toks, namespace=ns)
+            except OutOfBlocksError:  # (PromptTooLongError included)
+                self.report.count("admit_refused")
+                continue
+            if hit % self.cfg.block_size or hit >= len(toks):
+                self._fail(f"allocate({sid}) returned a hit of {hit} for {len(toks)} tokens")
+            self.report.count("admits")
+            self.report.count("hit_tokens", hit)
+            q = _Seq(ns, list(toks), self._ids(ns, toks))
+            self.seqs[sid] = q
+            self.order_of[sid] = sid
+            self._write(sid, bm.slot_mapping(sid, hit, len(toks)), q.ids[hit:])
+
+    def op_swap_out(self) -> None:
+        bm, rng = self.bm, self.rng
+        cand = self._gpu_seqs()
+        if not cand:
+            return
+        group = rng.sample(cand, min(len(cand), rng.choice([1, 1, 2])))
+        touched = any(s in self.touched for s in group)
+        if touched and self.order == "documented":
+            return  # the old API cannot tell: an engine must not do it
+        try:
+            pairs = bm.swap_out(group)
+        except SequenceStateError:
+            if not touched and not self.swapped_in.intersection(group):
+                self._fail(f"swap_out({group}) refused though no sequence was handed slots in this step")
+            self.report.count("swap_out_refused_pending")
+            return
+        except OutOfBlocksError:
+            self.report.count("swap_out_refused")
+            return
+        if touched:
+            self._fail(f"swap_out({group}) accepted sequences whose KV this step's forward has not written")
+        self.legacy["swap_out"].extend(pairs)
+        for s in group:
+            self.seqs[s].swapped = True
+        self.report.count("swap_outs")
+
+    def op_swap_in(self) -> None:
+        bm, rng = self.bm, self.rng
+        cand = [s for s, q in self.seqs.items() if q.swapped]
+        if not cand:
+            return
+        group = rng.sample(cand, min(len(cand), rng.choice([1, 1, 2])))
+        try:
+            pairs = bm.swap_in(group)
+        except OutOfBlocksError:
+            self.report.count("swap_in_refused")
+            return
+        self.legacy["swap_in"].extend(pairs)
+        for s in group:
+            self.seqs[s].swapped = False
+        self.swapped_in.update(group)
+        self.report.count("swap_ins")
+
+    def op_recompute(self) -> None:
+        cand = [s for s in self._gpu_seqs() if s not in self.touched]
+        if not cand:
+            return
+        s = self.rng.choice(cand)
+        q = self.seqs.pop(s)
+        self.bm.free(s)
+        self.waiting.append((q.toks, q.ns))
+        self.report.count("recomputes")
+
+    def op_abort(self) -> None:
+        bm, rng = self.bm, self.rng
+        if not self.seqs:
+            return
+        s = rng.choice(list(self.seqs))
+        if s not in self.touched:  # its KV is written: either way is correct
+            cache = rng.random() < 0.5
+            try:
+                bm.free(s, cache=cache)
+            except SequenceStateError:  # its blocks are others' prefix hits in this step
+                bm.free(s)
+            del self.seqs[s]
+            self.report.count("aborts")
+            return
+        if self.touched[s] > 1:  # free(cache=False) withdraws what its last call cached: the forward must run
+            self.deferred.append(s)
+            return
+        try:
+            bm.free(s, cache=False)
+        except SequenceStateError:
+            self.report.count("abort_refused")
+            if rng.random() < 0.5 or any(self.touched[t] > 1 for t in self.touched if t in self.seqs
+                                         and self.order_of.get(t, -1) > self.order_of.get(s, -1)):
+                # wait for the forward
+                self.deferred.append(s)
+                return
+            # abort the later admissions of the step first (reverse order of allocation always works)
+            later = sorted((t for t in self.touched if t in self.seqs and t not in self.aborted
+                            and self.order_of.get(t, -1) > self.order_of.get(s, -1)), key=self.order_of.get,
+                           reverse=True)
+            for i, t in enumerate(later + [s]):
+                try:
+                    bm.free(t, cache=False)
+                except SequenceStateError:  # held by a sequence swapped in on a block cached in this step
+                    self.report.count("abort_refused")
+                    self.deferred.extend(u for u in (later + [s])[i:] if u not in self.deferred)
+                    return
+                if t in self.deferred:
+                    self.deferred.remove(t)
+                del self.seqs[t]
+                self.aborted.add(t)
+                self.report.count("aborts")
+            return
+        if s in self.deferred:
+            self.deferred.remove(s)
+        del self.seqs[s]
+        self.aborted.add(s)
+        self.report.count("aborts")
+
+    def op_reset(self) -> None:
+        self.bm.reset_prefix_cache()
+        self.report.count("resets")
+
+    def op_events(self) -> None:
+        self.bm.take_events()
+
+    OPS = (("decode", 3.0), ("admit", 2.5), ("swap_out", 1.5), ("swap_in", 1.5), ("recompute", 0.4),
+           ("abort", 1.0), ("reset", 0.03), ("events", 0.3))
+
+    # ------------------------------------------------------------------ copies, forward, check
+    def _execute_plan(self) -> None:
+        bm = self.bm
+        if self.order == "documented":
+            legacy = self.legacy
+            if bm.cpu_prefix_cache:
+                dem, pro = bm.take_copies()
+                self._copy(self.gpu, self.cpu, dem)
+                self._copy(self.cpu, self.gpu, pro)
+            self._copy(self.gpu, self.cpu, legacy["swap_out"])
+            self._copy(self.cpu, self.gpu, legacy["swap_in"])
+            self._copy(self.gpu, self.gpu, legacy["cow"])
+            return
+        plan = bm.take_copy_plan()
+        self.report.count("copies", len(plan))
+        if self.rng.random() < 0.5:  # copy by copy
+            stores = {0: (self.gpu, self.cpu), 1: (self.cpu, self.gpu), 2: (self.gpu, self.gpu)}
+            for s, d, k in zip(plan.src.tolist(), plan.dst.tolist(), plan.kind.tolist()):
+                a, b = stores[k]
+                b[d] = a[s]
+        else:  # batch by batch: gather every source of a batch, then scatter
+            stores = {0: (self.gpu, self.cpu), 1: (self.cpu, self.gpu), 2: (self.gpu, self.gpu)}
+            for kind, src, dst in plan.batches():
+                a, b = stores[int(kind)]
+                b[dst] = a[src]
+        legacy = self.legacy  # the per-call return values hold the same copies as the plan
+        pairs = {k: [(a, b) for a, b, kk in zip(plan.src.tolist(), plan.dst.tolist(), plan.kind.tolist()) if kk == k]
+                 for k in (0, 1, 2)}
+        if pairs[2] != legacy["cow"] or (not bm.cpu_prefix_cache and (pairs[0] != legacy["swap_out"]
+                                                                      or pairs[1] != legacy["swap_in"])):
+            self._fail("the plan's copies differ from those the calls returned")
+
+    @staticmethod
+    def _copy(src_store, dst_store, pairs) -> None:
+        p = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
+        if p.size:
+            dst_store[p[:, 1]] = src_store[p[:, 0]]
+
+    def _forward(self) -> None:
+        flat = self.gpu.reshape(-1)
+        seen: dict = {}
+        for sid, slots, vals in self.writes:
+            if sid in self.aborted:
+                continue
+            if sid not in self.seqs and sid not in self.deferred:
+                self._fail(f"sequence {sid} was freed before the forward without cache=False")
+            for sl, v in zip(slots.tolist(), vals.tolist()):
+                old = seen.get(sl)
+                if old is not None and old != v and v != GARBAGE and old != GARBAGE:
+                    self._fail(f"the forward writes slot {sl} twice ({old} and {v})")
+                seen[sl] = v
+            flat[slots] = vals
+
+    def check(self) -> None:
+        bm, bs = self.bm, self.cfg.block_size
+        if set(bm.seq_ids) != set(self.seqs):
+            self._fail("the manager's sequences differ from the model's")
+        for sid, q in self.seqs.items():
+            n = len(q.toks)
+            if bm.num_tokens(sid) != n or bm.is_swapped(sid) != q.swapped:
+                self._fail(f"sequence {sid}: token count or swap state differs")
+                continue
+            table = bm.block_table(sid).astype(np.int64)
+            pos = np.arange(n)
+            blk = table[pos // bs]
+            keep = blk >= 0
+            store = self.cpu if q.swapped else self.gpu
+            got = store[blk[keep], pos[keep] % bs]
+            want = np.asarray(q.ids, dtype=np.int64)[keep]
+            if not np.array_equal(got, want):
+                bad = int(pos[keep][np.flatnonzero(got != want)[0]])
+                self._fail(f"sequence {sid} ({'CPU' if q.swapped else 'GPU'}) reads wrong KV at position {bad} "
+                           f"of {n} (table {table.tolist()})")
+
+    # ------------------------------------------------------------------ after the forward
+    def _after_forward(self) -> None:
+        bm, rng = self.bm, self.rng
+        for s in self.deferred:
+            if s in self.seqs:
+                bm.free(s)
+                del self.seqs[s]
+        live = list(self.seqs)
+        rng.shuffle(live)
+        for s in live[: rng.choice([0, 0, 1, 2])]:  # finished
+            bm.free(s)
+            del self.seqs[s]
+            self.report.count("finished")
+        if self.seqs and rng.random() < 0.3:  # parallel sampling: fork after the prompt's forward
+            p = rng.choice(list(self.seqs))
+            for _ in range(rng.randint(1, 2)):
+                c = self.next_id
+                self.next_id += 1
+                bm.fork(p, c)
+                q = self.seqs[p]
+                child = _Seq(q.ns, list(q.toks), list(q.ids))
+                child.swapped = q.swapped
+                self.seqs[c] = child
+                self.order_of[c] = c
+                self.report.count("forks")
+        while len(self.seqs) > 24:  # keep the model small
+            s = next(iter(self.seqs))
+            bm.free(s)
+            del self.seqs[s]
+
+    def step(self) -> None:
+        rng = self.rng
+        names = [n for n, _ in self.OPS]
+        weights = [w for _, w in self.OPS]
+        for name in rng.choices(names, weights, k=rng.randint(1, 6)):
+            getattr(self, "op_" + name)()
+            self.report.calls += 1
+        if self.order == "plan" and rng.random() < 0.1:  # the refused calls of a step change nothing
+            self._probe_refusals()
+        self._execute_plan()
+        self._forward()
+        self.report.steps += 1
+        self.check()
+        if self.report.steps % self.check_every == 0:
+            try:
+                self.bm.check_invariants()
+            except AssertionError as e:
+                self._fail(f"check_invariants: {e}")
+        self._new_step()
+        self._after_forward()
+
+    def _probe_refusals(self) -> None:
+        """fork / swap_out of a sequence handed slots in this step must raise SequenceStateError."""
+        live = [s for s in self.touched if s in self.seqs and not self.seqs[s].swapped and s not in self.aborted]
+        if not live:
+            return
+        s = self.rng.choice(live)
+        for call in (lambda: self.bm.fork(s, ("probe", s)), lambda: self.bm.swap_out([s])):
+            try:
+                call()
+            except SequenceStateError:
+                self.report.count("refusals_ok")
+            else:
+                self._fail(f"a call on sequence {s}, handed slots in this step, was not refused")
+
+
+def run(seed: int, steps: int, order: str = "plan", check_every: int = 1, cfg: Config | None = None) -> Report:
+    """Run one manager (configuration drawn from ``seed`` unless given) for ``steps`` steps."""
+    cfg = cfg or Config.draw(random.Random(seed))
+    model = KVModel(cfg, seed, order=order, check_every=check_every)
+    for _ in range(steps):
+        model.step()
+    model.report.count("event_overflows", model.bm.kv_event_overflows)
+    return model.report
