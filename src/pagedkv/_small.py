@@ -114,6 +114,7 @@ class _Small:
                 ref[w] -= 1
                 pair = (w, dst)
                 self._cow_copies += 1
+                self._copies.append((2, [w], [dst]))  # the plan's COW part
                 w = dst
         ntok[r] = n + 1
         if cache is not None:
