@@ -38,6 +38,18 @@ def pytest_make_collect_report(collector):
     _strict(outcome.get_result())
 
 
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.opt_in("ENV")``: a long check that runs only with ``ENV=1``; otherwise it is deselected
+    (reported as such, not a skip, so CI's rule above does not turn it into a failure)."""
+    keep, drop = [], []
+    for item in items:
+        m = item.get_closest_marker("opt_in")
+        (drop if m is not None and os.environ.get(m.args[0]) != "1" else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
 @pytest.fixture(scope="module")
 def redis_url(tmp_path_factory):
     """URL of a redis-server started for this module (skipped with a reason when the binary is absent)."""

@@ -273,7 +273,7 @@ def test_preemption_in_a_small_cache(gemma, preemption_cases, mode):
     llm.block_manager.check_invariants()
 
 
-@pytest.mark.skipif(not FULL, reason="loads the model in a subprocess (~30 s); PAGEDKV_GEMMA3_FULL=1 runs it")
+@pytest.mark.opt_in("PAGEDKV_GEMMA3_FULL")  # loads the model in a subprocess (~30 s); deselected unless set
 def test_cli_generate_with_model_name(gemma, reference):
     c = reference["cases"][4]
     src = str(Path(__file__).resolve().parents[2] / "src")
