@@ -113,7 +113,7 @@ class _Registry:
         nobody wrote). A sequence that holds only a *descendant* is not refused: it wrote the KV of that position
         itself and registration chained it to the equal content already cached (deduplication), so its blocks
         stay, uncached, and its chain is broken (``_ccid = 0``), like the chain of every row that ends in
-        withdrawn content. O(cached blocks) when there is one to withdraw."""
+        withdrawn content. O(cached blocks + rows) when there is one to withdraw."""
         a, z = int(self._pend[row]), int(self._nreg[row])
         if z <= a:
             return
