@@ -876,3 +876,38 @@ def test_regression_one_row_grows_two_blocks_another_none():
     bm.check_invariants()
     assert [len(bm.block_table(s)) for s in "ab"] == [3, 3]
     assert res.block_tables.shape == (2, 3)
+
+
+def test_regression_free_without_cache_spares_a_sequence_that_deduplicated_against_its_block():
+    # the machine's minimal sequence (TestCacheEventOverflow seed 254211839138671293063525750353203220472,
+    # TestCpuTierWindow seed 195989952258087655753789136826040958894)
+    bm = BlockManager(6, 1, enable_prefix_caching=True, watermark=0, enable_kv_events=True)
+    bm.allocate(1, [0])
+    bm.allocate(2, [0])
+    bm.allocate(3, [0])
+    assert bm.allocate(4, [0, 0]) == 1  # block 1 of 4 ([0, 0]) is cached by this call, its KV not yet written
+    bm.append_slots(1, [0, 0])  # 1 writes [0, 0] itself: registration chains its next block after 4's content
+    t1, t4 = bm.block_table(1).tolist(), bm.block_table(4).tolist()
+    assert t4[1] not in t1  # 1 holds none of 4's unwritten blocks: it does not depend on them
+    bm.take_events()
+    bm.free(4, cache=False)  # used to raise SequenceStateError naming 1
+    removed = [h for e in bm.take_events() if isinstance(e, BlockRemoved) for h in e.block_hashes]
+    hashes = block_hashes([0, 0, 0], 1)
+    assert sorted(removed) == sorted(hashes[1:])  # 4's block and 1's block chained after it are withdrawn
+    assert bm.block_table(1).tolist() == t1  # 1 keeps its blocks (uncached)
+    bm.check_invariants()
+    assert bm.lookup_prefix([0, 0, 0, 0]).num_cached_tokens == 1  # nothing beyond the withdrawn content
+    bm.append_slots(1, [0])  # 1's chain is broken: its new full block is not cached (it could not be reached)
+    assert bm.take_events() == []
+    bm.check_invariants()
+
+
+def test_regression_free_without_cache_still_refuses_a_prefix_hit_dependent():
+    bm = BlockManager(6, 1, enable_prefix_caching=True, watermark=0)
+    bm.allocate(1, [0])
+    bm.allocate(4, [0, 0])
+    assert bm.allocate(5, [0, 0, 1]) == 2  # 5 holds 4's unwritten block
+    before = snapshot(bm)
+    with pytest.raises(SequenceStateError, match=r"\[5\]"):
+        bm.free(4, cache=False)
+    assert_unchanged(bm, before, "free(cache=False) with a prefix-hit dependent")

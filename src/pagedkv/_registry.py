@@ -108,19 +108,21 @@ class _Registry:
     def _withdraw_pending(self, seq_id, row: int) -> None:
         """``free(seq_id, cache=False)``: uncache the blocks the row's last call filled (its own blocks in
         ``_pend .. _nreg - 1``; those still cached were cached by it), and every cached block chained after them
-        in either tier (their KV was computed from KV nobody wrote). Raises SequenceStateError, changing
-        nothing, if another sequence holds one of these blocks. O(cached blocks) when there is one to withdraw."""
+        in either tier (a lookup reaches them only through the withdrawn content). Raises SequenceStateError,
+        changing nothing, if another sequence holds one of the row's own blocks (a prefix hit: it relies on KV
+        nobody wrote). A sequence that holds only a *descendant* is not refused: it wrote the KV of that position
+        itself and registration chained it to the equal content already cached (deduplication), so its blocks
+        stay, uncached, and its chain is broken (``_ccid = 0``), like the chain of every row that ends in
+        withdrawn content. O(cached blocks + rows) when there is one to withdraw."""
         a, z = int(self._pend[row]), int(self._nreg[row])
         if z <= a:
             return
         blocks = self._table[row, a:z]
         blocks = blocks[blocks >= 0]
         cache = self._cache
-        own = blocks[cache.cid[blocks] > 0]
-        gpu_kids, cpu_kids = self._descendants(own)
         # another holder of one of these blocks got it as a prefix hit (forks confirm, writes copy on write),
         # cached or not by now (reset_prefix_cache may have uncached it since)
-        shared = blocks[self._gpu._ref[blocks] > 1].tolist() + gpu_kids[self._gpu._ref[gpu_kids] > 0].tolist()
+        shared = blocks[self._gpu._ref[blocks] > 1].tolist()
         if shared:
             holders = [s for s, r in self._row_of.items() if r != row and not self._swapped[r]
                        and np.isin(self._table[r, self._nrel[r] : self._nblk[r]], shared).any()]
@@ -128,13 +130,19 @@ class _Registry:
                 f"free({seq_id!r}, cache=False): sequences {holders!r} hold blocks whose KV {seq_id!r} never "
                 "wrote (prefix hits in the same step); free them first, or run the step and free with cache=True"
             )
+        own = blocks[cache.cid[blocks] > 0]
+        gpu_kids, cpu_kids = self._descendants(own)
+        dead = np.concatenate((cache.cid[own], cache.cid[gpu_kids], self._cpu_id[0, cpu_kids])).astype(np.int64)
         cache.withdraw(own.tolist())
-        if gpu_kids.size:  # unreferenced: they wait in the evictor
-            cache.evictor.discard_many(gpu_kids)
-            cache.withdraw(gpu_kids.tolist())
-            self._gpu.give(gpu_kids.astype(np.int32))
+        if gpu_kids.size:
+            idle = gpu_kids[self._gpu._ref[gpu_kids] == 0]  # unreferenced: they wait in the evictor
+            cache.evictor.discard_many(idle)
+            cache.withdraw(gpu_kids.tolist())  # held ones stay with their sequences, uncached
+            self._gpu.give(idle.astype(np.int32))
         if cpu_kids.size:
             self._tier.withdraw(cpu_kids)
+        if dead.size:  # rows whose chain ends in withdrawn content cache nothing more (it would be unreachable)
+            self._ccid[np.isin(self._ccid, dead[dead > 0])] = 0
 
     def _descendants(self, roots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Cached GPU blocks (other than ``roots``) and CPU-tier blocks whose chain passes through the content of

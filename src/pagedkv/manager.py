@@ -517,8 +517,11 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
         in the same step, or a fork), that sequence relies on KV nobody wrote: the call raises
         SequenceStateError naming it and changes nothing; free the dependent sequences first (sequences
         allocated later in the same step are the ones that can depend on it, so freeing in reverse order of
-        allocation always works), or run the step. Any other call that touches the sequence (decode_step,
-        append_slots, fork, swap_out) confirms that its earlier calls' KV was written.
+        allocation always works), or run the step. Cached blocks chained after the withdrawn ones are withdrawn
+        too; a sequence that holds one of those but none of the withdrawn blocks wrote equal content itself
+        (registration deduplicated it): it keeps its blocks, uncached, and caches nothing more. Any other call
+        that touches the sequence (decode_step, append_slots, fork, swap_out) confirms that its earlier calls'
+        KV was written.
 
         ``cache=True`` says the sequence's KV is written: before the step's forward it is for sequences not handed
         slots in the step; abort one that was with ``cache=False`` and leave it out of the forward (see
