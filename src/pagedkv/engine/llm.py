@@ -26,7 +26,7 @@ from ..manager import AllocStatus, BlockManager
 from ..scheduler import FINISH_STOP, Scheduler
 from .gguf_loader import find_default_model
 from .model import PagedLlama, build_attention_metadata, copy_blocks, swap_blocks
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, sample_batch
 from .tokenizer import GGUFTokenizer
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
@@ -60,7 +60,8 @@ class EngineTimes:
     total: float = 0.0
     scheduler: float = 0.0  # schedule() + update(), block-manager calls included
     block_manager: float = 0.0  # inside BlockManager methods only
-    model: float = 0.0  # KV copies + forward + sampling
+    model: float = 0.0  # KV copies + metadata + forward (sampling excluded)
+    sampling: float = 0.0  # drawing the next tokens from the logits
 
 
 class _TimedCalls:
@@ -271,13 +272,14 @@ class LLM:
         t0 = time.perf_counter()
         plan = sched.schedule()
         t1 = time.perf_counter()
-        sampled = self._execute(plan, by_id) if not plan.is_empty else []
+        sampled, t_sampling = self._execute(plan, by_id) if not plan.is_empty else ([], 0.0)
         t2 = time.perf_counter()
         done = sched.update(plan, sampled)
         done += self._after_step(plan, by_id)
         if times is not None:
             times.scheduler += (t1 - t0) + (time.perf_counter() - t2)
-            times.model += t2 - t1
+            times.model += t2 - t1 - t_sampling
+            times.sampling += t_sampling
         return plan, done
 
     def _run(self, requests: list["_Request"]) -> Iterator[list["_Request"]]:
@@ -304,7 +306,9 @@ class LLM:
         times.total = time.perf_counter() - t_start
         times.block_manager = self._timed_bm.seconds - bm0
 
-    def _execute(self, plan: Any, by_id: dict) -> list:
+    def _execute(self, plan: Any, by_id: dict) -> tuple[list, float]:
+        """KV copies, forward and sampling of one plan: the sampled tokens (per sequence of the plan) and the
+        seconds spent sampling."""
         if plan.cache_demotions.size:  # the CPU tier of the prefix cache first (see pagedkv.cpu_tier)
             swap_blocks(self.kv_cache, self.cpu_kv_cache, plan.cache_demotions)
         if plan.cache_promotions.size:
@@ -316,7 +320,7 @@ class LLM:
         if plan.copy_on_write.size:
             copy_blocks(self.kv_cache, plan.copy_on_write)
         if not plan.has_forward:  # a step that only moved blocks
-            return []
+            return [], 0.0
         new_tokens, computed, slots, tables, owners = [], [], [], [], []
         for pw in plan.prefills:
             new_tokens.append(pw.token_ids)
@@ -338,8 +342,11 @@ class LLM:
                                         block_size=self.block_manager.block_size,
                                         sliding_window=self.sliding_window, device=self.device)
         logits = self.model(meta, self.kv_cache).cpu()
-        drawn = [sample(logits[i], r.params, num, r.generator) for i, (r, num) in enumerate(owners)]
-        return [toks if num > 1 else toks[0] for toks, (_, num) in zip(drawn, owners)]
+        t = time.perf_counter()
+        drawn = sample_batch(logits, [r.params for r, _ in owners], [num for _, num in owners],
+                             [r.generator for r, _ in owners])
+        sampled = [toks if num > 1 else toks[0] for toks, (_, num) in zip(drawn, owners)]
+        return sampled, time.perf_counter() - t
 
     def _after_step(self, plan: Any, by_id: dict) -> list:
         """Record sample 0's tokens for streaming; finish samples whose text now contains a stop string."""
