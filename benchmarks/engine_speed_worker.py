@@ -93,6 +93,10 @@ class LlamaCpp:
         self.threads = threads
         lc.llama_backend_init()
         mparams = lc.llama_model_default_params()
+        if hasattr(mparams, "use_extra_bufts"):
+            # no AMX / repacked weight buffers: with them llama_decode crashes (SIGSEGV) on this VM, whose CPU
+            # lists AMX; the plain CPU path still uses AVX-512 (VNNI, BF16) for the Q4_1 dot products
+            mparams.use_extra_bufts = False
         self.model = lc.llama_model_load_from_file(model.encode(), mparams)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {model}")
@@ -102,10 +106,10 @@ class LlamaCpp:
         lc = self.lc
         prompts = make_prompts(batch, input_len, self.vocab, seed)
         cparams = lc.llama_context_default_params()
-        per_seq = input_len + output_len + 8
+        per_seq = -(-(input_len + output_len + 8) // 256) * 256  # llama.cpp pads contexts to 256
         cparams.n_ctx = batch * per_seq
-        cparams.n_batch = max(512, min(2048, batch * input_len))
-        cparams.n_ubatch = 512
+        cparams.n_batch = min(2048, cparams.n_ctx)
+        cparams.n_ubatch = min(512, cparams.n_batch)
         cparams.n_seq_max = batch
         cparams.n_threads = self.threads
         cparams.n_threads_batch = self.threads

@@ -38,6 +38,7 @@ metadata (``build_attention_metadata(..., device=...)``) on the same device.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -356,7 +357,7 @@ class PagedLlama:
         self._cos = torch.empty(0, config.head_dim)
         self._sin = torch.empty(0, config.head_dim)
         self.scale = 1.0 / math.sqrt(config.head_dim)
-        self._workspace = AttentionWorkspace()
+        self._local = threading.local()  # one attention workspace per thread (replicas may share a model)
 
     @classmethod
     def from_gguf(
@@ -420,7 +421,9 @@ class PagedLlama:
         cos, sin = self._rope(meta.positions, max(meta.context_lens_host, default=0))
         n_head, n_kv, d = c.n_head, c.n_head_kv, c.head_dim
         n_ff = self.layers[0][4].shape[0] // 2 if self.layers else 0
-        ws = self._workspace
+        ws = getattr(self._local, "workspace", None)
+        if ws is None:
+            ws = self._local.workspace = AttentionWorkspace()
 
         x = self.tok_embd.index_select(0, meta.input_ids)  # (T, n_embd)
         for layer, (attn_norm, w_qkv, wo, ffn_norm, w_gate_up, w_down) in enumerate(self.layers):
