@@ -110,7 +110,7 @@ def simulate(args) -> None:
     """The same prompts one at a time through ``replicas`` prefix-caching managers of ``num_gpu_blocks`` blocks,
     routed by the router's own state (policies, events-fed index), no concurrency and no output tokens."""
     from pagedkv import BlockManager, block_hashes
-    from pagedkv.cluster.workload import trace_prompts
+    from pagedkv.replay.workload import trace_prompts
     from pagedkv.router.state import Replica, RouterState
 
     prompts = trace_prompts(args.trace, conversations=args.conversations, max_tokens=1536)

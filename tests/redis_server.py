@@ -21,7 +21,9 @@ def free_port() -> int:
 
 
 class RedisServer:
-    def __init__(self, tmpdir) -> None:
+    """``port``: a given one (to start Redis again where a killed one was), or a free one."""
+
+    def __init__(self, tmpdir, port: int | None = None) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             pytest.skip("redis-server is not installed (Debian package redis-server; scripts/setup.sh installs it)")
@@ -29,7 +31,7 @@ class RedisServer:
             import redis  # noqa: F401
         except ImportError:
             pytest.skip("the redis Python package is not installed (pip install 'pagedkv[router]')")
-        self.port = free_port()
+        self.port = port if port is not None else free_port()
         self.url = f"redis://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
@@ -56,3 +58,9 @@ class RedisServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash: no shutdown, no save."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()

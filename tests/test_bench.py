@@ -75,6 +75,9 @@ def test_same_token_stream_for_every_schedule():
                 res[o.request_id] = o.outputs
         outs[(blocks, mode)] = res
     first, *rest = outs.values()
+    # every run produced every request's output in full (equal empty results would prove nothing)
+    assert len(first) == wl.num_requests and len(rest) == 2
+    assert all(len(o) == 1 and len(o[0]) == wl.output_len for o in first.values())
     assert all(r == first for r in rest)
 
 

@@ -11,7 +11,7 @@ from pagedkv import BlockManager, block_hashes
 from pagedkv.cli import main as cli_main
 from pagedkv.cluster import MemoryIndex, predicted_tokens
 from pagedkv.cluster.policy import ApproxPrefixPolicy, LeastLoaded, PrefixPolicy, RoundRobin, make_policy
-from pagedkv.cluster.replay import replay_cluster, replay_pooled
+from pagedkv.replay.cluster import replay_cluster, replay_pooled
 from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored
 from pagedkv.replay import parse_trace_lines, replay_sequence
 
@@ -276,7 +276,7 @@ def test_router_command_needs_a_backend(capsys):
 
 
 def test_trace_workload_keeps_conversations_and_their_shared_prefixes(tmp_path):
-    from pagedkv.cluster.workload import trace_prompts
+    from pagedkv.replay.workload import trace_prompts
 
     lines = [json.dumps({"timestamp": t, "input_length": n, "output_length": 1, "hash_ids": ids})
              for t, n, ids in [(0, 1024, [0, 1]), (5, 1536, [0, 1, 2]), (9, 700, [0, 7]), (12, 2048, [0, 1, 2, 3]),

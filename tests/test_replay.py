@@ -309,8 +309,16 @@ def test_command_cpu_capacity(capsys):
         assert rc == 2 and "CPU tier of the prefix cache is not available" in capsys.readouterr().err
 
 
+_NO_TORCH = ("import sys\n"
+             "class _NoTorch:\n"
+             "    def find_spec(self, name, path=None, target=None):\n"
+             "        if name == 'torch' or name.startswith('torch.'):\n"
+             "            raise AssertionError('torch imported')\n"
+             "sys.meta_path.insert(0, _NoTorch())\n")  # fails whether or not torch is installed
+
+
 def test_replay_never_imports_torch():
-    code = ("import sys; from pagedkv.cli import main; "
-            f"main(['replay', {str(SAMPLE)!r}, '--limit', '3', '--capacity', '100k', '--no-progress']); "
+    code = (_NO_TORCH + "from pagedkv.cli import main\n"
+            f"main(['replay', {str(SAMPLE)!r}, '--limit', '3', '--capacity', '100k', '--no-progress'])\n"
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)

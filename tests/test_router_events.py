@@ -121,3 +121,40 @@ def test_replay_endpoint_default():
     assert replay_endpoint_for("tcp://127.0.0.1:5557") == "tcp://127.0.0.1:5558"
     with pytest.raises(ValueError):
         replay_endpoint_for("ipc:///tmp/x")
+
+
+def test_restarts_are_counted_across_a_replica_leaving_and_coming_back(pair):
+    """The health checks take a replica out (``forget``) and back in (``forget`` again): its numbering is
+    rebuilt from the replay. A replica that was only unreachable is not a restart; one that came back with its
+    numbering from 0 is, whether its first message comes through the replay or live."""
+    pubs, bms, ix, sub, cleared = pair
+    for i in range(3):
+        run(bms[0], pubs[0], i, list(range(10 * i, 10 * i + 12)))
+    assert wait_for(lambda: index_keys(ix, "r0") == cached_keys(bms[0]) != set())
+    sub.forget("r0")  # down ...
+    sub.forget("r0")  # ... and up again: same process, same numbering
+    run(bms[0], pubs[0], 3, list(range(300, 309)))
+    assert wait_for(lambda: index_keys(ix, "r0") == cached_keys(bms[0]))
+    assert sub.feeds["r0"].restarts == 0
+    for restart in (1, 2):
+        sub.forget("r0")  # down: the process dies ...
+        ep, rep = pubs[0].endpoint, pubs[0].replay_endpoint
+        pubs[0].close()
+        time.sleep(0.2)
+        pubs[0] = KVEventPublisher(ep, replay_endpoint=rep)  # ... and a new one starts, numbering from 0
+        bms[0] = manager()
+        if restart == 2:  # its first message is already in its replay buffer when it comes back
+            run(bms[0], pubs[0], 0, list(range(600, 609)))
+        time.sleep(0.5)  # the SUB socket reconnects
+        sub.forget("r0")  # up
+        time.sleep(0.3)
+        run(bms[0], pubs[0], 1, list(range(500 + restart, 509 + restart)))
+
+        def caught_up():
+            return index_keys(ix, "r0") == cached_keys(bms[0]) and sub.feeds["r0"].seq is not None
+
+        if not wait_for(caught_up, 3.0):  # sent before the SUB socket rejoined: the next message shows the gap
+            run(bms[0], pubs[0], 2, list(range(700 + restart, 709 + restart)))
+        assert wait_for(caught_up)
+        assert sub.feeds["r0"].restarts == restart
+    assert sub.feeds["r1"].restarts == 0

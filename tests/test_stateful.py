@@ -260,7 +260,7 @@ class PagedKVMachine(RuleBasedStateMachine):
             s = self.seqs[sid]
             ntok, nb = len(s.tokens), len(s.blocks)
             end = ntok + k
-            for col in range(ntok // bs, min((end - 1) // bs, nb - 1) + 1):
+            for col in range(ntok // bs, min((end + la - 1) // bs, nb - 1) + 1):  # (lookahead slots too)
                 L = s.blocks[col]
                 if holders[id(L)] > 1:
                     holders[id(L)] -= 1

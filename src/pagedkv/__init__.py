@@ -12,10 +12,11 @@ from .errors import (
     PagedKVError,
     PromptTooLongError,
     SequenceStateError,
+    TableWidthError,
     UnknownSequenceError,
 )
 from . import events
-from .manager import NULL_BLOCK, AllocStatus, BlockManager, Stats, StepResult
+from .manager import NULL_BLOCK, AllocStatus, BlockManager, PrefillBatch, PrefixHit, Stats, StepResult
 from .prefix_cache import block_hashes
 
 __version__ = "0.1.0"
@@ -24,6 +25,8 @@ __all__ = [
     "AllocStatus",
     "BlockManager",
     "NULL_BLOCK",
+    "PrefillBatch",
+    "PrefixHit",
     "Stats",
     "StepResult",
     "block_hashes",
@@ -37,4 +40,5 @@ __all__ = [
     "SequenceStateError",
     "OutOfBlocksError",
     "PromptTooLongError",
+    "TableWidthError",
 ]

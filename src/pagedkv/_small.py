@@ -84,6 +84,8 @@ class _Small:
                 return None
             j = ntok[r] // bs
             if j == nblk[r]:
+                if j >= self._fixed_w > 0:
+                    return None  # past block_table_width: the vectorised path reports it
                 written.append(-1)
                 n_grow += 1
                 continue
@@ -171,9 +173,9 @@ class _Small:
         nblk = self._mvs[1]
         if len(rows) == 1:
             r = rows[0]
-            tables = self._table[r : r + 1, : nblk[r]].copy()
-        else:
-            tables = self._table.take(rows, axis=0)[:, : max([nblk[r] for r in rows])]  # (cheapest for a few rows)
+            tables = self._table[r : r + 1, : self._fixed_w or nblk[r]].copy()
+        else:  # (take: cheapest for a few rows)
+            tables = self._table.take(rows, axis=0)[:, : self._fixed_w or max([nblk[r] for r in rows])]
         cow = np.array(pairs, dtype=np.int64) if pairs else _NO_COW
         return StepResult(np.array(slots, dtype=np.int64), tables, np.array(lens, dtype=np.int32), cow)
 

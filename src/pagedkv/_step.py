@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import InvalidTokensError, OutOfBlocksError
+from .errors import InvalidTokensError, OutOfBlocksError, TableWidthError
 from .types import StepResult
 
 _NO_COW = np.zeros((0, 2), dtype=np.int64)
@@ -46,10 +46,11 @@ class _Stepper:
             rel = np.unique(blk[blk >= 0], return_counts=True)
             # a block is freed when every holder releases it in this step (forks advancing in lockstep)
             available += int((ref[rel[0]] == rel[1]).sum())
-        # copy-on-write: existing blocks that receive one of the new tokens and are still shared once the window
-        # has released what it releases
+        # copy-on-write: existing blocks that receive one of the new tokens, or hold one of the reserved lookahead
+        # slots (the engine writes draft KV there), and are still shared once the window has released what it
+        # releases (a fork shares the parent's lookahead-only blocks too)
         first = ntok // bs
-        last = np.minimum((end - 1) // bs, nb - 1)
+        last = np.minimum((end + la - 1) // bs, nb - 1)
         span = int((last - first).max()) if last.size else -1
         cow = None
         if span == 0 and last.size:  # one written block per row (the common case)
@@ -118,6 +119,8 @@ class _Stepper:
         release = self._window_release(rows, ntok)
         if n_grow > self.num_free_gpu_blocks:
             return None  # (the general path also counts the blocks the window releases)
+        if n_grow and self._fixed_w and int(j[grow].max()) >= self._fixed_w:
+            return None  # past block_table_width: the general path reports it
         # ---- mutation: nothing below can fail
         if release is not None:
             self._release_window(release)
@@ -140,7 +143,7 @@ class _Stepper:
             reg = off == bs - 1  # the new token fills its block: cache it now (burst sharing)
             if np.count_nonzero(reg):
                 self._register_rows(rows[reg], nreg[reg], j[reg] + 1)
-        return StepResult(slots, self._table[rows, :width], end.astype(np.int32), _NO_COW)
+        return StepResult(slots, self._table[rows, : self._fixed_w or width], end.astype(np.int32), _NO_COW)
 
     def _append(self, rows: np.ndarray, counts: np.ndarray, flat: np.ndarray, la: int, tables: bool) -> StepResult:
         if flat.size != counts.sum():
@@ -148,6 +151,12 @@ class _Stepper:
         needed, available, need, cow, release = self._plan(rows, counts, la)
         if needed > available:
             raise OutOfBlocksError(f"the step needs {needed} new blocks; {available} are free")
+        if self._fixed_w and int(need.max()) > self._fixed_w:
+            i = int(np.argmax(need))
+            raise TableWidthError(
+                f"sequence {self._seq_of[int(rows[i])]!r} would need {int(need[i])} blocks; block_table_width is "
+                f"{self._fixed_w}"
+            )
         # ---- mutation: nothing below can fail
         bs = self._bs
         ntok = self._ntok[rows]
@@ -196,7 +205,7 @@ class _Stepper:
                 self._register_rows(rows[reg], nreg[reg], full[reg])
         if not tables:
             return StepResult(slots, None, None, cow_pairs)
-        width = int(need.max())
+        width = self._fixed_w or int(need.max())
         return StepResult(slots, self._table[rows, :width], end.astype(np.int32), cow_pairs)
 
     def _take(self, n: int) -> np.ndarray:

@@ -21,8 +21,8 @@ import argparse
 import sys
 from typing import Sequence
 
-from .engine_options import add_engine_args as _engine_args, add_sampling_args as _sampling_args
-from .engine_options import make_llm as _make_llm, make_params as _params
+from .engine.options import add_engine_args as _engine_args, add_sampling_args as _sampling_args
+from .engine.options import make_llm as _make_llm, make_params as _params
 
 __all__ = ["main"]
 
@@ -113,15 +113,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _cmd_serve(argv[1:])
     if argv[:1] == ["router"]:
         return _cmd_router(argv[1:])
-    parser = argparse.ArgumentParser(prog="pagedkv", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    from ._help import HelpFormatter, plain
+
+    parser = argparse.ArgumentParser(prog="pagedkv", description=plain(__doc__), formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
-    g = sub.add_parser("generate", help="stream a reply to a prompt")
-    g.add_argument("prompt", nargs="+")
+    g = sub.add_parser("generate", help="stream a reply to a prompt", description="Stream a reply to a prompt.",
+                       formatter_class=HelpFormatter)
+    g.add_argument("prompt", nargs="+", help="the prompt (several words are joined by spaces)")
     g.add_argument("--raw", action="store_true", help="plain completion, no chat template")
     _engine_args(g)
     _sampling_args(g)
-    c = sub.add_parser("chat", help="interactive chat")
+    c = sub.add_parser("chat", help="interactive chat", description="Interactive chat; an empty line ends it.",
+                       formatter_class=HelpFormatter)
     _engine_args(c)
     _sampling_args(c)
     sub.add_parser("bench", help="benchmarks: `pagedkv bench --help`, `pagedkv bench throughput --help`, "

@@ -16,6 +16,7 @@ __all__ = [
     "SequenceStateError",
     "OutOfBlocksError",
     "PromptTooLongError",
+    "TableWidthError",
 ]
 
 
@@ -53,3 +54,8 @@ class OutOfBlocksError(PagedKVError, RuntimeError):
 
 class PromptTooLongError(OutOfBlocksError):
     """The prompt needs more blocks than the pool can ever give it (pool size minus the watermark)."""
+
+
+class TableWidthError(PagedKVError, ValueError):
+    """A sequence needs more block-table columns than the manager's fixed ``block_table_width`` (the prompt, or
+    the append, would take the sequence past ``block_table_width * block_size`` positions, lookahead included)."""

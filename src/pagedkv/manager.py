@@ -20,10 +20,18 @@ mixed into :class:`BlockManager` (each reads the others' state directly, so the 
     _step.py        the append: planning, the one-token fast path, the general path, take/release
     _small.py       the same append in plain Python for small batches (no numpy fixed costs)
     _window.py      sliding-window releases
+    _alloc.py       allocate / allocate_batch / lookup_prefix: plan, then commit
     _registry.py    prefix-cache registration (burst sharing), lookup, withdrawal, KV events
     _swap.py        swap_out / swap_in
     _invariants.py  check_invariants
     pool.py, prefix_cache.py   per-block flat arrays (refcounts, free ring; keys, tokens, LRU)
+
+**KV layout.** A *slot* is ``block_id * block_size + offset``: the row of one token's K (or V) in a layer's KV
+tensor viewed as ``(num_gpu_blocks * block_size, num_kv_heads, head_dim)`` (e.g. ``kv_cache[layer, i]
+.flatten(0, 1)`` of a ``(layers, 2, num_gpu_blocks, block_size, heads, head_dim)`` tensor); position ``p`` of a
+sequence lives in block ``table[p // block_size]`` at offset ``p % block_size``. docs/engine-contract.md is the
+engine builder's guide: the prefill and decode metadata, which token a decode step takes, what ``seq_lens``
+counts, lookahead slots, fixed-width tables and the order of a step's copies.
 
 **The engine contract** (what burst sharing relies on): an engine writes the KV of every token scheduled in a step
 before any attention of that step reads it (in each layer, the whole batch's K/V are written through the slot
@@ -41,6 +49,7 @@ from typing import Hashable, Iterable, Sequence
 import numpy as np
 
 from ._checks import as_tokens as _as_tokens, batch_tokens, check_int as _check_int, flat_tokens, token_count
+from ._alloc import _Allocator
 from ._invariants import _Invariants
 from ._registry import _Registry
 from ._rows import _EMPTY_I64, _Rows
@@ -48,20 +57,21 @@ from ._small import SMALL_BATCH, _Small
 from ._step import _Stepper
 from ._swap import _Swapper
 from ._window import _Window
-from .errors import InvalidArgumentError, InvalidTokensError, OutOfBlocksError, PromptTooLongError, SequenceStateError
+from .errors import InvalidArgumentError, InvalidTokensError, OutOfBlocksError, SequenceStateError
 from .cpu_tier import CpuTier
 from .events import KVCacheEvent
 from .pool import BlockPool
 from .prefix_cache import PrefixCache, _encode_namespace
-from .types import NULL_BLOCK, AllocStatus, CacheCopies, Stats, StepResult
+from .types import NULL_BLOCK, AllocStatus, CacheCopies, PrefillBatch, PrefixHit, Stats, StepResult
 
-__all__ = ["AllocStatus", "BlockManager", "CacheCopies", "NULL_BLOCK", "StepResult", "Stats"]
+__all__ = ["AllocStatus", "BlockManager", "CacheCopies", "NULL_BLOCK", "PrefillBatch", "PrefixHit", "StepResult",
+           "Stats"]
 
 _NO_PAIRS = np.zeros((0, 2), dtype=np.int64)
 _NO_PAIRS.flags.writeable = False
 
 
-class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Invariants):
+class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Allocator, _Invariants):
     """Paged KV-cache block manager (see module docstring).
 
     Args:
@@ -79,6 +89,11 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Invar
             :meth:`take_copies` returns once per step. Needs prefix caching and ``num_cpu_blocks``.
         max_kv_events: events kept until taken; past it the buffer is dropped and the next :meth:`take_events`
             returns a full resynchronisation (``AllBlocksCleared`` then a ``BlockStored`` per cached block).
+        block_table_width: give every batch block table (``StepResult.block_tables``,
+            ``PrefillBatch.block_tables``) exactly this many columns, NULL_BLOCK padded (CUDA graphs want fixed
+            shapes); a call that would give a sequence more blocks raises TableWidthError, changing nothing.
+            None (default): as wide as the batch's longest table. Set it to ``ceil((max_model_len +
+            num_lookahead_slots) / block_size)``.
 
     Sequences are keyed by any hashable ``seq_id`` chosen by the caller. Every method either completes or raises
     a :mod:`pagedkv.errors` exception and leaves the manager exactly as it was.
@@ -100,6 +115,7 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Invar
         enable_kv_events: bool = False,
         max_kv_events: int = 100_000,
         cpu_prefix_cache: bool = False,
+        block_table_width: int | None = None,
     ) -> None:
         num_gpu_blocks = _check_int("num_gpu_blocks", num_gpu_blocks, 1)
         block_size = _check_int("block_size", block_size, 1)
@@ -109,6 +125,8 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Invar
             sliding_window = _check_int("sliding_window", sliding_window, 1)
         if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) or not 0 <= watermark < 1:
             raise InvalidArgumentError(f"watermark must be a number in [0, 1), got {watermark!r}")
+        if block_table_width is not None:
+            block_table_width = _check_int("block_table_width", block_table_width, 1)
         if cpu_prefix_cache and not (enable_prefix_caching and num_cpu_blocks > 0):
             raise InvalidArgumentError("cpu_prefix_cache needs enable_prefix_caching=True and num_cpu_blocks > 0")
         self._bs = block_size
@@ -138,7 +156,8 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Invar
         self._ccid = np.zeros(0, dtype=np.int64)  # chain: cid of block nreg-1 (a root's before block 0), 0: broken
         self._ckey = np.zeros(0, dtype=np.uint64)  # chain: key of that content
         self._swapped = np.zeros(0, dtype=bool)
-        self._table = np.full((0, 4), NULL_BLOCK, dtype=np.int32)
+        self._fixed_w = block_table_width or 0  # fixed width of batch block tables (0: the batch's longest)
+        self._table = np.full((0, max(4, self._fixed_w)), NULL_BLOCK, dtype=np.int32)
         # one-entry memo of the last batch: seq_ids list -> validated rows
         self._small_batch = SMALL_BATCH  # batches up to this size take the plain-Python step (0: never)
         self._memo_ids: list | None = None
@@ -316,12 +335,15 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Invar
         return AllocStatus.LATER
 
 
-    def allocate(self, seq_id: Hashable, token_ids: Sequence[int], *, namespace: object = None) -> int:
-        """Create the block table of a new sequence holding the prompt ``token_ids``.
+    def allocate(self, seq_id: Hashable, token_ids: Sequence[int], num_lookahead_slots: int = 0, *,
+                 namespace: object = None) -> int:
+        """Create the block table of a new sequence holding the prompt ``token_ids``, with blocks for
+        ``num_lookahead_slots`` empty slots after it (as :meth:`can_allocate` counts them).
 
         Returns the number of leading prompt tokens whose KV is already cached (a multiple of block_size, less
-        than ``len(token_ids)``; 0 without prefix caching): the engine computes positions from there on.
-        ``namespace`` (None, str, bytes or int) isolates prefix-cache sharing, e.g. per tenant or LoRA adapter.
+        than ``len(token_ids)``; 0 without prefix caching): the engine computes positions from there on, and
+        :meth:`lookup_prefix` predicts this number without allocating. ``namespace`` (None, str, bytes or int)
+        isolates prefix-cache sharing, e.g. per tenant or LoRA adapter.
 
         With prefix caching the prompt's full blocks enter the cache before this call returns (burst sharing:
         an identical prompt allocated next, even in the same step, gets them as a hit; see the module docstring
@@ -329,91 +351,87 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Invar
 
         Blocks come from the free ring first (oldest free first), then by evicting the least recently used
         cached block. Raises PromptTooLongError if the prompt can never fit, OutOfBlocksError if it does not fit
-        now (admission control with the watermark is :meth:`can_allocate`'s job). O(prompt blocks).
+        now (admission control with the watermark is :meth:`can_allocate`'s job), TableWidthError if it needs
+        more than ``block_table_width`` blocks. :meth:`allocate_batch` is the same for several prompts at once,
+        with the prefill metadata gathered. O(prompt blocks).
         """
         self._check_new_id(seq_id)
-        # a new namespace's root is interned only once the allocation succeeds
-        if self._cache is None:
-            # without a cache only the count matters: a short list is checked in Python, never converted
-            n = token_count(token_ids) if type(token_ids) is list else _as_tokens(token_ids).size
-            if namespace is not None:
-                _encode_namespace(namespace)  # validate it all the same
-            root = None
-        else:
-            arr = _as_tokens(token_ids)
-            n = arr.size
-            root = self._cache.root(namespace, intern=False)
-        bs = self._bs
-        nblocks = -(-n // bs)
-        if nblocks > self._gpu.num_blocks - self._watermark_blocks:
-            raise PromptTooLongError(
-                f"prompt of {n} tokens needs {nblocks} blocks; the pool has {self._gpu.num_blocks} "
-                f"with {self._watermark_blocks} kept free"
-            )
-        hits: list[int] = []
-        chain = (0, 0)
-        if root is not None:
-            hits, chain = self._lookup(arr, root)
-        nhit = len(hits)
-        cpu_hits = None  # [(table position, CPU block)] of hits in the CPU tier (encoded ~block by _lookup)
-        if hits and self._tier is not None and min(hits) < 0:
-            cpu_hits = [(j, ~b) for j, b in enumerate(hits) if b < 0]
-            hits = [b for b in hits if b >= 0]
-        ref = self._gpu._ref_mv
-        reused_free = sum(1 for b in hits if ref[b] == 0) if hits else 0
-        if nblocks - len(hits) + reused_free > self._gpu._nfree and \
-                nblocks - len(hits) + reused_free > self.num_free_gpu_blocks:
+        la = num_lookahead_slots if type(num_lookahead_slots) is int and num_lookahead_slots >= 0 else \
+            _check_int("num_lookahead_slots", num_lookahead_slots, 0)
+        arr, n, nblocks, hits, cpu_hits, chain, need = self._alloc_plan(token_ids, la, namespace)
+        if need > self._gpu._nfree and need > self.num_free_gpu_blocks:
             raise OutOfBlocksError(
-                f"prompt of {n} tokens needs {nblocks - len(hits)} new blocks; {self.num_free_gpu_blocks} are free"
+                f"prompt of {n} tokens needs {need} new blocks; {self.num_free_gpu_blocks} are free"
             )
         # mutation starts here; nothing below can fail
-        if cpu_hits:  # pinned first: taking GPU blocks below may demote into the CPU tier
-            self._tier.pin_many([c for _, c in cpu_hits])
-        if len(hits) > 8:
-            h = np.array(hits, dtype=np.int64)
-            gref = self._gpu._ref
-            self._cache.evictor.discard_many(h[gref[h] == 0])
-            gref[h] += 1
-        elif hits:
-            evictor = self._cache.evictor
-            for b in hits:
-                if ref[b] == 0:
-                    evictor.discard(b)
-                ref[b] += 1
-        m = nblocks - len(hits)
-        new = self._gpu.take_few(m) if m <= 4 and m <= self._gpu._nfree else self._take(m)
-        if cpu_hits:
-            hits, new = self._promote(hits, cpu_hits, new)
-        row = self._new_row(seq_id)
-        self._ns_of[row] = namespace
-        if nblocks > self._table.shape[1]:
-            self._ensure_cols(nblocks)
-        mvs = self._mvs or self._views()
-        if nblocks <= 4:
-            table = mvs[2]
-            for c, b in enumerate(hits):
-                table[row, c] = b
-            for c, b in enumerate(new, len(hits)):
-                table[row, c] = b
+        self._alloc_commit(seq_id, namespace, arr, n, nblocks, hits, cpu_hits, chain, referenced=False)
+        return (len(hits) + (len(cpu_hits) if cpu_hits else 0)) * self._bs
+
+    def allocate_batch(self, seq_ids: Sequence[Hashable], token_ids: Sequence[Sequence[int]],
+                       num_lookahead_slots: int = 0, *, namespaces: Sequence[object] | None = None) -> PrefillBatch:
+        """Allocate B new sequences at once (``seq_ids[i]`` holds the prompt ``token_ids[i]``) and return their
+        prefill metadata, flat: :class:`PrefillBatch` (the cached-token count of each, the tokens to compute
+        with their positions and slots, query start offsets, block tables, sequence lengths).
+
+        The same as ``allocate(seq_ids[i], token_ids[i], num_lookahead_slots, namespace=namespaces[i])`` for i
+        in order, burst sharing included (a prompt finds the full blocks of the batch's earlier prompts, so two
+        identical prompts share blocks exactly as two allocate calls would), except that it is all or nothing
+        for the whole batch and that every prefix hit of the batch is secured before any block is taken (no
+        prompt of the batch evicts a cached block a later one hits, which consecutive calls could do). Raises
+        what :meth:`allocate` raises (DuplicateSequenceError also for an id repeated in the batch; a bad
+        prompt's message names it ``token_ids[i]``) and changes nothing then; OutOfBlocksError when the batch
+        as a whole does not fit now. ``namespaces``: None, or one namespace per prompt.
+
+        Block tables are as wide as the batch's longest table, or ``block_table_width`` when the manager has
+        one. Every returned array is read-only. O(total prompt blocks) Python work plus O(tokens) numpy work.
+        """
+        seq_ids = list(seq_ids)
+        prompts = list(token_ids) if not isinstance(token_ids, np.ndarray) or token_ids.ndim == 2 else None
+        if prompts is None or len(prompts) != len(seq_ids):
+            raise InvalidTokensError(
+                f"token_ids must hold one prompt per sequence ({len(seq_ids)}), got "
+                f"{'an array of shape ' + str(token_ids.shape) if prompts is None else len(prompts)}"
+            )
+        la = _check_int("num_lookahead_slots", num_lookahead_slots, 0)
+        if namespaces is None:
+            namespaces = [None] * len(seq_ids)
         else:
-            t = self._table[row]
-            t[: len(hits)] = hits
-            t[len(hits) : nblocks] = new
-        mvs[0][row] = n
-        mvs[1][row] = nblocks
-        mvs[5][row] = mvs[6][row] = len(hits)
-        if self._cache is not None:
-            self._cache.intern(namespace)
-            self._ccid[row], self._ckey[row] = chain
-            self._fill_prompt(row, arr, new, len(hits))
-            self._query_tokens += n
-            self._hit_tokens += len(hits) * bs
-            self._query_blocks += (n - 1) // bs
-            self._hit_blocks += len(hits)
-            if cpu_hits:
-                self._tier.hit_tokens += len(cpu_hits) * bs
-                self._tier.hit_blocks += len(cpu_hits)
-        return nhit * bs
+            if isinstance(namespaces, (str, bytes, int)):
+                raise InvalidArgumentError("namespaces must be a sequence of one namespace per prompt")
+            namespaces = list(namespaces)
+            if len(namespaces) != len(seq_ids):
+                raise InvalidArgumentError(f"got {len(namespaces)} namespaces for {len(seq_ids)} prompts")
+        return self._allocate_batch(seq_ids, prompts, la, namespaces)
+
+    def lookup_prefix(self, token_ids: Sequence[int], num_lookahead_slots: int = 0, *,
+                      namespace: object = None) -> PrefixHit:
+        """What :meth:`allocate` would find cached for this prompt if called now, without changing anything (no
+        LRU touch, no stats, no KV events, no pinning): :class:`PrefixHit` (cached tokens and blocks, how many of
+        them come from the CPU tier, how many free GPU blocks the allocation would consume). Both tiers and
+        namespaces are searched exactly as allocate searches them; whether the prompt fits is
+        :meth:`can_allocate`'s question. A token-budget scheduler uses it to charge only the tokens to compute
+        (``len(token_ids) - num_cached_tokens``). Inside one :meth:`allocate_batch` a prompt may also hit the
+        blocks of the batch's earlier prompts, which this lookup cannot know. O(prompt blocks)."""
+        la = _check_int("num_lookahead_slots", num_lookahead_slots, 0)
+        if self._cache is None:
+            n = _as_tokens(token_ids).size
+            _encode_namespace(namespace)  # validate it all the same
+            nb = -(-(n + la) // self._bs)
+            return PrefixHit(0, 0, 0, nb)
+        arr = _as_tokens(token_ids)
+        hits, _ = self._lookup(arr, self._cache.root(namespace, intern=False))
+        ref = self._gpu._ref_mv
+        held = sum(1 for b in hits if b >= 0 and ref[b] > 0)
+        ncpu = sum(1 for b in hits if b < 0)
+        nb = -(-(arr.size + la) // self._bs)
+        return PrefixHit(len(hits) * self._bs, len(hits), ncpu, nb - held)
+
+    def _release_namespaces(self) -> None:
+        """Forget the prefix-cache namespaces that no live sequence and no cached block uses (bounded state per
+        tenant: memory proportional to the namespaces in use, not to all ever seen). Amortised O(1) per new
+        namespace (see :meth:`PrefixCache.release_namespaces`)."""
+        keep = {b""} | {_encode_namespace(ns) for ns in self._ns_of if ns is not None}
+        self._cache.release_namespaces(keep, self._cpu_id)
 
     def fork(self, parent_seq_id: Hashable, child_seq_id: Hashable) -> None:
         """Create ``child_seq_id`` sharing every block of the parent (refcounts + 1); a later write into a shared
@@ -495,9 +513,18 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Invar
         ``num_lookahead_slots`` empty slots after each sequence's tokens. Returns :class:`StepResult`:
 
         - ``slot_mapping`` int64 (total new tokens,): slot of each new token, sequence 0's tokens first;
-        - ``block_tables`` int32 (B, max table length) padded with NULL_BLOCK;
-        - ``seq_lens`` int32 (B,): tokens per sequence after the append;
+        - ``block_tables`` int32 (B, max table length, or ``block_table_width``) padded with NULL_BLOCK;
+        - ``seq_lens`` int32 (B,): tokens per sequence after the append, the new ones included (the attention
+          context length of each sequence's last new token; lookahead slots not counted);
         - ``cow`` int64 (m, 2): copy-on-write pairs (src, dst), to copy before writing the new KV.
+
+        The tokens are those whose KV this step computes: the token sampled in the previous step (from the
+        prompt's last logits after a prefill), or the tokens accepted by speculative decoding; they take
+        positions ``num_tokens .. num_tokens + k - 1`` and the logits of the last one give the next token.
+        Reserved lookahead slots (``slot_mapping(seq, num_tokens, num_tokens + num_lookahead_slots)`` after the
+        call) take the drafts' KV; a block still shared (a fork) that holds one of them is copied on write like a
+        written block. With ``block_table_width`` a step that would give a sequence more blocks raises
+        TableWidthError.
 
         Blocks for the step come from the free ring (oldest first), then from evicting LRU cached blocks;
         copy-on-write destinations are taken before new blocks. All or nothing: raises OutOfBlocksError and

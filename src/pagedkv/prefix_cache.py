@@ -38,6 +38,7 @@ from .evictor import LRUEvictor
 __all__ = ["LRUEvictor", "PrefixCache", "block_hashes", "block_key"]
 
 _xxh3 = xxhash.xxh3_64_intdigest
+_SWEEP_MIN = 1024  # namespaces kept before the first release sweep
 _slice_memo: dict[int, list[slice]] = {}
 
 
@@ -99,7 +100,8 @@ class PrefixCache:
     """
 
     __slots__ = ("_map", "tok", "key", "cid", "pcid", "evictor", "_roots", "_serial", "evictions", "_width",
-                 "_cid_mv", "_tok_mv", "_key_mv", "_pcid_mv", "tier", "fresh", "fresh_serial", "events", "event_overflows", "_ev_max", "_ev_lost", "pkey", "nsid", "_ns_ids", "_ns_list", "_bs")
+                 "_cid_mv", "_tok_mv", "_key_mv", "_pcid_mv", "tier", "fresh", "fresh_serial", "events", "event_overflows", "_ev_max", "_ev_lost", "pkey", "nsid", "_ns_ids", "_ns_list", "_bs",
+                 "_root_serial", "_ns_free", "sweep_at")
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self._map: dict[int, int] = {}
@@ -129,6 +131,9 @@ class PrefixCache:
         self.pkey = self.nsid = None  # per-block parent key and namespace index, kept only for events
         self._ns_ids: dict[bytes, int] = {}
         self._ns_list: list[object] = []
+        self._ns_free: list[int] = []  # released slots of _ns_list
+        self._root_serial = 0  # roots handed out (a root's cid is -serial; never reused)
+        self.sweep_at = _SWEEP_MIN  # the manager releases unused namespaces when _roots grows past this
 
     # ------------------------------------------------------------------ KV events
     def enable_events(self, max_events: int) -> None:
@@ -143,8 +148,13 @@ class PrefixCache:
         data = _encode_namespace(namespace)
         i = self._ns_ids.get(data)
         if i is None:
-            i = self._ns_ids[data] = len(self._ns_list)
-            self._ns_list.append(namespace)
+            if self._ns_free:
+                i = self._ns_free.pop()
+                self._ns_list[i] = namespace
+            else:
+                i = len(self._ns_list)
+                self._ns_list.append(namespace)
+            self._ns_ids[data] = i
         return i
 
     def _emit(self, event) -> None:
@@ -228,13 +238,44 @@ class PrefixCache:
         data = _encode_namespace(namespace)
         r = self._roots.get(data)
         if r is None:
-            r = (-(len(self._roots) + 1), _xxh3(b"pagedkv-ns:" + data))
+            r = (-(self._root_serial + 1), _xxh3(b"pagedkv-ns:" + data))
             if intern:
                 self._roots[data] = r
+                self._root_serial += 1
         return r
 
-    def intern(self, namespace: object) -> None:
+    def intern(self, namespace: object) -> bool:
+        """Store a namespace's root (see :meth:`root`); True if it was new."""
+        n = len(self._roots)
         self.root(namespace, intern=True)
+        return len(self._roots) != n
+
+    def release_namespaces(self, keep: set, cpu_ident: np.ndarray | None = None) -> int:
+        """Forget the namespaces nothing uses: no cached block chains from their root (GPU, or CPU rows of
+        ``cpu_ident`` with a content id: the tier's and swapped blocks), and their encoding is not in ``keep``
+        (the namespaces of live sequences). A namespace seen again later gets a new root (a new content id):
+        blocks cached under the old one cannot be hit then, and none exists. Then :attr:`sweep_at` becomes twice
+        the namespaces kept (at least 1024), so that memory stays proportional to the namespaces in use and the
+        sweeps cost O(1) amortised per new namespace. Returns how many were released. O(blocks + namespaces)."""
+        cached = self.cid != 0
+        pc = self.pcid[cached]
+        used = set(pc[pc < 0].tolist())
+        ns_used = set(self.nsid[cached].tolist()) if self.nsid is not None else set()
+        if cpu_ident is not None:
+            held = cpu_ident[0] != 0
+            pc = cpu_ident[2, held]
+            used.update(pc[pc < 0].tolist())
+            if self.nsid is not None:
+                ns_used.update(cpu_ident[4, held].tolist())
+        before = len(self._roots)
+        self._roots = {d: r for d, r in self._roots.items() if r[0] in used or d in keep}
+        for d, i in list(self._ns_ids.items()):
+            if i not in ns_used and d not in keep:
+                del self._ns_ids[d]
+                self._ns_list[i] = None
+                self._ns_free.append(i)
+        self.sweep_at = max(_SWEEP_MIN, 2 * len(self._roots))
+        return before - len(self._roots)
 
     # ------------------------------------------------------------------ lookup
     def find(self, pcid: int, pkey: int, data: bytes) -> tuple[int, int]:

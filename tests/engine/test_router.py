@@ -319,3 +319,71 @@ def test_a_killed_replica_loses_no_request_that_had_not_started(cluster, engine)
     text = httpx.get(router.url + "/metrics").text
     assert f'pagedkv_router_replica_healthy{{replica="{victim}"}} 0.0' in text
     assert httpx.get(router.url + "/health").status_code == 200
+
+
+def test_kill_9_of_a_real_replica_mid_stream(cluster, engine, tmp_path):
+    """A ``pagedkv serve`` process killed with SIGKILL while it streams: the client's stream ends with an error
+    event in OpenAI's shape (never a silent end: no [DONE] either), the router's in-flight counts return to 0,
+    the dead replica leaves routing and the next request is served by a live one."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    from pagedkv.router.app import RouterServer
+    from pagedkv.router.prompt import PromptBuilder
+    from pagedkv.router.state import Replica, RouterState
+
+    reps, _ = cluster
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    log = open(tmp_path / "replica.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "pagedkv.cli", "serve", "--port", str(port), "--num-gpu-blocks",
+                             "64", "--max-num-seqs", "4", "--served-model-name", MODEL], stdout=log, stderr=log)
+    victim = f"http://127.0.0.1:{port}"
+    router = None
+    try:
+        assert wait_for(lambda: _ok(victim + "/health"), timeout=120), (tmp_path / "replica.log").read_text()
+        state = RouterState([Replica(victim), Replica(reps[0].url)], route="least-loaded", block_size=BLOCK)
+        router = RouterServer(state, PromptBuilder(router_tokenizer(engine), BLOCK), port=0,
+                              health_interval=0.3, health_fails=2).start_in_thread()
+        body = {"model": MODEL, "prompt": doc(40) + " Go on.", "max_tokens": 400, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        lines = None
+        for _ in range(4):  # least-loaded alternates: one of the first two streams lands on the victim
+            with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=120) as s:
+                if s.headers["x-pagedkv-replica"] != victim:
+                    continue
+                it = s.iter_lines()
+                first = data_of([next(it) for _ in range(6)])
+                os.kill(proc.pid, signal.SIGKILL)
+                lines = first + data_of(it)
+                break
+        assert lines is not None
+        assert len(first) == 3 and all("choices" in json.loads(ln[6:]) for ln in first)
+        assert "data: [DONE]" not in lines
+        err = json.loads(lines[-1][6:])["error"]
+        assert err["type"] == "server_error" and err["code"] == "replica_failed"
+        assert wait_for(lambda: all(r.inflight == 0 and r.inflight_tokens == 0 for r in state.replicas.values()))
+        r = complete(router.url, "The capital of France is")
+        assert r.status_code == 200 and r.headers["x-pagedkv-replica"] == reps[0].url
+        assert wait_for(lambda: state.routable() == [reps[0].url])
+    finally:
+        if router is not None:
+            router.close()
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(30)
+        log.close()
+
+
+def router_tokenizer(engine):
+    from pagedkv.engine.tokenizer import GGUFTokenizer
+
+    return GGUFTokenizer(engine.tokenizer_meta)
+
+
+def data_of(lines):
+    return [ln for ln in lines if ln.startswith("data: ")]

@@ -375,22 +375,23 @@ def test_serve_command_in_a_subprocess(tmp_path):
         c = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0, timeout=60)
         r = c.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
         assert r.usage.completion_tokens <= 3 and r.choices[0].message.content
-        if _kv_events_supported():  # the prompt's full blocks were announced: ask the replay socket
-            zmq = pytest.importorskip("zmq")
-            from pagedkv.server.kv_events import END_SEQ, decode_payload
+        # the prompt's full blocks were announced: ask the replay socket
+        import zmq
 
-            dealer = zmq.Context.instance().socket(zmq.DEALER)
-            dealer.setsockopt(zmq.RCVTIMEO, 10000)
-            dealer.connect(f"tcp://127.0.0.1:{replay_port}")
-            dealer.send_multipart([b"", (0).to_bytes(8, "big")])
-            names = []
-            while True:
-                _, seq, payload = dealer.recv_multipart()
-                if seq == END_SEQ:
-                    break
-                names += [type(e).__name__ for e in decode_payload(payload).events]
-            dealer.close(0)
-            assert "BlockStored" in names
+        from pagedkv.server.kv_events import END_SEQ, decode_payload
+
+        dealer = zmq.Context.instance().socket(zmq.DEALER)
+        dealer.setsockopt(zmq.RCVTIMEO, 10000)
+        dealer.connect(f"tcp://127.0.0.1:{replay_port}")
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        names = []
+        while True:
+            _, seq, payload = dealer.recv_multipart()
+            if seq == END_SEQ:
+                break
+            names += [type(e).__name__ for e in decode_payload(payload).events]
+        dealer.close(0)
+        assert "BlockStored" in names
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -400,21 +401,11 @@ def test_serve_command_in_a_subprocess(tmp_path):
             proc.wait(10)
 
 
-def _kv_events_supported() -> bool:
-    import inspect
-
-    from pagedkv import BlockManager
-    from pagedkv.engine import LLM
-
-    return hasattr(BlockManager, "take_events") and "enable_kv_events" in inspect.signature(LLM).parameters
-
-
 def test_kv_events_rebuild_the_cached_key_set(engine):
     """A subscriber of the server's KV events rebuilds exactly the block manager's set of cached block keys,
     through evictions (a small pool), from the live stream plus the replay socket."""
-    zmq = pytest.importorskip("zmq")
-    if not _kv_events_supported():
-        pytest.skip("the block manager has no take_events yet (tests/test_kv_events.py covers the publisher)")
+    import zmq
+
     from pagedkv.engine import LLM
     from pagedkv.server.kv_events import END_SEQ, decode_payload
     from pagedkv.server.launch import make_server
@@ -471,21 +462,23 @@ def test_kv_events_rebuild_the_cached_key_set(engine):
         assert keys == set(llm.block_manager._cache._map)
         import pagedkv
 
-        if hasattr(pagedkv, "block_hashes"):  # the last prompt's full blocks are cached under these keys
-            ids = llm.tokenizer.encode(prompts[-1], add_special_tokens=True)
-            full = ids[: len(ids) // BLOCK * BLOCK]
-            assert set(pagedkv.block_hashes(full, BLOCK, None)) <= keys
+        # the last prompt's full blocks are cached under these keys
+        ids = llm.tokenizer.encode(prompts[-1], add_special_tokens=True)
+        full = ids[: len(ids) // BLOCK * BLOCK]
+        assert full and set(pagedkv.block_hashes(full, BLOCK, None)) <= keys
     finally:
         sub.close(0)
         srv.close()
 
 
-def test_an_engine_failure_fails_requests_in_flight_and_health(engine):
-    """A step that raises (a bug) answers 500 to the requests in flight, then /health and new requests 503."""
+def test_a_failed_forward_fails_its_requests_and_the_engine_goes_on(engine):
+    """A forward pass that raises fails the requests of its step (500, OpenAI's shape); the engine goes on:
+    /health stays 200, no block is held, the invariants hold, the next request is served."""
     from pagedkv.engine import LLM
     from pagedkv.server.launch import make_server
 
     llm = LLM(engine.paged, num_gpu_blocks=16, max_num_seqs=2, block_size=BLOCK)
+    real = llm._execute
 
     def broken(*_a, **_k):
         raise RuntimeError("injected")
@@ -494,9 +487,80 @@ def test_an_engine_failure_fails_requests_in_flight_and_health(engine):
     srv = make_server(llm, model_name=MODEL).start_in_thread()
     try:
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
-        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error", r.text
+        assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+        with httpx.stream("POST", srv.url + "/v1/completions", timeout=30,
+                          json={"prompt": "hi", "max_tokens": 2, "stream": True}) as r:
+            lines = [ln for ln in r.iter_lines() if ln]
+        assert r.status_code == 200 and json.loads(lines[-2][6:])["error"]["code"] == "internal_error"
+        assert lines[-1] == "data: [DONE]"
+        llm._execute = real
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        wait_idle(srv)
+        assert llm.block_manager.gpu_usage == 0.0 and srv.engine.faults == 2 and srv.engine.alive
+        llm.block_manager.check_invariants()
+    finally:
+        srv.close()
+
+
+def test_a_sampler_fault_fails_only_its_request(engine, offline, monkeypatch):
+    """Sampling that raises for one request (its logits, its parameters) fails that request alone: the request
+    next to it in the same steps gets exactly the offline engine's output."""
+    import pagedkv.engine.llm as llm_mod
+    from pagedkv.engine import LLM
+    from pagedkv.server.launch import make_server
+
+    real = llm_mod.sample
+
+    def picky(logits, params, num, generator):
+        if params.seed == 666:
+            raise FloatingPointError("injected: probabilities are not finite")
+        return real(logits, params, num, generator)
+
+    monkeypatch.setattr(llm_mod, "sample", picky)
+    llm = LLM(engine.paged, num_gpu_blocks=32, max_num_seqs=4, block_size=BLOCK)
+    srv = make_server(llm, model_name=MODEL).start_in_thread()
+    prompt = "The capital of France is"
+    want = offline.generate(prompt, greedy(8, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
+
+    async def both():
+        async with httpx.AsyncClient(base_url=srv.url, timeout=60) as http:
+            good = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0,
+                                                      "ignore_eos": True})
+            bad = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 8, "seed": 666})
+            return await asyncio.wait_for(asyncio.gather(good, bad), 120)
+
+    try:
+        good, bad = asyncio.run(both())
+        assert bad.status_code == 500 and bad.json()["error"]["code"] == "internal_error"
+        assert good.status_code == 200 and good.json()["choices"][0]["text"] == want
+        wait_idle(srv)
+        assert llm.block_manager.gpu_usage == 0.0 and srv.engine.faults == 1 and srv.engine.alive
+        llm.block_manager.check_invariants()
+    finally:
+        srv.close()
+
+
+def test_a_broken_scheduler_stops_the_engine_and_says_so(engine):
+    """A fault that leaves the engine unusable (here the scheduler itself raises) fails the requests in flight,
+    turns /health and new requests to 503, and calls on_fatal (``pagedkv serve`` then exits non-zero)."""
+    from pagedkv.engine import LLM
+    from pagedkv.server.launch import make_server
+
+    llm = LLM(engine.paged, num_gpu_blocks=16, max_num_seqs=2, block_size=BLOCK)
+
+    def broken(*_a, **_k):
+        raise RuntimeError("injected")
+
+    llm.scheduler.schedule = broken
+    srv = make_server(llm, model_name=MODEL).start_in_thread()
+    try:
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 500 and r.json()["error"]["code"] == "engine_dead"
         assert httpx.get(srv.url + "/health", timeout=10).status_code == 503
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
         assert r.status_code == 503 and "error" in r.json()
+        assert srv.fatal is not None and "injected" in srv.fatal
     finally:
         srv.close()

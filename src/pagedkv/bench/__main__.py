@@ -19,36 +19,18 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import os
-import platform
 import shlex
 import sys
 from pathlib import Path
 from typing import Sequence
 
+from .._help import HelpFormatter, plain
 from .harness import resolve_impl, run_workload
+from .meta import machine as _machine, versions as _versions
 from .report import format_ratios, format_table, plot
 from .workloads import WORKLOAD_GROUPS, build_workloads, resolve_workloads
 
 __all__ = ["main", "run_suite"]
-
-
-def _machine() -> dict:
-    return {
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "processor": platform.processor(),
-        "cpu_count": os.cpu_count(),
-        "python_implementation": platform.python_implementation(),
-    }
-
-
-def _versions() -> dict:
-    import numpy
-
-    import pagedkv
-
-    return {"python": platform.python_version(), "numpy": numpy.__version__, "pagedkv": pagedkv.__version__}
 
 
 def run_suite(args: argparse.Namespace, command: str) -> dict:
@@ -115,8 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return single_main(argv[1:])
     names = [*build_workloads(False), *WORKLOAD_GROUPS]
-    ap = argparse.ArgumentParser(prog="python -m pagedkv.bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="pagedkv bench", description=plain(__doc__), formatter_class=HelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run of a few seconds)")
     ap.add_argument("--impl", nargs="+", default=["pagedkv"], metavar="NAME",
                     help="implementations: pagedkv and anchors (vllm_v2, vllm_v1, nanovllm); default pagedkv")
@@ -124,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help=f"workloads or groups (default: all): {', '.join(names)}")
     ap.add_argument("--repeats", type=int, default=None, help="measured runs per workload (default 5, quick 1)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed runs first (default 1, quick 0)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the workloads' prompts and fake model")
     ap.add_argument("--precheck", action="store_true",
                     help="pagedkv too asks can_append_slots before every decode_step (vLLM's call pattern; by "
                          "default the scheduler skips it for pagedkv, whose step is all-or-nothing)")

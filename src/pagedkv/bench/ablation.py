@@ -900,14 +900,17 @@ def format_table(result: dict) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pagedkv.bench.ablation", description=__doc__.split("\n\n")[0])
+    from .._help import HelpFormatter, plain
+
+    p = argparse.ArgumentParser(prog="pagedkv bench ablation", description=plain(__doc__.split("\n\n")[0]),
+                                formatter_class=HelpFormatter)
     p.add_argument("--quick", action="store_true", help="small workload, a few seconds (smoke test)")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--batch", type=int, default=1000)
-    p.add_argument("--steps", type=int, default=256)
-    p.add_argument("--prompt-len", type=int, default=256)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=5, help="interleaved measured repeats")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs first")
+    p.add_argument("--batch", type=int, default=1000, help="sequences decoding together")
+    p.add_argument("--steps", type=int, default=256, help="decode steps per run")
+    p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens per sequence")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per block")
     p.add_argument("--json", metavar="PATH", help="also write the full result as JSON")
     a = p.parse_args(argv)
     result = run_ablation(

@@ -225,8 +225,9 @@ def plot(doc: dict, outdir: str | Path) -> list[Path]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pagedkv.bench.report", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    from .._help import HelpFormatter, plain
+
+    ap = argparse.ArgumentParser(prog="python -m pagedkv.bench.report", description=plain(__doc__), formatter_class=HelpFormatter)
     ap.add_argument("results", help="a JSON file written by `python -m pagedkv.bench`")
     ap.add_argument("--plot", metavar="DIR", help="write PNG charts into DIR")
     args = ap.parse_args(argv)

@@ -62,6 +62,8 @@ from ..errors import (
     PromptTooLongError,
     UnknownSequenceError,
 )
+from .._help import HelpFormatter, plain
+from .meta import machine as _machine, versions as _versions
 from .report import save_result
 
 __all__ = ["CALLS", "Reference", "run_single", "format_table", "main"]
@@ -154,7 +156,8 @@ class Reference:
         end = n + k
         nb = len(table)
         need = max(-(-(end + la) // bs), nb)
-        shared = [j for j in range(n // bs, min((end - 1) // bs, nb - 1) + 1) if ref[table[j]] > 1]
+        # blocks written, or holding reserved lookahead slots (draft KV), still shared: copied on write
+        shared = [j for j in range(n // bs, min((end + la - 1) // bs, nb - 1) + 1) if ref[table[j]] > 1]
         if need - nb + len(shared) > len(self.free_blocks):
             raise OutOfBlocksError(f"the append needs {need - nb + len(shared)} new blocks")
         cow = []
@@ -451,19 +454,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         docs = [json.loads(Path(f).read_text()) for f in argv[1:]]
         print(format_table(docs), end="")
         return 0
-    from .__main__ import _machine, _versions
-
-    ap = argparse.ArgumentParser(prog="python -m pagedkv.bench single", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="pagedkv bench single", description=plain(__doc__), formatter_class=HelpFormatter)
     ap.add_argument("--impl", nargs="+", default=["pagedkv"], metavar="NAME",
                     help="pagedkv and anchors (the plain-Python reference always runs)")
     ap.add_argument("--seqs", type=int, default=None, help="sequences per repeat (default 1000, quick 50)")
     ap.add_argument("--rounds", type=int, default=None, help="one-token appends per sequence (default 16, quick 4)")
     ap.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 5, quick 1)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the prompts")
     ap.add_argument("--quick", action="store_true", help="a smoke run of a fraction of a second")
-    ap.add_argument("--out", default="benchmarks/results", metavar="DIR")
-    ap.add_argument("--no-save", action="store_true")
+    ap.add_argument("--out", default="benchmarks/results", metavar="DIR", help="where the JSON goes")
+    ap.add_argument("--no-save", action="store_true", help="do not write the JSON file")
     a = ap.parse_args(argv)
     seqs = a.seqs or (50 if a.quick else 1000)
     rounds = a.rounds or (4 if a.quick else 16)

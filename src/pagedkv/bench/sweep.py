@@ -46,7 +46,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from .._help import HelpFormatter, plain
 from .harness import Impl, resolve_impl
+from .meta import machine as _machine, versions as _versions
 from .report import save_result
 from .runner_tables import ListTables, PersistentTables
 
@@ -330,10 +332,11 @@ def plot(docs: Sequence[dict], outdir: str | Path) -> list[Path]:
 
 # ---------------------------------------------------------------------------------------------- command line
 def _report_main(argv: Sequence[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pagedkv.bench sweep report",
-                                 description="Merge sweep result files into one table (and chart).")
-    ap.add_argument("files", nargs="+")
-    ap.add_argument("--plot", metavar="DIR")
+    ap = argparse.ArgumentParser(prog="pagedkv bench sweep report",
+                                 description="Merge sweep result files into one table (and chart).",
+                                 formatter_class=HelpFormatter)
+    ap.add_argument("files", nargs="+", help="result files of pagedkv bench sweep")
+    ap.add_argument("--plot", metavar="DIR", help="also write the charts into DIR")
     a = ap.parse_args(argv)
     docs = [json.loads(Path(f).read_text()) for f in a.files]
     print(format_table(docs), end="")
@@ -347,21 +350,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["report"]:
         return _report_main(argv[1:])
-    from .__main__ import _machine, _versions
-
-    ap = argparse.ArgumentParser(prog="python -m pagedkv.bench sweep", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="pagedkv bench sweep", description=plain(__doc__), formatter_class=HelpFormatter)
     ap.add_argument("--impl", nargs="+", default=["pagedkv"], metavar="NAME",
                     help="pagedkv and anchors (vllm_v2, vllm_v1, nanovllm; run under the anchor's virtualenv)")
     ap.add_argument("--batch", nargs="+", type=int, default=None, metavar="B", help="batch sizes (default 1..1024)")
     ap.add_argument("--steps", type=int, default=None, help="decode steps per run (default 256, quick 16)")
     ap.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 5, quick 1)")
     ap.add_argument("--skip", type=int, default=8, help="first steps of a run left out of its median")
-    ap.add_argument("--caching", choices=("off", "on", "both"), default="both")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--caching", choices=("off", "on", "both"), default="both", help="prefix caching off, on or both")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     ap.add_argument("--quick", action="store_true", help="batch 1..8, 16 steps, 1 repeat (a smoke run)")
     ap.add_argument("--out", default="benchmarks/results", metavar="DIR", help="where the JSON goes")
-    ap.add_argument("--no-save", action="store_true")
+    ap.add_argument("--no-save", action="store_true", help="do not write the JSON file")
     ap.add_argument("--plot", metavar="DIR", help="also write the charts into DIR")
     a = ap.parse_args(argv)
     batch = a.batch or (QUICK_BATCH_SIZES if a.quick else BATCH_SIZES)

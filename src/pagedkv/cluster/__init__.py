@@ -1,6 +1,7 @@
-"""Many replicas: the prefix index fed by KV events (:mod:`.index`), routing policies (:mod:`.policy`) and the
-cluster replay (:mod:`.replay`). Torch-free and server-free (numpy, xxhash; ``redis`` for the Redis index)."""
+"""Many replicas: the prefix index fed by KV events (:mod:`.index`) and the routing policies (:mod:`.policy`),
+shared by the router (:mod:`pagedkv.router`) and the cluster replay (:mod:`pagedkv.replay.cluster`). Torch-free
+and server-free (numpy, xxhash; ``redis`` for the Redis index); imports nothing of pagedkv but the core."""
 
-from .index import KVIndex, MemoryIndex, RedisIndex, open_index, predicted_tokens
+from .index import IndexUnavailableError, KVIndex, MemoryIndex, RedisIndex, open_index, predicted_tokens
 
-__all__ = ["KVIndex", "MemoryIndex", "RedisIndex", "open_index", "predicted_tokens"]
+__all__ = ["IndexUnavailableError", "KVIndex", "MemoryIndex", "RedisIndex", "open_index", "predicted_tokens"]

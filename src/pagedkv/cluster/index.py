@@ -20,15 +20,39 @@ Contract shared by :class:`MemoryIndex` and :class:`RedisIndex` (the :class:`KVI
 
 A block whose parent was evicted stays in the index (the replica still holds it), but it is never counted: the
 match stops at the first key a replica lacks, as the engine's own lookup does.
+
+An index kept elsewhere can be unreachable: every :class:`RedisIndex` method then raises
+:class:`IndexUnavailableError` (after one retry and at most a few seconds of socket timeout), and its ``ping()``
+says when the store answers again. The router treats that as a stale index: it routes on load alone and rebuilds
+the index from the replicas' replay sockets once the store is back (docs/router-reliability.md).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Hashable, Iterable, Protocol, Sequence, runtime_checkable
 
+from ..errors import PagedKVError
 from ..events import MEDIUM_CPU, MEDIUM_GPU
 
-__all__ = ["KVIndex", "MemoryIndex", "RedisIndex", "open_index", "event_kind"]
+__all__ = ["KVIndex", "MemoryIndex", "RedisIndex", "IndexUnavailableError", "open_index", "event_kind"]
+
+
+class IndexUnavailableError(PagedKVError, ConnectionError):
+    """The store holding the index (Redis) did not answer: what the failed call changed there is unknown."""
+
+
+def _guard(method):
+    """``method`` with the Redis client's connection and timeout errors raised as :class:`IndexUnavailableError`."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except self._outage as e:
+            raise IndexUnavailableError(f"the Redis index is unreachable: {e}") from e
+
+    return wrapper
 
 _MEDIA = (MEDIUM_GPU, MEDIUM_CPU)
 
@@ -216,19 +240,41 @@ class RedisIndex:
     Every write of one event is one pipeline (MULTI/EXEC). Replica ids are strings (``str(replica)``).
     Several routers may apply the same events: SADD and SREM make that idempotent (a router lagging behind
     another can briefly re-add a block the other already removed; the next removal fixes it).
+
+    Outages: the client made from ``url`` gives up after ``timeout`` seconds per socket operation and one retry,
+    and every method then raises :class:`IndexUnavailableError`; :meth:`ping` is True once Redis answers again.
+    The constructor pings (and raises) so that a wrong URL is reported at start-up.
     """
 
     CHUNK = 256
 
-    def __init__(self, url: str = "redis://127.0.0.1:6379", *, prefix: str = "pagedkv", client=None) -> None:
-        if client is None:
-            import redis
+    def __init__(self, url: str = "redis://127.0.0.1:6379", *, prefix: str = "pagedkv", client=None,
+                 timeout: float = 2.0) -> None:
+        import redis
 
-            client = redis.Redis.from_url(url)
+        if client is None:
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
+
+            client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
+                                          retry=Retry(NoBackoff(), 1))
+        self._outage = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
         self.r = client
         self.p = prefix
         self._has_cpu, self._cpu_checked = False, -1e9
+        self._ping()
+
+    @_guard
+    def _ping(self) -> None:
         self.r.ping()
+
+    def ping(self) -> bool:
+        """True when Redis answers (never raises)."""
+        try:
+            self._ping()
+        except IndexUnavailableError:
+            return False
+        return True
 
     def _blk(self, medium: str, h: int) -> str:
         return f"{self.p}:blk:{medium}:{int(h)}"
@@ -236,12 +282,15 @@ class RedisIndex:
     def _rep(self, replica, medium: str) -> str:
         return f"{self.p}:rep:{replica}:{medium}"
 
+    @_guard
     def replicas(self) -> list:
         return sorted(x.decode() for x in self.r.smembers(f"{self.p}:replicas"))
 
+    @_guard
     def add_replica(self, replica) -> None:
         self.r.sadd(f"{self.p}:replicas", str(replica))
 
+    @_guard
     def apply(self, replica, event: object) -> None:
         kind = event_kind(event)
         rid = str(replica)
@@ -267,6 +316,7 @@ class RedisIndex:
         for e in events:
             self.apply(replica, e)
 
+    @_guard
     def drop_replica(self, replica) -> None:
         self._clear(str(replica), forget=True)
 
@@ -293,6 +343,7 @@ class RedisIndex:
         pipe.execute()
 
     @property
+    @_guard
     def has_cpu(self) -> bool:
         """Whether any replica holds a CPU-tier block (asked of Redis at most once a second)."""
         import time
@@ -307,6 +358,7 @@ class RedisIndex:
             self._cpu_checked = now
         return self._has_cpu
 
+    @_guard
     def num_blocks(self, replica=None) -> int:
         reps = self.replicas() if replica is None else [str(replica)]
         pipe = self.r.pipeline(transaction=False)
@@ -315,6 +367,7 @@ class RedisIndex:
                 pipe.scard(self._rep(r, m))
         return int(sum(pipe.execute()))
 
+    @_guard
     def longest_prefix(self, hashes: Sequence[int], medium: str | None = None) -> dict:
         if medium is not None and medium not in _MEDIA:
             raise ValueError(f"unknown medium {medium!r}")
@@ -341,10 +394,12 @@ class RedisIndex:
         return out
 
     # ---------------------------------------------------------------- subscriber bookkeeping
+    @_guard
     def get_seq(self, replica) -> int | None:
         v = self.r.get(f"{self.p}:seq:{replica}")
         return None if v is None else int(v)
 
+    @_guard
     def set_seq(self, replica, seq: int) -> None:
         self.r.set(f"{self.p}:seq:{replica}", int(seq))
 

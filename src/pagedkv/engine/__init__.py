@@ -5,9 +5,14 @@ Submodules:
 * :mod:`pagedkv.engine.gguf_loader`: read a Llama GGUF file (config, float weights, tokenizer metadata).
 * :mod:`pagedkv.engine.tokenizer`: byte-level BPE tokenizer and chat template from GGUF metadata.
 * :mod:`pagedkv.engine.model`: Llama forward over a paged KV cache (slot mapping + block tables).
+* :mod:`pagedkv.engine.gemma3`: Gemma 3 forward over the same paged KV cache (per-layer sliding windows).
+* :mod:`pagedkv.engine.spm_tokenizer`: SentencePiece tokenizer from GGUF metadata (Gemma's).
+* :mod:`pagedkv.engine.registry`: model names (``"gemma-3-270m"``), architecture -> model class, tokenizer choice.
 * :mod:`pagedkv.engine.reference`: a simple contiguous-cache reference forward and greedy generation.
 * :mod:`pagedkv.engine.sampling` and :mod:`pagedkv.engine.llm`: ``SamplingParams``, ``LLM`` (generate / chat /
   stream through the block manager and the scheduler).
+* :mod:`pagedkv.engine.options`: the command-line options of every command that builds an engine (torch-free at
+  import time).
 
 Names are exported lazily so that ``import pagedkv.engine`` does not import torch by itself.
 """
@@ -31,6 +36,10 @@ _EXPORTS = {
     "kv_cache_shape": "model",
     "swap_blocks": "model",
     "ReferenceLlama": "reference",
+    "PagedGemma3": "gemma3",
+    "SentencePieceTokenizer": "spm_tokenizer",
+    "load_model": "registry",
+    "resolve_model_path": "registry",
     "LLM": "llm",
     "CompletionOutput": "llm",
     "RequestOutput": "llm",

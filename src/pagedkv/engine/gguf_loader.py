@@ -38,10 +38,12 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # torch is imported where tensors are made, so reading metadata (the router) stays torch-free
+    import torch
 
 __all__ = [
     "DEFAULT_MODEL_FILE",
@@ -184,6 +186,8 @@ def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None)
     rotate identically. ``freq_factors`` (the optional ``rope_freqs.weight`` tensor) divides the
     frequencies; linear rope scaling divides them by the scaling factor.
     """
+    import torch
+
     dim = config.rope_dim
     inv = 1.0 / (config.rope_freq_base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if freq_factors is not None:
@@ -330,18 +334,20 @@ def _dequantize(tensor: Any) -> np.ndarray:
 def load_gguf(
     path: str | os.PathLike[str] | None = None,
     *,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     num_threads: int | None = None,
 ) -> tuple[ModelConfig, dict[str, torch.Tensor], TokenizerMetadata]:
     """Read a Llama GGUF file and return ``(config, weights, tokenizer_metadata)``.
 
     ``path`` defaults to :func:`find_default_model`. Every tensor is dequantized to float32 and then
-    cast to ``dtype`` (on the CPU). The Q/K rows are un-permuted (see :func:`unpermute_qk`) and a
+    cast to ``dtype`` (on the CPU; None: float32). The Q/K rows are un-permuted (see :func:`unpermute_qk`) and a
     missing ``output.weight`` is tied to ``token_embd.weight``. Dequantization runs on a few
     threads (numpy releases the GIL); ``num_threads`` overrides the default (the CPU count, max 8).
     """
+    import torch
     from gguf import GGUFReader
 
+    dtype = torch.float32 if dtype is None else dtype
     path = Path(path) if path is not None else find_default_model()
     if not path.is_file():
         raise FileNotFoundError(f"GGUF model file not found: {path}")

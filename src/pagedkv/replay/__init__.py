@@ -3,6 +3,11 @@
 Modules: :mod:`.trace` (parsing, token synthesis), :mod:`.sequence` and :mod:`.timed` (the two replay modes),
 :mod:`.point` (one capacity point: the manager and its figures), :mod:`.bound` (ceiling and Belady's optimum),
 :mod:`.report` (JSON, table, chart), :mod:`.__main__` (the command). Core only: numpy and xxhash, never torch.
+
+Several replicas: :mod:`.cluster` (a trace routed over N managers with the router's index and policies from
+:mod:`pagedkv.cluster`) and :mod:`.cluster_cli` (its command part); :mod:`.workload` (a multi-turn serving
+workload scaled down from a trace, for ``pagedkv bench serve --trace``); :mod:`.command` (what the command parts
+share).
 """
 
 from .bound import NodeTrace, belady, ceiling, node_trace

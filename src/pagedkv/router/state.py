@@ -9,17 +9,27 @@ cache; either way the buffered messages give its current blocks, as far as the b
 Index access is serialised by one lock (the event thread writes, request handlers read). Besides the events
 index, the policy sees the prompts of the requests in flight (:class:`PendingIndex`): a burst of requests sharing
 a prefix lands where the first went even before that replica's events report the prefix cached.
+
+An index that cannot be reached (Redis down: ``IndexUnavailableError``) makes the state *stale*
+(:attr:`RouterState.index_ok` False, shown by ``/health`` and ``/metrics``): routing then uses the pending
+prompts and the loads alone, without asking the index, until the event subscriber (or, without one, the health
+checker) finds it reachable again and it has been rebuilt (:meth:`RouterState.index_recovered`). Replicas going
+down and coming back, and the index going and coming, are logged once each (logger ``pagedkv.router``).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from dataclasses import dataclass
 
-from ..cluster.index import MemoryIndex, predicted_tokens
+from ..cluster.index import IndexUnavailableError, MemoryIndex, predicted_tokens
 from ..cluster.policy import ApproxPrefixPolicy, PrefixPolicy, make_policy
 
 __all__ = ["Replica", "RouterState", "PendingIndex", "parse_backend"]
+
+log = logging.getLogger("pagedkv.router")
 
 
 class PendingIndex:
@@ -68,17 +78,29 @@ class PendingIndex:
 
 class _WithPending:
     """The policy's view: per replica the longer of the events index's match and the pending prompts' match
-    (pending blocks count as GPU blocks)."""
+    (pending blocks count as GPU blocks). While the index is stale (``state.index_ok`` False) it is not asked;
+    an ``IndexUnavailableError`` makes it stale (``state.index_failed``) and the answer is the pending one."""
 
-    def __init__(self, index, pending: PendingIndex) -> None:
-        self.index, self.pending = index, pending
+    def __init__(self, index, pending: PendingIndex, state) -> None:
+        self.index, self.pending, self.state = index, pending, state
 
     @property
     def has_cpu(self) -> bool:
-        return self.index.has_cpu
+        if not self.state.index_ok:
+            return False
+        try:
+            return self.index.has_cpu
+        except IndexUnavailableError as e:
+            self.state.index_failed(e)
+            return False
 
     def longest_prefix(self, hashes, medium=None) -> dict:
-        out = self.index.longest_prefix(hashes, medium)
+        out: dict = {}
+        if self.state.index_ok:
+            try:
+                out = self.index.longest_prefix(hashes, medium)
+            except IndexUnavailableError as e:
+                self.state.index_failed(e)
         if medium in (None, "GPU"):
             for r, n in self.pending.index.longest_prefix(hashes).items():
                 if n > out.get(r, 0):
@@ -98,6 +120,7 @@ class Replica:
     predicted_tokens: int = 0
     failures: int = 0  #: consecutive failed health checks
     downs: int = 0  #: times it left routing
+    since: float = 0.0  #: time.monotonic() of the last change of health
 
 
 def parse_backend(spec: str) -> Replica:
@@ -130,12 +153,51 @@ class RouterState:
         self.index = index if index is not None else MemoryIndex()
         self.block_size = block_size
         self.pending = PendingIndex()
-        self.policy = make_policy(route, _WithPending(self.index, self.pending), slack=balance_slack,
+        self.index_down_since: float | None = None  #: time.monotonic() when the index became unreachable
+        self.index_error: str | None = None  #: the last outage's message
+        self.index_errors = 0  #: IndexUnavailableError seen (requests and events)
+        self.index_outages = 0  #: times the index became unreachable
+        self.policy = make_policy(route, _WithPending(self.index, self.pending, self), slack=balance_slack,
                                   abs_slack=balance_abs,
                                   capacity_blocks=approx_capacity_blocks, min_match=min_match)
         self.route = route
         self.lock = threading.Lock()
+        self._health_lock = threading.Lock()
         self.subscriber = None
+
+    # ------------------------------------------------------------------ index health (IndexHealth)
+    @property
+    def index_ok(self) -> bool:
+        """False while the index is unreachable or not yet rebuilt after an outage (stale)."""
+        return self.index_down_since is None
+
+    def index_failed(self, error: BaseException) -> None:
+        """The index did not answer: stop asking it when routing (logged once per outage)."""
+        with self._health_lock:
+            self.index_errors += 1
+            self.index_error = str(error)
+            if self.index_down_since is None:
+                self.index_down_since = time.monotonic()
+                self.index_outages += 1
+                log.warning("prefix index unavailable (%s): routing on load alone until it is back", error)
+
+    def probe_index(self) -> bool:
+        """Whether the index answers now (an index without ``ping`` always does)."""
+        ping = getattr(self.index, "ping", None)
+        return True if ping is None else bool(ping())
+
+    def index_recovered(self) -> None:
+        """The index answers again and has been rebuilt: route with it again (logged)."""
+        with self._health_lock:
+            if self.index_down_since is not None:
+                log.warning("prefix index back after %.1f s; rebuilt from the replicas' replay sockets",
+                            time.monotonic() - self.index_down_since)
+            self.index_down_since = None
+
+    @property
+    def index_stale_seconds(self) -> float:
+        s = self.index_down_since
+        return 0.0 if s is None else time.monotonic() - s
 
     # ------------------------------------------------------------------ events (subscriber thread)
     def apply_events(self, replica: str, events) -> None:
@@ -146,22 +208,33 @@ class RouterState:
 
     def clear_replica(self, replica: str) -> None:
         with self.lock:
-            self.index.drop_replica(replica)
             self.pending.drop_replica(replica)
             if isinstance(self.policy, ApproxPrefixPolicy):
                 self.policy.forget(replica)
+            self.index.drop_replica(replica)
 
     # ------------------------------------------------------------------ health
-    def mark(self, replica: str, healthy: bool) -> bool:
-        """Record a health result; True when the replica's state changed. Going down drops it from the index;
-        coming back (a restart) starts it empty."""
-        r = self.replicas[replica]
-        r.failures = 0 if healthy else r.failures + 1
-        if r.healthy == healthy:
-            return False
-        r.healthy = healthy
-        r.downs += not healthy
-        self.clear_replica(replica)
+    def mark(self, replica: str, healthy: bool, reason: str = "") -> bool:
+        """Record a health result; True when the replica's state changed (logged: one line when it goes down,
+        with ``reason``, one when it comes back). Going down drops it from the index; coming back (a restart)
+        starts it empty."""
+        with self._health_lock:
+            r = self.replicas[replica]
+            r.failures = 0 if healthy else r.failures + 1
+            if r.healthy == healthy:
+                return False
+            r.healthy = healthy
+            r.downs += not healthy
+            now = time.monotonic()
+            was, r.since = r.since, now
+        if healthy:
+            log.warning("replica %s is up again after %.1f s down: back in routing", replica, now - was)
+        else:
+            log.warning("replica %s is down (%s): out of routing", replica, reason or "health check failed")
+        try:
+            self.clear_replica(replica)
+        except IndexUnavailableError as e:  # its blocks go when the index is rebuilt
+            self.index_failed(e)
         if self.subscriber is not None and replica in self.subscriber.feeds:
             self.subscriber.forget(replica)
         return True

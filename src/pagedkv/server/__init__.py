@@ -2,7 +2,9 @@
 
 Modules, each with one job (dependencies point one way: app -> async_engine -> engine -> scheduler -> manager):
 
-* :mod:`~pagedkv.server.protocol`: request parsing and validation, response shapes, OpenAI-shaped errors.
+* :mod:`~pagedkv.server.validation`: request validation at the edge (types, ranges, sizes, OpenAI-shaped errors);
+  a plain module the router shares.
+* :mod:`~pagedkv.server.protocol`: response shapes (and the parsing functions under their former names).
 * :mod:`~pagedkv.server.async_engine`: the engine's step loop in one background thread; per-request streams,
   aborts between steps, a bounded waiting queue, counters for the metrics.
 * :mod:`~pagedkv.server.metrics`: the Prometheus registry (``pagedkv:`` names, vLLM style).

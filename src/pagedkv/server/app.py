@@ -5,10 +5,16 @@ one ``data: {chunk}`` per step that produced text, ending with ``data: [DONE]``)
 ``GET /health`` and ``GET /metrics`` (Prometheus text). With an API key, every ``/v1`` route needs
 ``Authorization: Bearer KEY`` (401 otherwise); /health and /metrics stay open, as in vLLM.
 
-Status codes: 400 for a client's mistake (invalid JSON, bad or unsupported parameters, a prompt longer than the
-context or than the KV cache), 401 for a missing or wrong key, 404 for an unknown model or route, 503 when the
-waiting queue is full; all in OpenAI's error shape. A client that disconnects (streamed or not) aborts its
-request, which frees its blocks after the engine's current step.
+Status codes, all in OpenAI's error shape: 400 for a client's mistake (see :mod:`.validation`: invalid JSON,
+a field of the wrong type or out of range, an unknown field, a prompt longer than the context or than the KV
+cache), 401 for a missing or wrong key, 404 for an unknown model or route, 413 for a body over the limit, 415 for
+a body that is not JSON, 503 when the waiting queue is full or the server is shutting down, 500 when the engine
+failed this request (a server fault; the engine goes on). A streamed request that fails after its first chunk
+ends with an error event (``data: {"error": {...}}``) and ``data: [DONE]``. A client that disconnects (streamed
+or not) aborts its request, which frees its blocks after the engine's current step.
+
+The body is read up to the limit only; parsing a large body, tokenizing a prompt and rendering a chat template
+run in worker threads, never on the event loop, and only after the text was bounded by the context length.
 """
 
 from __future__ import annotations
@@ -16,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import re
 import time
 from typing import Any, AsyncIterator
 
@@ -24,28 +29,46 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import PagedKVError, PromptTooLongError
-from .async_engine import AsyncEngine, Delta, EngineDead, EngineOverloaded, Finished, RequestStream
+from ..errors import PagedKVError
+from .async_engine import (AsyncEngine, Delta, EngineDead, EngineDraining, EngineOverloaded, Finished,
+                           RequestFailed, RequestStream)
 from .metrics import CONTENT_TYPE, ServerMetrics
-from .protocol import APIError, ResponseHead, error_body, parse_chat, parse_completion, usage
+from .protocol import ResponseHead, usage
+from .validation import (DEFAULT_LIMITS, APIError, Limits, check_content_type, error_body, limits_for,
+                         parse_chat, parse_completion, prompt_token_ids, read_body)
 
 __all__ = ["build_app"]
 
+_PARSE_IN_THREAD = 16 * 1024  # bodies larger than this are parsed in a worker thread
+
+
+class _ErrorResponse(JSONResponse):
+    """JSON with ASCII escapes: an error message may quote the client's text, lone surrogates included."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
+
 
 def _error(status: int, message: str, type: str, code: str | None = None, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type, code, param), status_code=status)
+    return _ErrorResponse(error_body(message, type, code, param), status_code=status)
 
 
 def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = None,
-              metrics: ServerMetrics | None = None) -> FastAPI:
-    """The application serving ``engine`` under the model id ``model_name``."""
+              metrics: ServerMetrics | None = None, limits: Limits | None = None,
+              max_body_bytes: int = DEFAULT_LIMITS.max_body_bytes) -> FastAPI:
+    """The application serving ``engine`` under the model id ``model_name``. ``limits`` default to the model's
+    (:func:`~pagedkv.server.validation.limits_for`) with ``max_body_bytes``."""
     app = FastAPI(title="pagedkv", docs_url=None, redoc_url=None, openapi_url=None)
     llm = engine.llm
     created = int(time.time())
+    if limits is None:
+        limits = limits_for(llm.tokenizer, llm.max_model_len, max_n=min(128, llm.max_num_seqs),
+                            max_body_bytes=max_body_bytes)
+    app.state.limits = limits
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+        return _ErrorResponse(e.body(), status_code=e.status)
 
     @app.exception_handler(Exception)
     async def _bug(_: Request, e: Exception) -> JSONResponse:  # a server bug, never a client's mistake
@@ -67,25 +90,58 @@ def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = Non
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
+            raise APIError(404, f"The model {name[:100]!r} does not exist; this server serves {model_name!r}",
                            "not_found_error", "model_not_found", "model")
 
-    async def start(prompt: Any, req: Any, default_max: int) -> RequestStream:
-        """Validate against the engine (400 on a prompt that can never run) and queue (503 when full)."""
+    def check_open() -> None:
+        if engine.draining:
+            raise APIError(503, "the server is shutting down; retry on another replica", "server_error",
+                           "server_shutting_down")
+
+    bm = llm.block_manager
+    kv_room = (bm.num_gpu_blocks - bm.watermark_blocks) * bm.block_size  # tokens one request can ever hold
+
+    def fit(n_prompt: int, max_tokens: int, param: str) -> None:
+        """400 (context_length_exceeded) unless the prompt plus max_tokens fit the context and the KV cache."""
+        total = n_prompt + max_tokens
+        if total > llm.max_model_len:
+            raise APIError(400, f"This model's maximum context length is {llm.max_model_len} tokens. However, you "
+                           f"requested {total} tokens ({n_prompt} in the {param}, {max_tokens} in the completion). "
+                           f"Please reduce the length of the {param} or completion.", "invalid_request_error",
+                           "context_length_exceeded", param)
+        need = -(-total // bm.block_size) * bm.block_size
+        if need > kv_room:
+            raise APIError(400, f"This server's KV cache holds at most {kv_room} tokens per request. However, you "
+                           f"requested {total} tokens ({n_prompt} in the {param}, {max_tokens} in the completion). "
+                           f"Please reduce the length of the {param} or completion.", "invalid_request_error",
+                           "context_length_exceeded", param)
+
+    async def start(req: Any, chat: bool) -> RequestStream:
+        """Tokenize (in a thread, bounded), check the fit (400), build the request and queue it (503 when full)."""
         from ..engine.sampling import SamplingParams
 
+        ids = await asyncio.to_thread(prompt_token_ids, req, llm.tokenizer, limits)
+        param = "messages" if chat else "prompt"
+        if req.max_tokens is not None:
+            max_tokens = req.max_tokens
+        elif chat:  # the rest of the context, or of the KV cache if smaller
+            max_tokens = max(1, min(llm.max_model_len, kv_room) - len(ids))
+        else:
+            max_tokens = 16  # OpenAI's default for completions
+        fit(len(ids), max_tokens, param)
         try:
-            params = SamplingParams(**req.sampling_kwargs(default_max))
-            request = await asyncio.to_thread(engine.prepare, prompt, params, req.cache_salt)
-        except PagedKVError as e:
-            code = "context_length_exceeded" if isinstance(e, PromptTooLongError) else None
-            m = re.match(r"SamplingParams: (\w+)", str(e))
-            param = m.group(1) if m else ("prompt" if code else None)
-            raise APIError(400, str(e), "invalid_request_error", code, param) from None
+            params = SamplingParams(**req.sampling_kwargs(max_tokens))
+            request = engine.prepare({"prompt_token_ids": ids}, params, req.cache_salt)
+        except PagedKVError as e:  # (validation caught what a client can get wrong; this is a last line)
+            raise APIError(400, str(e).removeprefix("SamplingParams: "), "invalid_request_error", None,
+                           None) from None
+        check_open()
         try:
             return engine.submit(request)
         except EngineOverloaded as e:
             raise APIError(503, str(e), "server_overloaded", "server_overloaded")
+        except EngineDraining as e:
+            raise APIError(503, str(e), "server_error", "server_shutting_down")
         except EngineDead as e:
             raise APIError(503, str(e), "server_error", "engine_dead")
 
@@ -109,14 +165,26 @@ def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = Non
                 if isinstance(item, Finished):
                     return item
             return None
+        except RequestFailed as e:
+            raise APIError(500, str(e), "server_error", "internal_error") from None
         except EngineDead as e:
-            raise APIError(500, str(e), "server_error") from None
+            raise APIError(503 if engine.draining else 500, str(e), "server_error",
+                           "server_shutting_down" if engine.draining else "engine_dead") from None
         finally:
             watcher.cancel()
             stream.abort()
 
     def sse(obj: Any) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    def sse_error(e: Exception) -> str:
+        if isinstance(e, RequestFailed):
+            body = error_body(str(e), "server_error", "internal_error")
+        elif engine.draining:
+            body = error_body(str(e), "server_error", "server_shutting_down")
+        else:
+            body = error_body(str(e), "server_error", "engine_dead")
+        return sse(body)
 
     async def stream_events(request: Request, stream: RequestStream, make_chunk, kind: str, head: ResponseHead,
                             include_usage: bool, first: list | None) -> AsyncIterator[str]:
@@ -139,8 +207,9 @@ def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = Non
                                "model": head.model, "choices": [], "usage": result_usage(res)})
             if not stream.aborted:
                 yield "data: [DONE]\n\n"
-        except EngineDead as e:
-            yield sse(error_body(str(e), "server_error"))
+        except (RequestFailed, EngineDead) as e:  # an error event, then the end of the stream
+            yield sse_error(e)
+            yield "data: [DONE]\n\n"
         finally:
             watcher.cancel()
             stream.abort()
@@ -148,15 +217,23 @@ def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = Non
     def result_usage(res: Any) -> dict:
         return usage(len(res.prompt_token_ids), sum(len(o.token_ids) for o in res.outputs), res.num_cached_tokens)
 
-    async def body_of(request: Request) -> bytes:
+    async def parsed(request: Request, parse) -> Any:
+        """Auth, then the body checked (415, 413) and parsed (400); a large body is parsed in a thread."""
         check_auth(request)
-        return await request.body()
+        check_open()
+        check_content_type(request.headers.get("content-type"))
+        body = await read_body(request, limits.max_body_bytes)
+        if len(body) > _PARSE_IN_THREAD:
+            req = await asyncio.to_thread(parse, body, limits)
+        else:
+            req = parse(body, limits)
+        check_model(req.model)
+        return req
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = parse_completion(await body_of(request))
-        check_model(req.model)
-        stream = await start(req.prompt_input(), req, 16)
+        req = await parsed(request, parse_completion)
+        stream = await start(req, chat=False)
         head = ResponseHead.make("cmpl", model_name)
 
         def chunk(index: int, text: str, reason: str | None) -> dict:
@@ -179,16 +256,8 @@ def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = Non
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = parse_chat(await body_of(request))
-        check_model(req.model)
-        try:
-            ids = llm.tokenizer.apply_chat_template(req.conversation())
-        except Exception as e:  # the template rejected the conversation (e.g. roles out of order)
-            raise APIError(400, f"the chat template rejected the messages: {e}", "invalid_request_error",
-                           None, "messages")
-        bm = llm.block_manager  # default max_tokens: the rest of the context, or of the KV cache if smaller
-        room = min(llm.max_model_len, (bm.num_gpu_blocks - bm.watermark_blocks) * bm.block_size)
-        stream = await start({"prompt_token_ids": ids}, req, max(1, room - len(ids)))
+        req = await parsed(request, parse_chat)
+        stream = await start(req, chat=True)
         head = ResponseHead.make("chatcmpl", model_name)
 
         def chunk(index: int, text: str, reason: str | None, role: bool = False) -> dict:
@@ -222,9 +291,11 @@ def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = Non
 
     @app.get("/health")
     async def health() -> Response:
+        if engine.draining:
+            return _error(503, "the server is shutting down", "server_error", "server_shutting_down")
         if engine.alive:
             return Response(status_code=200)
-        return _error(503, "the engine is not running", "server_error")
+        return _error(503, "the engine is not running", "server_error", "engine_dead")
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -12,8 +12,17 @@ Contract:
   the loop that submitted it); text is decoded in the engine thread with the same rules as ``LLM``: a piece is
   held back while it ends in an incomplete UTF-8 sequence or could be the start of a stop string, and the
   final text of a sample is exactly ``LLM.generate``'s (stop strings cut, special tokens skipped).
-* A step that raises (a bug, never a client's mistake) fails every request in flight and stops the engine:
-  :attr:`alive` turns False (/health answers 503) and new requests are refused.
+* Fault isolation. An error that one request causes fails that request alone: its stream ends with
+  :class:`RequestFailed`, it is aborted (its blocks freed) and the engine goes on. That covers a request the
+  scheduler refuses when it is added, a sampler that raises for one request (``LLM._sample_faults``), and text
+  decoding of one request. A forward pass that raises cannot be pinned on one request: the step is completed with
+  placeholder tokens and every request of the step fails, the others go on. After any fault the block manager's
+  invariants are checked. Only a fault that leaves the engine unusable (the scheduler itself raising, a failed
+  invariant, a failed recovery) stops it: every request in flight fails, :attr:`alive` turns False (/health
+  answers 503), new requests are refused, and ``on_fatal(message)`` is called (``pagedkv serve`` exits non-zero
+  so that a supervisor restarts it).
+* :meth:`drain` (SIGTERM): new requests are refused (:class:`EngineDraining`), the requests in flight run to
+  their end for up to ``timeout`` seconds, the rest then fail with a clean error.
 * :attr:`AsyncEngine.snapshot` holds counters and gauges as of the end of the last loop iteration (for
   /metrics); latency observations go to the optional ``observer`` (``observer(kind, seconds)``, kind one of
   ``"ttft"``, ``"itl"``, ``"e2e"``), called from the engine thread.
@@ -31,7 +40,8 @@ from typing import Any, Callable, Mapping
 from ..errors import PromptTooLongError
 from ..scheduler import FINISH_ABORT
 
-__all__ = ["AsyncEngine", "EngineOverloaded", "RequestStream", "Delta", "Finished"]
+__all__ = ["AsyncEngine", "EngineOverloaded", "EngineDraining", "EngineDead", "RequestFailed", "RequestStream",
+           "Delta", "Finished"]
 
 log = logging.getLogger("pagedkv.server")
 
@@ -42,6 +52,14 @@ class EngineOverloaded(Exception):
 
 class EngineDead(Exception):
     """The engine thread failed or was stopped."""
+
+
+class EngineDraining(EngineDead):
+    """The server is shutting down: no new request is taken (the server answers 503)."""
+
+
+class RequestFailed(Exception):
+    """This request failed inside the engine (a server fault, not the client's); the engine goes on."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +83,7 @@ class Finished:
 @dataclass(frozen=True)
 class Failed:
     message: str
+    fatal: bool = True  # the engine stopped (EngineDead) rather than this request alone failing (RequestFailed)
 
 
 _ABORTED = object()  # wakes a consumer waiting on an aborted stream
@@ -101,7 +120,7 @@ class RequestStream:
             raise StopAsyncIteration
         if isinstance(item, Failed):
             self.finished = True
-            raise EngineDead(item.message)
+            raise (EngineDead if item.fatal else RequestFailed)(item.message)
         if isinstance(item, Finished):
             self.finished = True
         return item
@@ -148,7 +167,8 @@ class AsyncEngine:
     """
 
     def __init__(self, llm: Any, *, max_waiting: int = 256, observer: Callable[[str, float], None] | None = None,
-                 event_sink: Callable[[list], None] | None = None) -> None:
+                 event_sink: Callable[[list], None] | None = None,
+                 on_fatal: Callable[[str], None] | None = None) -> None:
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
         self.llm = llm
@@ -164,7 +184,10 @@ class AsyncEngine:
         self._by_id: dict[Any, Any] = {}
         self._in_transit = 0  # requests taken from _adds and not yet in _live
         self._stopping = False
+        self._draining = False
         self._error: str | None = None
+        self._on_fatal = on_fatal
+        self._faults = 0
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._finished: dict[str, int] = {}
@@ -177,6 +200,16 @@ class AsyncEngine:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self._error is None
+
+    @property
+    def draining(self) -> bool:
+        """True once :meth:`drain` began: new requests are refused."""
+        return self._draining
+
+    @property
+    def faults(self) -> int:
+        """Requests failed by a fault of their own (or of their step) while the engine went on."""
+        return self._faults
 
     @property
     def num_unfinished(self) -> int:
@@ -205,6 +238,8 @@ class AsyncEngine:
         :class:`EngineDead` and queues nothing when it cannot be taken."""
         stream = RequestStream(self, request)
         with self._cond:
+            if self._draining:
+                raise EngineDraining("the server is shutting down; retry on another replica")
             if not self.alive:
                 raise EngineDead(self._error or "the engine is stopped")
             if len(self._adds) + self._in_transit + self.llm.scheduler.num_waiting >= self.max_waiting:
@@ -219,6 +254,22 @@ class AsyncEngine:
         with self._cond:
             self._aborts.append(request_id)
             self._cond.notify()
+
+    def drain(self, timeout: float) -> bool:
+        """Refuse new requests, let those in flight finish for up to ``timeout`` seconds, then fail the rest with
+        a clean error ("the server is shutting down"). Returns True if every request finished on its own. Thread-
+        safe; call it from any thread but the engine's."""
+        self._draining = True
+        deadline = time.monotonic() + timeout
+        while self.num_unfinished and self.alive and time.monotonic() < deadline:
+            time.sleep(0.02)
+        clean = not self.num_unfinished
+        if not clean:
+            with self._cond:
+                self._stopping = True
+                self._cond.notify()
+            self._thread.join(max(1.0, timeout))
+        return clean
 
     def shutdown(self, timeout: float = 10.0) -> None:
         with self._cond:
@@ -243,38 +294,115 @@ class AsyncEngine:
                     self._apply(adds, aborts)
                     self._in_transit = 0
                     if sched.has_unfinished():
-                        plan, done = self.llm._step(self._by_id)
-                        self._emit(plan, done)
+                        self._guarded_step()
                     self._publish_events()
-            except Exception as e:  # a bug, not a client's mistake; the scheduler may be mid-step: stop here
-                log.exception("engine step failed; the engine stops")
-                self._error = f"engine error: {e!r}"
-                for live in adds:  # some may not have reached _live
-                    live.stream._push(Failed(self._error))
-                self._in_transit = 0
-                self._fail_all(self._error)
+            except Exception as e:  # the engine itself is broken (not one request): stop, and say so
+                self._die(f"engine error: {e!r}", adds)
                 return
             self._take_snapshot()
-        self._fail_all("the server is shutting down")
+        self._fail_all("the server is shutting down", fatal=True)
+
+    def _die(self, message: str, adds: list) -> None:
+        log.exception("the engine is unusable and stops: %s", message)
+        self._error = message
+        for live in adds:  # some may not have reached _live
+            if live.req.request_id not in self._live:
+                live.stream._push(Failed(message))
+        self._in_transit = 0
+        self._fail_all(message, fatal=True)
+        if self._on_fatal is not None:
+            try:
+                self._on_fatal(message)
+            except Exception:
+                log.exception("on_fatal failed")
+
+    def _guarded_step(self) -> None:
+        """One step with fault isolation (see the module docstring). Raises only when the engine is unusable."""
+        llm, sched = self.llm, self.llm.scheduler
+        plan = sched.schedule()
+        faults: dict = {}
+        forward_failed = False
+        try:
+            sampled = llm._execute(plan, self._by_id) if not plan.is_empty else []
+        except Exception as e:  # the forward (or its KV copies) raised: the whole step's requests fail
+            forward_failed = True
+            log.exception("a forward pass failed; the requests of its step fail, the engine goes on")
+            sampled = [[0] * pw.num_samples if pw.num_samples > 1 else 0 for pw in plan.prefills]
+            if plan.decode is not None:
+                sampled += [0] * len(plan.decode.seq_ids)
+            faults = dict.fromkeys(self._plan_requests(plan), e)
+        if llm._sample_faults:
+            faults.update(llm._sample_faults)
+            llm._sample_faults = {}
+        done = sched.update(plan, sampled)
+        try:
+            done += llm._after_step(plan, self._by_id)
+        except Exception as e:  # (stop strings: text decoding) pin it on no one: the step's requests fail
+            log.exception("stop-string checks failed; the requests of the step fail, the engine goes on")
+            faults.update(dict.fromkeys(self._plan_requests(plan) | {out.request_id for out in done}, e))
+        if faults:
+            done = [out for out in done if out.request_id not in faults]
+        self._emit(plan, done, faults)
+        if faults:
+            self._fail_requests(faults)
+        if forward_failed:  # blocks cached in this step may hold KV nobody wrote: nobody may hit them
+            n = self.llm.block_manager.reset_prefix_cache()
+            log.warning("the prefix cache was reset after a failed forward (%d blocks freed)", n)
+            self.llm.block_manager.check_invariants()
+
+    def _plan_requests(self, plan: Any) -> set:
+        """Ids of the requests a step plan computes for. O(plan)."""
+        rids = {pw.request_id for pw in plan.prefills}
+        if plan.decode is not None:
+            seq = self.llm.scheduler.sequence
+            for sid in plan.decode.seq_ids.tolist():
+                try:
+                    rids.add(seq(sid).request_id)
+                except KeyError:  # finished (and freed) by the step's update
+                    pass
+        return rids
+
+    def _fail_requests(self, faults: dict) -> None:
+        """Abort each faulty request, free its blocks, fail its stream; then check the block manager."""
+        sched = self.llm.scheduler
+        for rid, e in faults.items():
+            live = self._live.pop(rid, None)
+            self._by_id.pop(rid, None)
+            sched.abort_request(rid)
+            self._faults += 1
+            self._finished["error"] = self._finished.get("error", 0) + 1
+            log.error("request %r failed in the engine: %r (the engine goes on)", rid, e)
+            if live is not None:
+                live.stream._push(Failed(f"internal error while generating: {type(e).__name__}", fatal=False))
+        self.llm.block_manager.check_invariants()  # raises (the engine then stops) if the fault broke state
 
     def _apply(self, adds: list[_Live], aborts: list) -> None:
         sched = self.llm.scheduler
         dropped = set(aborts)
+        failed: dict = {}
         for live in adds:
             rid = live.req.request_id
             if rid in dropped:
                 continue
-            self.llm._add(live.req)
+            try:
+                self.llm._add(live.req)
+            except Exception as e:  # refused by the scheduler: this request alone fails
+                failed[rid] = e
+                self._live[rid] = live
+                continue
             self._live[rid] = live
             self._by_id[rid] = live.req
+        if failed:
+            self._fail_requests(failed)
         for rid in aborts:
             self._live.pop(rid, None)
             self._by_id.pop(rid, None)
             if sched.abort_request(rid) is not None:
                 self._finished[FINISH_ABORT] = self._finished.get(FINISH_ABORT, 0) + 1
 
-    def _emit(self, plan: Any, done: list) -> None:
-        """Push the step's new text of every touched sample, then finish the requests of ``done``."""
+    def _emit(self, plan: Any, done: list, faults: dict) -> None:
+        """Push the step's new text of every touched sample, then finish the requests of ``done``. A request whose
+        text fails to decode is added to ``faults`` (and sends nothing more)."""
         now = time.perf_counter()
         sched = self.llm.scheduler
         finished_ids = {out.request_id for out in done}
@@ -287,7 +415,7 @@ class AsyncEngine:
                 view = sched.sequence(sid)
             except KeyError:  # its request finished in this step
                 continue
-            if view.request_id in finished_ids:
+            if view.request_id in finished_ids or view.request_id in faults:
                 continue
             live = self._live.get(view.request_id)
             if live is None:
@@ -298,21 +426,34 @@ class AsyncEngine:
                 continue
             live.sent_tokens[i] = len(view.output)
             self._generation_tokens += new
-            text = self._visible_text(live.req, view.output)
+            try:
+                text = self._visible_text(live.req, view.output)
+            except Exception as e:
+                faults[view.request_id] = e
+                continue
             piece = text[len(live.sent_text[i]):] if text.startswith(live.sent_text[i]) else ""
             if piece:
                 live.sent_text[i] += piece
             live.stream._push(Delta(i, piece, new))
             touched.add(view.request_id)
         for rid in touched:
-            self._timing(self._live[rid], now)
+            if rid not in faults:
+                self._timing(self._live[rid], now)
         for out in done:
-            live = self._live.pop(out.request_id, None)
-            self._by_id.pop(out.request_id, None)
+            if out.request_id in faults:
+                continue
+            live = self._live.get(out.request_id)
             if live is None:
+                self._by_id.pop(out.request_id, None)
                 continue
             req = live.req
-            req.finish(out)
+            try:
+                req.finish(out)
+            except Exception as e:  # decoding its final text failed (its blocks are already freed)
+                faults[out.request_id] = e
+                continue
+            self._live.pop(out.request_id, None)
+            self._by_id.pop(out.request_id, None)
             self._timing(live, now)
             deltas = []
             for c in req.result.outputs:
@@ -359,20 +500,20 @@ class AsyncEngine:
             if events:
                 self._event_sink(events)
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, message: str, fatal: bool = True) -> None:
         with self._lock:
             for rid, live in list(self._live.items()):
                 try:
                     self.llm.scheduler.abort_request(rid)
                 except Exception:  # keep failing the others
                     log.exception("abort of %r failed", rid)
-                live.stream._push(Failed(message))
+                live.stream._push(Failed(message, fatal))
             self._live.clear()
             self._by_id.clear()
         with self._cond:
             adds, self._adds = self._adds, []
         for live in adds:
-            live.stream._push(Failed(message))
+            live.stream._push(Failed(message, fatal))
         if self._stopping and self._error is None:
             self._error = message
 

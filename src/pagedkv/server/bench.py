@@ -182,23 +182,24 @@ def print_summary(s: dict) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pagedkv bench serve", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    from .._help import HelpFormatter, plain
+
+    p = argparse.ArgumentParser(prog="pagedkv bench serve", description=plain(__doc__), formatter_class=HelpFormatter)
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server to load")
     p.add_argument("--model", default=None, help="model id (default: the server's first model)")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY' (default: none)")
+    p.add_argument("--num-prompts", type=int, default=32, help="requests sent")
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=32, help="tokens generated per request (end of sequence ignored)")
     p.add_argument("--shared-prefix-len", type=int, default=0, help="leading prompt tokens shared by all prompts")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: all at once")
-    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no limit)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrival times")
     p.add_argument("--token-range", type=int, nargs=2, default=(1000, 20000), metavar=("LOW", "HIGH"),
                    help="random prompt token ids are drawn from [LOW, HIGH)")
     p.add_argument("--result-json", default=None, help="write the summary and per-request results here")
-    p.add_argument("--no-progress", action="store_true")
-    t = p.add_argument_group("multi-turn workload from a Mooncake trace (pagedkv.cluster.workload)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t = p.add_argument_group("multi-turn workload from a Mooncake trace (pagedkv.replay.workload)")
     t.add_argument("--trace", default=None, help="send whole conversations sampled from this trace, scaled down, "
                                                  "in arrival order (replaces the random prompts)")
     t.add_argument("--trace-conversations", type=int, default=24, help="conversations sampled (24)")
@@ -220,7 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     send_times = None
     if args.trace:
-        from ..cluster.workload import trace_prompts
+        from ..replay.workload import trace_prompts
 
         try:
             prompts, times = trace_prompts(args.trace, conversations=args.trace_conversations,

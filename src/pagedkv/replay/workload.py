@@ -18,7 +18,7 @@ import random
 from collections import defaultdict
 from pathlib import Path
 
-from ..replay.trace import TRACE_BLOCK
+from .trace import TRACE_BLOCK
 
 __all__ = ["trace_prompts"]
 

@@ -1,0 +1,86 @@
+"""In-process A/B of ``allocate`` and ``decode_step`` between this tree's pagedkv and another checkout's, loaded
+side by side under another package name, alternating call for call (the fairest comparison on a noisy machine)::
+
+    PYTHONPATH=src .venv/bin/python benchmarks/ab_inproc.py /path/to/main/src
+
+Prints, per case, the median microseconds of each tree and the ratio this / other. Cases: allocate of one
+prompt of 200-299 tokens (blocks of 16, prefix caching on; half of it a hit), and decode_step of one token per
+sequence at batch 1, 4, 16, 64 and 1000, prefix caching off and on.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+
+import numpy as np
+
+import pagedkv as this
+
+
+def load(src: str, name: str = "pagedkv_other"):
+    spec = importlib.util.spec_from_file_location(name, f"{src}/pagedkv/__init__.py",
+                                                  submodule_search_locations=[f"{src}/pagedkv"])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def alloc_case(pk, rounds: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    stem = rng.integers(0, 32000, 160).tolist()
+    prompts = [stem + rng.integers(0, 32000, int(rng.integers(40, 140))).tolist() for _ in range(rounds)]
+    bm = pk.BlockManager(rounds * 24 + 64, 16, enable_prefix_caching=True)
+    bm.allocate("warm", stem + [1])
+    it = iter(range(rounds))
+
+    def one():
+        i = next(it)
+        t = time.perf_counter()
+        bm.allocate(i, prompts[i])
+        return time.perf_counter() - t
+    return one
+
+
+def step_case(pk, batch: int, caching: bool, rounds: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    bm = pk.BlockManager(batch * 40 + 64, 16, enable_prefix_caching=caching)
+    ids = list(range(batch))
+    for i in ids:
+        bm.allocate(i, rng.integers(0, 32000, int(rng.integers(200, 300))).tolist())
+    toks = rng.integers(0, 32000, (rounds, batch))
+    it = iter(range(rounds))
+
+    def one():
+        s = next(it)
+        t = time.perf_counter()
+        bm.decode_step(ids, toks[s])
+        return time.perf_counter() - t
+    return one
+
+
+def ab(make, rounds: int, other) -> tuple[float, float]:
+    a, b = make(this, rounds), make(other, rounds)
+    ta, tb = [], []
+    for i in range(rounds):  # alternate which goes first
+        if i % 2:
+            ta.append(a())
+            tb.append(b())
+        else:
+            tb.append(b())
+            ta.append(a())
+    return float(np.median(ta)) * 1e6, float(np.median(tb)) * 1e6
+
+
+if __name__ == "__main__":
+    other = load(sys.argv[1])
+    rows = [("allocate", ab(lambda pk, r: alloc_case(pk, r), 400, other))]
+    for batch in (1, 4, 16, 64, 1000):
+        for caching in (False, True):
+            n = 300 if batch < 1000 else 150
+            rows.append((f"decode_step B{batch}/{'on' if caching else 'off'}",
+                         ab(lambda pk, r: step_case(pk, batch, caching, r), n, other)))
+    for name, (t, o) in rows:
+        print(f"{name:24s} this {t:8.2f} us   other {o:8.2f} us   this/other {t / o:5.2f}")

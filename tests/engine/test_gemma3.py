@@ -1,0 +1,338 @@
+"""Gemma 3 270M through the paged engine: greedy output equal to HF transformers (eager) on the reference cases of
+tests/data/gemma3_greedy.json, under a roomy cache, a prefix-cache rerun, and recompute / swap preemption in a small
+cache; its tokenizer reproduces the reference prompt ids; the sliding-window semantics are pinned.
+
+CI runs a representative subset of the reference cases (:data:`CI_CASES`: the case that must recall a paragraph from
+more than 512 tokens back, which only the full-attention layers can see, and a multiplication table longer than the
+window; :data:`CI_PREEMPTION_CASES` for the preemption tests); ``PAGEDKV_GEMMA3_FULL=1`` runs every case in every configuration (a few minutes on 2 cores), and the CLI
+with ``--model gemma-3-270m``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.engine
+
+REFERENCE_JSON = Path(__file__).resolve().parents[1] / "data" / "gemma3_greedy.json"
+FULL = os.environ.get("PAGEDKV_GEMMA3_FULL") == "1"
+#: case 3 repeats a paragraph from > 512 tokens back; case 5 (783 tokens) continues a table past the window
+CI_CASES = (3, 5)
+#: the preemption tests in CI: case 5 and the shortest case (423 tokens), so the re-prefills stay cheap
+CI_PREEMPTION_CASES = (4, 5)
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    return json.loads(REFERENCE_JSON.read_text())
+
+
+@pytest.fixture(scope="module")
+def cases(reference) -> list[dict]:
+    picked = range(len(reference["cases"])) if FULL else CI_CASES
+    return [reference["cases"][i] for i in picked]
+
+
+@pytest.fixture(scope="module")
+def preemption_cases(reference) -> list[dict]:
+    picked = range(len(reference["cases"])) if FULL else CI_PREEMPTION_CASES
+    return [reference["cases"][i] for i in picked]
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    """The Gemma 3 model, loaded once (skipped when the package or an engine dependency is missing); torch on one
+    thread as in the other engine tests (``PAGEDKV_TEST_THREADS`` overrides)."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("sentencepiece")
+    pytest.importorskip("google.protobuf")
+    from pagedkv.engine.gguf_loader import ModelNotFoundError
+    from pagedkv.engine.gemma3 import PagedGemma3
+    from pagedkv.engine.registry import find_gemma3_model
+
+    try:
+        path = find_gemma3_model()
+    except ModelNotFoundError as exc:
+        pytest.skip(str(exc))
+    before = torch.get_num_threads()
+    torch.set_num_threads(int(os.environ.get("PAGEDKV_TEST_THREADS", "1")))
+    try:
+        yield PagedGemma3.from_gguf(path)
+    finally:
+        torch.set_num_threads(before)
+
+
+def make_llm(model, **kw):
+    from pagedkv.engine.llm import LLM
+
+    kw.setdefault("max_num_seqs", 8)
+    kw.setdefault("max_num_batched_tokens", 4096)
+    return LLM(model, block_size=BLOCK, **kw)
+
+
+def run(llm, cases):
+    from pagedkv.engine.sampling import SamplingParams
+
+    params = [SamplingParams(temperature=0, max_tokens=c["max_tokens"], ignore_eos=True) for c in cases]
+    return llm.generate([{"prompt_token_ids": c["prompt_ids"]} for c in cases], params, use_tqdm=False)
+
+
+def gen(outs):
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def blocks(n_tokens: int) -> int:
+    return -(-n_tokens // BLOCK)
+
+
+# ---------------------------------------------------------------------------------------------- no model needed
+
+
+def _meta(q_lens, ctx_lens, tables):
+    from pagedkv.engine.model import build_attention_metadata
+
+    new = [[0] * q for q in q_lens]
+    computed = [c - q for c, q in zip(ctx_lens, q_lens)]
+    slots = []
+    for q, c, t in zip(q_lens, ctx_lens, tables):
+        for p in range(c - q, c):
+            slots.append(t[p // BLOCK] * BLOCK + p % BLOCK)
+    return build_attention_metadata(new, computed, slots, tables, block_size=BLOCK)
+
+
+@pytest.mark.parametrize("window", [512, 5, None])
+def test_sliding_window_semantics_match_hf(window):
+    """HF's sliding_window_overlay: a query at position p sees key kv iff kv <= p and kv > p - W (W keys, itself
+    included). Checked for a long prefill and a decode batch, across block edges, against that definition."""
+    from pagedkv.engine.gemma3 import plan_attention
+
+    q_lens, ctx = [700, 1, 1], [700, 513, 1040]
+    tables = [list(range(i * 70, i * 70 + blocks(c))) for i, c in enumerate(ctx)]
+    groups = plan_attention(_meta(q_lens, ctx, tables), BLOCK, window, torch.device("cpu"))
+    assert sorted(g.q_len for g in groups) == [1, 700]
+    for g in groups:
+        rows = [b for b, q in enumerate(q_lens) if q == g.q_len]
+        # the plan's keys start at the block of the lowest key any of its queries needs
+        lowest = min(ctx[b] - g.q_len for b in rows) - window + 1 if window is not None else 0
+        first_block = max(0, lowest) // BLOCK
+        key_pos = torch.arange(first_block * BLOCK, first_block * BLOCK + g.mask.shape[-1])
+        for i, b in enumerate(rows):
+            kv, p = key_pos[None, :], torch.arange(ctx[b] - g.q_len, ctx[b])[:, None]
+            hf = kv <= p
+            if window is not None:
+                hf &= kv > p - window
+            assert torch.equal(g.mask[i, 0], hf)
+            seen = int(hf[-1].sum())  # the last query sees min(W, p + 1) keys
+            assert seen == (min(window, ctx[b]) if window is not None else ctx[b])
+            assert g.block_ids[i, : blocks(ctx[b]) - first_block].tolist() == tables[b][first_block: blocks(ctx[b])]
+
+
+def test_sliding_window_skips_blocks_before_the_window():
+    """A decode at position 1039 with W = 512 sees keys 528..1039: the blocks before block 33 are not gathered."""
+    from pagedkv.engine.gemma3 import plan_attention
+
+    table = list(range(100, 100 + blocks(1040)))
+    (g,) = plan_attention(_meta([1], [1040], [table]), BLOCK, 512, torch.device("cpu"))
+    assert g.block_ids[0].tolist() == table[33:]
+    assert g.mask.shape[-1] == 512 and bool(g.mask.all())  # block 33 starts at key 528: exactly the window
+    (g,) = plan_attention(_meta([1], [1041], [table + [200]]), BLOCK, 512, torch.device("cpu"))
+    assert g.block_ids[0].tolist() == table[33:] + [200]  # position 1040 sees 529..1040: key 528 is masked
+    assert g.mask[0, 0, 0].tolist() == [False] + [True] * 512 + [False] * 15
+
+
+def test_released_block_inside_the_window_is_an_error_and_outside_is_fine():
+    from pagedkv.engine.gemma3 import plan_attention
+    from pagedkv.engine.model import NULL_BLOCK
+
+    ctx = 600  # one decode at position 599 with window 512 sees keys 88..599: blocks 5.. (block 5 = keys 80..95)
+    table = list(range(blocks(ctx)))
+    ok = [NULL_BLOCK] * 5 + table[5:]
+    plan_attention(_meta([1], [ctx], [ok]), BLOCK, 512, torch.device("cpu"))
+    bad = [NULL_BLOCK] * 6 + table[6:]
+    with pytest.raises(RuntimeError, match="NULL_BLOCK"):
+        plan_attention(_meta([1], [ctx], [bad]), BLOCK, 512, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="NULL_BLOCK"):  # a global layer needs every block
+        plan_attention(_meta([1], [ctx], [ok]), BLOCK, None, torch.device("cpu"))
+
+
+def test_layer_pattern_five_local_to_one_global():
+    from pagedkv.engine.gemma3 import Gemma3Config
+
+    c = Gemma3Config(arch="gemma3", name="", n_layer=18, n_embd=640, n_head=4, n_head_kv=1, head_dim=256, n_ff=2048,
+                     vocab_size=262144, context_length=32768, rope_freq_base=1e6, rope_freq_base_swa=1e4,
+                     rms_eps=1e-6, sliding_window=512, sliding_window_pattern=6, query_pre_attn_scalar=256)
+    assert [i for i, w in enumerate(c.layer_windows) if w is None] == [5, 11, 17]
+    assert {w for w in c.layer_windows if w is not None} == {512}
+
+
+def test_registry_names_and_architectures(tmp_path):
+    from pagedkv.engine.registry import model_class, read_architecture, resolve_model_path
+
+    with pytest.raises(FileNotFoundError, match="gemma-3-270m"):
+        resolve_model_path(tmp_path / "missing.gguf")
+    with pytest.raises(ValueError, match="unsupported GGUF architecture"):
+        model_class("mamba")
+    # a minimal GGUF header whose first key is general.architecture
+    import struct
+
+    key, val = b"general.architecture", b"gemma3"
+    blob = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key + struct.pack("<I", 8)
+    blob += struct.pack("<Q", len(val)) + val
+    f = tmp_path / "tiny.gguf"
+    f.write_bytes(blob)
+    assert read_architecture(f) == "gemma3"
+    assert resolve_model_path(f) == f
+
+
+# ---------------------------------------------------------------------------------------------- the real model
+
+
+def test_model_file_facts(gemma):
+    """What the GGUF holds, as the implementation assumes it: the architecture's shape, norms stored as the (1 + w)
+    multipliers (mean near 1, not near 0), the output embedding tied, no soft-capping."""
+    from pagedkv.engine.registry import find_gemma3_model, read_architecture, resolve_model_path
+
+    assert resolve_model_path("gemma-3-270m") == find_gemma3_model()
+    assert read_architecture(find_gemma3_model()) == "gemma3"
+    c = gemma.config
+    assert (c.n_layer, c.n_embd, c.n_head, c.n_head_kv, c.head_dim, c.vocab_size) == (18, 640, 4, 1, 256, 262144)
+    assert (c.sliding_window, c.rope_freq_base, c.rope_freq_base_swa) == (512, 1e6, 1e4)
+    assert c.final_logit_softcapping is None and c.attn_logit_softcapping is None
+    assert gemma.lm_head is gemma.tok_embd
+    assert float(gemma.out_norm.mean()) > 0.5  # stored as 1 + w
+
+
+def test_tokenizer_reproduces_reference_prompt_ids(gemma, reference):
+    from pagedkv.engine.registry import make_tokenizer
+    from pagedkv.engine.spm_tokenizer import SentencePieceTokenizer
+
+    tok = make_tokenizer(gemma.tokenizer_metadata)
+    assert isinstance(tok, SentencePieceTokenizer)
+    for c in reference["cases"]:
+        assert tok.encode(c["prompt"], add_special_tokens=True) == c["prompt_ids"]
+        assert tok.decode(c["gen_ids"], skip_special_tokens=True) == c["text"]
+    # special and user-defined tokens are single ids; runs of spaces use Gemma's whitespace pieces
+    ids = tok.encode("<start_of_turn>user\n    x<end_of_turn><eos>")
+    assert ids[0] == tok.token_to_id("<start_of_turn>") and ids[-1] == tok.eos_token_id
+    assert tok.token_to_id("<end_of_turn>") in ids and 140 in ids  # 140: four spaces
+    assert tok.decode(ids) == "<start_of_turn>user\n    x<end_of_turn><eos>"
+    chat = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert chat[0] == tok.bos_token_id and tok.decode(chat).endswith("<start_of_turn>model\n")
+
+
+def test_llm_rejects_a_global_sliding_window(gemma):
+    from pagedkv.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="per-layer sliding windows"):
+        make_llm(gemma, num_gpu_blocks=8, sliding_window=512)
+
+
+def test_roomy_cache_then_prefix_cache_rerun(gemma, cases):
+    llm = make_llm(gemma, num_gpu_blocks=sum(blocks(len(c["prompt_ids"]) + c["max_tokens"]) for c in cases) * 2)
+    outs = run(llm, cases)
+    assert gen(outs) == [c["gen_ids"] for c in cases]
+    assert [o.num_cached_tokens for o in outs] == [0] * len(cases)
+    again = run(llm, cases)
+    assert gen(again) == [c["gen_ids"] for c in cases]
+    # all full blocks of each prompt (the last prompt token is always recomputed) come from the prefix cache
+    assert [o.num_cached_tokens for o in again] == [(len(c["prompt_ids"]) - 1) // BLOCK * BLOCK for c in cases]
+    llm.block_manager.check_invariants()
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_in_a_small_cache(gemma, preemption_cases, mode):
+    cases = preemption_cases
+    # room for every prompt plus one block, all admitted in the first step: the sequences outgrow the cache while
+    # decoding, so some are preempted
+    prompt_blocks = sum(blocks(len(c["prompt_ids"])) for c in cases)
+    num_blocks = prompt_blocks + 1
+    while num_blocks - prompt_blocks < int(0.01 * num_blocks):  # admission keeps the 1 % watermark free
+        num_blocks += 1
+    growth = sum(blocks(len(c["prompt_ids"]) + c["max_tokens"]) - blocks(len(c["prompt_ids"])) for c in cases)
+    assert growth > num_blocks - prompt_blocks
+    need = max(blocks(len(c["prompt_ids"]) + c["max_tokens"]) for c in cases)
+    llm = make_llm(gemma, num_gpu_blocks=max(num_blocks, need), preemption_mode=mode, enable_prefix_caching=False,
+                   num_cpu_blocks=num_blocks if mode == "swap" else 0,
+                   max_num_batched_tokens=sum(len(c["prompt_ids"]) for c in cases))
+    outs = run(llm, cases)
+    assert gen(outs) == [c["gen_ids"] for c in cases]
+    st = llm.scheduler.stats
+    assert st.prefills > len(cases) if mode == "recompute" else st.prefills == len(cases)
+    assert st.preemptions > 0
+    if mode == "swap":
+        assert st.swap_outs > 0 and st.swap_ins > 0
+    llm.block_manager.check_invariants()
+
+
+@pytest.mark.skipif(not FULL, reason="loads the model in a subprocess (~30 s); PAGEDKV_GEMMA3_FULL=1 runs it")
+def test_cli_generate_with_model_name(gemma, reference):
+    c = reference["cases"][4]
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run([sys.executable, "-m", "pagedkv.cli", "generate", "--raw", "--model", "gemma-3-270m",
+                          "--max-tokens", "5", c["prompt"]], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert c["text"][:10].strip() in out.stdout
+
+
+def test_chunked_prefill_then_decode(gemma, reference):
+    """The forward computes a prompt in chunks (each chunk's queries read the earlier chunks' KV through the block
+    table, a sliding layer only its window, which spans chunk edges) and decodes after it: the reference ids. The
+    scheduler's chunked prefill (issue 17) will drive exactly these steps."""
+    from pagedkv.engine.model import build_attention_metadata
+
+    c = reference["cases"][5]  # 783 tokens: chunks of 300 put window edges inside earlier chunks
+    ids, n_new = c["prompt_ids"], 4
+    table = list(range(blocks(len(ids) + n_new)))[::-1]  # any block order
+    kv = gemma.allocate_kv_cache(len(table), BLOCK)
+
+    def step(new, done):
+        slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(done, done + len(new))]
+        return gemma(build_attention_metadata([new], [done], slots, [table], block_size=BLOCK), kv)
+
+    for start in range(0, len(ids), 300):
+        logits = step(ids[start:start + 300], start)
+    out = [int(logits[0].argmax())]
+    while len(out) < n_new:
+        out.append(int(step([out[-1]], len(ids) + len(out) - 1)[0].argmax()))
+    assert out == c["gen_ids"][:n_new]
+
+
+def test_gguf_layout_facts_decide_the_reference(gemma, reference):
+    """The two GGUF facts the loader relies on, shown to matter: with the stored norm values taken as ``w`` (so
+    ``2 + w``), or with llama.cpp's Llama Q/K row permutation undone, the first token of a reference case changes."""
+    import numpy as np
+
+    from pagedkv.engine.gemma3 import _LAYER_TENSORS, PagedGemma3
+    from pagedkv.engine.gguf_loader import unpermute_qk
+    from pagedkv.engine.model import build_attention_metadata
+
+    c = reference["cases"][4]  # the shortest prompt (423 tokens)
+    ids = c["prompt_ids"]
+    weights = {"token_embd.weight": gemma.tok_embd, "output_norm.weight": gemma.out_norm}
+    for i, layer in enumerate(gemma.layers):
+        weights.update({f"blk.{i}.{n}.weight": t for n, t in zip(_LAYER_TENSORS, layer)})
+
+    def first_token(w):
+        w = {**w, "output.weight": w["token_embd.weight"]}
+        m = PagedGemma3(gemma.config, w, tokenizer_metadata=gemma.tokenizer_metadata)
+        n = blocks(len(ids))
+        meta = build_attention_metadata([ids], [0], np.arange(len(ids)), [list(range(n))], block_size=BLOCK)
+        return int(m(meta, m.allocate_kv_cache(n, BLOCK))[0].argmax())
+
+    assert first_token(weights) == c["gen_ids"][0]
+    assert first_token({k: v + 1 if k.endswith("norm.weight") else v for k, v in weights.items()}) != c["gen_ids"][0]
+    cfg = gemma.config
+    permuted = {k: torch.from_numpy(np.ascontiguousarray(
+        unpermute_qk(v.numpy(), cfg.n_head if k.endswith("attn_q.weight") else cfg.n_head_kv)))
+        if k.endswith(("attn_q.weight", "attn_k.weight")) else v for k, v in weights.items()}
+    assert first_token(permuted) != c["gen_ids"][0]
