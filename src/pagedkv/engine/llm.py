@@ -167,6 +167,7 @@ class LLM:
         self._generator = torch.Generator().manual_seed(seed)
         self._ids = itertools.count()
         self.last_times = EngineTimes()
+        self._sampling_s = 0.0  # sampling time of the last _execute
         # request id -> the exception its sampling raised in a step (that request got placeholder tokens and must
         # be aborted; the others of the step are unaffected). ``generate`` raises it; the server fails the request.
         self._sample_faults: dict = {}
@@ -284,7 +285,9 @@ class LLM:
         t0 = time.perf_counter()
         plan = sched.schedule()
         t1 = time.perf_counter()
-        sampled, t_sampling = self._execute(plan, by_id) if not plan.is_empty else ([], 0.0)
+        self._sampling_s = 0.0
+        sampled = self._execute(plan, by_id) if not plan.is_empty else []
+        t_sampling = self._sampling_s
         t2 = time.perf_counter()
         done = sched.update(plan, sampled)
         done += self._after_step(plan, by_id)
@@ -327,9 +330,9 @@ class LLM:
         times.total = time.perf_counter() - t_start
         times.block_manager = self._timed_bm.seconds - bm0
 
-    def _execute(self, plan: Any, by_id: dict) -> tuple[list, float]:
-        """KV copies, forward and sampling of one plan: the sampled tokens (per sequence of the plan) and the
-        seconds spent sampling."""
+    def _execute(self, plan: Any, by_id: dict) -> list:
+        """KV copies, forward and sampling of one plan: the sampled tokens (per sequence of the plan); the seconds
+        spent sampling are left in ``self._sampling_s``."""
         if plan.cache_demotions.size:  # the CPU tier of the prefix cache first (see pagedkv.cpu_tier)
             swap_blocks(self.kv_cache, self.cpu_kv_cache, plan.cache_demotions)
         if plan.cache_promotions.size:
@@ -341,7 +344,7 @@ class LLM:
         if plan.copy_on_write.size:
             copy_blocks(self.kv_cache, plan.copy_on_write)
         if not plan.has_forward:  # a step that only moved blocks
-            return [], 0.0
+            return []
         new_tokens, computed, slots, tables, owners = [], [], [], [], []
         for pw in plan.prefills:
             new_tokens.append(pw.token_ids)
@@ -375,8 +378,8 @@ class LLM:
                 except Exception as e:
                     self._sample_faults.setdefault(r.request_id, e)
                     drawn.append([0] * num)  # a placeholder; the caller aborts the request after the step
-        sampled = [toks if num > 1 else toks[0] for toks, (_, num) in zip(drawn, owners)]
-        return sampled, time.perf_counter() - t
+        self._sampling_s = time.perf_counter() - t
+        return [toks if num > 1 else toks[0] for toks, (_, num) in zip(drawn, owners)]
 
     def _after_step(self, plan: Any, by_id: dict) -> list:
         """Record sample 0's tokens for streaming; finish samples whose text now contains a stop string."""
