@@ -1,5 +1,7 @@
 """The `pagedkv` command: the block-manager bench needs no torch; the engine commands load the real model."""
 
+import re
+
 import pytest
 
 from pagedkv.cli import main
@@ -26,7 +28,11 @@ def test_generate_streams_and_throughput_prints_vllm_style_figures(capsys):
     assert main(["bench", "throughput", "--input-len", "16", "--output-len", "4", "--num-prompts", "3",
                  "--num-gpu-blocks", "32"]) == 0
     out = capsys.readouterr().out
-    assert "Throughput:" in out and "requests/s" in out and "tokens/s" in out and "Block manager:" in out
+    assert "Throughput:" in out and "requests/s" in out and "tokens/s" in out
+    # the engine-time split: block manager, the rest of the scheduler, model and sampling, each with its share
+    split = next(line for line in out.splitlines() if line.startswith("Engine time:"))
+    for part in ("block manager", "scheduler (rest)", "model", "sampling"):
+        assert re.search(re.escape(part) + r" [0-9.]+% \(", split), (part, split)
 
 
 def test_generate_reports_a_missing_model_cleanly(capsys, tmp_path):

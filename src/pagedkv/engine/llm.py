@@ -27,7 +27,7 @@ from ..manager import AllocStatus, BlockManager
 from ..scheduler import FINISH_STOP, Scheduler
 from .model import build_attention_metadata, execute_copy_plan
 from .registry import load_model, make_tokenizer
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, sample, sample_batch
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
 
@@ -60,7 +60,8 @@ class EngineTimes:
     total: float = 0.0
     scheduler: float = 0.0  # schedule() + update(), block-manager calls included
     block_manager: float = 0.0  # inside BlockManager methods only
-    model: float = 0.0  # KV copies + forward + sampling
+    model: float = 0.0  # KV copies + metadata + forward (sampling excluded)
+    sampling: float = 0.0  # drawing the next tokens from the logits
 
 
 class _TimedCalls:
@@ -166,6 +167,7 @@ class LLM:
         self._generator = torch.Generator().manual_seed(seed)
         self._ids = itertools.count()
         self.last_times = EngineTimes()
+        self._sampling_s = 0.0  # sampling time of the last _execute
         # request id -> the exception its sampling raised in a step (that request got placeholder tokens and must
         # be aborted; the others of the step are unaffected). ``generate`` raises it; the server fails the request.
         self._sample_faults: dict = {}
@@ -283,13 +285,16 @@ class LLM:
         t0 = time.perf_counter()
         plan = sched.schedule()
         t1 = time.perf_counter()
+        self._sampling_s = 0.0
         sampled = self._execute(plan, by_id) if not plan.is_empty else []
+        t_sampling = self._sampling_s
         t2 = time.perf_counter()
         done = sched.update(plan, sampled)
         done += self._after_step(plan, by_id)
         if times is not None:
             times.scheduler += (t1 - t0) + (time.perf_counter() - t2)
-            times.model += t2 - t1
+            times.model += t2 - t1 - t_sampling
+            times.sampling += t_sampling
         return plan, done
 
     def _run(self, requests: list["_Request"]) -> Iterator[list["_Request"]]:
@@ -326,6 +331,8 @@ class LLM:
         times.block_manager = self._timed_bm.seconds - bm0
 
     def _execute(self, plan: Any, by_id: dict) -> list:
+        """KV copies, forward and sampling of one plan: the sampled tokens (per sequence of the plan); the seconds
+        spent sampling are left in ``self._sampling_s``."""
         if len(plan.copies):  # every copy of the step, in the order the block manager handed them out
             execute_copy_plan(plan.copies, self.kv_cache, self.cpu_kv_cache)
         if not plan.has_forward:  # a step that only moved blocks
@@ -351,13 +358,19 @@ class LLM:
                                         block_size=self.block_manager.block_size,
                                         sliding_window=self.sliding_window, device=self.device)
         logits = self.model(meta, self.kv_cache).cpu()
-        drawn = []
-        for i, (r, num) in enumerate(owners):
-            try:
-                drawn.append(sample(logits[i], r.params, num, r.generator))
-            except Exception as e:  # this request's sampling failed: it alone fails (see _sample_faults)
-                self._sample_faults.setdefault(r.request_id, e)
-                drawn.append([0] * num)  # a placeholder; the caller aborts the request after the step
+        t = time.perf_counter()
+        try:
+            drawn = sample_batch(logits, [r.params for r, _ in owners], [num for _, num in owners],
+                                 [r.generator for r, _ in owners])
+        except Exception:  # some row failed: draw row by row so that request alone fails (see _sample_faults)
+            drawn = []
+            for i, (r, num) in enumerate(owners):
+                try:
+                    drawn.append(sample(logits[i], r.params, num, r.generator))
+                except Exception as e:
+                    self._sample_faults.setdefault(r.request_id, e)
+                    drawn.append([0] * num)  # a placeholder; the caller aborts the request after the step
+        self._sampling_s = time.perf_counter() - t
         return [toks if num > 1 else toks[0] for toks, (_, num) in zip(drawn, owners)]
 
     def _after_step(self, plan: Any, by_id: dict) -> list:

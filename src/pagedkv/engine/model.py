@@ -25,10 +25,11 @@ tokens of its context: with ``context_len`` tokens after the step, their positio
 3. reads each sequence's keys and values back *through its block table* and attends causally
    (optionally within a sliding window: a query at position ``p`` sees keys in ``(p - W, p]``).
 
-Sequences with the same ``q_len`` are attended together as one dense group (all decode sequences
-form one group: one batched gather of their blocks and one masked ``scaled_dot_product_attention``, no Python loop
-over sequences). The per-step plan (groups, clamped block ids, masks) is built once and shared by
-all layers.
+Steps 2 and 3 are :func:`~pagedkv.engine.paged_attention.paged_attention` (module
+:mod:`pagedkv.engine.paged_attention`): sequences with the same ``q_len`` are attended together as one dense
+group (all decode sequences form one group, no Python loop over sequences); whole new prompts attend their own
+keys directly (no read of the cache); other groups gather their blocks into a workspace reused by every layer
+and step. The per-step plan (groups, block ids, masks) is built once and shared by all layers.
 
 The code is device-agnostic: put the weights (``PagedLlama(..., device=...)``), the KV cache and the
 metadata (``build_attention_metadata(..., device=...)``) on the same device.
@@ -37,6 +38,7 @@ metadata (``build_attention_metadata(..., device=...)``) on the same device.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -46,19 +48,17 @@ import torch
 import torch.nn.functional as F
 
 from .gguf_loader import ModelConfig, TokenizerMetadata, load_gguf, rope_inv_freq
-
-try:  # the sentinel of the block manager; defined here too so the engine does not depend on import order
-    from pagedkv import NULL_BLOCK  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover - core not importable
-    NULL_BLOCK = -1
-
-# grouped-query attention support in scaled_dot_product_attention (torch >= 2.5)
-_SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+from .paged_attention import (NULL_BLOCK, AttentionPlan, AttentionWorkspace, paged_attention,
+                              plan_paged_attention)
 
 __all__ = [
     "NULL_BLOCK",
     "AttentionMetadata",
+    "AttentionPlan",
+    "AttentionWorkspace",
     "PagedLlama",
+    "paged_attention",
+    "plan_paged_attention",
     "build_attention_metadata",
     "copy_blocks",
     "execute_copy_plan",
@@ -303,7 +303,13 @@ def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor, pairs: Any) ->
 # model
 
 
+
+_HAS_RMS_NORM = hasattr(F, "rms_norm")
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if _HAS_RMS_NORM and x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)  # one fused kernel
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(weight.dtype)
@@ -314,21 +320,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-@dataclass
-class _Group:
-    """Sequences of one step that share the same query length, attended as one dense batch."""
-
-    q_len: int
-    token_idx: torch.Tensor | None  # (G * q_len,) rows of the flat batch; None = all rows, in order
-    block_ids: torch.Tensor  # (G, M) int64 block ids, NULL entries clamped to 0
-    mask: torch.Tensor  # (G, 1, q_len, M * block_size) bool, True = attend
-
-
 class PagedLlama:
     """A Llama decoder whose attention reads and writes a paged KV cache.
 
     ``weights`` uses the names of :mod:`pagedkv.engine.gguf_loader`. The tensors are moved to
-    ``device``/``dtype`` (no copy when they already match).
+    ``device``/``dtype``; the Q/K/V projections of a layer are fused into one matrix (one matmul), and so are
+    the gate and up projections of its MLP. ``layers[i]`` is ``(attn_norm, w_qkv, attn_output, ffn_norm,
+    w_gate_up, ffn_down)``.
     """
 
     def __init__(
@@ -353,15 +351,21 @@ class PagedLlama:
                 moved[key] = t.to(self.device, self.dtype)
             return moved[key]
 
+        def fused(*names: str) -> torch.Tensor:
+            return torch.cat([weights[n].to(self.device, self.dtype) for n in names], dim=0).contiguous()
+
         self.tok_embd = w("token_embd.weight")
         self.device = self.tok_embd.device  # normalized, e.g. "cuda" -> "cuda:0"
         self.out_norm = w("output_norm.weight")
         self.lm_head = w("output.weight")
         self.layers = [
-            tuple(
-                w(f"blk.{i}.{n}.weight")
-                for n in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate",
-                          "ffn_up", "ffn_down")
+            (
+                w(f"blk.{i}.attn_norm.weight"),
+                fused(f"blk.{i}.attn_q.weight", f"blk.{i}.attn_k.weight", f"blk.{i}.attn_v.weight"),
+                w(f"blk.{i}.attn_output.weight"),
+                w(f"blk.{i}.ffn_norm.weight"),
+                fused(f"blk.{i}.ffn_gate.weight", f"blk.{i}.ffn_up.weight"),
+                w(f"blk.{i}.ffn_down.weight"),
             )
             for i in range(config.n_layer)
         ]
@@ -370,6 +374,7 @@ class PagedLlama:
         self._cos = torch.empty(0, config.head_dim)
         self._sin = torch.empty(0, config.head_dim)
         self.scale = 1.0 / math.sqrt(config.head_dim)
+        self._local = threading.local()  # one attention workspace per thread (replicas may share a model)
 
     @classmethod
     def from_gguf(
@@ -419,78 +424,6 @@ class PagedLlama:
             self._sin = emb.sin().to(self.device, self.dtype)
         return self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
 
-    # ------------------------------------------------------------------ planning
-    def _plan(self, meta: AttentionMetadata, block_size: int) -> list[_Group]:
-        dev = self.device
-        q_lens = meta.query_lens
-        ctx = meta.context_lens_host
-        by_len: dict[int, list[int]] = {}
-        for b, q in enumerate(q_lens):
-            by_len.setdefault(q, []).append(b)
-        starts = np.zeros(len(q_lens) + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=starts[1:])
-        window = meta.sliding_window
-        groups: list[_Group] = []
-        for q_len, seqs in by_len.items():
-            seq_idx = np.asarray(seqs, dtype=np.int64)
-            if len(by_len) == 1:
-                token_idx = None  # every row of the batch, already in order
-            else:
-                rows = (starts[seq_idx][:, None] + np.arange(q_len)[None, :]).reshape(-1)
-                token_idx = torch.from_numpy(rows).to(dev)
-            g_ctx = [ctx[b] for b in seqs]
-            last_block = -(-max(g_ctx) // block_size)  # blocks needed by the longest context
-            first_block = 0
-            if window is not None:
-                # keys older than every query's window are never read: skip their blocks entirely
-                lowest_key = min(c - q_len for c in g_ctx) - window + 1
-                first_block = max(0, lowest_key) // block_size
-            sel = torch.from_numpy(seq_idx).to(dev)
-            bt = meta.block_tables.index_select(0, sel)[:, first_block:last_block].long()
-            key_pos = torch.arange(first_block * block_size, last_block * block_size, device=dev)
-            g_ctx_t = meta.context_lens.index_select(0, sel)
-            q_pos = g_ctx_t[:, None] - q_len + torch.arange(q_len, device=dev)[None, :]  # (G, q_len)
-            mask = key_pos[None, None, :] <= q_pos[:, :, None]  # causal
-            if window is not None:
-                mask &= key_pos[None, None, :] > (q_pos[:, :, None] - window)
-            # every key a query needs must be in a real block; NULL_BLOCK entries are only legal where
-            # no query looks (padding, blocks released by the sliding window)
-            released = (bt == NULL_BLOCK).repeat_interleave(block_size, dim=1)  # (G, keys)
-            if bool((mask & released[:, None, :]).any()):
-                raise RuntimeError(
-                    "a key inside the attention window lies in a NULL_BLOCK table entry (the block was released "
-                    "too early or the block table is too short)"
-                )
-            groups.append(
-                _Group(
-                    q_len=q_len,
-                    token_idx=token_idx,
-                    block_ids=bt.clamp_min(0),
-                    mask=mask[:, None, :, :],
-                )
-            )
-        return groups
-
-    # ------------------------------------------------------------------ attention
-    def _attend(self, group: _Group, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
-        """Attention of one group. ``q``: (G * q_len, n_head, head_dim); ``kv_layer``: (2, N, bs, kv, d)."""
-        c = self.config
-        lq = group.q_len
-        n_seq, n_blocks = group.block_ids.shape
-        # one gather of the group's blocks, keys and values together: (2, G * M, bs, n_kv, d)
-        kv = kv_layer.index_select(1, group.block_ids.reshape(-1))
-        n_keys = n_blocks * kv.shape[2]
-        k = kv[0].view(n_seq, n_keys, c.n_head_kv, c.head_dim).transpose(1, 2)  # (G, n_kv, keys, d)
-        v = kv[1].view(n_seq, n_keys, c.n_head_kv, c.head_dim).transpose(1, 2)
-        qh = q.view(n_seq, lq, c.n_head, c.head_dim).transpose(1, 2)  # (G, n_head, lq, d)
-        if _SDPA_HAS_GQA:
-            out = F.scaled_dot_product_attention(qh, k, v, attn_mask=group.mask, scale=self.scale, enable_gqa=True)
-        else:  # older torch: repeat each KV head for its query heads (head h uses KV head h // n_group)
-            k = k.repeat_interleave(c.n_group, dim=1)
-            v = v.repeat_interleave(c.n_group, dim=1)
-            out = F.scaled_dot_product_attention(qh, k, v, attn_mask=group.mask, scale=self.scale)
-        return out.transpose(1, 2).reshape(n_seq * lq, c.n_head * c.head_dim)
-
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
     def forward(self, meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -501,33 +434,27 @@ class PagedLlama:
             raise ValueError(f"KV cache must have shape {kv_cache_shape(c, -1, -1)}, got {tuple(kv_cache.shape)}")
         block_size = kv_cache.shape[3]
         n_tok = meta.num_tokens
-        groups = self._plan(meta, block_size)
+        plan = plan_paged_attention(meta, block_size, dtype=self.dtype)
         cos, sin = self._rope(meta.positions, max(meta.context_lens_host, default=0))
-        slots = meta.slot_mapping
+        n_head, n_kv, d = c.n_head, c.n_head_kv, c.head_dim
+        n_ff = self.layers[0][4].shape[0] // 2 if self.layers else 0
+        ws = getattr(self._local, "workspace", None)
+        if ws is None:
+            ws = self._local.workspace = AttentionWorkspace()
 
         x = self.tok_embd.index_select(0, meta.input_ids)  # (T, n_embd)
-        for layer, (attn_norm, wq, wk, wv, wo, ffn_norm, w_gate, w_up, w_down) in enumerate(self.layers):
+        for layer, (attn_norm, w_qkv, wo, ffn_norm, w_gate_up, w_down) in enumerate(self.layers):
             h = _rms_norm(x, attn_norm, c.rms_eps)
-            q = F.linear(h, wq).view(n_tok, c.n_head, c.head_dim)
-            k = F.linear(h, wk).view(n_tok, c.n_head_kv, c.head_dim)
-            v = F.linear(h, wv).view(n_tok, c.n_head_kv, c.head_dim)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-
-            kv_layer = kv_cache[layer]  # (2, N, bs, n_kv, d)
-            kv_layer[0].flatten(0, 1).index_copy_(0, slots, k.to(kv_cache.dtype))
-            kv_layer[1].flatten(0, 1).index_copy_(0, slots, v.to(kv_cache.dtype))
-
-            if len(groups) == 1 and groups[0].token_idx is None:
-                attn = self._attend(groups[0], q, kv_layer)
-            else:
-                attn = q.new_empty(n_tok, c.n_head * c.head_dim)
-                for grp in groups:
-                    attn.index_copy_(0, grp.token_idx, self._attend(grp, q.index_select(0, grp.token_idx), kv_layer))
+            qkv = F.linear(h, w_qkv).view(n_tok, n_head + 2 * n_kv, d)
+            qk = qkv[:, : n_head + n_kv]
+            qk = qk * cos + _rotate_half(qk) * sin  # rotary embeddings of queries and keys in one go
+            attn = paged_attention(qk[:, :n_head], qk[:, n_head:], qkv[:, n_head + n_kv:], kv_cache[layer], plan,
+                                   scale=self.scale, workspace=ws)
             x = x + F.linear(attn.to(x.dtype), wo)
 
             h = _rms_norm(x, ffn_norm, c.rms_eps)
-            x = x + F.linear(F.silu(F.linear(h, w_gate)) * F.linear(h, w_up), w_down)
+            gu = F.linear(h, w_gate_up)
+            x = x + F.linear(F.silu(gu[:, :n_ff]) * gu[:, n_ff:], w_down)
 
         idx = meta.logits_indices
         if idx is None:

@@ -1,4 +1,18 @@
-"""Sampling parameters (in the style of vLLM's ``SamplingParams``) and the sampler."""
+"""Sampling parameters (in the style of vLLM's ``SamplingParams``) and the sampler.
+
+The sampler draws by inverse CDF: one uniform number per sample from the request's own generator, located by
+``searchsorted`` in the cumulative probabilities, instead of ``torch.multinomial`` (which draws one exponential
+per vocabulary entry: 49k random numbers per token for SmolLM2). It touches only what a request needs:
+
+* greedy (``temperature == 0``): ``argmax``, batched over every greedy row;
+* top-k: ``topk`` first, then softmax / top-p / draw over those ``k`` values only;
+* top-p alone: the smallest ``topk`` (64, 256, ... entries) whose probability mass reaches ``top_p``, found by
+  growing ``k`` (usually one round), then the draw among those;
+* plain sampling: one softmax + cumulative sum over the rows that share a temperature, batched.
+
+Determinism: a row's draws come only from its own ``torch.Generator`` (one ``torch.rand`` of ``num`` values per
+row and step), so a seeded request gives the same tokens whatever else shares its batch.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +22,7 @@ import torch
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["SamplingParams", "sample"]
+__all__ = ["SamplingParams", "sample", "sample_batch"]
 
 
 @dataclass(frozen=True)
@@ -67,19 +81,76 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def _draw(probs: torch.Tensor, num: int, generator: torch.Generator | None) -> list[int]:
+    """``num`` indices drawn from the (unnormalized, non-negative) weights ``probs`` of one row."""
+    cdf = torch.cumsum(probs.double(), dim=-1)
+    u = torch.rand(num, generator=generator, dtype=torch.float64) * cdf[-1]
+    # the first index whose cumulative weight exceeds u: a zero-weight entry is never chosen
+    idx = torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[-1] - 1)
+    return idx.tolist()
+
+
+def _nucleus(sorted_p: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the most likely entries of descending probabilities ``sorted_p`` until their mass reaches
+    ``top_p`` (the first entry always stays); the rest become 0."""
+    keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < top_p
+    keep[..., 0] = True  # always keep the most likely token (a denormal top_p rounds to 0 in float32)
+    return sorted_p * keep
+
+
+def _sample_row(logits: torch.Tensor, params: SamplingParams, num: int,
+                generator: torch.Generator | None) -> list[int]:
+    """One row of float32 logits ``(vocab,)``, non-greedy."""
+    vocab = logits.shape[-1]
+    inv_t = 1.0 / params.temperature
+    if 0 < params.top_k < vocab:
+        vals, idx = torch.topk(logits, params.top_k)  # sorted, descending
+        p = torch.softmax(vals * inv_t, dim=-1)
+        if params.top_p < 1.0:
+            p = _nucleus(p, params.top_p)
+        return idx[_draw(p, num, generator)].tolist()
+    probs = torch.softmax(logits * inv_t, dim=-1)
+    if params.top_p < 1.0:
+        k = min(64, vocab)
+        while True:  # the smallest top-k holding the nucleus: the rest of the vocabulary is never sorted
+            vals, idx = torch.topk(probs, k)
+            if k == vocab or float(vals.sum()) >= params.top_p:
+                break
+            k = min(4 * k, vocab)
+        return idx[_draw(_nucleus(vals, params.top_p), num, generator)].tolist()
+    return _draw(probs, num, generator)
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, num: int, generator: torch.Generator | None) -> list[int]:
     """Draw ``num`` tokens from one row of float32 logits ``(vocab,)`` (independently, with replacement)."""
     if params.temperature == 0:
         return [int(torch.argmax(logits))] * num
-    logits = logits / params.temperature
-    if params.top_k > 0 and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
-        sorted_p, idx = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < params.top_p
-        keep[0] = True  # always keep the most likely token (a denormal top_p rounds to 0 in float32)
-        sorted_p = sorted_p * keep
-        probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
-    return torch.multinomial(probs, num, replacement=True, generator=generator).tolist()
+    return _sample_row(logits, params, num, generator)
+
+
+def sample_batch(logits: torch.Tensor, params: list[SamplingParams], nums: list[int],
+                 generators: list[torch.Generator | None]) -> list[list[int]]:
+    """Row ``i`` of float32 logits ``(R, vocab)`` gives ``nums[i]`` tokens drawn with ``params[i]`` from
+    ``generators[i]``; the same draws as :func:`sample` row by row, with the greedy rows (one ``argmax``) and the
+    plain-sampling rows of equal temperature (one softmax) batched. O(R * vocab)."""
+    out: list[list[int] | None] = [None] * len(params)
+    greedy = [i for i, p in enumerate(params) if p.temperature == 0]
+    if greedy:
+        best = torch.argmax(logits[greedy] if len(greedy) < len(params) else logits, dim=-1).tolist()
+        for i, t in zip(greedy, best):
+            out[i] = [int(t)] * nums[i]
+    plain: dict[float, list[int]] = {}
+    for i, p in enumerate(params):
+        if p.temperature == 0:
+            continue
+        if p.top_p >= 1.0 and not 0 < p.top_k < logits.shape[-1]:
+            plain.setdefault(float(p.temperature), []).append(i)
+        else:
+            out[i] = _sample_row(logits[i], p, nums[i], generators[i])
+    for temp, rows in plain.items():
+        sub = logits[rows] if len(rows) < logits.shape[0] else logits
+        cdf = torch.cumsum(torch.softmax(sub * (1.0 / temp), dim=-1).double(), dim=-1)
+        for r, i in enumerate(rows):
+            u = torch.rand(nums[i], generator=generators[i], dtype=torch.float64) * cdf[r, -1]
+            out[i] = torch.searchsorted(cdf[r], u, right=True).clamp_(max=logits.shape[-1] - 1).tolist()
+    return out  # type: ignore[return-value]

@@ -2,8 +2,9 @@
 
 Random prompts of ``--input-len`` token ids, ``--output-len`` tokens generated each with end-of-sequence ignored,
 all submitted at once. Prints ``Throughput: X requests/s, Y tokens/s`` (prompt plus output tokens per second, as
-vLLM counts them), output tokens/s, and the share of wall time spent in the block manager and in the rest of
-the scheduler.
+vLLM counts them), output tokens/s, and the engine-time split: the share of wall time spent in the block
+manager, in the rest of the scheduler, in the model (metadata, KV copies, forward) and in sampling, so the next
+bottleneck is visible.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["main", "run_throughput"]
+__all__ = ["format_split", "main", "run_throughput"]
 
 
 def run_throughput(llm, *, input_len: int, output_len: int, num_prompts: int, n: int = 1, seed: int = 0,
@@ -45,12 +46,31 @@ def run_throughput(llm, *, input_len: int, output_len: int, num_prompts: int, n:
         "block_manager_s": t.block_manager,
         "scheduler_s": t.scheduler - t.block_manager,
         "model_s": t.model,
+        "sampling_s": t.sampling,
+        "model_share": t.model / t.total,
+        "sampling_share": t.sampling / t.total,
+        "torch_threads": _threads(),
         "block_manager_share": t.block_manager / t.total,
         "scheduler_share": (t.scheduler - t.block_manager) / t.total,
         "num_gpu_blocks": llm.block_manager.num_gpu_blocks,
         "preemptions": llm.scheduler.stats.preemptions,
         "prefix_hit_rate": llm.block_manager.stats.hit_rate,
     }
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def format_split(r: dict) -> str:
+    """The engine-time split of a :func:`run_throughput` result as one line."""
+    return (f"Engine time: block manager {100 * r['block_manager_share']:.3f}% ({r['block_manager_s'] * 1e3:.1f} ms), "
+            f"scheduler (rest) {100 * r['scheduler_share']:.3f}% ({r['scheduler_s'] * 1e3:.1f} ms), "
+            f"model {100 * r['model_share']:.1f}% ({r['model_s']:.2f} s), "
+            f"sampling {100 * r['sampling_share']:.1f}% ({r['sampling_s']:.2f} s); "
+            f"torch threads: {r['torch_threads']}; preemptions: {r['preemptions']}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -75,9 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                        n=args.n, seed=args.seed)
     print(f"Throughput: {r['requests_per_s']:.2f} requests/s, {r['tokens_per_s']:.2f} tokens/s "
           f"({r['output_tokens_per_s']:.2f} output tokens/s)")
-    print(f"Block manager: {100 * r['block_manager_share']:.3f}% of wall time ({r['block_manager_s'] * 1e3:.1f} ms); "
-          f"scheduler (rest): {100 * r['scheduler_share']:.3f}% ({r['scheduler_s'] * 1e3:.1f} ms); "
-          f"model: {r['model_s']:.1f} s; preemptions: {r['preemptions']}")
+    print(format_split(r))
     if args.output_json:
         r["machine"] = {"platform": platform.platform(), "python": sys.version.split()[0], "torch": torch.__version__,
                         "threads": torch.get_num_threads()}
