@@ -30,7 +30,7 @@ def replay_sequence(trace: Trace, capacity_tokens: int, *, block_size: int = 16,
     lengths = trace.input_lengths.tolist()
     allocate, free, tokens = bm.allocate, bm.free, trace.tokens
     # with the CPU tier each request is one engine step: its copies are taken (and the pinned blocks released)
-    step = bm.take_copies if getattr(bm, "cpu_prefix_cache", False) else None
+    step = bm.take_copy_plan if getattr(bm, "cpu_prefix_cache", False) else None
     hits = skipped = prompt = 0
     t0, c0 = time.perf_counter(), time.process_time()
     for i, nb in enumerate(need):
