@@ -20,8 +20,10 @@ Building the model for Gemma 3's 262,144 pieces takes about a second.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
+
+from .tokenizer import CHATML_TEMPLATE, TokenizerBase
 
 if TYPE_CHECKING:  # pragma: no cover - typing only (gguf_loader imports torch)
     from .gguf_loader import TokenizerMetadata
@@ -107,13 +109,7 @@ def build_model_proto(meta: "TokenizerMetadata") -> Any:
     return m
 
 
-def _raise_exception(message: str) -> None:
-    from jinja2.exceptions import TemplateError
-
-    raise TemplateError(message)
-
-
-class SentencePieceTokenizer:
+class SentencePieceTokenizer(TokenizerBase):
     """A SentencePiece (BPE, byte fallback) tokenizer plus chat template, from :class:`TokenizerMetadata`.
 
     The same interface as :class:`pagedkv.engine.tokenizer.GGUFTokenizer` (``encode``, ``decode``,
@@ -147,37 +143,8 @@ class SentencePieceTokenizer:
         elif "<start_of_turn>" in tokens:
             self.chat_template = GEMMA_CHAT_TEMPLATE
         else:
-            from .tokenizer import CHATML_TEMPLATE  # noqa: PLC0415 - only for template-less non-Gemma files
-
             self.chat_template = CHATML_TEMPLATE
         self._compiled_template: Any = None
-
-    # ------------------------------------------------------------------ ids
-    @property
-    def vocab_size(self) -> int:
-        return len(self.meta.tokens)
-
-    @property
-    def bos_token_id(self) -> int | None:
-        return self.meta.bos_token_id
-
-    @property
-    def eos_token_id(self) -> int | None:
-        return self.meta.eos_token_id
-
-    @property
-    def pad_token_id(self) -> int | None:
-        return self.meta.pad_token_id
-
-    @property
-    def bos_token(self) -> str:
-        tid = self.meta.bos_token_id
-        return self.meta.tokens[tid] if tid is not None else ""
-
-    @property
-    def eos_token(self) -> str:
-        tid = self.meta.eos_token_id
-        return self.meta.tokens[tid] if tid is not None else ""
 
     def token_to_id(self, token: str) -> int | None:
         tid = self._sp.PieceToId(token)
@@ -203,15 +170,7 @@ class SentencePieceTokenizer:
                 pos = m.end()
         if pos < len(text):
             ids += self._sp.EncodeAsIds(text[pos:])
-        if add_special_tokens:
-            if self.meta.add_bos_token and self.meta.bos_token_id is not None:
-                ids = [self.meta.bos_token_id, *ids]
-            if self.meta.add_eos_token and self.meta.eos_token_id is not None:
-                ids = [*ids, self.meta.eos_token_id]
-        return ids
-
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [self.encode(t) for t in texts]
+        return self._with_special(ids) if add_special_tokens else ids
 
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = False) -> str:
         """Text of ``ids``; special tokens are kept as their text unless ``skip_special_tokens``."""
@@ -231,31 +190,3 @@ class SentencePieceTokenizer:
         if run:
             out.append(self._sp.DecodeIds(run))
         return "".join(out)
-
-    # ------------------------------------------------------------------ chat
-    def _template(self) -> Any:
-        if self._compiled_template is None:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise_exception
-            self._compiled_template = env.from_string(self.chat_template)
-        return self._compiled_template
-
-    def render_chat(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True, **kwargs: Any
-    ) -> str:
-        """The chat prompt as text (the GGUF's template, else Gemma's turn format)."""
-        return self._template().render(
-            messages=[dict(m) for m in messages],
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token,
-            eos_token=self.eos_token,
-            **kwargs,
-        )
-
-    def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True, **kwargs: Any
-    ) -> list[int]:
-        """Token ids of the rendered chat prompt (special tokens in the template become single ids)."""
-        return self.encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt, **kwargs))

@@ -23,7 +23,7 @@ from typing import Any
 
 from .gguf_loader import TokenizerMetadata
 
-__all__ = ["GGUFTokenizer", "TOKEN_TYPE_CONTROL", "TOKEN_TYPE_USER_DEFINED", "CHATML_TEMPLATE"]
+__all__ = ["GGUFTokenizer", "TokenizerBase", "TOKEN_TYPE_CONTROL", "TOKEN_TYPE_USER_DEFINED", "CHATML_TEMPLATE"]
 
 # llama.cpp token types (gguf.TokenType)
 TOKEN_TYPE_NORMAL = 1
@@ -92,7 +92,90 @@ def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, s
     return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
 
 
-class GGUFTokenizer:
+class TokenizerBase:
+    """What every GGUF tokenizer of the engine shares: the special ids and texts from :class:`TokenizerMetadata`
+    (``self.meta``), BOS/EOS insertion, and the chat template (``self.chat_template``, rendered in a Jinja
+    sandbox). A subclass sets ``meta``, ``chat_template`` and ``_compiled_template = None`` and gives
+    ``encode``, ``decode``, ``token_to_id`` and ``id_to_token``."""
+
+    meta: TokenizerMetadata
+    chat_template: str
+    _compiled_template: Any
+
+    # ------------------------------------------------------------------ ids
+    @property
+    def vocab_size(self) -> int:
+        return len(self.meta.tokens)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.meta.bos_token_id
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.meta.eos_token_id
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self.meta.pad_token_id
+
+    @property
+    def bos_token(self) -> str:
+        tid = self.meta.bos_token_id
+        return self.meta.tokens[tid] if tid is not None else ""
+
+    @property
+    def eos_token(self) -> str:
+        tid = self.meta.eos_token_id
+        return self.meta.tokens[tid] if tid is not None else ""
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _with_special(self, ids: list[int]) -> list[int]:
+        """``ids`` with the BOS/EOS ids where the GGUF asks for them (``tokenizer.ggml.add_bos_token`` /
+        ``add_eos_token``)."""
+        if self.meta.add_bos_token and self.meta.bos_token_id is not None:
+            ids = [self.meta.bos_token_id, *ids]
+        if self.meta.add_eos_token and self.meta.eos_token_id is not None:
+            ids = [*ids, self.meta.eos_token_id]
+        return ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    # ------------------------------------------------------------------ chat
+    def _template(self) -> Any:
+        if self._compiled_template is None:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise_exception
+            env.globals["strftime_now"] = _strftime_now
+            env.filters["tojson"] = _tojson
+            self._compiled_template = env.from_string(self.chat_template)
+        return self._compiled_template
+
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        """The chat prompt as text (the model's template, e.g. with its default system message)."""
+        return self._template().render(
+            messages=[dict(m) for m in messages],
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+            **kwargs,
+        )
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True, **kwargs: Any
+    ) -> list[int]:
+        """Token ids of the rendered chat prompt (special tokens in the template become single ids)."""
+        return self.encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt, **kwargs))
+
+
+class GGUFTokenizer(TokenizerBase):
     """A byte-level BPE tokenizer plus chat template, built from :class:`TokenizerMetadata`.
 
     >>> config, weights, meta = load_gguf()          # doctest: +SKIP
@@ -141,33 +224,6 @@ class GGUFTokenizer:
         self.chat_template = meta.chat_template or CHATML_TEMPLATE
         self._compiled_template: Any = None
 
-    # ------------------------------------------------------------------ ids
-    @property
-    def vocab_size(self) -> int:
-        return len(self.meta.tokens)
-
-    @property
-    def bos_token_id(self) -> int | None:
-        return self.meta.bos_token_id
-
-    @property
-    def eos_token_id(self) -> int | None:
-        return self.meta.eos_token_id
-
-    @property
-    def pad_token_id(self) -> int | None:
-        return self.meta.pad_token_id
-
-    @property
-    def bos_token(self) -> str:
-        tid = self.meta.bos_token_id
-        return self.meta.tokens[tid] if tid is not None else ""
-
-    @property
-    def eos_token(self) -> str:
-        tid = self.meta.eos_token_id
-        return self.meta.tokens[tid] if tid is not None else ""
-
     def token_to_id(self, token: str) -> int | None:
         return self._tk.token_to_id(token)
 
@@ -182,12 +238,7 @@ class GGUFTokenizer:
         (``tokenizer.ggml.add_bos_token`` / ``add_eos_token``).
         """
         ids = self._tk.encode(text, add_special_tokens=False).ids
-        if add_special_tokens:
-            if self.meta.add_bos_token and self.meta.bos_token_id is not None:
-                ids = [self.meta.bos_token_id, *ids]
-            if self.meta.add_eos_token and self.meta.eos_token_id is not None:
-                ids = [*ids, self.meta.eos_token_id]
-        return ids
+        return self._with_special(ids) if add_special_tokens else ids
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [e.ids for e in self._tk.encode_batch(list(texts), add_special_tokens=False)]
@@ -195,33 +246,3 @@ class GGUFTokenizer:
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = False) -> str:
         """Text of ``ids``; special tokens are kept unless ``skip_special_tokens``."""
         return self._tk.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
-
-    # ------------------------------------------------------------------ chat
-    def _template(self) -> Any:
-        if self._compiled_template is None:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise_exception
-            env.globals["strftime_now"] = _strftime_now
-            env.filters["tojson"] = _tojson
-            self._compiled_template = env.from_string(self.chat_template)
-        return self._compiled_template
-
-    def render_chat(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True, **kwargs: Any
-    ) -> str:
-        """The chat prompt as text (the model's template, e.g. with its default system message)."""
-        return self._template().render(
-            messages=[dict(m) for m in messages],
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token,
-            eos_token=self.eos_token,
-            **kwargs,
-        )
-
-    def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True, **kwargs: Any
-    ) -> list[int]:
-        """Token ids of the rendered chat prompt (special tokens in the template become single ids)."""
-        return self.encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt, **kwargs))
