@@ -212,7 +212,15 @@ def test_offline_generate_raises_a_sampler_fault_and_stays_usable(engine, monkey
             raise FloatingPointError("injected")
         return real(logits, params, num, generator)
 
+    real_batch = llm_mod.sample_batch
+
+    def picky_batch(logits, params, nums, generators):  # the batched sampler sees the same fault
+        if any(p.seed == 666 for p in params):
+            raise FloatingPointError("injected")
+        return real_batch(logits, params, nums, generators)
+
     monkeypatch.setattr(llm_mod, "sample", picky)
+    monkeypatch.setattr(llm_mod, "sample_batch", picky_batch)
     llm = LLM(engine.paged, num_gpu_blocks=32, max_num_seqs=4, block_size=16)
     with pytest.raises(RuntimeError, match="sampling failed"):
         llm.generate(["Hello", "World"], [SamplingParams(max_tokens=4, temperature=0),
