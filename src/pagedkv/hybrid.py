@@ -645,6 +645,52 @@ class HybridBlockManager:
                 return sorted(range(len(plans)), key=net.__getitem__)
         return list(range(len(plans)))
 
+    def _step_small(self, seq_ids, arr: np.ndarray, b: int) -> HybridStepResult | None:
+        """One token each for a few sequences, every group in plain Python (numpy's fixed costs dominate there):
+        sliding groups release what their windows let go, then every group takes the plain-Python step of
+        BlockManager (:mod:`pagedkv._small`). None, having changed nothing, unless every group's blocks (new
+        ones and possible copy-on-write copies, releases not counted) are free together."""
+        m0 = self._m0
+        ids = seq_ids if type(seq_ids) is list else list(seq_ids)
+        rows = m0._small_rows(ids)
+        if rows is None:
+            return None
+        toks = arr.tolist()
+        ntok, nblk = m0._views()[:2]
+        bs, fw = self._bs, m0._fixed_w
+        grow = 0
+        for r in rows:
+            j = ntok[r] // bs
+            if j == nblk[r]:
+                if j >= fw > 0:
+                    return None
+                grow += 1
+        need = grow * len(self._g)
+        ref = self._gpu._ref_mv
+        for m in self._g:
+            table = m._views()[2]
+            for r in rows:
+                j = ntok[r] // bs
+                if j < nblk[r] and ref[table[r, j]] > 1:
+                    need += 1  # (an upper bound of the copy-on-write copies)
+        if need > self.num_free_gpu_blocks:
+            return None
+        # ---- mutation: nothing below can fail (every group's step finds its blocks)
+        res = []
+        for m in self._g:
+            if m._window is not None:
+                m._release_window_small(rows)
+            if b == 1:
+                got = m._step_one(ids[0], toks, True)
+            else:
+                got = m._step_small(ids, toks, b)
+            assert got is not None, "a group's small step declined after the coordinator's checks"
+            res.append(got)
+        cows = [r.cow for r in res if r.cow.size]
+        return HybridStepResult(np.stack([r.slot_mapping for r in res]), tuple(r.block_tables for r in res),
+                                res[0].seq_lens, np.concatenate(cows) if len(cows) > 1 else
+                                cows[0] if cows else res[0].cow)
+
     def decode_step(self, seq_ids: Sequence[Hashable], token_ids: object, num_lookahead_slots: int = 0, *,
                     num_new_tokens: object = None) -> HybridStepResult:
         """The batched hot path in every group (see BlockManager.decode_step for the token forms, lookahead and
@@ -658,6 +704,10 @@ class HybridBlockManager:
         if b == 0:
             return HybridStepResult(np.zeros((G, 0), np.int64), tuple(np.zeros((0, 0), np.int32) for _ in self._g),
                                     np.zeros(0, np.int32), np.zeros((0, 2), np.int64))
+        if counts is None and la == 0 and b <= self._m0._small_batch:
+            res = self._step_small(seq_ids, arr, b)
+            if res is not None:
+                return res
         if counts is None and la == 0 and self._fast_ok(rows):
             res = [m._step1(rows, arr) for m in self._g]
             order = None
