@@ -273,6 +273,13 @@ class HybridBlockManager:
             m._end_step()
         return plan
 
+    def take_copies(self):
+        """Deprecated, as BlockManager.take_copies: :meth:`take_copy_plan` narrowed to the CPU tier's copies."""
+        got = self._m0.take_copies()
+        for m in self._g[1:]:
+            m._end_step()
+        return got
+
     def take_events(self) -> list:
         """KV events since the last call, every group's, in order (each carrying its group). O(events)."""
         return self._m0.take_events()
