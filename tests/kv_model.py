@@ -57,6 +57,7 @@ class Config:
     events: bool
     max_events: int
     groups: tuple | None = None  # hybrid: the window of each KV cache group (None: full attention)
+    vectorised: bool = False  # hybrid: every batch takes the numpy step (no plain-Python small-batch step)
 
     @staticmethod
     def draw(rng: random.Random) -> "Config":
@@ -91,16 +92,20 @@ class Config:
             num_cpu_blocks=rng.randint(16, 80) * 4 // bs * g,
             block_size=bs, prefix=prefix, tier=tier, window=None, lookahead=rng.choice([0, 0, 1, 2]),
             events=prefix and rng.random() < 0.3, max_events=rng.randint(8, 64), groups=tuple(groups),
+            vectorised=rng.random() < 0.5,
         )
 
     def manager(self):
         if self.groups is not None:
-            return HybridBlockManager(
+            hm = HybridBlockManager(
                 self.num_gpu_blocks, self.block_size, num_cpu_blocks=self.num_cpu_blocks,
                 kv_cache_groups=[FullAttentionSpec() if w is None else SlidingWindowSpec(w) for w in self.groups],
                 enable_prefix_caching=self.prefix, cpu_prefix_cache=self.tier, watermark=0,
                 enable_kv_events=self.events, max_kv_events=self.max_events,
             )
+            if self.vectorised:
+                hm._m0._small_batch = 0
+            return hm
         return BlockManager(
             self.num_gpu_blocks, self.block_size, num_cpu_blocks=self.num_cpu_blocks,
             enable_prefix_caching=self.prefix, cpu_prefix_cache=self.tier, sliding_window=self.window,

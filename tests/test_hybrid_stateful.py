@@ -40,8 +40,8 @@ class HybridMachine(RuleBasedStateMachine):
     cache = True
 
     @initialize(groups=st.lists(st.one_of(st.none(), st.integers(1, 14)), min_size=1, max_size=4),
-                pool=st.integers(6, 40), cpu=st.integers(0, 24), tier=st.booleans())
-    def setup(self, groups, pool, cpu, tier):
+                pool=st.integers(6, 40), cpu=st.integers(0, 24), tier=st.booleans(), small=st.booleans())
+    def setup(self, groups, pool, cpu, tier, small):
         self.windows = groups
         self.G = len(groups)
         tier = tier and self.cache and cpu > 0
@@ -49,6 +49,8 @@ class HybridMachine(RuleBasedStateMachine):
             pool, BS, kv_cache_groups=[FullAttentionSpec() if w is None else SlidingWindowSpec(w) for w in groups],
             num_cpu_blocks=cpu, enable_prefix_caching=self.cache, cpu_prefix_cache=tier, watermark=0,
             enable_kv_events=self.cache)
+        if not small:
+            self.m._m0._small_batch = 0  # every batch takes the numpy step
         self.seqs: dict = {}  # seq -> [tokens, table length, swapped]
         self.touched: set = set()
         self.stepping = False
