@@ -290,3 +290,21 @@ def test_block_hashes_of_each_group_are_the_events_keys():
     assert block_hashes(toks, 4, "t", group=0) == block_hashes(toks, 4, "t")
     with pytest.raises(InvalidArgumentError):
         block_hashes(toks, 4, group=-1)
+
+
+def test_fixed_table_width_per_group():
+    from pagedkv.errors import TableWidthError
+    m = HybridBlockManager(64, 4, kv_cache_groups=[F(), S(4)], block_table_width=3, watermark=0)
+    pb = m.allocate_batch(["a"], [[1, 2, 3, 4, 5]])
+    assert [t.shape for t in pb.block_tables] == [(1, 3), (1, 3)]
+    with pytest.raises(TableWidthError):
+        m.allocate("b", list(range(13)))
+    r = m.decode_step(["a"], np.array([1]))
+    assert [t.tolist() for t in r.block_tables] == [[[0, 1, -1]], [[2, 3, -1]]]
+    for _ in range(6):
+        m.decode_step(["a"], np.array([1]))
+    before = tables(m, "a"), m.num_free_gpu_blocks
+    with pytest.raises(TableWidthError):
+        m.decode_step(["a"], np.array([1]))  # a fourth block in each group
+    assert (tables(m, "a"), m.num_free_gpu_blocks) == before
+    m.check_invariants()
