@@ -31,6 +31,9 @@ from .sampling import SamplingParams, sample, sample_batch
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
 
+DEFAULT_CHUNKED_BUDGET = 512  # max_num_batched_tokens with chunked prefill (prompt chunks plus decodes a step)
+DEFAULT_BUDGET = 2048  # without it (whole prompts a step)
+
 
 @dataclass(frozen=True)
 class CompletionOutput:
@@ -105,6 +108,8 @@ class LLM:
         device: "cpu" (default) or "cuda".
         dtype: weights and KV dtype (float32 default).
         seed: seed of the generator used by requests without their own seed.
+        max_num_batched_tokens: the token budget of one step; None: 512 with chunked prefill (a step then costs
+            about as much as a 512-token prefill, which bounds what the decoding sequences wait), 2048 without.
         enable_chunked_prefill: schedule each step by a budget of ``max_num_batched_tokens`` tokens, decodes
             first, then the next chunk of partly prefilled prompts, then new prompts (docs/chunked-prefill.md):
             a long prompt no longer stops the sequences that are decoding. False: a prompt is prefilled in one
@@ -122,7 +127,7 @@ class LLM:
         num_cpu_blocks: int = 0,
         enable_prefix_caching: bool = True,
         max_num_seqs: int = 32,
-        max_num_batched_tokens: int = 2048,
+        max_num_batched_tokens: int | None = None,
         preemption_mode: str = "recompute",
         num_lookahead_slots: int = 0,
         sliding_window: int | None = None,
@@ -141,6 +146,8 @@ class LLM:
             raise InvalidArgumentError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
         if preemption_mode == "swap" and num_cpu_blocks <= 0:
             raise InvalidArgumentError("preemption_mode='swap' needs num_cpu_blocks > 0")
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = DEFAULT_CHUNKED_BUDGET if enable_chunked_prefill else DEFAULT_BUDGET
         if isinstance(max_num_batched_tokens, bool) or not isinstance(max_num_batched_tokens, int) \
                 or max_num_batched_tokens < 1:
             raise InvalidArgumentError(f"max_num_batched_tokens must be an int >= 1, got {max_num_batched_tokens!r}")

@@ -24,9 +24,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="demote evicted prefix-cache blocks to the CPU blocks and promote them back on a hit")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off (on by default)")
     p.add_argument("--max-num-seqs", type=int, default=32, help="most sequences in one batch")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of one step: with chunked prefill, decodes plus prompt chunks; without, "
-                        "whole prompts (a longer prompt runs alone in its step)")
+                        "whole prompts (a longer prompt runs alone in its step) (default: 512 with chunked "
+                        "prefill, 2048 without)")
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="prefill long prompts in chunks within the step's token budget, decodes first, so that "
                         "a long prompt does not stop the streams that are decoding")
