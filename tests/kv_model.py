@@ -6,7 +6,9 @@ on tokens ``0..p``, so identities are interned ``(parent identity, token)`` pair
 
 1. the calls of the step, several of them, in a random order: decodes (one token, or several with lookahead
    slots that receive rejected speculative tokens), admissions (bursts of identical and prefix-sharing prompts,
-   namespaces), preemption by swap-out and by recompute, swap-ins, aborts with ``free(cache=False)`` (refusals
+   namespaces; chunked prefill: a prompt allocated as its hit plus one chunk, later chunks appended by
+   ``decode_step`` in later steps, forks refused until the last one), preemption by swap-out and by recompute
+   (in the middle of a prefill too), swap-ins, aborts with ``free(cache=False)`` (refusals
    included: the dependents are aborted first, or the abort waits for the forward), ``reset_prefix_cache``,
    KV-event reads (with a small buffer that overflows);
 2. the step's copies, taken once (:meth:`BlockManager.take_copy_plan`) and executed in order (copy by copy, or
@@ -49,6 +51,7 @@ class Config:
     lookahead: int
     events: bool
     max_events: int
+    chunked: bool = False  # admissions are often chunked prefills
 
     @staticmethod
     def draw(rng: random.Random) -> "Config":
@@ -65,6 +68,7 @@ class Config:
             lookahead=rng.choice([0, 0, 1, 2]),
             events=prefix and rng.random() < 0.3,
             max_events=rng.randint(4, 64),
+            chunked=rng.random() < 0.6,
         )
 
     def manager(self) -> BlockManager:
@@ -76,10 +80,11 @@ class Config:
 
 
 class _Seq:
-    __slots__ = ("ns", "toks", "ids", "swapped")
+    __slots__ = ("ns", "toks", "ids", "swapped", "rest")
 
-    def __init__(self, ns, toks, ids):
+    def __init__(self, ns, toks, ids, rest=None):
         self.ns, self.toks, self.ids, self.swapped = ns, toks, ids, False
+        self.rest = rest or []  # chunked prefill: the prompt tokens not appended yet
 
 
 @dataclass
@@ -151,7 +156,8 @@ class KVModel:
     # ------------------------------------------------------------------ the calls of a step
     def op_decode(self) -> None:
         bm, rng, cfg = self.bm, self.rng, self.cfg
-        cand = [s for s in self._gpu_seqs() if s not in self.touched]  # one slot-handing call a step each
+        # one slot-handing call a step each; a partly prefilled prompt gets its next chunk instead (op_prefill)
+        cand = [s for s in self._gpu_seqs() if s not in self.touched and not self.seqs[s].rest]
         if not cand:
             return
         rng.shuffle(cand)
@@ -213,8 +219,9 @@ class KVModel:
                 continue
             sid = self.next_id
             self.next_id += 1
+            chunk = rng.choice([1, 2, 3, 5, 8]) if self.cfg.chunked and rng.random() < 0.6 else None
             try:
-                hit = bm.allocate(sid, toks, namespace=ns)
+                hit = bm.allocate(sid, toks, namespace=ns, num_new_tokens=chunk)
             except OutOfBlocksError:  # (PromptTooLongError included)
                 self.report.count("admit_refused")
                 continue
@@ -222,10 +229,44 @@ class KVModel:
                 self._fail(f"allocate({sid}) returned a hit of {hit} for {len(toks)} tokens")
             self.report.count("admits")
             self.report.count("hit_tokens", hit)
-            q = _Seq(ns, list(toks), self._ids(ns, toks))
+            rest = []
+            if chunk is not None:
+                held = min(len(toks), hit + chunk)
+                if bm.num_tokens(sid) != held:
+                    self._fail(f"allocate({sid}, num_new_tokens={chunk}) holds {bm.num_tokens(sid)} tokens, "
+                               f"not the hit {hit} plus the chunk")
+                toks, rest = toks[:held], toks[held:]
+                self.report.count("chunked_admits" if rest else "chunked_admits_whole")
+            q = _Seq(ns, list(toks), self._ids(ns, toks), list(rest))
             self.seqs[sid] = q
             self.order_of[sid] = sid
             self._write(sid, bm.slot_mapping(sid, hit, len(toks)), q.ids[hit:])
+
+    def op_prefill(self) -> None:
+        """The next chunk of some partly prefilled prompts: one decode_step, flat tokens and counts."""
+        bm, rng = self.bm, self.rng
+        cand = [s for s in self._gpu_seqs() if s not in self.touched and self.seqs[s].rest]
+        if not cand:
+            return
+        rng.shuffle(cand)
+        batch = cand[: rng.randint(1, len(cand))]
+        counts = [min(len(self.seqs[s].rest), rng.choice([1, 2, 3, 4, 7])) for s in batch]
+        flat = np.array([t for s, c in zip(batch, counts) for t in self.seqs[s].rest[:c]], dtype=np.int64)
+        try:
+            res = bm.decode_step(batch, flat, 0, num_new_tokens=np.array(counts))
+        except OutOfBlocksError:
+            self.report.count("prefill_refused")
+            return
+        self.legacy["cow"].extend((int(a), int(b)) for a, b in np.asarray(res.cow).reshape(-1, 2))
+        pos = 0
+        for s, c in zip(batch, counts):
+            q = self.seqs[s]
+            q.toks.extend(q.rest[:c])
+            del q.rest[:c]
+            q.ids = self._ids(q.ns, q.toks, q.ids)
+            self._write(s, res.slot_mapping[pos : pos + c], q.ids[-c:])
+            pos += c
+            self.report.count("prefill_chunks" if q.rest else "prefill_last_chunks")
 
     def op_swap_out(self) -> None:
         bm, rng = self.bm, self.rng
@@ -277,8 +318,8 @@ class KVModel:
         s = self.rng.choice(cand)
         q = self.seqs.pop(s)
         self.bm.free(s)
-        self.waiting.append((q.toks, q.ns))
-        self.report.count("recomputes")
+        self.waiting.append((q.toks + q.rest, q.ns))  # (mid-prefill: the whole prompt again)
+        self.report.count("recomputes_mid_prefill" if q.rest else "recomputes")
 
     def op_abort(self) -> None:
         bm, rng = self.bm, self.rng
@@ -336,7 +377,7 @@ class KVModel:
     def op_events(self) -> None:
         self.bm.take_events()
 
-    OPS = (("decode", 3.0), ("admit", 2.5), ("swap_out", 1.5), ("swap_in", 1.5), ("recompute", 0.4),
+    OPS = (("decode", 3.0), ("admit", 2.5), ("prefill", 2.0), ("swap_out", 1.5), ("swap_in", 1.5), ("recompute", 0.4),
            ("abort", 1.0), ("reset", 0.03), ("events", 0.3))
 
     # ------------------------------------------------------------------ copies, forward, check
@@ -428,6 +469,14 @@ class KVModel:
             self.report.count("finished")
         if self.seqs and rng.random() < 0.3:  # parallel sampling: fork after the prompt's forward
             p = rng.choice(list(self.seqs))
+            if self.seqs[p].rest:  # partly prefilled: fork waits for the last chunk
+                try:
+                    bm.fork(p, ("refused", p))
+                except SequenceStateError:
+                    self.report.count("fork_refused_mid_prefill")
+                else:
+                    self._fail(f"fork of {p}, partly prefilled, was not refused")
+                return
             for _ in range(rng.randint(1, 2)):
                 c = self.next_id
                 self.next_id += 1

@@ -25,7 +25,8 @@ def test_every_sequence_reads_its_own_kv_after_every_step(chunk):
             total[k] = total.get(k, 0) + v
     # the run exercised what it is meant to (bursts share prefixes, copies of every kind happen, aborts refused)
     for what in ("admits", "decodes", "swap_outs", "swap_ins", "cow", "aborts", "forks", "copies", "hit_tokens",
-                 "event_overflows", "refusals_ok", "swap_out_refused_pending"):
+                 "event_overflows", "refusals_ok", "swap_out_refused_pending", "chunked_admits", "prefill_chunks",
+                 "prefill_last_chunks", "recomputes_mid_prefill", "fork_refused_mid_prefill"):
         assert total.get(what, 0) > 0, (what, total)
 
 
@@ -44,3 +45,4 @@ def test_every_configuration_axis_is_drawn():
     cfgs = [kv_model.Config.draw(random.Random(s)) for s in range(SEEDS)]
     assert any(c.tier for c in cfgs) and any(not c.prefix for c in cfgs)
     assert any(c.window for c in cfgs) and any(c.lookahead for c in cfgs) and any(c.events for c in cfgs)
+    assert any(c.chunked for c in cfgs) and any(not c.chunked for c in cfgs)

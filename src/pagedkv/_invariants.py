@@ -27,6 +27,9 @@ class _Invariants:
         counts = {False: np.zeros(self._gpu.num_blocks, np.int64), True: np.zeros(self._cpu.num_blocks, np.int64)}
         if len(self._row_of) + len(self._free_rows) != len(self._seq_of):
             fail("rows: live + free != capacity")
+        for seq_id in getattr(self, "_partial", ()):  # (chunked prefill: prompt lengths of live sequences only)
+            if seq_id not in self._row_of:
+                fail(f"{seq_id!r}: a freed sequence is still recorded as partly prefilled")
         for seq_id, row in self._row_of.items():
             if self._seq_of[row] != seq_id:
                 fail(f"row {row} maps back to {self._seq_of[row]!r}, not {seq_id!r}")

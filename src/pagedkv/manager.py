@@ -172,6 +172,7 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
         self._ccid = np.zeros(0, dtype=np.int64)  # chain: cid of block nreg-1 (a root's before block 0), 0: broken
         self._ckey = np.zeros(0, dtype=np.uint64)  # chain: key of that content
         self._swapped = np.zeros(0, dtype=bool)
+        self._partial: dict = {}  # seq_id -> prompt length, for sequences allocated a chunk of their prompt
         self._fixed_w = block_table_width or 0  # fixed width of batch block tables (0: the batch's longest)
         self._table = np.full((0, max(4, self._fixed_w)), NULL_BLOCK, dtype=np.int32)
         # one-entry memo of the last batch: seq_ids list -> validated rows
@@ -364,20 +365,27 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
         return self._cache.event_overflows if self._cache is not None and self._kv_events else 0
 
     # ------------------------------------------------------------------ admission and allocation
-    # ------------------------------------------------------------------ admission and allocation
-    def can_allocate(self, token_ids: Sequence[int], num_lookahead_slots: int = 0, *, namespace: object = None) -> AllocStatus:
+    def can_allocate(self, token_ids: Sequence[int], num_lookahead_slots: int = 0, *, namespace: object = None,
+                     num_new_tokens: int | None = None) -> AllocStatus:
         """Whether a new prompt fits: NEVER if its blocks (plus lookahead) exceed the pool minus the watermark,
         LATER if they do not fit now, else OK. With prefix caching, full blocks it would share with live
-        sequences are not counted. O(prompt blocks)."""
+        sequences are not counted. ``num_new_tokens`` (chunked prefill): LATER / OK count only the blocks of
+        the prefix-cache hit plus that many further prompt tokens, as ``allocate(..., num_new_tokens=)`` takes
+        them (NEVER still looks at the whole prompt: it could never be completed). O(prompt blocks)."""
         arr = _as_tokens(token_ids)
         la = _check_int("num_lookahead_slots", num_lookahead_slots, 0)
+        k = None if num_new_tokens is None else _check_int("num_new_tokens", num_new_tokens, 1)
         needed = -(-(arr.size + la) // self._bs)
         if needed > self._gpu.num_blocks - self._watermark_blocks:
             return AllocStatus.NEVER
         if self._cache is None:
             _encode_namespace(namespace)  # validate it all the same
+            if k is not None and k < arr.size:
+                needed = -(-(k + la) // self._bs)
         else:
             hits, _ = self._lookup(arr, self._cache.root(namespace, intern=False))
+            if k is not None and len(hits) * self._bs + k < arr.size:
+                needed = -(-(len(hits) * self._bs + k + la) // self._bs)
             ref = self._gpu._ref
             needed -= sum(1 for b in hits if b >= 0 and ref[b] > 0)  # (a CPU-tier hit needs a GPU block)
         if self.num_free_gpu_blocks - needed >= self._watermark_blocks:
@@ -386,7 +394,7 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
 
 
     def allocate(self, seq_id: Hashable, token_ids: Sequence[int], num_lookahead_slots: int = 0, *,
-                 namespace: object = None) -> int:
+                 namespace: object = None, num_new_tokens: int | None = None) -> int:
         """Create the block table of a new sequence holding the prompt ``token_ids``, with blocks for
         ``num_lookahead_slots`` empty slots after it (as :meth:`can_allocate` counts them).
 
@@ -404,21 +412,42 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
         now (admission control with the watermark is :meth:`can_allocate`'s job), TableWidthError if it needs
         more than ``block_table_width`` blocks. :meth:`allocate_batch` is the same for several prompts at once,
         with the prefill metadata gathered. O(prompt blocks).
+
+        **Chunked prefill** (``num_new_tokens=k``, k >= 1): the prefix lookup runs on the whole prompt, then the
+        sequence holds only the hit plus the next ``min(k, len(token_ids) - hit)`` prompt tokens (and the
+        lookahead slots after them); ``num_tokens(seq_id)`` says how many. The rest of the prompt is appended
+        chunk by chunk with :meth:`decode_step` (e.g. flat tokens with ``num_new_tokens=counts``), whose filled
+        blocks enter the prefix cache as they fill; the engine computes each chunk's KV in the step that hands
+        it out and samples only after the last one. Until the whole prompt is appended the sequence cannot be
+        forked (SequenceStateError); it can be swapped out and in, and freed (``cache=False`` too). The
+        PromptTooLongError and TableWidthError checks look at the whole prompt. ::
+
+            prompt   [ hit (cached) | chunk 1 ][ chunk 2 ][ chunk 3 ]
+                       allocate(num_new_tokens=k)  decode_step  decode_step (last: sample)
         """
         self._check_new_id(seq_id)
         la = num_lookahead_slots if type(num_lookahead_slots) is int and num_lookahead_slots >= 0 else \
             _check_int("num_lookahead_slots", num_lookahead_slots, 0)
-        arr, n, nblocks, hits, cpu_hits, chain, need = self._alloc_plan(token_ids, la, namespace)
+        if num_new_tokens is None:
+            k = None
+        else:
+            k = _check_int("num_new_tokens", num_new_tokens, 1)
+            token_ids = _as_tokens(token_ids)
+        arr, n, nblocks, hits, cpu_hits, chain, need = self._alloc_plan(token_ids, la, namespace,
+                                                                        checked=k is not None, chunk=k)
         if need > self._gpu._nfree and need > self.num_free_gpu_blocks:
             raise OutOfBlocksError(
                 f"prompt of {n} tokens needs {need} new blocks; {self.num_free_gpu_blocks} are free"
             )
         # mutation starts here; nothing below can fail
         self._alloc_commit(seq_id, namespace, arr, n, nblocks, hits, cpu_hits, chain, referenced=False)
+        if k is not None and n < token_ids.size:
+            self._partial[seq_id] = token_ids.size
         return (len(hits) + (len(cpu_hits) if cpu_hits else 0)) * self._bs
 
     def allocate_batch(self, seq_ids: Sequence[Hashable], token_ids: Sequence[Sequence[int]],
-                       num_lookahead_slots: int = 0, *, namespaces: Sequence[object] | None = None) -> PrefillBatch:
+                       num_lookahead_slots: int = 0, *, namespaces: Sequence[object] | None = None,
+                       num_new_tokens: Sequence[int] | None = None) -> PrefillBatch:
         """Allocate B new sequences at once (``seq_ids[i]`` holds the prompt ``token_ids[i]``) and return their
         prefill metadata, flat: :class:`PrefillBatch` (the cached-token count of each, the tokens to compute
         with their positions and slots, query start offsets, block tables, sequence lengths).
@@ -434,6 +463,9 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
 
         Block tables are as wide as the batch's longest table, or ``block_table_width`` when the manager has
         one. Every returned array is read-only. O(total prompt blocks) Python work plus O(tokens) numpy work.
+
+        ``num_new_tokens`` (chunked prefill): None, or one chunk size (>= 1) per prompt, as for :meth:`allocate`;
+        the batch's metadata then covers each sequence's hit plus its chunk (``seq_lens`` the held tokens).
         """
         seq_ids = list(seq_ids)
         prompts = list(token_ids) if not isinstance(token_ids, np.ndarray) or token_ids.ndim == 2 else None
@@ -451,29 +483,38 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
             namespaces = list(namespaces)
             if len(namespaces) != len(seq_ids):
                 raise InvalidArgumentError(f"got {len(namespaces)} namespaces for {len(seq_ids)} prompts")
-        return self._allocate_batch(seq_ids, prompts, la, namespaces)
+        chunks = None
+        if num_new_tokens is not None:
+            if isinstance(num_new_tokens, (int, np.integer)) or len(num_new_tokens) != len(seq_ids):
+                raise InvalidArgumentError("num_new_tokens must be None or one chunk size per prompt")
+            chunks = [_check_int(f"num_new_tokens[{i}]", c, 1) for i, c in enumerate(num_new_tokens)]
+        return self._allocate_batch(seq_ids, prompts, la, namespaces, chunks)
 
     def lookup_prefix(self, token_ids: Sequence[int], num_lookahead_slots: int = 0, *,
-                      namespace: object = None) -> PrefixHit:
+                      namespace: object = None, num_new_tokens: int | None = None) -> PrefixHit:
         """What :meth:`allocate` would find cached for this prompt if called now, without changing anything (no
         LRU touch, no stats, no KV events, no pinning): :class:`PrefixHit` (cached tokens and blocks, how many of
         them come from the CPU tier, how many free GPU blocks the allocation would consume). Both tiers and
         namespaces are searched exactly as allocate searches them; whether the prompt fits is
         :meth:`can_allocate`'s question. A token-budget scheduler uses it to charge only the tokens to compute
         (``len(token_ids) - num_cached_tokens``). Inside one :meth:`allocate_batch` a prompt may also hit the
-        blocks of the batch's earlier prompts, which this lookup cannot know. O(prompt blocks)."""
+        blocks of the batch's earlier prompts, which this lookup cannot know. ``num_new_tokens`` (chunked
+        prefill): ``num_new_blocks`` counts the blocks of the hit plus that many further tokens, as
+        ``allocate(..., num_new_tokens=)`` would take them. O(prompt blocks)."""
         la = _check_int("num_lookahead_slots", num_lookahead_slots, 0)
+        k = None if num_new_tokens is None else _check_int("num_new_tokens", num_new_tokens, 1)
         if self._cache is None:
             n = _as_tokens(token_ids).size
             _encode_namespace(namespace)  # validate it all the same
-            nb = -(-(n + la) // self._bs)
+            nb = -(-((n if k is None else min(n, k)) + la) // self._bs)
             return PrefixHit(0, 0, 0, nb)
         arr = _as_tokens(token_ids)
         hits, _ = self._lookup(arr, self._cache.root(namespace, intern=False))
         ref = self._gpu._ref_mv
         held = sum(1 for b in hits if b >= 0 and ref[b] > 0)
         ncpu = sum(1 for b in hits if b < 0)
-        nb = -(-(arr.size + la) // self._bs)
+        n = arr.size if k is None else min(arr.size, len(hits) * self._bs + k)
+        nb = -(-(n + la) // self._bs)
         return PrefixHit(len(hits) * self._bs, len(hits), ncpu, nb - held)
 
     def _release_namespaces(self) -> None:
@@ -486,7 +527,8 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
     def fork(self, parent_seq_id: Hashable, child_seq_id: Hashable) -> None:
         """Create ``child_seq_id`` sharing every block of the parent (refcounts + 1); a later write into a shared
         block gets a copy-on-write pair. Works for swapped-out parents too (the child is swapped out as well).
-        O(table length)."""
+        A parent allocated a chunk of its prompt (``allocate(..., num_new_tokens=)``) is forked only once its
+        whole prompt is appended (SequenceStateError before, changing nothing). O(table length)."""
         row_of = self._row_of
         try:  # (the checks of _row and _check_new_id, inlined: fork is a per-sequence call)
             prow = row_of[parent_seq_id]
@@ -496,6 +538,13 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
             fresh = False
         if not fresh:
             self._check_new_id(child_seq_id)
+        if self._partial and parent_seq_id in self._partial:
+            n = self._partial[parent_seq_id]
+            if self._ntok[prow] < n:
+                raise SequenceStateError(
+                    f"fork({parent_seq_id!r}, ...): only {int(self._ntok[prow])} of its {n} prompt tokens are "
+                    "appended (chunked prefill); fork it once the whole prompt is")
+            del self._partial[parent_seq_id]
         if self._stepping and self._ntok[prow] != self._ntok0[prow]:
             raise SequenceStateError(
                 f"fork({parent_seq_id!r}, ...): the parent was handed slots in this step and their KV is written "
@@ -529,6 +578,8 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
         row = self._row(seq_id)
         if not cache and self._cache is not None and not self._swapped[row]:
             self._withdraw_pending(seq_id, row)  # may raise; changes nothing then
+        if self._partial:
+            self._partial.pop(seq_id, None)
         if self._free_small(seq_id, row):
             return
         if self._swapped[row]:
