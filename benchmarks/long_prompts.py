@@ -253,8 +253,9 @@ def main() -> int:
         print(f"long_prompts.py: no chunked prefill in this pagedkv; running {modes} only", file=sys.stderr)
     for m in modes:
         parse_mode(m)
-    log_dir = Path(args.out).parent / "long_prompts_logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
+    import tempfile
+
+    log_dir = Path(tempfile.mkdtemp(prefix="pagedkv-long-prompts-"))  # the servers' logs (kept, path printed)
     t_start = time.time()
     load_start = loadavg()
     procs = []
@@ -264,6 +265,9 @@ def main() -> int:
         wait_healthy(procs, timeout=180)
         ports = {m: port for m, (_, port, _, _) in zip(modes, procs)}
         res = asyncio.run(run_all(args, modes, ports))
+    except BaseException:
+        print(f"long_prompts.py: failed; the servers' logs are in {log_dir}", file=sys.stderr)
+        raise
     finally:
         stop(procs)
     summary = summarize(modes, res["trials"])

@@ -1,6 +1,7 @@
 """``pagedkv bench serve --long-prompt-len``: the long-prompt-into-decoding-traffic workload against a real
-server on the loopback (127.0.0.1, a free port, the session's loaded SmolLM2 weights). Small and bounded: two
-streams, a 300-token "long" prompt, one trial under a 60 s timeout; the cut streams must leave the engine idle."""
+server on the loopback (127.0.0.1, a free port, the session's loaded SmolLM2 weights), without chunked prefill and
+with it (a 64-token budget, so the "long" prompt takes five steps). Small and bounded: two streams, a 300-token
+long prompt, one trial under a 60 s timeout per mode; the cut streams must leave the engine idle."""
 
 from __future__ import annotations
 
@@ -18,13 +19,16 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 
 
-@pytest.fixture(scope="module")
-def server(engine):
+@pytest.fixture(scope="module", params=[False, True], ids=["unchunked", "chunked64"])
+def server(engine, request):
     from pagedkv.engine import LLM
     from pagedkv.server.launch import make_server
 
-    llm = LLM(engine.paged, num_gpu_blocks=96, max_num_seqs=8, block_size=16)
+    chunked = request.param
+    llm = LLM(engine.paged, num_gpu_blocks=96, max_num_seqs=8, block_size=16, enable_chunked_prefill=chunked,
+              max_num_batched_tokens=64 if chunked else 2048)
     srv = make_server(llm, model_name="smollm2-test", max_waiting=16).start_in_thread()
+    srv.chunked = chunked
     yield srv
     srv.close()
 
@@ -51,6 +55,14 @@ def test_long_prompt_workload_end_to_end(server, tmp_path, capsys):
         # streams were cut after the tail (400 tokens cannot all come in that time), not finished
         assert not st["finished"] and st["end"] >= long["times"][0]
     assert trial["streams_outlived_prefill"] == 2
+    # tokens each stream streamed while the long prompt waited for its first token: without chunking, at most the
+    # step in flight when it arrived and the prefill step itself; with a 64-token budget its 300 tokens take five
+    # steps (62 prompt tokens beside the two decodes), and every one of them gives each stream a token
+    inside = [sum(1 for t in st["times"] if long["send"] < t < long["times"][0]) for st in tr["streams"]]
+    if server.chunked:
+        assert min(inside) >= 3, inside
+    else:
+        assert max(inside) <= 2, inside
     assert trial["long_ttft_ms"] == pytest.approx((long["times"][0] - long["send"]) * 1000, abs=1e-3)
     assert 0 < trial["stall_ms"] == pytest.approx(trial["itl_during_ms"]["max"])
     for key in ("itl_ms", "itl_baseline_ms", "tpot_ms"):
