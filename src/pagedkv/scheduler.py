@@ -22,18 +22,20 @@ Policy (the one of vLLM's first-generation scheduler, with prefills and decodes 
    ``max_num_batched_tokens`` allow (only in a step without preemption and with nothing left swapped out).
    ``LATER`` stops admission; ``NEVER`` finishes the request at once with finish reason ``"ignored"``. A prompt
    longer than ``max_num_batched_tokens`` is admitted alone in a step. The token budget counts whole prompts
-   (the prefix-cache hit is only known once the blocks are allocated).
+   (the prefix-cache hit is only known once the blocks are allocated). With chunked prefill, below, admission
+   and the budget work by chunks instead.
 
 **Chunked prefill** (``enable_chunked_prefill=True``; vLLM V1's order). Each step has a budget of
 ``max_num_batched_tokens`` tokens, filled in this order:
 
 1. **decodes**: one token (or the accepted tokens) per running sequence, preempting as above; decodes are
-   never cut by the budget (keep ``max_num_batched_tokens >= max_num_seqs``);
+   never cut by the budget (keep ``max_num_batched_tokens >= max_num_seqs``). Swapped-out requests come back
+   as above (no budget) and then take part like any running request;
 2. **partly prefilled prompts**, oldest admission first: each gets its next chunk, at most the budget left and
    at most ``long_prefill_token_threshold`` tokens (0: no cap), appended with one multi-token ``decode_step``
    for all of them. When the chunks do not fit in the free blocks, the most recently admitted of these
    requests is preempted (recompute or swap, like a decode's victim) and the rest tried again;
-3. **swap-ins**, then **new admissions** first come, first served while the budget lasts: ``allocate(...,
+3. **new admissions** first come, first served while the budget lasts: ``allocate(...,
    num_new_tokens=chunk)`` after one prefix lookup on the whole prompt (the hit is free; the chunk is charged),
    ``can_allocate`` counting the chunk's blocks only.
 
@@ -321,7 +323,8 @@ class Scheduler:
     Args:
         block_manager: a :class:`pagedkv.BlockManager` or an object with the same methods.
         max_num_seqs: most sequences running at once (a request with ``n`` samples counts ``n``).
-        max_num_batched_tokens: prefill tokens admitted per step (a longer prompt is admitted alone).
+        max_num_batched_tokens: prefill tokens admitted per step (a longer prompt is admitted alone); with
+            chunked prefill, the step's token budget (decodes plus prompt chunks).
         preemption_mode: ``"recompute"`` or ``"swap"`` (swap falls back to recompute when the CPU pool is full).
         num_lookahead_slots: slots reserved past the last token at every decode (speculative decoding); a
             decode then takes between 1 and ``num_lookahead_slots + 1`` sampled tokens per sequence.

@@ -90,3 +90,19 @@ def test_the_independent_reference_in_chunks_of_five(engine, reference_case):
     assert list(out.prompt_token_ids) == reference_case["prompt_ids"]
     assert list(out.outputs[0].token_ids) == reference_case["gen_ids"]
     assert sum(len(plan.prefills) for _, plan in llm.steps) == -(-len(reference_case["prompt_ids"]) // 5)
+
+
+def test_sliding_window_releases_blocks_between_chunks(engine):
+    """A global sliding window of 12 tokens with chunks of 5: each chunk's queries see the last 12 positions,
+    which reach into earlier chunks; blocks entirely before every later query's window are released as the
+    chunks advance, and the output equals the windowed reference."""
+    window = 12
+    prompt = PROMPTS[3]  # 40 tokens
+    expected = list(engine.reference_greedy(tuple(prompt), 8, window=window).token_ids)
+    llm = recording_llm(engine, num_gpu_blocks=32, block_size=4, sliding_window=window, enable_prefix_caching=False,
+                        max_num_batched_tokens=5)
+    out = llm.generate({"prompt_token_ids": prompt}, greedy(8), use_tqdm=False)[0]
+    assert list(out.outputs[0].token_ids) == expected
+    tables = [pw.block_table for _, plan in llm.steps for pw in plan.prefills]
+    assert len(tables) == 8 and (tables[-1] == -1).sum() > 0  # released by the window before the last chunk
+    assert llm.block_manager.num_free_gpu_blocks == 32
