@@ -27,12 +27,13 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from pagedkv.server.longprompt import LongPromptConfig, _median, percentiles, run_trial  # noqa: E402
+from pagedkv.server.longprompt import LongPromptConfig, aggregate, run_trial  # noqa: E402
 
 
 def loadavg() -> list[float]:
@@ -145,31 +146,18 @@ async def run_all(args: argparse.Namespace, modes: list[str], ports: dict) -> di
                       f"{res['long_ttft_ms']:8.0f} ms | ITL p50 {res['itl_ms']['p50']:6.1f} p99 "
                       f"{res['itl_ms']['p99']:8.1f} ms | load {load[0] if load else float('nan'):.2f}"
                       + (f" | errors {res['errors']}" if res["errors"] else ""), flush=True)
-    return {"config": cfg.__dict__ | {"token_range": list(cfg.token_range)}, "trials": trials}
+    return {"config": cfg, "trials": trials}
 
 
-def summarize(modes: list[str], trials: dict) -> dict:
+def summarize(modes: list[str], trials: dict, cfg: LongPromptConfig) -> dict:
+    """Per mode, :func:`pagedkv.server.longprompt.aggregate` over its trials (medians of the stall and the long
+    TTFT, ITL/TPOT percentiles over the pooled gaps), with each trial's stall and TTFT listed."""
     out = {}
     for m in modes:
-        ts = trials[m]
-        itl, base = [], []
-        for t in ts:
-            send = t["trace"]["long"]["send"]
-            for s in t["trace"]["streams"]:
-                g = list(zip(s["times"][:-1], s["times"][1:]))
-                itl += [b - a for a, b in g]
-                base += [b - a for a, b in g if send is None or b <= send]
-        out[m] = {
-            "median_stall_ms": _median([t["stall_ms"] for t in ts]),
-            "stall_ms": [t["stall_ms"] for t in ts],
-            "median_long_ttft_ms": _median([t["long_ttft_ms"] for t in ts]),
-            "long_ttft_ms": [t["long_ttft_ms"] for t in ts],
-            "itl_ms": percentiles(itl),
-            "itl_baseline_ms": percentiles(base),
-            "tpot_ms": percentiles([(s["times"][-1] - s["times"][0]) / (len(s["times"]) - 1)
-                                    for t in ts for s in t["trace"]["streams"] if len(s["times"]) > 1]),
-            "errors": [e for t in ts for e in t["errors"]],
-        }
+        agg = aggregate(trials[m], "", cfg)
+        out[m] = {k: v for k, v in agg.items() if k not in ("model", "config", "trials")}
+        out[m]["stall_ms"] = [t["stall_ms"] for t in trials[m]]
+        out[m]["long_ttft_ms"] = [t["long_ttft_ms"] for t in trials[m]]
     return out
 
 
@@ -270,7 +258,7 @@ def main() -> int:
         raise
     finally:
         stop(procs)
-    summary = summarize(modes, res["trials"])
+    summary = summarize(modes, res["trials"], res["config"])
     rat = ratios(modes, summary, res["trials"])
     import subprocess as sp
 
@@ -284,7 +272,7 @@ def main() -> int:
                     "loadavg_start": load_start, "loadavg_end": loadavg()},
         "duration_s": time.time() - t_start,
         "server_commands": {m: cmd[2:] for m, (_, _, cmd, _) in zip(modes, procs)},
-        "modes": modes, "rounds": args.rounds, "config": res["config"],
+        "modes": modes, "rounds": args.rounds, "config": asdict(res["config"]),
         "summary": summary, "ratios": rat, "trials": res["trials"],
     }
     Path(args.out).write_text(json.dumps(result, indent=1, default=str))

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
 __all__ = ["StreamTrace", "gaps", "percentiles", "stall", "window_gaps", "summarize_trial", "run_trial",
-           "LongPromptConfig", "run_long_prompt_bench", "aggregate", "print_long_prompt_summary"]
+           "LongPromptConfig", "run_long_prompt_bench", "aggregate", "median", "print_long_prompt_summary"]
 
 QS = (50, 90, 99)
 
@@ -255,7 +255,8 @@ async def run_long_prompt_bench(base_url: str, model: str | None, cfg: LongPromp
     return aggregate(results, model, cfg)
 
 
-def _median(xs: Sequence[float]) -> float:
+def median(xs: Sequence[float]) -> float:
+    """The median of the values that are not NaN (NaN when none is). O(n log n)."""
     v = sorted(x for x in xs if x == x)
     if not v:
         return float("nan")
@@ -278,9 +279,9 @@ def aggregate(trials: Sequence[dict], model: str, cfg: LongPromptConfig) -> dict
     return {
         "model": model,
         "config": asdict(cfg),
-        "median_stall_ms": _median([t["stall_ms"] for t in trials]),
+        "median_stall_ms": median([t["stall_ms"] for t in trials]),
         "max_stall_ms": max((t["stall_ms"] for t in trials), default=float("nan")),
-        "median_long_ttft_ms": _median([t["long_ttft_ms"] for t in trials]),
+        "median_long_ttft_ms": median([t["long_ttft_ms"] for t in trials]),
         "itl_ms": percentiles(itl),
         "itl_baseline_ms": percentiles(before),
         "tpot_ms": percentiles(tpot),
