@@ -49,6 +49,8 @@ import numpy as np
 from ._checks import as_tokens, batch_tokens, check_int, flat_tokens
 from .errors import (InvalidArgumentError, InvalidTokensError, OutOfBlocksError, PromptTooLongError,
                      TableWidthError)
+from ._retention import WindowRetention, _SlidingGroup
+from .evictor import RetentionEvictor
 from .kv_groups import FullAttentionSpec, SlidingWindowSpec
 from .manager import BlockManager
 from .prefix_cache import _GroupNS, _chain, _encode_namespace, _slices
@@ -144,15 +146,30 @@ class HybridBlockManager:
         max_kv_events: int = 100_000,
         cpu_prefix_cache: bool = False,
         block_table_width: int | None = None,
+        window_retention: bool = True,
+        retention_interval: int | None = None,
     ) -> None:
         specs = _check_groups(kv_cache_groups)
-        first = BlockManager(num_gpu_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
+        if retention_interval is not None:
+            retention_interval = check_int("retention_interval", retention_interval, 1)
+        retain = bool(window_retention) and enable_prefix_caching and any(s.window is not None for s in specs)
+        first = (_SlidingGroup if retain and specs[0].window is not None else BlockManager)(
+                             num_gpu_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
                              enable_prefix_caching=enable_prefix_caching, sliding_window=specs[0].window,
                              watermark=watermark, enable_kv_events=enable_kv_events, max_kv_events=max_kv_events,
                              cpu_prefix_cache=cpu_prefix_cache, block_table_width=block_table_width)
         self._specs = specs
-        self._g = [first] + [BlockManager._sharing(first, s.window) for s in specs[1:]]
+        self._g = [first] + [(_SlidingGroup if retain and s.window is not None else BlockManager)._sharing(first, s.window)
+                             for s in specs[1:]]
         self._m0 = first
+        # window retention (pagedkv._retention): spare sliding blocks are evicted first
+        self._retention = None
+        if retain:
+            first._cache.evictor = RetentionEvictor(num_gpu_blocks)
+            self._retention = WindowRetention(first._bs, retention_interval, first._cache, first._gpu._ref)
+            for m, s in zip(self._g, specs):
+                if s.window is not None:
+                    m._retention, m._k = self._retention, -(-s.window // first._bs)
         # shared parts, named (the coordinator's only direct state besides the group managers)
         self._bs = first._bs
         self._gpu, self._cpu, self._cache, self._tier = first._gpu, first._cpu, first._cache, first._tier
@@ -437,6 +454,8 @@ class HybridBlockManager:
             if cache is not None and plan.nhit == 0:
                 chain = cache.root(gns[g], intern=True)  # (a new namespace's root gets its content id now)
             m._alloc_commit(seq_id, gns[g], plan.arr, plan.n, plan.nblocks, gpu, cpu, chain, True, nnull)
+        if self._retention is not None:
+            self._retention.set_prompt(self._m0._row_of[seq_id], plan.n)
         if cache is not None:
             for ns in gns:
                 cache.intern(ns)
@@ -564,6 +583,8 @@ class HybridBlockManager:
         self._m0.fork(parent_seq_id, child_seq_id)  # (raises, changing nothing, before any group changes)
         for m in self._g[1:]:
             m.fork(parent_seq_id, child_seq_id)
+        if self._retention is not None:
+            self._retention.copy_row(self._m0._row_of[parent_seq_id], self._m0._row_of[child_seq_id])
 
     def free(self, seq_id: Hashable, *, cache: bool = True) -> None:
         """Release the sequence's blocks in every group (see BlockManager.free; with ``cache=False`` every group's
@@ -577,8 +598,22 @@ class HybridBlockManager:
                 blocks = blocks[blocks >= 0]
                 if (ref[blocks] > 1).any():
                     m._withdraw_pending(seq_id, row)  # raises, changing nothing
+        ret = self._retention
+        if ret is None or self._m0._swapped[row]:
+            for m in self._g:
+                m.free(seq_id, cache=cache)
+            return
+        # window retention: the sliding groups' blocks outside every useful window become spare once released
+        end = int(self._m0._ntok[row]) // self._bs
+        parts = []
+        for m in self._g:
+            if m._window is not None:
+                a, z = int(m._nrel[row]), int(m._nblk[row])
+                parts.append((m._table[row, a:z].copy(), ret.kept(row, np.arange(a, z), m._k, end)))
         for m in self._g:
             m.free(seq_id, cache=cache)
+        for blk, keep in parts:
+            ret.demote(blk[::-1].copy(), keep[::-1].copy())  # (tail first, the release order)
 
     # ------------------------------------------------------------------ appending
     def _tokens(self, b: int, token_ids: object, num_new_tokens: object) -> tuple:

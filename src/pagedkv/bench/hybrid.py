@@ -15,8 +15,8 @@ Two measurements:
 ``decode``  For each batch size B (1 .. 1000) and prefix caching on and off, a fresh manager (pool: every
             sequence's final length in the full group plus a window and two blocks in each sliding group, plus
             one prompt's worth of blocks in every group and 16) admits B prompts of 2048..4096 seeded random
-            tokens (untimed; V1's sliding groups then release the blocks outside the window, as V1's next
-            ``allocate_slots`` would, :meth:`~pagedkv.bench.anchors.vllm_v1.VllmV1Anchor.settle`), then runs
+            tokens and runs each one's first decode step alone (untimed; both managers release the sliding
+            groups' blocks outside the window there, so the pool holds one prompt in full at a time), then runs
             ``--steps`` decode steps of one token per sequence. Timed per step: pagedkv's
             ``decode_step(seq_ids, tokens)``, which returns per group the slot mapping ``(G, B)`` and the block
             tables, and the lengths; V1: its scheduler's KV-manager calls for the batch (the adapter's
@@ -135,7 +135,7 @@ def _pool_blocks(b: int, longest: int, steps: int, windows: Sequence[int | None]
     for w in windows:
         full = _cdiv(longest + steps + 1, BLOCK_SIZE)
         per_seq += full if w is None else min(full, _cdiv(w, BLOCK_SIZE) + 2)
-    transient = len(windows) * _cdiv(longest, BLOCK_SIZE)  # one prompt admitted in full before it settles
+    transient = len(windows) * _cdiv(longest, BLOCK_SIZE)  # one prompt admitted in full before its first step
     return b * per_seq + transient + 16
 
 
@@ -146,11 +146,15 @@ class _DecodeRun:
                  windows: Sequence[int | None]) -> None:
         prompts = _prompts(b, seed, context)
         self.bm = bm = impl.make(_pool_blocks(b, context[1], steps, windows), caching)
-        settle = getattr(bm, "settle", None)
+        first = np.random.default_rng([seed, b, 3]).integers(0, VOCAB, size=b, dtype=np.int64)
+        v1 = impl.name != "pagedkv"
         for i, p in enumerate(prompts):
             bm.allocate(i, p)
-            if settle is not None:
-                settle(i)
+            # the sequence's first decode step, alone: both managers release the sliding groups' blocks
+            # outside the window there (so a pool sized for the windows admits every prompt)
+            if v1:
+                bm.prepare_step([i], first[i : i + 1])
+            bm.decode_step([i], first[i : i + 1])
         self.seq_ids = list(range(b))
         self.step = self._pagedkv_step if impl.name == "pagedkv" else self._v1_step(len(windows))
 
@@ -209,7 +213,6 @@ def run_prefix(impl: _Impl, length: int, n: int, seed: int, windows: Sequence[in
     seconds = [np.concatenate([f, rng.integers(0, VOCAB, size=TURN, dtype=np.int64)]) for f in firsts]
     nblk = _cdiv(length + TURN, BLOCK_SIZE)
     bm = impl.make(len(windows) * nblk * (n + 2) + 16, True)
-    settle = getattr(bm, "settle", None)
     v1 = impl.name != "pagedkv"
     clock = time.perf_counter_ns
     adm = np.empty(n, dtype=np.int64)
@@ -218,8 +221,6 @@ def run_prefix(impl: _Impl, length: int, n: int, seed: int, windows: Sequence[in
     gc.collect()
     for i in range(n):
         bm.allocate(i, firsts[i])
-        if settle is not None:
-            settle(i)
         bm.free(i)
         sid = n + i
         if v1:
