@@ -136,7 +136,7 @@ def test_a_hybrid_replica_is_scored_by_the_engine_rule(released, full_until, wan
     ix = MemoryIndex()
     ix.apply_all("h", hybrid_events(prompt, released, full_until))
     ix.apply("p", PlainStored(block_hashes(prompt, BS)[:5], None, [], BS))
-    keys = PromptKeys(prompt, BS)
+    keys = PromptKeys(prompt + [7], BS)  # (one token past the blocks: a hit may cover all 10)
     assert ix.longest_prefix(keys) == {"h": want, "p": 5}
     # given only the group-0 keys, a hybrid replica is scored on its full group 0 (an upper bound)
     assert ix.longest_prefix(list(keys)) == {"h": 10 if full_until is None else full_until, "p": 5}
@@ -144,6 +144,17 @@ def test_a_hybrid_replica_is_scored_by_the_engine_rule(released, full_until, wan
     longer = PromptKeys(prompt + [1] * (3 * BS), BS)
     assert ix.longest_prefix(longer)["h"] == want
     assert ix.longest_prefix(keys, "CPU") == {}
+    # the prompt alone: a hit stops before its last token, so the windows must end one block earlier
+    exact = PromptKeys(prompt, BS)
+    assert exact.hit_blocks == 9 and ix.longest_prefix(exact).get("h", 0) == brute_cap(released, full_until, 9)
+
+
+def brute_cap(released, full_until, cap):
+    """The hybrid hit of ``hybrid_events(prompt, released, full_until)`` with L <= cap (k = 2)."""
+    for L in range(cap, 0, -1):
+        if (full_until is None or L <= full_until) and not {L - 2, L - 1} & set(released):
+            return L
+    return 0
 
 
 def test_cpu_tier_blocks_count_for_either_medium_per_group():
@@ -155,7 +166,7 @@ def test_cpu_tier_blocks_count_for_either_medium_per_group():
     ix.apply("h", stored(k.group(1)[:4], 1, W))
     ix.apply("h", stored(k.group(1)[4:], 1, W, medium="CPU"))
     assert ix.has_cpu
-    assert ix.longest_prefix(k) == {"h": 6}
+    assert ix.longest_prefix(k) == {"h": 5}  # (a hit stops before the prompt's last token)
     assert ix.longest_prefix(k, "GPU") == {"h": 4}
 
 
@@ -168,7 +179,7 @@ def test_the_prefix_policy_routes_to_the_replica_whose_windows_are_there():
     ix.apply_all("a", hybrid_events(prompt, released=range(3, 12)))  # windows gone (an early release)
     ix.apply_all("b", hybrid_events(prompt, released=range(0, 9)))  # the last window kept
     pol = PrefixPolicy(ix, slack=None)
-    keys = PromptKeys(prompt, BS)
+    keys = PromptKeys(prompt + [7], BS)
     assert pol.scores(keys)[1] == {"a": 3, "b": 12}
     assert pol.choose(["a", "b"], {"a": 0, "b": 1}, keys).replica == "b"
 
@@ -229,3 +240,75 @@ def test_wire_layout_reads_vllm_group_events_and_keeps_the_short_single_group_on
     # a single-group event still goes out in the short layout
     assert msgspec.msgpack.decode(enc.encode(to_wire(Stored([1], None, [1, 2, 3, 4], BS)))) == \
         ["BlockStored", [1], None, [1, 2, 3, 4], BS, None, "GPU"]
+
+
+@pytest.mark.parametrize("retention", [True, False])
+def test_index_fed_by_hybrid_events_predicts_every_hit_of_real_hybrid_managers(retention, redis_url_or_none):
+    """Random prompts sharing prefixes over 3 small HybridBlockManagers (1 full + 2 sliding groups), some requests
+    decoding a few steps: after every call the events go to the index (and over the wire layout), and the
+    index's hybrid match for a PromptKeys, capped as the engine caps it, is exactly the manager's hit."""
+    from pagedkv import FullAttentionSpec, HybridBlockManager, SlidingWindowSpec
+    from pagedkv.cluster import predicted_tokens
+    from pagedkv.server.kv_events import KVEventBatch, decode_payload, to_wire
+
+    msgspec = pytest.importorskip("msgspec")
+    enc = msgspec.msgpack.Encoder()
+    rng = random.Random(11)
+    groups = [FullAttentionSpec(), SlidingWindowSpec(8), SlidingWindowSpec(12)]
+    bms = [HybridBlockManager(90, BS, kv_cache_groups=groups, enable_prefix_caching=True, watermark=0.0,
+                              enable_kv_events=True, window_retention=retention) for _ in range(3)]
+    indexes = [MemoryIndex()]
+    if redis_url_or_none is not None:
+        from pagedkv.cluster import RedisIndex
+
+        indexes.append(RedisIndex(redis_url_or_none, prefix=f"groups-real-{retention}"))
+
+    def feed(r):
+        evs = bms[r].take_events()
+        wire = decode_payload(enc.encode(KVEventBatch(0.0, [to_wire(e) for e in evs]))).events if evs else []
+        for ix in indexes:
+            ix.apply_all(r, wire)
+
+    stems = [[rng.randrange(1000) for _ in range(rng.randrange(8, 48))] for _ in range(5)]
+    running: list = []
+    checked = exact = 0
+    try:
+        for i in range(160):
+            prompt = rng.choice(stems)[: rng.randrange(1, 49)] + [rng.randrange(1000) for _ in range(rng.randrange(0, 9))]
+            r = rng.randrange(3)
+            while running and (len(running) > 2 or rng.random() < 0.5):
+                rr, seq = running.pop(rng.randrange(len(running)))
+                for _ in range(rng.randrange(0, 10)):
+                    bms[rr].decode_step([seq], [rng.randrange(1000)])
+                bms[rr].free(seq)
+                feed(rr)
+            keys = PromptKeys(prompt, BS)
+            wants = [ix.longest_prefix(keys).get(k, 0) for ix, k in zip(indexes, (r, str(r)))]  # (Redis: str ids)
+            assert len(set(wants)) == 1, wants
+            if bms[r].can_allocate(prompt).name != "OK":
+                continue
+            got, pred = bms[r].allocate(i, prompt), predicted_tokens(wants[0], len(prompt), BS)
+            # the index knows blocks by key; the engine also checks each block's parent by content id, and a
+            # parent evicted and cached again (same key, new id) leaves its old children unverifiable: then the
+            # engine hits less than the index says (never more)
+            assert got <= pred, (i, r)
+            exact += got == pred
+            checked += 1
+            feed(r)
+            running.append((r, i))
+        assert checked > 100 and exact >= 0.95 * checked, (exact, checked)
+    finally:
+        for ix in indexes[1:]:
+            for key in ix.r.scan_iter(f"{ix.p}:*"):
+                ix.r.delete(key)
+
+
+@pytest.fixture
+def redis_url_or_none(request):
+    """A throwaway Redis when redis-server is installed (the memory index alone otherwise)."""
+    import shutil
+
+    if shutil.which("redis-server") is None:
+        yield None
+        return
+    yield request.getfixturevalue("redis_url")

@@ -10,8 +10,9 @@ later prompt will stop matching is useful. Those *useful points* are, per sequen
     prompt end     P = prompt tokens // block_size   the next turn of a conversation extends the prompt: its hit
                                                      ends at P (or at P - 1 for the same prompt sent again)
     sequence end   N = tokens at free // block_size  the next turn includes this answer
-    interval       every R tokens (optional)         prefixes shared at arbitrary points (system prompts,
-                                                     documents) hit at the last multiple of R before they differ
+    interval       every R tokens                    a cached prefix whose tail LRU already evicted, or one
+                   (default 16 windows)              shared up to an arbitrary point (system prompt,
+                                                     document), hits at the last multiple of R it still holds
 
     sliding group positions   0 ......... P-k-1 [P-k-1 ... P) ......... [N-k ... N)
                               spare             kept (window at P)      kept (window at N)

@@ -120,7 +120,11 @@ class HybridBlockManager:
     the module docstring).
 
     Args: as :class:`pagedkv.BlockManager` (without ``sliding_window``), plus ``kv_cache_groups``: one spec per
-    group, :class:`~pagedkv.FullAttentionSpec` or :class:`~pagedkv.SlidingWindowSpec`, in group index order.
+    group, :class:`~pagedkv.FullAttentionSpec` or :class:`~pagedkv.SlidingWindowSpec`, in group index order;
+    ``window_retention`` (default on; with prefix caching and a sliding group): released sliding-group blocks
+    outside the windows before useful points (prompt end, sequence end, every ``retention_interval`` tokens:
+    by default 16 windows of the widest group, 0 for none) are evicted before any other cached block, so hybrid
+    prefix hits survive memory pressure (:mod:`pagedkv._retention`).
 
     Same method names and semantics as :class:`pagedkv.BlockManager`; per-group results (``decode_step`` ->
     :class:`HybridStepResult`, ``allocate_batch`` -> :class:`HybridPrefillBatch`), and ``block_table`` /
@@ -150,8 +154,9 @@ class HybridBlockManager:
         retention_interval: int | None = None,
     ) -> None:
         specs = _check_groups(kv_cache_groups)
-        if retention_interval is not None:
-            retention_interval = check_int("retention_interval", retention_interval, 1)
+        if retention_interval is None:  # auto: 16 windows of the widest group
+            retention_interval = 16 * max((s.window for s in specs if s.window is not None), default=0)
+        retention_interval = check_int("retention_interval", retention_interval, 0)
         retain = bool(window_retention) and enable_prefix_caching and any(s.window is not None for s in specs)
         first = (_SlidingGroup if retain and specs[0].window is not None else BlockManager)(
                              num_gpu_blocks, block_size, num_cpu_blocks=num_cpu_blocks,

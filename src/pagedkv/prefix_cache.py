@@ -90,15 +90,19 @@ class PromptKeys(list):
     """A prompt's block keys in group 0 (a list equal to :func:`block_hashes`), which also computes, on demand
     and once each, its keys in other KV cache groups (:meth:`group`): what a router scoring replicas of a hybrid
     model needs (:meth:`pagedkv.cluster.index.MemoryIndex.longest_prefix`). Anything that takes a list of
-    hashes takes it unchanged. Checks as :func:`block_hashes`; O(len(token_ids)) per group asked."""
+    hashes takes it unchanged. Checks as :func:`block_hashes`; O(len(token_ids)) per group asked.
 
-    __slots__ = ("_args", "_groups")
+    ``hit_blocks``: the most blocks a prefix hit can cover, ``(len(token_ids) - 1) // block_size`` (an engine
+    computes at least the prompt's last token), where a hybrid hit's windows must end."""
+
+    __slots__ = ("_args", "_groups", "hit_blocks")
 
     def __init__(self, token_ids, block_size: int = 16, namespace: object = None) -> None:
         arr = np.asarray(token_ids)
         super().__init__(block_hashes(arr, block_size, namespace))
         self._args = (arr, block_size, namespace)
         self._groups: dict[int, list[int]] = {0: self}
+        self.hit_blocks = max(arr.size - 1, 0) // block_size
 
     def group(self, g: int) -> list[int]:
         """The keys of the same blocks in KV cache group ``g`` (``block_hashes(..., group=g)``)."""

@@ -32,8 +32,9 @@ every full-attention group holds blocks [0, L) and every sliding-window group ho
 last W tokens before L (blocks [max(0, L - ceil(W / block_size)), L)); other kinds (mamba, chunked local) are
 read as needing block L-1 only. That needs the prompt's keys in each group: pass a
 :class:`pagedkv.prefix_cache.PromptKeys` as ``hashes`` (a list of the group-0 keys that computes the others on
-demand; the router does). Given a plain list, a hybrid replica is scored on its group 0 alone when that is full
-attention (an upper bound: its sliding windows are not checked), else not at all. Cost for hybrid replicas:
+demand; the router does; its ``hit_blocks`` caps L where the engine caps a hit, one token before the prompt's
+end). Given a plain list, a hybrid replica is scored on its group 0 alone when that is full attention (an upper
+bound: its sliding windows are not checked), else not at all. Cost for hybrid replicas:
 O(prompt blocks x groups) lookups plus O(blocks x log(window blocks)) bitmask ANDs per distinct layout.
 
 An index kept elsewhere can be unreachable: every :class:`RedisIndex` method then raises
@@ -379,7 +380,7 @@ class MemoryIndex:
                     lay = {0: None}
                 else:
                     continue
-            n = len(hashes)
+            n = min(len(hashes), getattr(hashes, "hit_blocks", len(hashes)))
             if not n:
                 continue
 
@@ -623,7 +624,7 @@ class RedisIndex:
         for r, lay in lays.items():
             classes.setdefault(tuple(sorted(lay.items())), []).append(r)
         keys_of = getattr(hashes, "group", None)
-        n = len(hashes)
+        n = min(len(hashes), getattr(hashes, "hit_blocks", len(hashes)))
         for key, reps in classes.items():
             for r in reps:
                 out.pop(r, None)
