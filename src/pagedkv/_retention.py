@@ -73,6 +73,15 @@ class WindowRetention:
             keep |= (pos % r) >= r - k
         return keep
 
+    def kept_rows(self, rows: np.ndarray, pos: np.ndarray, k: int) -> np.ndarray:
+        """:meth:`kept` of one position per entry of ``rows`` (during a step), vectorised."""
+        p = self.pblk[rows]
+        keep = (pos >= p - k - 1) & (pos < p)
+        r = self.interval
+        if r:
+            keep |= (pos % r) >= r - k
+        return keep
+
     def demote(self, blocks: np.ndarray, keep: np.ndarray) -> None:
         """Make spare the released ``blocks`` (in release order) not ``keep``-marked that are now unreferenced and
         cached (the others are ignored)."""
@@ -80,6 +89,10 @@ class WindowRetention:
         if b.size:
             b = b[(b >= 0)]
             b = b[(self.ref[b] == 0) & (self.cache.cid[b] != 0)]
+            if b.size > 1:  # forks release a shared block once per holder: each block once, first release first
+                _, first = np.unique(b, return_index=True)
+                if first.size < b.size:
+                    b = b[np.sort(first)]
             if b.size:
                 self.cache.evictor.demote_many(b)
 
@@ -97,7 +110,29 @@ class _SlidingGroup(BlockManager):
             super()._release_window(release)
             return
         rows, first, stop = release
-        parts = [(int(r), self._table[r, a:z].copy(), np.arange(a, z)) for r, a, z in zip(rows, first, stop)]
+        if not np.count_nonzero(stop - first - 1):  # one block a row (a decode batch's steady state)
+            rr, pos = rows, first
+        else:
+            rr = np.repeat(rows, stop - first)
+            pos = np.concatenate([np.arange(a, z) for a, z in zip(first.tolist(), stop.tolist())])
+        blk = self._table[rr, pos]  # (a copy: fancy indexing)
         super()._release_window(release)
+        ret.demote(blk, ret.kept_rows(rr, pos, self._k))
+
+    def _release_window_small(self, rows: list) -> None:
+        ret = self._retention
+        if ret is None:
+            super()._release_window_small(rows)
+            return
+        ntok, nrel, w, bs = self._ntok, self._nrel, self._window, self._bs
+        parts = []
+        for r in rows:
+            target = int(ntok[r]) - w + 1
+            if target > 0:
+                target //= bs
+                a = int(nrel[r])
+                if target > a:
+                    parts.append((r, self._table[r, a:target].copy(), np.arange(a, target)))
+        super()._release_window_small(rows)
         for r, blk, pos in parts:
             ret.demote(blk, ret.kept(r, pos, self._k))

@@ -61,7 +61,7 @@ def _check_group(group) -> int:
     return int(group)
 
 
-def block_hashes(token_ids, block_size: int = 16, namespace: object = None, *, group: int = 0) -> list[int]:
+def block_hashes(token_ids, block_size: int = 16, namespace: object = None, group: int = 0) -> list[int]:
     """The prefix-cache keys of the full blocks of ``token_ids`` (``len // block_size`` of them), as a
     BlockManager with this ``block_size`` computes them and as its KV events name the blocks: what a router
     computes for a request it has not routed yet. Deterministic across processes. O(len(token_ids)).
@@ -69,9 +69,10 @@ def block_hashes(token_ids, block_size: int = 16, namespace: object = None, *, g
     ``group``: the KV cache group of a :class:`pagedkv.HybridBlockManager` whose keys to compute (its events'
     ``group_idx``). Each group's chain starts from a root of its own, so the same tokens have different keys in
     different groups; group 0 (the default) has the keys of a single-group BlockManager."""
-    group = _check_group(group)
     if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
         raise InvalidArgumentError(f"block_size must be an int >= 1, got {block_size!r}")
+    if isinstance(group, bool) or not isinstance(group, (int, np.integer)) or group < 0:
+        raise InvalidArgumentError(f"group must be an int >= 0, got {group!r}")
     arr = np.asarray(token_ids)
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise InvalidTokensError(f"token_ids must be a 1-D sequence of ints, got {arr.dtype} of shape {arr.shape}")
@@ -79,7 +80,7 @@ def block_hashes(token_ids, block_size: int = 16, namespace: object = None, *, g
         raise InvalidTokensError("token_ids must lie in [0, 2**31)")
     n = arr.size // block_size
     data = arr[: n * block_size].astype(np.int32).tobytes()
-    out, k = [], _root_key(namespace, group)
+    out, k = [], _root_key(namespace, int(group))
     for sl in _slices(n, 4 * block_size):
         k = _xxh3(data[sl], seed=k)
         out.append(k)
