@@ -445,16 +445,18 @@ class HybridBlockManager:
         if self._cache is None:
             return []
         ref, ev = self._gpu._ref_mv, self._cache.evictor
-        held = []
-        pins = []
-        for gpu, cpu, _, nnull in plan.groups:
-            for b in gpu[nnull:]:
+        held = [b for gpu, _, _, nnull in plan.groups for b in gpu[nnull:]]
+        if len(held) > 32:  # a long hit: a few numpy calls (the blocks are distinct: one group each)
+            h = np.array(held, dtype=np.int64)
+            gref = self._gpu._ref
+            ev.discard_many(h[gref[h] == 0])
+            gref[h] += 1
+        else:
+            for b in held:
                 if ref[b] == 0:
                     ev.discard(b)
                 ref[b] += 1
-                held.append(b)
-            if cpu:
-                pins.extend(c for _, c in cpu)
+        pins = [c for _, cpu, _, _ in plan.groups if cpu for _, c in cpu]
         if pins:
             self._tier.pin_many(pins)
         return held
