@@ -46,3 +46,18 @@ def test_format_table_of_a_document():
            "prefix": [], "prefix_ratios": []}
     text = hybrid.format_table(doc)
     assert "| 4 | 2.0 [1.0-3.0] | 5.0 [4.0-6.0] | 0.4 [0.3-0.5] (0.6) |" in text
+
+
+def test_the_pagedkv_side_runs_end_to_end(capsys):
+    """A tiny run of ``pagedkv bench hybrid`` with pagedkv alone (vLLM V1 needs its virtualenv): every batch size
+    and prompt length gets a figure and the hit covers the first turn's full blocks."""
+    from pagedkv.bench.__main__ import main as bench_main
+
+    doc = hybrid.run_hybrid(["pagedkv"], batch_sizes=(1, 3), lengths=(64,), steps=4,
+                            repeats=1, skip=1, requests=2, context=(40, 90))
+    assert {(r["batch"], r["prefix_caching"]) for r in doc["decode"]} == {(1, True), (3, True), (1, False), (3, False)}
+    assert doc["prefix"][0]["hit_tokens"] == [64, 64] and doc["prefix"][0]["prompt_tokens"] == 64 + hybrid.TURN
+    assert bench_main(["hybrid", "--quick", "--no-save", "--batch", "2", "--lengths", "48", "--steps", "3",
+                       "--requests", "2", "--impl", "pagedkv", "vllm_v1"]) == 0
+    out = capsys.readouterr()
+    assert "| 2 |" in out.out and "| 304 |" in out.out
