@@ -101,7 +101,9 @@ def test_single_group_events_keep_their_defaults():
 def _window_scenario():
     """Sequence a holds P (17 tokens) and decodes 3 tokens: the window group (W = 4) releases its blocks 0..3 to
     the LRU; pressure then evicts two of them (blocks 1 and 2 of P in that group)."""
-    m = HybridBlockManager(20, 4, kv_cache_groups=[F(), S(4)], watermark=0, enable_prefix_caching=True)
+    # (plain LRU: window retention, on by default, would evict the window group's blocks 0 and 1 first)
+    m = HybridBlockManager(20, 4, kv_cache_groups=[F(), S(4)], watermark=0, enable_prefix_caching=True,
+                           window_retention=False)
     P = list(range(1, 18))
     m.allocate("a", P)
     for t in (1, 2, 3):

@@ -34,7 +34,7 @@ def cached_keys(bm):
 
 
 def index_keys(ix, replica):
-    return set(ix._members[replica]["GPU"]) if replica in ix._members else set()
+    return set(ix._members[replica][("GPU", 0)]) if replica in ix._members else set()
 
 
 def wait_for(cond, timeout=10.0):

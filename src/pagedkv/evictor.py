@@ -6,7 +6,7 @@ from typing import Iterator
 
 import numpy as np
 
-__all__ = ["LRUEvictor"]
+__all__ = ["LRUEvictor", "RetentionEvictor"]
 
 
 class LRUEvictor:
@@ -135,3 +135,73 @@ class LRUEvictor:
         h, z = self._head, self._tail
         lb = self._lb[h:z]
         return iter(lb[self._stamp[lb] == self._ls[h:z]].tolist())
+
+
+class RetentionEvictor:
+    """Two LRU classes of unreferenced cached blocks: *spare* ones, evicted first, and the others (``main``),
+    evicted once no spare one is left; within each class least recently released first. The eviction-policy
+    hook of :class:`pagedkv.HybridBlockManager`'s window retention (:mod:`pagedkv._retention`): a sliding-window
+    group's blocks that no likely hit point needs are made spare, so the full-attention blocks and the
+    window-sized runs at request boundaries stay cached longer than plain LRU would keep them.
+
+    The methods of :class:`LRUEvictor` (a push goes to ``main``), plus :meth:`demote_many`. O(1) per block as
+    LRUEvictor; ``discard`` looks up the block's class in O(1).
+    """
+
+    __slots__ = ("main", "spare")
+
+    def __init__(self, num_blocks: int) -> None:
+        self.main = LRUEvictor(num_blocks)
+        self.spare = LRUEvictor(num_blocks)
+
+    def __len__(self) -> int:
+        return len(self.main) + len(self.spare)
+
+    def __contains__(self, block: int) -> bool:
+        return block in self.main or block in self.spare
+
+    def push(self, block: int) -> None:
+        self.main.push(block)
+
+    def push_many(self, blocks: np.ndarray) -> None:
+        self.main.push_many(blocks)
+
+    def demote_many(self, blocks: np.ndarray) -> None:
+        """Move ``blocks`` (distinct, in order) to the most recent end of the spare class; blocks that are not in
+        the main class (referenced, evicted, spare already) are ignored."""
+        if blocks.size == 0:
+            return
+        live = blocks[self.main._stamp[blocks] != 0]
+        if live.size:
+            self.main.discard_many(live)
+            self.spare.push_many(live)
+
+    def discard(self, block: int) -> None:
+        if self.spare._stamp_mv[block]:
+            self.spare.discard(block)
+        else:
+            self.main.discard(block)
+
+    def discard_many(self, blocks: np.ndarray) -> None:
+        if not len(self.spare):
+            self.main.discard_many(blocks)
+            return
+        sp = self.spare._stamp[blocks] != 0
+        self.spare.discard_many(blocks[sp])
+        self.main.discard_many(blocks[~sp])
+
+    def pop(self) -> int:
+        return self.spare.pop() if len(self.spare) else self.main.pop()
+
+    def pop_many(self, n: int) -> np.ndarray:
+        k = min(n, len(self.spare))
+        if k == n:
+            return self.spare.pop_many(n)
+        if k == 0:
+            return self.main.pop_many(n)
+        return np.concatenate((self.spare.pop_many(k), self.main.pop_many(n - k)))
+
+    def __iter__(self) -> Iterator[int]:
+        """Blocks in eviction order: the spare ones, then the others (each least recently used first)."""
+        yield from self.spare
+        yield from self.main

@@ -49,6 +49,8 @@ import numpy as np
 from ._checks import as_tokens, batch_tokens, check_int, flat_tokens
 from .errors import (DuplicateSequenceError, InvalidArgumentError, InvalidTokensError, OutOfBlocksError,
                      PromptTooLongError, SequenceStateError, TableWidthError)
+from ._retention import WindowRetention, _SlidingGroup
+from .evictor import RetentionEvictor
 from .kv_groups import FullAttentionSpec, SlidingWindowSpec
 from .manager import BlockManager
 from .prefix_cache import _GroupNS, _chain, _encode_namespace, _slices
@@ -118,7 +120,11 @@ class HybridBlockManager:
     the module docstring).
 
     Args: as :class:`pagedkv.BlockManager` (without ``sliding_window``), plus ``kv_cache_groups``: one spec per
-    group, :class:`~pagedkv.FullAttentionSpec` or :class:`~pagedkv.SlidingWindowSpec`, in group index order.
+    group, :class:`~pagedkv.FullAttentionSpec` or :class:`~pagedkv.SlidingWindowSpec`, in group index order;
+    ``window_retention`` (default on; with prefix caching and a sliding group): released sliding-group blocks
+    outside the windows before useful points (prompt end, sequence end, every ``retention_interval`` tokens:
+    by default 16 windows of the widest group, 0 for none) are evicted before any other cached block, so hybrid
+    prefix hits survive memory pressure (:mod:`pagedkv._retention`).
 
     Same method names and semantics as :class:`pagedkv.BlockManager`; per-group results (``decode_step`` ->
     :class:`HybridStepResult`, ``allocate_batch`` -> :class:`HybridPrefillBatch`), and ``block_table`` /
@@ -144,15 +150,31 @@ class HybridBlockManager:
         max_kv_events: int = 100_000,
         cpu_prefix_cache: bool = False,
         block_table_width: int | None = None,
+        window_retention: bool = True,
+        retention_interval: int | None = None,
     ) -> None:
         specs = _check_groups(kv_cache_groups)
-        first = BlockManager(num_gpu_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
+        if retention_interval is None:  # auto: 16 windows of the widest group
+            retention_interval = 16 * max((s.window for s in specs if s.window is not None), default=0)
+        retention_interval = check_int("retention_interval", retention_interval, 0)
+        retain = bool(window_retention) and enable_prefix_caching and any(s.window is not None for s in specs)
+        first = (_SlidingGroup if retain and specs[0].window is not None else BlockManager)(
+                             num_gpu_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
                              enable_prefix_caching=enable_prefix_caching, sliding_window=specs[0].window,
                              watermark=watermark, enable_kv_events=enable_kv_events, max_kv_events=max_kv_events,
                              cpu_prefix_cache=cpu_prefix_cache, block_table_width=block_table_width)
         self._specs = specs
-        self._g = [first] + [BlockManager._sharing(first, s.window) for s in specs[1:]]
+        self._g = [first] + [(_SlidingGroup if retain and s.window is not None else BlockManager)._sharing(first, s.window)
+                             for s in specs[1:]]
         self._m0 = first
+        # window retention (pagedkv._retention): spare sliding blocks are evicted first
+        self._retention = None
+        if retain:
+            first._cache.evictor = RetentionEvictor(num_gpu_blocks)
+            self._retention = WindowRetention(first._bs, retention_interval, first._cache, first._gpu._ref)
+            for m, s in zip(self._g, specs):
+                if s.window is not None:
+                    m._retention, m._k = self._retention, -(-s.window // first._bs)
         # shared parts, named (the coordinator's only direct state besides the group managers)
         self._bs = first._bs
         self._gpu, self._cpu, self._cache, self._tier = first._gpu, first._cpu, first._cache, first._tier
@@ -423,16 +445,18 @@ class HybridBlockManager:
         if self._cache is None:
             return []
         ref, ev = self._gpu._ref_mv, self._cache.evictor
-        held = []
-        pins = []
-        for gpu, cpu, _, nnull in plan.groups:
-            for b in gpu[nnull:]:
+        held = [b for gpu, _, _, nnull in plan.groups for b in gpu[nnull:]]
+        if len(held) > 32:  # a long hit: a few numpy calls (the blocks are distinct: one group each)
+            h = np.array(held, dtype=np.int64)
+            gref = self._gpu._ref
+            ev.discard_many(h[gref[h] == 0])
+            gref[h] += 1
+        else:
+            for b in held:
                 if ref[b] == 0:
                     ev.discard(b)
                 ref[b] += 1
-                held.append(b)
-            if cpu:
-                pins.extend(c for _, c in cpu)
+        pins = [c for _, cpu, _, _ in plan.groups if cpu for _, c in cpu]
         if pins:
             self._tier.pin_many(pins)
         return held
@@ -444,6 +468,8 @@ class HybridBlockManager:
             if cache is not None and plan.nhit == 0:
                 chain = cache.root(gns[g], intern=True)  # (a new namespace's root gets its content id now)
             m._alloc_commit(seq_id, gns[g], plan.arr, plan.n, plan.nblocks, gpu, cpu, chain, True, nnull)
+        if self._retention is not None:
+            self._retention.set_prompt(self._m0._row_of[seq_id], plan.n)
         if cache is not None:
             for ns in gns:
                 cache.intern(ns)
@@ -570,6 +596,8 @@ class HybridBlockManager:
         self._m0.fork(parent_seq_id, child_seq_id)  # (raises, changing nothing, before any group changes)
         for m in self._g[1:]:
             m.fork(parent_seq_id, child_seq_id)
+        if self._retention is not None:
+            self._retention.copy_row(self._m0._row_of[parent_seq_id], self._m0._row_of[child_seq_id])
 
     def free(self, seq_id: Hashable, *, cache: bool = True) -> None:
         """Release the sequence's blocks in every group (see BlockManager.free; with ``cache=False`` every group's
@@ -583,8 +611,22 @@ class HybridBlockManager:
                 blocks = blocks[blocks >= 0]
                 if (ref[blocks] > 1).any():
                     m._withdraw_pending(seq_id, row)  # raises, changing nothing
+        ret = self._retention
+        if ret is None or self._m0._swapped[row]:
+            for m in self._g:
+                m.free(seq_id, cache=cache)
+            return
+        # window retention: the sliding groups' blocks outside every useful window become spare once released
+        end = int(self._m0._ntok[row]) // self._bs
+        parts = []
+        for m in self._g:
+            if m._window is not None:
+                a, z = int(m._nrel[row]), int(m._nblk[row])
+                parts.append((m._table[row, a:z].copy(), ret.kept(row, np.arange(a, z), m._k, end)))
         for m in self._g:
             m.free(seq_id, cache=cache)
+        for blk, keep in parts:
+            ret.demote(blk[::-1].copy(), keep[::-1].copy())  # (tail first, the release order)
 
     # ------------------------------------------------------------------ appending
     def _tokens(self, b: int, token_ids: object, num_new_tokens: object) -> tuple:

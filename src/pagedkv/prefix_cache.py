@@ -36,7 +36,7 @@ from .errors import InvalidArgumentError, InvalidTokensError
 from .events import AllBlocksCleared, BlockRemoved, BlockStored
 from .evictor import LRUEvictor
 
-__all__ = ["LRUEvictor", "PrefixCache", "block_hashes", "block_key"]
+__all__ = ["LRUEvictor", "PrefixCache", "PromptKeys", "block_hashes", "block_key"]
 
 _xxh3 = xxhash.xxh3_64_intdigest
 _SWEEP_MIN = 1024  # namespaces kept before the first release sweep
@@ -48,16 +48,27 @@ def block_key(parent_key: int, data: bytes) -> int:
     return _xxh3(data, seed=parent_key)
 
 
-def _root_key(namespace: object) -> int:
-    return _xxh3(b"pagedkv-ns:" + _encode_namespace(namespace))
+def _root_key(namespace: object, group: int = 0) -> int:
+    data = _encode_namespace(namespace)
+    if group:  # a KV cache group's chains start from their own root (group 0's are the bare namespace's)
+        data = b"g%d:" % group + data
+    return _xxh3(b"pagedkv-ns:" + data)
+
+
+def _check_group(group) -> int:
+    if isinstance(group, bool) or not isinstance(group, (int, np.integer)) or group < 0:
+        raise InvalidArgumentError(f"group must be an int >= 0, got {group!r}")
+    return int(group)
 
 
 def block_hashes(token_ids, block_size: int = 16, namespace: object = None, group: int = 0) -> list[int]:
     """The prefix-cache keys of the full blocks of ``token_ids`` (``len // block_size`` of them), as a
     BlockManager with this ``block_size`` computes them and as its KV events name the blocks: what a router
-    computes for a request it has not routed yet. ``group``: the keys of KV cache group ``group`` of a
-    :class:`pagedkv.HybridBlockManager` (group 0's are a single-group manager's). Deterministic across
-    processes. O(len(token_ids))."""
+    computes for a request it has not routed yet. Deterministic across processes. O(len(token_ids)).
+
+    ``group``: the KV cache group of a :class:`pagedkv.HybridBlockManager` whose keys to compute (its events'
+    ``group_idx``). Each group's chain starts from a root of its own, so the same tokens have different keys in
+    different groups; group 0 (the default) has the keys of a single-group BlockManager."""
     if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
         raise InvalidArgumentError(f"block_size must be an int >= 1, got {block_size!r}")
     if isinstance(group, bool) or not isinstance(group, (int, np.integer)) or group < 0:
@@ -69,12 +80,38 @@ def block_hashes(token_ids, block_size: int = 16, namespace: object = None, grou
         raise InvalidTokensError("token_ids must lie in [0, 2**31)")
     n = arr.size // block_size
     data = arr[: n * block_size].astype(np.int32).tobytes()
-    out, k = [], _root_key(namespace) if not group else _xxh3(
-        b"pagedkv-ns:" + b"g%d:" % int(group) + _encode_namespace(namespace))
+    out, k = [], _root_key(namespace, int(group))
     for sl in _slices(n, 4 * block_size):
         k = _xxh3(data[sl], seed=k)
         out.append(k)
     return out
+
+
+class PromptKeys(list):
+    """A prompt's block keys in group 0 (a list equal to :func:`block_hashes`), which also computes, on demand
+    and once each, its keys in other KV cache groups (:meth:`group`): what a router scoring replicas of a hybrid
+    model needs (:meth:`pagedkv.cluster.index.MemoryIndex.longest_prefix`). Anything that takes a list of
+    hashes takes it unchanged. Checks as :func:`block_hashes`; O(len(token_ids)) per group asked.
+
+    ``hit_blocks``: the most blocks a prefix hit can cover, ``(len(token_ids) - 1) // block_size`` (an engine
+    computes at least the prompt's last token), where a hybrid hit's windows must end."""
+
+    __slots__ = ("_args", "_groups", "hit_blocks")
+
+    def __init__(self, token_ids, block_size: int = 16, namespace: object = None) -> None:
+        arr = np.asarray(token_ids)
+        super().__init__(block_hashes(arr, block_size, namespace))
+        self._args = (arr, block_size, namespace)
+        self._groups: dict[int, list[int]] = {0: self}
+        self.hit_blocks = max(arr.size - 1, 0) // block_size
+
+    def group(self, g: int) -> list[int]:
+        """The keys of the same blocks in KV cache group ``g`` (``block_hashes(..., group=g)``)."""
+        got = self._groups.get(g)
+        if got is None:
+            arr, bs, ns = self._args
+            got = self._groups[_check_group(g)] = block_hashes(arr, bs, ns, group=g)
+        return got
 
 
 def _chain(datas, key: int) -> list[int]:

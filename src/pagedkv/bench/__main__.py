@@ -10,6 +10,9 @@ Sub-benchmarks (each has its own ``--help`` and ``--quick``):
 ``python -m pagedkv.bench ablation ...``  the hot-path ablation (:mod:`pagedkv.bench.ablation`);
 ``python -m pagedkv.bench sweep ...``     decode step vs batch size 1..1024, pagedkv against each anchor
                                           (:mod:`pagedkv.bench.sweep`; ``sweep report FILES --plot DIR`` merges);
+``python -m pagedkv.bench hybrid ...``    KV cache groups (Gemma-3-like) against vLLM V1's hybrid coordinator:
+                                          decode step at batch 1..1000, allocation with hybrid prefix hits
+                                          (:mod:`pagedkv.bench.hybrid`);
 ``python -m pagedkv.bench single ...``    single-sequence calls (allocate, append_slots, fork, free) against a
                                           plain-Python reference and the anchors (:mod:`pagedkv.bench.single`).
 """
@@ -92,6 +95,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .sweep import main as sweep_main
 
         return sweep_main(argv[1:])
+    if argv[:1] == ["hybrid"]:
+        from .hybrid import main as hybrid_main
+
+        return hybrid_main(argv[1:])
     if argv[:1] == ["single"]:
         from .single import main as single_main
 

@@ -19,6 +19,11 @@ produce the same three numpy arrays pagedkv returns (``slot_mapping`` int64, ``b
     (``slot = table[row, pos // block_size] * block_size + pos % block_size``) and hands the matrix's rows to
     the kernel (V1's ``BlockTable`` / ``_prepare_inputs``, numpy on the CPU).
 
+``GroupTables`` (vLLM V1 with KV cache groups)
+    One ``PersistentTables`` per group (V1's ``MultiGroupBlockTable``): each group's new block ids go to its
+    own matrix, and the slots are computed per group, giving the ``(G, B)`` slot mapping and the tuple of G
+    tables a hybrid step of :class:`pagedkv.HybridBlockManager` returns.
+
 These are this project's own restatements of what those runners compute, not their code.
 """
 
@@ -28,7 +33,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["ListTables", "PersistentTables"]
+__all__ = ["GroupTables", "ListTables", "PersistentTables"]
 
 
 class ListTables:
@@ -85,3 +90,36 @@ class PersistentTables:
         slots = self.table[rows, pos // bs].astype(np.int64) * bs + pos % bs
         width = int(self.nblk[rows].max()) if rows.size else 0
         return slots, self.table[rows, :width], seq_lens
+
+
+class GroupTables:
+    """One :class:`PersistentTables` per KV cache group, fed with V1's per-group deltas."""
+
+    def __init__(self, block_size: int, num_rows: int, num_groups: int, width: int = 16) -> None:
+        self.block_size = block_size
+        self.groups = [PersistentTables(block_size, num_rows, width) for _ in range(num_groups)]
+
+    def add_row(self, row: int, tables: Sequence[Sequence[int]]) -> None:
+        """Untimed set-up: each group's blocks at admission (``tables[g]``)."""
+        for t, ids in zip(self.groups, tables):
+            t.add_row(row, ids)
+
+    def build(self, rows: np.ndarray, deltas: Sequence[Any], lens: Sequence[int]) -> tuple[np.ndarray, tuple, np.ndarray]:
+        """``deltas[i]``: V1's ``get_block_ids(allow_none=True)`` for row ``rows[i]`` (a tuple of one id list
+        per group, or None). Returns the ``(G, B)`` slot mapping, the G tables and the lengths."""
+        for row, d in zip(rows.tolist(), deltas):
+            if d is not None:
+                for t, ids in zip(self.groups, d):
+                    if ids:
+                        t._append(row, ids)
+        bs = self.block_size
+        seq_lens = np.array(lens, dtype=np.int32)
+        pos = seq_lens.astype(np.int64) - 1
+        blk, off = pos // bs, pos % bs
+        slots = np.empty((len(self.groups), rows.size), dtype=np.int64)
+        tables = []
+        for g, t in enumerate(self.groups):
+            slots[g] = t.table[rows, blk].astype(np.int64) * bs + off
+            width = int(t.nblk[rows].max()) if rows.size else 0
+            tables.append(t.table[rows, :width])
+        return slots, tuple(tables), seq_lens

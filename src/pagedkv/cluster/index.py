@@ -21,6 +21,22 @@ Contract shared by :class:`MemoryIndex` and :class:`RedisIndex` (the :class:`KVI
 A block whose parent was evicted stays in the index (the replica still holds it), but it is never counted: the
 match stops at the first key a replica lacks, as the engine's own lookup does.
 
+KV cache groups (a replica running :class:`pagedkv.HybridBlockManager`, or vLLM with a hybrid model). Its events
+carry ``group_idx``, ``kv_cache_spec_kind`` and ``kv_cache_spec_sliding_window``; an event without them belongs to
+group 0, full attention (a single-group replica, read exactly as before). The index keeps each group's blocks
+apart (a block of one group never counts for another, even when two groups name blocks with the same hash, as
+vLLM's events do) and learns each replica's *layout* (group -> full attention or window W tokens) from its
+``BlockStored`` events. A replica with more than group 0, or whose group 0 is not full attention, is scored by
+the engine's own hybrid-hit rule: its match is the largest L (in blocks, within the prompt's hashes) such that
+every full-attention group holds blocks [0, L) and every sliding-window group holds the blocks covering the
+last W tokens before L (blocks [max(0, L - ceil(W / block_size)), L)); other kinds (mamba, chunked local) are
+read as needing block L-1 only. That needs the prompt's keys in each group: pass a
+:class:`pagedkv.prefix_cache.PromptKeys` as ``hashes`` (a list of the group-0 keys that computes the others on
+demand; the router does; its ``hit_blocks`` caps L where the engine caps a hit, one token before the prompt's
+end). Given a plain list, a hybrid replica is scored on its group 0 alone when that is full attention (an upper
+bound: its sliding windows are not checked), else not at all. Cost for hybrid replicas:
+O(prompt blocks x groups) lookups plus O(blocks x log(window blocks)) bitmask ANDs per distinct layout.
+
 An index kept elsewhere can be unreachable: every :class:`RedisIndex` method then raises
 :class:`IndexUnavailableError` (after one retry and at most a few seconds of socket timeout), and its ``ping()``
 says when the store answers again. The router treats that as a stale index: it routes on load alone and rebuilds
@@ -30,12 +46,13 @@ the index from the replicas' replay sockets once the store is back (docs/router-
 from __future__ import annotations
 
 import functools
-from typing import Hashable, Iterable, Protocol, Sequence, runtime_checkable
+from typing import Callable, Hashable, Iterable, Protocol, Sequence, runtime_checkable
 
 from ..errors import PagedKVError
 from ..events import MEDIUM_CPU, MEDIUM_GPU
 
-__all__ = ["KVIndex", "MemoryIndex", "RedisIndex", "IndexUnavailableError", "open_index", "event_kind"]
+__all__ = ["KVIndex", "MemoryIndex", "RedisIndex", "IndexUnavailableError", "open_index", "event_kind",
+           "hybrid_match"]
 
 
 class IndexUnavailableError(PagedKVError, ConnectionError):
@@ -55,6 +72,101 @@ def _guard(method):
     return wrapper
 
 _MEDIA = (MEDIUM_GPU, MEDIUM_CPU)
+FULL_ATTENTION = "full_attention"
+SLIDING_WINDOW = "sliding_window"
+_SLIDING_KINDS = (SLIDING_WINDOW, "sliding_window_mla")
+
+
+def _group(event: object) -> int:
+    """The event's KV cache group (``group_idx``; None reads as 0)."""
+    g = getattr(event, "group_idx", None)
+    if g is None:
+        return 0
+    if isinstance(g, bool) or not isinstance(g, int) or g < 0:
+        raise ValueError(f"group_idx must be an int >= 0, got {g!r}")
+    return g
+
+
+def _spec(event: object) -> tuple[int, int | None] | None:
+    """``(group, blocks its hit needs before the hit point: None = all)`` from a BlockStored's group fields, or
+    None when it names no group (a single-group replica)."""
+    g = getattr(event, "group_idx", None)
+    kind = getattr(event, "kv_cache_spec_kind", None)
+    if g is None and kind is None:
+        return None
+    g = _group(event)
+    if kind is None or kind == FULL_ATTENTION or kind == "sink_full_attention" or kind == "mla_attention":
+        return g, None
+    w = getattr(event, "kv_cache_spec_sliding_window", None)
+    bs = getattr(event, "block_size", 0) or 0
+    if kind in _SLIDING_KINDS and isinstance(w, int) and w > 0 and bs > 0:
+        return g, -(-w // bs)
+    return g, 1  # another kind (mamba, chunked local, ...): the state at the hit point only
+
+
+def _is_hybrid(layout: dict) -> bool:
+    return bool(layout) and (len(layout) > 1 or layout.get(0, 0) is not None)
+
+
+def _window_and(vals: list, k: int) -> list:
+    """``out[i]`` = AND of ``vals[max(0, i - k + 1) .. i]`` (bitmasks), in O(len x log k)."""
+    cur, span = vals, 1
+    while span * 2 <= k:
+        cur = [a & b for a, b in zip(cur, [-1] * span + cur[:-span])]
+        span *= 2
+    if span < k:
+        shift = k - span
+        cur = [a & b for a, b in zip(cur, [-1] * shift + cur[:-shift])]
+    return cur
+
+
+def hybrid_match(n: int, layout: dict, bits: int, masks: Callable[[int, int], list]) -> dict:
+    """The engine's hybrid hit for the replicas whose bits are in ``bits``, all with ``layout`` (group -> None
+    for full attention, else the number of blocks before the hit point its hit needs): ``{bit: L}`` for every
+    replica with L >= 1, L the largest number of leading blocks (<= ``n``) such that each full group holds blocks
+    [0, L) and each other group blocks [max(0, L - k), L). ``masks(g, m)``: for group g, the bitmasks of the
+    replicas holding each of the prompt's first m blocks."""
+    full = [g for g, k in layout.items() if k is None]
+    part: dict[int, list[int]] = {}
+    for g, k in layout.items():
+        if k is not None:
+            part.setdefault(k, []).append(g)
+    # prefix AND over the full groups: pref[i] = replicas holding blocks 0..i of every full group
+    if full:
+        cols = [masks(g, n) for g in full]
+        pref = []
+        acc = bits
+        for i in range(n):
+            for c in cols:
+                acc &= c[i]
+            if not acc:
+                break
+            pref.append(acc)
+    else:
+        pref = [bits] * n
+    m = len(pref)
+    if not m:
+        return {}
+    for k, gs in part.items():
+        both = None
+        for g in gs:
+            c = masks(g, m)
+            both = c if both is None else [a & b for a, b in zip(both, c)]
+        win = _window_and(both, k)
+        pref = [a & b for a, b in zip(pref, win)]
+    out: dict = {}
+    left = bits
+    for i in range(m - 1, -1, -1):
+        got = pref[i] & left
+        if got:
+            left &= ~got
+            while got:
+                low = got & -got
+                out[low] = i + 1
+                got ^= low
+            if not left:
+                break
+    return out
 
 
 def event_kind(event: object) -> str:
@@ -89,11 +201,12 @@ class KVIndex(Protocol):
 
 
 class MemoryIndex:
-    """The index in this process's memory: per medium a dict ``key -> bitmask of replicas`` (one bit per replica,
-    so a prompt's walk is one dict lookup and one AND per block for all replicas at once), plus per replica and
-    medium the set of its keys (for :meth:`drop_replica` and ``AllBlocksCleared`` in O(its blocks)).
+    """The index in this process's memory: per (medium, group) a dict ``key -> bitmask of replicas`` (one bit per
+    replica, so a prompt's walk is one dict lookup and one AND per block for all replicas at once), plus per
+    replica, medium and group the set of its keys (for :meth:`drop_replica` and ``AllBlocksCleared`` in O(its
+    blocks)), and per replica its group layout (see the module docstring).
 
-    Memory: about 150 bytes per distinct (key, medium) plus about 60 per (key, medium, replica).
+    Memory: about 150 bytes per distinct (key, medium, group) plus about 60 per (key, medium, group, replica).
     """
 
     def __init__(self) -> None:
@@ -101,8 +214,10 @@ class MemoryIndex:
         self._by_bit: dict[int, Hashable] = {}
         self._free_bits: list[int] = []
         self._next_bit = 1
-        self._masks: dict[str, dict[int, int]] = {m: {} for m in _MEDIA}
-        self._members: dict[Hashable, dict[str, set]] = {}
+        self._gm: dict[tuple[str, int], dict[int, int]] = {(m, 0): {} for m in _MEDIA}  # (medium, group) -> masks
+        self._masks: dict[str, dict[int, int]] = {m: self._gm[(m, 0)] for m in _MEDIA}  # group 0's
+        self._members: dict[Hashable, dict[tuple[str, int], set]] = {}
+        self._layout: dict[Hashable, dict[int, int | None]] = {}  # replica -> {group: None | blocks needed}
 
     # ---------------------------------------------------------------- replicas
     def add_replica(self, replica: Hashable) -> None:
@@ -115,10 +230,15 @@ class MemoryIndex:
             bit, self._next_bit = self._next_bit, self._next_bit << 1
         self._bit[replica] = bit
         self._by_bit[bit] = replica
-        self._members[replica] = {m: set() for m in _MEDIA}
+        self._members[replica] = {(m, 0): set() for m in _MEDIA}
 
     def replicas(self) -> list:
         return list(self._bit)
+
+    def layout(self, replica: Hashable) -> dict:
+        """``{group: None (full attention) or blocks its hit needs before the hit point}`` as learnt from the
+        replica's events (empty for a single-group replica)."""
+        return dict(self._layout.get(replica, {}))
 
     def drop_replica(self, replica: Hashable) -> None:
         """Forget ``replica`` and every block it held; unknown replicas are ignored. O(its blocks)."""
@@ -129,11 +249,12 @@ class MemoryIndex:
         del self._by_bit[bit]
         self._free_bits.append(bit)
         del self._members[replica]
+        self._layout.pop(replica, None)
 
     def _clear(self, replica: Hashable) -> None:
         keep = ~self._bit[replica]
-        for m, keys in self._members[replica].items():
-            masks = self._masks[m]
+        for mg, keys in self._members[replica].items():
+            masks = self._gm[mg]
             for h in keys:
                 v = masks[h] & keep
                 if v:
@@ -151,9 +272,26 @@ class MemoryIndex:
             self._clear(replica)
             return
         m = _medium(event)
-        bit, masks, keys = self._bit[replica], self._masks[m], self._members[replica][m]
+        g = _group(event)
+        if g:
+            mg = (m, g)
+            masks = self._gm.get(mg)
+            if masks is None:
+                masks = self._gm[mg] = {}
+            keys = self._members[replica].get(mg)
+            if keys is None:
+                keys = self._members[replica][mg] = set()
+        else:
+            masks, keys = self._masks[m], self._members[replica][(m, 0)]
+        bit = self._bit[replica]
         hashes = event.block_hashes
         if kind == "BlockStored":
+            spec = _spec(event)
+            if spec is not None:
+                lay = self._layout.get(replica)
+                if lay is None:
+                    lay = self._layout[replica] = {}
+                lay[spec[0]] = spec[1]
             get = masks.get
             for h in hashes:
                 masks[h] = get(h, 0) | bit
@@ -178,7 +316,7 @@ class MemoryIndex:
     @property
     def has_cpu(self) -> bool:
         """Whether any replica holds a block in the CPU tier."""
-        return bool(self._masks[MEDIUM_CPU])
+        return any(d for (m, _g), d in self._gm.items() if m == MEDIUM_CPU)
 
     def num_blocks(self, replica: Hashable | None = None) -> int:
         if replica is None:
@@ -186,15 +324,27 @@ class MemoryIndex:
         r = self._members.get(replica)
         return sum(len(k) for k in r.values()) if r else 0
 
-    def longest_prefix(self, hashes: Sequence[int], medium: str | None = None) -> dict:
+    def _getter(self, medium: str | None, group: int):
+        empty: dict = {}
         if medium is None:
-            g, c = self._masks[MEDIUM_GPU].get, self._masks[MEDIUM_CPU].get
-            get = (lambda h: g(h, 0) | c(h, 0)) if self._masks[MEDIUM_CPU] else (lambda h: g(h, 0))
-        else:
-            if medium not in _MEDIA:
-                raise ValueError(f"unknown medium {medium!r}")
-            d = self._masks[medium].get
-            get = lambda h: d(h, 0)  # noqa: E731
+            g, c = self._gm.get((MEDIUM_GPU, group), empty).get, self._gm.get((MEDIUM_CPU, group), empty)
+            if c:
+                c = c.get
+                return lambda h: g(h, 0) | c(h, 0)
+            return lambda h: g(h, 0)
+        d = self._gm.get((medium, group), empty).get
+        return lambda h: d(h, 0)  # noqa: E731
+
+    def longest_prefix(self, hashes: Sequence[int], medium: str | None = None) -> dict:
+        if medium is not None and medium not in _MEDIA:
+            raise ValueError(f"unknown medium {medium!r}")
+        out = self._plain(hashes, medium)
+        if self._layout:
+            self._hybrid(hashes, medium, out)
+        return out
+
+    def _plain(self, hashes: Sequence[int], medium: str | None) -> dict:
+        get = self._getter(medium, 0)
         out: dict = {}
         mask = -1
         i = 0
@@ -211,6 +361,36 @@ class MemoryIndex:
                 self._record(mask, len(hashes), out)
         return out
 
+    def _hybrid(self, hashes: Sequence[int], medium: str | None, out: dict) -> None:
+        """Replace the group-0 answer of every hybrid replica by its hybrid hit (see the module docstring)."""
+        classes: dict[tuple, int] = {}
+        for r, lay in self._layout.items():
+            if _is_hybrid(lay):
+                key = tuple(sorted(lay.items()))
+                classes[key] = classes.get(key, 0) | self._bit[r]
+        if not classes:
+            return
+        keys_of = getattr(hashes, "group", None)
+        for key, bits in classes.items():
+            for b in _bits(bits):
+                out.pop(self._by_bit[b], None)
+            lay = dict(key)
+            if keys_of is None:  # only group 0's keys: its prefix when it is full attention (an upper bound)
+                if lay.get(0, 1) is None:
+                    lay = {0: None}
+                else:
+                    continue
+            n = min(len(hashes), getattr(hashes, "hit_blocks", len(hashes)))
+            if not n:
+                continue
+
+            def masks(g: int, m: int, _medium=medium) -> list:
+                get = self._getter(_medium, g)
+                return [get(h) for h in (hashes if g == 0 else keys_of(g))[:m]]
+
+            for b, L in hybrid_match(n, lay, bits, masks).items():
+                out[self._by_bit[b]] = L
+
     def _record(self, bits: int, n: int, out: dict) -> None:
         if bits < 0:  # the all-ones start: only known replicas
             bits = sum(self._bit.values())
@@ -223,6 +403,13 @@ class MemoryIndex:
             bits ^= low
 
 
+def _bits(bits: int):
+    while bits:
+        low = bits & -bits
+        yield low
+        bits ^= low
+
+
 class RedisIndex:
     """The index in Redis, shared by every router that opens the same server and ``prefix``.
 
@@ -230,6 +417,11 @@ class RedisIndex:
 
     - ``<p>:blk:<medium>:<hash>``: SET of the replica ids holding block ``hash`` in ``medium`` (GPU or CPU).
     - ``<p>:rep:<replica>:<medium>``: SET of the hashes ``replica`` holds in ``medium`` (to clean up after it).
+    - ``<p>:blk:<medium>:g<group>:<hash>`` and ``<p>:rep:<replica>:<medium>:g<group>``: the same for KV cache group
+      ``group`` > 0 (group 0, and every single-group replica, use the keys above).
+    - ``<p>:layout:<replica>``: HASH group -> ``full`` or the blocks its hybrid hit needs before the hit point
+      (written from the replica's ``BlockStored`` group fields; absent for a single-group replica). Queries read
+      the layouts at most once a second (and at once after this object wrote a new one).
     - ``<p>:replicas``: SET of known replica ids.
     - ``<p>:seq:<replica>``: the last event-message sequence number applied for ``replica`` (written by the
       router's subscriber through :meth:`set_seq`, read by a restarted router to replay what it missed).
@@ -262,6 +454,9 @@ class RedisIndex:
         self.r = client
         self.p = prefix
         self._has_cpu, self._cpu_checked = False, -1e9
+        self._layouts: dict = {}
+        self._layouts_at = -1e9
+        self._seen: set = set()  # (replica, group, need) layout fields this object wrote
         self._ping()
 
     @_guard
@@ -276,11 +471,40 @@ class RedisIndex:
             return False
         return True
 
-    def _blk(self, medium: str, h: int) -> str:
+    def _blk(self, medium: str, h: int, group: int = 0) -> str:
+        if group:
+            return f"{self.p}:blk:{medium}:g{group}:{int(h)}"
         return f"{self.p}:blk:{medium}:{int(h)}"
 
-    def _rep(self, replica, medium: str) -> str:
+    def _rep(self, replica, medium: str, group: int = 0) -> str:
+        if group:
+            return f"{self.p}:rep:{replica}:{medium}:g{group}"
         return f"{self.p}:rep:{replica}:{medium}"
+
+    def _groups_of(self, rid: str) -> list[int]:
+        return sorted({0} | {int(g) for g in self.r.hkeys(f"{self.p}:layout:{rid}")})
+
+    @_guard
+    def layout(self, replica) -> dict:
+        """As :meth:`MemoryIndex.layout`, read from Redis."""
+        raw = self.r.hgetall(f"{self.p}:layout:{replica}")
+        return {int(g): (None if v == b"full" else int(v)) for g, v in raw.items()}
+
+    def _all_layouts(self) -> dict:
+        import time
+
+        now = time.monotonic()
+        if now - self._layouts_at > 1.0:
+            reps = self.replicas()
+            pipe = self.r.pipeline(transaction=False)
+            for r in reps:
+                pipe.hgetall(f"{self.p}:layout:{r}")
+            got = {}
+            for r, raw in zip(reps, pipe.execute()):
+                if raw:
+                    got[r] = {int(g): (None if v == b"full" else int(v)) for g, v in raw.items()}
+            self._layouts, self._layouts_at = got, now
+        return self._layouts
 
     @_guard
     def replicas(self) -> list:
@@ -298,19 +522,29 @@ class RedisIndex:
             self._clear(rid, forget=False)
             return
         m = _medium(event)
+        g = _group(event)
         hashes = [int(h) for h in event.block_hashes]
         pipe = self.r.pipeline(transaction=True)
         pipe.sadd(f"{self.p}:replicas", rid)
+        new_field = None
+        if kind == "BlockStored":
+            spec = _spec(event)
+            if spec is not None:
+                pipe.hset(f"{self.p}:layout:{rid}", str(spec[0]), "full" if spec[1] is None else str(spec[1]))
+                new_field = (rid, spec[0], spec[1])
         if hashes:
             if kind == "BlockStored":
                 for h in hashes:
-                    pipe.sadd(self._blk(m, h), rid)
-                pipe.sadd(self._rep(rid, m), *hashes)
+                    pipe.sadd(self._blk(m, h, g), rid)
+                pipe.sadd(self._rep(rid, m, g), *hashes)
             else:
                 for h in hashes:
-                    pipe.srem(self._blk(m, h), rid)
-                pipe.srem(self._rep(rid, m), *hashes)
+                    pipe.srem(self._blk(m, h, g), rid)
+                pipe.srem(self._rep(rid, m, g), *hashes)
         pipe.execute()
+        if new_field is not None and new_field not in self._seen:
+            self._seen.add(new_field)
+            self._layouts_at = -1e9  # read the layouts again at the next query
 
     def apply_all(self, replica, events: Iterable[object]) -> None:
         for e in events:
@@ -321,25 +555,28 @@ class RedisIndex:
         self._clear(str(replica), forget=True)
 
     def _clear(self, rid: str, *, forget: bool) -> None:
-        for m in _MEDIA:
-            key = self._rep(rid, m)
-            batch: list = []
-            for h in self.r.sscan_iter(key, count=1000):
-                batch.append(int(h))
-                if len(batch) >= 1000:
-                    self._srem_blocks(rid, m, batch)
-                    batch = []
-            if batch:
-                self._srem_blocks(rid, m, batch)
-            self.r.delete(key)
+        for g in self._groups_of(rid):
+            for m in _MEDIA:
+                key = self._rep(rid, m, g)
+                batch: list = []
+                for h in self.r.sscan_iter(key, count=1000):
+                    batch.append(int(h))
+                    if len(batch) >= 1000:
+                        self._srem_blocks(rid, m, batch, g)
+                        batch = []
+                if batch:
+                    self._srem_blocks(rid, m, batch, g)
+                self.r.delete(key)
         if forget:
-            self.r.delete(f"{self.p}:seq:{rid}")
+            self.r.delete(f"{self.p}:seq:{rid}", f"{self.p}:layout:{rid}")
             self.r.srem(f"{self.p}:replicas", rid)
+            self._seen = {f for f in self._seen if f[0] != rid}
+            self._layouts_at = -1e9
 
-    def _srem_blocks(self, rid: str, m: str, hashes: list) -> None:
+    def _srem_blocks(self, rid: str, m: str, hashes: list, group: int = 0) -> None:
         pipe = self.r.pipeline(transaction=False)
         for h in hashes:
-            pipe.srem(self._blk(m, h), rid)
+            pipe.srem(self._blk(m, h, group), rid)
         pipe.execute()
 
     @property
@@ -351,9 +588,11 @@ class RedisIndex:
         now = time.monotonic()
         if now - self._cpu_checked > 1.0:
             reps = self.replicas()
+            lays = self._all_layouts()
             pipe = self.r.pipeline(transaction=False)
             for r in reps:
-                pipe.scard(self._rep(r, MEDIUM_CPU))
+                for g in sorted({0} | set(lays.get(r, ()))):
+                    pipe.scard(self._rep(r, MEDIUM_CPU, g))
             self._has_cpu = any(pipe.execute()) if reps else False
             self._cpu_checked = now
         return self._has_cpu
@@ -363,8 +602,9 @@ class RedisIndex:
         reps = self.replicas() if replica is None else [str(replica)]
         pipe = self.r.pipeline(transaction=False)
         for r in reps:
-            for m in _MEDIA:
-                pipe.scard(self._rep(r, m))
+            for g in self._groups_of(r):
+                for m in _MEDIA:
+                    pipe.scard(self._rep(r, m, g))
         return int(sum(pipe.execute()))
 
     @_guard
@@ -372,6 +612,50 @@ class RedisIndex:
         if medium is not None and medium not in _MEDIA:
             raise ValueError(f"unknown medium {medium!r}")
         media = _MEDIA if medium is None else (medium,)
+        out = self._plain(hashes, media)
+        lays = {r: lay for r, lay in self._all_layouts().items() if _is_hybrid(lay)}
+        if lays:
+            self._hybrid(hashes, media, lays, out)
+        return out
+
+    def _hybrid(self, hashes: Sequence[int], media: tuple, lays: dict, out: dict) -> None:
+        """As :meth:`MemoryIndex._hybrid`: the hybrid replicas' answers replaced by their hybrid hits."""
+        classes: dict[tuple, list] = {}
+        for r, lay in lays.items():
+            classes.setdefault(tuple(sorted(lay.items())), []).append(r)
+        keys_of = getattr(hashes, "group", None)
+        n = min(len(hashes), getattr(hashes, "hit_blocks", len(hashes)))
+        for key, reps in classes.items():
+            for r in reps:
+                out.pop(r, None)
+            lay = dict(key)
+            if keys_of is None:
+                if lay.get(0, 1) is None:
+                    lay = {0: None}
+                else:
+                    continue
+            if not n:
+                continue
+            bit_of = {r.encode(): 1 << i for i, r in enumerate(reps)}
+
+            def masks(g: int, m: int) -> list:
+                keys = (hashes if g == 0 else keys_of(g))[:m]
+                col: list = []
+                for start in range(0, len(keys), self.CHUNK):
+                    pipe = self.r.pipeline(transaction=False)
+                    for h in keys[start : start + self.CHUNK]:
+                        pipe.sunion(*[self._blk(md, h, g) for md in media])
+                    for members in pipe.execute():
+                        v = 0
+                        for x in members:
+                            v |= bit_of.get(x, 0)
+                        col.append(v)
+                return col
+
+            for b, L in hybrid_match(n, lay, (1 << len(reps)) - 1, masks).items():
+                out[reps[b.bit_length() - 1]] = L
+
+    def _plain(self, hashes: Sequence[int], media: tuple) -> dict:
         out: dict = {}
         alive: set | None = None
         n = len(hashes)

@@ -60,6 +60,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--limit", type=int, default=None, metavar="N", help="replay only the first N requests")
     ap.add_argument("--impl", default="pagedkv",
                     help="pagedkv or an anchor (vllm_v1, vllm_v2, nanovllm) run in its virtualenv")
+    ap.add_argument("--groups", metavar="PRESET", default=None,
+                    help="KV cache groups (a hybrid model): compare, at equal KV bytes, one table for all layers "
+                         "with HybridBlockManager for preset gemma3 (1 full + 5 sliding W=512 groups) or gpt-oss "
+                         "(1 full + 1 sliding W=128); sequence mode (pagedkv.replay.groups)")
+    ap.add_argument("--compare-lru", action="store_true",
+                    help="with --groups: also replay the groups without window retention (plain LRU)")
     ap.add_argument("--json", metavar="OUT", help="write the results as JSON to OUT")
     ap.add_argument("--plot", metavar="DIR", help="draw hit rate against capacity into DIR (matplotlib)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -102,6 +108,8 @@ def run(args: argparse.Namespace) -> dict:
         from .cluster_cli import run_cluster
 
         return run_cluster(args, _CliError)
+    if args.groups is not None:
+        return _run_groups(args)
     bs = args.block_size
     if bs < 1 or TRACE_BLOCK % bs:
         raise _CliError(f"--block-size must divide {TRACE_BLOCK}, got {bs}")
@@ -173,6 +181,70 @@ class _CliError(Exception):
     pass
 
 
+def _run_groups(args: argparse.Namespace) -> dict:
+    """``--groups``: one table vs KV cache groups at equal bytes, per capacity (see pagedkv.replay.groups)."""
+    from .groups import preset_groups, replay_groups
+    from .trace import TRACE_BLOCK, load_trace
+
+    bs = args.block_size
+    if bs < 1 or TRACE_BLOCK % bs:
+        raise _CliError(f"--block-size must divide {TRACE_BLOCK}, got {bs}")
+    if args.mode != "sequence" or args.cpu_capacity or args.bound or args.impl != "pagedkv":
+        raise _CliError("--groups replays pagedkv in sequence mode, without --cpu-capacity or --bound")
+    if args.limit is not None and args.limit < 1:
+        raise _CliError(f"--limit must be >= 1, got {args.limit}")
+    groups = preset_groups(args.groups)
+    caps = args.capacity or list(DEFAULT_CAPACITIES)
+    for c in caps:
+        if c < bs:
+            raise _CliError(f"--capacity {c} is less than one block of {bs} tokens")
+    trace = load_trace(args.trace, args.limit)
+    variants = [(None, True), (groups, True)] + ([(groups, False)] if args.compare_lru else [])
+    bar = progress_bar(len(trace) * len(caps) * len(variants), args.no_progress)
+    tick = bar.update if bar is not None else None
+    say = bar.write if bar is not None else print
+    say(f"{trace.name}: {len(trace):,} requests, {trace.prompt_tokens:,} prompt tokens; groups {args.groups}: "
+        + ", ".join("full" if g.window is None else f"sliding {g.window}" for g in groups))
+    rows = []
+    try:
+        for c in caps:
+            for g, ret in variants:
+                p = replay_groups(trace, c, g, block_size=bs, retention=ret, progress=tick)
+                rows.append(p.to_json())
+                say(f"  {c:>12,} tokens of KV, {p.impl:<18} hit rate {100 * p.hit_rate:5.1f}%, "
+                    f"full-attention tokens held {p.extra['tokens_held']:,.0f}, {p.seconds:.1f} s")
+    finally:
+        if bar is not None:
+            bar.close()
+    import numpy
+
+    import pagedkv
+
+    return {"kind": "replay-groups", "trace": trace.name, "requests": len(trace),
+            "prompt_tokens": int(trace.prompt_tokens), "groups": args.groups,
+            "windows": [g.window for g in groups], "block_size": bs, "mode": "sequence", "points": rows,
+            "command": "pagedkv replay " + " ".join(shlex.quote(a) for a in args.argv),
+            "versions": {"python": platform.python_version(), "numpy": numpy.__version__,
+                         "pagedkv": pagedkv.__version__},
+            "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine()}}
+
+
+def format_groups_table(doc: dict) -> str:
+    """The --groups result as a Markdown table: per capacity, each manager's hit rate and tokens held."""
+    out = [f"{doc['trace']}: KV cache groups {doc['groups']} vs one table for all layers, equal KV bytes "
+           f"(capacity = tokens of the one-table pool)", "",
+           "| KV capacity (tokens, one table) | manager | hit rate | full-attention tokens held | x one table |",
+           "|---|---|---|---|---|"]
+    base = {p["capacity_tokens"]: p for p in doc["points"] if p["impl"] == "one table"}
+    for p in doc["points"]:
+        b = base.get(p["capacity_tokens"])
+        held = p["extra"]["tokens_held"]
+        x = held / b["extra"]["tokens_held"] if b and b["extra"]["tokens_held"] else float("nan")
+        out.append(f"| {p['capacity_tokens']:,} | {p['impl']} | {100 * p['hit_rate']:.1f}% | {held:,.0f} | "
+                   f"{x:.2f} |")
+    return "\n".join(out)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
@@ -182,6 +254,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.replicas is not None or args.route:
         from .cluster_cli import format_table, plot  # noqa: F811
+    if args.groups is not None:
+        format_table = format_groups_table  # noqa: F811
+        if args.plot:
+            print("pagedkv replay: error: --plot is not available with --groups", file=sys.stderr)
+            return 2
 
     try:
         doc = run(args)

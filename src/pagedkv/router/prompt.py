@@ -7,6 +7,8 @@ the weights are never read, and torch is never imported (the ``gguf`` package re
 tests/test_router_torch_free.py checks it). A completion's string prompt is encoded with the special tokens (as
 ``LLM.generate``), token ids are taken as given, and a chat's messages go through the model's chat template (as
 the server's chat route). The prefix-cache namespace is the request's ``cache_salt`` (as the server passes it).
+The hashes are a :class:`pagedkv.prefix_cache.PromptKeys`: the prompt's group-0 keys, which also give its keys in
+the other KV cache groups when the index scores a replica of a hybrid model.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..prefix_cache import block_hashes
+from ..prefix_cache import PromptKeys
 
 __all__ = ["PromptBuilder", "RoutedPrompt", "load_tokenizer"]
 
@@ -70,7 +72,8 @@ class PromptBuilder:
         ids = [int(t) for t in ids]
         ns = req.cache_salt
         try:
-            hashes = block_hashes(ids, self.block_size, ns) if ids else []
+            # group 0's keys, and every other KV cache group's on demand (a hybrid replica's hit needs them)
+            hashes = PromptKeys(ids, self.block_size, ns) if ids else []
         except Exception as e:  # token ids out of range: the replica will say so; route without a prefix
             del e
             hashes = []

@@ -10,7 +10,12 @@ Wire layout (what a router written for vLLM's ``ZmqEventPublisher`` reads):
   ``["BlockRemoved", block_hashes, medium]`` or ``["AllBlocksCleared"]``. Block hashes are pagedkv's prefix-cache
   keys (unsigned 64-bit ints; :func:`pagedkv.block_hashes` computes them from tokens). The ``namespace`` of
   :class:`pagedkv.events.BlockStored` is not sent (vLLM's layout has no field for it; keys of different
-  namespaces never coincide anyway).
+  namespaces never coincide anyway). An event of a KV cache group (:class:`pagedkv.HybridBlockManager`) carries
+  its group as vLLM's do: ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id,
+  medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window]`` (``lora_name``
+  and ``extra_keys`` None) and ``["BlockRemoved", block_hashes, medium, group_idx]``; single-group events keep
+  the short layout above. :func:`decode_payload` reads all of them, and vLLM's longer arrays (fields after
+  ``kv_cache_spec_sliding_window`` are ignored).
 * A **ROUTER** socket bound at ``replay_endpoint`` resends recent messages. A client (a DEALER socket) sends
   ``[b"", start]`` with ``start`` an 8-byte big-endian sequence number; it receives ``[b"", seq, payload]`` for
   every buffered message with ``seq >= start``, in order, then the end marker ``[b"", -1 as 8 signed big-endian
@@ -59,9 +64,31 @@ class BlockStored(_Event, tag="BlockStored"):
     block_size: int
     lora_id: Union[int, None]
     medium: Union[str, None]
+    lora_name: Union[str, None] = None
+    extra_keys: Union[list, None] = None
+    group_idx: Union[int, None] = None
+    kv_cache_spec_kind: Union[str, None] = None
+    kv_cache_spec_sliding_window: Union[int, None] = None
 
 
 class BlockRemoved(_Event, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: Union[str, None]
+    group_idx: Union[int, None] = None
+
+
+class _ShortBlockStored(_Event, tag="BlockStored"):
+    """What a single-group BlockStored is sent as (the short layout; :class:`BlockStored` decodes it)."""
+
+    block_hashes: list[int]
+    parent_block_hash: Union[int, None]
+    token_ids: list[int]
+    block_size: int
+    lora_id: Union[int, None]
+    medium: Union[str, None]
+
+
+class _ShortBlockRemoved(_Event, tag="BlockRemoved"):
     block_hashes: list[int]
     medium: Union[str, None]
 
@@ -87,12 +114,21 @@ def decode_payload(payload: bytes) -> KVEventBatch:
 def to_wire(event: Any) -> _Event:
     """A :mod:`pagedkv.events` event as its wire struct."""
     if isinstance(event, ev.BlockStored):
-        return BlockStored([int(h) for h in event.block_hashes],
-                           None if event.parent_block_hash is None else int(event.parent_block_hash),
-                           [int(t) for t in event.token_ids], int(event.block_size),
-                           None if event.lora_id is None else int(event.lora_id), event.medium)
+        args = ([int(h) for h in event.block_hashes],
+                None if event.parent_block_hash is None else int(event.parent_block_hash),
+                [int(t) for t in event.token_ids], int(event.block_size),
+                None if event.lora_id is None else int(event.lora_id), event.medium)
+        g = getattr(event, "group_idx", None)
+        if g is None:
+            return _ShortBlockStored(*args)
+        w = getattr(event, "kv_cache_spec_sliding_window", None)
+        return BlockStored(*args, None, None, int(g), getattr(event, "kv_cache_spec_kind", None),
+                           None if w is None else int(w))
     if isinstance(event, ev.BlockRemoved):
-        return BlockRemoved([int(h) for h in event.block_hashes], event.medium)
+        g = getattr(event, "group_idx", None)
+        if g is None:
+            return _ShortBlockRemoved([int(h) for h in event.block_hashes], event.medium)
+        return BlockRemoved([int(h) for h in event.block_hashes], event.medium, int(g))
     if isinstance(event, ev.AllBlocksCleared):
         return AllBlocksCleared()
     raise TypeError(f"not a KV event: {event!r}")

@@ -40,7 +40,20 @@ A request is admitted as V1's waiting-queue path does: ``get_computed_blocks(req
 full_sequence_must_fit=True, has_scheduled_reqs=...)`` and ``get_blocks(request_id)``.
 
 The pool has ``num_gpu_blocks + 1`` blocks, because V1 keeps block 0 as its null block, so that the
-usable count matches pagedkv's.  Block hashes use vLLM's default ``sha256`` prefix-caching hash.
+usable count matches pagedkv's.
+
+Hybrid configuration (``kv_cache_groups=``).  A list of group specs (pagedkv's
+:class:`pagedkv.FullAttentionSpec` / :class:`pagedkv.SlidingWindowSpec`, or anything with a ``window``
+attribute that is None for full attention) becomes one V1 ``KVCacheGroupSpec`` per group
+(``layers_per_group`` layer names each, every group the same page size) over one ``KVCacheConfig`` pool, as
+V1's ``_get_kv_cache_config_uniform_page_size`` builds it for Gemma 3; ``KVCacheManager`` then picks its
+``HybridKVCacheCoordinator`` itself (with prefix caching; without it the no-cache coordinator, which handles
+the groups too).  The calls are the same as for one group; ``get_block_ids(allow_none=True)`` then holds one
+list of new ids per group, and :meth:`VllmV1Anchor.block_table` takes the group.  V1 gives a sliding group
+blocks for the whole prompt at admission and releases those outside the window at the request's next
+``allocate_slots`` (which first calls ``remove_skipped_blocks``); :meth:`VllmV1Anchor.settle` makes that
+release for an admitted request (``KVCacheManager.remove_skipped_blocks``, the call V1's scheduler makes),
+so a benchmark can admit a thousand long prompts one after another into a pool sized for their windows.  Block hashes use vLLM's default ``sha256`` prefix-caching hash.
 Not supported: fork (V1 runs parallel samples as separate requests sharing the prefix cache), swap
 (V1 preempts by recompute or offloads through KV connectors), copy-on-write.
 """
@@ -156,21 +169,37 @@ class VllmV1Anchor(AnchorAdapter):
         enable_prefix_caching: bool = False,
         sliding_window: int | None = None,
         watermark: float = 0.01,
+        kv_cache_groups: Seq[Any] | None = None,
+        layers_per_group: int = 3,
     ) -> None:
         global _none_hash_ready
         if num_cpu_blocks:
             raise NotImplementedError("vLLM V1's KVCacheManager has no CPU swap space")
         torch = _V["torch"]
         common = dict(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float16)
-        if sliding_window is None:
-            spec = _V["FullAttentionSpec"](**common)
+        if kv_cache_groups is not None:
+            if sliding_window is not None:
+                raise ValueError("give sliding_window or kv_cache_groups, not both")
+            if not kv_cache_groups or layers_per_group < 1:
+                raise ValueError("kv_cache_groups needs at least one group and layers_per_group >= 1")
+            windows = [getattr(g, "window", None) for g in kv_cache_groups]
         else:
-            spec = _V["SlidingWindowSpec"](**common, sliding_window=sliding_window)
+            windows = [sliding_window]
+        groups = []
+        for g, w in enumerate(windows):
+            if w is None:
+                spec = _V["FullAttentionSpec"](**common)
+            else:
+                spec = _V["SlidingWindowSpec"](**common, sliding_window=int(w))
+            names = [f"model.layers.{g * layers_per_group + j}.self_attn.attn" for j in range(layers_per_group)]
+            groups.append(_V["KVCacheGroupSpec"](names if kv_cache_groups is not None else names[:1], spec))
         config = _V["KVCacheConfig"](
             num_blocks=num_gpu_blocks + 1,  # + V1's null block
             kv_cache_tensors=[],
-            kv_cache_groups=[_V["KVCacheGroupSpec"](["model.layers.0.self_attn.attn"], spec)],
+            kv_cache_groups=groups,
         )
+        self.num_groups = len(groups)
+        self.windows = tuple(windows)
         self.block_size = block_size
         self.num_gpu_blocks = num_gpu_blocks
         self.enable_prefix_caching = enable_prefix_caching
@@ -221,7 +250,18 @@ class VllmV1Anchor(AnchorAdapter):
         self._no_namespace(namespace)
         if seq_id in self._reqs:
             raise ValueError(f"sequence {seq_id} already allocated")
-        req = self._request(seq_id, token_ids)
+        return self.admit(seq_id, self._request(seq_id, token_ids))
+
+    def make_request(self, seq_id: int, token_ids: Seq[int]) -> Any:
+        """The engine-side ``Request`` of a prompt (with prefix caching its block hashes are computed here, as
+        V1's engine core does when a request arrives), for :meth:`admit`."""
+        return self._request(seq_id, token_ids)
+
+    def admit(self, seq_id: int, req: Any) -> int:
+        """The scheduler's admission calls for a request made by :meth:`make_request` (what :meth:`allocate`
+        times after building the request); returns the prefix-hit token count."""
+        if seq_id in self._reqs:
+            raise ValueError(f"sequence {seq_id} already allocated")
         km = self.km
         blocks, num_hit, _ = km.get_computed_blocks(req)
         new = km.allocate_slots(
@@ -245,7 +285,7 @@ class VllmV1Anchor(AnchorAdapter):
 
     # -- decode ---------------------------------------------------------------------------------------
     def can_append_slots(self, seq_ids: Seq[int], num_lookahead_slots: int = 0, *, num_new_tokens: int = 1) -> bool:
-        """Whether every request can get its new token(s) plus the lookahead (full-attention block count).
+        """Whether every request can get its new token(s) plus the lookahead (block count summed over groups).
 
         Before ``prepare_step`` ``num_new_tokens`` per request are assumed, as in pagedkv.  With a sliding
         window the count ignores the blocks V1 would release first, so it errs on the safe side.
@@ -255,8 +295,9 @@ class VllmV1Anchor(AnchorAdapter):
         extra = 0 if self._prepared else num_new_tokens
         for sid in seq_ids:
             req = self._reqs[sid]
-            have = len(self.km.get_block_ids(req.request_id)[0])
-            need += max(0, _cdiv(req.num_tokens + extra + num_lookahead_slots, bs) - have)
+            want = _cdiv(req.num_tokens + extra + num_lookahead_slots, bs)
+            for ids in self.km.get_block_ids(req.request_id):  # one list per group (V1 pads with null blocks)
+                need += max(0, want - len(ids))
         return need <= self.km.block_pool.get_num_free_blocks()
 
     def prepare_step(self, seq_ids: Seq[int], token_ids: Any) -> None:
@@ -310,8 +351,17 @@ class VllmV1Anchor(AnchorAdapter):
     def num_free_gpu_blocks(self) -> int:
         return self.km.block_pool.get_num_free_blocks()
 
-    def block_table(self, seq_id: int) -> list[int]:
-        return list(self.km.get_block_ids(self._reqs[seq_id].request_id)[0])
+    def block_table(self, seq_id: int, group: int = 0) -> list[int]:
+        """Group ``group``'s block ids of the request (V1's null block 0 where a sliding group released one)."""
+        return list(self.km.get_block_ids(self._reqs[seq_id].request_id)[group])
+
+    def settle(self, seq_id: int) -> None:
+        """Release the blocks a sliding group no longer needs after admission, as the request's next
+        ``allocate_slots`` would first do (``KVCacheManager.remove_skipped_blocks``, the call V1's scheduler
+        makes; see the module docstring). A no-op for full-attention groups."""
+        req = self._reqs[seq_id]
+        self.km.remove_skipped_blocks(req.request_id, req.num_computed_tokens,
+                                      num_prompt_tokens=req.num_prompt_tokens)
 
     def num_tokens(self, seq_id: int) -> int:
         return self._reqs[seq_id].num_tokens

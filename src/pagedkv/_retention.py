@@ -1,0 +1,138 @@
+"""Window retention for :class:`pagedkv.HybridBlockManager`: which released sliding-window blocks to keep.
+
+A hybrid prefix hit at L blocks needs, besides the full-attention groups' blocks [0, L), each sliding group's
+last window before L: blocks [L - k, L) with ``k = ceil(W / block_size)``. A sliding group releases its blocks
+as the window moves (and at ``free``), so under plain LRU they leave the cache in release order, mixed with
+the full groups' blocks, and hits collapse although the full-attention prefix is still cached (vLLM issues
+#48435, #42948). Most of a sliding group's blocks can never serve a hit anyway: only a window that ends where a
+later prompt will stop matching is useful. Those *useful points* are, per sequence::
+
+    prompt end     P = prompt tokens // block_size   the next turn of a conversation extends the prompt: its hit
+                                                     ends at P (or at P - 1 for the same prompt sent again)
+    sequence end   N = tokens at free // block_size  the next turn includes this answer
+    interval       every R tokens                    a cached prefix whose tail LRU already evicted, or one
+                   (default 16 windows)              shared up to an arbitrary point (system prompt,
+                                                     document), hits at the last multiple of R it still holds
+
+    sliding group positions   0 ......... P-k-1 [P-k-1 ... P) ......... [N-k ... N)
+                              spare             kept (window at P)      kept (window at N)
+
+When a sliding group releases a block, the block is *kept* (stays in the LRU with the full groups' blocks) if
+its position lies in the window before a useful point, else it is made *spare*
+(:meth:`pagedkv.evictor.RetentionEvictor.demote_many`): spare blocks are evicted before any other block. A cached
+prefix then costs its full-attention blocks plus a few windows, not every group's blocks, so the same pool
+keeps many more prefixes hittable (``pagedkv replay --groups``). Nothing changes for the blocks a sequence
+holds, for hits, or for a manager without prefix caching.
+
+Cost: a release's positions are classified with a few numpy operations (O(blocks released)); nothing is added
+to a step that releases nothing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .manager import BlockManager
+
+__all__ = ["WindowRetention"]
+
+
+class WindowRetention:
+    """The retention policy of one HybridBlockManager: the useful points per row (rows are shared by every group
+    manager of the coordinator) and the demotion of released blocks that no useful point needs."""
+
+    __slots__ = ("bs", "interval", "pblk", "cache", "ref")
+
+    def __init__(self, block_size: int, interval: int | None, cache, ref: np.ndarray) -> None:
+        self.bs = block_size
+        self.interval = (interval // block_size) if interval else 0  # in blocks; 0: no interval points
+        self.pblk = np.zeros(8, dtype=np.int64)  # per row: prompt tokens // block_size
+        self.cache = cache
+        self.ref = ref
+
+    def set_prompt(self, row: int, prompt_tokens: int) -> None:
+        if row >= self.pblk.size:
+            p = np.zeros(max(2 * self.pblk.size, row + 1), dtype=np.int64)
+            p[: self.pblk.size] = self.pblk
+            self.pblk = p
+        self.pblk[row] = prompt_tokens // self.bs
+
+    def copy_row(self, src: int, dst: int) -> None:
+        self.set_prompt(dst, 0)
+        self.pblk[dst] = self.pblk[src]
+
+    def kept(self, row: int, pos: np.ndarray, k: int, end_blk: int = -1) -> np.ndarray:
+        """Which table positions ``pos`` of ``row`` lie in a window before a useful point (``k``: the group's
+        window in blocks; ``end_blk``: the sequence end at free, -1 during a step)."""
+        p = int(self.pblk[row]) if row < self.pblk.size else 0
+        keep = (pos >= p - k - 1) & (pos < p)
+        if end_blk >= 0:
+            keep |= pos >= end_blk - k
+        r = self.interval
+        if r:
+            keep |= (pos % r) >= r - k
+        return keep
+
+    def kept_rows(self, rows: np.ndarray, pos: np.ndarray, k: int) -> np.ndarray:
+        """:meth:`kept` of one position per entry of ``rows`` (during a step), vectorised."""
+        p = self.pblk[rows]
+        keep = (pos >= p - k - 1) & (pos < p)
+        r = self.interval
+        if r:
+            keep |= (pos % r) >= r - k
+        return keep
+
+    def demote(self, blocks: np.ndarray, keep: np.ndarray) -> None:
+        """Make spare the released ``blocks`` (in release order) not ``keep``-marked that are now unreferenced and
+        cached (the others are ignored)."""
+        b = blocks[~keep]
+        if b.size:
+            b = b[(b >= 0)]
+            b = b[(self.ref[b] == 0) & (self.cache.cid[b] != 0)]
+            if b.size > 1:  # forks release a shared block once per holder: each block once, first release first
+                _, first = np.unique(b, return_index=True)
+                if first.size < b.size:
+                    b = b[np.sort(first)]
+            if b.size:
+                self.cache.evictor.demote_many(b)
+
+
+class _SlidingGroup(BlockManager):
+    """A sliding-window group's manager whose window releases go through the retention policy (internal; built
+    with ``BlockManager._sharing``, then ``_retention`` and ``_k`` are set)."""
+
+    _retention: WindowRetention | None = None
+    _k = 0
+
+    def _release_window(self, release: tuple) -> None:
+        ret = self._retention
+        if ret is None:
+            super()._release_window(release)
+            return
+        rows, first, stop = release
+        if not np.count_nonzero(stop - first - 1):  # one block a row (a decode batch's steady state)
+            rr, pos = rows, first
+        else:
+            rr = np.repeat(rows, stop - first)
+            pos = np.concatenate([np.arange(a, z) for a, z in zip(first.tolist(), stop.tolist())])
+        blk = self._table[rr, pos]  # (a copy: fancy indexing)
+        super()._release_window(release)
+        ret.demote(blk, ret.kept_rows(rr, pos, self._k))
+
+    def _release_window_small(self, rows: list) -> None:
+        ret = self._retention
+        if ret is None:
+            super()._release_window_small(rows)
+            return
+        ntok, nrel, w, bs = self._ntok, self._nrel, self._window, self._bs
+        parts = []
+        for r in rows:
+            target = int(ntok[r]) - w + 1
+            if target > 0:
+                target //= bs
+                a = int(nrel[r])
+                if target > a:
+                    parts.append((r, self._table[r, a:target].copy(), np.arange(a, target)))
+        super()._release_window_small(rows)
+        for r, blk, pos in parts:
+            ret.demote(blk, ret.kept(r, pos, self._k))

@@ -1,0 +1,439 @@
+"""Hybrid side by side: :class:`pagedkv.HybridBlockManager` against vLLM V1's ``HybridKVCacheCoordinator``.
+
+``python -m pagedkv.bench hybrid [--impl pagedkv vllm_v1] [--quick]`` (also ``pagedkv bench hybrid``; vLLM V1
+needs its virtualenv: ``.venv-anchor-v1/bin/python -m pagedkv.bench hybrid --impl pagedkv vllm_v1``);
+``python -m pagedkv.bench hybrid report FILE.json ...`` re-renders saved files.
+
+Configuration (both managers): a Gemma-3-like model, one full-attention group and five sliding-window groups
+of window 512 (Gemma 3 270M's 18 layers as 6 groups of 3), block size 16, all groups over ONE shared pool
+(pagedkv: ``HybridBlockManager(kv_cache_groups=GEMMA3_GROUPS)``; V1: a ``KVCacheConfig`` with six
+``KVCacheGroupSpec`` of equal page size, for which ``KVCacheManager`` picks ``HybridKVCacheCoordinator``,
+see :mod:`pagedkv.bench.anchors.vllm_v1`).
+
+Two measurements:
+
+``decode``  For each batch size B (1 .. 1000) and prefix caching on and off, a fresh manager (pool: every
+            sequence's final length in the full group plus a window and two blocks in each sliding group, plus
+            one prompt's worth of blocks in every group and 16) admits B prompts of 2048..4096 seeded random
+            tokens and runs each one's first decode step alone (untimed; both managers release the sliding
+            groups' blocks outside the window there, so the pool holds one prompt in full at a time), then runs
+            ``--steps`` decode steps of one token per sequence. Timed per step: pagedkv's
+            ``decode_step(seq_ids, tokens)``, which returns per group the slot mapping ``(G, B)`` and the block
+            tables, and the lengths; V1: its scheduler's KV-manager calls for the batch (the adapter's
+            ``decode_step``: ``allocate_slots`` per request, the per-step ``take_*`` calls) plus building the
+            same arrays from the per-group deltas as V1's ``MultiGroupBlockTable`` does
+            (:class:`pagedkv.bench.runner_tables.GroupTables`); the two V1 parts are also kept apart.
+``prefix``  Allocation with hybrid prefix hits: a conversation's second turn. For prompt lengths 1k, 4k and
+            16k tokens, ``--requests`` sessions each admit their first turn (L random tokens; untimed), free it
+            into the prefix cache, then admit the second turn (the first + 256 tokens), timed: the hit covers
+            the first turn's full blocks in the full group and the last window in every sliding group. pagedkv:
+            ``allocate(seq, tokens)`` (hashing included); V1: ``get_computed_blocks`` + ``allocate_slots`` +
+            ``get_blocks`` (its scheduler's admission calls), with the engine-side ``Request`` (where V1 hashes
+            the prompt's blocks) built untimed; its hashing time is kept apart, and the ratio with it added is
+            given too. The hit token counts of both are recorded (they must agree).
+
+Per (implementation, setting) and repeat: the median over the timed calls (decode: after the first ``--skip``
+steps). Repeats are interleaved (every setting and implementation, then the next repeat) after one untimed
+warm-up per implementation; ratios pagedkv / V1 are taken per repeat, then median, min and max (below 1:
+pagedkv faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, NamedTuple, Sequence
+
+import numpy as np
+
+from .._help import HelpFormatter, plain
+from .meta import machine as _machine, versions as _versions
+from .report import save_result
+from .runner_tables import GroupTables
+
+__all__ = ["BATCH_SIZES", "PREFIX_LENGTHS", "GEMMA3_WINDOWS", "gemma3_groups", "run_hybrid", "format_table", "main"]
+
+BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1000)
+QUICK_BATCH_SIZES = (1, 4, 16)
+PREFIX_LENGTHS = (1024, 4096, 16384)
+QUICK_PREFIX_LENGTHS = (1024,)
+BLOCK_SIZE = 16
+CONTEXT = (2048, 4096)
+QUICK_CONTEXT = (600, 1200)
+TURN = 256  # tokens the second turn adds
+VOCAB = 32_000
+GEMMA3_WINDOWS = (None, 512, 512, 512, 512, 512)  # group 0 full attention, groups 1..5 sliding window 512
+
+
+class _Spec(NamedTuple):
+    """Stand-in group spec (``window`` None: full attention) where pagedkv's kv_groups is not importable."""
+
+    window: int | None
+
+    @property
+    def kind(self) -> str:
+        return "full_attention" if self.window is None else "sliding_window"
+
+
+def gemma3_groups(windows: Sequence[int | None] = GEMMA3_WINDOWS) -> list:
+    """pagedkv's group specs for ``windows`` (None: full attention)."""
+    try:
+        from ..kv_groups import FullAttentionSpec, SlidingWindowSpec
+    except ImportError:  # pragma: no cover - before the groups branch
+        return [_Spec(w) for w in windows]
+    return [FullAttentionSpec() if w is None else SlidingWindowSpec(w) for w in windows]
+
+
+class _Impl(NamedTuple):
+    name: str
+    make: Callable[[int, bool], Any] | None  # (num_blocks, caching) -> manager
+    version: str
+    unavailable: str = ""
+
+
+def _resolve(name: str, groups: list) -> _Impl:
+    if name == "pagedkv":
+        try:
+            import pagedkv
+            from pagedkv import HybridBlockManager  # type: ignore[attr-defined]
+        except ImportError as exc:
+            return _Impl(name, None, "", f"pagedkv has no HybridBlockManager here: {exc}")
+        return _Impl(name, lambda n, c: HybridBlockManager(n, BLOCK_SIZE, kv_cache_groups=groups,
+                                                             enable_prefix_caching=c),
+                     f"pagedkv {pagedkv.__version__}")
+    if name in ("vllm_v1", "v1", "vllm-v1"):
+        from .anchors import AnchorUnavailable, load_anchor
+
+        try:
+            cls = load_anchor("vllm_v1")
+        except AnchorUnavailable as exc:
+            return _Impl("vllm_v1", None, "", str(exc))
+        return _Impl("vllm_v1", lambda n, c: cls(n, BLOCK_SIZE, enable_prefix_caching=c, kv_cache_groups=groups),
+                     str(cls.name))
+    raise KeyError(f"unknown implementation {name!r} (pagedkv, vllm_v1)")
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ---------------------------------------------------------------------------------------------- decode
+def _prompts(b: int, seed: int, context: tuple[int, int]) -> list[np.ndarray]:
+    rng = np.random.default_rng([seed, b])
+    lens = rng.integers(context[0], context[1] + 1, size=b)
+    return [rng.integers(0, VOCAB, size=int(n), dtype=np.int64) for n in lens]
+
+
+def _pool_blocks(b: int, longest: int, steps: int, windows: Sequence[int | None]) -> int:
+    per_seq = 0
+    for w in windows:
+        full = _cdiv(longest + steps + 1, BLOCK_SIZE)
+        per_seq += full if w is None else min(full, _cdiv(w, BLOCK_SIZE) + 2)
+    transient = len(windows) * _cdiv(longest, BLOCK_SIZE)  # one prompt admitted in full before its first step
+    return b * per_seq + transient + 16
+
+
+class _DecodeRun:
+    """One manager with B admitted sequences; ``step(tokens)`` returns (total ns, block-manager ns)."""
+
+    def __init__(self, impl: _Impl, b: int, caching: bool, steps: int, seed: int, context: tuple[int, int],
+                 windows: Sequence[int | None]) -> None:
+        prompts = _prompts(b, seed, context)
+        self.bm = bm = impl.make(_pool_blocks(b, context[1], steps, windows), caching)
+        first = np.random.default_rng([seed, b, 3]).integers(0, VOCAB, size=b, dtype=np.int64)
+        v1 = impl.name != "pagedkv"
+        for i, p in enumerate(prompts):
+            bm.allocate(i, p)
+            # the sequence's first decode step, alone: both managers release the sliding groups' blocks
+            # outside the window there (so a pool sized for the windows admits every prompt)
+            if v1:
+                bm.prepare_step([i], first[i : i + 1])
+            bm.decode_step([i], first[i : i + 1])
+        self.seq_ids = list(range(b))
+        self.step = self._pagedkv_step if impl.name == "pagedkv" else self._v1_step(len(windows))
+
+    def _pagedkv_step(self, tokens: np.ndarray) -> tuple[int, int]:
+        clock = time.perf_counter_ns
+        t0 = clock()
+        self.bm.decode_step(self.seq_ids, tokens)
+        t = clock() - t0
+        return t, t
+
+    def _v1_step(self, ngroups: int) -> Callable[[np.ndarray], tuple[int, int]]:
+        bm, seq_ids = self.bm, self.seq_ids
+        runner = GroupTables(BLOCK_SIZE, len(seq_ids), ngroups)
+        for s in seq_ids:
+            runner.add_row(s, [bm.block_table(s, g) for g in range(ngroups)])
+        rows = np.asarray(seq_ids, dtype=np.int64)
+        prepare, decode, build = bm.prepare_step, bm.decode_step, runner.build
+        clock = time.perf_counter_ns
+
+        def step(tokens: np.ndarray) -> tuple[int, int]:
+            prepare(seq_ids, tokens)
+            t0 = clock()
+            out = decode(seq_ids, tokens)
+            t1 = clock()
+            build(rows, out.block_tables, [r.num_tokens for r in bm._batch])
+            return clock() - t0, t1 - t0
+
+        return step
+
+
+def run_decode(impl: _Impl, b: int, caching: bool, steps: int, seed: int, skip: int,
+               context: tuple[int, int] = CONTEXT, windows: Sequence[int | None] = GEMMA3_WINDOWS) -> dict:
+    """One measured decode run: medians (us) over the steps after the first ``skip``."""
+    run = _DecodeRun(impl, b, caching, steps, seed, context, windows)
+    toks = np.random.default_rng([seed, b, 1]).integers(0, VOCAB, size=(steps, b), dtype=np.int64)
+    total = np.empty(steps, dtype=np.int64)
+    bm_ns = np.empty(steps, dtype=np.int64)
+    step = run.step
+    gc.collect()
+    for s in range(steps):
+        total[s], bm_ns[s] = step(toks[s])
+    k = min(skip, steps - 1)
+    out = {"us": float(np.median(total[k:])) / 1e3, "bm_us": float(np.median(bm_ns[k:])) / 1e3,
+           "free_blocks": int(run.bm.num_free_gpu_blocks)}
+    del run
+    gc.collect()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- prefix hits
+def run_prefix(impl: _Impl, length: int, n: int, seed: int, windows: Sequence[int | None] = GEMMA3_WINDOWS) -> dict:
+    """``n`` second-turn admissions with a hybrid prefix hit (see the module docstring): medians (us) of the
+    timed admission, of V1's untimed request building (hashing), and the hit tokens of each."""
+    rng = np.random.default_rng([seed, length, 2])
+    firsts = [rng.integers(0, VOCAB, size=length, dtype=np.int64) for _ in range(n)]
+    seconds = [np.concatenate([f, rng.integers(0, VOCAB, size=TURN, dtype=np.int64)]) for f in firsts]
+    nblk = _cdiv(length + TURN, BLOCK_SIZE)
+    bm = impl.make(len(windows) * nblk * (n + 2) + 16, True)
+    v1 = impl.name != "pagedkv"
+    clock = time.perf_counter_ns
+    adm = np.empty(n, dtype=np.int64)
+    req_ns = np.zeros(n, dtype=np.int64)
+    hits = []
+    gc.collect()
+    for i in range(n):
+        bm.allocate(i, firsts[i])
+        bm.free(i)
+        sid = n + i
+        if v1:
+            t0 = clock()
+            req = bm.make_request(sid, seconds[i])
+            t1 = clock()
+            hit = bm.admit(sid, req)
+            t2 = clock()
+            req_ns[i], adm[i] = t1 - t0, t2 - t1
+        else:
+            t0 = clock()
+            hit = bm.allocate(sid, seconds[i])
+            adm[i] = clock() - t0
+        hits.append(int(hit))
+        bm.free(sid)
+    return {"us": float(np.median(adm)) / 1e3, "hash_us": float(np.median(req_ns)) / 1e3,
+            "us_with_hash": float(np.median(adm + req_ns)) / 1e3, "hit_tokens": hits}
+
+
+# ---------------------------------------------------------------------------------------------- the run
+def _mmm(vals: Sequence[float]) -> dict:
+    a = np.asarray(vals, dtype=float)
+    return {"min": float(a.min()), "median": float(np.median(a)), "max": float(a.max())}
+
+
+def run_hybrid(impl_names: Sequence[str], *, batch_sizes: Sequence[int] = BATCH_SIZES,
+               lengths: Sequence[int] = PREFIX_LENGTHS, steps: int = 64, repeats: int = 3, skip: int = 8,
+               requests: int = 32, seed: int = 0, caching: Sequence[bool] = (True, False),
+               context: tuple[int, int] = CONTEXT, parts: Sequence[str] = ("decode", "prefix"),
+               progress: Callable[[str], None] | None = None) -> dict:
+    """Run the benchmark; returns the result document (without machine/command, see :func:`main`)."""
+    groups = gemma3_groups()
+    windows = [getattr(g, "window", None) for g in groups]
+    impls, skipped = [], {}
+    for name in impl_names:
+        impl = _resolve(name, groups)
+        if impl.unavailable:
+            skipped[impl.name] = impl.unavailable
+        else:
+            impls.append(impl)
+    say = progress or (lambda s: None)
+    for impl in impls:  # warm-up
+        if "decode" in parts:
+            for c in caching:
+                run_decode(impl, min(4, max(batch_sizes)), c, min(steps, 16), seed, 0, context, windows)
+        if "prefix" in parts:
+            run_prefix(impl, min(lengths), 4, seed, windows)
+    dec: dict[tuple[str, bool, int], list[dict]] = {}
+    pre: dict[tuple[str, int], list[dict]] = {}
+    for rep in range(repeats):
+        if "decode" in parts:
+            for b in batch_sizes:
+                say(f"repeat {rep + 1}/{repeats}: decode, batch {b}")
+                for c in caching:
+                    for impl in impls:
+                        dec.setdefault((impl.name, c, b), []).append(
+                            run_decode(impl, b, c, steps, seed, skip, context, windows))
+        if "prefix" in parts:
+            for length in lengths:
+                say(f"repeat {rep + 1}/{repeats}: prefix hits, {length} tokens")
+                for impl in impls:
+                    pre.setdefault((impl.name, length), []).append(run_prefix(impl, length, requests, seed, windows))
+    decode_results, decode_ratios = [], []
+    for (name, c, b), rs in dec.items():
+        rec = {"impl": name, "prefix_caching": c, "batch": b, "us_per_step": _mmm([r["us"] for r in rs]),
+               "runs_us": [r["us"] for r in rs]}
+        if name != "pagedkv":
+            rec["bm_us_per_step"] = _mmm([r["bm_us"] for r in rs])
+        decode_results.append(rec)
+        base = dec.get(("pagedkv", c, b))
+        if name != "pagedkv" and base is not None:
+            decode_ratios.append({"anchor": name, "prefix_caching": c, "batch": b,
+                                  "ratio": _mmm([p["us"] / a["us"] for p, a in zip(base, rs)]),
+                                  "ratio_vs_bm_only": _mmm([p["us"] / a["bm_us"] for p, a in zip(base, rs)])})
+    prefix_results, prefix_ratios = [], []
+    for (name, length), rs in pre.items():
+        rec = {"impl": name, "prompt_tokens": length + TURN, "us_per_allocate": _mmm([r["us"] for r in rs]),
+               "hit_tokens_median": float(np.median(rs[0]["hit_tokens"])), "hit_tokens": rs[0]["hit_tokens"]}
+        if name != "pagedkv":
+            rec["hash_us"] = _mmm([r["hash_us"] for r in rs])
+        prefix_results.append(rec)
+        base = pre.get(("pagedkv", length))
+        if name != "pagedkv" and base is not None:
+            prefix_ratios.append({
+                "anchor": name, "prompt_tokens": length + TURN,
+                "ratio": _mmm([p["us"] / a["us"] for p, a in zip(base, rs)]),
+                "ratio_vs_with_hash": _mmm([p["us"] / a["us_with_hash"] for p, a in zip(base, rs)]),
+                "same_hits": base[0]["hit_tokens"] == rs[0]["hit_tokens"]})
+    return {
+        "schema": 1,
+        "kind": "hybrid",
+        "config": {"impl": list(impl_names), "groups": [{"kind": getattr(g, "kind", None), "window": w}
+                                                        for g, w in zip(groups, windows)],
+                   "block_size": BLOCK_SIZE, "batch_sizes": list(batch_sizes), "context": list(context),
+                   "steps": steps, "skip_steps": skip, "repeats": repeats, "prefix_caching": list(caching),
+                   "prefix_lengths": list(lengths), "turn_tokens": TURN, "requests": requests, "seed": seed,
+                   "parts": list(parts)},
+        "versions_impl": {i.name: i.version for i in impls},
+        "skipped": skipped,
+        "decode": decode_results,
+        "decode_ratios": decode_ratios,
+        "prefix": prefix_results,
+        "prefix_ratios": prefix_ratios,
+    }
+
+
+# ---------------------------------------------------------------------------------------------- report
+def format_table(doc: dict) -> str:
+    """Markdown tables: decode us per step and ratios per batch size (caching on, off); prefix-hit admission."""
+    out: list[str] = []
+    impls = sorted({r["impl"] for r in doc["decode"] + doc["prefix"]}, key=lambda n: (n != "pagedkv", n))
+    for c in doc["config"]["prefix_caching"]:
+        rows = [r for r in doc["decode"] if r["prefix_caching"] == c]
+        if not rows:
+            continue
+        by = {(r["impl"], r["batch"]): r for r in rows}
+        rat = {r["batch"]: r for r in doc["decode_ratios"] if r["prefix_caching"] == c}
+        out += [f"decode step, prefix caching {'on' if c else 'off'}: median us per step [min-max across repeats]; "
+                "ratio pagedkv / vllm_v1 (below 1: pagedkv faster), in parentheses vs V1's KV-manager calls alone",
+                "", "| batch | " + " | ".join(impls) + (" | ratio |" if rat else " |"),
+                "|---" * (len(impls) + 1 + bool(rat)) + "|"]
+        for b in sorted({r["batch"] for r in rows}):
+            cells = []
+            for name in impls:
+                r = by.get((name, b))
+                cells.append("-" if r is None else
+                             f"{r['us_per_step']['median']:.1f} [{r['us_per_step']['min']:.1f}-{r['us_per_step']['max']:.1f}]")
+            line = f"| {b} | " + " | ".join(cells)
+            if rat:
+                q = rat.get(b)
+                line += " | " + ("-" if q is None else
+                                 f"{q['ratio']['median']:.3g} [{q['ratio']['min']:.3g}-{q['ratio']['max']:.3g}] "
+                                 f"({q['ratio_vs_bm_only']['median']:.3g})")
+            out.append(line + " |")
+        out.append("")
+    if doc["prefix"]:
+        by = {(r["impl"], r["prompt_tokens"]): r for r in doc["prefix"]}
+        rat = {r["prompt_tokens"]: r for r in doc["prefix_ratios"]}
+        out += ["allocate with a hybrid prefix hit (second turn of a conversation): median us per admission; hit "
+                "tokens; ratio pagedkv / vllm_v1 (in parentheses: vs V1 with its request hashing added)", "",
+                "| prompt tokens | " + " | ".join(f"{n} us | {n} hit" for n in impls) + (" | ratio |" if rat else " |"),
+                "|---" * (2 * len(impls) + 1 + bool(rat)) + "|"]
+        for t in sorted({r["prompt_tokens"] for r in doc["prefix"]}):
+            cells = []
+            for name in impls:
+                r = by.get((name, t))
+                cells += ["-", "-"] if r is None else [f"{r['us_per_allocate']['median']:.1f}",
+                                                       f"{r['hit_tokens_median']:.0f}"]
+            line = f"| {t} | " + " | ".join(cells)
+            if rat:
+                q = rat.get(t)
+                line += " | " + ("-" if q is None else
+                                 f"{q['ratio']['median']:.3g} [{q['ratio']['min']:.3g}-{q['ratio']['max']:.3g}] "
+                                 f"({q['ratio_vs_with_hash']['median']:.3g})" + ("" if q["same_hits"] else " hits differ"))
+            out.append(line + " |")
+        out.append("")
+    for name, why in doc.get("skipped", {}).items():
+        out.append(f"skipped {name}: {why}")
+    return "\n".join(out).rstrip() + "\n"
+
+
+# ---------------------------------------------------------------------------------------------- command line
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["report"]:
+        for f in argv[1:]:
+            print(format_table(json.loads(Path(f).read_text())), end="")
+        return 0
+    ap = argparse.ArgumentParser(prog="pagedkv bench hybrid", description=plain(__doc__), formatter_class=HelpFormatter)
+    ap.add_argument("--impl", nargs="+", default=["pagedkv"], metavar="NAME",
+                    help="pagedkv and vllm_v1 (run under .venv-anchor-v1 for vllm_v1)")
+    ap.add_argument("--batch", nargs="+", type=int, default=None, metavar="B", help="batch sizes (default 1..1000)")
+    ap.add_argument("--lengths", nargs="+", type=int, default=None, metavar="L",
+                    help="first-turn prompt lengths of the prefix-hit part (default 1024 4096 16384)")
+    ap.add_argument("--steps", type=int, default=None, help="decode steps per run (default 64, quick 12)")
+    ap.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 3, quick 1)")
+    ap.add_argument("--skip", type=int, default=8, help="first steps of a run left out of its median")
+    ap.add_argument("--requests", type=int, default=None, help="admissions per prefix-hit run (default 32, quick 4)")
+    ap.add_argument("--caching", choices=("off", "on", "both"), default="both", help="prefix caching of the decode part")
+    ap.add_argument("--parts", nargs="+", choices=("decode", "prefix"), default=["decode", "prefix"])
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    ap.add_argument("--quick", action="store_true", help="small batches and contexts, 1 repeat (a smoke run)")
+    ap.add_argument("--out", default="benchmarks/results", metavar="DIR", help="where the JSON goes")
+    ap.add_argument("--no-save", action="store_true", help="do not write the JSON file")
+    a = ap.parse_args(argv)
+    batch = a.batch or (QUICK_BATCH_SIZES if a.quick else BATCH_SIZES)
+    lengths = a.lengths or (QUICK_PREFIX_LENGTHS if a.quick else PREFIX_LENGTHS)
+    steps = a.steps or (12 if a.quick else 64)
+    repeats = a.repeats or (1 if a.quick else 3)
+    requests = a.requests or (4 if a.quick else 32)
+    if min(batch) < 1 or steps < 2 or repeats < 1 or requests < 1 or min(lengths) < 1:
+        ap.error("batch sizes, lengths, --requests and --repeats >= 1, --steps >= 2")
+    caching = {"off": (False,), "on": (True,), "both": (True, False)}[a.caching]
+    t0 = time.perf_counter()
+    try:
+        doc = run_hybrid(a.impl, batch_sizes=batch, lengths=lengths, steps=steps, repeats=repeats,
+                         skip=a.skip if not a.quick else 2, requests=requests, seed=a.seed, caching=caching,
+                         context=QUICK_CONTEXT if a.quick else CONTEXT, parts=a.parts,
+                         progress=lambda s: print(s, file=sys.stderr, flush=True))
+    except KeyError as exc:
+        ap.error(str(exc.args[0]))
+    versions = _versions()
+    versions["implementations"] = doc.pop("versions_impl")
+    doc = {"schema": 1, "kind": "hybrid",
+           "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+           "command": shlex.join([Path(sys.executable).name, "-m", "pagedkv.bench", "hybrid", *argv]),
+           "argv": list(sys.argv), "machine": _machine(), "versions": versions,
+           "elapsed_s": round(time.perf_counter() - t0, 1), **{k: v for k, v in doc.items() if k not in ("schema", "kind")}}
+    print(format_table(doc), end="")
+    if not a.no_save:
+        print(f"\nwrote {save_result(doc, a.out, 'hybrid', a.impl, a.quick)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
