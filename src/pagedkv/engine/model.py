@@ -56,6 +56,7 @@ __all__ = [
     "AttentionMetadata",
     "AttentionPlan",
     "AttentionWorkspace",
+    "PagedDecoder",
     "PagedLlama",
     "paged_attention",
     "plan_paged_attention",
@@ -320,80 +321,55 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-class PagedLlama:
-    """A Llama decoder whose attention reads and writes a paged KV cache.
+class PagedDecoder:
+    """What the paged decoders here share: weights moved to a device/dtype (tied tensors kept tied, fused
+    projections), the KV cache (:func:`kv_cache_shape`'s layout with one slot per layer, or per layer slot of a
+    KV cache group, :attr:`kv_layer_slots`), cached rotary tables and one attention workspace per thread.
 
-    ``weights`` uses the names of :mod:`pagedkv.engine.gguf_loader`. The tensors are moved to
-    ``device``/``dtype``; the Q/K/V projections of a layer are fused into one matrix (one matmul), and so are
-    the gate and up projections of its MLP. ``layers[i]`` is ``(attn_norm, w_qkv, attn_output, ffn_norm,
-    w_gate_up, ffn_down)``.
+    A subclass sets ``config`` (``n_layer``, ``n_head_kv``, ``head_dim``), ``tokenizer_metadata``, ``device``,
+    ``dtype`` and implements ``forward(meta, kv_cache)``.
     """
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        weights: dict[str, torch.Tensor],
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        tokenizer_metadata: TokenizerMetadata | None = None,
-    ) -> None:
-        self.config = config
-        self.tokenizer_metadata = tokenizer_metadata
+    config: Any
+    device: torch.device
+    dtype: torch.dtype
+    tokenizer_metadata: TokenizerMetadata | None
+
+    def _init_common(self, weights: dict[str, torch.Tensor], device: Any, dtype: torch.dtype | None) -> None:
         self.device = torch.device(device) if device is not None else weights["token_embd.weight"].device
         self.dtype = dtype or weights["token_embd.weight"].dtype
-        moved: dict[int, torch.Tensor] = {}
-
-        def w(name: str) -> torch.Tensor:
-            t = weights[name]
-            key = id(t)  # keep tied tensors tied
-            if key not in moved:
-                moved[key] = t.to(self.device, self.dtype)
-            return moved[key]
-
-        def fused(*names: str) -> torch.Tensor:
-            return torch.cat([weights[n].to(self.device, self.dtype) for n in names], dim=0).contiguous()
-
-        self.tok_embd = w("token_embd.weight")
-        self.device = self.tok_embd.device  # normalized, e.g. "cuda" -> "cuda:0"
-        self.out_norm = w("output_norm.weight")
-        self.lm_head = w("output.weight")
-        self.layers = [
-            (
-                w(f"blk.{i}.attn_norm.weight"),
-                fused(f"blk.{i}.attn_q.weight", f"blk.{i}.attn_k.weight", f"blk.{i}.attn_v.weight"),
-                w(f"blk.{i}.attn_output.weight"),
-                w(f"blk.{i}.ffn_norm.weight"),
-                fused(f"blk.{i}.ffn_gate.weight", f"blk.{i}.ffn_up.weight"),
-                w(f"blk.{i}.ffn_down.weight"),
-            )
-            for i in range(config.n_layer)
-        ]
-        freq_factors = weights.get("rope_freqs.weight")
-        self._inv_freq = rope_inv_freq(config, freq_factors)
-        self._cos = torch.empty(0, config.head_dim)
-        self._sin = torch.empty(0, config.head_dim)
-        self.scale = 1.0 / math.sqrt(config.head_dim)
+        self._weights = weights
+        self._moved: dict[int, torch.Tensor] = {}
+        self._rope_tables: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
         self._local = threading.local()  # one attention workspace per thread (replicas may share a model)
 
-    @classmethod
-    def from_gguf(
-        cls, path: Any = None, *, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32
-    ) -> PagedLlama:
-        """Load a GGUF file (default: :func:`find_default_model`) into a model; the tokenizer metadata
-        is kept as ``model.tokenizer_metadata``."""
-        config, weights, tok_meta = load_gguf(path, dtype=dtype)
-        return cls(config, weights, device=device, dtype=dtype, tokenizer_metadata=tok_meta)
+    def _w(self, name: str) -> torch.Tensor:
+        """The weight ``name`` on the model's device and dtype; tied tensors stay one tensor."""
+        t = self._weights[name]
+        key = id(t)
+        if key not in self._moved:
+            self._moved[key] = t.to(self.device, self.dtype)
+        return self._moved[key]
+
+    def _fused(self, *names: str) -> torch.Tensor:
+        """The weights ``names`` stacked along the output dimension: one matmul for several projections."""
+        return torch.cat([self._weights[n].to(self.device, self.dtype) for n in names], dim=0).contiguous()
 
     # ------------------------------------------------------------------ KV cache
+    @property
+    def kv_layer_slots(self) -> int:
+        """Layer slots of the KV cache tensor (its first dimension): ``n_layer`` here."""
+        return self.config.n_layer
+
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        return kv_cache_shape(self.config, num_blocks, block_size)
+        c = self.config
+        return (self.kv_layer_slots, 2, num_blocks, block_size, c.n_head_kv, c.head_dim)
 
     def kv_cache_bytes_per_block(self, block_size: int, dtype: torch.dtype | None = None) -> int:
-        """Bytes one block occupies over all layers (keys and values)."""
+        """Bytes one block id occupies in the KV cache tensor (keys and values of every layer slot)."""
         elem = torch.empty(0, dtype=dtype or self.dtype).element_size()
         c = self.config
-        return c.n_layer * 2 * block_size * c.n_head_kv * c.head_dim * elem
+        return self.kv_layer_slots * 2 * block_size * c.n_head_kv * c.head_dim * elem
 
     def allocate_kv_cache(
         self,
@@ -413,16 +389,80 @@ class PagedLlama:
             pin_memory=pin_memory and dev.type == "cpu" and torch.cuda.is_available(),
         )
 
-    # ------------------------------------------------------------------ rotary tables
-    def _rope(self, positions: torch.Tensor, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if max_pos > self._cos.shape[0] or self._cos.device != self.device:
-            n = max(max_pos, 2 * self._cos.shape[0], 256)
-            t = torch.arange(n, dtype=torch.int64).float()
-            freqs = t[:, None] * self._inv_freq[None, :]
+    def _check_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        if kv_cache.dim() != 6 or kv_cache.shape[0] != self.kv_layer_slots or kv_cache.shape[1] != 2:
+            raise ValueError(f"KV cache must have shape {self.kv_cache_shape(-1, -1)}, got {tuple(kv_cache.shape)}")
+
+    # ------------------------------------------------------------------ rotary tables and workspace
+    def _rope(self, key: Any, inv_freq: torch.Tensor, positions: torch.Tensor,
+              max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` of ``positions`` as ``(T, 1, head_dim)`` for the frequencies ``inv_freq`` (cached under
+        ``key``, grown by doubling)."""
+        cos, sin = self._rope_tables.get(key, (None, None))
+        if cos is None or max_pos > cos.shape[0] or cos.device != self.device:
+            n = max(max_pos, 2 * (cos.shape[0] if cos is not None else 0), 256)
+            freqs = torch.arange(n, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)
-            self._cos = emb.cos().to(self.device, self.dtype)
-            self._sin = emb.sin().to(self.device, self.dtype)
-        return self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
+            cos, sin = emb.cos().to(self.device, self.dtype), emb.sin().to(self.device, self.dtype)
+            self._rope_tables[key] = (cos, sin)
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+
+    def _workspace(self) -> AttentionWorkspace:
+        ws = getattr(self._local, "workspace", None)
+        if ws is None:
+            ws = self._local.workspace = AttentionWorkspace()
+        return ws
+
+
+class PagedLlama(PagedDecoder):
+    """A Llama decoder whose attention reads and writes a paged KV cache.
+
+    ``weights`` uses the names of :mod:`pagedkv.engine.gguf_loader`. The tensors are moved to
+    ``device``/``dtype``; the Q/K/V projections of a layer are fused into one matrix (one matmul), and so are
+    the gate and up projections of its MLP. ``layers[i]`` is ``(attn_norm, w_qkv, attn_output, ffn_norm,
+    w_gate_up, ffn_down)``.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        tokenizer_metadata: TokenizerMetadata | None = None,
+    ) -> None:
+        self.config = config
+        self.tokenizer_metadata = tokenizer_metadata
+        self._init_common(weights, device, dtype)
+        w, fused = self._w, self._fused
+        self.tok_embd = w("token_embd.weight")
+        self.device = self.tok_embd.device  # normalized, e.g. "cuda" -> "cuda:0"
+        self.out_norm = w("output_norm.weight")
+        self.lm_head = w("output.weight")
+        self.layers = [
+            (
+                w(f"blk.{i}.attn_norm.weight"),
+                fused(f"blk.{i}.attn_q.weight", f"blk.{i}.attn_k.weight", f"blk.{i}.attn_v.weight"),
+                w(f"blk.{i}.attn_output.weight"),
+                w(f"blk.{i}.ffn_norm.weight"),
+                fused(f"blk.{i}.ffn_gate.weight", f"blk.{i}.ffn_up.weight"),
+                w(f"blk.{i}.ffn_down.weight"),
+            )
+            for i in range(config.n_layer)
+        ]
+        del self._weights, self._moved  # the model holds only what it uses
+        self._inv_freq = rope_inv_freq(config, weights.get("rope_freqs.weight"))
+        self.scale = 1.0 / math.sqrt(config.head_dim)
+
+    @classmethod
+    def from_gguf(
+        cls, path: Any = None, *, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32
+    ) -> PagedLlama:
+        """Load a GGUF file (default: :func:`find_default_model`) into a model; the tokenizer metadata
+        is kept as ``model.tokenizer_metadata``."""
+        config, weights, tok_meta = load_gguf(path, dtype=dtype)
+        return cls(config, weights, device=device, dtype=dtype, tokenizer_metadata=tok_meta)
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
@@ -430,17 +470,14 @@ class PagedLlama:
         """Run one step; returns float32 logits ``(R, vocab)`` for ``meta.logits_indices``
         (by default the last new token of each sequence, in batch order)."""
         c = self.config
-        if kv_cache.dim() != 6 or kv_cache.shape[0] != c.n_layer or kv_cache.shape[1] != 2:
-            raise ValueError(f"KV cache must have shape {kv_cache_shape(c, -1, -1)}, got {tuple(kv_cache.shape)}")
+        self._check_kv_cache(kv_cache)
         block_size = kv_cache.shape[3]
         n_tok = meta.num_tokens
         plan = plan_paged_attention(meta, block_size, dtype=self.dtype)
-        cos, sin = self._rope(meta.positions, max(meta.context_lens_host, default=0))
+        cos, sin = self._rope(None, self._inv_freq, meta.positions, max(meta.context_lens_host, default=0))
         n_head, n_kv, d = c.n_head, c.n_head_kv, c.head_dim
         n_ff = self.layers[0][4].shape[0] // 2 if self.layers else 0
-        ws = getattr(self._local, "workspace", None)
-        if ws is None:
-            ws = self._local.workspace = AttentionWorkspace()
+        ws = self._workspace()
 
         x = self.tok_embd.index_select(0, meta.input_ids)  # (T, n_embd)
         for layer, (attn_norm, w_qkv, wo, ffn_norm, w_gate_up, w_down) in enumerate(self.layers):
