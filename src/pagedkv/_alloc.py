@@ -83,9 +83,11 @@ class _Allocator:
         return arr, n, nblocks, hits, cpu_hits, chain, nblocks - len(hits) + reused_free
 
     def _alloc_commit(self, seq_id, namespace, arr, n: int, nblocks: int, hits: list, cpu_hits, chain,
-                      referenced: bool) -> int:
+                      referenced: bool, nnull: int = 0) -> int:
         """Create the row of a planned allocation; nothing here can fail. ``referenced``: the GPU hits hold their
-        new reference already and the CPU hits are pinned (a batch takes them all first). Returns the row."""
+        new reference already and the CPU hits are pinned (a batch takes them all first). ``nnull``: the first
+        ``nnull`` entries of ``hits`` are NULL_BLOCK, positions a sliding window no longer needs (a KV cache
+        group's hybrid hit; ``referenced`` then). Returns the row."""
         if cpu_hits and not referenced:  # pinned first: taking GPU blocks below may demote into the CPU tier
             self._tier.pin_many([c for _, c in cpu_hits])
         if referenced:
@@ -125,6 +127,8 @@ class _Allocator:
         mvs[0][row] = n
         mvs[1][row] = nblocks
         mvs[5][row] = mvs[6][row] = len(hits)
+        if nnull:
+            mvs[7][row] = nnull
         if self._cache is not None:
             bs = self._bs
             if self._cache.intern(namespace) and len(self._cache._roots) > self._cache.sweep_at:

@@ -20,11 +20,81 @@ class _Invariants:
           consistent linked list; the cache map and the per-block entries agree (no block under two keys).
         """
 
+        self._check_invariants_of((self,))
+
+    def _check_invariants_of(self, managers: tuple) -> None:
+        """:meth:`check_invariants` of managers sharing this one's pools and cache (KV cache groups): each
+        manager's rows and tables, then the shared parts with every manager's references counted."""
+
         def fail(msg: str) -> None:
             raise AssertionError(msg)
 
-        bs = self._bs
         counts = {False: np.zeros(self._gpu.num_blocks, np.int64), True: np.zeros(self._cpu.num_blocks, np.int64)}
+        for m in managers:
+            m._check_rows(counts, fail)
+        for swapped, pool, name in ((False, self._gpu, "GPU"), (True, self._cpu, "CPU")):
+            if not np.array_equal(counts[swapped], pool._ref):
+                bad = int(np.flatnonzero(counts[swapped] != pool._ref)[0])
+                fail(f"{name} block {bad}: refcount {pool._ref[bad]} but {counts[swapped][bad]} holders")
+            free = pool.free_ids()
+            if np.unique(free).size != free.size:
+                fail(f"{name} free ring holds a block twice")
+            if (pool._ref[free] != 0).any():
+                fail(f"{name} free ring holds a referenced block")
+            used = int((pool._ref > 0).sum())
+            if swapped:  # the CPU tier's blocks (cached or pinned) are neither free nor referenced
+                tier = self._tier
+                cached_free = 0 if tier is None else len(set(tier._map.values()) | set(tier._pinned))
+            else:
+                cached_free = len(self._cache.evictor) if self._cache is not None else 0
+            if free.size + cached_free + used != pool.num_blocks:
+                fail(f"{name}: free {free.size} + cached {cached_free} + used {used} != {pool.num_blocks}")
+        if self._cache is not None:
+            self._check_cache_invariants(fail, managers)
+
+    def _check_cache_invariants(self, fail, managers: tuple) -> None:
+        cache, ref = self._cache, self._gpu._ref
+        cid = cache.cid
+        ev = list(cache.evictor)
+        if len(ev) != len(cache.evictor) or len(set(ev)) != len(ev):
+            fail("evictor list is inconsistent")
+        ev_arr = np.asarray(ev, dtype=np.int64)
+        if (ref[ev_arr] != 0).any() or (cid[ev_arr] == 0).any():
+            fail("the evictor holds a block that is referenced or uncached")
+        free = self._gpu.free_ids()
+        if np.intersect1d(free, ev_arr).size:
+            fail("a block is both free and evictable")
+        if (cid[free] != 0).any():
+            fail("a free block is still cached")
+        cached = np.flatnonzero(cid)
+        if cached.size != len(cache._map):
+            fail(f"{cached.size} blocks are cached but the map has {len(cache._map)} keys")
+        if np.unique(cid[cached]).size != cached.size or (cid[cached] < 0).any() or cid.max(initial=0) > cache._serial:
+            fail("content ids are not unique positive serials")
+        for b, k in zip(cached.tolist(), cache.key[cached].tolist()):
+            if cache._map.get(k) != b:
+                fail(f"cached block {b} is not where the map points for its key")
+        # every cached block's key is the chained hash of its stored tokens (catches writes into cached blocks)
+        parent_key = dict(cache._roots.values())
+        parent_key.update(zip(cid[cached].tolist(), cache.key[cached].tolist()))
+        for b, p, k in zip(cached.tolist(), cache.pcid[cached].tolist(), cache.key[cached].tolist()):
+            if p in parent_key and cache.find(p, parent_key[p], cache.tok[b].tobytes()) != (b, k):
+                fail(f"cached block {b}: its key is not the hash of its tokens after its parent")
+        for m in managers:
+            for row in m._row_of.values():
+                c = int(m._ccid[row])
+                if c and c in parent_key and parent_key[c] != int(m._ckey[row]):
+                    fail(f"row {row}: its chain key is not the key of its chain's content")
+        cpu_cached = np.flatnonzero(self._cpu_id[0])
+        tier_blocks = set() if self._tier is None else set(self._tier._map.values())
+        if any(self._cpu._ref[c] == 0 and c not in tier_blocks for c in cpu_cached.tolist()):
+            fail("a free CPU block carries a cache identity")
+        if self._tier is not None:
+            self._tier.check(fail)
+
+    def _check_rows(self, counts: dict, fail) -> None:
+        """This manager's rows and tables; adds each table's references to ``counts`` (GPU, CPU)."""
+        bs = self._bs
         if len(self._row_of) + len(self._free_rows) != len(self._seq_of):
             fail("rows: live + free != capacity")
         for seq_id, row in self._row_of.items():
@@ -53,61 +123,3 @@ class _Invariants:
         for rows_free in self._free_rows:
             if self._seq_of[rows_free] is not None or (self._table[rows_free] != NULL_BLOCK).any():
                 fail(f"free row {rows_free} is not clean")
-        for swapped, pool, name in ((False, self._gpu, "GPU"), (True, self._cpu, "CPU")):
-            if not np.array_equal(counts[swapped], pool._ref):
-                bad = int(np.flatnonzero(counts[swapped] != pool._ref)[0])
-                fail(f"{name} block {bad}: refcount {pool._ref[bad]} but {counts[swapped][bad]} holders")
-            free = pool.free_ids()
-            if np.unique(free).size != free.size:
-                fail(f"{name} free ring holds a block twice")
-            if (pool._ref[free] != 0).any():
-                fail(f"{name} free ring holds a referenced block")
-            used = int((pool._ref > 0).sum())
-            if swapped:  # the CPU tier's blocks (cached or pinned) are neither free nor referenced
-                tier = self._tier
-                cached_free = 0 if tier is None else len(set(tier._map.values()) | set(tier._pinned))
-            else:
-                cached_free = len(self._cache.evictor) if self._cache is not None else 0
-            if free.size + cached_free + used != pool.num_blocks:
-                fail(f"{name}: free {free.size} + cached {cached_free} + used {used} != {pool.num_blocks}")
-        if self._cache is not None:
-            self._check_cache_invariants(fail)
-
-    def _check_cache_invariants(self, fail) -> None:
-        cache, ref = self._cache, self._gpu._ref
-        cid = cache.cid
-        ev = list(cache.evictor)
-        if len(ev) != len(cache.evictor) or len(set(ev)) != len(ev):
-            fail("evictor list is inconsistent")
-        ev_arr = np.asarray(ev, dtype=np.int64)
-        if (ref[ev_arr] != 0).any() or (cid[ev_arr] == 0).any():
-            fail("the evictor holds a block that is referenced or uncached")
-        free = self._gpu.free_ids()
-        if np.intersect1d(free, ev_arr).size:
-            fail("a block is both free and evictable")
-        if (cid[free] != 0).any():
-            fail("a free block is still cached")
-        cached = np.flatnonzero(cid)
-        if cached.size != len(cache._map):
-            fail(f"{cached.size} blocks are cached but the map has {len(cache._map)} keys")
-        if np.unique(cid[cached]).size != cached.size or (cid[cached] < 0).any() or cid.max(initial=0) > cache._serial:
-            fail("content ids are not unique positive serials")
-        for b, k in zip(cached.tolist(), cache.key[cached].tolist()):
-            if cache._map.get(k) != b:
-                fail(f"cached block {b} is not where the map points for its key")
-        # every cached block's key is the chained hash of its stored tokens (catches writes into cached blocks)
-        parent_key = dict(cache._roots.values())
-        parent_key.update(zip(cid[cached].tolist(), cache.key[cached].tolist()))
-        for b, p, k in zip(cached.tolist(), cache.pcid[cached].tolist(), cache.key[cached].tolist()):
-            if p in parent_key and cache.find(p, parent_key[p], cache.tok[b].tobytes()) != (b, k):
-                fail(f"cached block {b}: its key is not the hash of its tokens after its parent")
-        for row in self._row_of.values():
-            c = int(self._ccid[row])
-            if c and c in parent_key and parent_key[c] != int(self._ckey[row]):
-                fail(f"row {row}: its chain key is not the key of its chain's content")
-        cpu_cached = np.flatnonzero(self._cpu_id[0])
-        tier_blocks = set() if self._tier is None else set(self._tier._map.values())
-        if any(self._cpu._ref[c] == 0 and c not in tier_blocks for c in cpu_cached.tolist()):
-            fail("a free CPU block carries a cache identity")
-        if self._tier is not None:
-            self._tier.check(fail)

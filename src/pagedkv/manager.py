@@ -64,7 +64,7 @@ from .errors import InvalidArgumentError, InvalidTokensError, OutOfBlocksError, 
 from .cpu_tier import CpuTier
 from .events import KVCacheEvent
 from .pool import BlockPool
-from .prefix_cache import PrefixCache, _encode_namespace
+from .prefix_cache import PrefixCache, _GroupNS, _encode_namespace
 from .cpu_tier import DEMOTE, PROMOTE
 from .types import (_EMPTY_PLAN, NULL_BLOCK, AllocStatus, CacheCopies, CopyKind, CopyPlan, PrefillBatch, PrefixHit,
                     Stats, StepResult)
@@ -152,12 +152,31 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
         self._cpu_id = np.zeros((5, num_cpu_blocks), np.int64) if enable_prefix_caching else None
         # the step's copies, (tag, src, dst) parts in call order, until take_copy_plan (the CPU tier appends too)
         self._copies: list = []
-        self._stepping = False  # take_copy_plan has been called: steps are known, the same-step checks are on
-        self._snap = None  # memoryviews (_ntok0, _ntok) for take_copy_plan's snapshot
         self._tier = CpuTier(self._cpu, self._cpu_tok, self._cpu_id, self._cache, self._copies) \
             if cpu_prefix_cache else None
-        self._window = sliding_window
         self._watermark_blocks = int(watermark * num_gpu_blocks)
+        self._fixed_w = block_table_width or 0  # fixed width of batch block tables (0: the batch's longest)
+        self._init_rows(sliding_window)
+
+    @classmethod
+    def _sharing(cls, parts: "BlockManager", sliding_window: int | None) -> "BlockManager":
+        """A manager of its own sequences and tables over the *shared parts* of ``parts`` (internal): the GPU and
+        CPU pools, the prefix cache, the CPU tier and its CPU-side arrays, the pending copy list, the watermark and
+        the table width are the same objects. :class:`pagedkv.HybridBlockManager` runs one per KV cache group;
+        each call on one of them keeps every invariant of the shared parts except the pools' refcount totals,
+        which the coordinator checks over all of them (:meth:`_check_invariants_of`). O(1)."""
+        self = cls.__new__(cls)
+        for name in ("_bs", "_gpu", "_cpu", "_cache", "_kv_events", "_cpu_tok", "_cpu_id", "_copies", "_tier",
+                     "_watermark_blocks", "_fixed_w"):
+            setattr(self, name, getattr(parts, name))
+        self._init_rows(sliding_window)
+        return self
+
+    def _init_rows(self, sliding_window: int | None) -> None:
+        """The per-sequence state (rows, tables, step snapshot, counters): empty."""
+        self._stepping = False  # take_copy_plan has been called: steps are known, the same-step checks are on
+        self._snap = None  # memoryviews (_ntok0, _ntok) for take_copy_plan's snapshot
+        self._window = sliding_window
         # sequences: seq_id -> row of the per-sequence arrays
         self._row_of: dict[Hashable, int] = {}
         self._seq_of: list[Hashable | None] = []
@@ -172,7 +191,6 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
         self._ccid = np.zeros(0, dtype=np.int64)  # chain: cid of block nreg-1 (a root's before block 0), 0: broken
         self._ckey = np.zeros(0, dtype=np.uint64)  # chain: key of that content
         self._swapped = np.zeros(0, dtype=bool)
-        self._fixed_w = block_table_width or 0  # fixed width of batch block tables (0: the batch's longest)
         self._table = np.full((0, max(4, self._fixed_w)), NULL_BLOCK, dtype=np.int32)
         # one-entry memo of the last batch: seq_ids list -> validated rows
         self._small_batch = SMALL_BATCH  # batches up to this size take the plain-Python step (0: never)
@@ -254,12 +272,16 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
             parts.clear()
         else:
             plan = _EMPTY_PLAN
+        self._end_step()
+        return plan
+
+    def _end_step(self) -> None:
+        """The rows' side of ending a step: snapshot the token counts, switch the same-step checks on."""
         snap = self._snap
         if snap is None or snap[2] is not self._ntok:  # (the row arrays were reallocated)
             snap = self._snap = (memoryview(self._ntok0), memoryview(self._ntok), self._ntok)
         snap[0][:] = snap[1]  # the token counts at the step's end (a C-level copy)
         self._stepping = True
-        return plan
 
     def take_copies(self) -> CacheCopies:
         """Deprecated: :meth:`take_copy_plan` (it ends the step the same way) narrowed to the CPU tier's copies,
@@ -480,7 +502,13 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
         """Forget the prefix-cache namespaces that no live sequence and no cached block uses (bounded state per
         tenant: memory proportional to the namespaces in use, not to all ever seen). Amortised O(1) per new
         namespace (see :meth:`PrefixCache.release_namespaces`)."""
-        keep = {b""} | {_encode_namespace(ns) for ns in self._ns_of if ns is not None}
+        keep = {b""}
+        for ns in self._ns_of:
+            if ns is not None:
+                if type(ns) is _GroupNS:  # (a KV cache group's rows keep the roots of every group)
+                    keep.update(ns.family)
+                else:
+                    keep.add(_encode_namespace(ns))
         self._cache.release_namespaces(keep, self._cpu_id)
 
     def fork(self, parent_seq_id: Hashable, child_seq_id: Hashable) -> None:
