@@ -260,20 +260,31 @@ def test_llm_rejects_a_global_sliding_window(gemma):
         make_llm(gemma, num_gpu_blocks=8, sliding_window=512)
 
 
-def test_roomy_cache_then_prefix_cache_rerun(gemma, cases):
-    llm = make_llm(gemma, num_gpu_blocks=sum(blocks(len(c["prompt_ids"]) + c["max_tokens"]) for c in cases) * 2)
+#: KV cache groups of Gemma 3 270M in the engine: 1 full-attention group + 5 sliding-window groups of 3 layers
+GROUPS = 6
+
+
+@pytest.mark.parametrize("groups", [True, False], ids=["groups", "one-table"])
+def test_roomy_cache_then_prefix_cache_rerun(gemma, cases, groups):
+    n_groups = GROUPS if groups else 1
+    llm = make_llm(gemma, kv_cache_groups=groups,
+                   num_gpu_blocks=n_groups * sum(blocks(len(c["prompt_ids"]) + c["max_tokens"]) for c in cases) * 2)
+    assert (llm.kv_cache_groups is not None) == groups
+    assert llm.kv_cache.shape[0] == 18 // n_groups  # a KV tensor slot per layer of a group
     outs = run(llm, cases)
     assert gen(outs) == [c["gen_ids"] for c in cases]
     assert [o.num_cached_tokens for o in outs] == [0] * len(cases)
     again = run(llm, cases)
     assert gen(again) == [c["gen_ids"] for c in cases]
-    # all full blocks of each prompt (the last prompt token is always recomputed) come from the prefix cache
+    # all full blocks of each prompt (the last prompt token is always recomputed) come from the prefix cache: with
+    # groups, the full-attention group's blocks and each sliding group's last window before the hit point
     assert [o.num_cached_tokens for o in again] == [(len(c["prompt_ids"]) - 1) // BLOCK * BLOCK for c in cases]
     llm.block_manager.check_invariants()
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_in_a_small_cache(gemma, preemption_cases, mode):
+    """One block table for all layers: the sequences outgrow the cache while decoding, so some are preempted."""
     cases = preemption_cases
     # room for every prompt plus one block, all admitted in the first step: the sequences outgrow the cache while
     # decoding, so some are preempted
@@ -285,7 +296,7 @@ def test_preemption_in_a_small_cache(gemma, preemption_cases, mode):
     assert growth > num_blocks - prompt_blocks
     need = max(blocks(len(c["prompt_ids"]) + c["max_tokens"]) for c in cases)
     llm = make_llm(gemma, num_gpu_blocks=max(num_blocks, need), preemption_mode=mode, enable_prefix_caching=False,
-                   num_cpu_blocks=num_blocks if mode == "swap" else 0,
+                   num_cpu_blocks=num_blocks if mode == "swap" else 0, kv_cache_groups=False,
                    max_num_batched_tokens=sum(len(c["prompt_ids"]) for c in cases))
     outs = run(llm, cases)
     assert gen(outs) == [c["gen_ids"] for c in cases]
@@ -294,6 +305,31 @@ def test_preemption_in_a_small_cache(gemma, preemption_cases, mode):
     assert st.preemptions > 0
     if mode == "swap":
         assert st.swap_outs > 0 and st.swap_ins > 0
+    llm.block_manager.check_invariants()
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_with_kv_cache_groups(gemma, reference, mode):
+    """KV cache groups in a small cache: three copies of the 423-token case (inside the window, so no group
+    releases a block) admitted together with one block to spare; at position 432 each needs a new block in all
+    six groups at once, so some are preempted (recomputed, or swapped out with every group's blocks and back)."""
+    c = reference["cases"][4]
+    cases = [c] * 3
+    n = len(c["prompt_ids"])
+    assert n + c["max_tokens"] <= 512 < 783  # inside the window
+    prompt_blocks = GROUPS * blocks(n) * len(cases)
+    num_blocks = prompt_blocks + 1
+    while num_blocks - prompt_blocks < int(0.01 * num_blocks):  # admission keeps the 1 % watermark free
+        num_blocks += 1
+    assert GROUPS * len(cases) * (blocks(n + c["max_tokens"]) - blocks(n)) > num_blocks - prompt_blocks
+    llm = make_llm(gemma, num_gpu_blocks=num_blocks, preemption_mode=mode, enable_prefix_caching=False,
+                   num_cpu_blocks=num_blocks if mode == "swap" else 0, max_num_batched_tokens=n * len(cases))
+    assert llm.kv_cache_groups is not None
+    outs = run(llm, cases)
+    assert gen(outs) == [c["gen_ids"]] * len(cases)
+    st = llm.scheduler.stats
+    assert st.preemptions > 0
+    assert st.prefills > len(cases) if mode == "recompute" else (st.swap_outs > 0 and st.swap_ins > 0)
     llm.block_manager.check_invariants()
 
 

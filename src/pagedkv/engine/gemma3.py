@@ -32,6 +32,7 @@ matmul, gate/up another; the q and k norms and the rotary embedding of q and k a
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -154,6 +155,27 @@ def load_gemma3(
     return config, weights, tok_meta
 
 
+def _kv_cache_groups(c: Gemma3Config) -> tuple[tuple, tuple[tuple[int, int], ...]]:
+    """The model's KV cache groups and each layer's ``(group, slot)``: groups of equal size, the full-attention
+    layers first (Gemma 3 270M: 18 layers, 3 global + 15 local of W = 512 -> group 0 = the global layers 5, 11, 17
+    in slots 0..2; groups 1..5 = the local layers in order, three each). ``(None, ...)`` when the layers do not
+    split into equal groups of one kind (the engine then uses one block table for all layers)."""
+    from pagedkv import FullAttentionSpec, SlidingWindowSpec
+
+    full = [i for i, w in enumerate(c.layer_windows) if w is None]
+    local = [i for i, w in enumerate(c.layer_windows) if w is not None]
+    size = math.gcd(len(full), len(local))
+    if size == 0:
+        return None, ()
+    where = [(0, 0)] * c.n_layer
+    for k, i in enumerate(full):
+        where[i] = (k // size, k % size)
+    for k, i in enumerate(local):
+        where[i] = (len(full) // size + k // size, k % size)
+    specs = (FullAttentionSpec(),) * (len(full) // size) + (SlidingWindowSpec(c.sliding_window),) * (len(local) // size)
+    return specs, tuple(where)
+
+
 def _norm(x: torch.Tensor, mult: torch.Tensor, eps: float) -> torch.Tensor:
     """Gemma's RMSNorm over the last dimension in float32; ``mult`` (the ``(1 + w)`` multiplier) broadcasts against
     the normalized ``x`` (a ``(n_heads, head_dim)`` one normalizes each head with its own weights)."""
@@ -215,6 +237,7 @@ class PagedGemma3(PagedDecoder):
         ]
         del self._weights, self._moved  # the model holds only what it uses
         self.layer_windows = c.layer_windows
+        self.kv_cache_groups, self.layer_groups = _kv_cache_groups(c)
         # sqrt(hidden) as a float32 tensor cast to the model dtype (as Gemma's scaled embedding does)
         self.embed_scale = torch.tensor(c.n_embd ** 0.5, dtype=torch.float32).to(self.dtype)
         self.scale = c.query_pre_attn_scalar ** -0.5
@@ -247,15 +270,25 @@ class PagedGemma3(PagedDecoder):
         """Run one step; float32 logits ``(R, vocab)`` for ``meta.logits_indices`` (default: the last new token
         of each sequence)."""
         c = self.config
-        self._check_kv_cache(kv_cache)
+        grouped = meta.groups is not None
+        self._check_kv_cache(kv_cache, grouped)
         block_size = kv_cache.shape[3]
         n_tok = meta.num_tokens
         n_head, n_kv, d, n_ff, eps = c.n_head, c.n_head_kv, c.head_dim, c.n_ff, c.rms_eps
         max_pos = max(meta.context_lens_host, default=0)
-        plans = {w: plan_paged_attention(meta, block_size, sliding_window=w, dtype=self.dtype)
-                 for w in set(self.layer_windows)}
+        windows = set(self.layer_windows)
         ropes = {w: self._rope(None if w is None else "local", self._inv_freq[None if w is None else "local"],
-                               meta.positions, max_pos) for w in plans}
+                               meta.positions, max_pos) for w in windows}
+        if grouped:  # one plan per group (its own block tables), layer i -> (group, slot)
+            if len(meta.groups) != len(self.kv_cache_groups):
+                raise ValueError(f"metadata has {len(meta.groups)} KV cache groups, the model {len(self.kv_cache_groups)}")
+            plans = [plan_paged_attention(gm, block_size, sliding_window=spec.window, dtype=self.dtype)
+                     for gm, spec in zip(meta.groups, self.kv_cache_groups)]
+            where = [(plans[g], kv_cache[j]) for g, j in self.layer_groups]
+        else:  # one table for every layer: one plan per distinct window
+            by_window = {w: plan_paged_attention(meta, block_size, sliding_window=w, dtype=self.dtype)
+                         for w in windows}
+            where = [(by_window[w], kv_cache[i]) for i, w in enumerate(self.layer_windows)]
         ws = self._workspace()
 
         x = self.tok_embd.index_select(0, meta.input_ids) * self.embed_scale
@@ -267,8 +300,9 @@ class PagedGemma3(PagedDecoder):
             qk = _norm(qkv[:, : n_head + n_kv], qk_norm, eps)  # q and k norms, per head, in one op
             cos, sin = ropes[window]
             qk = qk * cos + _rotate_half(qk) * sin
-            attn = paged_attention(qk[:, :n_head], qk[:, n_head:], qkv[:, n_head + n_kv:], kv_cache[layer],
-                                   plans[window], scale=self.scale, workspace=ws)
+            plan, kv_layer = where[layer]
+            attn = paged_attention(qk[:, :n_head], qk[:, n_head:], qkv[:, n_head + n_kv:], kv_layer, plan,
+                                   scale=self.scale, workspace=ws)
             x = x + _norm(F.linear(attn.to(x.dtype), wo), post_attn_norm, eps)
 
             h = _norm(x, ffn_norm, eps)

@@ -37,6 +37,7 @@ metadata (``build_attention_metadata(..., device=...)``) on the same device.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 from collections.abc import Sequence
@@ -61,6 +62,7 @@ __all__ = [
     "paged_attention",
     "plan_paged_attention",
     "build_attention_metadata",
+    "build_group_attention_metadata",
     "copy_blocks",
     "execute_copy_plan",
     "kv_cache_shape",
@@ -95,6 +97,10 @@ class AttentionMetadata:
 
     ``sliding_window``: ``None`` for full attention, else ``W``: a query at position ``p`` attends the
     keys at positions ``p - W + 1 .. p``.
+
+    ``groups``: with KV cache groups (:class:`pagedkv.HybridBlockManager`), one metadata per group (index order),
+    each with that group's ``slot_mapping`` and ``block_tables`` and the same tokens (see
+    :func:`build_group_attention_metadata`); ``None`` with one block table for all layers.
     """
 
     input_ids: torch.Tensor
@@ -107,6 +113,8 @@ class AttentionMetadata:
     context_lens_host: tuple[int, ...]
     sliding_window: int | None = None
     logits_indices: torch.Tensor | None = None
+    groups: tuple[AttentionMetadata, ...] | None = None
+
 
     @property
     def num_seqs(self) -> int:
@@ -130,6 +138,7 @@ class AttentionMetadata:
             context_lens_host=self.context_lens_host,
             sliding_window=self.sliding_window,
             logits_indices=move(self.logits_indices),
+            groups=None if self.groups is None else tuple(g.to(device) for g in self.groups),
         )
 
 
@@ -231,6 +240,30 @@ def build_attention_metadata(
     )
 
 
+def build_group_attention_metadata(
+    new_token_ids: Sequence[Sequence[int]],
+    num_computed: Sequence[int],
+    slot_mappings: Any,
+    block_tables: Sequence[Any],
+    *,
+    block_size: int,
+    logits: str | Sequence[int] = "last",
+    device: torch.device | str | None = None,
+    validate: bool = True,
+) -> AttentionMetadata:
+    """:class:`AttentionMetadata` for KV cache groups: ``slot_mappings`` is ``(G, T)`` (each group's slot of each
+    new token, e.g. ``HybridStepResult.slot_mapping``), ``block_tables[g]`` group ``g``'s tables (as
+    :func:`build_attention_metadata` takes them). Returns group 0's metadata with ``groups`` set to every group's
+    (validated as :func:`build_attention_metadata` validates one). O(G x the cost of one)."""
+    slots = np.asarray(slot_mappings, dtype=np.int64)
+    if slots.ndim != 2 or slots.shape[0] != len(block_tables):
+        raise ValueError(f"slot_mappings must be (G, T) with G = {len(block_tables)} groups, got {slots.shape}")
+    metas = tuple(build_attention_metadata(new_token_ids, num_computed, slots[g], block_tables[g],
+                                           block_size=block_size, logits=logits, device=device, validate=validate)
+                  for g in range(slots.shape[0]))
+    return dataclasses.replace(metas[0], groups=metas)
+
+
 # --------------------------------------------------------------------------------------------------
 # KV cache helpers
 
@@ -324,7 +357,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class PagedDecoder:
     """What the paged decoders here share: weights moved to a device/dtype (tied tensors kept tied, fused
     projections), the KV cache (:func:`kv_cache_shape`'s layout with one slot per layer, or per layer slot of a
-    KV cache group, :attr:`kv_layer_slots`), cached rotary tables and one attention workspace per thread.
+    KV cache group, :meth:`kv_layer_slots`), cached rotary tables and one attention workspace per thread.
 
     A subclass sets ``config`` (``n_layer``, ``n_head_kv``, ``head_dim``), ``tokenizer_metadata``, ``device``,
     ``dtype`` and implements ``forward(meta, kv_cache)``.
@@ -356,20 +389,29 @@ class PagedDecoder:
         return torch.cat([self._weights[n].to(self.device, self.dtype) for n in names], dim=0).contiguous()
 
     # ------------------------------------------------------------------ KV cache
-    @property
-    def kv_layer_slots(self) -> int:
-        """Layer slots of the KV cache tensor (its first dimension): ``n_layer`` here."""
-        return self.config.n_layer
+    #: KV cache groups of the model's layers (``pagedkv.FullAttentionSpec`` / ``SlidingWindowSpec``, group index
+    #: order) for a :class:`pagedkv.HybridBlockManager`; ``None``: every layer attends the same way (one table)
+    kv_cache_groups: tuple | None = None
 
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    def kv_layer_slots(self, grouped: bool = False) -> int:
+        """Layer slots of the KV cache tensor (its first dimension): ``n_layer`` with one block table for all
+        layers, the layers per group with KV cache groups (``grouped``)."""
+        if not grouped:
+            return self.config.n_layer
+        if not self.kv_cache_groups:
+            raise ValueError(f"{type(self).__name__} has no KV cache groups")
+        return self.config.n_layer // len(self.kv_cache_groups)
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, *, grouped: bool = False) -> tuple[int, ...]:
         c = self.config
-        return (self.kv_layer_slots, 2, num_blocks, block_size, c.n_head_kv, c.head_dim)
+        return (self.kv_layer_slots(grouped), 2, num_blocks, block_size, c.n_head_kv, c.head_dim)
 
-    def kv_cache_bytes_per_block(self, block_size: int, dtype: torch.dtype | None = None) -> int:
+    def kv_cache_bytes_per_block(self, block_size: int, dtype: torch.dtype | None = None, *,
+                                 grouped: bool = False) -> int:
         """Bytes one block id occupies in the KV cache tensor (keys and values of every layer slot)."""
         elem = torch.empty(0, dtype=dtype or self.dtype).element_size()
         c = self.config
-        return self.kv_layer_slots * 2 * block_size * c.n_head_kv * c.head_dim * elem
+        return self.kv_layer_slots(grouped) * 2 * block_size * c.n_head_kv * c.head_dim * elem
 
     def allocate_kv_cache(
         self,
@@ -379,19 +421,22 @@ class PagedDecoder:
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         pin_memory: bool = False,
+        grouped: bool = False,
     ) -> torch.Tensor:
-        """A zero-filled KV cache (zeros keep masked-out stale slots finite)."""
+        """A zero-filled KV cache (zeros keep masked-out stale slots finite); ``grouped``: one slot per layer of a
+        KV cache group (block ids of a :class:`pagedkv.HybridBlockManager`)."""
         dev = torch.device(device) if device is not None else self.device
         return torch.zeros(
-            self.kv_cache_shape(num_blocks, block_size),
+            self.kv_cache_shape(num_blocks, block_size, grouped=grouped),
             dtype=dtype or self.dtype,
             device=dev,
             pin_memory=pin_memory and dev.type == "cpu" and torch.cuda.is_available(),
         )
 
-    def _check_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        if kv_cache.dim() != 6 or kv_cache.shape[0] != self.kv_layer_slots or kv_cache.shape[1] != 2:
-            raise ValueError(f"KV cache must have shape {self.kv_cache_shape(-1, -1)}, got {tuple(kv_cache.shape)}")
+    def _check_kv_cache(self, kv_cache: torch.Tensor, grouped: bool = False) -> None:
+        if (kv_cache.dim() != 6 or kv_cache.shape[0] != self.kv_layer_slots(grouped) or kv_cache.shape[1] != 2):
+            raise ValueError(f"KV cache must have shape {self.kv_cache_shape(-1, -1, grouped=grouped)}, got "
+                             f"{tuple(kv_cache.shape)}")
 
     # ------------------------------------------------------------------ rotary tables and workspace
     def _rope(self, key: Any, inv_freq: torch.Tensor, positions: torch.Tensor,
@@ -470,6 +515,8 @@ class PagedLlama(PagedDecoder):
         """Run one step; returns float32 logits ``(R, vocab)`` for ``meta.logits_indices``
         (by default the last new token of each sequence, in batch order)."""
         c = self.config
+        if meta.groups is not None:
+            raise ValueError("PagedLlama has no KV cache groups (metadata with groups given)")
         self._check_kv_cache(kv_cache)
         block_size = kv_cache.shape[3]
         n_tok = meta.num_tokens
