@@ -147,11 +147,12 @@ class _Stepper:
 
     def _append(self, rows: np.ndarray, counts: np.ndarray, flat: np.ndarray, la: int, tables: bool,
                 plan: tuple | None = None) -> StepResult:
-        """The general append; ``plan``: this append's :meth:`_plan`, already made (a coordinator's)."""
+        """The general append; ``plan``: this append's :meth:`_plan`, already made and checked against the free
+        blocks by a coordinator (KV cache groups)."""
         if flat.size != counts.sum():
             raise InvalidTokensError(f"got {flat.size} tokens for counts summing to {counts.sum()}")
         needed, available, need, cow, release = plan or self._plan(rows, counts, la)
-        if needed > available:
+        if needed > available and plan is None:
             raise OutOfBlocksError(f"the step needs {needed} new blocks; {available} are free")
         if self._fixed_w and int(need.max()) > self._fixed_w:
             i = int(np.argmax(need))

@@ -47,8 +47,8 @@ from typing import Hashable, Iterable, NamedTuple, Sequence
 import numpy as np
 
 from ._checks import as_tokens, batch_tokens, check_int, flat_tokens
-from .errors import (InvalidArgumentError, InvalidTokensError, OutOfBlocksError, PromptTooLongError,
-                     TableWidthError)
+from .errors import (DuplicateSequenceError, InvalidArgumentError, InvalidTokensError, OutOfBlocksError,
+                     PromptTooLongError, SequenceStateError, TableWidthError)
 from .kv_groups import FullAttentionSpec, SlidingWindowSpec
 from .manager import BlockManager
 from .prefix_cache import _GroupNS, _chain, _encode_namespace, _slices
@@ -71,7 +71,7 @@ class HybridStepResult(NamedTuple):
     slot_mapping: np.ndarray  #: int64 (G, T): slot of each new token in each group (batch order)
     block_tables: tuple  #: G int32 (B, width) arrays, NULL_BLOCK padded (and where a window released blocks)
     seq_lens: np.ndarray  #: int32 (B,): tokens of each sequence after the append
-    cow: np.ndarray  #: int64 (m, 2): copy-on-write pairs of every group (block ids are pool-wide)
+    cow: np.ndarray  #: int64 (m, 2): copy-on-write pairs of every group, in the order made (as in the copy plan)
 
 
 class HybridPrefillBatch(NamedTuple):
@@ -491,7 +491,6 @@ class HybridBlockManager:
         for s in seq_ids:
             self._m0._check_new_id(s)
             if s in seen:
-                from .errors import DuplicateSequenceError
                 raise DuplicateSequenceError(f"sequence {s!r} appears twice in one batch")
             seen.add(s)
         gnss = [self._gns(ns) for ns in namespaces]
@@ -633,6 +632,19 @@ class HybridBlockManager:
                                       f"blocks; block_table_width is {fw}")
         return plans
 
+    def _commit_order(self, plans: list) -> list:
+        """The order to commit the groups' append plans in: group order when each group finds its blocks free at
+        its turn, else the groups whose windows release more than they take first (the total fits, so each then
+        does). O(G)."""
+        free = self.num_free_gpu_blocks
+        net = [p[0] - (p[1] - free) for p in plans]  # blocks taken less blocks the window releases
+        acc = 0
+        for x in net:
+            acc += x
+            if acc > free:
+                return sorted(range(len(plans)), key=net.__getitem__)
+        return list(range(len(plans)))
+
     def decode_step(self, seq_ids: Sequence[Hashable], token_ids: object, num_lookahead_slots: int = 0, *,
                     num_new_tokens: object = None) -> HybridStepResult:
         """The batched hot path in every group (see BlockManager.decode_step for the token forms, lookahead and
@@ -648,14 +660,18 @@ class HybridBlockManager:
                                     np.zeros(0, np.int32), np.zeros((0, 2), np.int64))
         if counts is None and la == 0 and self._fast_ok(rows):
             res = [m._step1(rows, arr) for m in self._g]
+            order = None
         else:
             if counts is None:
                 counts = np.ones(b, dtype=np.int64)
             if arr.size != counts.sum():
                 raise InvalidTokensError(f"got {arr.size} tokens for counts summing to {counts.sum()}")
             plans = self._plans(rows, counts, la)
-            res = [m._append(rows, counts, arr, la, True, p) for m, p in zip(self._g, plans)]
-        cows = [r.cow for r in res if r.cow.size]
+            res = [None] * len(plans)
+            order = self._commit_order(plans)
+            for g in order:
+                res[g] = self._g[g]._append(rows, counts, arr, la, True, plans[g])
+        cows = [res[g].cow for g in (order or range(G)) if res[g].cow.size]  # (in the order they were made)
         return HybridStepResult(np.stack([r.slot_mapping for r in res]), tuple(r.block_tables for r in res),
                                 res[0].seq_lens, np.concatenate(cows) if len(cows) > 1 else
                                 cows[0] if cows else res[0].cow)
@@ -691,7 +707,15 @@ class HybridBlockManager:
         """Move the sequences' blocks of every group to the CPU pool; (gpu, cpu) pairs of every group. All or
         nothing (OutOfBlocksError when the CPU pool cannot take every group's blocks)."""
         seq_ids = list(seq_ids)
-        rows = self._m0._rows_where(seq_ids, swapped=False)
+        m0 = self._m0
+        rows = m0._rows_where(seq_ids, swapped=False)
+        if m0._stepping:
+            pending = np.flatnonzero(m0._ntok[rows] != m0._ntok0[rows])
+            if pending.size:
+                raise SequenceStateError(
+                    f"swap_out: sequence {seq_ids[int(pending[0])]!r} was handed slots in this step, whose KV only "
+                    "the step's forward writes (after every copy): swap it out in a later step, or free it with "
+                    "cache=False (an abort)")
         need = sum(m._unique_blocks(rows).size for m in self._g)
         if need > self.num_free_cpu_blocks:
             raise OutOfBlocksError(f"swap_out needs {need} CPU blocks in {len(self._g)} KV cache groups; "
