@@ -333,6 +333,60 @@ def test_preemption_with_kv_cache_groups(gemma, reference, mode):
     llm.block_manager.check_invariants()
 
 
+def test_reference_cases_complete_in_a_40_mib_kv_cache_with_groups(gemma, reference):
+    """Issue 16 item 4: with a 40 MiB fp32 KV cache (426 block ids of 96 KiB with groups) every reference case
+    completes, greedy equal to HF, through the real HybridBlockManager and the model: the prompt in chunks of 256
+    tokens (allocate the first, then multi-token decode_step appends, as chunked prefill drives them), each
+    sliding group releasing the blocks its window left behind. One table for all 18 layers (71 block ids of
+    576 KiB) can never hold the 1,540-token case. CI runs the longest case; PAGEDKV_GEMMA3_FULL=1 all six."""
+    import numpy as np
+
+    from pagedkv import AllocStatus, BlockManager, HybridBlockManager
+    from pagedkv.engine.model import build_group_attention_metadata
+
+    budget = int(40 / 1024 * 2**30)
+    num_blocks = budget // gemma.kv_cache_bytes_per_block(BLOCK, grouped=True)
+    assert num_blocks == 426
+    longest = max(reference["cases"], key=lambda c: len(c["prompt_ids"]))
+    one_table = BlockManager(budget // gemma.kv_cache_bytes_per_block(BLOCK), BLOCK)
+    assert one_table.can_allocate(longest["prompt_ids"]) is AllocStatus.NEVER
+    bm = HybridBlockManager(num_blocks, BLOCK, kv_cache_groups=gemma.kv_cache_groups)
+    kv = gemma.allocate_kv_cache(num_blocks, BLOCK, grouped=True)
+    n_groups = len(gemma.kv_cache_groups)
+    chunk = 256
+
+    def forward(new, done, slots, tables):
+        meta = build_group_attention_metadata([new], [done], slots, [[t] for t in tables], block_size=BLOCK)
+        return int(gemma(meta, kv)[0].argmax())
+
+    picked = reference["cases"] if FULL else [longest]
+    peak = 0
+    for sid, c in enumerate(picked):
+        ids = c["prompt_ids"]
+        bm.allocate(sid, ids[:chunk])
+        first = ids[:chunk]
+        tok = forward(first, 0, [bm.slot_mapping(sid, 0, len(first), g) for g in range(n_groups)],
+                      [bm.block_table(sid, g) for g in range(n_groups)])
+        done = len(first)
+        pending = list(ids[chunk:])
+        out = []
+        while True:
+            if not pending:  # the prompt is in: decode
+                out.append(tok)
+                if len(out) == c["max_tokens"]:
+                    break
+                pending = [tok]
+            new, pending = pending[:chunk], pending[chunk:]
+            r = bm.decode_step([sid], np.asarray(new, dtype=np.int64).reshape(1, -1))
+            tok = forward(new, done, r.slot_mapping, [t[0] for t in r.block_tables])
+            done += len(new)
+            peak = max(peak, num_blocks - bm.num_free_gpu_blocks)
+        assert out == c["gen_ids"], c["prompt"][:40]
+        bm.free(sid, cache=False)
+        bm.check_invariants()
+    assert peak <= num_blocks
+
+
 @pytest.mark.opt_in("PAGEDKV_GEMMA3_FULL")  # loads the model in a subprocess (~30 s); deselected unless set
 def test_cli_generate_with_model_name(gemma, reference):
     c = reference["cases"][4]
