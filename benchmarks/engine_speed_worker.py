@@ -13,7 +13,8 @@ tokens (vLLM's benchmark_throughput convention); output tokens/s is given too.
 Backends (each runs in its own interpreter; only pagedkv's is the project's own virtualenv):
 
 * ``pagedkv``: ``pagedkv.engine.throughput.run_throughput`` (the code of ``pagedkv bench throughput``) on a fresh
-  ``LLM`` per job (the model class after the file's architecture: SmolLM2 or Gemma 3) (an empty prefix cache: repeats do not hit each other's prompts), weights shared;
+  ``LLM`` per job (an empty prefix cache: repeats do not hit each other's prompts), weights shared; the model
+  class after the file's architecture (SmolLM2: ``PagedLlama``, Gemma 3: ``PagedGemma3`` on KV cache groups);
 * ``hf``: transformers' ``generate`` on the same GGUF file (dequantized to float32 by transformers), one static
   batch, ``do_sample=True, top_k=0``, an all-ones attention mask;
 * ``llamacpp``: llama.cpp through llama-cpp-python's C API on the same (quantized) GGUF file: one context with

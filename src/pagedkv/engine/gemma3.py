@@ -281,7 +281,8 @@ class PagedGemma3(PagedDecoder):
                                meta.positions, max_pos) for w in windows}
         if grouped:  # one plan per group (its own block tables), layer i -> (group, slot)
             if len(meta.groups) != len(self.kv_cache_groups):
-                raise ValueError(f"metadata has {len(meta.groups)} KV cache groups, the model {len(self.kv_cache_groups)}")
+                raise ValueError(f"metadata has {len(meta.groups)} KV cache groups, the model "
+                                 f"{len(self.kv_cache_groups)}")
             plans = [plan_paged_attention(gm, block_size, sliding_window=spec.window, dtype=self.dtype)
                      for gm, spec in zip(meta.groups, self.kv_cache_groups)]
             where = [(plans[g], kv_cache[j]) for g, j in self.layer_groups]
