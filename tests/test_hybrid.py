@@ -275,3 +275,18 @@ def test_cpu_tier_hits_in_every_group():
     plan = m.take_copy_plan()
     assert int((plan.kind == pagedkv.CopyKind.CPU_TO_GPU).sum()) == 4
     m.check_invariants()
+
+
+def test_block_hashes_of_each_group_are_the_events_keys():
+    m = HybridBlockManager(64, 4, kv_cache_groups=[F(), S(4), F()], enable_prefix_caching=True,
+                           enable_kv_events=True)
+    toks = list(range(1, 18))
+    m.allocate("a", toks, namespace="t")
+    ev = m.take_events()
+    assert [e.group_idx for e in ev] == [0, 1, 2]
+    for e in ev:
+        assert e.namespace == "t"
+        assert e.block_hashes == block_hashes(toks, 4, "t", group=e.group_idx)
+    assert block_hashes(toks, 4, "t", group=0) == block_hashes(toks, 4, "t")
+    with pytest.raises(InvalidArgumentError):
+        block_hashes(toks, 4, group=-1)

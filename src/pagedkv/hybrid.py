@@ -273,6 +273,13 @@ class HybridBlockManager:
             m._end_step()
         return plan
 
+    def take_copies(self):
+        """Deprecated, as BlockManager.take_copies: :meth:`take_copy_plan` narrowed to the CPU tier's copies."""
+        got = self._m0.take_copies()
+        for m in self._g[1:]:
+            m._end_step()
+        return got
+
     def take_events(self) -> list:
         """KV events since the last call, every group's, in order (each carrying its group). O(events)."""
         return self._m0.take_events()
@@ -645,11 +652,79 @@ class HybridBlockManager:
                 return sorted(range(len(plans)), key=net.__getitem__)
         return list(range(len(plans)))
 
+    def _step_small(self, seq_ids, token_ids: object, b: int) -> HybridStepResult | None:
+        """One token each for a few sequences, every group in plain Python (numpy's fixed costs dominate there):
+        sliding groups release what their windows let go, then every group takes the plain-Python step of
+        BlockManager (:mod:`pagedkv._small`). None, having changed nothing, unless every group's blocks (new
+        ones and possible copy-on-write copies, releases not counted) are free together."""
+        if type(token_ids) is np.ndarray:
+            if token_ids.ndim != 1 or token_ids.size != b or token_ids.dtype.kind not in "iu":
+                return None
+            toks = token_ids.tolist()
+        elif type(token_ids) is list and len(token_ids) == b:
+            toks = token_ids
+            for t in toks:
+                if type(t) is not int:
+                    return None
+        else:
+            return None
+        if min(toks) < 0 or max(toks) > 2**31 - 1:
+            return None
+        m0 = self._m0
+        ids = seq_ids if type(seq_ids) is list else list(seq_ids)
+        memo = m0._memo_small
+        if memo is not None and memo[0] is m0._memo_ids and ids == memo[0]:
+            rows = memo[1]
+        else:
+            rows = m0._small_rows(ids)
+            if rows is None:
+                return None
+        ntok, nblk = (m0._mvs or m0._views())[:2]
+        bs, fw = self._bs, m0._fixed_w
+        grow = 0
+        for r in rows:
+            j = ntok[r] // bs
+            if j == nblk[r]:
+                if j >= fw > 0:
+                    return None
+                grow += 1
+        need = grow * len(self._g)
+        ref = self._gpu._ref_mv
+        for m in self._g:
+            table = (m._mvs or m._views())[2]
+            for r in rows:
+                j = ntok[r] // bs
+                if j < nblk[r] and ref[table[r, j]] > 1:
+                    need += 1  # (an upper bound of the copy-on-write copies)
+        if need > self.num_free_gpu_blocks:
+            return None
+        # ---- mutation: nothing below can fail (every group's step finds its blocks)
+        res = []
+        for m in self._g:
+            if m._window is not None:
+                m._release_window_small(rows)
+            if b == 1:
+                got = m._step_one(ids[0], toks, True)
+            else:
+                got = m._step_small(ids, toks, b)
+            assert got is not None, "a group's small step declined after the coordinator's checks"
+            res.append(got)
+        cows = [r.cow for r in res if len(r.cow)]
+        return HybridStepResult(np.concatenate([r.slot_mapping for r in res]).reshape(len(res), b),
+                                tuple([r.block_tables for r in res]), res[0].seq_lens,
+                                res[0].cow if not cows else cows[0] if len(cows) == 1 else np.concatenate(cows))
+
     def decode_step(self, seq_ids: Sequence[Hashable], token_ids: object, num_lookahead_slots: int = 0, *,
                     num_new_tokens: object = None) -> HybridStepResult:
         """The batched hot path in every group (see BlockManager.decode_step for the token forms, lookahead and
         the contract): returns :class:`HybridStepResult` (slot mapping and block tables per group). All or
         nothing across groups. O(B x groups) numpy work, plus O(1) per block filled, released or evicted."""
+        if num_new_tokens is None and num_lookahead_slots == 0 and type(num_lookahead_slots) is int:
+            b = len(seq_ids)
+            if 0 < b <= self._m0._small_batch:
+                res = self._step_small(seq_ids, token_ids, b)
+                if res is not None:
+                    return res
         rows = self._m0._rows(seq_ids)
         b = rows.size
         arr, counts = self._tokens(b, token_ids, num_new_tokens)

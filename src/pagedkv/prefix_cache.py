@@ -52,12 +52,16 @@ def _root_key(namespace: object) -> int:
     return _xxh3(b"pagedkv-ns:" + _encode_namespace(namespace))
 
 
-def block_hashes(token_ids, block_size: int = 16, namespace: object = None) -> list[int]:
+def block_hashes(token_ids, block_size: int = 16, namespace: object = None, group: int = 0) -> list[int]:
     """The prefix-cache keys of the full blocks of ``token_ids`` (``len // block_size`` of them), as a
     BlockManager with this ``block_size`` computes them and as its KV events name the blocks: what a router
-    computes for a request it has not routed yet. Deterministic across processes. O(len(token_ids))."""
+    computes for a request it has not routed yet. ``group``: the keys of KV cache group ``group`` of a
+    :class:`pagedkv.HybridBlockManager` (group 0's are a single-group manager's). Deterministic across
+    processes. O(len(token_ids))."""
     if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
         raise InvalidArgumentError(f"block_size must be an int >= 1, got {block_size!r}")
+    if isinstance(group, bool) or not isinstance(group, (int, np.integer)) or group < 0:
+        raise InvalidArgumentError(f"group must be an int >= 0, got {group!r}")
     arr = np.asarray(token_ids)
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise InvalidTokensError(f"token_ids must be a 1-D sequence of ints, got {arr.dtype} of shape {arr.shape}")
@@ -65,7 +69,8 @@ def block_hashes(token_ids, block_size: int = 16, namespace: object = None) -> l
         raise InvalidTokensError("token_ids must lie in [0, 2**31)")
     n = arr.size // block_size
     data = arr[: n * block_size].astype(np.int32).tobytes()
-    out, k = [], _root_key(namespace)
+    out, k = [], _root_key(namespace) if not group else _xxh3(
+        b"pagedkv-ns:" + b"g%d:" % int(group) + _encode_namespace(namespace))
     for sl in _slices(n, 4 * block_size):
         k = _xxh3(data[sl], seed=k)
         out.append(k)
