@@ -13,8 +13,9 @@ HF, llama.cpp, engine, HF, ...), so a slow spell of a shared machine hits them a
 2. tokens/s against batch size (1, 4, 16, 32 prompts of 64 + 64 tokens) for the three backends, with the
    ratios engine / HF and engine / llama.cpp per batch size (batch 1 is the batch-1 decode figure);
    both for each model of ``--models`` (default: SmolLM2-135M, then Gemma 3 270M), one model after the other;
-3. a markdown table (stdout and ``--out-dir``/engine_speed.md), the raw results (engine_speed.json) and a chart
-   (engine_speed.png).
+3. a markdown table (stdout and ``--out-dir``/engine_speed.md), the raw results (engine_speed.json, written after
+   every model, so a run cut short keeps the models it finished) and a chart (engine_speed.png);
+   ``--render A.json [B.json ...]`` writes the report and chart of earlier runs without measuring.
 
 A backend whose virtualenv is missing is left out (and said so). Threads: every backend uses ``--threads``
 (default 1, see --threads).
@@ -104,26 +105,46 @@ def main() -> int:
     p.add_argument("--hf-python", default=str(ROOT / ".venv-hf" / "bin" / "python"))
     p.add_argument("--llamacpp-python", default=str(ROOT / ".venv-llamacpp" / "bin" / "python"))
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--render", nargs="+", metavar="JSON",
+                   help="measure nothing: write the report and chart of earlier runs' engine_speed.json files "
+                        "(their models side by side)")
     a = p.parse_args()
-
-    models = [a.model] if a.model else a.models.split(",")
-    t0 = time.time()
-    sections, charts, raw = [], [], {}
-    for m in models:
-        report, chart, data = measure(a, m)
-        label = MODEL_LABELS.get(m, os.path.basename(resolve(m)))
-        sections.append(f"## {label}\n\n{report}")
-        charts.append((label, chart))
-        raw[label] = data
-    head = (f"Machine: {platform.platform()}, {os.cpu_count()} cores, {a.threads} threads per backend; "
-            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; run took {time.time() - t0:.0f} s; command: "
-            f"`{' '.join(['benchmarks/engine_speed.py'] + sys.argv[1:])}`")
-    report = head + "\n\n" + "\n\n".join(sections)
-    print(report)
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+
+    if a.render:
+        runs: dict = {}
+        for f in a.render:
+            runs.update(json.loads(Path(f).read_text())["models"])
+        write_report(out, runs, "rendered by `benchmarks/engine_speed.py --render` from "
+                     + ", ".join(os.path.basename(f) for f in a.render))
+        return 0
+    models = [a.model] if a.model else a.models.split(",")
+    t0 = time.time()
+    runs = {}
+    for m in models:
+        label = MODEL_LABELS.get(m, os.path.basename(resolve(m)))
+        runs[label] = measure(a, m)
+        # after every model: a run cut short keeps what it measured
+        (out / "engine_speed.json").write_text(json.dumps({"models": runs}, indent=1))
+    write_report(out, runs, f"run took {time.time() - t0:.0f} s; command: "
+                 f"`{' '.join(['benchmarks/engine_speed.py'] + sys.argv[1:])}`")
+    return 0
+
+
+def write_report(out: Path, runs: dict, note: str) -> None:
+    """engine_speed.md (printed too) and engine_speed.png for ``runs`` (label -> :func:`measure`'s result)."""
+    threads = {r["settings"]["threads"] for r in runs.values()}
+    head = (f"Machine: {platform.platform()}, {os.cpu_count()} cores, {'/'.join(map(str, sorted(threads)))} "
+            f"threads per backend; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {note}")
+    sections, charts = [], []
+    for label, run in runs.items():
+        text, chart = render(run)
+        sections.append(f"## {label}\n\n{text}")
+        charts.append((label, chart))
+    report = head + "\n\n" + "\n\n".join(sections)
+    print(report)
     (out / "engine_speed.md").write_text(report + "\n")
-    (out / "engine_speed.json").write_text(json.dumps({"threads": a.threads, "models": raw}, indent=1))
     try:
         import matplotlib
 
@@ -131,25 +152,24 @@ def main() -> int:
         import matplotlib.pyplot as plt
 
         fig, axes = plt.subplots(1, len(charts), figsize=(6.0 * len(charts), 4.2), squeeze=False)
-        for ax, (label, (batches, series, s_in, s_out)) in zip(axes[0], charts):
+        for ax, (label, (batches, series, s_in, s_out, thr)) in zip(axes[0], charts):
             for (b, ys), mark in zip(series.items(), "osd"):
                 ax.plot(batches, ys, marker=mark, label=NAMES[b])
             ax.set_xscale("log", base=2)
             ax.set_xticks(batches, [str(x) for x in batches])
             ax.set_xlabel("concurrent prompts (batch size)")
             ax.set_ylabel(f"tokens/s (prompt + output, {s_in} + {s_out})")
-            ax.set_title(f"{label} on {os.cpu_count()} CPU cores, {a.threads} thread(s)")
+            ax.set_title(f"{label} on {os.cpu_count()} CPU cores, {thr} thread(s)")
             ax.grid(True, alpha=0.3)
             ax.legend()
         fig.tight_layout()
         fig.savefig(out / "engine_speed.png", dpi=120)
     except ImportError:
         print("[engine_speed] matplotlib missing: no chart", file=sys.stderr)
-    return 0
 
 
-def measure(a: argparse.Namespace, model_name: str) -> tuple[str, tuple, dict]:
-    """Every job for one model: ``(markdown report, chart data, raw results)``."""
+def measure(a: argparse.Namespace, model_name: str) -> dict:
+    """Every job for one model: ``{"model", "settings", "missing", "results"}`` (what :func:`render` reads)."""
     model = resolve(model_name)
     threads = a.threads
     head = (32, 256, 256)
@@ -186,12 +206,10 @@ def measure(a: argparse.Namespace, model_name: str) -> tuple[str, tuple, dict]:
     t0 = time.time()
     try:
         # 1. the throughput workload, engine and HF back to back
-        head_ratios = []
         for rep in range(a.repeats):
-            e = job("pagedkv", *head, seed=rep, tag="throughput")
+            job("pagedkv", *head, seed=rep, tag="throughput")
             if "hf" in workers:
-                h = job("hf", *head, seed=rep, tag="throughput")
-                head_ratios.append(e["tokens_per_s"] / h["tokens_per_s"])
+                job("hf", *head, seed=rep, tag="throughput")
         # 2. the batch-size sweep, the backends taking turns
         for rep in range(a.sweep_repeats):
             for bsz in batches:
@@ -200,27 +218,36 @@ def measure(a: argparse.Namespace, model_name: str) -> tuple[str, tuple, dict]:
     finally:
         for w in workers.values():
             w.close()
+    settings = {"threads": threads, "head": list(head), "batches": batches, "sweep_len": [s_in, s_out],
+                "sweep_repeats": a.sweep_repeats, "seconds": round(time.time() - t0)}
+    return {"model": os.path.basename(model), "settings": settings, "missing": missing, "results": results}
 
-    # ------------------------------------------------------------------ report
+
+def render(run: dict) -> tuple[str, tuple]:
+    """The markdown report and the chart data ``(batches, series, input, output, threads)`` of one model's run."""
+    st, results, missing = run["settings"], run["results"], run["missing"]
+    head, batches, (s_in, s_out) = st["head"], st["batches"], st["sweep_len"]
+
     def med(backend: str, bsz: int, tag: str, key: str = "tokens_per_s") -> float | None:
         xs = [r[key] for r in results if r["backend"] == backend and r["batch"] == bsz and r["tag"] == tag]
         return statistics.median(xs) if xs else None
 
-    def ratios(other: str, bsz: int, key: str = "tokens_per_s") -> list[float]:
-        mine = [r for r in results if r["backend"] == "pagedkv" and r["batch"] == bsz and r["tag"] == "sweep"]
-        theirs = [r for r in results if r["backend"] == other and r["batch"] == bsz and r["tag"] == "sweep"]
+    def ratios(other: str, bsz: int | None, tag: str = "sweep", key: str = "tokens_per_s") -> list[float]:
+        mine = [r for r in results if r["backend"] == "pagedkv" and r["tag"] == tag and bsz in (None, r["batch"])]
+        theirs = [r for r in results if r["backend"] == other and r["tag"] == tag and bsz in (None, r["batch"])]
         return [m[key] / t[key] for m, t in zip(mine, theirs)]
 
-    lines = [f"Model {os.path.basename(model)}; {time.time() - t0:.0f} s", ""]
+    lines = [f"Model {run['model']}; {st['seconds']} s", ""]
     heads = [r for r in results if r["tag"] == "throughput"]
     if heads:
         e = [r["tokens_per_s"] for r in heads if r["backend"] == "pagedkv"]
         h = [r["tokens_per_s"] for r in heads if r["backend"] == "hf"]
+        rh = ratios("hf", None, "throughput")
         lines.append(f"Throughput workload ({head[0]} prompts x ({head[1]} + {head[2]}) tokens, sampling): engine "
                      f"{statistics.median(e):.1f} tok/s ({min(e):.1f}-{max(e):.1f})"
                      + (f", HF generate {statistics.median(h):.1f} tok/s ({min(h):.1f}-{max(h):.1f}); "
-                        f"engine / HF per pair: {spread(head_ratios)} over {len(head_ratios)} pairs" if h else ""))
-        splits = [r["split"] for r in heads if r["backend"] == "pagedkv"]
+                        f"engine / HF per pair: {spread(rh)} over {len(rh)} pairs" if h else ""))
+        splits = [r["split"] for r in heads if r["backend"] == "pagedkv" and r.get("split")]
         if splits:
             avg = {k: statistics.median(s[k] for s in splits) for k in splits[0]}
             lines.append("Engine-time split (median): " + ", ".join(
@@ -228,7 +255,7 @@ def measure(a: argparse.Namespace, model_name: str) -> tuple[str, tuple, dict]:
         lines.append("")
     cols = [b for b in ("pagedkv", "hf", "llamacpp") if any(r["backend"] == b for r in results)]
     lines.append(f"Tokens/s (prompt + output) against batch size, {s_in} + {s_out} tokens per prompt, median of "
-                 f"{a.sweep_repeats}; output tokens/s in brackets; ratios per repeat, median (min-max):")
+                 f"{st['sweep_repeats']}; output tokens/s in brackets; ratios per repeat, median (min-max):")
     lines.append("")
     hdr = "| batch | " + " | ".join(NAMES[b] for b in cols) + " | engine / HF | engine / llama.cpp |"
     lines += [hdr, "|" + "---|" * (hdr.count("|") - 1)]
@@ -244,7 +271,7 @@ def measure(a: argparse.Namespace, model_name: str) -> tuple[str, tuple, dict]:
     for b, why in missing.items():
         lines.append(f"\n{NAMES[b]}: not measured ({why})")
     series = {b: [med(b, bsz, "sweep") for bsz in batches] for b in cols}
-    return "\n".join(lines), (batches, series, s_in, s_out), {"missing": missing, "results": results}
+    return "\n".join(lines), (batches, series, s_in, s_out, st["threads"])
 
 
 if __name__ == "__main__":
