@@ -106,8 +106,8 @@ def main() -> int:
     p.add_argument("--llamacpp-python", default=str(ROOT / ".venv-llamacpp" / "bin" / "python"))
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--render", nargs="+", metavar="JSON",
-                   help="measure nothing: write the report and chart of earlier runs' engine_speed.json files "
-                        "(their models side by side)")
+                   help="measure nothing: write the report, chart and merged engine_speed.json of earlier runs' "
+                        "JSON files (their models side by side)")
     a = p.parse_args()
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -116,6 +116,7 @@ def main() -> int:
         runs: dict = {}
         for f in a.render:
             runs.update(json.loads(Path(f).read_text())["models"])
+        (out / "engine_speed.json").write_text(json.dumps({"models": runs}, indent=1))
         write_report(out, runs, "rendered by `benchmarks/engine_speed.py --render` from "
                      + ", ".join(os.path.basename(f) for f in a.render))
         return 0
