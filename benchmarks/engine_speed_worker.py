@@ -13,7 +13,8 @@ tokens (vLLM's benchmark_throughput convention); output tokens/s is given too.
 Backends (each runs in its own interpreter; only pagedkv's is the project's own virtualenv):
 
 * ``pagedkv``: ``pagedkv.engine.throughput.run_throughput`` (the code of ``pagedkv bench throughput``) on a fresh
-  ``LLM`` per job (an empty prefix cache: repeats do not hit each other's prompts), weights shared;
+  ``LLM`` per job (an empty prefix cache: repeats do not hit each other's prompts), weights shared; the model
+  class after the file's architecture (SmolLM2: ``PagedLlama``, Gemma 3: ``PagedGemma3`` on KV cache groups);
 * ``hf``: transformers' ``generate`` on the same GGUF file (dequantized to float32 by transformers), one static
   batch, ``do_sample=True, top_k=0``, an all-ones attention mask;
 * ``llamacpp``: llama.cpp through llama-cpp-python's C API on the same (quantized) GGUF file: one context with
@@ -40,10 +41,10 @@ class PagedKV:
     def __init__(self, model: str, threads: int) -> None:
         import torch
 
-        from pagedkv.engine.model import PagedLlama
+        from pagedkv.engine.registry import load_model
 
         torch.set_num_threads(threads)
-        self.model = PagedLlama.from_gguf(model)
+        self.model = load_model(model)  # PagedLlama or PagedGemma3, after the file's architecture
         self.vocab = self.model.config.vocab_size
 
     def run(self, batch: int, input_len: int, output_len: int, seed: int) -> dict:

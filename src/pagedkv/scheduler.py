@@ -152,8 +152,10 @@ class PrefillWork(NamedTuple):
     sample_index: int
     token_ids: np.ndarray  # int64 (T,): the tokens to compute, prompt[start:seq_len]
     positions: np.ndarray  # int64 (T,): start .. seq_len - 1
-    slot_mapping: np.ndarray  # int64 (T,): slot of each computed token (None if the bm has no slot_mapping)
-    block_table: np.ndarray  # int32: the sequence's block table, read-only (None likewise)
+    slot_mapping: np.ndarray  # int64 (T,): slot of each computed token (None if the bm has no slot_mapping);
+    #                           (G, T) with a HybridBlockManager: the slots in each KV cache group
+    block_table: Any  # int32: the sequence's block table, read-only (None likewise); a tuple of G tables, one
+    #                    per KV cache group, with a HybridBlockManager
     num_cached_tokens: int  # == start: tokens whose KV is already in the cache (prefix hit, earlier chunks)
     seq_len: int  # tokens of the sequence after this step (attention context length of the last token)
     num_samples: int  # tokens to sample from the last logits (n for a fresh request, else 1; 0: a chunk that
@@ -168,7 +170,8 @@ class DecodeBatch(NamedTuple):
     positions: np.ndarray  # int64 (T,): aligned with input_tokens and result.slot_mapping
     query_lens: np.ndarray  # int32 (B,): tokens input per sequence (1, or accepted + 1 with speculation)
     num_lookahead_slots: int
-    result: Any  # the StepResult of decode_step: slot_mapping, block_tables, seq_lens, cow
+    result: Any  # the StepResult of decode_step: slot_mapping, block_tables, seq_lens, cow (HybridStepResult:
+    #              per KV cache group)
 
 
 class Preemption(NamedTuple):
@@ -321,7 +324,9 @@ class Scheduler:
     """Continuous batching over ``block_manager`` (see the module docstring for the policy).
 
     Args:
-        block_manager: a :class:`pagedkv.BlockManager` or an object with the same methods.
+        block_manager: a :class:`pagedkv.BlockManager`, a :class:`pagedkv.HybridBlockManager` (its prefills then
+            carry a slot mapping and a block table per KV cache group, its decodes its per-group step result) or an
+            object with the same methods.
         max_num_seqs: most sequences running at once (a request with ``n`` samples counts ``n``).
         max_num_batched_tokens: prefill tokens admitted per step (a longer prompt is admitted alone); with
             chunked prefill, the step's token budget (decodes plus prompt chunks).
@@ -375,6 +380,8 @@ class Scheduler:
         self._prepare = getattr(block_manager, "prepare_step", None)
         # benchmark adapters of other block managers have no slot_mapping: their prefills carry no metadata
         self._has_slots = getattr(block_manager, "slot_mapping", None) is not None
+        # a HybridBlockManager has a block table per KV cache group: prefills then carry one per group
+        self._num_groups = getattr(block_manager, "num_groups", None)
         self._waiting: deque[_Group] = deque()
         self._running: dict[int, _Group] = {}  # arrival -> group, insertion order = admission order
         self._swapped: list[_Group] = []  # heap by arrival
@@ -916,8 +923,14 @@ class Scheduler:
         start = min(hit, L - 1)
         if self._has_slots:
             bm = self.bm
-            slots = np.asarray(bm.slot_mapping(s.seq_id, start, end), dtype=np.int64)
-            table = bm.block_table(s.seq_id)
+            if self._num_groups is None:
+                slots = np.asarray(bm.slot_mapping(s.seq_id, start, end), dtype=np.int64)
+                table = bm.block_table(s.seq_id)
+            else:  # (G, T) slots and G tables, one per KV cache group
+                G = self._num_groups
+                slots = np.stack([np.asarray(bm.slot_mapping(s.seq_id, start, end, g), dtype=np.int64)
+                                  for g in range(G)])
+                table = tuple(bm.block_table(s.seq_id, g) for g in range(G))
         else:
             slots = table = None
         s.num_computed = end

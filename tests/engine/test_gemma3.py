@@ -110,59 +110,83 @@ def _meta(q_lens, ctx_lens, tables):
     return build_attention_metadata(new, computed, slots, tables, block_size=BLOCK)
 
 
+def _dense_reference(q, k, v, positions, window, scale):
+    """Attention of queries at ``positions`` over keys 0..len(k)-1 with HF's sliding_window_overlay rule: key kv is
+    seen iff kv <= p and kv > p - W (W keys, itself included). Explicit scores, float64."""
+    n_head, n_kv = q.shape[1], k.shape[1]
+    kv_pos = torch.arange(k.shape[0])[None, :]
+    p = torch.as_tensor(positions)[:, None]
+    allowed = kv_pos <= p
+    if window is not None:
+        allowed &= kv_pos > p - window
+    kk = k.double().repeat_interleave(n_head // n_kv, dim=1)  # (K, n_head, d)
+    vv = v.double().repeat_interleave(n_head // n_kv, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), kk) * scale
+    scores = scores.masked_fill(~allowed[None], float("-inf"))
+    out = torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), vv)
+    return out.reshape(len(positions), -1), allowed
+
+
 @pytest.mark.parametrize("window", [512, 5, None])
 def test_sliding_window_semantics_match_hf(window):
-    """HF's sliding_window_overlay: a query at position p sees key kv iff kv <= p and kv > p - W (W keys, itself
-    included). Checked for a long prefill and a decode batch, across block edges, against that definition."""
-    from pagedkv.engine.gemma3 import plan_attention
+    """The engine's paged attention (the path Gemma 3's layers take) against HF's sliding_window_overlay rule on
+    random keys: a whole new prompt of 700 tokens, decodes at 513 and 1040 tokens, and a 40-token chunk after 560
+    cached tokens (window edges inside earlier blocks), in one step. An off-by-one window changes the outputs."""
+    from pagedkv.engine.paged_attention import AttentionWorkspace, paged_attention, plan_paged_attention
 
-    q_lens, ctx = [700, 1, 1], [700, 513, 1040]
+    gen = torch.Generator().manual_seed(0)
+    n_head, n_kv, d, scale = 4, 1, 16, 0.25
+    q_lens, ctx = [700, 1, 1, 40], [700, 513, 1040, 600]
     tables = [list(range(i * 70, i * 70 + blocks(c))) for i, c in enumerate(ctx)]
-    groups = plan_attention(_meta(q_lens, ctx, tables), BLOCK, window, torch.device("cpu"))
-    assert sorted(g.q_len for g in groups) == [1, 700]
-    for g in groups:
-        rows = [b for b, q in enumerate(q_lens) if q == g.q_len]
-        # the plan's keys start at the block of the lowest key any of its queries needs
-        lowest = min(ctx[b] - g.q_len for b in rows) - window + 1 if window is not None else 0
-        first_block = max(0, lowest) // BLOCK
-        key_pos = torch.arange(first_block * BLOCK, first_block * BLOCK + g.mask.shape[-1])
-        for i, b in enumerate(rows):
-            kv, p = key_pos[None, :], torch.arange(ctx[b] - g.q_len, ctx[b])[:, None]
-            hf = kv <= p
-            if window is not None:
-                hf &= kv > p - window
-            assert torch.equal(g.mask[i, 0], hf)
-            seen = int(hf[-1].sum())  # the last query sees min(W, p + 1) keys
-            assert seen == (min(window, ctx[b]) if window is not None else ctx[b])
-            assert g.block_ids[i, : blocks(ctx[b]) - first_block].tolist() == tables[b][first_block: blocks(ctx[b])]
+    kv_cache = torch.zeros(2, 4 * 70, BLOCK, n_kv, d)
+    seq_k = [torch.randn(c, n_kv, d, generator=gen) for c in ctx]
+    seq_v = [torch.randn(c, n_kv, d, generator=gen) for c in ctx]
+    seq_q = [torch.randn(q, n_head, d, generator=gen) for q in q_lens]
+    for t, kk, vv, c, q in zip(tables, seq_k, seq_v, ctx, q_lens):  # the cached tokens, written before the step
+        for pos in range(c - q):
+            kv_cache[0, t[pos // BLOCK], pos % BLOCK] = kk[pos]
+            kv_cache[1, t[pos // BLOCK], pos % BLOCK] = vv[pos]
+    meta = _meta(q_lens, ctx, tables)
+    plan = plan_paged_attention(meta, BLOCK, sliding_window=window)
+    new = [slice(c - q, c) for c, q in zip(ctx, q_lens)]
+    out = paged_attention(torch.cat([x for x in seq_q]), torch.cat([kk[s] for kk, s in zip(seq_k, new)]),
+                          torch.cat([vv[s] for vv, s in zip(seq_v, new)]), kv_cache, plan, scale=scale,
+                          workspace=AttentionWorkspace())
+    start = 0
+    for b, (c, q) in enumerate(zip(ctx, q_lens)):
+        want, allowed = _dense_reference(seq_q[b], seq_k[b], seq_v[b], list(range(c - q, c)), window, scale)
+        assert torch.allclose(out[start:start + q].double(), want, atol=1e-5), (b, window)
+        # the last query sees min(W, p + 1) keys
+        assert int(allowed[-1].sum()) == (min(window, c) if window is not None else c)
+        start += q
 
 
 def test_sliding_window_skips_blocks_before_the_window():
     """A decode at position 1039 with W = 512 sees keys 528..1039: the blocks before block 33 are not gathered."""
-    from pagedkv.engine.gemma3 import plan_attention
+    from pagedkv.engine.paged_attention import plan_paged_attention
 
     table = list(range(100, 100 + blocks(1040)))
-    (g,) = plan_attention(_meta([1], [1040], [table]), BLOCK, 512, torch.device("cpu"))
-    assert g.block_ids[0].tolist() == table[33:]
-    assert g.mask.shape[-1] == 512 and bool(g.mask.all())  # block 33 starts at key 528: exactly the window
-    (g,) = plan_attention(_meta([1], [1041], [table + [200]]), BLOCK, 512, torch.device("cpu"))
-    assert g.block_ids[0].tolist() == table[33:] + [200]  # position 1040 sees 529..1040: key 528 is masked
-    assert g.mask[0, 0, 0].tolist() == [False] + [True] * 512 + [False] * 15
+    (g,) = plan_paged_attention(_meta([1], [1040], [table]), BLOCK, sliding_window=512).groups
+    assert g.block_ids.tolist() == table[33:]
+    assert g.num_keys == 512 and bool((g.mask == 0).all())  # block 33 starts at key 528: exactly the window
+    (g,) = plan_paged_attention(_meta([1], [1041], [table + [200]]), BLOCK, sliding_window=512).groups
+    assert g.block_ids.tolist() == table[33:] + [200]  # position 1040 sees 529..1040: key 528 is masked
+    assert torch.isfinite(g.mask[0, 0, 0]).tolist() == [False] + [True] * 512 + [False] * 15
 
 
 def test_released_block_inside_the_window_is_an_error_and_outside_is_fine():
-    from pagedkv.engine.gemma3 import plan_attention
     from pagedkv.engine.model import NULL_BLOCK
+    from pagedkv.engine.paged_attention import plan_paged_attention
 
     ctx = 600  # one decode at position 599 with window 512 sees keys 88..599: blocks 5.. (block 5 = keys 80..95)
     table = list(range(blocks(ctx)))
     ok = [NULL_BLOCK] * 5 + table[5:]
-    plan_attention(_meta([1], [ctx], [ok]), BLOCK, 512, torch.device("cpu"))
+    plan_paged_attention(_meta([1], [ctx], [ok]), BLOCK, sliding_window=512)
     bad = [NULL_BLOCK] * 6 + table[6:]
     with pytest.raises(RuntimeError, match="NULL_BLOCK"):
-        plan_attention(_meta([1], [ctx], [bad]), BLOCK, 512, torch.device("cpu"))
+        plan_paged_attention(_meta([1], [ctx], [bad]), BLOCK, sliding_window=512)
     with pytest.raises(RuntimeError, match="NULL_BLOCK"):  # a global layer needs every block
-        plan_attention(_meta([1], [ctx], [ok]), BLOCK, None, torch.device("cpu"))
+        plan_paged_attention(_meta([1], [ctx], [ok]), BLOCK, sliding_window=None)
 
 
 def test_layer_pattern_five_local_to_one_global():
@@ -237,20 +261,31 @@ def test_llm_rejects_a_global_sliding_window(gemma):
         make_llm(gemma, num_gpu_blocks=8, sliding_window=512)
 
 
-def test_roomy_cache_then_prefix_cache_rerun(gemma, cases):
-    llm = make_llm(gemma, num_gpu_blocks=sum(blocks(len(c["prompt_ids"]) + c["max_tokens"]) for c in cases) * 2)
+#: KV cache groups of Gemma 3 270M in the engine: 1 full-attention group + 5 sliding-window groups of 3 layers
+GROUPS = 6
+
+
+@pytest.mark.parametrize("groups", [True, False], ids=["groups", "one-table"])
+def test_roomy_cache_then_prefix_cache_rerun(gemma, cases, groups):
+    n_groups = GROUPS if groups else 1
+    llm = make_llm(gemma, kv_cache_groups=groups,
+                   num_gpu_blocks=n_groups * sum(blocks(len(c["prompt_ids"]) + c["max_tokens"]) for c in cases) * 2)
+    assert (llm.kv_cache_groups is not None) == groups
+    assert llm.kv_cache.shape[0] == 18 // n_groups  # a KV tensor slot per layer of a group
     outs = run(llm, cases)
     assert gen(outs) == [c["gen_ids"] for c in cases]
     assert [o.num_cached_tokens for o in outs] == [0] * len(cases)
     again = run(llm, cases)
     assert gen(again) == [c["gen_ids"] for c in cases]
-    # all full blocks of each prompt (the last prompt token is always recomputed) come from the prefix cache
+    # all full blocks of each prompt (the last prompt token is always recomputed) come from the prefix cache: with
+    # groups, the full-attention group's blocks and each sliding group's last window before the hit point
     assert [o.num_cached_tokens for o in again] == [(len(c["prompt_ids"]) - 1) // BLOCK * BLOCK for c in cases]
     llm.block_manager.check_invariants()
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_in_a_small_cache(gemma, preemption_cases, mode):
+    """One block table for all layers: the sequences outgrow the cache while decoding, so some are preempted."""
     cases = preemption_cases
     # room for every prompt plus one block, all admitted in the first step: the sequences outgrow the cache while
     # decoding, so some are preempted
@@ -262,7 +297,7 @@ def test_preemption_in_a_small_cache(gemma, preemption_cases, mode):
     assert growth > num_blocks - prompt_blocks
     need = max(blocks(len(c["prompt_ids"]) + c["max_tokens"]) for c in cases)
     llm = make_llm(gemma, num_gpu_blocks=max(num_blocks, need), preemption_mode=mode, enable_prefix_caching=False,
-                   num_cpu_blocks=num_blocks if mode == "swap" else 0,
+                   num_cpu_blocks=num_blocks if mode == "swap" else 0, kv_cache_groups=False,
                    max_num_batched_tokens=sum(len(c["prompt_ids"]) for c in cases))
     outs = run(llm, cases)
     assert gen(outs) == [c["gen_ids"] for c in cases]
@@ -316,6 +351,85 @@ def test_chunked_prefill_preempted_in_the_middle(gemma, preemption_cases, mode):
     llm.block_manager.check_invariants()
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_with_kv_cache_groups(gemma, reference, mode):
+    """KV cache groups in a small cache: three copies of the 423-token case (inside the window, so no group
+    releases a block) admitted together with one block to spare; at position 432 each needs a new block in all
+    six groups at once, so some are preempted (recomputed, or swapped out with every group's blocks and back)."""
+    c = reference["cases"][4]
+    cases = [c] * 3
+    n = len(c["prompt_ids"])
+    assert n + c["max_tokens"] <= 512 < 783  # inside the window
+    prompt_blocks = GROUPS * blocks(n) * len(cases)
+    num_blocks = prompt_blocks + 1
+    while num_blocks - prompt_blocks < int(0.01 * num_blocks):  # admission keeps the 1 % watermark free
+        num_blocks += 1
+    assert GROUPS * len(cases) * (blocks(n + c["max_tokens"]) - blocks(n)) > num_blocks - prompt_blocks
+    llm = make_llm(gemma, num_gpu_blocks=num_blocks, preemption_mode=mode, enable_prefix_caching=False,
+                   num_cpu_blocks=num_blocks if mode == "swap" else 0, max_num_batched_tokens=n * len(cases))
+    assert llm.kv_cache_groups is not None
+    outs = run(llm, cases)
+    assert gen(outs) == [c["gen_ids"]] * len(cases)
+    st = llm.scheduler.stats
+    assert st.preemptions > 0
+    assert st.prefills > len(cases) if mode == "recompute" else (st.swap_outs > 0 and st.swap_ins > 0)
+    llm.block_manager.check_invariants()
+
+
+def test_reference_cases_complete_in_a_40_mib_kv_cache_with_groups(gemma, reference):
+    """Issue 16 item 4: with a 40 MiB fp32 KV cache (426 block ids of 96 KiB with groups) every reference case
+    completes, greedy equal to HF, through the real HybridBlockManager and the model: the prompt in chunks of 256
+    tokens (allocate the first, then multi-token decode_step appends, as chunked prefill drives them), each
+    sliding group releasing the blocks its window left behind. One table for all 18 layers (71 block ids of
+    576 KiB) can never hold the 1,540-token case. CI runs the longest case; PAGEDKV_GEMMA3_FULL=1 all six."""
+    import numpy as np
+
+    from pagedkv import AllocStatus, BlockManager, HybridBlockManager
+    from pagedkv.engine.model import build_group_attention_metadata
+
+    budget = int(40 / 1024 * 2**30)
+    num_blocks = budget // gemma.kv_cache_bytes_per_block(BLOCK, grouped=True)
+    assert num_blocks == 426
+    longest = max(reference["cases"], key=lambda c: len(c["prompt_ids"]))
+    one_table = BlockManager(budget // gemma.kv_cache_bytes_per_block(BLOCK), BLOCK)
+    assert one_table.can_allocate(longest["prompt_ids"]) is AllocStatus.NEVER
+    bm = HybridBlockManager(num_blocks, BLOCK, kv_cache_groups=gemma.kv_cache_groups)
+    kv = gemma.allocate_kv_cache(num_blocks, BLOCK, grouped=True)
+    n_groups = len(gemma.kv_cache_groups)
+    chunk = 256
+
+    def forward(new, done, slots, tables):
+        meta = build_group_attention_metadata([new], [done], slots, [[t] for t in tables], block_size=BLOCK)
+        return int(gemma(meta, kv)[0].argmax())
+
+    picked = reference["cases"] if FULL else [longest]
+    peak = 0
+    for sid, c in enumerate(picked):
+        ids = c["prompt_ids"]
+        bm.allocate(sid, ids[:chunk])
+        first = ids[:chunk]
+        tok = forward(first, 0, [bm.slot_mapping(sid, 0, len(first), g) for g in range(n_groups)],
+                      [bm.block_table(sid, g) for g in range(n_groups)])
+        done = len(first)
+        pending = list(ids[chunk:])
+        out = []
+        while True:
+            if not pending:  # the prompt is in: decode
+                out.append(tok)
+                if len(out) == c["max_tokens"]:
+                    break
+                pending = [tok]
+            new, pending = pending[:chunk], pending[chunk:]
+            r = bm.decode_step([sid], np.asarray(new, dtype=np.int64).reshape(1, -1))
+            tok = forward(new, done, r.slot_mapping, [t[0] for t in r.block_tables])
+            done += len(new)
+            peak = max(peak, num_blocks - bm.num_free_gpu_blocks)
+        assert out == c["gen_ids"], c["prompt"][:40]
+        bm.free(sid, cache=False)
+        bm.check_invariants()
+    assert peak <= num_blocks
+
+
 @pytest.mark.opt_in("PAGEDKV_GEMMA3_FULL")  # loads the model in a subprocess (~30 s); deselected unless set
 def test_cli_generate_with_model_name(gemma, reference):
     c = reference["cases"][4]
@@ -355,15 +469,13 @@ def test_gguf_layout_facts_decide_the_reference(gemma, reference):
     ``2 + w``), or with llama.cpp's Llama Q/K row permutation undone, the first token of a reference case changes."""
     import numpy as np
 
-    from pagedkv.engine.gemma3 import _LAYER_TENSORS, PagedGemma3
+    from pagedkv.engine.gemma3 import PagedGemma3
     from pagedkv.engine.gguf_loader import unpermute_qk
     from pagedkv.engine.model import build_attention_metadata
 
     c = reference["cases"][4]  # the shortest prompt (423 tokens)
     ids = c["prompt_ids"]
-    weights = {"token_embd.weight": gemma.tok_embd, "output_norm.weight": gemma.out_norm}
-    for i, layer in enumerate(gemma.layers):
-        weights.update({f"blk.{i}.{n}.weight": t for n, t in zip(_LAYER_TENSORS, layer)})
+    weights = {k: v for k, v in gemma.gguf_weights().items() if k != "output.weight"}
 
     def first_token(w):
         w = {**w, "output.weight": w["token_embd.weight"]}

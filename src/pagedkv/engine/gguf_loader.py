@@ -38,6 +38,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -51,8 +52,13 @@ __all__ = [
     "ModelConfig",
     "ModelNotFoundError",
     "TokenizerMetadata",
+    "ArchMetadata",
+    "check_shapes",
     "find_default_model",
+    "inv_freq",
     "load_gguf",
+    "load_tensors",
+    "open_gguf",
     "rope_inv_freq",
     "unpermute_qk",
 ]
@@ -179,17 +185,20 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
-    """Inverse rotary frequencies ``1 / base**(2i/rope_dim)`` as float32, shape ``(rope_dim // 2,)``.
-
-    Computed the way Hugging Face computes them (int64 arange divided in float32), so positions
-    rotate identically. ``freq_factors`` (the optional ``rope_freqs.weight`` tensor) divides the
-    frequencies; linear rope scaling divides them by the scaling factor.
-    """
+def inv_freq(base: float, dim: int, linear_factor: float = 1.0) -> torch.Tensor:
+    """``1 / base ** (2i / dim)`` for ``i < dim / 2`` as float32, divided by a linear scaling factor; computed the way
+    Hugging Face computes it (an int64 arange divided in float32), so positions rotate identically."""
     import torch
 
-    dim = config.rope_dim
-    inv = 1.0 / (config.rope_freq_base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    return inv / linear_factor if linear_factor != 1.0 else inv
+
+
+def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse rotary frequencies of a Llama model (:func:`inv_freq` of its base and rope dim), shape
+    ``(rope_dim // 2,)``. ``freq_factors`` (the optional ``rope_freqs.weight`` tensor) divides the frequencies;
+    linear rope scaling divides them by the scaling factor."""
+    inv = inv_freq(config.rope_freq_base, config.rope_dim)
     if freq_factors is not None:
         inv = inv / freq_factors.float().cpu()
     if config.rope_scaling_type == "linear" and config.rope_scaling_factor != 1.0:
@@ -208,64 +217,83 @@ def _field_value(reader: Any, key: str, default: Any = None) -> Any:
     return f.contents()
 
 
+class ArchMetadata:
+    """The ``{arch}.*`` metadata keys of an open ``gguf.GGUFReader``: :meth:`req` (``ValueError`` when missing) and
+    :meth:`opt` (a default when missing or empty)."""
+
+    def __init__(self, reader: Any, arch: str) -> None:
+        self.reader, self.arch = reader, arch
+
+    def req(self, key: str) -> Any:
+        value = _field_value(self.reader, f"{self.arch}.{key}")
+        if value is None:
+            raise ValueError(f"GGUF file lacks the metadata key {self.arch}.{key}")
+        return value
+
+    def opt(self, key: str, default: Any) -> Any:
+        value = _field_value(self.reader, f"{self.arch}.{key}")
+        return default if value is None else value
+
+    def common(self, *, context_length: int, rms_eps: float) -> dict[str, Any]:
+        """The hyper-parameters every decoder here shares (shapes, vocabulary, rope scaling, tying), checked:
+        ``ValueError`` for key length != value length, heads not a multiple of KV heads, partial rotary
+        embeddings or a rope scaling other than linear. ``context_length``/``rms_eps``: defaults when absent."""
+        opt, req = self.opt, self.req
+        n_embd = int(req("embedding_length"))
+        n_head = int(req("attention.head_count"))
+        n_head_kv = int(opt("attention.head_count_kv", n_head))
+        head_dim = int(opt("attention.key_length", n_embd // n_head))
+        value_dim = int(opt("attention.value_length", head_dim))
+        if value_dim != head_dim:
+            raise ValueError(f"key length {head_dim} != value length {value_dim} is not supported")
+        if n_head % n_head_kv:
+            raise ValueError(f"head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
+        rope_dim = int(opt("rope.dimension_count", head_dim))
+        if rope_dim != head_dim:
+            raise ValueError(f"partial rotary embeddings (rope dim {rope_dim} != head dim {head_dim}) are not "
+                             "supported")
+        scaling_type = opt("rope.scaling.type", None) or None
+        if scaling_type == "none":
+            scaling_type = None
+        if scaling_type not in (None, "linear"):
+            raise ValueError(f"rope scaling type {scaling_type!r} is not supported")
+        tokens = self.reader.fields.get("tokenizer.ggml.tokens")
+        vocab = opt("vocab_size", len(tokens.data) if tokens is not None else None)
+        index = _tensor_index(self.reader)
+        if vocab is None:
+            vocab = self.reader.tensors[index["token_embd.weight"]].shape[1]
+        file_type = _field_value(self.reader, "general.file_type")
+        return dict(
+            arch=self.arch,
+            name=str(_field_value(self.reader, "general.name", "") or ""),
+            n_layer=int(req("block_count")),
+            n_embd=n_embd,
+            n_head=n_head,
+            n_head_kv=n_head_kv,
+            head_dim=head_dim,
+            n_ff=int(req("feed_forward_length")),
+            vocab_size=int(vocab),
+            context_length=int(opt("context_length", context_length)),
+            rms_eps=float(opt("attention.layer_norm_rms_epsilon", rms_eps)),
+            rope_scaling_type=scaling_type,
+            rope_scaling_factor=float(opt("rope.scaling.factor", 1.0) or 1.0),
+            tied_embeddings="output.weight" not in index,
+            file_type=int(file_type) if file_type is not None else None,
+        )
+
+
 def _read_config(reader: Any) -> ModelConfig:
     arch = _field_value(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-
-    def req(key: str) -> Any:
-        value = _field_value(reader, f"{arch}.{key}")
-        if value is None:
-            raise ValueError(f"GGUF file lacks the metadata key {arch}.{key}")
-        return value
-
-    def opt(key: str, default: Any) -> Any:
-        return _field_value(reader, f"{arch}.{key}", default)
-
-    n_embd = int(req("embedding_length"))
-    n_head = int(req("attention.head_count"))
-    n_head_kv = int(opt("attention.head_count_kv", n_head))
-    head_dim = int(opt("attention.key_length", n_embd // n_head))
-    value_dim = int(opt("attention.value_length", head_dim))
-    if value_dim != head_dim:
-        raise ValueError(f"key length {head_dim} != value length {value_dim} is not supported")
-    if n_head % n_head_kv:
-        raise ValueError(f"head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
-    rope_dim = int(opt("rope.dimension_count", head_dim))
-    if rope_dim != head_dim:
-        raise ValueError(f"partial rotary embeddings (rope dim {rope_dim} != head dim {head_dim}) are not supported")
-    scaling_type = opt("rope.scaling.type", None)
-    scaling_factor = float(opt("rope.scaling.factor", 1.0) or 1.0)
-    if scaling_type in ("none", ""):
-        scaling_type = None
-    if scaling_type not in (None, "linear"):
-        raise ValueError(f"rope scaling type {scaling_type!r} is not supported")
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    default_vocab = len(tokens.data) if tokens is not None else None
-    vocab = opt("vocab_size", default_vocab)
-    if vocab is None:
-        vocab = reader.get_tensor(_tensor_index(reader)["token_embd.weight"]).shape[1]
-    window = opt("attention.sliding_window", None)
-    file_type = _field_value(reader, "general.file_type")
+    meta = ArchMetadata(reader, arch)
+    common = meta.common(context_length=2048, rms_eps=1e-5)
+    window = meta.opt("attention.sliding_window", None)
     return ModelConfig(
-        arch=arch,
-        name=str(_field_value(reader, "general.name", "") or ""),
-        n_layer=int(req("block_count")),
-        n_embd=n_embd,
-        n_head=n_head,
-        n_head_kv=n_head_kv,
-        head_dim=head_dim,
-        n_ff=int(req("feed_forward_length")),
-        vocab_size=int(vocab),
-        context_length=int(opt("context_length", 2048)),
-        rope_freq_base=float(opt("rope.freq_base", 10000.0)),
-        rope_dim=rope_dim,
-        rms_eps=float(opt("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_scaling_type=scaling_type,
-        rope_scaling_factor=scaling_factor,
+        **common,
+        rope_freq_base=float(meta.opt("rope.freq_base", 10000.0)),
+        rope_dim=common["head_dim"],
         sliding_window=int(window) if window else None,
-        tied_embeddings="output.weight" not in _tensor_index(reader),
-        file_type=int(file_type) if file_type is not None else None,
     )
 
 
@@ -331,6 +359,53 @@ def _dequantize(tensor: Any) -> np.ndarray:
     return arr.reshape(shape)
 
 
+def open_gguf(path: str | os.PathLike[str]) -> Any:
+    """An open ``gguf.GGUFReader`` (memory-mapped); ``FileNotFoundError`` when ``path`` is not a file."""
+    from gguf import GGUFReader
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"GGUF model file not found: {path}")
+    return GGUFReader(str(path), "r")
+
+
+def load_tensors(
+    reader: Any,
+    convert: Callable[[str, np.ndarray], np.ndarray] | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+    num_threads: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """Every tensor of an open reader dequantized to float32, passed through ``convert(name, array)`` (when given),
+    then cast to ``dtype`` (None: float32), keyed by its GGUF name; a missing ``output.weight`` is the very tensor
+    ``token_embd.weight`` (tied, no copy). Dequantization runs on a few threads (numpy releases the GIL;
+    ``num_threads`` overrides the default, the CPU count up to 8). Clears ``reader.fields`` first: the metadata
+    (one small numpy view per vocabulary string, ~150 MB of Python objects for a 49k vocabulary) is no longer
+    needed, and dropping it lowers the peak memory of the load."""
+    import torch
+
+    tensors = list(reader.tensors)
+    reader.fields.clear()
+    threads = num_threads or min(8, os.cpu_count() or 1)
+
+    def one(tensor: Any) -> tuple[str, torch.Tensor]:
+        arr = _dequantize(tensor)
+        if convert is not None:
+            arr = convert(tensor.name, arr)
+        t = torch.from_numpy(np.ascontiguousarray(arr))
+        if dtype is not None and dtype != torch.float32:
+            t = t.to(dtype)
+        return tensor.name, t
+
+    if threads > 1:
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            weights = dict(pool.map(one, tensors))
+    else:
+        weights = dict(map(one, tensors))
+    if "output.weight" not in weights:
+        weights["output.weight"] = weights["token_embd.weight"]
+    return weights
+
+
 def load_gguf(
     path: str | os.PathLike[str] | None = None,
     *,
@@ -340,71 +415,47 @@ def load_gguf(
     """Read a Llama GGUF file and return ``(config, weights, tokenizer_metadata)``.
 
     ``path`` defaults to :func:`find_default_model`. Every tensor is dequantized to float32 and then
-    cast to ``dtype`` (on the CPU; None: float32). The Q/K rows are un-permuted (see :func:`unpermute_qk`) and a
-    missing ``output.weight`` is tied to ``token_embd.weight``. Dequantization runs on a few
-    threads (numpy releases the GIL); ``num_threads`` overrides the default (the CPU count, max 8).
+    cast to ``dtype`` (on the CPU; None: float32) by :func:`load_tensors`. The Q/K rows are un-permuted (see
+    :func:`unpermute_qk`) and a missing ``output.weight`` is tied to ``token_embd.weight``.
     """
-    import torch
-    from gguf import GGUFReader
-
-    dtype = torch.float32 if dtype is None else dtype
-    path = Path(path) if path is not None else find_default_model()
-    if not path.is_file():
-        raise FileNotFoundError(f"GGUF model file not found: {path}")
-    reader = GGUFReader(str(path), "r")
+    reader = open_gguf(path if path is not None else find_default_model())
     config = _read_config(reader)
     tok_meta = _read_tokenizer_metadata(reader)
 
-    tensors = list(reader.tensors)
-    # The metadata fields (one small numpy view per vocabulary string, ~150 MB of Python objects for a
-    # 49k vocabulary) are no longer needed; dropping them lowers the peak memory of the load.
-    reader.fields.clear()
-    del reader
-    threads = num_threads or min(8, os.cpu_count() or 1)
-
-    def convert(tensor: Any) -> tuple[str, torch.Tensor]:
-        arr = _dequantize(tensor)
-        name = tensor.name
+    def convert(name: str, arr: np.ndarray) -> np.ndarray:
         if name.endswith(".attn_q.weight"):
-            arr = np.ascontiguousarray(unpermute_qk(arr, config.n_head))
-        elif name.endswith(".attn_k.weight"):
-            arr = np.ascontiguousarray(unpermute_qk(arr, config.n_head_kv))
-        t = torch.from_numpy(arr)
-        if dtype != torch.float32:
-            t = t.to(dtype)
-        return name, t
+            return unpermute_qk(arr, config.n_head)
+        if name.endswith(".attn_k.weight"):
+            return unpermute_qk(arr, config.n_head_kv)
+        return arr
 
-    if threads > 1:
-        with ThreadPoolExecutor(max_workers=threads) as pool:
-            weights = dict(pool.map(convert, tensors))
-    else:
-        weights = dict(map(convert, tensors))
-
-    if "output.weight" not in weights:
-        weights["output.weight"] = weights["token_embd.weight"]
-    _check_shapes(config, weights)
+    weights = load_tensors(reader, convert, dtype=dtype, num_threads=num_threads)
+    check_shapes(config, weights)
     return config, weights, tok_meta
 
 
-def _check_shapes(config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+#: per-layer tensors of the Llama layout and their shapes, from a config
+def _llama_layer_shapes(c: Any) -> dict[str, tuple[int, ...]]:
+    return {
+        "attn_norm": (c.n_embd,), "attn_q": (c.q_size, c.n_embd), "attn_k": (c.kv_size, c.n_embd),
+        "attn_v": (c.kv_size, c.n_embd), "attn_output": (c.n_embd, c.q_size), "ffn_norm": (c.n_embd,),
+        "ffn_gate": (c.n_ff, c.n_embd), "ffn_up": (c.n_ff, c.n_embd), "ffn_down": (c.n_embd, c.n_ff),
+    }
+
+
+def check_shapes(config: Any, weights: dict[str, torch.Tensor],
+                 extra_layer_shapes: dict[str, tuple[int, ...]] | None = None) -> None:
+    """``ValueError`` unless ``weights`` holds the Llama layout's tensors (and ``blk.{i}.{name}.weight`` of
+    ``extra_layer_shapes`` in every layer) with the shapes ``config`` implies."""
     expected = {
         "token_embd.weight": (config.vocab_size, config.n_embd),
         "output_norm.weight": (config.n_embd,),
         "output.weight": (config.vocab_size, config.n_embd),
     }
+    per_layer = {**_llama_layer_shapes(config), **(extra_layer_shapes or {})}
     for i in range(config.n_layer):
-        p = f"blk.{i}."
-        expected.update({
-            p + "attn_norm.weight": (config.n_embd,),
-            p + "attn_q.weight": (config.q_size, config.n_embd),
-            p + "attn_k.weight": (config.kv_size, config.n_embd),
-            p + "attn_v.weight": (config.kv_size, config.n_embd),
-            p + "attn_output.weight": (config.n_embd, config.q_size),
-            p + "ffn_norm.weight": (config.n_embd,),
-            p + "ffn_gate.weight": (config.n_ff, config.n_embd),
-            p + "ffn_up.weight": (config.n_ff, config.n_embd),
-            p + "ffn_down.weight": (config.n_embd, config.n_ff),
-        })
+        for n, shape in per_layer.items():
+            expected[f"blk.{i}.{n}.weight"] = shape
     for name, shape in expected.items():
         t = weights.get(name)
         if t is None:

@@ -23,9 +23,10 @@ import numpy as np
 import torch
 
 from ..errors import InvalidArgumentError, PromptTooLongError
+from ..hybrid import HybridBlockManager
 from ..manager import AllocStatus, BlockManager
 from ..scheduler import FINISH_STOP, Scheduler
-from .model import build_attention_metadata, execute_copy_plan
+from .model import build_attention_metadata, build_group_attention_metadata, execute_copy_plan
 from .registry import load_model, make_tokenizer
 from .sampling import SamplingParams, sample, sample_batch
 
@@ -116,6 +117,11 @@ class LLM:
             step (a prompt longer than the budget alone in its step).
         long_prefill_token_threshold: with chunked prefill, the most prompt tokens one request gets in one
             step (0: no cap besides the budget), so that several long prompts progress together.
+        kv_cache_groups: for a model with KV cache groups (Gemma 3: its full-attention layers in one group, its
+            sliding-window layers in groups of the same size), a :class:`pagedkv.HybridBlockManager` with a block
+            table per group, so a sliding layer keeps only the blocks of its window (True, the default); False:
+            one :class:`pagedkv.BlockManager` table for all layers. Models without groups (SmolLM2) always use
+            one table. ``llm.kv_cache_groups`` says which is in use.
     """
 
     def __init__(
@@ -139,6 +145,7 @@ class LLM:
         cpu_prefix_cache: bool = False,
         enable_chunked_prefill: bool = True,
         long_prefill_token_threshold: int = 0,
+        kv_cache_groups: bool = True,
     ) -> None:
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise InvalidArgumentError(f"device {device!r} was asked for but CUDA is not available; use device='cpu'")
@@ -168,14 +175,22 @@ class LLM:
             )
         self.tokenizer = make_tokenizer(self.model.tokenizer_metadata)
         self.max_model_len = int(self.model.config.context_length)
+        groups = getattr(self.model, "kv_cache_groups", None) if kv_cache_groups else None
+        #: the KV cache groups in use (a HybridBlockManager), or None (one block table for all layers)
+        self.kv_cache_groups = tuple(groups) if groups else None
+        grouped = self.kv_cache_groups is not None
+        n_groups = len(self.kv_cache_groups) if grouped else 1
         if num_gpu_blocks is None:
-            per_block = self.model.kv_cache_bytes_per_block(block_size)
-            cap = max_num_seqs * -(-self.max_model_len // block_size)
+            per_block = self.model.kv_cache_bytes_per_block(block_size, **({"grouped": True} if grouped else {}))
+            cap = n_groups * max_num_seqs * -(-self.max_model_len // block_size)
             num_gpu_blocks = max(1, min(cap, int(kv_cache_gib * 2**30) // per_block))
-        self.block_manager = BlockManager(
-            num_gpu_blocks, block_size, num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=enable_prefix_caching,
-            sliding_window=sliding_window, enable_kv_events=enable_kv_events, cpu_prefix_cache=cpu_prefix_cache,
-        )
+        common = dict(num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=enable_prefix_caching,
+                      enable_kv_events=enable_kv_events, cpu_prefix_cache=cpu_prefix_cache)
+        if grouped:
+            self.block_manager = HybridBlockManager(num_gpu_blocks, block_size, kv_cache_groups=self.kv_cache_groups,
+                                                    **common)
+        else:
+            self.block_manager = BlockManager(num_gpu_blocks, block_size, sliding_window=sliding_window, **common)
         self._timed_bm = _TimedCalls(self.block_manager)
         self.scheduler = Scheduler(
             self._timed_bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -183,8 +198,9 @@ class LLM:
             enable_chunked_prefill=enable_chunked_prefill, long_prefill_token_threshold=long_prefill_token_threshold,
         )
         self.enable_chunked_prefill = bool(enable_chunked_prefill)
-        self.kv_cache = self.model.allocate_kv_cache(num_gpu_blocks, block_size)
-        self.cpu_kv_cache = self.model.allocate_kv_cache(num_cpu_blocks, block_size, device="cpu") \
+        kv_kw = {"grouped": True} if grouped else {}
+        self.kv_cache = self.model.allocate_kv_cache(num_gpu_blocks, block_size, **kv_kw)
+        self.cpu_kv_cache = self.model.allocate_kv_cache(num_cpu_blocks, block_size, device="cpu", **kv_kw) \
             if num_cpu_blocks else None
         self.sliding_window = sliding_window
         self.max_num_seqs = max_num_seqs
@@ -382,14 +398,22 @@ class LLM:
                 a, z = starts[i], starts[i + 1]
                 new_tokens.append(d.input_tokens[a:z])
                 computed.append(int(d.positions[a]))
-                tables.append(d.result.block_tables[i])
+                tables.append(d.result.block_tables[i] if self.kv_cache_groups is None
+                              else tuple(t[i] for t in d.result.block_tables))
                 owners.append((by_id[self.scheduler.sequence(sid).request_id], 1))
                 rows.append(ntok + int(z) - 1)
             slots.append(d.result.slot_mapping)
-        meta = build_attention_metadata(new_tokens, computed, np.concatenate(slots), tables,
-                                        block_size=self.block_manager.block_size,
-                                        sliding_window=self.sliding_window, device=self.device,
-                                        logits="last" if not skip else np.asarray(rows, dtype=np.int64))
+        logit_rows = "last" if not skip else np.asarray(rows, dtype=np.int64)
+        if self.kv_cache_groups is None:
+            meta = build_attention_metadata(new_tokens, computed, np.concatenate(slots), tables,
+                                            block_size=self.block_manager.block_size,
+                                            sliding_window=self.sliding_window, device=self.device,
+                                            logits=logit_rows)
+        else:  # (G, T) slots; every sequence's table per group
+            meta = build_group_attention_metadata(
+                new_tokens, computed, np.concatenate(slots, axis=1),
+                [[t[g] for t in tables] for g in range(len(self.kv_cache_groups))],
+                block_size=self.block_manager.block_size, device=self.device, logits=logit_rows)
         logits = self.model(meta, self.kv_cache).cpu()
         if not owners:  # only chunks that sample nothing
             return [None] * len(plan.prefills)

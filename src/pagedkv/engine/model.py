@@ -37,6 +37,7 @@ metadata (``build_attention_metadata(..., device=...)``) on the same device.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 from collections.abc import Sequence
@@ -56,10 +57,12 @@ __all__ = [
     "AttentionMetadata",
     "AttentionPlan",
     "AttentionWorkspace",
+    "PagedDecoder",
     "PagedLlama",
     "paged_attention",
     "plan_paged_attention",
     "build_attention_metadata",
+    "build_group_attention_metadata",
     "copy_blocks",
     "execute_copy_plan",
     "kv_cache_shape",
@@ -94,6 +97,10 @@ class AttentionMetadata:
 
     ``sliding_window``: ``None`` for full attention, else ``W``: a query at position ``p`` attends the
     keys at positions ``p - W + 1 .. p``.
+
+    ``groups``: with KV cache groups (:class:`pagedkv.HybridBlockManager`), one metadata per group (index order),
+    each with that group's ``slot_mapping`` and ``block_tables`` and the same tokens (see
+    :func:`build_group_attention_metadata`); ``None`` with one block table for all layers.
     """
 
     input_ids: torch.Tensor
@@ -106,6 +113,8 @@ class AttentionMetadata:
     context_lens_host: tuple[int, ...]
     sliding_window: int | None = None
     logits_indices: torch.Tensor | None = None
+    groups: tuple[AttentionMetadata, ...] | None = None
+
 
     @property
     def num_seqs(self) -> int:
@@ -129,6 +138,7 @@ class AttentionMetadata:
             context_lens_host=self.context_lens_host,
             sliding_window=self.sliding_window,
             logits_indices=move(self.logits_indices),
+            groups=None if self.groups is None else tuple(g.to(device) for g in self.groups),
         )
 
 
@@ -230,6 +240,30 @@ def build_attention_metadata(
     )
 
 
+def build_group_attention_metadata(
+    new_token_ids: Sequence[Sequence[int]],
+    num_computed: Sequence[int],
+    slot_mappings: Any,
+    block_tables: Sequence[Any],
+    *,
+    block_size: int,
+    logits: str | Sequence[int] = "last",
+    device: torch.device | str | None = None,
+    validate: bool = True,
+) -> AttentionMetadata:
+    """:class:`AttentionMetadata` for KV cache groups: ``slot_mappings`` is ``(G, T)`` (each group's slot of each
+    new token, e.g. ``HybridStepResult.slot_mapping``), ``block_tables[g]`` group ``g``'s tables (as
+    :func:`build_attention_metadata` takes them). Returns group 0's metadata with ``groups`` set to every group's
+    (validated as :func:`build_attention_metadata` validates one). O(G x the cost of one)."""
+    slots = np.asarray(slot_mappings, dtype=np.int64)
+    if slots.ndim != 2 or slots.shape[0] != len(block_tables):
+        raise ValueError(f"slot_mappings must be (G, T) with G = {len(block_tables)} groups, got {slots.shape}")
+    metas = tuple(build_attention_metadata(new_token_ids, num_computed, slots[g], block_tables[g],
+                                           block_size=block_size, logits=logits, device=device, validate=validate)
+                  for g in range(slots.shape[0]))
+    return dataclasses.replace(metas[0], groups=metas)
+
+
 # --------------------------------------------------------------------------------------------------
 # KV cache helpers
 
@@ -320,7 +354,112 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-class PagedLlama:
+class PagedDecoder:
+    """What the paged decoders here share: weights moved to a device/dtype (tied tensors kept tied, fused
+    projections), the KV cache (:func:`kv_cache_shape`'s layout with one slot per layer, or per layer slot of a
+    KV cache group, :meth:`kv_layer_slots`), cached rotary tables and one attention workspace per thread.
+
+    A subclass sets ``config`` (``n_layer``, ``n_head_kv``, ``head_dim``), ``tokenizer_metadata``, ``device``,
+    ``dtype`` and implements ``forward(meta, kv_cache)``.
+    """
+
+    config: Any
+    device: torch.device
+    dtype: torch.dtype
+    tokenizer_metadata: TokenizerMetadata | None
+
+    def _init_common(self, weights: dict[str, torch.Tensor], device: Any, dtype: torch.dtype | None) -> None:
+        self.device = torch.device(device) if device is not None else weights["token_embd.weight"].device
+        self.dtype = dtype or weights["token_embd.weight"].dtype
+        self._weights = weights
+        self._moved: dict[int, torch.Tensor] = {}
+        self._rope_tables: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._local = threading.local()  # one attention workspace per thread (replicas may share a model)
+
+    def _w(self, name: str) -> torch.Tensor:
+        """The weight ``name`` on the model's device and dtype; tied tensors stay one tensor."""
+        t = self._weights[name]
+        key = id(t)
+        if key not in self._moved:
+            self._moved[key] = t.to(self.device, self.dtype)
+        return self._moved[key]
+
+    def _fused(self, *names: str) -> torch.Tensor:
+        """The weights ``names`` stacked along the output dimension: one matmul for several projections."""
+        return torch.cat([self._weights[n].to(self.device, self.dtype) for n in names], dim=0).contiguous()
+
+    # ------------------------------------------------------------------ KV cache
+    #: KV cache groups of the model's layers (``pagedkv.FullAttentionSpec`` / ``SlidingWindowSpec``, group index
+    #: order) for a :class:`pagedkv.HybridBlockManager`; ``None``: every layer attends the same way (one table)
+    kv_cache_groups: tuple | None = None
+
+    def kv_layer_slots(self, grouped: bool = False) -> int:
+        """Layer slots of the KV cache tensor (its first dimension): ``n_layer`` with one block table for all
+        layers, the layers per group with KV cache groups (``grouped``)."""
+        if not grouped:
+            return self.config.n_layer
+        if not self.kv_cache_groups:
+            raise ValueError(f"{type(self).__name__} has no KV cache groups")
+        return self.config.n_layer // len(self.kv_cache_groups)
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, *, grouped: bool = False) -> tuple[int, ...]:
+        c = self.config
+        return (self.kv_layer_slots(grouped), 2, num_blocks, block_size, c.n_head_kv, c.head_dim)
+
+    def kv_cache_bytes_per_block(self, block_size: int, dtype: torch.dtype | None = None, *,
+                                 grouped: bool = False) -> int:
+        """Bytes one block id occupies in the KV cache tensor (keys and values of every layer slot)."""
+        elem = torch.empty(0, dtype=dtype or self.dtype).element_size()
+        c = self.config
+        return self.kv_layer_slots(grouped) * 2 * block_size * c.n_head_kv * c.head_dim * elem
+
+    def allocate_kv_cache(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        pin_memory: bool = False,
+        grouped: bool = False,
+    ) -> torch.Tensor:
+        """A zero-filled KV cache (zeros keep masked-out stale slots finite); ``grouped``: one slot per layer of a
+        KV cache group (block ids of a :class:`pagedkv.HybridBlockManager`)."""
+        dev = torch.device(device) if device is not None else self.device
+        return torch.zeros(
+            self.kv_cache_shape(num_blocks, block_size, grouped=grouped),
+            dtype=dtype or self.dtype,
+            device=dev,
+            pin_memory=pin_memory and dev.type == "cpu" and torch.cuda.is_available(),
+        )
+
+    def _check_kv_cache(self, kv_cache: torch.Tensor, grouped: bool = False) -> None:
+        if (kv_cache.dim() != 6 or kv_cache.shape[0] != self.kv_layer_slots(grouped) or kv_cache.shape[1] != 2):
+            raise ValueError(f"KV cache must have shape {self.kv_cache_shape(-1, -1, grouped=grouped)}, got "
+                             f"{tuple(kv_cache.shape)}")
+
+    # ------------------------------------------------------------------ rotary tables and workspace
+    def _rope(self, key: Any, inv_freq: torch.Tensor, positions: torch.Tensor,
+              max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` of ``positions`` as ``(T, 1, head_dim)`` for the frequencies ``inv_freq`` (cached under
+        ``key``, grown by doubling)."""
+        cos, sin = self._rope_tables.get(key, (None, None))
+        if cos is None or max_pos > cos.shape[0] or cos.device != self.device:
+            n = max(max_pos, 2 * (cos.shape[0] if cos is not None else 0), 256)
+            freqs = torch.arange(n, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = emb.cos().to(self.device, self.dtype), emb.sin().to(self.device, self.dtype)
+            self._rope_tables[key] = (cos, sin)
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+
+    def _workspace(self) -> AttentionWorkspace:
+        ws = getattr(self._local, "workspace", None)
+        if ws is None:
+            ws = self._local.workspace = AttentionWorkspace()
+        return ws
+
+
+class PagedLlama(PagedDecoder):
     """A Llama decoder whose attention reads and writes a paged KV cache.
 
     ``weights`` uses the names of :mod:`pagedkv.engine.gguf_loader`. The tensors are moved to
@@ -340,20 +479,8 @@ class PagedLlama:
     ) -> None:
         self.config = config
         self.tokenizer_metadata = tokenizer_metadata
-        self.device = torch.device(device) if device is not None else weights["token_embd.weight"].device
-        self.dtype = dtype or weights["token_embd.weight"].dtype
-        moved: dict[int, torch.Tensor] = {}
-
-        def w(name: str) -> torch.Tensor:
-            t = weights[name]
-            key = id(t)  # keep tied tensors tied
-            if key not in moved:
-                moved[key] = t.to(self.device, self.dtype)
-            return moved[key]
-
-        def fused(*names: str) -> torch.Tensor:
-            return torch.cat([weights[n].to(self.device, self.dtype) for n in names], dim=0).contiguous()
-
+        self._init_common(weights, device, dtype)
+        w, fused = self._w, self._fused
         self.tok_embd = w("token_embd.weight")
         self.device = self.tok_embd.device  # normalized, e.g. "cuda" -> "cuda:0"
         self.out_norm = w("output_norm.weight")
@@ -369,12 +496,9 @@ class PagedLlama:
             )
             for i in range(config.n_layer)
         ]
-        freq_factors = weights.get("rope_freqs.weight")
-        self._inv_freq = rope_inv_freq(config, freq_factors)
-        self._cos = torch.empty(0, config.head_dim)
-        self._sin = torch.empty(0, config.head_dim)
+        del self._weights, self._moved  # the model holds only what it uses
+        self._inv_freq = rope_inv_freq(config, weights.get("rope_freqs.weight"))
         self.scale = 1.0 / math.sqrt(config.head_dim)
-        self._local = threading.local()  # one attention workspace per thread (replicas may share a model)
 
     @classmethod
     def from_gguf(
@@ -385,62 +509,22 @@ class PagedLlama:
         config, weights, tok_meta = load_gguf(path, dtype=dtype)
         return cls(config, weights, device=device, dtype=dtype, tokenizer_metadata=tok_meta)
 
-    # ------------------------------------------------------------------ KV cache
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        return kv_cache_shape(self.config, num_blocks, block_size)
-
-    def kv_cache_bytes_per_block(self, block_size: int, dtype: torch.dtype | None = None) -> int:
-        """Bytes one block occupies over all layers (keys and values)."""
-        elem = torch.empty(0, dtype=dtype or self.dtype).element_size()
-        c = self.config
-        return c.n_layer * 2 * block_size * c.n_head_kv * c.head_dim * elem
-
-    def allocate_kv_cache(
-        self,
-        num_blocks: int,
-        block_size: int,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        pin_memory: bool = False,
-    ) -> torch.Tensor:
-        """A zero-filled KV cache (zeros keep masked-out stale slots finite)."""
-        dev = torch.device(device) if device is not None else self.device
-        return torch.zeros(
-            self.kv_cache_shape(num_blocks, block_size),
-            dtype=dtype or self.dtype,
-            device=dev,
-            pin_memory=pin_memory and dev.type == "cpu" and torch.cuda.is_available(),
-        )
-
-    # ------------------------------------------------------------------ rotary tables
-    def _rope(self, positions: torch.Tensor, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if max_pos > self._cos.shape[0] or self._cos.device != self.device:
-            n = max(max_pos, 2 * self._cos.shape[0], 256)
-            t = torch.arange(n, dtype=torch.int64).float()
-            freqs = t[:, None] * self._inv_freq[None, :]
-            emb = torch.cat((freqs, freqs), dim=-1)
-            self._cos = emb.cos().to(self.device, self.dtype)
-            self._sin = emb.sin().to(self.device, self.dtype)
-        return self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
-
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
     def forward(self, meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
         """Run one step; returns float32 logits ``(R, vocab)`` for ``meta.logits_indices``
         (by default the last new token of each sequence, in batch order)."""
         c = self.config
-        if kv_cache.dim() != 6 or kv_cache.shape[0] != c.n_layer or kv_cache.shape[1] != 2:
-            raise ValueError(f"KV cache must have shape {kv_cache_shape(c, -1, -1)}, got {tuple(kv_cache.shape)}")
+        if meta.groups is not None:
+            raise ValueError("PagedLlama has no KV cache groups (metadata with groups given)")
+        self._check_kv_cache(kv_cache)
         block_size = kv_cache.shape[3]
         n_tok = meta.num_tokens
         plan = plan_paged_attention(meta, block_size, dtype=self.dtype)
-        cos, sin = self._rope(meta.positions, max(meta.context_lens_host, default=0))
+        cos, sin = self._rope(None, self._inv_freq, meta.positions, max(meta.context_lens_host, default=0))
         n_head, n_kv, d = c.n_head, c.n_head_kv, c.head_dim
         n_ff = self.layers[0][4].shape[0] // 2 if self.layers else 0
-        ws = getattr(self._local, "workspace", None)
-        if ws is None:
-            ws = self._local.workspace = AttentionWorkspace()
+        ws = self._workspace()
 
         x = self.tok_embd.index_select(0, meta.input_ids)  # (T, n_embd)
         for layer, (attn_norm, w_qkv, wo, ffn_norm, w_gate_up, w_down) in enumerate(self.layers):

@@ -81,13 +81,47 @@ class SamplingParams:
         return self.temperature == 0
 
 
+#: inverse-CDF sampling in two levels: entries per chunk (the chunk sums are one vectorized reduction, the
+#: cumulative sums run over the chunk sums and within one chunk only). A full-vocabulary ``cumsum`` in float64 is
+#: sequential: 0.6-0.8 s for 32 x 262,144 entries (Gemma 3's vocabulary) on the shared 2-core machine, against
+#: ~0.05 s for the chunk sums, in the same process.
+_CHUNK = 256
+
+
+def _chunk_cdf(probs: torch.Tensor) -> torch.Tensor:
+    """Cumulative float64 sums of consecutive ``_CHUNK``-entry chunks of the last dimension (the last chunk may be
+    shorter): ``(..., ceil(V / _CHUNK))``; each chunk summed in the weights' dtype (one vectorized reduction), the
+    running sum over chunks in float64. The same for a row alone and in a batch. O(V)."""
+    v = probs.shape[-1]
+    full = v // _CHUNK * _CHUNK
+    parts = [probs[..., :full].unflatten(-1, (full // _CHUNK, _CHUNK)).sum(-1).double()]
+    if full < v:
+        parts.append(probs[..., full:].sum(-1, keepdim=True).double())
+    sums = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
+    return torch.cumsum(sums, dim=-1)
+
+
+def _draw_cdf(probs: torch.Tensor, ccdf: torch.Tensor, num: int, generator: torch.Generator | None) -> list[int]:
+    """``num`` indices drawn from the non-negative weights ``probs`` (one row) with ``ccdf = _chunk_cdf(probs)``:
+    ``u`` uniform in [0, total), the chunk whose cumulative sum first exceeds ``u``, then the entry within that
+    chunk (the first whose cumulative weight exceeds the rest of ``u``): a zero-weight entry is never chosen. One
+    uniform number per draw from ``generator``."""
+    u = torch.rand(num, generator=generator, dtype=torch.float64) * ccdf[-1]
+    chunks = torch.searchsorted(ccdf, u, right=True).clamp_(max=ccdf.shape[-1] - 1).tolist()
+    out = []
+    for c, x in zip(chunks, u.tolist()):
+        lo = c * _CHUNK
+        within = torch.cumsum(probs[lo:lo + _CHUNK].double(), dim=-1)
+        rest = torch.tensor([x - (float(ccdf[c - 1]) if c else 0.0)], dtype=torch.float64)
+        # rounding (the chunk sum and the cumulative sum round differently) must not step past the last weight
+        rest = torch.minimum(rest, torch.nextafter(within[-1:], torch.zeros(1, dtype=torch.float64)))
+        out.append(lo + int(torch.searchsorted(within, rest, right=True)))
+    return out
+
+
 def _draw(probs: torch.Tensor, num: int, generator: torch.Generator | None) -> list[int]:
     """``num`` indices drawn from the (unnormalized, non-negative) weights ``probs`` of one row."""
-    cdf = torch.cumsum(probs.double(), dim=-1)
-    u = torch.rand(num, generator=generator, dtype=torch.float64) * cdf[-1]
-    # the first index whose cumulative weight exceeds u: a zero-weight entry is never chosen
-    idx = torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[-1] - 1)
-    return idx.tolist()
+    return _draw_cdf(probs, _chunk_cdf(probs), num, generator)
 
 
 def _nucleus(sorted_p: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -149,8 +183,8 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], nums: list[
             out[i] = _sample_row(logits[i], p, nums[i], generators[i])
     for temp, rows in plain.items():
         sub = logits[rows] if len(rows) < logits.shape[0] else logits
-        cdf = torch.cumsum(torch.softmax(sub * (1.0 / temp), dim=-1).double(), dim=-1)
+        probs = torch.softmax(sub * (1.0 / temp), dim=-1)
+        ccdf = _chunk_cdf(probs)  # one reduction for every row
         for r, i in enumerate(rows):
-            u = torch.rand(nums[i], generator=generators[i], dtype=torch.float64) * cdf[r, -1]
-            out[i] = torch.searchsorted(cdf[r], u, right=True).clamp_(max=logits.shape[-1] - 1).tolist()
+            out[i] = _draw_cdf(probs[r], ccdf[r], nums[i], generators[i])
     return out  # type: ignore[return-value]
