@@ -56,6 +56,7 @@ class _Rows:
         if n and self._swapped[rows].any():
             s = seq_ids[int(np.flatnonzero(self._swapped[rows])[0])]
             raise SequenceStateError(f"sequence {s!r} is swapped out; swap it in before appending")
+        rows.flags.writeable = False  # (handed out as StepDelta.table_rows)
         self._memo_ids, self._memo_rows = seq_ids.copy(), rows
         return rows
 

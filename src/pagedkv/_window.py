@@ -26,11 +26,16 @@ class _Window:
         rel = target > nrel
         return (rows[rel], nrel[rel], target[rel]) if rel.any() else None
 
-    def _release_window(self, release: tuple) -> None:
-        """Release table ranges ``[a, z)`` of rows (tail first) and mark them NULL_BLOCK."""
+    def _release_window(self, release: tuple, changed: list | None = None) -> None:
+        """Release table ranges ``[a, z)`` of rows (tail first) and mark them NULL_BLOCK. ``changed``: a list
+        that receives the (rows, cols) of the entries that held a block (for :class:`TableUpdates`)."""
         for r, a, z in zip(*release):
             blk = self._table[r, a:z]
-            self._release_gpu(blk[blk >= 0][::-1].copy())
+            held = blk >= 0
+            self._release_gpu(blk[held][::-1].copy())
+            if changed is not None:
+                cols = np.flatnonzero(held) + a
+                changed.append((np.full(cols.size, r, dtype=np.int64), cols))
             self._table[r, a:z] = NULL_BLOCK
             self._nrel[r] = z
 
