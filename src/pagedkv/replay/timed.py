@@ -5,7 +5,8 @@ Service model (simulated clock, nothing sleeps; every figure is an option of :cl
 - The engine runs in *steps*. A step first admits waiting requests, oldest first, while fewer than
   ``max_running`` run and ``allocate`` finds room (a request that does not fit stays first in line: no
   overtaking). Its prompt costs ``(prompt - hit) / prefill_tps`` seconds of that step.
-- Then every running request appends one output token through one batched ``decode_step``, which costs
+- Then every running request appends one output token through one batched ``decode_step`` (for pagedkv in its
+  incremental form, ``block_tables=False``, as an engine that keeps its own block tables calls it), which costs
   ``decode_step_s`` seconds whatever the batch (a memory-bound decode); a request is done, and freed (its full
   blocks stay cached), after ``output_length`` tokens.
 - When ``decode_step`` finds no free block, the most recently admitted request is preempted by recompute: freed
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from functools import partial
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -78,6 +80,8 @@ def replay_timed(trace: Trace, capacity_tokens: int, *, block_size: int = 16, cp
     lengths = trace.input_lengths.tolist()
     outlen = trace.output_lengths.tolist()
     allocate, free, decode_step = bm.allocate, bm.free, bm.decode_step
+    if getattr(bm, "table_rows", None) is not None:  # pagedkv: the step hands back table changes, not tables
+        decode_step = partial(decode_step, block_tables=False)
     take_copies = bm.take_copy_plan if getattr(bm, "cpu_prefix_cache", False) else None
     prepare = getattr(bm, "prepare_step", None)  # anchors: engine-side bookkeeping before each step
     waiting: deque[int] = deque()
