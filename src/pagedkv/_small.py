@@ -57,8 +57,8 @@ class _Small:
         return mvs
 
     def _step_one(self, seq_id: object, token_ids: object, result: int):
-        """One token appended to one sequence: ``decode_step`` at batch 1 (``result``: returns its StepResult,
-        or its StepDelta when ``result`` is TABLES_DELTA) and ``append_slots(seq, [tok])`` (``result`` False:
+        """One token appended to one sequence: ``decode_step`` at batch 1 (``result`` True: returns its
+        StepResult; TABLES_DELTA: its StepDelta) and ``append_slots(seq, [tok])`` (``result`` False:
         returns the copy-on-write pairs). None, having changed nothing, when
         the call is not this path's case (bad input, a swapped sequence, out of blocks). :meth:`_step_small`
         for one sequence, without the batch's lists."""
@@ -92,8 +92,8 @@ class _Small:
         off = n - j * bs
         cache = self._cache
         pair = None
-        grew = False
-        if j == nblk[r]:  # the token opens a new block
+        nb = nblk[r]
+        if j == nb:  # the token opens a new block
             if j >= self._fixed_w > 0:
                 return None  # past block_table_width: the vectorised path reports it
             if not self._gpu._nfree and (cache is None or not len(cache.evictor)):
@@ -105,7 +105,6 @@ class _Small:
                 table = self._views()[2]  # (_ensure_cols dropped the old views)
             table[r, j] = w
             nblk[r] = j + 1
-            grew = True
         else:
             w = table[r, j]
             if ref[w] > 1:  # held by others too: copy-on-write
@@ -133,10 +132,10 @@ class _Small:
         slots[0] = w * bs + off
         lens = _ONE_I32.copy()
         lens[0] = n + 1
-        if result == TABLES_DELTA:
-            return self._delta_one(r, j, w, slots, lens, pair, grew or pair is not None)
-        return _new_result((slots, self._table[r : r + 1, : self._fixed_w or nblk[r]].copy(), lens,
-                            _NO_COW if pair is None else np.array([pair], dtype=np.int64)))
+        if result is True:
+            return _new_result((slots, self._table[r : r + 1, : self._fixed_w or nblk[r]].copy(), lens,
+                                _NO_COW if pair is None else np.array([pair], dtype=np.int64)))
+        return self._delta_one(r, j, w, slots, lens, pair, j == nb or pair is not None)  # (TABLES_DELTA)
 
     def _delta_one(self, r: int, j: int, w: int, slots: np.ndarray, lens: np.ndarray, pair, changed: bool) -> StepDelta:
         """:meth:`_step_one`'s StepDelta: row ``r``, and the entry (r, j) = w if the step changed it."""

@@ -57,7 +57,7 @@ from ._invariants import _Invariants
 from ._registry import _Registry
 from ._rows import _EMPTY_I64, _Rows
 from ._small import SMALL_BATCH, _Small
-from ._step import _NO_UPDATES, TABLES_DELTA, TABLES_FULL, _Stepper
+from ._step import _NO_UPDATES, TABLES_DELTA, _Stepper
 from ._swap import _Swapper
 from ._window import _Window
 from .errors import InvalidArgumentError, InvalidTokensError, OutOfBlocksError, SequenceStateError
@@ -616,7 +616,7 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
         fixed costs dominate there).
         """
         if block_tables is True:
-            mode = TABLES_FULL
+            mode = True  # (TABLES_FULL)
         elif block_tables is False:
             mode = TABLES_DELTA
         else:
