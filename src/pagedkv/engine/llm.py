@@ -162,7 +162,8 @@ class LLM:
         self._timed_bm = _TimedCalls(self.block_manager)
         self.scheduler = Scheduler(
             self._timed_bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            preemption_mode=preemption_mode, num_lookahead_slots=num_lookahead_slots, incremental_tables=True,
+            preemption_mode=preemption_mode, num_lookahead_slots=num_lookahead_slots,
+            incremental_tables=getattr(self.block_manager, "table_rows", None) is not None,
         )
         # the engine's block tables: row table_rows(seq) holds the sequence's table (see the module docstring)
         self._tables = np.full((max(8, max_num_seqs), 16), NULL_BLOCK, dtype=np.int32)
@@ -366,7 +367,9 @@ class LLM:
     def _execute(self, plan: Any, by_id: dict) -> list:
         """KV copies, forward and sampling of one plan: the sampled tokens (per sequence of the plan); the seconds
         spent sampling are left in ``self._sampling_s``."""
-        self._update_tables(plan)  # first: every plan's table changes reach the engine, whatever fails later
+        incremental = self.scheduler.incremental_tables
+        if incremental:
+            self._update_tables(plan)  # first: every plan's table changes reach the engine, whatever fails later
         if len(plan.copies):  # every copy of the step, in the order the block manager handed them out
             execute_copy_plan(plan.copies, self.kv_cache, self.cpu_kv_cache)
         if not plan.has_forward:  # a step that only moved blocks
@@ -387,10 +390,13 @@ class LLM:
                 computed.append(int(d.positions[a]))
                 owners.append((by_id[self.scheduler.sequence(sid).request_id], 1))
             slots.append(d.result.slot_mapping)
-            bs = self.block_manager.block_size
-            width = -(-int(d.result.seq_lens.max()) // bs)  # the blocks attention reads
-            decode_tables = self._tables[d.result.table_rows, :width]
-            tables = decode_tables if not tables else tables + list(decode_tables)
+            if incremental:
+                bs = self.block_manager.block_size
+                width = -(-int(d.result.seq_lens.max()) // bs)  # the blocks attention reads
+                decode_tables = self._tables[d.result.table_rows, :width]
+                tables = decode_tables if not tables else tables + list(decode_tables)
+            else:  # (a block manager without the incremental form: the step's padded tables)
+                tables += list(d.result.block_tables)
         meta = build_attention_metadata(new_tokens, computed, np.concatenate(slots), tables,
                                         block_size=self.block_manager.block_size,
                                         sliding_window=self.sliding_window, device=self.device)
