@@ -15,6 +15,7 @@ from .errors import DuplicateSequenceError, InvalidArgumentError, SequenceStateE
 from .types import NULL_BLOCK
 
 _EMPTY_I64 = np.zeros(0, dtype=np.int64)
+_EMPTY_I64.flags.writeable = False  # (shared: empty results and the empty batch's rows)
 
 
 class _Rows:
