@@ -192,14 +192,16 @@ class _Stepper:
             return StepDelta(slots, end.astype(np.int32), _NO_COW, _frozen_rows(rows), upd)
         return StepResult(slots, self._table[rows, : self._fixed_w or width], end.astype(np.int32), _NO_COW)
 
-    def _append(self, rows: np.ndarray, counts: np.ndarray, flat: np.ndarray, la: int,
-                tables: int) -> StepResult | StepDelta:
+    def _append(self, rows: np.ndarray, counts: np.ndarray, flat: np.ndarray, la: int, tables: int,
+                plan: tuple | None = None) -> StepResult | StepDelta:
         """The general append (all or nothing). ``tables``: TABLES_FULL (StepResult with the padded tables),
-        TABLES_DELTA (StepDelta) or TABLES_NONE (StepResult with only the slots and copy-on-write pairs)."""
+        TABLES_DELTA (StepDelta) or TABLES_NONE (StepResult with only the slots and copy-on-write pairs).
+        ``plan``: this append's :meth:`_plan`, already made and checked against the free blocks by a coordinator
+        (KV cache groups)."""
         if flat.size != counts.sum():
             raise InvalidTokensError(f"got {flat.size} tokens for counts summing to {counts.sum()}")
-        needed, available, need, cow, release = self._plan(rows, counts, la)
-        if needed > available:
+        needed, available, need, cow, release = plan or self._plan(rows, counts, la)
+        if needed > available and plan is None:
             raise OutOfBlocksError(f"the step needs {needed} new blocks; {available} are free")
         if self._fixed_w and int(need.max()) > self._fixed_w:
             i = int(np.argmax(need))
