@@ -135,6 +135,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="smoke run: small contexts, few steps, 500 requests")
     ap.add_argument("--skip-replay", action="store_true")
+    ap.add_argument("--skip-curve", action="store_true", help="the replay only")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the replay (default 3)")
     ap.add_argument("--trace", default=_default_trace(), help="the Mooncake conversation trace (default: "
                     "shared/data/mooncake/conversation_trace.jsonl beside the checkout or one level up)")
     ap.add_argument("--capacity", type=int, default=1_000_000)
@@ -144,7 +146,7 @@ def main() -> None:
     steps, rounds = (20, 2) if args.quick else (200, 6)
     result = {"machine": platform.machine(), "python": platform.python_version(), "batch": BATCH,
               "block_size": BLOCK, "steps_per_round": steps, "rounds": rounds, "curve": []}
-    for caching in (False, True):
+    for caching in () if args.skip_curve else (False, True):
         print(f"decode step, batch {BATCH}, prefix caching {'on' if caching else 'off'}:", flush=True)
         rows = step_curve(contexts, steps, rounds, caching)
         result["curve"] += rows
@@ -155,7 +157,7 @@ def main() -> None:
         if Path(args.trace).exists():
             print(f"replay of {Path(args.trace).name} at {args.capacity:,} tokens, timed vs sequence mode:",
                   flush=True)
-            rep = replay(args.trace, args.capacity, 1 if args.quick else 3, 500 if args.quick else None)
+            rep = replay(args.trace, args.capacity, 1 if args.quick else args.rounds, 500 if args.quick else None)
             result["replay"] = rep
             print(f"  timed / sequence: {rep['timed_vs_sequence']:.2f}x (target <= 2x); with padded tables "
                   f"{rep['timed_padded_vs_sequence']:.2f}x")
