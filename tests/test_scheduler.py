@@ -67,9 +67,45 @@ class FakeModel:
         return out
 
 
-def check_plan(bm: BlockManager, sched: Scheduler, plan: StepPlan) -> None:
-    """The plan is exactly consistent with the block manager."""
+class EngineTables:
+    """An engine's own block tables for ``Scheduler(..., incremental_tables=True)``: whole rows for prefills and
+    ``DecodeBatch.table_loads``, then the decode step's ``table_updates`` (docs/engine-contract.md)."""
+
+    def __init__(self) -> None:
+        self.t = np.full((4, 4), NULL_BLOCK, dtype=np.int32)
+        self.loads = 0  # whole rows loaded by table_loads (forks, swap-ins)
+
+    def _fit(self, rows: int, cols: int) -> None:
+        r, c = self.t.shape
+        if rows > r or cols > c:
+            t = np.full((max(rows, 2 * r), max(cols, 2 * c)), NULL_BLOCK, dtype=np.int32)
+            t[:r, :c] = self.t
+            self.t = t
+
+    def load(self, row: int, table: np.ndarray) -> None:
+        self._fit(row + 1, len(table))
+        self.t[row] = NULL_BLOCK
+        self.t[row, : len(table)] = table
+
+    def apply(self, plan: StepPlan) -> None:
+        for pw in plan.prefills:
+            self.load(pw.table_row, pw.block_table)
+        if plan.decode is not None:
+            for _, row, table in plan.decode.table_loads:
+                self.load(row, table)
+                self.loads += 1
+            upd = plan.decode.result.table_updates
+            if upd.rows.size:
+                self._fit(int(upd.rows.max()) + 1, int(upd.cols.max()) + 1)
+            upd.apply(self.t)
+
+
+def check_plan(bm: BlockManager, sched: Scheduler, plan: StepPlan, tables: EngineTables | None = None) -> None:
+    """The plan is exactly consistent with the block manager (``tables``: the engine's own tables, for a scheduler
+    with incremental tables)."""
     bs = bm.block_size
+    if sched.incremental_tables:
+        tables.apply(plan)
     assert plan.has_forward == bool(plan.prefills or plan.decode is not None)
     copies = len(plan.swap_out) + len(plan.swap_in) + len(plan.copy_on_write)
     assert plan.is_empty == (not plan.has_forward and not copies and not plan.preempted and not plan.ignored)
@@ -90,6 +126,7 @@ def check_plan(bm: BlockManager, sched: Scheduler, plan: StepPlan) -> None:
         table = bm.block_table(pw.seq_id)
         np.testing.assert_array_equal(pw.block_table, table)
         np.testing.assert_array_equal(pw.slot_mapping // bs, table[pw.positions // bs])
+        assert pw.table_row == (int(bm.table_rows([pw.seq_id])[0]) if sched.incremental_tables else None)
         view = sched.sequence(pw.seq_id)
         full = np.concatenate([np.zeros(0, np.int64), pw.token_ids])
         assert view.num_computed == L
@@ -110,7 +147,11 @@ def check_plan(bm: BlockManager, sched: Scheduler, plan: StepPlan) -> None:
             np.testing.assert_array_equal(pos, np.arange(n - q, n))
             table = bm.block_table(sid)
             assert len(table) * bs >= n + d.num_lookahead_slots  # lookahead slots reserved
-            row = res.block_tables[j]
+            if sched.incremental_tables:
+                assert res.table_rows[j] == bm.table_rows([sid])[0]
+                row = tables.t[res.table_rows[j]]
+            else:
+                row = res.block_tables[j]
             np.testing.assert_array_equal(row[: len(table)], table)
             assert (row[len(table) :] == NULL_BLOCK).all()
             slots = res.slot_mapping[ends[j] - q : ends[j]]
@@ -132,12 +173,13 @@ def check_plan(bm: BlockManager, sched: Scheduler, plan: StepPlan) -> None:
 def drive(sched: Scheduler, bm: BlockManager, model: FakeModel | None = None, *, max_steps: int = 100_000):
     """Run to completion; return ({request_id: RequestOutput}, [plans summary])."""
     model = model or FakeModel(spec_k=sched.num_lookahead_slots)
+    tables = sched.test_tables = EngineTables() if sched.incremental_tables else None
     outs = {}
     plans = []
     steps = 0
     while sched.has_unfinished():
         plan = sched.schedule()
-        check_plan(bm, sched, plan)
+        check_plan(bm, sched, plan, tables)
         bm.check_invariants()
         for o in sched.update(plan, model.sample(plan)):
             assert o.request_id not in outs
@@ -162,10 +204,11 @@ def make_requests(seed: int, count: int, *, min_prompt=3, max_prompt=24, max_out
 
 def run(reqs, *, num_gpu_blocks=10_000, block_size=4, num_cpu_blocks=0, prefix_caching=False, mode="recompute",
         max_num_seqs=64, max_num_batched_tokens=64, lookahead=0, eos=None, ignore_eos=True, model=None, namespace=None,
-        max_steps=100_000, precheck=True):
+        max_steps=100_000, precheck=True, incremental=False):
     bm = BlockManager(num_gpu_blocks, block_size, num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=prefix_caching)
     sched = Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                      preemption_mode=mode, num_lookahead_slots=lookahead, precheck_append=precheck)
+                      preemption_mode=mode, num_lookahead_slots=lookahead, precheck_append=precheck,
+                      incremental_tables=incremental)
     for r in reqs:
         sched.add_request(r["request_id"], r["prompt"], n=r["n"], max_tokens=r["max_tokens"], eos_token_id=eos,
                           ignore_eos=ignore_eos, namespace=r.get("namespace", namespace))
@@ -562,14 +605,17 @@ def test_numpy_sampled_array_is_accepted():
     prefix=st.booleans(),
     budget=st.sampled_from([8, 32, 256]),
     max_seqs=st.sampled_from([3, 8, 64]),
+    incremental=st.booleans(),
 )
-def test_random_workloads_match_unconstrained_run(seed, count, n, blocks, mode, cpu, lookahead, prefix, budget, max_seqs):
+def test_random_workloads_match_unconstrained_run(seed, count, n, blocks, mode, cpu, lookahead, prefix, budget, max_seqs,
+                                                  incremental):
     n = min(n, max_seqs)
     reqs = make_requests(seed, count, max_prompt=16, max_out=24, n=n,
                          shared_prefix=list(range(1, 9)) if prefix else ())
     ref, _, _, _ = run(reqs)
     outs, _, _, _ = run(reqs, num_gpu_blocks=blocks, num_cpu_blocks=cpu, mode=mode, lookahead=lookahead,
-                        prefix_caching=prefix, max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_steps=3000)
+                        prefix_caching=prefix, max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_steps=3000,
+                        incremental=incremental)
     assert outs.keys() == ref.keys()
     for k, o in outs.items():
         if o.finish_reason == FINISH_IGNORED:
@@ -579,6 +625,31 @@ def test_random_workloads_match_unconstrained_run(seed, count, n, blocks, mode, 
         if outs[r["request_id"]].finish_reason == FINISH_IGNORED and r["n"] == 1:
             need = -(-(len(r["prompt"]) + r["max_tokens"] - 1 + lookahead) // 4)
             assert need > blocks  # only a request that can never fit is ignored
+
+
+@pytest.mark.parametrize("mode,cpu,lookahead,precheck", [("swap", 400, 0, True), ("swap", 400, 2, False),
+                                                         ("recompute", 0, 0, True)])
+def test_incremental_tables_keep_the_engine_tables_exact(mode, cpu, lookahead, precheck):
+    """With incremental tables the engine's own tables equal the manager's at every step (check_plan), through
+    forks, swaps, preemption and lookahead, and the outputs are the unconstrained run's."""
+    reqs = make_requests(7, 12, max_prompt=20, max_out=30, n=2, shared_prefix=list(range(1, 9)))
+    ref, _, _, _ = run(reqs)
+    outs, plans, sched, _ = run(reqs, num_gpu_blocks=40, num_cpu_blocks=cpu, mode=mode, lookahead=lookahead,
+                                prefix_caching=True, precheck=precheck, incremental=True)
+    assert outputs(outs) == outputs(ref)
+    assert all(type(p.decode.result).__name__ == "StepDelta" for p in plans if p.decode is not None)
+    assert sched.test_tables.loads > 0  # forked samples (and swapped-in sequences) were loaded whole
+    if mode == "swap":
+        assert any(p.preempted for p in plans) and any(len(p.swap_in) for p in plans)
+    assert not sched._row_loads  # nothing left pending once every request finished
+
+
+def test_incremental_tables_need_a_manager_with_table_rows():
+    class NoRows:
+        table_rows = None
+
+    with pytest.raises(ValueError, match="table_rows"):
+        Scheduler(NoRows(), incremental_tables=True)
 
 
 def test_finish_sequence_stops_one_sample():

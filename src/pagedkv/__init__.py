@@ -17,7 +17,7 @@ from .errors import (
 )
 from . import events
 from .manager import (NULL_BLOCK, AllocStatus, BlockManager, CopyKind, CopyPlan, PrefillBatch, PrefixHit, Stats,
-                      StepResult)
+                      StepDelta, StepResult, TableUpdates)
 from .prefix_cache import block_hashes
 from .kv_groups import FullAttentionSpec, SlidingWindowSpec
 from .hybrid import HybridBlockManager, HybridPrefillBatch, HybridStepResult
@@ -38,7 +38,9 @@ __all__ = [
     "PrefillBatch",
     "PrefixHit",
     "Stats",
+    "StepDelta",
     "StepResult",
+    "TableUpdates",
     "block_hashes",
     "events",
     "errors",

@@ -15,6 +15,7 @@ from .errors import DuplicateSequenceError, InvalidArgumentError, SequenceStateE
 from .types import NULL_BLOCK
 
 _EMPTY_I64 = np.zeros(0, dtype=np.int64)
+_EMPTY_I64.flags.writeable = False  # (shared: empty results and the empty batch's rows)
 
 
 class _Rows:
@@ -56,6 +57,7 @@ class _Rows:
         if n and self._swapped[rows].any():
             s = seq_ids[int(np.flatnonzero(self._swapped[rows])[0])]
             raise SequenceStateError(f"sequence {s!r} is swapped out; swap it in before appending")
+        rows.flags.writeable = False  # (handed out as StepDelta.table_rows)
         self._memo_ids, self._memo_rows = seq_ids.copy(), rows
         return rows
 

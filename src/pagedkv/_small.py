@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .types import StepResult
+from ._step import TABLES_DELTA, table_updates
+from .types import StepDelta, StepResult
 
 SMALL_BATCH = 24
 """Batches of at most this many sequences take the plain-Python step (the measured crossover with the vectorised
@@ -35,6 +36,7 @@ _NO_COW.flags.writeable = False
 _ONE_I64 = np.zeros(1, dtype=np.int64)  # templates of one-element results (a copy is cheaper than np.array)
 _ONE_I32 = np.zeros(1, dtype=np.int32)
 _new_result = StepResult._make  # (cheaper than StepResult(...); raises if the fields change)
+_new_delta = StepDelta._make
 _NULLS = memoryview(np.full(64, -1, dtype=np.int32))  # NULL_BLOCK x SMALL_TABLE (and more), to clear a row
 
 
@@ -54,9 +56,10 @@ class _Small:
                                memoryview(self._ckey), memoryview(self._table.reshape(-1)), self._table.shape[1])
         return mvs
 
-    def _step_one(self, seq_id: object, token_ids: object, result: bool):
-        """One token appended to one sequence: ``decode_step`` at batch 1 (``result``: returns its StepResult)
-        and ``append_slots(seq, [tok])`` (returns the copy-on-write pairs). None, having changed nothing, when
+    def _step_one(self, seq_id: object, token_ids: object, result: int):
+        """One token appended to one sequence: ``decode_step`` at batch 1 (``result`` True: returns its
+        StepResult; TABLES_DELTA: its StepDelta) and ``append_slots(seq, [tok])`` (``result`` False:
+        returns the copy-on-write pairs). None, having changed nothing, when
         the call is not this path's case (bad input, a swapped sequence, out of blocks). :meth:`_step_small`
         for one sequence, without the batch's lists."""
         if type(token_ids) is np.ndarray:
@@ -89,7 +92,8 @@ class _Small:
         off = n - j * bs
         cache = self._cache
         pair = None
-        if j == nblk[r]:  # the token opens a new block
+        nb = nblk[r]
+        if j == nb:  # the token opens a new block
             if j >= self._fixed_w > 0:
                 return None  # past block_table_width: the vectorised path reports it
             if not self._gpu._nfree and (cache is None or not len(cache.evictor)):
@@ -128,13 +132,31 @@ class _Small:
         slots[0] = w * bs + off
         lens = _ONE_I32.copy()
         lens[0] = n + 1
-        return _new_result((slots, self._table[r : r + 1, : self._fixed_w or nblk[r]].copy(), lens,
-                            _NO_COW if pair is None else np.array([pair], dtype=np.int64)))
+        if result is True:
+            return _new_result((slots, self._table[r : r + 1, : self._fixed_w or nblk[r]].copy(), lens,
+                                _NO_COW if pair is None else np.array([pair], dtype=np.int64)))
+        return self._delta_one(r, j, w, slots, lens, pair, j == nb or pair is not None)  # (TABLES_DELTA)
 
-    def _step_small(self, seq_ids: list, token_ids: object, b: int) -> StepResult | None:
-        """``decode_step`` of a few sequences (``b`` >= 2), one token each: returns its StepResult, or None
-        (nothing changed) when the call is not this path's case; the vectorised path then handles or reports
-        it. The batch's rows are memoised with the vectorised path's memo (see :meth:`_small_rows`)."""
+    def _delta_one(self, r: int, j: int, w: int, slots: np.ndarray, lens: np.ndarray, pair, changed: bool) -> StepDelta:
+        """:meth:`_step_one`'s StepDelta: row ``r``, and the entry (r, j) = w if the step changed it."""
+        row = _ONE_I64.copy()
+        row[0] = r
+        row.flags.writeable = False
+        if changed:
+            col = _ONE_I64.copy()
+            col[0] = j
+            blk = _ONE_I32.copy()
+            blk[0] = w
+            row2 = row.copy()
+            upd = table_updates([], [(row2, col, blk)])
+        else:
+            upd = table_updates([], [])
+        return _new_delta((slots, lens, _NO_COW if pair is None else np.array([pair], dtype=np.int64), row, upd))
+
+    def _step_small(self, seq_ids: list, token_ids: object, b: int, result: int = 1) -> StepResult | StepDelta | None:
+        """``decode_step`` of a few sequences (``b`` >= 2), one token each: returns its StepResult (its StepDelta
+        when ``result`` is TABLES_DELTA), or None (nothing changed) when the call is not this path's case; the
+        vectorised path then handles or reports it. The batch's rows are memoised with the vectorised path's memo (see :meth:`_small_rows`)."""
         # the tokens: one valid int per sequence
         if type(token_ids) is np.ndarray:
             if token_ids.ndim != 1 or token_ids.size != b or token_ids.dtype.kind not in "iu":
@@ -192,10 +214,13 @@ class _Small:
         take = self._take_one
         cache = self._cache
         pairs = []
+        changed = [] if result == TABLES_DELTA else None  # (row, col, block) entries the step set
         for i in cows:  # copy-on-write destinations first, in batch order
             r, src = rows[i], written[i]
             dst = take()
             table[r, ntok[r] // bs] = dst
+            if changed is not None:
+                changed.append((r, ntok[r] // bs, dst))
             if cache is not None:
                 cache.tok[dst] = cache.tok[src]
             ref[src] -= 1
@@ -215,6 +240,8 @@ class _Small:
                     written[i] = w = take()
                     table[r, j] = w
                     nblk[r] = j + 1
+                    if changed is not None:
+                        changed.append((r, j, w))
         slots = []
         lens = []
         width = 0
@@ -240,6 +267,10 @@ class _Small:
                     self._register1(r, w, n // bs)
                 if nblk[r] > width:
                     width = nblk[r]
+        if changed is not None:
+            upd = table_updates([], [tuple(np.array(c, dtype=np.int64) for c in zip(*changed))] if changed else [])
+            return _new_delta((np.array(slots, dtype=np.int64), np.array(lens, dtype=np.int32),
+                               np.array(pairs, dtype=np.int64) if pairs else _NO_COW, self._memo_rows, upd))
         tables = self._table.take(rows, axis=0)[:, : self._fixed_w or width]  # (take: cheapest for a few rows)
         return _new_result((np.array(slots, dtype=np.int64), tables, np.array(lens, dtype=np.int32),
                             np.array(pairs, dtype=np.int64) if pairs else _NO_COW))
@@ -260,7 +291,9 @@ class _Small:
             if swapped[r]:
                 return None
         ids = seq_ids.copy()
-        self._memo_ids, self._memo_rows = ids, np.array(rows, dtype=np.int64)
+        memo_rows = np.array(rows, dtype=np.int64)
+        memo_rows.flags.writeable = False  # (handed out as StepDelta.table_rows)
+        self._memo_ids, self._memo_rows = ids, memo_rows
         self._memo_small = (ids, rows)
         return rows
 

@@ -9,6 +9,14 @@
 
 Both paths register in the prefix cache the blocks that the step fills (burst sharing: findable as soon as
 the call returns) and release what the sliding window lets go before writing.
+
+What the step hands back about the block tables (``tables``): the batch's tables in full, padded
+(:class:`StepResult`, the default: O(B x width) to gather), or only the entries the step changed
+(:class:`StepDelta`, ``decode_step(..., block_tables=False)``: O(B + changes) whatever the context length)::
+
+    table row r   [ 17 |  3 | 42 |    ]   before the step
+                  [ -1 |  3 | 42 |  8 ]   after: the window released column 0, column 3 was appended
+    updates       (r, 0, -1), (r, 3, 8)    copy-on-write adds (r, col, destination) likewise
 """
 
 from __future__ import annotations
@@ -16,10 +24,45 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import InvalidTokensError, OutOfBlocksError, TableWidthError
-from .types import StepResult
+from .types import NULL_BLOCK, StepDelta, StepResult, TableUpdates
 
 _NO_COW = np.zeros((0, 2), dtype=np.int64)
 _NO_COW.flags.writeable = False
+
+# what the append hands back about the block tables (True / False keep their old meaning)
+TABLES_NONE, TABLES_FULL, TABLES_DELTA = 0, 1, 2
+
+
+def _frozen(a: np.ndarray, dtype: type) -> np.ndarray:
+    a = a.astype(dtype, copy=False)
+    a.flags.writeable = False
+    return a
+
+
+_NO_UPDATES = TableUpdates(_frozen(np.zeros(0, np.int64), np.int64), _frozen(np.zeros(0, np.int64), np.int64),
+                           _frozen(np.zeros(0, np.int32), np.int32))
+
+
+def table_updates(released: list, parts: list) -> TableUpdates:
+    """:class:`TableUpdates` from the (rows, cols) the window released and the (rows, cols, blocks) parts that
+    received a block (copy-on-write destinations, appended blocks). Every array passed in is owned by the
+    caller's step (fresh), so it is frozen in place, not copied. O(changes)."""
+    for r, c in released:
+        parts.insert(0, (r, c, np.full(c.size, NULL_BLOCK, dtype=np.int32)))
+    if not parts:
+        return _NO_UPDATES
+    if len(parts) == 1:
+        r, c, b = parts[0]
+    else:
+        r, c, b = (np.concatenate([p[i] for p in parts]) for i in range(3))
+    return TableUpdates(_frozen(r, np.int64), _frozen(c, np.int64), _frozen(b, np.int32))
+
+
+def _frozen_rows(rows: np.ndarray) -> np.ndarray:
+    if rows.flags.writeable:  # (the batch memo's rows are frozen once, when memoised)
+        rows = rows.copy()
+        rows.flags.writeable = False
+    return rows
 
 
 class _Stepper:
@@ -102,10 +145,10 @@ class _Stepper:
             return None
         return c_rows[keep], c_cols[keep], c_src[keep]
 
-    def _step1(self, rows: np.ndarray, tokens: np.ndarray) -> StepResult | None:
+    def _step1(self, rows: np.ndarray, tokens: np.ndarray, delta: bool = False) -> StepResult | StepDelta | None:
         """Fast path of decode_step for one token per sequence and no lookahead: about a dozen numpy
         operations. Returns None (having changed nothing) when the step needs copy-on-write or more blocks than
-        are free; the general path then handles or reports it."""
+        are free; the general path then handles or reports it. ``delta``: return :class:`StepDelta`."""
         bs = self._bs
         ntok = self._ntok[rows]
         j, off = np.divmod(ntok, bs)  # the new token goes to table position j, offset off
@@ -122,8 +165,9 @@ class _Stepper:
         if n_grow and self._fixed_w and int(j[grow].max()) >= self._fixed_w:
             return None  # past block_table_width: the general path reports it
         # ---- mutation: nothing below can fail
+        released = [] if delta else None
         if release is not None:
-            self._release_window(release)
+            self._release_window(release, released)
         width = int(nb.max())
         if n_grow:
             ids = self._take(n_grow)
@@ -143,12 +187,17 @@ class _Stepper:
             reg = off == bs - 1  # the new token fills its block: cache it now (burst sharing)
             if np.count_nonzero(reg):
                 self._register_rows(rows[reg], nreg[reg], j[reg] + 1)
+        if delta:
+            upd = table_updates(released, [(g_rows, g_j, ids)] if n_grow else [])
+            return StepDelta(slots, end.astype(np.int32), _NO_COW, _frozen_rows(rows), upd)
         return StepResult(slots, self._table[rows, : self._fixed_w or width], end.astype(np.int32), _NO_COW)
 
-    def _append(self, rows: np.ndarray, counts: np.ndarray, flat: np.ndarray, la: int, tables: bool,
-                plan: tuple | None = None) -> StepResult:
-        """The general append; ``plan``: this append's :meth:`_plan`, already made and checked against the free
-        blocks by a coordinator (KV cache groups)."""
+    def _append(self, rows: np.ndarray, counts: np.ndarray, flat: np.ndarray, la: int, tables: int,
+                plan: tuple | None = None) -> StepResult | StepDelta:
+        """The general append (all or nothing). ``tables``: TABLES_FULL (StepResult with the padded tables),
+        TABLES_DELTA (StepDelta) or TABLES_NONE (StepResult with only the slots and copy-on-write pairs).
+        ``plan``: this append's :meth:`_plan`, already made and checked against the free blocks by a coordinator
+        (KV cache groups)."""
         if flat.size != counts.sum():
             raise InvalidTokensError(f"got {flat.size} tokens for counts summing to {counts.sum()}")
         needed, available, need, cow, release = plan or self._plan(rows, counts, la)
@@ -163,8 +212,11 @@ class _Stepper:
         # ---- mutation: nothing below can fail
         bs = self._bs
         ntok = self._ntok[rows]
+        delta = tables == TABLES_DELTA
+        released = [] if delta else None
+        changed = []  # (rows, cols, blocks) that received a block, for StepDelta
         if release is not None:
-            self._release_window(release)
+            self._release_window(release, released)
         if cow is not None:
             c_rows, c_cols, c_src = cow
             dst = self._take(c_rows.size)
@@ -175,6 +227,8 @@ class _Stepper:
             cow_pairs = np.stack((c_src, dst.astype(np.int64)), axis=1)
             self._cow_copies += c_rows.size
             self._copies.append((2, c_src, dst))  # COW (the plan's copy-on-write part)
+            if delta:
+                changed.append((c_rows, c_cols, dst))
         else:
             cow_pairs = np.zeros((0, 2), dtype=np.int64)
         nb = self._nblk[rows]
@@ -185,12 +239,14 @@ class _Stepper:
             ids = self._take(n_grow)
             if (grow <= 1).all():  # at most one new block per row (n_grow == grow.size is not enough: [2, 0])
                 g = grow > 0
-                self._table[rows[g], nb[g]] = ids
+                g_rows, g_cols = rows[g], nb[g]
             else:
                 g_rows = np.repeat(rows, grow)
-                starts = np.repeat(nb - (np.cumsum(grow) - grow), grow)
-                self._table[g_rows, starts + np.arange(n_grow)] = ids
+                g_cols = np.repeat(nb - (np.cumsum(grow) - grow), grow) + np.arange(n_grow)
+            self._table[g_rows, g_cols] = ids
             self._nblk[rows] = need
+            if delta:
+                changed.append((g_rows, g_cols, ids))
         end = ntok + counts
         if counts.size == flat.size:  # one token per sequence
             tok_rows, pos = rows, ntok
@@ -207,6 +263,9 @@ class _Stepper:
             reg = full > nreg  # blocks this call filled: cache them now (burst sharing)
             if reg.any():
                 self._register_rows(rows[reg], nreg[reg], full[reg])
+        if delta:
+            return StepDelta(slots, end.astype(np.int32), cow_pairs, _frozen_rows(rows),
+                             table_updates(released, changed))
         if not tables:
             return StepResult(slots, None, None, cow_pairs)
         width = self._fixed_w or int(need.max())

@@ -26,21 +26,30 @@ class _Window:
         rel = target > nrel
         return (rows[rel], nrel[rel], target[rel]) if rel.any() else None
 
-    def _release_window(self, release: tuple) -> None:
+    def _release_window(self, release: tuple, changed: list | None = None) -> None:
         """Release table ranges ``[a, z)`` of rows (tail first) and mark them NULL_BLOCK. When every row lets
-        one block go (the steady state of a decode batch) and the blocks are distinct, in a few numpy calls."""
+        one block go (the steady state of a decode batch) and the blocks are distinct, in a few numpy calls.
+        ``changed``: a list that receives the (rows, cols) of the entries that held a block (for
+        :class:`TableUpdates`)."""
         rows, first, stop = release
         if rows.size > 2 and not np.count_nonzero(stop - first - 1):
             blk = self._table[rows, first]
-            live = blk[blk >= 0]
+            held = blk >= 0
+            live = blk[held]
             if np.unique(live).size == live.size:  # (forks advancing in lockstep share blocks: row by row)
                 self._release_gpu(live)
+                if changed is not None:
+                    changed.append((rows[held], first[held]))
                 self._table[rows, first] = NULL_BLOCK
                 self._nrel[rows] = stop
                 return
         for r, a, z in zip(*release):
             blk = self._table[r, a:z]
-            self._release_gpu(blk[blk >= 0][::-1].copy())
+            held = blk >= 0
+            self._release_gpu(blk[held][::-1].copy())
+            if changed is not None:
+                cols = np.flatnonzero(held) + a
+                changed.append((np.full(cols.size, r, dtype=np.int64), cols))
             self._table[r, a:z] = NULL_BLOCK
             self._nrel[r] = z
 

@@ -57,7 +57,7 @@ from ._invariants import _Invariants
 from ._registry import _Registry
 from ._rows import _EMPTY_I64, _Rows
 from ._small import SMALL_BATCH, _Small
-from ._step import _Stepper
+from ._step import _NO_UPDATES, TABLES_DELTA, _Stepper
 from ._swap import _Swapper
 from ._window import _Window
 from .errors import InvalidArgumentError, InvalidTokensError, OutOfBlocksError, SequenceStateError
@@ -67,10 +67,10 @@ from .pool import BlockPool
 from .prefix_cache import PrefixCache, _GroupNS, _encode_namespace
 from .cpu_tier import DEMOTE, PROMOTE
 from .types import (_EMPTY_PLAN, NULL_BLOCK, AllocStatus, CacheCopies, CopyKind, CopyPlan, PrefillBatch, PrefixHit,
-                    Stats, StepResult)
+                    Stats, StepDelta, StepResult, TableUpdates)
 
 __all__ = ["AllocStatus", "BlockManager", "CacheCopies", "CopyKind", "CopyPlan", "NULL_BLOCK", "PrefillBatch",
-           "PrefixHit", "StepResult", "Stats"]
+           "PrefixHit", "StepDelta", "StepResult", "Stats", "TableUpdates"]
 
 # tags of the parts of the pending copy plan (the _Swapper's and _Stepper's; the CPU tier's are DEMOTE, PROMOTE)
 SWAP_OUT, SWAP_IN, COW = 0, 1, 2
@@ -349,6 +349,16 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
         t = self._table[row, : self._nblk[row]].copy()
         t.flags.writeable = False
         return t
+
+    def table_rows(self, seq_ids: Iterable[Hashable]) -> np.ndarray:
+        """The table row of each sequence (read-only int64 (B,)): the row of :class:`StepDelta`'s
+        ``table_rows`` and ``table_updates``, for an engine that keeps its own block tables (one row per
+        sequence). A sequence keeps its row from ``allocate`` / ``fork`` to ``free``, swapped out or not; a
+        freed row is given to a later sequence. Rows are small ints (below the most sequences live at once,
+        rounded up to a power of two, at least 8). Swapped-out sequences are allowed. O(B)."""
+        rows = np.array([self._row(s) for s in seq_ids], dtype=np.int64)
+        rows.flags.writeable = False
+        return rows
 
     def slot_mapping(self, seq_id: Hashable, start: int, end: int) -> np.ndarray:
         """Physical slots (``block * block_size + offset``) of token positions ``[start, end)`` (int64).
@@ -644,7 +654,7 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
         return [(int(s), int(d)) for s, d in res.cow]
 
     def decode_step(self, seq_ids: Sequence[Hashable], token_ids: object, num_lookahead_slots: int = 0, *,
-                    num_new_tokens: object = None) -> StepResult:
+                    num_new_tokens: object = None, block_tables: bool = True) -> StepResult | StepDelta:
         """The batched hot path: append new tokens to every sequence of a batch in one call.
 
         ``token_ids``: shape ``(B,)`` (one token per sequence), ``(B, k)``, or a ragged list of B token lists
@@ -658,6 +668,14 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
         - ``seq_lens`` int32 (B,): tokens per sequence after the append, the new ones included (the attention
           context length of each sequence's last new token; lookahead slots not counted);
         - ``cow`` int64 (m, 2): copy-on-write pairs (src, dst), to copy before writing the new KV.
+
+        ``block_tables=False`` returns :class:`StepDelta` instead: the same slots, lengths and copy-on-write
+        pairs, and in place of the padded tables (whose gather costs O(B x longest table)) each sequence's
+        stable table row (``table_rows``) and the table entries the step changed (``table_updates``: blocks
+        appended, copy-on-write destinations, NULL_BLOCK where the window released a block), so the step costs
+        the same at 100k tokens of context as at 1k. An engine that keeps its own tables loads a sequence's row in
+        full after ``allocate``, ``fork`` and ``swap_in`` (``block_table(seq)`` at ``table_rows([seq])``) and applies
+        each step's updates (docs/engine-contract.md, "Incremental block tables").
 
         The tokens are those whose KV this step computes: the token sampled in the previous step (from the
         prompt's last logits after a prefill), or the tokens accepted by speculative decoding; they take
@@ -676,16 +694,22 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
         ``SMALL_BATCH`` sequences with one token each take a plain-Python path of the same semantics (numpy's
         fixed costs dominate there).
         """
+        if block_tables is True:
+            mode = True  # (TABLES_FULL)
+        elif block_tables is False:
+            mode = TABLES_DELTA
+        else:
+            raise InvalidArgumentError(f"block_tables must be True or False, got {block_tables!r}")
         if num_new_tokens is None and num_lookahead_slots == 0 and self._window is None and \
                 type(num_lookahead_slots) is int:  # the plain-Python path for small batches (see _small.py)
             b = len(seq_ids)
             if b == 1 and self._small_batch:
                 (s,) = seq_ids  # (any iterable of one id)
-                got = self._step_one(s, token_ids, True)
+                got = self._step_one(s, token_ids, mode)
                 if got is not None:
                     return got
             elif 0 < b <= self._small_batch:
-                got = self._step_small(seq_ids, token_ids, b)
+                got = self._step_small(seq_ids, token_ids, b, mode)
                 if got is not None:
                     return got
         rows = self._rows(seq_ids)
@@ -703,14 +727,17 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
         la = num_lookahead_slots if type(num_lookahead_slots) is int and num_lookahead_slots >= 0 else \
             _check_int("num_lookahead_slots", num_lookahead_slots, 0)
         if b == 0:
+            if mode == TABLES_DELTA:
+                return StepDelta(_EMPTY_I64, np.zeros(0, np.int32), np.zeros((0, 2), np.int64), _EMPTY_I64,
+                                 _NO_UPDATES)
             return StepResult(_EMPTY_I64, np.zeros((0, 0), np.int32), np.zeros(0, np.int32), np.zeros((0, 2), np.int64))
         if counts is None:
             if la == 0:
-                res = self._step1(rows, arr)
+                res = self._step1(rows, arr, mode == TABLES_DELTA)
                 if res is not None:
                     return res
             counts = np.ones(b, dtype=np.int64)
-        return self._append(rows, counts, arr, la, tables=True)
+        return self._append(rows, counts, arr, la, tables=mode)
 
     # ------------------------------------------------------------------ swapping
     def can_swap_out(self, seq_ids: Iterable[Hashable]) -> bool:

@@ -74,6 +74,19 @@ is the last key), waiting requests in a deque, swapped requests in a heap keyed 
 The block manager may be :class:`pagedkv.BlockManager` or any object with the same methods (benchmark adapters of
 other block managers); if it has a ``prepare_step(seq_ids, token_ids)`` method, it is called right before every
 ``decode_step``.
+
+**Incremental block tables** (``incremental_tables=True``, what :class:`pagedkv.engine.LLM` uses): the decode asks
+``decode_step(..., block_tables=False)``, so ``DecodeBatch.result`` is a :class:`~pagedkv.StepDelta` whose cost
+does not grow with context length, and the engine keeps the tables itself, one row per sequence
+(``table_rows``)::
+
+    the engine's table                 per step, before the forward
+    row 0  [ 17  3 42 .. ]   <-- a prefill: PrefillWork.block_table at PrefillWork.table_row (the whole row)
+    row 1  [  5  9 -1 .. ]   <-- DecodeBatch.table_loads: (seq_id, row, table) of sequences whose row is new to
+    row 2  [ 11 12 .. .. ]       the engine (a forked sample's first decode, a sequence swapped in), whole rows
+                             <-- DecodeBatch.result.table_updates: the step's changed entries, applied after those
+
+and the decode's tables are then rows ``result.table_rows`` of it (docs/engine-contract.md).
 """
 
 from __future__ import annotations
@@ -160,6 +173,7 @@ class PrefillWork(NamedTuple):
     seq_len: int  # tokens of the sequence after this step (attention context length of the last token)
     num_samples: int  # tokens to sample from the last logits (n for a fresh request, else 1; 0: a chunk that
     #                   does not end the prompt: sample nothing, its entry in update() is ignored)
+    table_row: int | None = None  # incremental_tables: the sequence's table row (block_table goes there whole)
 
 
 class DecodeBatch(NamedTuple):
@@ -171,7 +185,10 @@ class DecodeBatch(NamedTuple):
     query_lens: np.ndarray  # int32 (B,): tokens input per sequence (1, or accepted + 1 with speculation)
     num_lookahead_slots: int
     result: Any  # the StepResult of decode_step: slot_mapping, block_tables, seq_lens, cow (HybridStepResult:
-    #              per KV cache group)
+    #              per KV cache group; StepDelta with incremental tables: see below)
+    # incremental_tables: (seq_id, table_row, block_table) of the batch's sequences whose whole row the engine
+    # loads before applying result.table_updates (a forked sample's first decode, a sequence swapped in since)
+    table_loads: tuple = ()
 
 
 class Preemption(NamedTuple):
@@ -343,6 +360,10 @@ class Scheduler:
             ``decode_step`` directly and preempts when it raises OutOfBlocksError, which saves a pass over the
             batch but is only correct for all-or-nothing managers such as :class:`pagedkv.BlockManager`.
             None (default): False when the manager declares ``atomic_append = True``, else True.
+        incremental_tables: decode with ``decode_step(..., block_tables=False)``: ``DecodeBatch.result`` is a
+            :class:`~pagedkv.StepDelta` (the step's table changes, at a cost independent of context length) and
+            the plan says which whole rows the engine loads (``PrefillWork.table_row``,
+            ``DecodeBatch.table_loads``); see the module docstring. Needs a manager with ``table_rows``.
     """
 
     def __init__(
@@ -354,6 +375,7 @@ class Scheduler:
         preemption_mode: str = "recompute",
         num_lookahead_slots: int = 0,
         precheck_append: bool | None = None,
+        incremental_tables: bool = False,
         enable_chunked_prefill: bool = False,
         long_prefill_token_threshold: int = 0,
     ) -> None:
@@ -378,6 +400,12 @@ class Scheduler:
             precheck_append = not getattr(block_manager, "atomic_append", False)
         self.precheck_append = bool(precheck_append)
         self._prepare = getattr(block_manager, "prepare_step", None)
+        if incremental_tables and getattr(block_manager, "table_rows", None) is None:
+            raise ValueError("incremental_tables needs a block manager with table_rows (decode_step(..., "
+                             "block_tables=False)), such as pagedkv.BlockManager")
+        self.incremental_tables = bool(incremental_tables)
+        # incremental tables: sequences whose whole row the engine has not seen yet (forked, swapped in)
+        self._row_loads: dict[int, None] = {}
         # benchmark adapters of other block managers have no slot_mapping: their prefills carry no metadata
         self._has_slots = getattr(block_manager, "slot_mapping", None) is not None
         # a HybridBlockManager has a block table per KV cache group: prefills then carry one per group
@@ -649,6 +677,8 @@ class Scheduler:
                 if self._prepare is not None:
                     self._prepare(ids, token_arg if counts_arg is None else ragged)
                 kw = {} if counts_arg is None else {"num_new_tokens": counts_arg}
+                if self.incremental_tables:
+                    kw["block_tables"] = False
                 try:
                     result = bm.decode_step(ids, token_arg, k, **kw)
                     if self._own_plan:
@@ -702,7 +732,16 @@ class Scheduler:
             s.num_pending = 0
             total += q
         self.stats.decode_tokens += total
-        return DecodeBatch(seq_ids, input_tokens, positions, query_lens, k, result)
+        loads = ()
+        if self._row_loads:
+            pending = self._row_loads
+            todo = [sid for sid in ids if sid in pending]
+            if todo:
+                rows = bm.table_rows(todo).tolist()
+                loads = tuple((sid, row, bm.block_table(sid)) for sid, row in zip(todo, rows))
+                for sid in todo:
+                    del pending[sid]
+        return DecodeBatch(seq_ids, input_tokens, positions, query_lens, k, result, loads)
 
     def _preempt(self, g: _Group, swap_out: list, preempted: list) -> None:
         del self._running[g.arrival]
@@ -732,6 +771,7 @@ class Scheduler:
     def _to_waiting_front(self, g: _Group) -> None:
         g.status = _WAITING
         for s in g.live:
+            self._row_loads.pop(s.seq_id, None)  # (its prefill hands over the whole row)
             s.status = _WAITING
             s.num_computed = 0
             s.num_pending = 0
@@ -759,6 +799,8 @@ class Scheduler:
                 g.status = _RUNNING
                 for s in g.live:
                     s.status = _RUNNING
+                    if self.incremental_tables:
+                        self._row_loads[s.seq_id] = None
                 self._running[g.arrival] = g
                 self._num_running_seqs += m
                 any_in = True
@@ -827,6 +869,7 @@ class Scheduler:
                 token_ids=s.prefill[start:end], positions=np.arange(start, end, dtype=np.int64),
                 slot_mapping=slots[off : off + c], block_table=bm.block_table(s.seq_id) if self._has_slots else None,
                 num_cached_tokens=start, seq_len=end, num_samples=(1 if g.forked else g.n) if last else 0,
+                table_row=int(bm.table_rows([s.seq_id])[0]) if self.incremental_tables else None,
             ))
             off += c
             s.num_computed = end
@@ -933,6 +976,7 @@ class Scheduler:
                 table = tuple(bm.block_table(s.seq_id, g) for g in range(G))
         else:
             slots = table = None
+        row = int(self.bm.table_rows([s.seq_id])[0]) if self.incremental_tables else None
         s.num_computed = end
         s.num_pending = 0
         s.prefill = toks if end < L else None
@@ -954,6 +998,7 @@ class Scheduler:
             num_cached_tokens=start,
             seq_len=end,
             num_samples=num_samples if end == L else 0,
+            table_row=row,
         )
 
     def _ignore(self, g: _Group, reason: str) -> RequestOutput:
@@ -1017,6 +1062,8 @@ class Scheduler:
                     bm.fork(s.seq_id, child.seq_id)
                     child.num_computed = s.num_computed
                     child.status = _RUNNING
+                    if self.incremental_tables:
+                        self._row_loads[child.seq_id] = None
                 self.stats.forks += len(g.seqs) - 1
                 g.live = list(g.seqs)
                 g.forked = True
@@ -1084,6 +1131,8 @@ class Scheduler:
         del self._requests[g.request_id]
         for s in g.seqs:
             del self._seqs[s.seq_id]
+            if self._row_loads:
+                self._row_loads.pop(s.seq_id, None)
         self.stats.finished += 1
         return RequestOutput(
             request_id=g.request_id,

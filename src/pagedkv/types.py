@@ -8,8 +8,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["AllocStatus", "CacheCopies", "CopyKind", "CopyPlan", "NULL_BLOCK", "PrefillBatch", "PrefixHit", "StepResult",
-           "Stats"]
+__all__ = ["AllocStatus", "CacheCopies", "CopyKind", "CopyPlan", "NULL_BLOCK", "PrefillBatch", "PrefixHit", "StepDelta",
+           "StepResult", "Stats", "TableUpdates"]
 
 
 NULL_BLOCK = -1
@@ -34,6 +34,41 @@ class StepResult(NamedTuple):
     block_tables: np.ndarray  #: int32 (B, width): block tables padded with NULL_BLOCK (width: the longest, or the manager's block_table_width)
     seq_lens: np.ndarray  #: int32 (B,): tokens of each sequence after the append (KV positions 0 .. seq_len - 1; lookahead slots not counted)
     cow: np.ndarray  #: int64 (m, 2): copy-on-write pairs (src, dst) to copy before writing the new KV
+
+
+class TableUpdates(NamedTuple):
+    """The block-table entries one call changed, flat: after the call ``table[rows[i], cols[i]] == blocks[i]``
+    for every ``i``, and every other entry of every table is as before. ``rows`` are table rows
+    (:meth:`BlockManager.table_rows`), ``cols`` block positions in the sequence; no entry appears twice, so the
+    order does not matter. ``blocks[i]`` is a new block (appended, or the copy-on-write destination that
+    replaces a shared block) or ``NULL_BLOCK`` (released by the sliding window). The arrays are read-only."""
+
+    rows: np.ndarray  #: int64 (k,): table row of each changed entry
+    cols: np.ndarray  #: int64 (k,): its column (block position: tokens ``cols * block_size ..`` of the sequence)
+    blocks: np.ndarray  #: int32 (k,): its new value
+
+    def apply(self, table: object) -> None:
+        """Write the changes into an engine-side table (a 2-D numpy array indexed ``[row, column]``, at least as
+        large as the rows and columns named here): ``table[rows, cols] = blocks``. O(k)."""
+        table[self.rows, self.cols] = self.blocks
+
+
+class StepDelta(NamedTuple):
+    """What :meth:`BlockManager.decode_step` returns with ``block_tables=False``: :class:`StepResult` with the
+    batch's block tables given as the step's changes instead of in full, so that the step costs O(batch +
+    changed entries) whatever the context length (docs/engine-contract.md, "Incremental block tables").
+
+    The engine keeps one table per sequence in a matrix of its own, row ``table_rows[i]`` for sequence ``i``
+    (stable from ``allocate`` / ``fork`` to ``free``, swaps included), loads the whole row after ``allocate``,
+    ``fork`` and ``swap_in`` (``block_table(seq)``), and applies ``table_updates`` after each step: its row
+    ``table_rows[i]`` then equals ``block_table(seq_ids[i])`` (the block tables ``decode_step`` would have
+    returned, without the padding)."""
+
+    slot_mapping: np.ndarray  #: int64 (total new tokens,): as StepResult.slot_mapping
+    seq_lens: np.ndarray  #: int32 (B,): as StepResult.seq_lens
+    cow: np.ndarray  #: int64 (m, 2): as StepResult.cow
+    table_rows: np.ndarray  #: int64 (B,): the table row of each sequence of the batch
+    table_updates: TableUpdates  #: the table entries this step changed (appends, copy-on-write, window releases)
 
 
 class PrefixHit(NamedTuple):

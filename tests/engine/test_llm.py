@@ -194,3 +194,20 @@ def test_cpu_tier_hits_reproduce_the_reference(engine):
     st = llm.block_manager.stats
     assert st.demotions > 0 and st.promotions > 0 and st.cpu_hit_tokens > 0
     assert st.cpu_hit_tokens <= st.prefix_hit_tokens
+
+
+@pytest.mark.parametrize("incremental", [True, False])
+def test_engine_tables_incremental_or_padded_give_the_reference(engine, incremental):
+    """The engine keeps its own block tables from the steps' changes (decode_step(..., block_tables=False)); with a
+    block manager without that form it takes the padded tables: both reproduce the reference through swaps and
+    the copy-on-write of forked samples."""
+    n_new = 8
+    expected = [list(engine.reference_greedy(tuple(p), n_new).token_ids) for p in PROMPTS[:3]]
+    llm = make_llm(engine, num_gpu_blocks=14, block_size=4, num_cpu_blocks=32, preemption_mode="swap",
+                   enable_prefix_caching=False)
+    assert llm.scheduler.incremental_tables
+    llm.scheduler.incremental_tables = incremental
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:3]], greedy(n_new, n=2), use_tqdm=False)
+    assert [[ids(o, 0), ids(o, 1)] for o in outs] == [[e, e] for e in expected]
+    assert llm.scheduler.stats.swap_ins > 0 and llm.block_manager.stats.cow_copies > 0
+    llm.block_manager.check_invariants()

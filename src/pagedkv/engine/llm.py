@@ -9,6 +9,11 @@ One engine step::
 
 The model only ever sees slots and block tables from the :class:`~pagedkv.BlockManager`; the tests check that
 its greedy output equals a contiguous-cache reference token for token.
+
+The engine keeps the block tables itself, one row per sequence (``LLM._tables``, indexed by the manager's table
+rows): a prefill, a forked sample's first decode and a swap-in load a whole row, every decode step applies only
+the entries it changed (``decode_step(..., block_tables=False)``, through the scheduler's ``incremental_tables``),
+so the block manager's step costs the same at any context length (docs/engine-contract.md).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import torch
 
 from ..errors import InvalidArgumentError, PromptTooLongError
 from ..hybrid import HybridBlockManager
-from ..manager import AllocStatus, BlockManager
+from ..manager import NULL_BLOCK, AllocStatus, BlockManager
 from ..scheduler import FINISH_STOP, Scheduler
 from .model import build_attention_metadata, build_group_attention_metadata, execute_copy_plan
 from .registry import load_model, make_tokenizer
@@ -196,8 +201,11 @@ class LLM:
             self._timed_bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             preemption_mode=preemption_mode, num_lookahead_slots=num_lookahead_slots,
             enable_chunked_prefill=enable_chunked_prefill, long_prefill_token_threshold=long_prefill_token_threshold,
+            incremental_tables=getattr(self.block_manager, "table_rows", None) is not None,
         )
         self.enable_chunked_prefill = bool(enable_chunked_prefill)
+        # the engine's block tables: row table_rows(seq) holds the sequence's table (see the module docstring)
+        self._tables = np.full((max(8, max_num_seqs), 16), NULL_BLOCK, dtype=np.int32)
         kv_kw = {"grouped": True} if grouped else {}
         self.kv_cache = self.model.allocate_kv_cache(num_gpu_blocks, block_size, **kv_kw)
         self.cpu_kv_cache = self.model.allocate_kv_cache(num_cpu_blocks, block_size, device="cpu", **kv_kw) \
@@ -370,9 +378,38 @@ class LLM:
         times.total = time.perf_counter() - t_start
         times.block_manager = self._timed_bm.seconds - bm0
 
+    def _fit_tables(self, rows: int, cols: int) -> None:
+        t = self._tables
+        if rows > t.shape[0] or cols > t.shape[1]:
+            grown = np.full((max(rows, 2 * t.shape[0]), max(cols, 2 * t.shape[1])), NULL_BLOCK, dtype=np.int32)
+            grown[: t.shape[0], : t.shape[1]] = t
+            self._tables = grown
+
+    def _load_row(self, row: int, table: np.ndarray) -> None:
+        self._fit_tables(row + 1, table.size)
+        self._tables[row] = NULL_BLOCK
+        self._tables[row, : table.size] = table
+
+    def _update_tables(self, plan: Any) -> None:
+        """Bring the engine's block tables up to date with a plan: whole rows for its prefills and for the decode's
+        ``table_loads``, then the decode step's changed entries. O(prefill tables + loaded rows + changes)."""
+        for pw in plan.prefills:
+            self._load_row(pw.table_row, pw.block_table)
+        d = plan.decode
+        if d is not None:
+            for _, row, table in d.table_loads:
+                self._load_row(row, table)
+            upd = d.result.table_updates
+            if upd.rows.size:
+                self._fit_tables(int(upd.rows.max()) + 1, int(upd.cols.max()) + 1)
+                upd.apply(self._tables)
+
     def _execute(self, plan: Any, by_id: dict) -> list:
         """KV copies, forward and sampling of one plan: the sampled tokens (per sequence of the plan); the seconds
         spent sampling are left in ``self._sampling_s``."""
+        incremental = self.scheduler.incremental_tables
+        if incremental:
+            self._update_tables(plan)  # first: every plan's table changes reach the engine, whatever fails later
         if len(plan.copies):  # every copy of the step, in the order the block manager handed them out
             execute_copy_plan(plan.copies, self.kv_cache, self.cpu_kv_cache)
         if not plan.has_forward:  # a step that only moved blocks
@@ -398,11 +435,18 @@ class LLM:
                 a, z = starts[i], starts[i + 1]
                 new_tokens.append(d.input_tokens[a:z])
                 computed.append(int(d.positions[a]))
-                tables.append(d.result.block_tables[i] if self.kv_cache_groups is None
-                              else tuple(t[i] for t in d.result.block_tables))
                 owners.append((by_id[self.scheduler.sequence(sid).request_id], 1))
                 rows.append(ntok + int(z) - 1)
             slots.append(d.result.slot_mapping)
+            if self.kv_cache_groups is not None:  # (a HybridBlockManager: padded tables per group)
+                tables += [tuple(t[i] for t in d.result.block_tables) for i in range(len(d.seq_ids))]
+            elif incremental:
+                bs = self.block_manager.block_size
+                width = -(-int(d.result.seq_lens.max()) // bs)  # the blocks attention reads
+                decode_tables = self._tables[d.result.table_rows, :width]
+                tables = decode_tables if not tables else tables + list(decode_tables)
+            else:  # (a block manager without the incremental form: the step's padded tables)
+                tables += list(d.result.block_tables)
         logit_rows = "last" if not skip else np.asarray(rows, dtype=np.int64)
         if self.kv_cache_groups is None:
             meta = build_attention_metadata(new_tokens, computed, np.concatenate(slots), tables,

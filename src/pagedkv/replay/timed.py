@@ -5,7 +5,8 @@ Service model (simulated clock, nothing sleeps; every figure is an option of :cl
 - The engine runs in *steps*. A step first admits waiting requests, oldest first, while fewer than
   ``max_running`` run and ``allocate`` finds room (a request that does not fit stays first in line: no
   overtaking). Its prompt costs ``(prompt - hit) / prefill_tps`` seconds of that step.
-- Then every running request appends one output token through one batched ``decode_step``, which costs
+- Then every running request appends one output token through one batched ``decode_step`` (for pagedkv in its
+  incremental form, ``block_tables=False``, as an engine that keeps its own block tables calls it), which costs
   ``decode_step_s`` seconds whatever the batch (a memory-bound decode); a request is done, and freed (its full
   blocks stay cached), after ``output_length`` tokens.
 - When ``decode_step`` finds no free block, the most recently admitted request is preempted by recompute: freed
@@ -17,13 +18,17 @@ Service model (simulated clock, nothing sleeps; every figure is an option of :cl
 
 Output token ``k`` of request ``r`` is ``2**30 + (r * 2**16 + k) % 2**30``: distinct from every prompt token of the
 trace (below ``2**30``), so outputs never hit prompts (the trace's ids do not say what a reply contained).
-A run costs O(steps * running) numpy work plus the manager's calls; steps are about makespan / decode_step_s.
+A run costs O(steps) numpy calls of O(running) work each, O(1) Python work per request admitted, preempted or
+finished, plus the manager's calls; steps are about makespan / decode_step_s. (A running request's count of
+generated tokens is not stepped one by one: it is ``gen0 + steps - step0`` from its admission on, and its last step
+is known when it is admitted.)
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from functools import partial
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -78,12 +83,20 @@ def replay_timed(trace: Trace, capacity_tokens: int, *, block_size: int = 16, cp
     lengths = trace.input_lengths.tolist()
     outlen = trace.output_lengths.tolist()
     allocate, free, decode_step = bm.allocate, bm.free, bm.decode_step
+    if getattr(bm, "table_rows", None) is not None:  # pagedkv: the step hands back table changes, not tables
+        decode_step = partial(decode_step, block_tables=False)
     take_copies = bm.take_copy_plan if getattr(bm, "cpu_prefix_cache", False) else None
     prepare = getattr(bm, "prepare_step", None)  # anchors: engine-side bookkeeping before each step
     waiting: deque[int] = deque()
-    running: list[int] = []
-    gen = [0] * n  # output tokens generated so far
+    running: list[int] = []  # in admission order (the victim of a preemption is the last one)
+    gen = [0] * n  # output tokens generated before the request's current admission (all of them once it leaves)
     admitted = [False] * n
+    # a running request r generated gen[r] + steps - step0[r] tokens; it finishes after step last[r]
+    step0 = [0] * n
+    epoch = [0] * n  # admissions so far: tells a finishing entry of an earlier admission (preempted since) apart
+    finishing: dict[int, list] = {}  # step -> (request, epoch) finishing after it, in admission order
+    base = np.zeros(0, dtype=np.int64)  # per running request: r * 65536 + gen[r] - step0[r] (its next token's id)
+    stale = True  # running changed since base was built
     hits = prompt = skipped = preempt = rc_tok = rc_hit = steps = truncated = 0
     wait_sum = 0.0
     clock, j, done = 0.0, 0, 0
@@ -112,6 +125,11 @@ def replay_timed(trace: Trace, capacity_tokens: int, *, block_size: int = 16, cp
                 break
             waiting.popleft()
             running.append(r)
+            stale = True
+            step0[r] = steps
+            epoch[r] += 1
+            if gen[r] < outlen[r]:
+                finishing.setdefault(steps + outlen[r] - gen[r], []).append((r, epoch[r]))
             prefill += ntok - h
             if admitted[r]:
                 rc_tok += ntok
@@ -123,15 +141,18 @@ def replay_timed(trace: Trace, capacity_tokens: int, *, block_size: int = 16, cp
                 wait_sum += clock - arrival[r]
         step_s = prefill / model.prefill_tps
         if running:
-            # requests with nothing (left) to generate finish right after their prefill
-            if any(gen[r] >= outlen[r] for r in running):
+            # requests with nothing (left) to generate finish right after their prefill (only new admissions can)
+            if stale and any(gen[r] >= outlen[r] for r in running):
                 for r in [r for r in running if gen[r] >= outlen[r]]:
                     free(r)
                     running.remove(r)
                     done += 1
             while running:
-                toks = np.fromiter((_OUT_BASE + (r * 65536 + gen[r]) % _OUT_BASE for r in running),
-                                   dtype=np.int32, count=len(running))
+                if stale:
+                    base = np.fromiter((r * 65536 + gen[r] - step0[r] for r in running), dtype=np.int64,
+                                       count=len(running))
+                    stale = False
+                toks = (_OUT_BASE + (base + steps) % _OUT_BASE).astype(np.int32)
                 try:
                     if prepare is not None:
                         prepare(running, toks)
@@ -139,7 +160,10 @@ def replay_timed(trace: Trace, capacity_tokens: int, *, block_size: int = 16, cp
                     break
                 except OutOfBlocksError:
                     victim = running.pop()
+                    base = base[:-1]
                     free(victim)
+                    gen[victim] += steps - step0[victim]
+                    step0[victim] = -1  # (not running: its finishing entry is void)
                     if running:
                         waiting.appendleft(victim)
                         preempt += 1
@@ -149,15 +173,16 @@ def replay_timed(trace: Trace, capacity_tokens: int, *, block_size: int = 16, cp
             if running:
                 steps += 1
                 step_s += model.decode_step_s
-                finished = []
-                for r in running:
-                    gen[r] += 1
-                    if gen[r] >= outlen[r]:
-                        finished.append(r)
-                for r in finished:
-                    free(r)
-                    running.remove(r)
-                done += len(finished)
+                ending = finishing.pop(steps, None)
+                if ending is not None:
+                    finished = [r for r, e in ending if e == epoch[r] and step0[r] >= 0]
+                    for r in finished:
+                        free(r)
+                        running.remove(r)
+                        step0[r] = -1  # (not running)
+                    if finished:
+                        stale = True
+                    done += len(finished)
         if take_copies is not None:  # the engine makes the CPU tier's copies of the step
             take_copies()
         clock += step_s
