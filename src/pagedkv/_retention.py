@@ -104,10 +104,10 @@ class _SlidingGroup(BlockManager):
     _retention: WindowRetention | None = None
     _k = 0
 
-    def _release_window(self, release: tuple) -> None:
+    def _release_window(self, release: tuple, changed: list | None = None) -> None:
         ret = self._retention
         if ret is None:
-            super()._release_window(release)
+            super()._release_window(release, changed)
             return
         rows, first, stop = release
         if not np.count_nonzero(stop - first - 1):  # one block a row (a decode batch's steady state)
@@ -116,7 +116,7 @@ class _SlidingGroup(BlockManager):
             rr = np.repeat(rows, stop - first)
             pos = np.concatenate([np.arange(a, z) for a, z in zip(first.tolist(), stop.tolist())])
         blk = self._table[rr, pos]  # (a copy: fancy indexing)
-        super()._release_window(release)
+        super()._release_window(release, changed)
         ret.demote(blk, ret.kept_rows(rr, pos, self._k))
 
     def _release_window_small(self, rows: list) -> None:
