@@ -73,7 +73,7 @@ class _Allocator:
             raise TableWidthError(f"{_what(n, la)} needs {nblocks} blocks; block_table_width is {self._fixed_w}")
         if arr is None or not lookup:
             return arr, n, nblocks, [], None, (0, 0), nblocks
-        hits, chain = self._lookup(arr, root)
+        hits, chain = self._lookup(arr, root, memo=True)
         cpu_hits = None  # [(table position, CPU block)] of hits in the CPU tier (encoded ~block by _lookup)
         if hits and self._tier is not None and min(hits) < 0:
             cpu_hits = [(j, ~b) for j, b in enumerate(hits) if b < 0]
@@ -142,6 +142,7 @@ class _Allocator:
 
     # ------------------------------------------------------------------ batches
     def _allocate_batch(self, seq_ids: list, prompts: list, la: int, namespaces: list) -> PrefillBatch:
+        self._keys_memo = None  # (a failed allocate's: its prompt may have changed since)
         seen: set = set()
         for s in seq_ids:
             self._check_new_id(s)

@@ -18,10 +18,18 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import SequenceStateError
+from .prefix_cache import _chain
+
+_KEYS_FIRST = 16  # keys a lookup hashes before its first dict probe (then twice as many each time it needs more)
 
 
 class _Registry:
     """Mixin of :class:`pagedkv.BlockManager`: registering full blocks, looking prompts up, withdrawing."""
+
+    # (arr, datas, keys) of the prompt an allocation's lookup just walked: its blocks' token bytes and the chained
+    # keys computed so far, reused by the registration of the same allocation (_fill_prompt) instead of hashing
+    # the prompt twice. Set only by _alloc_plan's lookup, taken (cleared) by _fill_prompt, cleared by a batch.
+    _keys_memo: tuple | None = None
 
     def _register(self, row: int) -> None:
         """Offer the row's full blocks (``nreg .. ntok // bs - 1``) to the prefix cache, one after the other
@@ -81,9 +89,26 @@ class _Registry:
         tok[new[:k]] = arr[h : h + k * bs].reshape(k, bs)
         if h + k * bs < n:
             tok[new[k], : n - h - k * bs] = arr[h + k * bs :]
+        memo, self._keys_memo = self._keys_memo, None
         if k >= 4:  # one chain of k blocks in one batch call
-            r = np.array([row], dtype=np.int64)
-            self._register_rows_batch(r, np.array([nhit], np.int64), np.array([nhit + k], np.int64))
+            keys = None
+            if memo is not None and memo[0] is arr:  # the lookup's keys (this allocation's own prompt)
+                _, datas, keys, rkey = memo
+                if len(keys) < nhit + k:  # the rest of the chain, in one C-level pass
+                    keys += _chain(datas[len(keys) : nhit + k], keys[-1] if keys else rkey)
+                # (the chain continues from the last hit's key; a stand-in chain, e.g. a batch's, hashes anew)
+                parent = keys[nhit - 1] if nhit else rkey
+                keys = keys[nhit : nhit + k] if parent == int(self._ckey[row]) else None
+            # (one chain: its blocks are the new ones, in table order; no gather from the table)
+            blocks = new[:k] if isinstance(new, np.ndarray) else np.array(new[:k], dtype=np.int32)
+            got = self._cache.register_chains(blocks, np.array([k], np.int64), self._ccid[row : row + 1],
+                                              self._ckey[row : row + 1], [self._ns_of[row]] if self._kv_events
+                                              else None, keys)
+            if got is None:
+                self._register(row)
+            else:
+                self._ccid[row], self._ckey[row] = got[0][0], got[1][0]
+                self._nreg[row] = nhit + k
         elif k:
             self._register(row)
 
@@ -169,22 +194,63 @@ class _Registry:
         return (np.concatenate(found_g).astype(np.int64) if found_g else none,
                 np.concatenate(found_c).astype(np.int64) if found_c else none)
 
-    def _lookup(self, arr: np.ndarray, root: tuple[int, int]) -> tuple[list[int], tuple[int, int]]:
+    def _lookup(self, arr: np.ndarray, root: tuple[int, int], memo: bool = False) -> tuple[list[int], tuple[int, int]]:
         """Cached blocks matching the prompt's leading full blocks (at most (len - 1) // block_size, so at least
         one token is left to compute), and the (cid, key) of the last hit (the root's if none). With the CPU tier
-        a block missing on the GPU may be found there: it is listed as ``~cpu_block`` (negative). O(hit blocks)."""
+        a block missing on the GPU may be found there: it is listed as ``~cpu_block`` (negative). O(hit blocks).
+
+        The prompt's chained keys are computed ahead of the walk in C-level passes (16, then twice as many as
+        computed so far each time the walk needs more: at most about twice the hit plus 16 keys), from its full
+        blocks' token bytes (one numpy ``tolist`` of a void view). The walk then costs one dict probe and two
+        element reads a block; the hit blocks' tokens are compared in one bytes compare at the end (a mismatch,
+        a hash collision, re-walks block by block: exactly the block-by-block semantics). ``memo``: keep the
+        bytes and keys for this allocation's registration (:attr:`_keys_memo`)."""
         bs = self._bs
-        data = arr.tobytes()
-        step = 4 * bs
+        lim = (arr.size - 1) // bs
         cache = self._cache
-        find, cid = cache.find, cache.cid
+        full = arr.size // bs
+        datas = np.ascontiguousarray(arr[: full * bs]).view(cache.void).tolist()
+        rkey = root[1]
+        keys = _chain(datas[:_KEYS_FIRST], rkey)
+        if memo:
+            self._keys_memo = (arr, datas, keys, rkey)
+        if self._tier is not None:
+            return self._lookup_slow(datas, keys, root, lim)
+        get, pcm, cim = cache._map.get, cache._pcid_mv, cache._cid_mv
+        hits: list[int] = []
+        pcid = root[0]
+        nk = len(keys)
+        j = 0
+        while j < lim:
+            if j == nk:  # more keys: as many again as computed so far
+                keys += _chain(datas[nk : 2 * nk], keys[-1])
+                nk = len(keys)
+            b = get(keys[j], -1)
+            if b < 0 or pcm[b] != pcid:
+                break
+            hits.append(b)
+            pcid = cim[b]
+            j += 1
+        if not j:
+            return hits, root
+        if cache.tok[hits].tobytes() != arr[: j * bs].tobytes():  # a hash collision somewhere: block by block
+            return self._lookup_slow(datas, keys, root, lim)
+        return hits, (pcid, keys[j - 1])
+
+    def _lookup_slow(self, datas: list, keys: list, root: tuple[int, int], lim: int) -> tuple[list[int], tuple[int, int]]:
+        """:meth:`_lookup` block by block, each candidate's parent and tokens checked before the next one, the CPU
+        tier looked up where the GPU misses (``keys`` is extended as needed). O(hit blocks)."""
+        cache = self._cache
+        tok, pcm, cim, get = cache.tok, cache._pcid_mv, cache._cid_mv, cache._map.get
         hits: list[int] = []
         pcid, pkey = root
         tier = self._tier
-        for j in range((arr.size - 1) // bs):
-            d = data[j * step : (j + 1) * step]
-            b, key = find(pcid, pkey, d)
-            if b < 0:
+        for j in range(lim):
+            if j == len(keys):
+                keys += _chain(datas[j : 2 * j], keys[-1])
+            key, d = keys[j], datas[j]
+            b = get(key, -1)
+            if b < 0 or pcm[b] != pcid or tok[b].tobytes() != d:  # a miss (a hash collision is never a hit)
                 if tier is None:
                     break
                 c = tier.find_keyed(pcid, key, d)  # the prefix continues in the CPU tier?
@@ -194,7 +260,7 @@ class _Registry:
                 pcid, pkey = int(self._cpu_id[0, c]), key
                 continue
             hits.append(b)
-            pcid, pkey = int(cid[b]), key
+            pcid, pkey = cim[b], key
         return hits, (pcid, pkey)
 
     def _promote(self, hits: list, cpu_hits: list, taken) -> tuple[list, list]:

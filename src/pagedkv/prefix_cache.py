@@ -112,7 +112,7 @@ class PrefixCache:
 
     __slots__ = ("_map", "tok", "key", "cid", "pcid", "evictor", "_roots", "_serial", "evictions", "_width",
                  "_cid_mv", "_tok_mv", "_key_mv", "_pcid_mv", "tier", "fresh", "fresh_serial", "events", "event_overflows", "_ev_max", "_ev_lost", "pkey", "nsid", "_ns_ids", "_ns_list", "_bs",
-                 "_root_serial", "_ns_free", "sweep_at")
+                 "_root_serial", "_ns_free", "sweep_at", "void")
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self._map: dict[int, int] = {}
@@ -128,6 +128,7 @@ class PrefixCache:
         self._serial = 0  # last content id handed out
         self.evictions = 0
         self._width = 4 * block_size  # bytes of one block's tokens
+        self.void = np.dtype((np.void, self._width))  # one block's tokens as one item: .tolist() gives its bytes
         self._bs = block_size
         # the CPU tier (cpu_tier.CpuTier) when on: evicted blocks spill into it; ``fresh`` stamps each block with
         # the step serial at which it was cached (a block cached in the current step is never demoted)
@@ -337,7 +338,8 @@ class PrefixCache:
         return 0, 0
 
     def register_chains(self, blocks: np.ndarray, counts: np.ndarray, pcids: np.ndarray,
-                        pkeys: np.ndarray, namespaces: list | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+                        pkeys: np.ndarray, namespaces: list | None = None,
+                        keys: list | None = None) -> tuple[np.ndarray, np.ndarray] | None:
         """:meth:`register` for several chains at once: chain ``r`` is the next ``counts[r]`` blocks of
         ``blocks`` (in order, each the parent of the next) after parent ``(pcids[r], pkeys[r])``. Returns the
         ``(cid, key)`` of each chain's last block, or None, having changed nothing, unless every chain is intact,
@@ -346,22 +348,25 @@ class PrefixCache:
 
         That common case costs a gather of the tokens, xxh3 per block through C-level ``map`` (a Python loop
         along chains longer than one block), one ``map(dict.setdefault, ...)`` pass that inserts the keys and
-        detects any present one, and four vectorised writes: well under a microsecond a block."""
+        detects any present one, and four vectorised writes: well under a microsecond a block. ``keys``: the
+        blocks' chained keys when the caller has them already (a prompt's, computed by its lookup; they must be
+        exactly what this call would compute from the blocks' tokens): no gather, no hashing."""
         n = blocks.size
         cid = self.cid
         # (count_nonzero costs a fraction of .any() / .all() / .min() on small arrays)
         if not n or np.count_nonzero(pcids) != pcids.size or np.count_nonzero(cid[blocks]) or blocks.min() < 0:
             return None
-        raw = self.tok[blocks].tobytes()
-        datas = map(raw.__getitem__, _slices(n, self._width))
-        if n == counts.size:  # one block per chain: the per-step case
-            keys = list(map(_xxh3, datas, pkeys.tolist()))
-        elif counts.size == 1:  # one chain (a prompt): chained in C, see _chain
-            keys = _chain(datas, int(pkeys[0]))
-        else:
-            keys = []
-            for k, m in zip(pkeys.tolist(), counts.tolist()):
-                keys += _chain(itertools.islice(datas, m), k)
+        if keys is None:
+            # each block's token bytes, one bytes object per block straight from numpy (a void item each)
+            datas = self.tok[blocks].view(self.void).ravel().tolist()
+            if n == counts.size:  # one block per chain: the per-step case
+                keys = list(map(_xxh3, datas, pkeys.tolist()))
+            elif counts.size == 1:  # one chain (a prompt): chained in C, see _chain
+                keys = _chain(datas, int(pkeys[0]))
+            else:
+                keys, it = [], iter(datas)
+                for k, m in zip(pkeys.tolist(), counts.tolist()):
+                    keys += _chain(itertools.islice(it, m), k)
         mp, bl = self._map, blocks.tolist()
         if self.tier is not None and self.tier._map and any(map(self.tier._map.__contains__, keys)):
             return None  # a content the CPU tier holds: block by block, taking its identity
@@ -383,10 +388,13 @@ class PrefixCache:
         if n == counts.size:
             self.pcid[blocks] = pcids
             return new, karr
-        last = np.cumsum(counts) - 1
         parent = new - 1  # within a chain each block's parent is the previous block
-        parent[last[:-1] + 1] = pcids[1:]
         parent[0] = pcids[0]
+        if counts.size == 1:  # one chain (a prompt)
+            self.pcid[blocks] = parent
+            return new[-1:], karr[-1:]
+        last = np.cumsum(counts) - 1
+        parent[last[:-1] + 1] = pcids[1:]
         self.pcid[blocks] = parent
         return new[last], karr[last]
 
