@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import SequenceStateError
-from .prefix_cache import _chain
+from .prefix_cache import _extend_chain
 
 _KEYS_FIRST = 16  # keys a lookup hashes before its first dict probe (then twice as many each time it needs more)
 
@@ -94,11 +94,13 @@ class _Registry:
             keys = None
             if memo is not None and memo[0] is arr:  # the lookup's keys (this allocation's own prompt)
                 _, datas, keys, rkey = memo
-                if len(keys) < nhit + k:  # the rest of the chain, in one C-level pass
-                    keys += _chain(datas[len(keys) : nhit + k], keys[-1] if keys else rkey)
+                _extend_chain(keys, datas, nhit + k, rkey)  # the rest of the chain, in one C-level pass
                 # (the chain continues from the last hit's key; a stand-in chain, e.g. a batch's, hashes anew)
                 parent = keys[nhit - 1] if nhit else rkey
-                keys = keys[nhit : nhit + k] if parent == int(self._ckey[row]) else None
+                if parent != int(self._ckey[row]):
+                    keys = None
+                elif nhit or len(keys) != k:
+                    keys = keys[nhit : nhit + k]
             # (one chain: its blocks are the new ones, in table order; no gather from the table)
             blocks = new[:k] if isinstance(new, np.ndarray) else np.array(new[:k], dtype=np.int32)
             got = self._cache.register_chains(blocks, np.array([k], np.int64), self._ccid[row : row + 1],
@@ -211,7 +213,8 @@ class _Registry:
         full = arr.size // bs
         datas = np.ascontiguousarray(arr[: full * bs]).view(cache.void).tolist()
         rkey = root[1]
-        keys = _chain(datas[:_KEYS_FIRST], rkey)
+        keys: list[int] = []
+        _extend_chain(keys, datas, _KEYS_FIRST, rkey)
         if memo:
             self._keys_memo = (arr, datas, keys, rkey)
         if self._tier is not None:
@@ -223,7 +226,7 @@ class _Registry:
         j = 0
         while j < lim:
             if j == nk:  # more keys: as many again as computed so far
-                keys += _chain(datas[nk : 2 * nk], keys[-1])
+                _extend_chain(keys, datas, 2 * nk, rkey)
                 nk = len(keys)
             b = get(keys[j], -1)
             if b < 0 or pcm[b] != pcid:
@@ -247,7 +250,7 @@ class _Registry:
         tier = self._tier
         for j in range(lim):
             if j == len(keys):
-                keys += _chain(datas[j : 2 * j], keys[-1])
+                _extend_chain(keys, datas, 2 * j, root[1])
             key, d = keys[j], datas[j]
             b = get(key, -1)
             if b < 0 or pcm[b] != pcid or tok[b].tobytes() != d:  # a miss (a hash collision is never a hit)

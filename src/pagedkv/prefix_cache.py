@@ -82,6 +82,21 @@ def _chain(datas, key: int) -> list[int]:
     return keys
 
 
+def _extend_chain(keys: list, datas: list, stop: int, seed: int) -> None:
+    """Extend ``keys`` (the chained keys of ``datas[:len(keys)]``, the first seeded by ``seed``) in place to the
+    keys of ``datas[:stop]``: :func:`_chain` without its copies (the seeds are read, through a list iterator set
+    to the last key, from the list being extended)."""
+    a = len(keys)
+    if a >= stop or a >= len(datas):
+        return
+    if not a:
+        keys.append(_xxh3(datas[0], seed=seed))
+        a = 1
+    it = iter(keys)
+    it.__setstate__(a - 1)
+    keys += map(_xxh3, itertools.islice(datas, a, stop), it)
+
+
 def _slices(n: int, width: int) -> list[slice]:
     """``[slice(0, width), slice(width, 2 * width), ...]``, ``n`` of them (memoised per width)."""
     got = _slice_memo.get(width)
