@@ -143,6 +143,8 @@ class _Allocator:
     # ------------------------------------------------------------------ batches
     def _allocate_batch(self, seq_ids: list, prompts: list, la: int, namespaces: list) -> PrefillBatch:
         self._keys_memo = None  # (a failed allocate's: its prompt may have changed since)
+        if self._cache is not None and self._cache._ndl:
+            self._cache.flush()  # (the batch walk reads the map directly)
         seen: set = set()
         for s in seq_ids:
             self._check_new_id(s)

@@ -103,9 +103,14 @@ class _Registry:
                     keys = keys[nhit : nhit + k]
             # (one chain: its blocks are the new ones, in table order; no gather from the table)
             blocks = new[:k] if isinstance(new, np.ndarray) else np.array(new[:k], dtype=np.int32)
-            got = self._cache.register_chains(blocks, np.array([k], np.int64), self._ccid[row : row + 1],
-                                              self._ckey[row : row + 1], [self._ns_of[row]] if self._kv_events
-                                              else None, keys)
+            got = None
+            if keys is not None:  # a run: one map insert for the chain (its parent: the last hit, or the root)
+                got = self._cache.register_run(blocks, keys, int(self._ccid[row]), int(self._ckey[row]),
+                                               int(self._table[row, nhit - 1]) if nhit else -1, self._ns_of[row])
+            if got is None:
+                got = self._cache.register_chains(blocks, np.array([k], np.int64), self._ccid[row : row + 1],
+                                                  self._ckey[row : row + 1], [self._ns_of[row]] if self._kv_events
+                                                  else None, keys)
             if got is None:
                 self._register(row)
             else:
@@ -220,15 +225,21 @@ class _Registry:
         if self._tier is not None:
             return self._lookup_slow(datas, keys, root, lim)
         get, pcm, cim = cache._map.get, cache._pcid_mv, cache._cid_mv
+        # with dict-less blocks a block is found as the run successor of the previous hit, else in the map
+        succ, kym = (cache._succ_mv, cache._key_mv) if cache._ndl else (None, None)
         hits: list[int] = []
         pcid = root[0]
         nk = len(keys)
-        j = 0
+        j = b = 0
         while j < lim:
             if j == nk:  # more keys: as many again as computed so far
                 _extend_chain(keys, datas, 2 * nk, rkey)
                 nk = len(keys)
-            b = get(keys[j], -1)
+            if succ is not None and j:
+                s = succ[b]
+                b = s if s >= 0 and kym[s] == keys[j] and cim[s] else get(keys[j], -1)
+            else:
+                b = get(keys[j], -1)
             if b < 0 or pcm[b] != pcid:
                 break
             hits.append(b)
@@ -244,6 +255,8 @@ class _Registry:
         """:meth:`_lookup` block by block, each candidate's parent and tokens checked before the next one, the CPU
         tier looked up where the GPU misses (``keys`` is extended as needed). O(hit blocks)."""
         cache = self._cache
+        if cache._ndl:
+            cache.flush()
         tok, pcm, cim, get = cache.tok, cache._pcid_mv, cache._cid_mv, cache._map.get
         hits: list[int] = []
         pcid, pkey = root

@@ -127,7 +127,8 @@ class PrefixCache:
 
     __slots__ = ("_map", "tok", "key", "cid", "pcid", "evictor", "_roots", "_serial", "evictions", "_width",
                  "_cid_mv", "_tok_mv", "_key_mv", "_pcid_mv", "tier", "fresh", "fresh_serial", "events", "event_overflows", "_ev_max", "_ev_lost", "pkey", "nsid", "_ns_ids", "_ns_list", "_bs",
-                 "_root_serial", "_ns_free", "sweep_at", "void")
+                 "_root_serial", "_ns_free", "sweep_at", "void", "dl", "succ", "_ndl", "_runs", "_runs_keep",
+                 "_succ_mv", "_dl_mv")
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self._map: dict[int, int] = {}
@@ -139,6 +140,14 @@ class PrefixCache:
         self._tok_mv = memoryview(self.tok)
         self._key_mv, self._pcid_mv = memoryview(self.key), memoryview(self.pcid)
         self.evictor = LRUEvictor(num_blocks)
+        # dict-less blocks (see "Runs" in the module docstring): dl[b] marks a cached block that is not in _map, found
+        # as succ[p] of its run predecessor p; _ndl counts them, _runs lists the runs' blocks for flush()
+        self.dl = np.zeros(num_blocks, dtype=bool)
+        self.succ = np.full(num_blocks, -1, dtype=np.int32)
+        self._dl_mv, self._succ_mv = memoryview(self.dl), memoryview(self.succ)
+        self._ndl = 0
+        self._runs: list[np.ndarray] = []
+        self._runs_keep = 64  # prune _runs (drop the runs with no dict-less block left) past this length
         self._roots: dict[bytes, tuple[int, int]] = {}  # encoded namespace -> (cid < 0, key)
         self._serial = 0  # last content id handed out
         self.evictions = 0
@@ -254,9 +263,18 @@ class PrefixCache:
             out.extend(self.tier.snapshot_events())
         return out
 
+    def mapping(self) -> dict[int, int]:
+        """``key -> block`` of every cached block: the map plus the dict-less blocks. Changes nothing (for checks
+        and tests). O(cached blocks)."""
+        out = dict(self._map)
+        if self._ndl:
+            b = np.flatnonzero(self.dl)
+            out.update(zip(self.key[b].tolist(), b.tolist()))
+        return out
+
     def __len__(self) -> int:
         """Cached blocks (referenced or not)."""
-        return len(self._map)
+        return len(self._map) + self._ndl
 
     # ------------------------------------------------------------------ namespaces
     def root(self, namespace: object, intern: bool = True) -> tuple[int, int]:
@@ -308,6 +326,8 @@ class PrefixCache:
     def find(self, pcid: int, pkey: int, data: bytes) -> tuple[int, int]:
         """``(block, key)``: the block caching ``data`` after parent ``(pcid, pkey)``, or -1, and the key of
         that content. O(1) plus one compare of ``data``."""
+        if self._ndl:
+            self.flush()
         key = _xxh3(data, seed=pkey)
         b = self._map.get(key, -1)
         if b >= 0 and (self.pcid[b] != pcid or self.tok[b].tobytes() != data):
@@ -316,6 +336,8 @@ class PrefixCache:
 
     def lookup(self, cid: int, key: int) -> int:
         """Block currently caching exactly the content ``cid`` (known by its ``key``), or -1."""
+        if self._ndl:
+            self.flush()
         b = self._map.get(key, -1)
         return b if b >= 0 and self.cid[b] == cid else -1
 
@@ -328,6 +350,8 @@ class PrefixCache:
         cid = self._cid_mv  # (element access: a third of a numpy scalar's cost)
         if pcid == 0:
             return 0, 0
+        if self._ndl:
+            self.flush()
         c = cid[block]
         if c:
             return c, self._key_mv[block]
@@ -382,6 +406,8 @@ class PrefixCache:
                 keys, it = [], iter(datas)
                 for k, m in zip(pkeys.tolist(), counts.tolist()):
                     keys += _chain(itertools.islice(it, m), k)
+        if self._ndl:
+            self.flush()
         mp, bl = self._map, blocks.tolist()
         if self.tier is not None and self.tier._map and any(map(self.tier._map.__contains__, keys)):
             return None  # a content the CPU tier holds: block by block, taking its identity
@@ -413,9 +439,104 @@ class PrefixCache:
         self.pcid[blocks] = parent
         return new[last], karr[last]
 
+    # ------------------------------------------------------------------ runs (dict-less blocks)
+    def register_run(self, blocks: np.ndarray, keys: list, pcid: int, pkey: int, after: int,
+                     namespace: object = None) -> tuple[np.ndarray, np.ndarray] | None:
+        """:meth:`register_chains` of one chain of new, uncached blocks (at least two) whose chained ``keys`` the
+        caller computed, after the parent content ``(pcid, pkey)`` that the GPU block ``after`` caches (-1: a
+        namespace root), leaving all but the chain's first block out of the map (dict-less, found from their predecessor
+        through ``succ``; see "Runs" in the module docstring). None, having changed nothing, unless no key is
+        cached (in the map, or as the dict-less successor of ``after``) and there is no CPU tier: the caller
+        then registers block by block. One dict probe a block and one insert a chain, instead of one insert a
+        block."""
+        mp = self._map
+        if self.tier is not None or any(map(mp.__contains__, keys)):
+            return None
+        if after >= 0:  # a dict-less child of the parent block with the first key?
+            s = self._succ_mv[after]
+            if s >= 0 and self._cid_mv[s] and self._pcid_mv[s] == self._cid_mv[after] and self._key_mv[s] == keys[0]:
+                return None
+        n = blocks.size
+        head = int(blocks[0])
+        mp[keys[0]] = head
+        new = np.arange(self._serial + 1, self._serial + n + 1, dtype=np.int64)
+        self._serial += n
+        karr = np.fromiter(keys, dtype=np.uint64, count=n)
+        self.cid[blocks] = new
+        self.key[blocks] = karr
+        parent = new - 1
+        parent[0] = pcid
+        self.pcid[blocks] = parent
+        rest = blocks[1:]
+        self.dl[rest] = True
+        self.succ[blocks[:-1]] = rest
+        self._succ_mv[int(blocks[-1])] = -1
+        self._ndl += n - 1
+        runs = self._runs
+        runs.append(rest)
+        if len(runs) > self._runs_keep:  # drop the runs whose blocks have all left (amortised O(1) a run)
+            dl = self.dl
+            self._runs = runs = [r for r in runs if dl[r].any()]
+            self._runs_keep = max(64, 2 * len(runs))
+        if self.fresh is not None:
+            self.fresh[blocks] = self.fresh_serial
+        if self.events is not None:
+            self._stored_chains(blocks, blocks.tolist(), keys, np.array([n], np.int64), np.array([pcid], np.int64),
+                                np.array([pkey], np.uint64), [namespace])
+        return new[-1:], karr[-1:]
+
+    def flush(self) -> None:
+        """Put every dict-less block into the map: the map then holds every cached block, as all methods but
+        :meth:`register_run`, :meth:`evict_many` / :meth:`evict` and the manager's lookup walk expect (each of
+        them calls this first when dict-less blocks exist). Changes no cache content. O(dict-less blocks) dict
+        inserts (what registering them cost before runs) plus O(1) a run."""
+        mp, dl = self._map, self.dl
+        for r in self._runs:
+            b = r[dl[r]]
+            if not b.size:
+                continue
+            bl = b.tolist()
+            got = list(map(mp.setdefault, self.key[b].tolist(), bl))
+            if got != bl:  # a key another block holds (a 64-bit collision): that block stays dict-less
+                b = b[np.array([g == x for g, x in zip(got, bl)], dtype=bool)]
+            dl[b] = False
+            self._ndl -= b.size
+        self._runs = [r for r in self._runs if dl[r].any()] if self._ndl else []
+
+    def _forget_runs(self, blocks: np.ndarray) -> list:
+        """The map side of evicting ``blocks`` (int32, cached) while dict-less blocks exist: delete the keys of
+        those in the map, unmark the dict-less ones, and put each evicted block's dict-less successor (its run
+        continues without it) into the map. Returns the keys of all of ``blocks``."""
+        dl, mp = self.dl, self._map
+        keys = self.key[blocks].tolist()
+        isdl = dl[blocks]
+        k = int(np.count_nonzero(isdl))
+        if k:
+            dl[blocks] = False
+            self._ndl -= k
+            collections.deque(map(mp.__delitem__, itertools.compress(keys, (~isdl).tolist())), maxlen=0)
+        else:
+            collections.deque(map(mp.__delitem__, keys), maxlen=0)
+        s = self.succ[blocks]
+        self.succ[blocks] = -1
+        has = s >= 0
+        if has.any():
+            s, c = s[has], self.cid[blocks[has]]
+            orphan = s[dl[s] & (self.cid[s] != 0) & (self.pcid[s] == c)]
+            if orphan.size:  # the run's next block, cached and dict-less, loses its way in: into the map
+                bl = orphan.tolist()
+                got = list(map(mp.setdefault, self.key[orphan].tolist(), bl))
+                if got != bl:  # (a 64-bit collision: that block stays dict-less, unreachable)
+                    orphan = orphan[np.array([g == x for g, x in zip(got, bl)], dtype=bool)]
+                dl[orphan] = False
+                self._ndl -= orphan.size
+        return keys
+
     def adopt(self, block: int, cid: int, key: int, pcid: int, pkey: int = 0, namespace: object = None) -> bool:
         """Cache ``block`` (uncached, ``tok`` written) as the existing content ``cid`` (swap-in of a block that
         was cached before it left: blocks chained after it stay reachable). False when the key is taken."""
+        if self._ndl:
+            self.flush()
         if key in self._map:
             return False
         self.cid[block], self.key[block], self.pcid[block] = cid, key, pcid
@@ -430,6 +551,8 @@ class PrefixCache:
                    pkeys: np.ndarray, nsids: np.ndarray) -> None:
         """:meth:`adopt` of several blocks (promotions from the CPU tier; namespaces as indexes of this cache's
         namespace list). A block whose key is taken stays uncached."""
+        if self._ndl:
+            self.flush()
         kl = keys.tolist()
         mp = self._map
         free = np.fromiter((k not in mp for k in kl), dtype=bool, count=len(kl))
@@ -446,10 +569,13 @@ class PrefixCache:
 
     def withdraw(self, blocks: list[int]) -> None:
         """Uncache ``blocks`` (cached, referenced: their KV was never written). O(len(blocks))."""
+        if self._ndl:
+            self.flush()
         keys = [int(self.key[b]) for b in blocks]
         for k in keys:
             del self._map[k]
         self.cid[blocks] = 0
+        self.succ[blocks] = -1
         if self.events is not None and keys:
             self._emit(BlockRemoved(keys, "GPU"))
 
@@ -458,9 +584,13 @@ class PrefixCache:
         """:meth:`evict` of the ``n`` least recently used unreferenced blocks, LRU first (int32). Batch form:
         a few numpy calls and one C-level pass over the map."""
         blocks = self.evictor.pop_many(n)
-        keys = self.key[blocks].tolist()
-        collections.deque(map(self._map.__delitem__, keys), maxlen=0)
-        cids = self.cid[blocks].copy() if self.tier is not None else None
+        if self._ndl:  # some blocks may be dict-less, or the successors of evicted ones
+            keys = self._forget_runs(blocks)
+            cids = None
+        else:
+            keys = self.key[blocks].tolist()
+            collections.deque(map(self._map.__delitem__, keys), maxlen=0)
+            cids = self.cid[blocks].copy() if self.tier is not None else None
         self.cid[blocks] = 0
         self.evictions += n
         if self.events is not None:
@@ -473,8 +603,11 @@ class PrefixCache:
         """Evict the least recently used unreferenced block and return its id (now uncached)."""
         b = self.evictor.pop()
         k = int(self.key[b])
-        del self._map[k]
         c = int(self.cid[b])
+        if self._ndl:
+            self._forget_runs(np.array([b], dtype=np.int32))
+        else:
+            del self._map[k]
         self.cid[b] = 0
         self.evictions += 1
         if self.events is not None:
@@ -485,6 +618,9 @@ class PrefixCache:
 
     def clear(self) -> list[int]:
         """Forget every cached content; return the unreferenced cached blocks (LRU first) for the free list."""
+        if self._ndl:
+            self.flush()
+        self.succ[:] = -1
         freed = list(self.evictor)
         self.evictor.discard_many(np.asarray(freed, dtype=np.int64))
         self.cid[np.fromiter(self._map.values(), dtype=np.int64, count=len(self._map))] = 0
