@@ -18,10 +18,31 @@ Everything is flat and indexed by block id; there is no object per block::
     key   uint64[num_blocks]             chained key of a cached block
     cid   int64[num_blocks]              content id of a cached block, 0 when the block is not cached
     pcid  int64[num_blocks]              content id of its parent (a root's for block 0 of a prompt)
+    succ  int32[num_blocks]              the next block of the run the block was registered in (-1: none)
+    dl    bool[num_blocks]               the block is cached but *dict-less* (see Runs)
     LRUEvictor: stamp int32[num_blocks], a push log of 1.25 x num_blocks (block, stamp) int32 pairs: the LRU
                                          order of the unreferenced cached blocks
 
-plus the dict ``key -> block id`` of the cached blocks (content-keyed, one entry per cached block).
+plus the dict ``key -> block id`` of the cached blocks (content-keyed) that are not dict-less.
+
+Runs. A prompt's new full blocks form one chain, registered at once (:meth:`PrefixCache.register_run`): only
+its first block enters the dict; each later one is *dict-less*, found as ``succ`` of its predecessor, which is the
+block caching its parent content. A lookup walks a prompt from its root, so it reaches a dict-less block through
+that predecessor::
+
+    dict:  key_h -> b7                       run b7 -> b3 -> b12 -> b5   (succ; dl: b3, b12, b5)
+    walk:  root ... hit(h-1) --dict--> b7 --succ--> b3 --succ--> b12 ...  (each candidate's key, parent cid
+                                                                          and tokens still checked)
+
+A dict operation on a random 64-bit key costs one to three cache misses: two per block (insert, then delete at
+eviction) were about half of a trace replay's time; a run costs one probe per block (is the key cached?) and one
+insert and one delete per prompt. Invariants (checked by ``check_invariants``): every cached block has a key of
+its own; a dict-less block is ``succ`` of the cached block whose content is its parent; every other cached block
+is in the dict. Evicting a block deletes its key unless it is dict-less, and puts its dict-less successor (the run
+goes on without it) into the dict. Every method that reads the dict as the whole index first calls
+:meth:`PrefixCache.flush` (a dict insert per dict-less block, what registering it cost before): only prompt
+registration, eviction and the manager's lookup walk work with runs, so a workload of prompts allocated and freed
+keeps them, and a decode step after an allocation pays the inserts the allocation saved.
 """
 
 from __future__ import annotations
