@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import SequenceStateError
-from .prefix_cache import _extend_chain
+from .prefix_cache import _extend_chain, block_key
 
 _KEYS_FIRST = 16  # keys a lookup hashes before its first dict probe (then twice as many each time it needs more)
 
@@ -214,8 +214,12 @@ class _Registry:
         bytes and keys for this allocation's registration (:attr:`_keys_memo`)."""
         bs = self._bs
         lim = (arr.size - 1) // bs
+        if lim <= 0:
+            return [], root
         cache = self._cache
         full = arr.size // bs
+        if full < 4:  # too short to register a run: block by block, nothing kept
+            return self._lookup_few(arr, root, lim)
         datas = np.ascontiguousarray(arr[: full * bs]).view(cache.void).tolist()
         rkey = root[1]
         keys: list[int] = []
@@ -250,6 +254,39 @@ class _Registry:
         if cache.tok[hits].tobytes() != arr[: j * bs].tobytes():  # a hash collision somewhere: block by block
             return self._lookup_slow(datas, keys, root, lim)
         return hits, (pcid, keys[j - 1])
+
+    def _lookup_few(self, arr: np.ndarray, root: tuple[int, int], lim: int) -> tuple[list[int], tuple[int, int]]:
+        """:meth:`_lookup` of a prompt of fewer than 4 full blocks: hashed and checked block by block."""
+        cache, tier = self._cache, self._tier
+        w = 4 * self._bs
+        data = arr.tobytes()
+        get, pcm, cim, tok = cache._map.get, cache._pcid_mv, cache._cid_mv, cache.tok
+        succ = cache._succ_mv if cache._ndl else None
+        hits: list[int] = []
+        pcid, pkey = root
+        prev = -1
+        for j in range(lim):
+            d = data[j * w : (j + 1) * w]
+            key = block_key(pkey, d)
+            b = -1
+            if succ is not None and prev >= 0:  # (a dict-less block: the run successor of the previous hit)
+                b = succ[prev]
+                if b < 0 or cache._key_mv[b] != key or not cim[b]:
+                    b = -1
+            if b < 0:
+                b = get(key, -1)
+            if b < 0 or pcm[b] != pcid or tok[b].tobytes() != d:  # a miss (a hash collision is never a hit)
+                if tier is None:
+                    break
+                c = tier.find_keyed(pcid, key, d)  # the prefix continues in the CPU tier?
+                if c < 0:
+                    break
+                hits.append(~c)
+                pcid, pkey, prev = int(self._cpu_id[0, c]), key, -1
+                continue
+            hits.append(b)
+            pcid, pkey, prev = cim[b], key, b
+        return hits, (pcid, pkey)
 
     def _lookup_slow(self, datas: list, keys: list, root: tuple[int, int], lim: int) -> tuple[list[int], tuple[int, int]]:
         """:meth:`_lookup` block by block, each candidate's parent and tokens checked before the next one, the CPU
