@@ -524,26 +524,24 @@ class PrefixCache:
             self._ndl -= b.size
         self._runs = [r for r in self._runs if dl[r].any()] if self._ndl else []
 
-    def _forget_runs(self, blocks: np.ndarray) -> list:
+    def _forget_runs(self, blocks: np.ndarray) -> list | None:
         """The map side of evicting ``blocks`` (int32, cached) while dict-less blocks exist: delete the keys of
         those in the map, unmark the dict-less ones, and put each evicted block's dict-less successor (its run
-        continues without it) into the map. Returns the keys of all of ``blocks``."""
+        continues without it) into the map. Returns the keys of all of ``blocks`` when KV events are on."""
         dl, mp = self.dl, self._map
-        keys = self.key[blocks].tolist()
+        keys = self.key[blocks].tolist() if self.events is not None else None
         isdl = dl[blocks]
         k = int(np.count_nonzero(isdl))
-        if k:
-            dl[blocks] = False
-            self._ndl -= k
-            collections.deque(map(mp.__delitem__, itertools.compress(keys, (~isdl).tolist())), maxlen=0)
-        else:
-            collections.deque(map(mp.__delitem__, keys), maxlen=0)
+        dl[blocks] = False
+        self._ndl -= k
+        collections.deque(map(mp.__delitem__, self.key[blocks[~isdl]].tolist() if k else
+                              keys if keys is not None else self.key[blocks].tolist()), maxlen=0)
         s = self.succ[blocks]
         self.succ[blocks] = -1
-        has = s >= 0
-        if has.any():
-            s, c = s[has], self.cid[blocks[has]]
-            orphan = s[dl[s] & (self.cid[s] != 0) & (self.pcid[s] == c)]
+        cand = dl[s]  # successors still dict-less (those evicted here were unmarked above; -1, none, is masked)
+        if cand.any():
+            s, p = s[cand], blocks[cand]
+            orphan = s[(s >= 0) & (self.pcid[s] == self.cid[p])]  # (dict-less: cached)
             if orphan.size:  # the run's next block, cached and dict-less, loses its way in: into the map
                 bl = orphan.tolist()
                 got = list(map(mp.setdefault, self.key[orphan].tolist(), bl))
