@@ -471,7 +471,7 @@ class PrefixCache:
         then registers block by block. One dict probe a block and one insert a chain, instead of one insert a
         block."""
         mp = self._map
-        if self.tier is not None or any(map(mp.__contains__, keys)):
+        if pcid == 0 or self.tier is not None or any(map(mp.__contains__, keys)):
             return None
         if after >= 0:  # a dict-less child of the parent block with the first key?
             s = self._succ_mv[after]
