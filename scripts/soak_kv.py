@@ -5,7 +5,11 @@ duration is reached; prints the steps run and the violations found (with the fir
     PYTHONPATH=src python scripts/soak_kv.py --seconds 600 --seed 1000 --steps-per-manager 2000
 
 Each manager gets a configuration drawn from its seed (seed, seed + 1, ...): pool sizes, block size, prefix
-caching, the CPU tier, sliding window, lookahead, KV events. Not run in CI (tests/test_kv_content.py is).
+caching, the CPU tier, sliding window, lookahead, KV events. ``--hybrid`` runs HybridBlockManagers (KV cache
+groups: full attention and sliding windows) instead; ``--hybrid both`` alternates. Not run in CI
+(tests/test_kv_content.py is).
+
+    PYTHONPATH=src python scripts/soak_kv.py --seconds 600 --hybrid yes
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps-per-manager", type=int, default=1000)
     ap.add_argument("--check-every", type=int, default=10, help="check_invariants() every this many steps")
     ap.add_argument("--order", choices=("plan", "documented"), default="plan")
+    ap.add_argument("--hybrid", choices=("no", "yes", "both"), default="no",
+                    help="HybridBlockManager configurations (KV cache groups); both: every other manager")
     args = ap.parse_args(argv)
     if not args.steps and not args.seconds:
         ap.error("give --steps or --seconds")
@@ -40,7 +46,8 @@ def main(argv=None) -> int:
         n = args.steps_per_manager if not args.steps else min(args.steps_per_manager, args.steps - steps)
         if n <= 0 or (args.seconds and time.perf_counter() - t0 >= args.seconds):
             break
-        r = kv_model.run(seed, n, order=args.order, check_every=args.check_every)
+        hybrid = args.hybrid == "yes" or (args.hybrid == "both" and seed % 2 == 1)
+        r = kv_model.run(seed, n, order=args.order, check_every=args.check_every, hybrid=hybrid)
         steps += r.steps
         managers += 1
         violations += r.violations

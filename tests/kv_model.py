@@ -6,7 +6,9 @@ on tokens ``0..p``, so identities are interned ``(parent identity, token)`` pair
 
 1. the calls of the step, several of them, in a random order: decodes (one token, or several with lookahead
    slots that receive rejected speculative tokens), admissions (bursts of identical and prefix-sharing prompts,
-   namespaces), preemption by swap-out and by recompute, swap-ins, aborts with ``free(cache=False)`` (refusals
+   namespaces; chunked prefill: a prompt allocated as its hit plus one chunk, later chunks appended by
+   ``decode_step`` in later steps, forks refused until the last one), preemption by swap-out and by recompute
+   (in the middle of a prefill too), swap-ins, aborts with ``free(cache=False)`` (refusals
    included: the dependents are aborted first, or the abort waits for the forward), ``reset_prefix_cache``,
    KV-event reads (with a small buffer that overflows);
 2. the step's copies, taken once (:meth:`BlockManager.take_copy_plan`) and executed in order (copy by copy, or
@@ -21,6 +23,13 @@ the copies in the order the documentation gave before the copy plan existed (the
 promotions, then the swap-out, swap-in and copy-on-write lists of the calls): it corrupts KV, which is what the
 copy plan fixes.
 
+**Hybrid configurations** (``Config.draw_hybrid``): a :class:`HybridBlockManager` with KV cache groups (full
+attention and sliding windows). All groups share the block ids, so the store stands for one layer slot of every
+group: group g writes the value ``identity * G + g`` through its own slot mapping, so a block handed to two
+groups at once, or read through the wrong group's table, shows up as a wrong read. After every step every live
+sequence reads back its own identities through every group's table, and a sliding group's table holds every
+position its window still needs (``[num_tokens - W, num_tokens)``).
+
 Used by tests/test_kv_content.py (a CI-sized run) and scripts/soak_kv.py (long runs).
 """
 
@@ -31,7 +40,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pagedkv import BlockManager
+from pagedkv import BlockManager, FullAttentionSpec, HybridBlockManager, SlidingWindowSpec
 from pagedkv.errors import OutOfBlocksError, SequenceStateError
 
 GARBAGE = -2  # what a rejected speculative token leaves in a lookahead slot
@@ -49,6 +58,9 @@ class Config:
     lookahead: int
     events: bool
     max_events: int
+    groups: tuple | None = None  # hybrid: the window of each KV cache group (None: full attention)
+    vectorised: bool = False  # hybrid: every batch takes the numpy step (no plain-Python small-batch step)
+    chunked: bool = False  # admissions are often chunked prefills
 
     @staticmethod
     def draw(rng: random.Random) -> "Config":
@@ -65,9 +77,39 @@ class Config:
             lookahead=rng.choice([0, 0, 1, 2]),
             events=prefix and rng.random() < 0.3,
             max_events=rng.randint(4, 64),
+            chunked=rng.random() < 0.6,
         )
 
-    def manager(self) -> BlockManager:
+    @staticmethod
+    def draw_hybrid(rng: random.Random) -> "Config":
+        """A HybridBlockManager configuration: 2 to 4 groups, at least one sliding, windows around the prompts'
+        lengths (so that hits need the window rule), pools scaled by the number of groups."""
+        bs = rng.choice([4, 4, 2, 8])
+        g = rng.randint(2, 4)
+        groups = [None if rng.random() < 0.4 else rng.randint(3, 30) for _ in range(g)]
+        if all(w is None for w in groups):
+            groups[rng.randrange(g)] = rng.randint(3, 30)
+        prefix = rng.random() < 0.9
+        tier = prefix and rng.random() < 0.6
+        return Config(
+            num_gpu_blocks=rng.randint(12, 40) * 4 // bs * g,
+            num_cpu_blocks=rng.randint(16, 80) * 4 // bs * g,
+            block_size=bs, prefix=prefix, tier=tier, window=None, lookahead=rng.choice([0, 0, 1, 2]),
+            events=prefix and rng.random() < 0.3, max_events=rng.randint(8, 64), groups=tuple(groups),
+            vectorised=rng.random() < 0.5,
+        )
+
+    def manager(self):
+        if self.groups is not None:
+            hm = HybridBlockManager(
+                self.num_gpu_blocks, self.block_size, num_cpu_blocks=self.num_cpu_blocks,
+                kv_cache_groups=[FullAttentionSpec() if w is None else SlidingWindowSpec(w) for w in self.groups],
+                enable_prefix_caching=self.prefix, cpu_prefix_cache=self.tier, watermark=0,
+                enable_kv_events=self.events, max_kv_events=self.max_events,
+            )
+            if self.vectorised:
+                hm._m0._small_batch = 0
+            return hm
         return BlockManager(
             self.num_gpu_blocks, self.block_size, num_cpu_blocks=self.num_cpu_blocks,
             enable_prefix_caching=self.prefix, cpu_prefix_cache=self.tier, sliding_window=self.window,
@@ -76,10 +118,11 @@ class Config:
 
 
 class _Seq:
-    __slots__ = ("ns", "toks", "ids", "swapped")
+    __slots__ = ("ns", "toks", "ids", "swapped", "rest")
 
-    def __init__(self, ns, toks, ids):
+    def __init__(self, ns, toks, ids, rest=None):
         self.ns, self.toks, self.ids, self.swapped = ns, toks, ids, False
+        self.rest = rest or []  # chunked prefill: the prompt tokens not appended yet
 
 
 @dataclass
@@ -104,6 +147,7 @@ class KVModel:
         self.order = order
         self.check_every = check_every
         self.bm = cfg.manager()
+        self.G = len(cfg.groups) if cfg.groups is not None else 0  # 0: a single-group BlockManager
         bs = cfg.block_size
         self.gpu = np.full((cfg.num_gpu_blocks, bs), UNWRITTEN, dtype=np.int64)
         self.cpu = np.full((max(cfg.num_cpu_blocks, 1), bs), UNWRITTEN, dtype=np.int64)
@@ -142,8 +186,22 @@ class KVModel:
             self.report.messages.append(f"step {self.report.steps}: {msg}")
 
     def _write(self, sid: int, slots, values) -> None:
-        self.writes.append((sid, np.asarray(slots, dtype=np.int64), np.asarray(values, dtype=np.int64)))
+        """The forward's writes of one call: ``slots`` (T,) for a BlockManager, (G, T) for a hybrid one (group g
+        writes ``identity * G + g``)."""
+        slots = np.asarray(slots, dtype=np.int64)
+        values = np.asarray(values, dtype=np.int64)
+        if self.G:
+            G = self.G
+            slots = slots.reshape(-1)
+            values = (values[None, :] * G + np.arange(G)[:, None]).reshape(-1)
+        self.writes.append((sid, slots, values))
         self.touched[sid] = self.touched.get(sid, 0) + 1
+
+    def _slots(self, sid: int, a: int, b: int) -> np.ndarray:
+        """Slots of positions [a, b): (T,), or (G, T) for a hybrid manager."""
+        if self.G:
+            return np.stack([np.asarray(self.bm.slot_mapping(sid, a, b, g)) for g in range(self.G)])
+        return np.asarray(self.bm.slot_mapping(sid, a, b))
 
     def _gpu_seqs(self) -> list:
         return [s for s, q in self.seqs.items() if not q.swapped]
@@ -151,7 +209,8 @@ class KVModel:
     # ------------------------------------------------------------------ the calls of a step
     def op_decode(self) -> None:
         bm, rng, cfg = self.bm, self.rng, self.cfg
-        cand = [s for s in self._gpu_seqs() if s not in self.touched]  # one slot-handing call a step each
+        # one slot-handing call a step each; a partly prefilled prompt gets its next chunk instead (op_prefill)
+        cand = [s for s in self._gpu_seqs() if s not in self.touched and not self.seqs[s].rest]
         if not cand:
             return
         rng.shuffle(cand)
@@ -163,7 +222,7 @@ class KVModel:
         try:
             if len(batch) == 1 and rng.random() < 0.3:
                 cow = bm.append_slots(batch[0], toks[0], la)
-                slots = np.asarray(bm.slot_mapping(batch[0], before[batch[0]], before[batch[0]] + counts[0]))
+                slots = self._slots(batch[0], before[batch[0]], before[batch[0]] + counts[0])
             elif all(c == 1 for c in counts) and rng.random() < 0.7:
                 res = bm.decode_step(batch, np.array([t[0] for t in toks], dtype=np.int64), la)
                 cow, slots = res.cow, res.slot_mapping
@@ -180,11 +239,12 @@ class KVModel:
             q = self.seqs[s]
             q.toks.extend(t)
             q.ids = self._ids(q.ns, q.toks, q.ids)
-            self._write(s, slots[pos : pos + c], q.ids[-c:])
+            self._write(s, slots[..., pos : pos + c], q.ids[-c:])
             pos += c
             if la:  # the forward also writes the draft tokens' KV into the lookahead slots: rejected here
                 n = len(q.toks)
-                self.writes.append((s, np.asarray(bm.slot_mapping(s, n, n + la)), np.full(la, GARBAGE)))
+                sl = self._slots(s, n, n + la).reshape(-1)
+                self.writes.append((s, sl, np.full(sl.size, GARBAGE)))
         if len(cow):
             self.report.count("cow", len(cow))
 
@@ -208,13 +268,17 @@ class KVModel:
                 toks, ns = base
                 cut = rng.randint(1, len(toks))
                 burst.append((toks[:cut] + [rng.randrange(3) for _ in range(rng.randint(0, 5))], ns))
+        burst = [(t, ns) for t, ns in burst if t]
+        if self.G and len(burst) > 1 and rng.random() < 0.4:  # one allocate_batch: all or nothing
+            self._admit_batch(burst)
+            return
         for toks, ns in burst:
-            if not toks:
-                continue
             sid = self.next_id
             self.next_id += 1
+            chunk = rng.choice([1, 2, 3, 5, 8]) if self.cfg.chunked and rng.random() < 0.6 else None
             try:
-                hit = bm.allocate(sid, toks, namespace=ns)
+                hit = bm.allocate(sid, toks, namespace=ns, num_new_tokens=chunk) if chunk is not None else \
+                    bm.allocate(sid, toks, namespace=ns)
             except OutOfBlocksError:  # (PromptTooLongError included)
                 self.report.count("admit_refused")
                 continue
@@ -222,10 +286,73 @@ class KVModel:
                 self._fail(f"allocate({sid}) returned a hit of {hit} for {len(toks)} tokens")
             self.report.count("admits")
             self.report.count("hit_tokens", hit)
+            if self.G and hit and any(bm.block_table(sid, g)[0] < 0 for g in range(self.G)):
+                self.report.count("hits_past_window")  # a sliding group hit its window only
+            rest = []
+            if chunk is not None:
+                held = min(len(toks), hit + chunk)
+                if bm.num_tokens(sid) != held:
+                    self._fail(f"allocate({sid}, num_new_tokens={chunk}) holds {bm.num_tokens(sid)} tokens, "
+                               f"not the hit {hit} plus the chunk")
+                toks, rest = toks[:held], toks[held:]
+                self.report.count("chunked_admits" if rest else "chunked_admits_whole")
+            q = _Seq(ns, list(toks), self._ids(ns, toks), list(rest))
+            self.seqs[sid] = q
+            self.order_of[sid] = sid
+            self._write(sid, self._slots(sid, hit, len(toks)), q.ids[hit:])
+
+    def _admit_batch(self, burst: list) -> None:
+        bm = self.bm
+        sids = list(range(self.next_id, self.next_id + len(burst)))
+        self.next_id += len(burst)
+        try:
+            pb = bm.allocate_batch(sids, [t for t, _ in burst], namespaces=[ns for _, ns in burst])
+        except OutOfBlocksError:
+            self.report.count("admit_refused")
+            if any(s in bm for s in sids):
+                self._fail("a refused allocate_batch allocated some of its sequences")
+            return
+        self.report.count("batch_admits")
+        qsl = pb.query_start_loc.tolist()
+        for i, (sid, (toks, ns)) in enumerate(zip(sids, burst)):
+            hit = int(pb.num_cached_tokens[i])
+            if hit % self.cfg.block_size or hit >= len(toks):
+                self._fail(f"allocate_batch: {sid} got a hit of {hit} for {len(toks)} tokens")
+            self.report.count("admits")
+            self.report.count("hit_tokens", hit)
             q = _Seq(ns, list(toks), self._ids(ns, toks))
             self.seqs[sid] = q
             self.order_of[sid] = sid
-            self._write(sid, bm.slot_mapping(sid, hit, len(toks)), q.ids[hit:])
+            sl = pb.slot_mapping[:, qsl[i] : qsl[i + 1]]
+            if not np.array_equal(sl, self._slots(sid, hit, len(toks))):
+                self._fail(f"allocate_batch: {sid}'s slot mapping differs from slot_mapping()")
+            self._write(sid, sl, q.ids[hit:])
+
+    def op_prefill(self) -> None:
+        """The next chunk of some partly prefilled prompts: one decode_step, flat tokens and counts."""
+        bm, rng = self.bm, self.rng
+        cand = [s for s in self._gpu_seqs() if s not in self.touched and self.seqs[s].rest]
+        if not cand:
+            return
+        rng.shuffle(cand)
+        batch = cand[: rng.randint(1, len(cand))]
+        counts = [min(len(self.seqs[s].rest), rng.choice([1, 2, 3, 4, 7])) for s in batch]
+        flat = np.array([t for s, c in zip(batch, counts) for t in self.seqs[s].rest[:c]], dtype=np.int64)
+        try:
+            res = bm.decode_step(batch, flat, 0, num_new_tokens=np.array(counts))
+        except OutOfBlocksError:
+            self.report.count("prefill_refused")
+            return
+        self.legacy["cow"].extend((int(a), int(b)) for a, b in np.asarray(res.cow).reshape(-1, 2))
+        pos = 0
+        for s, c in zip(batch, counts):
+            q = self.seqs[s]
+            q.toks.extend(q.rest[:c])
+            del q.rest[:c]
+            q.ids = self._ids(q.ns, q.toks, q.ids)
+            self._write(s, res.slot_mapping[pos : pos + c], q.ids[-c:])
+            pos += c
+            self.report.count("prefill_chunks" if q.rest else "prefill_last_chunks")
 
     def op_swap_out(self) -> None:
         bm, rng = self.bm, self.rng
@@ -277,8 +404,8 @@ class KVModel:
         s = self.rng.choice(cand)
         q = self.seqs.pop(s)
         self.bm.free(s)
-        self.waiting.append((q.toks, q.ns))
-        self.report.count("recomputes")
+        self.waiting.append((q.toks + q.rest, q.ns))  # (mid-prefill: the whole prompt again)
+        self.report.count("recomputes_mid_prefill" if q.rest else "recomputes")
 
     def op_abort(self) -> None:
         bm, rng = self.bm, self.rng
@@ -336,7 +463,7 @@ class KVModel:
     def op_events(self) -> None:
         self.bm.take_events()
 
-    OPS = (("decode", 3.0), ("admit", 2.5), ("swap_out", 1.5), ("swap_in", 1.5), ("recompute", 0.4),
+    OPS = (("decode", 3.0), ("admit", 2.5), ("prefill", 2.0), ("swap_out", 1.5), ("swap_in", 1.5), ("recompute", 0.4),
            ("abort", 1.0), ("reset", 0.03), ("events", 0.3))
 
     # ------------------------------------------------------------------ copies, forward, check
@@ -401,17 +528,25 @@ class KVModel:
             if bm.num_tokens(sid) != n or bm.is_swapped(sid) != q.swapped:
                 self._fail(f"sequence {sid}: token count or swap state differs")
                 continue
-            table = bm.block_table(sid).astype(np.int64)
-            pos = np.arange(n)
-            blk = table[pos // bs]
-            keep = blk >= 0
-            store = self.cpu if q.swapped else self.gpu
-            got = store[blk[keep], pos[keep] % bs]
-            want = np.asarray(q.ids, dtype=np.int64)[keep]
-            if not np.array_equal(got, want):
-                bad = int(pos[keep][np.flatnonzero(got != want)[0]])
-                self._fail(f"sequence {sid} ({'CPU' if q.swapped else 'GPU'}) reads wrong KV at position {bad} "
-                           f"of {n} (table {table.tolist()})")
+            for g in range(max(self.G, 1)):
+                table = (bm.block_table(sid, g) if self.G else bm.block_table(sid)).astype(np.int64)
+                pos = np.arange(n)
+                blk = table[pos // bs]
+                keep = blk >= 0
+                if self.G:
+                    w = self.cfg.groups[g]
+                    if not keep[max(0, n - w) if w else 0 :].all():
+                        self._fail(f"sequence {sid} group {g}: a position its window needs has no block "
+                                   f"(table {table.tolist()}, {n} tokens)")
+                store = self.cpu if q.swapped else self.gpu
+                got = store[blk[keep], pos[keep] % bs]
+                want = np.asarray(q.ids, dtype=np.int64)[keep]
+                if self.G:
+                    want = want * self.G + g
+                if not np.array_equal(got, want):
+                    bad = int(pos[keep][np.flatnonzero(got != want)[0]])
+                    self._fail(f"sequence {sid} group {g} ({'CPU' if q.swapped else 'GPU'}) reads wrong KV at "
+                               f"position {bad} of {n} (table {table.tolist()})")
 
     # ------------------------------------------------------------------ after the forward
     def _after_forward(self) -> None:
@@ -428,6 +563,14 @@ class KVModel:
             self.report.count("finished")
         if self.seqs and rng.random() < 0.3:  # parallel sampling: fork after the prompt's forward
             p = rng.choice(list(self.seqs))
+            if self.seqs[p].rest:  # partly prefilled: fork waits for the last chunk
+                try:
+                    bm.fork(p, ("refused", p))
+                except SequenceStateError:
+                    self.report.count("fork_refused_mid_prefill")
+                else:
+                    self._fail(f"fork of {p}, partly prefilled, was not refused")
+                return
             for _ in range(rng.randint(1, 2)):
                 c = self.next_id
                 self.next_id += 1
@@ -479,9 +622,11 @@ class KVModel:
                 self._fail(f"a call on sequence {s}, handed slots in this step, was not refused")
 
 
-def run(seed: int, steps: int, order: str = "plan", check_every: int = 1, cfg: Config | None = None) -> Report:
-    """Run one manager (configuration drawn from ``seed`` unless given) for ``steps`` steps."""
-    cfg = cfg or Config.draw(random.Random(seed))
+def run(seed: int, steps: int, order: str = "plan", check_every: int = 1, cfg: Config | None = None,
+        hybrid: bool = False) -> Report:
+    """Run one manager (configuration drawn from ``seed`` unless given; a HybridBlockManager's with ``hybrid``)
+    for ``steps`` steps."""
+    cfg = cfg or (Config.draw_hybrid if hybrid else Config.draw)(random.Random(seed))
     model = KVModel(cfg, seed, order=order, check_every=check_every)
     for _ in range(steps):
         model.step()

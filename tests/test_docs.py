@@ -95,7 +95,7 @@ def _python_blocks(page: Path) -> list[str]:
 
 # pages whose examples need only the core (the engine's, the server's need the model or a running server)
 CORE_EXAMPLES = ["README.md", "docs/guide/prefix-caching.md", "docs/guide/swap-and-preemption.md",
-                 "docs/guide/kv-events.md", "docs/guide/sliding-window-and-lookahead.md"]
+                 "docs/guide/kv-events.md", "docs/guide/sliding-window-and-lookahead.md", "docs/guide/kv-groups.md"]
 
 
 @pytest.mark.parametrize("name", CORE_EXAMPLES)

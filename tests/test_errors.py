@@ -59,6 +59,7 @@ def snapshot(bm: BlockManager) -> dict:
         "row_of": list(bm._row_of.items()),
         "seq_of": list(bm._seq_of),
         "free_rows": list(bm._free_rows),
+        "partial": dict(getattr(bm, "_partial", {})),  # chunked prefill: prompt lengths of partly allocated ones
         "capacity": (bm._table.shape, len(bm._ntok)),
         "gpu": _pool(bm._gpu),
         "cpu": _pool(bm._cpu),

@@ -25,7 +25,8 @@ def test_every_sequence_reads_its_own_kv_after_every_step(chunk):
             total[k] = total.get(k, 0) + v
     # the run exercised what it is meant to (bursts share prefixes, copies of every kind happen, aborts refused)
     for what in ("admits", "decodes", "swap_outs", "swap_ins", "cow", "aborts", "forks", "copies", "hit_tokens",
-                 "event_overflows", "refusals_ok", "swap_out_refused_pending"):
+                 "event_overflows", "refusals_ok", "swap_out_refused_pending", "chunked_admits", "prefill_chunks",
+                 "prefill_last_chunks", "recomputes_mid_prefill", "fork_refused_mid_prefill"):
         assert total.get(what, 0) > 0, (what, total)
 
 
@@ -44,3 +45,45 @@ def test_every_configuration_axis_is_drawn():
     cfgs = [kv_model.Config.draw(random.Random(s)) for s in range(SEEDS)]
     assert any(c.tier for c in cfgs) and any(not c.prefix for c in cfgs)
     assert any(c.window for c in cfgs) and any(c.lookahead for c in cfgs) and any(c.events for c in cfgs)
+    assert any(c.chunked for c in cfgs) and any(not c.chunked for c in cfgs)
+
+
+HYBRID_SEEDS = int(os.environ.get("PAGEDKV_KV_HYBRID_SEEDS", "16"))
+
+
+@pytest.mark.parametrize("chunk", range(2))
+def test_hybrid_every_sequence_reads_its_own_kv_in_every_group(chunk):
+    """The same model with a HybridBlockManager (2-4 KV cache groups, full and sliding): every live sequence reads
+    back its own KV through every group's table after every step, and every position a sliding window needs is
+    held."""
+    total = {}
+    for seed in range(chunk, HYBRID_SEEDS, 2):
+        r = kv_model.run(seed, STEPS, hybrid=True)
+        assert r.violations == 0, f"seed {seed}: {r.violations} violations, first: {r.messages[:3]}"
+        for k, v in r.counts.items():
+            total[k] = total.get(k, 0) + v
+    for what in ("admits", "batch_admits", "decodes", "swap_outs", "swap_ins", "cow", "aborts", "forks", "copies",
+                 "hit_tokens", "hits_past_window", "refusals_ok"):
+        assert total.get(what, 0) > 0, (what, total)
+
+
+def test_the_model_catches_a_hybrid_hit_with_a_short_window():
+    """A hit rule that keeps one block too few of a sliding window (the coordinator planning with W - block_size)
+    leaves positions the window needs without a block, and the model sees it."""
+    from pagedkv import SlidingWindowSpec
+    bad = 0
+    for seed in range(16):
+        cfg = kv_model.Config.draw_hybrid(random.Random(seed))
+        if not cfg.prefix or min(w or 10**6 for w in cfg.groups) <= cfg.block_size:
+            continue
+        model = kv_model.KVModel(cfg, seed)
+        model.bm._specs = tuple(s if s.window is None else SlidingWindowSpec(s.window - cfg.block_size)
+                                for s in model.bm._specs)
+        for _ in range(150):
+            model.step()
+            if model.report.violations:
+                break
+        bad += model.report.violations
+        if bad:
+            break
+    assert bad > 0

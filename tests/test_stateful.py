@@ -72,7 +72,7 @@ class LBlock:
 
 
 class MSeq:
-    __slots__ = ("tokens", "keys", "ns", "blocks", "swapped", "pending")
+    __slots__ = ("tokens", "keys", "ns", "blocks", "swapped", "pending", "plen", "rest")
 
     def __init__(self, ns, tokens, keys, blocks):
         self.ns = ns
@@ -81,6 +81,8 @@ class MSeq:
         self.blocks = blocks  # list[LBlock | None]; None: released by the sliding window
         self.swapped = False
         self.pending: list = []  # own blocks the last call filled (their KV counts as unwritten until the next)
+        self.plen = 0  # chunked prefill: the prompt's length (fork is refused while fewer tokens are appended)
+        self.rest: list = []  # chunked prefill: the prompt tokens not appended yet
 
     def clone(self) -> "MSeq":
         c = MSeq(self.ns, list(self.tokens), list(self.keys), list(self.blocks))
@@ -353,8 +355,9 @@ class PagedKVMachine(RuleBasedStateMachine):
         ns=st.sampled_from(NAMESPACES),
         dup=st.integers(0, 15),
         la=st.integers(0, 3),
+        chunk=st.sampled_from([None, None, None, None, 1, 2, 3, 5]),
     )
-    def allocate(self, prompt, share, base, ns, dup, la):
+    def allocate(self, prompt, share, base, ns, dup, la, chunk=None):
         bs, bm = self.bs, self.bm
         sources = [(s.ns, s.tokens) for s in self.seqs.values()] + self.history[-6:]
         if share and sources:  # start with (part of) a live or freed sequence's tokens, usually same namespace
@@ -368,12 +371,15 @@ class PagedKVMachine(RuleBasedStateMachine):
         nb = cdiv(n, bs)
         status = bm.can_allocate(prompt, namespace=ns)
         status_la = bm.can_allocate(prompt, la, namespace=ns)
+        kw = {"namespace": ns} if chunk is None else {"namespace": ns, "num_new_tokens": chunk}
         if sid in self.seqs:
-            self.expect_failure(DuplicateSequenceError, bm.allocate, sid, prompt, namespace=ns)
+            self.expect_failure(DuplicateSequenceError, bm.allocate, sid, prompt, **kw)
             return
         if nb > self.G - self.wm:
             assert status is AllocStatus.NEVER
-            self.expect_failure(PromptTooLongError, bm.allocate, sid, prompt, namespace=ns)
+            if chunk is not None:  # a chunk of a prompt that can never be completed is refused all the same
+                assert bm.can_allocate(prompt, namespace=ns, num_new_tokens=chunk) is AllocStatus.NEVER
+            self.expect_failure(PromptTooLongError, bm.allocate, sid, prompt, **kw)
             return
         assert status is not AllocStatus.NEVER
         keys = self.keys_for(ns, prompt)
@@ -403,8 +409,19 @@ class PagedKVMachine(RuleBasedStateMachine):
         if status is AllocStatus.OK or status_la is AllocStatus.OK:
             assert not must_fail
             must_ok = True
+        if chunk is not None:  # the hit plus one chunk: need bounds over every possible hit h <= max_hit
+            must_ok = cdiv(min(n, max_hit * bs + chunk), bs) <= free
+            must_fail = cdiv(min(chunk, n - max_hit * bs), bs) > free
+            status_c = bm.can_allocate(prompt, namespace=ns, num_new_tokens=chunk)
+            assert status_c is not AllocStatus.NEVER
+            if status_c is AllocStatus.OK:
+                assert not must_fail
+                must_ok = True
+            if status is AllocStatus.OK:
+                assert status_c is AllocStatus.OK  # a chunk never needs more than the whole prompt
+            look = bm.lookup_prefix(prompt, namespace=ns, num_new_tokens=chunk)
         if must_fail:
-            self.expect_failure(OutOfBlocksError, bm.allocate, sid, prompt, namespace=ns)
+            self.expect_failure(OutOfBlocksError, bm.allocate, sid, prompt, **kw)
             return
         self.drain_events()
         predicted = 0
@@ -413,8 +430,9 @@ class PagedKVMachine(RuleBasedStateMachine):
             while predicted < (n - 1) // bs and (hashes[predicted] in self.index or
                                                  hashes[predicted] in self.cpu_index):
                 predicted += 1
+        free_before = bm.num_free_gpu_blocks
         try:
-            hit = bm.allocate(sid, prompt, namespace=ns)
+            hit = bm.allocate(sid, prompt, **kw)
         except OutOfBlocksError:
             assert not must_ok, "allocate raised OutOfBlocksError although the prompt fits"
             assert status is not AllocStatus.OK
@@ -428,7 +446,17 @@ class PagedKVMachine(RuleBasedStateMachine):
             assert hit <= predicted * bs, f"allocate hit {hit} beyond the events' index ({predicted * bs})"
 
         assert isinstance(hit, int) and hit % bs == 0 and 0 <= hit <= max_hit * bs
+        full_prompt = prompt
+        if chunk is not None:  # the sequence holds the hit plus one chunk; the rest comes by decode_step
+            assert look.num_cached_tokens == hit
+            assert look.num_new_blocks == free_before - bm.num_free_gpu_blocks
+            held = hit + min(chunk, n - hit)
+            prompt, n = prompt[:held], held
+            nb = cdiv(n, bs)
+            keys = keys[:n]
+            event("allocate: a chunk" if n < len(full_prompt) else "allocate: a chunk, the whole prompt")
         table = bm.block_table(sid).tolist()
+        assert bm.num_tokens(sid) == n
         assert len(table) == nb
         blocks = []
         live_hits = 0
@@ -444,10 +472,12 @@ class PagedKVMachine(RuleBasedStateMachine):
         assert nb - live_hits <= free
         s = self.seqs[sid] = MSeq(ns, list(prompt), keys, blocks)
         s.pending = blocks[hit // bs : n // bs]
+        if n < len(full_prompt):
+            s.plen, s.rest = len(full_prompt), list(full_prompt[n:])
         if self.PREFIX:
-            self.stats["qtok"] += n
+            self.stats["qtok"] += len(full_prompt)  # (the whole prompt is looked up)
             self.stats["htok"] += hit
-            self.stats["qblk"] += (n - 1) // bs
+            self.stats["qblk"] += (len(full_prompt) - 1) // bs
             self.stats["hblk"] += hit // bs
         slots = bm.slot_mapping(sid, hit, n)
         assert slots.tolist() == [blocks[p // bs].phys * bs + p % bs for p in range(hit, n)]
@@ -508,6 +538,31 @@ class PagedKVMachine(RuleBasedStateMachine):
         call.__name__ = "decode_step"
         self.do_append(sids, counts, flat, la, call)
 
+    @rule(data=st.data())
+    def prefill_chunk(self, data):
+        """Chunked prefill: the next chunk of partly prefilled prompts, appended by one decode_step (flat tokens
+        and counts); identical prompts admitted in bursts find the blocks each chunk fills."""
+        part = [sid for sid, s in self.seqs.items() if s.rest and not s.swapped]
+        if not part:
+            return self.bootstrap(data)
+        sids = data.draw(st.lists(st.sampled_from(part), unique=True, min_size=1, max_size=len(part)), label="batch")
+        counts = [min(len(self.seqs[sid].rest), data.draw(st.integers(1, 6), label="chunk")) for sid in sids]
+        flat = [t for sid, c in zip(sids, counts) for t in self.seqs[sid].rest[:c]]
+        toks = np.asarray(flat, dtype=np.int64)
+        before = {sid: len(self.seqs[sid].tokens) for sid in sids}
+
+        def call():
+            r = self.bm.decode_step(sids, toks, 0, num_new_tokens=np.asarray(counts))
+            return r.slot_mapping, r.block_tables, r.seq_lens, r.cow
+
+        call.__name__ = "decode_step (prefill chunk)"
+        self.do_append(sids, counts, flat, 0, call)
+        for sid, c in zip(sids, counts):
+            s = self.seqs[sid]
+            if len(s.tokens) > before[sid]:
+                del s.rest[:c]
+                event("prefill chunk: the last" if not s.rest else "prefill chunk")
+
     @rule(data=st.data(), toks=st.lists(VOCAB, min_size=1, max_size=5), la=st.sampled_from([0, 0, 1, 3]))
     def append_slots(self, data, toks, la):
         gpu_ids = [sid for sid, s in self.seqs.items() if not s.swapped]
@@ -537,6 +592,10 @@ class PagedKVMachine(RuleBasedStateMachine):
         child = self.new_id(reuse=dup == 0)
         if child in self.seqs:
             self.expect_failure(DuplicateSequenceError, self.bm.fork, parent, child)
+            return
+        if len(self.seqs[parent].tokens) < self.seqs[parent].plen:  # partly prefilled: refused
+            event("fork: refused, partly prefilled")
+            self.expect_failure(SequenceStateError, self.bm.fork, parent, child)
             return
         self.bm.fork(parent, child)
         self.seqs[parent].pending = []  # fork confirms the parent's KV

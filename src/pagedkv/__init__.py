@@ -19,12 +19,19 @@ from . import events
 from .manager import (NULL_BLOCK, AllocStatus, BlockManager, CopyKind, CopyPlan, PrefillBatch, PrefixHit, Stats,
                       StepResult)
 from .prefix_cache import block_hashes
+from .kv_groups import FullAttentionSpec, SlidingWindowSpec
+from .hybrid import HybridBlockManager, HybridPrefillBatch, HybridStepResult
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AllocStatus",
     "BlockManager",
+    "FullAttentionSpec",
+    "HybridBlockManager",
+    "HybridPrefillBatch",
+    "HybridStepResult",
+    "SlidingWindowSpec",
     "CopyKind",
     "CopyPlan",
     "NULL_BLOCK",

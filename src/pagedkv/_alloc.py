@@ -42,14 +42,16 @@ class _Allocator:
     """Mixin of :class:`pagedkv.BlockManager`: planning and committing allocations."""
 
     def _alloc_plan(self, token_ids: object, la: int, namespace: object, root: tuple | None = None,
-                    lookup: bool = True, checked: bool = False) -> tuple:
+                    lookup: bool = True, checked: bool = False, chunk: int | None = None) -> tuple:
         """Everything an allocation of ``token_ids`` needs, without changing anything: ``(arr, n, nblocks, hits,
         cpu_hits, chain, need)``. ``hits``: GPU hit blocks in table order (CPU-tier hits left out); ``cpu_hits``:
         ``[(table position, CPU block)]`` or None; ``chain``: (cid, key) after the last hit; ``need``: free GPU
         blocks the allocation consumes. Raises InvalidTokensError, InvalidArgumentError (namespace),
         PromptTooLongError, TableWidthError. ``root`` replaces the namespace's root (a batch's new namespaces);
         ``lookup=False`` leaves the hits out (a batch walks its prompts itself); ``checked``: ``token_ids`` is
-        already a validated int32 array."""
+        already a validated int32 array. ``chunk`` (chunked prefill): the sequence holds the hit plus at most
+        ``chunk`` more prompt tokens; ``n`` and ``nblocks`` are then those of the held tokens while ``arr`` stays
+        the whole prompt (the lookup and the checks of PromptTooLongError / TableWidthError use all of it)."""
         if self._cache is None:
             # without a cache only the count matters: a short list is checked in Python, never converted
             arr = None
@@ -72,8 +74,14 @@ class _Allocator:
         if self._fixed_w and nblocks > self._fixed_w:
             raise TableWidthError(f"{_what(n, la)} needs {nblocks} blocks; block_table_width is {self._fixed_w}")
         if arr is None or not lookup:
+            if chunk is not None and arr is None and chunk < n:  # (a batch's walk cuts its chunks itself)
+                n = chunk
+                nblocks = -(-(n + la) // bs)
             return arr, n, nblocks, [], None, (0, 0), nblocks
         hits, chain = self._lookup(arr, root, memo=True)
+        if chunk is not None and len(hits) * bs + chunk < n:  # chunked prefill: the hit plus one chunk
+            n = len(hits) * bs + chunk
+            nblocks = -(-(n + la) // bs)
         cpu_hits = None  # [(table position, CPU block)] of hits in the CPU tier (encoded ~block by _lookup)
         if hits and self._tier is not None and min(hits) < 0:
             cpu_hits = [(j, ~b) for j, b in enumerate(hits) if b < 0]
@@ -83,9 +91,11 @@ class _Allocator:
         return arr, n, nblocks, hits, cpu_hits, chain, nblocks - len(hits) + reused_free
 
     def _alloc_commit(self, seq_id, namespace, arr, n: int, nblocks: int, hits: list, cpu_hits, chain,
-                      referenced: bool) -> int:
+                      referenced: bool, nnull: int = 0) -> int:
         """Create the row of a planned allocation; nothing here can fail. ``referenced``: the GPU hits hold their
-        new reference already and the CPU hits are pinned (a batch takes them all first). Returns the row."""
+        new reference already and the CPU hits are pinned (a batch takes them all first). ``nnull``: the first
+        ``nnull`` entries of ``hits`` are NULL_BLOCK, positions a sliding window no longer needs (a KV cache
+        group's hybrid hit; ``referenced`` then). Returns the row."""
         if cpu_hits and not referenced:  # pinned first: taking GPU blocks below may demote into the CPU tier
             self._tier.pin_many([c for _, c in cpu_hits])
         if referenced:
@@ -125,15 +135,17 @@ class _Allocator:
         mvs[0][row] = n
         mvs[1][row] = nblocks
         mvs[5][row] = mvs[6][row] = len(hits)
+        if nnull:
+            mvs[7][row] = nnull
         if self._cache is not None:
             bs = self._bs
             if self._cache.intern(namespace) and len(self._cache._roots) > self._cache.sweep_at:
                 self._release_namespaces()  # bounded state per tenant (amortised O(1) per new namespace)
             self._ccid[row], self._ckey[row] = chain
-            self._fill_prompt(row, arr, new, len(hits))
-            self._query_tokens += n
+            self._fill_prompt(row, arr if arr.size == n else arr[:n], new, len(hits))  # (a chunk: its tokens)
+            self._query_tokens += arr.size  # (the whole prompt was looked up)
             self._hit_tokens += len(hits) * bs
-            self._query_blocks += (n - 1) // bs
+            self._query_blocks += (arr.size - 1) // bs
             self._hit_blocks += len(hits)
             if cpu_hits:
                 self._tier.hit_tokens += len(cpu_hits) * bs
@@ -141,7 +153,8 @@ class _Allocator:
         return row
 
     # ------------------------------------------------------------------ batches
-    def _allocate_batch(self, seq_ids: list, prompts: list, la: int, namespaces: list) -> PrefillBatch:
+    def _allocate_batch(self, seq_ids: list, prompts: list, la: int, namespaces: list,
+                        chunks: list | None = None) -> PrefillBatch:
         self._keys_memo = None  # (a failed allocate's: its prompt may have changed since)
         if self._cache is not None and self._cache._ndl:
             self._cache.flush()  # (the batch walk reads the map directly)
@@ -154,10 +167,13 @@ class _Allocator:
         roots = self._batch_roots(namespaces)
         arrs = [_as_tokens(p, f"token_ids[{i}]") for i, p in enumerate(prompts)]
         walk = self._cache is not None and len(arrs) > 1  # sharing inside the batch: walked below instead
-        plans = [self._alloc_plan(a, la, ns, r, not walk, True) for a, ns, r in zip(arrs, namespaces, roots)]
+        if chunks is None:
+            chunks = [None] * len(arrs)
+        plans = [self._alloc_plan(a, la, ns, r, not walk, True, c)
+                 for a, ns, r, c in zip(arrs, namespaces, roots, chunks)]
         if walk:
             virt: dict = {}
-            plans = [self._batch_walk(i, p, roots[i], virt) for i, p in enumerate(plans)]
+            plans = [self._batch_walk(i, p, roots[i], virt, la, chunks[i]) for i, p in enumerate(plans)]
         need = sum(p[2] - len(p[3]) for p in plans)  # new blocks (CPU hits take one each) ...
         ref = self._gpu._ref
         reused = {h for p in plans for h in p[3] if h >= 0 and ref[h] == 0}
@@ -184,6 +200,8 @@ class _Allocator:
             if hits and min(hits) < 0:
                 hits, chain = self._resolve(hits, cpu_hits, chain, rows)
             rows.append(self._alloc_commit(s, ns, arr, n, nblocks, hits, cpu_hits, chain, referenced=True))
+            if n < arrs[len(rows) - 1].size:  # a chunk: fork waits for the rest of the prompt
+                self._partial[s] = arrs[len(rows) - 1].size
         nhit = [len(p[3]) + (len(p[4]) if p[4] else 0) for p in plans]
         return self._prefill_result(tuple(seq_ids), arrs, plans, rows, nhit)
 
@@ -203,11 +221,13 @@ class _Allocator:
             out.append(r)
         return out
 
-    def _batch_walk(self, i: int, plan: tuple, root: tuple, virt: dict) -> tuple:
+    def _batch_walk(self, i: int, plan: tuple, root: tuple, virt: dict, la: int = 0,
+                    chunk: int | None = None) -> tuple:
         """Prompt ``i``'s plan as it stands once the batch's earlier prompts are committed: the cache as it is
         plus ``virt`` (key -> (parent cid, tokens, encoded hit, cid)), the blocks those prompts register or
         promote. Walks the prompt as the lookup would (GPU, then the batch's blocks, then the CPU tier), then
-        records in ``virt`` what committing it will register (as ``_register`` would). Changes nothing else."""
+        records in ``virt`` what committing it will register (as ``_register`` would); with ``chunk`` only the
+        hit plus that many tokens are held (and registered). Changes nothing else."""
         arr, n, nblocks, _, _, _, _ = plan
         bs, cache, tier = self._bs, self._cache, self._tier
         width = 4 * bs
@@ -240,6 +260,9 @@ class _Allocator:
             pcid, pkey = newc, key
         nhit = len(hits) + len(cpu_hits)
         chain = (pcid, pkey)
+        if chunk is not None and nhit * bs + chunk < n:  # chunked prefill: the hit plus one chunk
+            n = nhit * bs + chunk
+            nblocks = -(-(n + la) // bs)
         for j in range(nhit, n // bs):  # what committing it registers: its new full blocks, chained
             if pcid == 0:
                 break
@@ -294,7 +317,7 @@ class _Allocator:
             slots = table[pos // bs] * np.int64(bs) + pos % bs
             width = self._fixed_w or int(self._nblk[row])
             return PrefillBatch(seq_ids, _frozen(np.array([c], np.int32)), _frozen(np.array([0, n - c], np.int32)),
-                                _frozen(arrs[0][c:].copy()), _frozen(pos), _frozen(slots),
+                                _frozen(arrs[0][c:n].copy()), _frozen(pos), _frozen(slots),
                                 _frozen(table[None, :width].copy()), _frozen(np.array([n], np.int32)))
         r = np.array(rows, dtype=np.int64)
         n = np.array([p[1] for p in plans], dtype=np.int64)
@@ -306,7 +329,8 @@ class _Allocator:
         pos = np.arange(t, dtype=np.int64) - np.repeat(qsl[:-1] - cached, q)
         blk, off = np.divmod(pos, bs)
         slots = self._table[np.repeat(r, q), blk] * np.int64(bs) + off
-        toks = np.concatenate([a[c:] for a, c in zip(arrs, cached.tolist())]) if b else np.zeros(0, np.int32)
+        toks = np.concatenate([a[c:z] for a, c, z in zip(arrs, cached.tolist(), n.tolist())]) if b \
+            else np.zeros(0, np.int32)
         width = self._fixed_w or (int(self._nblk[r].max()) if b else 0)
         tables = self._table[r, :width] if b else np.zeros((0, width), np.int32)
         return PrefillBatch(seq_ids, _frozen(cached.astype(np.int32)), _frozen(qsl.astype(np.int32)),

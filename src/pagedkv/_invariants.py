@@ -21,39 +21,18 @@ class _Invariants:
           consistent linked list; the cache map and the per-block entries agree (no block under two keys).
         """
 
+        self._check_invariants_of((self,))
+
+    def _check_invariants_of(self, managers: tuple) -> None:
+        """:meth:`check_invariants` of managers sharing this one's pools and cache (KV cache groups): each
+        manager's rows and tables, then the shared parts with every manager's references counted."""
+
         def fail(msg: str) -> None:
             raise AssertionError(msg)
 
-        bs = self._bs
         counts = {False: np.zeros(self._gpu.num_blocks, np.int64), True: np.zeros(self._cpu.num_blocks, np.int64)}
-        if len(self._row_of) + len(self._free_rows) != len(self._seq_of):
-            fail("rows: live + free != capacity")
-        for seq_id, row in self._row_of.items():
-            if self._seq_of[row] != seq_id:
-                fail(f"row {row} maps back to {self._seq_of[row]!r}, not {seq_id!r}")
-            n, nb, nrel = int(self._ntok[row]), int(self._nblk[row]), int(self._nrel[row])
-            t = self._table[row]
-            if nb * bs < n or n < 1:
-                fail(f"{seq_id!r}: {nb} blocks cannot hold {n} tokens")
-            if (t[:nrel] != NULL_BLOCK).any() or (t[nb:] != NULL_BLOCK).any():
-                fail(f"{seq_id!r}: released or unused table positions hold blocks")
-            live = t[nrel:nb]
-            if (live < 0).any():
-                fail(f"{seq_id!r}: a held position has no block")
-            if np.unique(live).size != live.size:
-                fail(f"{seq_id!r}: a block appears twice in one table")
-            swapped = bool(self._swapped[row])
-            size = self._cpu.num_blocks if swapped else self._gpu.num_blocks
-            if live.size and live.max() >= size:
-                fail(f"{seq_id!r}: block id out of range")
-            np.add.at(counts[swapped], live, 1)
-            if self._window is not None and nrel > max(n - self._window, 0) // bs:
-                fail(f"{seq_id!r}: released blocks the window still sees")
-            if self._cache is not None and int(self._nreg[row]) > n // bs:
-                fail(f"{seq_id!r}: more blocks offered to the cache than are full")
-        for rows_free in self._free_rows:
-            if self._seq_of[rows_free] is not None or (self._table[rows_free] != NULL_BLOCK).any():
-                fail(f"free row {rows_free} is not clean")
+        for m in managers:
+            m._check_rows(counts, fail)
         for swapped, pool, name in ((False, self._gpu, "GPU"), (True, self._cpu, "CPU")):
             if not np.array_equal(counts[swapped], pool._ref):
                 bad = int(np.flatnonzero(counts[swapped] != pool._ref)[0])
@@ -72,9 +51,9 @@ class _Invariants:
             if free.size + cached_free + used != pool.num_blocks:
                 fail(f"{name}: free {free.size} + cached {cached_free} + used {used} != {pool.num_blocks}")
         if self._cache is not None:
-            self._check_cache_invariants(fail)
+            self._check_cache_invariants(fail, managers)
 
-    def _check_cache_invariants(self, fail) -> None:
+    def _check_cache_invariants(self, fail, managers: tuple) -> None:
         cache, ref = self._cache, self._gpu._ref
         cid = cache.cid
         ev = list(cache.evictor)
@@ -115,13 +94,49 @@ class _Invariants:
         for b, p, k in zip(cached.tolist(), cache.pcid[cached].tolist(), cache.key[cached].tolist()):
             if p in parent_key and block_key(parent_key[p], cache.tok[b].tobytes()) != k:
                 fail(f"cached block {b}: its key is not the hash of its tokens after its parent")
-        for row in self._row_of.values():
-            c = int(self._ccid[row])
-            if c and c in parent_key and parent_key[c] != int(self._ckey[row]):
-                fail(f"row {row}: its chain key is not the key of its chain's content")
+        for m in managers:
+            for row in m._row_of.values():
+                c = int(m._ccid[row])
+                if c and c in parent_key and parent_key[c] != int(m._ckey[row]):
+                    fail(f"row {row}: its chain key is not the key of its chain's content")
         cpu_cached = np.flatnonzero(self._cpu_id[0])
         tier_blocks = set() if self._tier is None else set(self._tier._map.values())
         if any(self._cpu._ref[c] == 0 and c not in tier_blocks for c in cpu_cached.tolist()):
             fail("a free CPU block carries a cache identity")
         if self._tier is not None:
             self._tier.check(fail)
+
+    def _check_rows(self, counts: dict, fail) -> None:
+        """This manager's rows and tables; adds each table's references to ``counts`` (GPU, CPU)."""
+        bs = self._bs
+        if len(self._row_of) + len(self._free_rows) != len(self._seq_of):
+            fail("rows: live + free != capacity")
+        for seq_id in getattr(self, "_partial", ()):  # (chunked prefill: prompt lengths of live sequences only)
+            if seq_id not in self._row_of:
+                fail(f"{seq_id!r}: a freed sequence is still recorded as partly prefilled")
+        for seq_id, row in self._row_of.items():
+            if self._seq_of[row] != seq_id:
+                fail(f"row {row} maps back to {self._seq_of[row]!r}, not {seq_id!r}")
+            n, nb, nrel = int(self._ntok[row]), int(self._nblk[row]), int(self._nrel[row])
+            t = self._table[row]
+            if nb * bs < n or n < 1:
+                fail(f"{seq_id!r}: {nb} blocks cannot hold {n} tokens")
+            if (t[:nrel] != NULL_BLOCK).any() or (t[nb:] != NULL_BLOCK).any():
+                fail(f"{seq_id!r}: released or unused table positions hold blocks")
+            live = t[nrel:nb]
+            if (live < 0).any():
+                fail(f"{seq_id!r}: a held position has no block")
+            if np.unique(live).size != live.size:
+                fail(f"{seq_id!r}: a block appears twice in one table")
+            swapped = bool(self._swapped[row])
+            size = self._cpu.num_blocks if swapped else self._gpu.num_blocks
+            if live.size and live.max() >= size:
+                fail(f"{seq_id!r}: block id out of range")
+            np.add.at(counts[swapped], live, 1)
+            if self._window is not None and nrel > max(n - self._window, 0) // bs:
+                fail(f"{seq_id!r}: released blocks the window still sees")
+            if self._cache is not None and int(self._nreg[row]) > n // bs:
+                fail(f"{seq_id!r}: more blocks offered to the cache than are full")
+        for rows_free in self._free_rows:
+            if self._seq_of[rows_free] is not None or (self._table[rows_free] != NULL_BLOCK).any():
+                fail(f"free row {rows_free} is not clean")

@@ -145,11 +145,14 @@ class _Stepper:
                 self._register_rows(rows[reg], nreg[reg], j[reg] + 1)
         return StepResult(slots, self._table[rows, : self._fixed_w or width], end.astype(np.int32), _NO_COW)
 
-    def _append(self, rows: np.ndarray, counts: np.ndarray, flat: np.ndarray, la: int, tables: bool) -> StepResult:
+    def _append(self, rows: np.ndarray, counts: np.ndarray, flat: np.ndarray, la: int, tables: bool,
+                plan: tuple | None = None) -> StepResult:
+        """The general append; ``plan``: this append's :meth:`_plan`, already made and checked against the free
+        blocks by a coordinator (KV cache groups)."""
         if flat.size != counts.sum():
             raise InvalidTokensError(f"got {flat.size} tokens for counts summing to {counts.sum()}")
-        needed, available, need, cow, release = self._plan(rows, counts, la)
-        if needed > available:
+        needed, available, need, cow, release = plan or self._plan(rows, counts, la)
+        if needed > available and plan is None:
             raise OutOfBlocksError(f"the step needs {needed} new blocks; {available} are free")
         if self._fixed_w and int(need.max()) > self._fixed_w:
             i = int(np.argmax(need))

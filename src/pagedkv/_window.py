@@ -27,10 +27,51 @@ class _Window:
         return (rows[rel], nrel[rel], target[rel]) if rel.any() else None
 
     def _release_window(self, release: tuple) -> None:
-        """Release table ranges ``[a, z)`` of rows (tail first) and mark them NULL_BLOCK."""
+        """Release table ranges ``[a, z)`` of rows (tail first) and mark them NULL_BLOCK. When every row lets
+        one block go (the steady state of a decode batch) and the blocks are distinct, in a few numpy calls."""
+        rows, first, stop = release
+        if rows.size > 2 and not np.count_nonzero(stop - first - 1):
+            blk = self._table[rows, first]
+            live = blk[blk >= 0]
+            if np.unique(live).size == live.size:  # (forks advancing in lockstep share blocks: row by row)
+                self._release_gpu(live)
+                self._table[rows, first] = NULL_BLOCK
+                self._nrel[rows] = stop
+                return
         for r, a, z in zip(*release):
             blk = self._table[r, a:z]
             self._release_gpu(blk[blk >= 0][::-1].copy())
             self._table[r, a:z] = NULL_BLOCK
             self._nrel[r] = z
+
+    def _release_window_small(self, rows: list) -> None:
+        """:meth:`_window_release` and :meth:`_release_window` of a few rows about to append one token each, in
+        plain Python (the small-batch step of KV cache groups; rows in batch order, each tail first)."""
+        ntok, _, table, _, ref, _, _, nrel = (self._mvs or self._views())[:8]
+        w, bs = self._window, self._bs
+        cache, pool = self._cache, self._gpu
+        cid = cache._cid_mv if cache is not None else None
+        ring, size = pool._ring_mv, pool.num_blocks
+        for r in rows:
+            target = ntok[r] - w + 1
+            if target <= 0:
+                continue
+            target //= bs
+            a = nrel[r]
+            if target <= a:
+                continue
+            for j in range(target - 1, a - 1, -1):
+                b = table[r, j]
+                if b < 0:
+                    continue
+                table[r, j] = -1
+                n = ref[b] - 1
+                ref[b] = n
+                if n == 0:
+                    if cid is not None and cid[b]:
+                        cache.evictor.push(b)
+                    else:  # to the tail of the free ring (BlockPool.give of one block, inlined)
+                        ring[(pool._head + pool._nfree) % size] = b
+                        pool._nfree += 1
+            nrel[r] = target
 

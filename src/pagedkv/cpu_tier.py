@@ -52,7 +52,7 @@ import xxhash
 from .events import BlockRemoved, BlockStored
 from .pool import BlockPool
 from .evictor import LRUEvictor
-from .prefix_cache import PrefixCache
+from .prefix_cache import PrefixCache, _stored_event
 
 __all__ = ["CpuTier"]
 
@@ -158,8 +158,8 @@ class CpuTier:
         if cache.events is not None:
             for c in cl:
                 cid, key, pcid, pk, ns = self.content(c)
-                cache._emit(BlockStored([key], None if pcid < 0 else pk, self._tok[c].tolist(), cache._bs, None,
-                                        "CPU", cache._ns_list[ns] if cache._ns_list else None))
+                cache._emit(_stored_event([key], None if pcid < 0 else pk, self._tok[c].tolist(), cache._bs,
+                                          "CPU", cache._ns_list[ns] if cache._ns_list else None))
 
     def _forget(self, blocks: np.ndarray) -> np.ndarray:
         """Uncache tier ``blocks`` (popped from the evictor); returns them."""
@@ -168,7 +168,7 @@ class CpuTier:
         self._id[0, blocks] = 0
         self.evictions += blocks.size
         if self._cache.events is not None and keys:
-            self._cache._emit(BlockRemoved(keys, "CPU"))
+            self._cache._removed(keys, self._id[4, blocks], "CPU")
         return blocks
 
     # ------------------------------------------------------------------ room for swap
@@ -201,8 +201,8 @@ class CpuTier:
         cache, out = self._cache, []
         for c in blocks:
             cid, key, pcid, pk, ns = self.content(c)
-            out.append(BlockStored([key], None if pcid < 0 else pk, self._tok[c].tolist(), cache._bs, None, "CPU",
-                                   cache._ns_list[ns] if cache._ns_list else None))
+            out.append(_stored_event([key], None if pcid < 0 else pk, self._tok[c].tolist(), cache._bs, "CPU",
+                                     cache._ns_list[ns] if cache._ns_list else None))
         return out
 
     def withdraw(self, blocks: np.ndarray) -> None:

@@ -19,6 +19,13 @@ clears the events since the last call:
 namespace (None for the default one: keys of different namespaces never coincide, the field only tells a router
 which tenant or adapter a block belongs to; vLLM's ``lora_id`` plays the same part and is kept for layout
 compatibility).
+
+KV cache groups (:class:`pagedkv.HybridBlockManager`): as in vLLM, ``BlockStored`` carries the block's group
+(``group_idx``, ``kv_cache_spec_kind`` = ``"full_attention"`` or ``"sliding_window"``,
+``kv_cache_spec_sliding_window`` = W or None) and ``BlockRemoved`` its ``group_idx``; a removal that spans several
+groups is one event per group. A single-group :class:`pagedkv.BlockManager` leaves the three fields None (their
+defaults), so existing consumers read its events unchanged. Keys of different groups never coincide (each group
+chains from its own root; group 0's keys are :func:`pagedkv.block_hashes`').
 """
 
 from __future__ import annotations
@@ -41,6 +48,9 @@ class BlockStored(NamedTuple):
     lora_id: int | None = None
     medium: str = MEDIUM_GPU
     namespace: object = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class BlockRemoved(NamedTuple):
@@ -48,6 +58,7 @@ class BlockRemoved(NamedTuple):
 
     block_hashes: list[int]
     medium: str = MEDIUM_GPU
+    group_idx: int | None = None
 
 
 class AllBlocksCleared(NamedTuple):

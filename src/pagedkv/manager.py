@@ -64,7 +64,7 @@ from .errors import InvalidArgumentError, InvalidTokensError, OutOfBlocksError, 
 from .cpu_tier import CpuTier
 from .events import KVCacheEvent
 from .pool import BlockPool
-from .prefix_cache import PrefixCache, _encode_namespace
+from .prefix_cache import PrefixCache, _GroupNS, _encode_namespace
 from .cpu_tier import DEMOTE, PROMOTE
 from .types import (_EMPTY_PLAN, NULL_BLOCK, AllocStatus, CacheCopies, CopyKind, CopyPlan, PrefillBatch, PrefixHit,
                     Stats, StepResult)
@@ -152,12 +152,31 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
         self._cpu_id = np.zeros((5, num_cpu_blocks), np.int64) if enable_prefix_caching else None
         # the step's copies, (tag, src, dst) parts in call order, until take_copy_plan (the CPU tier appends too)
         self._copies: list = []
-        self._stepping = False  # take_copy_plan has been called: steps are known, the same-step checks are on
-        self._snap = None  # memoryviews (_ntok0, _ntok) for take_copy_plan's snapshot
         self._tier = CpuTier(self._cpu, self._cpu_tok, self._cpu_id, self._cache, self._copies) \
             if cpu_prefix_cache else None
-        self._window = sliding_window
         self._watermark_blocks = int(watermark * num_gpu_blocks)
+        self._fixed_w = block_table_width or 0  # fixed width of batch block tables (0: the batch's longest)
+        self._init_rows(sliding_window)
+
+    @classmethod
+    def _sharing(cls, parts: "BlockManager", sliding_window: int | None) -> "BlockManager":
+        """A manager of its own sequences and tables over the *shared parts* of ``parts`` (internal): the GPU and
+        CPU pools, the prefix cache, the CPU tier and its CPU-side arrays, the pending copy list, the watermark and
+        the table width are the same objects. :class:`pagedkv.HybridBlockManager` runs one per KV cache group;
+        each call on one of them keeps every invariant of the shared parts except the pools' refcount totals,
+        which the coordinator checks over all of them (:meth:`_check_invariants_of`). O(1)."""
+        self = cls.__new__(cls)
+        for name in ("_bs", "_gpu", "_cpu", "_cache", "_kv_events", "_cpu_tok", "_cpu_id", "_copies", "_tier",
+                     "_watermark_blocks", "_fixed_w"):
+            setattr(self, name, getattr(parts, name))
+        self._init_rows(sliding_window)
+        return self
+
+    def _init_rows(self, sliding_window: int | None) -> None:
+        """The per-sequence state (rows, tables, step snapshot, counters): empty."""
+        self._stepping = False  # take_copy_plan has been called: steps are known, the same-step checks are on
+        self._snap = None  # memoryviews (_ntok0, _ntok) for take_copy_plan's snapshot
+        self._window = sliding_window
         # sequences: seq_id -> row of the per-sequence arrays
         self._row_of: dict[Hashable, int] = {}
         self._seq_of: list[Hashable | None] = []
@@ -172,7 +191,7 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
         self._ccid = np.zeros(0, dtype=np.int64)  # chain: cid of block nreg-1 (a root's before block 0), 0: broken
         self._ckey = np.zeros(0, dtype=np.uint64)  # chain: key of that content
         self._swapped = np.zeros(0, dtype=bool)
-        self._fixed_w = block_table_width or 0  # fixed width of batch block tables (0: the batch's longest)
+        self._partial: dict = {}  # seq_id -> prompt length, for sequences allocated a chunk of their prompt
         self._table = np.full((0, max(4, self._fixed_w)), NULL_BLOCK, dtype=np.int32)
         # one-entry memo of the last batch: seq_ids list -> validated rows
         self._small_batch = SMALL_BATCH  # batches up to this size take the plain-Python step (0: never)
@@ -254,12 +273,16 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
             parts.clear()
         else:
             plan = _EMPTY_PLAN
+        self._end_step()
+        return plan
+
+    def _end_step(self) -> None:
+        """The rows' side of ending a step: snapshot the token counts, switch the same-step checks on."""
         snap = self._snap
         if snap is None or snap[2] is not self._ntok:  # (the row arrays were reallocated)
             snap = self._snap = (memoryview(self._ntok0), memoryview(self._ntok), self._ntok)
         snap[0][:] = snap[1]  # the token counts at the step's end (a C-level copy)
         self._stepping = True
-        return plan
 
     def take_copies(self) -> CacheCopies:
         """Deprecated: :meth:`take_copy_plan` (it ends the step the same way) narrowed to the CPU tier's copies,
@@ -364,20 +387,27 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
         return self._cache.event_overflows if self._cache is not None and self._kv_events else 0
 
     # ------------------------------------------------------------------ admission and allocation
-    # ------------------------------------------------------------------ admission and allocation
-    def can_allocate(self, token_ids: Sequence[int], num_lookahead_slots: int = 0, *, namespace: object = None) -> AllocStatus:
+    def can_allocate(self, token_ids: Sequence[int], num_lookahead_slots: int = 0, *, namespace: object = None,
+                     num_new_tokens: int | None = None) -> AllocStatus:
         """Whether a new prompt fits: NEVER if its blocks (plus lookahead) exceed the pool minus the watermark,
         LATER if they do not fit now, else OK. With prefix caching, full blocks it would share with live
-        sequences are not counted. O(prompt blocks)."""
+        sequences are not counted. ``num_new_tokens`` (chunked prefill): LATER / OK count only the blocks of
+        the prefix-cache hit plus that many further prompt tokens, as ``allocate(..., num_new_tokens=)`` takes
+        them (NEVER still looks at the whole prompt: it could never be completed). O(prompt blocks)."""
         arr = _as_tokens(token_ids)
         la = _check_int("num_lookahead_slots", num_lookahead_slots, 0)
+        k = None if num_new_tokens is None else _check_int("num_new_tokens", num_new_tokens, 1)
         needed = -(-(arr.size + la) // self._bs)
         if needed > self._gpu.num_blocks - self._watermark_blocks:
             return AllocStatus.NEVER
         if self._cache is None:
             _encode_namespace(namespace)  # validate it all the same
+            if k is not None and k < arr.size:
+                needed = -(-(k + la) // self._bs)
         else:
             hits, _ = self._lookup(arr, self._cache.root(namespace, intern=False))
+            if k is not None and len(hits) * self._bs + k < arr.size:
+                needed = -(-(len(hits) * self._bs + k + la) // self._bs)
             ref = self._gpu._ref
             needed -= sum(1 for b in hits if b >= 0 and ref[b] > 0)  # (a CPU-tier hit needs a GPU block)
         if self.num_free_gpu_blocks - needed >= self._watermark_blocks:
@@ -386,7 +416,7 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
 
 
     def allocate(self, seq_id: Hashable, token_ids: Sequence[int], num_lookahead_slots: int = 0, *,
-                 namespace: object = None) -> int:
+                 namespace: object = None, num_new_tokens: int | None = None) -> int:
         """Create the block table of a new sequence holding the prompt ``token_ids``, with blocks for
         ``num_lookahead_slots`` empty slots after it (as :meth:`can_allocate` counts them).
 
@@ -404,21 +434,42 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
         now (admission control with the watermark is :meth:`can_allocate`'s job), TableWidthError if it needs
         more than ``block_table_width`` blocks. :meth:`allocate_batch` is the same for several prompts at once,
         with the prefill metadata gathered. O(prompt blocks).
+
+        **Chunked prefill** (``num_new_tokens=k``, k >= 1): the prefix lookup runs on the whole prompt, then the
+        sequence holds only the hit plus the next ``min(k, len(token_ids) - hit)`` prompt tokens (and the
+        lookahead slots after them); ``num_tokens(seq_id)`` says how many. The rest of the prompt is appended
+        chunk by chunk with :meth:`decode_step` (e.g. flat tokens with ``num_new_tokens=counts``), whose filled
+        blocks enter the prefix cache as they fill; the engine computes each chunk's KV in the step that hands
+        it out and samples only after the last one. Until the whole prompt is appended the sequence cannot be
+        forked (SequenceStateError); it can be swapped out and in, and freed (``cache=False`` too). The
+        PromptTooLongError and TableWidthError checks look at the whole prompt. ::
+
+            prompt   [ hit (cached) | chunk 1 ][ chunk 2 ][ chunk 3 ]
+                       allocate(num_new_tokens=k)  decode_step  decode_step (last: sample)
         """
         self._check_new_id(seq_id)
         la = num_lookahead_slots if type(num_lookahead_slots) is int and num_lookahead_slots >= 0 else \
             _check_int("num_lookahead_slots", num_lookahead_slots, 0)
-        arr, n, nblocks, hits, cpu_hits, chain, need = self._alloc_plan(token_ids, la, namespace)
+        if num_new_tokens is None:
+            k = None
+        else:
+            k = _check_int("num_new_tokens", num_new_tokens, 1)
+            token_ids = _as_tokens(token_ids)
+        arr, n, nblocks, hits, cpu_hits, chain, need = self._alloc_plan(token_ids, la, namespace,
+                                                                        checked=k is not None, chunk=k)
         if need > self._gpu._nfree and need > self.num_free_gpu_blocks:
             raise OutOfBlocksError(
                 f"prompt of {n} tokens needs {need} new blocks; {self.num_free_gpu_blocks} are free"
             )
         # mutation starts here; nothing below can fail
         self._alloc_commit(seq_id, namespace, arr, n, nblocks, hits, cpu_hits, chain, referenced=False)
+        if k is not None and n < token_ids.size:
+            self._partial[seq_id] = token_ids.size
         return (len(hits) + (len(cpu_hits) if cpu_hits else 0)) * self._bs
 
     def allocate_batch(self, seq_ids: Sequence[Hashable], token_ids: Sequence[Sequence[int]],
-                       num_lookahead_slots: int = 0, *, namespaces: Sequence[object] | None = None) -> PrefillBatch:
+                       num_lookahead_slots: int = 0, *, namespaces: Sequence[object] | None = None,
+                       num_new_tokens: Sequence[int] | None = None) -> PrefillBatch:
         """Allocate B new sequences at once (``seq_ids[i]`` holds the prompt ``token_ids[i]``) and return their
         prefill metadata, flat: :class:`PrefillBatch` (the cached-token count of each, the tokens to compute
         with their positions and slots, query start offsets, block tables, sequence lengths).
@@ -434,6 +485,9 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
 
         Block tables are as wide as the batch's longest table, or ``block_table_width`` when the manager has
         one. Every returned array is read-only. O(total prompt blocks) Python work plus O(tokens) numpy work.
+
+        ``num_new_tokens`` (chunked prefill): None, or one chunk size (>= 1) per prompt, as for :meth:`allocate`;
+        the batch's metadata then covers each sequence's hit plus its chunk (``seq_lens`` the held tokens).
         """
         seq_ids = list(seq_ids)
         prompts = list(token_ids) if not isinstance(token_ids, np.ndarray) or token_ids.ndim == 2 else None
@@ -451,42 +505,58 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
             namespaces = list(namespaces)
             if len(namespaces) != len(seq_ids):
                 raise InvalidArgumentError(f"got {len(namespaces)} namespaces for {len(seq_ids)} prompts")
-        return self._allocate_batch(seq_ids, prompts, la, namespaces)
+        chunks = None
+        if num_new_tokens is not None:
+            if isinstance(num_new_tokens, (int, np.integer)) or len(num_new_tokens) != len(seq_ids):
+                raise InvalidArgumentError("num_new_tokens must be None or one chunk size per prompt")
+            chunks = [_check_int(f"num_new_tokens[{i}]", c, 1) for i, c in enumerate(num_new_tokens)]
+        return self._allocate_batch(seq_ids, prompts, la, namespaces, chunks)
 
     def lookup_prefix(self, token_ids: Sequence[int], num_lookahead_slots: int = 0, *,
-                      namespace: object = None) -> PrefixHit:
+                      namespace: object = None, num_new_tokens: int | None = None) -> PrefixHit:
         """What :meth:`allocate` would find cached for this prompt if called now, without changing anything (no
         LRU touch, no stats, no KV events, no pinning): :class:`PrefixHit` (cached tokens and blocks, how many of
         them come from the CPU tier, how many free GPU blocks the allocation would consume). Both tiers and
         namespaces are searched exactly as allocate searches them; whether the prompt fits is
         :meth:`can_allocate`'s question. A token-budget scheduler uses it to charge only the tokens to compute
         (``len(token_ids) - num_cached_tokens``). Inside one :meth:`allocate_batch` a prompt may also hit the
-        blocks of the batch's earlier prompts, which this lookup cannot know. O(prompt blocks)."""
+        blocks of the batch's earlier prompts, which this lookup cannot know. ``num_new_tokens`` (chunked
+        prefill): ``num_new_blocks`` counts the blocks of the hit plus that many further tokens, as
+        ``allocate(..., num_new_tokens=)`` would take them. O(prompt blocks)."""
         la = _check_int("num_lookahead_slots", num_lookahead_slots, 0)
+        k = None if num_new_tokens is None else _check_int("num_new_tokens", num_new_tokens, 1)
         if self._cache is None:
             n = _as_tokens(token_ids).size
             _encode_namespace(namespace)  # validate it all the same
-            nb = -(-(n + la) // self._bs)
+            nb = -(-((n if k is None else min(n, k)) + la) // self._bs)
             return PrefixHit(0, 0, 0, nb)
         arr = _as_tokens(token_ids)
         hits, _ = self._lookup(arr, self._cache.root(namespace, intern=False))
         ref = self._gpu._ref_mv
         held = sum(1 for b in hits if b >= 0 and ref[b] > 0)
         ncpu = sum(1 for b in hits if b < 0)
-        nb = -(-(arr.size + la) // self._bs)
+        n = arr.size if k is None else min(arr.size, len(hits) * self._bs + k)
+        nb = -(-(n + la) // self._bs)
         return PrefixHit(len(hits) * self._bs, len(hits), ncpu, nb - held)
 
     def _release_namespaces(self) -> None:
         """Forget the prefix-cache namespaces that no live sequence and no cached block uses (bounded state per
         tenant: memory proportional to the namespaces in use, not to all ever seen). Amortised O(1) per new
         namespace (see :meth:`PrefixCache.release_namespaces`)."""
-        keep = {b""} | {_encode_namespace(ns) for ns in self._ns_of if ns is not None}
+        keep = {b""}
+        for ns in self._ns_of:
+            if ns is not None:
+                if type(ns) is _GroupNS:  # (a KV cache group's rows keep the roots of every group)
+                    keep.update(ns.family)
+                else:
+                    keep.add(_encode_namespace(ns))
         self._cache.release_namespaces(keep, self._cpu_id)
 
     def fork(self, parent_seq_id: Hashable, child_seq_id: Hashable) -> None:
         """Create ``child_seq_id`` sharing every block of the parent (refcounts + 1); a later write into a shared
         block gets a copy-on-write pair. Works for swapped-out parents too (the child is swapped out as well).
-        O(table length)."""
+        A parent allocated a chunk of its prompt (``allocate(..., num_new_tokens=)``) is forked only once its
+        whole prompt is appended (SequenceStateError before, changing nothing). O(table length)."""
         row_of = self._row_of
         try:  # (the checks of _row and _check_new_id, inlined: fork is a per-sequence call)
             prow = row_of[parent_seq_id]
@@ -496,6 +566,13 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
             fresh = False
         if not fresh:
             self._check_new_id(child_seq_id)
+        if self._partial and parent_seq_id in self._partial:
+            n = self._partial[parent_seq_id]
+            if self._ntok[prow] < n:
+                raise SequenceStateError(
+                    f"fork({parent_seq_id!r}, ...): only {int(self._ntok[prow])} of its {n} prompt tokens are "
+                    "appended (chunked prefill); fork it once the whole prompt is")
+            del self._partial[parent_seq_id]
         if self._stepping and self._ntok[prow] != self._ntok0[prow]:
             raise SequenceStateError(
                 f"fork({parent_seq_id!r}, ...): the parent was handed slots in this step and their KV is written "
@@ -529,6 +606,8 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
         row = self._row(seq_id)
         if not cache and self._cache is not None and not self._swapped[row]:
             self._withdraw_pending(seq_id, row)  # may raise; changes nothing then
+        if self._partial:
+            self._partial.pop(seq_id, None)
         if self._free_small(seq_id, row):
             return
         if self._swapped[row]:

@@ -73,12 +73,16 @@ def _root_key(namespace: object) -> int:
     return _xxh3(b"pagedkv-ns:" + _encode_namespace(namespace))
 
 
-def block_hashes(token_ids, block_size: int = 16, namespace: object = None) -> list[int]:
+def block_hashes(token_ids, block_size: int = 16, namespace: object = None, group: int = 0) -> list[int]:
     """The prefix-cache keys of the full blocks of ``token_ids`` (``len // block_size`` of them), as a
     BlockManager with this ``block_size`` computes them and as its KV events name the blocks: what a router
-    computes for a request it has not routed yet. Deterministic across processes. O(len(token_ids))."""
+    computes for a request it has not routed yet. ``group``: the keys of KV cache group ``group`` of a
+    :class:`pagedkv.HybridBlockManager` (group 0's are a single-group manager's). Deterministic across
+    processes. O(len(token_ids))."""
     if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
         raise InvalidArgumentError(f"block_size must be an int >= 1, got {block_size!r}")
+    if isinstance(group, bool) or not isinstance(group, (int, np.integer)) or group < 0:
+        raise InvalidArgumentError(f"group must be an int >= 0, got {group!r}")
     arr = np.asarray(token_ids)
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise InvalidTokensError(f"token_ids must be a 1-D sequence of ints, got {arr.dtype} of shape {arr.shape}")
@@ -86,7 +90,8 @@ def block_hashes(token_ids, block_size: int = 16, namespace: object = None) -> l
         raise InvalidTokensError("token_ids must lie in [0, 2**31)")
     n = arr.size // block_size
     data = arr[: n * block_size].astype(np.int32).tobytes()
-    out, k = [], _root_key(namespace)
+    out, k = [], _root_key(namespace) if not group else _xxh3(
+        b"pagedkv-ns:" + b"g%d:" % int(group) + _encode_namespace(namespace))
     for sl in _slices(n, 4 * block_size):
         k = _xxh3(data[sl], seed=k)
         out.append(k)
@@ -127,6 +132,38 @@ def _slices(n: int, width: int) -> list[slice]:
     return got[:n]
 
 
+class _GroupNS:
+    """The namespace of one KV cache group's rows in a :class:`pagedkv.HybridBlockManager` (internal): a user
+    namespace tagged with its group (index, spec kind, window). Group 0 encodes like the bare namespace (its keys
+    are :func:`block_hashes`'), group g > 0 as ``b"g<g>:" + encoding``, a prefix no bare namespace's encoding
+    has, so the groups' chains start from distinct roots and their keys never coincide. KV events unwrap it."""
+
+    __slots__ = ("namespace", "group", "kind", "window", "_data", "family")
+
+    def __init__(self, namespace: object, group: int, kind: str, window: int | None, ngroups: int) -> None:
+        self.namespace, self.group, self.kind, self.window = namespace, group, kind, window
+        data = _encode_namespace(namespace)
+        # the encodings of this namespace in every group (a live sequence keeps all of its groups' roots)
+        self.family = (data,) + tuple(b"g%d:" % g + data for g in range(1, ngroups))
+        self._data = self.family[group]
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is _GroupNS and other._data == self._data
+
+    def __hash__(self) -> int:
+        return hash(self._data)
+
+    def __repr__(self) -> str:
+        return f"_GroupNS({self.namespace!r}, group={self.group})"
+
+
+def _stored_event(keys: list, parent: int | None, toks: list, bs: int, medium: str, ns: object) -> BlockStored:
+    """A BlockStored for blocks of namespace ``ns`` (a bare namespace, or a group's :class:`_GroupNS`)."""
+    if type(ns) is _GroupNS:
+        return BlockStored(keys, parent, toks, bs, None, medium, ns.namespace, ns.group, ns.kind, ns.window)
+    return BlockStored(keys, parent, toks, bs, None, medium, ns)
+
+
 def _encode_namespace(namespace: object) -> bytes:
     if namespace is None:
         return b""
@@ -136,6 +173,8 @@ def _encode_namespace(namespace: object) -> bytes:
         return b"b:" + namespace
     if isinstance(namespace, int) and not isinstance(namespace, bool):
         return b"i:" + str(namespace).encode()
+    if type(namespace) is _GroupNS:
+        return namespace._data
     raise InvalidArgumentError(f"namespace must be None, str, bytes or int, got {type(namespace).__name__}")
 
 
@@ -148,8 +187,8 @@ class PrefixCache:
 
     __slots__ = ("_map", "tok", "key", "cid", "pcid", "evictor", "_roots", "_serial", "evictions", "_width",
                  "_cid_mv", "_tok_mv", "_key_mv", "_pcid_mv", "tier", "fresh", "fresh_serial", "events", "event_overflows", "_ev_max", "_ev_lost", "pkey", "nsid", "_ns_ids", "_ns_list", "_bs",
-                 "_root_serial", "_ns_free", "sweep_at", "void", "dl", "succ", "_ndl", "_runs", "_runs_keep",
-                 "_succ_mv", "_dl_mv")
+                 "_root_serial", "_ns_free", "sweep_at", "grouped", "void", "dl", "succ", "_ndl", "_runs",
+                 "_runs_keep", "_succ_mv", "_dl_mv")
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self._map: dict[int, int] = {}
@@ -191,6 +230,7 @@ class PrefixCache:
         self._ns_free: list[int] = []  # released slots of _ns_list
         self._root_serial = 0  # roots handed out (a root's cid is -serial; never reused)
         self.sweep_at = _SWEEP_MIN  # the manager releases unused namespaces when _roots grows past this
+        self.grouped = False  # a KV cache group's namespace was seen: removals carry their group (_removed)
 
     # ------------------------------------------------------------------ KV events
     def enable_events(self, max_events: int) -> None:
@@ -212,7 +252,23 @@ class PrefixCache:
                 i = len(self._ns_list)
                 self._ns_list.append(namespace)
             self._ns_ids[data] = i
+            if type(namespace) is _GroupNS:
+                self.grouped = True
         return i
+
+    def _removed(self, keys: list, nsids, medium: str) -> None:
+        """Record a BlockRemoved for ``keys`` (whose namespace indexes are ``nsids``): one event, or one per KV
+        cache group, in order, when groups are in use."""
+        if not self.grouped:
+            self._emit(BlockRemoved(keys, medium))
+            return
+        by: dict = {}
+        nsl = self._ns_list
+        for k, i in zip(keys, nsids.tolist() if hasattr(nsids, "tolist") else nsids):
+            ns = nsl[i]
+            by.setdefault(ns.group if type(ns) is _GroupNS else None, []).append(k)
+        for g, ks in by.items():
+            self._emit(BlockRemoved(ks, medium, g))
 
     def _emit(self, event) -> None:
         ev = self.events
@@ -232,8 +288,8 @@ class PrefixCache:
         if bl.size > 1:
             self.pkey[bl[1:]] = np.asarray(keys[:-1], dtype=np.uint64)
         self.nsid[bl] = nsi
-        self._emit(BlockStored(list(keys), None if pcid < 0 else pkey, self.tok[bl].reshape(-1).tolist(), self._bs,
-                               None, "GPU", namespace))
+        self._emit(_stored_event(list(keys), None if pcid < 0 else pkey, self.tok[bl].reshape(-1).tolist(), self._bs,
+                                 "GPU", namespace))
 
     def _stored_chains(self, blocks: np.ndarray, bl: list, keys: list, counts: np.ndarray, pcids: np.ndarray,
                        pkeys: np.ndarray, namespaces: list | None) -> None:
@@ -255,10 +311,10 @@ class PrefixCache:
         bs, emit, pos = self._bs, self._emit, 0
         for m, pc, pk, ns in zip(cl, pcids.tolist(), pkeys.tolist(), nss):
             if m == 1:
-                emit(BlockStored([keys[pos]], None if pc < 0 else pk, toks[pos], bs, None, "GPU", ns))
+                emit(_stored_event([keys[pos]], None if pc < 0 else pk, toks[pos], bs, "GPU", ns))
             else:
-                emit(BlockStored(keys[pos : pos + m], None if pc < 0 else pk,
-                                 [t for row in toks[pos : pos + m] for t in row], bs, None, "GPU", ns))
+                emit(_stored_event(keys[pos : pos + m], None if pc < 0 else pk,
+                                   [t for row in toks[pos : pos + m] for t in row], bs, "GPU", ns))
             pos += m
 
     def take_events(self) -> list:
@@ -278,8 +334,8 @@ class PrefixCache:
         out = []
         for b, k, p, pc, i in zip(cached.tolist(), self.key[cached].tolist(), self.pkey[cached].tolist(),
                                   self.pcid[cached].tolist(), self.nsid[cached].tolist()):
-            out.append(BlockStored([k], None if pc < 0 else p, self.tok[b].tolist(), bs, None, "GPU",
-                                   ns[i] if ns else None))
+            out.append(_stored_event([k], None if pc < 0 else p, self.tok[b].tolist(), bs, "GPU",
+                                     ns[i] if ns else None))
         if self.tier is not None:
             out.extend(self.tier.snapshot_events())
         return out
@@ -596,7 +652,7 @@ class PrefixCache:
         self.cid[blocks] = 0
         self.succ[blocks] = -1
         if self.events is not None and keys:
-            self._emit(BlockRemoved(keys, "GPU"))
+            self._removed(keys, self.nsid[blocks], "GPU")
 
     # ------------------------------------------------------------------ eviction
     def evict_many(self, n: int) -> np.ndarray:
@@ -613,7 +669,7 @@ class PrefixCache:
         self.cid[blocks] = 0
         self.evictions += n
         if self.events is not None:
-            self._emit(BlockRemoved(keys, "GPU"))
+            self._removed(keys, self.nsid[blocks], "GPU")
         if cids is not None:
             self.tier.demote(blocks, cids)
         return blocks
@@ -630,7 +686,7 @@ class PrefixCache:
         self.cid[b] = 0
         self.evictions += 1
         if self.events is not None:
-            self._emit(BlockRemoved([k], "GPU"))
+            self._removed([k], [int(self.nsid[b])], "GPU")
         if self.tier is not None:
             self.tier.demote(np.array([b]), np.array([c]))
         return b

@@ -22,7 +22,27 @@ Policy (the one of vLLM's first-generation scheduler, with prefills and decodes 
    ``max_num_batched_tokens`` allow (only in a step without preemption and with nothing left swapped out).
    ``LATER`` stops admission; ``NEVER`` finishes the request at once with finish reason ``"ignored"``. A prompt
    longer than ``max_num_batched_tokens`` is admitted alone in a step. The token budget counts whole prompts
-   (the prefix-cache hit is only known once the blocks are allocated).
+   (the prefix-cache hit is only known once the blocks are allocated). With chunked prefill, below, admission
+   and the budget work by chunks instead.
+
+**Chunked prefill** (``enable_chunked_prefill=True``; vLLM V1's order). Each step has a budget of
+``max_num_batched_tokens`` tokens, filled in this order:
+
+1. **decodes**: one token (or the accepted tokens) per running sequence, preempting as above; decodes are
+   never cut by the budget (keep ``max_num_batched_tokens >= max_num_seqs``). Swapped-out requests come back
+   as above (no budget) and then take part like any running request;
+2. **partly prefilled prompts**, oldest admission first: each gets its next chunk, at most the budget left and
+   at most ``long_prefill_token_threshold`` tokens (0: no cap), appended with one multi-token ``decode_step``
+   for all of them. When the chunks do not fit in the free blocks, the most recently admitted of these
+   requests is preempted (recompute or swap, like a decode's victim) and the rest tried again;
+3. **new admissions** first come, first served while the budget lasts: ``allocate(...,
+   num_new_tokens=chunk)`` after one prefix lookup on the whole prompt (the hit is free; the chunk is charged),
+   ``can_allocate`` counting the chunk's blocks only.
+
+A partly prefilled sequence samples nothing: its :class:`PrefillWork` has ``num_samples == 0`` until the chunk
+that ends the prompt (whose last logits give the first token, as an unchunked prefill's do). Every full block a
+chunk fills is in the prefix cache when the call returns, so an identical prompt admitted later (even in the same
+step) starts from there. Without chunking the budget counts whole prompts, and decodes are not charged.
 
 Sequence ids are ints handed out by the scheduler: a request with ``n`` samples owns the consecutive ids
 ``base .. base + n - 1`` (sample ``i`` is ``base + i``, sample 0 is the parent). A fresh request is prefilled once,
@@ -124,18 +144,20 @@ def _concat_pairs(parts: list) -> np.ndarray:
 
 
 class PrefillWork(NamedTuple):
-    """One sequence's prefill in a step."""
+    """One sequence's prefill in a step: the whole prompt from its prefix-cache hit on, or one chunk of it
+    (chunked prefill)."""
 
     request_id: Hashable
     seq_id: int
     sample_index: int
-    token_ids: np.ndarray  # int64 (T,): the tokens to compute, prompt[start:]
+    token_ids: np.ndarray  # int64 (T,): the tokens to compute, prompt[start:seq_len]
     positions: np.ndarray  # int64 (T,): start .. seq_len - 1
     slot_mapping: np.ndarray  # int64 (T,): slot of each computed token (None if the bm has no slot_mapping)
     block_table: np.ndarray  # int32: the sequence's block table, read-only (None likewise)
-    num_cached_tokens: int  # == start: tokens whose KV came from the prefix cache
-    seq_len: int  # tokens of the sequence (attention context length of the last token)
-    num_samples: int  # tokens the caller must sample from the last logits (n for a fresh request, else 1)
+    num_cached_tokens: int  # == start: tokens whose KV is already in the cache (prefix hit, earlier chunks)
+    seq_len: int  # tokens of the sequence after this step (attention context length of the last token)
+    num_samples: int  # tokens to sample from the last logits (n for a fresh request, else 1; 0: a chunk that
+    #                   does not end the prompt: sample nothing, its entry in update() is ignored)
 
 
 class DecodeBatch(NamedTuple):
@@ -232,6 +254,7 @@ class SchedulerStats:
     prompt_tokens: int = 0  # tokens passed to allocate
     cached_tokens: int = 0  # prefix-cache hits returned by allocate
     computed_prefill_tokens: int = 0
+    prefill_chunks: int = 0  # chunked prefill: chunks scheduled (a prompt prefilled in one step counts one)
     decode_tokens: int = 0
     preemptions: int = 0  # request preemptions (recompute + swap)
     recompute_preemptions: int = 0
@@ -258,7 +281,8 @@ class SchedulerStats:
 
 
 class _Seq:
-    __slots__ = ("seq_id", "group", "index", "output", "num_computed", "num_pending", "status", "finish")
+    __slots__ = ("seq_id", "group", "index", "output", "num_computed", "num_pending", "status", "finish",
+                 "prefill")
 
     def __init__(self, seq_id: int, group: "_Group", index: int) -> None:
         self.seq_id = seq_id
@@ -269,6 +293,7 @@ class _Seq:
         self.num_pending = 0  # trailing output tokens not input yet
         self.status = _WAITING
         self.finish: str | None = None
+        self.prefill: np.ndarray | None = None  # chunked prefill: the tokens being prefilled, until the last chunk
 
 
 class _Group:
@@ -298,10 +323,16 @@ class Scheduler:
     Args:
         block_manager: a :class:`pagedkv.BlockManager` or an object with the same methods.
         max_num_seqs: most sequences running at once (a request with ``n`` samples counts ``n``).
-        max_num_batched_tokens: prefill tokens admitted per step (a longer prompt is admitted alone).
+        max_num_batched_tokens: prefill tokens admitted per step (a longer prompt is admitted alone); with
+            chunked prefill, the step's token budget (decodes plus prompt chunks).
         preemption_mode: ``"recompute"`` or ``"swap"`` (swap falls back to recompute when the CPU pool is full).
         num_lookahead_slots: slots reserved past the last token at every decode (speculative decoding); a
             decode then takes between 1 and ``num_lookahead_slots + 1`` sampled tokens per sequence.
+        enable_chunked_prefill: schedule by a token budget with prompts prefilled in chunks (see the module
+            docstring); needs a block manager whose ``allocate``, ``can_allocate`` and ``decode_step`` take
+            ``num_new_tokens`` (:class:`pagedkv.BlockManager`).
+        long_prefill_token_threshold: with chunked prefill, the most tokens one prompt gets in one step, so that
+            several long prompts progress together (0: no cap besides the budget).
         precheck_append: ask ``can_append_slots`` before every ``decode_step`` (vLLM's call pattern, needed by
             block managers whose batched append is not all-or-nothing). With False the scheduler calls
             ``decode_step`` directly and preempts when it raises OutOfBlocksError, which saves a pass over the
@@ -318,6 +349,8 @@ class Scheduler:
         preemption_mode: str = "recompute",
         num_lookahead_slots: int = 0,
         precheck_append: bool | None = None,
+        enable_chunked_prefill: bool = False,
+        long_prefill_token_threshold: int = 0,
     ) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
@@ -327,6 +360,10 @@ class Scheduler:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
         if num_lookahead_slots < 0:
             raise ValueError(f"num_lookahead_slots must be >= 0, got {num_lookahead_slots}")
+        if long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {long_prefill_token_threshold}")
+        self.enable_chunked_prefill = bool(enable_chunked_prefill)
+        self.long_prefill_token_threshold = int(long_prefill_token_threshold)
         self.bm = block_manager
         self.max_num_seqs = int(max_num_seqs)
         self.max_num_batched_tokens = int(max_num_batched_tokens)
@@ -499,16 +536,24 @@ class Scheduler:
         decode = self._schedule_decode(swap_out, preempted, ignored) if self._running else None
 
         swapped_in_any = False
+        swapped_in: set = set()
         if not preempted and self._swapped:
-            swapped_in_any = self._schedule_swap_in(swap_in)
+            swapped_in_any = self._schedule_swap_in(swap_in, swapped_in)
             if swapped_in_any and decode is None:
                 # nothing else decodes this step: decode the swapped-in requests now (without preempting, so a
                 # block is never swapped in and out in the same step)
                 decode = self._schedule_decode(swap_out, preempted, ignored, allow_preempt=False)
 
         prefills: list[PrefillWork] = []
+        chunk_cow = _EMPTY_PAIRS
+        budget = self.max_num_batched_tokens
+        if self.enable_chunked_prefill:
+            if decode is not None:
+                budget -= int(decode.query_lens.sum())
+            if self._running:  # the next chunk of each partly prefilled prompt
+                budget, chunk_cow = self._schedule_chunks(prefills, budget, swap_out, preempted, swapped_in)
         if not preempted and not self._swapped and self._waiting:
-            self._schedule_prefills(prefills, ignored)
+            self._schedule_prefills(prefills, ignored, budget)
 
         # progress guard: nothing runs and nothing could be started although work is queued
         if not self._running and not prefills and not swapped_in_any and not preempted:
@@ -527,7 +572,7 @@ class Scheduler:
                 ignored.append(self._ignore(g, why))
 
         cow = decode.result.cow if decode is not None else None  # (the plan's GPU -> GPU copies)
-        cow = _pairs(cow)
+        cow = _concat_pairs([_pairs(cow), chunk_cow])
         if len(cow):
             self.stats.copy_on_writes += len(cow)
         plan = StepPlan(
@@ -559,6 +604,8 @@ class Scheduler:
         uniform = True
         for g in self._running.values():
             for s in g.live:
+                if s.prefill is not None:  # partly prefilled: its next chunk comes after the decodes
+                    continue
                 ids.append(s.seq_id)
                 starts.append(s.num_computed)
                 q = s.num_pending
@@ -606,8 +653,10 @@ class Scheduler:
                 return None
             # preempt the most recently admitted running request (all of its sequences are at the batch's end)
             g = self._running[next(reversed(self._running))]
+            m = sum(1 for s in g.live if s.prefill is None)  # its decoding sequences: the batch's last
+            if m:
+                del ids[-m:], starts[-m:], qs[-m:], toks[-m:]
             m = len(g.live)
-            del ids[-m:], starts[-m:], qs[-m:], toks[-m:]
             if not uniform:
                 uniform = all(q == 1 for q in qs)
             if len(self._running) == 1:
@@ -679,9 +728,10 @@ class Scheduler:
             s.status = _WAITING
             s.num_computed = 0
             s.num_pending = 0
+            s.prefill = None
         self._waiting.appendleft(g)
 
-    def _schedule_swap_in(self, swap_in: list) -> bool:
+    def _schedule_swap_in(self, swap_in: list, swapped_in: set | None = None) -> bool:
         bm = self.bm
         k = self.num_lookahead_slots
         any_in = False
@@ -705,6 +755,8 @@ class Scheduler:
                 self._running[g.arrival] = g
                 self._num_running_seqs += m
                 any_in = True
+                if swapped_in is not None:
+                    swapped_in.add(g.arrival)
             elif st == "NEVER":  # it can never come back: recompute it (and maybe finish it as ignored later)
                 heapq.heappop(self._swapped)
                 for sid in ids:
@@ -714,10 +766,76 @@ class Scheduler:
                 break
         return any_in
 
-    def _schedule_prefills(self, prefills: list, ignored: list) -> None:
+    def _schedule_chunks(self, prefills: list, budget: int, swap_out: list, preempted: list,
+                         swapped_in: set) -> tuple[int, np.ndarray]:
+        """Chunked prefill: the next chunk of every partly prefilled sequence (oldest admission first) while the
+        budget lasts, appended by one multi-token ``decode_step``. When they do not fit, the most recently
+        admitted of them is preempted (or only left out of this step if it was swapped in in this step or also
+        decodes in it) and the rest is tried again. Returns the budget left and the call's copy-on-write pairs."""
+        cap = self.long_prefill_token_threshold or budget
+        items: list[tuple[_Group, _Seq, int]] = []
+        for g in self._running.values():
+            for s in g.live:
+                if s.prefill is None:
+                    continue
+                if budget <= 0:
+                    break
+                c = min(len(s.prefill) - s.num_computed, budget, cap)
+                items.append((g, s, c))
+                budget -= c
+        bm = self.bm
+        result = None
+        while items:
+            ids = [s.seq_id for _, s, _ in items]
+            counts = np.array([c for _, _, c in items], dtype=np.int64)
+            flat = np.concatenate([s.prefill[s.num_computed : s.num_computed + c] for _, s, c in items])
+            ok = True
+            if self.precheck_append:
+                ok = bm.can_append_slots(ids, 0, num_new_tokens=int(counts.max()))
+            if ok:
+                try:
+                    result = bm.decode_step(ids, flat, 0, num_new_tokens=counts)
+                    break
+                except OutOfBlocksError:
+                    pass
+            victim = items[-1][0]  # the most recently admitted of them (items follow admission order)
+            budget += sum(c for g, _, c in items if g is victim)
+            items = [it for it in items if it[0] is not victim]
+            if victim.arrival not in swapped_in and all(s.prefill is not None for s in victim.live):
+                self._preempt(victim, swap_out, preempted)
+        if result is None:
+            return budget, _EMPTY_PAIRS
+        cow = _pairs(result.cow)
+        if self._own_plan:
+            self._step_copies.append((CopyKind.GPU_TO_GPU, cow))
+        slots = np.asarray(result.slot_mapping, dtype=np.int64)
+        off = 0
+        st = self.stats
+        for g, s, c in items:
+            start = s.num_computed
+            end = start + c
+            last = end == len(s.prefill)
+            prefills.append(PrefillWork(
+                request_id=g.request_id, seq_id=s.seq_id, sample_index=s.index,
+                token_ids=s.prefill[start:end], positions=np.arange(start, end, dtype=np.int64),
+                slot_mapping=slots[off : off + c], block_table=bm.block_table(s.seq_id) if self._has_slots else None,
+                num_cached_tokens=start, seq_len=end, num_samples=(1 if g.forked else g.n) if last else 0,
+            ))
+            off += c
+            s.num_computed = end
+            if last:
+                s.prefill = None
+            st.computed_prefill_tokens += c
+            st.prefill_chunks += 1
+        return budget, cow
+
+    def _schedule_prefills(self, prefills: list, ignored: list, budget: int | None = None) -> None:
         bm = self.bm
         k = self.num_lookahead_slots
-        budget = self.max_num_batched_tokens
+        chunked = self.enable_chunked_prefill
+        if budget is None or not chunked:
+            budget = self.max_num_batched_tokens
+        cap = self.long_prefill_token_threshold or self.max_num_batched_tokens
         used = 0
         waiting = self._waiting
         while waiting:
@@ -726,32 +844,41 @@ class Scheduler:
             new_seqs = g.n if fresh else len(g.live)
             if self._num_running_seqs + new_seqs > self.max_num_seqs:
                 break
+            if chunked and budget - used < len(g.live):  # (at least one token for each of its sequences)
+                break
             if fresh:
                 token_lists = [g.prompt]
             else:
                 token_lists = [self._full_tokens(s) for s in g.live]
             ntok = sum(len(t) for t in token_lists)
-            if used + ntok > budget and prefills:
+            if not chunked and used + ntok > budget and prefills:
                 break
             # all sequences of the request or none
             done: list[tuple[_Seq, np.ndarray, int]] = []
             verdict = "OK"
             reason = ""
-            for s, toks in zip(g.live, token_lists):
-                if g.namespace is None:
-                    st = _status_name(bm.can_allocate(toks, k))
-                else:
-                    st = _status_name(bm.can_allocate(toks, k, namespace=g.namespace))
+            m = len(token_lists)
+            ends: list[int] = []
+            for i, (s, toks) in enumerate(zip(g.live, token_lists)):
+                kw: dict = {} if g.namespace is None else {"namespace": g.namespace}
+                if chunked:  # the hit plus one chunk, leaving a token of budget for each later sequence
+                    kw["num_new_tokens"] = min(cap, budget - used - (m - 1 - i))
+                st = _status_name(bm.can_allocate(toks, k, **kw))
                 if st != "OK":
                     verdict = st
                     reason = f"{len(toks)} tokens can never fit in the pool"
                     break
                 try:
-                    hit = bm.allocate(s.seq_id, toks, namespace=g.namespace)
+                    hit = bm.allocate(s.seq_id, toks, **kw)
                 except OutOfBlocksError as e:
                     verdict = "NEVER" if type(e).__name__ == "PromptTooLongError" else "LATER"
                     reason = str(e)
                     break
+                end = len(toks)
+                if chunked:
+                    end = min(end, int(hit) + kw["num_new_tokens"])
+                    used += end - int(hit)
+                ends.append(end)
                 done.append((s, toks, int(hit)))
             if verdict != "OK":
                 for s, _, _ in reversed(done):  # later samples may share earlier ones' unwritten blocks
@@ -762,9 +889,10 @@ class Scheduler:
                     continue
                 break
             waiting.popleft()
-            used += ntok
-            for s, toks, hit in done:
-                prefills.append(self._prefill_work(g, s, toks, hit, g.n if fresh else 1))
+            if not chunked:
+                used += ntok
+            for (s, toks, hit), end in zip(done, ends):
+                prefills.append(self._prefill_work(g, s, toks, hit, g.n if fresh else 1, end))
             if g.num_cached_tokens is None:
                 g.num_cached_tokens = done[0][2]
             g.status = _RUNNING
@@ -778,34 +906,41 @@ class Scheduler:
             return s.group.prompt
         return np.concatenate((s.group.prompt, np.array(s.output, dtype=np.int64)))
 
-    def _prefill_work(self, g: _Group, s: _Seq, toks: np.ndarray, hit: int, num_samples: int) -> PrefillWork:
+    def _prefill_work(self, g: _Group, s: _Seq, toks: np.ndarray, hit: int, num_samples: int,
+                      end: int | None = None) -> PrefillWork:
+        """The prefill of a just allocated sequence: prompt positions ``[hit, end)`` (``end`` < len: the first
+        chunk of a chunked prefill, which samples nothing; the rest is :meth:`_schedule_chunks`' job)."""
         L = len(toks)
+        end = L if end is None else end
         # the last prompt token is always computed: its logits give the next token
         start = min(hit, L - 1)
         if self._has_slots:
             bm = self.bm
-            slots = np.asarray(bm.slot_mapping(s.seq_id, start, L), dtype=np.int64)
+            slots = np.asarray(bm.slot_mapping(s.seq_id, start, end), dtype=np.int64)
             table = bm.block_table(s.seq_id)
         else:
             slots = table = None
-        s.num_computed = L
+        s.num_computed = end
         s.num_pending = 0
+        s.prefill = toks if end < L else None
         st = self.stats
         st.prefills += 1
         st.prompt_tokens += L
         st.cached_tokens += hit
-        st.computed_prefill_tokens += L - start
+        st.computed_prefill_tokens += end - start
+        if self.enable_chunked_prefill:
+            st.prefill_chunks += 1
         return PrefillWork(
             request_id=g.request_id,
             seq_id=s.seq_id,
             sample_index=s.index,
-            token_ids=toks[start:],
-            positions=np.arange(start, L, dtype=np.int64),
+            token_ids=toks[start:end],
+            positions=np.arange(start, end, dtype=np.int64),
             slot_mapping=slots,
             block_table=table,
             num_cached_tokens=start,
-            seq_len=L,
-            num_samples=num_samples,
+            seq_len=end,
+            num_samples=num_samples if end == L else 0,
         )
 
     def _ignore(self, g: _Group, reason: str) -> RequestOutput:
@@ -834,7 +969,8 @@ class Scheduler:
         """Hand back the tokens sampled for ``plan`` and return the requests that finished.
 
         ``sampled`` has one entry per prefill (in ``plan.prefills`` order) followed by one entry per decoded
-        sequence (in ``plan.decode.seq_ids`` order). A prefill entry is a token, or ``num_samples`` tokens; a
+        sequence (in ``plan.decode.seq_ids`` order). A prefill entry is a token, or ``num_samples`` tokens
+        (ignored, e.g. None, for a chunk with ``num_samples == 0``); a
         decode entry is a token, or the 1 .. ``num_lookahead_slots + 1`` tokens accepted by speculative decoding.
         A 1-D integer array works when every entry is one token.
         """
@@ -855,6 +991,8 @@ class Scheduler:
             i += 1
             s = seqs.get(pw.seq_id)
             if s is None or s.status != _RUNNING:  # aborted meanwhile
+                continue
+            if pw.num_samples == 0:  # a chunk that does not end the prompt: nothing was sampled
                 continue
             g = s.group
             toks = [int(entry)] if isinstance(entry, (int, np.integer)) else [int(t) for t in entry]

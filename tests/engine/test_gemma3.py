@@ -4,7 +4,8 @@ cache; its tokenizer reproduces the reference prompt ids; the sliding-window sem
 
 CI runs a representative subset of the reference cases (:data:`CI_CASES`: the case that must recall a paragraph from
 more than 512 tokens back, which only the full-attention layers can see, and a multiplication table longer than the
-window; :data:`CI_PREEMPTION_CASES` for the preemption tests); ``PAGEDKV_GEMMA3_FULL=1`` runs every case in every configuration (a few minutes on 2 cores), and the CLI
+window; :data:`CI_PREEMPTION_CASES` for the preemption tests; chunked prefill with its budget, a rerun and a
+preemption in the middle of a prefill, by recompute in CI, by swap too with ``PAGEDKV_GEMMA3_FULL=1``); ``PAGEDKV_GEMMA3_FULL=1`` runs every case in every configuration (a few minutes on 2 cores), and the CLI
 with ``--model gemma-3-270m``.
 """
 
@@ -273,6 +274,48 @@ def test_preemption_in_a_small_cache(gemma, preemption_cases, mode):
     llm.block_manager.check_invariants()
 
 
+def test_chunked_prefill_through_the_scheduler(gemma, cases):
+    """Chunked prefill (issue 17) through LLM: a 250-token budget with a 128-token cap per prompt, so chunks end on
+    block edges (128) and inside blocks (the budget's remainder beside the other prompt and the decodes), and the
+    sliding layers' window edges fall inside earlier chunks; then a rerun from the prefix cache."""
+    llm = make_llm(gemma, num_gpu_blocks=sum(blocks(len(c["prompt_ids"]) + c["max_tokens"]) for c in cases) * 2,
+                   enable_chunked_prefill=True, max_num_batched_tokens=250, long_prefill_token_threshold=128)
+    outs = run(llm, cases)
+    assert gen(outs) == [c["gen_ids"] for c in cases]
+    st = llm.scheduler.stats
+    assert st.prefill_chunks >= sum(-(-len(c["prompt_ids"]) // 128) for c in cases)
+    again = run(llm, cases)
+    assert gen(again) == [c["gen_ids"] for c in cases]
+    assert [o.num_cached_tokens for o in again] == [(len(c["prompt_ids"]) - 1) // BLOCK * BLOCK for c in cases]
+    llm.block_manager.check_invariants()
+
+
+@pytest.mark.parametrize("mode", ["recompute", pytest.param("swap", marks=pytest.mark.opt_in("PAGEDKV_GEMMA3_FULL"))])
+def test_chunked_prefill_preempted_in_the_middle(gemma, preemption_cases, mode):
+    """A cache too small for both prompts: the second prompt's chunks cannot all fit beside the first request, so
+    it is preempted (recompute or swap) while partly prefilled, and later finishes; the reference ids."""
+    cases = preemption_cases
+    need = max(blocks(len(c["prompt_ids"]) + c["max_tokens"]) for c in cases)
+    total = sum(blocks(len(c["prompt_ids"]) + c["max_tokens"]) for c in cases)
+    llm = make_llm(gemma, num_gpu_blocks=max(need + 8, total - 12), preemption_mode=mode,
+                   num_cpu_blocks=total if mode == "swap" else 0, enable_chunked_prefill=True,
+                   max_num_batched_tokens=256)
+    sched = llm.scheduler
+    schedule, mid = sched.schedule, []
+
+    def record():
+        partial = {s.group.request_id for s in sched._seqs.values() if s.prefill is not None}
+        plan = schedule()
+        mid.extend(p for p in plan.preempted if p.request_id in partial)
+        return plan
+
+    sched.schedule = record
+    outs = run(llm, cases)
+    assert gen(outs) == [c["gen_ids"] for c in cases]
+    assert mid and all(p.mode == mode for p in mid)
+    llm.block_manager.check_invariants()
+
+
 @pytest.mark.opt_in("PAGEDKV_GEMMA3_FULL")  # loads the model in a subprocess (~30 s); deselected unless set
 def test_cli_generate_with_model_name(gemma, reference):
     c = reference["cases"][4]
@@ -287,7 +330,7 @@ def test_cli_generate_with_model_name(gemma, reference):
 def test_chunked_prefill_then_decode(gemma, reference):
     """The forward computes a prompt in chunks (each chunk's queries read the earlier chunks' KV through the block
     table, a sliding layer only its window, which spans chunk edges) and decodes after it: the reference ids. The
-    scheduler's chunked prefill (issue 17) will drive exactly these steps."""
+    scheduler's chunked prefill drives these steps (test_chunked_prefill_through_the_scheduler)."""
     from pagedkv.engine.model import build_attention_metadata
 
     c = reference["cases"][5]  # 783 tokens: chunks of 300 put window edges inside earlier chunks

@@ -31,6 +31,9 @@ from .sampling import SamplingParams, sample, sample_batch
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
 
+DEFAULT_CHUNKED_BUDGET = 512  # max_num_batched_tokens with chunked prefill (prompt chunks plus decodes a step)
+DEFAULT_BUDGET = 2048  # without it (whole prompts a step)
+
 
 @dataclass(frozen=True)
 class CompletionOutput:
@@ -91,8 +94,8 @@ class LLM:
 
     The block manager's options (``block_size``, ``num_gpu_blocks``, ``num_cpu_blocks``,
     ``enable_prefix_caching``, ``sliding_window``, ``enable_kv_events``, ``cpu_prefix_cache``) and the
-    scheduler's (``max_num_seqs``, ``max_num_batched_tokens``, ``preemption_mode``, ``num_lookahead_slots``)
-    are passed on as they are; KV events come out of ``llm.block_manager.take_events()``, and the CPU tier of
+    scheduler's (``max_num_seqs``, ``max_num_batched_tokens``, ``preemption_mode``, ``num_lookahead_slots``,
+    ``enable_chunked_prefill``, ``long_prefill_token_threshold``) are passed on as they are; KV events come out of ``llm.block_manager.take_events()``, and the CPU tier of
     the prefix cache lives in the ``num_cpu_blocks`` CPU blocks, shared with swap preemption.
 
     Args:
@@ -105,6 +108,14 @@ class LLM:
         device: "cpu" (default) or "cuda".
         dtype: weights and KV dtype (float32 default).
         seed: seed of the generator used by requests without their own seed.
+        max_num_batched_tokens: the token budget of one step; None: 512 with chunked prefill (a step then costs
+            about as much as a 512-token prefill, which bounds what the decoding sequences wait), 2048 without.
+        enable_chunked_prefill: schedule each step by a budget of ``max_num_batched_tokens`` tokens, decodes
+            first, then the next chunk of partly prefilled prompts, then new prompts (docs/chunked-prefill.md):
+            a long prompt no longer stops the sequences that are decoding. False: a prompt is prefilled in one
+            step (a prompt longer than the budget alone in its step).
+        long_prefill_token_threshold: with chunked prefill, the most prompt tokens one request gets in one
+            step (0: no cap besides the budget), so that several long prompts progress together.
     """
 
     def __init__(
@@ -116,7 +127,7 @@ class LLM:
         num_cpu_blocks: int = 0,
         enable_prefix_caching: bool = True,
         max_num_seqs: int = 32,
-        max_num_batched_tokens: int = 2048,
+        max_num_batched_tokens: int | None = None,
         preemption_mode: str = "recompute",
         num_lookahead_slots: int = 0,
         sliding_window: int | None = None,
@@ -126,6 +137,8 @@ class LLM:
         seed: int = 0,
         enable_kv_events: bool = False,
         cpu_prefix_cache: bool = False,
+        enable_chunked_prefill: bool = True,
+        long_prefill_token_threshold: int = 0,
     ) -> None:
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise InvalidArgumentError(f"device {device!r} was asked for but CUDA is not available; use device='cpu'")
@@ -133,6 +146,15 @@ class LLM:
             raise InvalidArgumentError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
         if preemption_mode == "swap" and num_cpu_blocks <= 0:
             raise InvalidArgumentError("preemption_mode='swap' needs num_cpu_blocks > 0")
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = DEFAULT_CHUNKED_BUDGET if enable_chunked_prefill else DEFAULT_BUDGET
+        if isinstance(max_num_batched_tokens, bool) or not isinstance(max_num_batched_tokens, int) \
+                or max_num_batched_tokens < 1:
+            raise InvalidArgumentError(f"max_num_batched_tokens must be an int >= 1, got {max_num_batched_tokens!r}")
+        if isinstance(long_prefill_token_threshold, bool) or not isinstance(long_prefill_token_threshold, int) \
+                or long_prefill_token_threshold < 0:
+            raise InvalidArgumentError(
+                f"long_prefill_token_threshold must be an int >= 0, got {long_prefill_token_threshold!r}")
         self.device = torch.device(device)
         if model is not None and not isinstance(model, (str, os.PathLike)):  # share already loaded weights
             self.model = model
@@ -158,7 +180,9 @@ class LLM:
         self.scheduler = Scheduler(
             self._timed_bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             preemption_mode=preemption_mode, num_lookahead_slots=num_lookahead_slots,
+            enable_chunked_prefill=enable_chunked_prefill, long_prefill_token_threshold=long_prefill_token_threshold,
         )
+        self.enable_chunked_prefill = bool(enable_chunked_prefill)
         self.kv_cache = self.model.allocate_kv_cache(num_gpu_blocks, block_size)
         self.cpu_kv_cache = self.model.allocate_kv_cache(num_cpu_blocks, block_size, device="cpu") \
             if num_cpu_blocks else None
@@ -338,11 +362,18 @@ class LLM:
         if not plan.has_forward:  # a step that only moved blocks
             return []
         new_tokens, computed, slots, tables, owners = [], [], [], [], []
-        for pw in plan.prefills:
+        rows, skip = [], []  # the sequences that sample (chunked prefill: not a chunk that leaves prompt behind)
+        ntok = 0
+        for i, pw in enumerate(plan.prefills):
             new_tokens.append(pw.token_ids)
             computed.append(pw.num_cached_tokens if pw.positions.size == 0 else int(pw.positions[0]))
             slots.append(pw.slot_mapping)
             tables.append(pw.block_table)
+            ntok += len(pw.token_ids)
+            if pw.num_samples == 0:
+                skip.append(i)
+                continue
+            rows.append(ntok - 1)
             owners.append((by_id[pw.request_id], pw.num_samples))
         d = plan.decode
         if d is not None:
@@ -353,11 +384,15 @@ class LLM:
                 computed.append(int(d.positions[a]))
                 tables.append(d.result.block_tables[i])
                 owners.append((by_id[self.scheduler.sequence(sid).request_id], 1))
+                rows.append(ntok + int(z) - 1)
             slots.append(d.result.slot_mapping)
         meta = build_attention_metadata(new_tokens, computed, np.concatenate(slots), tables,
                                         block_size=self.block_manager.block_size,
-                                        sliding_window=self.sliding_window, device=self.device)
+                                        sliding_window=self.sliding_window, device=self.device,
+                                        logits="last" if not skip else np.asarray(rows, dtype=np.int64))
         logits = self.model(meta, self.kv_cache).cpu()
+        if not owners:  # only chunks that sample nothing
+            return [None] * len(plan.prefills)
         t = time.perf_counter()
         try:
             drawn = sample_batch(logits, [r.params for r, _ in owners], [num for _, num in owners],
@@ -371,7 +406,10 @@ class LLM:
                     self._sample_faults.setdefault(r.request_id, e)
                     drawn.append([0] * num)  # a placeholder; the caller aborts the request after the step
         self._sampling_s = time.perf_counter() - t
-        return [toks if num > 1 else toks[0] for toks, (_, num) in zip(drawn, owners)]
+        out = [toks if num > 1 else toks[0] for toks, (_, num) in zip(drawn, owners)]
+        for i in skip:  # (in order: each index counts the entries before it)
+            out.insert(i, None)
+        return out
 
     def _after_step(self, plan: Any, by_id: dict) -> list:
         """Record sample 0's tokens for streaming; finish samples whose text now contains a stop string."""

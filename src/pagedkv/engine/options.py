@@ -24,8 +24,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="demote evicted prefix-cache blocks to the CPU blocks and promote them back on a hit")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off (on by default)")
     p.add_argument("--max-num-seqs", type=int, default=32, help="most sequences in one batch")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="most tokens (prompt and decode) in one step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one step: with chunked prefill, decodes plus prompt chunks; without, "
+                        "whole prompts (a longer prompt runs alone in its step) (default: 512 with chunked "
+                        "prefill, 2048 without)")
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="prefill long prompts in chunks within the step's token budget, decodes first, so that "
+                        "a long prompt does not stop the streams that are decoding")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0, metavar="TOKENS",
+                   help="with chunked prefill, the most prompt tokens one request gets in one step, so that "
+                        "several long prompts progress together (0: no cap besides the budget)")
     p.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute",
                    help="what a preempted request gives up: its KV (recompute) or its GPU blocks (swap to the "
                         "--num-cpu-blocks)")
@@ -51,6 +59,8 @@ def make_llm(args: argparse.Namespace, **over):
         enable_prefix_caching=not args.no_prefix_caching, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, preemption_mode=args.preemption_mode,
         sliding_window=args.sliding_window, device=args.device, cpu_prefix_cache=args.cpu_prefix_cache,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
     )
     kw.update(over)
     return LLM(args.model, **kw)

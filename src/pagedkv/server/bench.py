@@ -6,6 +6,11 @@ exact), of which the first ``--shared-prefix-len`` are the same in every prompt 
 for exactly ``--output-len`` tokens (``ignore_eos``, greedy). Requests start at ``--request-rate`` per second
 (Poisson arrivals; ``inf``, the default, sends them all at once), at most ``--max-concurrency`` at a time.
 
+With ``--long-prompt-len``, the workload is instead long prompts arriving into decoding traffic
+(:mod:`pagedkv.server.longprompt`): ``--num-streams`` streams decode, then one prompt of ``--long-prompt-len``
+tokens arrives; reported: the largest stall of the decoding streams while it is prefilled, its TTFT, and ITL /
+TPOT percentiles (p50/p90/p99/max).
+
 Per request: TTFT (send to first streamed text), ITL (gaps between streamed chunks), TPOT ((latency - TTFT) /
 (output tokens - 1)). Printed: requests/s, output tokens/s, and the median and p99 of TTFT, TPOT and ITL (ms).
 """
@@ -190,7 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY' (default: none)")
     p.add_argument("--num-prompts", type=int, default=32, help="requests sent")
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
-    p.add_argument("--output-len", type=int, default=32, help="tokens generated per request (end of sequence ignored)")
+    p.add_argument("--output-len", type=int, default=None,
+                   help="tokens generated per request (end of sequence ignored; default 32, and 1024 for each stream "
+                        "of --long-prompt-len, which are cut once the long prompt is answered)")
     p.add_argument("--shared-prefix-len", type=int, default=0, help="leading prompt tokens shared by all prompts")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: all at once")
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no limit)")
@@ -208,11 +215,61 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--trace-time-scale", type=float, default=0.0,
                    help="send each request at its trace time divided by this (0: in order, as fast as the "
                         "concurrency cap allows)")
+    lp = p.add_argument_group("long prompts into decoding traffic (pagedkv.server.longprompt)")
+    lp.add_argument("--long-prompt-len", type=int, default=None, metavar="TOKENS",
+                    help="run this workload: streams decode, then a prompt of TOKENS random tokens arrives "
+                         "(replaces the random prompts; --input-len is each stream's prompt length)")
+    lp.add_argument("--num-streams", type=int, default=3, help="streams decoding when the long prompt arrives (3)")
+    lp.add_argument("--long-output-len", type=int, default=8, help="tokens the long prompt asks for (8)")
+    lp.add_argument("--long-after-tokens", type=int, default=16,
+                    help="the long prompt is sent once every stream has streamed this many tokens (16)")
+    lp.add_argument("--tail", type=float, default=2.0,
+                    help="seconds the streams are watched after the long prompt's first token, then cut (2)")
+    lp.add_argument("--trials", type=int, default=1, help="trials one after the other, fresh prompts each (1)")
+    lp.add_argument("--trial-timeout", type=float, default=120.0, help="seconds one trial may take (120)")
     return p
+
+
+def _long_prompt_main(args: argparse.Namespace) -> int:
+    from .longprompt import LongPromptConfig, print_long_prompt_summary, run_long_prompt_bench
+
+    if (args.long_prompt_len < 1 or args.num_streams < 1 or args.long_output_len < 1 or args.trials < 1
+            or args.long_after_tokens < 1 or not args.tail >= 0 or not args.trial_timeout > 0):
+        print("pagedkv bench serve: error: --long-prompt-len, --num-streams, --long-output-len, --trials and "
+              "--long-after-tokens must be >= 1, --tail >= 0 and --trial-timeout > 0", file=sys.stderr)
+        return 2
+    out_len = 1024 if args.output_len is None else args.output_len
+    if out_len <= args.long_after_tokens:
+        print("pagedkv bench serve: error: --output-len must exceed --long-after-tokens", file=sys.stderr)
+        return 2
+    cfg = LongPromptConfig(num_streams=args.num_streams, stream_prompt_len=args.input_len, stream_output_len=out_len,
+                           long_prompt_len=args.long_prompt_len, long_output_len=args.long_output_len,
+                           after_tokens=args.long_after_tokens, tail_s=args.tail, timeout_s=args.trial_timeout,
+                           token_range=tuple(args.token_range))
+    try:
+        s = asyncio.run(run_long_prompt_bench(args.base_url, args.model, cfg, trials=args.trials, seed=args.seed,
+                                              api_key=args.api_key, progress=not args.no_progress))
+    except Exception as e:  # server unreachable, bad URL, ...
+        print(f"pagedkv bench serve: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    print_long_prompt_summary(s)
+    if args.result_json:
+        s["args"] = {k: v for k, v in vars(args).items()}
+        with open(args.result_json, "w") as f:
+            json.dump(s, f, indent=1, default=str)
+    return 0 if not s["errors"] else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.long_prompt_len is not None:
+        if args.trace:
+            print("pagedkv bench serve: error: --long-prompt-len and --trace are different workloads",
+                  file=sys.stderr)
+            return 2
+        return _long_prompt_main(args)
+    if args.output_len is None:
+        args.output_len = 32
     if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
         print("pagedkv bench serve: error: --num-prompts, --input-len and --output-len must be >= 1", file=sys.stderr)
         return 2

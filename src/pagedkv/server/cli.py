@@ -55,6 +55,7 @@ def check_options(args: argparse.Namespace) -> None:
                  "max_waiting", "max_body_bytes"):
         positive(name.replace("_", "-"), getattr(args, name, None))
     positive("num-cpu-blocks", args.num_cpu_blocks, zero=True)
+    positive("long-prefill-token-threshold", getattr(args, "long_prefill_token_threshold", None), zero=True)
     if not args.drain_timeout >= 0 or args.drain_timeout == float("inf"):
         raise ValueError(f"--drain-timeout must be a finite number >= 0, got {args.drain_timeout}")
     if args.preemption_mode == "swap" and not args.num_cpu_blocks:

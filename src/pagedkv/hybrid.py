@@ -1,0 +1,837 @@
+"""HybridBlockManager: KV cache groups (full attention, sliding window) over ONE shared pool of block ids.
+
+A hybrid model's layers fall into *groups* of equal size (Gemma 3 270M: 18 layers, 3 full-attention and 15
+sliding-window ones of W = 512 -> 6 groups of 3 layers: group 0 full, groups 1..5 sliding). Every sequence has
+one block table per group; every table draws its blocks from the same pool, so a block id holds, at any time,
+the KV of one group (for that group's layers). The engine's KV tensor per layer slot j is ``(num_gpu_blocks,
+block_size, heads, head_dim)``; layer L of group g at index j uses slot j with group g's table and slot mapping::
+
+    sequence of 10 tokens, block_size 4, groups: 0 = full, 1 = sliding W = 4
+
+    positions        0 1 2 3 | 4 5 6 7 | 8 9 . .
+    group 0 table  [    17   |    3    |   42    ]    every block
+    group 1 table  [    -1   |    8    |   11    ]    NULL_BLOCK: before every future query's window
+
+**The composition** (explicit parts, no mixin reads another's state)::
+
+    HybridBlockManager ── coordinator: validation, all-or-nothing planning across groups, results per group
+      ├── shared parts (one of each): BlockPool (GPU), BlockPool (CPU), PrefixCache (one map, one LRU; keyed by
+      │   content AND group: each group's chains start from its own root), CpuTier, the pending copy list
+      └── one group manager per group: a BlockManager built on the shared parts (``BlockManager._sharing``),
+          holding that group's rows and tables; a sliding group's manager has ``sliding_window = W``
+
+Every call plans every group first (the managers separate planning from committing), checks the SUM of blocks
+the groups need against the shared free count, then commits every group; a call either completes for every
+group or raises and changes nothing. The group managers hold the same sequences in the same rows (every call
+reaches every group in the same order), so one row validation serves every group.
+
+**Hybrid prefix hits.** ``allocate`` returns the longest prefix L (a multiple of block_size, less than the
+prompt) such that every full-attention group has all of its blocks ``[0, L)`` cached and every sliding group
+has the blocks covering positions ``[L - W, L)`` cached (GPU or CPU tier). A sliding group's table holds
+NULL_BLOCK before them. The chained keys of a prompt are computable without the blocks being present, so a
+sliding group finds a window late in a prompt even after its early blocks were evicted; such a window block is
+verified by its stored tokens and its 64-bit chained key (which covers every earlier token of the prompt),
+since the content ids of blocks that are gone cannot be compared. :meth:`lookup_prefix` predicts ``allocate``.
+
+**KV events** carry the group (``group_idx``, ``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``, as
+vLLM's). Group 0's keys are :func:`pagedkv.block_hashes`' (those of a single-group manager).
+
+Complexity: a call costs about G times the same call on a BlockManager (G = number of groups), plus, for an
+allocation with prefix caching, O(prompt blocks) key hashing per sliding group.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Iterable, NamedTuple, Sequence
+
+import numpy as np
+
+from ._checks import as_tokens, batch_tokens, check_int, flat_tokens
+from .errors import (DuplicateSequenceError, InvalidArgumentError, InvalidTokensError, OutOfBlocksError,
+                     PromptTooLongError, SequenceStateError, TableWidthError)
+from .kv_groups import FullAttentionSpec, SlidingWindowSpec
+from .manager import BlockManager
+from .prefix_cache import _GroupNS, _chain, _encode_namespace, _slices
+from .types import NULL_BLOCK, AllocStatus, CopyPlan, PrefixHit, Stats
+
+__all__ = ["HybridBlockManager", "HybridPrefillBatch", "HybridStepResult"]
+
+_U64 = 2**64 - 1
+_EMPTY_I64 = np.zeros(0, dtype=np.int64)
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+class HybridStepResult(NamedTuple):
+    """:meth:`HybridBlockManager.decode_step`'s result: :class:`pagedkv.StepResult` per group."""
+
+    slot_mapping: np.ndarray  #: int64 (G, T): slot of each new token in each group (batch order)
+    block_tables: tuple  #: G int32 (B, width) arrays, NULL_BLOCK padded (and where a window released blocks)
+    seq_lens: np.ndarray  #: int32 (B,): tokens of each sequence after the append
+    cow: np.ndarray  #: int64 (m, 2): copy-on-write pairs of every group, in the order made (as in the copy plan)
+
+
+class HybridPrefillBatch(NamedTuple):
+    """:meth:`HybridBlockManager.allocate_batch`'s result: :class:`pagedkv.PrefillBatch` with per-group slot
+    mappings and block tables."""
+
+    seq_ids: tuple
+    num_cached_tokens: np.ndarray  #: int32 (B,)
+    query_start_loc: np.ndarray  #: int32 (B + 1,)
+    token_ids: np.ndarray  #: int32 (T,)
+    positions: np.ndarray  #: int64 (T,)
+    slot_mapping: np.ndarray  #: int64 (G, T)
+    block_tables: tuple  #: G int32 (B, width) arrays
+    seq_lens: np.ndarray  #: int32 (B,)
+
+
+class _Plan(NamedTuple):
+    """An allocation planned for every group (nothing changed yet)."""
+
+    arr: np.ndarray
+    n: int
+    nblocks: int
+    nhit: int  # L // block_size, every group
+    groups: list  # per group: (gpu hits with nnull leading NULL_BLOCKs, cpu_hits or None, chain, nnull)
+    need: int  # free GPU blocks the allocation consumes, all groups
+    ncpu: int  # CPU-tier hits, all groups (each a promotion)
+
+
+def _check_groups(groups: object) -> tuple:
+    if isinstance(groups, (str, bytes)) or not hasattr(groups, "__iter__"):
+        raise InvalidArgumentError("kv_cache_groups must be a sequence of FullAttentionSpec / SlidingWindowSpec")
+    out = tuple(groups)
+    if not out:
+        raise InvalidArgumentError("kv_cache_groups must hold at least one group")
+    for i, s in enumerate(out):
+        if not isinstance(s, (FullAttentionSpec, SlidingWindowSpec)):
+            raise InvalidArgumentError(
+                f"kv_cache_groups[{i}] must be a FullAttentionSpec or SlidingWindowSpec, got {type(s).__name__}")
+    return out
+
+
+class HybridBlockManager:
+    """Paged KV-cache block manager for hybrid models: one block table per KV cache group, one shared pool (see
+    the module docstring).
+
+    Args: as :class:`pagedkv.BlockManager` (without ``sliding_window``), plus ``kv_cache_groups``: one spec per
+    group, :class:`~pagedkv.FullAttentionSpec` or :class:`~pagedkv.SlidingWindowSpec`, in group index order.
+
+    Same method names and semantics as :class:`pagedkv.BlockManager`; per-group results (``decode_step`` ->
+    :class:`HybridStepResult`, ``allocate_batch`` -> :class:`HybridPrefillBatch`), and ``block_table`` /
+    ``slot_mapping`` take the group index. ``take_copy_plan()`` returns one plan for every group (block ids are
+    pool-wide: an engine copies block src to dst in every layer slot). Every call is all or nothing across
+    groups. Admission counts every group: a prompt of n tokens needs ``G * ceil((n + lookahead) / block_size)``
+    blocks at most (NEVER when that exceeds the pool less the watermark), less its hits and the positions
+    before a sliding group's window at the hit point.
+    """
+
+    atomic_append = True
+
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        block_size: int = 16,
+        *,
+        kv_cache_groups: Sequence[object],
+        num_cpu_blocks: int = 0,
+        enable_prefix_caching: bool = False,
+        watermark: float = 0.01,
+        enable_kv_events: bool = False,
+        max_kv_events: int = 100_000,
+        cpu_prefix_cache: bool = False,
+        block_table_width: int | None = None,
+    ) -> None:
+        specs = _check_groups(kv_cache_groups)
+        first = BlockManager(num_gpu_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
+                             enable_prefix_caching=enable_prefix_caching, sliding_window=specs[0].window,
+                             watermark=watermark, enable_kv_events=enable_kv_events, max_kv_events=max_kv_events,
+                             cpu_prefix_cache=cpu_prefix_cache, block_table_width=block_table_width)
+        self._specs = specs
+        self._g = [first] + [BlockManager._sharing(first, s.window) for s in specs[1:]]
+        self._m0 = first
+        # shared parts, named (the coordinator's only direct state besides the group managers)
+        self._bs = first._bs
+        self._gpu, self._cpu, self._cache, self._tier = first._gpu, first._cpu, first._cache, first._tier
+        self._full = [g for g, s in enumerate(specs) if s.window is None]
+        self._sliding = [g for g, s in enumerate(specs) if s.window is not None]
+        self._ns_memo: dict = {}  # namespace encoding -> its _GroupNS per group
+
+    # ------------------------------------------------------------------ read-only state
+    @property
+    def kv_cache_groups(self) -> tuple:
+        """The group specs, in group index order."""
+        return self._specs
+
+    @property
+    def num_groups(self) -> int:
+        return len(self._specs)
+
+    @property
+    def block_size(self) -> int:
+        return self._bs
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        return self._gpu.num_blocks
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        return self._cpu.num_blocks
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self._cache is not None
+
+    @property
+    def cpu_prefix_cache(self) -> bool:
+        return self._tier is not None
+
+    @property
+    def enable_kv_events(self) -> bool:
+        return self._m0.enable_kv_events
+
+    @property
+    def watermark_blocks(self) -> int:
+        return self._m0.watermark_blocks
+
+    @property
+    def num_free_gpu_blocks(self) -> int:
+        """Plain free GPU blocks plus unreferenced cached ones, all groups (one pool)."""
+        return self._m0.num_free_gpu_blocks
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return self._m0.num_free_cpu_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self._m0.num_cached_blocks
+
+    @property
+    def num_cpu_cached_blocks(self) -> int:
+        return self._m0.num_cpu_cached_blocks
+
+    @property
+    def gpu_usage(self) -> float:
+        return self._m0.gpu_usage
+
+    @property
+    def kv_event_overflows(self) -> int:
+        return self._m0.kv_event_overflows
+
+    @property
+    def stats(self) -> Stats:
+        """Prefix-hit counters of the hybrid hit (counted once, not per group); evictions, copy-on-write copies and
+        swapped blocks of every group."""
+        s = self._m0.stats
+        rest = self._g[1:]
+        return s._replace(cow_copies=s.cow_copies + sum(m._cow_copies for m in rest),
+                          swapped_out_blocks=s.swapped_out_blocks + sum(m._swapped_out for m in rest),
+                          swapped_in_blocks=s.swapped_in_blocks + sum(m._swapped_in for m in rest))
+
+    def __len__(self) -> int:
+        return len(self._m0)
+
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self._m0
+
+    @property
+    def seq_ids(self) -> tuple:
+        return self._m0.seq_ids
+
+    def num_tokens(self, seq_id: Hashable) -> int:
+        return self._m0.num_tokens(seq_id)
+
+    def is_swapped(self, seq_id: Hashable) -> bool:
+        return self._m0.is_swapped(seq_id)
+
+    def _group(self, group: object) -> BlockManager:
+        g = check_int("group", group, 0)
+        if g >= len(self._g):
+            raise InvalidArgumentError(f"group must be < {len(self._g)} (the number of KV cache groups), got {g}")
+        return self._g[g]
+
+    def block_table(self, seq_id: Hashable, group: int) -> np.ndarray:
+        """Group ``group``'s block table of the sequence (read-only int32 copy; NULL_BLOCK where a sliding window
+        released blocks). O(table length)."""
+        return self._group(group).block_table(seq_id)
+
+    def slot_mapping(self, seq_id: Hashable, start: int, end: int, group: int) -> np.ndarray:
+        """Group ``group``'s slots of positions ``[start, end)`` (int64); see BlockManager.slot_mapping."""
+        return self._group(group).slot_mapping(seq_id, start, end)
+
+    # ------------------------------------------------------------------ steps, events, invariants
+    def take_copy_plan(self) -> CopyPlan:
+        """Every KV block copy of the step, all groups, in the order to execute them (block ids are pool-wide: copy
+        block src to dst in every layer slot), and end the step. See BlockManager.take_copy_plan."""
+        plan = self._m0.take_copy_plan()  # (the copy list and the tier are shared: one plan)
+        for m in self._g[1:]:
+            m._end_step()
+        return plan
+
+    def take_copies(self):
+        """Deprecated, as BlockManager.take_copies: :meth:`take_copy_plan` narrowed to the CPU tier's copies."""
+        got = self._m0.take_copies()
+        for m in self._g[1:]:
+            m._end_step()
+        return got
+
+    def take_events(self) -> list:
+        """KV events since the last call, every group's, in order (each carrying its group). O(events)."""
+        return self._m0.take_events()
+
+    def check_invariants(self) -> None:
+        """Every invariant of every group and of the shared parts (refcounts summed over the groups' tables), and
+        that the groups hold the same sequences in the same rows. O(blocks + total table length)."""
+        m0 = self._m0
+        for g, m in enumerate(self._g[1:], 1):
+            if m._row_of != m0._row_of:
+                raise AssertionError(f"group {g} holds other sequences or rows than group 0")
+            rows = np.fromiter(m0._row_of.values(), dtype=np.int64, count=len(m0._row_of))
+            if not (np.array_equal(m._ntok[rows], m0._ntok[rows]) and np.array_equal(m._nblk[rows], m0._nblk[rows])
+                    and np.array_equal(m._swapped[rows], m0._swapped[rows])):
+                raise AssertionError(f"group {g}: token counts, table lengths or swap states differ from group 0")
+        m0._check_invariants_of(tuple(self._g))
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block of every group (see BlockManager.reset_prefix_cache). Returns how many blocks
+        were freed. O(cached blocks + live sequences)."""
+        freed = self._m0.reset_prefix_cache()
+        if self._cache is not None:
+            for m in self._g[1:]:
+                m._ccid[:] = 0  # break every live chain
+        return freed
+
+    # ------------------------------------------------------------------ allocation
+    def _gns(self, namespace: object) -> tuple:
+        """The namespace as each group's _GroupNS (validated; memoised per namespace)."""
+        data = _encode_namespace(namespace)
+        got = self._ns_memo.get(data)
+        if got is None:
+            if len(self._ns_memo) > 4096:
+                self._ns_memo.clear()
+            g = len(self._specs)
+            got = self._ns_memo[data] = tuple(_GroupNS(namespace, i, s.kind, s.window, g)
+                                              for i, s in enumerate(self._specs))
+        return got
+
+    def _plan(self, arr: np.ndarray, la: int, gns: tuple, check: bool = True) -> _Plan:
+        """The allocation of prompt ``arr`` in every group, without changing anything (see the module docstring
+        for the hit rule). Raises PromptTooLongError / TableWidthError when ``check``. O(prompt blocks x
+        groups)."""
+        bs, n = self._bs, arr.size
+        G = len(self._g)
+        nblocks = -(-(n + la) // bs)
+        if check:
+            m0 = self._m0
+            avail = self._gpu.num_blocks - m0._watermark_blocks
+            if G * nblocks > avail:
+                raise PromptTooLongError(
+                    f"prompt of {n} tokens{f' plus {la} lookahead slots' if la else ''} needs {nblocks} blocks in "
+                    f"each of {G} KV cache groups ({G * nblocks}); the pool has {self._gpu.num_blocks} with "
+                    f"{m0._watermark_blocks} kept free")
+            if m0._fixed_w and nblocks > m0._fixed_w:
+                raise TableWidthError(f"prompt of {n} tokens needs {nblocks} blocks; block_table_width is "
+                                      f"{m0._fixed_w}")
+        cache = self._cache
+        if cache is None:
+            return _Plan(arr, n, nblocks, 0, [([], None, (0, 0), 0)] * G, G * nblocks, 0)
+        roots = [cache.root(ns, intern=False) for ns in gns]
+        h = (n - 1) // bs
+        full_hits = {}
+        for g in self._full:
+            hits, _ = self._g[g]._lookup(arr, roots[g])
+            full_hits[g] = hits
+            h = min(h, len(hits))
+        L = h
+        present: dict = {}
+        if self._sliding and L > 0:
+            data = arr.tobytes()
+            datas = [data[s] for s in _slices(L, 4 * bs)]
+            keys = {g: _chain(iter(datas), roots[g][1]) for g in self._sliding}
+            if cache._ndl:
+                cache.flush()  # (the window check reads the map directly; see prefix_cache "Runs")
+            cmap, ctok = cache._map, cache.tok
+            tier = self._tier
+            tmap = tier._map if tier is not None else None
+            ctok_cpu = self._m0._cpu_tok
+
+            def pres(g: int, j: int):
+                got = present.get((g, j), 0)
+                if got != 0:
+                    return got
+                k, d = keys[g][j], datas[j]
+                b = cmap.get(k)
+                if b is not None and ctok[b].tobytes() == d:
+                    got = b
+                else:
+                    c = tmap.get(k) if tmap else None
+                    got = ~c if c is not None and ctok_cpu[c].tobytes() == d else None
+                present[(g, j)] = got
+                return got
+
+            while L > 0:
+                ok = True
+                for g in self._sliding:
+                    first = max(0, L * bs - self._specs[g].window) // bs
+                    for j in range(L - 1, first - 1, -1):
+                        if pres(g, j) is None:
+                            ok, L = False, j  # every hit point whose window covers block j fails too
+                            break
+                    if not ok:
+                        break
+                if ok:
+                    break
+        ref = self._gpu._ref_mv
+        cid, ckey, cpu_id = cache.cid, cache.key, self._m0._cpu_id
+        groups, need, ncpu = [], 0, 0
+        for g, spec in enumerate(self._specs):
+            if spec.window is None:
+                ents = full_hits[g][:L]
+                nnull = 0
+            else:
+                nnull = max(0, L * bs - spec.window) // bs if L else 0
+                ents = [present[(g, j)] for j in range(nnull, L)]
+            gpu = [NULL_BLOCK] * nnull
+            cpu = None
+            reused = 0
+            for j, e in enumerate(ents, nnull):
+                if e >= 0:
+                    gpu.append(e)
+                    if ref[e] == 0:
+                        reused += 1
+                else:
+                    if cpu is None:
+                        cpu = []
+                    cpu.append((j, ~e))
+            if L:
+                e = ents[-1]
+                chain = (int(cid[e]), int(ckey[e])) if e >= 0 else (int(cpu_id[0, ~e]), int(cpu_id[1, ~e]) & _U64)
+            else:
+                chain = roots[g]
+            nc = len(cpu) if cpu else 0
+            ncpu += nc
+            need += nblocks - L + nc + reused
+            groups.append((gpu, cpu, chain, nnull))
+        return _Plan(arr, n, nblocks, L, groups, need, ncpu)
+
+    def _hold(self, plan: _Plan) -> list:
+        """Reference every GPU hit of every group and pin every CPU-tier hit (before any group takes a block, so
+        that no group evicts another's hit). Returns the GPU blocks referenced."""
+        if self._cache is None:
+            return []
+        ref, ev = self._gpu._ref_mv, self._cache.evictor
+        held = []
+        pins = []
+        for gpu, cpu, _, nnull in plan.groups:
+            for b in gpu[nnull:]:
+                if ref[b] == 0:
+                    ev.discard(b)
+                ref[b] += 1
+                held.append(b)
+            if cpu:
+                pins.extend(c for _, c in cpu)
+        if pins:
+            self._tier.pin_many(pins)
+        return held
+
+    def _commit(self, seq_id: Hashable, gns: tuple, plan: _Plan) -> None:
+        """Create the sequence in every group (hits held by :meth:`_hold`); nothing here can fail."""
+        cache = self._cache
+        for g, (m, (gpu, cpu, chain, nnull)) in enumerate(zip(self._g, plan.groups)):
+            if cache is not None and plan.nhit == 0:
+                chain = cache.root(gns[g], intern=True)  # (a new namespace's root gets its content id now)
+            m._alloc_commit(seq_id, gns[g], plan.arr, plan.n, plan.nblocks, gpu, cpu, chain, True, nnull)
+        if cache is not None:
+            for ns in gns:
+                cache.intern(ns)
+            if len(cache._roots) > cache.sweep_at:
+                self._m0._release_namespaces()
+
+    def _unhold(self, held: list) -> None:
+        """Drop the extra references of :meth:`_hold` (a batch's); blocks left unreferenced are parked."""
+        if held:
+            b = np.array(held, dtype=np.int64)
+            self._gpu._ref[b] -= 1  # (distinct blocks)
+            self._m0._park_gpu(b[self._gpu._ref[b] == 0].astype(np.int32))
+
+    def allocate(self, seq_id: Hashable, token_ids: Sequence[int], num_lookahead_slots: int = 0, *,
+                 namespace: object = None) -> int:
+        """Create the sequence's block table in every group; returns the hybrid hit (tokens cached in every group,
+        a multiple of block_size, less than the prompt). See BlockManager.allocate; raises what it raises
+        (PromptTooLongError counting every group) and changes nothing then. O(prompt blocks x groups)."""
+        self._m0._check_new_id(seq_id)
+        la = check_int("num_lookahead_slots", num_lookahead_slots, 0)
+        gns = self._gns(namespace)
+        plan = self._plan(as_tokens(token_ids), la, gns)
+        if plan.need > self.num_free_gpu_blocks:
+            raise OutOfBlocksError(f"prompt of {plan.n} tokens needs {plan.need} new blocks in "
+                                   f"{len(self._g)} KV cache groups; {self.num_free_gpu_blocks} are free")
+        self._hold(plan)
+        self._commit(seq_id, gns, plan)
+        return plan.nhit * self._bs
+
+    def allocate_batch(self, seq_ids: Sequence[Hashable], token_ids: Sequence[Sequence[int]],
+                       num_lookahead_slots: int = 0, *, namespaces: Sequence[object] | None = None
+                       ) -> HybridPrefillBatch:
+        """Allocate B sequences at once and return their prefill metadata per group (:class:`HybridPrefillBatch`).
+        Like consecutive :meth:`allocate` calls (a prompt hits the blocks the batch's earlier prompts cached),
+        all or nothing, and every hit planned for the batch is held before any block is taken. Admission counts
+        each prompt's blocks without the sharing inside the batch (a batch that fits only thanks to it raises
+        OutOfBlocksError; allocate its prompts one by one). O(total prompt blocks x groups)."""
+        seq_ids = list(seq_ids)
+        prompts = list(token_ids) if not isinstance(token_ids, np.ndarray) or token_ids.ndim == 2 else None
+        if prompts is None or len(prompts) != len(seq_ids):
+            raise InvalidTokensError(f"token_ids must hold one prompt per sequence ({len(seq_ids)})")
+        la = check_int("num_lookahead_slots", num_lookahead_slots, 0)
+        if namespaces is None:
+            namespaces = [None] * len(seq_ids)
+        else:
+            if isinstance(namespaces, (str, bytes, int)):
+                raise InvalidArgumentError("namespaces must be a sequence of one namespace per prompt")
+            namespaces = list(namespaces)
+            if len(namespaces) != len(seq_ids):
+                raise InvalidArgumentError(f"got {len(namespaces)} namespaces for {len(seq_ids)} prompts")
+        seen: set = set()
+        for s in seq_ids:
+            self._m0._check_new_id(s)
+            if s in seen:
+                raise DuplicateSequenceError(f"sequence {s!r} appears twice in one batch")
+            seen.add(s)
+        gnss = [self._gns(ns) for ns in namespaces]
+        arrs = [as_tokens(p, f"token_ids[{i}]") for i, p in enumerate(prompts)]
+        plans = [self._plan(a, la, gns) for a, gns in zip(arrs, gnss)]
+        need = sum(p.need for p in plans)
+        if need > self.num_free_gpu_blocks:
+            raise OutOfBlocksError(f"the batch of {len(plans)} prompts needs {need} new blocks; "
+                                   f"{self.num_free_gpu_blocks} are free")
+        # ---- mutation: nothing below can fail
+        held = list(dict.fromkeys(b for p in plans for b in self._hold_list(p)))
+        if held:
+            self._hold_blocks(held)
+        if self._tier is not None:
+            pins = [c for p in plans for _, cpu, _, _ in p.groups if cpu for _, c in cpu]
+            if pins:
+                self._tier.pin_many(list(dict.fromkeys(pins)))
+        nhit = []
+        for i, (s, gns) in enumerate(zip(seq_ids, gnss)):
+            plan = self._plan(arrs[i], la, gns, check=False) if i and self._cache is not None else plans[i]
+            self._hold(plan)
+            self._commit(s, gns, plan)
+            nhit.append(plan.nhit)
+        self._unhold(held)
+        sids = tuple(seq_ids)
+        shapes = [(None, a.size) for a in arrs]
+        res = [m._prefill_result(sids, arrs, shapes, [m._row_of[s] for s in seq_ids], nhit) for m in self._g]
+        r0 = res[0]
+        return HybridPrefillBatch(sids, r0.num_cached_tokens, r0.query_start_loc, r0.token_ids, r0.positions,
+                                  _frozen(np.stack([r.slot_mapping for r in res])),
+                                  tuple(r.block_tables for r in res), r0.seq_lens)
+
+    def _hold_list(self, plan: _Plan) -> list:
+        return [b for gpu, _, _, nnull in plan.groups for b in gpu[nnull:]]
+
+    def _hold_blocks(self, blocks: list) -> None:
+        ref, ev = self._gpu._ref_mv, self._cache.evictor
+        for b in blocks:
+            if ref[b] == 0:
+                ev.discard(b)
+            ref[b] += 1
+
+    def lookup_prefix(self, token_ids: Sequence[int], num_lookahead_slots: int = 0, *,
+                      namespace: object = None) -> PrefixHit:
+        """What :meth:`allocate` would find cached now (the hybrid hit), changing nothing: cached tokens and
+        blocks (per group), CPU-tier promotions (all groups) and the free GPU blocks the allocation would consume
+        (all groups). O(prompt blocks x groups)."""
+        la = check_int("num_lookahead_slots", num_lookahead_slots, 0)
+        plan = self._plan(as_tokens(token_ids), la, self._gns(namespace), check=False)
+        return PrefixHit(plan.nhit * self._bs, plan.nhit, plan.ncpu, plan.need)
+
+    def can_allocate(self, token_ids: Sequence[int], num_lookahead_slots: int = 0, *,
+                     namespace: object = None) -> AllocStatus:
+        """NEVER if the prompt's blocks in every group exceed the pool less the watermark, LATER if the blocks
+        the allocation would consume (every group, hits counted) do not fit now, else OK."""
+        la = check_int("num_lookahead_slots", num_lookahead_slots, 0)
+        arr = as_tokens(token_ids)
+        try:
+            plan = self._plan(arr, la, self._gns(namespace))
+        except PromptTooLongError:
+            return AllocStatus.NEVER
+        except TableWidthError:
+            return AllocStatus.NEVER
+        if self.num_free_gpu_blocks - plan.need >= self._m0._watermark_blocks:
+            return AllocStatus.OK
+        return AllocStatus.LATER
+
+    def fork(self, parent_seq_id: Hashable, child_seq_id: Hashable) -> None:
+        """Create ``child_seq_id`` sharing every block of the parent in every group (see BlockManager.fork)."""
+        self._m0.fork(parent_seq_id, child_seq_id)  # (raises, changing nothing, before any group changes)
+        for m in self._g[1:]:
+            m.fork(parent_seq_id, child_seq_id)
+
+    def free(self, seq_id: Hashable, *, cache: bool = True) -> None:
+        """Release the sequence's blocks in every group (see BlockManager.free; with ``cache=False`` every group's
+        blocks of the last call are withdrawn, or, if another sequence holds one, SequenceStateError and nothing
+        changes)."""
+        row = self._m0._row(seq_id)
+        if not cache and self._cache is not None and not self._m0._swapped[row]:
+            ref = self._gpu._ref
+            for m in self._g:
+                blocks = m._table[row, int(m._pend[row]) : int(m._nreg[row])]
+                blocks = blocks[blocks >= 0]
+                if (ref[blocks] > 1).any():
+                    m._withdraw_pending(seq_id, row)  # raises, changing nothing
+        for m in self._g:
+            m.free(seq_id, cache=cache)
+
+    # ------------------------------------------------------------------ appending
+    def _tokens(self, b: int, token_ids: object, num_new_tokens: object) -> tuple:
+        if num_new_tokens is not None:
+            arr, counts = flat_tokens(token_ids, num_new_tokens, b)
+        elif type(token_ids) is np.ndarray and token_ids.ndim == 1 and token_ids.size == b:
+            arr, counts = token_ids, None
+        else:
+            arr, counts = batch_tokens(token_ids, b)
+        if arr.dtype.kind not in "iu":
+            raise InvalidTokensError(f"token_ids must be integers, got dtype {arr.dtype}")
+        if arr.size and np.count_nonzero(arr >> 31):
+            raise InvalidTokensError("token_ids must lie in [0, 2**31)")
+        return arr, counts
+
+    def _fast_ok(self, rows: np.ndarray) -> bool:
+        """Whether every group's one-token fast path (BlockManager._step1) succeeds for these rows: no shared
+        written block in any group, every group's new blocks free together, no table past the fixed width."""
+        m0, bs = self._m0, self._bs
+        ntok = m0._ntok[rows]
+        j = ntok // bs
+        grow = j >= m0._nblk[rows]
+        n_grow = int(np.count_nonzero(grow))
+        if n_grow * len(self._g) > self.num_free_gpu_blocks:
+            return False
+        if n_grow and m0._fixed_w and int(j[grow].max()) >= m0._fixed_w:
+            return False
+        ref = self._gpu._ref
+        col = j - grow
+        for m in self._g:
+            ref_w = ref[m._table[rows, col]]
+            if ref_w.max() > 1 and (ref_w[~grow] > 1).any():
+                return False
+        return True
+
+    def _plans(self, rows: np.ndarray, counts: np.ndarray, la: int) -> list:
+        """Every group's append plan; raises OutOfBlocksError / TableWidthError (changing nothing) when the sum
+        of the groups' new blocks exceeds the free ones (plus what the windows release)."""
+        plans = [m._plan(rows, counts, la) for m in self._g]
+        free = self.num_free_gpu_blocks
+        needed = sum(p[0] for p in plans)
+        available = free + sum(p[1] - free for p in plans)
+        if needed > available:
+            raise OutOfBlocksError(f"the step needs {needed} new blocks in {len(plans)} KV cache groups; "
+                                   f"{available} are free")
+        fw = self._m0._fixed_w
+        if fw:
+            need = plans[0][2]
+            if int(need.max()) > fw:
+                i = int(np.argmax(need))
+                raise TableWidthError(f"sequence {self._m0._seq_of[int(rows[i])]!r} would need {int(need[i])} "
+                                      f"blocks; block_table_width is {fw}")
+        return plans
+
+    def _commit_order(self, plans: list) -> list:
+        """The order to commit the groups' append plans in: group order when each group finds its blocks free at
+        its turn, else the groups whose windows release more than they take first (the total fits, so each then
+        does). O(G)."""
+        free = self.num_free_gpu_blocks
+        net = [p[0] - (p[1] - free) for p in plans]  # blocks taken less blocks the window releases
+        acc = 0
+        for x in net:
+            acc += x
+            if acc > free:
+                return sorted(range(len(plans)), key=net.__getitem__)
+        return list(range(len(plans)))
+
+    def _step_small(self, seq_ids, token_ids: object, b: int) -> HybridStepResult | None:
+        """One token each for a few sequences, every group in plain Python (numpy's fixed costs dominate there):
+        sliding groups release what their windows let go, then every group takes the plain-Python step of
+        BlockManager (:mod:`pagedkv._small`). None, having changed nothing, unless every group's blocks (new
+        ones and possible copy-on-write copies, releases not counted) are free together."""
+        if type(token_ids) is np.ndarray:
+            if token_ids.ndim != 1 or token_ids.size != b or token_ids.dtype.kind not in "iu":
+                return None
+            toks = token_ids.tolist()
+        elif type(token_ids) is list and len(token_ids) == b:
+            toks = token_ids
+            for t in toks:
+                if type(t) is not int:
+                    return None
+        else:
+            return None
+        if min(toks) < 0 or max(toks) > 2**31 - 1:
+            return None
+        m0 = self._m0
+        ids = seq_ids if type(seq_ids) is list else list(seq_ids)
+        memo = m0._memo_small
+        if memo is not None and memo[0] is m0._memo_ids and ids == memo[0]:
+            rows = memo[1]
+        else:
+            rows = m0._small_rows(ids)
+            if rows is None:
+                return None
+        ntok, nblk = (m0._mvs or m0._views())[:2]
+        bs, fw = self._bs, m0._fixed_w
+        grow = 0
+        for r in rows:
+            j = ntok[r] // bs
+            if j == nblk[r]:
+                if j >= fw > 0:
+                    return None
+                grow += 1
+        need = grow * len(self._g)
+        ref = self._gpu._ref_mv
+        for m in self._g:
+            table = (m._mvs or m._views())[2]
+            for r in rows:
+                j = ntok[r] // bs
+                if j < nblk[r] and ref[table[r, j]] > 1:
+                    need += 1  # (an upper bound of the copy-on-write copies)
+        if need > self.num_free_gpu_blocks:
+            return None
+        # ---- mutation: nothing below can fail (every group's step finds its blocks)
+        res = []
+        for m in self._g:
+            if m._window is not None:
+                m._release_window_small(rows)
+            if b == 1:
+                got = m._step_one(ids[0], toks, True)
+            else:
+                got = m._step_small(ids, toks, b)
+            assert got is not None, "a group's small step declined after the coordinator's checks"
+            res.append(got)
+        cows = [r.cow for r in res if len(r.cow)]
+        return HybridStepResult(np.concatenate([r.slot_mapping for r in res]).reshape(len(res), b),
+                                tuple([r.block_tables for r in res]), res[0].seq_lens,
+                                res[0].cow if not cows else cows[0] if len(cows) == 1 else np.concatenate(cows))
+
+    def decode_step(self, seq_ids: Sequence[Hashable], token_ids: object, num_lookahead_slots: int = 0, *,
+                    num_new_tokens: object = None) -> HybridStepResult:
+        """The batched hot path in every group (see BlockManager.decode_step for the token forms, lookahead and
+        the contract): returns :class:`HybridStepResult` (slot mapping and block tables per group). All or
+        nothing across groups. O(B x groups) numpy work, plus O(1) per block filled, released or evicted."""
+        if num_new_tokens is None and num_lookahead_slots == 0 and type(num_lookahead_slots) is int:
+            b = len(seq_ids)
+            if 0 < b <= self._m0._small_batch:
+                res = self._step_small(seq_ids, token_ids, b)
+                if res is not None:
+                    return res
+        rows = self._m0._rows(seq_ids)
+        b = rows.size
+        arr, counts = self._tokens(b, token_ids, num_new_tokens)
+        la = check_int("num_lookahead_slots", num_lookahead_slots, 0)
+        G = len(self._g)
+        if b == 0:
+            return HybridStepResult(np.zeros((G, 0), np.int64), tuple(np.zeros((0, 0), np.int32) for _ in self._g),
+                                    np.zeros(0, np.int32), np.zeros((0, 2), np.int64))
+        if counts is None and la == 0 and self._fast_ok(rows):
+            res = [m._step1(rows, arr) for m in self._g]
+            order = None
+        else:
+            if counts is None:
+                counts = np.ones(b, dtype=np.int64)
+            if arr.size != counts.sum():
+                raise InvalidTokensError(f"got {arr.size} tokens for counts summing to {counts.sum()}")
+            plans = self._plans(rows, counts, la)
+            res = [None] * len(plans)
+            order = self._commit_order(plans)
+            for g in order:
+                res[g] = self._g[g]._append(rows, counts, arr, la, True, plans[g])
+        cows = [res[g].cow for g in (order or range(G)) if res[g].cow.size]  # (in the order they were made)
+        return HybridStepResult(np.stack([r.slot_mapping for r in res]), tuple(r.block_tables for r in res),
+                                res[0].seq_lens, np.concatenate(cows) if len(cows) > 1 else
+                                cows[0] if cows else res[0].cow)
+
+    def append_slots(self, seq_id: Hashable, token_ids: Sequence[int], num_lookahead_slots: int = 0
+                     ) -> list[tuple[int, int]]:
+        """Append tokens to one sequence in every group; returns every group's copy-on-write pairs."""
+        arr = as_tokens(token_ids)
+        res = self.decode_step([seq_id], arr, num_lookahead_slots, num_new_tokens=np.array([arr.size]))
+        return [(int(s), int(d)) for s, d in res.cow]
+
+    def can_append_slots(self, seq_ids: Iterable[Hashable], num_lookahead_slots: int = 0, *,
+                         num_new_tokens: int = 1) -> bool:
+        """Whether the append fits in every group together (see BlockManager.can_append_slots)."""
+        rows = self._m0._rows(list(seq_ids))
+        la = check_int("num_lookahead_slots", num_lookahead_slots, 0)
+        k = check_int("num_new_tokens", num_new_tokens, 1)
+        if rows.size == 0:
+            return True
+        try:
+            self._plans(rows, np.full(rows.size, k, dtype=np.int64), la)
+        except (OutOfBlocksError, TableWidthError):
+            return False
+        return True
+
+    # ------------------------------------------------------------------ swapping
+    def can_swap_out(self, seq_ids: Iterable[Hashable]) -> bool:
+        seq_ids = list(seq_ids)
+        rows = self._m0._rows_where(seq_ids, swapped=False)
+        return sum(m._unique_blocks(rows).size for m in self._g) <= self.num_free_cpu_blocks
+
+    def swap_out(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
+        """Move the sequences' blocks of every group to the CPU pool; (gpu, cpu) pairs of every group. All or
+        nothing (OutOfBlocksError when the CPU pool cannot take every group's blocks)."""
+        seq_ids = list(seq_ids)
+        m0 = self._m0
+        rows = m0._rows_where(seq_ids, swapped=False)
+        if m0._stepping:
+            pending = np.flatnonzero(m0._ntok[rows] != m0._ntok0[rows])
+            if pending.size:
+                raise SequenceStateError(
+                    f"swap_out: sequence {seq_ids[int(pending[0])]!r} was handed slots in this step, whose KV only "
+                    "the step's forward writes (after every copy): swap it out in a later step, or free it with "
+                    "cache=False (an abort)")
+        need = sum(m._unique_blocks(rows).size for m in self._g)
+        if need > self.num_free_cpu_blocks:
+            raise OutOfBlocksError(f"swap_out needs {need} CPU blocks in {len(self._g)} KV cache groups; "
+                                   f"{self.num_free_cpu_blocks} are free")
+        out = self._m0.swap_out(seq_ids)  # (its same-step check raises before any group changes)
+        for m in self._g[1:]:
+            out += m.swap_out(seq_ids)
+        return out
+
+    def _swap_in_need(self, rows: np.ndarray, la: int) -> tuple[int, int]:
+        """(blocks swap_in consumes, blocks it needs at most) over every group."""
+        need = most = 0
+        ref = self._gpu._ref
+        for m in self._g:
+            uniq = m._unique_blocks(rows)
+            reuse = m._swap_in_reuse(uniq)
+            extra = int(np.maximum(-(-(m._ntok[rows] + la) // self._bs) - m._nblk[rows], 0).sum())
+            most += uniq.size + extra
+            need += uniq.size + extra - sum(1 for g in reuse.tolist() if g >= 0 and ref[g] > 0)
+        return need, most
+
+    def can_swap_in(self, seq_ids: Iterable[Hashable], num_lookahead_slots: int = 0) -> AllocStatus:
+        rows = self._m0._rows_where(list(seq_ids), swapped=True)
+        la = check_int("num_lookahead_slots", num_lookahead_slots, 0)
+        need, most = self._swap_in_need(rows, la)
+        wm = self._m0._watermark_blocks
+        if most > self._gpu.num_blocks - wm:
+            return AllocStatus.NEVER
+        return AllocStatus.OK if self.num_free_gpu_blocks - need >= wm else AllocStatus.LATER
+
+    def swap_in(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
+        """Bring swapped-out sequences back in every group; (cpu, gpu) pairs of every group. All or nothing."""
+        seq_ids = list(seq_ids)
+        rows = self._m0._rows_where(seq_ids, swapped=True)
+        need, _ = self._swap_in_need(rows, 0)
+        if need > self.num_free_gpu_blocks:
+            raise OutOfBlocksError(f"swap_in needs {need} GPU blocks in {len(self._g)} KV cache groups; "
+                                   f"{self.num_free_gpu_blocks} are free")
+        out: list = []
+        for m in self._g:
+            out += m.swap_in(seq_ids)
+        return out
