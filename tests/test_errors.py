@@ -78,7 +78,7 @@ def snapshot(bm: BlockManager) -> dict:
     if caching:
         c = bm._cache
         snap["cache"] = {
-            "map": list(c._map.items()),
+            "map": sorted(c.mapping().items()),
             "tokens": c.tok.tolist(),  # every block's, free ones included: a failed call writes none
             "key": c.key.tolist(),
             "cid": c.cid.tolist(),

@@ -85,7 +85,7 @@ def test_overflow_answers_with_a_full_resync():
     for e in ev[1:]:
         assert isinstance(e, BlockStored)
         index.update(e.block_hashes)
-    assert index == set(bm._cache._map)
+    assert index == set(bm._cache.mapping())
     assert bm.take_events() == []  # back to normal
     bm.allocate("x", [50] * 5)
     assert len(bm.take_events()) == 1

@@ -1,6 +1,7 @@
 """Unit tests of every BlockManager method, and the feature combinations against a simulated KV store."""
 
 import itertools
+import os
 import subprocess
 import sys
 
@@ -309,10 +310,11 @@ def test_namespaces_never_share():
 def test_keys_are_deterministic_across_processes():
     code = (
         "from pagedkv import BlockManager;bm=BlockManager(4,4,enable_prefix_caching=True,watermark=0);"
-        "bm.allocate('s',list(range(9)),namespace='ns');bm.free('s');print(sorted(bm._cache._map))"
+        "bm.allocate('s',list(range(9)),namespace='ns');bm.free('s');print(sorted(bm._cache.mapping()))"
     )
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           env={"PYTHONHASHSEED": str(seed)}).stdout for seed in (1, 2)}
+                           env={"PYTHONHASHSEED": str(seed), **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"}}).stdout
+            for seed in (1, 2)}
     assert len(outs) == 1 and outs.pop().strip()
 
 

@@ -822,7 +822,7 @@ class PagedKVMachine(RuleBasedStateMachine):
         bm.check_invariants()
         if self.PREFIX:
             self.drain_events()
-            assert self.index == set(bm._cache._map), "the events' index differs from the cache's keys"
+            assert self.index == set(bm._cache.mapping()), "the events' index differs from the cache's keys"
             assert self.cpu_index == (set(bm._tier._map) if bm.cpu_prefix_cache else set())
         assert len(bm) == len(self.seqs)
         assert bm.seq_ids == tuple(self.seqs)  # allocation order

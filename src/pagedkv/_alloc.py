@@ -78,7 +78,7 @@ class _Allocator:
                 n = chunk
                 nblocks = -(-(n + la) // bs)
             return arr, n, nblocks, [], None, (0, 0), nblocks
-        hits, chain = self._lookup(arr, root)
+        hits, chain = self._lookup(arr, root, memo=True)
         if chunk is not None and len(hits) * bs + chunk < n:  # chunked prefill: the hit plus one chunk
             n = len(hits) * bs + chunk
             nblocks = -(-(n + la) // bs)
@@ -155,6 +155,9 @@ class _Allocator:
     # ------------------------------------------------------------------ batches
     def _allocate_batch(self, seq_ids: list, prompts: list, la: int, namespaces: list,
                         chunks: list | None = None) -> PrefillBatch:
+        self._keys_memo = None  # (a failed allocate's: its prompt may have changed since)
+        if self._cache is not None and self._cache._ndl:
+            self._cache.flush()  # (the batch walk reads the map directly)
         seen: set = set()
         for s in seq_ids:
             self._check_new_id(s)

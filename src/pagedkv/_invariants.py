@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .prefix_cache import block_key
 from .types import NULL_BLOCK
 
 
@@ -67,18 +68,31 @@ class _Invariants:
         if (cid[free] != 0).any():
             fail("a free block is still cached")
         cached = np.flatnonzero(cid)
-        if cached.size != len(cache._map):
-            fail(f"{cached.size} blocks are cached but the map has {len(cache._map)} keys")
+        dl = cache.dl  # dict-less blocks (runs): cached, out of the map, each the successor of its parent's block
+        if (dl & (cid == 0)).any() or int(np.count_nonzero(dl)) != cache._ndl:
+            fail("the dict-less marks are not a count of cached blocks")
+        mapped = cached[~dl[cached]]
+        if mapped.size != len(cache._map):
+            fail(f"{mapped.size} cached blocks belong in the map but it has {len(cache._map)} keys")
         if np.unique(cid[cached]).size != cached.size or (cid[cached] < 0).any() or cid.max(initial=0) > cache._serial:
             fail("content ids are not unique positive serials")
-        for b, k in zip(cached.tolist(), cache.key[cached].tolist()):
+        if np.unique(cache.key[cached]).size != cached.size:
+            fail("two cached blocks have the same key")
+        for b, k in zip(mapped.tolist(), cache.key[mapped].tolist()):
             if cache._map.get(k) != b:
                 fail(f"cached block {b} is not where the map points for its key")
+        dlb = np.flatnonzero(dl)
+        if dlb.size:
+            pred = np.flatnonzero(cache.succ >= 0)
+            nxt = cache.succ[pred].astype(np.int64)
+            live = (cid[pred] != 0) & (cid[nxt] != 0) & (cache.pcid[nxt] == cid[pred])
+            if not np.isin(dlb, nxt[live]).all():
+                fail("a dict-less block is not the run successor of the block caching its parent")
         # every cached block's key is the chained hash of its stored tokens (catches writes into cached blocks)
         parent_key = dict(cache._roots.values())
         parent_key.update(zip(cid[cached].tolist(), cache.key[cached].tolist()))
         for b, p, k in zip(cached.tolist(), cache.pcid[cached].tolist(), cache.key[cached].tolist()):
-            if p in parent_key and cache.find(p, parent_key[p], cache.tok[b].tobytes()) != (b, k):
+            if p in parent_key and block_key(parent_key[p], cache.tok[b].tobytes()) != k:
                 fail(f"cached block {b}: its key is not the hash of its tokens after its parent")
         for m in managers:
             for row in m._row_of.values():

@@ -18,10 +18,18 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import SequenceStateError
+from .prefix_cache import _extend_chain, block_key
+
+_KEYS_FIRST = 16  # keys a lookup hashes before its first dict probe (then twice as many each time it needs more)
 
 
 class _Registry:
     """Mixin of :class:`pagedkv.BlockManager`: registering full blocks, looking prompts up, withdrawing."""
+
+    # (arr, datas, keys) of the prompt an allocation's lookup just walked: its blocks' token bytes and the chained
+    # keys computed so far, reused by the registration of the same allocation (_fill_prompt) instead of hashing
+    # the prompt twice. Set only by _alloc_plan's lookup, taken (cleared) by _fill_prompt, cleared by a batch.
+    _keys_memo: tuple | None = None
 
     def _register(self, row: int) -> None:
         """Offer the row's full blocks (``nreg .. ntok // bs - 1``) to the prefix cache, one after the other
@@ -81,9 +89,33 @@ class _Registry:
         tok[new[:k]] = arr[h : h + k * bs].reshape(k, bs)
         if h + k * bs < n:
             tok[new[k], : n - h - k * bs] = arr[h + k * bs :]
+        memo, self._keys_memo = self._keys_memo, None
         if k >= 4:  # one chain of k blocks in one batch call
-            r = np.array([row], dtype=np.int64)
-            self._register_rows_batch(r, np.array([nhit], np.int64), np.array([nhit + k], np.int64))
+            keys = None
+            if memo is not None and memo[0] is arr:  # the lookup's keys (this allocation's own prompt)
+                _, datas, keys, rkey = memo
+                _extend_chain(keys, datas, nhit + k, rkey)  # the rest of the chain, in one C-level pass
+                # (the chain continues from the last hit's key; a stand-in chain, e.g. a batch's, hashes anew)
+                parent = keys[nhit - 1] if nhit else rkey
+                if parent != int(self._ckey[row]):
+                    keys = None
+                elif nhit or len(keys) != k:
+                    keys = keys[nhit : nhit + k]
+            # (one chain: its blocks are the new ones, in table order; no gather from the table)
+            blocks = new[:k] if isinstance(new, np.ndarray) else np.array(new[:k], dtype=np.int32)
+            got = None
+            if keys is not None:  # a run: one map insert for the chain (its parent: the last hit, or the root)
+                got = self._cache.register_run(blocks, keys, int(self._ccid[row]), int(self._ckey[row]),
+                                               int(self._table[row, nhit - 1]) if nhit else -1, self._ns_of[row])
+            if got is None:
+                got = self._cache.register_chains(blocks, np.array([k], np.int64), self._ccid[row : row + 1],
+                                                  self._ckey[row : row + 1], [self._ns_of[row]] if self._kv_events
+                                                  else None, keys)
+            if got is None:
+                self._register(row)
+            else:
+                self._ccid[row], self._ckey[row] = got[0][0], got[1][0]
+                self._nreg[row] = nhit + k
         elif k:
             self._register(row)
 
@@ -169,22 +201,109 @@ class _Registry:
         return (np.concatenate(found_g).astype(np.int64) if found_g else none,
                 np.concatenate(found_c).astype(np.int64) if found_c else none)
 
-    def _lookup(self, arr: np.ndarray, root: tuple[int, int]) -> tuple[list[int], tuple[int, int]]:
+    def _lookup(self, arr: np.ndarray, root: tuple[int, int], memo: bool = False) -> tuple[list[int], tuple[int, int]]:
         """Cached blocks matching the prompt's leading full blocks (at most (len - 1) // block_size, so at least
         one token is left to compute), and the (cid, key) of the last hit (the root's if none). With the CPU tier
-        a block missing on the GPU may be found there: it is listed as ``~cpu_block`` (negative). O(hit blocks)."""
+        a block missing on the GPU may be found there: it is listed as ``~cpu_block`` (negative). O(hit blocks).
+
+        The prompt's chained keys are computed ahead of the walk in C-level passes (16, then twice as many as
+        computed so far each time the walk needs more: at most about twice the hit plus 16 keys), from its full
+        blocks' token bytes (one numpy ``tolist`` of a void view). The walk then costs one dict probe and two
+        element reads a block; the hit blocks' tokens are compared in one bytes compare at the end (a mismatch,
+        a hash collision, re-walks block by block: exactly the block-by-block semantics). ``memo``: keep the
+        bytes and keys for this allocation's registration (:attr:`_keys_memo`)."""
         bs = self._bs
-        data = arr.tobytes()
-        step = 4 * bs
+        lim = (arr.size - 1) // bs
+        if lim <= 0:
+            return [], root
         cache = self._cache
-        find, cid = cache.find, cache.cid
+        full = arr.size // bs
+        if full < 4:  # too short to register a run: block by block, nothing kept
+            return self._lookup_few(arr, root, lim)
+        datas = np.ascontiguousarray(arr[: full * bs]).view(cache.void).tolist()
+        rkey = root[1]
+        keys: list[int] = []
+        _extend_chain(keys, datas, _KEYS_FIRST, rkey)
+        if memo:
+            self._keys_memo = (arr, datas, keys, rkey)
+        if self._tier is not None:
+            return self._lookup_slow(datas, keys, root, lim)
+        get, pcm, cim = cache._map.get, cache._pcid_mv, cache._cid_mv
+        # with dict-less blocks a block is found as the run successor of the previous hit, else in the map
+        succ, kym = (cache._succ_mv, cache._key_mv) if cache._ndl else (None, None)
+        hits: list[int] = []
+        pcid = root[0]
+        nk = len(keys)
+        j = b = 0
+        while j < lim:
+            if j == nk:  # more keys: as many again as computed so far
+                _extend_chain(keys, datas, 2 * nk, rkey)
+                nk = len(keys)
+            if succ is not None and j:
+                s = succ[b]
+                b = s if s >= 0 and kym[s] == keys[j] and cim[s] else get(keys[j], -1)
+            else:
+                b = get(keys[j], -1)
+            if b < 0 or pcm[b] != pcid:
+                break
+            hits.append(b)
+            pcid = cim[b]
+            j += 1
+        if not j:
+            return hits, root
+        if cache.tok[hits].tobytes() != arr[: j * bs].tobytes():  # a hash collision somewhere: block by block
+            return self._lookup_slow(datas, keys, root, lim)
+        return hits, (pcid, keys[j - 1])
+
+    def _lookup_few(self, arr: np.ndarray, root: tuple[int, int], lim: int) -> tuple[list[int], tuple[int, int]]:
+        """:meth:`_lookup` of a prompt of fewer than 4 full blocks: hashed and checked block by block."""
+        cache, tier = self._cache, self._tier
+        w = 4 * self._bs
+        data = arr.tobytes()
+        get, pcm, cim, tok = cache._map.get, cache._pcid_mv, cache._cid_mv, cache.tok
+        succ = cache._succ_mv if cache._ndl else None
+        hits: list[int] = []
+        pcid, pkey = root
+        prev = -1
+        for j in range(lim):
+            d = data[j * w : (j + 1) * w]
+            key = block_key(pkey, d)
+            b = -1
+            if succ is not None and prev >= 0:  # (a dict-less block: the run successor of the previous hit)
+                b = succ[prev]
+                if b < 0 or cache._key_mv[b] != key or not cim[b]:
+                    b = -1
+            if b < 0:
+                b = get(key, -1)
+            if b < 0 or pcm[b] != pcid or tok[b].tobytes() != d:  # a miss (a hash collision is never a hit)
+                if tier is None:
+                    break
+                c = tier.find_keyed(pcid, key, d)  # the prefix continues in the CPU tier?
+                if c < 0:
+                    break
+                hits.append(~c)
+                pcid, pkey, prev = int(self._cpu_id[0, c]), key, -1
+                continue
+            hits.append(b)
+            pcid, pkey, prev = cim[b], key, b
+        return hits, (pcid, pkey)
+
+    def _lookup_slow(self, datas: list, keys: list, root: tuple[int, int], lim: int) -> tuple[list[int], tuple[int, int]]:
+        """:meth:`_lookup` block by block, each candidate's parent and tokens checked before the next one, the CPU
+        tier looked up where the GPU misses (``keys`` is extended as needed). O(hit blocks)."""
+        cache = self._cache
+        if cache._ndl:
+            cache.flush()
+        tok, pcm, cim, get = cache.tok, cache._pcid_mv, cache._cid_mv, cache._map.get
         hits: list[int] = []
         pcid, pkey = root
         tier = self._tier
-        for j in range((arr.size - 1) // bs):
-            d = data[j * step : (j + 1) * step]
-            b, key = find(pcid, pkey, d)
-            if b < 0:
+        for j in range(lim):
+            if j == len(keys):
+                _extend_chain(keys, datas, 2 * j, root[1])
+            key, d = keys[j], datas[j]
+            b = get(key, -1)
+            if b < 0 or pcm[b] != pcid or tok[b].tobytes() != d:  # a miss (a hash collision is never a hit)
                 if tier is None:
                     break
                 c = tier.find_keyed(pcid, key, d)  # the prefix continues in the CPU tier?
@@ -194,7 +313,7 @@ class _Registry:
                 pcid, pkey = int(self._cpu_id[0, c]), key
                 continue
             hits.append(b)
-            pcid, pkey = int(cid[b]), key
+            pcid, pkey = cim[b], key
         return hits, (pcid, pkey)
 
     def _promote(self, hits: list, cpu_hits: list, taken) -> tuple[list, list]:

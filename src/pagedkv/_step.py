@@ -280,12 +280,11 @@ class _Stepper:
             take = self._take_one
             return np.array([take() for _ in range(n)], dtype=np.int32)
         k = min(n, pool._nfree)
-        ids = pool.take(k)
-        if k < n:
-            extra = self._cache.evict_many(n - k)
-            pool._ref[extra] = 1
-            ids = np.concatenate((ids, extra))
-        return ids
+        if k == n:
+            return pool.take(k)
+        extra = self._cache.evict_many(n - k)
+        pool._ref[extra] = 1
+        return np.concatenate((pool.take(k), extra)) if k else extra
 
     def _release_gpu(self, blocks: np.ndarray) -> None:
         """Drop one reference to each of ``blocks`` (distinct, in release order); blocks reaching zero go to the

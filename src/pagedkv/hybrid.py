@@ -375,6 +375,8 @@ class HybridBlockManager:
             data = arr.tobytes()
             datas = [data[s] for s in _slices(L, 4 * bs)]
             keys = {g: _chain(iter(datas), roots[g][1]) for g in self._sliding}
+            if cache._ndl:
+                cache.flush()  # (the window check reads the map directly; see prefix_cache "Runs")
             cmap, ctok = cache._map, cache.tok
             tier = self._tier
             tmap = tier._map if tier is not None else None

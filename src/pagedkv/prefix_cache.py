@@ -18,10 +18,31 @@ Everything is flat and indexed by block id; there is no object per block::
     key   uint64[num_blocks]             chained key of a cached block
     cid   int64[num_blocks]              content id of a cached block, 0 when the block is not cached
     pcid  int64[num_blocks]              content id of its parent (a root's for block 0 of a prompt)
+    succ  int32[num_blocks]              the next block of the run the block was registered in (-1: none)
+    dl    bool[num_blocks]               the block is cached but *dict-less* (see Runs)
     LRUEvictor: stamp int32[num_blocks], a push log of 1.25 x num_blocks (block, stamp) int32 pairs: the LRU
                                          order of the unreferenced cached blocks
 
-plus the dict ``key -> block id`` of the cached blocks (content-keyed, one entry per cached block).
+plus the dict ``key -> block id`` of the cached blocks (content-keyed) that are not dict-less.
+
+Runs. A prompt's new full blocks form one chain, registered at once (:meth:`PrefixCache.register_run`): only
+its first block enters the dict; each later one is *dict-less*, found as ``succ`` of its predecessor, which is the
+block caching its parent content. A lookup walks a prompt from its root, so it reaches a dict-less block through
+that predecessor::
+
+    dict:  key_h -> b7                       run b7 -> b3 -> b12 -> b5   (succ; dl: b3, b12, b5)
+    walk:  root ... hit(h-1) --dict--> b7 --succ--> b3 --succ--> b12 ...  (each candidate's key, parent cid
+                                                                          and tokens still checked)
+
+A dict operation on a random 64-bit key costs one to three cache misses: two per block (insert, then delete at
+eviction) were about half of a trace replay's time; a run costs one probe per block (is the key cached?) and one
+insert and one delete per prompt. Invariants (checked by ``check_invariants``): every cached block has a key of
+its own; a dict-less block is ``succ`` of the cached block whose content is its parent; every other cached block
+is in the dict. Evicting a block deletes its key unless it is dict-less, and puts its dict-less successor (the run
+goes on without it) into the dict. Every method that reads the dict as the whole index first calls
+:meth:`PrefixCache.flush` (a dict insert per dict-less block, what registering it cost before): only prompt
+registration, eviction and the manager's lookup walk work with runs, so a workload of prompts allocated and freed
+keeps them, and a decode step after an allocation pays the inserts the allocation saved.
 """
 
 from __future__ import annotations
@@ -124,6 +145,21 @@ def _chain(datas, key: int) -> list[int]:
     return keys
 
 
+def _extend_chain(keys: list, datas: list, stop: int, seed: int) -> None:
+    """Extend ``keys`` (the chained keys of ``datas[:len(keys)]``, the first seeded by ``seed``) in place to the
+    keys of ``datas[:stop]``: :func:`_chain` without its copies (the seeds are read, through a list iterator set
+    to the last key, from the list being extended)."""
+    a = len(keys)
+    if a >= stop or a >= len(datas):
+        return
+    if not a:
+        keys.append(_xxh3(datas[0], seed=seed))
+        a = 1
+    it = iter(keys)
+    it.__setstate__(a - 1)
+    keys += map(_xxh3, itertools.islice(datas, a, stop), it)
+
+
 def _slices(n: int, width: int) -> list[slice]:
     """``[slice(0, width), slice(width, 2 * width), ...]``, ``n`` of them (memoised per width)."""
     got = _slice_memo.get(width)
@@ -188,7 +224,8 @@ class PrefixCache:
 
     __slots__ = ("_map", "tok", "key", "cid", "pcid", "evictor", "_roots", "_serial", "evictions", "_width",
                  "_cid_mv", "_tok_mv", "_key_mv", "_pcid_mv", "tier", "fresh", "fresh_serial", "events", "event_overflows", "_ev_max", "_ev_lost", "pkey", "nsid", "_ns_ids", "_ns_list", "_bs",
-                 "_root_serial", "_ns_free", "sweep_at", "grouped")
+                 "_root_serial", "_ns_free", "sweep_at", "grouped", "void", "dl", "succ", "_ndl", "_runs",
+                 "_runs_keep", "_succ_mv", "_dl_mv")
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self._map: dict[int, int] = {}
@@ -200,10 +237,19 @@ class PrefixCache:
         self._tok_mv = memoryview(self.tok)
         self._key_mv, self._pcid_mv = memoryview(self.key), memoryview(self.pcid)
         self.evictor = LRUEvictor(num_blocks)
+        # dict-less blocks (see "Runs" in the module docstring): dl[b] marks a cached block that is not in _map, found
+        # as succ[p] of its run predecessor p; _ndl counts them, _runs lists the runs' blocks for flush()
+        self.dl = np.zeros(num_blocks, dtype=bool)
+        self.succ = np.full(num_blocks, -1, dtype=np.int32)
+        self._dl_mv, self._succ_mv = memoryview(self.dl), memoryview(self.succ)
+        self._ndl = 0
+        self._runs: list[np.ndarray] = []
+        self._runs_keep = 64  # prune _runs (drop the runs with no dict-less block left) past this length
         self._roots: dict[bytes, tuple[int, int]] = {}  # encoded namespace -> (cid < 0, key)
         self._serial = 0  # last content id handed out
         self.evictions = 0
         self._width = 4 * block_size  # bytes of one block's tokens
+        self.void = np.dtype((np.void, self._width))  # one block's tokens as one item: .tolist() gives its bytes
         self._bs = block_size
         # the CPU tier (cpu_tier.CpuTier) when on: evicted blocks spill into it; ``fresh`` stamps each block with
         # the step serial at which it was cached (a block cached in the current step is never demoted)
@@ -331,9 +377,18 @@ class PrefixCache:
             out.extend(self.tier.snapshot_events())
         return out
 
+    def mapping(self) -> dict[int, int]:
+        """``key -> block`` of every cached block: the map plus the dict-less blocks. Changes nothing (for checks
+        and tests). O(cached blocks)."""
+        out = dict(self._map)
+        if self._ndl:
+            b = np.flatnonzero(self.dl)
+            out.update(zip(self.key[b].tolist(), b.tolist()))
+        return out
+
     def __len__(self) -> int:
         """Cached blocks (referenced or not)."""
-        return len(self._map)
+        return len(self._map) + self._ndl
 
     # ------------------------------------------------------------------ namespaces
     def root(self, namespace: object, intern: bool = True) -> tuple[int, int]:
@@ -385,6 +440,8 @@ class PrefixCache:
     def find(self, pcid: int, pkey: int, data: bytes) -> tuple[int, int]:
         """``(block, key)``: the block caching ``data`` after parent ``(pcid, pkey)``, or -1, and the key of
         that content. O(1) plus one compare of ``data``."""
+        if self._ndl:
+            self.flush()
         key = _xxh3(data, seed=pkey)
         b = self._map.get(key, -1)
         if b >= 0 and (self.pcid[b] != pcid or self.tok[b].tobytes() != data):
@@ -393,6 +450,8 @@ class PrefixCache:
 
     def lookup(self, cid: int, key: int) -> int:
         """Block currently caching exactly the content ``cid`` (known by its ``key``), or -1."""
+        if self._ndl:
+            self.flush()
         b = self._map.get(key, -1)
         return b if b >= 0 and self.cid[b] == cid else -1
 
@@ -405,6 +464,8 @@ class PrefixCache:
         cid = self._cid_mv  # (element access: a third of a numpy scalar's cost)
         if pcid == 0:
             return 0, 0
+        if self._ndl:
+            self.flush()
         c = cid[block]
         if c:
             return c, self._key_mv[block]
@@ -430,7 +491,8 @@ class PrefixCache:
         return 0, 0
 
     def register_chains(self, blocks: np.ndarray, counts: np.ndarray, pcids: np.ndarray,
-                        pkeys: np.ndarray, namespaces: list | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+                        pkeys: np.ndarray, namespaces: list | None = None,
+                        keys: list | None = None) -> tuple[np.ndarray, np.ndarray] | None:
         """:meth:`register` for several chains at once: chain ``r`` is the next ``counts[r]`` blocks of
         ``blocks`` (in order, each the parent of the next) after parent ``(pcids[r], pkeys[r])``. Returns the
         ``(cid, key)`` of each chain's last block, or None, having changed nothing, unless every chain is intact,
@@ -439,22 +501,27 @@ class PrefixCache:
 
         That common case costs a gather of the tokens, xxh3 per block through C-level ``map`` (a Python loop
         along chains longer than one block), one ``map(dict.setdefault, ...)`` pass that inserts the keys and
-        detects any present one, and four vectorised writes: well under a microsecond a block."""
+        detects any present one, and four vectorised writes: well under a microsecond a block. ``keys``: the
+        blocks' chained keys when the caller has them already (a prompt's, computed by its lookup; they must be
+        exactly what this call would compute from the blocks' tokens): no gather, no hashing."""
         n = blocks.size
         cid = self.cid
         # (count_nonzero costs a fraction of .any() / .all() / .min() on small arrays)
         if not n or np.count_nonzero(pcids) != pcids.size or np.count_nonzero(cid[blocks]) or blocks.min() < 0:
             return None
-        raw = self.tok[blocks].tobytes()
-        datas = map(raw.__getitem__, _slices(n, self._width))
-        if n == counts.size:  # one block per chain: the per-step case
-            keys = list(map(_xxh3, datas, pkeys.tolist()))
-        elif counts.size == 1:  # one chain (a prompt): chained in C, see _chain
-            keys = _chain(datas, int(pkeys[0]))
-        else:
-            keys = []
-            for k, m in zip(pkeys.tolist(), counts.tolist()):
-                keys += _chain(itertools.islice(datas, m), k)
+        if keys is None:
+            # each block's token bytes, one bytes object per block straight from numpy (a void item each)
+            datas = self.tok[blocks].view(self.void).ravel().tolist()
+            if n == counts.size:  # one block per chain: the per-step case
+                keys = list(map(_xxh3, datas, pkeys.tolist()))
+            elif counts.size == 1:  # one chain (a prompt): chained in C, see _chain
+                keys = _chain(datas, int(pkeys[0]))
+            else:
+                keys, it = [], iter(datas)
+                for k, m in zip(pkeys.tolist(), counts.tolist()):
+                    keys += _chain(itertools.islice(it, m), k)
+        if self._ndl:
+            self.flush()
         mp, bl = self._map, blocks.tolist()
         if self.tier is not None and self.tier._map and any(map(self.tier._map.__contains__, keys)):
             return None  # a content the CPU tier holds: block by block, taking its identity
@@ -476,16 +543,112 @@ class PrefixCache:
         if n == counts.size:
             self.pcid[blocks] = pcids
             return new, karr
-        last = np.cumsum(counts) - 1
         parent = new - 1  # within a chain each block's parent is the previous block
-        parent[last[:-1] + 1] = pcids[1:]
         parent[0] = pcids[0]
+        if counts.size == 1:  # one chain (a prompt)
+            self.pcid[blocks] = parent
+            return new[-1:], karr[-1:]
+        last = np.cumsum(counts) - 1
+        parent[last[:-1] + 1] = pcids[1:]
         self.pcid[blocks] = parent
         return new[last], karr[last]
+
+    # ------------------------------------------------------------------ runs (dict-less blocks)
+    def register_run(self, blocks: np.ndarray, keys: list, pcid: int, pkey: int, after: int,
+                     namespace: object = None) -> tuple[np.ndarray, np.ndarray] | None:
+        """:meth:`register_chains` of one chain of new, uncached blocks (at least two) whose chained ``keys`` the
+        caller computed, after the parent content ``(pcid, pkey)`` that the GPU block ``after`` caches (-1: a
+        namespace root), leaving all but the chain's first block out of the map (dict-less, found from their predecessor
+        through ``succ``; see "Runs" in the module docstring). None, having changed nothing, unless no key is
+        cached (in the map, or as the dict-less successor of ``after``) and there is no CPU tier: the caller
+        then registers block by block. One dict probe a block and one insert a chain, instead of one insert a
+        block."""
+        mp = self._map
+        if pcid == 0 or self.tier is not None or any(map(mp.__contains__, keys)):
+            return None
+        if after >= 0:  # a dict-less child of the parent block with the first key?
+            s = self._succ_mv[after]
+            if s >= 0 and self._cid_mv[s] and self._pcid_mv[s] == self._cid_mv[after] and self._key_mv[s] == keys[0]:
+                return None
+        n = blocks.size
+        head = int(blocks[0])
+        mp[keys[0]] = head
+        new = np.arange(self._serial + 1, self._serial + n + 1, dtype=np.int64)
+        self._serial += n
+        karr = np.fromiter(keys, dtype=np.uint64, count=n)
+        self.cid[blocks] = new
+        self.key[blocks] = karr
+        parent = new - 1
+        parent[0] = pcid
+        self.pcid[blocks] = parent
+        rest = blocks[1:]
+        self.dl[rest] = True
+        self.succ[blocks[:-1]] = rest
+        self._succ_mv[int(blocks[-1])] = -1
+        self._ndl += n - 1
+        runs = self._runs
+        runs.append(rest)
+        if len(runs) > self._runs_keep:  # drop the runs whose blocks have all left (amortised O(1) a run)
+            dl = self.dl
+            self._runs = runs = [r for r in runs if dl[r].any()]
+            self._runs_keep = max(64, 2 * len(runs))
+        if self.fresh is not None:
+            self.fresh[blocks] = self.fresh_serial
+        if self.events is not None:
+            self._stored_chains(blocks, blocks.tolist(), keys, np.array([n], np.int64), np.array([pcid], np.int64),
+                                np.array([pkey], np.uint64), [namespace])
+        return new[-1:], karr[-1:]
+
+    def flush(self) -> None:
+        """Put every dict-less block into the map: the map then holds every cached block, as all methods but
+        :meth:`register_run`, :meth:`evict_many` / :meth:`evict` and the manager's lookup walk expect (each of
+        them calls this first when dict-less blocks exist). Changes no cache content. O(dict-less blocks) dict
+        inserts (what registering them cost before runs) plus O(1) a run."""
+        mp, dl = self._map, self.dl
+        for r in self._runs:
+            b = r[dl[r]]
+            if not b.size:
+                continue
+            bl = b.tolist()
+            got = list(map(mp.setdefault, self.key[b].tolist(), bl))
+            if got != bl:  # a key another block holds (a 64-bit collision): that block stays dict-less
+                b = b[np.array([g == x for g, x in zip(got, bl)], dtype=bool)]
+            dl[b] = False
+            self._ndl -= b.size
+        self._runs = [r for r in self._runs if dl[r].any()] if self._ndl else []
+
+    def _forget_runs(self, blocks: np.ndarray) -> list | None:
+        """The map side of evicting ``blocks`` (int32, cached) while dict-less blocks exist: delete the keys of
+        those in the map, unmark the dict-less ones, and put each evicted block's dict-less successor (its run
+        continues without it) into the map. Returns the keys of all of ``blocks`` when KV events are on."""
+        dl, mp = self.dl, self._map
+        keys = self.key[blocks].tolist() if self.events is not None else None
+        isdl = dl[blocks]
+        k = int(np.count_nonzero(isdl))
+        dl[blocks] = False
+        self._ndl -= k
+        collections.deque(map(mp.__delitem__, self.key[blocks[~isdl]].tolist() if k else
+                              keys if keys is not None else self.key[blocks].tolist()), maxlen=0)
+        s = self.succ[blocks]
+        self.succ[blocks] = -1
+        cand = dl[s]  # successors still dict-less (those evicted here were unmarked above; -1, none, is masked)
+        if cand.any():
+            s, p = s[cand], blocks[cand]
+            orphan = s[(s >= 0) & (self.pcid[s] == self.cid[p])]  # (dict-less: cached)
+            if orphan.size:  # the run's next block, cached and dict-less, loses its way in: into the map
+                bl = orphan.tolist()
+                got = list(map(mp.setdefault, self.key[orphan].tolist(), bl))
+                if got != bl:  # (a 64-bit collision: that block stays dict-less, unreachable)
+                    orphan = orphan[np.array([g == x for g, x in zip(got, bl)], dtype=bool)]
+                dl[orphan] = False
+                self._ndl -= orphan.size
+        return keys
 
     def adopt(self, block: int, cid: int, key: int, pcid: int, pkey: int = 0, namespace: object = None) -> bool:
         """Cache ``block`` (uncached, ``tok`` written) as the existing content ``cid`` (swap-in of a block that
         was cached before it left: blocks chained after it stay reachable). False when the key is taken."""
+        if self._ndl:
+            self.flush()
         if key in self._map:
             return False
         self.cid[block], self.key[block], self.pcid[block] = cid, key, pcid
@@ -500,6 +663,8 @@ class PrefixCache:
                    pkeys: np.ndarray, nsids: np.ndarray) -> None:
         """:meth:`adopt` of several blocks (promotions from the CPU tier; namespaces as indexes of this cache's
         namespace list). A block whose key is taken stays uncached."""
+        if self._ndl:
+            self.flush()
         kl = keys.tolist()
         mp = self._map
         free = np.fromiter((k not in mp for k in kl), dtype=bool, count=len(kl))
@@ -516,10 +681,13 @@ class PrefixCache:
 
     def withdraw(self, blocks: list[int]) -> None:
         """Uncache ``blocks`` (cached, referenced: their KV was never written). O(len(blocks))."""
+        if self._ndl:
+            self.flush()
         keys = [int(self.key[b]) for b in blocks]
         for k in keys:
             del self._map[k]
         self.cid[blocks] = 0
+        self.succ[blocks] = -1
         if self.events is not None and keys:
             self._removed(keys, self.nsid[blocks], "GPU")
 
@@ -528,9 +696,13 @@ class PrefixCache:
         """:meth:`evict` of the ``n`` least recently used unreferenced blocks, LRU first (int32). Batch form:
         a few numpy calls and one C-level pass over the map."""
         blocks = self.evictor.pop_many(n)
-        keys = self.key[blocks].tolist()
-        collections.deque(map(self._map.__delitem__, keys), maxlen=0)
-        cids = self.cid[blocks].copy() if self.tier is not None else None
+        if self._ndl:  # some blocks may be dict-less, or the successors of evicted ones
+            keys = self._forget_runs(blocks)
+            cids = None
+        else:
+            keys = self.key[blocks].tolist()
+            collections.deque(map(self._map.__delitem__, keys), maxlen=0)
+            cids = self.cid[blocks].copy() if self.tier is not None else None
         self.cid[blocks] = 0
         self.evictions += n
         if self.events is not None:
@@ -543,8 +715,11 @@ class PrefixCache:
         """Evict the least recently used unreferenced block and return its id (now uncached)."""
         b = self.evictor.pop()
         k = int(self.key[b])
-        del self._map[k]
         c = int(self.cid[b])
+        if self._ndl:
+            self._forget_runs(np.array([b], dtype=np.int32))
+        else:
+            del self._map[k]
         self.cid[b] = 0
         self.evictions += 1
         if self.events is not None:
@@ -555,6 +730,9 @@ class PrefixCache:
 
     def clear(self) -> list[int]:
         """Forget every cached content; return the unreferenced cached blocks (LRU first) for the free list."""
+        if self._ndl:
+            self.flush()
+        self.succ[:] = -1
         freed = list(self.evictor)
         self.evictor.discard_many(np.asarray(freed, dtype=np.int64))
         self.cid[np.fromiter(self._map.values(), dtype=np.int64, count=len(self._map))] = 0

@@ -459,7 +459,7 @@ def test_kv_events_rebuild_the_cached_key_set(engine):
                 else:
                     keys.clear()
         assert removed > 0  # the pool is small: blocks were evicted
-        assert keys == set(llm.block_manager._cache._map)
+        assert keys == set(llm.block_manager._cache.mapping())
         import pagedkv
 
         # the last prompt's full blocks are cached under these keys
