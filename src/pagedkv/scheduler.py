@@ -152,8 +152,10 @@ class PrefillWork(NamedTuple):
     sample_index: int
     token_ids: np.ndarray  # int64 (T,): the tokens to compute, prompt[start:seq_len]
     positions: np.ndarray  # int64 (T,): start .. seq_len - 1
-    slot_mapping: np.ndarray  # int64 (T,): slot of each computed token (None if the bm has no slot_mapping)
-    block_table: np.ndarray  # int32: the sequence's block table, read-only (None likewise)
+    slot_mapping: np.ndarray  # int64 (T,): slot of each computed token (None if the bm has no slot_mapping);
+    #                           (G, T) for a HybridBlockManager (one row per KV cache group)
+    block_table: np.ndarray  # int32: the sequence's block table, read-only (None likewise); a tuple of G tables
+    #                          for a HybridBlockManager
     num_cached_tokens: int  # == start: tokens whose KV is already in the cache (prefix hit, earlier chunks)
     seq_len: int  # tokens of the sequence after this step (attention context length of the last token)
     num_samples: int  # tokens to sample from the last logits (n for a fresh request, else 1; 0: a chunk that
@@ -375,6 +377,8 @@ class Scheduler:
         self._prepare = getattr(block_manager, "prepare_step", None)
         # benchmark adapters of other block managers have no slot_mapping: their prefills carry no metadata
         self._has_slots = getattr(block_manager, "slot_mapping", None) is not None
+        # a HybridBlockManager (KV cache groups): prefill slots (G, T) and one block table per group
+        self._num_groups = getattr(block_manager, "num_groups", None)
         self._waiting: deque[_Group] = deque()
         self._running: dict[int, _Group] = {}  # arrival -> group, insertion order = admission order
         self._swapped: list[_Group] = []  # heap by arrival
@@ -818,7 +822,7 @@ class Scheduler:
             prefills.append(PrefillWork(
                 request_id=g.request_id, seq_id=s.seq_id, sample_index=s.index,
                 token_ids=s.prefill[start:end], positions=np.arange(start, end, dtype=np.int64),
-                slot_mapping=slots[off : off + c], block_table=bm.block_table(s.seq_id) if self._has_slots else None,
+                slot_mapping=slots[..., off : off + c], block_table=self._table(s.seq_id) if self._has_slots else None,
                 num_cached_tokens=start, seq_len=end, num_samples=(1 if g.forked else g.n) if last else 0,
             ))
             off += c
@@ -906,6 +910,12 @@ class Scheduler:
             return s.group.prompt
         return np.concatenate((s.group.prompt, np.array(s.output, dtype=np.int64)))
 
+    def _table(self, seq_id: int):
+        """The sequence's block table (a tuple of one per group for a HybridBlockManager)."""
+        if self._num_groups is None:
+            return self.bm.block_table(seq_id)
+        return tuple(self.bm.block_table(seq_id, g) for g in range(self._num_groups))
+
     def _prefill_work(self, g: _Group, s: _Seq, toks: np.ndarray, hit: int, num_samples: int,
                       end: int | None = None) -> PrefillWork:
         """The prefill of a just allocated sequence: prompt positions ``[hit, end)`` (``end`` < len: the first
@@ -916,8 +926,12 @@ class Scheduler:
         start = min(hit, L - 1)
         if self._has_slots:
             bm = self.bm
-            slots = np.asarray(bm.slot_mapping(s.seq_id, start, end), dtype=np.int64)
-            table = bm.block_table(s.seq_id)
+            if self._num_groups is None:
+                slots = np.asarray(bm.slot_mapping(s.seq_id, start, end), dtype=np.int64)
+            else:
+                slots = np.stack([np.asarray(bm.slot_mapping(s.seq_id, start, end, g), dtype=np.int64)
+                                  for g in range(self._num_groups)])
+            table = self._table(s.seq_id)
         else:
             slots = table = None
         s.num_computed = end
