@@ -273,3 +273,15 @@ def test_without_prefix_caching_a_chunk_is_the_first_k_tokens():
     chunks(m, "b", p, 4)
     m.fork("b", "c")
     m.check_invariants()
+
+
+def test_a_chunked_batch_never_takes_more_blocks_than_it_was_admitted_for():
+    """Regression (found by scripts/soak_kv.py --hybrid yes, seed 1025): in a chunked allocate_batch a later
+    prompt's burst hit on the batch's earlier prompts can reach cached blocks nobody references; a chunk holds the
+    hit plus k tokens, so such hits are taken, not saved, and the pool ran dry inside the commit (IndexError in
+    the evictor). The prompt now keeps its admitted plan then."""
+    import kv_model
+
+    r = kv_model.run(1025, 1000, hybrid=True)
+    assert r.violations == 0, r.messages[:3]
+    assert r.counts.get("chunked_batch_admits", 0) > 0

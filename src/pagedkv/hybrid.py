@@ -507,7 +507,9 @@ class HybridBlockManager:
         Like consecutive :meth:`allocate` calls (a prompt hits the blocks the batch's earlier prompts cached),
         all or nothing, and every hit planned for the batch is held before any block is taken. Admission counts
         each prompt's blocks without the sharing inside the batch (a batch that fits only thanks to it raises
-        OutOfBlocksError; allocate its prompts one by one). O(total prompt blocks x groups).
+        OutOfBlocksError; allocate its prompts one by one). A later prompt whose burst hit would take more blocks
+        than it was admitted for (chunks: hits on unreferenced cached blocks are taken, not saved) keeps its admitted
+        plan, so the batch never takes more than admitted. O(total prompt blocks x groups).
 
         ``num_new_tokens`` (chunked prefill): None, or one chunk size (>= 1) per prompt, as for :meth:`allocate`;
         the metadata then covers each sequence's hit plus its chunk (``seq_lens``: the tokens held)."""
@@ -552,8 +554,17 @@ class HybridBlockManager:
             if pins:
                 self._tier.pin_many(list(dict.fromkeys(pins)))
         nhit, shapes = [], []
+        G = len(self._g)
         for i, (s, gns) in enumerate(zip(seq_ids, gnss)):
-            plan = self._plan(arrs[i], la, gns, False, chunks[i]) if i and self._cache is not None else plans[i]
+            plan = plans[i]
+            if i and self._cache is not None:
+                again = self._plan(arrs[i], la, gns, False, chunks[i])  # (burst hits on the earlier prompts)
+                # The admitted plan's hits are held, so it costs exactly its new blocks and CPU promotions now.
+                # A burst hit that would cost more (a chunk holds the hit plus k tokens, so hits past the admitted
+                # ones that sit unreferenced in the cache are taken, not saved) keeps the admitted plan (one without
+                # CPU-tier hits, which an earlier prompt may have promoted).
+                if plan.ncpu or again.need <= G * (plan.nblocks - plan.nhit):
+                    plan = again
             self._hold(plan)
             self._commit(s, gns, plan)
             nhit.append(plan.nhit)
