@@ -96,7 +96,7 @@ class Config:
             num_cpu_blocks=rng.randint(16, 80) * 4 // bs * g,
             block_size=bs, prefix=prefix, tier=tier, window=None, lookahead=rng.choice([0, 0, 1, 2]),
             events=prefix and rng.random() < 0.3, max_events=rng.randint(8, 64), groups=tuple(groups),
-            vectorised=rng.random() < 0.5,
+            vectorised=rng.random() < 0.5, chunked=rng.random() < 0.6,
         )
 
     def manager(self):
@@ -305,8 +305,11 @@ class KVModel:
         bm = self.bm
         sids = list(range(self.next_id, self.next_id + len(burst)))
         self.next_id += len(burst)
+        rng = self.rng
+        chunks = [rng.choice([1, 2, 3, 5, 8]) for _ in burst] if self.cfg.chunked and rng.random() < 0.6 else None
         try:
-            pb = bm.allocate_batch(sids, [t for t, _ in burst], namespaces=[ns for _, ns in burst])
+            pb = bm.allocate_batch(sids, [t for t, _ in burst], namespaces=[ns for _, ns in burst],
+                                   num_new_tokens=chunks)
         except OutOfBlocksError:
             self.report.count("admit_refused")
             if any(s in bm for s in sids):
@@ -320,7 +323,15 @@ class KVModel:
                 self._fail(f"allocate_batch: {sid} got a hit of {hit} for {len(toks)} tokens")
             self.report.count("admits")
             self.report.count("hit_tokens", hit)
-            q = _Seq(ns, list(toks), self._ids(ns, toks))
+            rest = []
+            if chunks is not None:
+                held = min(len(toks), hit + chunks[i])
+                if bm.num_tokens(sid) != held or int(pb.seq_lens[i]) != held or qsl[i + 1] - qsl[i] != held - hit:
+                    self._fail(f"allocate_batch: {sid} (num_new_tokens={chunks[i]}) holds {bm.num_tokens(sid)} "
+                               f"tokens, not the hit {hit} plus the chunk")
+                toks, rest = toks[:held], toks[held:]
+                self.report.count("chunked_batch_admits" if rest else "chunked_admits_whole")
+            q = _Seq(ns, list(toks), self._ids(ns, toks), list(rest))
             self.seqs[sid] = q
             self.order_of[sid] = sid
             sl = pb.slot_mapping[:, qsl[i] : qsl[i + 1]]
@@ -350,7 +361,7 @@ class KVModel:
             q.toks.extend(q.rest[:c])
             del q.rest[:c]
             q.ids = self._ids(q.ns, q.toks, q.ids)
-            self._write(s, res.slot_mapping[pos : pos + c], q.ids[-c:])
+            self._write(s, res.slot_mapping[..., pos : pos + c], q.ids[-c:])  # (G, c) for a hybrid manager
             pos += c
             self.report.count("prefill_chunks" if q.rest else "prefill_last_chunks")
 

@@ -7,7 +7,8 @@ raise (unknown, duplicate, swapped, same-step refusals), token counts, every gro
 full-attention group's table never holds NULL_BLOCK while a sliding group's holds it only before every future
 query's window, and that a refused call changes nothing (every group's tables, free counts, cached blocks).
 ``lookup_prefix`` must predict ``allocate`` exactly (hit and blocks consumed), and ``can_append_slots`` must
-predict whether ``decode_step`` fits. The KV content itself is checked by tests/test_kv_content.py's hybrid runs.
+predict whether ``decode_step`` fits. Admissions are often chunked prefills (``num_new_tokens=``: the sequence
+holds the hit plus one chunk, the rest comes by multi-token ``decode_step``; fork refused until then). The KV content itself is checked by tests/test_kv_content.py's hybrid runs.
 
 More examples: PAGEDKV_STATEFUL_EXAMPLES=2000 PAGEDKV_STATEFUL_STEPS=80 pytest tests/test_hybrid_stateful.py
 """
@@ -52,6 +53,7 @@ class HybridMachine(RuleBasedStateMachine):
         if not small:
             self.m._m0._small_batch = 0  # every batch takes the numpy step
         self.seqs: dict = {}  # seq -> [tokens, table length, swapped]
+        self.rest: dict = {}  # chunked prefill: seq -> the prompt tokens not appended yet (never empty)
         self.touched: set = set()
         self.stepping = False
         self.next_id = 0
@@ -61,7 +63,7 @@ class HybridMachine(RuleBasedStateMachine):
         m = self.m
         return (m.num_free_gpu_blocks, m.num_free_cpu_blocks, m.num_cached_blocks,
                 {s: (m.num_tokens(s), m.is_swapped(s), [m.block_table(s, g).tolist() for g in range(self.G)])
-                 for s in m.seq_ids})
+                 for s in m.seq_ids}, [dict(g._partial) for g in m._g])
 
     def live(self, swapped=False):
         return sorted(s for s, v in self.seqs.items() if v[2] == swapped)
@@ -71,16 +73,17 @@ class HybridMachine(RuleBasedStateMachine):
         self.touched.add(seq)
 
     # ------------------------------------------------------------------ rules
-    @rule(toks=PROMPT, la=st.sampled_from([0, 0, 1, 3]), ns=st.sampled_from([None, None, "t"]))
-    def allocate(self, toks, la, ns):
+    @rule(toks=PROMPT, la=st.sampled_from([0, 0, 1, 3]), ns=st.sampled_from([None, None, "t"]),
+          chunk=st.one_of(st.none(), st.integers(1, 9)))
+    def allocate(self, toks, la, ns, chunk):
         m = self.m
         seq = self.next_id
         self.next_id += 1
-        hit = m.lookup_prefix(toks, la, namespace=ns)
-        status = m.can_allocate(toks, la, namespace=ns)
+        hit = m.lookup_prefix(toks, la, namespace=ns, num_new_tokens=chunk)
+        status = m.can_allocate(toks, la, namespace=ns, num_new_tokens=chunk)
         before = self.snap()
         try:
-            got = m.allocate(seq, toks, la, namespace=ns)
+            got = m.allocate(seq, toks, la, namespace=ns, num_new_tokens=chunk)
         except PromptTooLongError:
             assert self.G * cdiv(len(toks) + la, BS) > m.num_gpu_blocks and status == AllocStatus.NEVER
             assert self.snap() == before
@@ -92,31 +95,71 @@ class HybridMachine(RuleBasedStateMachine):
         assert status == AllocStatus.OK
         assert got == hit.num_cached_tokens and got % BS == 0 and got < len(toks)
         assert before[0] - m.num_free_gpu_blocks == hit.num_new_blocks
+        held = len(toks) if chunk is None else min(len(toks), got + chunk)
+        assert m.num_tokens(seq) == held
         for g, w in enumerate(self.windows):
             t = m.block_table(seq, g)
-            assert len(t) == cdiv(len(toks) + la, BS)
+            assert len(t) == cdiv(held + la, BS)
             nnull = 0 if w is None or not got else max(0, got - w) // BS
             assert (t[:nnull] == NULL_BLOCK).all() and (t[nnull:] >= 0).all()
-        self._new(seq, toks, la)
+        self._new(seq, toks[:held], la)
+        if held < len(toks):
+            self.rest[seq] = list(toks[held:])
 
-    @rule(ps=st.lists(PROMPT, min_size=1, max_size=3))
-    def allocate_batch(self, ps):
+    @rule(ps=st.lists(PROMPT, min_size=1, max_size=3), data=st.data())
+    def allocate_batch(self, ps, data):
         m = self.m
         ids = list(range(self.next_id, self.next_id + len(ps)))
         self.next_id += len(ps)
+        chunks = data.draw(st.one_of(st.none(), st.lists(st.integers(1, 9), min_size=len(ps), max_size=len(ps))))
         before = self.snap()
         try:
-            pb = m.allocate_batch(ids, ps)
+            pb = m.allocate_batch(ids, ps, num_new_tokens=chunks)
         except OutOfBlocksError:
             assert self.snap() == before
             return
-        assert pb.slot_mapping.shape == (self.G, sum(len(p) for p in ps) - int(pb.num_cached_tokens.sum()))
-        for s, p in zip(ids, ps):
-            self._new(s, p, 0)
+        held = [len(p) if chunks is None else min(len(p), int(h) + c)
+                for p, h, c in zip(ps, pb.num_cached_tokens, chunks or [0] * len(ps))]
+        assert pb.seq_lens.tolist() == held
+        assert pb.slot_mapping.shape == (self.G, sum(held) - int(pb.num_cached_tokens.sum()))
+        for s, p, n in zip(ids, ps, held):
+            self._new(s, p[:n], 0)
+            if n < len(p):
+                self.rest[s] = list(p[n:])
+
+    @rule(data=st.data())
+    def prefill(self, data):
+        """The next chunk of some partly prefilled prompts: one multi-token decode_step."""
+        cand = [s for s in self.live() if s in self.rest]
+        if not cand:
+            return
+        batch = data.draw(st.lists(st.sampled_from(cand), min_size=1, max_size=len(cand), unique=True))
+        counts = [min(len(self.rest[s]), data.draw(st.integers(1, 9))) for s in batch]
+        flat = [t for s, c in zip(batch, counts) for t in self.rest[s][:c]]
+        before = self.snap()
+        try:
+            r = self.m.decode_step(batch, np.array(flat), num_new_tokens=np.array(counts))
+        except OutOfBlocksError:
+            assert self.snap() == before
+            return
+        assert r.slot_mapping.shape == (self.G, sum(counts))
+        pos = 0
+        for s, c in zip(batch, counts):
+            v = self.seqs[s]
+            n = len(v[0])
+            for g in range(self.G):
+                assert r.slot_mapping[g, pos : pos + c].tolist() == self.m.slot_mapping(s, n, n + c, g).tolist()
+            pos += c
+            v[0] += self.rest[s][:c]
+            del self.rest[s][:c]
+            if not self.rest[s]:
+                del self.rest[s]
+            v[1] = max(v[1], cdiv(len(v[0]), BS))
+            self.touched.add(s)
 
     @rule(data=st.data(), la=st.sampled_from([0, 0, 1, 2]), k=st.sampled_from([1, 1, 2]))
     def decode(self, data, la, k):
-        live = self.live()
+        live = [s for s in self.live() if s not in self.rest]  # (a partly prefilled prompt gets chunks instead)
         if not live:
             return
         batch = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=len(live), unique=True))
@@ -148,10 +191,10 @@ class HybridMachine(RuleBasedStateMachine):
         before = self.snap()
         try:
             self.m.fork(p, c)
-        except SequenceStateError:
-            assert self.stepping and p in self.touched and self.snap() == before
+        except SequenceStateError:  # (refused in every group or in none)
+            assert (p in self.rest or self.stepping and p in self.touched) and self.snap() == before
             return
-        assert not (self.stepping and p in self.touched)
+        assert not (self.stepping and p in self.touched) and p not in self.rest
         v = self.seqs[p]
         self.seqs[c] = [list(v[0]), v[1], v[2]]
 
@@ -172,6 +215,7 @@ class HybridMachine(RuleBasedStateMachine):
             assert not cache and self.snap() == before
             return
         del self.seqs[s]
+        self.rest.pop(s, None)
 
     @rule(data=st.data())
     def swap_out(self, data):
@@ -233,6 +277,8 @@ class HybridMachine(RuleBasedStateMachine):
         m = self.m
         m.check_invariants()
         assert set(m.seq_ids) == set(self.seqs)
+        for s, rest in self.rest.items():  # every group records the prompt length of a partly prefilled sequence
+            assert all(g._partial.get(s) == len(self.seqs[s][0]) + len(rest) for g in m._g)
         for s, (toks, nblk, swapped) in self.seqs.items():
             n = len(toks)
             assert m.num_tokens(s) == n and m.is_swapped(s) == swapped

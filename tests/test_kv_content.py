@@ -55,7 +55,8 @@ HYBRID_SEEDS = int(os.environ.get("PAGEDKV_KV_HYBRID_SEEDS", "16"))
 def test_hybrid_every_sequence_reads_its_own_kv_in_every_group(chunk):
     """The same model with a HybridBlockManager (2-4 KV cache groups, full and sliding): every live sequence reads
     back its own KV through every group's table after every step, and every position a sliding window needs is
-    held."""
+    held. Chunked admissions (``allocate`` / ``allocate_batch`` with ``num_new_tokens``) and their later
+    chunks (multi-token ``decode_step``) are read back in every group too."""
     total = {}
     for seed in range(chunk, HYBRID_SEEDS, 2):
         r = kv_model.run(seed, STEPS, hybrid=True)
@@ -63,7 +64,8 @@ def test_hybrid_every_sequence_reads_its_own_kv_in_every_group(chunk):
         for k, v in r.counts.items():
             total[k] = total.get(k, 0) + v
     for what in ("admits", "batch_admits", "decodes", "swap_outs", "swap_ins", "cow", "aborts", "forks", "copies",
-                 "hit_tokens", "hits_past_window", "refusals_ok"):
+                 "hit_tokens", "hits_past_window", "refusals_ok", "chunked_admits", "chunked_batch_admits",
+                 "prefill_chunks", "prefill_last_chunks", "fork_refused_mid_prefill"):
         assert total.get(what, 0) > 0, (what, total)
 
 

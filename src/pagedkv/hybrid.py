@@ -93,9 +93,9 @@ class HybridPrefillBatch(NamedTuple):
 class _Plan(NamedTuple):
     """An allocation planned for every group (nothing changed yet)."""
 
-    arr: np.ndarray
-    n: int
-    nblocks: int
+    arr: np.ndarray  # the whole prompt
+    n: int  # tokens the sequence holds: the whole prompt, or (chunked prefill) the hit plus one chunk
+    nblocks: int  # blocks of those n tokens (plus lookahead), every group
     nhit: int  # L // block_size, every group
     groups: list  # per group: (gpu hits with nnull leading NULL_BLOCKs, cpu_hits or None, chain, nnull)
     need: int  # free GPU blocks the allocation consumes, all groups
@@ -308,7 +308,8 @@ class HybridBlockManager:
 
     def check_invariants(self) -> None:
         """Every invariant of every group and of the shared parts (refcounts summed over the groups' tables), and
-        that the groups hold the same sequences in the same rows. O(blocks + total table length)."""
+        that the groups hold the same sequences in the same rows, token counts and partly prefilled sequences
+        (chunked prefill: every group records the same prompt lengths). O(blocks + total table length)."""
         m0 = self._m0
         for g, m in enumerate(self._g[1:], 1):
             if m._row_of != m0._row_of:
@@ -317,6 +318,9 @@ class HybridBlockManager:
             if not (np.array_equal(m._ntok[rows], m0._ntok[rows]) and np.array_equal(m._nblk[rows], m0._nblk[rows])
                     and np.array_equal(m._swapped[rows], m0._swapped[rows])):
                 raise AssertionError(f"group {g}: token counts, table lengths or swap states differ from group 0")
+            if m._partial != m0._partial:
+                raise AssertionError(f"group {g}: partly prefilled sequences {m._partial} differ from group 0's "
+                                     f"{m0._partial}")
         m0._check_invariants_of(tuple(self._g))
 
     def reset_prefix_cache(self) -> int:
@@ -341,10 +345,12 @@ class HybridBlockManager:
                                               for i, s in enumerate(self._specs))
         return got
 
-    def _plan(self, arr: np.ndarray, la: int, gns: tuple, check: bool = True) -> _Plan:
+    def _plan(self, arr: np.ndarray, la: int, gns: tuple, check: bool = True, chunk: int | None = None) -> _Plan:
         """The allocation of prompt ``arr`` in every group, without changing anything (see the module docstring
-        for the hit rule). Raises PromptTooLongError / TableWidthError when ``check``. O(prompt blocks x
-        groups)."""
+        for the hit rule). Raises PromptTooLongError / TableWidthError when ``check`` (on the whole prompt).
+        ``chunk`` (chunked prefill): the hit L is found on the whole prompt, then the sequence holds only its
+        first ``L + chunk`` tokens in every group (the hit rule looks only at tokens before the hit point, so
+        this is also the hit of the truncated prompt). O(prompt blocks x groups)."""
         bs, n = self._bs, arr.size
         G = len(self._g)
         nblocks = -(-(n + la) // bs)
@@ -361,6 +367,9 @@ class HybridBlockManager:
                                       f"{m0._fixed_w}")
         cache = self._cache
         if cache is None:
+            if chunk is not None and chunk < n:
+                n = chunk
+                nblocks = -(-(n + la) // bs)
             return _Plan(arr, n, nblocks, 0, [([], None, (0, 0), 0)] * G, G * nblocks, 0)
         roots = [cache.root(ns, intern=False) for ns in gns]
         h = (n - 1) // bs
@@ -408,6 +417,9 @@ class HybridBlockManager:
                         break
                 if ok:
                     break
+        if chunk is not None and L * bs + chunk < n:  # chunked prefill: the hit plus one chunk
+            n = L * bs + chunk
+            nblocks = -(-(n + la) // bs)
         ref = self._gpu._ref_mv
         cid, ckey, cpu_id = cache.cid, cache.key, self._m0._cpu_id
         groups, need, ncpu = [], 0, 0
@@ -470,8 +482,10 @@ class HybridBlockManager:
             if cache is not None and plan.nhit == 0:
                 chain = cache.root(gns[g], intern=True)  # (a new namespace's root gets its content id now)
             m._alloc_commit(seq_id, gns[g], plan.arr, plan.n, plan.nblocks, gpu, cpu, chain, True, nnull)
+            if plan.n < plan.arr.size:  # a chunk: fork waits for the rest of the prompt (every group records it)
+                m._partial[seq_id] = plan.arr.size
         if self._retention is not None:
-            self._retention.set_prompt(self._m0._row_of[seq_id], plan.n)
+            self._retention.set_prompt(self._m0._row_of[seq_id], plan.arr.size)  # (the whole prompt, chunked too)
         if cache is not None:
             for ns in gns:
                 cache.intern(ns)
@@ -486,14 +500,27 @@ class HybridBlockManager:
             self._m0._park_gpu(b[self._gpu._ref[b] == 0].astype(np.int32))
 
     def allocate(self, seq_id: Hashable, token_ids: Sequence[int], num_lookahead_slots: int = 0, *,
-                 namespace: object = None) -> int:
+                 namespace: object = None, num_new_tokens: int | None = None) -> int:
         """Create the sequence's block table in every group; returns the hybrid hit (tokens cached in every group,
         a multiple of block_size, less than the prompt). See BlockManager.allocate; raises what it raises
-        (PromptTooLongError counting every group) and changes nothing then. O(prompt blocks x groups)."""
+        (PromptTooLongError counting every group) and changes nothing then. O(prompt blocks x groups).
+
+        **Chunked prefill** (``num_new_tokens=k``, k >= 1), as BlockManager.allocate's: the hybrid hit L is found
+        on the whole prompt, then the sequence holds its first ``min(L + k, len(token_ids))`` tokens in every
+        group; the rest is appended with :meth:`decode_step` (multi-token), a sliding group releasing what its
+        window no longer needs between chunks. Until the whole prompt is appended :meth:`fork` raises
+        SequenceStateError (no group changes); swap and free (``cache=False`` too) work. PromptTooLongError /
+        TableWidthError look at the whole prompt. ::
+
+            group 0 (full)     [ hit ........ | chunk 1 ][ chunk 2 ][ chunk 3 ]
+            group 1 (sliding)  [ NULL | window | chunk 1 ][ chunk 2 ][ chunk 3 ]
+                                 allocate(num_new_tokens=k)  decode_step  decode_step
+        """
         self._m0._check_new_id(seq_id)
         la = check_int("num_lookahead_slots", num_lookahead_slots, 0)
+        k = None if num_new_tokens is None else check_int("num_new_tokens", num_new_tokens, 1)
         gns = self._gns(namespace)
-        plan = self._plan(as_tokens(token_ids), la, gns)
+        plan = self._plan(as_tokens(token_ids), la, gns, chunk=k)
         if plan.need > self.num_free_gpu_blocks:
             raise OutOfBlocksError(f"prompt of {plan.n} tokens needs {plan.need} new blocks in "
                                    f"{len(self._g)} KV cache groups; {self.num_free_gpu_blocks} are free")
@@ -502,13 +529,18 @@ class HybridBlockManager:
         return plan.nhit * self._bs
 
     def allocate_batch(self, seq_ids: Sequence[Hashable], token_ids: Sequence[Sequence[int]],
-                       num_lookahead_slots: int = 0, *, namespaces: Sequence[object] | None = None
-                       ) -> HybridPrefillBatch:
+                       num_lookahead_slots: int = 0, *, namespaces: Sequence[object] | None = None,
+                       num_new_tokens: Sequence[int] | None = None) -> HybridPrefillBatch:
         """Allocate B sequences at once and return their prefill metadata per group (:class:`HybridPrefillBatch`).
         Like consecutive :meth:`allocate` calls (a prompt hits the blocks the batch's earlier prompts cached),
         all or nothing, and every hit planned for the batch is held before any block is taken. Admission counts
         each prompt's blocks without the sharing inside the batch (a batch that fits only thanks to it raises
-        OutOfBlocksError; allocate its prompts one by one). O(total prompt blocks x groups)."""
+        OutOfBlocksError; allocate its prompts one by one). A later prompt whose burst hit would take more blocks
+        than it was admitted for (chunks: hits on unreferenced cached blocks are taken, not saved) keeps its admitted
+        plan, so the batch never takes more than admitted. O(total prompt blocks x groups).
+
+        ``num_new_tokens`` (chunked prefill): None, or one chunk size (>= 1) per prompt, as for :meth:`allocate`;
+        the metadata then covers each sequence's hit plus its chunk (``seq_lens``: the tokens held)."""
         seq_ids = list(seq_ids)
         prompts = list(token_ids) if not isinstance(token_ids, np.ndarray) or token_ids.ndim == 2 else None
         if prompts is None or len(prompts) != len(seq_ids):
@@ -522,6 +554,12 @@ class HybridBlockManager:
             namespaces = list(namespaces)
             if len(namespaces) != len(seq_ids):
                 raise InvalidArgumentError(f"got {len(namespaces)} namespaces for {len(seq_ids)} prompts")
+        if num_new_tokens is None:
+            chunks = [None] * len(seq_ids)
+        else:
+            if isinstance(num_new_tokens, (int, np.integer, str, bytes)) or len(num_new_tokens) != len(seq_ids):
+                raise InvalidArgumentError("num_new_tokens must be None or one chunk size per prompt")
+            chunks = [check_int(f"num_new_tokens[{i}]", c, 1) for i, c in enumerate(num_new_tokens)]
         seen: set = set()
         for s in seq_ids:
             self._m0._check_new_id(s)
@@ -530,7 +568,7 @@ class HybridBlockManager:
             seen.add(s)
         gnss = [self._gns(ns) for ns in namespaces]
         arrs = [as_tokens(p, f"token_ids[{i}]") for i, p in enumerate(prompts)]
-        plans = [self._plan(a, la, gns) for a, gns in zip(arrs, gnss)]
+        plans = [self._plan(a, la, gns, chunk=c) for a, gns, c in zip(arrs, gnss, chunks)]
         need = sum(p.need for p in plans)
         if need > self.num_free_gpu_blocks:
             raise OutOfBlocksError(f"the batch of {len(plans)} prompts needs {need} new blocks; "
@@ -543,15 +581,24 @@ class HybridBlockManager:
             pins = [c for p in plans for _, cpu, _, _ in p.groups if cpu for _, c in cpu]
             if pins:
                 self._tier.pin_many(list(dict.fromkeys(pins)))
-        nhit = []
+        nhit, shapes = [], []
+        G = len(self._g)
         for i, (s, gns) in enumerate(zip(seq_ids, gnss)):
-            plan = self._plan(arrs[i], la, gns, check=False) if i and self._cache is not None else plans[i]
+            plan = plans[i]
+            if i and self._cache is not None:
+                again = self._plan(arrs[i], la, gns, False, chunks[i])  # (burst hits on the earlier prompts)
+                # The admitted plan's hits are held, so it costs exactly its new blocks and CPU promotions now.
+                # A burst hit that would cost more (a chunk holds the hit plus k tokens, so hits past the admitted
+                # ones that sit unreferenced in the cache are taken, not saved) keeps the admitted plan (one without
+                # CPU-tier hits, which an earlier prompt may have promoted).
+                if plan.ncpu or again.need <= G * (plan.nblocks - plan.nhit):
+                    plan = again
             self._hold(plan)
             self._commit(s, gns, plan)
             nhit.append(plan.nhit)
+            shapes.append((None, plan.n))
         self._unhold(held)
         sids = tuple(seq_ids)
-        shapes = [(None, a.size) for a in arrs]
         res = [m._prefill_result(sids, arrs, shapes, [m._row_of[s] for s in seq_ids], nhit) for m in self._g]
         r0 = res[0]
         return HybridPrefillBatch(sids, r0.num_cached_tokens, r0.query_start_loc, r0.token_ids, r0.positions,
@@ -569,22 +616,26 @@ class HybridBlockManager:
             ref[b] += 1
 
     def lookup_prefix(self, token_ids: Sequence[int], num_lookahead_slots: int = 0, *,
-                      namespace: object = None) -> PrefixHit:
+                      namespace: object = None, num_new_tokens: int | None = None) -> PrefixHit:
         """What :meth:`allocate` would find cached now (the hybrid hit), changing nothing: cached tokens and
         blocks (per group), CPU-tier promotions (all groups) and the free GPU blocks the allocation would consume
-        (all groups). O(prompt blocks x groups)."""
+        (all groups; with ``num_new_tokens``, those of the hit plus that chunk, as ``allocate(...,
+        num_new_tokens=)`` takes them). O(prompt blocks x groups)."""
         la = check_int("num_lookahead_slots", num_lookahead_slots, 0)
-        plan = self._plan(as_tokens(token_ids), la, self._gns(namespace), check=False)
+        k = None if num_new_tokens is None else check_int("num_new_tokens", num_new_tokens, 1)
+        plan = self._plan(as_tokens(token_ids), la, self._gns(namespace), check=False, chunk=k)
         return PrefixHit(plan.nhit * self._bs, plan.nhit, plan.ncpu, plan.need)
 
     def can_allocate(self, token_ids: Sequence[int], num_lookahead_slots: int = 0, *,
-                     namespace: object = None) -> AllocStatus:
-        """NEVER if the prompt's blocks in every group exceed the pool less the watermark, LATER if the blocks
-        the allocation would consume (every group, hits counted) do not fit now, else OK."""
+                     namespace: object = None, num_new_tokens: int | None = None) -> AllocStatus:
+        """NEVER if the prompt's blocks in every group exceed the pool less the watermark (the whole prompt, chunked
+        or not: it could never be completed), LATER if the blocks the allocation would consume (every group, hits
+        counted; with ``num_new_tokens``, only the hit plus that chunk) do not fit now, else OK."""
         la = check_int("num_lookahead_slots", num_lookahead_slots, 0)
+        k = None if num_new_tokens is None else check_int("num_new_tokens", num_new_tokens, 1)
         arr = as_tokens(token_ids)
         try:
-            plan = self._plan(arr, la, self._gns(namespace))
+            plan = self._plan(arr, la, self._gns(namespace), chunk=k)
         except PromptTooLongError:
             return AllocStatus.NEVER
         except TableWidthError:
@@ -594,7 +645,10 @@ class HybridBlockManager:
         return AllocStatus.LATER
 
     def fork(self, parent_seq_id: Hashable, child_seq_id: Hashable) -> None:
-        """Create ``child_seq_id`` sharing every block of the parent in every group (see BlockManager.fork)."""
+        """Create ``child_seq_id`` sharing every block of the parent in every group (see BlockManager.fork). A
+        parent allocated a chunk of its prompt is forked only once its whole prompt is appended
+        (SequenceStateError before, no group changing: group 0 checks first and every group holds the same
+        token counts)."""
         self._m0.fork(parent_seq_id, child_seq_id)  # (raises, changing nothing, before any group changes)
         for m in self._g[1:]:
             m.fork(parent_seq_id, child_seq_id)

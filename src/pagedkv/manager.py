@@ -582,11 +582,12 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
                 raise SequenceStateError(
                     f"fork({parent_seq_id!r}, ...): only {int(self._ntok[prow])} of its {n} prompt tokens are "
                     "appended (chunked prefill); fork it once the whole prompt is")
-            del self._partial[parent_seq_id]
         if self._stepping and self._ntok[prow] != self._ntok0[prow]:
             raise SequenceStateError(
                 f"fork({parent_seq_id!r}, ...): the parent was handed slots in this step and their KV is written "
                 "only by the step's forward; fork after it (after take_copy_plan() and the forward)")
+        if self._partial:
+            self._partial.pop(parent_seq_id, None)  # (complete: forget it only once the fork cannot fail)
         self._fork_row(prow, child_seq_id)
         if self._stepping:
             self._ntok0[self._row_of[child_seq_id]] = self._ntok0[prow]

@@ -408,7 +408,7 @@ class Scheduler:
         self._row_loads: dict[int, None] = {}
         # benchmark adapters of other block managers have no slot_mapping: their prefills carry no metadata
         self._has_slots = getattr(block_manager, "slot_mapping", None) is not None
-        # a HybridBlockManager has a block table per KV cache group: prefills then carry one per group
+        # a HybridBlockManager (KV cache groups): prefill slots (G, T) and one block table per group
         self._num_groups = getattr(block_manager, "num_groups", None)
         self._waiting: deque[_Group] = deque()
         self._running: dict[int, _Group] = {}  # arrival -> group, insertion order = admission order
@@ -867,7 +867,7 @@ class Scheduler:
             prefills.append(PrefillWork(
                 request_id=g.request_id, seq_id=s.seq_id, sample_index=s.index,
                 token_ids=s.prefill[start:end], positions=np.arange(start, end, dtype=np.int64),
-                slot_mapping=slots[off : off + c], block_table=bm.block_table(s.seq_id) if self._has_slots else None,
+                slot_mapping=slots[..., off : off + c], block_table=self._table(s.seq_id) if self._has_slots else None,
                 num_cached_tokens=start, seq_len=end, num_samples=(1 if g.forked else g.n) if last else 0,
                 table_row=int(bm.table_rows([s.seq_id])[0]) if self.incremental_tables else None,
             ))
@@ -956,6 +956,12 @@ class Scheduler:
             return s.group.prompt
         return np.concatenate((s.group.prompt, np.array(s.output, dtype=np.int64)))
 
+    def _table(self, seq_id: int):
+        """The sequence's block table (a tuple of one per group for a HybridBlockManager)."""
+        if self._num_groups is None:
+            return self.bm.block_table(seq_id)
+        return tuple(self.bm.block_table(seq_id, g) for g in range(self._num_groups))
+
     def _prefill_work(self, g: _Group, s: _Seq, toks: np.ndarray, hit: int, num_samples: int,
                       end: int | None = None) -> PrefillWork:
         """The prefill of a just allocated sequence: prompt positions ``[hit, end)`` (``end`` < len: the first
@@ -968,12 +974,10 @@ class Scheduler:
             bm = self.bm
             if self._num_groups is None:
                 slots = np.asarray(bm.slot_mapping(s.seq_id, start, end), dtype=np.int64)
-                table = bm.block_table(s.seq_id)
-            else:  # (G, T) slots and G tables, one per KV cache group
-                G = self._num_groups
+            else:
                 slots = np.stack([np.asarray(bm.slot_mapping(s.seq_id, start, end, g), dtype=np.int64)
-                                  for g in range(G)])
-                table = tuple(bm.block_table(s.seq_id, g) for g in range(G))
+                                  for g in range(self._num_groups)])
+            table = self._table(s.seq_id)
         else:
             slots = table = None
         row = int(self.bm.table_rows([s.seq_id])[0]) if self.incremental_tables else None
