@@ -89,3 +89,12 @@ def test_the_model_catches_a_hybrid_hit_with_a_short_window():
         if bad:
             break
     assert bad > 0
+
+
+def test_hybrid_swap_in_of_a_block_cached_this_step_marks_every_group():
+    """Regression (soak, hybrid seed 1305): a swap-in in one group reused a GPU block cached in the same step, so
+    that group alone marked the sequence as handed slots in the step; a later swap_out passed group 0's same-step
+    check, swapped group 0 out, then was refused by that group: the sequence was left half swapped. Now every group
+    marks it, swap_out refuses before any group changes, and check_invariants compares the groups' snapshots."""
+    r = kv_model.run(1305, 60, check_every=1, hybrid=True)
+    assert r.violations == 0, r.messages[:3]

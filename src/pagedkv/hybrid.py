@@ -318,6 +318,9 @@ class HybridBlockManager:
             if not (np.array_equal(m._ntok[rows], m0._ntok[rows]) and np.array_equal(m._nblk[rows], m0._nblk[rows])
                     and np.array_equal(m._swapped[rows], m0._swapped[rows])):
                 raise AssertionError(f"group {g}: token counts, table lengths or swap states differ from group 0")
+            if m0._stepping and not np.array_equal(m._ntok0[rows], m0._ntok0[rows]):
+                raise AssertionError(f"group {g}: the same-step snapshot (_ntok0) differs from group 0's: a same-step "
+                                     "check would refuse in one group after another changed")
             if m._partial != m0._partial:
                 raise AssertionError(f"group {g}: partly prefilled sequences {m._partial} differ from group 0's "
                                      f"{m0._partial}")
@@ -930,4 +933,11 @@ class HybridBlockManager:
         out: list = []
         for m in self._g:
             out += m.swap_in(seq_ids)
+        if self._m0._stepping:  # a group that reused a block cached in this step marks the rows pending: all do
+            pend = np.zeros(rows.size, dtype=bool)
+            for m in self._g:
+                pend |= m._ntok0[rows] < 0
+            if pend.any():
+                for m in self._g:
+                    m._ntok0[rows[pend]] = -1
         return out
