@@ -313,8 +313,9 @@ def test_chunked_prefill_through_the_scheduler(gemma, cases):
     """Chunked prefill (issue 17) through LLM: a 250-token budget with a 128-token cap per prompt, so chunks end on
     block edges (128) and inside blocks (the budget's remainder beside the other prompt and the decodes), and the
     sliding layers' window edges fall inside earlier chunks; then a rerun from the prefix cache."""
-    llm = make_llm(gemma, num_gpu_blocks=sum(blocks(len(c["prompt_ids"]) + c["max_tokens"]) for c in cases) * 2,
+    llm = make_llm(gemma, num_gpu_blocks=GROUPS * sum(blocks(len(c["prompt_ids"]) + c["max_tokens"]) for c in cases) * 2,
                    enable_chunked_prefill=True, max_num_batched_tokens=250, long_prefill_token_threshold=128)
+    assert llm.kv_cache_groups is not None  # chunked prefill with KV cache groups
     outs = run(llm, cases)
     assert gen(outs) == [c["gen_ids"] for c in cases]
     st = llm.scheduler.stats
@@ -332,7 +333,7 @@ def test_chunked_prefill_preempted_in_the_middle(gemma, preemption_cases, mode):
     cases = preemption_cases
     need = max(blocks(len(c["prompt_ids"]) + c["max_tokens"]) for c in cases)
     total = sum(blocks(len(c["prompt_ids"]) + c["max_tokens"]) for c in cases)
-    llm = make_llm(gemma, num_gpu_blocks=max(need + 8, total - 12), preemption_mode=mode,
+    llm = make_llm(gemma, num_gpu_blocks=max(need + 8, total - 12), preemption_mode=mode, kv_cache_groups=False,
                    num_cpu_blocks=total if mode == "swap" else 0, enable_chunked_prefill=True,
                    max_num_batched_tokens=256)
     sched = llm.scheduler
