@@ -123,8 +123,11 @@ def test_admission_counts_the_chunk_and_never_looks_at_the_whole_prompt():
     assert m.can_allocate(long, num_new_tokens=16) is AllocStatus.OK  # 4 blocks in each group
     assert m.can_allocate(long, num_new_tokens=17) is AllocStatus.LATER
     assert m.lookup_prefix(long, num_new_tokens=5).num_new_blocks == 4
-    assert m.can_allocate(list(range(41)), num_new_tokens=1) is AllocStatus.NEVER  # 11 blocks x 2 groups > 20
-    refused(m, PromptTooLongError, m.allocate, "y", list(range(41)), num_new_tokens=1)
+    assert m.can_allocate(list(range(41))) is AllocStatus.NEVER  # whole: 11 blocks x 2 groups > 20
+    # in chunks the sliding group holds at most its window and a chunk: 11 + 3 <= 20
+    assert m.can_allocate(list(range(41)), num_new_tokens=1) is not AllocStatus.NEVER
+    assert m.can_allocate(list(range(81)), num_new_tokens=1) is AllocStatus.NEVER  # the full group alone: 21 > 20
+    refused(m, PromptTooLongError, m.allocate, "y", list(range(81)), num_new_tokens=1)
     refused(m, OutOfBlocksError, m.allocate, "y", long, num_new_tokens=17)
     for bad in (0, -1, True, 2.0):
         refused(m, InvalidArgumentError, m.allocate, "y", long, num_new_tokens=bad)
@@ -285,3 +288,29 @@ def test_a_chunked_batch_never_takes_more_blocks_than_it_was_admitted_for():
     r = kv_model.run(1025, 1000, hybrid=True)
     assert r.violations == 0, r.messages[:3]
     assert r.counts.get("chunked_batch_admits", 0) > 0
+
+
+def test_a_prompt_too_long_for_every_group_at_once_fits_in_chunks():
+    """A sliding-window group never holds more than its window and one chunk, so with ``num_new_tokens`` a prompt
+    whose blocks in every group exceed the pool is admitted (NEVER only without chunks), and appended chunk by
+    chunk it completes while the sliding group releases what its window left behind."""
+    from pagedkv import AllocStatus, FullAttentionSpec, HybridBlockManager, SlidingWindowSpec
+    from pagedkv.errors import PromptTooLongError
+
+    bm = HybridBlockManager(16, 4, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(8)], watermark=0)
+    prompt = list(range(40))  # 10 blocks per group: 20 > 16
+    assert bm.can_allocate(prompt) is AllocStatus.NEVER
+    with pytest.raises(PromptTooLongError):
+        bm.allocate("a", prompt)
+    assert bm.can_allocate(prompt, num_new_tokens=4) is AllocStatus.OK  # 10 + (8 - 1 + 4) / 4 + 1 = 14 <= 16
+    assert bm.can_allocate(prompt, num_new_tokens=40) is AllocStatus.NEVER  # (a chunk as long as the prompt)
+    assert bm.allocate("a", prompt, num_new_tokens=4) == 0
+    done = 4
+    while done < len(prompt):
+        bm.decode_step(["a"], np.asarray(prompt[done : done + 4]).reshape(1, -1))
+        done += 4
+        bm.check_invariants()
+    assert bm.num_tokens("a") == 40
+    assert (bm.block_table("a", 0) >= 0).all()  # the full group holds every block
+    assert (bm.block_table("a", 1)[:7] < 0).all()  # the window released the blocks before position 33
+    assert bm.num_free_gpu_blocks >= 16 - 10 - 4

@@ -360,11 +360,17 @@ class HybridBlockManager:
         if check:
             m0 = self._m0
             avail = self._gpu.num_blocks - m0._watermark_blocks
-            if G * nblocks > avail:
+            if chunk is not None and chunk < n:  # a sliding group never holds more than its window plus a chunk
+                peak = sum(nblocks if m._window is None else min(nblocks, -(-(m._window - 1 + chunk + la) // bs) + 1)
+                           for m in self._g)
+            else:
+                peak = G * nblocks
+            if peak > avail:
                 raise PromptTooLongError(
                     f"prompt of {n} tokens{f' plus {la} lookahead slots' if la else ''} needs {nblocks} blocks in "
-                    f"each of {G} KV cache groups ({G * nblocks}); the pool has {self._gpu.num_blocks} with "
-                    f"{m0._watermark_blocks} kept free")
+                    f"each full-attention group, {peak} in its {G} KV cache groups at most"
+                    f"{f' (in chunks of {chunk} tokens)' if chunk is not None and chunk < n else ''}; the pool has "
+                    f"{self._gpu.num_blocks} with {m0._watermark_blocks} kept free")
             if m0._fixed_w and nblocks > m0._fixed_w:
                 raise TableWidthError(f"prompt of {n} tokens needs {nblocks} blocks; block_table_width is "
                                       f"{m0._fixed_w}")
@@ -631,8 +637,9 @@ class HybridBlockManager:
 
     def can_allocate(self, token_ids: Sequence[int], num_lookahead_slots: int = 0, *,
                      namespace: object = None, num_new_tokens: int | None = None) -> AllocStatus:
-        """NEVER if the prompt's blocks in every group exceed the pool less the watermark (the whole prompt, chunked
-        or not: it could never be completed), LATER if the blocks the allocation would consume (every group, hits
+        """NEVER if the prompt's blocks in every group exceed the pool less the watermark (the whole prompt in a
+        full-attention group; with ``num_new_tokens``, a sliding-window group counts at most its window plus one
+        chunk, all it ever holds while the prompt is appended chunk by chunk), LATER if the blocks the allocation would consume (every group, hits
         counted; with ``num_new_tokens``, only the hit plus that chunk) do not fit now, else OK."""
         la = check_int("num_lookahead_slots", num_lookahead_slots, 0)
         k = None if num_new_tokens is None else check_int("num_new_tokens", num_new_tokens, 1)

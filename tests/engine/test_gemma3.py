@@ -377,6 +377,24 @@ def test_preemption_with_kv_cache_groups(gemma, reference, mode):
     llm.block_manager.check_invariants()
 
 
+def test_reference_cases_complete_in_a_40_mib_kv_cache_through_llm(gemma, reference):
+    """Issue 16 item 4 through the engine: ``kv_cache_gib=40/1024`` gives 426 block ids with KV cache groups; with
+    chunked prefill (the default) a sliding group never holds more than its window and one chunk, so the
+    1,540-token case is admitted (one table for all 18 layers can never hold it) and completes greedy equal to HF.
+    CI runs the two longest cases (1,540 and 1,341 tokens, together more than the pool: preemption);
+    PAGEDKV_GEMMA3_FULL=1 all six."""
+    from pagedkv.engine.llm import LLM
+
+    llm = LLM(gemma, block_size=BLOCK, kv_cache_gib=40 / 1024, max_num_seqs=8)
+    assert llm.kv_cache_groups is not None and llm.enable_chunked_prefill
+    assert llm.block_manager.num_gpu_blocks == 426
+    cases = reference["cases"] if FULL else sorted(reference["cases"], key=lambda c: -len(c["prompt_ids"]))[:2]
+    outs = run(llm, cases)
+    assert gen(outs) == [c["gen_ids"] for c in cases]
+    llm.block_manager.check_invariants()
+
+
+@pytest.mark.opt_in("PAGEDKV_GEMMA3_FULL")
 def test_reference_cases_complete_in_a_40_mib_kv_cache_with_groups(gemma, reference):
     """Issue 16 item 4: with a 40 MiB fp32 KV cache (426 block ids of 96 KiB with groups) every reference case
     completes, greedy equal to HF, through the real HybridBlockManager and the model: the prompt in chunks of 256

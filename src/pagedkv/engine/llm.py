@@ -309,7 +309,10 @@ class LLM:
             )
         if sp.n > self.max_num_seqs:
             raise InvalidArgumentError(f"n={sp.n} is larger than max_num_seqs={self.max_num_seqs}")
-        if check_fit and self.block_manager.can_allocate(ids, namespace=namespace) is AllocStatus.NEVER:
+        sch = self.scheduler
+        fit_kw = {"num_new_tokens": sch.long_prefill_token_threshold or sch.max_num_batched_tokens} \
+            if sch.enable_chunked_prefill else {}  # (chunks: a sliding group holds at most its window and a chunk)
+        if check_fit and self.block_manager.can_allocate(ids, namespace=namespace, **fit_kw) is AllocStatus.NEVER:
             raise PromptTooLongError(
                 f"prompt of {len(ids)} tokens can never fit in the KV cache of "
                 f"{self.block_manager.num_gpu_blocks} blocks of {self.block_manager.block_size} tokens"
