@@ -31,6 +31,25 @@ SMALL_TABLE = 16
 """Tables of at most this many blocks are forked and released element by element."""
 
 _TOKEN_MAX = 2**31 - 1
+
+
+def small_tokens(token_ids: object, b: int) -> list | None:
+    """The tokens of a small step as a list of ``b`` ints in [0, 2**31), or None when ``token_ids`` is anything
+    else (a (b,) integer array or a list of b ints; the vectorised path then handles or reports it). O(b)."""
+    if type(token_ids) is np.ndarray:
+        if token_ids.ndim != 1 or token_ids.size != b or token_ids.dtype.kind not in "iu":
+            return None
+        toks = token_ids.tolist()
+    elif type(token_ids) is list and len(token_ids) == b:
+        toks = token_ids
+        for t in toks:
+            if type(t) is not int:
+                return None
+    else:
+        return None
+    if min(toks) < 0 or max(toks) > _TOKEN_MAX:
+        return None
+    return toks
 _NO_COW = np.zeros((0, 2), dtype=np.int64)
 _NO_COW.flags.writeable = False
 _ONE_I64 = np.zeros(1, dtype=np.int64)  # templates of one-element results (a copy is cheaper than np.array)
@@ -157,19 +176,8 @@ class _Small:
         """``decode_step`` of a few sequences (``b`` >= 2), one token each: returns its StepResult (its StepDelta
         when ``result`` is TABLES_DELTA), or None (nothing changed) when the call is not this path's case; the
         vectorised path then handles or reports it. The batch's rows are memoised with the vectorised path's memo (see :meth:`_small_rows`)."""
-        # the tokens: one valid int per sequence
-        if type(token_ids) is np.ndarray:
-            if token_ids.ndim != 1 or token_ids.size != b or token_ids.dtype.kind not in "iu":
-                return None
-            toks = token_ids.tolist()
-        elif type(token_ids) is list and len(token_ids) == b:
-            toks = token_ids
-            for t in toks:
-                if type(t) is not int:
-                    return None
-        else:
-            return None
-        if min(toks) < 0 or max(toks) > _TOKEN_MAX:
+        toks = small_tokens(token_ids, b)  # the tokens: one valid int per sequence
+        if toks is None:
             return None
         if type(seq_ids) is not list:
             seq_ids = list(seq_ids)

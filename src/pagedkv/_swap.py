@@ -21,13 +21,7 @@ class _Swapper:
     def _swap_out(self, seq_ids: list) -> list[tuple[int, int]]:
         seq_ids = list(seq_ids)
         rows = self._rows_where(seq_ids, swapped=False)
-        if self._stepping:
-            pending = np.flatnonzero(self._ntok[rows] != self._ntok0[rows])
-            if pending.size:
-                raise SequenceStateError(
-                    f"swap_out: sequence {seq_ids[int(pending[0])]!r} was handed slots in this step, whose KV only "
-                    "the step's forward writes (after every copy): swap it out in a later step, or free it with "
-                    "cache=False (an abort)")
+        self._refuse_pending_swap_out(seq_ids, rows)
         uniq = self._unique_blocks(rows)
         if uniq.size > self.num_free_cpu_blocks:
             raise OutOfBlocksError(f"swap_out needs {uniq.size} CPU blocks; {self.num_free_cpu_blocks} are free")
@@ -107,6 +101,17 @@ class _Swapper:
         if src:
             self._copies.append((1, src, dst))  # SWAP_IN
         return list(zip(src, dst))
+
+    def _refuse_pending_swap_out(self, seq_ids: list, rows: np.ndarray) -> None:
+        """SequenceStateError if one of the rows was handed slots in this step (after a take_copy_plan): its KV is
+        written only by the step's forward, after every copy, so a swap-out copy would read nothing. O(len(rows))."""
+        if self._stepping:
+            pending = np.flatnonzero(self._ntok[rows] != self._ntok0[rows])
+            if pending.size:
+                raise SequenceStateError(
+                    f"swap_out: sequence {seq_ids[int(pending[0])]!r} was handed slots in this step, whose KV only "
+                    "the step's forward writes (after every copy): swap it out in a later step, or free it with "
+                    "cache=False (an abort)")
 
     def _unique_blocks(self, rows: np.ndarray) -> np.ndarray:
         """Distinct non-null blocks of the rows, in order of first appearance (int64)."""

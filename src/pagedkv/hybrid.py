@@ -48,8 +48,9 @@ import numpy as np
 
 from ._checks import as_tokens, batch_tokens, check_int, flat_tokens
 from .errors import (DuplicateSequenceError, InvalidArgumentError, InvalidTokensError, OutOfBlocksError,
-                     PromptTooLongError, SequenceStateError, TableWidthError)
+                     PromptTooLongError, TableWidthError)
 from ._retention import WindowRetention, _SlidingGroup
+from ._small import small_tokens
 from .evictor import RetentionEvictor
 from .kv_groups import FullAttentionSpec, SlidingWindowSpec
 from .manager import BlockManager
@@ -765,18 +766,8 @@ class HybridBlockManager:
         sliding groups release what their windows let go, then every group takes the plain-Python step of
         BlockManager (:mod:`pagedkv._small`). None, having changed nothing, unless every group's blocks (new
         ones and possible copy-on-write copies, releases not counted) are free together."""
-        if type(token_ids) is np.ndarray:
-            if token_ids.ndim != 1 or token_ids.size != b or token_ids.dtype.kind not in "iu":
-                return None
-            toks = token_ids.tolist()
-        elif type(token_ids) is list and len(token_ids) == b:
-            toks = token_ids
-            for t in toks:
-                if type(t) is not int:
-                    return None
-        else:
-            return None
-        if min(toks) < 0 or max(toks) > 2**31 - 1:
+        toks = small_tokens(token_ids, b)
+        if toks is None:
             return None
         m0 = self._m0
         ids = seq_ids if type(seq_ids) is list else list(seq_ids)
@@ -892,13 +883,7 @@ class HybridBlockManager:
         seq_ids = list(seq_ids)
         m0 = self._m0
         rows = m0._rows_where(seq_ids, swapped=False)
-        if m0._stepping:
-            pending = np.flatnonzero(m0._ntok[rows] != m0._ntok0[rows])
-            if pending.size:
-                raise SequenceStateError(
-                    f"swap_out: sequence {seq_ids[int(pending[0])]!r} was handed slots in this step, whose KV only "
-                    "the step's forward writes (after every copy): swap it out in a later step, or free it with "
-                    "cache=False (an abort)")
+        m0._refuse_pending_swap_out(seq_ids, rows)  # (every group holds the same snapshot: group 0's answers)
         need = sum(m._unique_blocks(rows).size for m in self._g)
         if need > self.num_free_cpu_blocks:
             raise OutOfBlocksError(f"swap_out needs {need} CPU blocks in {len(self._g)} KV cache groups; "

@@ -253,11 +253,16 @@ def _long_prompt_main(args: argparse.Namespace) -> int:
         print(f"pagedkv bench serve: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     print_long_prompt_summary(s)
+    _write_result(s, args)
+    return 0 if not s["errors"] else 1
+
+
+def _write_result(s: dict, args) -> None:
+    """The summary and the arguments that made it, as JSON, when ``--result-json`` is given."""
     if args.result_json:
         s["args"] = {k: v for k, v in vars(args).items()}
         with open(args.result_json, "w") as f:
             json.dump(s, f, indent=1, default=str)
-    return 0 if not s["errors"] else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -304,10 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pagedkv bench serve: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     print_summary(s)
-    if args.result_json:
-        s["args"] = {k: v for k, v in vars(args).items()}
-        with open(args.result_json, "w") as f:
-            json.dump(s, f, indent=1, default=str)
+    _write_result(s, args)
     return 0 if s["failed"] == 0 else 1
 
 
