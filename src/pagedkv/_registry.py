@@ -30,6 +30,9 @@ class _Registry:
     # keys computed so far, reused by the registration of the same allocation (_fill_prompt) instead of hashing
     # the prompt twice. Set only by _alloc_plan's lookup, taken (cleared) by _fill_prompt, cleared by a batch.
     _keys_memo: tuple | None = None
+    # whether a prompt's new blocks may be registered as a run (dict-less but its first; PrefixCache.register_run).
+    # A HybridBlockManager's groups say no: its lookup probes every group's keys in the map at once.
+    _use_runs = True
 
     def _register(self, row: int) -> None:
         """Offer the row's full blocks (``nreg .. ntok // bs - 1``) to the prefix cache, one after the other
@@ -104,7 +107,7 @@ class _Registry:
             # (one chain: its blocks are the new ones, in table order; no gather from the table)
             blocks = new[:k] if isinstance(new, np.ndarray) else np.array(new[:k], dtype=np.int32)
             got = None
-            if keys is not None:  # a run: one map insert for the chain (its parent: the last hit, or the root)
+            if keys is not None and self._use_runs:  # a run: one map insert for the chain (its parent: the last hit, or the root)
                 got = self._cache.register_run(blocks, keys, int(self._ccid[row]), int(self._ckey[row]),
                                                int(self._table[row, nhit - 1]) if nhit else -1, self._ns_of[row])
             if got is None:

@@ -46,6 +46,7 @@ from typing import Hashable, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
+from ._hybrid_alloc import find_hit
 from ._checks import as_tokens, batch_tokens, check_int, flat_tokens
 from .errors import (DuplicateSequenceError, InvalidArgumentError, InvalidTokensError, OutOfBlocksError,
                      PromptTooLongError, TableWidthError)
@@ -101,6 +102,8 @@ class _Plan(NamedTuple):
     groups: list  # per group: (gpu hits with nnull leading NULL_BLOCKs, cpu_hits or None, chain, nnull)
     need: int  # free GPU blocks the allocation consumes, all groups
     ncpu: int  # CPU-tier hits, all groups (each a promotion)
+    memo: tuple | None = None  # (token bytes of the full blocks, keys per group, roots, the first block whose keys
+    #                            every group has): for the registration and the sibling keys
 
 
 def _check_groups(groups: object) -> tuple:
@@ -168,6 +171,8 @@ class HybridBlockManager:
         self._g = [first] + [(_SlidingGroup if retain and s.window is not None else BlockManager)._sharing(first, s.window)
                              for s in specs[1:]]
         self._m0 = first
+        for m in self._g:  # every group's blocks stay in the prefix cache's map (see pagedkv._hybrid_alloc)
+            m._use_runs = False
         # window retention (pagedkv._retention): spare sliding blocks are evicted first
         self._retention = None
         if retain:
@@ -182,6 +187,12 @@ class HybridBlockManager:
         self._full = [g for g, s in enumerate(specs) if s.window is None]
         self._sliding = [g for g, s in enumerate(specs) if s.window is not None]
         self._ns_memo: dict = {}  # namespace encoding -> its _GroupNS per group
+        # sibling keys (pagedkv._hybrid_alloc): per block of the first full group, the content id it held when the
+        # sliding groups' keys of the same prefix were recorded, and those keys (one row per sliding group)
+        self._sib = None
+        if self._cache is not None and self._full and self._sliding:
+            self._sib = (np.zeros(num_gpu_blocks, dtype=np.int64),
+                         np.zeros((len(self._sliding), num_gpu_blocks), dtype=np.uint64))
 
     # ------------------------------------------------------------------ read-only state
     @property
@@ -382,6 +393,34 @@ class HybridBlockManager:
                 nblocks = -(-(n + la) // bs)
             return _Plan(arr, n, nblocks, 0, [([], None, (0, 0), 0)] * G, G * nblocks, 0)
         roots = [cache.root(ns, intern=False) for ns in gns]
+        fast = find_hit(self, arr, roots) if self._tier is None else None
+        if fast is None:
+            return self._plan_walk(arr, n, nblocks, la, roots, chunk)
+        L, blks, keys, datas, known = fast
+        if chunk is not None and L * bs + chunk < n:  # chunked prefill: the hit plus one chunk
+            n = L * bs + chunk
+            nblocks = -(-(n + la) // bs)
+        gref, cid, ckey = self._gpu._ref, cache.cid, cache.key
+        groups, need = [], 0
+        for g, spec in enumerate(self._specs):
+            b = blks[g]
+            nnull = L - b.size
+            if b.size:
+                e = b[-1]
+                chain = (int(cid[e]), int(ckey[e]))
+                need += nblocks - L + int(np.count_nonzero(gref[b] == 0))
+                gpu = [NULL_BLOCK] * nnull + b.tolist() if nnull else b.tolist()
+            else:
+                chain = roots[g]
+                need += nblocks
+                gpu = []
+            groups.append((gpu, None, chain, nnull))
+        return _Plan(arr, n, nblocks, L, groups, need, 0, (datas, keys, roots, known))
+
+    def _plan_walk(self, arr: np.ndarray, n: int, nblocks: int, la: int, roots: list, chunk: int | None) -> _Plan:
+        """:meth:`_plan`'s hit found block by block (with the CPU tier, and for prompts of fewer than four full
+        blocks; :mod:`pagedkv._hybrid_alloc` otherwise, with the same result). O(prompt blocks x groups)."""
+        bs, cache, G = self._bs, self._cache, len(self._g)
         h = (n - 1) // bs
         full_hits = {}
         for g in self._full:
@@ -488,12 +527,17 @@ class HybridBlockManager:
     def _commit(self, seq_id: Hashable, gns: tuple, plan: _Plan) -> None:
         """Create the sequence in every group (hits held by :meth:`_hold`); nothing here can fail."""
         cache = self._cache
+        memo = plan.memo
         for g, (m, (gpu, cpu, chain, nnull)) in enumerate(zip(self._g, plan.groups)):
             if cache is not None and plan.nhit == 0:
                 chain = cache.root(gns[g], intern=True)  # (a new namespace's root gets its content id now)
+            if memo is not None:  # the plan's keys: the registration hashes only what they do not cover
+                m._keys_memo = (plan.arr, memo[0], memo[1][g], memo[2][g][1])
             m._alloc_commit(seq_id, gns[g], plan.arr, plan.n, plan.nblocks, gpu, cpu, chain, True, nnull)
             if plan.n < plan.arr.size:  # a chunk: fork waits for the rest of the prompt (every group records it)
                 m._partial[seq_id] = plan.arr.size
+        if memo is not None and self._sib is not None:
+            self._record_siblings(seq_id, memo)
         if self._retention is not None:
             self._retention.set_prompt(self._m0._row_of[seq_id], plan.arr.size)  # (the whole prompt, chunked too)
         if cache is not None:
@@ -501,6 +545,24 @@ class HybridBlockManager:
                 cache.intern(ns)
             if len(cache._roots) > cache.sweep_at:
                 self._m0._release_namespaces()
+
+    def _record_siblings(self, seq_id: Hashable, memo: tuple) -> None:
+        """Record, for each full block of the new sequence's anchor table (the first full-attention group) whose
+        keys every sliding group has, the sliding groups' keys of the same prefix (see :mod:`pagedkv._hybrid_alloc`,
+        "Sibling keys"). O(blocks recorded x sliding groups), numpy."""
+        _, keys, _, known = memo
+        a = self._full[0]
+        m = self._g[a]
+        row = m._row_of[seq_id]
+        z = int(m._nreg[row])
+        for g in self._sliding:
+            z = min(z, len(keys[g]))
+        if z <= known:
+            return
+        b0 = m._table[row, known:z]
+        sib_cid, sib_key = self._sib
+        sib_cid[b0] = self._cache.cid[b0]
+        sib_key[:, b0] = np.array([keys[g][known:z] for g in self._sliding], dtype=np.uint64)
 
     def _unhold(self, held: list) -> None:
         """Drop the extra references of :meth:`_hold` (a batch's); blocks left unreferenced are parked."""

@@ -1,0 +1,171 @@
+"""The hybrid prefix hit of :class:`pagedkv.HybridBlockManager`, vectorised over blocks and groups (internal).
+
+:func:`find_hit` finds the hit of a prompt in every KV cache group in a few C-level passes and numpy calls,
+without a Python step per block::
+
+    prompt blocks      0   1   2 ...                      h-1 | (at most (n - 1) // bs: one token left to compute)
+    keys, group g      chain(datas, root_g)      one xxh3 pass per group (each group's keys chain from its root)
+    full group         map.get of every key      -> candidate blocks; the hit h is the first block that is not
+                       parent cid == previous cid   cached, breaks the content-id chain, or holds other tokens
+    sliding group g    map.get + token compare   -> present_g[j] for j < h (only the last window of h first;
+                                                    every block below h only when a window there has a hole)
+    hit L              the largest L <= h with every sliding group's blocks [L - W_g, L) present: a cumulative
+                       count of holes per group, compared at every candidate L at once
+
+The semantics are exactly those of the block-by-block walk it replaces (:meth:`HybridBlockManager._plan_walk`,
+still used with the CPU tier and for prompts of fewer than four blocks): a full group's hit block must be
+the dict's block for the key, chained by content id to the previous hit and hold the prompt's tokens (a hash
+collision ends the hit there: a miss, never another sequence's KV); a sliding group's window block must be the
+dict's block for the group's chained key and hold the prompt's tokens (its parent may be gone, so its content id
+cannot be compared; the 64-bit chained key stands for every earlier token). Returns the keys it computed, so
+that the allocation registers the prompt's new blocks without hashing again (``BlockManager._keys_memo``).
+
+Cost: O(prompt blocks x groups) of C-level hashing (about 40 ns a block), one ``map(dict.get)`` pass over the
+hit of each full group and over the last window of each sliding group, and O(1) numpy calls a group.
+"""
+
+from __future__ import annotations
+
+from itertools import repeat
+
+import numpy as np
+
+from .prefix_cache import _chain
+
+__all__ = ["find_hit"]
+
+
+def _probe(get, keys: list) -> np.ndarray:
+    """The dict's block for each key, -1 where absent (int64). One C-level pass."""
+    return np.fromiter(map(get, keys, repeat(-1)), dtype=np.int64, count=len(keys))
+
+
+def _present(cache, blocks: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``blocks`` where the block is found and holds the tokens ``rows`` (one row per block), else -1."""
+    found = blocks >= 0
+    if found.all():
+        if cache.tok[blocks].tobytes() == rows.tobytes():
+            return blocks
+        ok = (cache.tok[blocks] == rows).all(axis=1)
+    else:
+        ok = found.copy()
+        ok[found] = (cache.tok[blocks[found]] == rows[found]).all(axis=1)
+    return np.where(ok, blocks, -1)
+
+
+def find_hit(hm, arr: np.ndarray, roots: list):
+    """The hybrid hit of prompt ``arr`` (int32) in every group of ``hm`` (a HybridBlockManager with prefix
+    caching and no CPU tier), groups' roots ``roots`` ((cid, key) each). Returns ``(L, blocks, keys, datas)``:
+    the hit in blocks; per group the int64 array of its hit blocks ``[nnull_g, L)`` (nnull_g: the blocks before a
+    sliding group's window, 0 for a full group); per group the chained keys computed (a prefix of the prompt's
+    full blocks, at least the first L); the full blocks' token bytes. None when it cannot decide exactly without
+    the block-by-block walk (fewer than four full blocks, or blocks left out of the dict by a key collision)."""
+    bs, n = hm._bs, arr.size
+    lim = (n - 1) // bs
+    full = n // bs
+    if full < 4:
+        return None
+    cache = hm._cache
+    if cache._ndl:
+        cache.flush()  # (the probes read the map as the whole index)
+        if cache._ndl:  # a 64-bit key collision left a block out of the map: the walk decides
+            return None
+    arr = np.ascontiguousarray(arr)
+    rows = arr[: full * bs].reshape(full, bs)
+    datas = rows.view(cache.void).ravel().tolist()
+    get = cache._map.get
+    specs = hm._specs
+    G = len(specs)
+    keys: list = [None] * G
+    blocks: list = [None] * G
+    h = lim
+    pcid, cid = cache.pcid, cache.cid
+    for g in hm._full:
+        kg = keys[g] = _chain(datas, roots[g][1])  # (every full block: the registration reuses them)
+        b = _probe(get, kg[:h])
+        ok = b >= 0
+        bb = np.where(ok, b, 0)
+        par = np.empty(h, dtype=np.int64)
+        if h:
+            par[0] = roots[g][0]
+            par[1:] = cid[bb[:-1]]
+        ok &= pcid[bb] == par
+        if not ok.all():
+            h = int(np.argmin(ok))
+            b = b[:h]
+        if h and cache.tok[b].tobytes() != rows[:h].tobytes():  # a hash collision: the hit ends before it
+            eq = (cache.tok[b] == rows[:h]).all(axis=1)
+            h = int(np.argmin(eq))
+            b = b[:h]
+        blocks[g] = b
+    L = h
+    sliding = hm._sliding
+    known = 0  # the sliding groups' keys are known from this block on (padding before it)
+    if sliding and L:
+        # the sliding groups' keys of the last window before L: the anchor's siblings where recorded, hashed on
+        # from the last recorded one otherwise
+        fs = [max(0, L * bs - specs[g].window) // bs for g in sliding]
+        known = min(fs)
+        sib = hm._sib
+        if sib is not None:
+            b0 = blocks[hm._full[0]]
+            seg = b0[known:L]
+            v = sib[0][seg] == cid[seg]
+            if v.all():
+                p = L - 1
+            else:
+                j0 = known + int(np.argmin(v))
+                vv = np.flatnonzero(sib[0][b0[:j0]] == cid[b0[:j0]])
+                p = int(vv[-1]) if vv.size else -1
+            known = min(known, p + 1)
+            sk = sib[1][:, b0[known : p + 1]] if p >= known else None
+            for i, g in enumerate(sliding):
+                kl = [0] * known
+                if sk is not None:
+                    kl += sk[i].tolist()
+                if p < L - 1:
+                    kl += _chain(datas[p + 1 : L], int(sib[1][i, b0[p]]) if p >= 0 else roots[g][1])
+                keys[g] = kl
+        else:
+            known = 0
+            for g in sliding:
+                keys[g] = _chain(datas[:L], roots[g][1])
+        # the windows first, every sliding group in one probe: the common case (a conversation's next turn)
+        # needs nothing more
+        parts = [keys[g][f:L] for g, f in zip(sliding, fs)]
+        flat = parts[0] if len(parts) == 1 else [k for ks in parts for k in ks]
+        got = _present(cache, _probe(get, flat), rows[fs[0]:L] if len(parts) == 1 else
+                       np.concatenate([rows[f:L] for f in fs]))
+        pres, a = {}, 0
+        for g, f in zip(sliding, fs):
+            pres[g] = (f, got[a : a + L - f])
+            a += L - f
+        if (got < 0).any():  # every block below h, then the largest L whose windows are whole in every group
+            if known:
+                for g in sliding:
+                    keys[g] = _chain(datas[:L], roots[g][1])
+                known = 0
+            ok_all = np.ones(L + 1, dtype=bool)  # candidate hit points 0..h
+            cand = np.arange(L + 1)
+            for g in sliding:
+                f, p = pres[g]
+                if f:
+                    p = np.concatenate((_present(cache, _probe(get, keys[g][:f]), rows[:f]), p))
+                pres[g] = (0, p)
+                c = np.zeros(L + 1, dtype=np.int64)
+                np.cumsum(p < 0, out=c[1:])
+                first = np.maximum(0, cand * bs - specs[g].window) // bs
+                ok_all &= c[cand] == c[first]
+            L = int(np.flatnonzero(ok_all)[-1])
+        for g in sliding:
+            f, p = pres[g]
+            nnull = max(0, L * bs - specs[g].window) // bs if L else 0
+            blocks[g] = p[nnull - f : L - f]
+    for g in hm._full:
+        blocks[g] = blocks[g][:L]
+    if not L:
+        for g in sliding:
+            blocks[g] = np.zeros(0, dtype=np.int64)
+            if keys[g] is None:
+                keys[g] = []  # (the registration extends the keys)
+    return L, blocks, keys, datas, known
