@@ -30,9 +30,9 @@ from itertools import repeat
 
 import numpy as np
 
-from .prefix_cache import _chain
+from .prefix_cache import _chain, _extend_chain
 
-__all__ = ["find_hit"]
+__all__ = ["commit_all", "find_hit"]
 
 
 def _probe(get, keys: list) -> np.ndarray:
@@ -169,3 +169,96 @@ def find_hit(hm, arr: np.ndarray, roots: list):
             if keys[g] is None:
                 keys[g] = []  # (the registration extends the keys)
     return L, blocks, keys, datas, known
+
+
+def commit_all(hm, seq_id, gns: tuple, plan) -> None:
+    """Create the sequence in every group at once, for a plan of :func:`find_hit` (no CPU-tier hit; the hits held
+    by ``HybridBlockManager._hold``): one take of every group's new blocks, one token write, and one
+    ``PrefixCache.register_chains`` call for every group's new full blocks with the plan's keys (no hashing but
+    the new blocks'). The same state, stats and events, in the same order, as one ``BlockManager._alloc_commit``
+    per group: when the free ring cannot supply every group's blocks (a take evicts cached blocks, whose removal
+    events come between the groups' stored blocks) each group takes and registers in turn; where the batch
+    registration declines (a content cached already, a chain broken), each group registers block by block as
+    ``_alloc_commit`` does. Nothing here can fail. O(G) numpy calls plus the new blocks."""
+    arr, n, nblocks, L = plan.arr, plan.n, plan.nblocks, plan.nhit
+    groups = hm._g
+    G = len(groups)
+    cache, bs = hm._cache, hm._bs
+    m = nblocks - L  # new blocks in every group
+    h = L * bs
+    k = (n - h) // bs  # new full blocks of every group
+    rest = n - h - k * bs
+    take = hm._m0._take
+    together = G * m <= hm._gpu._nfree  # no eviction: every group's blocks in one take, registered in one call
+    new = take(G * m).reshape(G, m) if together and m else None
+    chains, rows = [], []
+    for g, mg in enumerate(groups):
+        gpu, _, chain, nnull = plan.groups[g]
+        if L == 0:
+            chain = cache.root(gns[g], intern=True)  # (a new namespace's root gets its content id now)
+        row = mg._new_row(seq_id)
+        mg._ns_of[row] = gns[g]
+        mg._ntok0[row] = -1  # every position is handed out in this step
+        if nblocks > mg._table.shape[1]:
+            mg._ensure_cols(nblocks)
+        t = mg._table[row]
+        if L:
+            t[:L] = gpu
+        mg._ntok[row] = n
+        mg._nblk[row] = nblocks
+        mg._pend[row] = mg._nreg[row] = L
+        if nnull:
+            mg._nrel[row] = nnull
+        mg._ccid[row], mg._ckey[row] = chain
+        mg._query_tokens += arr.size  # (the whole prompt was looked up)
+        mg._hit_tokens += h
+        mg._query_blocks += (arr.size - 1) // bs
+        mg._hit_blocks += L
+        chains.append(chain)
+        rows.append(row)
+        if new is None:  # (a take that may evict: this group's blocks and registration now, as _alloc_commit)
+            blk = take(m) if m else np.zeros(0, dtype=np.int32)
+            t[L:nblocks] = blk
+            _fill(hm, plan, [g], blk[None, :], [chain], [row], h, k, rest)
+    if new is not None:
+        for g in range(G):
+            groups[g]._table[rows[g], L:nblocks] = new[g]
+        _fill(hm, plan, range(G), new, chains, rows, h, k, rest)
+
+
+def _fill(hm, plan, gs, new: np.ndarray, chains: list, rows: list, h: int, k: int, rest: int) -> None:
+    """Write the prompt's tokens into the new blocks ``new`` (one row per group of ``gs``) and register their
+    full ones: one ``register_chains`` call with the plan's keys, else block by block per group."""
+    arr, L, bs = plan.arr, plan.nhit, hm._bs
+    datas, keys, roots, _ = plan.memo
+    cache, G = hm._cache, len(gs)
+    if k:
+        tok = arr[h : h + k * bs].reshape(k, bs)
+        cache.tok[new[:, :k].ravel()] = np.tile(tok, (G, 1)) if G > 1 else tok
+    if rest:
+        cache.tok[new[:, k], :rest] = arr[h + k * bs : plan.n]
+    if not k:
+        return
+    allkeys = []
+    for g, c in zip(gs, chains):
+        kg = keys[g]
+        _extend_chain(kg, datas, L + k, roots[g][1])
+        if len(kg) < L + k or (kg[L - 1] if L else roots[g][1]) != c[1]:
+            allkeys = None  # (a chain that is not the plan's: hashed anew)
+            break
+        allkeys += kg[L : L + k]
+    got = None
+    if all(c[0] for c in chains):
+        got = cache.register_chains(new[:, :k].ravel(), np.full(G, k, dtype=np.int64),
+                                    np.array([c[0] for c in chains], dtype=np.int64),
+                                    np.array([c[1] for c in chains], dtype=np.uint64),
+                                    [hm._g[g]._ns_of[r] for g, r in zip(gs, rows)] if cache.events is not None
+                                    else None, allkeys)
+    if got is None:
+        for g, row in zip(gs, rows):
+            hm._g[g]._register(row)
+        return
+    for i, (g, row) in enumerate(zip(gs, rows)):
+        mg = hm._g[g]
+        mg._ccid[row], mg._ckey[row] = got[0][i], got[1][i]
+        mg._nreg[row] = L + k

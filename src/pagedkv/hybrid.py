@@ -46,7 +46,7 @@ from typing import Hashable, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
-from ._hybrid_alloc import find_hit
+from ._hybrid_alloc import commit_all, find_hit
 from ._checks import as_tokens, batch_tokens, check_int, flat_tokens
 from .errors import (DuplicateSequenceError, InvalidArgumentError, InvalidTokensError, OutOfBlocksError,
                      PromptTooLongError, TableWidthError)
@@ -528,13 +528,15 @@ class HybridBlockManager:
         """Create the sequence in every group (hits held by :meth:`_hold`); nothing here can fail."""
         cache = self._cache
         memo = plan.memo
-        for g, (m, (gpu, cpu, chain, nnull)) in enumerate(zip(self._g, plan.groups)):
-            if cache is not None and plan.nhit == 0:
-                chain = cache.root(gns[g], intern=True)  # (a new namespace's root gets its content id now)
-            if memo is not None:  # the plan's keys: the registration hashes only what they do not cover
-                m._keys_memo = (plan.arr, memo[0], memo[1][g], memo[2][g][1])
-            m._alloc_commit(seq_id, gns[g], plan.arr, plan.n, plan.nblocks, gpu, cpu, chain, True, nnull)
-            if plan.n < plan.arr.size:  # a chunk: fork waits for the rest of the prompt (every group records it)
+        if memo is not None:  # a plan of pagedkv._hybrid_alloc: every group at once, with the plan's keys
+            commit_all(self, seq_id, gns, plan)
+        else:
+            for g, (m, (gpu, cpu, chain, nnull)) in enumerate(zip(self._g, plan.groups)):
+                if cache is not None and plan.nhit == 0:
+                    chain = cache.root(gns[g], intern=True)  # (a new namespace's root gets its content id now)
+                m._alloc_commit(seq_id, gns[g], plan.arr, plan.n, plan.nblocks, gpu, cpu, chain, True, nnull)
+        if plan.n < plan.arr.size:  # a chunk: fork waits for the rest of the prompt (every group records it)
+            for m in self._g:
                 m._partial[seq_id] = plan.arr.size
         if memo is not None and self._sib is not None:
             self._record_siblings(seq_id, memo)
