@@ -31,6 +31,7 @@ from itertools import repeat
 import numpy as np
 
 from .prefix_cache import _chain, _extend_chain
+from .types import NULL_BLOCK
 
 __all__ = ["commit_all", "find_hit"]
 
@@ -101,6 +102,7 @@ def find_hit(hm, arr: np.ndarray, roots: list):
     L = h
     sliding = hm._sliding
     known = 0  # the sliding groups' keys are known from this block on (padding before it)
+    fresh = 0  # the sibling keys of the blocks before this one (from ``known``) are recorded already
     if sliding and L:
         # the sliding groups' keys of the last window before L: the anchor's siblings where recorded, hashed on
         # from the last recorded one otherwise
@@ -117,14 +119,14 @@ def find_hit(hm, arr: np.ndarray, roots: list):
                 j0 = known + int(np.argmin(v))
                 vv = np.flatnonzero(sib[0][b0[:j0]] == cid[b0[:j0]])
                 p = int(vv[-1]) if vv.size else -1
-            known = min(known, p + 1)
-            sk = sib[1][:, b0[known : p + 1]] if p >= known else None
+            known, fresh = min(known, p + 1), p + 1
+            sk = sib[1][b0[known : p + 1]].T if p >= known else None
             for i, g in enumerate(sliding):
                 kl = [0] * known
                 if sk is not None:
                     kl += sk[i].tolist()
                 if p < L - 1:
-                    kl += _chain(datas[p + 1 : L], int(sib[1][i, b0[p]]) if p >= 0 else roots[g][1])
+                    kl += _chain(datas[p + 1 : L], int(sib[1][b0[p], i]) if p >= 0 else roots[g][1])
                 keys[g] = kl
         else:
             known = 0
@@ -144,7 +146,7 @@ def find_hit(hm, arr: np.ndarray, roots: list):
             if known:
                 for g in sliding:
                     keys[g] = _chain(datas[:L], roots[g][1])
-                known = 0
+                known = fresh = 0
             ok_all = np.ones(L + 1, dtype=bool)  # candidate hit points 0..h
             cand = np.arange(L + 1)
             for g in sliding:
@@ -168,10 +170,10 @@ def find_hit(hm, arr: np.ndarray, roots: list):
             blocks[g] = np.zeros(0, dtype=np.int64)
             if keys[g] is None:
                 keys[g] = []  # (the registration extends the keys)
-    return L, blocks, keys, datas, known
+    return L, blocks, keys, datas, fresh
 
 
-def commit_all(hm, seq_id, gns: tuple, plan) -> None:
+def commit_all(hm, seq_id, gns: tuple, plan) -> bool:
     """Create the sequence in every group at once, for a plan of :func:`find_hit` (no CPU-tier hit; the hits held
     by ``HybridBlockManager._hold``): one take of every group's new blocks, one token write, and one
     ``PrefixCache.register_chains`` call for every group's new full blocks with the plan's keys (no hashing but
@@ -179,7 +181,10 @@ def commit_all(hm, seq_id, gns: tuple, plan) -> None:
     per group: when the free ring cannot supply every group's blocks (a take evicts cached blocks, whose removal
     events come between the groups' stored blocks) each group takes and registers in turn; where the batch
     registration declines (a content cached already, a chain broken), each group registers block by block as
-    ``_alloc_commit`` does. Nothing here can fail. O(G) numpy calls plus the new blocks."""
+    ``_alloc_commit`` does. Nothing here can fail. O(G) numpy calls plus the new blocks.
+
+    Returns True when it recorded the sibling keys of the prompt (``HybridBlockManager._record_siblings``):
+    those of its new full blocks, registered together, all the plan's hits having valid ones already."""
     arr, n, nblocks, L = plan.arr, plan.n, plan.nblocks, plan.nhit
     groups = hm._g
     G = len(groups)
@@ -203,7 +208,8 @@ def commit_all(hm, seq_id, gns: tuple, plan) -> None:
             mg._ensure_cols(nblocks)
         t = mg._table[row]
         if L:
-            t[:L] = gpu
+            t[:nnull] = NULL_BLOCK
+            t[nnull:L] = gpu
         mg._ntok[row] = n
         mg._nblk[row] = nblocks
         mg._pend[row] = mg._nreg[row] = L
@@ -220,15 +226,23 @@ def commit_all(hm, seq_id, gns: tuple, plan) -> None:
             blk = take(m) if m else np.zeros(0, dtype=np.int32)
             t[L:nblocks] = blk
             _fill(hm, plan, [g], blk[None, :], [chain], [row], h, k, rest)
-    if new is not None:
-        for g in range(G):
-            groups[g]._table[rows[g], L:nblocks] = new[g]
-        _fill(hm, plan, range(G), new, chains, rows, h, k, rest)
+    if new is None:
+        return False
+    for g in range(G):
+        groups[g]._table[rows[g], L:nblocks] = new[g]
+    if not _fill(hm, plan, range(G), new, chains, rows, h, k, rest) or hm._sib is None or plan.memo[3] < L:
+        return False
+    # the sibling keys of the new full blocks: the sliding groups' blocks at the same positions, just registered
+    a = new[hm._full[0], :k]
+    sib_cid, sib_key = hm._sib
+    sib_cid[a] = cache.cid[a]
+    sib_key[a] = cache.key[new[hm._sib_rows, :k].T]
+    return True
 
 
 def _fill(hm, plan, gs, new: np.ndarray, chains: list, rows: list, h: int, k: int, rest: int) -> None:
     """Write the prompt's tokens into the new blocks ``new`` (one row per group of ``gs``) and register their
-    full ones: one ``register_chains`` call with the plan's keys, else block by block per group."""
+    full ones: one ``register_chains`` call with the plan's keys (True), else block by block per group."""
     arr, L, bs = plan.arr, plan.nhit, hm._bs
     datas, keys, roots, _ = plan.memo
     cache, G = hm._cache, len(gs)
@@ -238,7 +252,7 @@ def _fill(hm, plan, gs, new: np.ndarray, chains: list, rows: list, h: int, k: in
     if rest:
         cache.tok[new[:, k], :rest] = arr[h + k * bs : plan.n]
     if not k:
-        return
+        return False
     allkeys = []
     for g, c in zip(gs, chains):
         kg = keys[g]
@@ -257,8 +271,9 @@ def _fill(hm, plan, gs, new: np.ndarray, chains: list, rows: list, h: int, k: in
     if got is None:
         for g, row in zip(gs, rows):
             hm._g[g]._register(row)
-        return
+        return False
     for i, (g, row) in enumerate(zip(gs, rows)):
         mg = hm._g[g]
         mg._ccid[row], mg._ckey[row] = got[0][i], got[1][i]
         mg._nreg[row] = L + k
+    return True

@@ -102,8 +102,10 @@ class _Plan(NamedTuple):
     groups: list  # per group: (gpu hits with nnull leading NULL_BLOCKs, cpu_hits or None, chain, nnull)
     need: int  # free GPU blocks the allocation consumes, all groups
     ncpu: int  # CPU-tier hits, all groups (each a promotion)
-    memo: tuple | None = None  # (token bytes of the full blocks, keys per group, roots, the first block whose keys
-    #                            every group has): for the registration and the sibling keys
+    memo: tuple | None = None  # (token bytes of the full blocks, keys per group, roots, the first block whose
+    #                            sibling keys are not recorded yet): for the registration and the sibling keys
+    held: np.ndarray | None = None  # every group's GPU hits (int64, distinct), when ``memo``: then each group's
+    #                                 first item is an int64 array of its hits without the leading NULL_BLOCKs
 
 
 def _check_groups(groups: object) -> tuple:
@@ -188,11 +190,13 @@ class HybridBlockManager:
         self._sliding = [g for g, s in enumerate(specs) if s.window is not None]
         self._ns_memo: dict = {}  # namespace encoding -> its _GroupNS per group
         # sibling keys (pagedkv._hybrid_alloc): per block of the first full group, the content id it held when the
-        # sliding groups' keys of the same prefix were recorded, and those keys (one row per sliding group)
+        # sliding groups' keys of the same prefix were recorded, and those keys (one column per sliding group)
         self._sib = None
         if self._cache is not None and self._full and self._sliding:
             self._sib = (np.zeros(num_gpu_blocks, dtype=np.int64),
-                         np.zeros((len(self._sliding), num_gpu_blocks), dtype=np.uint64))
+                         np.zeros((num_gpu_blocks, len(self._sliding)), dtype=np.uint64))
+            a, z = self._sliding[0], self._sliding[-1] + 1
+            self._sib_rows = slice(a, z) if self._sliding == list(range(a, z)) else np.array(self._sliding)
 
     # ------------------------------------------------------------------ read-only state
     @property
@@ -396,26 +400,21 @@ class HybridBlockManager:
         fast = find_hit(self, arr, roots) if self._tier is None else None
         if fast is None:
             return self._plan_walk(arr, n, nblocks, la, roots, chunk)
-        L, blks, keys, datas, known = fast
+        L, blks, keys, datas, fresh = fast
         if chunk is not None and L * bs + chunk < n:  # chunked prefill: the hit plus one chunk
             n = L * bs + chunk
             nblocks = -(-(n + la) // bs)
-        gref, cid, ckey = self._gpu._ref, cache.cid, cache.key
-        groups, need = [], 0
-        for g, spec in enumerate(self._specs):
-            b = blks[g]
-            nnull = L - b.size
-            if b.size:
-                e = b[-1]
-                chain = (int(cid[e]), int(ckey[e]))
-                need += nblocks - L + int(np.count_nonzero(gref[b] == 0))
-                gpu = [NULL_BLOCK] * nnull + b.tolist() if nnull else b.tolist()
-            else:
-                chain = roots[g]
-                need += nblocks
-                gpu = []
-            groups.append((gpu, None, chain, nnull))
-        return _Plan(arr, n, nblocks, L, groups, need, 0, (datas, keys, roots, known))
+        if L:
+            held = np.concatenate(blks)
+            last = np.cumsum([b.size for b in blks]) - 1
+            cids, cks = cache.cid[held[last]].tolist(), cache.key[held[last]].tolist()
+            groups = [(b, None, (c, k), L - b.size) for b, c, k in zip(blks, cids, cks)]
+            need = G * (nblocks - L) + int(np.count_nonzero(self._gpu._ref[held] == 0))
+        else:
+            held = None
+            groups = [(blks[g], None, roots[g], 0) for g in range(G)]
+            need = G * nblocks
+        return _Plan(arr, n, nblocks, L, groups, need, 0, (datas, keys, roots, fresh), held)
 
     def _plan_walk(self, arr: np.ndarray, n: int, nblocks: int, la: int, roots: list, chunk: int | None) -> _Plan:
         """:meth:`_plan`'s hit found block by block (with the CPU tier, and for prompts of fewer than four full
@@ -508,6 +507,13 @@ class HybridBlockManager:
         if self._cache is None:
             return []
         ref, ev = self._gpu._ref_mv, self._cache.evictor
+        if plan.memo is not None:  # (a plan of pagedkv._hybrid_alloc: no CPU-tier hit)
+            h = plan.held
+            if h is not None:
+                gref = self._gpu._ref
+                ev.discard_many(h[gref[h] == 0])
+                gref[h] += 1
+            return h
         held = [b for gpu, _, _, nnull in plan.groups for b in gpu[nnull:]]
         if len(held) > 32:  # a long hit: a few numpy calls (the blocks are distinct: one group each)
             h = np.array(held, dtype=np.int64)
@@ -529,7 +535,8 @@ class HybridBlockManager:
         cache = self._cache
         memo = plan.memo
         if memo is not None:  # a plan of pagedkv._hybrid_alloc: every group at once, with the plan's keys
-            commit_all(self, seq_id, gns, plan)
+            if not commit_all(self, seq_id, gns, plan) and self._sib is not None:
+                self._record_siblings(seq_id, memo[3])
         else:
             for g, (m, (gpu, cpu, chain, nnull)) in enumerate(zip(self._g, plan.groups)):
                 if cache is not None and plan.nhit == 0:
@@ -538,8 +545,6 @@ class HybridBlockManager:
         if plan.n < plan.arr.size:  # a chunk: fork waits for the rest of the prompt (every group records it)
             for m in self._g:
                 m._partial[seq_id] = plan.arr.size
-        if memo is not None and self._sib is not None:
-            self._record_siblings(seq_id, memo)
         if self._retention is not None:
             self._retention.set_prompt(self._m0._row_of[seq_id], plan.arr.size)  # (the whole prompt, chunked too)
         if cache is not None:
@@ -548,23 +553,27 @@ class HybridBlockManager:
             if len(cache._roots) > cache.sweep_at:
                 self._m0._release_namespaces()
 
-    def _record_siblings(self, seq_id: Hashable, memo: tuple) -> None:
-        """Record, for each full block of the new sequence's anchor table (the first full-attention group) whose
-        keys every sliding group has, the sliding groups' keys of the same prefix (see :mod:`pagedkv._hybrid_alloc`,
-        "Sibling keys"). O(blocks recorded x sliding groups), numpy."""
-        _, keys, _, known = memo
-        a = self._full[0]
-        m = self._g[a]
+    def _record_siblings(self, seq_id: Hashable, fresh: int) -> None:
+        """Record the sibling keys of the new sequence's prompt blocks (see :mod:`pagedkv._hybrid_alloc`): for each
+        position from the sliding groups' first held block to the registered ones, the anchor group's block, the
+        content id it holds, and the keys of the sliding groups' blocks at that position (read from the prefix
+        cache: each is the key of the same prefix in its group), skipping the positions before ``fresh`` (whose
+        keys the plan read from valid records). A position where a block is not cached records content id 0
+        (never valid). O(blocks recorded x groups), numpy."""
+        m = self._g[self._full[0]]
         row = m._row_of[seq_id]
         z = int(m._nreg[row])
-        for g in self._sliding:
-            z = min(z, len(keys[g]))
-        if z <= known:
+        a = max(fresh, max(int(self._g[g]._nrel[row]) for g in self._sliding))
+        if z <= a:
             return
-        b0 = m._table[row, known:z]
+        cid, key = self._cache.cid, self._cache.key
+        b0 = m._table[row, a:z]
+        bs = np.stack([self._g[g]._table[row, a:z] for g in self._sliding])  # (S, z - a)
+        c0 = cid[b0]
+        ok = (cid[bs] != 0).all(axis=0)
         sib_cid, sib_key = self._sib
-        sib_cid[b0] = self._cache.cid[b0]
-        sib_key[:, b0] = np.array([keys[g][known:z] for g in self._sliding], dtype=np.uint64)
+        sib_cid[b0] = np.where(ok, c0, 0)
+        sib_key[b0] = key[bs].T
 
     def _unhold(self, held: list) -> None:
         """Drop the extra references of :meth:`_hold` (a batch's); blocks left unreferenced are parked."""
@@ -680,6 +689,8 @@ class HybridBlockManager:
                                   tuple(r.block_tables for r in res), r0.seq_lens)
 
     def _hold_list(self, plan: _Plan) -> list:
+        if plan.memo is not None:
+            return [] if plan.held is None else plan.held.tolist()
         return [b for gpu, _, _, nnull in plan.groups for b in gpu[nnull:]]
 
     def _hold_blocks(self, blocks: list) -> None:
