@@ -154,3 +154,23 @@ def test_a_key_naming_other_tokens_is_a_miss(group, pos, want):
     assert_same(m, prompt)
     assert m.lookup_prefix(prompt).num_cached_blocks == want
     assert m.allocate("b", prompt) == want * BS  # (check_invariants would flag the tampered block's key)
+
+
+def test_group_keys_follow_the_documented_derivation():
+    """docs/guide/kv-groups.md: root_g = xxh3_64(b"pagedkv-ns:" + b"g<g>:" + enc(namespace)) for g > 0 (group 0
+    without the tag), key_i = xxh3_64(int32 bytes of block i, seed=key_{i-1}); events and block_hashes agree."""
+    import xxhash
+
+    toks = np.arange(100, 140, dtype=np.int32)
+    for g, ns, enc in [(0, None, b""), (2, None, b""), (3, "t", b"s:t"), (1, 7, b"i:7"), (4, b"x", b"b:x")]:
+        k = xxhash.xxh3_64_intdigest(b"pagedkv-ns:" + (b"g%d:" % g if g else b"") + enc)
+        want = []
+        for i in range(10):
+            k = xxhash.xxh3_64_intdigest(toks[4 * i : 4 * i + 4].tobytes(), seed=k)
+            want.append(k)
+        assert block_hashes(toks, BS, namespace=ns, group=g) == want
+    m = HybridBlockManager(100, BS, kv_cache_groups=[F(), S(8), S(8), S(8), S(8)], enable_prefix_caching=True,
+                           enable_kv_events=True, watermark=0)
+    m.allocate("a", toks.tolist(), namespace="t")
+    stored = {e.group_idx: list(e.block_hashes) for e in m.take_events() if type(e).__name__ == "BlockStored"}
+    assert stored == {g: block_hashes(toks, BS, namespace="t", group=g) for g in range(5)}

@@ -32,12 +32,17 @@ NULL_BLOCK before them. The chained keys of a prompt are computable without the 
 sliding group finds a window late in a prompt even after its early blocks were evicted; such a window block is
 verified by its stored tokens and its 64-bit chained key (which covers every earlier token of the prompt),
 since the content ids of blocks that are gone cannot be compared. :meth:`lookup_prefix` predicts ``allocate``.
+Without a CPU tier, for prompts of four full blocks or more, the hit is found and committed vectorised over
+blocks and groups (:mod:`pagedkv._hybrid_alloc`: one probe pass per full group, one for every sliding group's
+window, sibling keys recorded per block of the first full group instead of hashing every sliding chain, one
+commit of every group); otherwise block by block (:meth:`HybridBlockManager._plan_walk`), with the same result.
 
 **KV events** carry the group (``group_idx``, ``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``, as
 vLLM's). Group 0's keys are :func:`pagedkv.block_hashes`' (those of a single-group manager).
 
-Complexity: a call costs about G times the same call on a BlockManager (G = number of groups), plus, for an
-allocation with prefix caching, O(prompt blocks) key hashing per sliding group.
+Complexity: a call costs about G times the same call on a BlockManager (G = number of groups); an allocation
+with prefix caching costs O(prompt blocks) C-level hashing and map probes per full group, O(window blocks) probes
+per sliding group (hashing only past the last recorded sibling key) and O(1) numpy calls per group.
 """
 
 from __future__ import annotations
