@@ -4,7 +4,9 @@
 without a Python step per block::
 
     prompt blocks      0   1   2 ...                      h-1 | (at most (n - 1) // bs: one token left to compute)
-    keys, group g      chain(datas, root_g)      one xxh3 pass per group (each group's keys chain from its root)
+    keys, full group   chain(datas, root_g)      one xxh3 pass (each group's keys chain from its own root)
+    keys, sliding g    sibling keys, hashed on   the window's keys read from the records of the full group's hit
+                       from the last record      blocks (below), hashed from the last recorded block on
     full group         map.get of every key      -> candidate blocks; the hit h is the first block that is not
                        parent cid == previous cid   cached, breaks the content-id chain, or holds other tokens
     sliding group g    map.get + token compare   -> present_g[j] for j < h (only the last window of h first;
@@ -20,8 +22,18 @@ dict's block for the group's chained key and hold the prompt's tokens (its paren
 cannot be compared; the 64-bit chained key stands for every earlier token). Returns the keys it computed, so
 that the allocation registers the prompt's new blocks without hashing again (``BlockManager._keys_memo``).
 
-Cost: O(prompt blocks x groups) of C-level hashing (about 40 ns a block), one ``map(dict.get)`` pass over the
-hit of each full group and over the last window of each sliding group, and O(1) numpy calls a group.
+**Sibling keys.** A sliding group's keys chain from block 0 like any group's, so finding its window late in a
+long prompt would hash the whole prompt once per sliding group. Instead ``HybridBlockManager._sib`` records, per
+block b of the first full-attention group (the *anchor*), the content id b held and the keys of the same prefix
+in every sliding group (``(num_gpu_blocks,)`` int64 and ``(num_gpu_blocks, sliding groups)`` uint64, written when
+a prompt's blocks are registered: :func:`commit_all`, ``HybridBlockManager._record_siblings``). A later prompt
+whose full-group hit includes b, still holding that content id, reads the sliding keys at b's position there; a
+content id is never reused, so a record whose block changed content no longer matches. Positions with no valid
+record are hashed on from the last valid one (decode-filled blocks, which nothing records), or from the root.
+A record is a lookup hint like a key: what it finds is still verified by tokens.
+
+Cost: O(prompt blocks) of C-level hashing (about 40 ns a block) and one ``map(dict.get)`` pass per full group,
+one pass over every sliding group's last window together, and O(1) numpy calls a group.
 """
 
 from __future__ import annotations
@@ -56,11 +68,13 @@ def _present(cache, blocks: np.ndarray, rows: np.ndarray) -> np.ndarray:
 
 def find_hit(hm, arr: np.ndarray, roots: list):
     """The hybrid hit of prompt ``arr`` (int32) in every group of ``hm`` (a HybridBlockManager with prefix
-    caching and no CPU tier), groups' roots ``roots`` ((cid, key) each). Returns ``(L, blocks, keys, datas)``:
-    the hit in blocks; per group the int64 array of its hit blocks ``[nnull_g, L)`` (nnull_g: the blocks before a
-    sliding group's window, 0 for a full group); per group the chained keys computed (a prefix of the prompt's
-    full blocks, at least the first L); the full blocks' token bytes. None when it cannot decide exactly without
-    the block-by-block walk (fewer than four full blocks, or blocks left out of the dict by a key collision)."""
+    caching and no CPU tier), groups' roots ``roots`` ((cid, key) each). Returns ``(L, blocks, keys, datas,
+    fresh)``: the hit in blocks; per group the int64 array of its hit blocks ``[nnull_g, L)`` (nnull_g: the
+    blocks before a sliding group's window, 0 for a full group); per group the list of chained keys computed (at
+    least blocks ``[nnull_g, L)``; a sliding group's list may start with placeholder zeros where its keys were
+    not needed, never read: the registration extends the list from its last item); the full blocks' token bytes;
+    the first block whose sibling keys are not recorded yet. None when it cannot decide exactly without the
+    block-by-block walk (fewer than four full blocks, or blocks left out of the dict by a key collision)."""
     bs, n = hm._bs, arr.size
     lim = (n - 1) // bs
     full = n // bs
