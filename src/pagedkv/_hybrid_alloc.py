@@ -106,11 +106,11 @@ def find_hit(hm, arr: np.ndarray, roots: list):
             par[1:] = cid[bb[:-1]]
         ok &= pcid[bb] == par
         if not ok.all():
-            h = int(np.argmin(ok))
+            h = int(ok.argmin())
             b = b[:h]
         if h and cache.tok[b].tobytes() != rows[:h].tobytes():  # a hash collision: the hit ends before it
             eq = (cache.tok[b] == rows[:h]).all(axis=1)
-            h = int(np.argmin(eq))
+            h = int(eq.argmin())
             b = b[:h]
         blocks[g] = b
     L = h
@@ -130,7 +130,7 @@ def find_hit(hm, arr: np.ndarray, roots: list):
             if v.all():
                 p = L - 1
             else:
-                j0 = known + int(np.argmin(v))
+                j0 = known + int(v.argmin())
                 vv = np.flatnonzero(sib[0][b0[:j0]] == cid[b0[:j0]])
                 p = int(vv[-1]) if vv.size else -1
             known, fresh = min(known, p + 1), p + 1

@@ -47,6 +47,7 @@ per sliding group (hashing only past the last recorded sibling key) and O(1) num
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Hashable, Iterable, NamedTuple, Sequence
 
 import numpy as np
@@ -411,7 +412,7 @@ class HybridBlockManager:
             nblocks = -(-(n + la) // bs)
         if L:
             held = np.concatenate(blks)
-            last = np.cumsum([b.size for b in blks]) - 1
+            last = [x - 1 for x in accumulate(b.size for b in blks)]
             cids, cks = cache.cid[held[last]].tolist(), cache.key[held[last]].tolist()
             groups = [(b, None, (c, k), L - b.size) for b, c, k in zip(blks, cids, cks)]
             need = G * (nblocks - L) + int(np.count_nonzero(self._gpu._ref[held] == 0))
