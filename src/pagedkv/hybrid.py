@@ -175,7 +175,7 @@ class HybridBlockManager:
             self._retention = WindowRetention(first._bs, retention_interval, first._cache, first._gpu._ref)
             for m, s in zip(self._g, specs):
                 if s.window is not None:
-                    m._retention, m._k = self._retention, -(-s.window // first._bs)
+                    m._win.retention, m._win.k = self._retention, -(-s.window // first._bs)
         # shared parts, named (the coordinator's only direct state besides the group managers)
         self._bs = first._bs
         self._gpu, self._cpu, self._cache, self._tier = first._gpu, first._cpu, first._cache, first._tier
@@ -252,9 +252,10 @@ class HybridBlockManager:
         swapped blocks of every group."""
         s = self._m0.stats
         rest = self._g[1:]
-        return s._replace(cow_copies=s.cow_copies + sum(m._cow_copies for m in rest),
-                          swapped_out_blocks=s.swapped_out_blocks + sum(m._swapped_out for m in rest),
-                          swapped_in_blocks=s.swapped_in_blocks + sum(m._swapped_in for m in rest))
+        rs = [m.stats for m in rest]
+        return s._replace(cow_copies=s.cow_copies + sum(r.cow_copies for r in rs),
+                          swapped_out_blocks=s.swapped_out_blocks + sum(r.swapped_out_blocks for r in rs),
+                          swapped_in_blocks=s.swapped_in_blocks + sum(r.swapped_in_blocks for r in rs))
 
     def __len__(self) -> int:
         return len(self._m0)
@@ -293,14 +294,14 @@ class HybridBlockManager:
         block src to dst in every layer slot), and end the step. See BlockManager.take_copy_plan."""
         plan = self._m0.take_copy_plan()  # (the copy list and the tier are shared: one plan)
         for m in self._g[1:]:
-            m._end_step()
+            m._t.end_step()
         return plan
 
     def take_copies(self):
         """Deprecated, as BlockManager.take_copies: :meth:`take_copy_plan` narrowed to the CPU tier's copies."""
         got = self._m0.take_copies()
         for m in self._g[1:]:
-            m._end_step()
+            m._t.end_step()
         return got
 
     def take_events(self) -> list:
@@ -313,18 +314,18 @@ class HybridBlockManager:
         (chunked prefill: every group records the same prompt lengths). O(blocks + total table length)."""
         m0 = self._m0
         for g, m in enumerate(self._g[1:], 1):
-            if m._row_of != m0._row_of:
+            if m._t.row_of != m0._t.row_of:
                 raise AssertionError(f"group {g} holds other sequences or rows than group 0")
-            rows = np.fromiter(m0._row_of.values(), dtype=np.int64, count=len(m0._row_of))
-            if not (np.array_equal(m._ntok[rows], m0._ntok[rows]) and np.array_equal(m._nblk[rows], m0._nblk[rows])
-                    and np.array_equal(m._swapped[rows], m0._swapped[rows])):
+            rows = np.fromiter(m0._t.row_of.values(), dtype=np.int64, count=len(m0._t.row_of))
+            if not (np.array_equal(m._t.ntok[rows], m0._t.ntok[rows]) and np.array_equal(m._t.nblk[rows], m0._t.nblk[rows])
+                    and np.array_equal(m._t.swapped[rows], m0._t.swapped[rows])):
                 raise AssertionError(f"group {g}: token counts, table lengths or swap states differ from group 0")
-            if m0._stepping and not np.array_equal(m._ntok0[rows], m0._ntok0[rows]):
+            if m0._t.stepping and not np.array_equal(m._t.ntok0[rows], m0._t.ntok0[rows]):
                 raise AssertionError(f"group {g}: the same-step snapshot (_ntok0) differs from group 0's: a same-step "
                                      "check would refuse in one group after another changed")
-            if m._partial != m0._partial:
-                raise AssertionError(f"group {g}: partly prefilled sequences {m._partial} differ from group 0's "
-                                     f"{m0._partial}")
+            if m._t.partial != m0._t.partial:
+                raise AssertionError(f"group {g}: partly prefilled sequences {m._t.partial} differ from group 0's "
+                                     f"{m0._t.partial}")
         m0._check_invariants_of(tuple(self._g))
 
     def reset_prefix_cache(self) -> int:
@@ -333,7 +334,7 @@ class HybridBlockManager:
         freed = self._m0.reset_prefix_cache()
         if self._cache is not None:
             for m in self._g[1:]:
-                m._ccid[:] = 0  # break every live chain
+                m._t.ccid[:] = 0  # break every live chain
         return freed
 
     # ------------------------------------------------------------------ allocation
@@ -385,7 +386,7 @@ class HybridBlockManager:
         h = (n - 1) // bs
         full_hits = {}
         for g in self._full:
-            hits, _ = self._g[g]._lookup(arr, roots[g])
+            hits, _ = self._g[g]._reg.lookup(arr, roots[g])
             full_hits[g] = hits
             h = min(h, len(hits))
         L = h
@@ -491,23 +492,23 @@ class HybridBlockManager:
         for g, (m, (gpu, cpu, chain, nnull)) in enumerate(zip(self._g, plan.groups)):
             if cache is not None and plan.nhit == 0:
                 chain = cache.root(gns[g], intern=True)  # (a new namespace's root gets its content id now)
-            m._alloc_commit(seq_id, gns[g], plan.arr, plan.n, plan.nblocks, gpu, cpu, chain, True, nnull)
+            m._alloc.commit(seq_id, gns[g], plan.arr, plan.n, plan.nblocks, gpu, cpu, chain, True, nnull)
             if plan.n < plan.arr.size:  # a chunk: fork waits for the rest of the prompt (every group records it)
-                m._partial[seq_id] = plan.arr.size
+                m._t.partial[seq_id] = plan.arr.size
         if self._retention is not None:
-            self._retention.set_prompt(self._m0._row_of[seq_id], plan.arr.size)  # (the whole prompt, chunked too)
+            self._retention.set_prompt(self._m0._t.row_of[seq_id], plan.arr.size)  # (the whole prompt, chunked too)
         if cache is not None:
             for ns in gns:
                 cache.intern(ns)
             if len(cache._roots) > cache.sweep_at:
-                self._m0._release_namespaces()
+                self._m0._reg.release_namespaces()
 
     def _unhold(self, held: list) -> None:
         """Drop the extra references of :meth:`_hold` (a batch's); blocks left unreferenced are parked."""
         if held:
             b = np.array(held, dtype=np.int64)
             self._gpu._ref[b] -= 1  # (distinct blocks)
-            self._m0._park_gpu(b[self._gpu._ref[b] == 0].astype(np.int32))
+            self._m0._blocks.park(b[self._gpu._ref[b] == 0].astype(np.int32))
 
     def allocate(self, seq_id: Hashable, token_ids: Sequence[int], num_lookahead_slots: int = 0, *,
                  namespace: object = None, num_new_tokens: int | None = None) -> int:
@@ -526,7 +527,7 @@ class HybridBlockManager:
             group 1 (sliding)  [ NULL | window | chunk 1 ][ chunk 2 ][ chunk 3 ]
                                  allocate(num_new_tokens=k)  decode_step  decode_step
         """
-        self._m0._check_new_id(seq_id)
+        self._m0._t.check_new_id(seq_id)
         la = check_int("num_lookahead_slots", num_lookahead_slots, 0)
         k = None if num_new_tokens is None else check_int("num_new_tokens", num_new_tokens, 1)
         gns = self._gns(namespace)
@@ -572,7 +573,7 @@ class HybridBlockManager:
             chunks = [check_int(f"num_new_tokens[{i}]", c, 1) for i, c in enumerate(num_new_tokens)]
         seen: set = set()
         for s in seq_ids:
-            self._m0._check_new_id(s)
+            self._m0._t.check_new_id(s)
             if s in seen:
                 raise DuplicateSequenceError(f"sequence {s!r} appears twice in one batch")
             seen.add(s)
@@ -609,7 +610,7 @@ class HybridBlockManager:
             shapes.append((None, plan.n))
         self._unhold(held)
         sids = tuple(seq_ids)
-        res = [m._prefill_result(sids, arrs, shapes, [m._row_of[s] for s in seq_ids], nhit) for m in self._g]
+        res = [m._alloc.prefill_result(sids, arrs, shapes, [m._t.row_of[s] for s in seq_ids], nhit) for m in self._g]
         r0 = res[0]
         return HybridPrefillBatch(sids, r0.num_cached_tokens, r0.query_start_loc, r0.token_ids, r0.positions,
                                   _frozen(np.stack([r.slot_mapping for r in res])),
@@ -664,32 +665,32 @@ class HybridBlockManager:
         for m in self._g[1:]:
             m.fork(parent_seq_id, child_seq_id)
         if self._retention is not None:
-            self._retention.copy_row(self._m0._row_of[parent_seq_id], self._m0._row_of[child_seq_id])
+            self._retention.copy_row(self._m0._t.row_of[parent_seq_id], self._m0._t.row_of[child_seq_id])
 
     def free(self, seq_id: Hashable, *, cache: bool = True) -> None:
         """Release the sequence's blocks in every group (see BlockManager.free; with ``cache=False`` every group's
         blocks of the last call are withdrawn, or, if another sequence holds one, SequenceStateError and nothing
         changes)."""
-        row = self._m0._row(seq_id)
-        if not cache and self._cache is not None and not self._m0._swapped[row]:
+        row = self._m0._t.row(seq_id)
+        if not cache and self._cache is not None and not self._m0._t.swapped[row]:
             ref = self._gpu._ref
             for m in self._g:
-                blocks = m._table[row, int(m._pend[row]) : int(m._nreg[row])]
+                blocks = m._t.table[row, int(m._t.pend[row]) : int(m._t.nreg[row])]
                 blocks = blocks[blocks >= 0]
                 if (ref[blocks] > 1).any():
-                    m._withdraw_pending(seq_id, row)  # raises, changing nothing
+                    m._reg.withdraw_pending(seq_id, row)  # raises, changing nothing
         ret = self._retention
-        if ret is None or self._m0._swapped[row]:
+        if ret is None or self._m0._t.swapped[row]:
             for m in self._g:
                 m.free(seq_id, cache=cache)
             return
         # window retention: the sliding groups' blocks outside every useful window become spare once released
-        end = int(self._m0._ntok[row]) // self._bs
+        end = int(self._m0._t.ntok[row]) // self._bs
         parts = []
         for m in self._g:
             if m._window is not None:
-                a, z = int(m._nrel[row]), int(m._nblk[row])
-                parts.append((m._table[row, a:z].copy(), ret.kept(row, np.arange(a, z), m._k, end)))
+                a, z = int(m._t.nrel[row]), int(m._t.nblk[row])
+                parts.append((m._t.table[row, a:z].copy(), ret.kept(row, np.arange(a, z), m._win.k, end)))
         for m in self._g:
             m.free(seq_id, cache=cache)
         for blk, keep in parts:
@@ -713,9 +714,9 @@ class HybridBlockManager:
         """Whether every group's one-token fast path (BlockManager._step1) succeeds for these rows: no shared
         written block in any group, every group's new blocks free together, no table past the fixed width."""
         m0, bs = self._m0, self._bs
-        ntok = m0._ntok[rows]
+        ntok = m0._t.ntok[rows]
         j = ntok // bs
-        grow = j >= m0._nblk[rows]
+        grow = j >= m0._t.nblk[rows]
         n_grow = int(np.count_nonzero(grow))
         if n_grow * len(self._g) > self.num_free_gpu_blocks:
             return False
@@ -724,7 +725,7 @@ class HybridBlockManager:
         ref = self._gpu._ref
         col = j - grow
         for m in self._g:
-            ref_w = ref[m._table[rows, col]]
+            ref_w = ref[m._t.table[rows, col]]
             if ref_w.max() > 1 and (ref_w[~grow] > 1).any():
                 return False
         return True
@@ -732,7 +733,7 @@ class HybridBlockManager:
     def _plans(self, rows: np.ndarray, counts: np.ndarray, la: int) -> list:
         """Every group's append plan; raises OutOfBlocksError / TableWidthError (changing nothing) when the sum
         of the groups' new blocks exceeds the free ones (plus what the windows release)."""
-        plans = [m._plan(rows, counts, la) for m in self._g]
+        plans = [m._step.plan(rows, counts, la) for m in self._g]
         free = self.num_free_gpu_blocks
         needed = sum(p[0] for p in plans)
         available = free + sum(p[1] - free for p in plans)
@@ -744,7 +745,7 @@ class HybridBlockManager:
             need = plans[0][2]
             if int(need.max()) > fw:
                 i = int(np.argmax(need))
-                raise TableWidthError(f"sequence {self._m0._seq_of[int(rows[i])]!r} would need {int(need[i])} "
+                raise TableWidthError(f"sequence {self._m0._t.seq_of[int(rows[i])]!r} would need {int(need[i])} "
                                       f"blocks; block_table_width is {fw}")
         return plans
 
@@ -771,14 +772,14 @@ class HybridBlockManager:
             return None
         m0 = self._m0
         ids = seq_ids if type(seq_ids) is list else list(seq_ids)
-        memo = m0._memo_small
-        if memo is not None and memo[0] is m0._memo_ids and ids == memo[0]:
+        memo = m0._t.memo_small
+        if memo is not None and memo[0] is m0._t.memo_ids and ids == memo[0]:
             rows = memo[1]
         else:
-            rows = m0._small_rows(ids)
+            rows = m0._t.small_rows(ids)
             if rows is None:
                 return None
-        ntok, nblk = (m0._mvs or m0._views())[:2]
+        ntok, nblk = (m0._t.mvs or m0._t.views())[:2]
         bs, fw = self._bs, m0._fixed_w
         grow = 0
         for r in rows:
@@ -790,7 +791,7 @@ class HybridBlockManager:
         need = grow * len(self._g)
         ref = self._gpu._ref_mv
         for m in self._g:
-            table = (m._mvs or m._views())[2]
+            table = (m._t.mvs or m._t.views())[2]
             for r in rows:
                 j = ntok[r] // bs
                 if j < nblk[r] and ref[table[r, j]] > 1:
@@ -801,11 +802,11 @@ class HybridBlockManager:
         res = []
         for m in self._g:
             if m._window is not None:
-                m._release_window_small(rows)
+                m._win.release_small(rows)
             if b == 1:
-                got = m._step_one(ids[0], toks, True)
+                got = m._small.step_one(ids[0], toks, True)
             else:
-                got = m._step_small(ids, toks, b)
+                got = m._small.step_small(ids, toks, b)
             assert got is not None, "a group's small step declined after the coordinator's checks"
             res.append(got)
         cows = [r.cow for r in res if len(r.cow)]
@@ -824,7 +825,7 @@ class HybridBlockManager:
                 res = self._step_small(seq_ids, token_ids, b)
                 if res is not None:
                     return res
-        rows = self._m0._rows(seq_ids)
+        rows = self._m0._t.rows(seq_ids)
         b = rows.size
         arr, counts = self._tokens(b, token_ids, num_new_tokens)
         la = check_int("num_lookahead_slots", num_lookahead_slots, 0)
@@ -833,7 +834,7 @@ class HybridBlockManager:
             return HybridStepResult(np.zeros((G, 0), np.int64), tuple(np.zeros((0, 0), np.int32) for _ in self._g),
                                     np.zeros(0, np.int32), np.zeros((0, 2), np.int64))
         if counts is None and la == 0 and self._fast_ok(rows):
-            res = [m._step1(rows, arr) for m in self._g]
+            res = [m._step.step1(rows, arr) for m in self._g]
             order = None
         else:
             if counts is None:
@@ -844,7 +845,7 @@ class HybridBlockManager:
             res = [None] * len(plans)
             order = self._commit_order(plans)
             for g in order:
-                res[g] = self._g[g]._append(rows, counts, arr, la, True, plans[g])
+                res[g] = self._g[g]._step.append(rows, counts, arr, la, True, plans[g])
         cows = [res[g].cow for g in (order or range(G)) if res[g].cow.size]  # (in the order they were made)
         return HybridStepResult(np.stack([r.slot_mapping for r in res]), tuple(r.block_tables for r in res),
                                 res[0].seq_lens, np.concatenate(cows) if len(cows) > 1 else
@@ -860,7 +861,7 @@ class HybridBlockManager:
     def can_append_slots(self, seq_ids: Iterable[Hashable], num_lookahead_slots: int = 0, *,
                          num_new_tokens: int = 1) -> bool:
         """Whether the append fits in every group together (see BlockManager.can_append_slots)."""
-        rows = self._m0._rows(list(seq_ids))
+        rows = self._m0._t.rows(list(seq_ids))
         la = check_int("num_lookahead_slots", num_lookahead_slots, 0)
         k = check_int("num_new_tokens", num_new_tokens, 1)
         if rows.size == 0:
@@ -874,17 +875,17 @@ class HybridBlockManager:
     # ------------------------------------------------------------------ swapping
     def can_swap_out(self, seq_ids: Iterable[Hashable]) -> bool:
         seq_ids = list(seq_ids)
-        rows = self._m0._rows_where(seq_ids, swapped=False)
-        return sum(m._unique_blocks(rows).size for m in self._g) <= self.num_free_cpu_blocks
+        rows = self._m0._t.rows_where(seq_ids, swapped=False)
+        return sum(m._t.unique_blocks(rows).size for m in self._g) <= self.num_free_cpu_blocks
 
     def swap_out(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
         """Move the sequences' blocks of every group to the CPU pool; (gpu, cpu) pairs of every group. All or
         nothing (OutOfBlocksError when the CPU pool cannot take every group's blocks)."""
         seq_ids = list(seq_ids)
         m0 = self._m0
-        rows = m0._rows_where(seq_ids, swapped=False)
-        m0._refuse_pending_swap_out(seq_ids, rows)  # (every group holds the same snapshot: group 0's answers)
-        need = sum(m._unique_blocks(rows).size for m in self._g)
+        rows = m0._t.rows_where(seq_ids, swapped=False)
+        m0._swap.refuse_pending(seq_ids, rows)  # (every group holds the same snapshot: group 0's answers)
+        need = sum(m._t.unique_blocks(rows).size for m in self._g)
         if need > self.num_free_cpu_blocks:
             raise OutOfBlocksError(f"swap_out needs {need} CPU blocks in {len(self._g)} KV cache groups; "
                                    f"{self.num_free_cpu_blocks} are free")
@@ -898,15 +899,15 @@ class HybridBlockManager:
         need = most = 0
         ref = self._gpu._ref
         for m in self._g:
-            uniq = m._unique_blocks(rows)
-            reuse = m._swap_in_reuse(uniq)
-            extra = int(np.maximum(-(-(m._ntok[rows] + la) // self._bs) - m._nblk[rows], 0).sum())
+            uniq = m._t.unique_blocks(rows)
+            reuse = m._swap.reuse(uniq)
+            extra = int(np.maximum(-(-(m._t.ntok[rows] + la) // self._bs) - m._t.nblk[rows], 0).sum())
             most += uniq.size + extra
             need += uniq.size + extra - sum(1 for g in reuse.tolist() if g >= 0 and ref[g] > 0)
         return need, most
 
     def can_swap_in(self, seq_ids: Iterable[Hashable], num_lookahead_slots: int = 0) -> AllocStatus:
-        rows = self._m0._rows_where(list(seq_ids), swapped=True)
+        rows = self._m0._t.rows_where(list(seq_ids), swapped=True)
         la = check_int("num_lookahead_slots", num_lookahead_slots, 0)
         need, most = self._swap_in_need(rows, la)
         wm = self._m0._watermark_blocks
@@ -917,7 +918,7 @@ class HybridBlockManager:
     def swap_in(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
         """Bring swapped-out sequences back in every group; (cpu, gpu) pairs of every group. All or nothing."""
         seq_ids = list(seq_ids)
-        rows = self._m0._rows_where(seq_ids, swapped=True)
+        rows = self._m0._t.rows_where(seq_ids, swapped=True)
         need, _ = self._swap_in_need(rows, 0)
         if need > self.num_free_gpu_blocks:
             raise OutOfBlocksError(f"swap_in needs {need} GPU blocks in {len(self._g)} KV cache groups; "
@@ -925,11 +926,11 @@ class HybridBlockManager:
         out: list = []
         for m in self._g:
             out += m.swap_in(seq_ids)
-        if self._m0._stepping:  # a group that reused a block cached in this step marks the rows pending: all do
+        if self._m0._t.stepping:  # a group that reused a block cached in this step marks the rows pending: all do
             pend = np.zeros(rows.size, dtype=bool)
             for m in self._g:
-                pend |= m._ntok0[rows] < 0
+                pend |= m._t.ntok0[rows] < 0
             if pend.any():
                 for m in self._g:
-                    m._ntok0[rows[pend]] = -1
+                    m._t.ntok0[rows[pend]] = -1
         return out

@@ -138,10 +138,10 @@ class PagedKV:
         if tables:
             return bm.decode_step(seq_ids, token_ids)
         # the bookkeeping alone: what decode_step does minus the batch tables (append_slots' path)
-        rows = bm._rows(seq_ids)
+        rows = bm._t.rows(seq_ids)
         if len(token_ids) != rows.size:
             raise InvalidTokensError(f"got {len(token_ids)} tokens for a batch of {rows.size}")
-        return bm._append(rows, np.ones(rows.size, dtype=np.int64), token_ids, 0, tables=False)
+        return bm._step.append(rows, np.ones(rows.size, dtype=np.int64), token_ids, 0, tables=False)
 
     def free_ids(self) -> list[int]:
         return self.bm._gpu.free_ids().tolist()
