@@ -4,10 +4,10 @@ side-effect-free prediction of a prompt's hit (``lookup_prefix``).
 An allocation is *planned* without changing anything (the lookup, block counts, every check that can fail),
 then *committed* (nothing in the commit can fail)::
 
-    allocate(seq, prompt)       _alloc_plan ─> enough free blocks? ─> _alloc_commit
-    allocate_batch(seqs, ps)    _alloc_plan per prompt ─> _batch_hits (sharing inside the batch, simulated)
+    allocate(seq, prompt)       plan ─> enough free blocks? ─> commit
+    allocate_batch(seqs, ps)    plan per prompt ─> batch_walk (sharing inside the batch, simulated)
                                 ─> enough free blocks for the batch? ─> reference / pin every planned hit
-                                ─> _alloc_commit per prompt ─> _prefill_result
+                                ─> commit per prompt ─> prefill_result
 
 A batch shares blocks between its prompts exactly as consecutive ``allocate`` calls would (a prompt finds the
 full blocks that earlier prompts of the batch register or promote), with one difference, which only helps:
