@@ -1,5 +1,5 @@
-"""Allocation of new sequences: one prompt (``allocate``), a batch (``allocate_batch``), and the
-side-effect-free prediction of a prompt's hit (``lookup_prefix``).
+"""Allocation of new sequences (:class:`Allocator`, a part of the manager): one prompt (``allocate``), a batch
+(``allocate_batch``), and the side-effect-free prediction of a prompt's hit (``lookup_prefix``).
 
 An allocation is *planned* without changing anything (the lookup, block counts, every check that can fail),
 then *committed* (nothing in the commit can fail)::

@@ -1,16 +1,16 @@
 """Prefix-cache registration, lookup and withdrawal for the block manager's sequences.
 
-A row's chain state (in :class:`~pagedkv._rows.SeqTables`) is ``nreg`` (leading blocks offered to the cache), ``ccid``/``ckey`` (content id and key of
-block ``_nreg - 1``, a namespace root's before block 0; ``_ccid == 0``: chain broken, nothing more is cached) and
-``pend`` (blocks ``pend .. nreg - 1`` were cached by the row's last call, whose KV the engine may not have
-written yet)::
+:class:`Registry`, a part of the manager. A row's chain state (in :class:`~pagedkv._rows.SeqTables`) is ``nreg``
+(leading blocks offered to the cache), ``ccid``/``ckey`` (content id and key of block ``nreg - 1``, a namespace
+root's before block 0; ``ccid == 0``: chain broken, nothing more is cached) and ``pend`` (blocks
+``pend .. nreg - 1`` were cached by the row's last call, whose KV the engine may not have written yet)::
 
     table   [ 17 | 3 | 42 | 8 | 11 ]      ntok = 4.5 blocks
               hit  hit  new  new  partial
-                        ^_pend     ^_nreg   (after allocate: 42 and 8 are cached, pending until the next call)
+                        ^pend      ^nreg    (after allocate: 42 and 8 are cached, pending until the next call)
 
 Burst sharing: every call that makes a block full of known tokens registers it before returning, so
-``_nreg == ntok // block_size`` after every call (lookahead slots are never part of ``ntok``).
+``nreg == ntok // block_size`` after every call (lookahead slots are never part of ``ntok``).
 """
 
 from __future__ import annotations
@@ -173,12 +173,12 @@ class Registry:
 
     def withdraw_pending(self, seq_id, row: int) -> None:
         """``free(seq_id, cache=False)``: uncache the blocks the row's last call filled (its own blocks in
-        ``_pend .. _nreg - 1``; those still cached were cached by it), and every cached block chained after them
+        ``pend .. nreg - 1``; those still cached were cached by it), and every cached block chained after them
         in either tier (a lookup reaches them only through the withdrawn content). Raises SequenceStateError,
         changing nothing, if another sequence holds one of the row's own blocks (a prefix hit: it relies on KV
         nobody wrote). A sequence that holds only a *descendant* is not refused: it wrote the KV of that position
         itself and registration chained it to the equal content already cached (deduplication), so its blocks
-        stay, uncached, and its chain is broken (``_ccid = 0``), like the chain of every row that ends in
+        stay, uncached, and its chain is broken (``ccid = 0``), like the chain of every row that ends in
         withdrawn content. O(cached blocks + rows) when there is one to withdraw."""
         a, z = int(self.t.pend[row]), int(self.t.nreg[row])
         if z <= a:
@@ -245,7 +245,7 @@ class Registry:
         blocks' token bytes (one numpy ``tolist`` of a void view). The walk then costs one dict probe and two
         element reads a block; the hit blocks' tokens are compared in one bytes compare at the end (a mismatch,
         a hash collision, re-walks block by block: exactly the block-by-block semantics). ``memo``: keep the
-        bytes and keys for this allocation's registration (:attr:`_keys_memo`)."""
+        bytes and keys for this allocation's registration (:attr:`keys_memo`)."""
         bs = self.bs
         lim = (arr.size - 1) // bs
         if lim <= 0:

@@ -1,4 +1,4 @@
-"""Swapping sequences between the GPU and CPU pools (preemption by swap).
+"""Swapping sequences between the GPU and CPU pools (preemption by swap): :class:`Swapper`, a part of the manager.
 
 A block shared by several swapped sequences moves once; with prefix caching a block keeps its content identity
 on the CPU side (``cpu_tok``, ``cpu_id``) so that on the way back a block still cached on the GPU is reused

@@ -1,4 +1,5 @@
-"""Sliding window: which leading blocks no future query can see, and their release.
+"""Sliding window (:class:`Window`, a part of the manager): which leading blocks no future query can see, and
+their release.
 
 With a window of W tokens a query at position p sees positions (p - W, p]; before appending at position ``ntok``
 every block wholly before ``ntok - W + 1`` is released (tail first) and its table position becomes NULL_BLOCK::
