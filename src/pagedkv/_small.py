@@ -8,7 +8,8 @@ numpy costs about a microsecond per call whatever the size of the arrays, so the
 memoryview item costs about a third of a numpy scalar access), so there is one state and one statement of
 the semantics: this path handles the common case (one token per sequence, no lookahead, no sliding window;
 copy-on-write included) and returns None, having changed nothing, for everything else (bad input, out of
-blocks, a window), which the vectorised path then handles or reports. The stateful tests drive both paths on the same operation sequences.
+blocks, a window), which the vectorised path then handles or reports. The stateful tests drive both paths on
+the same operation sequences.
 
 A batch of one (and ``append_slots(seq, [tok])``) takes :meth:`Small.step_one`, the same step without the
 batch's lists; it builds its one-element results by copying templates (cheaper than ``np.array`` of a list).
