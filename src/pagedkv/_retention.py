@@ -119,10 +119,10 @@ class _SlidingGroup(BlockManager):
         super()._release_window(release, changed)
         ret.demote(blk, ret.kept_rows(rr, pos, self._k))
 
-    def _release_window_small(self, rows: list) -> None:
+    def _release_window_small(self, rows: list, changed: list | None = None) -> None:
         ret = self._retention
         if ret is None:
-            super()._release_window_small(rows)
+            super()._release_window_small(rows, changed)
             return
         ntok, nrel, w, bs = self._ntok, self._nrel, self._window, self._bs
         parts = []
@@ -133,6 +133,6 @@ class _SlidingGroup(BlockManager):
                 a = int(nrel[r])
                 if target > a:
                     parts.append((r, self._table[r, a:target].copy(), np.arange(a, target)))
-        super()._release_window_small(rows)
+        super()._release_window_small(rows, changed)
         for r, blk, pos in parts:
             ret.demote(blk, ret.kept(r, pos, self._k))

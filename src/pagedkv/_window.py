@@ -53,9 +53,10 @@ class _Window:
             self._table[r, a:z] = NULL_BLOCK
             self._nrel[r] = z
 
-    def _release_window_small(self, rows: list) -> None:
+    def _release_window_small(self, rows: list, changed: list | None = None) -> None:
         """:meth:`_window_release` and :meth:`_release_window` of a few rows about to append one token each, in
-        plain Python (the small-batch step of KV cache groups; rows in batch order, each tail first)."""
+        plain Python (the small-batch step of KV cache groups; rows in batch order, each tail first).
+        ``changed``: a list that receives the (row, col) of each entry that held a block."""
         ntok, _, table, _, ref, _, _, nrel = (self._mvs or self._views())[:8]
         w, bs = self._window, self._bs
         cache, pool = self._cache, self._gpu
@@ -74,6 +75,8 @@ class _Window:
                 if b < 0:
                     continue
                 table[r, j] = -1
+                if changed is not None:
+                    changed.append((r, j))
                 n = ref[b] - 1
                 ref[b] = n
                 if n == 0:
