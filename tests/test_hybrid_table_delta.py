@@ -24,57 +24,50 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from pagedkv import (NULL_BLOCK, FullAttentionSpec, HybridBlockManager, HybridStepDelta, HybridStepResult,
                      SlidingWindowSpec)
-from pagedkv.errors import InvalidArgumentError, PagedKVError
-from test_table_delta import _EngineTables
+from pagedkv.errors import InvalidArgumentError
+from test_table_delta import SEQS, TOKENS, DeltaMachine, _EngineTables, draw_step_tokens
 
 EXAMPLES = int(os.environ.get("PAGEDKV_DELTA_EXAMPLES", "30"))
 STEPS = int(os.environ.get("PAGEDKV_DELTA_STEPS", "40"))
-SEQS = ["s0", "s1", "s2", "s3", "s4"]
-TOKENS = st.integers(0, 2)
 
 
-class HybridDeltaMachine(RuleBasedStateMachine):
+class _GroupTables:
+    """What an engine keeps with KV cache groups: one table matrix per group, the same rows."""
+
+    def __init__(self, G: int) -> None:
+        self.g = [_EngineTables() for _ in range(G)]
+        self.row_of: dict = {}
+
+    def load(self, bm: HybridBlockManager, seq) -> None:
+        """Every group's whole row (after allocate / fork / swap_in)."""
+        (row,) = bm.table_rows([seq]).tolist()
+        for g, eng in enumerate(self.g):
+            table = bm.block_table(seq, g)
+            eng._fit(row + 1, table.size)
+            eng.t[row] = NULL_BLOCK
+            eng.t[row, : table.size] = table
+        self.row_of[seq] = row
+
+
+class HybridDeltaMachine(DeltaMachine):
+    """test_table_delta's machine on two coordinators; its allocate, fork, swap, free and step-end rules as they
+    are, the allocate_batch and decode rules and the check per group."""
+
     groups: tuple = ()
-    cache = False
-    small = True
 
     def __init__(self) -> None:
-        super().__init__()
+        RuleBasedStateMachine.__init__(self)
         kw = dict(kv_cache_groups=self.groups, num_cpu_blocks=40, enable_prefix_caching=self.cache)
         self.full = HybridBlockManager(40, 4, **kw)
         self.inc = HybridBlockManager(40, 4, **kw)
         if not self.small:
             for bm in (self.full, self.inc):
                 bm._m0._small_batch = 0
-        self.eng = [_EngineTables() for _ in self.groups]
+        self.eng = _GroupTables(len(self.groups))
+        self.steps = 0
 
-    def both(self, name: str, *args, **kwargs):
-        out = []
-        for bm in (self.full, self.inc):
-            try:
-                out.append(getattr(bm, name)(*args, **kwargs))
-            except PagedKVError as e:
-                out.append(e)
-        a, b = out
-        assert type(a) is type(b) or not (isinstance(a, Exception) or isinstance(b, Exception)), (a, b)
-        return None if isinstance(a, Exception) else (a, b)
-
-    def load(self, seq) -> None:
-        (row,) = self.inc.table_rows([seq]).tolist()
-        for g, eng in enumerate(self.eng):
-            table = self.inc.block_table(seq, g)
-            eng._fit(row + 1, table.size)
-            eng.t[row] = NULL_BLOCK
-            eng.t[row, : table.size] = table
-            eng.row_of[seq] = row
-
-    def live(self, swapped: bool | None = None) -> list:
-        return [s for s in SEQS if s in self.inc and (swapped is None or self.inc.is_swapped(s) == swapped)]
-
-    @rule(seq=st.sampled_from(SEQS), prompt=st.lists(TOKENS, min_size=1, max_size=14), la=st.integers(0, 2))
-    def allocate(self, seq, prompt, la):
-        if self.both("allocate", seq, prompt, la) is not None:
-            self.load(seq)
+    def tables(self, seqs) -> dict:
+        return {s: [self.inc.block_table(s, g).tolist() for g in range(len(self.groups))] for s in seqs}
 
     @rule(data=st.data(), n=st.integers(1, 3))
     def allocate_batch(self, data, n):
@@ -82,101 +75,42 @@ class HybridDeltaMachine(RuleBasedStateMachine):
         prompts = data.draw(st.lists(st.lists(TOKENS, min_size=1, max_size=10), min_size=n, max_size=n))
         if self.both("allocate_batch", ids, prompts) is not None:
             for s in ids:
-                self.load(s)
+                self.eng.load(self.inc, s)
 
-    @rule(parent=st.sampled_from(SEQS), child=st.sampled_from(SEQS))
-    def fork(self, parent, child):
-        if self.both("fork", parent, child) is not None:
-            self.load(child)
-
-    @rule(data=st.data(), form=st.sampled_from(["one", "one", "k", "flat"]), la=st.sampled_from([0, 0, 0, 1]))
+    @rule(data=st.data(), form=st.sampled_from(["one", "one", "k", "ragged", "flat"]), la=st.sampled_from([0, 0, 0, 1]))
     def decode(self, data, form, la):
         running = self.live(swapped=False)
         if not running:
             return
         batch = data.draw(st.lists(st.sampled_from(running), min_size=1, max_size=len(running), unique=True))
-        b = len(batch)
-        kw = {}
-        if form == "one":
-            toks = np.array(data.draw(st.lists(TOKENS, min_size=b, max_size=b)), dtype=np.int64)
-            if data.draw(st.booleans()):
-                toks = toks.tolist()  # (the small-batch path takes lists too)
-        elif form == "k":
-            k = data.draw(st.integers(1, 3))
-            toks = np.array(data.draw(st.lists(st.lists(TOKENS, min_size=k, max_size=k), min_size=b, max_size=b)))
-        else:
-            ragged = data.draw(st.lists(st.lists(TOKENS, min_size=1, max_size=3), min_size=b, max_size=b))
-            toks = np.array([t for r in ragged for t in r], dtype=np.int64)
-            kw["num_new_tokens"] = np.array([len(r) for r in ragged])
-        before = {s: [self.inc.block_table(s, g).tolist() for g in range(len(self.groups))] for s in batch}
-        out = []
-        for bm, tables in ((self.full, True), (self.inc, False)):
-            try:
-                out.append(bm.decode_step(batch, toks, la, block_tables=tables, **kw))
-            except PagedKVError as e:
-                out.append(e)
-        full, inc = out
-        if isinstance(full, Exception) or isinstance(inc, Exception):
-            assert type(full) is type(inc), (full, inc)
-            assert {s: [self.inc.block_table(s, g).tolist() for g in range(len(self.groups))] for s in batch} == before
+        got = self.step_both(batch, *draw_step_tokens(data, form, len(batch)), la)
+        if got is None:
             return
+        full, inc = got
         assert type(full) is HybridStepResult and type(inc) is HybridStepDelta
-        assert full.slot_mapping.tolist() == inc.slot_mapping.tolist()
-        assert full.seq_lens.tolist() == inc.seq_lens.tolist()
-        assert np.asarray(full.cow).reshape(-1, 2).tolist() == np.asarray(inc.cow).reshape(-1, 2).tolist()
-        assert inc.table_rows.tolist() == self.inc.table_rows(batch).tolist()
         assert len(inc.table_updates) == len(self.groups)
-        assert not inc.table_rows.flags.writeable
-        for g, (eng, upd) in enumerate(zip(self.eng, inc.table_updates)):
+        for g, (eng, upd) in enumerate(zip(self.eng.g, inc.table_updates)):
             for a in upd:
                 assert not a.flags.writeable
             assert set(upd.rows.tolist()) <= set(inc.table_rows.tolist())
             eng.apply(upd)  # (asserts each entry changes what it names, once)
             for i, s in enumerate(batch):
                 n = self.inc.block_table(s, g).size
-                row = eng.t[eng.row_of[s]]
+                row = eng.t[self.eng.row_of[s]]
                 assert row[:n].tolist() == full.block_tables[g][i, :n].tolist()
                 assert (full.block_tables[g][i, n:] == NULL_BLOCK).all()
-
-    @rule(data=st.data())
-    def swap_out(self, data):
-        running = self.live(swapped=False)
-        if running:
-            self.both("swap_out", data.draw(st.lists(st.sampled_from(running), min_size=1, unique=True)))
-
-    @rule(data=st.data())
-    def swap_in(self, data):
-        out = self.live(swapped=True)
-        if out:
-            ids = data.draw(st.lists(st.sampled_from(out), min_size=1, unique=True))
-            if self.both("swap_in", ids) is not None:
-                for s in ids:
-                    self.load(s)
-
-    @rule(seq=st.sampled_from(SEQS), cache=st.booleans())
-    def free(self, seq, cache):
-        if self.both("free", seq, cache=cache) is not None:
-            for eng in self.eng:
-                eng.row_of.pop(seq)
-
-    @rule()
-    def end_step(self):
-        self.both("take_copy_plan")
 
     @invariant()
     def engine_rows_are_the_tables(self):
         for s in self.live(swapped=False):
             (row,) = self.inc.table_rows([s]).tolist()
-            for g, eng in enumerate(self.eng):
-                assert row == eng.row_of[s]
+            assert row == self.eng.row_of[s]
+            for g, eng in enumerate(self.eng.g):
                 table = self.inc.block_table(s, g)
                 assert table.tolist() == self.full.block_table(s, g).tolist()
                 mine = eng.t[row]
                 assert mine[: table.size].tolist() == table.tolist()
                 assert (mine[table.size:] == NULL_BLOCK).all()
-
-    def teardown(self) -> None:
-        self.inc.check_invariants()
 
 
 def _machine(groups: tuple, cache: bool, small: bool = True):
