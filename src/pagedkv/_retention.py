@@ -120,10 +120,10 @@ class RetainingWindow(Window):
         super().release(release, changed)
         ret.demote(blk, ret.kept_rows(rr, pos, self.k))
 
-    def release_small(self, rows: list) -> None:
+    def release_small(self, rows: list, changed: list | None = None) -> None:
         ret = self.retention
         if ret is None:
-            super().release_small(rows)
+            super().release_small(rows, changed)
             return
         t, w, bs = self.t, self.window, self.bs
         parts = []
@@ -134,7 +134,7 @@ class RetainingWindow(Window):
                 a = int(t.nrel[r])
                 if target > a:
                     parts.append((r, t.table[r, a:target].copy(), np.arange(a, target)))
-        super().release_small(rows)
+        super().release_small(rows, changed)
         for r, blk, pos in parts:
             ret.demote(blk, ret.kept(r, pos, self.k))
 

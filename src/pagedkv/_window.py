@@ -60,9 +60,10 @@ class Window:
             self.t.table[r, a:z] = NULL_BLOCK
             self.t.nrel[r] = z
 
-    def release_small(self, rows: list) -> None:
+    def release_small(self, rows: list, changed: list | None = None) -> None:
         """:meth:`plan` and :meth:`release` of a few rows about to append one token each, in
-        plain Python (the small-batch step of KV cache groups; rows in batch order, each tail first)."""
+        plain Python (the small-batch step of KV cache groups; rows in batch order, each tail first).
+        ``changed``: a list that receives the (row, col) of each entry that held a block."""
         ntok, _, table, _, ref, _, _, nrel = (self.t.mvs or self.t.views())[:8]
         w, bs = self.window, self.bs
         cache, pool = self.cache, self.gpu
@@ -81,6 +82,8 @@ class Window:
                 if b < 0:
                     continue
                 table[r, j] = -1
+                if changed is not None:
+                    changed.append((r, j))
                 n = ref[b] - 1
                 ref[b] = n
                 if n == 0:

@@ -51,13 +51,14 @@ from .errors import (DuplicateSequenceError, InvalidArgumentError, InvalidTokens
                      PromptTooLongError, TableWidthError)
 from ._retention import WindowRetention, _SlidingGroup
 from ._small import small_tokens
+from ._step import _NO_UPDATES, TABLES_DELTA, table_updates
 from .evictor import RetentionEvictor
 from .kv_groups import FullAttentionSpec, SlidingWindowSpec
 from .manager import BlockManager
 from .prefix_cache import _GroupNS, _chain, _encode_namespace, _slices
 from .types import NULL_BLOCK, AllocStatus, CopyPlan, PrefixHit, Stats
 
-__all__ = ["HybridBlockManager", "HybridPrefillBatch", "HybridStepResult"]
+__all__ = ["HybridBlockManager", "HybridPrefillBatch", "HybridStepDelta", "HybridStepResult"]
 
 _U64 = 2**64 - 1
 _EMPTY_I64 = np.zeros(0, dtype=np.int64)
@@ -75,6 +76,19 @@ class HybridStepResult(NamedTuple):
     block_tables: tuple  #: G int32 (B, width) arrays, NULL_BLOCK padded (and where a window released blocks)
     seq_lens: np.ndarray  #: int32 (B,): tokens of each sequence after the append
     cow: np.ndarray  #: int64 (m, 2): copy-on-write pairs of every group, in the order made (as in the copy plan)
+
+
+class HybridStepDelta(NamedTuple):
+    """:meth:`HybridBlockManager.decode_step`'s result with ``block_tables=False``: :class:`pagedkv.StepDelta` per
+    group. The engine keeps one table matrix per group, all indexed by the same table rows (a sequence has one
+    row, the same in every group), and applies ``table_updates[g]`` to group ``g``'s matrix after the step: row
+    ``table_rows[i]`` of it then equals ``block_table(seq_ids[i], g)``."""
+
+    slot_mapping: np.ndarray  #: int64 (G, T): as HybridStepResult.slot_mapping
+    seq_lens: np.ndarray  #: int32 (B,): as HybridStepResult.seq_lens
+    cow: np.ndarray  #: int64 (m, 2): as HybridStepResult.cow
+    table_rows: np.ndarray  #: int64 (B,): the table row of each sequence of the batch (every group)
+    table_updates: tuple  #: G :class:`pagedkv.TableUpdates`: the entries the step changed in each group's tables
 
 
 class HybridPrefillBatch(NamedTuple):
@@ -762,7 +776,7 @@ class HybridBlockManager:
                 return sorted(range(len(plans)), key=net.__getitem__)
         return list(range(len(plans)))
 
-    def _step_small(self, seq_ids, token_ids: object, b: int) -> HybridStepResult | None:
+    def _step_small(self, seq_ids, token_ids: object, b: int, delta: bool) -> HybridStepResult | HybridStepDelta | None:
         """One token each for a few sequences, every group in plain Python (numpy's fixed costs dominate there):
         sliding groups release what their windows let go, then every group takes the plain-Python step of
         BlockManager (:mod:`pagedkv._small`). None, having changed nothing, unless every group's blocks (new
@@ -799,30 +813,52 @@ class HybridBlockManager:
         if need > self.num_free_gpu_blocks:
             return None
         # ---- mutation: nothing below can fail (every group's step finds its blocks)
-        res = []
+        mode = TABLES_DELTA if delta else True
+        res, upds = [], []
         for m in self._g:
+            released = [] if delta else None
             if m._window is not None:
-                m._win.release_small(rows)
+                m._win.release_small(rows, released)
             if b == 1:
-                got = m._small.step_one(ids[0], toks, True)
+                got = m._small.step_one(ids[0], toks, mode)
             else:
-                got = m._small.step_small(ids, toks, b)
+                got = m._small.step_small(ids, toks, b, mode)
             assert got is not None, "a group's small step declined after the coordinator's checks"
             res.append(got)
+            if delta:
+                upd = got.table_updates
+                if released:  # (the window's releases come first; no entry is both released and given a block)
+                    rr, cc = zip(*released)
+                    upd = table_updates([(np.array(rr, dtype=np.int64), np.array(cc, dtype=np.int64))],
+                                        [(upd.rows, upd.cols, upd.blocks)] if upd.rows.size else [])
+                upds.append(upd)
         cows = [r.cow for r in res if len(r.cow)]
-        return HybridStepResult(np.concatenate([r.slot_mapping for r in res]).reshape(len(res), b),
-                                tuple([r.block_tables for r in res]), res[0].seq_lens,
-                                res[0].cow if not cows else cows[0] if len(cows) == 1 else np.concatenate(cows))
+        slots = np.concatenate([r.slot_mapping for r in res]).reshape(len(res), b)
+        cow = res[0].cow if not cows else cows[0] if len(cows) == 1 else np.concatenate(cows)
+        if delta:
+            return HybridStepDelta(slots, res[0].seq_lens, cow, res[0].table_rows, tuple(upds))
+        return HybridStepResult(slots, tuple([r.block_tables for r in res]), res[0].seq_lens, cow)
+
+    def table_rows(self, seq_ids: Iterable[Hashable]) -> np.ndarray:
+        """The table row of each sequence (read-only int64 (B,)), the same in every group: the row of
+        :class:`HybridStepDelta`'s ``table_rows`` and of every group's ``table_updates`` (see
+        :meth:`pagedkv.BlockManager.table_rows`). O(B)."""
+        return self._m0.table_rows(seq_ids)
 
     def decode_step(self, seq_ids: Sequence[Hashable], token_ids: object, num_lookahead_slots: int = 0, *,
-                    num_new_tokens: object = None) -> HybridStepResult:
+                    num_new_tokens: object = None, block_tables: bool = True) -> HybridStepResult | HybridStepDelta:
         """The batched hot path in every group (see BlockManager.decode_step for the token forms, lookahead and
-        the contract): returns :class:`HybridStepResult` (slot mapping and block tables per group). All or
-        nothing across groups. O(B x groups) numpy work, plus O(1) per block filled, released or evicted."""
+        the contract): returns :class:`HybridStepResult` (slot mapping and block tables per group), or with
+        ``block_tables=False`` :class:`HybridStepDelta` (each group's changed table entries instead of its
+        padded tables: the step's cost does not grow with the context length). All or nothing across groups.
+        O(B x groups) numpy work, plus O(1) per block filled, released or evicted."""
+        if block_tables is not True and block_tables is not False:
+            raise InvalidArgumentError(f"block_tables must be True or False, got {block_tables!r}")
+        delta = not block_tables
         if num_new_tokens is None and num_lookahead_slots == 0 and type(num_lookahead_slots) is int:
             b = len(seq_ids)
             if 0 < b <= self._m0._small_batch:
-                res = self._step_small(seq_ids, token_ids, b)
+                res = self._step_small(seq_ids, token_ids, b, delta)
                 if res is not None:
                     return res
         rows = self._m0._t.rows(seq_ids)
@@ -831,10 +867,13 @@ class HybridBlockManager:
         la = check_int("num_lookahead_slots", num_lookahead_slots, 0)
         G = len(self._g)
         if b == 0:
+            if delta:
+                return HybridStepDelta(np.zeros((G, 0), np.int64), np.zeros(0, np.int32), np.zeros((0, 2), np.int64),
+                                       _frozen(np.zeros(0, np.int64)), tuple(_NO_UPDATES for _ in self._g))
             return HybridStepResult(np.zeros((G, 0), np.int64), tuple(np.zeros((0, 0), np.int32) for _ in self._g),
                                     np.zeros(0, np.int32), np.zeros((0, 2), np.int64))
         if counts is None and la == 0 and self._fast_ok(rows):
-            res = [m._step.step1(rows, arr) for m in self._g]
+            res = [m._step.step1(rows, arr, delta) for m in self._g]
             order = None
         else:
             if counts is None:
@@ -844,12 +883,16 @@ class HybridBlockManager:
             plans = self._plans(rows, counts, la)
             res = [None] * len(plans)
             order = self._commit_order(plans)
+            mode = TABLES_DELTA if delta else True
             for g in order:
-                res[g] = self._g[g]._step.append(rows, counts, arr, la, True, plans[g])
+                res[g] = self._g[g]._step.append(rows, counts, arr, la, mode, plans[g])
         cows = [res[g].cow for g in (order or range(G)) if res[g].cow.size]  # (in the order they were made)
-        return HybridStepResult(np.stack([r.slot_mapping for r in res]), tuple(r.block_tables for r in res),
-                                res[0].seq_lens, np.concatenate(cows) if len(cows) > 1 else
-                                cows[0] if cows else res[0].cow)
+        cow = np.concatenate(cows) if len(cows) > 1 else cows[0] if cows else res[0].cow
+        slots = np.stack([r.slot_mapping for r in res])
+        if delta:
+            return HybridStepDelta(slots, res[0].seq_lens, cow, res[0].table_rows,
+                                   tuple(r.table_updates for r in res))
+        return HybridStepResult(slots, tuple(r.block_tables for r in res), res[0].seq_lens, cow)
 
     def append_slots(self, seq_id: Hashable, token_ids: Sequence[int], num_lookahead_slots: int = 0
                      ) -> list[tuple[int, int]]:
