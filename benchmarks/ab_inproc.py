@@ -5,7 +5,8 @@ side by side under another package name, alternating call for call (the fairest 
 
 Prints, per case, the median microseconds of each tree and the ratio this / other. Cases: allocate of one
 prompt of 200-299 tokens (blocks of 16, prefix caching on; half of it a hit), and decode_step of one token per
-sequence at batch 1, 4, 16, 64 and 1000, prefix caching off and on.
+sequence at batch 1, 4, 16, 64 and 1000, prefix caching off and on. ``--hybrid`` adds HybridBlockManager's
+decode_step (one full-attention group and five sliding-window groups of 64 tokens) at batch 1 to 256.
 """
 
 from __future__ import annotations
@@ -61,6 +62,24 @@ def step_case(pk, batch: int, caching: bool, rounds: int, seed: int = 0):
     return one
 
 
+def hybrid_case(pk, batch: int, caching: bool, rounds: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    groups = [pk.FullAttentionSpec()] + [pk.SlidingWindowSpec(64)] * 5
+    m = pk.HybridBlockManager(batch * 6 * 24 + 256, 16, kv_cache_groups=groups, enable_prefix_caching=caching)
+    ids = list(range(batch))
+    for i in ids:
+        m.allocate(i, rng.integers(0, 32000, int(rng.integers(200, 300))).tolist())
+    toks = rng.integers(0, 32000, (rounds, batch))
+    it = iter(range(rounds))
+
+    def one():
+        s = next(it)
+        t = time.perf_counter()
+        m.decode_step(ids, toks[s])
+        return time.perf_counter() - t
+    return one
+
+
 def ab(make, rounds: int, other) -> tuple[float, float]:
     a, b = make(this, rounds), make(other, rounds)
     ta, tb = [], []
@@ -82,5 +101,10 @@ if __name__ == "__main__":
             n = 300 if batch < 1000 else 150
             rows.append((f"decode_step B{batch}/{'on' if caching else 'off'}",
                          ab(lambda pk, r: step_case(pk, batch, caching, r), n, other)))
+    if "--hybrid" in sys.argv[2:]:
+        for batch in (1, 4, 16, 64, 256):
+            for caching in (False, True):
+                rows.append((f"hybrid step B{batch}/{'on' if caching else 'off'}",
+                             ab(lambda pk, r: hybrid_case(pk, batch, caching, r), 300, other)))
     for name, (t, o) in rows:
         print(f"{name:24s} this {t:8.2f} us   other {o:8.2f} us   this/other {t / o:5.2f}")

@@ -38,7 +38,7 @@ def test_a_chunk_holds_the_hit_plus_k_tokens_and_the_lookup_sees_the_whole_promp
     assert bm.lookup_prefix(p, num_new_tokens=3) == (20, 5, 0, 1)
     free = bm.num_free_gpu_blocks
     assert bm.allocate("b", p, num_new_tokens=3) == 20
-    assert bm.num_tokens("b") == 22 and "b" not in bm._partial  # the chunk completes the prompt
+    assert bm.num_tokens("b") == 22 and "b" not in bm._t.partial  # the chunk completes the prompt
     assert free - bm.num_free_gpu_blocks == 1
     bm.free("a")
     bm.free("b")
@@ -145,7 +145,7 @@ def test_abort_mid_prefill_withdraws_only_the_last_chunk():
     bm.take_copy_plan()
     bm.decode_step(["a"], np.asarray(p[8:16]), num_new_tokens=[8])  # blocks 2, 3: never written (aborted)
     bm.free("a", cache=False)
-    assert "a" not in bm._partial
+    assert "a" not in bm._t.partial
     assert bm.lookup_prefix(p).num_cached_tokens == 8
     bm.check_invariants()
 

@@ -38,42 +38,43 @@ def snapshot(bm: BlockManager) -> dict:
     the batch memo."""
     caching = bm._cache is not None
     rows = []
-    for sid, row in bm._row_of.items():
-        n, nb = int(bm._ntok[row]), int(bm._nblk[row])
+    for sid, row in bm._t.row_of.items():
+        n, nb = int(bm._t.ntok[row]), int(bm._t.nblk[row])
         rows.append(
             {
                 "seq": sid,
                 "row": row,
                 "ntok": n,
                 "nblk": nb,
-                "nrel": int(bm._nrel[row]),
-                "nreg": int(bm._nreg[row]),
-                "swapped": bool(bm._swapped[row]),
-                "table": bm._table[row].tolist(),  # the whole row: padding must stay NULL_BLOCK
-                "chain": (int(bm._ccid[row]), int(bm._ckey[row])),
+                "nrel": int(bm._t.nrel[row]),
+                "nreg": int(bm._t.nreg[row]),
+                "swapped": bool(bm._t.swapped[row]),
+                "table": bm._t.table[row].tolist(),  # the whole row: padding must stay NULL_BLOCK
+                "chain": (int(bm._t.ccid[row]), int(bm._t.ckey[row])),
             }
         )
     snap = {
         "config": (bm._bs, bm._window, bm._watermark_blocks, caching),
         "rows": rows,
-        "row_of": list(bm._row_of.items()),
-        "seq_of": list(bm._seq_of),
-        "free_rows": list(bm._free_rows),
-        "partial": dict(getattr(bm, "_partial", {})),  # chunked prefill: prompt lengths of partly allocated ones
-        "capacity": (bm._table.shape, len(bm._ntok)),
+        "row_of": list(bm._t.row_of.items()),
+        "seq_of": list(bm._t.seq_of),
+        "free_rows": list(bm._t.free_rows),
+        "partial": dict(bm._t.partial),  # chunked prefill: prompt lengths of partly allocated ones
+        "capacity": (bm._t.table.shape, len(bm._t.ntok)),
         "gpu": _pool(bm._gpu),
         "cpu": _pool(bm._cpu),
         "counters": (
-            bm._cow_copies,
-            bm._swapped_out,
-            bm._swapped_in,
-            bm._query_tokens,
-            bm._hit_tokens,
-            bm._query_blocks,
-            bm._hit_blocks,
+            bm._step.cow_copies,
+            bm._small.cow_copies,
+            bm._swap.swapped_out,
+            bm._swap.swapped_in,
+            bm._alloc.query_tokens,
+            bm._alloc.hit_tokens,
+            bm._alloc.query_blocks,
+            bm._alloc.hit_blocks,
         ),
         "stats": tuple(bm.stats),
-        "memo": (None if bm._memo_ids is None else list(bm._memo_ids), bm._memo_rows.tolist()),
+        "memo": (None if bm._t.memo_ids is None else list(bm._t.memo_ids), bm._t.memo_rows.tolist()),
     }
     if caching:
         c = bm._cache
@@ -127,11 +128,11 @@ MEMO_STRICT = False
 
 def check_memo(bm):
     """The memo, if set, maps a batch of live, distinct, GPU-resident sequences to their current rows."""
-    if bm._memo_ids is None:
+    if bm._t.memo_ids is None:
         return
-    rows = [bm._row_of[s] for s in bm._memo_ids]
-    assert rows == bm._memo_rows.tolist(), "stale memo"
-    assert len(set(rows)) == len(rows) and not any(bm._swapped[r] for r in rows)
+    rows = [bm._t.row_of[s] for s in bm._t.memo_ids]
+    assert rows == bm._t.memo_rows.tolist(), "stale memo"
+    assert len(set(rows)) == len(rows) and not any(bm._t.swapped[r] for r in rows)
 
 
 # ---------------------------------------------------------------------- fixtures

@@ -27,7 +27,7 @@ def snap(m):
     """Everything a refused call could change, in every group."""
     return (m.num_free_gpu_blocks, m.num_free_cpu_blocks, m.num_cached_blocks, m._gpu._ref.tolist(),
             {s: (m.num_tokens(s), m.is_swapped(s), tables(m, s)) for s in m.seq_ids},
-            [dict(g._partial) for g in m._g])
+            [dict(g._t.partial) for g in m._g])
 
 
 def refused(m, exc, fn, *args, **kwargs):
@@ -59,7 +59,7 @@ def test_chunks_mid_block_and_on_block_edges_and_the_window_releases_between_chu
     p = list(range(1, 21))
     assert m.allocate("a", p, num_new_tokens=4) == 0
     assert m.num_tokens("a") == 4 and tables(m, "a") == [[0], [1]]
-    assert all(g._partial == {"a": 20} for g in m._g)
+    assert all(g._t.partial == {"a": 20} for g in m._g)
     m.take_copy_plan()
     got = []
     for c in (4, 4, 4, 4):
@@ -74,7 +74,7 @@ def test_chunks_mid_block_and_on_block_edges_and_the_window_releases_between_chu
         [[0, 2, 4, 6, 8], [-1, -1, -1, 7, 9]],
     ]
     m.fork("a", "f")  # complete: forkable, and no longer recorded as partly prefilled
-    assert all(g._partial == {} for g in m._g)
+    assert all(g._t.partial == {} for g in m._g)
     m.check_invariants()
 
     m2 = HybridBlockManager(32, 4, kv_cache_groups=[S(6), F()], watermark=0)
@@ -98,7 +98,7 @@ def test_hits_with_chunks_use_the_whole_prompt():
     assert m.lookup_prefix(p, num_new_tokens=3) == (20, 5, 0, 2)  # one new block per group
     free = m.num_free_gpu_blocks
     assert m.allocate("b", p, num_new_tokens=3) == 20
-    assert m.num_tokens("b") == 22 and "b" not in m._m0._partial  # the chunk completes the prompt
+    assert m.num_tokens("b") == 22 and "b" not in m._m0._t.partial  # the chunk completes the prompt
     assert free - m.num_free_gpu_blocks == 2
     ta, tb = tables(m, "a"), tables(m, "b")
     assert tb[0][:5] == ta[0][:5]
@@ -107,7 +107,7 @@ def test_hits_with_chunks_use_the_whole_prompt():
     hit = m.lookup_prefix(q, num_new_tokens=5)
     assert m.allocate("c", q, num_new_tokens=5) == hit.num_cached_tokens == 12
     assert m.num_tokens("c") == 17 and [len(t) for t in tables(m, "c")] == [5, 5]
-    assert m._m0._partial == {"c": 22}
+    assert m._m0._t.partial == {"c": 22}
     m.take_copy_plan()
     chunks(m, "c", q, 4)
     # a prompt chunked to its end caches what a whole one does
@@ -173,7 +173,7 @@ def test_fork_is_refused_in_every_group_until_the_whole_prompt_is_appended():
     m.decode_step(["a"], np.asarray(p[12:]), num_new_tokens=[1])
     # complete, but the last chunk's KV is written by this step's forward: refused, the record kept everywhere
     refused(m, SequenceStateError, m.fork, "a", "b")
-    assert all(g._partial == {"a": 13} for g in m._g)
+    assert all(g._t.partial == {"a": 13} for g in m._g)
     m.take_copy_plan()
     m.fork("a", "b")
     assert tables(m, "b") == tables(m, "a")
@@ -192,7 +192,7 @@ def test_abort_mid_prefill_withdraws_the_last_chunk_in_every_group():
     m.take_copy_plan()
     m.decode_step(["a"], np.asarray(p[8:16]), num_new_tokens=[8])  # blocks 2, 3: never written (aborted)
     m.free("a", cache=False)
-    assert all("a" not in g._partial for g in m._g)
+    assert all("a" not in g._t.partial for g in m._g)
     assert m.lookup_prefix(p).num_cached_tokens == 8
     m.check_invariants()
     # a burst hit on the unwritten chunk in the same step: the abort is refused, changing nothing
@@ -258,7 +258,7 @@ def test_allocate_batch_with_chunks_equals_consecutive_allocates(seed):
         for g in range(len(groups)):
             assert res.slot_mapping[g, qsl[i] : qsl[i + 1]].tolist() == \
                 ms[0].slot_mapping(s, hits[i], held, g).tolist()
-    assert [dict(g._partial) for g in ms[0]._g] == [dict(g._partial) for g in ms[1]._g]
+    assert [dict(g._t.partial) for g in ms[0]._g] == [dict(g._t.partial) for g in ms[1]._g]
     for m in ms:
         m.check_invariants()
 

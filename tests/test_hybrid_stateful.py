@@ -63,7 +63,7 @@ class HybridMachine(RuleBasedStateMachine):
         m = self.m
         return (m.num_free_gpu_blocks, m.num_free_cpu_blocks, m.num_cached_blocks,
                 {s: (m.num_tokens(s), m.is_swapped(s), [m.block_table(s, g).tolist() for g in range(self.G)])
-                 for s in m.seq_ids}, [dict(g._partial) for g in m._g])
+                 for s in m.seq_ids}, [dict(g._t.partial) for g in m._g])
 
     def live(self, swapped=False):
         return sorted(s for s, v in self.seqs.items() if v[2] == swapped)
@@ -278,7 +278,7 @@ class HybridMachine(RuleBasedStateMachine):
         m.check_invariants()
         assert set(m.seq_ids) == set(self.seqs)
         for s, rest in self.rest.items():  # every group records the prompt length of a partly prefilled sequence
-            assert all(g._partial.get(s) == len(self.seqs[s][0]) + len(rest) for g in m._g)
+            assert all(g._t.partial.get(s) == len(self.seqs[s][0]) + len(rest) for g in m._g)
         for s, (toks, nblk, swapped) in self.seqs.items():
             n = len(toks)
             assert m.num_tokens(s) == n and m.is_swapped(s) == swapped

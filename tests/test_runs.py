@@ -29,7 +29,7 @@ def _no_runs(bm: BlockManager) -> BlockManager:
 def _state(bm: BlockManager) -> tuple:
     c = bm._cache
     return (sorted(c.mapping().items()), c.cid.tolist(), c.pcid.tolist(), list(c.evictor), c.evictions,
-            tuple(bm.stats), bm._table.tolist(), bm.num_free_gpu_blocks)
+            tuple(bm.stats), bm._t.table.tolist(), bm.num_free_gpu_blocks)
 
 
 def _prompt(rng: random.Random, bases: list, bs: int) -> list[int]:

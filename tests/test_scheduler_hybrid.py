@@ -11,16 +11,41 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pagedkv import FullAttentionSpec, HybridBlockManager, SlidingWindowSpec
+from pagedkv import NULL_BLOCK, FullAttentionSpec, HybridBlockManager, SlidingWindowSpec
 from pagedkv.scheduler import Scheduler
-from test_scheduler import FakeModel, make_requests, outputs, run
+from test_scheduler import EngineTables, FakeModel, make_requests, outputs, run
 
 BS = 4
 SPECS = (FullAttentionSpec(), SlidingWindowSpec(8), SlidingWindowSpec(8))
 
 
-def check_hybrid_plan(bm: HybridBlockManager, plan) -> None:
+class GroupTables:
+    """An engine's own block tables with KV cache groups (``incremental_tables=True``): one matrix per group,
+    the same rows; whole rows loaded from the plan's tuples of one table per group, each group's updates applied
+    to its own matrix."""
+
+    def __init__(self, G: int) -> None:
+        self.g = [EngineTables() for _ in range(G)]
+
+    def apply(self, plan) -> None:
+        for pw in plan.prefills:
+            for g, t in enumerate(self.g):
+                t.load(pw.table_row, pw.block_table[g])
+        d = plan.decode
+        if d is not None:
+            for _, row, table in d.table_loads:
+                for g, t in enumerate(self.g):
+                    t.load(row, table[g])
+            for t, upd in zip(self.g, d.result.table_updates):
+                if upd.rows.size:
+                    t._fit(int(upd.rows.max()) + 1, int(upd.cols.max()) + 1)
+                upd.apply(t.t)
+
+
+def check_hybrid_plan(bm: HybridBlockManager, plan, tables: GroupTables | None = None) -> None:
     G = bm.num_groups
+    if tables is not None:
+        tables.apply(plan)
     for pw in plan.prefills:
         L, start = pw.seq_len, pw.num_cached_tokens
         assert pw.slot_mapping.shape == (G, L - start) and len(pw.block_table) == G
@@ -32,23 +57,28 @@ def check_hybrid_plan(bm: HybridBlockManager, plan) -> None:
     d = plan.decode
     if d is not None:
         res = d.result
-        assert res.slot_mapping.shape == (G, len(d.positions)) and len(res.block_tables) == G
+        assert res.slot_mapping.shape == (G, len(d.positions))
+        assert len(res.table_updates if tables is not None else res.block_tables) == G
         ends = np.cumsum(d.query_lens)
         for j, sid in enumerate(d.seq_ids.tolist()):
             n = bm.num_tokens(sid)
             q = int(d.query_lens[j])
             for g in range(G):
                 table = bm.block_table(sid, g)
-                np.testing.assert_array_equal(res.block_tables[g][j][: len(table)], table)
+                row = tables.g[g].t[res.table_rows[j]] if tables is not None else res.block_tables[g][j]
+                np.testing.assert_array_equal(row[: len(table)], table)
+                assert (row[len(table):] == NULL_BLOCK).all()
                 np.testing.assert_array_equal(res.slot_mapping[g][ends[j] - q: ends[j]],
                                               bm.slot_mapping(sid, n - q, n, g))
 
 
 def run_hybrid(reqs, *, num_gpu_blocks, num_cpu_blocks=0, mode="recompute", prefix_caching=False,
-               max_num_batched_tokens=64):
+               max_num_batched_tokens=64, incremental=False):
     bm = HybridBlockManager(num_gpu_blocks, BS, kv_cache_groups=SPECS, num_cpu_blocks=num_cpu_blocks,
                             enable_prefix_caching=prefix_caching)
-    sched = Scheduler(bm, max_num_seqs=64, max_num_batched_tokens=max_num_batched_tokens, preemption_mode=mode)
+    sched = Scheduler(bm, max_num_seqs=64, max_num_batched_tokens=max_num_batched_tokens, preemption_mode=mode,
+                      incremental_tables=incremental)
+    tables = GroupTables(len(SPECS)) if incremental else None
     for r in reqs:
         sched.add_request(r["request_id"], r["prompt"], n=r["n"], max_tokens=r["max_tokens"], ignore_eos=True)
     model = FakeModel()
@@ -56,7 +86,7 @@ def run_hybrid(reqs, *, num_gpu_blocks, num_cpu_blocks=0, mode="recompute", pref
     steps = 0
     while sched.has_unfinished():
         plan = sched.schedule()
-        check_hybrid_plan(bm, plan)
+        check_hybrid_plan(bm, plan, tables)
         for o in sched.update(plan, model.sample(plan)):
             outs[o.request_id] = o
         bm.check_invariants()
@@ -77,6 +107,10 @@ def test_hybrid_runs_reproduce_the_unconstrained_one_table_run(mode, cpu, prefix
     assert outputs(roomy) == want
     small, sched = run_hybrid(reqs, num_gpu_blocks=36 if n == 1 else 60, num_cpu_blocks=cpu, mode=mode, prefix_caching=prefix)
     assert outputs(small) == want
+    # the engine's own tables (incremental_tables, what LLM runs): the same run, every decode's tables exact
+    small_inc, sched_inc = run_hybrid(reqs, num_gpu_blocks=36 if n == 1 else 60, num_cpu_blocks=cpu, mode=mode,
+                                      prefix_caching=prefix, incremental=True)
+    assert outputs(small_inc) == want and sched_inc.stats.preemptions == sched.stats.preemptions
     if prefix:  # hybrid hits (the full group's blocks and each sliding group's last window) were taken
         assert sched.stats.cached_tokens > 0
     else:  # the small pool preempted (with prefix caching, admission waits for evictable blocks instead)

@@ -64,6 +64,21 @@ class _EngineTables:
         upd.apply(self.t)
 
 
+def draw_step_tokens(data, form: str, b: int) -> tuple:
+    """A decode step's tokens for ``b`` sequences in one of decode_step's forms, and its keyword arguments:
+    "one" (B,) (a list or an array), "k" (B, k), "ragged" (lists), "flat" (flat with ``num_new_tokens``)."""
+    if form == "one":
+        toks = np.array(data.draw(st.lists(TOKENS, min_size=b, max_size=b)), dtype=np.int64)
+        return (toks.tolist() if data.draw(st.booleans()) else toks), {}
+    if form == "k":
+        k = data.draw(st.integers(1, 3))
+        return np.array(data.draw(st.lists(st.lists(TOKENS, min_size=k, max_size=k), min_size=b, max_size=b))), {}
+    ragged = data.draw(st.lists(st.lists(TOKENS, min_size=1, max_size=3), min_size=b, max_size=b))
+    if form == "ragged":
+        return ragged, {}
+    return np.array([t for r in ragged for t in r], dtype=np.int64), {"num_new_tokens": np.array([len(r) for r in ragged])}
+
+
 class DeltaMachine(RuleBasedStateMachine):
     cache = False
     window = None
@@ -91,6 +106,33 @@ class DeltaMachine(RuleBasedStateMachine):
         a, b = out
         assert type(a) is type(b) or not (isinstance(a, Exception) or isinstance(b, Exception)), (a, b)
         return None if isinstance(a, Exception) else (a, b)
+
+    def tables(self, seqs) -> dict:
+        return {s: self.inc.block_table(s).tolist() for s in seqs}
+
+    def step_both(self, batch: list, toks, kw: dict, la: int):
+        """The same decode_step on both managers, padded tables then incremental: (full, inc), or None when both
+        raised the same error and changed nothing."""
+        before = self.tables(batch)
+        out = []
+        for bm, tables in ((self.full, True), (self.inc, False)):
+            try:
+                out.append(bm.decode_step(batch, toks, la, block_tables=tables, **kw))
+            except PagedKVError as e:
+                out.append(e)
+        full, inc = out
+        if isinstance(full, Exception) or isinstance(inc, Exception):
+            assert type(full) is type(inc), (full, inc)
+            assert self.tables(batch) == before  # all or nothing
+            return None
+        self.steps += 1
+        assert full.slot_mapping.tolist() == inc.slot_mapping.tolist()
+        assert full.seq_lens.tolist() == inc.seq_lens.tolist()
+        assert np.asarray(full.cow).reshape(-1, 2).tolist() == np.asarray(inc.cow).reshape(-1, 2).tolist()
+        assert inc.table_rows.tolist() == self.inc.table_rows(batch).tolist()
+        assert inc.table_rows.tolist() == [self.eng.row_of[s] for s in batch]
+        assert not inc.table_rows.flags.writeable
+        return full, inc
 
     def live(self, swapped: bool | None = None) -> list:
         return [s for s in SEQS if s in self.inc and (swapped is None or self.inc.is_swapped(s) == swapped)]
@@ -127,40 +169,12 @@ class DeltaMachine(RuleBasedStateMachine):
         if not running:
             return
         batch = data.draw(st.lists(st.sampled_from(running), min_size=1, max_size=len(running), unique=True))
-        b = len(batch)
-        kw = {}
-        if form == "one":
-            toks = np.array(data.draw(st.lists(TOKENS, min_size=b, max_size=b)), dtype=np.int64)
-        elif form == "k":
-            k = data.draw(st.integers(1, 3))
-            toks = np.array(data.draw(st.lists(st.lists(TOKENS, min_size=k, max_size=k), min_size=b, max_size=b)))
-        else:
-            ragged = data.draw(st.lists(st.lists(TOKENS, min_size=1, max_size=3), min_size=b, max_size=b))
-            if form == "ragged":
-                toks = ragged
-            else:
-                toks = np.array([t for r in ragged for t in r], dtype=np.int64)
-                kw["num_new_tokens"] = np.array([len(r) for r in ragged])
-        before = {s: self.inc.block_table(s).tolist() for s in batch}
-        out = []
-        for bm, tables in ((self.full, True), (self.inc, False)):
-            try:
-                out.append(bm.decode_step(batch, toks, la, block_tables=tables, **kw))
-            except PagedKVError as e:
-                out.append(e)
-        full, inc = out
-        if isinstance(full, Exception) or isinstance(inc, Exception):
-            assert type(full) is type(inc), (full, inc)
-            assert {s: self.inc.block_table(s).tolist() for s in batch} == before  # all or nothing
+        got = self.step_both(batch, *draw_step_tokens(data, form, len(batch)), la)
+        if got is None:
             return
-        self.steps += 1
+        full, inc = got
         assert type(full) is StepResult and type(inc) is StepDelta
-        assert full.slot_mapping.tolist() == inc.slot_mapping.tolist()
-        assert full.seq_lens.tolist() == inc.seq_lens.tolist()
-        assert np.asarray(full.cow).reshape(-1, 2).tolist() == np.asarray(inc.cow).reshape(-1, 2).tolist()
-        assert inc.table_rows.tolist() == self.inc.table_rows(batch).tolist()
-        assert inc.table_rows.tolist() == [self.eng.row_of[s] for s in batch]
-        for a in (inc.table_rows, *inc.table_updates):
+        for a in inc.table_updates:
             assert not a.flags.writeable
         assert set(inc.table_updates.rows.tolist()) <= set(inc.table_rows.tolist())  # only the batch's rows
         self.eng.apply(inc.table_updates)

@@ -20,7 +20,7 @@ from .manager import (NULL_BLOCK, AllocStatus, BlockManager, CopyKind, CopyPlan,
                       StepDelta, StepResult, TableUpdates)
 from .prefix_cache import block_hashes
 from .kv_groups import FullAttentionSpec, SlidingWindowSpec
-from .hybrid import HybridBlockManager, HybridPrefillBatch, HybridStepResult
+from .hybrid import HybridBlockManager, HybridPrefillBatch, HybridStepDelta, HybridStepResult
 
 __version__ = "0.1.0"
 
@@ -30,6 +30,7 @@ __all__ = [
     "FullAttentionSpec",
     "HybridBlockManager",
     "HybridPrefillBatch",
+    "HybridStepDelta",
     "HybridStepResult",
     "SlidingWindowSpec",
     "CopyKind",

@@ -1,13 +1,13 @@
-"""Allocation of new sequences: one prompt (``allocate``), a batch (``allocate_batch``), and the
-side-effect-free prediction of a prompt's hit (``lookup_prefix``).
+"""Allocation of new sequences (:class:`Allocator`, a part of the manager): one prompt (``allocate``), a batch
+(``allocate_batch``), and the side-effect-free prediction of a prompt's hit (``lookup_prefix``).
 
 An allocation is *planned* without changing anything (the lookup, block counts, every check that can fail),
 then *committed* (nothing in the commit can fail)::
 
-    allocate(seq, prompt)       _alloc_plan ─> enough free blocks? ─> _alloc_commit
-    allocate_batch(seqs, ps)    _alloc_plan per prompt ─> _batch_hits (sharing inside the batch, simulated)
+    allocate(seq, prompt)       plan ─> enough free blocks? ─> commit
+    allocate_batch(seqs, ps)    plan per prompt ─> batch_walk (sharing inside the batch, simulated)
                                 ─> enough free blocks for the batch? ─> reference / pin every planned hit
-                                ─> _alloc_commit per prompt ─> _prefill_result
+                                ─> commit per prompt ─> prefill_result
 
 A batch shares blocks between its prompts exactly as consecutive ``allocate`` calls would (a prompt finds the
 full blocks that earlier prompts of the batch register or promote), with one difference, which only helps:
@@ -38,11 +38,21 @@ def _frozen(a: np.ndarray) -> np.ndarray:
     return a
 
 
-class _Allocator:
-    """Mixin of :class:`pagedkv.BlockManager`: planning and committing allocations."""
+class Allocator:
+    """Allocation of one manager's new sequences over its parts: the tables ``t``
+    (:class:`~pagedkv._rows.SeqTables`), ``blocks`` (:class:`~pagedkv._blocks.Blocks`), the registry ``reg``
+    (:class:`~pagedkv._registry.Registry`: lookups, registration, promotion), the prefix cache and the CPU tier.
+    Counts the prefix-cache queries and hits (``query_tokens``, ``hit_tokens``, ``query_blocks``,
+    ``hit_blocks``)."""
 
-    def _alloc_plan(self, token_ids: object, la: int, namespace: object, root: tuple | None = None,
-                    lookup: bool = True, checked: bool = False, chunk: int | None = None) -> tuple:
+    def __init__(self, t, blocks, reg, cache, tier, cpu_id, bs: int, watermark: int, fixed_w: int) -> None:
+        self.t, self.blocks, self.reg, self.cache, self.tier = t, blocks, reg, cache, tier
+        self.gpu, self.cpu_id = blocks.gpu, cpu_id
+        self.bs, self.watermark, self.fixed_w = bs, watermark, fixed_w
+        self.query_tokens = self.hit_tokens = self.query_blocks = self.hit_blocks = 0
+
+    def plan(self, token_ids: object, la: int, namespace: object, root: tuple | None = None,
+             lookup: bool = True, checked: bool = False, chunk: int | None = None) -> tuple:
         """Everything an allocation of ``token_ids`` needs, without changing anything: ``(arr, n, nblocks, hits,
         cpu_hits, chain, need)``. ``hits``: GPU hit blocks in table order (CPU-tier hits left out); ``cpu_hits``:
         ``[(table position, CPU block)]`` or None; ``chain``: (cid, key) after the last hit; ``need``: free GPU
@@ -52,7 +62,7 @@ class _Allocator:
         already a validated int32 array. ``chunk`` (chunked prefill): the sequence holds the hit plus at most
         ``chunk`` more prompt tokens; ``n`` and ``nblocks`` are then those of the held tokens while ``arr`` stays
         the whole prompt (the lookup and the checks of PromptTooLongError / TableWidthError use all of it)."""
-        if self._cache is None:
+        if self.cache is None:
             # without a cache only the count matters: a short list is checked in Python, never converted
             arr = None
             n = token_ids.size if checked else \
@@ -63,65 +73,66 @@ class _Allocator:
             arr = token_ids if checked else _as_tokens(token_ids)
             n = arr.size
             if root is None:
-                root = self._cache.root(namespace, intern=False)
-        bs = self._bs
+                root = self.cache.root(namespace, intern=False)
+        bs = self.bs
         nblocks = -(-(n + la) // bs)
-        if nblocks > self._gpu.num_blocks - self._watermark_blocks:
+        if nblocks > self.gpu.num_blocks - self.watermark:
             raise PromptTooLongError(
-                f"{_what(n, la)} needs {nblocks} blocks; the pool has {self._gpu.num_blocks} with "
-                f"{self._watermark_blocks} kept free"
+                f"{_what(n, la)} needs {nblocks} blocks; the pool has {self.gpu.num_blocks} with "
+                f"{self.watermark} kept free"
             )
-        if self._fixed_w and nblocks > self._fixed_w:
-            raise TableWidthError(f"{_what(n, la)} needs {nblocks} blocks; block_table_width is {self._fixed_w}")
+        if self.fixed_w and nblocks > self.fixed_w:
+            raise TableWidthError(f"{_what(n, la)} needs {nblocks} blocks; block_table_width is {self.fixed_w}")
         if arr is None or not lookup:
             if chunk is not None and arr is None and chunk < n:  # (a batch's walk cuts its chunks itself)
                 n = chunk
                 nblocks = -(-(n + la) // bs)
             return arr, n, nblocks, [], None, (0, 0), nblocks
-        hits, chain = self._lookup(arr, root, memo=True)
+        hits, chain = self.reg.lookup(arr, root, memo=True)
         if chunk is not None and len(hits) * bs + chunk < n:  # chunked prefill: the hit plus one chunk
             n = len(hits) * bs + chunk
             nblocks = -(-(n + la) // bs)
         cpu_hits = None  # [(table position, CPU block)] of hits in the CPU tier (encoded ~block by _lookup)
-        if hits and self._tier is not None and min(hits) < 0:
+        if hits and self.tier is not None and min(hits) < 0:
             cpu_hits = [(j, ~b) for j, b in enumerate(hits) if b < 0]
             hits = [b for b in hits if b >= 0]
-        ref = self._gpu._ref_mv
+        ref = self.gpu._ref_mv
         reused_free = sum(1 for b in hits if ref[b] == 0) if hits else 0
         return arr, n, nblocks, hits, cpu_hits, chain, nblocks - len(hits) + reused_free
 
-    def _alloc_commit(self, seq_id, namespace, arr, n: int, nblocks: int, hits: list, cpu_hits, chain,
-                      referenced: bool, nnull: int = 0) -> int:
+    def commit(self, seq_id, namespace, arr, n: int, nblocks: int, hits: list, cpu_hits, chain,
+               referenced: bool, nnull: int = 0) -> int:
         """Create the row of a planned allocation; nothing here can fail. ``referenced``: the GPU hits hold their
         new reference already and the CPU hits are pinned (a batch takes them all first). ``nnull``: the first
         ``nnull`` entries of ``hits`` are NULL_BLOCK, positions a sliding window no longer needs (a KV cache
         group's hybrid hit; ``referenced`` then). Returns the row."""
         if cpu_hits and not referenced:  # pinned first: taking GPU blocks below may demote into the CPU tier
-            self._tier.pin_many([c for _, c in cpu_hits])
+            self.tier.pin_many([c for _, c in cpu_hits])
         if referenced:
             pass
         elif len(hits) > 8:
             h = np.array(hits, dtype=np.int64)
-            gref = self._gpu._ref
-            self._cache.evictor.discard_many(h[gref[h] == 0])
+            gref = self.gpu._ref
+            self.cache.evictor.discard_many(h[gref[h] == 0])
             gref[h] += 1
         elif hits:
-            ref = self._gpu._ref_mv
-            evictor = self._cache.evictor
+            ref = self.gpu._ref_mv
+            evictor = self.cache.evictor
             for b in hits:
                 if ref[b] == 0:
                     evictor.discard(b)
                 ref[b] += 1
         m = nblocks - len(hits)
-        new = self._gpu.take_few(m) if m <= 4 and m <= self._gpu._nfree else self._take(m)
+        new = self.gpu.take_few(m) if m <= 4 and m <= self.gpu._nfree else self.blocks.take(m)
         if cpu_hits:
-            hits, new = self._promote(hits, cpu_hits, new)
-        row = self._new_row(seq_id)
-        self._ns_of[row] = namespace
-        self._ntok0[row] = -1  # every position is handed out in this step
-        if nblocks > self._table.shape[1]:
-            self._ensure_cols(nblocks)
-        mvs = self._mvs or self._views()
+            hits, new = self.reg.promote(hits, cpu_hits, new)
+        tb = self.t
+        row = tb.new_row(seq_id)
+        tb.ns_of[row] = namespace
+        tb.ntok0[row] = -1  # every position is handed out in this step
+        if nblocks > tb.table.shape[1]:
+            tb.ensure_cols(nblocks)
+        mvs = tb.mvs or tb.views()
         if nblocks <= 4:
             table = mvs[2]
             for c, b in enumerate(hits):
@@ -129,88 +140,88 @@ class _Allocator:
             for c, b in enumerate(new, len(hits)):
                 table[row, c] = b
         else:
-            t = self._table[row]
-            t[: len(hits)] = hits
-            t[len(hits) : nblocks] = new
+            trow = tb.table[row]
+            trow[: len(hits)] = hits
+            trow[len(hits) : nblocks] = new
         mvs[0][row] = n
         mvs[1][row] = nblocks
         mvs[5][row] = mvs[6][row] = len(hits)
         if nnull:
             mvs[7][row] = nnull
-        if self._cache is not None:
-            bs = self._bs
-            if self._cache.intern(namespace) and len(self._cache._roots) > self._cache.sweep_at:
-                self._release_namespaces()  # bounded state per tenant (amortised O(1) per new namespace)
-            self._ccid[row], self._ckey[row] = chain
-            self._fill_prompt(row, arr if arr.size == n else arr[:n], new, len(hits))  # (a chunk: its tokens)
-            self._query_tokens += arr.size  # (the whole prompt was looked up)
-            self._hit_tokens += len(hits) * bs
-            self._query_blocks += (arr.size - 1) // bs
-            self._hit_blocks += len(hits)
+        if self.cache is not None:
+            bs = self.bs
+            if self.cache.intern(namespace) and len(self.cache._roots) > self.cache.sweep_at:
+                self.reg.release_namespaces()  # bounded state per tenant (amortised O(1) per new namespace)
+            tb.ccid[row], tb.ckey[row] = chain
+            self.reg.fill_prompt(row, arr if arr.size == n else arr[:n], new, len(hits))  # (a chunk: its tokens)
+            self.query_tokens += arr.size  # (the whole prompt was looked up)
+            self.hit_tokens += len(hits) * bs
+            self.query_blocks += (arr.size - 1) // bs
+            self.hit_blocks += len(hits)
             if cpu_hits:
-                self._tier.hit_tokens += len(cpu_hits) * bs
-                self._tier.hit_blocks += len(cpu_hits)
+                self.tier.hit_tokens += len(cpu_hits) * bs
+                self.tier.hit_blocks += len(cpu_hits)
         return row
 
     # ------------------------------------------------------------------ batches
-    def _allocate_batch(self, seq_ids: list, prompts: list, la: int, namespaces: list,
-                        chunks: list | None = None) -> PrefillBatch:
-        self._keys_memo = None  # (a failed allocate's: its prompt may have changed since)
-        if self._cache is not None and self._cache._ndl:
-            self._cache.flush()  # (the batch walk reads the map directly)
+    def allocate_batch(self, seq_ids: list, prompts: list, la: int, namespaces: list,
+                       chunks: list | None = None) -> PrefillBatch:
+        self.reg.keys_memo = None  # (a failed allocate's: its prompt may have changed since)
+        if self.cache is not None and self.cache._ndl:
+            self.cache.flush()  # (the batch walk reads the map directly)
         seen: set = set()
         for s in seq_ids:
-            self._check_new_id(s)
+            self.t.check_new_id(s)
             if s in seen:
                 raise DuplicateSequenceError(f"sequence {s!r} appears twice in one batch")
             seen.add(s)
-        roots = self._batch_roots(namespaces)
+        roots = self.batch_roots(namespaces)
         arrs = [_as_tokens(p, f"token_ids[{i}]") for i, p in enumerate(prompts)]
-        walk = self._cache is not None and len(arrs) > 1  # sharing inside the batch: walked below instead
+        walk = self.cache is not None and len(arrs) > 1  # sharing inside the batch: walked below instead
         if chunks is None:
             chunks = [None] * len(arrs)
-        plans = [self._alloc_plan(a, la, ns, r, not walk, True, c)
+        plans = [self.plan(a, la, ns, r, not walk, True, c)
                  for a, ns, r, c in zip(arrs, namespaces, roots, chunks)]
         if walk:
             virt: dict = {}
-            plans = [self._batch_walk(i, p, roots[i], virt, la, chunks[i]) for i, p in enumerate(plans)]
+            plans = [self.batch_walk(i, p, roots[i], virt, la, chunks[i]) for i, p in enumerate(plans)]
         need = sum(p[2] - len(p[3]) for p in plans)  # new blocks (CPU hits take one each) ...
-        ref = self._gpu._ref
+        ref = self.gpu._ref
         reused = {h for p in plans for h in p[3] if h >= 0 and ref[h] == 0}
         need += len(reused)  # ... plus each evictable cached hit, once
-        if need > self.num_free_gpu_blocks:
+        if need > self.blocks.num_free:
             raise OutOfBlocksError(
-                f"the batch of {len(plans)} prompts needs {need} new blocks; {self.num_free_gpu_blocks} are free"
+                f"the batch of {len(plans)} prompts needs {need} new blocks; {self.blocks.num_free} are free"
             )
         # ---- mutation: nothing below can fail
-        if self._cache is not None:  # every planned hit first: no prompt of the batch evicts a later one's hit
+        if self.cache is not None:  # every planned hit first: no prompt of the batch evicts a later one's hit
             held = [h for p in plans for h in p[3] if h >= 0]
             if held:
                 if reused:
-                    self._cache.evictor.discard_many(np.array(sorted(reused), dtype=np.int64))
+                    self.cache.evictor.discard_many(np.array(sorted(reused), dtype=np.int64))
                 if len(plans) == 1:  # (distinct blocks)
-                    self._gpu._ref[held] += 1
+                    self.gpu._ref[held] += 1
                 else:  # a block hit by several prompts gains one reference each
-                    np.add.at(self._gpu._ref, np.array(held, dtype=np.int64), 1)
+                    np.add.at(self.gpu._ref, np.array(held, dtype=np.int64), 1)
             pins = [c for p in plans if p[4] for _, c in p[4]]
             if pins:
-                self._tier.pin_many(list(dict.fromkeys(pins)))
+                self.tier.pin_many(list(dict.fromkeys(pins)))
         rows: list[int] = []
         for s, ns, (arr, n, nblocks, hits, cpu_hits, chain, _) in zip(seq_ids, namespaces, plans):
             if hits and min(hits) < 0:
-                hits, chain = self._resolve(hits, cpu_hits, chain, rows)
-            rows.append(self._alloc_commit(s, ns, arr, n, nblocks, hits, cpu_hits, chain, referenced=True))
+                hits, chain = self.resolve(hits, cpu_hits, chain, rows)
+            rows.append(self.commit(s, ns, arr, n, nblocks, hits, cpu_hits, chain, referenced=True))
             if n < arrs[len(rows) - 1].size:  # a chunk: fork waits for the rest of the prompt
-                self._partial[s] = arrs[len(rows) - 1].size
+                self.t.partial[s] = arrs[len(rows) - 1].size
         nhit = [len(p[3]) + (len(p[4]) if p[4] else 0) for p in plans]
-        return self._prefill_result(tuple(seq_ids), arrs, plans, rows, nhit)
+        return self.prefill_result(tuple(seq_ids), arrs, plans, rows, nhit)
 
-    def _batch_roots(self, namespaces: list) -> list:
+    def batch_roots(self, namespaces: list) -> list:
         """The namespace root of each prompt, new namespaces numbered in order of first appearance (as
         committing the batch interns them). Nones without prefix caching."""
-        if self._cache is None:
+        if self.cache is None:
             return [None] * len(namespaces)
-        known = self._cache._roots
+        known = self.cache._roots
         new: dict[bytes, tuple[int, int]] = {}
         out = []
         for ns in namespaces:
@@ -221,15 +232,15 @@ class _Allocator:
             out.append(r)
         return out
 
-    def _batch_walk(self, i: int, plan: tuple, root: tuple, virt: dict, la: int = 0,
-                    chunk: int | None = None) -> tuple:
+    def batch_walk(self, i: int, plan: tuple, root: tuple, virt: dict, la: int = 0,
+                   chunk: int | None = None) -> tuple:
         """Prompt ``i``'s plan as it stands once the batch's earlier prompts are committed: the cache as it is
         plus ``virt`` (key -> (parent cid, tokens, encoded hit, cid)), the blocks those prompts register or
         promote. Walks the prompt as the lookup would (GPU, then the batch's blocks, then the CPU tier), then
-        records in ``virt`` what committing it will register (as ``_register`` would); with ``chunk`` only the
+        records in ``virt`` what committing it will register (as ``Registry.register`` would); with ``chunk`` only the
         hit plus that many tokens are held (and registered). Changes nothing else."""
         arr, n, nblocks, _, _, _, _ = plan
-        bs, cache, tier = self._bs, self._cache, self._tier
+        bs, cache, tier = self.bs, self.cache, self.tier
         width = 4 * bs
         cmap, ctok, cpcid, ccid = cache._map, cache.tok, cache.pcid, cache.cid
         data = arr.tobytes()
@@ -254,7 +265,7 @@ class _Allocator:
             if c < 0:
                 break
             cpu_hits.append((len(hits) + len(cpu_hits), c))
-            newc = int(self._cpu_id[0, c])
+            newc = int(self.cpu_id[0, c])
             if b is None and v is None:  # the promoted block is cached on the GPU from then on
                 virt[key] = (pcid, d, ~(i * _COL + j), newc)
             pcid, pkey = newc, key
@@ -274,7 +285,7 @@ class _Allocator:
                 if other is None:
                     t = tier.find_keyed(pcid, key, d) if tier is not None else -1
                     # (a content id of its own, distinct from every real one, for the batch's later walks)
-                    newc = int(self._cpu_id[0, t]) if t >= 0 else cache._serial + 1 + len(virt)
+                    newc = int(self.cpu_id[0, t]) if t >= 0 else cache._serial + 1 + len(virt)
                     virt[key] = (pcid, d, ~(i * _COL + j), newc)
                     pcid, pkey = newc, key
                 elif other[0] == pcid and other[1] == d:
@@ -287,11 +298,11 @@ class _Allocator:
                 pcid = 0
         return arr, n, nblocks, hits, cpu_hits or None, chain, 0
 
-    def _resolve(self, hits: list, cpu_hits, chain: tuple, rows: list) -> tuple[list, tuple]:
+    def resolve(self, hits: list, cpu_hits, chain: tuple, rows: list) -> tuple[list, tuple]:
         """Planned hits on blocks of the batch's committed prompts -> their block ids (one more reference each).
         When the prompt's last hit is one of them, its chain continues from the content that block is cached as
         (its real content id; the plan only knew a stand-in)."""
-        table, ref = self._table, self._gpu._ref
+        table, ref = self.t.table, self.gpu._ref
         out = []
         for h in hits:
             if h < 0:
@@ -301,21 +312,21 @@ class _Allocator:
             out.append(h)
         last_is_cpu = bool(cpu_hits) and cpu_hits[-1][0] == len(hits) + len(cpu_hits) - 1
         if hits[-1] < 0 and not last_is_cpu:
-            cid = int(self._cache.cid[out[-1]])
-            chain = (cid, int(self._cache.key[out[-1]])) if cid else (0, 0)
+            cid = int(self.cache.cid[out[-1]])
+            chain = (cid, int(self.cache.key[out[-1]])) if cid else (0, 0)
         return out, chain
 
-    def _prefill_result(self, seq_ids: tuple, arrs: list, plans: list, rows: list, nhit: list) -> PrefillBatch:
+    def prefill_result(self, seq_ids: tuple, arrs: list, plans: list, rows: list, nhit: list) -> PrefillBatch:
         """The flat prefill metadata of committed allocations (see :class:`PrefillBatch`). O(tokens) numpy; a
         batch of one takes a shorter path (numpy's fixed costs dominate there)."""
-        bs = self._bs
+        bs = self.bs
         b = len(rows)
         if b == 1:
             row, n, c = rows[0], plans[0][1], nhit[0] * bs
             pos = np.arange(c, n, dtype=np.int64)
-            table = self._table[row]
+            table = self.t.table[row]
             slots = table[pos // bs] * np.int64(bs) + pos % bs
-            width = self._fixed_w or int(self._nblk[row])
+            width = self.fixed_w or int(self.t.nblk[row])
             return PrefillBatch(seq_ids, _frozen(np.array([c], np.int32)), _frozen(np.array([0, n - c], np.int32)),
                                 _frozen(arrs[0][c:n].copy()), _frozen(pos), _frozen(slots),
                                 _frozen(table[None, :width].copy()), _frozen(np.array([n], np.int32)))
@@ -328,11 +339,11 @@ class _Allocator:
         t = int(qsl[-1])
         pos = np.arange(t, dtype=np.int64) - np.repeat(qsl[:-1] - cached, q)
         blk, off = np.divmod(pos, bs)
-        slots = self._table[np.repeat(r, q), blk] * np.int64(bs) + off
+        slots = self.t.table[np.repeat(r, q), blk] * np.int64(bs) + off
         toks = np.concatenate([a[c:z] for a, c, z in zip(arrs, cached.tolist(), n.tolist())]) if b \
             else np.zeros(0, np.int32)
-        width = self._fixed_w or (int(self._nblk[r].max()) if b else 0)
-        tables = self._table[r, :width] if b else np.zeros((0, width), np.int32)
+        width = self.fixed_w or (int(self.t.nblk[r].max()) if b else 0)
+        tables = self.t.table[r, :width] if b else np.zeros((0, width), np.int32)
         return PrefillBatch(seq_ids, _frozen(cached.astype(np.int32)), _frozen(qsl.astype(np.int32)),
                             _frozen(toks.astype(np.int32, copy=False)), _frozen(pos),
                             _frozen(slots), _frozen(tables), _frozen(n.astype(np.int32)))

@@ -20,7 +20,7 @@ the dict's block for the key, chained by content id to the previous hit and hold
 collision ends the hit there: a miss, never another sequence's KV); a sliding group's window block must be the
 dict's block for the group's chained key and hold the prompt's tokens (its parent may be gone, so its content id
 cannot be compared; the 64-bit chained key stands for every earlier token). Returns the keys it computed, so
-that the allocation registers the prompt's new blocks without hashing again (``BlockManager._keys_memo``).
+that the allocation registers the prompt's new blocks without hashing again (``Registry.keys_memo``).
 
 **Sibling keys.** A sliding group's keys chain from block 0 like any group's, so finding its window late in a
 long prompt would hash the whole prompt once per sliding group. Instead ``HybridBlockManager._sib`` records, per
@@ -191,11 +191,11 @@ def commit_all(hm, seq_id, gns: tuple, plan) -> bool:
     """Create the sequence in every group at once, for a plan of :func:`find_hit` (no CPU-tier hit; the hits held
     by ``HybridBlockManager._hold``): one take of every group's new blocks, one token write, and one
     ``PrefixCache.register_chains`` call for every group's new full blocks with the plan's keys (no hashing but
-    the new blocks'). The same state, stats and events, in the same order, as one ``BlockManager._alloc_commit``
+    the new blocks'). The same state, stats and events, in the same order, as one ``Allocator.commit``
     per group: when the free ring cannot supply every group's blocks (a take evicts cached blocks, whose removal
     events come between the groups' stored blocks) each group takes and registers in turn; where the batch
     registration declines (a content cached already, a chain broken), each group registers block by block as
-    ``_alloc_commit`` does. Nothing here can fail. O(G) numpy calls plus the new blocks.
+    ``Allocator.commit`` does. Nothing here can fail. O(G) numpy calls plus the new blocks.
 
     Returns True when it recorded the sibling keys of the prompt (``HybridBlockManager._record_siblings``):
     those of its new full blocks, registered together, all the plan's hits having valid ones already."""
@@ -207,7 +207,7 @@ def commit_all(hm, seq_id, gns: tuple, plan) -> bool:
     h = L * bs
     k = (n - h) // bs  # new full blocks of every group
     rest = n - h - k * bs
-    take = hm._m0._take
+    take = hm._m0._blocks.take
     together = G * m <= hm._gpu._nfree  # no eviction: every group's blocks in one take, registered in one call
     new = take(G * m).reshape(G, m) if together and m else None
     chains, rows = [], []
@@ -215,35 +215,37 @@ def commit_all(hm, seq_id, gns: tuple, plan) -> bool:
         gpu, _, chain, nnull = plan.groups[g]
         if L == 0:
             chain = cache.root(gns[g], intern=True)  # (a new namespace's root gets its content id now)
-        row = mg._new_row(seq_id)
-        mg._ns_of[row] = gns[g]
-        mg._ntok0[row] = -1  # every position is handed out in this step
-        if nblocks > mg._table.shape[1]:
-            mg._ensure_cols(nblocks)
-        t = mg._table[row]
+        tb = mg._t
+        row = tb.new_row(seq_id)
+        tb.ns_of[row] = gns[g]
+        tb.ntok0[row] = -1  # every position is handed out in this step
+        if nblocks > tb.table.shape[1]:
+            tb.ensure_cols(nblocks)
+        t = tb.table[row]
         if L:
             t[:nnull] = NULL_BLOCK
             t[nnull:L] = gpu
-        mg._ntok[row] = n
-        mg._nblk[row] = nblocks
-        mg._pend[row] = mg._nreg[row] = L
+        tb.ntok[row] = n
+        tb.nblk[row] = nblocks
+        tb.pend[row] = tb.nreg[row] = L
         if nnull:
-            mg._nrel[row] = nnull
-        mg._ccid[row], mg._ckey[row] = chain
-        mg._query_tokens += arr.size  # (the whole prompt was looked up)
-        mg._hit_tokens += h
-        mg._query_blocks += (arr.size - 1) // bs
-        mg._hit_blocks += L
+            tb.nrel[row] = nnull
+        tb.ccid[row], tb.ckey[row] = chain
+        al = mg._alloc
+        al.query_tokens += arr.size  # (the whole prompt was looked up)
+        al.hit_tokens += h
+        al.query_blocks += (arr.size - 1) // bs
+        al.hit_blocks += L
         chains.append(chain)
         rows.append(row)
-        if new is None:  # (a take that may evict: this group's blocks and registration now, as _alloc_commit)
+        if new is None:  # (a take that may evict: this group's blocks and registration now, as Allocator.commit)
             blk = take(m) if m else np.zeros(0, dtype=np.int32)
             t[L:nblocks] = blk
             _fill(hm, plan, [g], blk[None, :], [chain], [row], h, k, rest)
     if new is None:
         return False
     for g in range(G):
-        groups[g]._table[rows[g], L:nblocks] = new[g]
+        groups[g]._t.table[rows[g], L:nblocks] = new[g]
     if not _fill(hm, plan, range(G), new, chains, rows, h, k, rest) or hm._sib is None or plan.memo[3] < L:
         return False
     # the sibling keys of the new full blocks: the sliding groups' blocks at the same positions, just registered
@@ -280,14 +282,14 @@ def _fill(hm, plan, gs, new: np.ndarray, chains: list, rows: list, h: int, k: in
         got = cache.register_chains(new[:, :k].ravel(), np.full(G, k, dtype=np.int64),
                                     np.array([c[0] for c in chains], dtype=np.int64),
                                     np.array([c[1] for c in chains], dtype=np.uint64),
-                                    [hm._g[g]._ns_of[r] for g, r in zip(gs, rows)] if cache.events is not None
+                                    [hm._g[g]._t.ns_of[r] for g, r in zip(gs, rows)] if cache.events is not None
                                     else None, allkeys)
     if got is None:
         for g, row in zip(gs, rows):
-            hm._g[g]._register(row)
+            hm._g[g]._reg.register(row)
         return False
     for i, (g, row) in enumerate(zip(gs, rows)):
         mg = hm._g[g]
-        mg._ccid[row], mg._ckey[row] = got[0][i], got[1][i]
-        mg._nreg[row] = L + k
+        mg._t.ccid[row], mg._t.ckey[row] = got[0][i], got[1][i]
+        mg._t.nreg[row] = L + k
     return True

@@ -1,4 +1,8 @@
-"""The O(n) audit of every invariant of the block manager (tests call it after every step)."""
+"""The O(n) audit of every invariant of a block manager (tests call it after every step): :func:`check`.
+
+It reads every part (documented attributes only, plus the leaf structures' own state: refcounts, free ring,
+evictor, cache map, CPU tier); it changes nothing and nothing depends on it.
+"""
 
 from __future__ import annotations
 
@@ -8,135 +12,129 @@ from .prefix_cache import block_key
 from .types import NULL_BLOCK
 
 
-class _Invariants:
-    """Mixin of :class:`pagedkv.BlockManager`: :meth:`check_invariants`."""
+def check(blocks, tier, bs: int, groups) -> None:
+    """Check every invariant of the managers sharing ``blocks`` (:class:`~pagedkv._blocks.Blocks`: the pools,
+    the prefix cache, the CPU blocks' identities) and ``tier``; ``groups``: ``(tables, window)`` of each manager
+    (one, or one per KV cache group), whose references are counted together. Raises AssertionError.
+    O(blocks + total table length).
 
-    def check_invariants(self) -> None:
-        """Check every invariant of the manager in O(blocks + total table length); raise AssertionError.
+    - each GPU (CPU) block's refcount equals the number of GPU-resident (swapped-out) tables holding it;
+    - no block appears twice in one table, released positions hold NULL_BLOCK, tables cover the tokens;
+    - free ring, evictor and used blocks partition each pool (free + cached-free + used == total);
+    - the free ring holds unreferenced uncached blocks, the evictor unreferenced cached ones, in a
+      consistent linked list; the cache map and the per-block entries agree (no block under two keys).
+    """
 
-        - each GPU (CPU) block's refcount equals the number of GPU-resident (swapped-out) tables holding it;
-        - no block appears twice in one table, released positions hold NULL_BLOCK, tables cover the tokens;
-        - free ring, evictor and used blocks partition each pool (free + cached-free + used == total);
-        - the free ring holds unreferenced uncached blocks, the evictor unreferenced cached ones, in a
-          consistent linked list; the cache map and the per-block entries agree (no block under two keys).
-        """
+    def fail(msg: str) -> None:
+        raise AssertionError(msg)
 
-        self._check_invariants_of((self,))
+    gpu, cpu, cache = blocks.gpu, blocks.cpu, blocks.cache
+    counts = {False: np.zeros(gpu.num_blocks, np.int64), True: np.zeros(cpu.num_blocks, np.int64)}
+    for t, window in groups:
+        _check_rows(t, window, bs, gpu, cpu, cache, counts, fail)
+    for swapped, pool, name in ((False, gpu, "GPU"), (True, cpu, "CPU")):
+        if not np.array_equal(counts[swapped], pool._ref):
+            bad = int(np.flatnonzero(counts[swapped] != pool._ref)[0])
+            fail(f"{name} block {bad}: refcount {pool._ref[bad]} but {counts[swapped][bad]} holders")
+        free = pool.free_ids()
+        if np.unique(free).size != free.size:
+            fail(f"{name} free ring holds a block twice")
+        if (pool._ref[free] != 0).any():
+            fail(f"{name} free ring holds a referenced block")
+        used = int((pool._ref > 0).sum())
+        if swapped:  # the CPU tier's blocks (cached or pinned) are neither free nor referenced
+            cached_free = 0 if tier is None else len(set(tier._map.values()) | set(tier._pinned))
+        else:
+            cached_free = len(cache.evictor) if cache is not None else 0
+        if free.size + cached_free + used != pool.num_blocks:
+            fail(f"{name}: free {free.size} + cached {cached_free} + used {used} != {pool.num_blocks}")
+    if cache is not None:
+        _check_cache(blocks, tier, [t for t, _ in groups], fail)
 
-    def _check_invariants_of(self, managers: tuple) -> None:
-        """:meth:`check_invariants` of managers sharing this one's pools and cache (KV cache groups): each
-        manager's rows and tables, then the shared parts with every manager's references counted."""
 
-        def fail(msg: str) -> None:
-            raise AssertionError(msg)
+def _check_cache(blocks, tier, tables: list, fail) -> None:
+    cache, ref, cpu_id = blocks.cache, blocks.gpu._ref, blocks.cpu_id
+    cid = cache.cid
+    ev = list(cache.evictor)
+    if len(ev) != len(cache.evictor) or len(set(ev)) != len(ev):
+        fail("evictor list is inconsistent")
+    ev_arr = np.asarray(ev, dtype=np.int64)
+    if (ref[ev_arr] != 0).any() or (cid[ev_arr] == 0).any():
+        fail("the evictor holds a block that is referenced or uncached")
+    free = blocks.gpu.free_ids()
+    if np.intersect1d(free, ev_arr).size:
+        fail("a block is both free and evictable")
+    if (cid[free] != 0).any():
+        fail("a free block is still cached")
+    cached = np.flatnonzero(cid)
+    dl = cache.dl  # dict-less blocks (runs): cached, out of the map, each the successor of its parent's block
+    if (dl & (cid == 0)).any() or int(np.count_nonzero(dl)) != cache._ndl:
+        fail("the dict-less marks are not a count of cached blocks")
+    mapped = cached[~dl[cached]]
+    if mapped.size != len(cache._map):
+        fail(f"{mapped.size} cached blocks belong in the map but it has {len(cache._map)} keys")
+    if np.unique(cid[cached]).size != cached.size or (cid[cached] < 0).any() or cid.max(initial=0) > cache._serial:
+        fail("content ids are not unique positive serials")
+    if np.unique(cache.key[cached]).size != cached.size:
+        fail("two cached blocks have the same key")
+    for b, k in zip(mapped.tolist(), cache.key[mapped].tolist()):
+        if cache._map.get(k) != b:
+            fail(f"cached block {b} is not where the map points for its key")
+    dlb = np.flatnonzero(dl)
+    if dlb.size:
+        pred = np.flatnonzero(cache.succ >= 0)
+        nxt = cache.succ[pred].astype(np.int64)
+        live = (cid[pred] != 0) & (cid[nxt] != 0) & (cache.pcid[nxt] == cid[pred])
+        if not np.isin(dlb, nxt[live]).all():
+            fail("a dict-less block is not the run successor of the block caching its parent")
+    # every cached block's key is the chained hash of its stored tokens (catches writes into cached blocks)
+    parent_key = dict(cache._roots.values())
+    parent_key.update(zip(cid[cached].tolist(), cache.key[cached].tolist()))
+    for b, p, k in zip(cached.tolist(), cache.pcid[cached].tolist(), cache.key[cached].tolist()):
+        if p in parent_key and block_key(parent_key[p], cache.tok[b].tobytes()) != k:
+            fail(f"cached block {b}: its key is not the hash of its tokens after its parent")
+    for t in tables:
+        for row in t.row_of.values():
+            c = int(t.ccid[row])
+            if c and c in parent_key and parent_key[c] != int(t.ckey[row]):
+                fail(f"row {row}: its chain key is not the key of its chain's content")
+    cpu_cached = np.flatnonzero(cpu_id[0])
+    tier_blocks = set() if tier is None else set(tier._map.values())
+    if any(blocks.cpu._ref[c] == 0 and c not in tier_blocks for c in cpu_cached.tolist()):
+        fail("a free CPU block carries a cache identity")
+    if tier is not None:
+        tier.check(fail)
 
-        counts = {False: np.zeros(self._gpu.num_blocks, np.int64), True: np.zeros(self._cpu.num_blocks, np.int64)}
-        for m in managers:
-            m._check_rows(counts, fail)
-        for swapped, pool, name in ((False, self._gpu, "GPU"), (True, self._cpu, "CPU")):
-            if not np.array_equal(counts[swapped], pool._ref):
-                bad = int(np.flatnonzero(counts[swapped] != pool._ref)[0])
-                fail(f"{name} block {bad}: refcount {pool._ref[bad]} but {counts[swapped][bad]} holders")
-            free = pool.free_ids()
-            if np.unique(free).size != free.size:
-                fail(f"{name} free ring holds a block twice")
-            if (pool._ref[free] != 0).any():
-                fail(f"{name} free ring holds a referenced block")
-            used = int((pool._ref > 0).sum())
-            if swapped:  # the CPU tier's blocks (cached or pinned) are neither free nor referenced
-                tier = self._tier
-                cached_free = 0 if tier is None else len(set(tier._map.values()) | set(tier._pinned))
-            else:
-                cached_free = len(self._cache.evictor) if self._cache is not None else 0
-            if free.size + cached_free + used != pool.num_blocks:
-                fail(f"{name}: free {free.size} + cached {cached_free} + used {used} != {pool.num_blocks}")
-        if self._cache is not None:
-            self._check_cache_invariants(fail, managers)
-
-    def _check_cache_invariants(self, fail, managers: tuple) -> None:
-        cache, ref = self._cache, self._gpu._ref
-        cid = cache.cid
-        ev = list(cache.evictor)
-        if len(ev) != len(cache.evictor) or len(set(ev)) != len(ev):
-            fail("evictor list is inconsistent")
-        ev_arr = np.asarray(ev, dtype=np.int64)
-        if (ref[ev_arr] != 0).any() or (cid[ev_arr] == 0).any():
-            fail("the evictor holds a block that is referenced or uncached")
-        free = self._gpu.free_ids()
-        if np.intersect1d(free, ev_arr).size:
-            fail("a block is both free and evictable")
-        if (cid[free] != 0).any():
-            fail("a free block is still cached")
-        cached = np.flatnonzero(cid)
-        dl = cache.dl  # dict-less blocks (runs): cached, out of the map, each the successor of its parent's block
-        if (dl & (cid == 0)).any() or int(np.count_nonzero(dl)) != cache._ndl:
-            fail("the dict-less marks are not a count of cached blocks")
-        mapped = cached[~dl[cached]]
-        if mapped.size != len(cache._map):
-            fail(f"{mapped.size} cached blocks belong in the map but it has {len(cache._map)} keys")
-        if np.unique(cid[cached]).size != cached.size or (cid[cached] < 0).any() or cid.max(initial=0) > cache._serial:
-            fail("content ids are not unique positive serials")
-        if np.unique(cache.key[cached]).size != cached.size:
-            fail("two cached blocks have the same key")
-        for b, k in zip(mapped.tolist(), cache.key[mapped].tolist()):
-            if cache._map.get(k) != b:
-                fail(f"cached block {b} is not where the map points for its key")
-        dlb = np.flatnonzero(dl)
-        if dlb.size:
-            pred = np.flatnonzero(cache.succ >= 0)
-            nxt = cache.succ[pred].astype(np.int64)
-            live = (cid[pred] != 0) & (cid[nxt] != 0) & (cache.pcid[nxt] == cid[pred])
-            if not np.isin(dlb, nxt[live]).all():
-                fail("a dict-less block is not the run successor of the block caching its parent")
-        # every cached block's key is the chained hash of its stored tokens (catches writes into cached blocks)
-        parent_key = dict(cache._roots.values())
-        parent_key.update(zip(cid[cached].tolist(), cache.key[cached].tolist()))
-        for b, p, k in zip(cached.tolist(), cache.pcid[cached].tolist(), cache.key[cached].tolist()):
-            if p in parent_key and block_key(parent_key[p], cache.tok[b].tobytes()) != k:
-                fail(f"cached block {b}: its key is not the hash of its tokens after its parent")
-        for m in managers:
-            for row in m._row_of.values():
-                c = int(m._ccid[row])
-                if c and c in parent_key and parent_key[c] != int(m._ckey[row]):
-                    fail(f"row {row}: its chain key is not the key of its chain's content")
-        cpu_cached = np.flatnonzero(self._cpu_id[0])
-        tier_blocks = set() if self._tier is None else set(self._tier._map.values())
-        if any(self._cpu._ref[c] == 0 and c not in tier_blocks for c in cpu_cached.tolist()):
-            fail("a free CPU block carries a cache identity")
-        if self._tier is not None:
-            self._tier.check(fail)
-
-    def _check_rows(self, counts: dict, fail) -> None:
-        """This manager's rows and tables; adds each table's references to ``counts`` (GPU, CPU)."""
-        bs = self._bs
-        if len(self._row_of) + len(self._free_rows) != len(self._seq_of):
-            fail("rows: live + free != capacity")
-        for seq_id in getattr(self, "_partial", ()):  # (chunked prefill: prompt lengths of live sequences only)
-            if seq_id not in self._row_of:
-                fail(f"{seq_id!r}: a freed sequence is still recorded as partly prefilled")
-        for seq_id, row in self._row_of.items():
-            if self._seq_of[row] != seq_id:
-                fail(f"row {row} maps back to {self._seq_of[row]!r}, not {seq_id!r}")
-            n, nb, nrel = int(self._ntok[row]), int(self._nblk[row]), int(self._nrel[row])
-            t = self._table[row]
-            if nb * bs < n or n < 1:
-                fail(f"{seq_id!r}: {nb} blocks cannot hold {n} tokens")
-            if (t[:nrel] != NULL_BLOCK).any() or (t[nb:] != NULL_BLOCK).any():
-                fail(f"{seq_id!r}: released or unused table positions hold blocks")
-            live = t[nrel:nb]
-            if (live < 0).any():
-                fail(f"{seq_id!r}: a held position has no block")
-            if np.unique(live).size != live.size:
-                fail(f"{seq_id!r}: a block appears twice in one table")
-            swapped = bool(self._swapped[row])
-            size = self._cpu.num_blocks if swapped else self._gpu.num_blocks
-            if live.size and live.max() >= size:
-                fail(f"{seq_id!r}: block id out of range")
-            np.add.at(counts[swapped], live, 1)
-            if self._window is not None and nrel > max(n - self._window, 0) // bs:
-                fail(f"{seq_id!r}: released blocks the window still sees")
-            if self._cache is not None and int(self._nreg[row]) > n // bs:
-                fail(f"{seq_id!r}: more blocks offered to the cache than are full")
-        for rows_free in self._free_rows:
-            if self._seq_of[rows_free] is not None or (self._table[rows_free] != NULL_BLOCK).any():
-                fail(f"free row {rows_free} is not clean")
+def _check_rows(t, window, bs: int, gpu, cpu, cache, counts: dict, fail) -> None:
+    """One manager's rows and tables; adds each table's references to ``counts`` (GPU, CPU)."""
+    if len(t.row_of) + len(t.free_rows) != len(t.seq_of):
+        fail("rows: live + free != capacity")
+    for seq_id in t.partial:  # (chunked prefill: prompt lengths of live sequences only)
+        if seq_id not in t.row_of:
+            fail(f"{seq_id!r}: a freed sequence is still recorded as partly prefilled")
+    for seq_id, row in t.row_of.items():
+        if t.seq_of[row] != seq_id:
+            fail(f"row {row} maps back to {t.seq_of[row]!r}, not {seq_id!r}")
+        n, nb, nrel = int(t.ntok[row]), int(t.nblk[row]), int(t.nrel[row])
+        trow = t.table[row]
+        if nb * bs < n or n < 1:
+            fail(f"{seq_id!r}: {nb} blocks cannot hold {n} tokens")
+        if (trow[:nrel] != NULL_BLOCK).any() or (trow[nb:] != NULL_BLOCK).any():
+            fail(f"{seq_id!r}: released or unused table positions hold blocks")
+        live = trow[nrel:nb]
+        if (live < 0).any():
+            fail(f"{seq_id!r}: a held position has no block")
+        if np.unique(live).size != live.size:
+            fail(f"{seq_id!r}: a block appears twice in one table")
+        swapped = bool(t.swapped[row])
+        size = cpu.num_blocks if swapped else gpu.num_blocks
+        if live.size and live.max() >= size:
+            fail(f"{seq_id!r}: block id out of range")
+        np.add.at(counts[swapped], live, 1)
+        if window is not None and nrel > max(n - window, 0) // bs:
+            fail(f"{seq_id!r}: released blocks the window still sees")
+        if cache is not None and int(t.nreg[row]) > n // bs:
+            fail(f"{seq_id!r}: more blocks offered to the cache than are full")
+    for rows_free in t.free_rows:
+        if t.seq_of[rows_free] is not None or (t.table[rows_free] != NULL_BLOCK).any():
+            fail(f"free row {rows_free} is not clean")

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._window import Window
 from .manager import BlockManager
 
 __all__ = ["WindowRetention"]
@@ -97,17 +98,17 @@ class WindowRetention:
                 self.cache.evictor.demote_many(b)
 
 
-class _SlidingGroup(BlockManager):
-    """A sliding-window group's manager whose window releases go through the retention policy (internal; built
-    with ``BlockManager._sharing``, then ``_retention`` and ``_k`` are set)."""
+class RetainingWindow(Window):
+    """The sliding-window part of a group with window retention: its releases go through the retention policy
+    (``retention``, and ``k``: the group's window in blocks; both set by the coordinator)."""
 
-    _retention: WindowRetention | None = None
-    _k = 0
+    retention: WindowRetention | None = None
+    k = 0
 
-    def _release_window(self, release: tuple, changed: list | None = None) -> None:
-        ret = self._retention
+    def release(self, release: tuple, changed: list | None = None) -> None:
+        ret = self.retention
         if ret is None:
-            super()._release_window(release, changed)
+            super().release(release, changed)
             return
         rows, first, stop = release
         if not np.count_nonzero(stop - first - 1):  # one block a row (a decode batch's steady state)
@@ -115,24 +116,31 @@ class _SlidingGroup(BlockManager):
         else:
             rr = np.repeat(rows, stop - first)
             pos = np.concatenate([np.arange(a, z) for a, z in zip(first.tolist(), stop.tolist())])
-        blk = self._table[rr, pos]  # (a copy: fancy indexing)
-        super()._release_window(release, changed)
-        ret.demote(blk, ret.kept_rows(rr, pos, self._k))
+        blk = self.t.table[rr, pos]  # (a copy: fancy indexing)
+        super().release(release, changed)
+        ret.demote(blk, ret.kept_rows(rr, pos, self.k))
 
-    def _release_window_small(self, rows: list) -> None:
-        ret = self._retention
+    def release_small(self, rows: list, changed: list | None = None) -> None:
+        ret = self.retention
         if ret is None:
-            super()._release_window_small(rows)
+            super().release_small(rows, changed)
             return
-        ntok, nrel, w, bs = self._ntok, self._nrel, self._window, self._bs
+        t, w, bs = self.t, self.window, self.bs
         parts = []
         for r in rows:
-            target = int(ntok[r]) - w + 1
+            target = int(t.ntok[r]) - w + 1
             if target > 0:
                 target //= bs
-                a = int(nrel[r])
+                a = int(t.nrel[r])
                 if target > a:
-                    parts.append((r, self._table[r, a:target].copy(), np.arange(a, target)))
-        super()._release_window_small(rows)
+                    parts.append((r, t.table[r, a:target].copy(), np.arange(a, target)))
+        super().release_small(rows, changed)
         for r, blk, pos in parts:
-            ret.demote(blk, ret.kept(r, pos, self._k))
+            ret.demote(blk, ret.kept(r, pos, self.k))
+
+
+class _SlidingGroup(BlockManager):
+    """A sliding-window group's manager whose window part is a :class:`RetainingWindow` (internal; built with
+    ``BlockManager._sharing``, then its window part's ``retention`` and ``k`` are set)."""
+
+    _Window = RetainingWindow

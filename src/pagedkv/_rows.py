@@ -1,8 +1,19 @@
-"""Per-sequence rows of the block manager: seq_id -> row, the row arrays, batch validation of seq ids.
+"""The per-sequence tables of one block manager (one KV cache group): :class:`SeqTables`.
 
-One row per live sequence in a few numpy arrays (``_ntok``, ``_nblk``, ``_nrel``, ``_nreg``, ``_pend``, ``_ccid``,
-``_ckey``, ``_swapped``) and the block-table matrix ``_table[row, :]`` (int32, NULL_BLOCK padded). Rows are
-recycled through a free list; the arrays double when full.
+One row per live sequence in a few flat numpy arrays and the block-table matrix::
+
+    row_of   {seq_id: row}            seq_of[row], ns_of[row]: the sequence and its namespace
+    ntok     tokens appended           ntok0  tokens at the last take_copy_plan (-1: allocated since)
+    nblk     table length              nrel   leading positions released by the sliding window
+    nreg     leading blocks offered to the prefix cache; pend: blocks pend..nreg-1 cached by the row's last call
+    ccid     chain: content id of block nreg-1 (a root's before block 0; 0: broken); ckey: its key
+    swapped  the row's blocks are CPU block ids
+    table    int32 (rows, width), NULL_BLOCK padded; table[row, :nblk[row]] is the sequence's block table
+
+Rows are recycled through a free list; the arrays double when full (so a part reads them through this object,
+``tables.ntok``, never keeps an array across calls) and the table widens on demand. ``views()`` are memoryviews
+of the same arrays for the plain-Python paths (:mod:`pagedkv._small`), rebuilt after a reallocation. Every
+other part of the manager reads and writes rows through this object; it depends on nothing but numpy.
 """
 
 from __future__ import annotations
@@ -17,108 +28,191 @@ from .types import NULL_BLOCK
 _EMPTY_I64 = np.zeros(0, dtype=np.int64)
 _EMPTY_I64.flags.writeable = False  # (shared: empty results and the empty batch's rows)
 
+_ARRAYS = ("ntok", "ntok0", "nblk", "nrel", "nreg", "pend", "swapped", "ccid", "ckey")
 
-class _Rows:
-    """Mixin of :class:`pagedkv.BlockManager`: the sequence -> row bookkeeping."""
 
-    def _row(self, seq_id: Hashable) -> int:
+class SeqTables:
+    """seq_id -> row, the row arrays and the block-table matrix of one manager (see the module docstring).
+
+    Attributes are the part's documented state (read and written by the other parts of the manager):
+    ``row_of``, ``seq_of``, ``ns_of``, ``free_rows``, ``partial`` (seq_id -> prompt length of a sequence
+    allocated a chunk of its prompt), the row arrays, ``table``, the batch memo (``memo_ids`` / ``memo_rows`` /
+    ``memo_small``), ``mvs`` (memoryviews or None) and the step snapshot (``stepping``, ``ntok0``)."""
+
+    def __init__(self, ref_mv: memoryview, width: int = 4) -> None:
+        self.ref_mv = ref_mv  # the GPU pool's refcounts (a view of BlockPool._ref), for views()
+        self.stepping = False  # take_copy_plan has been called: steps are known, the same-step checks are on
+        self.snap = None  # memoryviews (ntok0, ntok) for end_step's snapshot
+        self.row_of: dict[Hashable, int] = {}
+        self.seq_of: list[Hashable | None] = []
+        self.ns_of: list[object] = []  # namespace of each row (for KV events)
+        self.free_rows: list[int] = []
+        self.ntok = np.zeros(0, dtype=np.int64)  # tokens appended
+        self.ntok0 = np.zeros(0, dtype=np.int64)  # tokens at the last take_copy_plan (-1: allocated since)
+        self.nblk = np.zeros(0, dtype=np.int64)  # table length (incl. released and lookahead-only blocks)
+        self.nrel = np.zeros(0, dtype=np.int64)  # leading blocks released by the sliding window
+        self.nreg = np.zeros(0, dtype=np.int64)  # leading blocks already offered to the prefix cache
+        self.pend = np.zeros(0, dtype=np.int64)  # blocks pend..nreg-1 were cached by the row's last call
+        self.ccid = np.zeros(0, dtype=np.int64)  # chain: cid of block nreg-1 (a root's before block 0), 0: broken
+        self.ckey = np.zeros(0, dtype=np.uint64)  # chain: key of that content
+        self.swapped = np.zeros(0, dtype=bool)
+        self.partial: dict = {}  # seq_id -> prompt length, for sequences allocated a chunk of their prompt
+        self.table = np.full((0, width), NULL_BLOCK, dtype=np.int32)
+        # one-entry memo of the last batch: seq_ids list -> validated rows (memo_small: the same list, rows list)
+        self.memo_ids: list | None = None
+        self.memo_rows = _EMPTY_I64
+        self.memo_small: tuple | None = None
+        self.mvs: tuple | None = None
+
+    def row(self, seq_id: Hashable) -> int:
         try:
-            return self._row_of[seq_id]
+            return self.row_of[seq_id]
         except KeyError:
             raise UnknownSequenceError(f"unknown sequence {seq_id!r} (never allocated, or already freed)") from None
         except TypeError:
             raise InvalidArgumentError(f"seq_id must be hashable, got {type(seq_id).__name__}") from None
 
-    def _check_new_id(self, seq_id: Hashable) -> None:
+    def check_new_id(self, seq_id: Hashable) -> None:
         try:
-            exists = seq_id in self._row_of
+            exists = seq_id in self.row_of
         except TypeError:
             raise InvalidArgumentError(f"seq_id must be hashable, got {type(seq_id).__name__}") from None
         if exists:
             raise DuplicateSequenceError(f"sequence {seq_id!r} is already allocated")
 
-    def _rows(self, seq_ids: Sequence[Hashable]) -> np.ndarray:
+    def rows(self, seq_ids: Sequence[Hashable]) -> np.ndarray:
         """Validated rows of a batch of live, GPU-resident, distinct sequences (int64). The last batch is
         memoised: an engine that decodes the same running set step after step pays one list compare."""
         if type(seq_ids) is not list:
             seq_ids = list(seq_ids)
-        if seq_ids == self._memo_ids:
-            return self._memo_rows
+        if seq_ids == self.memo_ids:
+            return self.memo_rows
         n = len(seq_ids)
         try:
-            rows = np.fromiter(map(self._row_of.__getitem__, seq_ids), dtype=np.int64, count=n) if n else _EMPTY_I64
+            rows = np.fromiter(map(self.row_of.__getitem__, seq_ids), dtype=np.int64, count=n) if n else _EMPTY_I64
         except (KeyError, TypeError):
             for s in seq_ids:
-                self._row(s)
-            raise  # pragma: no cover - _row raised
+                self.row(s)
+            raise  # pragma: no cover - row raised
         if n > 1 and not np.diff(np.sort(rows)).all():  # a repeated row (np.unique would be slower)
             dup = next(s for i, s in enumerate(seq_ids) if s in seq_ids[:i])
             raise DuplicateSequenceError(f"sequence {dup!r} appears twice in one batch")
-        if n and self._swapped[rows].any():
-            s = seq_ids[int(np.flatnonzero(self._swapped[rows])[0])]
+        if n and self.swapped[rows].any():
+            s = seq_ids[int(np.flatnonzero(self.swapped[rows])[0])]
             raise SequenceStateError(f"sequence {s!r} is swapped out; swap it in before appending")
         rows.flags.writeable = False  # (handed out as StepDelta.table_rows)
-        self._memo_ids, self._memo_rows = seq_ids.copy(), rows
+        self.memo_ids, self.memo_rows = seq_ids.copy(), rows
         return rows
 
-    def _rows_where(self, seq_ids: list, swapped: bool) -> np.ndarray:
-        rows = np.array([self._row(s) for s in seq_ids], dtype=np.int64)
+    def small_rows(self, seq_ids: list) -> list | None:
+        """The rows of a batch of live, distinct, GPU-resident sequences, memoised (None: not so). The memo is
+        :meth:`rows`'s: ``memo_small`` holds the very list object that is ``memo_ids``, so whatever drops or
+        replaces that memo (a new or freed row, a swap) drops this one too."""
+        row_of = self.row_of
+        try:
+            rows = [row_of[s] for s in seq_ids]
+        except (KeyError, TypeError):
+            return None
+        if len(set(rows)) != len(rows):
+            return None
+        swapped = self.views()[3]
+        for r in rows:
+            if swapped[r]:
+                return None
+        ids = seq_ids.copy()
+        memo_rows = np.array(rows, dtype=np.int64)
+        memo_rows.flags.writeable = False  # (handed out as StepDelta.table_rows)
+        self.memo_ids, self.memo_rows = ids, memo_rows
+        self.memo_small = (ids, rows)
+        return rows
+
+    def rows_where(self, seq_ids: list, swapped: bool) -> np.ndarray:
+        rows = np.array([self.row(s) for s in seq_ids], dtype=np.int64)
         if np.unique(rows).size != rows.size:
             dup = next(s for i, s in enumerate(seq_ids) if s in seq_ids[:i])
             raise DuplicateSequenceError(f"sequence {dup!r} appears twice in one swap group")
-        bad = np.flatnonzero(self._swapped[rows] != swapped)
+        bad = np.flatnonzero(self.swapped[rows] != swapped)
         if bad.size:
             s = seq_ids[int(bad[0])]
             raise SequenceStateError(f"sequence {s!r} is {'not ' if swapped else 'already '}swapped out")
         return rows
 
-    def _new_row(self, seq_id: Hashable) -> int:
-        if not self._free_rows:
-            self._grow_rows()
-        row = self._free_rows.pop()
-        self._row_of[seq_id] = row
-        self._seq_of[row] = seq_id
-        self._ns_of[row] = None
-        self._memo_ids = None
+    def views(self) -> tuple:
+        """Memoryviews of the row arrays (and of the GPU refcounts, ``views()[4]``)::
+
+            (ntok, nblk, table, swapped, ref, nreg, pend, nrel, ccid, ckey, flat table, table width)
+
+        Rebuilt after the row arrays or the table are reallocated (``mvs`` is reset to None then)."""
+        mvs = self.mvs
+        if mvs is None:
+            mvs = self.mvs = (memoryview(self.ntok), memoryview(self.nblk), memoryview(self.table),
+                              memoryview(self.swapped), self.ref_mv, memoryview(self.nreg),
+                              memoryview(self.pend), memoryview(self.nrel), memoryview(self.ccid),
+                              memoryview(self.ckey), memoryview(self.table.reshape(-1)), self.table.shape[1])
+        return mvs
+
+    def new_row(self, seq_id: Hashable) -> int:
+        if not self.free_rows:
+            self.grow()
+        row = self.free_rows.pop()
+        self.row_of[seq_id] = row
+        self.seq_of[row] = seq_id
+        self.ns_of[row] = None
+        self.memo_ids = None
         return row
 
-    def _drop_row(self, seq_id: Hashable, row: int) -> None:
-        ntok, nblk, table, swapped, _, nreg, pend, nrel, ccid, ckey = self._views()[:10]
+    def drop_row(self, seq_id: Hashable, row: int) -> None:
+        ntok, nblk, table, swapped, _, nreg, pend, nrel, ccid, ckey = self.views()[:10]
         nb = nblk[row]
         if nb <= 4:
             for c in range(nb):
                 table[row, c] = NULL_BLOCK
         else:
-            self._table[row, :nb] = NULL_BLOCK
+            self.table[row, :nb] = NULL_BLOCK
         # allocate sets ntok, nblk, nreg, pend and the chain; fork copies every field: only these must be reset
         nrel[row] = ccid[row] = 0
         swapped[row] = False
-        del self._row_of[seq_id]
-        self._seq_of[row] = self._ns_of[row] = None
-        self._free_rows.append(row)
-        self._memo_ids = None
+        del self.row_of[seq_id]
+        self.seq_of[row] = self.ns_of[row] = None
+        self.free_rows.append(row)
+        self.memo_ids = None
 
-    def _grow_rows(self) -> None:
-        old = len(self._seq_of)
+    def grow(self) -> None:
+        old = len(self.seq_of)
         new = max(8, 2 * old)
-        for name in ("_ntok", "_ntok0", "_nblk", "_nrel", "_nreg", "_pend", "_swapped", "_ccid", "_ckey"):
+        for name in _ARRAYS:
             a = getattr(self, name)
             b = np.zeros(new, dtype=a.dtype)
             b[:old] = a
             setattr(self, name, b)
-        t = np.full((new, self._table.shape[1]), NULL_BLOCK, dtype=np.int32)
-        t[:old] = self._table
-        self._table = t
-        self._mvs = None  # the plain-Python paths' memoryviews point at the old arrays
-        self._seq_of.extend([None] * (new - old))
-        self._ns_of.extend([None] * (new - old))
-        self._free_rows.extend(range(new - 1, old - 1, -1))
+        t = np.full((new, self.table.shape[1]), NULL_BLOCK, dtype=np.int32)
+        t[:old] = self.table
+        self.table = t
+        self.mvs = None  # the plain-Python paths' memoryviews point at the old arrays
+        self.seq_of.extend([None] * (new - old))
+        self.ns_of.extend([None] * (new - old))
+        self.free_rows.extend(range(new - 1, old - 1, -1))
 
-    def _ensure_cols(self, n: int) -> None:
-        cols = self._table.shape[1]
+    def ensure_cols(self, n: int) -> None:
+        cols = self.table.shape[1]
         if n > cols:
-            t = np.full((self._table.shape[0], max(n, 2 * cols)), NULL_BLOCK, dtype=np.int32)
-            t[:, :cols] = self._table
-            self._table = t
-            self._mvs = None
+            t = np.full((self.table.shape[0], max(n, 2 * cols)), NULL_BLOCK, dtype=np.int32)
+            t[:, :cols] = self.table
+            self.table = t
+            self.mvs = None
 
+    def unique_blocks(self, rows: np.ndarray) -> np.ndarray:
+        """Distinct non-null blocks of the rows, in order of first appearance (int64)."""
+        parts = [self.table[r, self.nrel[r] : self.nblk[r]] for r in rows.tolist()]
+        allb = np.concatenate(parts) if parts else np.zeros(0, np.int32)
+        allb = allb[allb >= 0]
+        _, first = np.unique(allb, return_index=True)
+        return allb[np.sort(first)].astype(np.int64)
+
+    def end_step(self) -> None:
+        """The rows' side of ending a step: snapshot the token counts, switch the same-step checks on."""
+        snap = self.snap
+        if snap is None or snap[2] is not self.ntok:  # (the row arrays were reallocated)
+            snap = self.snap = (memoryview(self.ntok0), memoryview(self.ntok), self.ntok)
+        snap[0][:] = snap[1]  # the token counts at the step's end (a C-level copy)
+        self.stepping = True

@@ -2,14 +2,16 @@
 
 numpy costs about a microsecond per call whatever the size of the arrays, so the vectorised step
 (:mod:`pagedkv._step`) has a floor of about ten microseconds that a batch of one sequence pays in full. Below
-``SMALL_BATCH`` sequences the step runs here instead, reading and writing the *same* flat arrays element by
-element through memoryviews (a memoryview item costs about a third of a numpy scalar access), so there is one
-state and one statement of the semantics: this path handles the common case (one token per sequence, no
-lookahead, no sliding window; copy-on-write included) and returns None, having changed nothing, for
-everything else (bad input, out of blocks, a window), which the vectorised path then handles or reports.
-The stateful tests drive both paths on the same operation sequences.
+``SMALL_BATCH`` sequences the step runs here instead (:class:`Small`, over the same parts as the
+:class:`~pagedkv._step.Stepper`), reading and writing the *same* flat arrays (the
+:class:`~pagedkv._rows.SeqTables`') element by element through memoryviews (``SeqTables.views()``; a
+memoryview item costs about a third of a numpy scalar access), so there is one state and one statement of
+the semantics: this path handles the common case (one token per sequence, no lookahead, no sliding window;
+copy-on-write included) and returns None, having changed nothing, for everything else (bad input, out of
+blocks, a window), which the vectorised path then handles or reports. The stateful tests drive both paths on
+the same operation sequences.
 
-A batch of one (and ``append_slots(seq, [tok])``) takes :meth:`_Small._step_one`, the same step without the
+A batch of one (and ``append_slots(seq, [tok])``) takes :meth:`Small.step_one`, the same step without the
 batch's lists; it builds its one-element results by copying templates (cheaper than ``np.array`` of a list).
 Larger small batches memoise their rows with the vectorised path's batch memo, so an engine that decodes the same
 running set step after step pays one list compare instead of a dict lookup per sequence.
@@ -59,27 +61,22 @@ _new_delta = StepDelta._make
 _NULLS = memoryview(np.full(64, -1, dtype=np.int32))  # NULL_BLOCK x SMALL_TABLE (and more), to clear a row
 
 
-class _Small:
-    """Mixin of :class:`pagedkv.BlockManager`: the plain-Python step for small batches."""
+class Small:
+    """The plain-Python twin of :class:`~pagedkv._step.Stepper` (same parts, same semantics) for small batches,
+    and fork / free of short tables. Counts its copy-on-write copies (``cow_copies``)."""
 
-    _mvs: tuple | None = None
-    _memo_small: tuple | None = None  # (seq_ids list, rows list): see _small_rows
+    def __init__(self, t, blocks, reg, cache, copies: list, bs: int, fixed_w: int) -> None:
+        self.t, self.blocks, self.reg, self.cache = t, blocks, reg, cache
+        self.gpu, self.cpu = blocks.gpu, blocks.cpu
+        self.take_one = blocks.take_one
+        self.copies, self.bs, self.fixed_w = copies, bs, fixed_w
+        self.cow_copies = 0
 
-    def _views(self) -> tuple:
-        """Memoryviews of the row arrays and the GPU refcounts (rebuilt after the row arrays grow)."""
-        mvs = self._mvs  # reset to None wherever the row arrays or the table are reallocated
-        if mvs is None:
-            mvs = self._mvs = (memoryview(self._ntok), memoryview(self._nblk), memoryview(self._table),
-                               memoryview(self._swapped), memoryview(self._gpu._ref), memoryview(self._nreg),
-                               memoryview(self._pend), memoryview(self._nrel), memoryview(self._ccid),
-                               memoryview(self._ckey), memoryview(self._table.reshape(-1)), self._table.shape[1])
-        return mvs
-
-    def _step_one(self, seq_id: object, token_ids: object, result: int):
+    def step_one(self, seq_id: object, token_ids: object, result: int):
         """One token appended to one sequence: ``decode_step`` at batch 1 (``result`` True: returns its
         StepResult; TABLES_DELTA: its StepDelta) and ``append_slots(seq, [tok])`` (``result`` False:
         returns the copy-on-write pairs). None, having changed nothing, when
-        the call is not this path's case (bad input, a swapped sequence, out of blocks). :meth:`_step_small`
+        the call is not this path's case (bad input, a swapped sequence, out of blocks). :meth:`step_small`
         for one sequence, without the batch's lists."""
         if type(token_ids) is np.ndarray:
             if token_ids.dtype.kind not in "iu":
@@ -98,53 +95,54 @@ class _Small:
             return None
         if not 0 <= t <= _TOKEN_MAX:
             return None
+        tb = self.t
         try:
-            r = self._row_of[seq_id]
+            r = tb.row_of[seq_id]
         except (KeyError, TypeError):
             return None
-        ntok, nblk, table, swapped, ref, nreg, pend, _, _, _, _, cols = self._mvs or self._views()
+        ntok, nblk, table, swapped, ref, nreg, pend, _, _, _, _, cols = tb.mvs or tb.views()
         if swapped[r]:
             return None
-        bs = self._bs
+        bs = self.bs
         n = ntok[r]
         j = n // bs
         off = n - j * bs
-        cache = self._cache
+        cache = self.cache
         pair = None
         nb = nblk[r]
         if j == nb:  # the token opens a new block
-            if j >= self._fixed_w > 0:
+            if j >= self.fixed_w > 0:
                 return None  # past block_table_width: the vectorised path reports it
-            if not self._gpu._nfree and (cache is None or not len(cache.evictor)):
+            if not self.gpu._nfree and (cache is None or not len(cache.evictor)):
                 return None
             # ---- mutation: nothing below can fail
-            w = self._take_one()
+            w = self.take_one()
             if j >= cols:
-                self._ensure_cols(j + 1)
-                table = self._views()[2]  # (_ensure_cols dropped the old views)
+                tb.ensure_cols(j + 1)
+                table = tb.views()[2]  # (_ensure_cols dropped the old views)
             table[r, j] = w
             nblk[r] = j + 1
         else:
             w = table[r, j]
             if ref[w] > 1:  # held by others too: copy-on-write
-                if not self._gpu._nfree and (cache is None or not len(cache.evictor)):
+                if not self.gpu._nfree and (cache is None or not len(cache.evictor)):
                     return None
                 # ---- mutation: nothing below can fail
-                dst = self._take_one()
+                dst = self.take_one()
                 table[r, j] = dst
                 if cache is not None:
                     cache.tok[dst] = cache.tok[w]
                 ref[w] -= 1
                 pair = (w, dst)
-                self._cow_copies += 1
-                self._copies.append((2, [w], [dst]))  # the plan's COW part
+                self.cow_copies += 1
+                self.copies.append((2, [w], [dst]))  # the plan's COW part
                 w = dst
         ntok[r] = n + 1
         if cache is not None:
             cache._tok_mv[w, off] = t
             pend[r] = nreg[r]  # this call confirms the row's earlier KV
             if off == bs - 1:  # the block is full: cache it now (burst sharing)
-                self._register1(r, w, j)
+                self.reg.register1(r, w, j)
         if not result:
             return [] if pair is None else [pair]
         slots = _ONE_I64.copy()
@@ -152,12 +150,12 @@ class _Small:
         lens = _ONE_I32.copy()
         lens[0] = n + 1
         if result is True:
-            return _new_result((slots, self._table[r : r + 1, : self._fixed_w or nblk[r]].copy(), lens,
+            return _new_result((slots, tb.table[r : r + 1, : self.fixed_w or nblk[r]].copy(), lens,
                                 _NO_COW if pair is None else np.array([pair], dtype=np.int64)))
-        return self._delta_one(r, j, w, slots, lens, pair, j == nb or pair is not None)  # (TABLES_DELTA)
+        return self.delta_one(r, j, w, slots, lens, pair, j == nb or pair is not None)  # (TABLES_DELTA)
 
-    def _delta_one(self, r: int, j: int, w: int, slots: np.ndarray, lens: np.ndarray, pair, changed: bool) -> StepDelta:
-        """:meth:`_step_one`'s StepDelta: row ``r``, and the entry (r, j) = w if the step changed it."""
+    def delta_one(self, r: int, j: int, w: int, slots: np.ndarray, lens: np.ndarray, pair, changed: bool) -> StepDelta:
+        """:meth:`step_one`'s StepDelta: row ``r``, and the entry (r, j) = w if the step changed it."""
         row = _ONE_I64.copy()
         row[0] = r
         row.flags.writeable = False
@@ -172,31 +170,32 @@ class _Small:
             upd = table_updates([], [])
         return _new_delta((slots, lens, _NO_COW if pair is None else np.array([pair], dtype=np.int64), row, upd))
 
-    def _step_small(self, seq_ids: list, token_ids: object, b: int, result: int = 1) -> StepResult | StepDelta | None:
+    def step_small(self, seq_ids: list, token_ids: object, b: int, result: int = 1) -> StepResult | StepDelta | None:
         """``decode_step`` of a few sequences (``b`` >= 2), one token each: returns its StepResult (its StepDelta
         when ``result`` is TABLES_DELTA), or None (nothing changed) when the call is not this path's case; the
-        vectorised path then handles or reports it. The batch's rows are memoised with the vectorised path's memo (see :meth:`_small_rows`)."""
+        vectorised path then handles or reports it. The batch's rows are memoised with the vectorised path's memo (see :meth:`SeqTables.small_rows`)."""
         toks = small_tokens(token_ids, b)  # the tokens: one valid int per sequence
         if toks is None:
             return None
         if type(seq_ids) is not list:
             seq_ids = list(seq_ids)
-        memo = self._memo_small
-        if memo is not None and memo[0] is self._memo_ids and seq_ids == memo[0]:
+        tb = self.t
+        memo = tb.memo_small
+        if memo is not None and memo[0] is tb.memo_ids and seq_ids == memo[0]:
             rows = memo[1]  # (validated: live, distinct, GPU-resident)
         else:
-            rows = self._small_rows(seq_ids)
+            rows = tb.small_rows(seq_ids)
             if rows is None:
                 return None
-        ntok, nblk, table, swapped, ref, nreg, pend = self._views()[:7]
-        bs = self._bs
+        ntok, nblk, table, swapped, ref, nreg, pend = tb.views()[:7]
+        bs = self.bs
         written = []  # block each row writes (-1: a new block), before copy-on-write
         n_grow = 0
         shared = None  # block -> number of writers in this batch, for shared written blocks
         for r in rows:
             j = ntok[r] // bs
             if j == nblk[r]:
-                if j >= self._fixed_w > 0:
+                if j >= self.fixed_w > 0:
                     return None  # past block_table_width: the vectorised path reports it
                 written.append(-1)
                 n_grow += 1
@@ -216,11 +215,11 @@ class _Small:
                     keeper[w] = i
             cows = [i for i, w in enumerate(written) if w in shared and keeper.get(w) != i]
         need = n_grow + len(cows)
-        if need and need > self.num_free_gpu_blocks:
+        if need and need > self.blocks.num_free:
             return None
         # ---- mutation: nothing below can fail
-        take = self._take_one
-        cache = self._cache
+        take = self.take_one
+        cache = self.cache
         pairs = []
         changed = [] if result == TABLES_DELTA else None  # (row, col, block) entries the step set
         for i in cows:  # copy-on-write destinations first, in batch order
@@ -235,13 +234,13 @@ class _Small:
             written[i] = dst
             pairs.append((src, dst))
         if pairs:
-            self._cow_copies += len(pairs)
-            self._copies.append((2, [p[0] for p in pairs], [p[1] for p in pairs]))  # the plan's COW part
+            self.cow_copies += len(pairs)
+            self.copies.append((2, [p[0] for p in pairs], [p[1] for p in pairs]))  # the plan's COW part
         if n_grow:
             need = max([nblk[r] for r in rows]) + 1
-            if need > self._table.shape[1]:
-                self._ensure_cols(need)
-                table = self._views()[2]  # (_ensure_cols dropped the old views)
+            if need > tb.table.shape[1]:
+                tb.ensure_cols(need)
+                table = tb.views()[2]  # (_ensure_cols dropped the old views)
             for i, r in enumerate(rows):
                 if written[i] < 0:
                     j = ntok[r] // bs
@@ -272,94 +271,62 @@ class _Small:
                 tok[w, off] = t
                 pend[r] = nreg[r]  # this call confirms the row's earlier KV
                 if off == bs - 1:  # the block is full: cache it now (burst sharing)
-                    self._register1(r, w, n // bs)
+                    self.reg.register1(r, w, n // bs)
                 if nblk[r] > width:
                     width = nblk[r]
         if changed is not None:
             upd = table_updates([], [tuple(np.array(c, dtype=np.int64) for c in zip(*changed))] if changed else [])
             return _new_delta((np.array(slots, dtype=np.int64), np.array(lens, dtype=np.int32),
-                               np.array(pairs, dtype=np.int64) if pairs else _NO_COW, self._memo_rows, upd))
-        tables = self._table.take(rows, axis=0)[:, : self._fixed_w or width]  # (take: cheapest for a few rows)
+                               np.array(pairs, dtype=np.int64) if pairs else _NO_COW, tb.memo_rows, upd))
+        tables = tb.table.take(rows, axis=0)[:, : self.fixed_w or width]  # (take: cheapest for a few rows)
         return _new_result((np.array(slots, dtype=np.int64), tables, np.array(lens, dtype=np.int32),
                             np.array(pairs, dtype=np.int64) if pairs else _NO_COW))
 
-    def _small_rows(self, seq_ids: list) -> list | None:
-        """The rows of a batch of live, distinct, GPU-resident sequences, memoised (None: not so). The memo is
-        the vectorised path's (:meth:`_rows`): ``_memo_small`` holds the very list object that is
-        ``_memo_ids``, so whatever drops or replaces that memo (a new or freed row, a swap) drops this one too."""
-        row_of = self._row_of
-        try:
-            rows = [row_of[s] for s in seq_ids]
-        except (KeyError, TypeError):
-            return None
-        if len(set(rows)) != len(rows):
-            return None
-        swapped = self._views()[3]
-        for r in rows:
-            if swapped[r]:
-                return None
-        ids = seq_ids.copy()
-        memo_rows = np.array(rows, dtype=np.int64)
-        memo_rows.flags.writeable = False  # (handed out as StepDelta.table_rows)
-        self._memo_ids, self._memo_rows = ids, memo_rows
-        self._memo_small = (ids, rows)
-        return rows
-
-    def _register1(self, r: int, w: int, j: int) -> None:
-        """:meth:`_register` of the one block ``w`` (column ``j``) a small step filled, through memoryviews."""
-        mvs = self._mvs
-        nreg, ccid, ckey = mvs[5], mvs[8], mvs[9]
-        if nreg[r] != j:  # not the plain case (a chain to catch up): the general form
-            self._register(r)
-            return
-        pcid = ccid[r]
-        if pcid:  # (register records the block's KV event itself when it caches it)
-            ccid[r], ckey[r] = self._cache.register(w, pcid, ckey[r], self._ns_of[r])
-        nreg[r] = j + 1
-
-    def _fork_row(self, prow: int, child) -> None:
+    def fork_row(self, prow: int, child) -> None:
         """Give ``child`` (a new, valid id) a new row, a copy of row ``prow``, and add its references (element by
-        element up to ``SMALL_TABLE`` blocks, vectorised beyond). :meth:`_new_row`'s work is inlined: fork is a
+        element up to ``SMALL_TABLE`` blocks, vectorised beyond). :meth:`SeqTables.new_row`'s work is inlined: fork is a
         per-sequence call."""
-        if not self._free_rows:
-            self._grow_rows()
-        crow = self._free_rows.pop()
-        self._row_of[child] = crow
-        self._seq_of[crow] = child
+        tb = self.t
+        if not tb.free_rows:
+            tb.grow()
+        crow = tb.free_rows.pop()
+        tb.row_of[child] = crow
+        tb.seq_of[crow] = child
         # (the batch memo stays valid: it maps live ids only, and a new id was in no memoised batch)
-        ntok, nblk, table, swapped, ref, nreg, pend, nrel, ccid, ckey, flat, cols = self._mvs or self._views()
+        ntok, nblk, table, swapped, ref, nreg, pend, nrel, ccid, ckey, flat, cols = tb.mvs or tb.views()
         ntok[crow] = ntok[prow]
         nblk[crow] = nb = nblk[prow]
         a = nrel[prow]
-        if a:  # a free row has nrel 0 and is not swapped (_drop_row, _free_small): copy only what differs
+        if a:  # a free row has nrel 0 and is not swapped (drop_row, free_small): copy only what differs
             nrel[crow] = a
         sw = swapped[prow]
         if sw:
             swapped[crow] = True
-        if self._cache is not None:  # (without a cache the chain fields stay 0)
+        if self.cache is not None:  # (without a cache the chain fields stay 0)
             nreg[crow], ccid[crow], ckey[crow] = nreg[prow], ccid[prow], ckey[prow]
             pend[prow] = pend[crow] = nreg[prow]  # the parent's KV is written (it is forked)
-            self._ns_of[crow] = self._ns_of[prow]
+            tb.ns_of[crow] = tb.ns_of[prow]
         if nb <= SMALL_TABLE and not sw:
             p0, c0 = prow * cols, crow * cols
             flat[c0 : c0 + nb] = flat[p0 : p0 + nb]  # one C-level copy of the table row
             for b in flat[p0 + a : p0 + nb].tolist():
                 ref[b] += 1
             return
-        self._table[crow, :nb] = self._table[prow, :nb]
-        pool = self._cpu if sw else self._gpu
-        pool._ref[self._table[prow, a:nb]] += 1
+        tb.table[crow, :nb] = tb.table[prow, :nb]
+        pool = self.cpu if sw else self.gpu
+        pool._ref[tb.table[prow, a:nb]] += 1
 
-    def _free_small(self, seq_id, row: int) -> bool:
+    def free_small(self, seq_id, row: int) -> bool:
         """free() of a GPU-resident row of at most ``SMALL_TABLE`` blocks, element by element: release its blocks
-        tail first (as :meth:`_release_gpu`) and drop the row (as :meth:`_drop_row`). False (nothing done)
+        tail first (as :meth:`Blocks.release`) and drop the row (as :meth:`SeqTables.drop_row`). False (nothing done)
         for any other row."""
-        ntok, nblk, table, swapped, ref, nreg, pend, nrel, ccid, ckey, flat, cols = self._mvs or self._views()
+        tb = self.t
+        ntok, nblk, table, swapped, ref, nreg, pend, nrel, ccid, ckey, flat, cols = tb.mvs or tb.views()
         a, z = nrel[row], nblk[row]
         if z > SMALL_TABLE or swapped[row]:
             return False
         r0 = row * cols
-        cache, pool = self._cache, self._gpu
+        cache, pool = self.cache, self.gpu
         cid = cache._cid_mv if cache is not None else None
         ring, size = pool._ring_mv, pool.num_blocks
         held = flat[r0 + a : r0 + z].tolist()
@@ -375,17 +342,8 @@ class _Small:
                     pool._nfree += 1
         flat[r0 : r0 + z] = _NULLS[:z]  # NULL_BLOCK, one C-level copy
         nrel[row] = ccid[row] = 0  # the fields allocate does not set (fork sets them all)
-        del self._row_of[seq_id]
-        self._seq_of[row] = self._ns_of[row] = None
-        self._free_rows.append(row)
-        self._memo_ids = None
+        del tb.row_of[seq_id]
+        tb.seq_of[row] = tb.ns_of[row] = None
+        tb.free_rows.append(row)
+        tb.memo_ids = None
         return True
-
-    def _take_one(self) -> int:
-        """One GPU block with refcount 1: the oldest free block, else the LRU cached one (evicted)."""
-        pool = self._gpu
-        if pool._nfree:
-            return pool.take_one()
-        b = self._cache.evict()
-        pool._ref[b] = 1
-        return b

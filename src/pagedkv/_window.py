@@ -1,9 +1,10 @@
-"""Sliding window: which leading blocks no future query can see, and their release.
+"""Sliding window (:class:`Window`, a part of the manager): which leading blocks no future query can see, and
+their release.
 
 With a window of W tokens a query at position p sees positions (p - W, p]; before appending at position ``ntok``
 every block wholly before ``ntok - W + 1`` is released (tail first) and its table position becomes NULL_BLOCK::
 
-    table   [ -1 | -1 | 42 | 8 ]      _nrel = 2 leading positions released
+    table   [ -1 | -1 | 42 | 8 ]      nrel = 2 leading positions released
 """
 
 from __future__ import annotations
@@ -13,52 +14,59 @@ import numpy as np
 from .types import NULL_BLOCK
 
 
-class _Window:
-    """Mixin of :class:`pagedkv.BlockManager`: sliding-window releases."""
+class Window:
+    """Sliding-window releases of one manager: ``window`` (tokens, or None: no window) over its tables ``t``
+    (:class:`~pagedkv._rows.SeqTables`), releasing through ``blocks`` (:class:`~pagedkv._blocks.Blocks`).
+    A KV cache group with window retention uses a subclass (:class:`pagedkv._retention.RetainingWindow`)."""
 
-    def _window_release(self, rows: np.ndarray, ntok: np.ndarray) -> tuple | None:
+    def __init__(self, t, blocks, window: int | None, bs: int) -> None:
+        self.t, self.blocks, self.window, self.bs = t, blocks, window, bs
+        self.cache, self.gpu = blocks.cache, blocks.gpu
+
+    def plan(self, rows: np.ndarray, ntok: np.ndarray) -> tuple | None:
         """Table ranges the sliding window lets go before appending at positions ``ntok``: (rows, first, stop)
         of the rows whose leading blocks no query of the step can see any more, or None."""
-        if self._window is None:
+        if self.window is None:
             return None
-        target = np.maximum(ntok - self._window + 1, 0) // self._bs
-        nrel = self._nrel[rows]
+        target = np.maximum(ntok - self.window + 1, 0) // self.bs
+        nrel = self.t.nrel[rows]
         rel = target > nrel
         return (rows[rel], nrel[rel], target[rel]) if rel.any() else None
 
-    def _release_window(self, release: tuple, changed: list | None = None) -> None:
+    def release(self, release: tuple, changed: list | None = None) -> None:
         """Release table ranges ``[a, z)`` of rows (tail first) and mark them NULL_BLOCK. When every row lets
         one block go (the steady state of a decode batch) and the blocks are distinct, in a few numpy calls.
         ``changed``: a list that receives the (rows, cols) of the entries that held a block (for
         :class:`TableUpdates`)."""
         rows, first, stop = release
         if rows.size > 2 and not np.count_nonzero(stop - first - 1):
-            blk = self._table[rows, first]
+            blk = self.t.table[rows, first]
             held = blk >= 0
             live = blk[held]
             if np.unique(live).size == live.size:  # (forks advancing in lockstep share blocks: row by row)
-                self._release_gpu(live)
+                self.blocks.release(live)
                 if changed is not None:
                     changed.append((rows[held], first[held]))
-                self._table[rows, first] = NULL_BLOCK
-                self._nrel[rows] = stop
+                self.t.table[rows, first] = NULL_BLOCK
+                self.t.nrel[rows] = stop
                 return
         for r, a, z in zip(*release):
-            blk = self._table[r, a:z]
+            blk = self.t.table[r, a:z]
             held = blk >= 0
-            self._release_gpu(blk[held][::-1].copy())
+            self.blocks.release(blk[held][::-1].copy())
             if changed is not None:
                 cols = np.flatnonzero(held) + a
                 changed.append((np.full(cols.size, r, dtype=np.int64), cols))
-            self._table[r, a:z] = NULL_BLOCK
-            self._nrel[r] = z
+            self.t.table[r, a:z] = NULL_BLOCK
+            self.t.nrel[r] = z
 
-    def _release_window_small(self, rows: list) -> None:
-        """:meth:`_window_release` and :meth:`_release_window` of a few rows about to append one token each, in
-        plain Python (the small-batch step of KV cache groups; rows in batch order, each tail first)."""
-        ntok, _, table, _, ref, _, _, nrel = (self._mvs or self._views())[:8]
-        w, bs = self._window, self._bs
-        cache, pool = self._cache, self._gpu
+    def release_small(self, rows: list, changed: list | None = None) -> None:
+        """:meth:`plan` and :meth:`release` of a few rows about to append one token each, in
+        plain Python (the small-batch step of KV cache groups; rows in batch order, each tail first).
+        ``changed``: a list that receives the (row, col) of each entry that held a block."""
+        ntok, _, table, _, ref, _, _, nrel = (self.t.mvs or self.t.views())[:8]
+        w, bs = self.window, self.bs
+        cache, pool = self.cache, self.gpu
         cid = cache._cid_mv if cache is not None else None
         ring, size = pool._ring_mv, pool.num_blocks
         for r in rows:
@@ -74,6 +82,8 @@ class _Window:
                 if b < 0:
                     continue
                 table[r, j] = -1
+                if changed is not None:
+                    changed.append((r, j))
                 n = ref[b] - 1
                 ref[b] = n
                 if n == 0:

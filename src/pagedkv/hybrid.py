@@ -58,13 +58,14 @@ from .errors import (DuplicateSequenceError, InvalidArgumentError, InvalidTokens
                      PromptTooLongError, TableWidthError)
 from ._retention import WindowRetention, _SlidingGroup
 from ._small import small_tokens
+from ._step import _NO_UPDATES, TABLES_DELTA, table_updates
 from .evictor import RetentionEvictor
 from .kv_groups import FullAttentionSpec, SlidingWindowSpec
 from .manager import BlockManager
 from .prefix_cache import _GroupNS, _chain, _encode_namespace, _slices
 from .types import NULL_BLOCK, AllocStatus, CopyPlan, PrefixHit, Stats
 
-__all__ = ["HybridBlockManager", "HybridPrefillBatch", "HybridStepResult"]
+__all__ = ["HybridBlockManager", "HybridPrefillBatch", "HybridStepDelta", "HybridStepResult"]
 
 _U64 = 2**64 - 1
 _EMPTY_I64 = np.zeros(0, dtype=np.int64)
@@ -82,6 +83,19 @@ class HybridStepResult(NamedTuple):
     block_tables: tuple  #: G int32 (B, width) arrays, NULL_BLOCK padded (and where a window released blocks)
     seq_lens: np.ndarray  #: int32 (B,): tokens of each sequence after the append
     cow: np.ndarray  #: int64 (m, 2): copy-on-write pairs of every group, in the order made (as in the copy plan)
+
+
+class HybridStepDelta(NamedTuple):
+    """:meth:`HybridBlockManager.decode_step`'s result with ``block_tables=False``: :class:`pagedkv.StepDelta` per
+    group. The engine keeps one table matrix per group, all indexed by the same table rows (a sequence has one
+    row, the same in every group), and applies ``table_updates[g]`` to group ``g``'s matrix after the step: row
+    ``table_rows[i]`` of it then equals ``block_table(seq_ids[i], g)``."""
+
+    slot_mapping: np.ndarray  #: int64 (G, T): as HybridStepResult.slot_mapping
+    seq_lens: np.ndarray  #: int32 (B,): as HybridStepResult.seq_lens
+    cow: np.ndarray  #: int64 (m, 2): as HybridStepResult.cow
+    table_rows: np.ndarray  #: int64 (B,): the table row of each sequence of the batch (every group)
+    table_updates: tuple  #: G :class:`pagedkv.TableUpdates`: the entries the step changed in each group's tables
 
 
 class HybridPrefillBatch(NamedTuple):
@@ -180,7 +194,7 @@ class HybridBlockManager:
                              for s in specs[1:]]
         self._m0 = first
         for m in self._g:  # every group's blocks stay in the prefix cache's map (see pagedkv._hybrid_alloc)
-            m._use_runs = False
+            m._reg.use_runs = False
         # window retention (pagedkv._retention): spare sliding blocks are evicted first
         self._retention = None
         if retain:
@@ -188,7 +202,7 @@ class HybridBlockManager:
             self._retention = WindowRetention(first._bs, retention_interval, first._cache, first._gpu._ref)
             for m, s in zip(self._g, specs):
                 if s.window is not None:
-                    m._retention, m._k = self._retention, -(-s.window // first._bs)
+                    m._win.retention, m._win.k = self._retention, -(-s.window // first._bs)
         # shared parts, named (the coordinator's only direct state besides the group managers)
         self._bs = first._bs
         self._gpu, self._cpu, self._cache, self._tier = first._gpu, first._cpu, first._cache, first._tier
@@ -273,9 +287,10 @@ class HybridBlockManager:
         swapped blocks of every group."""
         s = self._m0.stats
         rest = self._g[1:]
-        return s._replace(cow_copies=s.cow_copies + sum(m._cow_copies for m in rest),
-                          swapped_out_blocks=s.swapped_out_blocks + sum(m._swapped_out for m in rest),
-                          swapped_in_blocks=s.swapped_in_blocks + sum(m._swapped_in for m in rest))
+        rs = [m.stats for m in rest]
+        return s._replace(cow_copies=s.cow_copies + sum(r.cow_copies for r in rs),
+                          swapped_out_blocks=s.swapped_out_blocks + sum(r.swapped_out_blocks for r in rs),
+                          swapped_in_blocks=s.swapped_in_blocks + sum(r.swapped_in_blocks for r in rs))
 
     def __len__(self) -> int:
         return len(self._m0)
@@ -314,14 +329,14 @@ class HybridBlockManager:
         block src to dst in every layer slot), and end the step. See BlockManager.take_copy_plan."""
         plan = self._m0.take_copy_plan()  # (the copy list and the tier are shared: one plan)
         for m in self._g[1:]:
-            m._end_step()
+            m._t.end_step()
         return plan
 
     def take_copies(self):
         """Deprecated, as BlockManager.take_copies: :meth:`take_copy_plan` narrowed to the CPU tier's copies."""
         got = self._m0.take_copies()
         for m in self._g[1:]:
-            m._end_step()
+            m._t.end_step()
         return got
 
     def take_events(self) -> list:
@@ -334,18 +349,18 @@ class HybridBlockManager:
         (chunked prefill: every group records the same prompt lengths). O(blocks + total table length)."""
         m0 = self._m0
         for g, m in enumerate(self._g[1:], 1):
-            if m._row_of != m0._row_of:
+            if m._t.row_of != m0._t.row_of:
                 raise AssertionError(f"group {g} holds other sequences or rows than group 0")
-            rows = np.fromiter(m0._row_of.values(), dtype=np.int64, count=len(m0._row_of))
-            if not (np.array_equal(m._ntok[rows], m0._ntok[rows]) and np.array_equal(m._nblk[rows], m0._nblk[rows])
-                    and np.array_equal(m._swapped[rows], m0._swapped[rows])):
+            rows = np.fromiter(m0._t.row_of.values(), dtype=np.int64, count=len(m0._t.row_of))
+            if not (np.array_equal(m._t.ntok[rows], m0._t.ntok[rows]) and np.array_equal(m._t.nblk[rows], m0._t.nblk[rows])
+                    and np.array_equal(m._t.swapped[rows], m0._t.swapped[rows])):
                 raise AssertionError(f"group {g}: token counts, table lengths or swap states differ from group 0")
-            if m0._stepping and not np.array_equal(m._ntok0[rows], m0._ntok0[rows]):
+            if m0._t.stepping and not np.array_equal(m._t.ntok0[rows], m0._t.ntok0[rows]):
                 raise AssertionError(f"group {g}: the same-step snapshot (_ntok0) differs from group 0's: a same-step "
                                      "check would refuse in one group after another changed")
-            if m._partial != m0._partial:
-                raise AssertionError(f"group {g}: partly prefilled sequences {m._partial} differ from group 0's "
-                                     f"{m0._partial}")
+            if m._t.partial != m0._t.partial:
+                raise AssertionError(f"group {g}: partly prefilled sequences {m._t.partial} differ from group 0's "
+                                     f"{m0._t.partial}")
         m0._check_invariants_of(tuple(self._g))
 
     def reset_prefix_cache(self) -> int:
@@ -354,7 +369,7 @@ class HybridBlockManager:
         freed = self._m0.reset_prefix_cache()
         if self._cache is not None:
             for m in self._g[1:]:
-                m._ccid[:] = 0  # break every live chain
+                m._t.ccid[:] = 0  # break every live chain
         return freed
 
     # ------------------------------------------------------------------ allocation
@@ -429,7 +444,7 @@ class HybridBlockManager:
         h = (n - 1) // bs
         full_hits = {}
         for g in self._full:
-            hits, _ = self._g[g]._lookup(arr, roots[g])
+            hits, _ = self._g[g]._reg.lookup(arr, roots[g])
             full_hits[g] = hits
             h = min(h, len(hits))
         L = h
@@ -547,17 +562,17 @@ class HybridBlockManager:
             for g, (m, (gpu, cpu, chain, nnull)) in enumerate(zip(self._g, plan.groups)):
                 if cache is not None and plan.nhit == 0:
                     chain = cache.root(gns[g], intern=True)  # (a new namespace's root gets its content id now)
-                m._alloc_commit(seq_id, gns[g], plan.arr, plan.n, plan.nblocks, gpu, cpu, chain, True, nnull)
+                m._alloc.commit(seq_id, gns[g], plan.arr, plan.n, plan.nblocks, gpu, cpu, chain, True, nnull)
         if plan.n < plan.arr.size:  # a chunk: fork waits for the rest of the prompt (every group records it)
             for m in self._g:
-                m._partial[seq_id] = plan.arr.size
+                m._t.partial[seq_id] = plan.arr.size
         if self._retention is not None:
-            self._retention.set_prompt(self._m0._row_of[seq_id], plan.arr.size)  # (the whole prompt, chunked too)
+            self._retention.set_prompt(self._m0._t.row_of[seq_id], plan.arr.size)  # (the whole prompt, chunked too)
         if cache is not None:
             for ns in gns:
                 cache.intern(ns)
             if len(cache._roots) > cache.sweep_at:
-                self._m0._release_namespaces()
+                self._m0._reg.release_namespaces()
 
     def _record_siblings(self, seq_id: Hashable, fresh: int) -> None:
         """Record the sibling keys of the new sequence's prompt blocks (see :mod:`pagedkv._hybrid_alloc`): for each
@@ -567,14 +582,14 @@ class HybridBlockManager:
         keys the plan read from valid records). A position where a block is not cached records content id 0
         (never valid). O(blocks recorded x groups), numpy."""
         m = self._g[self._full[0]]
-        row = m._row_of[seq_id]
-        z = int(m._nreg[row])
-        a = max(fresh, max(int(self._g[g]._nrel[row]) for g in self._sliding))
+        row = m._t.row_of[seq_id]
+        z = int(m._t.nreg[row])
+        a = max(fresh, max(int(self._g[g]._t.nrel[row]) for g in self._sliding))
         if z <= a:
             return
         cid, key = self._cache.cid, self._cache.key
-        b0 = m._table[row, a:z]
-        bs = np.stack([self._g[g]._table[row, a:z] for g in self._sliding])  # (S, z - a)
+        b0 = m._t.table[row, a:z]
+        bs = np.stack([self._g[g]._t.table[row, a:z] for g in self._sliding])  # (S, z - a)
         c0 = cid[b0]
         ok = (cid[bs] != 0).all(axis=0)
         sib_cid, sib_key = self._sib
@@ -586,7 +601,7 @@ class HybridBlockManager:
         if held:
             b = np.array(held, dtype=np.int64)
             self._gpu._ref[b] -= 1  # (distinct blocks)
-            self._m0._park_gpu(b[self._gpu._ref[b] == 0].astype(np.int32))
+            self._m0._blocks.park(b[self._gpu._ref[b] == 0].astype(np.int32))
 
     def allocate(self, seq_id: Hashable, token_ids: Sequence[int], num_lookahead_slots: int = 0, *,
                  namespace: object = None, num_new_tokens: int | None = None) -> int:
@@ -605,7 +620,7 @@ class HybridBlockManager:
             group 1 (sliding)  [ NULL | window | chunk 1 ][ chunk 2 ][ chunk 3 ]
                                  allocate(num_new_tokens=k)  decode_step  decode_step
         """
-        self._m0._check_new_id(seq_id)
+        self._m0._t.check_new_id(seq_id)
         la = check_int("num_lookahead_slots", num_lookahead_slots, 0)
         k = None if num_new_tokens is None else check_int("num_new_tokens", num_new_tokens, 1)
         gns = self._gns(namespace)
@@ -651,7 +666,7 @@ class HybridBlockManager:
             chunks = [check_int(f"num_new_tokens[{i}]", c, 1) for i, c in enumerate(num_new_tokens)]
         seen: set = set()
         for s in seq_ids:
-            self._m0._check_new_id(s)
+            self._m0._t.check_new_id(s)
             if s in seen:
                 raise DuplicateSequenceError(f"sequence {s!r} appears twice in one batch")
             seen.add(s)
@@ -688,7 +703,7 @@ class HybridBlockManager:
             shapes.append((None, plan.n))
         self._unhold(held)
         sids = tuple(seq_ids)
-        res = [m._prefill_result(sids, arrs, shapes, [m._row_of[s] for s in seq_ids], nhit) for m in self._g]
+        res = [m._alloc.prefill_result(sids, arrs, shapes, [m._t.row_of[s] for s in seq_ids], nhit) for m in self._g]
         r0 = res[0]
         return HybridPrefillBatch(sids, r0.num_cached_tokens, r0.query_start_loc, r0.token_ids, r0.positions,
                                   _frozen(np.stack([r.slot_mapping for r in res])),
@@ -745,32 +760,32 @@ class HybridBlockManager:
         for m in self._g[1:]:
             m.fork(parent_seq_id, child_seq_id)
         if self._retention is not None:
-            self._retention.copy_row(self._m0._row_of[parent_seq_id], self._m0._row_of[child_seq_id])
+            self._retention.copy_row(self._m0._t.row_of[parent_seq_id], self._m0._t.row_of[child_seq_id])
 
     def free(self, seq_id: Hashable, *, cache: bool = True) -> None:
         """Release the sequence's blocks in every group (see BlockManager.free; with ``cache=False`` every group's
         blocks of the last call are withdrawn, or, if another sequence holds one, SequenceStateError and nothing
         changes)."""
-        row = self._m0._row(seq_id)
-        if not cache and self._cache is not None and not self._m0._swapped[row]:
+        row = self._m0._t.row(seq_id)
+        if not cache and self._cache is not None and not self._m0._t.swapped[row]:
             ref = self._gpu._ref
             for m in self._g:
-                blocks = m._table[row, int(m._pend[row]) : int(m._nreg[row])]
+                blocks = m._t.table[row, int(m._t.pend[row]) : int(m._t.nreg[row])]
                 blocks = blocks[blocks >= 0]
                 if (ref[blocks] > 1).any():
-                    m._withdraw_pending(seq_id, row)  # raises, changing nothing
+                    m._reg.withdraw_pending(seq_id, row)  # raises, changing nothing
         ret = self._retention
-        if ret is None or self._m0._swapped[row]:
+        if ret is None or self._m0._t.swapped[row]:
             for m in self._g:
                 m.free(seq_id, cache=cache)
             return
         # window retention: the sliding groups' blocks outside every useful window become spare once released
-        end = int(self._m0._ntok[row]) // self._bs
+        end = int(self._m0._t.ntok[row]) // self._bs
         parts = []
         for m in self._g:
             if m._window is not None:
-                a, z = int(m._nrel[row]), int(m._nblk[row])
-                parts.append((m._table[row, a:z].copy(), ret.kept(row, np.arange(a, z), m._k, end)))
+                a, z = int(m._t.nrel[row]), int(m._t.nblk[row])
+                parts.append((m._t.table[row, a:z].copy(), ret.kept(row, np.arange(a, z), m._win.k, end)))
         for m in self._g:
             m.free(seq_id, cache=cache)
         for blk, keep in parts:
@@ -794,9 +809,9 @@ class HybridBlockManager:
         """Whether every group's one-token fast path (BlockManager._step1) succeeds for these rows: no shared
         written block in any group, every group's new blocks free together, no table past the fixed width."""
         m0, bs = self._m0, self._bs
-        ntok = m0._ntok[rows]
+        ntok = m0._t.ntok[rows]
         j = ntok // bs
-        grow = j >= m0._nblk[rows]
+        grow = j >= m0._t.nblk[rows]
         n_grow = int(np.count_nonzero(grow))
         if n_grow * len(self._g) > self.num_free_gpu_blocks:
             return False
@@ -805,7 +820,7 @@ class HybridBlockManager:
         ref = self._gpu._ref
         col = j - grow
         for m in self._g:
-            ref_w = ref[m._table[rows, col]]
+            ref_w = ref[m._t.table[rows, col]]
             if ref_w.max() > 1 and (ref_w[~grow] > 1).any():
                 return False
         return True
@@ -813,7 +828,7 @@ class HybridBlockManager:
     def _plans(self, rows: np.ndarray, counts: np.ndarray, la: int) -> list:
         """Every group's append plan; raises OutOfBlocksError / TableWidthError (changing nothing) when the sum
         of the groups' new blocks exceeds the free ones (plus what the windows release)."""
-        plans = [m._plan(rows, counts, la) for m in self._g]
+        plans = [m._step.plan(rows, counts, la) for m in self._g]
         free = self.num_free_gpu_blocks
         needed = sum(p[0] for p in plans)
         available = free + sum(p[1] - free for p in plans)
@@ -825,7 +840,7 @@ class HybridBlockManager:
             need = plans[0][2]
             if int(need.max()) > fw:
                 i = int(np.argmax(need))
-                raise TableWidthError(f"sequence {self._m0._seq_of[int(rows[i])]!r} would need {int(need[i])} "
+                raise TableWidthError(f"sequence {self._m0._t.seq_of[int(rows[i])]!r} would need {int(need[i])} "
                                       f"blocks; block_table_width is {fw}")
         return plans
 
@@ -842,7 +857,7 @@ class HybridBlockManager:
                 return sorted(range(len(plans)), key=net.__getitem__)
         return list(range(len(plans)))
 
-    def _step_small(self, seq_ids, token_ids: object, b: int) -> HybridStepResult | None:
+    def _step_small(self, seq_ids, token_ids: object, b: int, delta: bool) -> HybridStepResult | HybridStepDelta | None:
         """One token each for a few sequences, every group in plain Python (numpy's fixed costs dominate there):
         sliding groups release what their windows let go, then every group takes the plain-Python step of
         BlockManager (:mod:`pagedkv._small`). None, having changed nothing, unless every group's blocks (new
@@ -852,14 +867,14 @@ class HybridBlockManager:
             return None
         m0 = self._m0
         ids = seq_ids if type(seq_ids) is list else list(seq_ids)
-        memo = m0._memo_small
-        if memo is not None and memo[0] is m0._memo_ids and ids == memo[0]:
+        memo = m0._t.memo_small
+        if memo is not None and memo[0] is m0._t.memo_ids and ids == memo[0]:
             rows = memo[1]
         else:
-            rows = m0._small_rows(ids)
+            rows = m0._t.small_rows(ids)
             if rows is None:
                 return None
-        ntok, nblk = (m0._mvs or m0._views())[:2]
+        ntok, nblk = (m0._t.mvs or m0._t.views())[:2]
         bs, fw = self._bs, m0._fixed_w
         grow = 0
         for r in rows:
@@ -871,7 +886,7 @@ class HybridBlockManager:
         need = grow * len(self._g)
         ref = self._gpu._ref_mv
         for m in self._g:
-            table = (m._mvs or m._views())[2]
+            table = (m._t.mvs or m._t.views())[2]
             for r in rows:
                 j = ntok[r] // bs
                 if j < nblk[r] and ref[table[r, j]] > 1:
@@ -879,42 +894,67 @@ class HybridBlockManager:
         if need > self.num_free_gpu_blocks:
             return None
         # ---- mutation: nothing below can fail (every group's step finds its blocks)
-        res = []
+        mode = TABLES_DELTA if delta else True
+        res, upds = [], []
         for m in self._g:
+            released = [] if delta else None
             if m._window is not None:
-                m._release_window_small(rows)
+                m._win.release_small(rows, released)
             if b == 1:
-                got = m._step_one(ids[0], toks, True)
+                got = m._small.step_one(ids[0], toks, mode)
             else:
-                got = m._step_small(ids, toks, b)
+                got = m._small.step_small(ids, toks, b, mode)
             assert got is not None, "a group's small step declined after the coordinator's checks"
             res.append(got)
+            if delta:
+                upd = got.table_updates
+                if released:  # (the window's releases come first; no entry is both released and given a block)
+                    rr, cc = zip(*released)
+                    upd = table_updates([(np.array(rr, dtype=np.int64), np.array(cc, dtype=np.int64))],
+                                        [(upd.rows, upd.cols, upd.blocks)] if upd.rows.size else [])
+                upds.append(upd)
         cows = [r.cow for r in res if len(r.cow)]
-        return HybridStepResult(np.concatenate([r.slot_mapping for r in res]).reshape(len(res), b),
-                                tuple([r.block_tables for r in res]), res[0].seq_lens,
-                                res[0].cow if not cows else cows[0] if len(cows) == 1 else np.concatenate(cows))
+        slots = np.concatenate([r.slot_mapping for r in res]).reshape(len(res), b)
+        cow = res[0].cow if not cows else cows[0] if len(cows) == 1 else np.concatenate(cows)
+        if delta:
+            return HybridStepDelta(slots, res[0].seq_lens, cow, res[0].table_rows, tuple(upds))
+        return HybridStepResult(slots, tuple([r.block_tables for r in res]), res[0].seq_lens, cow)
+
+    def table_rows(self, seq_ids: Iterable[Hashable]) -> np.ndarray:
+        """The table row of each sequence (read-only int64 (B,)), the same in every group: the row of
+        :class:`HybridStepDelta`'s ``table_rows`` and of every group's ``table_updates`` (see
+        :meth:`pagedkv.BlockManager.table_rows`). O(B)."""
+        return self._m0.table_rows(seq_ids)
 
     def decode_step(self, seq_ids: Sequence[Hashable], token_ids: object, num_lookahead_slots: int = 0, *,
-                    num_new_tokens: object = None) -> HybridStepResult:
+                    num_new_tokens: object = None, block_tables: bool = True) -> HybridStepResult | HybridStepDelta:
         """The batched hot path in every group (see BlockManager.decode_step for the token forms, lookahead and
-        the contract): returns :class:`HybridStepResult` (slot mapping and block tables per group). All or
-        nothing across groups. O(B x groups) numpy work, plus O(1) per block filled, released or evicted."""
+        the contract): returns :class:`HybridStepResult` (slot mapping and block tables per group), or with
+        ``block_tables=False`` :class:`HybridStepDelta` (each group's changed table entries instead of its
+        padded tables: the step's cost does not grow with the context length). All or nothing across groups.
+        O(B x groups) numpy work, plus O(1) per block filled, released or evicted."""
+        if block_tables is not True and block_tables is not False:
+            raise InvalidArgumentError(f"block_tables must be True or False, got {block_tables!r}")
+        delta = not block_tables
         if num_new_tokens is None and num_lookahead_slots == 0 and type(num_lookahead_slots) is int:
             b = len(seq_ids)
             if 0 < b <= self._m0._small_batch:
-                res = self._step_small(seq_ids, token_ids, b)
+                res = self._step_small(seq_ids, token_ids, b, delta)
                 if res is not None:
                     return res
-        rows = self._m0._rows(seq_ids)
+        rows = self._m0._t.rows(seq_ids)
         b = rows.size
         arr, counts = self._tokens(b, token_ids, num_new_tokens)
         la = check_int("num_lookahead_slots", num_lookahead_slots, 0)
         G = len(self._g)
         if b == 0:
+            if delta:
+                return HybridStepDelta(np.zeros((G, 0), np.int64), np.zeros(0, np.int32), np.zeros((0, 2), np.int64),
+                                       _frozen(np.zeros(0, np.int64)), tuple(_NO_UPDATES for _ in self._g))
             return HybridStepResult(np.zeros((G, 0), np.int64), tuple(np.zeros((0, 0), np.int32) for _ in self._g),
                                     np.zeros(0, np.int32), np.zeros((0, 2), np.int64))
         if counts is None and la == 0 and self._fast_ok(rows):
-            res = [m._step1(rows, arr) for m in self._g]
+            res = [m._step.step1(rows, arr, delta) for m in self._g]
             order = None
         else:
             if counts is None:
@@ -924,12 +964,16 @@ class HybridBlockManager:
             plans = self._plans(rows, counts, la)
             res = [None] * len(plans)
             order = self._commit_order(plans)
+            mode = TABLES_DELTA if delta else True
             for g in order:
-                res[g] = self._g[g]._append(rows, counts, arr, la, True, plans[g])
+                res[g] = self._g[g]._step.append(rows, counts, arr, la, mode, plans[g])
         cows = [res[g].cow for g in (order or range(G)) if res[g].cow.size]  # (in the order they were made)
-        return HybridStepResult(np.stack([r.slot_mapping for r in res]), tuple(r.block_tables for r in res),
-                                res[0].seq_lens, np.concatenate(cows) if len(cows) > 1 else
-                                cows[0] if cows else res[0].cow)
+        cow = np.concatenate(cows) if len(cows) > 1 else cows[0] if cows else res[0].cow
+        slots = np.stack([r.slot_mapping for r in res])
+        if delta:
+            return HybridStepDelta(slots, res[0].seq_lens, cow, res[0].table_rows,
+                                   tuple(r.table_updates for r in res))
+        return HybridStepResult(slots, tuple(r.block_tables for r in res), res[0].seq_lens, cow)
 
     def append_slots(self, seq_id: Hashable, token_ids: Sequence[int], num_lookahead_slots: int = 0
                      ) -> list[tuple[int, int]]:
@@ -941,7 +985,7 @@ class HybridBlockManager:
     def can_append_slots(self, seq_ids: Iterable[Hashable], num_lookahead_slots: int = 0, *,
                          num_new_tokens: int = 1) -> bool:
         """Whether the append fits in every group together (see BlockManager.can_append_slots)."""
-        rows = self._m0._rows(list(seq_ids))
+        rows = self._m0._t.rows(list(seq_ids))
         la = check_int("num_lookahead_slots", num_lookahead_slots, 0)
         k = check_int("num_new_tokens", num_new_tokens, 1)
         if rows.size == 0:
@@ -955,17 +999,17 @@ class HybridBlockManager:
     # ------------------------------------------------------------------ swapping
     def can_swap_out(self, seq_ids: Iterable[Hashable]) -> bool:
         seq_ids = list(seq_ids)
-        rows = self._m0._rows_where(seq_ids, swapped=False)
-        return sum(m._unique_blocks(rows).size for m in self._g) <= self.num_free_cpu_blocks
+        rows = self._m0._t.rows_where(seq_ids, swapped=False)
+        return sum(m._t.unique_blocks(rows).size for m in self._g) <= self.num_free_cpu_blocks
 
     def swap_out(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
         """Move the sequences' blocks of every group to the CPU pool; (gpu, cpu) pairs of every group. All or
         nothing (OutOfBlocksError when the CPU pool cannot take every group's blocks)."""
         seq_ids = list(seq_ids)
         m0 = self._m0
-        rows = m0._rows_where(seq_ids, swapped=False)
-        m0._refuse_pending_swap_out(seq_ids, rows)  # (every group holds the same snapshot: group 0's answers)
-        need = sum(m._unique_blocks(rows).size for m in self._g)
+        rows = m0._t.rows_where(seq_ids, swapped=False)
+        m0._swap.refuse_pending(seq_ids, rows)  # (every group holds the same snapshot: group 0's answers)
+        need = sum(m._t.unique_blocks(rows).size for m in self._g)
         if need > self.num_free_cpu_blocks:
             raise OutOfBlocksError(f"swap_out needs {need} CPU blocks in {len(self._g)} KV cache groups; "
                                    f"{self.num_free_cpu_blocks} are free")
@@ -979,15 +1023,15 @@ class HybridBlockManager:
         need = most = 0
         ref = self._gpu._ref
         for m in self._g:
-            uniq = m._unique_blocks(rows)
-            reuse = m._swap_in_reuse(uniq)
-            extra = int(np.maximum(-(-(m._ntok[rows] + la) // self._bs) - m._nblk[rows], 0).sum())
+            uniq = m._t.unique_blocks(rows)
+            reuse = m._swap.reuse(uniq)
+            extra = int(np.maximum(-(-(m._t.ntok[rows] + la) // self._bs) - m._t.nblk[rows], 0).sum())
             most += uniq.size + extra
             need += uniq.size + extra - sum(1 for g in reuse.tolist() if g >= 0 and ref[g] > 0)
         return need, most
 
     def can_swap_in(self, seq_ids: Iterable[Hashable], num_lookahead_slots: int = 0) -> AllocStatus:
-        rows = self._m0._rows_where(list(seq_ids), swapped=True)
+        rows = self._m0._t.rows_where(list(seq_ids), swapped=True)
         la = check_int("num_lookahead_slots", num_lookahead_slots, 0)
         need, most = self._swap_in_need(rows, la)
         wm = self._m0._watermark_blocks
@@ -998,7 +1042,7 @@ class HybridBlockManager:
     def swap_in(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
         """Bring swapped-out sequences back in every group; (cpu, gpu) pairs of every group. All or nothing."""
         seq_ids = list(seq_ids)
-        rows = self._m0._rows_where(seq_ids, swapped=True)
+        rows = self._m0._t.rows_where(seq_ids, swapped=True)
         need, _ = self._swap_in_need(rows, 0)
         if need > self.num_free_gpu_blocks:
             raise OutOfBlocksError(f"swap_in needs {need} GPU blocks in {len(self._g)} KV cache groups; "
@@ -1006,11 +1050,11 @@ class HybridBlockManager:
         out: list = []
         for m in self._g:
             out += m.swap_in(seq_ids)
-        if self._m0._stepping:  # a group that reused a block cached in this step marks the rows pending: all do
+        if self._m0._t.stepping:  # a group that reused a block cached in this step marks the rows pending: all do
             pend = np.zeros(rows.size, dtype=bool)
             for m in self._g:
-                pend |= m._ntok0[rows] < 0
+                pend |= m._t.ntok0[rows] < 0
             if pend.any():
                 for m in self._g:
-                    m._ntok0[rows[pend]] = -1
+                    m._t.ntok0[rows[pend]] = -1
         return out

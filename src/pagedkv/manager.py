@@ -13,18 +13,21 @@ table positions hold ``NULL_BLOCK`` (-1)::
     table       [  -1   |   -1    |   42    |   8    |  11  ]
                  released by the window      still visible
 
-This module is the facade: the public contract of every call. The machinery lives in one module per concern,
-mixed into :class:`BlockManager` (each reads the others' state directly, so the hot path pays no indirection):
+This module is the facade: the public contract of every call, argument checks, and a call into the part that
+does the work. The parts are objects with their own state, built by :meth:`BlockManager._wire`, each given the
+objects it works on (no part reaches another's private state; dependencies point down only)::
 
-    _rows.py        seq_id -> row; per-sequence row arrays and the block-table matrix
-    _step.py        the append: planning, the one-token fast path, the general path, take/release
-    _small.py       the same append in plain Python for small batches (no numpy fixed costs)
-    _window.py      sliding-window releases
-    _alloc.py       allocate / allocate_batch / lookup_prefix: plan, then commit
-    _registry.py    prefix-cache registration (burst sharing), lookup, withdrawal, KV events
-    _swap.py        swap_out / swap_in
-    _invariants.py  check_invariants
-    pool.py, prefix_cache.py   per-block flat arrays (refcounts, free ring; keys, tokens, LRU)
+    _alloc.py       Allocator   allocate / allocate_batch / lookup_prefix: plan, then commit
+    _step.py        Stepper     the vectorised append: planning, the one-token fast path, the general path
+    _small.py       Small       the same append in plain Python for small batches; fork; free of short tables
+    _swap.py        Swapper     swap_out / swap_in
+    _registry.py    Registry    prefix-cache registration (burst sharing), lookup, promotion, withdrawal
+    _window.py      Window      sliding-window releases
+    _rows.py        SeqTables   seq_id -> row; per-sequence row arrays and the block-table matrix
+    _blocks.py      Blocks      take / release GPU and CPU blocks (free ring, then LRU eviction)
+    _invariants.py  check       the O(n) audit behind check_invariants
+    pool.py, prefix_cache.py, evictor.py, cpu_tier.py   per-block flat arrays (refcounts, free ring; keys,
+                                tokens, LRU; the CPU tier)
 
 **KV layout.** A *slot* is ``block_id * block_size + offset``: the row of one token's K (or V) in a layer's KV
 tensor viewed as ``(num_gpu_blocks * block_size, num_kv_heads, head_dim)`` (e.g. ``kv_cache[layer, i]
@@ -52,19 +55,20 @@ from typing import Hashable, Iterable, Sequence
 import numpy as np
 
 from ._checks import as_tokens as _as_tokens, batch_tokens, check_int as _check_int, flat_tokens, token_count
-from ._alloc import _Allocator
-from ._invariants import _Invariants
-from ._registry import _Registry
-from ._rows import _EMPTY_I64, _Rows
-from ._small import SMALL_BATCH, _Small
-from ._step import _NO_UPDATES, TABLES_DELTA, _Stepper
-from ._swap import _Swapper
-from ._window import _Window
+from . import _invariants
+from ._alloc import Allocator
+from ._blocks import Blocks
+from ._registry import Registry
+from ._rows import _EMPTY_I64, SeqTables
+from ._small import SMALL_BATCH, Small
+from ._step import _NO_UPDATES, TABLES_DELTA, Stepper
+from ._swap import Swapper
+from ._window import Window
 from .errors import InvalidArgumentError, InvalidTokensError, OutOfBlocksError, SequenceStateError
 from .cpu_tier import CpuTier
 from .events import KVCacheEvent
 from .pool import BlockPool
-from .prefix_cache import PrefixCache, _GroupNS, _encode_namespace
+from .prefix_cache import PrefixCache, _encode_namespace
 from .cpu_tier import DEMOTE, PROMOTE
 from .types import (_EMPTY_PLAN, NULL_BLOCK, AllocStatus, CacheCopies, CopyKind, CopyPlan, PrefillBatch, PrefixHit,
                     Stats, StepDelta, StepResult, TableUpdates)
@@ -72,7 +76,7 @@ from .types import (_EMPTY_PLAN, NULL_BLOCK, AllocStatus, CacheCopies, CopyKind,
 __all__ = ["AllocStatus", "BlockManager", "CacheCopies", "CopyKind", "CopyPlan", "NULL_BLOCK", "PrefillBatch",
            "PrefixHit", "StepDelta", "StepResult", "Stats", "TableUpdates"]
 
-# tags of the parts of the pending copy plan (the _Swapper's and _Stepper's; the CPU tier's are DEMOTE, PROMOTE)
+# tags of the parts of the pending copy plan (the Swapper's, Stepper's and Small's; the CPU tier's are DEMOTE, PROMOTE)
 SWAP_OUT, SWAP_IN, COW = 0, 1, 2
 _KIND_OF_TAG = (CopyKind.GPU_TO_CPU, CopyKind.CPU_TO_GPU, CopyKind.GPU_TO_GPU, CopyKind.GPU_TO_CPU,
                 CopyKind.CPU_TO_GPU)
@@ -81,7 +85,7 @@ _NO_PAIRS = np.zeros((0, 2), dtype=np.int64)
 _NO_PAIRS.flags.writeable = False
 
 
-class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Allocator, _Invariants):
+class BlockManager:
     """Paged KV-cache block manager (see module docstring).
 
     Args:
@@ -156,49 +160,46 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
             if cpu_prefix_cache else None
         self._watermark_blocks = int(watermark * num_gpu_blocks)
         self._fixed_w = block_table_width or 0  # fixed width of batch block tables (0: the batch's longest)
-        self._init_rows(sliding_window)
+        self._blocks = Blocks(self._gpu, self._cpu, self._cache, self._cpu_id, self._tier)
+        self._wire(sliding_window)
 
     @classmethod
     def _sharing(cls, parts: "BlockManager", sliding_window: int | None) -> "BlockManager":
         """A manager of its own sequences and tables over the *shared parts* of ``parts`` (internal): the GPU and
-        CPU pools, the prefix cache, the CPU tier and its CPU-side arrays, the pending copy list, the watermark and
-        the table width are the same objects. :class:`pagedkv.HybridBlockManager` runs one per KV cache group;
-        each call on one of them keeps every invariant of the shared parts except the pools' refcount totals,
-        which the coordinator checks over all of them (:meth:`_check_invariants_of`). O(1)."""
+        CPU pools with the prefix cache (one :class:`~pagedkv._blocks.Blocks`), the CPU tier and its CPU-side
+        arrays, the pending copy list, the watermark and the table width are the same objects.
+        :class:`pagedkv.HybridBlockManager` runs one per KV cache group; each call on one of them keeps every
+        invariant of the shared parts except the pools' refcount totals, which the coordinator checks over all
+        of them (:meth:`_check_invariants_of`). O(1)."""
         self = cls.__new__(cls)
         for name in ("_bs", "_gpu", "_cpu", "_cache", "_kv_events", "_cpu_tok", "_cpu_id", "_copies", "_tier",
-                     "_watermark_blocks", "_fixed_w"):
+                     "_watermark_blocks", "_fixed_w", "_blocks"):
             setattr(self, name, getattr(parts, name))
-        self._init_rows(sliding_window)
+        self._wire(sliding_window)
         return self
 
-    def _init_rows(self, sliding_window: int | None) -> None:
-        """The per-sequence state (rows, tables, step snapshot, counters): empty."""
-        self._stepping = False  # take_copy_plan has been called: steps are known, the same-step checks are on
-        self._snap = None  # memoryviews (_ntok0, _ntok) for take_copy_plan's snapshot
+    _Window = Window
+    """The class of the sliding-window part (a KV cache group with window retention: ``RetainingWindow``)."""
+
+    def _wire(self, sliding_window: int | None) -> None:
+        """Build this manager's own parts (empty tables) over the shared ones; each part gets what it works on::
+
+            SeqTables ─┬─ Window ────┬─ Stepper      every part takes and releases blocks through Blocks
+                       ├─ Registry ──┼─ Small        (pools, prefix cache, evictor); Stepper, Small and
+                       │             └─ Allocator    Swapper append to the pending copy list
+                       └─ Swapper
+        """
         self._window = sliding_window
-        # sequences: seq_id -> row of the per-sequence arrays
-        self._row_of: dict[Hashable, int] = {}
-        self._seq_of: list[Hashable | None] = []
-        self._ns_of: list[object] = []  # namespace of each row (for KV events)
-        self._free_rows: list[int] = []
-        self._ntok = np.zeros(0, dtype=np.int64)  # tokens appended
-        self._ntok0 = np.zeros(0, dtype=np.int64)  # tokens at the last take_copy_plan (-1: allocated since)
-        self._nblk = np.zeros(0, dtype=np.int64)  # table length (incl. released and lookahead-only blocks)
-        self._nrel = np.zeros(0, dtype=np.int64)  # leading blocks released by the sliding window
-        self._nreg = np.zeros(0, dtype=np.int64)  # leading blocks already offered to the prefix cache
-        self._pend = np.zeros(0, dtype=np.int64)  # blocks pend..nreg-1 were cached by the row's last call
-        self._ccid = np.zeros(0, dtype=np.int64)  # chain: cid of block nreg-1 (a root's before block 0), 0: broken
-        self._ckey = np.zeros(0, dtype=np.uint64)  # chain: key of that content
-        self._swapped = np.zeros(0, dtype=bool)
-        self._partial: dict = {}  # seq_id -> prompt length, for sequences allocated a chunk of their prompt
-        self._table = np.full((0, max(4, self._fixed_w)), NULL_BLOCK, dtype=np.int32)
-        # one-entry memo of the last batch: seq_ids list -> validated rows
         self._small_batch = SMALL_BATCH  # batches up to this size take the plain-Python step (0: never)
-        self._memo_ids: list | None = None
-        self._memo_rows = _EMPTY_I64
-        self._cow_copies = self._swapped_out = self._swapped_in = 0
-        self._query_tokens = self._hit_tokens = self._query_blocks = self._hit_blocks = 0
+        bs, blocks, cache, tier, copies = self._bs, self._blocks, self._cache, self._tier, self._copies
+        t = self._t = SeqTables(self._gpu._ref_mv, max(4, self._fixed_w))
+        win = self._win = self._Window(t, blocks, sliding_window, bs)
+        reg = self._reg = Registry(t, blocks, cache, tier, self._cpu_tok, self._cpu_id, bs, self._kv_events)
+        self._step = Stepper(t, blocks, win, reg, cache, copies, bs, self._fixed_w)
+        self._small = Small(t, blocks, reg, cache, copies, bs, self._fixed_w)
+        self._alloc = Allocator(t, blocks, reg, cache, tier, self._cpu_id, bs, self._watermark_blocks,
+                                self._fixed_w)
+        self._swap = Swapper(t, blocks, cache, tier, self._cpu_tok, self._cpu_id, copies)
 
     # ------------------------------------------------------------------ read-only state
     @property
@@ -229,12 +230,12 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
     @property
     def num_free_gpu_blocks(self) -> int:
         """Plain free GPU blocks plus unreferenced cached ones (which are evicted on demand)."""
-        return self._gpu._nfree + (len(self._cache.evictor) if self._cache is not None else 0)
+        return self._blocks.num_free
 
     @property
     def num_free_cpu_blocks(self) -> int:
         """Plain free CPU blocks plus the CPU tier's evictable cached ones (swap evicts them on demand)."""
-        return self._cpu._nfree + (self._tier.num_evictable if self._tier is not None else 0)
+        return self._blocks.num_free_cpu
 
     @property
     def cpu_prefix_cache(self) -> bool:
@@ -273,16 +274,8 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
             parts.clear()
         else:
             plan = _EMPTY_PLAN
-        self._end_step()
+        self._t.end_step()
         return plan
-
-    def _end_step(self) -> None:
-        """The rows' side of ending a step: snapshot the token counts, switch the same-step checks on."""
-        snap = self._snap
-        if snap is None or snap[2] is not self._ntok:  # (the row arrays were reallocated)
-            snap = self._snap = (memoryview(self._ntok0), memoryview(self._ntok), self._ntok)
-        snap[0][:] = snap[1]  # the token counts at the step's end (a C-level copy)
-        self._stepping = True
 
     def take_copies(self) -> CacheCopies:
         """Deprecated: :meth:`take_copy_plan` (it ends the step the same way) narrowed to the CPU tier's copies,
@@ -308,45 +301,45 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
     @property
     def stats(self) -> Stats:
         return Stats(
-            self._query_tokens,
-            self._hit_tokens,
-            self._query_blocks,
-            self._hit_blocks,
+            (a := self._alloc).query_tokens,
+            a.hit_tokens,
+            a.query_blocks,
+            a.hit_blocks,
             self._cache.evictions if self._cache is not None else 0,
-            self._cow_copies,
-            self._swapped_out,
-            self._swapped_in,
+            self._step.cow_copies + self._small.cow_copies,
+            self._swap.swapped_out,
+            self._swap.swapped_in,
             *((t.hit_tokens, t.hit_blocks, t.demotions, t.promotions, t.evictions, t.dropped)
               if (t := self._tier) is not None else ()),
         )
 
     def __len__(self) -> int:
-        return len(self._row_of)
+        return len(self._t.row_of)
 
     def __contains__(self, seq_id: object) -> bool:
         try:
-            return seq_id in self._row_of
+            return seq_id in self._t.row_of
         except TypeError:
             return False
 
     @property
     def seq_ids(self) -> tuple:
         """Live sequence ids, in allocation order."""
-        return tuple(self._row_of)
+        return tuple(self._t.row_of)
 
     def num_tokens(self, seq_id: Hashable) -> int:
         """Tokens appended to the sequence (prompt plus every appended token)."""
-        return int(self._ntok[self._row(seq_id)])
+        return int(self._t.ntok[self._t.row(seq_id)])
 
     def is_swapped(self, seq_id: Hashable) -> bool:
-        return bool(self._swapped[self._row(seq_id)])
+        return bool(self._t.swapped[self._t.row(seq_id)])
 
     def block_table(self, seq_id: Hashable) -> np.ndarray:
         """The sequence's block table: a read-only int32 copy, one entry per block of
         ``ceil((num_tokens + reserved lookahead) / block_size)``, NULL_BLOCK where the sliding window released the
         block. While the sequence is swapped out the ids are CPU block ids. O(table length)."""
-        row = self._row(seq_id)
-        t = self._table[row, : self._nblk[row]].copy()
+        row = self._t.row(seq_id)
+        t = self._t.table[row, : self._t.nblk[row]].copy()
         t.flags.writeable = False
         return t
 
@@ -356,7 +349,7 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
         sequence). A sequence keeps its row from ``allocate`` / ``fork`` to ``free``, swapped out or not; a
         freed row is given to a later sequence. Rows are small ints (below the most sequences live at once,
         rounded up to a power of two, at least 8). Swapped-out sequences are allowed. O(B)."""
-        rows = np.array([self._row(s) for s in seq_ids], dtype=np.int64)
+        rows = np.array([self._t.row(s) for s in seq_ids], dtype=np.int64)
         rows.flags.writeable = False
         return rows
 
@@ -365,16 +358,16 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
 
         Positions up to the reserved lookahead slots are allowed. Raises SequenceStateError for a swapped-out
         sequence or for positions released by the sliding window. O(end - start)."""
-        row = self._row(seq_id)
+        row = self._t.row(seq_id)
         start = _check_int("start", start, 0)
         end = _check_int("end", end, start)
-        cap = int(self._nblk[row]) * self._bs
+        cap = int(self._t.nblk[row]) * self._bs
         if end > cap:
             raise InvalidArgumentError(f"slot range [{start}, {end}) exceeds the {cap} slots of sequence {seq_id!r}")
-        if self._swapped[row]:
+        if self._t.swapped[row]:
             raise SequenceStateError(f"sequence {seq_id!r} is swapped out; it has no GPU slots")
         pos = np.arange(start, end, dtype=np.int64)
-        blocks = self._table[row, pos // self._bs].astype(np.int64)
+        blocks = self._t.table[row, pos // self._bs].astype(np.int64)
         if blocks.size and blocks.min() < 0:
             raise SequenceStateError(f"positions [{start}, {end}) of {seq_id!r} include blocks released by the window")
         return blocks * self._bs + pos % self._bs
@@ -415,7 +408,7 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
             if k is not None and k < arr.size:
                 needed = -(-(k + la) // self._bs)
         else:
-            hits, _ = self._lookup(arr, self._cache.root(namespace, intern=False))
+            hits, _ = self._reg.lookup(arr, self._cache.root(namespace, intern=False))
             if k is not None and len(hits) * self._bs + k < arr.size:
                 needed = -(-(len(hits) * self._bs + k + la) // self._bs)
             ref = self._gpu._ref
@@ -457,7 +450,7 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
             prompt   [ hit (cached) | chunk 1 ][ chunk 2 ][ chunk 3 ]
                        allocate(num_new_tokens=k)  decode_step  decode_step (last: sample)
         """
-        self._check_new_id(seq_id)
+        self._t.check_new_id(seq_id)
         la = num_lookahead_slots if type(num_lookahead_slots) is int and num_lookahead_slots >= 0 else \
             _check_int("num_lookahead_slots", num_lookahead_slots, 0)
         if num_new_tokens is None:
@@ -465,16 +458,16 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
         else:
             k = _check_int("num_new_tokens", num_new_tokens, 1)
             token_ids = _as_tokens(token_ids)
-        arr, n, nblocks, hits, cpu_hits, chain, need = self._alloc_plan(token_ids, la, namespace,
+        arr, n, nblocks, hits, cpu_hits, chain, need = self._alloc.plan(token_ids, la, namespace,
                                                                         checked=k is not None, chunk=k)
         if need > self._gpu._nfree and need > self.num_free_gpu_blocks:
             raise OutOfBlocksError(
                 f"prompt of {n} tokens needs {need} new blocks; {self.num_free_gpu_blocks} are free"
             )
         # mutation starts here; nothing below can fail
-        self._alloc_commit(seq_id, namespace, arr, n, nblocks, hits, cpu_hits, chain, referenced=False)
+        self._alloc.commit(seq_id, namespace, arr, n, nblocks, hits, cpu_hits, chain, referenced=False)
         if k is not None and n < token_ids.size:
-            self._partial[seq_id] = token_ids.size
+            self._t.partial[seq_id] = token_ids.size
         return (len(hits) + (len(cpu_hits) if cpu_hits else 0)) * self._bs
 
     def allocate_batch(self, seq_ids: Sequence[Hashable], token_ids: Sequence[Sequence[int]],
@@ -520,7 +513,7 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
             if isinstance(num_new_tokens, (int, np.integer)) or len(num_new_tokens) != len(seq_ids):
                 raise InvalidArgumentError("num_new_tokens must be None or one chunk size per prompt")
             chunks = [_check_int(f"num_new_tokens[{i}]", c, 1) for i, c in enumerate(num_new_tokens)]
-        return self._allocate_batch(seq_ids, prompts, la, namespaces, chunks)
+        return self._alloc.allocate_batch(seq_ids, prompts, la, namespaces, chunks)
 
     def lookup_prefix(self, token_ids: Sequence[int], num_lookahead_slots: int = 0, *,
                       namespace: object = None, num_new_tokens: int | None = None) -> PrefixHit:
@@ -541,7 +534,7 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
             nb = -(-((n if k is None else min(n, k)) + la) // self._bs)
             return PrefixHit(0, 0, 0, nb)
         arr = _as_tokens(token_ids)
-        hits, _ = self._lookup(arr, self._cache.root(namespace, intern=False))
+        hits, _ = self._reg.lookup(arr, self._cache.root(namespace, intern=False))
         ref = self._gpu._ref_mv
         held = sum(1 for b in hits if b >= 0 and ref[b] > 0)
         ncpu = sum(1 for b in hits if b < 0)
@@ -549,48 +542,36 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
         nb = -(-(n + la) // self._bs)
         return PrefixHit(len(hits) * self._bs, len(hits), ncpu, nb - held)
 
-    def _release_namespaces(self) -> None:
-        """Forget the prefix-cache namespaces that no live sequence and no cached block uses (bounded state per
-        tenant: memory proportional to the namespaces in use, not to all ever seen). Amortised O(1) per new
-        namespace (see :meth:`PrefixCache.release_namespaces`)."""
-        keep = {b""}
-        for ns in self._ns_of:
-            if ns is not None:
-                if type(ns) is _GroupNS:  # (a KV cache group's rows keep the roots of every group)
-                    keep.update(ns.family)
-                else:
-                    keep.add(_encode_namespace(ns))
-        self._cache.release_namespaces(keep, self._cpu_id)
-
     def fork(self, parent_seq_id: Hashable, child_seq_id: Hashable) -> None:
         """Create ``child_seq_id`` sharing every block of the parent (refcounts + 1); a later write into a shared
         block gets a copy-on-write pair. Works for swapped-out parents too (the child is swapped out as well).
         A parent allocated a chunk of its prompt (``allocate(..., num_new_tokens=)``) is forked only once its
         whole prompt is appended (SequenceStateError before, changing nothing). O(table length)."""
-        row_of = self._row_of
-        try:  # (the checks of _row and _check_new_id, inlined: fork is a per-sequence call)
+        t = self._t
+        row_of = t.row_of
+        try:  # (the checks of SeqTables.row and check_new_id, inlined: fork is a per-sequence call)
             prow = row_of[parent_seq_id]
             fresh = child_seq_id not in row_of
         except (KeyError, TypeError):
-            prow = self._row(parent_seq_id)
+            prow = t.row(parent_seq_id)
             fresh = False
         if not fresh:
-            self._check_new_id(child_seq_id)
-        if self._partial and parent_seq_id in self._partial:
-            n = self._partial[parent_seq_id]
-            if self._ntok[prow] < n:
+            t.check_new_id(child_seq_id)
+        if t.partial and parent_seq_id in t.partial:
+            n = t.partial[parent_seq_id]
+            if t.ntok[prow] < n:
                 raise SequenceStateError(
-                    f"fork({parent_seq_id!r}, ...): only {int(self._ntok[prow])} of its {n} prompt tokens are "
+                    f"fork({parent_seq_id!r}, ...): only {int(t.ntok[prow])} of its {n} prompt tokens are "
                     "appended (chunked prefill); fork it once the whole prompt is")
-        if self._stepping and self._ntok[prow] != self._ntok0[prow]:
+        if t.stepping and t.ntok[prow] != t.ntok0[prow]:
             raise SequenceStateError(
                 f"fork({parent_seq_id!r}, ...): the parent was handed slots in this step and their KV is written "
                 "only by the step's forward; fork after it (after take_copy_plan() and the forward)")
-        if self._partial:
-            self._partial.pop(parent_seq_id, None)  # (complete: forget it only once the fork cannot fail)
-        self._fork_row(prow, child_seq_id)
-        if self._stepping:
-            self._ntok0[self._row_of[child_seq_id]] = self._ntok0[prow]
+        if t.partial:
+            t.partial.pop(parent_seq_id, None)  # (complete: forget it only once the fork cannot fail)
+        self._small.fork_row(prow, child_seq_id)
+        if t.stepping:
+            t.ntok0[t.row_of[child_seq_id]] = t.ntok0[prow]
 
 
     def free(self, seq_id: Hashable, *, cache: bool = True) -> None:
@@ -614,29 +595,30 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
         ``cache=True`` says the sequence's KV is written: before the step's forward it is for sequences not handed
         slots in the step; abort one that was with ``cache=False`` and leave it out of the forward (see
         docs/engine-contract.md)."""
-        row = self._row(seq_id)
-        if not cache and self._cache is not None and not self._swapped[row]:
-            self._withdraw_pending(seq_id, row)  # may raise; changes nothing then
-        if self._partial:
-            self._partial.pop(seq_id, None)
-        if self._free_small(seq_id, row):
+        t = self._t
+        row = t.row(seq_id)
+        if not cache and self._cache is not None and not t.swapped[row]:
+            self._reg.withdraw_pending(seq_id, row)  # may raise; changes nothing then
+        if t.partial:
+            t.partial.pop(seq_id, None)
+        if self._small.free_small(seq_id, row):
             return
-        if self._swapped[row]:
-            self._release_cpu(self._table[row, self._nrel[row] : self._nblk[row]][::-1].copy())
+        if t.swapped[row]:
+            self._blocks.release_cpu(t.table[row, t.nrel[row] : t.nblk[row]][::-1].copy())
         else:
-            self._release_gpu(self._table[row, self._nrel[row] : self._nblk[row]][::-1].copy())
-        self._drop_row(seq_id, row)
+            self._blocks.release(t.table[row, t.nrel[row] : t.nblk[row]][::-1].copy())
+        t.drop_row(seq_id, row)
 
     # ------------------------------------------------------------------ appending (the per-step path)
     def can_append_slots(self, seq_ids: Iterable[Hashable], num_lookahead_slots: int = 0, *, num_new_tokens: int = 1) -> bool:
         """Whether appending ``num_new_tokens`` to each sequence (plus lookahead) fits in the free GPU blocks,
         counting new blocks, copy-on-write copies and blocks the sliding window releases. O(batch)."""
-        rows = self._rows(list(seq_ids))
+        rows = self._t.rows(list(seq_ids))
         la = _check_int("num_lookahead_slots", num_lookahead_slots, 0)
         k = _check_int("num_new_tokens", num_new_tokens, 1)
         if rows.size == 0:
             return True
-        plan = self._plan(rows, np.full(rows.size, k, dtype=np.int64), la)
+        plan = self._step.plan(rows, np.full(rows.size, k, dtype=np.int64), la)
         return plan[0] <= plan[1]
 
     def append_slots(self, seq_id: Hashable, token_ids: Sequence[int], num_lookahead_slots: int = 0) -> list[tuple[int, int]]:
@@ -645,13 +627,13 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
         writing. A convenience over :meth:`decode_step`; raises OutOfBlocksError (changing nothing) when full."""
         if num_lookahead_slots == 0 and self._small_batch and self._window is None and \
                 type(num_lookahead_slots) is int:
-            got = self._step_one(seq_id, token_ids, False)
+            got = self._small.step_one(seq_id, token_ids, False)
             if got is not None:  # the plain-Python path (see _small.py)
                 return got
-        rows = self._rows([seq_id])
+        rows = self._t.rows([seq_id])
         arr = _as_tokens(token_ids)
         la = _check_int("num_lookahead_slots", num_lookahead_slots, 0)
-        res = self._append(rows, np.array([arr.size], dtype=np.int64), arr, la, tables=False)
+        res = self._step.append(rows, np.array([arr.size], dtype=np.int64), arr, la, tables=False)
         return [(int(s), int(d)) for s, d in res.cow]
 
     def decode_step(self, seq_ids: Sequence[Hashable], token_ids: object, num_lookahead_slots: int = 0, *,
@@ -706,14 +688,14 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
             b = len(seq_ids)
             if b == 1 and self._small_batch:
                 (s,) = seq_ids  # (any iterable of one id)
-                got = self._step_one(s, token_ids, mode)
+                got = self._small.step_one(s, token_ids, mode)
                 if got is not None:
                     return got
             elif 0 < b <= self._small_batch:
-                got = self._step_small(seq_ids, token_ids, b, mode)
+                got = self._small.step_small(seq_ids, token_ids, b, mode)
                 if got is not None:
                     return got
-        rows = self._rows(seq_ids)
+        rows = self._t.rows(seq_ids)
         b = rows.size
         if num_new_tokens is not None:
             arr, counts = flat_tokens(token_ids, num_new_tokens, b)
@@ -734,33 +716,33 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
             return StepResult(_EMPTY_I64, np.zeros((0, 0), np.int32), np.zeros(0, np.int32), np.zeros((0, 2), np.int64))
         if counts is None:
             if la == 0:
-                res = self._step1(rows, arr, mode == TABLES_DELTA)
+                res = self._step.step1(rows, arr, mode == TABLES_DELTA)
                 if res is not None:
                     return res
             counts = np.ones(b, dtype=np.int64)
-        return self._append(rows, counts, arr, la, tables=mode)
+        return self._step.append(rows, counts, arr, la, tables=mode)
 
     # ------------------------------------------------------------------ swapping
     def can_swap_out(self, seq_ids: Iterable[Hashable]) -> bool:
         """Whether the CPU pool has room for the sequences' blocks (each shared block counted once)."""
-        rows = self._rows_where(list(seq_ids), swapped=False)
-        return self._unique_blocks(rows).size <= self.num_free_cpu_blocks
+        rows = self._t.rows_where(list(seq_ids), swapped=False)
+        return self._t.unique_blocks(rows).size <= self.num_free_cpu_blocks
 
     def swap_out(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
         """Move the sequences' blocks to the CPU pool; returns (gpu_block, cpu_block) pairs to copy. A block
         shared by several of these sequences moves once; one also held by a sequence left on the GPU is copied
         and stays there for it. Raises OutOfBlocksError (changing nothing) if the CPU pool is too small.
         O(total table length)."""
-        return self._swap_out(list(seq_ids))
+        return self._swap.swap_out(list(seq_ids))
 
     def can_swap_in(self, seq_ids: Iterable[Hashable], num_lookahead_slots: int = 0) -> AllocStatus:
         """Whether swapped-out sequences fit back on the GPU (with the watermark and ``num_lookahead_slots``
         extra slots each): NEVER, LATER or OK, as for can_allocate."""
-        rows = self._rows_where(list(seq_ids), swapped=True)
+        rows = self._t.rows_where(list(seq_ids), swapped=True)
         la = _check_int("num_lookahead_slots", num_lookahead_slots, 0)
-        uniq = self._unique_blocks(rows)
-        reuse = self._swap_in_reuse(uniq)
-        extra = np.maximum(-(-(self._ntok[rows] + la) // self._bs) - self._nblk[rows], 0).sum()
+        uniq = self._t.unique_blocks(rows)
+        reuse = self._swap.reuse(uniq)
+        extra = np.maximum(-(-(self._t.ntok[rows] + la) // self._bs) - self._t.nblk[rows], 0).sum()
         need = int(uniq.size + extra)
         if need > self._gpu.num_blocks - self._watermark_blocks:
             return AllocStatus.NEVER
@@ -772,7 +754,7 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
         """Bring swapped-out sequences back; returns (cpu_block, gpu_block) pairs to copy. With prefix caching a
         full block whose content is still cached on the GPU is reused instead of copied. Raises OutOfBlocksError
         (changing nothing) if the GPU pool is too small. O(total table length)."""
-        return self._swap_in(list(seq_ids))
+        return self._swap.swap_in(list(seq_ids))
 
     # ------------------------------------------------------------------ cache maintenance
     def reset_prefix_cache(self) -> int:
@@ -787,6 +769,23 @@ class BlockManager(_Rows, _Stepper, _Small, _Window, _Registry, _Swapper, _Alloc
         if self._tier is not None:
             self._tier.clear()
         self._cpu_id[0] = 0
-        self._ccid[:] = 0  # break every live chain
+        self._t.ccid[:] = 0  # break every live chain
         return len(freed)
 
+
+    # ------------------------------------------------------------------ audit
+    def check_invariants(self) -> None:
+        """Check every invariant of the manager in O(blocks + total table length); raise AssertionError.
+
+        - each GPU (CPU) block's refcount equals the number of GPU-resident (swapped-out) tables holding it;
+        - no block appears twice in one table, released positions hold NULL_BLOCK, tables cover the tokens;
+        - free ring, evictor and used blocks partition each pool (free + cached-free + used == total);
+        - the free ring holds unreferenced uncached blocks, the evictor unreferenced cached ones, in a
+          consistent linked list; the cache map and the per-block entries agree (no block under two keys).
+        """
+        self._check_invariants_of((self,))
+
+    def _check_invariants_of(self, managers: Sequence["BlockManager"]) -> None:
+        """:meth:`check_invariants` of managers sharing this one's parts (KV cache groups): each manager's rows
+        and tables, then the shared parts with every manager's references counted."""
+        _invariants.check(self._blocks, self._tier, self._bs, [(m._t, m._window) for m in managers])

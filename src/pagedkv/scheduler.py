@@ -86,7 +86,9 @@ does not grow with context length, and the engine keeps the tables itself, one r
     row 2  [ 11 12 .. .. ]       the engine (a forked sample's first decode, a sequence swapped in), whole rows
                              <-- DecodeBatch.result.table_updates: the step's changed entries, applied after those
 
-and the decode's tables are then rows ``result.table_rows`` of it (docs/engine-contract.md).
+and the decode's tables are then rows ``result.table_rows`` of it (docs/engine-contract.md). With a
+:class:`~pagedkv.HybridBlockManager` the result is a :class:`~pagedkv.HybridStepDelta`, the engine keeps one such
+matrix per KV cache group (same rows), and the whole tables it loads are tuples of one table per group.
 """
 
 from __future__ import annotations
@@ -187,7 +189,8 @@ class DecodeBatch(NamedTuple):
     result: Any  # the StepResult of decode_step: slot_mapping, block_tables, seq_lens, cow (HybridStepResult:
     #              per KV cache group; StepDelta with incremental tables: see below)
     # incremental_tables: (seq_id, table_row, block_table) of the batch's sequences whose whole row the engine
-    # loads before applying result.table_updates (a forked sample's first decode, a sequence swapped in since)
+    # loads before applying result.table_updates (a forked sample's first decode, a sequence swapped in since);
+    # block_table is a tuple of one table per group with KV cache groups
     table_loads: tuple = ()
 
 
@@ -738,7 +741,7 @@ class Scheduler:
             todo = [sid for sid in ids if sid in pending]
             if todo:
                 rows = bm.table_rows(todo).tolist()
-                loads = tuple((sid, row, bm.block_table(sid)) for sid, row in zip(todo, rows))
+                loads = tuple((sid, row, self._table(sid)) for sid, row in zip(todo, rows))
                 for sid in todo:
                     del pending[sid]
         return DecodeBatch(seq_ids, input_tokens, positions, query_lens, k, result, loads)

@@ -138,10 +138,10 @@ class PagedKV:
         if tables:
             return bm.decode_step(seq_ids, token_ids)
         # the bookkeeping alone: what decode_step does minus the batch tables (append_slots' path)
-        rows = bm._rows(seq_ids)
+        rows = bm._t.rows(seq_ids)
         if len(token_ids) != rows.size:
             raise InvalidTokensError(f"got {len(token_ids)} tokens for a batch of {rows.size}")
-        return bm._append(rows, np.ones(rows.size, dtype=np.int64), token_ids, 0, tables=False)
+        return bm._step.append(rows, np.ones(rows.size, dtype=np.int64), token_ids, 0, tables=False)
 
     def free_ids(self) -> list[int]:
         return self.bm._gpu.free_ids().tolist()
@@ -154,11 +154,11 @@ class _PublicReadsManager(BlockManager):
     """BlockManager whose decode_step builds the engine-facing output through the public read-only API."""
 
     def decode_step(self, seq_ids, token_ids, num_lookahead_slots=0):
-        rows = self._rows(seq_ids)
+        rows = self._t.rows(seq_ids)
         b = rows.size
         if len(token_ids) != b:
             raise InvalidTokensError(f"got {len(token_ids)} tokens for a batch of {b}")
-        res = self._append(rows, np.ones(b, dtype=np.int64), token_ids, num_lookahead_slots, tables=False)
+        res = self._step.append(rows, np.ones(b, dtype=np.int64), token_ids, num_lookahead_slots, tables=False)
         tabs = [self.block_table(s) for s in seq_ids]  # public: read-only copy per sequence
         lens = np.fromiter((self.num_tokens(s) for s in seq_ids), dtype=np.int32, count=b)
         out = np.full((b, max(t.size for t in tabs)), NULL_BLOCK, dtype=np.int32)

@@ -205,7 +205,9 @@ class LLM:
         )
         self.enable_chunked_prefill = bool(enable_chunked_prefill)
         # the engine's block tables: row table_rows(seq) holds the sequence's table (see the module docstring)
-        self._tables = np.full((max(8, max_num_seqs), 16), NULL_BLOCK, dtype=np.int32)
+        # (with KV cache groups one such matrix per group, the same rows)
+        self._tables = [np.full((max(8, max_num_seqs), 16), NULL_BLOCK, dtype=np.int32)
+                        for _ in range(len(self.kv_cache_groups) if self.kv_cache_groups is not None else 1)]
         kv_kw = {"grouped": True} if grouped else {}
         self.kv_cache = self.model.allocate_kv_cache(num_gpu_blocks, block_size, **kv_kw)
         self.cpu_kv_cache = self.model.allocate_kv_cache(num_cpu_blocks, block_size, device="cpu", **kv_kw) \
@@ -381,31 +383,36 @@ class LLM:
         times.total = time.perf_counter() - t_start
         times.block_manager = self._timed_bm.seconds - bm0
 
-    def _fit_tables(self, rows: int, cols: int) -> None:
-        t = self._tables
+    def _fit_tables(self, g: int, rows: int, cols: int) -> None:
+        t = self._tables[g]
         if rows > t.shape[0] or cols > t.shape[1]:
             grown = np.full((max(rows, 2 * t.shape[0]), max(cols, 2 * t.shape[1])), NULL_BLOCK, dtype=np.int32)
             grown[: t.shape[0], : t.shape[1]] = t
-            self._tables = grown
+            self._tables[g] = grown
 
-    def _load_row(self, row: int, table: np.ndarray) -> None:
-        self._fit_tables(row + 1, table.size)
-        self._tables[row] = NULL_BLOCK
-        self._tables[row, : table.size] = table
+    def _load_row(self, row: int, table: Any) -> None:
+        """Load a sequence's whole table (a tuple of one per group with KV cache groups) into row ``row``."""
+        for g, tab in enumerate((table,) if self.kv_cache_groups is None else table):
+            self._fit_tables(g, row + 1, tab.size)
+            t = self._tables[g]
+            t[row] = NULL_BLOCK
+            t[row, : tab.size] = tab
 
     def _update_tables(self, plan: Any) -> None:
         """Bring the engine's block tables up to date with a plan: whole rows for its prefills and for the decode's
-        ``table_loads``, then the decode step's changed entries. O(prefill tables + loaded rows + changes)."""
+        ``table_loads``, then the decode step's changed entries (every group's). O(prefill tables + loaded rows +
+        changes)."""
         for pw in plan.prefills:
             self._load_row(pw.table_row, pw.block_table)
         d = plan.decode
         if d is not None:
             for _, row, table in d.table_loads:
                 self._load_row(row, table)
-            upd = d.result.table_updates
-            if upd.rows.size:
-                self._fit_tables(int(upd.rows.max()) + 1, int(upd.cols.max()) + 1)
-                upd.apply(self._tables)
+            upds = (d.result.table_updates,) if self.kv_cache_groups is None else d.result.table_updates
+            for g, upd in enumerate(upds):
+                if upd.rows.size:
+                    self._fit_tables(g, int(upd.rows.max()) + 1, int(upd.cols.max()) + 1)
+                    upd.apply(self._tables[g])
 
     def _execute(self, plan: Any, by_id: dict) -> list:
         """KV copies, forward and sampling of one plan: the sampled tokens (per sequence of the plan); the seconds
@@ -441,13 +448,18 @@ class LLM:
                 owners.append((by_id[self.scheduler.sequence(sid).request_id], 1))
                 rows.append(ntok + int(z) - 1)
             slots.append(d.result.slot_mapping)
-            if self.kv_cache_groups is not None:  # (a HybridBlockManager: padded tables per group)
-                tables += [tuple(t[i] for t in d.result.block_tables) for i in range(len(d.seq_ids))]
-            elif incremental:
+            if incremental:
                 bs = self.block_manager.block_size
                 width = -(-int(d.result.seq_lens.max()) // bs)  # the blocks attention reads
-                decode_tables = self._tables[d.result.table_rows, :width]
-                tables = decode_tables if not tables else tables + list(decode_tables)
+                rows_ = d.result.table_rows
+                if self.kv_cache_groups is None:
+                    decode_tables = self._tables[0][rows_, :width]
+                    tables = decode_tables if not tables else tables + list(decode_tables)
+                else:  # every group's rows (the same rows in each group's matrix)
+                    per_group = [t[rows_, :width] for t in self._tables]
+                    tables += list(zip(*per_group))
+            elif self.kv_cache_groups is not None:  # (a HybridBlockManager: padded tables per group)
+                tables += [tuple(t[i] for t in d.result.block_tables) for i in range(len(d.seq_ids))]
             else:  # (a block manager without the incremental form: the step's padded tables)
                 tables += list(d.result.block_tables)
         logit_rows = "last" if not skip else np.asarray(rows, dtype=np.int64)
