@@ -48,6 +48,20 @@ def test_format_table_of_a_document():
     assert "| 4 | 2.0 [1.0-3.0] | 5.0 [4.0-6.0] | 0.4 [0.3-0.5] (0.6) |" in text
 
 
+def test_prefix_table_gives_v1_calls_alone_and_with_hashing_apart():
+    doc = {"config": {"prefix_caching": []}, "skipped": {}, "decode": [], "decode_ratios": [],
+           "prefix": [{"impl": "pagedkv", "prompt_tokens": 1280, "us_per_allocate": {"min": 1, "median": 200.0, "max": 3},
+                       "hit_tokens_median": 1024},
+                      {"impl": "vllm_v1", "prompt_tokens": 1280, "us_per_allocate": {"min": 1, "median": 300.0, "max": 3},
+                       "us_with_hash": {"min": 1, "median": 450.0, "max": 3}, "hit_tokens_median": 1024}],
+           "prefix_ratios": [{"anchor": "vllm_v1", "prompt_tokens": 1280, "same_hits": True,
+                              "ratio": {"min": 0.6, "median": 0.667, "max": 0.7},
+                              "ratio_vs_with_hash": {"min": 0.4, "median": 0.444, "max": 0.5}}]}
+    text = hybrid.format_table(doc)
+    assert "| ratio vs calls alone | ratio vs calls + hashing |" in text
+    assert "| 1280 | 200.0 | 1024 | 300.0 | 450.0 | 1024 | 0.667 [0.6-0.7] | 0.444 [0.4-0.5] |" in text
+
+
 def test_the_pagedkv_side_runs_end_to_end(capsys):
     """A tiny run of ``pagedkv bench hybrid`` with pagedkv alone (vLLM V1 needs its virtualenv): every batch size
     and prompt length gets a figure and the hit covers the first turn's full blocks."""

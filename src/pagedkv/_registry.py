@@ -39,6 +39,9 @@ class Registry:
         # instead of hashing the prompt twice. Set only by Allocator.plan's lookup, taken (cleared) by
         # fill_prompt, cleared by a batch.
         self.keys_memo: tuple | None = None
+        # whether a prompt's new blocks may be registered as a run (dict-less but its first; PrefixCache.register_run).
+        # A HybridBlockManager's groups say no: its lookup probes every group's keys in the map at once.
+        self.use_runs = True
 
     def register(self, row: int) -> None:
         """Offer the row's full blocks (``nreg .. ntok // bs - 1``) to the prefix cache, one after the other
@@ -125,7 +128,7 @@ class Registry:
             # (one chain: its blocks are the new ones, in table order; no gather from the table)
             blocks = new[:k] if isinstance(new, np.ndarray) else np.array(new[:k], dtype=np.int32)
             got = None
-            if keys is not None:  # a run: one map insert for the chain (its parent: the last hit, or the root)
+            if keys is not None and self.use_runs:  # a run: one map insert for the chain (its parent: the last hit, or the root)
                 got = self.cache.register_run(blocks, keys, int(self.t.ccid[row]), int(self.t.ckey[row]),
                                                int(self.t.table[row, nhit - 1]) if nhit else -1, self.t.ns_of[row])
             if got is None:

@@ -32,20 +32,27 @@ NULL_BLOCK before them. The chained keys of a prompt are computable without the 
 sliding group finds a window late in a prompt even after its early blocks were evicted; such a window block is
 verified by its stored tokens and its 64-bit chained key (which covers every earlier token of the prompt),
 since the content ids of blocks that are gone cannot be compared. :meth:`lookup_prefix` predicts ``allocate``.
+Without a CPU tier, for prompts of four full blocks or more, the hit is found and committed vectorised over
+blocks and groups (:mod:`pagedkv._hybrid_alloc`: one probe pass per full group, one for every sliding group's
+window, sibling keys recorded per block of the first full group instead of hashing every sliding chain, one
+commit of every group); otherwise block by block (:meth:`HybridBlockManager._plan_walk`), with the same result.
 
 **KV events** carry the group (``group_idx``, ``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``, as
 vLLM's). Group 0's keys are :func:`pagedkv.block_hashes`' (those of a single-group manager).
 
-Complexity: a call costs about G times the same call on a BlockManager (G = number of groups), plus, for an
-allocation with prefix caching, O(prompt blocks) key hashing per sliding group.
+Complexity: a call costs about G times the same call on a BlockManager (G = number of groups); an allocation
+with prefix caching costs O(prompt blocks) C-level hashing and map probes per full group, O(window blocks) probes
+per sliding group (hashing only past the last recorded sibling key) and O(1) numpy calls per group.
 """
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Hashable, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
+from ._hybrid_alloc import commit_all, find_hit
 from ._checks import as_tokens, batch_tokens, check_int, flat_tokens
 from .errors import (DuplicateSequenceError, InvalidArgumentError, InvalidTokensError, OutOfBlocksError,
                      PromptTooLongError, TableWidthError)
@@ -115,6 +122,10 @@ class _Plan(NamedTuple):
     groups: list  # per group: (gpu hits with nnull leading NULL_BLOCKs, cpu_hits or None, chain, nnull)
     need: int  # free GPU blocks the allocation consumes, all groups
     ncpu: int  # CPU-tier hits, all groups (each a promotion)
+    memo: tuple | None = None  # (token bytes of the full blocks, keys per group, roots, the first block whose
+    #                            sibling keys are not recorded yet): for the registration and the sibling keys
+    held: np.ndarray | None = None  # every group's GPU hits (int64, distinct), when ``memo``: then each group's
+    #                                 first item is an int64 array of its hits without the leading NULL_BLOCKs
 
 
 def _check_groups(groups: object) -> tuple:
@@ -182,6 +193,8 @@ class HybridBlockManager:
         self._g = [first] + [(_SlidingGroup if retain and s.window is not None else BlockManager)._sharing(first, s.window)
                              for s in specs[1:]]
         self._m0 = first
+        for m in self._g:  # every group's blocks stay in the prefix cache's map (see pagedkv._hybrid_alloc)
+            m._reg.use_runs = False
         # window retention (pagedkv._retention): spare sliding blocks are evicted first
         self._retention = None
         if retain:
@@ -196,6 +209,14 @@ class HybridBlockManager:
         self._full = [g for g, s in enumerate(specs) if s.window is None]
         self._sliding = [g for g, s in enumerate(specs) if s.window is not None]
         self._ns_memo: dict = {}  # namespace encoding -> its _GroupNS per group
+        # sibling keys (pagedkv._hybrid_alloc): per block of the first full group, the content id it held when the
+        # sliding groups' keys of the same prefix were recorded, and those keys (one column per sliding group)
+        self._sib = None
+        if self._cache is not None and self._full and self._sliding:
+            self._sib = (np.zeros(num_gpu_blocks, dtype=np.int64),
+                         np.zeros((num_gpu_blocks, len(self._sliding)), dtype=np.uint64))
+            a, z = self._sliding[0], self._sliding[-1] + 1
+            self._sib_rows = slice(a, z) if self._sliding == list(range(a, z)) else np.array(self._sliding)
 
     # ------------------------------------------------------------------ read-only state
     @property
@@ -397,6 +418,29 @@ class HybridBlockManager:
                 nblocks = -(-(n + la) // bs)
             return _Plan(arr, n, nblocks, 0, [([], None, (0, 0), 0)] * G, G * nblocks, 0)
         roots = [cache.root(ns, intern=False) for ns in gns]
+        fast = find_hit(self, arr, roots) if self._tier is None else None
+        if fast is None:
+            return self._plan_walk(arr, n, nblocks, la, roots, chunk)
+        L, blks, keys, datas, fresh = fast
+        if chunk is not None and L * bs + chunk < n:  # chunked prefill: the hit plus one chunk
+            n = L * bs + chunk
+            nblocks = -(-(n + la) // bs)
+        if L:
+            held = np.concatenate(blks)
+            last = [x - 1 for x in accumulate(b.size for b in blks)]
+            cids, cks = cache.cid[held[last]].tolist(), cache.key[held[last]].tolist()
+            groups = [(b, None, (c, k), L - b.size) for b, c, k in zip(blks, cids, cks)]
+            need = G * (nblocks - L) + int(np.count_nonzero(self._gpu._ref[held] == 0))
+        else:
+            held = None
+            groups = [(blks[g], None, roots[g], 0) for g in range(G)]
+            need = G * nblocks
+        return _Plan(arr, n, nblocks, L, groups, need, 0, (datas, keys, roots, fresh), held)
+
+    def _plan_walk(self, arr: np.ndarray, n: int, nblocks: int, la: int, roots: list, chunk: int | None) -> _Plan:
+        """:meth:`_plan`'s hit found block by block (with the CPU tier, and for prompts of fewer than four full
+        blocks; :mod:`pagedkv._hybrid_alloc` otherwise, with the same result). O(prompt blocks x groups)."""
+        bs, cache, G = self._bs, self._cache, len(self._g)
         h = (n - 1) // bs
         full_hits = {}
         for g in self._full:
@@ -484,6 +528,13 @@ class HybridBlockManager:
         if self._cache is None:
             return []
         ref, ev = self._gpu._ref_mv, self._cache.evictor
+        if plan.memo is not None:  # (a plan of pagedkv._hybrid_alloc: no CPU-tier hit)
+            h = plan.held
+            if h is not None:
+                gref = self._gpu._ref
+                ev.discard_many(h[gref[h] == 0])
+                gref[h] += 1
+            return h
         held = [b for gpu, _, _, nnull in plan.groups for b in gpu[nnull:]]
         if len(held) > 32:  # a long hit: a few numpy calls (the blocks are distinct: one group each)
             h = np.array(held, dtype=np.int64)
@@ -503,11 +554,17 @@ class HybridBlockManager:
     def _commit(self, seq_id: Hashable, gns: tuple, plan: _Plan) -> None:
         """Create the sequence in every group (hits held by :meth:`_hold`); nothing here can fail."""
         cache = self._cache
-        for g, (m, (gpu, cpu, chain, nnull)) in enumerate(zip(self._g, plan.groups)):
-            if cache is not None and plan.nhit == 0:
-                chain = cache.root(gns[g], intern=True)  # (a new namespace's root gets its content id now)
-            m._alloc.commit(seq_id, gns[g], plan.arr, plan.n, plan.nblocks, gpu, cpu, chain, True, nnull)
-            if plan.n < plan.arr.size:  # a chunk: fork waits for the rest of the prompt (every group records it)
+        memo = plan.memo
+        if memo is not None:  # a plan of pagedkv._hybrid_alloc: every group at once, with the plan's keys
+            if not commit_all(self, seq_id, gns, plan) and self._sib is not None:
+                self._record_siblings(seq_id, memo[3])
+        else:
+            for g, (m, (gpu, cpu, chain, nnull)) in enumerate(zip(self._g, plan.groups)):
+                if cache is not None and plan.nhit == 0:
+                    chain = cache.root(gns[g], intern=True)  # (a new namespace's root gets its content id now)
+                m._alloc.commit(seq_id, gns[g], plan.arr, plan.n, plan.nblocks, gpu, cpu, chain, True, nnull)
+        if plan.n < plan.arr.size:  # a chunk: fork waits for the rest of the prompt (every group records it)
+            for m in self._g:
                 m._t.partial[seq_id] = plan.arr.size
         if self._retention is not None:
             self._retention.set_prompt(self._m0._t.row_of[seq_id], plan.arr.size)  # (the whole prompt, chunked too)
@@ -516,6 +573,28 @@ class HybridBlockManager:
                 cache.intern(ns)
             if len(cache._roots) > cache.sweep_at:
                 self._m0._reg.release_namespaces()
+
+    def _record_siblings(self, seq_id: Hashable, fresh: int) -> None:
+        """Record the sibling keys of the new sequence's prompt blocks (see :mod:`pagedkv._hybrid_alloc`): for each
+        position from the sliding groups' first held block to the registered ones, the anchor group's block, the
+        content id it holds, and the keys of the sliding groups' blocks at that position (read from the prefix
+        cache: each is the key of the same prefix in its group), skipping the positions before ``fresh`` (whose
+        keys the plan read from valid records). A position where a block is not cached records content id 0
+        (never valid). O(blocks recorded x groups), numpy."""
+        m = self._g[self._full[0]]
+        row = m._t.row_of[seq_id]
+        z = int(m._t.nreg[row])
+        a = max(fresh, max(int(self._g[g]._t.nrel[row]) for g in self._sliding))
+        if z <= a:
+            return
+        cid, key = self._cache.cid, self._cache.key
+        b0 = m._t.table[row, a:z]
+        bs = np.stack([self._g[g]._t.table[row, a:z] for g in self._sliding])  # (S, z - a)
+        c0 = cid[b0]
+        ok = (cid[bs] != 0).all(axis=0)
+        sib_cid, sib_key = self._sib
+        sib_cid[b0] = np.where(ok, c0, 0)
+        sib_key[b0] = key[bs].T
 
     def _unhold(self, held: list) -> None:
         """Drop the extra references of :meth:`_hold` (a batch's); blocks left unreferenced are parked."""
@@ -631,6 +710,8 @@ class HybridBlockManager:
                                   tuple(r.block_tables for r in res), r0.seq_lens)
 
     def _hold_list(self, plan: _Plan) -> list:
+        if plan.memo is not None:
+            return [] if plan.held is None else plan.held.tolist()
         return [b for gpu, _, _, nnull in plan.groups for b in gpu[nnull:]]
 
     def _hold_blocks(self, blocks: list) -> None:

@@ -89,7 +89,9 @@ def block_hashes(token_ids, block_size: int = 16, namespace: object = None, grou
 
     ``group``: the KV cache group of a :class:`pagedkv.HybridBlockManager` whose keys to compute (its events'
     ``group_idx``). Each group's chain starts from a root of its own, so the same tokens have different keys in
-    different groups; group 0 (the default) has the keys of a single-group BlockManager."""
+    different groups; group 0 (the default) has the keys of a single-group BlockManager. The derivation (a
+    public contract; docs/guide/kv-groups.md): ``root_g = xxh3_64(b"pagedkv-ns:" + b"g<g>:" + enc(namespace))``
+    for g > 0 (group 0 without the ``g<g>:`` tag), ``key_i = xxh3_64(int32 bytes of block i, seed=key_{i-1})``."""
     if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
         raise InvalidArgumentError(f"block_size must be an int >= 1, got {block_size!r}")
     if isinstance(group, bool) or not isinstance(group, (int, np.integer)) or group < 0:
