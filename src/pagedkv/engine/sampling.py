@@ -12,17 +12,24 @@ per vocabulary entry: 49k random numbers per token for SmolLM2). It touches only
 
 Determinism: a row's draws come only from its own ``torch.Generator`` (one ``torch.rand`` of ``num`` values per
 row and step), so a seeded request gives the same tokens whatever else shares its batch.
+
+:func:`sample_bounded` draws the same tokens from *bounded approximate* logits (:mod:`pagedkv.engine.lm_head`:
+low-precision logits ``l~`` with ``|l - l~| <= E`` per row) without computing the float32 logits ``l`` of the whole
+vocabulary: greedy and top-k rows rescore in float32 only the entries whose interval reaches the best (the k-th
+best) lower bound; plain sampling over the whole vocabulary is rejection sampling; top-p alone computes its row's
+float32 logits (the nucleus needs the exact distribution).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["SamplingParams", "sample", "sample_batch"]
+__all__ = ["SamplingParams", "sample", "sample_batch", "sample_bounded"]
 
 
 @dataclass(frozen=True)
@@ -188,3 +195,163 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], nums: list[
         for r, i in enumerate(rows):
             out[i] = _draw_cdf(probs[r], ccdf[r], nums[i], generators[i])
     return out  # type: ignore[return-value]
+
+
+#: a greedy / top-k row with more candidates than this computes its whole float32 row instead
+_MAX_CANDIDATES = 4096
+#: rejection sampling: proposals tried per sample before the row's float32 logits are computed (exact either way)
+_MAX_TRIALS = 32
+#: rejection sampling is skipped (float32 row at once) when bound / temperature exceeds this: the acceptance rate
+#: is then too small to pay off
+_MAX_BOUND_OVER_T = 3.0
+
+
+def _kind(p: SamplingParams, vocab: int) -> str:
+    if p.temperature == 0:
+        return "greedy"
+    if 0 < p.top_k < vocab:
+        return "topk"
+    if p.top_p < 1.0:
+        return "exact"  # top-p alone: the nucleus needs the whole distribution
+    return "plain"
+
+
+def sample_bounded(head, h: torch.Tensor, params: list[SamplingParams], nums: list[int],
+                   generators: list[torch.Generator | None]) -> list[list[int]]:
+    """The tokens :func:`sample_batch` would draw from ``head.logits(h)`` (float32 logits of the hidden states ``h``
+    ``(R, hidden)``), computed from ``head.approx(h)`` (bounded low-precision logits, :class:`pagedkv.engine.lm_head.
+    LMHead`) and exact float32 logits of few entries (``head.exact_at``):
+
+    * greedy: the entries whose upper bound ``l~_i + E`` reaches the best lower bound ``max(l~) - E`` (usually one:
+      then it is the argmax without rescoring), rescored; their argmax (the first on a tie, as ``argmax``);
+    * top-k: the entries whose upper bound reaches the k-th best lower bound hold the exact top k; rescored, then
+      :func:`sample`'s top-k draw (top-p within the k included) on them;
+    * plain sampling (whole vocabulary, no top-p): rejection sampling. A proposal ``i`` is drawn from
+      ``softmax(l~ / T)`` by the inverse-CDF draw and accepted with probability ``exp((l_i - l~_i - E) / T) <= 1``
+      (``l_i`` rescored): an accepted ``i`` has exactly the distribution ``softmax(l / T)``. After
+      ``_MAX_TRIALS`` rejections (or at once when ``E / T`` is large) the row's float32 logits are computed and the
+      sample drawn from them, which keeps the result exact;
+    * top-p alone, a row that cannot be bounded, or too many candidates: the row's float32 logits and
+      :func:`sample_batch`.
+
+    Draws come from each row's own generator, and a row's approximate logits and bound depend on that row alone
+    (up to the bf16 product's summation order, as the float32 logits), so a seeded request gives the same tokens
+    whatever else shares its batch. Plain sampling draws other random numbers than :func:`sample_batch` (the
+    proposals and acceptance tests): the same distribution, another sequence for a given seed. O(R x vocab) besides
+    the low-precision product; O(candidates x hidden) rescoring.
+    """
+    n_rows = h.shape[0]
+    vocab = head.vocab_size
+    out: list[list[int] | None] = [None] * n_rows
+    kinds = [_kind(p, vocab) for p in params]
+    fallback: list[int] = [i for i, k in enumerate(kinds) if k == "exact"]
+    todo = [i for i, k in enumerate(kinds) if k != "exact"]
+    if todo:
+        hs = h if len(todo) == n_rows else h[todo]
+        ap = head.approx(hs)
+        vals, bound = ap.values, ap.bound.tolist()
+        finite = [math.isfinite(b) for b in bound]
+        greedy = [j for j, i in enumerate(todo) if kinds[i] == "greedy" and finite[j]]
+        if greedy:
+            _greedy_rows(head, hs, vals, bound, todo, greedy, out, nums, fallback)
+        for j, i in enumerate(todo):
+            if kinds[i] == "topk" and finite[j]:
+                _topk_row(head, hs, vals, bound, j, params[i], nums[i], generators[i], out, i, fallback)
+        plain: dict[float, list[int]] = {}
+        for j, i in enumerate(todo):
+            if kinds[i] == "plain" and finite[j]:
+                if bound[j] / params[i].temperature > _MAX_BOUND_OVER_T:
+                    fallback.append(i)
+                else:
+                    plain.setdefault(float(params[i].temperature), []).append(j)
+        for temp, js in plain.items():
+            _plain_rows(head, hs, vals, bound, temp, js, todo, nums, generators, out, fallback)
+        fallback += [i for j, i in enumerate(todo) if not finite[j]]
+    if fallback:
+        fallback.sort()
+        head.stats["fallback_rows"] += len(fallback)
+        exact = head.logits(h[fallback])
+        drawn = sample_batch(exact, [params[i] for i in fallback], [nums[i] for i in fallback],
+                             [generators[i] for i in fallback])
+        for i, d in zip(fallback, drawn):
+            if out[i] is None:
+                out[i] = d
+            else:  # a plain row that gave up part-way: its remaining samples from the exact logits
+                out[i] = out[i] + d[: nums[i] - len(out[i])]
+    return out  # type: ignore[return-value]
+
+
+#: greedy: candidates are looked for among each row's top entries first (one ``topk`` pass over the row)
+_GREEDY_TOP = 16
+
+
+def _greedy_rows(head, hs, vals, bound, todo, rows, out, nums, fallback) -> None:
+    sub = vals[rows] if len(rows) < vals.shape[0] else vals
+    top_v, top_i = torch.topk(sub, min(_GREEDY_TOP, sub.shape[1]), dim=1)  # sorted, descending
+    thr = top_v[:, 0].double() - 2.0 * torch.tensor([bound[j] for j in rows], dtype=torch.float64)
+    # the float64 threshold rounded to float32 and lowered one ulp: no candidate is lost to the rounding
+    thr32 = torch.nextafter(thr.to(torch.float32), torch.tensor(-math.inf))
+    inside = top_v >= thr32[:, None]
+    counts = inside.sum(dim=1).tolist()
+    all_in = (~inside[:, -1]).tolist() if top_v.shape[1] < sub.shape[1] else [True] * len(rows)
+    pair_rows: list[int] = []
+    pair_idx: list[torch.Tensor] = []
+    owners: list[int] = []
+    for k, (c, done) in enumerate(zip(counts, all_in)):
+        i = todo[rows[k]]
+        if done and c == 1:  # one candidate: the argmax, nothing to rescore
+            out[i] = [int(top_i[k, 0])] * nums[i]
+            continue
+        if done:
+            cand = torch.sort(top_i[k, :c]).values
+        else:  # more candidates than the top entries: the whole row
+            cand = (sub[k] >= thr32[k]).nonzero()[:, 0]
+            if cand.numel() > _MAX_CANDIDATES:
+                fallback.append(i)
+                continue
+        pair_rows.append(rows[k])
+        pair_idx.append(cand)
+        owners.append(i)
+    if not owners:
+        return
+    local = torch.cat([torch.full_like(c, r) for r, c in zip(pair_rows, pair_idx)])
+    exact = head.exact_at(hs, local, torch.cat(pair_idx))
+    for i, c, e in zip(owners, pair_idx, torch.split(exact, [len(c) for c in pair_idx])):
+        out[i] = [int(c[int(torch.argmax(e))])] * nums[i]  # candidates ascending: argmax's first max wins a tie
+
+
+def _topk_row(head, hs, vals, bound, j, p, num, gen, out, i, fallback) -> None:
+    row = vals[j]
+    kth = torch.topk(row, p.top_k).values[-1].double() - 2.0 * bound[j]
+    thr = torch.nextafter(kth.to(torch.float32), torch.tensor(-math.inf))
+    cand = (row >= thr).nonzero()[:, 0]
+    if cand.numel() > p.top_k + _MAX_CANDIDATES:
+        fallback.append(i)
+        return
+    full = torch.full((row.shape[0],), -math.inf, dtype=torch.float32)
+    full[cand] = head.exact_at(hs, torch.full_like(cand, j), cand)
+    out[i] = _sample_row(full, p, num, gen)
+
+
+def _plain_rows(head, hs, vals, bound, temp, js, todo, nums, generators, out, fallback) -> None:
+    sub = vals[js] if len(js) < vals.shape[0] else vals
+    probs = torch.softmax(sub * (1.0 / temp), dim=-1)
+    ccdf = _chunk_cdf(probs)
+    for r, j in enumerate(js):
+        i = todo[j]
+        gen = generators[i]
+        got: list[int] = []
+        for _ in range(nums[i]):
+            for _trial in range(_MAX_TRIALS):
+                t = _draw_cdf(probs[r], ccdf[r], 1, gen)[0]
+                exact = float(head.exact_at(hs, torch.tensor([j]), torch.tensor([t]))[0])
+                log_acc = (exact - float(sub[r, t]) - bound[j]) / temp
+                if float(torch.rand(1, generator=gen, dtype=torch.float64)) < math.exp(min(log_acc, 0.0)):
+                    got.append(t)
+                    break
+                head.stats["rejections"] += 1
+            else:
+                break  # give up: the remaining samples come from the exact logits (sample_bounded)
+        out[i] = got
+        if len(got) < nums[i]:
+            fallback.append(i)
