@@ -33,7 +33,7 @@ reference in).
 Kernel: oneDNN's bf16 product of ``(R, hidden) x (hidden, vocab)`` is slow with few rows (one thread, 262,144 x
 640, a loaded machine: bf16 ``F.linear`` 77-82 ms at one row against 91-93 ms in float32); the same products as
 ``(vocab / k, k hidden) x (k hidden, k R)`` against ``x~^T`` repeated on a block diagonal take 42-48 ms (k = 4) at
-one to four rows, k = 2 up to 32 rows (:meth:`LMHead.block_diagonal_width`). (int8 with one scale per row,
+one to four rows; k = 4 up to 8 rows, k = 2 up to 16 (:meth:`LMHead.block_diagonal_width`). (int8 with one scale per row,
 ``_weight_int8pack_mm``, is faster still at one row, 23-27 ms, but its bound is 15x looser: Gemma 3 6-25 logits,
 too wide to decide anything.) Memory: the float32 table stays (it is the embedding table when tied, and it
 rescores), plus the bf16 copy, half of it: Gemma 3 270M +335 MB, SmolLM2-135M +57 MB, built on first use
@@ -43,6 +43,7 @@ rescores), plus the bf16 copy, half of it: Gemma 3 270M +335 MB, SmolLM2-135M +5
 from __future__ import annotations
 
 import math
+import threading
 import time
 from typing import NamedTuple
 
@@ -56,7 +57,8 @@ _U_F32 = 2.0 ** -24
 
 
 class ApproxLogits(NamedTuple):
-    """Approximate logits ``values`` (float32 ``(R, vocab)``, soft-capped like the exact ones) and ``bound``
+    """Approximate logits ``values`` (float32 ``(R, vocab)``, soft-capped like the exact ones; a per-thread buffer
+    of the head, valid until its next :meth:`LMHead.approx`) and ``bound``
     (float64 ``(R,)``): ``|exact[r, i] - values[r, i]| <= bound[r]`` for every ``i``; ``inf`` where the row could
     not be bounded (then nothing is decided from it). ``kernel``: ``"bf16"``."""
 
@@ -91,6 +93,21 @@ class LMHead:
         self.stats = {"bf16": 0, "exact": 0, "fallback_rows": 0, "rescored": 0, "rejections": 0}
         #: wall seconds spent in the products (:meth:`logits`, :meth:`approx`, :meth:`exact_at`)
         self.seconds = 0.0
+        self._local = threading.local()  # per-thread buffers (a model may be shared by replica threads)
+
+    def buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A per-thread scratch tensor of ``shape`` reused from call to call (grown as needed): a fresh 30 MB
+        tensor every step costs more in page faults than the arithmetic done in it (measured: a softmax of
+        32 x 262,144 into a new tensor 113 ms, into a reused one 17 ms). Valid until the next call for ``name``
+        on this thread."""
+        bufs = getattr(self._local, "bufs", None)
+        if bufs is None:
+            bufs = self._local.bufs = {}
+        n = math.prod(shape)
+        b = bufs.get((name, dtype))
+        if b is None or b.numel() < n:
+            b = bufs[(name, dtype)] = torch.empty(n, dtype=dtype)
+        return b[:n].view(shape)
 
     @property
     def supports_approx(self) -> bool:
@@ -157,7 +174,7 @@ class LMHead:
     @staticmethod
     def block_diagonal_width(num_rows: int) -> int:
         """``k`` of :meth:`_bf16_product` for ``num_rows`` rows (measured on this CPU, module docstring)."""
-        return 4 if num_rows <= 4 else 2 if num_rows <= 32 else 1
+        return 4 if num_rows <= 8 else 2 if num_rows <= 16 else 1
 
     def _bf16_product(self, xt: torch.Tensor) -> torch.Tensor:
         """``xt @ W~^T`` in bf16 (float32 accumulation), ``(R, vocab)`` (the bf16 results as float32). With few rows oneDNN's bf16 kernel for
@@ -168,14 +185,16 @@ class LMHead:
         n_rows, hidden = xt.shape
         vocab = w.shape[0]
         k = self.block_diagonal_width(n_rows)
+        res = self.buffer("approx", (n_rows, vocab))
         if k == 1 or vocab % k:
-            return F.linear(xt, w).float()
+            out = torch.mm(xt, w.t(), out=self.buffer("product", (n_rows, vocab), torch.bfloat16))
+            return res.copy_(out)
         blocks = torch.zeros(k, hidden, k, n_rows, dtype=torch.bfloat16)
         for b in range(k):
             blocks[b, :, b, :] = xt.t()
-        out = w.view(vocab // k, k * hidden) @ blocks.view(k * hidden, k * n_rows)  # (vocab / k, k R)
-        res = torch.empty(n_rows, vocab, dtype=torch.float32)  # one pass: to float32 and to (R, vocab)
-        res.view(n_rows, vocab // k, k).copy_(out.view(vocab // k, k, n_rows).permute(2, 0, 1))
+        out = torch.mm(w.view(vocab // k, k * hidden), blocks.view(k * hidden, k * n_rows),
+                       out=self.buffer("product", (vocab // k, k * n_rows), torch.bfloat16))
+        res.view(n_rows, vocab // k, k).copy_(out.view(vocab // k, k, n_rows).permute(2, 0, 1))  # float32, (R, V)
         return res
 
     @torch.inference_mode()
@@ -195,8 +214,8 @@ class LMHead:
         nx = xd.norm(dim=1)
         ndx = (xd - xt.double()).norm(dim=1)
         nxt = xt.double().norm(dim=1)
-        lo, hi = torch.aminmax(raw, dim=1)  # (raw: float32, exactly the bf16 outputs)
-        big = torch.maximum(lo.double().abs(), hi.double().abs())
+        # (raw: float32, exactly the bf16 outputs; amax/amin are vectorized, aminmax is not)
+        big = torch.maximum(raw.amax(dim=1).double().abs(), raw.amin(dim=1).double().abs())
         g = self._gamma
         bound = ((a * nx + b * (ndx + g * nxt) + g * self._c_norm * nx) * (1 + 1e-6)
                  + (_U_BF16 / (1 - _U_BF16)) * big + 1e-30)

@@ -281,37 +281,44 @@ def sample_bounded(head, h: torch.Tensor, params: list[SamplingParams], nums: li
     return out  # type: ignore[return-value]
 
 
-#: greedy: candidates are looked for among each row's top entries first (one ``topk`` pass over the row)
-_GREEDY_TOP = 16
+#: greedy: entries per chunk of the chunk maxima (one vectorized ``amax`` over the rows; the candidates are looked
+#: for only in the chunks whose maximum reaches the threshold, usually one)
+_GREEDY_CHUNK = 256
 
 
 def _greedy_rows(head, hs, vals, bound, todo, rows, out, nums, fallback) -> None:
     sub = vals[rows] if len(rows) < vals.shape[0] else vals
-    top_v, top_i = torch.topk(sub, min(_GREEDY_TOP, sub.shape[1]), dim=1)  # sorted, descending
-    thr = top_v[:, 0].double() - 2.0 * torch.tensor([bound[j] for j in rows], dtype=torch.float64)
+    n, vocab = sub.shape
+    full = vocab // _GREEDY_CHUNK * _GREEDY_CHUNK
+    cmax = sub[:, :full].unflatten(1, (full // _GREEDY_CHUNK, _GREEDY_CHUNK)).amax(dim=2)
+    if full < vocab:
+        cmax = torch.cat([cmax, sub[:, full:].amax(dim=1, keepdim=True)], dim=1)
+    thr = cmax.amax(dim=1).double() - 2.0 * torch.tensor([bound[j] for j in rows], dtype=torch.float64)
     # the float64 threshold rounded to float32 and lowered one ulp: no candidate is lost to the rounding
     thr32 = torch.nextafter(thr.to(torch.float32), torch.tensor(-math.inf))
-    inside = top_v >= thr32[:, None]
-    counts = inside.sum(dim=1).tolist()
-    all_in = (~inside[:, -1]).tolist() if top_v.shape[1] < sub.shape[1] else [True] * len(rows)
+    hot = (cmax >= thr32[:, None]).nonzero().tolist()  # (row, chunk), ascending
+    by_row: dict[int, list[int]] = {}
+    for r, c in hot:
+        by_row.setdefault(r, []).append(c)
     pair_rows: list[int] = []
     pair_idx: list[torch.Tensor] = []
     owners: list[int] = []
-    for k, (c, done) in enumerate(zip(counts, all_in)):
+    for k in range(n):
         i = todo[rows[k]]
-        if done and c == 1:  # one candidate: the argmax, nothing to rescore
-            out[i] = [int(top_i[k, 0])] * nums[i]
+        chunks = by_row[k]
+        if len(chunks) * _GREEDY_CHUNK > 4 * _MAX_CANDIDATES:
+            fallback.append(i)
             continue
-        if done:
-            cand = torch.sort(top_i[k, :c]).values
-        else:  # more candidates than the top entries: the whole row
-            cand = (sub[k] >= thr32[k]).nonzero()[:, 0]
-            if cand.numel() > _MAX_CANDIDATES:
-                fallback.append(i)
-                continue
-        pair_rows.append(rows[k])
-        pair_idx.append(cand)
-        owners.append(i)
+        cand = torch.cat([(sub[k, c * _GREEDY_CHUNK:(c + 1) * _GREEDY_CHUNK] >= thr32[k]).nonzero()[:, 0]
+                          + c * _GREEDY_CHUNK for c in chunks])
+        if cand.numel() == 1:  # one candidate: the argmax, nothing to rescore
+            out[i] = [int(cand[0])] * nums[i]
+        elif cand.numel() > _MAX_CANDIDATES:
+            fallback.append(i)
+        else:
+            pair_rows.append(rows[k])
+            pair_idx.append(cand)
+            owners.append(i)
     if not owners:
         return
     local = torch.cat([torch.full_like(c, r) for r, c in zip(pair_rows, pair_idx)])
@@ -335,7 +342,9 @@ def _topk_row(head, hs, vals, bound, j, p, num, gen, out, i, fallback) -> None:
 
 def _plain_rows(head, hs, vals, bound, temp, js, todo, nums, generators, out, fallback) -> None:
     sub = vals[js] if len(js) < vals.shape[0] else vals
-    probs = torch.softmax(sub * (1.0 / temp), dim=-1)
+    probs = head.buffer("probs", tuple(sub.shape))  # (reused: a fresh tensor costs page faults)
+    scaled = sub if temp == 1.0 else torch.mul(sub, 1.0 / temp, out=head.buffer("scaled", tuple(sub.shape)))
+    torch.ops.aten._softmax.out(scaled, -1, False, out=probs)
     ccdf = _chunk_cdf(probs)
     for r, j in enumerate(js):
         i = todo[j]
