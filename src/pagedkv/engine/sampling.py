@@ -199,11 +199,19 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], nums: list[
 
 #: a greedy / top-k row with more candidates than this computes its whole float32 row instead
 _MAX_CANDIDATES = 4096
-#: rejection sampling: proposals tried per sample before the row's float32 logits are computed (exact either way)
-_MAX_TRIALS = 32
-#: rejection sampling is skipped (float32 row at once) when bound / temperature exceeds this: the acceptance rate
-#: is then too small to pay off
-_MAX_BOUND_OVER_T = 3.0
+#: rejection sampling: proposals tried per sample before the row's float32 logits are computed (exact either way).
+#: A proposal costs a draw and one hidden-size dot product (~0.1 ms); the float32 row costs a read of the whole
+#: table (Gemma 3: ~50-90 ms), so trying a few hundred proposals first pays off
+_MAX_TRIALS = 256
+#: rejection sampling is skipped (float32 row at once) when bound / temperature exceeds this (acceptance below
+#: ~1 %: the expected proposals would cost about the float32 row)
+_MAX_BOUND_OVER_T = 5.0
+
+
+def _trials_per_round(bound_over_t: float) -> int:
+    """Proposals drawn, rescored and tested together (one gather, one ``rand``) per round: about two expected
+    acceptances' worth (acceptance is at least ``exp(-2 E / T)``, typically ``exp(-E / T)``)."""
+    return int(min(64, max(2, math.ceil(2.0 * math.exp(bound_over_t)))))
 
 
 def _kind(p: SamplingParams, vocab: int) -> str:
@@ -218,8 +226,9 @@ def _kind(p: SamplingParams, vocab: int) -> str:
 
 def sample_bounded(head, h: torch.Tensor, params: list[SamplingParams], nums: list[int],
                    generators: list[torch.Generator | None]) -> list[list[int]]:
-    """The tokens :func:`sample_batch` would draw from ``head.logits(h)`` (float32 logits of the hidden states ``h``
-    ``(R, hidden)``), computed from ``head.approx(h)`` (bounded low-precision logits, :class:`pagedkv.engine.lm_head.
+    """Tokens drawn as :func:`sample_batch` draws them from ``head.logits(h)`` (float32 logits of the hidden states
+    ``h`` ``(R, hidden)``; greedy, top-k and top-p rows: the very same tokens; plain sampling: the same
+    distribution), computed from ``head.approx(h)`` (bounded low-precision logits, :class:`pagedkv.engine.lm_head.
     LMHead`) and exact float32 logits of few entries (``head.exact_at``):
 
     * greedy: the entries whose upper bound ``l~_i + E`` reaches the best lower bound ``max(l~) - E`` (usually one:
@@ -228,7 +237,8 @@ def sample_bounded(head, h: torch.Tensor, params: list[SamplingParams], nums: li
       :func:`sample`'s top-k draw (top-p within the k included) on them;
     * plain sampling (whole vocabulary, no top-p): rejection sampling. A proposal ``i`` is drawn from
       ``softmax(l~ / T)`` by the inverse-CDF draw and accepted with probability ``exp((l_i - l~_i - E) / T) <= 1``
-      (``l_i`` rescored): an accepted ``i`` has exactly the distribution ``softmax(l / T)``. After
+      (``l_i`` rescored): an accepted ``i`` has exactly the distribution ``softmax(l / T)``. Proposals go in
+      rounds (:func:`_trials_per_round`), the first accepted of a round being the sample. After
       ``_MAX_TRIALS`` rejections (or at once when ``E / T`` is large) the row's float32 logits are computed and the
       sample drawn from them, which keeps the result exact;
     * top-p alone, a row that cannot be bounded, or too many candidates: the row's float32 logits and
@@ -350,15 +360,24 @@ def _plain_rows(head, hs, vals, bound, temp, js, todo, nums, generators, out, fa
         i = todo[j]
         gen = generators[i]
         got: list[int] = []
-        for _ in range(nums[i]):
-            for _trial in range(_MAX_TRIALS):
-                t = _draw_cdf(probs[r], ccdf[r], 1, gen)[0]
-                exact = float(head.exact_at(hs, torch.tensor([j]), torch.tensor([t]))[0])
-                log_acc = (exact - float(sub[r, t]) - bound[j]) / temp
-                if float(torch.rand(1, generator=gen, dtype=torch.float64)) < math.exp(min(log_acc, 0.0)):
-                    got.append(t)
+        per_round = _trials_per_round(bound[j] / temp)
+        row = torch.tensor([j])
+        while len(got) < nums[i]:
+            tried = 0
+            while tried < _MAX_TRIALS:  # proposals in rounds; the first accepted one of a round is the sample
+                m = min(per_round, _MAX_TRIALS - tried)
+                toks = torch.tensor(_draw_cdf(probs[r], ccdf[r], m, gen), dtype=torch.int64)
+                exact = head.exact_at(hs, row.expand(m), toks).double()
+                log_acc = (exact - sub[r, toks].double() - bound[j]) / temp
+                u = torch.rand(m, generator=gen, dtype=torch.float64)
+                ok = (u < torch.exp(log_acc.clamp(max=0.0))).nonzero()
+                if ok.numel():
+                    k = int(ok[0, 0])
+                    head.stats["rejections"] += k
+                    got.append(int(toks[k]))
                     break
-                head.stats["rejections"] += 1
+                head.stats["rejections"] += m
+                tried += m
             else:
                 break  # give up: the remaining samples come from the exact logits (sample_bounded)
         out[i] = got
