@@ -283,6 +283,23 @@ def test_roomy_cache_then_prefix_cache_rerun(gemma, cases, groups):
     llm.block_manager.check_invariants()
 
 
+def test_fast_lm_head_is_used_and_equals_the_float32_head(gemma, cases):
+    """Gemma 3's 262,144 x 640 tied output table through the exact fast LM head (the default, as in every test
+    here) against the float32 head: the reference tokens both ways, the bf16 product used for every greedy step."""
+    head = gemma.head
+    outs = {}
+    for fast in (True, False):
+        before = dict(head.stats)
+        llm = make_llm(gemma, fast_lm_head=fast,
+                       num_gpu_blocks=GROUPS * sum(blocks(len(c["prompt_ids"]) + c["max_tokens"]) for c in cases))
+        outs[fast] = gen(run(llm, cases))
+        assert (head.stats["bf16"] > before["bf16"]) is fast
+        assert (head.stats["exact"] > before["exact"]) is not fast
+        assert head.stats["fallback_rows"] == before["fallback_rows"]
+    assert outs[True] == outs[False] == [c["gen_ids"] for c in cases]
+    assert head.extra_bytes == 262144 * 640 * 2  # the bf16 copy; the float32 table is the embedding (tied)
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_in_a_small_cache(gemma, preemption_cases, mode):
     """One block table for all layers: the sequences outgrow the cache while decoding, so some are preempted."""

@@ -44,6 +44,22 @@ def test_reference_json_through_the_paged_engine(engine, reference_case):
     llm.block_manager.check_invariants()
 
 
+@pytest.mark.parametrize("fast", [True, False], ids=["fast-lm-head", "float32-lm-head"])
+def test_fast_lm_head_gives_the_reference_and_is_used(engine, reference_case, fast):
+    """The exact fast LM head (on by default) and the float32 one give the reference's greedy tokens, and the
+    fast one really runs (its bf16 product, no float32 fallback for greedy rows)."""
+    head = engine.paged.head
+    before = dict(head.stats)
+    llm = make_llm(engine, num_gpu_blocks=32, fast_lm_head=fast)
+    assert llm.fast_lm_head is fast
+    out = llm.chat(reference_case["messages"], greedy(reference_case["max_tokens"]), use_tqdm=False)[0]
+    assert ids(out) == reference_case["gen_ids"]
+    steps = head.stats["bf16"] - before["bf16"]
+    assert steps == (reference_case["max_tokens"] if fast else 0)
+    assert head.stats["exact"] - before["exact"] == (0 if fast else reference_case["max_tokens"])
+    assert head.stats["fallback_rows"] == before["fallback_rows"]
+
+
 def test_batch_of_mixed_lengths_and_prefix_cache_rerun(engine):
     n_new = 8
     expected = [engine.reference_greedy(tuple(p), n_new).token_ids for p in PROMPTS]

@@ -525,8 +525,16 @@ def test_a_sampler_fault_fails_only_its_request(engine, offline, monkeypatch):
             raise FloatingPointError("injected: probabilities are not finite")
         return real_batch(logits, params, nums, generators)
 
+    real_bounded = llm_mod.sample_bounded
+
+    def picky_bounded(head, hidden, params, nums, generators):  # the fast LM head's sampler too (the default)
+        if any(p.seed == 666 for p in params):
+            raise FloatingPointError("injected: probabilities are not finite")
+        return real_bounded(head, hidden, params, nums, generators)
+
     monkeypatch.setattr(llm_mod, "sample", picky)
     monkeypatch.setattr(llm_mod, "sample_batch", picky_batch)
+    monkeypatch.setattr(llm_mod, "sample_bounded", picky_bounded)
     llm = LLM(engine.paged, num_gpu_blocks=32, max_num_seqs=4, block_size=BLOCK)
     srv = make_server(llm, model_name=MODEL).start_in_thread()
     prompt = "The capital of France is"

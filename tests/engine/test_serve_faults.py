@@ -219,8 +219,16 @@ def test_offline_generate_raises_a_sampler_fault_and_stays_usable(engine, monkey
             raise FloatingPointError("injected")
         return real_batch(logits, params, nums, generators)
 
+    real_bounded = llm_mod.sample_bounded
+
+    def picky_bounded(head, hidden, params, nums, generators):  # the fast LM head's sampler too (the default)
+        if any(p.seed == 666 for p in params):
+            raise FloatingPointError("injected")
+        return real_bounded(head, hidden, params, nums, generators)
+
     monkeypatch.setattr(llm_mod, "sample", picky)
     monkeypatch.setattr(llm_mod, "sample_batch", picky_batch)
+    monkeypatch.setattr(llm_mod, "sample_bounded", picky_bounded)
     llm = LLM(engine.paged, num_gpu_blocks=32, max_num_seqs=4, block_size=16)
     with pytest.raises(RuntimeError, match="sampling failed"):
         llm.generate(["Hello", "World"], [SamplingParams(max_tokens=4, temperature=0),

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from .gguf_loader import ArchMetadata, TokenizerMetadata, check_shapes, inv_freq, load_tensors, open_gguf
 from .gguf_loader import _read_tokenizer_metadata
+from .lm_head import LMHead
 from .model import AttentionMetadata, PagedDecoder, _rotate_half
 from .paged_attention import paged_attention, plan_paged_attention
 
@@ -215,6 +216,8 @@ class PagedGemma3(PagedDecoder):
         self.tok_embd = w("token_embd.weight")
         self.device = self.tok_embd.device
         self.lm_head = w("output.weight")
+        # exact float32 logits (soft-capped when configured), and the bounded fast path (lm_head.py)
+        self.head = LMHead(self.lm_head, softcap=c.final_logit_softcapping)
         self.out_norm = w("output_norm.weight")
 
         def qk_norm(i: int) -> torch.Tensor:
@@ -268,7 +271,13 @@ class PagedGemma3(PagedDecoder):
     @torch.inference_mode()
     def forward(self, meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
         """Run one step; float32 logits ``(R, vocab)`` for ``meta.logits_indices`` (default: the last new token
-        of each sequence)."""
+        of each sequence), soft-capped when the model says so."""
+        return self.head.logits(self.hidden(meta, kv_cache))
+
+    @torch.inference_mode()
+    def hidden(self, meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Run one step up to the LM head: the final-normed hidden states ``(R, n_embd)`` of
+        ``meta.logits_indices`` (``forward`` is ``self.head.logits(self.hidden(...))``)."""
         c = self.config
         grouped = meta.groups is not None
         self._check_kv_cache(kv_cache, grouped)
@@ -314,10 +323,6 @@ class PagedGemma3(PagedDecoder):
         idx = meta.logits_indices
         if idx is None:
             idx = meta.query_start_loc[1:] - 1
-        logits = F.linear(_norm(x.index_select(0, idx), self.out_norm, eps), self.lm_head).float()
-        if c.final_logit_softcapping is not None:
-            cap = c.final_logit_softcapping
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        return _norm(x.index_select(0, idx), self.out_norm, eps)
 
     __call__ = forward

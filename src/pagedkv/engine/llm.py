@@ -33,7 +33,7 @@ from ..manager import NULL_BLOCK, AllocStatus, BlockManager
 from ..scheduler import FINISH_STOP, Scheduler
 from .model import build_attention_metadata, build_group_attention_metadata, execute_copy_plan
 from .registry import load_model, make_tokenizer
-from .sampling import SamplingParams, sample, sample_batch
+from .sampling import SamplingParams, sample, sample_batch, sample_bounded
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
 
@@ -127,6 +127,12 @@ class LLM:
             table per group, so a sliding layer keeps only the blocks of its window (True, the default); False:
             one :class:`pagedkv.BlockManager` table for all layers. Models without groups (SmolLM2) always use
             one table. ``llm.kv_cache_groups`` says which is in use.
+        fast_lm_head: the exact fast LM head (docs/engine-speed.md, :mod:`pagedkv.engine.lm_head`): logits from a
+            bf16 copy of the output table with a rigorous per-row error bound; greedy and top-k
+            rescore in float32 only the entries the bound cannot rule out, plain sampling draws by rejection against
+            the bound, top-p computes its row in float32. The tokens are those of the float32 logits (True, the
+            default; float32 weights on the CPU only, else off). Costs the low-precision copies' memory (Gemma 3
+            270M: +335 MB, SmolLM2-135M: +57 MB). False: the float32 logits of every row, as before.
     """
 
     def __init__(
@@ -151,6 +157,7 @@ class LLM:
         enable_chunked_prefill: bool = True,
         long_prefill_token_threshold: int = 0,
         kv_cache_groups: bool = True,
+        fast_lm_head: bool = True,
     ) -> None:
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise InvalidArgumentError(f"device {device!r} was asked for but CUDA is not available; use device='cpu'")
@@ -178,6 +185,12 @@ class LLM:
                 "this model has per-layer sliding windows (its full-attention layers need every block): "
                 "sliding_window must be None"
             )
+        head = getattr(self.model, "head", None)
+        #: whether the exact fast LM head is in use (``fast_lm_head`` and a model that supports it)
+        self.fast_lm_head = bool(fast_lm_head and head is not None and head.supports_approx
+                                 and hasattr(self.model, "hidden"))
+        if self.fast_lm_head:
+            head.prepare()  # the low-precision copies, once per model (shared by LLMs sharing the model)
         self.tokenizer = make_tokenizer(self.model.tokenizer_metadata)
         self.max_model_len = int(self.model.config.context_length)
         groups = getattr(self.model, "kv_cache_groups", None) if kv_cache_groups else None
@@ -473,14 +486,25 @@ class LLM:
                 new_tokens, computed, np.concatenate(slots, axis=1),
                 [[t[g] for t in tables] for g in range(len(self.kv_cache_groups))],
                 block_size=self.block_manager.block_size, device=self.device, logits=logit_rows)
-        logits = self.model(meta, self.kv_cache).cpu()
+        head = self.model.head if self.fast_lm_head else None
+        if head is not None:
+            hidden = self.model.hidden(meta, self.kv_cache)
+            logits = None
+        else:
+            logits = self.model(meta, self.kv_cache).cpu()
         if not owners:  # only chunks that sample nothing
             return [None] * len(plan.prefills)
         t = time.perf_counter()
+        head_s = head.seconds if head is not None else 0.0
+        params, nums, gens = [r.params for r, _ in owners], [num for _, num in owners], [r.generator for r, _ in owners]
         try:
-            drawn = sample_batch(logits, [r.params for r, _ in owners], [num for _, num in owners],
-                                 [r.generator for r, _ in owners])
+            if head is not None:
+                drawn = sample_bounded(head, hidden, params, nums, gens)
+            else:
+                drawn = sample_batch(logits, params, nums, gens)
         except Exception:  # some row failed: draw row by row so that request alone fails (see _sample_faults)
+            if logits is None:
+                logits = head.logits(hidden)
             drawn = []
             for i, (r, num) in enumerate(owners):
                 try:
@@ -488,7 +512,8 @@ class LLM:
                 except Exception as e:
                     self._sample_faults.setdefault(r.request_id, e)
                     drawn.append([0] * num)  # a placeholder; the caller aborts the request after the step
-        self._sampling_s = time.perf_counter() - t
+        # the LM head's products count as the model's time, the rest (bounds, candidates, draws) as sampling
+        self._sampling_s = time.perf_counter() - t - ((head.seconds - head_s) if head is not None else 0.0)
         out = [toks if num > 1 else toks[0] for toks, (_, num) in zip(drawn, owners)]
         for i in skip:  # (in order: each index counts the entries before it)
             out.insert(i, None)

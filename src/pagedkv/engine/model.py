@@ -49,6 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from .gguf_loader import ModelConfig, TokenizerMetadata, load_gguf, rope_inv_freq
+from .lm_head import LMHead
 from .paged_attention import (NULL_BLOCK, AttentionPlan, AttentionWorkspace, paged_attention,
                               plan_paged_attention)
 
@@ -485,6 +486,7 @@ class PagedLlama(PagedDecoder):
         self.device = self.tok_embd.device  # normalized, e.g. "cuda" -> "cuda:0"
         self.out_norm = w("output_norm.weight")
         self.lm_head = w("output.weight")
+        self.head = LMHead(self.lm_head)  # exact float32 logits, and the bounded fast path (lm_head.py)
         self.layers = [
             (
                 w(f"blk.{i}.attn_norm.weight"),
@@ -514,6 +516,12 @@ class PagedLlama(PagedDecoder):
     def forward(self, meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
         """Run one step; returns float32 logits ``(R, vocab)`` for ``meta.logits_indices``
         (by default the last new token of each sequence, in batch order)."""
+        return self.head.logits(self.hidden(meta, kv_cache))
+
+    @torch.inference_mode()
+    def hidden(self, meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Run one step up to the LM head: the final-normed hidden states ``(R, n_embd)`` of
+        ``meta.logits_indices`` (``forward`` is ``self.head.logits(self.hidden(...))``)."""
         c = self.config
         if meta.groups is not None:
             raise ValueError("PagedLlama has no KV cache groups (metadata with groups given)")
@@ -543,7 +551,6 @@ class PagedLlama(PagedDecoder):
         idx = meta.logits_indices
         if idx is None:
             idx = meta.query_start_loc[1:] - 1
-        h = _rms_norm(x.index_select(0, idx), self.out_norm, c.rms_eps)
-        return F.linear(h, self.lm_head).float()
+        return _rms_norm(x.index_select(0, idx), self.out_norm, c.rms_eps)
 
     __call__ = forward

@@ -37,6 +37,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute",
                    help="what a preempted request gives up: its KV (recompute) or its GPU blocks (swap to the "
                         "--num-cpu-blocks)")
+    p.add_argument("--fast-lm-head", action=argparse.BooleanOptionalAction, default=True,
+                   help="the exact fast LM head: bf16 logits with a rigorous error bound, the entries the bound "
+                        "cannot decide rescored in float32 (same tokens as float32 logits; docs/engine-speed.md); "
+                        "--no-fast-lm-head computes every row's logits in float32")
     p.add_argument("--sliding-window", type=int, default=None, metavar="TOKENS",
                    help="attend to the last TOKENS tokens only, releasing older blocks (default: full attention)")
 
@@ -61,6 +65,7 @@ def make_llm(args: argparse.Namespace, **over):
         sliding_window=args.sliding_window, device=args.device, cpu_prefix_cache=args.cpu_prefix_cache,
         enable_chunked_prefill=args.enable_chunked_prefill,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
+        fast_lm_head=getattr(args, "fast_lm_head", True),
     )
     kw.update(over)
     return LLM(args.model, **kw)

@@ -12,17 +12,24 @@ per vocabulary entry: 49k random numbers per token for SmolLM2). It touches only
 
 Determinism: a row's draws come only from its own ``torch.Generator`` (one ``torch.rand`` of ``num`` values per
 row and step), so a seeded request gives the same tokens whatever else shares its batch.
+
+:func:`sample_bounded` draws the same tokens from *bounded approximate* logits (:mod:`pagedkv.engine.lm_head`:
+low-precision logits ``l~`` with ``|l - l~| <= E`` per row) without computing the float32 logits ``l`` of the whole
+vocabulary: greedy and top-k rows rescore in float32 only the entries whose interval reaches the best (the k-th
+best) lower bound; plain sampling over the whole vocabulary is rejection sampling; top-p alone computes its row's
+float32 logits (the nucleus needs the exact distribution).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["SamplingParams", "sample", "sample_batch"]
+__all__ = ["SamplingParams", "sample", "sample_batch", "sample_bounded"]
 
 
 @dataclass(frozen=True)
@@ -188,3 +195,191 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], nums: list[
         for r, i in enumerate(rows):
             out[i] = _draw_cdf(probs[r], ccdf[r], nums[i], generators[i])
     return out  # type: ignore[return-value]
+
+
+#: a greedy / top-k row with more candidates than this computes its whole float32 row instead
+_MAX_CANDIDATES = 4096
+#: rejection sampling: proposals tried per sample before the row's float32 logits are computed (exact either way).
+#: A proposal costs a draw and one hidden-size dot product (~0.1 ms); the float32 row costs a read of the whole
+#: table (Gemma 3: ~50-90 ms), so trying a few hundred proposals first pays off
+_MAX_TRIALS = 256
+#: rejection sampling is skipped (float32 row at once) when bound / temperature exceeds this (acceptance below
+#: ~1 %: the expected proposals would cost about the float32 row)
+_MAX_BOUND_OVER_T = 5.0
+
+
+def _trials_per_round(bound_over_t: float) -> int:
+    """Proposals drawn, rescored and tested together (one gather, one ``rand``) per round: about two expected
+    acceptances' worth (acceptance is at least ``exp(-2 E / T)``, typically ``exp(-E / T)``)."""
+    return int(min(64, max(2, math.ceil(2.0 * math.exp(bound_over_t)))))
+
+
+def _kind(p: SamplingParams, vocab: int) -> str:
+    if p.temperature == 0:
+        return "greedy"
+    if 0 < p.top_k < vocab:
+        return "topk"
+    if p.top_p < 1.0:
+        return "exact"  # top-p alone: the nucleus needs the whole distribution
+    return "plain"
+
+
+def sample_bounded(head, h: torch.Tensor, params: list[SamplingParams], nums: list[int],
+                   generators: list[torch.Generator | None]) -> list[list[int]]:
+    """Tokens drawn as :func:`sample_batch` draws them from ``head.logits(h)`` (float32 logits of the hidden states
+    ``h`` ``(R, hidden)``; greedy, top-k and top-p rows: the very same tokens; plain sampling: the same
+    distribution), computed from ``head.approx(h)`` (bounded low-precision logits, :class:`pagedkv.engine.lm_head.
+    LMHead`) and exact float32 logits of few entries (``head.exact_at``):
+
+    * greedy: the entries whose upper bound ``l~_i + E`` reaches the best lower bound ``max(l~) - E`` (usually one:
+      then it is the argmax without rescoring), rescored; their argmax (the first on a tie, as ``argmax``);
+    * top-k: the entries whose upper bound reaches the k-th best lower bound hold the exact top k; rescored, then
+      :func:`sample`'s top-k draw (top-p within the k included) on them;
+    * plain sampling (whole vocabulary, no top-p): rejection sampling. A proposal ``i`` is drawn from
+      ``softmax(l~ / T)`` by the inverse-CDF draw and accepted with probability ``exp((l_i - l~_i - E) / T) <= 1``
+      (``l_i`` rescored): an accepted ``i`` has exactly the distribution ``softmax(l / T)``. Proposals go in
+      rounds (:func:`_trials_per_round`), the first accepted of a round being the sample. After
+      ``_MAX_TRIALS`` rejections (or at once when ``E / T`` is large) the row's float32 logits are computed and the
+      sample drawn from them, which keeps the result exact;
+    * top-p alone, a row that cannot be bounded, or too many candidates: the row's float32 logits and
+      :func:`sample_batch`.
+
+    Draws come from each row's own generator, and a row's approximate logits and bound depend on that row alone
+    (up to the bf16 product's summation order, as the float32 logits), so a seeded request gives the same tokens
+    whatever else shares its batch. Plain sampling draws other random numbers than :func:`sample_batch` (the
+    proposals and acceptance tests): the same distribution, another sequence for a given seed. O(R x vocab) besides
+    the low-precision product; O(candidates x hidden) rescoring.
+    """
+    n_rows = h.shape[0]
+    vocab = head.vocab_size
+    out: list[list[int] | None] = [None] * n_rows
+    kinds = [_kind(p, vocab) for p in params]
+    fallback: list[int] = [i for i, k in enumerate(kinds) if k == "exact"]
+    todo = [i for i, k in enumerate(kinds) if k != "exact"]
+    if todo:
+        hs = h if len(todo) == n_rows else h[todo]
+        ap = head.approx(hs)
+        vals, bound = ap.values, ap.bound.tolist()
+        finite = [math.isfinite(b) for b in bound]
+        greedy = [j for j, i in enumerate(todo) if kinds[i] == "greedy" and finite[j]]
+        if greedy:
+            _greedy_rows(head, hs, vals, bound, todo, greedy, out, nums, fallback)
+        for j, i in enumerate(todo):
+            if kinds[i] == "topk" and finite[j]:
+                _topk_row(head, hs, vals, bound, j, params[i], nums[i], generators[i], out, i, fallback)
+        plain: dict[float, list[int]] = {}
+        for j, i in enumerate(todo):
+            if kinds[i] == "plain" and finite[j]:
+                if bound[j] / params[i].temperature > _MAX_BOUND_OVER_T:
+                    fallback.append(i)
+                else:
+                    plain.setdefault(float(params[i].temperature), []).append(j)
+        for temp, js in plain.items():
+            _plain_rows(head, hs, vals, bound, temp, js, todo, nums, generators, out, fallback)
+        fallback += [i for j, i in enumerate(todo) if not finite[j]]
+    if fallback:
+        fallback.sort()
+        head.stats["fallback_rows"] += len(fallback)
+        exact = head.logits(h[fallback])
+        drawn = sample_batch(exact, [params[i] for i in fallback], [nums[i] for i in fallback],
+                             [generators[i] for i in fallback])
+        for i, d in zip(fallback, drawn):
+            if out[i] is None:
+                out[i] = d
+            else:  # a plain row that gave up part-way: its remaining samples from the exact logits
+                out[i] = out[i] + d[: nums[i] - len(out[i])]
+    return out  # type: ignore[return-value]
+
+
+#: greedy: entries per chunk of the chunk maxima (one vectorized ``amax`` over the rows; the candidates are looked
+#: for only in the chunks whose maximum reaches the threshold, usually one)
+_GREEDY_CHUNK = 256
+
+
+def _greedy_rows(head, hs, vals, bound, todo, rows, out, nums, fallback) -> None:
+    sub = vals[rows] if len(rows) < vals.shape[0] else vals
+    n, vocab = sub.shape
+    full = vocab // _GREEDY_CHUNK * _GREEDY_CHUNK
+    cmax = sub[:, :full].unflatten(1, (full // _GREEDY_CHUNK, _GREEDY_CHUNK)).amax(dim=2)
+    if full < vocab:
+        cmax = torch.cat([cmax, sub[:, full:].amax(dim=1, keepdim=True)], dim=1)
+    thr = cmax.amax(dim=1).double() - 2.0 * torch.tensor([bound[j] for j in rows], dtype=torch.float64)
+    # the float64 threshold rounded to float32 and lowered one ulp: no candidate is lost to the rounding
+    thr32 = torch.nextafter(thr.to(torch.float32), torch.tensor(-math.inf))
+    hot = (cmax >= thr32[:, None]).nonzero().tolist()  # (row, chunk), ascending
+    by_row: dict[int, list[int]] = {}
+    for r, c in hot:
+        by_row.setdefault(r, []).append(c)
+    pair_rows: list[int] = []
+    pair_idx: list[torch.Tensor] = []
+    owners: list[int] = []
+    for k in range(n):
+        i = todo[rows[k]]
+        chunks = by_row[k]
+        if len(chunks) * _GREEDY_CHUNK > 4 * _MAX_CANDIDATES:
+            fallback.append(i)
+            continue
+        cand = torch.cat([(sub[k, c * _GREEDY_CHUNK:(c + 1) * _GREEDY_CHUNK] >= thr32[k]).nonzero()[:, 0]
+                          + c * _GREEDY_CHUNK for c in chunks])
+        if cand.numel() == 1:  # one candidate: the argmax, nothing to rescore
+            out[i] = [int(cand[0])] * nums[i]
+        elif cand.numel() > _MAX_CANDIDATES:
+            fallback.append(i)
+        else:
+            pair_rows.append(rows[k])
+            pair_idx.append(cand)
+            owners.append(i)
+    if not owners:
+        return
+    local = torch.cat([torch.full_like(c, r) for r, c in zip(pair_rows, pair_idx)])
+    exact = head.exact_at(hs, local, torch.cat(pair_idx))
+    for i, c, e in zip(owners, pair_idx, torch.split(exact, [len(c) for c in pair_idx])):
+        out[i] = [int(c[int(torch.argmax(e))])] * nums[i]  # candidates ascending: argmax's first max wins a tie
+
+
+def _topk_row(head, hs, vals, bound, j, p, num, gen, out, i, fallback) -> None:
+    row = vals[j]
+    kth = torch.topk(row, p.top_k).values[-1].double() - 2.0 * bound[j]
+    thr = torch.nextafter(kth.to(torch.float32), torch.tensor(-math.inf))
+    cand = (row >= thr).nonzero()[:, 0]
+    if cand.numel() > p.top_k + _MAX_CANDIDATES:
+        fallback.append(i)
+        return
+    full = torch.full((row.shape[0],), -math.inf, dtype=torch.float32)
+    full[cand] = head.exact_at(hs, torch.full_like(cand, j), cand)
+    out[i] = _sample_row(full, p, num, gen)
+
+
+def _plain_rows(head, hs, vals, bound, temp, js, todo, nums, generators, out, fallback) -> None:
+    sub = vals[js] if len(js) < vals.shape[0] else vals
+    probs = head.buffer("probs", tuple(sub.shape))  # (reused: a fresh tensor costs page faults)
+    scaled = sub if temp == 1.0 else torch.mul(sub, 1.0 / temp, out=head.buffer("scaled", tuple(sub.shape)))
+    torch.ops.aten._softmax.out(scaled, -1, False, out=probs)
+    ccdf = _chunk_cdf(probs)
+    for r, j in enumerate(js):
+        i = todo[j]
+        gen = generators[i]
+        got: list[int] = []
+        per_round = _trials_per_round(bound[j] / temp)
+        row = torch.tensor([j])
+        while len(got) < nums[i]:
+            tried = 0
+            while tried < _MAX_TRIALS:  # proposals in rounds; the first accepted one of a round is the sample
+                m = min(per_round, _MAX_TRIALS - tried)
+                toks = torch.tensor(_draw_cdf(probs[r], ccdf[r], m, gen), dtype=torch.int64)
+                exact = head.exact_at(hs, row.expand(m), toks).double()
+                log_acc = (exact - sub[r, toks].double() - bound[j]) / temp
+                u = torch.rand(m, generator=gen, dtype=torch.float64)
+                ok = (u < torch.exp(log_acc.clamp(max=0.0))).nonzero()
+                if ok.numel():
+                    k = int(ok[0, 0])
+                    head.stats["rejections"] += k
+                    got.append(int(toks[k]))
+                    break
+                head.stats["rejections"] += m
+                tried += m
+            else:
+                break  # give up: the remaining samples come from the exact logits (sample_bounded)
+        out[i] = got
+        if len(got) < nums[i]:
+            fallback.append(i)

@@ -50,6 +50,7 @@ def run_throughput(llm, *, input_len: int, output_len: int, num_prompts: int, n:
         "model_share": t.model / t.total,
         "sampling_share": t.sampling / t.total,
         "torch_threads": _threads(),
+        "fast_lm_head": bool(getattr(llm, "fast_lm_head", False)),
         "block_manager_share": t.block_manager / t.total,
         "scheduler_share": (t.scheduler - t.block_manager) / t.total,
         "num_gpu_blocks": llm.block_manager.num_gpu_blocks,
@@ -70,7 +71,8 @@ def format_split(r: dict) -> str:
             f"scheduler (rest) {100 * r['scheduler_share']:.3f}% ({r['scheduler_s'] * 1e3:.1f} ms), "
             f"model {100 * r['model_share']:.1f}% ({r['model_s']:.2f} s), "
             f"sampling {100 * r['sampling_share']:.1f}% ({r['sampling_s']:.2f} s); "
-            f"torch threads: {r['torch_threads']}; preemptions: {r['preemptions']}")
+            f"torch threads: {r['torch_threads']}; preemptions: {r['preemptions']}"
+            + (f"; fast LM head: {'on' if r['fast_lm_head'] else 'off'}" if "fast_lm_head" in r else ""))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
