@@ -149,7 +149,7 @@ def test_a_key_naming_other_tokens_is_a_miss(group, pos, want):
     m.free("a")
     assert m.lookup_prefix(prompt).num_cached_blocks == 10
     key = block_hashes(prompt, BS, group=group)[pos]  # the group's cached block at that position
-    blk = m._cache._map[key]
+    blk = m._cache.map[key]
     m._cache.tok[blk, 0] += 1000  # other tokens under the same key
     assert_same(m, prompt)
     assert m.lookup_prefix(prompt).num_cached_blocks == want

@@ -81,14 +81,14 @@ def find_hit(ha, arr: np.ndarray, roots: list):
     if full < 4:
         return None
     cache = ha.cache
-    if cache._ndl:
+    if cache.ndl:
         cache.flush()  # (the probes read the map as the whole index)
-        if cache._ndl:  # a 64-bit key collision left a block out of the map: the walk decides
+        if cache.ndl:  # a 64-bit key collision left a block out of the map: the walk decides
             return None
     arr = np.ascontiguousarray(arr)
     rows = arr[: full * bs].reshape(full, bs)
     datas = rows.view(cache.void).ravel().tolist()
-    get = cache._map.get
+    get = cache.map.get
     specs = ha.specs
     G = len(specs)
     keys: list = [None] * G
@@ -208,7 +208,7 @@ def commit_all(ha, seq_id, gns: tuple, plan) -> bool:
     k = (n - h) // bs  # new full blocks of every group
     rest = n - h - k * bs
     take = ha.blocks.take
-    together = G * m <= ha.gpu._nfree  # no eviction: every group's blocks in one take, registered in one call
+    together = G * m <= ha.gpu.nfree  # no eviction: every group's blocks in one take, registered in one call
     new = take(G * m).reshape(G, m) if together and m else None
     chains, rows = [], []
     for g, (tb, al) in enumerate(zip(tables, allocs)):

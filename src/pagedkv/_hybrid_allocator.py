@@ -142,7 +142,7 @@ class HybridAllocator:
             last = [x - 1 for x in accumulate(b.size for b in blks)]
             cids, cks = cache.cid[held[last]].tolist(), cache.key[held[last]].tolist()
             groups = [(b, None, (c, k), L - b.size) for b, c, k in zip(blks, cids, cks)]
-            need = G * (nblocks - L) + int(np.count_nonzero(self.gpu._ref[held] == 0))
+            need = G * (nblocks - L) + int(np.count_nonzero(self.gpu.ref[held] == 0))
         else:
             held = None
             groups = [(blks[g], None, roots[g], 0) for g in range(G)]
@@ -165,11 +165,11 @@ class HybridAllocator:
             data = arr.tobytes()
             datas = [data[s] for s in _slices(L, 4 * bs)]
             keys = {g: _chain(iter(datas), roots[g][1]) for g in self.sliding}
-            if cache._ndl:
+            if cache.ndl:
                 cache.flush()  # (the window check reads the map directly; see prefix_cache "Runs")
-            cmap, ctok = cache._map, cache.tok
+            cmap, ctok = cache.map, cache.tok
             tier = self.tier
-            tmap = tier._map if tier is not None else None
+            tmap = tier.map if tier is not None else None
             ctok_cpu = self.cpu_tok
 
             def pres(g: int, j: int):
@@ -201,7 +201,7 @@ class HybridAllocator:
         if chunk is not None and L * bs + chunk < n:  # chunked prefill: the hit plus one chunk
             n = L * bs + chunk
             nblocks = -(-(n + la) // bs)
-        ref = self.gpu._ref_mv
+        ref = self.gpu.ref_mv
         cid, ckey, cpu_id = cache.cid, cache.key, self.cpu_id
         groups, need, ncpu = [], 0, 0
         for g, spec in enumerate(self.specs):
@@ -250,18 +250,18 @@ class HybridAllocator:
         that no group evicts another's hit). Returns the GPU blocks referenced."""
         if self.cache is None:
             return []
-        ref, ev = self.gpu._ref_mv, self.cache.evictor
+        ref, ev = self.gpu.ref_mv, self.cache.evictor
         if plan.memo is not None:  # (a plan of pagedkv._hybrid_alloc: no CPU-tier hit)
             h = plan.held
             if h is not None:
-                gref = self.gpu._ref
+                gref = self.gpu.ref
                 ev.discard_many(h[gref[h] == 0])
                 gref[h] += 1
             return h
         held = [b for gpu, _, _, nnull in plan.groups for b in gpu[nnull:]]
         if len(held) > 32:  # a long hit: a few numpy calls (the blocks are distinct: one group each)
             h = np.array(held, dtype=np.int64)
-            gref = self.gpu._ref
+            gref = self.gpu.ref
             ev.discard_many(h[gref[h] == 0])
             gref[h] += 1
         else:
@@ -294,7 +294,7 @@ class HybridAllocator:
         if cache is not None:
             for ns in gns:
                 cache.intern(ns)
-            if len(cache._roots) > cache.sweep_at:
+            if len(cache.roots) > cache.sweep_at:
                 self.regs[0].release_namespaces()
 
     def record_siblings(self, seq_id: Hashable, fresh: int) -> None:
@@ -323,7 +323,7 @@ class HybridAllocator:
         """Drop the extra references of a batch's holds; blocks left unreferenced are parked."""
         if held:
             b = np.array(held, dtype=np.int64)
-            ref = self.gpu._ref
+            ref = self.gpu.ref
             ref[b] -= 1  # (distinct blocks)
             self.blocks.park(b[ref[b] == 0].astype(np.int32))
 
@@ -336,7 +336,7 @@ class HybridAllocator:
 
     def hold_blocks(self, blocks: list) -> None:
         """One more reference on each of these (distinct) blocks, taken out of the LRU where unreferenced."""
-        ref, ev = self.gpu._ref_mv, self.cache.evictor
+        ref, ev = self.gpu.ref_mv, self.cache.evictor
         for b in blocks:
             if ref[b] == 0:
                 ev.discard(b)

@@ -60,7 +60,7 @@ class HybridSeqs:
         t0 = self.t0
         row = t0.row(seq_id)
         if not cache and self.cache is not None and not t0.swapped[row]:
-            ref = self.gpu._ref
+            ref = self.gpu.ref
             for t, reg in zip(self.tables, self.regs):
                 blocks = t.table[row, int(t.pend[row]) : int(t.nreg[row])]
                 blocks = blocks[blocks >= 0]

@@ -59,7 +59,7 @@ class HybridStepper:
             return False
         if n_grow and self.fixed_w and int(j[grow].max()) >= self.fixed_w:
             return False
-        ref = self.gpu._ref
+        ref = self.gpu.ref
         col = j - grow
         for t in self.tables:
             ref_w = ref[t.table[rows, col]]
@@ -134,7 +134,7 @@ class HybridStepper:
                     return None
                 grow += 1
         need = grow * self.G
-        ref = self.gpu._ref_mv
+        ref = self.gpu.ref_mv
         for t in self.tables:
             table = (t.mvs or t.views())[2]
             for r in rows:

@@ -53,7 +53,7 @@ class HybridSwapper:
     def need(self, rows: np.ndarray, la: int) -> tuple[int, int]:
         """(blocks swap_in consumes, blocks it needs at most) over every group."""
         need = most = 0
-        ref = self.gpu._ref
+        ref = self.gpu.ref
         bs = self.bs
         for t, s in zip(self.tables, self.swaps):
             uniq = t.unique_blocks(rows)

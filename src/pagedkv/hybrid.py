@@ -155,7 +155,7 @@ class HybridBlockManager:
         self._retention = None
         if retain:
             self._cache.evictor = RetentionEvictor(self._gpu.num_blocks)
-            self._retention = WindowRetention(bs, retention_interval, self._cache, self._gpu._ref)
+            self._retention = WindowRetention(bs, retention_interval, self._cache, self._gpu.ref)
             for m, s in zip(gs, self._specs):
                 if s.window is not None:
                     m._win.retention, m._win.k = self._retention, -(-s.window // bs)
