@@ -6,7 +6,10 @@ side by side under another package name, alternating call for call (the fairest 
 Prints, per case, the median microseconds of each tree and the ratio this / other. Cases: allocate of one
 prompt of 200-299 tokens (blocks of 16, prefix caching on; half of it a hit), and decode_step of one token per
 sequence at batch 1, 4, 16, 64 and 1000, prefix caching off and on. ``--hybrid`` adds HybridBlockManager's
-decode_step (one full-attention group and five sliding-window groups of 64 tokens) at batch 1 to 256.
+decode_step (one full-attention group and five sliding-window groups of 64 tokens) at batch 1 to 256, and its
+allocate with a prefix hit of 1024, 4096 and 16384 tokens (a conversation's next turn: the cached stem plus 256
+new tokens; one full-attention group and five sliding-window groups of 512 tokens, as Gemma 3; each sequence freed
+untimed after its allocation).
 """
 
 from __future__ import annotations
@@ -80,6 +83,27 @@ def hybrid_case(pk, batch: int, caching: bool, rounds: int, seed: int = 0):
     return one
 
 
+def hybrid_alloc_case(pk, hit: int, rounds: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    groups = [pk.FullAttentionSpec()] + [pk.SlidingWindowSpec(512)] * 5
+    n = hit + 256
+    m = pk.HybridBlockManager(6 * (n // 16 + 2) * 3 + 512, 16, kv_cache_groups=groups, enable_prefix_caching=True)
+    stem = rng.integers(0, 32000, hit).tolist()
+    m.allocate("warm", stem + [1])
+    m.free("warm")
+    prompts = [stem + rng.integers(0, 32000, 256).tolist() for _ in range(rounds)]
+    it = iter(range(rounds))
+
+    def one():
+        i = next(it)
+        t = time.perf_counter()
+        m.allocate(i, prompts[i])
+        t = time.perf_counter() - t
+        m.free(i)
+        return t
+    return one
+
+
 def ab(make, rounds: int, other) -> tuple[float, float]:
     a, b = make(this, rounds), make(other, rounds)
     ta, tb = [], []
@@ -106,5 +130,7 @@ if __name__ == "__main__":
             for caching in (False, True):
                 rows.append((f"hybrid step B{batch}/{'on' if caching else 'off'}",
                              ab(lambda pk, r: hybrid_case(pk, batch, caching, r), 300, other)))
+        for hit in (1024, 4096, 16384):
+            rows.append((f"hybrid allocate hit {hit}", ab(lambda pk, r: hybrid_alloc_case(pk, hit, r), 200, other)))
     for name, (t, o) in rows:
         print(f"{name:24s} this {t:8.2f} us   other {o:8.2f} us   this/other {t / o:5.2f}")

@@ -88,9 +88,9 @@ def namespaces(tenants: int) -> None:
             dt = time.perf_counter() - t
             bm.take_events()
             c = bm._cache
-            size = sum(sys.getsizeof(r) for r in (c._roots, c._ns_ids, c._ns_list))
-            size += sum(sys.getsizeof(k) for k in c._roots) + sum(sys.getsizeof(k) for k in c._ns_ids)
-            return dt / n * 1e6, size / 2**20, len(c._roots)
+            size = sum(sys.getsizeof(r) for r in (c.roots, c._ns_ids, c.ns_list))
+            size += sum(sys.getsizeof(k) for k in c.roots) + sum(sys.getsizeof(k) for k in c._ns_ids)
+            return dt / n * 1e6, size / 2**20, len(c.roots)
         finally:
             pc._SWEEP_MIN = saved
 

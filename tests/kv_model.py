@@ -108,7 +108,7 @@ class Config:
                 enable_kv_events=self.events, max_kv_events=self.max_events,
             )
             if self.vectorised:
-                hm._m0._small_batch = 0
+                hm._step.small_batch = 0
             return hm
         return BlockManager(
             self.num_gpu_blocks, self.block_size, num_cpu_blocks=self.num_cpu_blocks,

@@ -25,10 +25,10 @@ from pagedkv.errors import (
 def _pool(p):
     return {
         "num_blocks": p.num_blocks,
-        "ref": p._ref.tolist(),
+        "ref": p.ref.tolist(),
         "free_ring": p.free_ids().tolist(),  # in order: the order decides which blocks are handed out next
-        "head": p._head,
-        "nfree": p._nfree,
+        "head": p.head,
+        "nfree": p.nfree,
     }
 
 
@@ -84,10 +84,10 @@ def snapshot(bm: BlockManager) -> dict:
             "key": c.key.tolist(),
             "cid": c.cid.tolist(),
             "pcid": c.pcid.tolist(),
-            "serial": c._serial,
+            "serial": c.serial,
             "lru": list(c.evictor),
             "lru_len": len(c.evictor),
-            "roots": list(c._roots.items()),
+            "roots": list(c.roots.items()),
             "evictions": c.evictions,
         }
         snap["cpu_cache"] = (bm._cpu_tok.tolist(), bm._cpu_id.tolist())

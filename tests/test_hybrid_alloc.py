@@ -1,7 +1,7 @@
 """HybridBlockManager's vectorised allocation (pagedkv._hybrid_alloc) against the block-by-block walk it replaces.
 
 The plan of :func:`pagedkv._hybrid_alloc.find_hit` (hit, blocks per group, blocks consumed) must equal
-``HybridBlockManager._plan_walk``'s on every state a random workload reaches (shared prefixes, decode steps that
+``HybridAllocator.plan_walk``'s on every state a random workload reaches (shared prefixes, decode steps that
 fill blocks, windows released, evictions under a small pool, frees with and without caching, namespaces, prefix
 cache resets); the sibling keys it records must be each group's ``block_hashes``; a key that names a block with
 other tokens (a hash collision) must end the hit there, in a full group and in a sliding window alike.
@@ -23,10 +23,10 @@ BS = 4
 def walk_and_fast(m: HybridBlockManager, prompt, namespace=None):
     """(fast plan, walk plan) of the prompt, nothing changed."""
     arr = as_tokens(prompt)
-    gns = m._gns(namespace)
-    fast = m._plan(arr, 0, gns, check=False)
+    gns = m._alloc.gns(namespace)
+    fast = m._alloc.plan(arr, 0, gns, check=False)
     roots = [m._cache.root(ns, intern=False) for ns in gns]
-    walk = m._plan_walk(arr, arr.size, -(-arr.size // BS), 0, roots, None)
+    walk = m._alloc.plan_walk(arr, arr.size, -(-arr.size // BS), 0, roots, None)
     return fast, walk
 
 
@@ -124,7 +124,7 @@ def test_sibling_keys_are_each_groups_block_hashes():
     m.allocate("a", prompt)
     m.free("a")
     m.allocate("b", prompt + [7, 7, 7, 7, 7])  # a hit: siblings read, the new blocks' recorded
-    sib_cid, sib_key = m._sib
+    sib_cid, sib_key = m._alloc.sib
     cid = m._cache.cid
     table0 = m.block_table("b", 0)
     full = (len(prompt) + 5) // BS
@@ -149,7 +149,7 @@ def test_a_key_naming_other_tokens_is_a_miss(group, pos, want):
     m.free("a")
     assert m.lookup_prefix(prompt).num_cached_blocks == 10
     key = block_hashes(prompt, BS, group=group)[pos]  # the group's cached block at that position
-    blk = m._cache._map[key]
+    blk = m._cache.map[key]
     m._cache.tok[blk, 0] += 1000  # other tokens under the same key
     assert_same(m, prompt)
     assert m.lookup_prefix(prompt).num_cached_blocks == want

@@ -25,7 +25,7 @@ def tables(m, seq):
 
 def snap(m):
     """Everything a refused call could change, in every group."""
-    return (m.num_free_gpu_blocks, m.num_free_cpu_blocks, m.num_cached_blocks, m._gpu._ref.tolist(),
+    return (m.num_free_gpu_blocks, m.num_free_cpu_blocks, m.num_cached_blocks, m._gpu.ref.tolist(),
             {s: (m.num_tokens(s), m.is_swapped(s), tables(m, s)) for s in m.seq_ids},
             [dict(g._t.partial) for g in m._g])
 

@@ -51,7 +51,7 @@ class HybridMachine(RuleBasedStateMachine):
             num_cpu_blocks=cpu, enable_prefix_caching=self.cache, cpu_prefix_cache=tier, watermark=0,
             enable_kv_events=self.cache)
         if not small:
-            self.m._m0._small_batch = 0  # every batch takes the numpy step
+            self.m._step.small_batch = 0  # every batch takes the numpy step
         self.seqs: dict = {}  # seq -> [tokens, table length, swapped]
         self.rest: dict = {}  # chunked prefill: seq -> the prompt tokens not appended yet (never empty)
         self.touched: set = set()

@@ -62,7 +62,7 @@ class HybridDeltaMachine(DeltaMachine):
         self.inc = HybridBlockManager(40, 4, **kw)
         if not self.small:
             for bm in (self.full, self.inc):
-                bm._m0._small_batch = 0
+                bm._step.small_batch = 0
         self.eng = _GroupTables(len(self.groups))
         self.steps = 0
 

@@ -79,8 +79,8 @@ def test_the_model_catches_a_hybrid_hit_with_a_short_window():
         if not cfg.prefix or min(w or 10**6 for w in cfg.groups) <= cfg.block_size:
             continue
         model = kv_model.KVModel(cfg, seed)
-        model.bm._specs = tuple(s if s.window is None else SlidingWindowSpec(s.window - cfg.block_size)
-                                for s in model.bm._specs)
+        model.bm._alloc.specs = tuple(s if s.window is None else SlidingWindowSpec(s.window - cfg.block_size)
+                                for s in model.bm._alloc.specs)
         for _ in range(150):
             model.step()
             if model.report.violations:

@@ -351,7 +351,7 @@ def test_fork_shares_everything_and_frees_independently():
     bm.allocate("p", range(10))
     for c in ("c1", "c2", "c3"):
         bm.fork("p", c)
-    assert bm._gpu._ref[bm.block_table("p")].tolist() == [4, 4, 4]
+    assert bm._gpu.ref[bm.block_table("p")].tolist() == [4, 4, 4]
     assert bm.num_free_gpu_blocks == 13
     bm.free("p")
     assert bm.num_free_gpu_blocks == 13

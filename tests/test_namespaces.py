@@ -34,7 +34,7 @@ def test_100k_distinct_namespaces_leave_memory_flat():
     def footprint() -> tuple:
         bm.take_events()  # (a server's publisher drains them every step)
         gc.collect()
-        regs = (cache._roots, cache._ns_ids, cache._ns_list, cache._ns_free)
+        regs = (cache.roots, cache._ns_ids, cache.ns_list, cache._ns_free)
         return max(len(r) for r in regs), sum(sys.getsizeof(r) for r in regs), len(gc.get_objects())
 
     seen = []
@@ -60,20 +60,20 @@ def test_namespaces_in_use_keep_their_hits_and_released_ones_come_back_cold():
     for i in range(1500):  # enough new namespaces for a sweep; the pool is large: "kept" stays cached
         _roundtrip(bm, i, f"t{i}")
     assert _roundtrip(bm, -2, "kept") == 8  # still hits: its blocks are cached under the same root
-    assert b"s:running" in cache._roots  # a live sequence's namespace is never released
+    assert b"s:running" in cache.roots  # a live sequence's namespace is never released
     bm.free("live")
     # reset: every namespace becomes unused; the next sweep releases them; a released one comes back cold
     bm.reset_prefix_cache()
     bm.take_events()
     for i in range(1500, 3000):
         _roundtrip(bm, i, f"t{i}")
-    assert b"s:t0" not in cache._roots
+    assert b"s:t0" not in cache.roots
     assert _roundtrip(bm, -3, "t0") == 0  # cold again
     assert _roundtrip(bm, -4, "t0") == 8 and _roundtrip(bm, -5, "t1") == 0  # isolated as before
     stored = [e for e in bm.take_events() if type(e).__name__ == "BlockStored"]
     assert stored and stored[-1].namespace == "t1"  # events still name the namespace (a reused slot)
     bm.check_invariants()
     # root content ids are never reused: every root in the registry has its own
-    cids = [r[0] for r in cache._roots.values()]
+    cids = [r[0] for r in cache.roots.values()]
     assert len(set(cids)) == len(cids) and all(c < 0 for c in cids)
     assert np.all(cache.pcid[cache.cid != 0] != 0)

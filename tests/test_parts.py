@@ -1,6 +1,10 @@
-"""BlockManager is a composition of parts with explicit state (docs/design.md, "The manager in parts"): the
-facade has no mixin bases, each part holds the objects it works on, and no part reads another part's private
-(underscore) state. Checked statically on the part modules (ast, no imports) and on live managers."""
+"""BlockManager and HybridBlockManager are compositions of parts with explicit state (docs/design.md, "The manager
+in parts"): the facades have no mixin bases, each part holds the objects it works on, and no part reads another
+part's private (underscore) state. Checked statically on the part modules (ast, no imports) and on live
+managers. A stricter rule holds for every core module (the parts, the coordinator's parts ``_hybrid_*.py`` and the
+leaf structures: BlockPool, PrefixCache, CpuTier, the evictors): it reads no underscore attribute of any object
+but ``self`` (the leaves' shared fields are documented public attributes), except a class of the same module; the
+hybrid facade reads its group managers' internals only where it wires its parts."""
 
 from __future__ import annotations
 
@@ -16,6 +20,38 @@ PART_MODULES = ["_rows", "_blocks", "_window", "_registry", "_step", "_small", "
                 "_retention"]
 # attributes under which a part holds another part (and the locals the hot functions bind them to)
 PART_ATTRS = {"t", "tb", "blocks", "win", "reg", "step", "small", "alloc", "swap"}
+
+
+# the coordinator's parts (HybridBlockManager)
+HYBRID_MODULES = ["_hybrid_types", "_hybrid_step", "_hybrid_swap", "_hybrid_seqs", "_hybrid_allocator",
+                  "_hybrid_alloc"]
+# every core module (not the engine, server, router, scheduler, bench or replay packages)
+CORE_MODULES = sorted(p.stem for p in SRC.glob("*.py") if p.stem not in ("__init__", "__main__", "cli", "scheduler"))
+# private attributes a module reads on objects of another class of the same module
+SAME_MODULE = {"prefix_cache": {"_data"}}  # (_GroupNS's encoding, read by _encode_namespace and __eq__)
+# functions that wire parts and so read the parts' objects' internals
+WIRING = {"hybrid": ("__init__", "_wire")}
+NAMEDTUPLE_API = {"_replace", "_asdict", "_fields", "_make"}  # (public methods of NamedTuple results)
+
+
+def _foreign_private_reads(path: Path, allowed: frozenset | set = frozenset(), skip: tuple = ()) -> list[str]:
+    """``<x>._y`` reads in a module where ``<x>`` is anything but the bare name ``self`` (y private, not a
+    dunder, not in ``allowed``), outside the functions named in ``skip``."""
+    tree = ast.parse(path.read_text(), str(path))
+    skipped = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in skip:
+            skipped.update(id(n) for n in ast.walk(node))
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
+            continue
+        if id(node) in skipped or node.attr in allowed or node.attr in NAMEDTUPLE_API:
+            continue
+        if isinstance(node.value, ast.Name) and node.value.id == "self":
+            continue
+        out.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+    return out
 
 
 def _private_reads(path: Path) -> list[str]:
@@ -36,6 +72,28 @@ def _private_reads(path: Path) -> list[str]:
 @pytest.mark.parametrize("module", PART_MODULES)
 def test_no_part_reads_another_parts_private_state(module):
     assert _private_reads(SRC / f"{module}.py") == []
+
+
+@pytest.mark.parametrize("module", CORE_MODULES)
+def test_no_core_module_reads_another_objects_private_state(module):
+    assert _foreign_private_reads(SRC / f"{module}.py", SAME_MODULE.get(module, set()), WIRING.get(module, ())) == []
+
+
+def test_the_strict_check_covers_the_parts_and_the_leaves():
+    assert set(PART_MODULES) | set(HYBRID_MODULES) | {"pool", "prefix_cache", "cpu_tier", "evictor", "hybrid",
+                                                      "manager"} <= set(CORE_MODULES)
+    # the hybrid facade does read its group managers' internals, but only in its wiring
+    assert _foreign_private_reads(SRC / "hybrid.py") and not _foreign_private_reads(SRC / "hybrid.py",
+                                                                                     skip=WIRING["hybrid"])
+
+
+def test_the_strict_checker_finds_foreign_reads(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("class P:\n    def _wire(self):\n        self.t = self.m._t\n"
+                   "    def f(self, m):\n        return self._own, m._t, self.t._x, self.gpu._ref, self.t.ok\n")
+    assert _foreign_private_reads(bad, {"_ref"}, skip=("_wire",)) == ["bad.py:5 m._t", "bad.py:5 self.t._x"]
+    assert _foreign_private_reads(bad) == ["bad.py:3 self.m._t", "bad.py:5 m._t", "bad.py:5 self.t._x",
+                                           "bad.py:5 self.gpu._ref"]
 
 
 def test_the_checker_finds_a_private_read(tmp_path):
@@ -65,4 +123,28 @@ def test_kv_cache_groups_share_blocks_and_cache_but_not_tables():
     m.allocate("a", list(range(10)))
     m.decode_step(["a"], [1])
     assert g0._t.row_of == g1._t.row_of and int(g0._t.ntok[g0._t.row_of["a"]]) == 11
+    m.check_invariants()
+
+
+def test_the_coordinator_parts_work_on_the_group_managers_parts():
+    m = HybridBlockManager(64, 4, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(8), FullAttentionSpec()],
+                           enable_prefix_caching=True, num_cpu_blocks=16)
+    assert HybridBlockManager.__bases__ == (object,)
+    tables = [g._t for g in m._g]
+    for part in (m._alloc, m._step, m._swap, m._seqs):
+        assert all(a is b for a, b in zip(part.tables, tables)) and len(part.tables) == 3
+        assert part.blocks is m._g[0]._blocks and part.blocks is m._g[2]._blocks
+    assert [s is g._step for s, g in zip(m._step.steps, m._g)] == [True] * 3
+    assert [s is g._swap for s, g in zip(m._swap.swaps, m._g)] == [True] * 3
+    assert [a is g._alloc for a, g in zip(m._alloc.allocs, m._g)] == [True] * 3
+    assert m._step.wins[0] is None and m._step.wins[1] is m._g[1]._win and m._step.wins[2] is None
+    assert m._alloc.full == [0, 2] and m._alloc.sliding == [1] and m._alloc.sib is not None
+    assert m._seqs.retention is m._alloc.retention is m._g[1]._win.retention is not None
+    m.allocate("a", list(range(18)))
+    m.decode_step(["a"], [1])
+    m.swap_out(["a"])
+    m.swap_in(["a"])
+    m.fork("a", "b")
+    m.free("a")
+    assert [int(t.ntok[t.row_of["b"]]) for t in tables] == [19, 19, 19]
     m.check_invariants()

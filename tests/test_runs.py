@@ -107,11 +107,11 @@ def test_runs_change_nothing(seed):
             assert got[0] == got[1]
             if isinstance(got[0], list):
                 live.extend(ids)
-        made_runs += a._cache._ndl > 0
+        made_runs += a._cache.ndl > 0
         a.check_invariants()
         b.check_invariants()
         assert _state(a) == _state(b)
-        assert b._cache._ndl == 0
+        assert b._cache.ndl == 0
     assert made_runs  # the comparison did exercise dict-less blocks
 
 
@@ -126,15 +126,15 @@ def test_run_successor_rejoins_the_map_when_its_predecessor_is_evicted():
     keys = _chain(c.tok[:4].view(c.void).ravel().tolist(), rkey)
     got = c.register_run(np.arange(4, dtype=np.int32), list(keys), rcid, rkey, -1)
     assert got is not None and int(got[1][0]) == keys[-1]
-    assert c._ndl == 3 and list(c._map.items()) == [(keys[0], 0)] and len(c) == 4
+    assert c.ndl == 3 and list(c.map.items()) == [(keys[0], 0)] and len(c) == 4
     assert c.mapping() == dict(zip(keys, range(4)))
     c.evictor.push_many(np.array([0, 3, 2, 1], dtype=np.int32))  # the head least recently released
     assert c.evict_many(1).tolist() == [0]
-    assert c._ndl == 2 and c._map == {keys[1]: 1} and c.mapping() == dict(zip(keys[1:], range(1, 4)))
+    assert c.ndl == 2 and c.map == {keys[1]: 1} and c.mapping() == dict(zip(keys[1:], range(1, 4)))
     assert c.evict() == 3  # a dict-less tail block: nothing to delete from the map
-    assert c._ndl == 1 and c.mapping() == {keys[1]: 1, keys[2]: 2}
+    assert c.ndl == 1 and c.mapping() == {keys[1]: 1, keys[2]: 2}
     assert c.evict_many(2).tolist() == [2, 1]
-    assert c._ndl == 0 and c._map == {} and len(c) == 0 and not c.cid.any()
+    assert c.ndl == 0 and c.map == {} and len(c) == 0 and not c.cid.any()
 
 
 def test_flush_is_invisible():
@@ -144,7 +144,7 @@ def test_flush_is_invisible():
         bm.allocate(i, rng.integers(0, 100, 40).tolist() if i % 3 else list(range(40 + i)))
         bm.free(i)
     before = sorted(bm._cache.mapping().items())
-    assert bm._cache._ndl
+    assert bm._cache.ndl
     bm._cache.flush()
-    assert bm._cache._ndl == 0 and sorted(bm._cache._map.items()) == before
+    assert bm._cache.ndl == 0 and sorted(bm._cache.map.items()) == before
     bm.check_invariants()

@@ -823,7 +823,7 @@ class PagedKVMachine(RuleBasedStateMachine):
         if self.PREFIX:
             self.drain_events()
             assert self.index == set(bm._cache.mapping()), "the events' index differs from the cache's keys"
-            assert self.cpu_index == (set(bm._tier._map) if bm.cpu_prefix_cache else set())
+            assert self.cpu_index == (set(bm._tier.map) if bm.cpu_prefix_cache else set())
         assert len(bm) == len(self.seqs)
         assert bm.seq_ids == tuple(self.seqs)  # allocation order
         for sid, s in self.seqs.items():

@@ -96,7 +96,7 @@ class Allocator:
         if hits and self.tier is not None and min(hits) < 0:
             cpu_hits = [(j, ~b) for j, b in enumerate(hits) if b < 0]
             hits = [b for b in hits if b >= 0]
-        ref = self.gpu._ref_mv
+        ref = self.gpu.ref_mv
         reused_free = sum(1 for b in hits if ref[b] == 0) if hits else 0
         return arr, n, nblocks, hits, cpu_hits, chain, nblocks - len(hits) + reused_free
 
@@ -112,18 +112,18 @@ class Allocator:
             pass
         elif len(hits) > 8:
             h = np.array(hits, dtype=np.int64)
-            gref = self.gpu._ref
+            gref = self.gpu.ref
             self.cache.evictor.discard_many(h[gref[h] == 0])
             gref[h] += 1
         elif hits:
-            ref = self.gpu._ref_mv
+            ref = self.gpu.ref_mv
             evictor = self.cache.evictor
             for b in hits:
                 if ref[b] == 0:
                     evictor.discard(b)
                 ref[b] += 1
         m = nblocks - len(hits)
-        new = self.gpu.take_few(m) if m <= 4 and m <= self.gpu._nfree else self.blocks.take(m)
+        new = self.gpu.take_few(m) if m <= 4 and m <= self.gpu.nfree else self.blocks.take(m)
         if cpu_hits:
             hits, new = self.reg.promote(hits, cpu_hits, new)
         tb = self.t
@@ -150,7 +150,7 @@ class Allocator:
             mvs[7][row] = nnull
         if self.cache is not None:
             bs = self.bs
-            if self.cache.intern(namespace) and len(self.cache._roots) > self.cache.sweep_at:
+            if self.cache.intern(namespace) and len(self.cache.roots) > self.cache.sweep_at:
                 self.reg.release_namespaces()  # bounded state per tenant (amortised O(1) per new namespace)
             tb.ccid[row], tb.ckey[row] = chain
             self.reg.fill_prompt(row, arr if arr.size == n else arr[:n], new, len(hits))  # (a chunk: its tokens)
@@ -167,7 +167,7 @@ class Allocator:
     def allocate_batch(self, seq_ids: list, prompts: list, la: int, namespaces: list,
                        chunks: list | None = None) -> PrefillBatch:
         self.reg.keys_memo = None  # (a failed allocate's: its prompt may have changed since)
-        if self.cache is not None and self.cache._ndl:
+        if self.cache is not None and self.cache.ndl:
             self.cache.flush()  # (the batch walk reads the map directly)
         seen: set = set()
         for s in seq_ids:
@@ -186,7 +186,7 @@ class Allocator:
             virt: dict = {}
             plans = [self.batch_walk(i, p, roots[i], virt, la, chunks[i]) for i, p in enumerate(plans)]
         need = sum(p[2] - len(p[3]) for p in plans)  # new blocks (CPU hits take one each) ...
-        ref = self.gpu._ref
+        ref = self.gpu.ref
         reused = {h for p in plans for h in p[3] if h >= 0 and ref[h] == 0}
         need += len(reused)  # ... plus each evictable cached hit, once
         if need > self.blocks.num_free:
@@ -200,9 +200,9 @@ class Allocator:
                 if reused:
                     self.cache.evictor.discard_many(np.array(sorted(reused), dtype=np.int64))
                 if len(plans) == 1:  # (distinct blocks)
-                    self.gpu._ref[held] += 1
+                    self.gpu.ref[held] += 1
                 else:  # a block hit by several prompts gains one reference each
-                    np.add.at(self.gpu._ref, np.array(held, dtype=np.int64), 1)
+                    np.add.at(self.gpu.ref, np.array(held, dtype=np.int64), 1)
             pins = [c for p in plans if p[4] for _, c in p[4]]
             if pins:
                 self.tier.pin_many(list(dict.fromkeys(pins)))
@@ -221,7 +221,7 @@ class Allocator:
         committing the batch interns them). Nones without prefix caching."""
         if self.cache is None:
             return [None] * len(namespaces)
-        known = self.cache._roots
+        known = self.cache.roots
         new: dict[bytes, tuple[int, int]] = {}
         out = []
         for ns in namespaces:
@@ -242,7 +242,7 @@ class Allocator:
         arr, n, nblocks, _, _, _, _ = plan
         bs, cache, tier = self.bs, self.cache, self.tier
         width = 4 * bs
-        cmap, ctok, cpcid, ccid = cache._map, cache.tok, cache.pcid, cache.cid
+        cmap, ctok, cpcid, ccid = cache.map, cache.tok, cache.pcid, cache.cid
         data = arr.tobytes()
         pcid, pkey = root
         hits: list[int] = []
@@ -285,7 +285,7 @@ class Allocator:
                 if other is None:
                     t = tier.find_keyed(pcid, key, d) if tier is not None else -1
                     # (a content id of its own, distinct from every real one, for the batch's later walks)
-                    newc = int(self.cpu_id[0, t]) if t >= 0 else cache._serial + 1 + len(virt)
+                    newc = int(self.cpu_id[0, t]) if t >= 0 else cache.serial + 1 + len(virt)
                     virt[key] = (pcid, d, ~(i * _COL + j), newc)
                     pcid, pkey = newc, key
                 elif other[0] == pcid and other[1] == d:
@@ -302,7 +302,7 @@ class Allocator:
         """Planned hits on blocks of the batch's committed prompts -> their block ids (one more reference each).
         When the prompt's last hit is one of them, its chain continues from the content that block is cached as
         (its real content id; the plan only knew a stand-in)."""
-        table, ref = self.t.table, self.gpu._ref
+        table, ref = self.t.table, self.gpu.ref
         out = []
         for h in hits:
             if h < 0:

@@ -27,36 +27,36 @@ class Blocks:
     @property
     def num_free(self) -> int:
         """Plain free GPU blocks plus unreferenced cached ones (which are evicted on demand)."""
-        return self.gpu._nfree + (len(self.cache.evictor) if self.cache is not None else 0)
+        return self.gpu.nfree + (len(self.cache.evictor) if self.cache is not None else 0)
 
     @property
     def num_free_cpu(self) -> int:
         """Plain free CPU blocks plus the CPU tier's evictable cached ones (swap evicts them on demand)."""
-        return self.cpu._nfree + (self.tier.num_evictable if self.tier is not None else 0)
+        return self.cpu.nfree + (self.tier.num_evictable if self.tier is not None else 0)
 
     def take(self, n: int) -> np.ndarray:
         """``n`` GPU blocks with refcount 1 (int32): from the free ring first, then by evicting LRU cached
         blocks (the caller checked that they exist)."""
         pool = self.gpu
         if n <= 4:  # a few blocks: element by element beats numpy's fixed costs
-            if n <= pool._nfree:
+            if n <= pool.nfree:
                 return np.array(pool.take_few(n), dtype=np.int32)
             take = self.take_one
             return np.array([take() for _ in range(n)], dtype=np.int32)
-        k = min(n, pool._nfree)
+        k = min(n, pool.nfree)
         if k == n:
             return pool.take(k)
         extra = self.cache.evict_many(n - k)
-        pool._ref[extra] = 1
+        pool.ref[extra] = 1
         return np.concatenate((pool.take(k), extra)) if k else extra
 
     def take_one(self) -> int:
         """One GPU block with refcount 1: the oldest free block, else the LRU cached one (evicted)."""
         pool = self.gpu
-        if pool._nfree:
+        if pool.nfree:
             return pool.take_one()
         b = self.cache.evict()
-        pool._ref[b] = 1
+        pool.ref[b] = 1
         return b
 
     def release(self, blocks: np.ndarray) -> None:
@@ -64,7 +64,7 @@ class Blocks:
         evictor if cached, else to the tail of the free ring."""
         if blocks.size == 0:
             return
-        ref = self.gpu._ref
+        ref = self.gpu.ref
         ref[blocks] -= 1
         self.park(blocks[ref[blocks] == 0])
 
@@ -82,7 +82,7 @@ class Blocks:
         """Drop one reference to each of the CPU ``blocks`` (distinct); freed ones lose their cache identity."""
         if blocks.size == 0:
             return
-        ref = self.cpu._ref
+        ref = self.cpu.ref
         ref[blocks] -= 1
         zero = blocks[ref[blocks] == 0]
         if self.cpu_id is not None:

@@ -14,7 +14,7 @@ without a Python step per block::
     hit L              the largest L <= h with every sliding group's blocks [L - W_g, L) present: a cumulative
                        count of holes per group, compared at every candidate L at once
 
-The semantics are exactly those of the block-by-block walk it replaces (:meth:`HybridBlockManager._plan_walk`,
+The semantics are exactly those of the block-by-block walk it replaces (:meth:`HybridAllocator.plan_walk <pagedkv._hybrid_allocator.HybridAllocator.plan_walk>`,
 still used with the CPU tier and for prompts of fewer than four blocks): a full group's hit block must be
 the dict's block for the key, chained by content id to the previous hit and hold the prompt's tokens (a hash
 collision ends the hit there: a miss, never another sequence's KV); a sliding group's window block must be the
@@ -23,10 +23,10 @@ cannot be compared; the 64-bit chained key stands for every earlier token). Retu
 that the allocation registers the prompt's new blocks without hashing again (``Registry.keys_memo``).
 
 **Sibling keys.** A sliding group's keys chain from block 0 like any group's, so finding its window late in a
-long prompt would hash the whole prompt once per sliding group. Instead ``HybridBlockManager._sib`` records, per
+long prompt would hash the whole prompt once per sliding group. Instead ``HybridAllocator.sib`` records, per
 block b of the first full-attention group (the *anchor*), the content id b held and the keys of the same prefix
 in every sliding group (``(num_gpu_blocks,)`` int64 and ``(num_gpu_blocks, sliding groups)`` uint64, written when
-a prompt's blocks are registered: :func:`commit_all`, ``HybridBlockManager._record_siblings``). A later prompt
+a prompt's blocks are registered: :func:`commit_all`, ``HybridAllocator.record_siblings``). A later prompt
 whose full-group hit includes b, still holding that content id, reads the sliding keys at b's position there; a
 content id is never reused, so a record whose block changed content no longer matches. Positions with no valid
 record are hashed on from the last valid one (decode-filled blocks, which nothing records), or from the root.
@@ -66,36 +66,36 @@ def _present(cache, blocks: np.ndarray, rows: np.ndarray) -> np.ndarray:
     return np.where(ok, blocks, -1)
 
 
-def find_hit(hm, arr: np.ndarray, roots: list):
-    """The hybrid hit of prompt ``arr`` (int32) in every group of ``hm`` (a HybridBlockManager with prefix
-    caching and no CPU tier), groups' roots ``roots`` ((cid, key) each). Returns ``(L, blocks, keys, datas,
+def find_hit(ha, arr: np.ndarray, roots: list):
+    """The hybrid hit of prompt ``arr`` (int32) in every group of ``ha`` (the
+    :class:`~pagedkv._hybrid_allocator.HybridAllocator` of a manager with prefix caching and no CPU tier), groups' roots ``roots`` ((cid, key) each). Returns ``(L, blocks, keys, datas,
     fresh)``: the hit in blocks; per group the int64 array of its hit blocks ``[nnull_g, L)`` (nnull_g: the
     blocks before a sliding group's window, 0 for a full group); per group the list of chained keys computed (at
     least blocks ``[nnull_g, L)``; a sliding group's list may start with placeholder zeros where its keys were
     not needed, never read: the registration extends the list from its last item); the full blocks' token bytes;
     the first block whose sibling keys are not recorded yet. None when it cannot decide exactly without the
     block-by-block walk (fewer than four full blocks, or blocks left out of the dict by a key collision)."""
-    bs, n = hm._bs, arr.size
+    bs, n = ha.bs, arr.size
     lim = (n - 1) // bs
     full = n // bs
     if full < 4:
         return None
-    cache = hm._cache
-    if cache._ndl:
+    cache = ha.cache
+    if cache.ndl:
         cache.flush()  # (the probes read the map as the whole index)
-        if cache._ndl:  # a 64-bit key collision left a block out of the map: the walk decides
+        if cache.ndl:  # a 64-bit key collision left a block out of the map: the walk decides
             return None
     arr = np.ascontiguousarray(arr)
     rows = arr[: full * bs].reshape(full, bs)
     datas = rows.view(cache.void).ravel().tolist()
-    get = cache._map.get
-    specs = hm._specs
+    get = cache.map.get
+    specs = ha.specs
     G = len(specs)
     keys: list = [None] * G
     blocks: list = [None] * G
     h = lim
     pcid, cid = cache.pcid, cache.cid
-    for g in hm._full:
+    for g in ha.full:
         kg = keys[g] = _chain(datas, roots[g][1])  # (every full block: the registration reuses them)
         b = _probe(get, kg[:h])
         ok = b >= 0
@@ -114,7 +114,7 @@ def find_hit(hm, arr: np.ndarray, roots: list):
             b = b[:h]
         blocks[g] = b
     L = h
-    sliding = hm._sliding
+    sliding = ha.sliding
     known = 0  # the sliding groups' keys are known from this block on (padding before it)
     fresh = 0  # the sibling keys of the blocks before this one (from ``known``) are recorded already
     if sliding and L:
@@ -122,9 +122,9 @@ def find_hit(hm, arr: np.ndarray, roots: list):
         # from the last recorded one otherwise
         fs = [max(0, L * bs - specs[g].window) // bs for g in sliding]
         known = min(fs)
-        sib = hm._sib
+        sib = ha.sib
         if sib is not None:
-            b0 = blocks[hm._full[0]]
+            b0 = blocks[ha.full[0]]
             seg = b0[known:L]
             v = sib[0][seg] == cid[seg]
             if v.all():
@@ -177,7 +177,7 @@ def find_hit(hm, arr: np.ndarray, roots: list):
             f, p = pres[g]
             nnull = max(0, L * bs - specs[g].window) // bs if L else 0
             blocks[g] = p[nnull - f : L - f]
-    for g in hm._full:
+    for g in ha.full:
         blocks[g] = blocks[g][:L]
     if not L:
         for g in sliding:
@@ -187,9 +187,9 @@ def find_hit(hm, arr: np.ndarray, roots: list):
     return L, blocks, keys, datas, fresh
 
 
-def commit_all(hm, seq_id, gns: tuple, plan) -> bool:
+def commit_all(ha, seq_id, gns: tuple, plan) -> bool:
     """Create the sequence in every group at once, for a plan of :func:`find_hit` (no CPU-tier hit; the hits held
-    by ``HybridBlockManager._hold``): one take of every group's new blocks, one token write, and one
+    by ``HybridAllocator.hold``): one take of every group's new blocks, one token write, and one
     ``PrefixCache.register_chains`` call for every group's new full blocks with the plan's keys (no hashing but
     the new blocks'). The same state, stats and events, in the same order, as one ``Allocator.commit``
     per group: when the free ring cannot supply every group's blocks (a take evicts cached blocks, whose removal
@@ -197,25 +197,24 @@ def commit_all(hm, seq_id, gns: tuple, plan) -> bool:
     registration declines (a content cached already, a chain broken), each group registers block by block as
     ``Allocator.commit`` does. Nothing here can fail. O(G) numpy calls plus the new blocks.
 
-    Returns True when it recorded the sibling keys of the prompt (``HybridBlockManager._record_siblings``):
+    Returns True when it recorded the sibling keys of the prompt (``HybridAllocator.record_siblings``):
     those of its new full blocks, registered together, all the plan's hits having valid ones already."""
     arr, n, nblocks, L = plan.arr, plan.n, plan.nblocks, plan.nhit
-    groups = hm._g
-    G = len(groups)
-    cache, bs = hm._cache, hm._bs
+    tables, allocs = ha.tables, ha.allocs
+    G = len(tables)
+    cache, bs = ha.cache, ha.bs
     m = nblocks - L  # new blocks in every group
     h = L * bs
     k = (n - h) // bs  # new full blocks of every group
     rest = n - h - k * bs
-    take = hm._m0._blocks.take
-    together = G * m <= hm._gpu._nfree  # no eviction: every group's blocks in one take, registered in one call
+    take = ha.blocks.take
+    together = G * m <= ha.gpu.nfree  # no eviction: every group's blocks in one take, registered in one call
     new = take(G * m).reshape(G, m) if together and m else None
     chains, rows = [], []
-    for g, mg in enumerate(groups):
+    for g, (tb, al) in enumerate(zip(tables, allocs)):
         gpu, _, chain, nnull = plan.groups[g]
         if L == 0:
             chain = cache.root(gns[g], intern=True)  # (a new namespace's root gets its content id now)
-        tb = mg._t
         row = tb.new_row(seq_id)
         tb.ns_of[row] = gns[g]
         tb.ntok0[row] = -1  # every position is handed out in this step
@@ -231,7 +230,6 @@ def commit_all(hm, seq_id, gns: tuple, plan) -> bool:
         if nnull:
             tb.nrel[row] = nnull
         tb.ccid[row], tb.ckey[row] = chain
-        al = mg._alloc
         al.query_tokens += arr.size  # (the whole prompt was looked up)
         al.hit_tokens += h
         al.query_blocks += (arr.size - 1) // bs
@@ -241,27 +239,27 @@ def commit_all(hm, seq_id, gns: tuple, plan) -> bool:
         if new is None:  # (a take that may evict: this group's blocks and registration now, as Allocator.commit)
             blk = take(m) if m else np.zeros(0, dtype=np.int32)
             t[L:nblocks] = blk
-            _fill(hm, plan, [g], blk[None, :], [chain], [row], h, k, rest)
+            _fill(ha, plan, [g], blk[None, :], [chain], [row], h, k, rest)
     if new is None:
         return False
     for g in range(G):
-        groups[g]._t.table[rows[g], L:nblocks] = new[g]
-    if not _fill(hm, plan, range(G), new, chains, rows, h, k, rest) or hm._sib is None or plan.memo[3] < L:
+        tables[g].table[rows[g], L:nblocks] = new[g]
+    if not _fill(ha, plan, range(G), new, chains, rows, h, k, rest) or ha.sib is None or plan.memo[3] < L:
         return False
     # the sibling keys of the new full blocks: the sliding groups' blocks at the same positions, just registered
-    a = new[hm._full[0], :k]
-    sib_cid, sib_key = hm._sib
+    a = new[ha.full[0], :k]
+    sib_cid, sib_key = ha.sib
     sib_cid[a] = cache.cid[a]
-    sib_key[a] = cache.key[new[hm._sib_rows, :k].T]
+    sib_key[a] = cache.key[new[ha.sib_rows, :k].T]
     return True
 
 
-def _fill(hm, plan, gs, new: np.ndarray, chains: list, rows: list, h: int, k: int, rest: int) -> None:
+def _fill(ha, plan, gs, new: np.ndarray, chains: list, rows: list, h: int, k: int, rest: int) -> None:
     """Write the prompt's tokens into the new blocks ``new`` (one row per group of ``gs``) and register their
     full ones: one ``register_chains`` call with the plan's keys (True), else block by block per group."""
-    arr, L, bs = plan.arr, plan.nhit, hm._bs
+    arr, L, bs = plan.arr, plan.nhit, ha.bs
     datas, keys, roots, _ = plan.memo
-    cache, G = hm._cache, len(gs)
+    cache, G = ha.cache, len(gs)
     if k:
         tok = arr[h : h + k * bs].reshape(k, bs)
         cache.tok[new[:, :k].ravel()] = np.tile(tok, (G, 1)) if G > 1 else tok
@@ -282,14 +280,14 @@ def _fill(hm, plan, gs, new: np.ndarray, chains: list, rows: list, h: int, k: in
         got = cache.register_chains(new[:, :k].ravel(), np.full(G, k, dtype=np.int64),
                                     np.array([c[0] for c in chains], dtype=np.int64),
                                     np.array([c[1] for c in chains], dtype=np.uint64),
-                                    [hm._g[g]._t.ns_of[r] for g, r in zip(gs, rows)] if cache.events is not None
+                                    [ha.tables[g].ns_of[r] for g, r in zip(gs, rows)] if cache.events is not None
                                     else None, allkeys)
     if got is None:
         for g, row in zip(gs, rows):
-            hm._g[g]._reg.register(row)
+            ha.regs[g].register(row)
         return False
     for i, (g, row) in enumerate(zip(gs, rows)):
-        mg = hm._g[g]
-        mg._t.ccid[row], mg._t.ckey[row] = got[0][i], got[1][i]
-        mg._t.nreg[row] = L + k
+        t = ha.tables[g]
+        t.ccid[row], t.ckey[row] = got[0][i], got[1][i]
+        t.nreg[row] = L + k
     return True

@@ -33,17 +33,17 @@ def check(blocks, tier, bs: int, groups) -> None:
     for t, window in groups:
         _check_rows(t, window, bs, gpu, cpu, cache, counts, fail)
     for swapped, pool, name in ((False, gpu, "GPU"), (True, cpu, "CPU")):
-        if not np.array_equal(counts[swapped], pool._ref):
-            bad = int(np.flatnonzero(counts[swapped] != pool._ref)[0])
-            fail(f"{name} block {bad}: refcount {pool._ref[bad]} but {counts[swapped][bad]} holders")
+        if not np.array_equal(counts[swapped], pool.ref):
+            bad = int(np.flatnonzero(counts[swapped] != pool.ref)[0])
+            fail(f"{name} block {bad}: refcount {pool.ref[bad]} but {counts[swapped][bad]} holders")
         free = pool.free_ids()
         if np.unique(free).size != free.size:
             fail(f"{name} free ring holds a block twice")
-        if (pool._ref[free] != 0).any():
+        if (pool.ref[free] != 0).any():
             fail(f"{name} free ring holds a referenced block")
-        used = int((pool._ref > 0).sum())
+        used = int((pool.ref > 0).sum())
         if swapped:  # the CPU tier's blocks (cached or pinned) are neither free nor referenced
-            cached_free = 0 if tier is None else len(set(tier._map.values()) | set(tier._pinned))
+            cached_free = 0 if tier is None else len(set(tier.map.values()) | set(tier.pinned))
         else:
             cached_free = len(cache.evictor) if cache is not None else 0
         if free.size + cached_free + used != pool.num_blocks:
@@ -53,7 +53,7 @@ def check(blocks, tier, bs: int, groups) -> None:
 
 
 def _check_cache(blocks, tier, tables: list, fail) -> None:
-    cache, ref, cpu_id = blocks.cache, blocks.gpu._ref, blocks.cpu_id
+    cache, ref, cpu_id = blocks.cache, blocks.gpu.ref, blocks.cpu_id
     cid = cache.cid
     ev = list(cache.evictor)
     if len(ev) != len(cache.evictor) or len(set(ev)) != len(ev):
@@ -68,17 +68,17 @@ def _check_cache(blocks, tier, tables: list, fail) -> None:
         fail("a free block is still cached")
     cached = np.flatnonzero(cid)
     dl = cache.dl  # dict-less blocks (runs): cached, out of the map, each the successor of its parent's block
-    if (dl & (cid == 0)).any() or int(np.count_nonzero(dl)) != cache._ndl:
+    if (dl & (cid == 0)).any() or int(np.count_nonzero(dl)) != cache.ndl:
         fail("the dict-less marks are not a count of cached blocks")
     mapped = cached[~dl[cached]]
-    if mapped.size != len(cache._map):
-        fail(f"{mapped.size} cached blocks belong in the map but it has {len(cache._map)} keys")
-    if np.unique(cid[cached]).size != cached.size or (cid[cached] < 0).any() or cid.max(initial=0) > cache._serial:
+    if mapped.size != len(cache.map):
+        fail(f"{mapped.size} cached blocks belong in the map but it has {len(cache.map)} keys")
+    if np.unique(cid[cached]).size != cached.size or (cid[cached] < 0).any() or cid.max(initial=0) > cache.serial:
         fail("content ids are not unique positive serials")
     if np.unique(cache.key[cached]).size != cached.size:
         fail("two cached blocks have the same key")
     for b, k in zip(mapped.tolist(), cache.key[mapped].tolist()):
-        if cache._map.get(k) != b:
+        if cache.map.get(k) != b:
             fail(f"cached block {b} is not where the map points for its key")
     dlb = np.flatnonzero(dl)
     if dlb.size:
@@ -88,7 +88,7 @@ def _check_cache(blocks, tier, tables: list, fail) -> None:
         if not np.isin(dlb, nxt[live]).all():
             fail("a dict-less block is not the run successor of the block caching its parent")
     # every cached block's key is the chained hash of its stored tokens (catches writes into cached blocks)
-    parent_key = dict(cache._roots.values())
+    parent_key = dict(cache.roots.values())
     parent_key.update(zip(cid[cached].tolist(), cache.key[cached].tolist()))
     for b, p, k in zip(cached.tolist(), cache.pcid[cached].tolist(), cache.key[cached].tolist()):
         if p in parent_key and block_key(parent_key[p], cache.tok[b].tobytes()) != k:
@@ -99,8 +99,8 @@ def _check_cache(blocks, tier, tables: list, fail) -> None:
             if c and c in parent_key and parent_key[c] != int(t.ckey[row]):
                 fail(f"row {row}: its chain key is not the key of its chain's content")
     cpu_cached = np.flatnonzero(cpu_id[0])
-    tier_blocks = set() if tier is None else set(tier._map.values())
-    if any(blocks.cpu._ref[c] == 0 and c not in tier_blocks for c in cpu_cached.tolist()):
+    tier_blocks = set() if tier is None else set(tier.map.values())
+    if any(blocks.cpu.ref[c] == 0 and c not in tier_blocks for c in cpu_cached.tolist()):
         fail("a free CPU block carries a cache identity")
     if tier is not None:
         tier.check(fail)

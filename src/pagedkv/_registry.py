@@ -93,7 +93,7 @@ class Registry:
         nreg[r] = j + 1
 
     def stored_run(self, run: list, parent: tuple[int, int], ns: object) -> None:
-        self.cache._stored([b for b, _ in run], [k for _, k in run], parent[0], parent[1], ns)
+        self.cache.emit_stored([b for b, _ in run], [k for _, k in run], parent[0], parent[1], ns)
 
     def register_rows(self, rows: np.ndarray, j: np.ndarray, full: np.ndarray) -> None:
         """:meth:`register` for a batch of rows whose ``nreg`` is ``j`` and whose full blocks number ``full``
@@ -191,7 +191,7 @@ class Registry:
         cache = self.cache
         # another holder of one of these blocks got it as a prefix hit (forks confirm, writes copy on write),
         # cached or not by now (reset_prefix_cache may have uncached it since)
-        shared = blocks[self.gpu._ref[blocks] > 1].tolist()
+        shared = blocks[self.gpu.ref[blocks] > 1].tolist()
         if shared:
             holders = [s for s, r in self.t.row_of.items() if r != row and not self.t.swapped[r]
                        and np.isin(self.t.table[r, self.t.nrel[r] : self.t.nblk[r]], shared).any()]
@@ -204,7 +204,7 @@ class Registry:
         dead = np.concatenate((cache.cid[own], cache.cid[gpu_kids], self.cpu_id[0, cpu_kids])).astype(np.int64)
         cache.withdraw(own.tolist())
         if gpu_kids.size:
-            idle = gpu_kids[self.gpu._ref[gpu_kids] == 0]  # unreferenced: they wait in the evictor
+            idle = gpu_kids[self.gpu.ref[gpu_kids] == 0]  # unreferenced: they wait in the evictor
             cache.evictor.discard_many(idle)
             cache.withdraw(gpu_kids.tolist())  # held ones stay with their sequences, uncached
             self.gpu.give(idle.astype(np.int32))
@@ -224,7 +224,7 @@ class Registry:
         gpu = np.flatnonzero(cache.cid)
         gpu = gpu[~np.isin(gpu, roots)]
         tier = self.tier
-        cpu = np.fromiter(tier._map.values(), dtype=np.int64, count=len(tier._map)) if tier is not None else none
+        cpu = np.fromiter(tier.map.values(), dtype=np.int64, count=len(tier.map)) if tier is not None else none
         found_g, found_c = [], []
         while frontier.size:
             kg = np.isin(cache.pcid[gpu], frontier)
@@ -265,9 +265,9 @@ class Registry:
             self.keys_memo = (arr, datas, keys, rkey)
         if self.tier is not None:
             return self.lookup_slow(datas, keys, root, lim)
-        get, pcm, cim = cache._map.get, cache._pcid_mv, cache._cid_mv
+        get, pcm, cim = cache.map.get, cache.pcid_mv, cache.cid_mv
         # with dict-less blocks a block is found as the run successor of the previous hit, else in the map
-        succ, kym = (cache._succ_mv, cache._key_mv) if cache._ndl else (None, None)
+        succ, kym = (cache.succ_mv, cache.key_mv) if cache.ndl else (None, None)
         hits: list[int] = []
         pcid = root[0]
         nk = len(keys)
@@ -297,8 +297,8 @@ class Registry:
         cache, tier = self.cache, self.tier
         w = 4 * self.bs
         data = arr.tobytes()
-        get, pcm, cim, tok = cache._map.get, cache._pcid_mv, cache._cid_mv, cache.tok
-        succ = cache._succ_mv if cache._ndl else None
+        get, pcm, cim, tok = cache.map.get, cache.pcid_mv, cache.cid_mv, cache.tok
+        succ = cache.succ_mv if cache.ndl else None
         hits: list[int] = []
         pcid, pkey = root
         prev = -1
@@ -308,7 +308,7 @@ class Registry:
             b = -1
             if succ is not None and prev >= 0:  # (a dict-less block: the run successor of the previous hit)
                 b = succ[prev]
-                if b < 0 or cache._key_mv[b] != key or not cim[b]:
+                if b < 0 or cache.key_mv[b] != key or not cim[b]:
                     b = -1
             if b < 0:
                 b = get(key, -1)
@@ -329,9 +329,9 @@ class Registry:
         """:meth:`lookup` block by block, each candidate's parent and tokens checked before the next one, the CPU
         tier looked up where the GPU misses (``keys`` is extended as needed). O(hit blocks)."""
         cache = self.cache
-        if cache._ndl:
+        if cache.ndl:
             cache.flush()
-        tok, pcm, cim, get = cache.tok, cache._pcid_mv, cache._cid_mv, cache._map.get
+        tok, pcm, cim, get = cache.tok, cache.pcid_mv, cache.cid_mv, cache.map.get
         hits: list[int] = []
         pcid, pkey = root
         tier = self.tier

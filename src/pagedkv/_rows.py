@@ -40,7 +40,7 @@ class SeqTables:
     ``memo_small``), ``mvs`` (memoryviews or None) and the step snapshot (``stepping``, ``ntok0``)."""
 
     def __init__(self, ref_mv: memoryview, width: int = 4) -> None:
-        self.ref_mv = ref_mv  # the GPU pool's refcounts (a view of BlockPool._ref), for views()
+        self.ref_mv = ref_mv  # the GPU pool's refcounts (a view of BlockPool.ref), for views()
         self.stepping = False  # take_copy_plan has been called: steps are known, the same-step checks are on
         self.snap = None  # memoryviews (ntok0, ntok) for end_step's snapshot
         self.row_of: dict[Hashable, int] = {}

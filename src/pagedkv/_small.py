@@ -113,7 +113,7 @@ class Small:
         if j == nb:  # the token opens a new block
             if j >= self.fixed_w > 0:
                 return None  # past block_table_width: the vectorised path reports it
-            if not self.gpu._nfree and (cache is None or not len(cache.evictor)):
+            if not self.gpu.nfree and (cache is None or not len(cache.evictor)):
                 return None
             # ---- mutation: nothing below can fail
             w = self.take_one()
@@ -125,7 +125,7 @@ class Small:
         else:
             w = table[r, j]
             if ref[w] > 1:  # held by others too: copy-on-write
-                if not self.gpu._nfree and (cache is None or not len(cache.evictor)):
+                if not self.gpu.nfree and (cache is None or not len(cache.evictor)):
                     return None
                 # ---- mutation: nothing below can fail
                 dst = self.take_one()
@@ -139,7 +139,7 @@ class Small:
                 w = dst
         ntok[r] = n + 1
         if cache is not None:
-            cache._tok_mv[w, off] = t
+            cache.tok_mv[w, off] = t
             pend[r] = nreg[r]  # this call confirms the row's earlier KV
             if off == bs - 1:  # the block is full: cache it now (burst sharing)
                 self.reg.register1(r, w, j)
@@ -261,7 +261,7 @@ class Small:
                 if nblk[r] > width:
                     width = nblk[r]
         else:
-            tok = cache._tok_mv
+            tok = cache.tok_mv
             for r, w, t in zip(rows, written, toks):
                 n = ntok[r]
                 off = n % bs
@@ -314,7 +314,7 @@ class Small:
             return
         tb.table[crow, :nb] = tb.table[prow, :nb]
         pool = self.cpu if sw else self.gpu
-        pool._ref[tb.table[prow, a:nb]] += 1
+        pool.ref[tb.table[prow, a:nb]] += 1
 
     def free_small(self, seq_id, row: int) -> bool:
         """free() of a GPU-resident row of at most ``SMALL_TABLE`` blocks, element by element: release its blocks
@@ -327,8 +327,8 @@ class Small:
             return False
         r0 = row * cols
         cache, pool = self.cache, self.gpu
-        cid = cache._cid_mv if cache is not None else None
-        ring, size = pool._ring_mv, pool.num_blocks
+        cid = cache.cid_mv if cache is not None else None
+        ring, size = pool.ring_mv, pool.num_blocks
         held = flat[r0 + a : r0 + z].tolist()
         held.reverse()  # released tail first
         for b in held:
@@ -338,8 +338,8 @@ class Small:
                 if cid is not None and cid[b]:
                     cache.evictor.push(b)
                 else:  # to the tail of the free ring (BlockPool.give, one block, inlined)
-                    ring[(pool._head + pool._nfree) % size] = b
-                    pool._nfree += 1
+                    ring[(pool.head + pool.nfree) % size] = b
+                    pool.nfree += 1
         flat[r0 : r0 + z] = _NULLS[:z]  # NULL_BLOCK, one C-level copy
         nrel[row] = ccid[row] = 0  # the fields allocate does not set (fork sets them all)
         del tb.row_of[seq_id]

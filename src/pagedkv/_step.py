@@ -93,7 +93,7 @@ class Stepper:
         nb = t.nblk[rows]
         need = np.maximum((end + la + bs - 1) // bs, nb)
         n_new = int(need.sum() - nb.sum())
-        ref = self.gpu._ref
+        ref = self.gpu.ref
         available = self.blocks.num_free
         release = self.win.plan(rows, ntok)
         rel = None  # (blocks, counts): references the window drops in this step, before anything is written
@@ -134,7 +134,7 @@ class Stepper:
 
     def holders(self, blocks: np.ndarray, rel: tuple | None) -> np.ndarray:
         """Refcounts of ``blocks`` less the references the window releases in this step (``rel``)."""
-        held = self.gpu._ref[blocks]
+        held = self.gpu.ref[blocks]
         if rel is None or blocks.size == 0:
             return held
         rb, rc = rel
@@ -169,7 +169,7 @@ class Stepper:
         nb = t.nblk[rows]
         grow = j >= nb  # a new block is needed
         written = t.table[rows, j - grow]  # j <= nb: a growing row's last block stands in (it is replaced)
-        ref_w = self.gpu._ref[written]
+        ref_w = self.gpu.ref[written]
         if ref_w.max() > 1 and (ref_w[~grow] > 1).any():
             return None  # a shared block would be written: copy-on-write
         n_grow = int(np.count_nonzero(grow))
@@ -238,7 +238,7 @@ class Stepper:
             t.table[c_rows, c_cols] = dst
             if self.cache is not None:
                 self.cache.tok[dst] = self.cache.tok[c_src]
-            np.subtract.at(self.gpu._ref, c_src, 1)  # a source may be copied by several writers
+            np.subtract.at(self.gpu.ref, c_src, 1)  # a source may be copied by several writers
             cow_pairs = np.stack((c_src, dst.astype(np.int64)), axis=1)
             self.cow_copies += c_rows.size
             self.copies.append((2, c_src, dst))  # COW (the plan's copy-on-write part)

@@ -35,13 +35,13 @@ class Swapper:
         uniq = self.t.unique_blocks(rows)
         if uniq.size > self.blocks.num_free_cpu:
             raise OutOfBlocksError(f"swap_out needs {uniq.size} CPU blocks; {self.blocks.num_free_cpu} are free")
-        if uniq.size > self.cpu._nfree:  # swapped sequences come first: evict CPU-tier blocks, LRU first
-            self.tier.evict(uniq.size - self.cpu._nfree)
+        if uniq.size > self.cpu.nfree:  # swapped sequences come first: evict CPU-tier blocks, LRU first
+            self.tier.evict(uniq.size - self.cpu.nfree)
         if self.cache is not None:
             self.t.pend[rows] = self.t.nreg[rows]  # their KV is written (the engine copies it out)
         cpu_ids = self.cpu.take(uniq.size)
-        self.cpu._ref[cpu_ids] = 0  # _remap adds one reference per holder
-        self.remap(rows, uniq, cpu_ids, self.gpu._ref, self.cpu._ref)
+        self.cpu.ref[cpu_ids] = 0  # _remap adds one reference per holder
+        self.remap(rows, uniq, cpu_ids, self.gpu.ref, self.cpu.ref)
         if self.cache is not None:
             cache = self.cache
             self.cpu_tok[cpu_ids] = cache.tok[uniq]
@@ -54,7 +54,7 @@ class Swapper:
                 ident[4, cpu_ids] = cache.nsid[uniq]
         self.t.swapped[rows] = True
         rev = uniq[::-1]  # tail blocks appear last: release them first
-        self.blocks.park(rev[self.gpu._ref[rev] == 0])
+        self.blocks.park(rev[self.gpu.ref[rev] == 0])
         self.swapped_out += uniq.size
         self.t.memo_ids = None
         src, dst = uniq.tolist(), cpu_ids.tolist()
@@ -67,7 +67,7 @@ class Swapper:
         rows = self.t.rows_where(seq_ids, swapped=True)
         uniq = self.t.unique_blocks(rows)
         reuse = self.reuse(uniq)
-        ref = self.gpu._ref
+        ref = self.gpu.ref
         copy_mask = reuse < 0
         n_copy = int(copy_mask.sum())
         # distinct: two CPU blocks (swapped out separately) may both come back to the same cached GPU block
@@ -89,7 +89,7 @@ class Swapper:
         new = self.blocks.take(n_copy)
         ref[new] = 0  # _remap adds one reference per holder
         gpu_ids[copy_mask] = new
-        self.remap(rows, uniq, gpu_ids, self.cpu._ref, ref)
+        self.remap(rows, uniq, gpu_ids, self.cpu.ref, ref)
         if self.cache is not None:
             cache = self.cache
             c_new, g_new = uniq[copy_mask], gpu_ids[copy_mask]
@@ -97,11 +97,11 @@ class Swapper:
             ident = self.cpu_id
             was_cached = ident[0, c_new] != 0
             for c, g in zip(c_new[was_cached].tolist(), g_new[was_cached].tolist()):
-                ns = cache._ns_list[int(ident[4, c])] if cache.events is not None else None
+                ns = cache.ns_list[int(ident[4, c])] if cache.events is not None else None
                 cache.adopt(g, int(ident[0, c]), int(ident[1, c]) & _U64, int(ident[2, c]), int(ident[3, c]) & _U64,
                             ns)
         self.t.swapped[rows] = False
-        freed = uniq[self.cpu._ref[uniq] == 0]
+        freed = uniq[self.cpu.ref[uniq] == 0]
         if self.cpu_id is not None:
             self.cpu_id[0, freed] = 0
         self.cpu.give(freed)

@@ -67,8 +67,8 @@ class Window:
         ntok, _, table, _, ref, _, _, nrel = (self.t.mvs or self.t.views())[:8]
         w, bs = self.window, self.bs
         cache, pool = self.cache, self.gpu
-        cid = cache._cid_mv if cache is not None else None
-        ring, size = pool._ring_mv, pool.num_blocks
+        cid = cache.cid_mv if cache is not None else None
+        ring, size = pool.ring_mv, pool.num_blocks
         for r in rows:
             target = ntok[r] - w + 1
             if target <= 0:
@@ -90,7 +90,7 @@ class Window:
                     if cid is not None and cid[b]:
                         cache.evictor.push(b)
                     else:  # to the tail of the free ring (BlockPool.give of one block, inlined)
-                        ring[(pool._head + pool._nfree) % size] = b
-                        pool._nfree += 1
+                        ring[(pool.head + pool.nfree) % size] = b
+                        pool.nfree += 1
             nrel[r] = target
 

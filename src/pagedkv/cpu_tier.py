@@ -7,7 +7,7 @@ block (a CPU->GPU copy), and counts in the hit. The CPU copy stays cached (the t
 promoted and evicted again costs no second copy.
 
 The CPU pool is shared with swap. A CPU block is free (in the pool's ring), held by swapped-out sequences
-(refcount > 0), or cached by the tier (refcount 0, in ``_map``). Swapping comes first: swap_out evicts tier
+(refcount > 0), or cached by the tier (refcount 0, in ``map``). Swapping comes first: swap_out evicts tier
 blocks, least recently used first, when the ring is short; the tier itself evicts its LRU block to make room
 for a demotion and drops the demotion when every CPU block is held.
 
@@ -63,14 +63,19 @@ _U64 = 2**64 - 1
 
 
 class CpuTier:
-    """Cached CPU blocks of the prefix cache (see the module docstring). Internal to pagedkv."""
+    """Cached CPU blocks of the prefix cache (see the module docstring). Internal to pagedkv.
+
+    **Shared state** (public attributes the manager's parts read; only this class changes them): ``map`` (dict
+    key -> CPU block of the tier's cached blocks: a lookup probes it directly), ``pinned`` (CPU blocks read or
+    written by pending copies, in pinning order), ``cpu_id`` (the manager's CPU blocks' identities, the array
+    it was given), ``evictor`` (the LRU of unpinned cached CPU blocks)."""
 
     def __init__(self, pool: BlockPool, cpu_tok: np.ndarray, cpu_id: np.ndarray, cache: PrefixCache,
                  plan: list) -> None:
-        self._pool, self._tok, self._id, self._cache = pool, cpu_tok, cpu_id, cache
-        self._map: dict[int, int] = {}  # key -> CPU block
+        self._pool, self._tok, self.cpu_id, self._cache = pool, cpu_tok, cpu_id, cache
+        self.map: dict[int, int] = {}  # key -> CPU block
         self.evictor = LRUEvictor(pool.num_blocks)
-        self._pinned: dict[int, None] = {}  # CPU blocks read or written by pending copies, in pinning order
+        self.pinned: dict[int, None] = {}  # CPU blocks read or written by pending copies, in pinning order
         self._plan = plan  # the manager's pending copy plan: (tag, src, dst) parts in call order
         cache.fresh = np.zeros(cache.cid.size, dtype=np.int32)  # step serial at which a GPU block was cached
         cache.fresh_serial = 1
@@ -80,7 +85,7 @@ class CpuTier:
 
     def __len__(self) -> int:
         """Cached CPU blocks (pinned or not)."""
-        return len(self._map)
+        return len(self.map)
 
     @property
     def num_evictable(self) -> int:
@@ -90,24 +95,24 @@ class CpuTier:
     def find_keyed(self, pcid: int, key: int, data: bytes) -> int:
         """The CPU block caching ``data`` after parent content ``pcid`` (``key``, computed by the GPU lookup, is its
         key), or -1. A hit verifies the stored tokens and the parent content id: a hash collision costs a miss."""
-        c = self._map.get(key, -1)
-        if c >= 0 and (self._id[2, c] != pcid or self._tok[c].tobytes() != data):
+        c = self.map.get(key, -1)
+        if c >= 0 and (self.cpu_id[2, c] != pcid or self._tok[c].tobytes() != data):
             return -1
         return c
 
     def content(self, c: int) -> tuple[int, int, int, int, int]:
         """(cid, key, pcid, parent key, namespace index) of CPU block ``c``."""
-        i = self._id[:, c].tolist()
+        i = self.cpu_id[:, c].tolist()
         return i[0], i[1] & _U64, i[2], i[3] & _U64, i[4]
 
     # ------------------------------------------------------------------ promotion (CPU -> GPU)
     def pin_many(self, cs: list[int]) -> None:
         """Keep the cached CPU blocks ``cs`` (distinct) out of the evictor until :meth:`end_step`: they are the
         sources of promotions about to be recorded, and taking GPU blocks may demote into the tier meanwhile."""
-        new = [c for c in cs if c not in self._pinned]
+        new = [c for c in cs if c not in self.pinned]
         arr = np.array(new, dtype=np.int64)
-        self.evictor.discard_many(arr[self.evictor._stamp[arr] != 0])
-        self._pinned.update(dict.fromkeys(new))
+        self.evictor.discard_many(arr[self.evictor.stamp[arr] != 0])
+        self.pinned.update(dict.fromkeys(new))
 
     def promote_many(self, cs: list[int], gs: list[int]) -> None:
         """Record the CPU -> GPU copies ``(cs[i], gs[i])``: the caller adopted each CPU block's identity and tokens
@@ -125,16 +130,16 @@ class CpuTier:
         cache = self._cache
         keep = cache.fresh[blocks] != cache.fresh_serial
         keys = cache.key[blocks]
-        if self._map:
-            keep &= ~np.fromiter(map(self._map.__contains__, keys.tolist()), dtype=bool, count=keys.size)
+        if self.map:
+            keep &= ~np.fromiter(map(self.map.__contains__, keys.tolist()), dtype=bool, count=keys.size)
         if not keep.all():
             blocks, cids, keys = blocks[keep], cids[keep], keys[keep]
         k = blocks.size
         if not k:
             return
         pool = self._pool
-        got = pool.take(min(k, pool._nfree))
-        pool._ref[got] = 0
+        got = pool.take(min(k, pool.nfree))
+        pool.ref[got] = 0
         if got.size < k and len(self.evictor):
             got = np.concatenate((got, self._forget(self.evictor.pop_many(min(k - got.size, len(self.evictor))))))
         if got.size < k:  # every CPU block is held by swapped sequences or pinned
@@ -143,7 +148,7 @@ class CpuTier:
             if not got.size:
                 return
         self._tok[got] = cache.tok[blocks]
-        ident = self._id
+        ident = self.cpu_id
         ident[0, got] = cids
         ident[1, got] = keys.view(np.int64)
         ident[2, got] = cache.pcid[blocks]
@@ -151,24 +156,24 @@ class CpuTier:
             ident[3, got] = cache.pkey[blocks].view(np.int64)
             ident[4, got] = cache.nsid[blocks]
         cl = got.tolist()
-        self._map.update(zip(keys.tolist(), cl))
-        self._pinned.update(dict.fromkeys(cl))
+        self.map.update(zip(keys.tolist(), cl))
+        self.pinned.update(dict.fromkeys(cl))
         self._plan.append((DEMOTE, blocks.tolist(), cl))
         self.demotions += len(cl)
         if cache.events is not None:
             for c in cl:
                 cid, key, pcid, pk, ns = self.content(c)
-                cache._emit(_stored_event([key], None if pcid < 0 else pk, self._tok[c].tolist(), cache._bs,
-                                          "CPU", cache._ns_list[ns] if cache._ns_list else None))
+                cache.emit(_stored_event([key], None if pcid < 0 else pk, self._tok[c].tolist(), cache.block_size,
+                                          "CPU", cache.ns_list[ns] if cache.ns_list else None))
 
     def _forget(self, blocks: np.ndarray) -> np.ndarray:
         """Uncache tier ``blocks`` (popped from the evictor); returns them."""
-        keys = (self._id[1, blocks].view(np.uint64)).tolist()
-        collections.deque(map(self._map.__delitem__, keys), maxlen=0)
-        self._id[0, blocks] = 0
+        keys = (self.cpu_id[1, blocks].view(np.uint64)).tolist()
+        collections.deque(map(self.map.__delitem__, keys), maxlen=0)
+        self.cpu_id[0, blocks] = 0
         self.evictions += blocks.size
         if self._cache.events is not None and keys:
-            self._cache._removed(keys, self._id[4, blocks], "CPU")
+            self._cache.emit_removed(keys, self.cpu_id[4, blocks], "CPU")
         return blocks
 
     # ------------------------------------------------------------------ room for swap
@@ -182,34 +187,34 @@ class CpuTier:
         """The step's copies were taken (``dem``: its demotions, ``pro``: its promotions, in order): the pinned CPU
         blocks become evictable again (demoted ones most recently used), and the blocks cached from now on
         belong to the next step. O(copies)."""
-        if self._pinned:
+        if self.pinned:
             # demotion destinations in demotion order (children first: the GPU evicts tail first), then promotion
             # sources children first too (recorded parent first): a parent is always more recent than its children
             order = dict.fromkeys(c for _, c in dem)
             order.update(dict.fromkeys(c for c, _ in reversed(pro)))
-            order.update(self._pinned)
+            order.update(self.pinned)
             pinned = np.fromiter(order, dtype=np.int64, count=len(order))
-            cached = self._id[0, pinned] != 0
+            cached = self.cpu_id[0, pinned] != 0
             self.evictor.push_many(pinned[cached])  # in pinning order: the most recently used last
             self._pool.give(pinned[~cached])  # uncached meanwhile (reset_prefix_cache): back to the free ring
-            self._pinned.clear()
+            self.pinned.clear()
         self._cache.fresh_serial += 1
 
     def snapshot_events(self) -> list:
         """One BlockStored (medium CPU) per cached CPU block, parents before children."""
-        blocks = sorted(self._map.values(), key=lambda c: self._id[0, c])
+        blocks = sorted(self.map.values(), key=lambda c: self.cpu_id[0, c])
         cache, out = self._cache, []
         for c in blocks:
             cid, key, pcid, pk, ns = self.content(c)
-            out.append(_stored_event([key], None if pcid < 0 else pk, self._tok[c].tolist(), cache._bs, "CPU",
-                                     cache._ns_list[ns] if cache._ns_list else None))
+            out.append(_stored_event([key], None if pcid < 0 else pk, self._tok[c].tolist(), cache.block_size, "CPU",
+                                     cache.ns_list[ns] if cache.ns_list else None))
         return out
 
     def withdraw(self, blocks: np.ndarray) -> None:
         """Uncache tier ``blocks`` whose KV derives from KV nobody wrote (``free(seq, cache=False)``): unpinned ones
         return to the free ring now, pinned ones at :meth:`end_step`."""
         ev = self.evictor
-        loose = blocks[ev._stamp[blocks] != 0]
+        loose = blocks[ev.stamp[blocks] != 0]
         ev.discard_many(loose)
         self._forget(blocks)
         self.evictions -= blocks.size  # (not evictions)
@@ -219,24 +224,24 @@ class CpuTier:
         """Forget every cached CPU block (reset_prefix_cache); pinned ones return to the ring at end_step."""
         freed = list(self.evictor)
         self.evictor.discard_many(np.asarray(freed, dtype=np.int64))
-        for c in self._map.values():
-            self._id[0, c] = 0
-        self._map.clear()
+        for c in self.map.values():
+            self.cpu_id[0, c] = 0
+        self.map.clear()
         self._pool.give(np.asarray(freed, dtype=np.int32))
 
     # ------------------------------------------------------------------ invariants
     def check(self, fail) -> None:
-        pool, ident = self._pool, self._id
+        pool, ident = self._pool, self.cpu_id
         ev = list(self.evictor)
-        cached = set(self._map.values())
-        if len(cached) != len(self._map):
+        cached = set(self.map.values())
+        if len(cached) != len(self.map):
             fail("CPU tier: a block under two keys")
-        if set(ev) | set(self._pinned) != cached | {c for c in self._pinned if not ident[0, c]}:
+        if set(ev) | set(self.pinned) != cached | {c for c in self.pinned if not ident[0, c]}:
             fail("CPU tier: cached blocks are not exactly the evictable plus the pinned ones")
-        if set(ev) & set(self._pinned):
+        if set(ev) & set(self.pinned):
             fail("CPU tier: a pinned block is evictable")
-        for key, c in self._map.items():
-            if pool._ref[c] != 0:
+        for key, c in self.map.items():
+            if pool.ref[c] != 0:
                 fail(f"CPU tier: block {c} is cached and held by a swapped sequence")
             if not ident[0, c] or int(ident[1, c]) & _U64 != key:
                 fail(f"CPU tier: block {c} does not carry the identity of its key")
@@ -244,5 +249,5 @@ class CpuTier:
                     _xxh3(self._tok[c].tobytes(), seed=int(ident[3, c]) & _U64) != key:
                 fail(f"CPU tier: block {c}'s key is not the hash of its tokens after its parent")
         free = set(pool.free_ids().tolist())
-        if free & (cached | set(self._pinned)):
+        if free & (cached | set(self.pinned)):
             fail("CPU tier: a cached or pinned block is in the free ring")

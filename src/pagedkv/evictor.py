@@ -27,14 +27,16 @@ class LRUEvictor:
     block per Python call). This is the eviction-policy hook: another policy is another class with these methods.
     """
 
-    __slots__ = ("_stamp", "_lb", "_ls", "_head", "_tail", "_next", "_len", "_stamp_mv", "_lb_mv", "_ls_mv")
+    # ``stamp`` (int32 per block, 0: not in the evictor) and ``stamp_mv`` (its memoryview) are public: the CPU tier
+    # and RetentionEvictor test membership of many blocks at once with them (read only)
+    __slots__ = ("stamp", "_lb", "_ls", "_head", "_tail", "_next", "_len", "stamp_mv", "_lb_mv", "_ls_mv")
 
     def __init__(self, num_blocks: int) -> None:
         cap = num_blocks + num_blocks // 4 + 64
-        self._stamp = np.zeros(num_blocks, dtype=np.int32)
+        self.stamp = np.zeros(num_blocks, dtype=np.int32)
         self._lb = np.zeros(cap, dtype=np.int32)
         self._ls = np.zeros(cap, dtype=np.int32)
-        self._stamp_mv, self._lb_mv, self._ls_mv = memoryview(self._stamp), memoryview(self._lb), memoryview(self._ls)
+        self.stamp_mv, self._lb_mv, self._ls_mv = memoryview(self.stamp), memoryview(self._lb), memoryview(self._ls)
         self._head = self._tail = 0
         self._next = 1  # next stamp
         self._len = 0
@@ -43,7 +45,7 @@ class LRUEvictor:
         return self._len
 
     def __contains__(self, block: int) -> bool:
-        return self._stamp_mv[block] != 0
+        return self.stamp_mv[block] != 0
 
     def push(self, block: int) -> None:
         """Make ``block`` (not in the list) the most recently used."""
@@ -51,7 +53,7 @@ class LRUEvictor:
             self._compact()
         t = self._next
         self._next = t + 1
-        self._stamp_mv[block] = t
+        self.stamp_mv[block] = t
         self._lb_mv[self._tail] = block
         self._ls_mv[self._tail] = t
         self._tail += 1
@@ -66,24 +68,24 @@ class LRUEvictor:
             self._compact()
         t, z = self._next, self._tail
         st = np.arange(t, t + n, dtype=np.int32)
-        self._stamp[blocks] = st
+        self.stamp[blocks] = st
         self._lb[z : z + n] = blocks
         self._ls[z : z + n] = st
         self._next, self._tail, self._len = t + n, z + n, self._len + n
 
     def discard(self, block: int) -> None:
         """Remove ``block`` (it is in the list)."""
-        self._stamp_mv[block] = 0
+        self.stamp_mv[block] = 0
         self._len -= 1
 
     def discard_many(self, blocks: np.ndarray) -> None:
         """:meth:`discard` of each of ``blocks`` (distinct, in the list)."""
-        self._stamp[blocks] = 0
+        self.stamp[blocks] = 0
         self._len -= blocks.size
 
     def pop(self) -> int:
         """Remove and return the least recently used block (the list is not empty)."""
-        lb, ls, st = self._lb_mv, self._ls_mv, self._stamp_mv
+        lb, ls, st = self._lb_mv, self._ls_mv, self.stamp_mv
         h = self._head
         while True:
             b = lb[h]
@@ -104,7 +106,7 @@ class LRUEvictor:
         while n:
             z = min(tail, h + max(2 * n, 64))
             lb = self._lb[h:z]
-            live = np.flatnonzero(self._stamp[lb] == self._ls[h:z])
+            live = np.flatnonzero(self.stamp[lb] == self._ls[h:z])
             if live.size >= n:
                 out.append(lb[live[:n]])
                 h += int(live[n - 1]) + 1
@@ -114,7 +116,7 @@ class LRUEvictor:
             h = z
         got = out[0] if len(out) == 1 else np.concatenate(out)
         self._head = h
-        self._stamp[got] = 0
+        self.stamp[got] = 0
         self._len -= got.size
         return got
 
@@ -122,19 +124,19 @@ class LRUEvictor:
         """Move the live entries to the front of the log and renumber their stamps 1..len."""
         h, z = self._head, self._tail
         lb = self._lb[h:z]
-        keep = lb[self._stamp[lb] == self._ls[h:z]]
+        keep = lb[self.stamp[lb] == self._ls[h:z]]
         k = keep.size
         st = np.arange(1, k + 1, dtype=np.int32)
         self._lb[:k] = keep
         self._ls[:k] = st
-        self._stamp[keep] = st
+        self.stamp[keep] = st
         self._head, self._tail, self._next = 0, k, k + 1
 
     def __iter__(self) -> Iterator[int]:
         """Blocks from least to most recently used."""
         h, z = self._head, self._tail
         lb = self._lb[h:z]
-        return iter(lb[self._stamp[lb] == self._ls[h:z]].tolist())
+        return iter(lb[self.stamp[lb] == self._ls[h:z]].tolist())
 
 
 class RetentionEvictor:
@@ -171,13 +173,13 @@ class RetentionEvictor:
         the main class (referenced, evicted, spare already) are ignored."""
         if blocks.size == 0:
             return
-        live = blocks[self.main._stamp[blocks] != 0]
+        live = blocks[self.main.stamp[blocks] != 0]
         if live.size:
             self.main.discard_many(live)
             self.spare.push_many(live)
 
     def discard(self, block: int) -> None:
-        if self.spare._stamp_mv[block]:
+        if self.spare.stamp_mv[block]:
             self.spare.discard(block)
         else:
             self.main.discard(block)
@@ -186,7 +188,7 @@ class RetentionEvictor:
         if not len(self.spare):
             self.main.discard_many(blocks)
             return
-        sp = self.spare._stamp[blocks] != 0
+        sp = self.spare.stamp[blocks] != 0
         self.spare.discard_many(blocks[sp])
         self.main.discard_many(blocks[~sp])
 

@@ -170,7 +170,7 @@ class BlockManager:
         arrays, the pending copy list, the watermark and the table width are the same objects.
         :class:`pagedkv.HybridBlockManager` runs one per KV cache group; each call on one of them keeps every
         invariant of the shared parts except the pools' refcount totals, which the coordinator checks over all
-        of them (:meth:`_check_invariants_of`). O(1)."""
+        of them (``HybridSeqs.check``). O(1)."""
         self = cls.__new__(cls)
         for name in ("_bs", "_gpu", "_cpu", "_cache", "_kv_events", "_cpu_tok", "_cpu_id", "_copies", "_tier",
                      "_watermark_blocks", "_fixed_w", "_blocks"):
@@ -192,7 +192,7 @@ class BlockManager:
         self._window = sliding_window
         self._small_batch = SMALL_BATCH  # batches up to this size take the plain-Python step (0: never)
         bs, blocks, cache, tier, copies = self._bs, self._blocks, self._cache, self._tier, self._copies
-        t = self._t = SeqTables(self._gpu._ref_mv, max(4, self._fixed_w))
+        t = self._t = SeqTables(self._gpu.ref_mv, max(4, self._fixed_w))
         win = self._win = self._Window(t, blocks, sliding_window, bs)
         reg = self._reg = Registry(t, blocks, cache, tier, self._cpu_tok, self._cpu_id, bs, self._kv_events)
         self._step = Stepper(t, blocks, win, reg, cache, copies, bs, self._fixed_w)
@@ -411,7 +411,7 @@ class BlockManager:
             hits, _ = self._reg.lookup(arr, self._cache.root(namespace, intern=False))
             if k is not None and len(hits) * self._bs + k < arr.size:
                 needed = -(-(len(hits) * self._bs + k + la) // self._bs)
-            ref = self._gpu._ref
+            ref = self._gpu.ref
             needed -= sum(1 for b in hits if b >= 0 and ref[b] > 0)  # (a CPU-tier hit needs a GPU block)
         if self.num_free_gpu_blocks - needed >= self._watermark_blocks:
             return AllocStatus.OK
@@ -460,7 +460,7 @@ class BlockManager:
             token_ids = _as_tokens(token_ids)
         arr, n, nblocks, hits, cpu_hits, chain, need = self._alloc.plan(token_ids, la, namespace,
                                                                         checked=k is not None, chunk=k)
-        if need > self._gpu._nfree and need > self.num_free_gpu_blocks:
+        if need > self._gpu.nfree and need > self.num_free_gpu_blocks:
             raise OutOfBlocksError(
                 f"prompt of {n} tokens needs {need} new blocks; {self.num_free_gpu_blocks} are free"
             )
@@ -535,7 +535,7 @@ class BlockManager:
             return PrefixHit(0, 0, 0, nb)
         arr = _as_tokens(token_ids)
         hits, _ = self._reg.lookup(arr, self._cache.root(namespace, intern=False))
-        ref = self._gpu._ref_mv
+        ref = self._gpu.ref_mv
         held = sum(1 for b in hits if b >= 0 and ref[b] > 0)
         ncpu = sum(1 for b in hits if b < 0)
         n = arr.size if k is None else min(arr.size, len(hits) * self._bs + k)
@@ -746,7 +746,7 @@ class BlockManager:
         need = int(uniq.size + extra)
         if need > self._gpu.num_blocks - self._watermark_blocks:
             return AllocStatus.NEVER
-        ref = self._gpu._ref
+        ref = self._gpu.ref
         need -= sum(1 for g in reuse if g >= 0 and ref[g] > 0)
         return AllocStatus.OK if self.num_free_gpu_blocks - need >= self._watermark_blocks else AllocStatus.LATER
 
@@ -783,9 +783,4 @@ class BlockManager:
         - the free ring holds unreferenced uncached blocks, the evictor unreferenced cached ones, in a
           consistent linked list; the cache map and the per-block entries agree (no block under two keys).
         """
-        self._check_invariants_of((self,))
-
-    def _check_invariants_of(self, managers: Sequence["BlockManager"]) -> None:
-        """:meth:`check_invariants` of managers sharing this one's parts (KV cache groups): each manager's rows
-        and tables, then the shared parts with every manager's references counted."""
-        _invariants.check(self._blocks, self._tier, self._bs, [(m._t, m._window) for m in managers])
+        _invariants.check(self._blocks, self._tier, self._bs, [(self._t, self._window)])

@@ -220,39 +220,50 @@ def _encode_namespace(namespace: object) -> bytes:
 class PrefixCache:
     """Per-block content state (see the module docstring), the map ``key -> block`` and the evictor.
 
-    Internal to pagedkv: the manager reads and writes ``tok`` (and reads ``cid``) directly on its hot path.
-    A *parent* is passed as ``(cid, key)``; ``cid == 0`` means a broken chain (nothing after it is cached).
+    Internal to pagedkv. A *parent* is passed as ``(cid, key)``; ``cid == 0`` means a broken chain (nothing
+    after it is cached).
+
+    **Shared state** (public attributes the manager's parts read, and where noted write, on their hot paths;
+    the arrays are never rebound): the per-block arrays ``tok`` (the parts write a block's tokens), ``key``,
+    ``cid``, ``pcid``, ``succ``, ``dl`` and their memoryviews ``tok_mv``, ``key_mv``, ``cid_mv``, ``pcid_mv``,
+    ``succ_mv``, ``dl_mv`` (plain-Python element access); ``map`` (dict key -> block of the cached blocks that are
+    not dict-less: a lookup probes it directly; only this class changes it) and ``ndl`` (how many cached blocks
+    are dict-less: while it is non-zero a reader that needs the map as the whole index calls :meth:`flush`);
+    ``roots`` (encoded namespace -> its root ``(cid, key)``; the manager sweeps it past ``sweep_at``);
+    ``serial`` (the last content id handed out); ``ns_list`` (namespace index -> namespace, for KV events);
+    ``block_size``; ``evictor`` and ``tier``. :meth:`emit`, :meth:`emit_stored` and :meth:`emit_removed` append KV
+    events (no-ops when events are off).
     """
 
-    __slots__ = ("_map", "tok", "key", "cid", "pcid", "evictor", "_roots", "_serial", "evictions", "_width",
-                 "_cid_mv", "_tok_mv", "_key_mv", "_pcid_mv", "tier", "fresh", "fresh_serial", "events", "event_overflows", "_ev_max", "_ev_lost", "pkey", "nsid", "_ns_ids", "_ns_list", "_bs",
-                 "_root_serial", "_ns_free", "sweep_at", "grouped", "void", "dl", "succ", "_ndl", "_runs",
-                 "_runs_keep", "_succ_mv", "_dl_mv")
+    __slots__ = ("map", "tok", "key", "cid", "pcid", "evictor", "roots", "serial", "evictions", "_width",
+                 "cid_mv", "tok_mv", "key_mv", "pcid_mv", "tier", "fresh", "fresh_serial", "events", "event_overflows", "_ev_max", "_ev_lost", "pkey", "nsid", "_ns_ids", "ns_list", "block_size",
+                 "_root_serial", "_ns_free", "sweep_at", "grouped", "void", "dl", "succ", "ndl", "_runs",
+                 "_runs_keep", "succ_mv", "dl_mv")
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
-        self._map: dict[int, int] = {}
+        self.map: dict[int, int] = {}
         self.tok = np.zeros((num_blocks, block_size), dtype=np.int32)
         self.key = np.zeros(num_blocks, dtype=np.uint64)
         self.cid = np.zeros(num_blocks, dtype=np.int64)
         self.pcid = np.zeros(num_blocks, dtype=np.int64)
-        self._cid_mv = memoryview(self.cid)  # element access for the plain-Python paths
-        self._tok_mv = memoryview(self.tok)
-        self._key_mv, self._pcid_mv = memoryview(self.key), memoryview(self.pcid)
+        self.cid_mv = memoryview(self.cid)  # element access for the plain-Python paths
+        self.tok_mv = memoryview(self.tok)
+        self.key_mv, self.pcid_mv = memoryview(self.key), memoryview(self.pcid)
         self.evictor = LRUEvictor(num_blocks)
-        # dict-less blocks (see "Runs" in the module docstring): dl[b] marks a cached block that is not in _map, found
-        # as succ[p] of its run predecessor p; _ndl counts them, _runs lists the runs' blocks for flush()
+        # dict-less blocks (see "Runs" in the module docstring): dl[b] marks a cached block that is not in map, found
+        # as succ[p] of its run predecessor p; ndl counts them, _runs lists the runs' blocks for flush()
         self.dl = np.zeros(num_blocks, dtype=bool)
         self.succ = np.full(num_blocks, -1, dtype=np.int32)
-        self._dl_mv, self._succ_mv = memoryview(self.dl), memoryview(self.succ)
-        self._ndl = 0
+        self.dl_mv, self.succ_mv = memoryview(self.dl), memoryview(self.succ)
+        self.ndl = 0
         self._runs: list[np.ndarray] = []
         self._runs_keep = 64  # prune _runs (drop the runs with no dict-less block left) past this length
-        self._roots: dict[bytes, tuple[int, int]] = {}  # encoded namespace -> (cid < 0, key)
-        self._serial = 0  # last content id handed out
+        self.roots: dict[bytes, tuple[int, int]] = {}  # encoded namespace -> (cid < 0, key)
+        self.serial = 0  # last content id handed out
         self.evictions = 0
         self._width = 4 * block_size  # bytes of one block's tokens
         self.void = np.dtype((np.void, self._width))  # one block's tokens as one item: .tolist() gives its bytes
-        self._bs = block_size
+        self.block_size = block_size
         # the CPU tier (cpu_tier.CpuTier) when on: evicted blocks spill into it; ``fresh`` stamps each block with
         # the step serial at which it was cached (a block cached in the current step is never demoted)
         self.tier = None
@@ -265,11 +276,11 @@ class PrefixCache:
         self._ev_lost = False
         self.pkey = self.nsid = None  # per-block parent key and namespace index, kept only for events
         self._ns_ids: dict[bytes, int] = {}
-        self._ns_list: list[object] = []
-        self._ns_free: list[int] = []  # released slots of _ns_list
+        self.ns_list: list[object] = []
+        self._ns_free: list[int] = []  # released slots of ns_list
         self._root_serial = 0  # roots handed out (a root's cid is -serial; never reused)
-        self.sweep_at = _SWEEP_MIN  # the manager releases unused namespaces when _roots grows past this
-        self.grouped = False  # a KV cache group's namespace was seen: removals carry their group (_removed)
+        self.sweep_at = _SWEEP_MIN  # the manager releases unused namespaces when roots grows past this
+        self.grouped = False  # a KV cache group's namespace was seen: removals carry their group (emit_removed)
 
     # ------------------------------------------------------------------ KV events
     def enable_events(self, max_events: int) -> None:
@@ -286,30 +297,30 @@ class PrefixCache:
         if i is None:
             if self._ns_free:
                 i = self._ns_free.pop()
-                self._ns_list[i] = namespace
+                self.ns_list[i] = namespace
             else:
-                i = len(self._ns_list)
-                self._ns_list.append(namespace)
+                i = len(self.ns_list)
+                self.ns_list.append(namespace)
             self._ns_ids[data] = i
             if type(namespace) is _GroupNS:
                 self.grouped = True
         return i
 
-    def _removed(self, keys: list, nsids, medium: str) -> None:
+    def emit_removed(self, keys: list, nsids, medium: str) -> None:
         """Record a BlockRemoved for ``keys`` (whose namespace indexes are ``nsids``): one event, or one per KV
         cache group, in order, when groups are in use."""
         if not self.grouped:
-            self._emit(BlockRemoved(keys, medium))
+            self.emit(BlockRemoved(keys, medium))
             return
         by: dict = {}
-        nsl = self._ns_list
+        nsl = self.ns_list
         for k, i in zip(keys, nsids.tolist() if hasattr(nsids, "tolist") else nsids):
             ns = nsl[i]
             by.setdefault(ns.group if type(ns) is _GroupNS else None, []).append(k)
         for g, ks in by.items():
-            self._emit(BlockRemoved(ks, medium, g))
+            self.emit(BlockRemoved(ks, medium, g))
 
-    def _emit(self, event) -> None:
+    def emit(self, event) -> None:
         ev = self.events
         if len(ev) >= self._ev_max:  # overflow: drop the buffer; the next take answers with a full resync
             ev.clear()
@@ -319,7 +330,7 @@ class PrefixCache:
         if not self._ev_lost:
             ev.append(event)
 
-    def _stored(self, blocks: list[int], keys: list[int], pcid: int, pkey: int, namespace: object) -> None:
+    def emit_stored(self, blocks: list[int], keys: list[int], pcid: int, pkey: int, namespace: object) -> None:
         """Record a BlockStored for a chain of newly cached ``blocks`` (and their parent key and namespace)."""
         nsi = self._ns_index(namespace)
         bl = np.asarray(blocks, dtype=np.int64)
@@ -327,12 +338,12 @@ class PrefixCache:
         if bl.size > 1:
             self.pkey[bl[1:]] = np.asarray(keys[:-1], dtype=np.uint64)
         self.nsid[bl] = nsi
-        self._emit(_stored_event(list(keys), None if pcid < 0 else pkey, self.tok[bl].reshape(-1).tolist(), self._bs,
+        self.emit(_stored_event(list(keys), None if pcid < 0 else pkey, self.tok[bl].reshape(-1).tolist(), self.block_size,
                                  "GPU", namespace))
 
     def _stored_chains(self, blocks: np.ndarray, bl: list, keys: list, counts: np.ndarray, pcids: np.ndarray,
                        pkeys: np.ndarray, namespaces: list | None) -> None:
-        """:meth:`_stored` for the chains of one :meth:`register_chains` call: the per-block arrays in a few
+        """:meth:`emit_stored` for the chains of one :meth:`register_chains` call: the per-block arrays in a few
         vectorised writes, then one BlockStored per chain (a microsecond or so each)."""
         cl = counts.tolist()
         if len(cl) == len(keys):  # one block per chain
@@ -347,7 +358,7 @@ class PrefixCache:
         nsi = [self._ns_index(ns) for ns in nss]
         self.nsid[blocks] = np.repeat(np.array(nsi, dtype=np.int32), counts) if len(cl) != len(keys) else nsi
         toks = self.tok[blocks].tolist()
-        bs, emit, pos = self._bs, self._emit, 0
+        bs, emit, pos = self.block_size, self.emit, 0
         for m, pc, pk, ns in zip(cl, pcids.tolist(), pkeys.tolist(), nss):
             if m == 1:
                 emit(_stored_event([keys[pos]], None if pc < 0 else pk, toks[pos], bs, "GPU", ns))
@@ -369,7 +380,7 @@ class PrefixCache:
         """One BlockStored per cached block, parents before children (content ids grow along a chain)."""
         cached = np.flatnonzero(self.cid)
         cached = cached[np.argsort(self.cid[cached], kind="stable")]
-        bs, ns = self._bs, self._ns_list
+        bs, ns = self.block_size, self.ns_list
         out = []
         for b, k, p, pc, i in zip(cached.tolist(), self.key[cached].tolist(), self.pkey[cached].tolist(),
                                   self.pcid[cached].tolist(), self.nsid[cached].tolist()):
@@ -382,34 +393,34 @@ class PrefixCache:
     def mapping(self) -> dict[int, int]:
         """``key -> block`` of every cached block: the map plus the dict-less blocks. Changes nothing (for checks
         and tests). O(cached blocks)."""
-        out = dict(self._map)
-        if self._ndl:
+        out = dict(self.map)
+        if self.ndl:
             b = np.flatnonzero(self.dl)
             out.update(zip(self.key[b].tolist(), b.tolist()))
         return out
 
     def __len__(self) -> int:
         """Cached blocks (referenced or not)."""
-        return len(self._map) + self._ndl
+        return len(self.map) + self.ndl
 
     # ------------------------------------------------------------------ namespaces
     def root(self, namespace: object, intern: bool = True) -> tuple[int, int]:
         """``(cid, key)`` of a namespace's root; block 0 of a prompt chains from it. With ``intern=False`` a
         namespace seen for the first time is not stored (the caller calls :meth:`intern` once it commits)."""
         data = _encode_namespace(namespace)
-        r = self._roots.get(data)
+        r = self.roots.get(data)
         if r is None:
             r = (-(self._root_serial + 1), _xxh3(b"pagedkv-ns:" + data))
             if intern:
-                self._roots[data] = r
+                self.roots[data] = r
                 self._root_serial += 1
         return r
 
     def intern(self, namespace: object) -> bool:
         """Store a namespace's root (see :meth:`root`); True if it was new."""
-        n = len(self._roots)
+        n = len(self.roots)
         self.root(namespace, intern=True)
-        return len(self._roots) != n
+        return len(self.roots) != n
 
     def release_namespaces(self, keep: set, cpu_ident: np.ndarray | None = None) -> int:
         """Forget the namespaces nothing uses: no cached block chains from their root (GPU, or CPU rows of
@@ -428,33 +439,33 @@ class PrefixCache:
             used.update(pc[pc < 0].tolist())
             if self.nsid is not None:
                 ns_used.update(cpu_ident[4, held].tolist())
-        before = len(self._roots)
-        self._roots = {d: r for d, r in self._roots.items() if r[0] in used or d in keep}
+        before = len(self.roots)
+        self.roots = {d: r for d, r in self.roots.items() if r[0] in used or d in keep}
         for d, i in list(self._ns_ids.items()):
             if i not in ns_used and d not in keep:
                 del self._ns_ids[d]
-                self._ns_list[i] = None
+                self.ns_list[i] = None
                 self._ns_free.append(i)
-        self.sweep_at = max(_SWEEP_MIN, 2 * len(self._roots))
-        return before - len(self._roots)
+        self.sweep_at = max(_SWEEP_MIN, 2 * len(self.roots))
+        return before - len(self.roots)
 
     # ------------------------------------------------------------------ lookup
     def find(self, pcid: int, pkey: int, data: bytes) -> tuple[int, int]:
         """``(block, key)``: the block caching ``data`` after parent ``(pcid, pkey)``, or -1, and the key of
         that content. O(1) plus one compare of ``data``."""
-        if self._ndl:
+        if self.ndl:
             self.flush()
         key = _xxh3(data, seed=pkey)
-        b = self._map.get(key, -1)
+        b = self.map.get(key, -1)
         if b >= 0 and (self.pcid[b] != pcid or self.tok[b].tobytes() != data):
             return -1, key  # hash collision: never a hit
         return b, key
 
     def lookup(self, cid: int, key: int) -> int:
         """Block currently caching exactly the content ``cid`` (known by its ``key``), or -1."""
-        if self._ndl:
+        if self.ndl:
             self.flush()
-        b = self._map.get(key, -1)
+        b = self.map.get(key, -1)
         return b if b >= 0 and self.cid[b] == cid else -1
 
     # ------------------------------------------------------------------ registration
@@ -463,32 +474,32 @@ class PrefixCache:
         ``(cid, key)`` that now stands for this content: the block's own (new, or the one it already had), or
         that of another block already caching the same content (this block then stays uncached). ``(0, 0)``
         when the chain ends here: a broken parent, or a hash collision with other content."""
-        cid = self._cid_mv  # (element access: a third of a numpy scalar's cost)
+        cid = self.cid_mv  # (element access: a third of a numpy scalar's cost)
         if pcid == 0:
             return 0, 0
-        if self._ndl:
+        if self.ndl:
             self.flush()
         c = cid[block]
         if c:
-            return c, self._key_mv[block]
+            return c, self.key_mv[block]
         data = self.tok[block].tobytes()
         key = _xxh3(data, seed=pkey)
-        other = self._map.get(key)
+        other = self.map.get(key)
         if other is None:
             t = self.tier.find_keyed(pcid, key, data) if self.tier is not None else -1
             if t >= 0:  # the CPU tier holds this content: the block takes its identity (chains stay whole)
-                new = int(self.tier._id[0, t])
+                new = int(self.tier.cpu_id[0, t])
             else:
-                self._serial += 1
-                new = self._serial
-            cid[block], self._key_mv[block], self._pcid_mv[block] = new, key, pcid
-            self._map[key] = block
+                self.serial += 1
+                new = self.serial
+            cid[block], self.key_mv[block], self.pcid_mv[block] = new, key, pcid
+            self.map[key] = block
             if self.fresh is not None:
                 self.fresh[block] = self.fresh_serial
             if emit and self.events is not None:
-                self._stored([block], [key], pcid, pkey, namespace)
+                self.emit_stored([block], [key], pcid, pkey, namespace)
             return new, key
-        if self._pcid_mv[other] == pcid and self.tok[other].tobytes() == data:
+        if self.pcid_mv[other] == pcid and self.tok[other].tobytes() == data:
             return cid[other], key  # same content cached by another block: share its identity
         return 0, 0
 
@@ -522,10 +533,10 @@ class PrefixCache:
                 keys, it = [], iter(datas)
                 for k, m in zip(pkeys.tolist(), counts.tolist()):
                     keys += _chain(itertools.islice(it, m), k)
-        if self._ndl:
+        if self.ndl:
             self.flush()
-        mp, bl = self._map, blocks.tolist()
-        if self.tier is not None and self.tier._map and any(map(self.tier._map.__contains__, keys)):
+        mp, bl = self.map, blocks.tolist()
+        if self.tier is not None and self.tier.map and any(map(self.tier.map.__contains__, keys)):
             return None  # a content the CPU tier holds: block by block, taking its identity
         got = list(map(mp.setdefault, keys, bl))  # inserts the absent keys, returns the present ones' blocks
         if got != bl:  # a key was present or repeats (a repeated block repeats its key): undo this call's inserts
@@ -533,8 +544,8 @@ class PrefixCache:
                 if g == b:
                     mp.pop(k, None)
             return None
-        new = np.arange(self._serial + 1, self._serial + n + 1, dtype=np.int64)
-        self._serial += n
+        new = np.arange(self.serial + 1, self.serial + n + 1, dtype=np.int64)
+        self.serial += n
         karr = np.fromiter(keys, dtype=np.uint64, count=n)
         cid[blocks] = new
         self.key[blocks] = karr
@@ -565,18 +576,18 @@ class PrefixCache:
         cached (in the map, or as the dict-less successor of ``after``) and there is no CPU tier: the caller
         then registers block by block. One dict probe a block and one insert a chain, instead of one insert a
         block."""
-        mp = self._map
+        mp = self.map
         if pcid == 0 or self.tier is not None or any(map(mp.__contains__, keys)):
             return None
         if after >= 0:  # a dict-less child of the parent block with the first key?
-            s = self._succ_mv[after]
-            if s >= 0 and self._cid_mv[s] and self._pcid_mv[s] == self._cid_mv[after] and self._key_mv[s] == keys[0]:
+            s = self.succ_mv[after]
+            if s >= 0 and self.cid_mv[s] and self.pcid_mv[s] == self.cid_mv[after] and self.key_mv[s] == keys[0]:
                 return None
         n = blocks.size
         head = int(blocks[0])
         mp[keys[0]] = head
-        new = np.arange(self._serial + 1, self._serial + n + 1, dtype=np.int64)
-        self._serial += n
+        new = np.arange(self.serial + 1, self.serial + n + 1, dtype=np.int64)
+        self.serial += n
         karr = np.fromiter(keys, dtype=np.uint64, count=n)
         self.cid[blocks] = new
         self.key[blocks] = karr
@@ -586,8 +597,8 @@ class PrefixCache:
         rest = blocks[1:]
         self.dl[rest] = True
         self.succ[blocks[:-1]] = rest
-        self._succ_mv[int(blocks[-1])] = -1
-        self._ndl += n - 1
+        self.succ_mv[int(blocks[-1])] = -1
+        self.ndl += n - 1
         runs = self._runs
         runs.append(rest)
         if len(runs) > self._runs_keep:  # drop the runs whose blocks have all left (amortised O(1) a run)
@@ -606,7 +617,7 @@ class PrefixCache:
         :meth:`register_run`, :meth:`evict_many` / :meth:`evict` and the manager's lookup walk expect (each of
         them calls this first when dict-less blocks exist). Changes no cache content. O(dict-less blocks) dict
         inserts (what registering them cost before runs) plus O(1) a run."""
-        mp, dl = self._map, self.dl
+        mp, dl = self.map, self.dl
         for r in self._runs:
             b = r[dl[r]]
             if not b.size:
@@ -616,19 +627,19 @@ class PrefixCache:
             if got != bl:  # a key another block holds (a 64-bit collision): that block stays dict-less
                 b = b[np.array([g == x for g, x in zip(got, bl)], dtype=bool)]
             dl[b] = False
-            self._ndl -= b.size
-        self._runs = [r for r in self._runs if dl[r].any()] if self._ndl else []
+            self.ndl -= b.size
+        self._runs = [r for r in self._runs if dl[r].any()] if self.ndl else []
 
     def _forget_runs(self, blocks: np.ndarray) -> list | None:
         """The map side of evicting ``blocks`` (int32, cached) while dict-less blocks exist: delete the keys of
         those in the map, unmark the dict-less ones, and put each evicted block's dict-less successor (its run
         continues without it) into the map. Returns the keys of all of ``blocks`` when KV events are on."""
-        dl, mp = self.dl, self._map
+        dl, mp = self.dl, self.map
         keys = self.key[blocks].tolist() if self.events is not None else None
         isdl = dl[blocks]
         k = int(np.count_nonzero(isdl))
         dl[blocks] = False
-        self._ndl -= k
+        self.ndl -= k
         collections.deque(map(mp.__delitem__, self.key[blocks[~isdl]].tolist() if k else
                               keys if keys is not None else self.key[blocks].tolist()), maxlen=0)
         s = self.succ[blocks]
@@ -643,32 +654,32 @@ class PrefixCache:
                 if got != bl:  # (a 64-bit collision: that block stays dict-less, unreachable)
                     orphan = orphan[np.array([g == x for g, x in zip(got, bl)], dtype=bool)]
                 dl[orphan] = False
-                self._ndl -= orphan.size
+                self.ndl -= orphan.size
         return keys
 
     def adopt(self, block: int, cid: int, key: int, pcid: int, pkey: int = 0, namespace: object = None) -> bool:
         """Cache ``block`` (uncached, ``tok`` written) as the existing content ``cid`` (swap-in of a block that
         was cached before it left: blocks chained after it stay reachable). False when the key is taken."""
-        if self._ndl:
+        if self.ndl:
             self.flush()
-        if key in self._map:
+        if key in self.map:
             return False
         self.cid[block], self.key[block], self.pcid[block] = cid, key, pcid
-        self._map[key] = block
+        self.map[key] = block
         if self.fresh is not None:
             self.fresh[block] = self.fresh_serial
         if self.events is not None:
-            self._stored([block], [key], pcid, pkey, namespace)
+            self.emit_stored([block], [key], pcid, pkey, namespace)
         return True
 
     def adopt_many(self, blocks: np.ndarray, cids: np.ndarray, keys: np.ndarray, pcids: np.ndarray,
                    pkeys: np.ndarray, nsids: np.ndarray) -> None:
         """:meth:`adopt` of several blocks (promotions from the CPU tier; namespaces as indexes of this cache's
         namespace list). A block whose key is taken stays uncached."""
-        if self._ndl:
+        if self.ndl:
             self.flush()
         kl = keys.tolist()
-        mp = self._map
+        mp = self.map
         free = np.fromiter((k not in mp for k in kl), dtype=bool, count=len(kl))
         if not free.all():
             blocks, cids, keys, pcids, pkeys, nsids = (a[free] for a in (blocks, cids, keys, pcids, pkeys, nsids))
@@ -679,36 +690,36 @@ class PrefixCache:
             self.fresh[blocks] = self.fresh_serial
         if self.events is not None:
             for b, k, pc, pk, i in zip(blocks.tolist(), kl, pcids.tolist(), pkeys.tolist(), nsids.tolist()):
-                self._stored([b], [k], pc, pk, self._ns_list[i] if self._ns_list else None)
+                self.emit_stored([b], [k], pc, pk, self.ns_list[i] if self.ns_list else None)
 
     def withdraw(self, blocks: list[int]) -> None:
         """Uncache ``blocks`` (cached, referenced: their KV was never written). O(len(blocks))."""
-        if self._ndl:
+        if self.ndl:
             self.flush()
         keys = [int(self.key[b]) for b in blocks]
         for k in keys:
-            del self._map[k]
+            del self.map[k]
         self.cid[blocks] = 0
         self.succ[blocks] = -1
         if self.events is not None and keys:
-            self._removed(keys, self.nsid[blocks], "GPU")
+            self.emit_removed(keys, self.nsid[blocks], "GPU")
 
     # ------------------------------------------------------------------ eviction
     def evict_many(self, n: int) -> np.ndarray:
         """:meth:`evict` of the ``n`` least recently used unreferenced blocks, LRU first (int32). Batch form:
         a few numpy calls and one C-level pass over the map."""
         blocks = self.evictor.pop_many(n)
-        if self._ndl:  # some blocks may be dict-less, or the successors of evicted ones
+        if self.ndl:  # some blocks may be dict-less, or the successors of evicted ones
             keys = self._forget_runs(blocks)
             cids = None
         else:
             keys = self.key[blocks].tolist()
-            collections.deque(map(self._map.__delitem__, keys), maxlen=0)
+            collections.deque(map(self.map.__delitem__, keys), maxlen=0)
             cids = self.cid[blocks].copy() if self.tier is not None else None
         self.cid[blocks] = 0
         self.evictions += n
         if self.events is not None:
-            self._removed(keys, self.nsid[blocks], "GPU")
+            self.emit_removed(keys, self.nsid[blocks], "GPU")
         if cids is not None:
             self.tier.demote(blocks, cids)
         return blocks
@@ -718,27 +729,27 @@ class PrefixCache:
         b = self.evictor.pop()
         k = int(self.key[b])
         c = int(self.cid[b])
-        if self._ndl:
+        if self.ndl:
             self._forget_runs(np.array([b], dtype=np.int32))
         else:
-            del self._map[k]
+            del self.map[k]
         self.cid[b] = 0
         self.evictions += 1
         if self.events is not None:
-            self._removed([k], [int(self.nsid[b])], "GPU")
+            self.emit_removed([k], [int(self.nsid[b])], "GPU")
         if self.tier is not None:
             self.tier.demote(np.array([b]), np.array([c]))
         return b
 
     def clear(self) -> list[int]:
         """Forget every cached content; return the unreferenced cached blocks (LRU first) for the free list."""
-        if self._ndl:
+        if self.ndl:
             self.flush()
         self.succ[:] = -1
         freed = list(self.evictor)
         self.evictor.discard_many(np.asarray(freed, dtype=np.int64))
-        self.cid[np.fromiter(self._map.values(), dtype=np.int64, count=len(self._map))] = 0
-        self._map.clear()
+        self.cid[np.fromiter(self.map.values(), dtype=np.int64, count=len(self.map))] = 0
+        self.map.clear()
         if self.events is not None:
             self.events.clear()  # nothing before the clear matters to a consumer any more
             self._ev_lost = False

@@ -147,7 +147,7 @@ class PagedKV:
         return self.bm._gpu.free_ids().tolist()
 
     def refcounts(self) -> list[int]:
-        return self.bm._gpu._ref.tolist()
+        return self.bm._gpu.ref.tolist()
 
 
 class _PublicReadsManager(BlockManager):
