@@ -109,20 +109,20 @@ matrix per KV cache group (same rows), and the whole tables it loads are tuples 
 Every public name is importable from ``pagedkv.scheduler``.
 """
 
-from .facade import Scheduler
-from .plan import (
+from .plan import (  # (in this order in the API reference)
     FINISH_ABORT,
     FINISH_IGNORED,
     FINISH_LENGTH,
     FINISH_STOP,
+    PrefillWork,
     DecodeBatch,
     Preemption,
-    PrefillWork,
-    RequestOutput,
-    SchedulerStats,
-    SequenceView,
     StepPlan,
+    RequestOutput,
+    SequenceView,
+    SchedulerStats,
 )
+from .facade import Scheduler
 
 __all__ = [
     "Scheduler",

@@ -67,13 +67,12 @@ class Updater:
                 self.append(s, toks, finished)
         if plan.decode is not None:
             maxq = self.cfg.num_lookahead_slots + 1
-            append1 = self.append1
             for sid, entry in zip(plan.decode.seq_ids.tolist(), sampled[i:]):
                 s = seqs.get(sid)
                 if s is None or s.status != RUNNING:  # aborted meanwhile
                     continue
                 if isinstance(entry, (int, np.integer)):
-                    append1(s, int(entry), finished)
+                    self.append1(s, int(entry), finished)
                 else:
                     toks = [int(t) for t in entry]
                     if not 1 <= len(toks) <= maxq:
