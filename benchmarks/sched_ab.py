@@ -4,11 +4,12 @@ another checkout's (loaded side by side under another package name), alternating
     PYTHONPATH=src .venv/bin/python benchmarks/sched_ab.py /path/to/main/src [--steps 1000]
 
 Each case runs one Scheduler of each tree over its own tree's BlockManager (blocks of 16, prefix caching on; or,
-first, over a block manager that does nothing, to time the scheduler's own Python alone) with
-a fake model (the sampled token is a hash of sequence id and position, EOS now and then), refilled to 256
-requests as requests finish, for ``--steps`` steps, ``--repeats`` times. Only ``schedule()`` and ``update()`` are timed; the order of
-the two trees alternates every step, and which is built first alternates every run. Both trees must make the same plans: each step's plan (decode ids and
-positions, prefills, preemptions, copies) and the final statistics are compared, and a difference stops the run.
+first, over a block manager that does nothing, to time the scheduler's own Python alone) with a fake model (the
+sampled token is a hash of sequence id and position, EOS now and then), refilled to 256 requests as requests
+finish, for ``--steps`` steps, ``--repeats`` times. Only ``schedule()`` and ``update()`` are timed; the order of
+the two trees alternates every step, and which is built first alternates every run. Both trees must make the same
+plans: each step's plan (decode ids and positions, prefills, preemptions, copies) and the final statistics are
+compared, and a difference stops the run.
 Prints, per case, the total milliseconds of each tree, the median step in microseconds and the ratio this / other.
 """
 
