@@ -39,8 +39,7 @@ from .plan import (
 )
 from .preempt import Preemptor
 from .prefill import Admitter
-from .state import FINISHED, RUNNING, SWAPPED, WAITING, Config, Group, Queues
-from .state import Seq as _Seq
+from .state import FINISHED, RUNNING, SWAPPED, WAITING, Config, Queues
 from .update import Updater
 
 
@@ -180,26 +179,8 @@ class Scheduler:
         if max_tokens < 1:
             raise ValueError(f"request {request_id!r}: max_tokens must be >= 1, got {max_tokens}")
         prompt.setflags(write=False)
-        g = Group()
-        g.request_id = request_id
-        g.arrival = q.next_arrival
-        q.next_arrival += 1
-        g.prompt = prompt
-        g.n = int(n)
-        g.max_tokens = int(max_tokens)
-        g.eos = None if eos_token_id is None else int(eos_token_id)
-        g.ignore_eos = bool(ignore_eos)
-        g.stop_ids = frozenset(int(t) for t in stop_token_ids)
-        g.namespace = namespace
-        base = q.next_seq_id
-        q.next_seq_id += n
-        for i in range(n):
-            s = _Seq(base + i, g, i)
-            g.seqs.append(s)
-            q.seqs[base + i] = s
-        g.live = [g.seqs[0]]
-        q.requests[request_id] = g
-        q.waiting.append(g)
+        q.add(request_id, prompt, int(n), int(max_tokens), None if eos_token_id is None else int(eos_token_id),
+              bool(ignore_eos), frozenset(int(t) for t in stop_token_ids), namespace)
 
     def abort_request(self, request_id: Hashable) -> RequestOutput | None:
         """Drop a request wherever it is; returns its output (finish reason "abort"), None if unknown."""
@@ -218,10 +199,9 @@ class Scheduler:
         elif g.status == SWAPPED:
             for s in g.live:
                 free(s.seq_id, True)
-            q.swapped.remove(g)
-            heapq.heapify(q.swapped)
+            q.unqueue(g)
         elif g.status == WAITING:
-            q.waiting.remove(g)
+            q.unqueue(g)
         for s in g.live:
             s.status = FINISHED
             s.finish = FINISH_ABORT
@@ -252,11 +232,7 @@ class Scheduler:
         g.live.remove(s)
         if g.live:
             return None
-        if g.status == SWAPPED:
-            q.swapped.remove(g)
-            heapq.heapify(q.swapped)
-        else:
-            q.waiting.remove(g)
+        q.unqueue(g)
         return q.finish_group(g, reason)
 
     def has_unfinished(self) -> bool:

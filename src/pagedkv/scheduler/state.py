@@ -13,8 +13,9 @@ the scheduler works on the one :class:`Queues` object it is given; the queue ope
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
-from typing import Hashable
+from typing import Any, Hashable
 
 import numpy as np
 
@@ -98,6 +99,39 @@ class Queues:
         self.stats = stats
         self.next_seq_id = 0
         self.next_arrival = 0
+
+    def add(self, request_id: Hashable, prompt: np.ndarray, n: int, max_tokens: int, eos: int | None,
+            ignore_eos: bool, stop_ids: frozenset, namespace: Any) -> None:
+        """A new request (checked by the caller) at the back of the waiting queue, with ``n`` sequences of
+        consecutive ids (sample 0 live, the others until the fork)."""
+        g = Group()
+        g.request_id = request_id
+        g.arrival = self.next_arrival
+        self.next_arrival += 1
+        g.prompt = prompt
+        g.n = n
+        g.max_tokens = max_tokens
+        g.eos = eos
+        g.ignore_eos = ignore_eos
+        g.stop_ids = stop_ids
+        g.namespace = namespace
+        base = self.next_seq_id
+        self.next_seq_id += n
+        for i in range(n):
+            s = Seq(base + i, g, i)
+            g.seqs.append(s)
+            self.seqs[base + i] = s
+        g.live = [g.seqs[0]]
+        self.requests[request_id] = g
+        self.waiting.append(g)
+
+    def unqueue(self, g: Group) -> None:
+        """Take a swapped or waiting request out of its queue (O(queue length): aborts and stops only)."""
+        if g.status == SWAPPED:
+            self.swapped.remove(g)
+            heapq.heapify(self.swapped)
+        else:
+            self.waiting.remove(g)
 
     def to_waiting_front(self, g: Group) -> None:
         """Back to the front of the waiting queue, to be prefilled again from scratch (recompute)."""
