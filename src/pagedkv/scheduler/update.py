@@ -71,25 +71,22 @@ class Updater:
                 s = seqs.get(sid)
                 if s is None or s.status != RUNNING:  # aborted meanwhile
                     continue
-                if isinstance(entry, (int, np.integer)):
-                    self.append1(s, int(entry), finished)
+                if isinstance(entry, (int, np.integer)):  # one token: the common decode, inline
+                    t = int(entry)
+                    out = s.output
+                    out.append(t)
+                    s.num_pending = 1
+                    g = s.group
+                    if len(out) >= g.max_tokens:
+                        self.finish_seq(s, FINISH_LENGTH, finished)
+                    elif not g.ignore_eos and (t == g.eos or t in g.stop_ids):
+                        self.finish_seq(s, FINISH_STOP, finished)
                 else:
                     toks = [int(t) for t in entry]
                     if not 1 <= len(toks) <= maxq:
                         raise ValueError(f"decode of seq {sid} takes 1..{maxq} tokens, got {len(toks)}")
                     self.append(s, toks, finished)
         return finished
-
-    def append1(self, s: Seq, t: int, finished: list) -> None:
-        """One sampled token (the common decode)."""
-        g = s.group
-        out = s.output
-        out.append(t)
-        s.num_pending = 1
-        if len(out) >= g.max_tokens:
-            self.finish_seq(s, FINISH_LENGTH, finished)
-        elif not g.ignore_eos and (t == g.eos or t in g.stop_ids):
-            self.finish_seq(s, FINISH_STOP, finished)
 
     def append(self, s: Seq, toks: Sequence[int], finished: list) -> None:
         """Sampled tokens (a prefill's, or speculative decoding's accepted ones), up to the first that stops."""
