@@ -242,6 +242,23 @@ def test_max_num_seqs_limits_the_batch():
     assert len(outs) == 10
 
 
+def test_settings_changed_after_construction_apply_from_the_next_step():
+    # the scheduler's settings live in one object its parts read at every step
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=8)
+    for i in range(4):
+        sched.add_request(i, [1, 2, 3], max_tokens=4)
+    sched.max_num_seqs = 2
+    sched.max_num_batched_tokens = 3
+    assert (sched.max_num_seqs, sched.max_num_batched_tokens) == (2, 3)
+    plan = sched.schedule()
+    assert [pw.request_id for pw in plan.prefills] == [0]  # one prompt of 3 tokens: the budget is full
+    sched.update(plan, [5])
+    sched.max_num_batched_tokens = 100
+    plan = sched.schedule()
+    assert [pw.request_id for pw in plan.prefills] == [1] and plan.num_decode_seqs == 1  # max_num_seqs 2
+    assert sched.num_running_seqs == 2 and sched.num_waiting == 2
+
+
 def test_n_counts_against_max_num_seqs():
     reqs = [dict(request_id=i, prompt=[1, 2, 3, 4, 5], n=3, max_tokens=4) for i in range(3)]
     outs, plans, _, _ = run(reqs, max_num_seqs=4)

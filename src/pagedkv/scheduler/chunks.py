@@ -1,0 +1,95 @@
+"""Chunked prefill's second stage: the next chunk of every partly prefilled prompt, appended by one multi-token
+``decode_step`` (the first chunk comes with the admission, :mod:`pagedkv.scheduler.prefill`)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import OutOfBlocksError
+from ..types import CopyKind
+from .calls import BlockCalls
+from .plan import EMPTY_PAIRS, PrefillWork, pairs
+from .preempt import Preemptor
+from .state import Config, Group, Queues, Seq
+
+
+class Chunker:
+    """Schedules the chunks of partly prefilled prompts. O(running sequences) per step plus one block-manager
+    call (one more per preemption)."""
+
+    __slots__ = ("cfg", "q", "calls", "preemptor", "stats")
+
+    def __init__(self, cfg: Config, q: Queues, calls: BlockCalls, preemptor: Preemptor) -> None:
+        self.cfg = cfg
+        self.q = q
+        self.calls = calls
+        self.preemptor = preemptor
+        self.stats = q.stats
+
+    def schedule(self, prefills: list, budget: int, swap_out: list, preempted: list,
+                 swapped_in: set) -> tuple[int, np.ndarray]:
+        """The next chunk of every partly prefilled sequence (oldest admission first) while the budget lasts,
+        appended by one multi-token ``decode_step``. When they do not fit, the most recently admitted of them is
+        preempted (or only left out of this step if it was swapped in in this step or also decodes in it) and
+        the rest is tried again. Appends a :class:`~pagedkv.scheduler.PrefillWork` per chunk to ``prefills``;
+        returns the budget left and the call's copy-on-write pairs."""
+        cfg = self.cfg
+        cap = cfg.long_prefill_token_threshold or budget
+        items: list[tuple[Group, Seq, int]] = []
+        for g in self.q.running.values():
+            for s in g.live:
+                if s.prefill is None:
+                    continue
+                if budget <= 0:
+                    break
+                c = min(len(s.prefill) - s.num_computed, budget, cap)
+                items.append((g, s, c))
+                budget -= c
+        calls = self.calls
+        bm = calls.bm
+        result = None
+        while items:
+            ids = [s.seq_id for _, s, _ in items]
+            counts = np.array([c for _, _, c in items], dtype=np.int64)
+            flat = np.concatenate([s.prefill[s.num_computed : s.num_computed + c] for _, s, c in items])
+            ok = True
+            if cfg.precheck_append:
+                ok = bm.can_append_slots(ids, 0, num_new_tokens=int(counts.max()))
+            if ok:
+                try:
+                    result = bm.decode_step(ids, flat, 0, num_new_tokens=counts)
+                    break
+                except OutOfBlocksError:
+                    pass
+            victim = items[-1][0]  # the most recently admitted of them (items follow admission order)
+            budget += sum(c for g, _, c in items if g is victim)
+            items = [it for it in items if it[0] is not victim]
+            if victim.arrival not in swapped_in and all(s.prefill is not None for s in victim.live):
+                self.preemptor.preempt(victim, swap_out, preempted)
+        if result is None:
+            return budget, EMPTY_PAIRS
+        cow = pairs(result.cow)
+        calls.record(CopyKind.GPU_TO_GPU, cow)
+        slots = np.asarray(result.slot_mapping, dtype=np.int64)
+        off = 0
+        st = self.stats
+        has_slots = calls.has_slots
+        rows = cfg.incremental_tables
+        for g, s, c in items:
+            start = s.num_computed
+            end = start + c
+            last = end == len(s.prefill)
+            prefills.append(PrefillWork(
+                request_id=g.request_id, seq_id=s.seq_id, sample_index=s.index,
+                token_ids=s.prefill[start:end], positions=np.arange(start, end, dtype=np.int64),
+                slot_mapping=slots[..., off : off + c], block_table=calls.table(s.seq_id) if has_slots else None,
+                num_cached_tokens=start, seq_len=end, num_samples=(1 if g.forked else g.n) if last else 0,
+                table_row=calls.table_row(s.seq_id) if rows else None,
+            ))
+            off += c
+            s.num_computed = end
+            if last:
+                s.prefill = None
+            st.computed_prefill_tokens += c
+            st.prefill_chunks += 1
+        return budget, cow

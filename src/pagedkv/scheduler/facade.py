@@ -1,0 +1,348 @@
+"""The scheduler's facade: :class:`Scheduler` checks its arguments, owns the settings, the queues and the parts,
+and runs a step in the policy's order (:mod:`pagedkv.scheduler`)::
+
+    schedule():  Decoder --> Preemptor.swap_in --> Chunker --> Admitter --> progress guard --> StepPlan
+                 (decode)    (preempt)             (chunks)    (prefill)
+                    |
+                    +-- Preemptor.preempt: the victims (recompute or swap); the Chunker's too
+    update():    Updater (update): append, stop, fork samples, finish
+
+    every part works on:  Config, Queues (state) | BlockCalls (calls) | the plan types (plan)
+
+A part receives at construction the objects it works on and keeps them as its own attributes; nothing reaches a
+part through the facade, and a part knows only the parts below it (the decoder and the chunker call the
+preemptor).
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Any, Hashable, Sequence as Seq
+
+import numpy as np
+
+from .calls import BlockCalls
+from .chunks import Chunker
+from .decode import Decoder
+from .plan import (
+    EMPTY_PAIRS,
+    FINISH_ABORT,
+    FINISH_STOP,
+    PrefillWork,
+    Preemption,
+    RequestOutput,
+    SchedulerStats,
+    SequenceView,
+    StepPlan,
+    concat_pairs,
+    pairs,
+)
+from .preempt import Preemptor
+from .prefill import Admitter
+from .state import FINISHED, RUNNING, SWAPPED, WAITING, Config, Queues
+from .update import Updater
+
+
+class _Setting:
+    """A setting of the scheduler, kept in its :class:`~pagedkv.scheduler.state.Config` (which the parts read):
+    reading or writing ``scheduler.name`` reads or writes it there."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        return self if obj is None else getattr(obj._cfg, self.name)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        setattr(obj._cfg, self.name, value)
+
+
+class Scheduler:
+    """Continuous batching over ``block_manager`` (see :mod:`pagedkv.scheduler` for the policy).
+
+    Args:
+        block_manager: a :class:`pagedkv.BlockManager`, a :class:`pagedkv.HybridBlockManager` (its prefills then
+            carry a slot mapping and a block table per KV cache group, its decodes its per-group step result) or an
+            object with the same methods.
+        max_num_seqs: most sequences running at once (a request with ``n`` samples counts ``n``).
+        max_num_batched_tokens: prefill tokens admitted per step (a longer prompt is admitted alone); with
+            chunked prefill, the step's token budget (decodes plus prompt chunks).
+        preemption_mode: ``"recompute"`` or ``"swap"`` (swap falls back to recompute when the CPU pool is full).
+        num_lookahead_slots: slots reserved past the last token at every decode (speculative decoding); a
+            decode then takes between 1 and ``num_lookahead_slots + 1`` sampled tokens per sequence.
+        enable_chunked_prefill: schedule by a token budget with prompts prefilled in chunks (see
+            :mod:`pagedkv.scheduler`); needs a block manager whose ``allocate``, ``can_allocate`` and
+            ``decode_step`` take ``num_new_tokens`` (:class:`pagedkv.BlockManager`).
+        long_prefill_token_threshold: with chunked prefill, the most tokens one prompt gets in one step, so that
+            several long prompts progress together (0: no cap besides the budget).
+        precheck_append: ask ``can_append_slots`` before every ``decode_step`` (vLLM's call pattern, needed by
+            block managers whose batched append is not all-or-nothing). With False the scheduler calls
+            ``decode_step`` directly and preempts when it raises OutOfBlocksError, which saves a pass over the
+            batch but is only correct for all-or-nothing managers such as :class:`pagedkv.BlockManager`.
+            None (default): False when the manager declares ``atomic_append = True``, else True.
+        incremental_tables: decode with ``decode_step(..., block_tables=False)``: ``DecodeBatch.result`` is a
+            :class:`~pagedkv.StepDelta` (the step's table changes, at a cost independent of context length) and
+            the plan says which whole rows the engine loads (``PrefillWork.table_row``,
+            ``DecodeBatch.table_loads``); see :mod:`pagedkv.scheduler`. Needs a manager with ``table_rows``.
+    """
+
+    max_num_seqs = _Setting()
+    max_num_batched_tokens = _Setting()
+    preemption_mode = _Setting()
+    num_lookahead_slots = _Setting()
+    precheck_append = _Setting()
+    incremental_tables = _Setting()
+    enable_chunked_prefill = _Setting()
+    long_prefill_token_threshold = _Setting()
+
+    def __init__(
+        self,
+        block_manager: Any,
+        *,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        preemption_mode: str = "recompute",
+        num_lookahead_slots: int = 0,
+        precheck_append: bool | None = None,
+        incremental_tables: bool = False,
+        enable_chunked_prefill: bool = False,
+        long_prefill_token_threshold: int = 0,
+    ) -> None:
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        if preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
+        if num_lookahead_slots < 0:
+            raise ValueError(f"num_lookahead_slots must be >= 0, got {num_lookahead_slots}")
+        if long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {long_prefill_token_threshold}")
+        if precheck_append is None:
+            precheck_append = not getattr(block_manager, "atomic_append", False)
+        if incremental_tables and getattr(block_manager, "table_rows", None) is None:
+            raise ValueError("incremental_tables needs a block manager with table_rows (decode_step(..., "
+                             "block_tables=False)), such as pagedkv.BlockManager")
+        self._cfg = cfg = Config(
+            max_num_seqs=int(max_num_seqs),
+            max_num_batched_tokens=int(max_num_batched_tokens),
+            preemption_mode=preemption_mode,
+            num_lookahead_slots=int(num_lookahead_slots),
+            precheck_append=bool(precheck_append),
+            incremental_tables=bool(incremental_tables),
+            enable_chunked_prefill=bool(enable_chunked_prefill),
+            long_prefill_token_threshold=int(long_prefill_token_threshold),
+        )
+        self.bm = block_manager
+        self.stats = SchedulerStats()
+        # the state and the parts (state.py; calls.py; preempt.py, decode.py, chunks.py, prefill.py, update.py)
+        self._q = q = Queues(self.stats)
+        self._calls = calls = BlockCalls(block_manager)
+        self._preemptor = preemptor = Preemptor(cfg, q, calls)
+        self._decoder = Decoder(cfg, q, calls, preemptor)
+        self._chunker = Chunker(cfg, q, calls, preemptor)
+        self._admitter = Admitter(cfg, q, calls)
+        self._updater = Updater(cfg, q, calls)
+        self._outstanding: StepPlan | None = None
+        # the same dicts, for tests and benchmarks that look inside
+        self._seqs = q.seqs
+        self._requests = q.requests
+        self._row_loads = q.row_loads
+
+    # -------------------------------------------------------------------------------------------- requests
+
+    def add_request(
+        self,
+        request_id: Hashable,
+        prompt_token_ids: Seq[int] | np.ndarray,
+        *,
+        n: int = 1,
+        max_tokens: int = 16,
+        eos_token_id: int | None = None,
+        ignore_eos: bool = False,
+        stop_token_ids: Seq[int] = (),
+        namespace: Any = None,
+    ) -> None:
+        """Queue a request. ``max_tokens`` counts generated tokens per sample; generation stops after EOS
+        (unless ``ignore_eos``) or a token of ``stop_token_ids``; ``namespace`` isolates its prefix-cache
+        entries."""
+        q = self._q
+        if request_id in q.requests:
+            raise ValueError(f"request {request_id!r} is already queued or running")
+        prompt = np.array(prompt_token_ids, dtype=np.int64).reshape(-1)
+        if prompt.size == 0:
+            raise ValueError(f"request {request_id!r}: empty prompt")
+        if n < 1:
+            raise ValueError(f"request {request_id!r}: n must be >= 1, got {n}")
+        if n > self._cfg.max_num_seqs:
+            raise ValueError(f"request {request_id!r}: n={n} exceeds max_num_seqs={self._cfg.max_num_seqs}")
+        if max_tokens < 1:
+            raise ValueError(f"request {request_id!r}: max_tokens must be >= 1, got {max_tokens}")
+        prompt.setflags(write=False)
+        q.add(request_id, prompt, int(n), int(max_tokens), None if eos_token_id is None else int(eos_token_id),
+              bool(ignore_eos), frozenset(int(t) for t in stop_token_ids), namespace)
+
+    def abort_request(self, request_id: Hashable) -> RequestOutput | None:
+        """Drop a request wherever it is; returns its output (finish reason "abort"), None if unknown."""
+        q = self._q
+        g = q.requests.get(request_id)
+        if g is None:
+            return None
+        free = self._calls.free
+        if g.status == RUNNING:
+            # a scheduled plan is executed in full (other requests of the step may read this one's blocks:
+            # burst sharing), so its KV is written even when the request is aborted in between
+            for s in g.live:
+                free(s.seq_id, True)
+            del q.running[g.arrival]
+            q.num_running_seqs -= len(g.live) if g.forked else g.n
+        elif g.status == SWAPPED:
+            for s in g.live:
+                free(s.seq_id, True)
+            q.unqueue(g)
+        elif g.status == WAITING:
+            q.unqueue(g)
+        for s in g.live:
+            s.status = FINISHED
+            s.finish = FINISH_ABORT
+        g.live = []
+        return q.finish_group(g, FINISH_ABORT)
+
+    def finish_sequence(self, seq_id: int, reason: str = FINISH_STOP) -> RequestOutput | None:
+        """Finish one sample now (e.g. the engine found a stop string in its text) and free its blocks. Returns
+        the request's output if that was its last unfinished sample, else None (also for an unknown or finished
+        sequence). Call it between ``update`` and the next ``schedule``."""
+        if self._outstanding is not None:
+            raise RuntimeError("finish_sequence() between schedule() and update(): call update() first")
+        q = self._q
+        s = q.seqs.get(seq_id)
+        if s is None or s.status == FINISHED:
+            return None
+        g = s.group
+        if s.status == RUNNING:
+            out: list[RequestOutput] = []
+            self._updater.finish_seq(s, reason, out)
+            return out[0] if out else None
+        if s.status == WAITING and not g.forked:
+            return None  # nothing generated yet: there is nothing to stop
+        if s.status == SWAPPED:
+            self._calls.free(s.seq_id, True)
+        s.status = FINISHED
+        s.finish = reason
+        g.live.remove(s)
+        if g.live:
+            return None
+        q.unqueue(g)
+        return q.finish_group(g, reason)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._q.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._q.waiting)
+
+    @property
+    def num_running(self) -> int:
+        """Running requests."""
+        return len(self._q.running)
+
+    @property
+    def num_running_seqs(self) -> int:
+        return self._q.num_running_seqs
+
+    @property
+    def num_swapped(self) -> int:
+        return len(self._q.swapped)
+
+    def sequence(self, seq_id: int) -> SequenceView:
+        """Read-only view of a sequence (request, sample index, generated tokens)."""
+        s = self._q.seqs[seq_id]
+        g = s.group
+        return SequenceView(g.request_id, s.index, len(g.prompt), tuple(s.output), s.num_computed)
+
+    # -------------------------------------------------------------------------------------------- schedule
+
+    def schedule(self) -> StepPlan:
+        """Make the block-manager calls of the next step and return its plan."""
+        if self._outstanding is not None:
+            raise RuntimeError("schedule() called twice without update(): pass the sampled tokens first")
+        st = self.stats
+        st.steps += 1
+        q = self._q
+        cfg = self._cfg
+        calls = self._calls
+        calls.begin_step()
+        swap_out: list[np.ndarray] = []
+        swap_in: list[np.ndarray] = []
+        preempted: list[Preemption] = []
+        ignored: list[RequestOutput] = []
+
+        decode = self._decoder.schedule(swap_out, preempted, ignored) if q.running else None
+
+        swapped_in_any = False
+        swapped_in: set = set()
+        if not preempted and q.swapped:
+            swapped_in_any = self._preemptor.swap_in(swap_in, swapped_in)
+            if swapped_in_any and decode is None:
+                # nothing else decodes this step: decode the swapped-in requests now (without preempting, so a
+                # block is never swapped in and out in the same step)
+                decode = self._decoder.schedule(swap_out, preempted, ignored, allow_preempt=False)
+
+        prefills: list[PrefillWork] = []
+        chunk_cow = EMPTY_PAIRS
+        budget = cfg.max_num_batched_tokens
+        if cfg.enable_chunked_prefill:
+            if decode is not None:
+                budget -= int(decode.query_lens.sum())
+            if q.running:  # the next chunk of each partly prefilled prompt
+                budget, chunk_cow = self._chunker.schedule(prefills, budget, swap_out, preempted, swapped_in)
+        if not preempted and not q.swapped and q.waiting:
+            self._admitter.schedule(prefills, ignored, budget)
+
+        # progress guard: nothing runs and nothing could be started although work is queued
+        if not q.running and not prefills and not swapped_in_any and not preempted:
+            if q.swapped:  # cannot swap in even into an empty pool: recompute it instead
+                self._preemptor.recompute(heapq.heappop(q.swapped))
+            elif q.waiting:  # LATER with an empty pool means never
+                g = q.waiting.popleft()
+                if g.forked and len(g.live) > 1:
+                    why = (f"its {len(g.live)} samples, preempted by recompute, no longer share their prompt "
+                           f"blocks and do not fit in the pool together")
+                else:
+                    why = "the prompt does not fit in the pool even when it is empty"
+                ignored.append(q.ignore(g, why))
+
+        cow = decode.result.cow if decode is not None else None  # (the plan's GPU -> GPU copies)
+        cow = concat_pairs([pairs(cow), chunk_cow])
+        if len(cow):
+            st.copy_on_writes += len(cow)
+        plan = StepPlan(
+            step=st.steps,
+            swap_out=concat_pairs(swap_out),
+            swap_in=concat_pairs(swap_in),
+            copy_on_write=cow,
+            prefills=tuple(prefills),
+            decode=decode,
+            preempted=tuple(preempted),
+            ignored=tuple(ignored),
+            copies=calls.take_copy_plan(),
+        )
+        self._outstanding = plan
+        return plan
+
+    # ---------------------------------------------------------------------------------------------- update
+
+    def update(self, plan: StepPlan, sampled: Any) -> list[RequestOutput]:
+        """Hand back the tokens sampled for ``plan`` and return the requests that finished.
+
+        ``sampled`` has one entry per prefill (in ``plan.prefills`` order) followed by one entry per decoded
+        sequence (in ``plan.decode.seq_ids`` order). A prefill entry is a token, or ``num_samples`` tokens
+        (ignored, e.g. None, for a chunk with ``num_samples == 0``); a
+        decode entry is a token, or the 1 .. ``num_lookahead_slots + 1`` tokens accepted by speculative decoding.
+        A 1-D integer array works when every entry is one token.
+        """
+        if plan is not self._outstanding:
+            raise RuntimeError("update() must be given the plan returned by the last schedule()")
+        self._outstanding = None
+        return self._updater.update(plan, sampled)

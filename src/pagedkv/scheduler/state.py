@@ -1,0 +1,176 @@
+"""The scheduler's state: its settings (:class:`Config`), the requests and their sequences (:class:`Group`,
+:class:`Seq`) and where they are (:class:`Queues`)::
+
+    add_request --> waiting (deque) --admit--> running (dict, admission order) --finish--> RequestOutput
+                      ^   ^                      |    |
+                      |   +--- recompute --------+    +--- swap --> swapped (heap by arrival) --swap in--+
+                      +---------- recompute (a swap-in that can never fit) --------------------------------+
+
+A request is a :class:`Group` of ``n`` samples, each a :class:`Seq` with a scheduler-assigned id. Every part of
+the scheduler works on the one :class:`Queues` object it is given; the queue operations shared by several parts
+(back to the front of the waiting queue, finish a request, ignore one) live here.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from typing import Any, Hashable
+
+import numpy as np
+
+from .plan import FINISH_IGNORED, RequestOutput, SchedulerStats
+
+# sequence (and request) states
+WAITING, RUNNING, SWAPPED, FINISHED = 0, 1, 2, 3
+
+
+class Config:
+    """The scheduler's settings (the public attributes of :class:`~pagedkv.scheduler.Scheduler`, which reads and
+    writes them here; the parts read them at every step, so a change applies from the next step on)."""
+
+    __slots__ = ("max_num_seqs", "max_num_batched_tokens", "preemption_mode", "num_lookahead_slots",
+                 "precheck_append", "incremental_tables", "enable_chunked_prefill", "long_prefill_token_threshold")
+
+    def __init__(self, **kw) -> None:
+        for k, v in kw.items():
+            setattr(self, k, v)
+
+
+class Seq:
+    """One sample of a request."""
+
+    __slots__ = ("seq_id", "group", "index", "output", "num_computed", "num_pending", "status", "finish",
+                 "prefill")
+
+    def __init__(self, seq_id: int, group: "Group", index: int) -> None:
+        self.seq_id = seq_id
+        self.group = group
+        self.index = index
+        self.output: list[int] = []
+        self.num_computed = 0  # tokens appended to the block manager (== bm.num_tokens while allocated)
+        self.num_pending = 0  # trailing output tokens not input yet
+        self.status = WAITING
+        self.finish: str | None = None
+        self.prefill: np.ndarray | None = None  # chunked prefill: the tokens being prefilled, until the last chunk
+
+
+class Group:
+    """One request: its prompt, sampling limits and samples (``seqs``; ``live``: those not finished)."""
+
+    __slots__ = (
+        "request_id", "arrival", "prompt", "n", "max_tokens", "eos", "ignore_eos", "stop_ids",
+        "namespace", "seqs", "live", "forked", "num_cached_tokens", "num_preemptions", "status",
+    )
+
+    def __init__(self) -> None:
+        self.seqs: list[Seq] = []
+        self.live: list[Seq] = []
+        self.forked = False
+        self.num_cached_tokens: int | None = None
+        self.num_preemptions = 0
+        self.status = WAITING
+
+    def __lt__(self, other: "Group") -> bool:  # heap order of the swapped queue
+        return self.arrival < other.arrival
+
+
+class Queues:
+    """The requests and their sequences, and the three queues.
+
+    ``waiting``: a deque, first come first served (a preempted request goes back to the front); ``running``: a
+    dict arrival -> group, insertion order = admission order (the last key is the next preemption victim);
+    ``swapped``: a heap by arrival. ``requests`` and ``seqs`` index every unfinished request and its sequences;
+    ``num_running_seqs`` counts the running requests' sequences (a fresh request counts ``n``); ``row_loads``
+    (incremental tables) holds the sequences whose whole table row the engine has not seen yet (forked, swapped
+    in). All O(1) per request, except removing a request from the middle of a queue (aborts)."""
+
+    __slots__ = ("waiting", "running", "swapped", "requests", "seqs", "num_running_seqs", "row_loads", "stats",
+                 "next_seq_id", "next_arrival")
+
+    def __init__(self, stats: SchedulerStats) -> None:
+        self.waiting: deque[Group] = deque()
+        self.running: dict[int, Group] = {}
+        self.swapped: list[Group] = []
+        self.requests: dict[Hashable, Group] = {}
+        self.seqs: dict[int, Seq] = {}
+        self.num_running_seqs = 0
+        self.row_loads: dict[int, None] = {}
+        self.stats = stats
+        self.next_seq_id = 0
+        self.next_arrival = 0
+
+    def add(self, request_id: Hashable, prompt: np.ndarray, n: int, max_tokens: int, eos: int | None,
+            ignore_eos: bool, stop_ids: frozenset, namespace: Any) -> None:
+        """A new request (checked by the caller) at the back of the waiting queue, with ``n`` sequences of
+        consecutive ids (sample 0 live, the others until the fork)."""
+        g = Group()
+        g.request_id = request_id
+        g.arrival = self.next_arrival
+        self.next_arrival += 1
+        g.prompt = prompt
+        g.n = n
+        g.max_tokens = max_tokens
+        g.eos = eos
+        g.ignore_eos = ignore_eos
+        g.stop_ids = stop_ids
+        g.namespace = namespace
+        base = self.next_seq_id
+        self.next_seq_id += n
+        for i in range(n):
+            s = Seq(base + i, g, i)
+            g.seqs.append(s)
+            self.seqs[base + i] = s
+        g.live = [g.seqs[0]]
+        self.requests[request_id] = g
+        self.waiting.append(g)
+
+    def unqueue(self, g: Group) -> None:
+        """Take a swapped or waiting request out of its queue (O(queue length): aborts and stops only)."""
+        if g.status == SWAPPED:
+            self.swapped.remove(g)
+            heapq.heapify(self.swapped)
+        else:
+            self.waiting.remove(g)
+
+    def to_waiting_front(self, g: Group) -> None:
+        """Back to the front of the waiting queue, to be prefilled again from scratch (recompute)."""
+        g.status = WAITING
+        for s in g.live:
+            self.row_loads.pop(s.seq_id, None)  # (its prefill hands over the whole row)
+            s.status = WAITING
+            s.num_computed = 0
+            s.num_pending = 0
+            s.prefill = None
+        self.waiting.appendleft(g)
+
+    def finish_group(self, g: Group, reason: str, error: str | None = None) -> RequestOutput:
+        """Forget a request (its blocks are already freed) and return its output."""
+        g.status = FINISHED
+        del self.requests[g.request_id]
+        for s in g.seqs:
+            del self.seqs[s.seq_id]
+            if self.row_loads:
+                self.row_loads.pop(s.seq_id, None)
+        self.stats.finished += 1
+        return RequestOutput(
+            request_id=g.request_id,
+            prompt_token_ids=tuple(g.prompt.tolist()),
+            outputs=tuple(tuple(s.output) for s in g.seqs),
+            finish_reasons=tuple(s.finish or reason for s in g.seqs),
+            num_cached_tokens=g.num_cached_tokens or 0,
+            num_preemptions=g.num_preemptions,
+            error=error,
+        )
+
+    def ignore(self, g: Group, reason: str) -> RequestOutput:
+        """Finish a request that can never run (out of every queue, blocks freed) as ``"ignored"``."""
+        self.stats.ignored += 1
+        for s in g.live:
+            s.status = FINISHED
+            s.finish = FINISH_IGNORED
+        if not g.forked:
+            for s in g.seqs:
+                s.finish = FINISH_IGNORED
+        g.live = []
+        return self.finish_group(g, FINISH_IGNORED, error=f"request {g.request_id!r} ignored: {reason}")
