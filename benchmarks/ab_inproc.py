@@ -48,27 +48,8 @@ def alloc_case(pk, rounds: int, seed: int = 0):
     return one
 
 
-def step_case(pk, batch: int, caching: bool, rounds: int, seed: int = 0):
-    rng = np.random.default_rng(seed)
-    bm = pk.BlockManager(batch * 40 + 64, 16, enable_prefix_caching=caching)
-    ids = list(range(batch))
-    for i in ids:
-        bm.allocate(i, rng.integers(0, 32000, int(rng.integers(200, 300))).tolist())
-    toks = rng.integers(0, 32000, (rounds, batch))
-    it = iter(range(rounds))
-
-    def one():
-        s = next(it)
-        t = time.perf_counter()
-        bm.decode_step(ids, toks[s])
-        return time.perf_counter() - t
-    return one
-
-
-def hybrid_case(pk, batch: int, caching: bool, rounds: int, seed: int = 0):
-    rng = np.random.default_rng(seed)
-    groups = [pk.FullAttentionSpec()] + [pk.SlidingWindowSpec(64)] * 5
-    m = pk.HybridBlockManager(batch * 6 * 24 + 256, 16, kv_cache_groups=groups, enable_prefix_caching=caching)
+def _decode_case(m, batch: int, rounds: int, rng):
+    """Timed decode steps of ``batch`` sequences of 200-299 prompt tokens on manager ``m``."""
     ids = list(range(batch))
     for i in ids:
         m.allocate(i, rng.integers(0, 32000, int(rng.integers(200, 300))).tolist())
@@ -81,6 +62,17 @@ def hybrid_case(pk, batch: int, caching: bool, rounds: int, seed: int = 0):
         m.decode_step(ids, toks[s])
         return time.perf_counter() - t
     return one
+
+
+def step_case(pk, batch: int, caching: bool, rounds: int, seed: int = 0):
+    bm = pk.BlockManager(batch * 40 + 64, 16, enable_prefix_caching=caching)
+    return _decode_case(bm, batch, rounds, np.random.default_rng(seed))
+
+
+def hybrid_case(pk, batch: int, caching: bool, rounds: int, seed: int = 0):
+    groups = [pk.FullAttentionSpec()] + [pk.SlidingWindowSpec(64)] * 5
+    m = pk.HybridBlockManager(batch * 6 * 24 + 256, 16, kv_cache_groups=groups, enable_prefix_caching=caching)
+    return _decode_case(m, batch, rounds, np.random.default_rng(seed))
 
 
 def hybrid_alloc_case(pk, hit: int, rounds: int, seed: int = 0):

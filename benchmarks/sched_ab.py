@@ -17,22 +17,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import sys
 import time
 
 import numpy as np
 
 import pagedkv as this
-
-
-def load(src: str, name: str = "pagedkv_other"):
-    spec = importlib.util.spec_from_file_location(name, f"{src}/pagedkv/__init__.py",
-                                                  submodule_search_locations=[f"{src}/pagedkv"])
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+from ab_inproc import load  # (this folder is on sys.path when run as a script)
 
 
 EOS = 0

@@ -11,20 +11,18 @@ from .calls import BlockCalls
 from .plan import EMPTY_PAIRS, PrefillWork, pairs
 from .preempt import Preemptor
 from .state import Config, Group, Queues, Seq
+from .part import Part
 
 
-class Chunker:
+class Chunker(Part):
     """Schedules the chunks of partly prefilled prompts. O(running sequences) per step plus one block-manager
     call (one more per preemption)."""
 
-    __slots__ = ("cfg", "q", "calls", "preemptor", "stats")
+    __slots__ = ("preemptor",)
 
     def __init__(self, cfg: Config, q: Queues, calls: BlockCalls, preemptor: Preemptor) -> None:
-        self.cfg = cfg
-        self.q = q
-        self.calls = calls
+        super().__init__(cfg, q, calls)
         self.preemptor = preemptor
-        self.stats = q.stats
 
     def schedule(self, prefills: list, budget: int, swap_out: list, preempted: list,
                  swapped_in: set) -> tuple[int, np.ndarray]:

@@ -14,20 +14,18 @@ from .calls import BlockCalls
 from .plan import DecodeBatch, pairs
 from .preempt import Preemptor
 from .state import Config, Queues
+from .part import Part
 
 
-class Decoder:
+class Decoder(Part):
     """Builds the step's :class:`~pagedkv.scheduler.DecodeBatch`. O(batch) Python per step plus the block
     manager's call; a preemption drops the victim's sequences from the end of the batch lists and retries."""
 
-    __slots__ = ("cfg", "q", "calls", "preemptor", "stats")
+    __slots__ = ("preemptor",)
 
     def __init__(self, cfg: Config, q: Queues, calls: BlockCalls, preemptor: Preemptor) -> None:
-        self.cfg = cfg
-        self.q = q
-        self.calls = calls
+        super().__init__(cfg, q, calls)
         self.preemptor = preemptor
-        self.stats = q.stats
 
     def schedule(self, swap_out: list, preempted: list, ignored: list,
                  allow_preempt: bool = True) -> DecodeBatch | None:

@@ -7,22 +7,17 @@ from __future__ import annotations
 import heapq
 
 from ..types import CopyKind
-from .calls import BlockCalls, status_name
+from .calls import status_name
 from .plan import Preemption, pairs
-from .state import RUNNING, SWAPPED, Config, Group, Queues
+from .state import RUNNING, SWAPPED, Group
+from .part import Part
 
 
-class Preemptor:
+class Preemptor(Part):
     """Moves requests between running, swapped and waiting. Works on the queues, the block calls and the settings
     it is given; O(sequences of the request) per call plus the block manager's calls."""
 
-    __slots__ = ("cfg", "q", "calls", "stats")
-
-    def __init__(self, cfg: Config, q: Queues, calls: BlockCalls) -> None:
-        self.cfg = cfg
-        self.q = q
-        self.calls = calls
-        self.stats = q.stats
+    __slots__ = ()
 
     def preempt(self, g: Group, swap_out: list, preempted: list) -> None:
         """Take running request ``g`` out of the batch: swap it out (mode "swap" and the CPU pool has room),

@@ -7,9 +7,10 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import OutOfBlocksError
-from .calls import BlockCalls, status_name
+from .calls import status_name
 from .plan import PrefillWork
-from .state import RUNNING, Config, Group, Queues, Seq
+from .state import RUNNING, Group, Seq
+from .part import Part
 
 
 def full_tokens(s: Seq) -> np.ndarray:
@@ -19,17 +20,11 @@ def full_tokens(s: Seq) -> np.ndarray:
     return np.concatenate((s.group.prompt, np.array(s.output, dtype=np.int64)))
 
 
-class Admitter:
+class Admitter(Part):
     """Admits waiting requests. O(admitted sequences) per step plus the block manager's calls; a request is
     admitted with all of its sequences or not at all (a partial admission is freed in reverse order)."""
 
-    __slots__ = ("cfg", "q", "calls", "stats")
-
-    def __init__(self, cfg: Config, q: Queues, calls: BlockCalls) -> None:
-        self.cfg = cfg
-        self.q = q
-        self.calls = calls
-        self.stats = q.stats
+    __slots__ = ()
 
     def schedule(self, prefills: list, ignored: list, budget: int | None = None) -> None:
         """Admit from the front of the waiting queue, appending to ``prefills``; a request that can never fit is

@@ -7,22 +7,16 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .calls import BlockCalls
 from .plan import FINISH_LENGTH, FINISH_STOP, RequestOutput, StepPlan
-from .state import FINISHED, RUNNING, Config, Queues, Seq
+from .state import FINISHED, RUNNING, Seq
+from .part import Part
 
 
-class Updater:
+class Updater(Part):
     """Applies a step's sampled tokens. O(sampled tokens) per step plus one ``free`` per finished sequence and one
     ``fork`` per new sample."""
 
-    __slots__ = ("cfg", "q", "calls", "stats")
-
-    def __init__(self, cfg: Config, q: Queues, calls: BlockCalls) -> None:
-        self.cfg = cfg
-        self.q = q
-        self.calls = calls
-        self.stats = q.stats
+    __slots__ = ()
 
     def update(self, plan: StepPlan, sampled: Any) -> list[RequestOutput]:
         """:meth:`pagedkv.scheduler.Scheduler.update` once the plan is checked: the finished requests."""
