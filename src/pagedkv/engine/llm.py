@@ -437,14 +437,17 @@ class LLM:
             execute_copy_plan(plan.copies, self.kv_cache, self.cpu_kv_cache)
         if not plan.has_forward:  # a step that only moved blocks
             return []
-        new_tokens, computed, slots, tables, owners = [], [], [], [], []
+        new_tokens, computed, slots, owners = [], [], [], []
+        G = len(self.kv_cache_groups) if self.kv_cache_groups is not None else 0
+        tables = [[] for _ in range(max(G, 1))]  # each group's tables (one group without KV cache groups)
         rows, skip = [], []  # the sequences that sample (chunked prefill: not a chunk that leaves prompt behind)
         ntok = 0
         for i, pw in enumerate(plan.prefills):
             new_tokens.append(pw.token_ids)
             computed.append(pw.num_cached_tokens if pw.positions.size == 0 else int(pw.positions[0]))
             slots.append(pw.slot_mapping)
-            tables.append(pw.block_table)
+            for g, table in enumerate(pw.block_table if G else (pw.block_table,)):
+                tables[g].append(table)
             ntok += len(pw.token_ids)
             if pw.num_samples == 0:
                 skip.append(i)
@@ -461,30 +464,24 @@ class LLM:
                 owners.append((by_id[self.scheduler.sequence(sid).request_id], 1))
                 rows.append(ntok + int(z) - 1)
             slots.append(d.result.slot_mapping)
-            if incremental:
+            if incremental:  # the engine's own tables: the batch's rows (the same rows in every group's matrix)
                 bs = self.block_manager.block_size
                 width = -(-int(d.result.seq_lens.max()) // bs)  # the blocks attention reads
-                rows_ = d.result.table_rows
-                if self.kv_cache_groups is None:
-                    decode_tables = self._tables[0][rows_, :width]
-                    tables = decode_tables if not tables else tables + list(decode_tables)
-                else:  # every group's rows (the same rows in each group's matrix)
-                    per_group = [t[rows_, :width] for t in self._tables]
-                    tables += list(zip(*per_group))
-            elif self.kv_cache_groups is not None:  # (a HybridBlockManager: padded tables per group)
-                tables += [tuple(t[i] for t in d.result.block_tables) for i in range(len(d.seq_ids))]
+                decode_tables = [t[d.result.table_rows, :width] for t in self._tables]
             else:  # (a block manager without the incremental form: the step's padded tables)
-                tables += list(d.result.block_tables)
+                decode_tables = d.result.block_tables if G else (d.result.block_tables,)
+            for g, dt in enumerate(decode_tables):  # a (B, width) matrix per group, after the prefills' tables
+                tables[g] = dt if not tables[g] else tables[g] + list(dt)
         logit_rows = "last" if not skip else np.asarray(rows, dtype=np.int64)
         if self.kv_cache_groups is None:
-            meta = build_attention_metadata(new_tokens, computed, np.concatenate(slots), tables,
+            meta = build_attention_metadata(new_tokens, computed, np.concatenate(slots), tables[0],
                                             block_size=self.block_manager.block_size,
                                             sliding_window=self.sliding_window, device=self.device,
                                             logits=logit_rows)
         else:  # (G, T) slots; every sequence's table per group
             meta = build_group_attention_metadata(
                 new_tokens, computed, np.concatenate(slots, axis=1),
-                [[t[g] for t in tables] for g in range(len(self.kv_cache_groups))],
+                tables,
                 block_size=self.block_manager.block_size, device=self.device, logits=logit_rows)
         head = self.model.head if self.fast_lm_head else None
         if head is not None:
