@@ -57,6 +57,7 @@ __all__ = [
     "find_default_model",
     "inv_freq",
     "load_gguf",
+    "llama_row_convert",
     "load_tensors",
     "open_gguf",
     "rope_inv_freq",
@@ -406,6 +407,20 @@ def load_tensors(
     return weights
 
 
+def llama_row_convert(config: ModelConfig) -> Callable[[str, np.ndarray], np.ndarray]:
+    """The row conversion of the Llama layout (``convert`` of :func:`load_tensors`): :func:`unpermute_qk` on the Q
+    and K projections, nothing on the rest. Row-wise, so it applies to a tensor's quantized blocks too."""
+
+    def convert(name: str, arr: np.ndarray) -> np.ndarray:
+        if name.endswith(".attn_q.weight"):
+            return unpermute_qk(arr, config.n_head)
+        if name.endswith(".attn_k.weight"):
+            return unpermute_qk(arr, config.n_head_kv)
+        return arr
+
+    return convert
+
+
 def load_gguf(
     path: str | os.PathLike[str] | None = None,
     *,
@@ -421,15 +436,7 @@ def load_gguf(
     reader = open_gguf(path if path is not None else find_default_model())
     config = _read_config(reader)
     tok_meta = _read_tokenizer_metadata(reader)
-
-    def convert(name: str, arr: np.ndarray) -> np.ndarray:
-        if name.endswith(".attn_q.weight"):
-            return unpermute_qk(arr, config.n_head)
-        if name.endswith(".attn_k.weight"):
-            return unpermute_qk(arr, config.n_head_kv)
-        return arr
-
-    weights = load_tensors(reader, convert, dtype=dtype, num_threads=num_threads)
+    weights = load_tensors(reader, llama_row_convert(config), dtype=dtype, num_threads=num_threads)
     check_shapes(config, weights)
     return config, weights, tok_meta
 

@@ -48,8 +48,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .gguf_loader import ModelConfig, TokenizerMetadata, load_gguf, rope_inv_freq
+from .gguf_loader import (ModelConfig, TokenizerMetadata, find_default_model, llama_row_convert, load_gguf,
+                          rope_inv_freq)
 from .lm_head import LMHead
+from .qmatmul import QuantBlocks, QuantLinear, load_blocks
 from .paged_attention import (NULL_BLOCK, AttentionPlan, AttentionWorkspace, paged_attention,
                               plan_paged_attention)
 
@@ -350,6 +352,30 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * xf.to(weight.dtype)
 
 
+class _Dense:
+    """``F.linear`` with a fixed weight (the product of a weight without a quantized kernel)."""
+
+    __slots__ = ("weight",)
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+def _linear(weight: torch.Tensor, names: list[str], quantized: dict[str, QuantBlocks] | None) -> Any:
+    """A :class:`QuantLinear` for ``weight`` (the matrices ``names`` stacked) when every part has blocks of one kind
+    a kernel reads and the weight is float32 on the CPU, else a :class:`_Dense` product."""
+    parts = [quantized.get(n) for n in names] if quantized else [None]
+    if any(p is None for p in parts) or weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return _Dense(weight)
+    try:
+        return QuantLinear(weight, QuantBlocks.concat(parts))
+    except ValueError:  # mixed kinds or shapes: the dense product
+        return _Dense(weight)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -477,6 +503,7 @@ class PagedLlama(PagedDecoder):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         tokenizer_metadata: TokenizerMetadata | None = None,
+        quantized: dict[str, QuantBlocks] | None = None,
     ) -> None:
         self.config = config
         self.tokenizer_metadata = tokenizer_metadata
@@ -501,6 +528,13 @@ class PagedLlama(PagedDecoder):
         del self._weights, self._moved  # the model holds only what it uses
         self._inv_freq = rope_inv_freq(config, weights.get("rope_freqs.weight"))
         self.scale = 1.0 / math.sqrt(config.head_dim)
+        names = ((("attn_q", "attn_k", "attn_v"), 1), (("attn_output",), 2), (("ffn_gate", "ffn_up"), 4),
+                 (("ffn_down",), 5))
+        #: per layer, its four products ``(qkv, attn_output, gate_up, down)``: :class:`~pagedkv.engine.qmatmul.
+        #: QuantLinear` where the file's blocks have a kernel (few-row steps read the quantized weights), else the
+        #: dense float32 product
+        self.linears = [tuple(_linear(self.layers[i][j], [f"blk.{i}.{n}.weight" for n in ns], quantized)
+                              for ns, j in names) for i in range(config.n_layer)]
 
     @classmethod
     def from_gguf(
@@ -509,7 +543,13 @@ class PagedLlama(PagedDecoder):
         """Load a GGUF file (default: :func:`find_default_model`) into a model; the tokenizer metadata
         is kept as ``model.tokenizer_metadata``."""
         config, weights, tok_meta = load_gguf(path, dtype=dtype)
-        return cls(config, weights, device=device, dtype=dtype, tokenizer_metadata=tok_meta)
+        quantized = load_blocks(path or find_default_model(), llama_row_convert(config))
+        return cls(config, weights, device=device, dtype=dtype, tokenizer_metadata=tok_meta, quantized=quantized)
+
+    @property
+    def quant_kernels(self) -> bool:
+        """Whether few-row steps read the file's quantized weights (:mod:`pagedkv.engine.qmatmul`)."""
+        return any(getattr(lin, "uses_kernel", False) for lin in self.linears[0]) if self.linears else False
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
@@ -535,18 +575,19 @@ class PagedLlama(PagedDecoder):
         ws = self._workspace()
 
         x = self.tok_embd.index_select(0, meta.input_ids)  # (T, n_embd)
-        for layer, (attn_norm, w_qkv, wo, ffn_norm, w_gate_up, w_down) in enumerate(self.layers):
+        for layer, (attn_norm, _, _, ffn_norm, _, _) in enumerate(self.layers):
+            lin_qkv, lin_o, lin_gu, lin_down = self.linears[layer]
             h = _rms_norm(x, attn_norm, c.rms_eps)
-            qkv = F.linear(h, w_qkv).view(n_tok, n_head + 2 * n_kv, d)
+            qkv = lin_qkv(h).view(n_tok, n_head + 2 * n_kv, d)
             qk = qkv[:, : n_head + n_kv]
             qk = qk * cos + _rotate_half(qk) * sin  # rotary embeddings of queries and keys in one go
             attn = paged_attention(qk[:, :n_head], qk[:, n_head:], qkv[:, n_head + n_kv:], kv_cache[layer], plan,
                                    scale=self.scale, workspace=ws)
-            x = x + F.linear(attn.to(x.dtype), wo)
+            x = x + lin_o(attn.to(x.dtype))
 
             h = _rms_norm(x, ffn_norm, c.rms_eps)
-            gu = F.linear(h, w_gate_up)
-            x = x + F.linear(F.silu(gu[:, :n_ff]) * gu[:, n_ff:], w_down)
+            gu = lin_gu(h)
+            x = x + lin_down(F.silu(gu[:, :n_ff]) * gu[:, n_ff:])
 
         idx = meta.logits_indices
         if idx is None:
