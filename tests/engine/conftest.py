@@ -21,7 +21,8 @@ REFERENCE_JSON = REPO_ROOT / "tests" / "data" / "smollm2_greedy.json"  # copy of
 
 @dataclass
 class Engine:
-    """The loaded model in its three forms, plus a memo of reference generations."""
+    """The loaded model in its three forms, plus a memo of reference generations. ``paged`` reads the file's
+    quantized blocks in few-row steps when the kernels build (``paged.quant_kernels``), as ``from_gguf`` does."""
 
     config: Any
     weights: dict
@@ -49,8 +50,9 @@ def engine() -> Iterator[Engine]:
     pytest.importorskip("gguf")
     pytest.importorskip("tokenizers")
     pytest.importorskip("jinja2")
-    from pagedkv.engine.gguf_loader import ModelNotFoundError, find_default_model, load_gguf
+    from pagedkv.engine.gguf_loader import ModelNotFoundError, find_default_model, llama_row_convert, load_gguf
     from pagedkv.engine.model import PagedLlama
+    from pagedkv.engine.qmatmul import load_blocks
     from pagedkv.engine.reference import ReferenceLlama
     from pagedkv.engine.tokenizer import GGUFTokenizer
 
@@ -68,7 +70,9 @@ def engine() -> Iterator[Engine]:
             tokenizer_meta=tok_meta,
             tokenizer=GGUFTokenizer(tok_meta),
             reference=ReferenceLlama(config, weights, tok_meta),
-            paged=PagedLlama(config, weights, tokenizer_metadata=tok_meta),
+            # as from_gguf makes it: few-row steps read the file's quantized blocks (qmatmul.py)
+            paged=PagedLlama(config, weights, tokenizer_metadata=tok_meta,
+                             quantized=load_blocks(path, llama_row_convert(config))),
         )
     finally:
         torch.set_num_threads(threads_before)

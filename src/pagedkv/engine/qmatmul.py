@@ -4,9 +4,9 @@ Why: at batch 1 a decode step reads every weight once, and the float32 weights o
 token (31.7 ms of a 45.7 ms step on one thread, measured); the file's Q4_1 blocks are 0.625 bytes per weight
 instead of 4. llama.cpp reads them as they are, but rounds the activations to 8 bits first, so its products are
 not those of the float32 model. Here the activations stay float32 and each weight is rebuilt in float32 on the
-fly, exactly as ``gguf.quants.dequantize`` rebuilds it (Q4_1: ``d * q`` rounded, then ``+ m`` rounded; Q8_0:
-``d * q``): the result is the product with the dequantized float32 matrix, up to the float32 summation order
-(which any GEMM already chooses freely). Greedy tokens stay those of the reference.
+fly, bit for bit as ``gguf.quants.dequantize`` rebuilds it (Q4_1: ``d * q + m``, Q8_0: ``d * q``; ``d * q`` of a
+float16 scale is exact in float32): the result is the product with the dequantized float32 matrix, up to the
+float32 summation order (which any GEMM already chooses freely). Greedy tokens stay those of the reference.
 
 The kernels (``_qkernels.c``, AVX-512 / AVX2 / plain C by what the CPU has) are compiled once per machine with
 the system's C compiler (``cc -O3 -march=native -ffp-contract=off -fopenmp``) into ``~/.cache/pagedkv/kernels``
@@ -38,14 +38,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["QUANT_KINDS", "QuantBlocks", "QuantLinear", "kernel_status", "kernels", "load_blocks", "split_blocks"]
+__all__ = ["QUANT_KINDS", "QuantBlocks", "QuantLinear", "build_kernels", "kernel_status", "kernels", "load_blocks", "split_blocks"]
 
 log = logging.getLogger(__name__)
 
 #: GGUF quantization types the kernels read (names of ``gguf.GGMLQuantizationType``)
 QUANT_KINDS = ("Q4_1", "Q8_0")
 _BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
+_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
+_NATIVE = ("-march=native",)
 
 
 class QuantBlocks(NamedTuple):
@@ -125,12 +126,16 @@ def _cpu_tag() -> str:
     return platform.machine() + flags
 
 
-def _build() -> ctypes.CDLL:
+def build_kernels(arch: tuple[str, ...] = _NATIVE) -> ctypes.CDLL:
+    """Compile (once; cached by source, compiler, flags and CPU) and load the kernels for the target ``arch``
+    (compiler flags; default ``-march=native``; ``("-mavx2", "-mfma")`` or ``()`` for the AVX2 and plain-C
+    variants, which the tests check too). ``RuntimeError`` when there is no compiler or it fails."""
     src = resources.files("pagedkv.engine").joinpath("_qkernels.c").read_bytes()
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
-    key = hashlib.sha256(src + " ".join([cc, *_FLAGS]).encode() + _cpu_tag().encode()).hexdigest()[:16]
+    flags = [*_FLAGS, *arch]
+    key = hashlib.sha256(src + " ".join([cc, *flags]).encode() + _cpu_tag().encode()).hexdigest()[:16]
     cache = Path(os.environ.get("PAGEDKV_KERNEL_CACHE") or Path.home() / ".cache" / "pagedkv" / "kernels")
     lib = cache / f"qkernels-{key}.so"
     if not lib.is_file():
@@ -139,7 +144,7 @@ def _build() -> ctypes.CDLL:
             c_file = Path(tmp) / "_qkernels.c"
             c_file.write_bytes(src)
             out = Path(tmp) / lib.name
-            r = subprocess.run([cc, *_FLAGS, str(c_file), "-o", str(out)], capture_output=True, text=True)
+            r = subprocess.run([cc, *flags, str(c_file), "-o", str(out)], capture_output=True, text=True)
             if r.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-2000:]}")
             os.replace(out, lib)  # atomic: concurrent builders each install a complete file
@@ -163,7 +168,7 @@ def kernels() -> ctypes.CDLL | None:
                     _state["dll"], _state["why"] = None, "disabled by PAGEDKV_QKERNELS=0"
                 else:
                     try:
-                        dll = _build()
+                        dll = build_kernels()
                         _state["dll"], _state["why"] = dll, f"built ({dll.pkv_isa().decode()})"
                     except Exception as e:  # noqa: BLE001 - any failure falls back to the dense products
                         _state["dll"], _state["why"] = None, f"unavailable: {e}"
@@ -190,9 +195,9 @@ class QuantLinear:
 
     __slots__ = ("weight", "kind", "max_rows", "_qs", "_d", "_m", "_fn", "_n", "_k")
 
-    #: rows up to which the kernel is used (measured, benchmarks/qmatmul_ab.py: at 8 rows it still beats MKL on
+    #: rows up to which the kernel is used (measured, benchmarks/qmatmul_ab.py: at 32 rows it still beats MKL on
     #: SmolLM2's shapes, one thread; beyond, the dense product catches up)
-    DEFAULT_MAX_ROWS = 8
+    DEFAULT_MAX_ROWS = 32
 
     def __init__(self, weight: torch.Tensor, blocks: QuantBlocks, *, max_rows: int | None = None) -> None:
         if tuple(weight.shape) != blocks.shape:

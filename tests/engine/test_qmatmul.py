@@ -1,0 +1,167 @@
+"""The quantized kernels (pagedkv.engine.qmatmul): weights rebuilt bit for bit as gguf's dequantize rebuilds them,
+products within float32 rounding of the float64 product, every tile shape and ISA variant, the fallbacks, and the
+model's decode steps through them."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+gguf = pytest.importorskip("gguf")
+
+from gguf import GGMLQuantizationType  # noqa: E402
+from gguf.quants import dequantize, quantize  # noqa: E402
+
+from pagedkv.engine import qmatmul  # noqa: E402
+from pagedkv.engine.qmatmul import QuantBlocks, QuantLinear, build_kernels, split_blocks  # noqa: E402
+
+KINDS = ("Q4_1", "Q8_0")
+
+
+def _kernels_or_skip():
+    if qmatmul.kernels() is None:
+        pytest.skip(f"quantized kernels: {qmatmul.kernel_status()}")
+
+
+def _quantized(kind: str, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, QuantBlocks]:
+    """A random ``(n, k)`` matrix quantized by gguf (rows of mixed scale, some constant groups), as the dense float32
+    matrix gguf's dequantize gives and as the kernel's blocks."""
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((n, k)).astype(np.float32) * rng.uniform(0.01, 3.0, (n, 1)).astype(np.float32)
+    a[0, :32] = 0.25  # a constant group (Q4_1: d = 0)
+    qtype = GGMLQuantizationType[kind]
+    raw = quantize(a, qtype)
+    dense = torch.from_numpy(dequantize(raw, qtype).astype(np.float32).reshape(n, k).copy())
+    return dense, split_blocks(kind, raw)
+
+
+def _bound(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """|float32 result - exact| allowed: gamma_k * sum |w||x| (float32 summation in any order), per entry."""
+    k = w.shape[1]
+    gamma = 1.01 * (k + 2) * 2.0 ** -24 / (1 - (k + 2) * 2.0 ** -24)
+    return gamma * (x.double().abs() @ w.double().abs().T) + 1e-30
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_weights_are_rebuilt_exactly_as_gguf_dequantizes(kind):
+    """x = e_j picks column j of the weight: every entry equals gguf's float32 dequantization bit for bit (the
+    nibble order, the group of each scale and offset, the sign of Q8_0's bytes)."""
+    _kernels_or_skip()
+    dense, blocks = _quantized(kind, 37, 96, seed=1)
+    lin = QuantLinear(dense, blocks)
+    eye = torch.eye(96)
+    for lo in range(0, 96, 8):  # 8 rows at a time: the tiled path
+        got = lin(eye[lo:lo + 8])
+        assert torch.equal(got, dense[:, lo:lo + 8].T.contiguous()), (kind, lo)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 17, 32])
+def test_products_within_float32_rounding(kind, rows):
+    _kernels_or_skip()
+    dense, blocks = _quantized(kind, 67, 160, seed=rows)  # 67 rows: tiles of 4 / 2 and a short last tile
+    lin = QuantLinear(dense, blocks)
+    x = torch.randn(rows, 160)
+    got = lin(x).double()
+    exact = x.double() @ dense.double().T
+    assert ((got - exact).abs() <= _bound(dense, x)).all()
+
+
+def test_strided_rows_and_batch_invariance():
+    """Rows of x with a stride (a slice of a wider tensor) are read in place; a row's result does not depend on the
+    other rows in its batch (every tile sums a row in the same order)."""
+    _kernels_or_skip()
+    dense, blocks = _quantized("Q4_1", 40, 64, seed=3)
+    lin = QuantLinear(dense, blocks)
+    wide = torch.randn(7, 100)
+    x = wide[:, 10:74]
+    assert x.stride(0) == 100
+    batch = lin(x)
+    for i in range(7):
+        assert torch.equal(lin(x[i:i + 1]), batch[i:i + 1])
+    assert torch.equal(lin(x.contiguous()), batch)
+
+
+@pytest.mark.parametrize("arch", [("-mavx2", "-mfma"), ()], ids=["avx2", "plain-c"])
+def test_other_isa_variants_agree(arch, tmp_path, monkeypatch):
+    """The AVX2 and plain-C builds (for CPUs without AVX-512) give the same weights and products within rounding."""
+    _kernels_or_skip()
+    if arch and "avx2" not in open("/proc/cpuinfo").read():
+        pytest.skip("the CPU has no AVX2")
+    monkeypatch.setenv("PAGEDKV_KERNEL_CACHE", str(tmp_path))
+    dll = build_kernels(arch)
+    assert dll.pkv_isa().decode() == ("avx2" if arch else "scalar")
+    for kind in KINDS:
+        dense, blocks = _quantized(kind, 21, 64, seed=5)
+        lin = QuantLinear(dense, blocks)
+        lin._fn = dll.pkv_q4_1_mm if kind == "Q4_1" else dll.pkv_q8_0_mm
+        assert torch.equal(lin(torch.eye(64)[:5]), dense[:, :5].T.contiguous())
+        x = torch.randn(6, 64)
+        assert ((lin(x).double() - x.double() @ dense.double().T).abs() <= _bound(dense, x)).all()
+
+
+def test_dense_fallback_and_errors():
+    dense, blocks = _quantized("Q8_0", 16, 64)
+    lin = QuantLinear(dense, blocks, max_rows=4)
+    x = torch.randn(5, 64)  # more rows than max_rows: F.linear on the dense weight
+    assert torch.equal(lin(x), torch.nn.functional.linear(x, dense))
+    with pytest.raises(ValueError, match="features"):
+        lin(torch.randn(1, 32))
+    with pytest.raises(ValueError, match="shape"):
+        QuantLinear(dense[:8], blocks)
+    with pytest.raises(ValueError, match="different kinds"):
+        QuantBlocks.concat([blocks, _quantized("Q4_1", 16, 64)[1]])
+    with pytest.raises(ValueError, match="no kernel"):
+        split_blocks("Q4_K", np.zeros((1, 144), dtype=np.uint8))
+
+
+def test_disabled_by_environment(monkeypatch):
+    """PAGEDKV_QKERNELS=0: no kernels, QuantLinear is the dense product (and says so)."""
+    monkeypatch.setattr(qmatmul, "_state", {})
+    monkeypatch.setenv("PAGEDKV_QKERNELS", "0")
+    assert qmatmul.kernels() is None
+    assert "disabled" in qmatmul.kernel_status()
+    dense, blocks = _quantized("Q4_1", 8, 32)
+    lin = QuantLinear(dense, blocks)
+    assert not lin.uses_kernel
+    x = torch.randn(1, 32)
+    assert torch.equal(lin(x), torch.nn.functional.linear(x, dense))
+
+
+def test_a_failed_build_falls_back(monkeypatch, caplog, tmp_path):
+    monkeypatch.setattr(qmatmul, "_state", {})
+    monkeypatch.delenv("PAGEDKV_QKERNELS", raising=False)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("PAGEDKV_KERNEL_CACHE", str(tmp_path))
+    assert qmatmul.kernels() is None
+    assert qmatmul.kernel_status().startswith("unavailable")
+    assert "using float32 products" in caplog.text
+
+
+def test_model_decode_steps_use_the_kernels_and_match_dense(engine):
+    """The SmolLM2 model reads its Q4_1 blocks in few-row steps, and its hidden states match the dense model's
+    within float32 rounding noise (the greedy references are checked by the other engine tests, which run on it)."""
+    _kernels_or_skip()
+    from pagedkv.engine.model import PagedLlama, build_attention_metadata
+
+    paged = engine.paged
+    assert paged.quant_kernels
+    assert all(type(lin).__name__ == "QuantLinear" and lin.kind == "Q4_1" for lin in paged.linears[0])
+    dense = PagedLlama(engine.config, engine.weights, tokenizer_metadata=engine.tokenizer_meta)
+    assert not dense.quant_kernels
+    bs = 16
+    kv_a = paged.allocate_kv_cache(8, bs)
+    kv_b = dense.allocate_kv_cache(8, bs)
+    prompt = [1, 504, 3458, 282, 4077, 30, 216, 1234, 87, 5]
+    n = len(prompt)
+    meta = build_attention_metadata([prompt], [0], list(range(n)), [[0, 1]], block_size=bs)
+    ha, hb = paged.hidden(meta, kv_a), dense.hidden(meta, kv_b)  # 10 rows: the kernels too
+    step = build_attention_metadata([[42]], [n], [n], [[0, 1]], block_size=bs)
+    ha1, hb1 = paged.hidden(step, kv_a), dense.hidden(step, kv_b)
+    for a, b in ((ha, hb), (ha1, hb1)):
+        rel = float((a - b).norm() / b.norm())
+        assert 0 <= rel < 1e-5, rel
+    assert not math.isnan(float(ha1.sum()))
