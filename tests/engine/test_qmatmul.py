@@ -18,7 +18,7 @@ from gguf.quants import dequantize, quantize  # noqa: E402
 from pagedkv.engine import qmatmul  # noqa: E402
 from pagedkv.engine.qmatmul import QuantBlocks, QuantLinear, build_kernels, split_blocks  # noqa: E402
 
-KINDS = ("Q4_1", "Q8_0")
+KINDS = ("Q4_1", "Q5_0", "Q8_0")
 
 
 def _kernels_or_skip():
@@ -97,10 +97,26 @@ def test_other_isa_variants_agree(arch, tmp_path, monkeypatch):
     for kind in KINDS:
         dense, blocks = _quantized(kind, 21, 64, seed=5)
         lin = QuantLinear(dense, blocks)
-        lin._fn = dll.pkv_q4_1_mm if kind == "Q4_1" else dll.pkv_q8_0_mm
+        lin.set_kernels(dll)
         assert torch.equal(lin(torch.eye(64)[:5]), dense[:, :5].T.contiguous())
         x = torch.randn(6, 64)
         assert ((lin(x).double() - x.double() @ dense.double().T).abs() <= _bound(dense, x)).all()
+
+
+def test_parts_of_different_kinds():
+    """A fused projection whose parts have different kinds (Gemma 3: Q5_0 Q and K, a Q8_0 V): one call per run of
+    one kind, each writing its columns; adjacent parts of one kind merged."""
+    _kernels_or_skip()
+    (qd, qb), (kd, kb), (vd, vb) = (_quantized(k, n, 64, seed=i) for i, (k, n) in
+                                    enumerate((("Q5_0", 24), ("Q5_0", 8), ("Q8_0", 8))))
+    dense = torch.cat([qd, kd, vd])
+    lin = QuantLinear(dense, [qb, kb, vb])
+    assert lin.kinds == ("Q5_0", "Q8_0") and lin.kind == "Q5_0+Q8_0"
+    assert torch.equal(lin(torch.eye(64)[:7]), dense[:, :7].T.contiguous())
+    x = torch.randn(3, 64)
+    assert ((lin(x).double() - x.double() @ dense.double().T).abs() <= _bound(dense, x)).all()
+    with pytest.raises(ValueError, match="shape"):
+        QuantLinear(dense, [qb, kb])
 
 
 def test_dense_fallback_and_errors():

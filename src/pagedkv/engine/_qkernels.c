@@ -6,6 +6,7 @@
  * of the dequantized float32 matrix, up to float32 summation order (which any GEMM chooses freely):
  *
  *   Q4_1  w = d * q + m     q in 0..15
+ *   Q5_0  w = d * (q - 16)  q in 0..31 (a nibble and a fifth bit)
  *   Q8_0  w = d * q         q in -128..127
  *
  * d and m are float16 values, so d * q (11 + 8 significant bits at most) is exact in float32: the only rounding
@@ -14,6 +15,7 @@
  * Layouts (one group = 32 consecutive k of one row n; G = K / 32 groups per row):
  *   Q4_1  qs: uint8 (N, G, 16), byte j of a group holds q[j] (low nibble) and q[j + 16] (high nibble);
  *         d, m: float32 (N, G) (the file's float16 scales, widened exactly)
+ *   Q5_0  qs as Q4_1's (the low 4 bits); qh: uint32 (N, G), bit j = the fifth bit of q[j]; d: float32 (N, G)
  *   Q8_0  qs: int8 (N, G, 32); d: float32 (N, G)
  * x is float32 (B, K) row-major with row stride ldx, y float32 (B, ldy) row-major; only columns [n0, n1) of y are
  * written. Rows of w are independent: callers split [0, N) across threads.
@@ -106,6 +108,41 @@ static inline __attribute__((always_inline)) void q80_tile(const float *x, int64
         for (int b = 0; b < NB; b++) y[b * ldy + n + r] = hsum(_mm512_add_ps(acc[r][b][0], acc[r][b][1]));
 }
 
+/* Q5_0: two tables, d * (q - 16) for q = 0..15 and 16..31, looked up by 5-bit indices (vpermt2ps); the fifth
+ * bits set bit 4 of the indices through a mask register */
+static inline __attribute__((always_inline)) void q50_tile(const float *x, int64_t ldx, int64_t G,
+                                                           const uint8_t *qs, const float *d, const uint32_t *qh,
+                                                           int64_t n, float *y, int64_t ldy, const int R,
+                                                           const int NB) {
+    __m512 acc[4][PKV_RB][2];
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < NB; b++) acc[r][b][0] = acc[r][b][1] = _mm512_setzero_ps();
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 iota16 = _mm512_sub_ps(iota, _mm512_set1_ps(16.0f));
+    const __m512i low = _mm512_set1_epi32(15), bit4 = _mm512_set1_epi32(16);
+    for (int64_t g = 0; g < G; g++) {
+        const float *xg = x + 32 * g;
+        for (int r = 0; r < R; r++) {
+            const int64_t row = (n + r) * G + g;
+            const __m512 D = _mm512_set1_ps(d[row]);
+            const __m512 t_lo = _mm512_mul_ps(D, iota16), t_hi = _mm512_mul_ps(D, iota);
+            const uint32_t h = qh[row];
+            __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16 * row)));
+            __m512i i0 = _mm512_and_si512(v, low), i1 = _mm512_srli_epi32(v, 4);
+            i0 = _mm512_mask_or_epi32(i0, (__mmask16)(h & 0xFFFFu), i0, bit4);
+            i1 = _mm512_mask_or_epi32(i1, (__mmask16)(h >> 16), i1, bit4);
+            __m512 w0 = _mm512_permutex2var_ps(t_lo, i0, t_hi);
+            __m512 w1 = _mm512_permutex2var_ps(t_lo, i1, t_hi);
+            for (int b = 0; b < NB; b++) {
+                acc[r][b][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xg + b * ldx), acc[r][b][0]);
+                acc[r][b][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xg + b * ldx + 16), acc[r][b][1]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < NB; b++) y[b * ldy + n + r] = hsum(_mm512_add_ps(acc[r][b][0], acc[r][b][1]));
+}
+
 #define PKV_TILED 1
 
 #elif PKV_W == 8
@@ -163,6 +200,37 @@ static inline void q80_row(const float *x, int64_t ldx, int nb, int64_t G, const
     for (int b = 0; b < nb; b++) out[b] = hsum(_mm256_add_ps(a[b][0], a[b][1]));
 }
 
+static inline void q50_row(const float *x, int64_t ldx, int nb, int64_t G, const uint8_t *qs, const float *d,
+                           const uint32_t *qh, float *out) {
+    __m256 a[PKV_RB][2];
+    for (int b = 0; b < PKV_RB; b++) a[b][0] = a[b][1] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi32(15), one = _mm256_set1_epi32(1), sixteen = _mm256_set1_epi32(16);
+    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int64_t g = 0; g < G; g++) {
+        __m256 D = _mm256_set1_ps(d[g]);
+        __m256i H = _mm256_set1_epi32((int)qh[g]);
+        __m256 w[4];
+        for (int h = 0; h < 2; h++) {  /* elements 8h..8h+7 (low nibbles) and 16+8h.. (high nibbles) */
+            __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 16 * g + 8 * h)));
+            __m256i b0 = _mm256_and_si256(_mm256_srlv_epi32(H, _mm256_add_epi32(iota, _mm256_set1_epi32(8 * h))), one);
+            __m256i b1 = _mm256_and_si256(_mm256_srlv_epi32(H, _mm256_add_epi32(iota, _mm256_set1_epi32(16 + 8 * h))), one);
+            __m256i q0 = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_slli_epi32(b0, 4));
+            __m256i q1 = _mm256_or_si256(_mm256_srli_epi32(v, 4), _mm256_slli_epi32(b1, 4));
+            w[h] = _mm256_mul_ps(D, _mm256_cvtepi32_ps(_mm256_sub_epi32(q0, sixteen)));
+            w[h + 2] = _mm256_mul_ps(D, _mm256_cvtepi32_ps(_mm256_sub_epi32(q1, sixteen)));
+        }
+        const float *xg = x + 32 * g;
+        for (int b = 0; b < nb; b++) {
+            const float *xb = xg + b * ldx;
+            a[b][0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xb), a[b][0]);
+            a[b][1] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xb + 8), a[b][1]);
+            a[b][0] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb + 16), a[b][0]);
+            a[b][1] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb + 24), a[b][1]);
+        }
+    }
+    for (int b = 0; b < nb; b++) out[b] = hsum(_mm256_add_ps(a[b][0], a[b][1]));
+}
+
 #else
 static inline void q41_row(const float *x, int64_t ldx, int nb, int64_t G, const uint8_t *qs, const float *d,
                            const float *m, float *out) {
@@ -189,6 +257,20 @@ static inline void q80_row(const float *x, int64_t ldx, int nb, int64_t G, const
         out[b] = acc;
     }
 }
+static inline void q50_row(const float *x, int64_t ldx, int nb, int64_t G, const uint8_t *qs, const float *d,
+                           const uint32_t *qh, float *out) {
+    for (int b = 0; b < nb; b++) {
+        float acc = 0.0f;
+        for (int64_t g = 0; g < G; g++)
+            for (int j = 0; j < 16; j++) {
+                int q0 = (qs[16 * g + j] & 15) | (int)(((qh[g] >> j) & 1u) << 4);
+                int q1 = (qs[16 * g + j] >> 4) | (int)(((qh[g] >> (j + 16)) & 1u) << 4);
+                acc += (d[g] * (float)(q0 - 16)) * x[b * ldx + 32 * g + j];
+                acc += (d[g] * (float)(q1 - 16)) * x[b * ldx + 32 * g + 16 + j];
+            }
+        out[b] = acc;
+    }
+}
 #endif
 
 #ifndef PKV_TILED
@@ -208,6 +290,14 @@ static inline void q80_tile(const float *x, int64_t ldx, int64_t G, const int8_t
     (void)m;
     for (int r = 0; r < R; r++) {
         q80_row(x, ldx, NB, G, qs + (n + r) * 32 * G, d + (n + r) * G, out);
+        for (int b = 0; b < NB; b++) y[b * ldy + n + r] = out[b];
+    }
+}
+static inline void q50_tile(const float *x, int64_t ldx, int64_t G, const uint8_t *qs, const float *d,
+                            const uint32_t *qh, int64_t n, float *y, int64_t ldy, const int R, const int NB) {
+    float out[PKV_RB];
+    for (int r = 0; r < R; r++) {
+        q50_row(x, ldx, NB, G, qs + (n + r) * 16 * G, d + (n + r) * G, qh + (n + r) * G, out);
         for (int b = 0; b < NB; b++) y[b * ldy + n + r] = out[b];
     }
 }
@@ -260,8 +350,15 @@ void pkv_q4_1_mm(const float *x, int64_t B, int64_t ldx, int64_t K, const uint8_
     PKV_DRIVER(q41_tile, uint8_t)
 }
 
-void pkv_q8_0_mm(const float *x, int64_t B, int64_t ldx, int64_t K, const int8_t *qs, const float *d, int64_t n0,
-                 int64_t n1, float *y, int64_t ldy, int nthreads) {
+/* Every entry point has one signature: aux is Q4_1's offsets m, Q5_0's fifth bits, unused for Q8_0. */
+void pkv_q5_0_mm(const float *x, int64_t B, int64_t ldx, int64_t K, const uint8_t *qs, const float *d,
+                 const uint32_t *m, int64_t n0, int64_t n1, float *y, int64_t ldy, int nthreads) {
+    PKV_DRIVER(q50_tile, uint8_t)
+}
+
+void pkv_q8_0_mm(const float *x, int64_t B, int64_t ldx, int64_t K, const int8_t *qs, const float *d,
+                 const void *aux, int64_t n0, int64_t n1, float *y, int64_t ldy, int nthreads) {
     const float *m = NULL;
+    (void)aux;
     PKV_DRIVER(q80_tile, int8_t)
 }

@@ -45,6 +45,7 @@ from .gguf_loader import ArchMetadata, TokenizerMetadata, check_shapes, inv_freq
 from .gguf_loader import _read_tokenizer_metadata
 from .lm_head import LMHead
 from .model import AttentionMetadata, PagedDecoder, _rotate_half
+from .qmatmul import QuantBlocks, load_blocks, make_linear
 from .paged_attention import paged_attention, plan_paged_attention
 
 __all__ = ["ARCHITECTURE", "Gemma3Config", "PagedGemma3", "load_gemma3", "read_gemma3_config"]
@@ -205,6 +206,7 @@ class PagedGemma3(PagedDecoder):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         tokenizer_metadata: TokenizerMetadata | None = None,
+        quantized: dict[str, QuantBlocks] | None = None,
     ) -> None:
         if config.attn_logit_softcapping is not None:
             raise ValueError("attention logit soft-capping (Gemma 2) is not supported")
@@ -239,6 +241,13 @@ class PagedGemma3(PagedDecoder):
             for i in range(c.n_layer)
         ]
         del self._weights, self._moved  # the model holds only what it uses
+        names = ((("attn_q", "attn_k", "attn_v"), 1), (("attn_output",), 3), (("ffn_gate", "ffn_up"), 6),
+                 (("ffn_down",), 7))
+        #: per layer, its four products ``(qkv, attn_output, gate_up, down)``, as ``PagedLlama.linears``: the
+        #: quantized kernels where the file's blocks have one (Gemma 3 270M Q4_K_M: the Q5_0 / Q8_0 Q, K, V, gate
+        #: and up projections; its Q4_K / Q6_K ones stay dense)
+        self.linears = [tuple(make_linear(self.layers[i][j], [f"blk.{i}.{n}.weight" for n in ns], quantized)
+                              for ns, j in names) for i in range(c.n_layer)]
         self.layer_windows = c.layer_windows
         self.kv_cache_groups, self.layer_groups = _kv_cache_groups(c)
         # sqrt(hidden) as a float32 tensor cast to the model dtype (as Gemma's scaled embedding does)
@@ -251,8 +260,16 @@ class PagedGemma3(PagedDecoder):
     @classmethod
     def from_gguf(cls, path: Any = None, *, device: torch.device | str | None = None,
                   dtype: torch.dtype = torch.float32, reader: Any = None) -> PagedGemma3:
+        if reader is None and path is not None:
+            reader = open_gguf(path)
         config, weights, tok_meta = load_gemma3(path, reader=reader)
-        return cls(config, weights, device=device, dtype=dtype, tokenizer_metadata=tok_meta)
+        quantized = load_blocks(reader) if reader is not None else None
+        return cls(config, weights, device=device, dtype=dtype, tokenizer_metadata=tok_meta, quantized=quantized)
+
+    @property
+    def quant_kernels(self) -> bool:
+        """Whether few-row steps read some of the file's quantized weights (:mod:`pagedkv.engine.qmatmul`)."""
+        return any(lin.uses_kernel for layer in self.linears for lin in layer)
 
     def gguf_weights(self) -> dict[str, torch.Tensor]:
         """The model's weights under their GGUF names (views of the fused tensors, no copy)."""
@@ -302,22 +319,23 @@ class PagedGemma3(PagedDecoder):
         ws = self._workspace()
 
         x = self.tok_embd.index_select(0, meta.input_ids) * self.embed_scale
-        for layer, (attn_norm, w_qkv, qk_norm, wo, post_attn_norm, ffn_norm, w_gate_up, w_down,
+        for layer, (attn_norm, _, qk_norm, _, post_attn_norm, ffn_norm, _, _,
                     post_ffw_norm) in enumerate(self.layers):
             window = self.layer_windows[layer]
             h = _norm(x, attn_norm, eps)
-            qkv = F.linear(h, w_qkv).view(n_tok, n_head + 2 * n_kv, d)
+            lin_qkv, lin_o, lin_gu, lin_down = self.linears[layer]
+            qkv = lin_qkv(h).view(n_tok, n_head + 2 * n_kv, d)
             qk = _norm(qkv[:, : n_head + n_kv], qk_norm, eps)  # q and k norms, per head, in one op
             cos, sin = ropes[window]
             qk = qk * cos + _rotate_half(qk) * sin
             plan, kv_layer = where[layer]
             attn = paged_attention(qk[:, :n_head], qk[:, n_head:], qkv[:, n_head + n_kv:], kv_layer, plan,
                                    scale=self.scale, workspace=ws)
-            x = x + _norm(F.linear(attn.to(x.dtype), wo), post_attn_norm, eps)
+            x = x + _norm(lin_o(attn.to(x.dtype)), post_attn_norm, eps)
 
             h = _norm(x, ffn_norm, eps)
-            gu = F.linear(h, w_gate_up)
-            mlp = F.linear(F.gelu(gu[:, :n_ff], approximate="tanh") * gu[:, n_ff:], w_down)
+            gu = lin_gu(h)
+            mlp = lin_down(F.gelu(gu[:, :n_ff], approximate="tanh") * gu[:, n_ff:])
             x = x + _norm(mlp, post_ffw_norm, eps)
 
         idx = meta.logits_indices

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from .gguf_loader import (ModelConfig, TokenizerMetadata, find_default_model, llama_row_convert, load_gguf,
                           rope_inv_freq)
 from .lm_head import LMHead
-from .qmatmul import QuantBlocks, QuantLinear, load_blocks
+from .qmatmul import QuantBlocks, load_blocks, make_linear
 from .paged_attention import (NULL_BLOCK, AttentionPlan, AttentionWorkspace, paged_attention,
                               plan_paged_attention)
 
@@ -352,30 +352,6 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * xf.to(weight.dtype)
 
 
-class _Dense:
-    """``F.linear`` with a fixed weight (the product of a weight without a quantized kernel)."""
-
-    __slots__ = ("weight",)
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        self.weight = weight
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
-
-
-def _linear(weight: torch.Tensor, names: list[str], quantized: dict[str, QuantBlocks] | None) -> Any:
-    """A :class:`QuantLinear` for ``weight`` (the matrices ``names`` stacked) when every part has blocks of one kind
-    a kernel reads and the weight is float32 on the CPU, else a :class:`_Dense` product."""
-    parts = [quantized.get(n) for n in names] if quantized else [None]
-    if any(p is None for p in parts) or weight.device.type != "cpu" or weight.dtype != torch.float32:
-        return _Dense(weight)
-    try:
-        return QuantLinear(weight, QuantBlocks.concat(parts))
-    except ValueError:  # mixed kinds or shapes: the dense product
-        return _Dense(weight)
-
-
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -533,7 +509,7 @@ class PagedLlama(PagedDecoder):
         #: per layer, its four products ``(qkv, attn_output, gate_up, down)``: :class:`~pagedkv.engine.qmatmul.
         #: QuantLinear` where the file's blocks have a kernel (few-row steps read the quantized weights), else the
         #: dense float32 product
-        self.linears = [tuple(_linear(self.layers[i][j], [f"blk.{i}.{n}.weight" for n in ns], quantized)
+        self.linears = [tuple(make_linear(self.layers[i][j], [f"blk.{i}.{n}.weight" for n in ns], quantized)
                               for ns, j in names) for i in range(config.n_layer)]
 
     @classmethod

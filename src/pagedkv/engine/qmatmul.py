@@ -38,25 +38,28 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["QUANT_KINDS", "QuantBlocks", "QuantLinear", "build_kernels", "kernel_status", "kernels", "load_blocks", "split_blocks"]
+__all__ = ["QUANT_KINDS", "DenseLinear", "QuantBlocks", "QuantLinear", "build_kernels", "kernel_status", "kernels",
+           "load_blocks", "make_linear", "split_blocks"]
 
 log = logging.getLogger(__name__)
 
 #: GGUF quantization types the kernels read (names of ``gguf.GGMLQuantizationType``)
-QUANT_KINDS = ("Q4_1", "Q8_0")
-_BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
+QUANT_KINDS = ("Q4_1", "Q5_0", "Q8_0")
+_BLOCK_BYTES = {"Q4_1": 20, "Q5_0": 22, "Q8_0": 34}
 _FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
 _NATIVE = ("-march=native",)
+_ENTRY = {"Q4_1": "pkv_q4_1_mm", "Q5_0": "pkv_q5_0_mm", "Q8_0": "pkv_q8_0_mm"}
 
 
 class QuantBlocks(NamedTuple):
     """One weight matrix ``(N, K)`` in a kernel's layout (module ``_qkernels.c``): ``qs`` uint8 ``(N, K // 2)``
-    (Q4_1) or int8 ``(N, K)`` (Q8_0), ``d`` and ``m`` float32 ``(N, K // 32)`` (``m`` is ``None`` for Q8_0)."""
+    (Q4_1, Q5_0: two 4-bit values a byte) or int8 ``(N, K)`` (Q8_0), ``d`` float32 ``(N, K // 32)`` (the scales),
+    ``aux`` ``(N, K // 32)``: Q4_1's offsets ``m`` (float32), Q5_0's fifth bits (uint32), ``None`` for Q8_0."""
 
     kind: str
     qs: np.ndarray
     d: np.ndarray
-    m: np.ndarray | None
+    aux: np.ndarray | None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -66,7 +69,7 @@ class QuantBlocks(NamedTuple):
     def take_rows(self, convert: Any) -> QuantBlocks:
         """The same blocks with ``convert`` (a row permutation such as ``unpermute_qk``) applied to every part."""
         return QuantBlocks(self.kind, convert(self.qs), convert(self.d),
-                           None if self.m is None else convert(self.m))
+                           None if self.aux is None else convert(self.aux))
 
     @staticmethod
     def concat(parts: list[QuantBlocks]) -> QuantBlocks:
@@ -75,8 +78,8 @@ class QuantBlocks(NamedTuple):
         if len(kinds) != 1:
             raise ValueError(f"cannot stack blocks of different kinds {sorted(kinds)}")
         cat = lambda xs: np.ascontiguousarray(np.concatenate(xs, axis=0))  # noqa: E731
-        m = None if parts[0].m is None else cat([p.m for p in parts])
-        return QuantBlocks(parts[0].kind, cat([p.qs for p in parts]), cat([p.d for p in parts]), m)
+        aux = None if parts[0].aux is None else cat([p.aux for p in parts])
+        return QuantBlocks(parts[0].kind, cat([p.qs for p in parts]), cat([p.d for p in parts]), aux)
 
 
 def split_blocks(kind: str, raw: np.ndarray) -> QuantBlocks:
@@ -87,23 +90,25 @@ def split_blocks(kind: str, raw: np.ndarray) -> QuantBlocks:
     raw = np.asarray(raw, dtype=np.uint8)
     n = raw.shape[0]
     blocks = raw.reshape(n, -1, _BLOCK_BYTES[kind])
-    d = np.ascontiguousarray(blocks[:, :, 0:2]).view(np.float16)[..., 0].astype(np.float32)
+    part = lambda lo, hi: np.ascontiguousarray(blocks[:, :, lo:hi])  # noqa: E731
+    d = part(0, 2).view(np.float16)[..., 0].astype(np.float32)
     if kind == "Q4_1":
-        m = np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16)[..., 0].astype(np.float32)
-        qs = np.ascontiguousarray(blocks[:, :, 4:20]).reshape(n, -1)
-        return QuantBlocks(kind, qs, d, m)
-    qs = np.ascontiguousarray(blocks[:, :, 2:34]).view(np.int8).reshape(n, -1)
-    return QuantBlocks(kind, qs, d, None)
+        return QuantBlocks(kind, part(4, 20).reshape(n, -1), d, part(2, 4).view(np.float16)[..., 0].astype(np.float32))
+    if kind == "Q5_0":
+        return QuantBlocks(kind, part(6, 22).reshape(n, -1), d, part(2, 6).view("<u4")[..., 0].astype(np.uint32))
+    return QuantBlocks(kind, part(2, 34).view(np.int8).reshape(n, -1), d, None)
 
 
 def load_blocks(path: Any, convert: Any = None) -> dict[str, QuantBlocks]:
-    """The tensors of a GGUF file whose type a kernel reads (:data:`QUANT_KINDS`), in the kernel's layout, keyed by
-    name; ``convert(name, array)`` (a row permutation, e.g. ``gguf_loader.llama_row_convert(config)``) applied to
-    each part. Reads the memory-mapped blocks only: O(quantized bytes)."""
+    """The tensors of a GGUF file (a path or an open ``gguf.GGUFReader``) whose type a kernel reads
+    (:data:`QUANT_KINDS`), in the kernel's layout, keyed by name; ``convert(name, array)`` (a row permutation, e.g.
+    ``gguf_loader.llama_row_convert(config)``) applied to each part. Reads the memory-mapped blocks only:
+    O(quantized bytes)."""
     from .gguf_loader import open_gguf
 
+    reader = path if hasattr(path, "tensors") else open_gguf(path)
     out: dict[str, QuantBlocks] = {}
-    for t in open_gguf(path).tensors:
+    for t in reader.tensors:
         kind = t.tensor_type.name
         if kind in _BLOCK_BYTES and len(t.shape) == 2 and int(t.shape[0]) % 32 == 0:
             b = split_blocks(kind, t.data)
@@ -150,10 +155,10 @@ def build_kernels(arch: tuple[str, ...] = _NATIVE) -> ctypes.CDLL:
             os.replace(out, lib)  # atomic: concurrent builders each install a complete file
     dll = ctypes.CDLL(str(lib))
     vp, i64, ci = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    dll.pkv_q4_1_mm.argtypes = [vp, i64, i64, i64, vp, vp, vp, i64, i64, vp, i64, ci]
-    dll.pkv_q4_1_mm.restype = None
-    dll.pkv_q8_0_mm.argtypes = [vp, i64, i64, i64, vp, vp, i64, i64, vp, i64, ci]
-    dll.pkv_q8_0_mm.restype = None
+    for kind in QUANT_KINDS:  # one signature: (x, B, ldx, K, qs, d, aux, n0, n1, y, ldy, threads)
+        fn = getattr(dll, _ENTRY[kind])
+        fn.argtypes = [vp, i64, i64, i64, vp, vp, vp, i64, i64, vp, i64, ci]
+        fn.restype = None
     dll.pkv_isa.restype = ctypes.c_char_p
     return dll
 
@@ -187,54 +192,100 @@ def kernel_status() -> str:
 
 
 class QuantLinear:
-    """``y = x @ W.T`` for a weight held both dense (float32 ``(N, K)``) and quantized (:class:`QuantBlocks`).
+    """``y = x @ W.T`` for a weight held both dense (float32 ``(N, K)``) and quantized: one :class:`QuantBlocks`, or
+    several stacked along the output rows (a fused projection whose parts have different kinds, e.g. Gemma 3's
+    Q5_0 Q/K with a Q8_0 V; adjacent parts of one kind are merged).
 
-    ``x`` of up to ``max_rows`` rows (float32, on the CPU) goes through the quantized kernel on
-    ``torch.get_num_threads()`` threads; anything else through ``F.linear`` on the dense weight. Both give the
-    product with the same float32 matrix (summation order aside). O(rows x N x K)."""
+    ``x`` of up to ``max_rows`` rows (float32, on the CPU) goes through the quantized kernels (one call per part,
+    each writing its columns of ``y``) on ``torch.get_num_threads()`` threads; anything else through ``F.linear``
+    on the dense weight. Both give the product with the same float32 matrix (summation order aside).
+    O(rows x N x K). ``ValueError`` when the shapes differ or ``x`` has another number of features."""
 
-    __slots__ = ("weight", "kind", "max_rows", "_qs", "_d", "_m", "_fn", "_n", "_k")
+    __slots__ = ("weight", "kinds", "max_rows", "_parts", "_n", "_k", "_on")
 
-    #: rows up to which the kernel is used (measured, benchmarks/qmatmul_ab.py: at 32 rows it still beats MKL on
-    #: SmolLM2's shapes, one thread; beyond, the dense product catches up)
+    #: rows up to which the kernels are used (measured, benchmarks/qmatmul_ab.py: at 32 rows they still beat MKL on
+    #: SmolLM2's products, one thread, by 0.75x; at 48 the dense product is ahead)
     DEFAULT_MAX_ROWS = 32
 
-    def __init__(self, weight: torch.Tensor, blocks: QuantBlocks, *, max_rows: int | None = None) -> None:
-        if tuple(weight.shape) != blocks.shape:
-            raise ValueError(f"weight {tuple(weight.shape)} and blocks {blocks.shape} differ in shape")
+    def __init__(self, weight: torch.Tensor, blocks: QuantBlocks | list[QuantBlocks], *,
+                 max_rows: int | None = None) -> None:
+        parts = [blocks] if isinstance(blocks, QuantBlocks) else list(blocks)
+        merged: list[QuantBlocks] = []
+        for b in parts:  # adjacent parts of one kind: one call
+            merged[-1:] = ([QuantBlocks.concat([merged[-1], b])] if merged and merged[-1].kind == b.kind
+                           else [*merged[-1:], b])
+        ks = {b.shape[1] for b in merged}
+        n = sum(b.shape[0] for b in merged)
+        if len(ks) != 1 or (n, ks.pop()) != tuple(weight.shape):
+            raise ValueError(f"weight {tuple(weight.shape)} and blocks {[b.shape for b in parts]} differ in shape")
         self.weight = weight
-        self.kind = blocks.kind
+        self.kinds = tuple(b.kind for b in merged)
         self.max_rows = self.DEFAULT_MAX_ROWS if max_rows is None else max_rows
-        self._qs = torch.from_numpy(np.ascontiguousarray(blocks.qs))
-        self._d = torch.from_numpy(np.ascontiguousarray(blocks.d))
-        self._m = None if blocks.m is None else torch.from_numpy(np.ascontiguousarray(blocks.m))
-        self._n, self._k = blocks.shape
+        self._n, self._k = tuple(weight.shape)
         dll = kernels() if weight.device.type == "cpu" and weight.dtype == torch.float32 else None
-        self._fn = None if dll is None else (dll.pkv_q4_1_mm if self.kind == "Q4_1" else dll.pkv_q8_0_mm)
+        self._on = dll is not None
+        t = lambda a: None if a is None else torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
+        row = 0
+        self._parts = []
+        for b in merged:  # (kernel, qs, d, aux, first output row, rows)
+            self._parts.append((None if dll is None else getattr(dll, _ENTRY[b.kind]), t(b.qs), t(b.d), t(b.aux),
+                                row, b.shape[0]))
+            row += b.shape[0]
+
+    @property
+    def kind(self) -> str:
+        """The quantization type of the blocks (``"Q4_1+Q8_0"`` for parts of several)."""
+        return "+".join(self.kinds)
 
     @property
     def uses_kernel(self) -> bool:
-        """Whether few-row products go through the quantized kernel (built, CPU, float32)."""
-        return self._fn is not None
+        """Whether few-row products go through the quantized kernels (built, CPU, float32)."""
+        return self._on
 
     @property
     def nbytes(self) -> int:
         """Bytes of the quantized copy."""
-        return sum(t.numel() * t.element_size() for t in (self._qs, self._d, self._m) if t is not None)
+        return sum(a.numel() * a.element_size() for p in self._parts for a in p[1:4] if a is not None)
+
+    def set_kernels(self, dll: ctypes.CDLL) -> None:
+        """Use the kernels of ``dll`` (a :func:`build_kernels` variant; for tests)."""
+        self._parts = [(getattr(dll, _ENTRY[k]), *p[1:]) for k, p in zip(self.kinds, self._parts)]
+        self._on = True
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0] if x.dim() == 2 else -1
         if x.shape[-1] != self._k:
             raise ValueError(f"input has {x.shape[-1]} features, the weight {self._k}")
-        if self._fn is None or not 0 < rows <= self.max_rows or x.dtype != torch.float32 or x.device.type != "cpu":
+        if not self._on or not 0 < rows <= self.max_rows or x.dtype != torch.float32 or x.device.type != "cpu":
             return F.linear(x, self.weight)
         if x.stride(1) != 1:
             x = x.contiguous()
         y = torch.empty((rows, self._n), dtype=torch.float32)
-        if self._m is not None:
-            self._fn(x.data_ptr(), rows, x.stride(0), self._k, self._qs.data_ptr(), self._d.data_ptr(),
-                     self._m.data_ptr(), 0, self._n, y.data_ptr(), self._n, torch.get_num_threads())
-        else:
-            self._fn(x.data_ptr(), rows, x.stride(0), self._k, self._qs.data_ptr(), self._d.data_ptr(),
-                     0, self._n, y.data_ptr(), self._n, torch.get_num_threads())
+        xp, ldx, yp, nt = x.data_ptr(), x.stride(0), y.data_ptr(), torch.get_num_threads()
+        for fn, qs, d, aux, row, n in self._parts:
+            fn(xp, rows, ldx, self._k, qs.data_ptr(), d.data_ptr(), None if aux is None else aux.data_ptr(),
+               0, n, yp + 4 * row, self._n, nt)
         return y
+
+
+class DenseLinear:
+    """``F.linear`` with a fixed weight: the product of a weight without quantized blocks."""
+
+    __slots__ = ("weight",)
+    uses_kernel = False
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+def make_linear(weight: torch.Tensor, names: list[str], quantized: dict[str, QuantBlocks] | None) -> Any:
+    """The product with ``weight`` (the matrices ``names`` of a GGUF file stacked along the rows): a
+    :class:`QuantLinear` when every part has blocks a kernel reads and the weight is float32 on the CPU, else a
+    :class:`DenseLinear`."""
+    parts = [quantized.get(n) for n in names] if quantized else [None]
+    if any(p is None for p in parts) or weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return DenseLinear(weight)
+    return QuantLinear(weight, parts)
