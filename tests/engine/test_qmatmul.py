@@ -18,7 +18,7 @@ from gguf.quants import dequantize, quantize  # noqa: E402
 from pagedkv.engine import qmatmul  # noqa: E402
 from pagedkv.engine.qmatmul import QuantBlocks, QuantLinear, build_kernels, split_blocks  # noqa: E402
 
-KINDS = ("Q4_1", "Q5_0", "Q8_0")
+KINDS = ("Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K")
 
 
 def _kernels_or_skip():
@@ -26,14 +26,29 @@ def _kernels_or_skip():
         pytest.skip(f"quantized kernels: {qmatmul.kernel_status()}")
 
 
+#: K-quant super-blocks: bytes per 256 weights, and where their float16 scales lie
+_K_QUANTS = {"Q4_K": (144, (0, 2)), "Q6_K": (210, (208,))}
+
+
 def _quantized(kind: str, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, QuantBlocks]:
-    """A random ``(n, k)`` matrix quantized by gguf (rows of mixed scale, some constant groups), as the dense float32
-    matrix gguf's dequantize gives and as the kernel's blocks."""
+    """A random ``(n, k)`` matrix of ``kind`` as the dense float32 matrix gguf's dequantize gives and as the
+    kernel's blocks. Q4_1 / Q5_0 / Q8_0: random rows of mixed scale quantized by gguf (a constant group among
+    them). Q4_K / Q6_K (gguf-py cannot quantize them; ``k`` rounded up to a multiple of 256): random bytes, every
+    bit of the packed values and sub-block scales exercised, the float16 block scales set to finite values."""
     rng = np.random.default_rng(seed)
-    a = rng.standard_normal((n, k)).astype(np.float32) * rng.uniform(0.01, 3.0, (n, 1)).astype(np.float32)
-    a[0, :32] = 0.25  # a constant group (Q4_1: d = 0)
     qtype = GGMLQuantizationType[kind]
-    raw = quantize(a, qtype)
+    if kind in _K_QUANTS:
+        size, scale_at = _K_QUANTS[kind]
+        k = -(-k // 256) * 256
+        raw = rng.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
+        for at in scale_at:
+            scales = rng.uniform(1e-3, 0.1, (n, k // 256)).astype(np.float16)
+            raw[:, :, at:at + 2] = scales[..., None].view(np.uint8).reshape(n, k // 256, 2)
+        raw = raw.reshape(n, -1)
+    else:
+        a = rng.standard_normal((n, k)).astype(np.float32) * rng.uniform(0.01, 3.0, (n, 1)).astype(np.float32)
+        a[0, :32] = 0.25  # a constant group (Q4_1: d = 0)
+        raw = quantize(a, qtype)
     dense = torch.from_numpy(dequantize(raw, qtype).astype(np.float32).reshape(n, k).copy())
     return dense, split_blocks(kind, raw)
 
@@ -52,8 +67,9 @@ def test_weights_are_rebuilt_exactly_as_gguf_dequantizes(kind):
     _kernels_or_skip()
     dense, blocks = _quantized(kind, 37, 96, seed=1)
     lin = QuantLinear(dense, blocks)
-    eye = torch.eye(96)
-    for lo in range(0, 96, 8):  # 8 rows at a time: the tiled path
+    k = dense.shape[1]
+    eye = torch.eye(k)
+    for lo in range(0, k, 8):  # 8 rows at a time: the tiled path
         got = lin(eye[lo:lo + 8])
         assert torch.equal(got, dense[:, lo:lo + 8].T.contiguous()), (kind, lo)
 
@@ -64,7 +80,7 @@ def test_products_within_float32_rounding(kind, rows):
     _kernels_or_skip()
     dense, blocks = _quantized(kind, 67, 160, seed=rows)  # 67 rows: tiles of 4 / 2 and a short last tile
     lin = QuantLinear(dense, blocks)
-    x = torch.randn(rows, 160)
+    x = torch.randn(rows, dense.shape[1])
     got = lin(x).double()
     exact = x.double() @ dense.double().T
     assert ((got - exact).abs() <= _bound(dense, x)).all()
@@ -98,8 +114,10 @@ def test_other_isa_variants_agree(arch, tmp_path, monkeypatch):
         dense, blocks = _quantized(kind, 21, 64, seed=5)
         lin = QuantLinear(dense, blocks)
         lin.set_kernels(dll)
-        assert torch.equal(lin(torch.eye(64)[:5]), dense[:, :5].T.contiguous())
-        x = torch.randn(6, 64)
+        k = dense.shape[1]
+        for lo in range(0, k, 8):
+            assert torch.equal(lin(torch.eye(k)[lo:lo + 8]), dense[:, lo:lo + 8].T.contiguous()), (kind, lo)
+        x = torch.randn(6, k)
         assert ((lin(x).double() - x.double() @ dense.double().T).abs() <= _bound(dense, x)).all()
 
 
@@ -131,7 +149,7 @@ def test_dense_fallback_and_errors():
     with pytest.raises(ValueError, match="different kinds"):
         QuantBlocks.concat([blocks, _quantized("Q4_1", 16, 64)[1]])
     with pytest.raises(ValueError, match="no kernel"):
-        split_blocks("Q4_K", np.zeros((1, 144), dtype=np.uint8))
+        split_blocks("Q5_K", np.zeros((1, 176), dtype=np.uint8))
 
 
 def test_disabled_by_environment(monkeypatch):

@@ -8,6 +8,10 @@
  *   Q4_1  w = d * q + m     q in 0..15
  *   Q5_0  w = d * (q - 16)  q in 0..31 (a nibble and a fifth bit)
  *   Q8_0  w = d * q         q in -128..127
+ *   Q8_16 w = d * q         q in -128..127, one scale per 16 weights (Q6_K's layout: d = the block's scale times
+ *                           the sub-block's 8-bit scale, exact in float32; q = the 6-bit value - 32)
+ *   (Q4_K is read as Q4_1: d = the block's scale times the sub-block's 6-bit scale, m = -(dmin times its 6-bit
+ *   min), both exact in float32, so d * q + m is gguf's d * q - dm, the one rounding included.)
  *
  * d and m are float16 values, so d * q (11 + 8 significant bits at most) is exact in float32: the only rounding
  * of a weight is Q4_1's "+ m", the same in a fused multiply-add as in gguf's two numpy operations.
@@ -17,6 +21,7 @@
  *         d, m: float32 (N, G) (the file's float16 scales, widened exactly)
  *   Q5_0  qs as Q4_1's (the low 4 bits); qh: uint32 (N, G), bit j = the fifth bit of q[j]; d: float32 (N, G)
  *   Q8_0  qs: int8 (N, G, 32); d: float32 (N, G)
+ *   Q8_16 qs: int8 (N, G, 32); d: float32 (N, 2 G)
  * x is float32 (B, K) row-major with row stride ldx, y float32 (B, ldy) row-major; only columns [n0, n1) of y are
  * written. Rows of w are independent: callers split [0, N) across threads.
  */
@@ -143,6 +148,32 @@ static inline __attribute__((always_inline)) void q50_tile(const float *x, int64
         for (int b = 0; b < NB; b++) y[b * ldy + n + r] = hsum(_mm512_add_ps(acc[r][b][0], acc[r][b][1]));
 }
 
+static inline __attribute__((always_inline)) void q816_tile(const float *x, int64_t ldx, int64_t G,
+                                                            const int8_t *qs, const float *d, const float *m,
+                                                            int64_t n, float *y, int64_t ldy, const int R,
+                                                            const int NB) {
+    (void)m;
+    __m512 acc[4][PKV_RB][2];
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < NB; b++) acc[r][b][0] = acc[r][b][1] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        const float *xg = x + 32 * g;
+        for (int r = 0; r < R; r++) {
+            const int64_t row = (n + r) * G + g;
+            __m512 w0 = _mm512_mul_ps(_mm512_set1_ps(d[2 * row]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                _mm_loadu_si128((const __m128i *)(qs + 32 * row)))));
+            __m512 w1 = _mm512_mul_ps(_mm512_set1_ps(d[2 * row + 1]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                _mm_loadu_si128((const __m128i *)(qs + 32 * row + 16)))));
+            for (int b = 0; b < NB; b++) {
+                acc[r][b][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xg + b * ldx), acc[r][b][0]);
+                acc[r][b][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xg + b * ldx + 16), acc[r][b][1]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < NB; b++) y[b * ldy + n + r] = hsum(_mm512_add_ps(acc[r][b][0], acc[r][b][1]));
+}
+
 #define PKV_TILED 1
 
 #elif PKV_W == 8
@@ -231,6 +262,27 @@ static inline void q50_row(const float *x, int64_t ldx, int nb, int64_t G, const
     for (int b = 0; b < nb; b++) out[b] = hsum(_mm256_add_ps(a[b][0], a[b][1]));
 }
 
+static inline void q816_row(const float *x, int64_t ldx, int nb, int64_t G, const int8_t *qs, const float *d,
+                            float *out) {
+    __m256 a[PKV_RB][2];
+    for (int b = 0; b < PKV_RB; b++) a[b][0] = a[b][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        __m256 w[4];
+        for (int h = 0; h < 4; h++)
+            w[h] = _mm256_mul_ps(_mm256_set1_ps(d[2 * g + h / 2]), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                _mm_loadl_epi64((const __m128i *)(qs + 32 * g + 8 * h)))));
+        const float *xg = x + 32 * g;
+        for (int b = 0; b < nb; b++) {
+            const float *xb = xg + b * ldx;
+            a[b][0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xb), a[b][0]);
+            a[b][1] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xb + 8), a[b][1]);
+            a[b][0] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb + 16), a[b][0]);
+            a[b][1] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb + 24), a[b][1]);
+        }
+    }
+    for (int b = 0; b < nb; b++) out[b] = hsum(_mm256_add_ps(a[b][0], a[b][1]));
+}
+
 #else
 static inline void q41_row(const float *x, int64_t ldx, int nb, int64_t G, const uint8_t *qs, const float *d,
                            const float *m, float *out) {
@@ -271,6 +323,15 @@ static inline void q50_row(const float *x, int64_t ldx, int nb, int64_t G, const
         out[b] = acc;
     }
 }
+static inline void q816_row(const float *x, int64_t ldx, int nb, int64_t G, const int8_t *qs, const float *d,
+                            float *out) {
+    for (int b = 0; b < nb; b++) {
+        float acc = 0.0f;
+        for (int64_t g = 0; g < G; g++)
+            for (int j = 0; j < 32; j++) acc += (d[2 * g + j / 16] * (float)qs[32 * g + j]) * x[b * ldx + 32 * g + j];
+        out[b] = acc;
+    }
+}
 #endif
 
 #ifndef PKV_TILED
@@ -298,6 +359,15 @@ static inline void q50_tile(const float *x, int64_t ldx, int64_t G, const uint8_
     float out[PKV_RB];
     for (int r = 0; r < R; r++) {
         q50_row(x, ldx, NB, G, qs + (n + r) * 16 * G, d + (n + r) * G, qh + (n + r) * G, out);
+        for (int b = 0; b < NB; b++) y[b * ldy + n + r] = out[b];
+    }
+}
+static inline void q816_tile(const float *x, int64_t ldx, int64_t G, const int8_t *qs, const float *d,
+                             const float *m, int64_t n, float *y, int64_t ldy, const int R, const int NB) {
+    float out[PKV_RB];
+    (void)m;
+    for (int r = 0; r < R; r++) {
+        q816_row(x, ldx, NB, G, qs + (n + r) * 32 * G, d + (n + r) * 2 * G, out);
         for (int b = 0; b < NB; b++) y[b * ldy + n + r] = out[b];
     }
 }
@@ -361,4 +431,11 @@ void pkv_q8_0_mm(const float *x, int64_t B, int64_t ldx, int64_t K, const int8_t
     const float *m = NULL;
     (void)aux;
     PKV_DRIVER(q80_tile, int8_t)
+}
+
+void pkv_q8_16_mm(const float *x, int64_t B, int64_t ldx, int64_t K, const int8_t *qs, const float *d,
+                  const void *aux, int64_t n0, int64_t n1, float *y, int64_t ldy, int nthreads) {
+    const float *m = NULL;
+    (void)aux;
+    PKV_DRIVER(q816_tile, int8_t)
 }

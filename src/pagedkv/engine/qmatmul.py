@@ -43,18 +43,21 @@ __all__ = ["QUANT_KINDS", "DenseLinear", "QuantBlocks", "QuantLinear", "build_ke
 
 log = logging.getLogger(__name__)
 
-#: GGUF quantization types the kernels read (names of ``gguf.GGMLQuantizationType``)
-QUANT_KINDS = ("Q4_1", "Q5_0", "Q8_0")
-_BLOCK_BYTES = {"Q4_1": 20, "Q5_0": 22, "Q8_0": 34}
+#: GGUF quantization types the kernels read (names of ``gguf.GGMLQuantizationType``); Q4_K is read in Q4_1's
+#: layout and Q6_K in "Q8_16"'s (int8 values, a scale per 16), both rebuilt exactly (``_qkernels.c``)
+QUANT_KINDS = ("Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K")
+_BLOCK_BYTES = {"Q4_1": 20, "Q5_0": 22, "Q8_0": 34, "Q4_K": 144, "Q6_K": 210}
 _FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
 _NATIVE = ("-march=native",)
-_ENTRY = {"Q4_1": "pkv_q4_1_mm", "Q5_0": "pkv_q5_0_mm", "Q8_0": "pkv_q8_0_mm"}
+_ENTRY = {"Q4_1": "pkv_q4_1_mm", "Q5_0": "pkv_q5_0_mm", "Q8_0": "pkv_q8_0_mm", "Q8_16": "pkv_q8_16_mm"}
 
 
 class QuantBlocks(NamedTuple):
-    """One weight matrix ``(N, K)`` in a kernel's layout (module ``_qkernels.c``): ``qs`` uint8 ``(N, K // 2)``
-    (Q4_1, Q5_0: two 4-bit values a byte) or int8 ``(N, K)`` (Q8_0), ``d`` float32 ``(N, K // 32)`` (the scales),
-    ``aux`` ``(N, K // 32)``: Q4_1's offsets ``m`` (float32), Q5_0's fifth bits (uint32), ``None`` for Q8_0."""
+    """One weight matrix ``(N, K)`` in a kernel's layout (module ``_qkernels.c``; ``kind`` names the layout:
+    ``"Q4_1"``, ``"Q5_0"``, ``"Q8_0"``, ``"Q8_16"``): ``qs`` uint8 ``(N, K // 2)`` (Q4_1, Q5_0: two 4-bit values a
+    byte) or int8 ``(N, K)`` (Q8_0, Q8_16), ``d`` float32 ``(N, K // 32)`` (the scales; ``(N, K // 16)`` for
+    Q8_16), ``aux`` ``(N, K // 32)``: Q4_1's offsets ``m`` (float32), Q5_0's fifth bits (uint32), ``None`` for
+    the others."""
 
     kind: str
     qs: np.ndarray
@@ -64,7 +67,7 @@ class QuantBlocks(NamedTuple):
     @property
     def shape(self) -> tuple[int, int]:
         n = self.qs.shape[0]
-        return n, self.d.shape[1] * 32
+        return n, self.d.shape[1] * (16 if self.kind == "Q8_16" else 32)
 
     def take_rows(self, convert: Any) -> QuantBlocks:
         """The same blocks with ``convert`` (a row permutation such as ``unpermute_qk``) applied to every part."""
@@ -96,7 +99,47 @@ def split_blocks(kind: str, raw: np.ndarray) -> QuantBlocks:
         return QuantBlocks(kind, part(4, 20).reshape(n, -1), d, part(2, 4).view(np.float16)[..., 0].astype(np.float32))
     if kind == "Q5_0":
         return QuantBlocks(kind, part(6, 22).reshape(n, -1), d, part(2, 6).view("<u4")[..., 0].astype(np.uint32))
-    return QuantBlocks(kind, part(2, 34).view(np.int8).reshape(n, -1), d, None)
+    if kind == "Q8_0":
+        return QuantBlocks(kind, part(2, 34).view(np.int8).reshape(n, -1), d, None)
+    if kind == "Q4_K":
+        return _q4k_as_q41(blocks)
+    return _q6k_as_q816(blocks)
+
+
+def _q4k_as_q41(blocks: np.ndarray) -> QuantBlocks:
+    """Q4_K super-blocks ``(N, nb, 144)`` in Q4_1's layout: per 32 weights, ``d = d_block * scale`` and
+    ``m = -(dmin_block * min)`` (float32, exact: 11 x 6 significant bits), the 4-bit values repacked (Q4_K keeps
+    sub-blocks 2c and 2c + 1 in the low and high nibbles of the same 32 bytes; Q4_1 keeps values j and j + 16 of
+    one sub-block in one byte). ``d * q + m`` is then gguf's ``d * q - dm`` bit for bit."""
+    from gguf.quants import Q4_K
+
+    n, nb = blocks.shape[:2]
+    f16 = lambda lo: np.ascontiguousarray(blocks[:, :, lo:lo + 2]).view(np.float16)[..., 0].astype(np.float32)  # noqa: E731
+    sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, :, 4:16]).reshape(n * nb, 12))
+    d = (f16(0)[..., None] * sc.reshape(n, nb, 8).astype(np.float32)).reshape(n, nb * 8)
+    m = -(f16(2)[..., None] * mn.reshape(n, nb, 8).astype(np.float32)).reshape(n, nb * 8)
+    qs = blocks[:, :, 16:144].reshape(n, nb, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+    q = (qs & np.uint8(15)).reshape(n, nb * 8, 32)
+    packed = (q[..., :16] | (q[..., 16:] << np.uint8(4))).reshape(n, -1)
+    return QuantBlocks("Q4_1", np.ascontiguousarray(packed), np.ascontiguousarray(d), np.ascontiguousarray(m))
+
+
+def _q6k_as_q816(blocks: np.ndarray) -> QuantBlocks:
+    """Q6_K super-blocks ``(N, nb, 210)`` as int8 values with a float32 scale per 16 (``d_block * scale``, exact:
+    11 x 8 significant bits). The values are decoded by gguf's own dequantize with the scales set to 1 (exact
+    small integers), so their interleaved layout is gguf's, not re-derived here; ``d * q`` is then gguf's product,
+    its one rounding included."""
+    from gguf.quants import Q6_K
+
+    n, nb = blocks.shape[:2]
+    unit = np.array(blocks, dtype=np.uint8, copy=True)
+    unit[:, :, 192:208] = 1  # int8 scales of 1
+    unit[:, :, 208:210] = np.frombuffer(np.float16(1.0).tobytes(), dtype=np.uint8)  # d = 1.0
+    q = Q6_K.dequantize_blocks(unit.reshape(n * nb, 210)).astype(np.int8).reshape(n, nb * 256)
+    d_block = np.ascontiguousarray(blocks[:, :, 208:210]).view(np.float16)[..., 0].astype(np.float32)
+    scales = np.ascontiguousarray(blocks[:, :, 192:208]).view(np.int8).astype(np.float32)
+    d = (d_block[..., None] * scales).reshape(n, nb * 16)
+    return QuantBlocks("Q8_16", np.ascontiguousarray(q), np.ascontiguousarray(d), None)
 
 
 def load_blocks(path: Any, convert: Any = None) -> dict[str, QuantBlocks]:
@@ -155,8 +198,8 @@ def build_kernels(arch: tuple[str, ...] = _NATIVE) -> ctypes.CDLL:
             os.replace(out, lib)  # atomic: concurrent builders each install a complete file
     dll = ctypes.CDLL(str(lib))
     vp, i64, ci = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    for kind in QUANT_KINDS:  # one signature: (x, B, ldx, K, qs, d, aux, n0, n1, y, ldy, threads)
-        fn = getattr(dll, _ENTRY[kind])
+    for name in _ENTRY.values():  # one signature: (x, B, ldx, K, qs, d, aux, n0, n1, y, ldy, threads)
+        fn = getattr(dll, name)
         fn.argtypes = [vp, i64, i64, i64, vp, vp, vp, i64, i64, vp, i64, ci]
         fn.restype = None
     dll.pkv_isa.restype = ctypes.c_char_p
