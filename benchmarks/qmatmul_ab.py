@@ -1,18 +1,20 @@
 """The quantized kernels against the dense float32 products, in one process, alternating (docs/engine-speed.md).
 
-    PYTHONPATH=src .venv/bin/python benchmarks/qmatmul_ab.py [--batches 1,4,16,32,48] [--rounds 5] [--threads 1]
-        [--engine-len 32,64] [--engine-batches 1,4]
+    PYTHONPATH=src .venv/bin/python benchmarks/qmatmul_ab.py [--model smollm2|gemma-3-270m]
+        [--batches 1,4,16,32,48] [--rounds 5] [--threads 1] [--head-rows 1,2,4,8] [--engine-len 32,64]
+        [--engine-batches 1,4]
 
-SmolLM2-135M (its Q4_1 file) loaded once. Two parts:
+The model (default SmolLM2-135M, its Q4_1 file; Gemma 3 270M's Q4_K_M) loaded once. Three parts:
 
-1. products: every per-layer product of the model (30 layers x qkv, attn_output, gate_up, down; 107M weights) on
-   random rows, the quantized kernel (``QuantLinear``) and ``F.linear`` on the dense float32 weight taking turns
-   round by round; per row count the median ms of one pass over all of them, and the ratio kernel / dense (median
-   and range over rounds). The weights stream from memory as in a forward (135 MB per pass in the blocks, 428 MB
-   in float32), not from cache.
-2. engine: ``LLM`` on the model with the kernels and on the same weights without them (``PagedLlama`` built
-   without ``quantized``), greedy, the same random prompts back to back per round; tokens/s (prompt + output)
-   and whether the two gave the same tokens.
+1. products: every per-layer product of the model (SmolLM2: 30 layers x qkv, attn_output, gate_up, down, 107M
+   weights) on random rows, the quantized kernels (``QuantLinear``) and ``F.linear`` on the dense float32 weight
+   taking turns round by round; per row count the median ms of one pass over all of them, and the ratio kernels /
+   dense (median and range over rounds). The weights stream from memory as in a forward, not from cache.
+2. the LM head: the quantized table's float32 products (``LMHead.approx(h, proposals=False)``, greedy / top-k
+   steps) against the bf16 product with its bound (``LMHead.approx(h)``), per row count.
+3. engine: ``LLM`` on the model with the kernels and on the same weights without them (the same model object
+   with dense products and a head without the quantized table), greedy, the same random prompts back to back per
+   round; tokens/s (prompt + output) and whether the two gave the same tokens.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ import time
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2", help="smollm2, gemma-3-270m or a GGUF path")
     p.add_argument("--batches", default="1,4,16,32,48")
+    p.add_argument("--head-rows", default="1,2,4,8", help="row counts of part 2 ('' skips it)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--engine-len", default="32,64", help="input,output tokens per prompt of part 2")
@@ -35,17 +39,20 @@ def main() -> int:
     import torch
     import torch.nn.functional as F
 
-    from pagedkv.engine.gguf_loader import find_default_model, llama_row_convert, load_gguf
+    import copy
+
     from pagedkv.engine.llm import LLM
-    from pagedkv.engine.model import PagedLlama
-    from pagedkv.engine.qmatmul import kernel_status, load_blocks
+    from pagedkv.engine.lm_head import LMHead
+    from pagedkv.engine.qmatmul import DenseLinear, kernel_status
+    from pagedkv.engine.registry import load_model
     from pagedkv.engine.sampling import SamplingParams
 
     torch.set_num_threads(a.threads)
-    path = find_default_model()
-    config, weights, meta = load_gguf(path)
-    fast = PagedLlama(config, weights, tokenizer_metadata=meta, quantized=load_blocks(path, llama_row_convert(config)))
-    print(f"[qmatmul_ab] {path.name}, {a.threads} thread(s); kernels: {kernel_status()}")
+    fast = load_model(None if a.model == "smollm2" else a.model)
+    config = fast.config
+    print(f"[qmatmul_ab] {a.model}, {a.threads} thread(s); kernels: {kernel_status()}; per-layer products: "
+          f"{sorted({lin.kind if lin.uses_kernel else 'dense' for layer in fast.linears for lin in layer})}; "
+          f"head: {fast.head.quantized.kind if fast.head.quantized is not None else 'bf16 only'}")
     if not fast.quant_kernels:
         print("[qmatmul_ab] no kernels: nothing to compare")
         return 1
@@ -74,9 +81,32 @@ def main() -> int:
     for lin in lins:
         lin.max_rows = type(lin).DEFAULT_MAX_ROWS
 
+    def median_ms(fn) -> float:
+        fn()
+        ts = []
+        for _ in range(a.rounds):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+        return statistics.median(ts) * 1e3
+
+    if a.head_rows and fast.head.quantized is not None:
+        head = fast.head
+        head.prepare()
+        print("\n| head rows | quantized table ms | bf16 + bound ms | ratio |\n|---|---|---|---|")
+        for rows in [int(r) for r in a.head_rows.split(",")]:
+            h = torch.randn(rows, head.weight.shape[1])
+            head.quantized.max_rows = max(rows, head.quantized.max_rows)
+            q = median_ms(lambda: head._quantized_approx(h))
+            b = median_ms(lambda: head.approx(h))
+            print(f"| {rows} | {q:.2f} | {b:.2f} | {q / b:.2f} |", flush=True)
+        head.quantized.max_rows = LMHead.QUANT_ROWS
+
     if not a.engine_batches:
         return 0
-    dense = PagedLlama(config, weights, tokenizer_metadata=meta)
+    dense = copy.copy(fast)  # the same weights; dense products, a head without the quantized table
+    dense.linears = [tuple(DenseLinear(lin.weight) for lin in layer) for layer in fast.linears]
+    dense.head = LMHead(fast.lm_head, softcap=fast.head.softcap)
     s_in, s_out = (int(v) for v in a.engine_len.split(","))
     sp = SamplingParams(temperature=0.0, max_tokens=s_out, ignore_eos=True)
     print(f"\nengine, greedy, {s_in} + {s_out} tokens per prompt, {a.rounds} rounds:\n")

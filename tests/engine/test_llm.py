@@ -47,15 +47,18 @@ def test_reference_json_through_the_paged_engine(engine, reference_case):
 @pytest.mark.parametrize("fast", [True, False], ids=["fast-lm-head", "float32-lm-head"])
 def test_fast_lm_head_gives_the_reference_and_is_used(engine, reference_case, fast):
     """The exact fast LM head (on by default) and the float32 one give the reference's greedy tokens, and the
-    fast one really runs (its bf16 product, no float32 fallback for greedy rows)."""
+    fast one really runs (no float32 fallback for greedy rows): one greedy row takes the quantized table's float32
+    products where the kernels are built (the tied Q8_0 table), the bf16 product otherwise."""
     head = engine.paged.head
     before = dict(head.stats)
     llm = make_llm(engine, num_gpu_blocks=32, fast_lm_head=fast)
     assert llm.fast_lm_head is fast
     out = llm.chat(reference_case["messages"], greedy(reference_case["max_tokens"]), use_tqdm=False)[0]
     assert ids(out) == reference_case["gen_ids"]
-    steps = head.stats["bf16"] - before["bf16"]
+    path = "quantized" if head.quantized is not None else "bf16"
+    steps = head.stats[path] - before[path]
     assert steps == (reference_case["max_tokens"] if fast else 0)
+    assert head.stats["bf16"] + head.stats["quantized"] - before["bf16"] - before["quantized"] == steps
     assert head.stats["exact"] - before["exact"] == (0 if fast else reference_case["max_tokens"])
     assert head.stats["fallback_rows"] == before["fallback_rows"]
 

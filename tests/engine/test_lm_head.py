@@ -206,7 +206,7 @@ class _PerturbedHead:
         self.stats = {"bf16": 0, "exact": 0, "fallback_rows": 0, "rescored": 0, "rejections": 0}
         self.buffer = LMHead(torch.zeros(1, 1)).buffer
 
-    def approx(self, h):
+    def approx(self, h, proposals=True):
         rows = h[:, 0].long()
         return self._A(self.L[rows] + self.P[rows], torch.full((len(rows),), self.E, dtype=torch.float64), "bf16")
 

@@ -199,3 +199,40 @@ def test_model_decode_steps_use_the_kernels_and_match_dense(engine):
         rel = float((a - b).norm() / b.norm())
         assert 0 <= rel < 1e-5, rel
     assert not math.isnan(float(ha1.sum()))
+
+
+def test_lm_head_reads_the_quantized_table_for_few_greedy_and_top_k_rows(engine):
+    """SmolLM2's tied Q8_0 table: greedy and top-k steps of up to QUANT_ROWS rows take the kernel's float32 logits
+    (bound 2 gamma C ||x||, checked against float64); the tokens equal those of the bf16 path and of float32 argmax;
+    a plain-sampling row keeps the bf16 proposals whatever its batch (seeded draws unchanged)."""
+    _kernels_or_skip()
+    from pagedkv.engine.lm_head import LMHead
+    from pagedkv.engine.sampling import SamplingParams, sample_bounded
+
+    head = engine.paged.head
+    assert head.quantized is not None and head.quantized.kind == "Q8_0"
+    plain_head = LMHead(head.weight)  # the same table, no quantized copy
+    g = torch.Generator().manual_seed(11)
+    h = torch.randn(3, head.weight.shape[1], generator=g) * 3
+    ap = head.approx(h, proposals=False)
+    assert ap.kernel == "quantized"
+    exact64 = h.double() @ head.weight.double().T
+    assert ((ap.values.double() - exact64).abs().amax(dim=1) <= ap.bound / 2).all()
+    assert head.approx(h).kernel == "bf16"  # proposals (the default): bf16 at any row count
+    assert head.approx(torch.cat([h, h]), proposals=False).kernel == "bf16"  # more rows than QUANT_ROWS
+
+    greedy = [SamplingParams(temperature=0.0)] * 3
+    topk = [SamplingParams(temperature=0.9, top_k=20, seed=5)] * 3
+    for params in (greedy, topk):
+        gens = lambda: [torch.Generator().manual_seed(100 + i) for i in range(3)]  # noqa: E731
+        before = head.stats["quantized"]
+        got = sample_bounded(head, h, params, [1, 1, 1], gens())
+        assert head.stats["quantized"] == before + 1
+        assert got == sample_bounded(plain_head, h, params, [1, 1, 1], gens())
+    assert [t[0] for t in sample_bounded(head, h, greedy, [1] * 3, [None] * 3)] == \
+        exact64.argmax(dim=1).tolist()
+
+    before = head.stats["quantized"]
+    mixed = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=3)]
+    sample_bounded(head, h[:2], mixed, [1, 1], [None, torch.Generator().manual_seed(3)])
+    assert head.stats["quantized"] == before  # a plain row in the batch: the bf16 product

@@ -45,7 +45,7 @@ from .gguf_loader import ArchMetadata, TokenizerMetadata, check_shapes, inv_freq
 from .gguf_loader import _read_tokenizer_metadata
 from .lm_head import LMHead
 from .model import AttentionMetadata, PagedDecoder, _rotate_half
-from .qmatmul import QuantBlocks, load_blocks, make_linear
+from .qmatmul import QuantBlocks, head_linear, load_blocks, make_linear
 from .paged_attention import paged_attention, plan_paged_attention
 
 __all__ = ["ARCHITECTURE", "Gemma3Config", "PagedGemma3", "load_gemma3", "read_gemma3_config"]
@@ -219,7 +219,8 @@ class PagedGemma3(PagedDecoder):
         self.device = self.tok_embd.device
         self.lm_head = w("output.weight")
         # exact float32 logits (soft-capped when configured), and the bounded fast path (lm_head.py)
-        self.head = LMHead(self.lm_head, softcap=c.final_logit_softcapping)
+        self.head = LMHead(self.lm_head, softcap=c.final_logit_softcapping,
+                           quantized=head_linear(self.lm_head, quantized, max_rows=LMHead.QUANT_ROWS))
         self.out_norm = w("output_norm.weight")
 
         def qk_norm(i: int) -> torch.Tensor:

@@ -45,7 +45,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -60,7 +60,8 @@ class ApproxLogits(NamedTuple):
     """Approximate logits ``values`` (float32 ``(R, vocab)``, soft-capped like the exact ones; a per-thread buffer
     of the head, valid until its next :meth:`LMHead.approx`) and ``bound``
     (float64 ``(R,)``): ``|exact[r, i] - values[r, i]| <= bound[r]`` for every ``i``; ``inf`` where the row could
-    not be bounded (then nothing is decided from it). ``kernel``: ``"bf16"``."""
+    not be bounded (then nothing is decided from it). ``kernel``: ``"bf16"`` or ``"quantized"`` (the float32
+    products of the file's quantized table, few greedy / top-k rows)."""
 
     values: torch.Tensor
     bound: torch.Tensor
@@ -81,16 +82,24 @@ class LMHead:
     float32 table on the CPU); :meth:`prepare` builds the low-precision copies (O(vocab x hidden), once).
     """
 
-    def __init__(self, weight: torch.Tensor, *, softcap: float | None = None) -> None:
+    #: rows up to which greedy / top-k steps take the quantized kernel's float32 logits (:meth:`approx`); measured
+    #: (benchmarks/qmatmul_ab.py --head): SmolLM2's Q8_0 table 1.7 / 2.4 ms at 1 / 4 rows against 2.5 / 2.6 ms
+    #: for the bf16 product, 4.5 against 2.8 at 8
+    QUANT_ROWS = 4
+
+    def __init__(self, weight: torch.Tensor, *, softcap: float | None = None, quantized: Any = None) -> None:
         self.weight = weight
         self.softcap = softcap
+        #: the table's quantized blocks (a :class:`pagedkv.engine.qmatmul.QuantLinear` of the file's Q8_0 / ...
+        #: table) or ``None``: few greedy / top-k rows read it instead of the bf16 copy (:meth:`approx`)
+        self.quantized = quantized if getattr(quantized, "uses_kernel", False) else None
         self._bf16: torch.Tensor | None = None
         self._consts: dict[str, tuple[float, float]] = {}  # kernel -> (A, B)
         self._c_norm = 0.0
         n = weight.shape[1]
         self._gamma = 1.01 * (n + 2) * _U_F32 / (1 - (n + 2) * _U_F32)
         #: how often each path ran (for tests and profiling): approx calls per kernel, rows rescored, fallbacks
-        self.stats = {"bf16": 0, "exact": 0, "fallback_rows": 0, "rescored": 0, "rejections": 0}
+        self.stats = {"bf16": 0, "quantized": 0, "exact": 0, "fallback_rows": 0, "rescored": 0, "rejections": 0}
         #: wall seconds spent in the products (:meth:`logits`, :meth:`approx`, :meth:`exact_at`)
         self.seconds = 0.0
         self._local = threading.local()  # per-thread buffers (a model may be shared by replica threads)
@@ -198,10 +207,19 @@ class LMHead:
         return res
 
     @torch.inference_mode()
-    def approx(self, h: torch.Tensor) -> ApproxLogits:
+    def approx(self, h: torch.Tensor, *, proposals: bool = True) -> ApproxLogits:
         """Approximate logits of ``h`` ``(R, hidden)`` (float32) with their per-row bound (module docstring).
-        O(R x vocab x hidden) in bf16, O(R x vocab) more."""
+        O(R x vocab x hidden) in bf16, O(R x vocab) more.
+
+        ``proposals=False`` (no row draws rejection-sampling proposals from the values: greedy and top-k only, whose
+        tokens do not depend on the approximate values as long as the bound holds) lets up to :attr:`QUANT_ROWS`
+        rows take the quantized table's float32 products instead (``kernel == "quantized"``): the float32 logits up
+        to summation order, bound ``2 gamma_n C ||x||`` (its float32 rounding and that of the rescoring products). A
+        sampling row keeps the bf16 values at every batch size, so a seeded request draws the same tokens whatever
+        shares its batch."""
         self.prepare()
+        if not proposals and self.quantized is not None and 0 < h.shape[0] <= self.QUANT_ROWS:
+            return self._quantized_approx(h)
         kernel = "bf16"
         self.stats[kernel] += 1
         t = time.perf_counter()
@@ -221,3 +239,13 @@ class LMHead:
                  + (_U_BF16 / (1 - _U_BF16)) * big + 1e-30)
         bound = torch.where(torch.isfinite(bound), bound, torch.full_like(bound, math.inf))
         return ApproxLogits(self._cap(raw), bound, kernel)
+
+    def _quantized_approx(self, h: torch.Tensor) -> ApproxLogits:
+        self.stats["quantized"] += 1
+        t = time.perf_counter()
+        x = h.float()
+        values = self.quantized(x)
+        self.seconds += time.perf_counter() - t
+        bound = 2.0 * self._gamma * self._c_norm * x.double().norm(dim=1) * (1 + 1e-6) + 1e-30
+        bound = torch.where(torch.isfinite(bound), bound, torch.full_like(bound, math.inf))
+        return ApproxLogits(self._cap(values), bound, "quantized")

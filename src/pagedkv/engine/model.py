@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from .gguf_loader import (ModelConfig, TokenizerMetadata, find_default_model, llama_row_convert, load_gguf,
                           rope_inv_freq)
 from .lm_head import LMHead
-from .qmatmul import QuantBlocks, load_blocks, make_linear
+from .qmatmul import QuantBlocks, head_linear, load_blocks, make_linear
 from .paged_attention import (NULL_BLOCK, AttentionPlan, AttentionWorkspace, paged_attention,
                               plan_paged_attention)
 
@@ -489,7 +489,8 @@ class PagedLlama(PagedDecoder):
         self.device = self.tok_embd.device  # normalized, e.g. "cuda" -> "cuda:0"
         self.out_norm = w("output_norm.weight")
         self.lm_head = w("output.weight")
-        self.head = LMHead(self.lm_head)  # exact float32 logits, and the bounded fast path (lm_head.py)
+        # exact float32 logits, and the bounded fast path (lm_head.py)
+        self.head = LMHead(self.lm_head, quantized=head_linear(self.lm_head, quantized, max_rows=LMHead.QUANT_ROWS))
         self.layers = [
             (
                 w(f"blk.{i}.attn_norm.weight"),

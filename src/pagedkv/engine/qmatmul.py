@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["QUANT_KINDS", "DenseLinear", "QuantBlocks", "QuantLinear", "build_kernels", "kernel_status", "kernels",
-           "load_blocks", "make_linear", "split_blocks"]
+           "head_linear", "load_blocks", "make_linear", "split_blocks"]
 
 log = logging.getLogger(__name__)
 
@@ -332,3 +332,16 @@ def make_linear(weight: torch.Tensor, names: list[str], quantized: dict[str, Qua
     if any(p is None for p in parts) or weight.device.type != "cpu" or weight.dtype != torch.float32:
         return DenseLinear(weight)
     return QuantLinear(weight, parts)
+
+
+def head_linear(weight: torch.Tensor, quantized: dict[str, QuantBlocks] | None, *, max_rows: int) -> Any:
+    """The LM head's quantized product (``output.weight``'s blocks, or ``token_embd.weight``'s when the file ties
+    the output to the embedding), or ``None`` (no blocks a kernel reads, no kernels)."""
+    if not quantized:
+        return None
+    name = "output.weight" if "output.weight" in quantized else "token_embd.weight"
+    lin = make_linear(weight, [name], quantized)
+    if not lin.uses_kernel:
+        return None
+    lin.max_rows = max_rows
+    return lin

@@ -258,7 +258,9 @@ def sample_bounded(head, h: torch.Tensor, params: list[SamplingParams], nums: li
     todo = [i for i, k in enumerate(kinds) if k != "exact"]
     if todo:
         hs = h if len(todo) == n_rows else h[todo]
-        ap = head.approx(hs)
+        # (no plain-sampling row: the tokens do not depend on the approximate values, which may then come from the
+        # quantized table's float32 products; a plain row's proposals always come from the bf16 product)
+        ap = head.approx(hs, proposals=any(kinds[i] == "plain" for i in todo))
         vals, bound = ap.values, ap.bound.tolist()
         finite = [math.isfinite(b) for b in bound]
         greedy = [j for j, i in enumerate(todo) if kinds[i] == "greedy" and finite[j]]

@@ -51,6 +51,7 @@ def run_throughput(llm, *, input_len: int, output_len: int, num_prompts: int, n:
         "sampling_share": t.sampling / t.total,
         "torch_threads": _threads(),
         "fast_lm_head": bool(getattr(llm, "fast_lm_head", False)),
+        "quant_kernels": bool(getattr(llm.model, "quant_kernels", False)),
         "block_manager_share": t.block_manager / t.total,
         "scheduler_share": (t.scheduler - t.block_manager) / t.total,
         "num_gpu_blocks": llm.block_manager.num_gpu_blocks,
@@ -72,7 +73,8 @@ def format_split(r: dict) -> str:
             f"model {100 * r['model_share']:.1f}% ({r['model_s']:.2f} s), "
             f"sampling {100 * r['sampling_share']:.1f}% ({r['sampling_s']:.2f} s); "
             f"torch threads: {r['torch_threads']}; preemptions: {r['preemptions']}"
-            + (f"; fast LM head: {'on' if r['fast_lm_head'] else 'off'}" if "fast_lm_head" in r else ""))
+            + (f"; fast LM head: {'on' if r['fast_lm_head'] else 'off'}" if "fast_lm_head" in r else "")
+            + (f"; quantized kernels: {'on' if r['quant_kernels'] else 'off'}" if "quant_kernels" in r else ""))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
