@@ -4,7 +4,8 @@ Why: at batch 1 a decode step reads every weight once, and the float32 weights o
 token (31.7 ms of a 45.7 ms step on one thread, measured); the file's Q4_1 blocks are 0.625 bytes per weight
 instead of 4. llama.cpp reads them as they are, but rounds the activations to 8 bits first, so its products are
 not those of the float32 model. Here the activations stay float32 and each weight is rebuilt in float32 on the
-fly, bit for bit as ``gguf.quants.dequantize`` rebuilds it (Q4_1: ``d * q + m``, Q8_0: ``d * q``; ``d * q`` of a
+fly, bit for bit as ``gguf.quants.dequantize`` rebuilds it (Q4_1: ``d * q + m``, Q5_0: ``d * (q - 16)``, Q8_0:
+``d * q``; Q4_K read as Q4_1 and Q6_K as int8 with a scale per 16, their sub-block scales folded in; ``d * q`` of a
 float16 scale is exact in float32): the result is the product with the dequantized float32 matrix, up to the
 float32 summation order (which any GEMM already chooses freely). Greedy tokens stay those of the reference.
 
@@ -15,8 +16,14 @@ the system's C compiler (``cc -O3 -march=native -ffp-contract=off -fopenmp``) in
 
 :class:`QuantLinear` keeps both forms of one weight: the quantized blocks for steps of up to ``max_rows`` rows
 (decode of a few sequences, where reading the weights dominates) and the dense float32 matrix for the rest
-(prefill, large batches: compute-bound, where the BLAS kernel wins). Cost: the quantized copy, 1/6.4 (Q4_1) or
-1/3.8 (Q8_0) of the float32 one.
+(prefill, large batches: compute-bound, where the BLAS kernel wins). Cost: the quantized copy, 1/6.4 (Q4_1) to
+1/3.8 (Q8_0) of the float32 one. :func:`make_linear` picks it or :class:`DenseLinear` for a model's projection,
+:func:`head_linear` for the LM head (few greedy / top-k rows, :class:`pagedkv.engine.lm_head.LMHead`).
+
+Layout of one group of 32 weights in a Q4_1 row (the kernel reads 16 bytes of values, a scale and an offset)::
+
+    qs:  byte j = q[j] | q[j + 16] << 4        (j = 0..15)       d, m: float32, one each per group
+    w[j] = d * q[j] + m                        x[32 g .. 32 g + 31] float32, one fused multiply-add each
 """
 
 from __future__ import annotations
