@@ -236,3 +236,33 @@ def test_lm_head_reads_the_quantized_table_for_few_greedy_and_top_k_rows(engine)
     mixed = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=3)]
     sample_bounded(head, h[:2], mixed, [1, 1], [None, torch.Generator().manual_seed(3)])
     assert head.stats["quantized"] == before  # a plain row in the batch: the bf16 product
+
+
+def test_the_switch_from_the_command_line_to_the_model(engine):
+    """--no-quant-kernels / LLM(quant_kernels=False) / from_gguf(quant_kernels=False): the dense float32 products
+    only, the same greedy tokens; a model loaded with the kernels is refused with quant_kernels=False."""
+    import argparse
+
+    from pagedkv.engine.gguf_loader import find_default_model
+    from pagedkv.engine.llm import LLM
+    from pagedkv.engine.model import PagedLlama
+    from pagedkv.engine.options import add_engine_args
+    from pagedkv.engine.sampling import SamplingParams
+    from pagedkv.errors import InvalidArgumentError
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert p.parse_args([]).quant_kernels is True
+    assert p.parse_args(["--no-quant-kernels"]).quant_kernels is False
+
+    with pytest.raises(InvalidArgumentError, match="quant_kernels=False"):
+        LLM(engine.paged, quant_kernels=False, num_gpu_blocks=8)
+    dense = PagedLlama.from_gguf(find_default_model(), quant_kernels=False)
+    assert not dense.quant_kernels and dense.head.quantized is None
+    fast = LLM(engine.paged, num_gpu_blocks=16)
+    slow = LLM(dense, quant_kernels=False, num_gpu_blocks=16)
+    assert fast.quant_kernels is (qmatmul.kernels() is not None) and slow.quant_kernels is False
+    sp = SamplingParams(temperature=0.0, max_tokens=12)
+    prompt = {"prompt_token_ids": [1, 504, 3458, 282, 4077, 30, 216]}
+    assert fast.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids == \
+        slow.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids

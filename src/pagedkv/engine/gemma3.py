@@ -260,11 +260,12 @@ class PagedGemma3(PagedDecoder):
 
     @classmethod
     def from_gguf(cls, path: Any = None, *, device: torch.device | str | None = None,
-                  dtype: torch.dtype = torch.float32, reader: Any = None) -> PagedGemma3:
+                  dtype: torch.dtype = torch.float32, reader: Any = None, quant_kernels: bool = True) -> PagedGemma3:
+        """Load a Gemma 3 GGUF file (or an open reader); ``quant_kernels`` as :meth:`PagedLlama.from_gguf`."""
         if reader is None and path is not None:
             reader = open_gguf(path)
         config, weights, tok_meta = load_gemma3(path, reader=reader)
-        quantized = load_blocks(reader) if reader is not None else None
+        quantized = load_blocks(reader) if reader is not None and quant_kernels else None
         return cls(config, weights, device=device, dtype=dtype, tokenizer_metadata=tok_meta, quantized=quantized)
 
     @property

@@ -133,6 +133,11 @@ class LLM:
             the bound, top-p computes its row in float32. The tokens are those of the float32 logits (True, the
             default; float32 weights on the CPU only, else off). Costs the low-precision copies' memory (Gemma 3
             270M: +335 MB, SmolLM2-135M: +57 MB). False: the float32 logits of every row, as before.
+        quant_kernels: decode steps of up to 32 sequences read the GGUF file's quantized weights with float32
+            activations, each weight rebuilt exactly as the float32 one (:mod:`pagedkv.engine.qmatmul`; the same
+            float32 products up to summation order; True, the default, where the kernels build: CPU, float32).
+            A loading option: with an already loaded model it must match how that model was loaded
+            (``InvalidArgumentError`` otherwise). ``llm.quant_kernels`` says whether they are in use.
     """
 
     def __init__(
@@ -158,6 +163,7 @@ class LLM:
         long_prefill_token_threshold: int = 0,
         kv_cache_groups: bool = True,
         fast_lm_head: bool = True,
+        quant_kernels: bool = True,
     ) -> None:
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise InvalidArgumentError(f"device {device!r} was asked for but CUDA is not available; use device='cpu'")
@@ -176,10 +182,16 @@ class LLM:
                 f"long_prefill_token_threshold must be an int >= 0, got {long_prefill_token_threshold!r}")
         self.device = torch.device(device)
         if model is not None and not isinstance(model, (str, os.PathLike)):  # share already loaded weights
+            if not quant_kernels and getattr(model, "quant_kernels", False):
+                raise InvalidArgumentError(
+                    "quant_kernels=False, but this model was loaded with the quantized kernels: load it with "
+                    "from_gguf(..., quant_kernels=False), or pass its name or path")
             self.model = model
             self.device = model.device
         else:
-            self.model = load_model(model, device=self.device, dtype=dtype)
+            self.model = load_model(model, device=self.device, dtype=dtype, quant_kernels=quant_kernels)
+        #: whether decode steps read the file's quantized weights (``quant_kernels`` and kernels that built)
+        self.quant_kernels = bool(getattr(self.model, "quant_kernels", False))
         if sliding_window is not None and getattr(self.model, "layer_windows", None) is not None:
             raise InvalidArgumentError(
                 "this model has per-layer sliding windows (its full-attention layers need every block): "

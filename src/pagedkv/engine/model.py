@@ -515,12 +515,14 @@ class PagedLlama(PagedDecoder):
 
     @classmethod
     def from_gguf(
-        cls, path: Any = None, *, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32
+        cls, path: Any = None, *, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32,
+        quant_kernels: bool = True,
     ) -> PagedLlama:
         """Load a GGUF file (default: :func:`find_default_model`) into a model; the tokenizer metadata
-        is kept as ``model.tokenizer_metadata``."""
+        is kept as ``model.tokenizer_metadata``. ``quant_kernels``: few-row steps read the file's quantized blocks
+        (:mod:`pagedkv.engine.qmatmul`; float32 CPU weights only); False: every product is the dense float32 one."""
         config, weights, tok_meta = load_gguf(path, dtype=dtype)
-        quantized = load_blocks(path or find_default_model(), llama_row_convert(config))
+        quantized = load_blocks(path or find_default_model(), llama_row_convert(config)) if quant_kernels else None
         return cls(config, weights, device=device, dtype=dtype, tokenizer_metadata=tok_meta, quantized=quantized)
 
     @property

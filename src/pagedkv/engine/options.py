@@ -41,6 +41,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="the exact fast LM head: bf16 logits with a rigorous error bound, the entries the bound "
                         "cannot decide rescored in float32 (same tokens as float32 logits; docs/engine-speed.md); "
                         "--no-fast-lm-head computes every row's logits in float32")
+    p.add_argument("--quant-kernels", action=argparse.BooleanOptionalAction, default=True,
+                   help="decode steps of up to 32 sequences read the GGUF file's quantized weights with float32 "
+                        "activations, each weight rebuilt exactly (the float32 model's products up to summation "
+                        "order; docs/engine-speed.md); --no-quant-kernels uses the dense float32 weights only")
     p.add_argument("--sliding-window", type=int, default=None, metavar="TOKENS",
                    help="attend to the last TOKENS tokens only, releasing older blocks (default: full attention)")
 
@@ -66,6 +70,7 @@ def make_llm(args: argparse.Namespace, **over):
         enable_chunked_prefill=args.enable_chunked_prefill,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         fast_lm_head=getattr(args, "fast_lm_head", True),
+        quant_kernels=getattr(args, "quant_kernels", True),
     )
     kw.update(over)
     return LLM(args.model, **kw)

@@ -123,11 +123,13 @@ def model_class(arch: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-def load_model(model: str | os.PathLike[str] | None = None, *, device: Any = None, dtype: Any = None) -> Any:
-    """Load the model ``model`` names (see :func:`resolve_model_path`) with the class of its architecture."""
+def load_model(model: str | os.PathLike[str] | None = None, *, device: Any = None, dtype: Any = None,
+               quant_kernels: bool = True) -> Any:
+    """Load the model ``model`` names (see :func:`resolve_model_path`) with the class of its architecture;
+    ``quant_kernels``: few-row steps read the file's quantized blocks (:mod:`pagedkv.engine.qmatmul`)."""
     path = resolve_model_path(model)
     cls = model_class(read_architecture(path))
-    kw = {"device": device}
+    kw = {"device": device, "quant_kernels": quant_kernels}
     if dtype is not None:
         kw["dtype"] = dtype
     return cls.from_gguf(path, **kw)

@@ -51,7 +51,7 @@ def run_throughput(llm, *, input_len: int, output_len: int, num_prompts: int, n:
         "sampling_share": t.sampling / t.total,
         "torch_threads": _threads(),
         "fast_lm_head": bool(getattr(llm, "fast_lm_head", False)),
-        "quant_kernels": bool(getattr(llm.model, "quant_kernels", False)),
+        "quant_kernels": bool(getattr(llm, "quant_kernels", False)),
         "block_manager_share": t.block_manager / t.total,
         "scheduler_share": (t.scheduler - t.block_manager) / t.total,
         "num_gpu_blocks": llm.block_manager.num_gpu_blocks,
