@@ -199,7 +199,8 @@ def build_kernels(arch: tuple[str, ...] = _NATIVE) -> ctypes.CDLL:
             c_file = Path(tmp) / "_qkernels.c"
             c_file.write_bytes(src)
             out = Path(tmp) / lib.name
-            r = subprocess.run([cc, *flags, str(c_file), "-o", str(out)], capture_output=True, text=True)
+            r = subprocess.run([cc, *flags, str(c_file), "-o", str(out)], capture_output=True, text=True,
+                               timeout=300)
             if r.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-2000:]}")
             os.replace(out, lib)  # atomic: concurrent builders each install a complete file
