@@ -266,3 +266,26 @@ def test_the_switch_from_the_command_line_to_the_model(engine):
     prompt = {"prompt_token_ids": [1, 504, 3458, 282, 4077, 30, 216]}
     assert fast.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids == \
         slow.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_without_a_usable_home_a_private_temporary_folder_holds_the_kernels(monkeypatch, tmp_path):
+    """No PAGEDKV_KERNEL_CACHE and no home to write in: the kernels go to this user's private folder in the
+    temporary directory (mode 0700); such a folder writable by others is refused (another user could plant a
+    library there)."""
+    import os
+    import stat
+    import tempfile
+    from pathlib import Path
+
+    def no_home():
+        raise RuntimeError("no home directory")
+
+    monkeypatch.delenv("PAGEDKV_KERNEL_CACHE", raising=False)
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    got = qmatmul._cache_dir()
+    assert got == tmp_path / f"pagedkv-kernels-{os.getuid()}"
+    assert stat.S_IMODE(got.stat().st_mode) == 0o700
+    got.chmod(0o777)
+    with pytest.raises(OSError, match="private"):
+        qmatmul._cache_dir()

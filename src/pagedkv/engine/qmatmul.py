@@ -11,7 +11,8 @@ float32 summation order (which any GEMM already chooses freely). Greedy tokens s
 
 The kernels (``_qkernels.c``, AVX-512 / AVX2 / plain C by what the CPU has) are compiled once per machine with
 the system's C compiler (``cc -O3 -march=native -ffp-contract=off -fopenmp``) into ``~/.cache/pagedkv/kernels``
-(``PAGEDKV_KERNEL_CACHE`` overrides) and loaded with ctypes. No compiler, a failed build or
+(``PAGEDKV_KERNEL_CACHE`` overrides; a home that cannot be written: a private folder in the temporary directory)
+and loaded with ctypes. No compiler, a failed build or
 ``PAGEDKV_QKERNELS=0``: :func:`kernels` returns ``None`` and every product is the dense float32 one.
 
 :class:`QuantLinear` keeps both forms of one weight: the quantized blocks for steps of up to ``max_rows`` rows
@@ -181,6 +182,30 @@ def _cpu_tag() -> str:
     return platform.machine() + flags
 
 
+def _cache_dir() -> Path:
+    """Where compiled kernels live: ``PAGEDKV_KERNEL_CACHE`` when set, else ``~/.cache/pagedkv/kernels``, else (a
+    home that cannot be written) a private folder of this user in the temporary directory. ``OSError`` when none
+    can be used."""
+    env = os.environ.get("PAGEDKV_KERNEL_CACHE")
+    if env:
+        Path(env).mkdir(parents=True, exist_ok=True)
+        return Path(env)
+    try:
+        home = Path.home() / ".cache" / "pagedkv" / "kernels"
+        home.mkdir(parents=True, exist_ok=True)
+        if os.access(home, os.W_OK):
+            return home
+    except (OSError, RuntimeError):  # (RuntimeError: no home directory)
+        pass
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    tmp = Path(tempfile.gettempdir()) / f"pagedkv-kernels-{uid}"
+    tmp.mkdir(mode=0o700, exist_ok=True)
+    st = tmp.stat()
+    if getattr(st, "st_uid", uid) != uid or st.st_mode & 0o022:  # another user's, or writable by others
+        raise OSError(f"{tmp} is not a private folder of this user")
+    return tmp
+
+
 def build_kernels(arch: tuple[str, ...] = _NATIVE) -> ctypes.CDLL:
     """Compile (once; cached by source, compiler, flags and CPU) and load the kernels for the target ``arch``
     (compiler flags; default ``-march=native``; ``("-mavx2", "-mfma")`` or ``()`` for the AVX2 and plain-C
@@ -191,10 +216,9 @@ def build_kernels(arch: tuple[str, ...] = _NATIVE) -> ctypes.CDLL:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
     flags = [*_FLAGS, *arch]
     key = hashlib.sha256(src + " ".join([cc, *flags]).encode() + _cpu_tag().encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("PAGEDKV_KERNEL_CACHE") or Path.home() / ".cache" / "pagedkv" / "kernels")
+    cache = _cache_dir()
     lib = cache / f"qkernels-{key}.so"
     if not lib.is_file():
-        cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
             c_file = Path(tmp) / "_qkernels.c"
             c_file.write_bytes(src)
