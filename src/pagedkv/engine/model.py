@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from .gguf_loader import (ModelConfig, TokenizerMetadata, find_default_model, llama_row_convert, load_gguf,
-                          rope_inv_freq)
+                          open_gguf, rope_inv_freq)
 from .lm_head import LMHead
 from .qmatmul import QuantBlocks, head_linear, load_blocks, make_linear
 from .paged_attention import (NULL_BLOCK, AttentionPlan, AttentionWorkspace, paged_attention,
@@ -521,8 +521,9 @@ class PagedLlama(PagedDecoder):
         """Load a GGUF file (default: :func:`find_default_model`) into a model; the tokenizer metadata
         is kept as ``model.tokenizer_metadata``. ``quant_kernels``: few-row steps read the file's quantized blocks
         (:mod:`pagedkv.engine.qmatmul`; float32 CPU weights only); False: every product is the dense float32 one."""
-        config, weights, tok_meta = load_gguf(path, dtype=dtype)
-        quantized = load_blocks(path or find_default_model(), llama_row_convert(config)) if quant_kernels else None
+        reader = open_gguf(path if path is not None else find_default_model())  # read once, for both
+        config, weights, tok_meta = load_gguf(reader=reader, dtype=dtype)
+        quantized = load_blocks(reader, llama_row_convert(config)) if quant_kernels else None
         return cls(config, weights, device=device, dtype=dtype, tokenizer_metadata=tok_meta, quantized=quantized)
 
     @property
