@@ -45,7 +45,7 @@ from .gguf_loader import ArchMetadata, TokenizerMetadata, check_shapes, inv_freq
 from .gguf_loader import _read_tokenizer_metadata
 from .lm_head import LMHead
 from .model import AttentionMetadata, PagedDecoder, _rotate_half
-from .qmatmul import QuantBlocks, head_linear, load_blocks, make_linear
+from .qmatmul import QuantBlocks, head_linear, load_blocks
 from .paged_attention import paged_attention, plan_paged_attention
 
 __all__ = ["ARCHITECTURE", "Gemma3Config", "PagedGemma3", "load_gemma3", "read_gemma3_config"]
@@ -242,13 +242,9 @@ class PagedGemma3(PagedDecoder):
             for i in range(c.n_layer)
         ]
         del self._weights, self._moved  # the model holds only what it uses
-        names = ((("attn_q", "attn_k", "attn_v"), 1), (("attn_output",), 3), (("ffn_gate", "ffn_up"), 6),
-                 (("ffn_down",), 7))
-        #: per layer, its four products ``(qkv, attn_output, gate_up, down)``, as ``PagedLlama.linears``: the
-        #: quantized kernels where the file's blocks have one (Gemma 3 270M Q4_K_M: the Q5_0 / Q8_0 Q, K, V, gate
-        #: and up projections; its Q4_K / Q6_K ones stay dense)
-        self.linears = [tuple(make_linear(self.layers[i][j], [f"blk.{i}.{n}.weight" for n in ns], quantized)
-                              for ns, j in names) for i in range(c.n_layer)]
+        #: per layer, its four products (:meth:`PagedDecoder._make_linears`; Gemma 3 270M Q4_K_M: Q5_0 / Q8_0 Q, K,
+        #: V, gate and up projections, Q4_K / Q6_K attention output and down, all read quantized in few-row steps)
+        self.linears = self._make_linears((1, 3, 6, 7), quantized)
         self.layer_windows = c.layer_windows
         self.kv_cache_groups, self.layer_groups = _kv_cache_groups(c)
         # sqrt(hidden) as a float32 tensor cast to the model dtype (as Gemma's scaled embedding does)
@@ -267,11 +263,6 @@ class PagedGemma3(PagedDecoder):
         config, weights, tok_meta = load_gemma3(path, reader=reader)
         quantized = load_blocks(reader) if reader is not None and quant_kernels else None
         return cls(config, weights, device=device, dtype=dtype, tokenizer_metadata=tok_meta, quantized=quantized)
-
-    @property
-    def quant_kernels(self) -> bool:
-        """Whether few-row steps read some of the file's quantized weights (:mod:`pagedkv.engine.qmatmul`)."""
-        return any(lin.uses_kernel for layer in self.linears for lin in layer)
 
     def gguf_weights(self) -> dict[str, torch.Tensor]:
         """The model's weights under their GGUF names (views of the fused tensors, no copy)."""

@@ -455,6 +455,22 @@ class PagedDecoder:
             self._rope_tables[key] = (cos, sin)
         return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
 
+    # ------------------------------------------------------------------ the layers' products
+    #: the four products of a layer, each the GGUF matrices stacked along its output rows
+    LINEAR_NAMES = (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",))
+
+    def _make_linears(self, positions: tuple[int, ...], quantized: dict[str, QuantBlocks] | None) -> list[tuple]:
+        """Per layer, its four products ``(qkv, attn_output, gate_up, down)`` (:data:`LINEAR_NAMES`; ``positions``:
+        where each weight sits in ``self.layers[i]``): a :class:`~pagedkv.engine.qmatmul.QuantLinear` where the
+        file's blocks have a kernel (few-row steps read the quantized weights), else the dense float32 product."""
+        return [tuple(make_linear(self.layers[i][j], [f"blk.{i}.{n}.weight" for n in names], quantized)
+                      for names, j in zip(self.LINEAR_NAMES, positions)) for i in range(self.config.n_layer)]
+
+    @property
+    def quant_kernels(self) -> bool:
+        """Whether few-row steps read some of the file's quantized weights (:mod:`pagedkv.engine.qmatmul`)."""
+        return any(lin.uses_kernel for layer in self.linears for lin in layer)
+
     def _workspace(self) -> AttentionWorkspace:
         ws = getattr(self._local, "workspace", None)
         if ws is None:
@@ -505,13 +521,8 @@ class PagedLlama(PagedDecoder):
         del self._weights, self._moved  # the model holds only what it uses
         self._inv_freq = rope_inv_freq(config, weights.get("rope_freqs.weight"))
         self.scale = 1.0 / math.sqrt(config.head_dim)
-        names = ((("attn_q", "attn_k", "attn_v"), 1), (("attn_output",), 2), (("ffn_gate", "ffn_up"), 4),
-                 (("ffn_down",), 5))
-        #: per layer, its four products ``(qkv, attn_output, gate_up, down)``: :class:`~pagedkv.engine.qmatmul.
-        #: QuantLinear` where the file's blocks have a kernel (few-row steps read the quantized weights), else the
-        #: dense float32 product
-        self.linears = [tuple(make_linear(self.layers[i][j], [f"blk.{i}.{n}.weight" for n in ns], quantized)
-                              for ns, j in names) for i in range(config.n_layer)]
+        #: per layer, its four products (:meth:`PagedDecoder._make_linears`)
+        self.linears = self._make_linears((1, 2, 4, 5), quantized)
 
     @classmethod
     def from_gguf(
@@ -525,11 +536,6 @@ class PagedLlama(PagedDecoder):
         config, weights, tok_meta = load_gguf(reader=reader, dtype=dtype)
         quantized = load_blocks(reader, llama_row_convert(config)) if quant_kernels else None
         return cls(config, weights, device=device, dtype=dtype, tokenizer_metadata=tok_meta, quantized=quantized)
-
-    @property
-    def quant_kernels(self) -> bool:
-        """Whether few-row steps read the file's quantized weights (:mod:`pagedkv.engine.qmatmul`)."""
-        return any(getattr(lin, "uses_kernel", False) for lin in self.linears[0]) if self.linears else False
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
