@@ -287,8 +287,10 @@ class QuantLinear:
         parts = [blocks] if isinstance(blocks, QuantBlocks) else list(blocks)
         merged: list[QuantBlocks] = []
         for b in parts:  # adjacent parts of one kind: one call
-            merged[-1:] = ([QuantBlocks.concat([merged[-1], b])] if merged and merged[-1].kind == b.kind
-                           else [*merged[-1:], b])
+            if merged and merged[-1].kind == b.kind:
+                merged[-1] = QuantBlocks.concat([merged[-1], b])
+            else:
+                merged.append(b)
         ks = {b.shape[1] for b in merged}
         n = sum(b.shape[0] for b in merged)
         if len(ks) != 1 or (n, ks.pop()) != tuple(weight.shape):
