@@ -391,8 +391,9 @@ def format_table(doc: dict) -> str:
         if not rows:
             continue
         by = {(r["impl"], r["batch"]): r for r in rows}
-        rat = {(r["impl"], r["batch"]): r for r in doc["decode_ratios"] if r["prefix_caching"] == c}
-        pairs = sorted({(r["impl"], r["anchor"]) for r in doc["decode_ratios"] if r["prefix_caching"] == c})
+        rat = {(r.get("impl", "pagedkv"), r["batch"]): r for r in doc["decode_ratios"] if r["prefix_caching"] == c}
+        pairs = sorted({(r.get("impl", "pagedkv"), r["anchor"]) for r in doc["decode_ratios"]
+                        if r["prefix_caching"] == c})
         out += [f"decode step, prefix caching {'on' if c else 'off'}: median us of CPU time per step [min-max across "
                 "repeats]; ratio pagedkv / V1 charged with its engine's CPU work (request update with hashing, "
                 "KV-manager calls, block-id appends; below 1: pagedkv faster), in parentheses vs V1's KV-manager "
@@ -407,7 +408,11 @@ def format_table(doc: dict) -> str:
                              f"{r['us_per_step']['max']:.1f}]")
             for p, _a in pairs:
                 q = rat.get((p, b))
-                cells.append("-" if q is None else f"{_cell(q['ratio'])} ({q['ratio_vs_calls_only']['median']:.3g})")
+                if q is None:
+                    cells.append("-")
+                    continue
+                alone = q.get("ratio_vs_calls_only", q.get("ratio_vs_bm_only"))  # schema 1 files: ratio_vs_bm_only
+                cells.append(f"{_cell(q['ratio'])} ({alone['median']:.3g})")
             out.append(f"| {b} | " + " | ".join(cells) + " |")
         out.append("")
     if doc["prefix"]:
@@ -429,9 +434,13 @@ def format_table(doc: dict) -> str:
                 if r is None:
                     cells += ["-"] * (3 if wide else 2)
                     continue
-                if wide:
-                    cells.append(f"{r['parts_us']['calls']['median']:.1f}")
-                cells.append(f"{r['us_per_allocate']['median']:.1f}")
+                if wide and "parts_us" not in r:  # a schema 1 file: us_per_allocate is V1's calls alone
+                    w = r.get("us_with_hash")
+                    cells += [f"{r['us_per_allocate']['median']:.1f}", "-" if w is None else f"{w['median']:.1f}"]
+                elif wide:
+                    cells += [f"{r['parts_us']['calls']['median']:.1f}", f"{r['us_per_allocate']['median']:.1f}"]
+                else:
+                    cells.append(f"{r['us_per_allocate']['median']:.1f}")
                 cells.append(f"{r['hit_tokens_median']:.0f}")
             line = f"| {t} | " + " | ".join(cells)
             if rat:
