@@ -10,32 +10,41 @@ of window 512 (Gemma 3 270M's 18 layers as 6 groups of 3), block size 16, all gr
 ``KVCacheGroupSpec`` of equal page size, for which ``KVCacheManager`` picks ``HybridKVCacheCoordinator``,
 see :mod:`pagedkv.bench.anchors.vllm_v1`).
 
-Two measurements:
+Both measurements time each implementation with what its own engine does on the CPU and nothing else, as
+:mod:`pagedkv.bench.fair` states: CPU time of the thread (``time.thread_time_ns``, one clock read subtracted per
+timed part), implementations alternating call by call in one process, the garbage collector frozen once the
+managers are built (vLLM's engine core calls ``gc.freeze()`` after start-up), and the tokens as lists of Python
+ints (what an engine's sampler hands over after ``.tolist()``).
 
-``decode``  For each batch size B (1 .. 1000) and prefix caching on and off, a fresh manager (pool: every
+``decode``  For each batch size B (1 .. 1000) and prefix caching on and off, fresh managers (pool: every
             sequence's final length in the full group plus a window and two blocks in each sliding group, plus
-            one prompt's worth of blocks in every group and 16) admits B prompts of 2048..4096 seeded random
-            tokens and runs each one's first decode step alone (untimed; both managers release the sliding
-            groups' blocks outside the window there, so the pool holds one prompt in full at a time), then runs
-            ``--steps`` decode steps of one token per sequence. Timed per step: pagedkv's
-            ``decode_step(seq_ids, tokens)``, which returns per group the slot mapping ``(G, B)`` and the block
-            tables, and the lengths; V1: its scheduler's KV-manager calls for the batch (the adapter's
-            ``decode_step``: ``allocate_slots`` per request, the per-step ``take_*`` calls) plus building the
-            same arrays from the per-group deltas as V1's ``MultiGroupBlockTable`` does
-            (:class:`pagedkv.bench.runner_tables.GroupTables`); the two V1 parts are also kept apart.
+            one prompt's worth of blocks in every group and 16) admit B prompts of 2048..4096 seeded random
+            tokens and run each one's first decode step alone (untimed; every manager releases the sliding
+            groups' blocks outside the window there, so the pool holds one prompt in full at a time), then
+            ``--steps`` decode steps of one token per sequence, the implementations alternating step by step.
+            Timed per step: ``pagedkv``: ``decode_step(seq_ids, tokens, block_tables=False)`` (what its engine
+            asks for: the slot mapping ``(G, B)``, the lengths and each group's changed table entries);
+            ``pagedkv-tables``: the same with the six padded tables; ``vllm_v1``: what V1's engine does on the
+            CPU for the KV cache per step, in three parts: ``request`` (``num_computed_tokens`` and
+            ``Request.append_output_token_ids``, where V1 hashes a block that has just filled), ``calls`` (its
+            scheduler's KV-cache-manager calls: ``allocate_slots`` per request, the per-step ``take_*`` calls)
+            and ``runner`` (the new block ids appended to the CPU block-table rows, ``BlockTable.append_row``,
+            :class:`pagedkv.bench.runner_tables.V1BlockRows`). V1 builds no slot mapping and no padded table on
+            the CPU (its slot mapping is a GPU kernel), so none is charged. Ratios are given against all of V1's
+            parts and against its ``calls`` alone.
 ``prefix``  Allocation with hybrid prefix hits: a conversation's second turn. For prompt lengths 1k, 4k and
             16k tokens, ``--requests`` sessions each admit their first turn (L random tokens; untimed), free it
-            into the prefix cache, then admit the second turn (the first + 256 tokens), timed: the hit covers
-            the first turn's full blocks in the full group and the last window in every sliding group. pagedkv:
-            ``allocate(seq, tokens)`` (hashing included); V1: ``get_computed_blocks`` + ``allocate_slots`` +
-            ``get_blocks`` (its scheduler's admission calls), with the engine-side ``Request`` (where V1 hashes
-            the prompt's blocks) built untimed; its hashing time is kept apart, and the ratio with it added is
-            given too. The hit token counts of both are recorded (they must agree).
+            into the prefix cache, then admit the second turn (the first + 256 tokens), timed, the
+            implementations alternating admission by admission: the hit covers the first turn's full blocks in
+            the full group and the last window in every sliding group. pagedkv: ``allocate(seq, tokens)``
+            (hashing included); V1: ``hash`` (building the engine-side ``Request``, where V1 hashes the prompt's
+            blocks when it arrives) and ``calls`` (``get_computed_blocks`` + ``allocate_slots`` + ``get_blocks``,
+            its scheduler's admission calls). Ratios against V1's calls alone and against calls + hashing. The
+            hit token counts of both are recorded (they must agree).
 
 Per (implementation, setting) and repeat: the median over the timed calls (decode: after the first ``--skip``
-steps). Repeats are interleaved (every setting and implementation, then the next repeat) after one untimed
-warm-up per implementation; ratios pagedkv / V1 are taken per repeat, then median, min and max (below 1:
-pagedkv faster).
+steps). Repeats are sequential (every setting, then the next repeat) after one untimed warm-up; ratios pagedkv /
+V1 are taken per repeat, then median, min and max (below 1: pagedkv faster).
 """
 
 from __future__ import annotations

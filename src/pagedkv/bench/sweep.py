@@ -4,31 +4,38 @@
 ``python -m pagedkv.bench sweep report FILE.json ... [--plot DIR]`` merges the files of several runs (one per
 anchor virtualenv) into one table and chart.
 
-What is measured. For each batch size B and prefix caching off and on, a fresh manager (pool: every sequence's
-final length fits, plus 16 blocks) admits B prompts of 64..256 seeded random tokens (untimed), then runs
+What is measured. For each batch size B and prefix caching off and on, fresh managers (pool: every sequence's
+final length fits, plus 16 blocks) admit B prompts of 64..256 seeded random tokens (untimed), then run
 ``--steps`` decode steps of one new token per sequence, the same B sequences every step (the same list object,
-as an engine passes its running batch). Only the step is timed (``time.perf_counter_ns`` around it):
+as an engine passes its running batch), the implementations alternating step by step. Timing follows
+:mod:`pagedkv.bench.fair`: CPU time of the thread, one clock read subtracted per timed part, the garbage
+collector frozen once the managers are built, the sampled tokens as a list of Python ints. Each implementation
+is charged with what its own engine does on the CPU per step:
 
-- pagedkv: ``decode_step(seq_ids, tokens)`` with the tokens as an int64 array; it returns the slot mapping, the
-  block tables padded into one matrix, the sequence lengths and the copy-on-write pairs;
-- an anchor: its adapter's untimed ``prepare_step`` (the engine appending the sampled token to its own sequence
-  objects), then, timed, the adapter's ``decode_step`` (the block-manager calls its scheduler makes for a
-  decode batch: nano-vllm ``may_append`` per sequence; vLLM v2 ``append_slots`` + ``get_block_table`` +
-  ``access_all_blocks_in_seq`` (+ ``get_common_computed_block_ids``) + ``mark_blocks_as_computed``; vLLM V1
-  ``allocate_slots`` per request and the per-step ``take_*`` calls, see each adapter's docstring) followed by
-  building the same three arrays pagedkv returns, as the anchor's model runner does
-  (:mod:`pagedkv.bench.runner_tables`). The two parts are also recorded apart (``bm`` and ``tables``).
+- ``pagedkv``: ``decode_step(seq_ids, tokens, block_tables=False)``, what its engine asks for (slot mapping,
+  lengths, copy-on-write pairs and the changed table entries); ``pagedkv-tables``: the same call returning the
+  padded block tables;
+- nano-vllm and vLLM v2, two figures: ``calls``, the block-manager calls their scheduler makes for a decode batch
+  (nano-vllm ``may_append`` per sequence; vLLM v2 ``append_slots`` + ``get_block_table`` +
+  ``access_all_blocks_in_seq`` (+ ``get_common_computed_block_ids``) + ``mark_blocks_as_computed``), and ``calls``
+  + ``tables``, building the slot mapping, padded tables and lengths as their model runner does on the CPU
+  (:class:`pagedkv.bench.runner_tables.ListTables`). The engine appending the sampled token to its own sequence
+  objects (the adapter's ``prepare_step``) is not timed;
+- vLLM V1: ``request`` (``Request.append_output_token_ids``, where V1 hashes a block that has just filled),
+  ``calls`` (``allocate_slots`` per request and the per-step ``take_*`` calls) and ``runner`` (the new block ids
+  appended to the CPU block-table rows); no slot mapping or padded table, which V1 builds on the GPU.
 
-The anchors' per-sequence capacity checks (nano-vllm ``can_append``, vLLM v2 ``can_append_slots``) are not made:
-the pool always has room, and pagedkv's step is all-or-nothing without one. nano-vllm cannot turn prefix caching
-off: its "off" runs cache all the same. With random prompts no prefix is shared, so "on" measures the cost of
-hashing and registering the blocks that fill. The loop is tight (nothing evicts the managers' arrays from the
-CPU caches between steps, unlike the replay suite), so these are warm-cache figures.
+The ratio pagedkv / anchor is given against everything the anchor is charged with and, in parentheses, against
+its block-manager calls alone. The anchors' per-sequence capacity checks (nano-vllm ``can_append``, vLLM v2
+``can_append_slots``) are not made: the pool always has room, and pagedkv's step is all-or-nothing without one.
+nano-vllm cannot turn prefix caching off: its "off" runs cache all the same. With random prompts no prefix is
+shared, so "on" measures the cost of hashing and registering the blocks that fill. The loop is tight (nothing
+evicts the managers' arrays from the CPU caches between steps, unlike the replay suite), so these are warm-cache
+figures.
 
-Per (implementation, caching, B) and repeat: the median over the steps after the first ``--skip`` ones.
-Repeats are interleaved (repeat 1 of every B and implementation, then repeat 2, ...) after one untimed warm-up
-run per implementation; the table gives the median across repeats with the min and max. The ratio pagedkv /
-anchor is taken per repeat from runs in the same process, back to back, then its median, min and max across
+Per (implementation, caching, B) and repeat: the median over the steps after the first ``--skip`` ones. Repeats
+are sequential (repeat 1 of every B, then repeat 2, ...) after one untimed warm-up run; the table gives the
+median across repeats with the min and max. Ratios are taken per repeat, then their median, min and max across
 repeats (below 1: pagedkv is faster).
 """
 
