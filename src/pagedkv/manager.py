@@ -54,7 +54,8 @@ from typing import Hashable, Iterable, Sequence
 
 import numpy as np
 
-from ._checks import as_tokens as _as_tokens, batch_tokens, check_int as _check_int, flat_tokens, token_count
+from ._checks import (as_tokens as _as_tokens, batch_tokens, check_int as _check_int, flat_tokens, new_token_counts,
+                      token_count)
 from . import _invariants
 from ._alloc import Allocator
 from ._blocks import Blocks
@@ -67,6 +68,7 @@ from ._window import Window
 from .errors import InvalidArgumentError, InvalidTokensError, OutOfBlocksError, SequenceStateError
 from .cpu_tier import CpuTier
 from .events import KVCacheEvent
+from .kv_groups import FullAttentionSpec, SlidingWindowSpec
 from .pool import BlockPool
 from .prefix_cache import PrefixCache, _encode_namespace
 from .cpu_tier import DEMOTE, PROMOTE
@@ -223,6 +225,24 @@ class BlockManager:
         return self._window
 
     @property
+    def kv_cache_groups(self) -> tuple:
+        """One spec, the single-table model as one KV cache group: ``(FullAttentionSpec(),)``, or
+        ``(SlidingWindowSpec(sliding_window),)`` with a window; what :attr:`HybridBlockManager.kv_cache_groups`
+        answers for G groups. O(1)."""
+        return (FullAttentionSpec(),) if self._window is None else (SlidingWindowSpec(self._window),)
+
+    @property
+    def num_groups(self) -> int:
+        """1: a BlockManager is the one-group case of :class:`pagedkv.HybridBlockManager` (every result also
+        answers the grouped names, ``group_slot_mapping`` (1, T), ``group_block_tables`` and
+        ``group_table_updates`` one-tuples)."""
+        return 1
+
+    def _check_group(self, group: object) -> None:
+        if _check_int("group", group, 0) != 0:
+            raise InvalidArgumentError(f"group must be < 1 (a BlockManager has one KV cache group), got {group}")
+
+    @property
     def watermark_blocks(self) -> int:
         """Blocks that admission keeps free."""
         return self._watermark_blocks
@@ -334,11 +354,14 @@ class BlockManager:
     def is_swapped(self, seq_id: Hashable) -> bool:
         return bool(self._t.swapped[self._t.row(seq_id)])
 
-    def block_table(self, seq_id: Hashable) -> np.ndarray:
+    def block_table(self, seq_id: Hashable, group: int = 0) -> np.ndarray:
         """The sequence's block table: a read-only int32 copy, one entry per block of
         ``ceil((num_tokens + reserved lookahead) / block_size)``, NULL_BLOCK where the sliding window released the
-        block. While the sequence is swapped out the ids are CPU block ids. O(table length)."""
+        block. While the sequence is swapped out the ids are CPU block ids. ``group`` must be 0 (the one KV cache
+        group; the argument is :meth:`HybridBlockManager.block_table`'s). O(table length)."""
         row = self._t.row(seq_id)
+        if type(group) is not int or group != 0:
+            self._check_group(group)
         t = self._t.table[row, : self._t.nblk[row]].copy()
         t.flags.writeable = False
         return t
@@ -353,12 +376,15 @@ class BlockManager:
         rows.flags.writeable = False
         return rows
 
-    def slot_mapping(self, seq_id: Hashable, start: int, end: int) -> np.ndarray:
+    def slot_mapping(self, seq_id: Hashable, start: int, end: int, group: int = 0) -> np.ndarray:
         """Physical slots (``block * block_size + offset``) of token positions ``[start, end)`` (int64).
 
         Positions up to the reserved lookahead slots are allowed. Raises SequenceStateError for a swapped-out
-        sequence or for positions released by the sliding window. O(end - start)."""
+        sequence or for positions released by the sliding window. ``group`` must be 0 (as for
+        :meth:`block_table`). O(end - start)."""
         row = self._t.row(seq_id)
+        if type(group) is not int or group != 0:
+            self._check_group(group)
         start = _check_int("start", start, 0)
         end = _check_int("end", end, start)
         cap = int(self._t.nblk[row]) * self._bs
@@ -372,6 +398,33 @@ class BlockManager:
             raise SequenceStateError(f"positions [{start}, {end}) of {seq_id!r} include blocks released by the window")
         return blocks * self._bs + pos % self._bs
 
+    def lookahead_slots(self, seq_ids: Sequence[Hashable], num_lookahead_slots: int) -> np.ndarray:
+        """The batch form of ``slot_mapping(seq, n, n + k)`` for the reserved lookahead slots: int64
+        ``(1, B * k)`` (one row per KV cache group, as :meth:`HybridBlockManager.lookahead_slots`), the slots of
+        positions ``num_tokens(seq) .. num_tokens(seq) + k - 1`` of each sequence, sequence 0's first: where the
+        engine writes the drafts' K/V in the forward of the step that reserved them (``decode_step(...,
+        num_lookahead_slots=k)``). Every sequence must be live, on the GPU and distinct (as for decode_step) and
+        hold at least ``k`` reserved slots (InvalidArgumentError otherwise). Changes nothing. O(B x k) numpy."""
+        ids = seq_ids if type(seq_ids) is list else list(seq_ids)
+        rows = self._t.rows(ids)
+        k = _check_int("num_lookahead_slots", num_lookahead_slots, 0)
+        return self._lookahead(rows, k, ids)[None]
+
+    def _lookahead(self, rows: np.ndarray, k: int, ids: list) -> np.ndarray:
+        """:meth:`lookahead_slots` of validated rows, flat (B * k,) (internal; the hybrid stacks its groups')."""
+        t, bs = self._t, self._bs
+        if k == 0 or rows.size == 0:
+            return _EMPTY_I64
+        ntok = t.ntok[rows].astype(np.int64)
+        room = t.nblk[rows].astype(np.int64) * bs - ntok
+        short = np.flatnonzero(room < k)
+        if short.size:
+            i = int(short[0])
+            raise InvalidArgumentError(f"sequence {ids[i]!r} has {int(room[i])} reserved slots after its "
+                                       f"{int(ntok[i])} tokens, fewer than num_lookahead_slots={k}")
+        pos = ntok[:, None] + np.arange(k, dtype=np.int64)
+        blocks = t.table[rows[:, None], pos // bs].astype(np.int64)
+        return (blocks * bs + pos % bs).reshape(-1)
 
     @property
     def enable_kv_events(self) -> bool:
@@ -610,15 +663,18 @@ class BlockManager:
         t.drop_row(seq_id, row)
 
     # ------------------------------------------------------------------ appending (the per-step path)
-    def can_append_slots(self, seq_ids: Iterable[Hashable], num_lookahead_slots: int = 0, *, num_new_tokens: int = 1) -> bool:
+    def can_append_slots(self, seq_ids: Iterable[Hashable], num_lookahead_slots: int = 0, *,
+                         num_new_tokens: int | Sequence[int] = 1) -> bool:
         """Whether appending ``num_new_tokens`` to each sequence (plus lookahead) fits in the free GPU blocks,
-        counting new blocks, copy-on-write copies and blocks the sliding window releases. O(batch)."""
+        counting new blocks, copy-on-write copies and blocks the sliding window releases. ``num_new_tokens``:
+        one count for every sequence, or one per sequence (a ragged batch, as ``decode_step``'s
+        ``num_new_tokens``). O(batch)."""
         rows = self._t.rows(list(seq_ids))
         la = _check_int("num_lookahead_slots", num_lookahead_slots, 0)
-        k = _check_int("num_new_tokens", num_new_tokens, 1)
+        counts = new_token_counts(num_new_tokens, rows.size)
         if rows.size == 0:
             return True
-        plan = self._step.plan(rows, np.full(rows.size, k, dtype=np.int64), la)
+        plan = self._step.plan(rows, counts, la)
         return plan[0] <= plan[1]
 
     def append_slots(self, seq_id: Hashable, token_ids: Sequence[int], num_lookahead_slots: int = 0) -> list[tuple[int, int]]:
