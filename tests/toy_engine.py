@@ -23,12 +23,20 @@ from pagedkv.errors import OutOfBlocksError
 
 # ---------------------------------------------------------------------------------------------------- model
 class ToyModel:
-    """L layers, H heads of size Dh, vocabulary V, width D; random weights from ``seed``."""
+    """L layers, H heads of size Dh, vocabulary V, width D; random weights from ``seed``.
+
+    ``windows``: the attention of each KV cache group, in group order (None: full attention, W: a sliding window
+    of W tokens, a query at p seeing ``(p - W, p]``); layer ``l`` belongs to group ``l % len(windows)`` (at least
+    one layer per group). ``window=W`` is ``windows=(W,)``."""
 
     def __init__(self, seed: int = 0, V: int = 16, D: int = 16, L: int = 2, H: int = 2, Dh: int = 8,
-                 window: int | None = None) -> None:
+                 window: int | None = None, windows: tuple | None = None) -> None:
         g = np.random.default_rng(seed)
-        self.V, self.D, self.L, self.H, self.Dh, self.window = V, D, L, H, Dh, window
+        self.windows = tuple(windows) if windows is not None else (window,)
+        L = max(L, len(self.windows))
+        self.V, self.D, self.L, self.H, self.Dh = V, D, L, H, Dh
+        self.window = self.windows[0] if len(self.windows) == 1 else None  # (the one group's, for old callers)
+        self.group_of = [l % len(self.windows) for l in range(L)]
         self.emb = g.normal(0, 1, (V, D))
         s = 1 / np.sqrt(D)
         self.wq = g.normal(0, s, (L, D, H * Dh))
@@ -53,12 +61,12 @@ class ToyModel:
         shape = (T, self.H, self.Dh)
         return (h @ self.wq[l]).reshape(shape), (h @ self.wk[l]).reshape(shape), (h @ self.wv[l]).reshape(shape)
 
-    def _attend(self, q, qpos, k, v, kpos):
+    def _attend(self, q, qpos, k, v, kpos, window):
         """q (T, H, Dh) at positions qpos over k/v (S, H, Dh) at kpos: causal, sliding window if any."""
         sc = np.einsum("thd,shd->hts", q, k) / np.sqrt(self.Dh)
         ok = kpos[None, :] <= qpos[:, None]
-        if self.window is not None:
-            ok &= kpos[None, :] > qpos[:, None] - self.window
+        if window is not None:
+            ok &= kpos[None, :] > qpos[:, None] - window
         sc = np.where(ok[None], sc, -np.inf)
         sc -= sc.max(-1, keepdims=True)
         p = np.exp(sc)
@@ -76,31 +84,37 @@ class ToyModel:
         x = self._embed(tokens, pos)
         for l in range(self.L):
             q, k, v = self._qkv(l, x)
-            x = self._mlp(l, x, self._attend(q, pos, k, v, pos))
+            x = self._mlp(l, x, self._attend(q, pos, k, v, pos, self.windows[self.group_of[l]]))
         return self._norm(x) @ self.emb.T
 
     def paged_forward(self, kv: "KVStore", segs: list) -> list[np.ndarray]:
-        """One forward over a batch of segments ``(tokens, positions, slots, block_table)``: per layer, the K/V
-        of every token of the batch are written through the slots first, then each segment attends by reading
-        its context back through its block table (the engine contract). Returns each segment's logits."""
+        """One forward over a batch of segments ``(tokens, positions, slots, block_tables)``: ``slots`` (G, q)
+        and ``block_tables`` G tables, group g's for the layers of group g (one group: ``slots`` (q,) and one
+        table are accepted too). Per layer, the K/V of every token of the batch are written through the layer's
+        group's slots first, then each segment attends by reading its context back through that group's block
+        table (the engine contract). Returns each segment's logits."""
+        segs = [(t, p, np.asarray(sl).reshape(-1, len(t)), tb if np.asarray(sl).ndim == 2 else (tb,))
+                for t, p, sl, tb in segs]
         toks = np.concatenate([s[0] for s in segs])
         pos = np.concatenate([s[1] for s in segs])
-        slots = np.concatenate([s[2] for s in segs])
+        slots = np.concatenate([s[2] for s in segs], axis=1)
         bounds = np.cumsum([0] + [len(s[0]) for s in segs])
         x = self._embed(toks, pos)
         bs = kv.block_size
         for l in range(self.L):
+            g = self.group_of[l]
+            window = self.windows[g]
             q, k, v = self._qkv(l, x)
-            kv.k[l, slots] = k  # the whole batch's K/V first ...
-            kv.v[l, slots] = v
+            kv.k[l, slots[g]] = k  # the whole batch's K/V first ...
+            kv.v[l, slots[g]] = v
             out = np.empty((x.shape[0], self.H * self.Dh))
-            for (_, p, _, table), a, z in zip(segs, bounds[:-1], bounds[1:]):
-                lo = 0 if self.window is None else max(0, int(p[0]) - self.window + 1)
+            for (_, p, _, tables), a, z in zip(segs, bounds[:-1], bounds[1:]):
+                lo = 0 if window is None else max(0, int(p[0]) - window + 1)
                 kpos = np.arange(lo, int(p[-1]) + 1)
-                blocks = np.asarray(table)[kpos // bs]
+                blocks = np.asarray(tables[g])[kpos // bs]
                 assert (blocks != NULL_BLOCK).all(), "a visible position's block was released"
                 ks = blocks.astype(np.int64) * bs + kpos % bs  # ... then attention reads through the table
-                out[a:z] = self._attend(q[a:z], p, kv.k[l, ks], kv.v[l, ks], kpos)
+                out[a:z] = self._attend(q[a:z], p, kv.k[l, ks], kv.v[l, ks], kpos, window)
             x = self._mlp(l, x, out)
         logits = self._norm(x) @ self.emb.T
         return [logits[a:z] for a, z in zip(bounds[:-1], bounds[1:])]

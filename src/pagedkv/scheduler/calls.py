@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from ..manager import BlockManager
 from ..types import CopyPlan
 
 
@@ -33,7 +34,8 @@ class BlockCalls:
         self.bm = bm
         self.prepare = getattr(bm, "prepare_step", None)
         self.has_slots = getattr(bm, "slot_mapping", None) is not None
-        self.num_groups = getattr(bm, "num_groups", None)
+        # a BlockManager (num_groups 1) keeps the scheduler's plain single-table shapes: (T,) slots, one table
+        self.num_groups = None if isinstance(bm, BlockManager) else getattr(bm, "num_groups", None)
         self.own_plan = getattr(bm, "take_copy_plan", None) is None
         self.step_copies: list = []  # (kind, pairs) in call order (own_plan only)
 
