@@ -89,7 +89,7 @@ def test_group_argument_defaults_to_0_and_is_checked(which):
 
 @pytest.mark.parametrize("which", range(4), ids=MANAGERS)
 def test_lookahead_slots_batch_form(which):
-    bm = _manager(which)
+    bm = _manager(which, num_blocks=90)
     G = bm.num_groups
     for i, s in enumerate("abc"):
         bm.allocate(s, list(range(5 + 3 * i)), 3)
@@ -101,6 +101,20 @@ def test_lookahead_slots_batch_form(which):
         assert (la[g] == want).all()
         # the drafts' slots follow the appended tokens' in the same blocks, never a slot handed out twice
         assert np.intersect1d(la[g], res.group_slot_mapping[g]).size == 0
+    # a batch past the plain-Python cut-off (B x k > 32) takes the numpy path: the same answer, the same errors
+    big = [f"x{i}" for i in range(12)]
+    for i, s in enumerate(big):
+        bm.allocate(s, list(range(1 + i)), 5)
+    bm.decode_step(big, list(range(12)), 5)
+    got = bm.lookahead_slots(big, 5)
+    assert got.shape == (G, 60)
+    for g in range(G):
+        want = np.concatenate([bm.slot_mapping(s, bm.num_tokens(s), bm.num_tokens(s) + 5, g) for s in big])
+        assert (got[g] == want).all()
+    with pytest.raises(InvalidArgumentError, match="fewer than num_lookahead_slots"):
+        bm.lookahead_slots(big, 9)
+    for s in big:
+        bm.free(s)
     assert bm.lookahead_slots(["a", "b"], 0).shape == (G, 0)
     assert bm.lookahead_slots([], 3).shape == (G, 0)
     before = [bm.block_table(s, g).tolist() for s in "abc" for g in range(G)]

@@ -83,6 +83,8 @@ SWAP_OUT, SWAP_IN, COW = 0, 1, 2
 _KIND_OF_TAG = (CopyKind.GPU_TO_CPU, CopyKind.CPU_TO_GPU, CopyKind.GPU_TO_GPU, CopyKind.GPU_TO_CPU,
                 CopyKind.CPU_TO_GPU)
 
+_ZERO = 0  # (CPython keeps one object for every int 0: ``group is _ZERO`` is the one-group fast test)
+
 _NO_PAIRS = np.zeros((0, 2), dtype=np.int64)
 _NO_PAIRS.flags.writeable = False
 
@@ -360,7 +362,7 @@ class BlockManager:
         block. While the sequence is swapped out the ids are CPU block ids. ``group`` must be 0 (the one KV cache
         group; the argument is :meth:`HybridBlockManager.block_table`'s). O(table length)."""
         row = self._t.row(seq_id)
-        if type(group) is not int or group != 0:
+        if group is not _ZERO:  # (the common case in one identity test; anything else is checked)
             self._check_group(group)
         t = self._t.table[row, : self._t.nblk[row]].copy()
         t.flags.writeable = False
@@ -383,7 +385,7 @@ class BlockManager:
         sequence or for positions released by the sliding window. ``group`` must be 0 (as for
         :meth:`block_table`). O(end - start)."""
         row = self._t.row(seq_id)
-        if type(group) is not int or group != 0:
+        if group is not _ZERO:  # (the common case in one identity test; anything else is checked)
             self._check_group(group)
         start = _check_int("start", start, 0)
         end = _check_int("end", end, start)
@@ -415,6 +417,18 @@ class BlockManager:
         t, bs = self._t, self._bs
         if k == 0 or rows.size == 0:
             return _EMPTY_I64
+        if rows.size * k <= 32:  # a few slots: plain Python over the row arrays (numpy's fixed costs dominate)
+            mv = t.views()
+            ntok_mv, nblk_mv, flat, width = mv[0], mv[1], mv[10], mv[11]
+            out = []
+            for i, r in enumerate(rows.tolist()):
+                n = ntok_mv[r]
+                if nblk_mv[r] * bs - n < k:
+                    raise InvalidArgumentError(f"sequence {ids[i]!r} has {nblk_mv[r] * bs - n} reserved slots after "
+                                               f"its {n} tokens, fewer than num_lookahead_slots={k}")
+                base = r * width
+                out += [flat[base + p // bs] * bs + p % bs for p in range(n, n + k)]
+            return np.array(out, dtype=np.int64)
         ntok = t.ntok[rows].astype(np.int64)
         room = t.nblk[rows].astype(np.int64) * bs - ntok
         short = np.flatnonzero(room < k)
