@@ -95,7 +95,9 @@ class HybridBlockManager:
 
     Same method names and semantics as :class:`pagedkv.BlockManager`; per-group results (``decode_step`` ->
     :class:`HybridStepResult`, ``allocate_batch`` -> :class:`HybridPrefillBatch`), and ``block_table`` /
-    ``slot_mapping`` take the group index. ``take_copy_plan()`` returns one plan for every group (block ids are
+    ``slot_mapping`` take the group index (default 0, as a BlockManager's; every result also answers the grouped
+    names ``group_slot_mapping`` / ``group_block_tables`` / ``group_table_updates`` that a BlockManager's answer
+    with G = 1). ``take_copy_plan()`` returns one plan for every group (block ids are
     pool-wide: an engine copies block src to dst in every layer slot). Every call is all or nothing across
     groups. Admission counts every group: a prompt of n tokens needs ``G * ceil((n + lookahead) / block_size)``
     blocks at most (NEVER when that exceeds the pool less the watermark), less its hits and the positions
