@@ -295,3 +295,30 @@ def test_docs_small_batch_size_is_small_batch():
 
     text = (Path(__file__).parent.parent / "docs/guide/sliding-window-and-lookahead.md").read_text()
     assert f"up to `SMALL_BATCH` ({SMALL_BATCH}) sequences" in text
+
+
+class _Forwarding:
+    """A wrapper that forwards every attribute (as an engine's timing or metrics layer does)."""
+
+    def __init__(self, bm) -> None:
+        self._bm = bm
+
+    def __getattr__(self, name):
+        return getattr(self._bm, name)
+
+
+@pytest.mark.parametrize("which", range(4), ids=MANAGERS)
+def test_grouped_results_flag_keeps_the_scheduler_shapes_behind_a_wrapper(which):
+    """grouped_results says which form the plain names take; the scheduler reads it (through any wrapper), so a
+    BlockManager's plans keep (T,) slots and one table, a HybridBlockManager's (G, T) and G tables."""
+    from pagedkv.scheduler import Scheduler
+
+    bm = _manager(which)
+    assert bm.grouped_results is isinstance(bm, HybridBlockManager)
+    sched = Scheduler(_Forwarding(bm), max_num_seqs=4)
+    sched.add_request("r", list(range(9)), max_tokens=2, ignore_eos=True)
+    (pw,) = sched.schedule().prefills
+    if bm.grouped_results:
+        assert pw.slot_mapping.shape == (bm.num_groups, 9) and len(pw.block_table) == bm.num_groups
+    else:
+        assert pw.slot_mapping.shape == (9,) and pw.block_table.ndim == 1

@@ -731,15 +731,13 @@ def test_swap_in_with_nothing_running_decodes_in_the_same_step():
 
 
 class _NoPlan:
-    """A block manager without take_copy_plan (as another project's adapter): the scheduler orders the copies.
-    (Nor num_groups: an adapter of a single-table manager has none, and the scheduler reads its presence on
-    anything but a BlockManager as per-group results.)"""
+    """A block manager without take_copy_plan (as another project's adapter): the scheduler orders the copies."""
 
     def __init__(self, bm):
         self._bm = bm
 
     def __getattr__(self, name):
-        if name in ("take_copy_plan", "num_groups"):
+        if name == "take_copy_plan":
             raise AttributeError(name)
         return getattr(self._bm, name)
 

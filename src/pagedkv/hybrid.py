@@ -105,6 +105,9 @@ class HybridBlockManager:
     """
 
     atomic_append = True
+    grouped_results = True
+    """The results' plain names are per group (``slot_mapping`` (G, T), ``block_tables`` G matrices, ...), as their
+    grouped names are on every manager (see BlockManager.grouped_results)."""
 
     def __init__(
         self,

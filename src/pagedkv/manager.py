@@ -121,6 +121,12 @@ class BlockManager:
     """decode_step / append_slots are all-or-nothing for the whole batch: a scheduler may call them without asking
     can_append_slots first and preempt when they raise OutOfBlocksError."""
 
+    grouped_results = False
+    """Whether the results' plain names are per KV cache group (HybridBlockManager: True): here ``slot_mapping``
+    is (T,), ``block_tables`` one matrix, ``table_updates`` one TableUpdates. The grouped names
+    (``group_slot_mapping`` (1, T), ...) are per group on every manager; this flag is for generic code, such as a
+    scheduler behind a wrapper, that reads the plain ones."""
+
     def __init__(
         self,
         num_gpu_blocks: int,
