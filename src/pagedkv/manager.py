@@ -412,7 +412,8 @@ class BlockManager:
         positions ``num_tokens(seq) .. num_tokens(seq) + k - 1`` of each sequence, sequence 0's first: where the
         engine writes the drafts' K/V in the forward of the step that reserved them (``decode_step(...,
         num_lookahead_slots=k)``). Every sequence must be live, on the GPU and distinct (as for decode_step) and
-        hold at least ``k`` reserved slots (InvalidArgumentError otherwise). Changes nothing. O(B x k) numpy."""
+        hold at least ``k`` reserved slots (InvalidArgumentError otherwise). Changes nothing. O(B x k): plain Python
+        up to 32 slots, a few numpy calls past that."""
         ids = seq_ids if type(seq_ids) is list else list(seq_ids)
         rows = self._t.rows(ids)
         k = _check_int("num_lookahead_slots", num_lookahead_slots, 0)
