@@ -195,7 +195,8 @@ class ToyEngine:
     of aborting a request handed slots in the step before its forward (``free(cache=False)``, left out of the
     forward) and the chance of aborting a live request between steps (``free``). Findability: with prefix
     caching, after every allocation and every prompt chunk, ``lookup_prefix(prompt)`` must find the prompt's
-    full blocks held so far (``findable_misses`` counts the calls where it did not, ``findable_examples`` keeps
+    full blocks held so far (not checked for the sequences live when an in-step abort withdrew blocks: one that
+    deduplicated a block against them caches nothing more, as ``free(cache=False)`` documents) (``findable_misses`` counts the calls where it did not, ``findable_examples`` keeps
     the first few; ``strict_findable`` raises at once)."""
 
     def __init__(self, model: ToyModel, bm, *, lookahead: int = 0, swap: bool = True, token_budget: int = 64,
@@ -219,8 +220,11 @@ class ToyEngine:
         self.counts = dict(steps=0, prefill_tokens=0, cached_tokens=0, predicted_cached=0, swap_outs=0,
                            swap_ins=0, recomputes=0, drafts_accepted=0, drafts_rejected=0, forks=0,
                            window_nulls=0, burst_shared=0, chunks=0, aborts_in_step=0, aborts=0,
-                           abort_refused=0, findable_checks=0, findable_misses=0, table_loads=0, table_updates=0)
+                           abort_refused=0, findable_checks=0, findable_misses=0, findable_skipped=0, table_loads=0, table_updates=0)
         self.findable_examples: list = []
+        # sequences live when an abort withdrew blocks (free(cache=False)): one that had deduplicated a block against
+        # the withdrawn ones keeps it uncached and caches nothing more (BlockManager.free), so not checked
+        self._unfindable: set = set()
         self.finished: dict[str, list[list[int]]] = {}
 
     # -------------------------------------------------------------- requests and sampling
@@ -283,6 +287,9 @@ class ToyEngine:
     def _check_findable(self, s: Seq) -> None:
         """After an allocation or a prompt chunk: the prompt's full blocks held so far are found."""
         if not self.bm.enable_prefix_caching:
+            return
+        if s.sid in self._unfindable:
+            self.counts["findable_skipped"] += 1
             return
         prompt = s.tokens + s.todo
         want = min(len(s.tokens) // self.bs, (len(prompt) - 1) // self.bs) * self.bs
@@ -498,6 +505,8 @@ class ToyEngine:
             self.counts["aborts_in_step"] += 1
         if gone:
             req.aborted = True
+            self._unfindable.update(s.sid for s in self.running)
+            self._unfindable.update(s.sid for g in self.swapped for s in g)
         return [e for e in entries if e[0].sid not in gone]
 
     def _abort_between_steps(self) -> None:
