@@ -54,7 +54,8 @@ from typing import Hashable, Iterable, Sequence
 
 import numpy as np
 
-from ._checks import as_tokens as _as_tokens, batch_tokens, check_int as _check_int, flat_tokens, token_count
+from ._checks import (as_tokens as _as_tokens, batch_tokens, check_int as _check_int, flat_tokens, new_token_counts,
+                      token_count)
 from . import _invariants
 from ._alloc import Allocator
 from ._blocks import Blocks
@@ -67,6 +68,7 @@ from ._window import Window
 from .errors import InvalidArgumentError, InvalidTokensError, OutOfBlocksError, SequenceStateError
 from .cpu_tier import CpuTier
 from .events import KVCacheEvent
+from .kv_groups import FullAttentionSpec, SlidingWindowSpec
 from .pool import BlockPool
 from .prefix_cache import PrefixCache, _encode_namespace
 from .cpu_tier import DEMOTE, PROMOTE
@@ -80,6 +82,8 @@ __all__ = ["AllocStatus", "BlockManager", "CacheCopies", "CopyKind", "CopyPlan",
 SWAP_OUT, SWAP_IN, COW = 0, 1, 2
 _KIND_OF_TAG = (CopyKind.GPU_TO_CPU, CopyKind.CPU_TO_GPU, CopyKind.GPU_TO_GPU, CopyKind.GPU_TO_CPU,
                 CopyKind.CPU_TO_GPU)
+
+_ZERO = 0  # (CPython keeps one object for every int 0: ``group is _ZERO`` is the one-group fast test)
 
 _NO_PAIRS = np.zeros((0, 2), dtype=np.int64)
 _NO_PAIRS.flags.writeable = False
@@ -116,6 +120,12 @@ class BlockManager:
     atomic_append = True
     """decode_step / append_slots are all-or-nothing for the whole batch: a scheduler may call them without asking
     can_append_slots first and preempt when they raise OutOfBlocksError."""
+
+    grouped_results = False
+    """Whether the results' plain names are per KV cache group (HybridBlockManager: True): here ``slot_mapping``
+    is (T,), ``block_tables`` one matrix, ``table_updates`` one TableUpdates. The grouped names
+    (``group_slot_mapping`` (1, T), ...) are per group on every manager; this flag is for generic code, such as a
+    scheduler behind a wrapper, that reads the plain ones."""
 
     def __init__(
         self,
@@ -221,6 +231,24 @@ class BlockManager:
     @property
     def sliding_window(self) -> int | None:
         return self._window
+
+    @property
+    def kv_cache_groups(self) -> tuple:
+        """One spec, the single-table model as one KV cache group: ``(FullAttentionSpec(),)``, or
+        ``(SlidingWindowSpec(sliding_window),)`` with a window; what :attr:`HybridBlockManager.kv_cache_groups`
+        answers for G groups. O(1)."""
+        return (FullAttentionSpec(),) if self._window is None else (SlidingWindowSpec(self._window),)
+
+    @property
+    def num_groups(self) -> int:
+        """1: a BlockManager is the one-group case of :class:`pagedkv.HybridBlockManager` (every result also
+        answers the grouped names, ``group_slot_mapping`` (1, T), ``group_block_tables`` and
+        ``group_table_updates`` one-tuples)."""
+        return 1
+
+    def _check_group(self, group: object) -> None:
+        if _check_int("group", group, 0) != 0:
+            raise InvalidArgumentError(f"group must be < 1 (a BlockManager has one KV cache group), got {group}")
 
     @property
     def watermark_blocks(self) -> int:
@@ -334,11 +362,14 @@ class BlockManager:
     def is_swapped(self, seq_id: Hashable) -> bool:
         return bool(self._t.swapped[self._t.row(seq_id)])
 
-    def block_table(self, seq_id: Hashable) -> np.ndarray:
+    def block_table(self, seq_id: Hashable, group: int = 0) -> np.ndarray:
         """The sequence's block table: a read-only int32 copy, one entry per block of
         ``ceil((num_tokens + reserved lookahead) / block_size)``, NULL_BLOCK where the sliding window released the
-        block. While the sequence is swapped out the ids are CPU block ids. O(table length)."""
+        block. While the sequence is swapped out the ids are CPU block ids. ``group`` must be 0 (the one KV cache
+        group; the argument is :meth:`HybridBlockManager.block_table`'s). O(table length)."""
         row = self._t.row(seq_id)
+        if group is not _ZERO:  # (the common case in one identity test; anything else is checked)
+            self._check_group(group)
         t = self._t.table[row, : self._t.nblk[row]].copy()
         t.flags.writeable = False
         return t
@@ -353,12 +384,15 @@ class BlockManager:
         rows.flags.writeable = False
         return rows
 
-    def slot_mapping(self, seq_id: Hashable, start: int, end: int) -> np.ndarray:
+    def slot_mapping(self, seq_id: Hashable, start: int, end: int, group: int = 0) -> np.ndarray:
         """Physical slots (``block * block_size + offset``) of token positions ``[start, end)`` (int64).
 
         Positions up to the reserved lookahead slots are allowed. Raises SequenceStateError for a swapped-out
-        sequence or for positions released by the sliding window. O(end - start)."""
+        sequence or for positions released by the sliding window. ``group`` must be 0 (as for
+        :meth:`block_table`). O(end - start)."""
         row = self._t.row(seq_id)
+        if group is not _ZERO:  # (the common case in one identity test; anything else is checked)
+            self._check_group(group)
         start = _check_int("start", start, 0)
         end = _check_int("end", end, start)
         cap = int(self._t.nblk[row]) * self._bs
@@ -372,6 +406,46 @@ class BlockManager:
             raise SequenceStateError(f"positions [{start}, {end}) of {seq_id!r} include blocks released by the window")
         return blocks * self._bs + pos % self._bs
 
+    def lookahead_slots(self, seq_ids: Sequence[Hashable], num_lookahead_slots: int) -> np.ndarray:
+        """The batch form of ``slot_mapping(seq, n, n + k)`` for the reserved lookahead slots: int64
+        ``(1, B * k)`` (one row per KV cache group, as :meth:`HybridBlockManager.lookahead_slots`), the slots of
+        positions ``num_tokens(seq) .. num_tokens(seq) + k - 1`` of each sequence, sequence 0's first: where the
+        engine writes the drafts' K/V in the forward of the step that reserved them (``decode_step(...,
+        num_lookahead_slots=k)``). Every sequence must be live, on the GPU and distinct (as for decode_step) and
+        hold at least ``k`` reserved slots (InvalidArgumentError otherwise). Changes nothing. O(B x k): plain Python
+        up to 32 slots, a few numpy calls past that."""
+        ids = seq_ids if type(seq_ids) is list else list(seq_ids)
+        rows = self._t.rows(ids)
+        k = _check_int("num_lookahead_slots", num_lookahead_slots, 0)
+        return self._lookahead(rows, k, ids)[None]
+
+    def _lookahead(self, rows: np.ndarray, k: int, ids: list) -> np.ndarray:
+        """:meth:`lookahead_slots` of validated rows, flat (B * k,) (internal; the hybrid stacks its groups')."""
+        t, bs = self._t, self._bs
+        if k == 0 or rows.size == 0:
+            return _EMPTY_I64
+        if rows.size * k <= 32:  # a few slots: plain Python over the row arrays (numpy's fixed costs dominate)
+            mv = t.views()
+            ntok_mv, nblk_mv, flat, width = mv[0], mv[1], mv[10], mv[11]
+            out = []
+            for i, r in enumerate(rows.tolist()):
+                n = ntok_mv[r]
+                if nblk_mv[r] * bs - n < k:
+                    raise InvalidArgumentError(f"sequence {ids[i]!r} has {nblk_mv[r] * bs - n} reserved slots after "
+                                               f"its {n} tokens, fewer than num_lookahead_slots={k}")
+                base = r * width
+                out += [flat[base + p // bs] * bs + p % bs for p in range(n, n + k)]
+            return np.array(out, dtype=np.int64)
+        ntok = t.ntok[rows].astype(np.int64)
+        room = t.nblk[rows].astype(np.int64) * bs - ntok
+        short = np.flatnonzero(room < k)
+        if short.size:
+            i = int(short[0])
+            raise InvalidArgumentError(f"sequence {ids[i]!r} has {int(room[i])} reserved slots after its "
+                                       f"{int(ntok[i])} tokens, fewer than num_lookahead_slots={k}")
+        pos = ntok[:, None] + np.arange(k, dtype=np.int64)
+        blocks = t.table[rows[:, None], pos // bs].astype(np.int64)
+        return (blocks * bs + pos % bs).reshape(-1)
 
     @property
     def enable_kv_events(self) -> bool:
@@ -610,15 +684,18 @@ class BlockManager:
         t.drop_row(seq_id, row)
 
     # ------------------------------------------------------------------ appending (the per-step path)
-    def can_append_slots(self, seq_ids: Iterable[Hashable], num_lookahead_slots: int = 0, *, num_new_tokens: int = 1) -> bool:
+    def can_append_slots(self, seq_ids: Iterable[Hashable], num_lookahead_slots: int = 0, *,
+                         num_new_tokens: int | Sequence[int] = 1) -> bool:
         """Whether appending ``num_new_tokens`` to each sequence (plus lookahead) fits in the free GPU blocks,
-        counting new blocks, copy-on-write copies and blocks the sliding window releases. O(batch)."""
+        counting new blocks, copy-on-write copies and blocks the sliding window releases. ``num_new_tokens``:
+        one count for every sequence, or one per sequence (a ragged batch, as ``decode_step``'s
+        ``num_new_tokens``). O(batch)."""
         rows = self._t.rows(list(seq_ids))
         la = _check_int("num_lookahead_slots", num_lookahead_slots, 0)
-        k = _check_int("num_new_tokens", num_new_tokens, 1)
+        counts = new_token_counts(num_new_tokens, rows.size)
         if rows.size == 0:
             return True
-        plan = self._step.plan(rows, np.full(rows.size, k, dtype=np.int64), la)
+        plan = self._step.plan(rows, counts, la)
         return plan[0] <= plan[1]
 
     def append_slots(self, seq_id: Hashable, token_ids: Sequence[int], num_lookahead_slots: int = 0) -> list[tuple[int, int]]:

@@ -433,8 +433,7 @@ class LLM:
         if d is not None:
             for _, row, table in d.table_loads:
                 self._load_row(row, table)
-            upds = (d.result.table_updates,) if self.kv_cache_groups is None else d.result.table_updates
-            for g, upd in enumerate(upds):
+            for g, upd in enumerate(d.result.group_table_updates):  # (one group or many: the same names)
                 if upd.rows.size:
                     self._fit_tables(g, int(upd.rows.max()) + 1, int(upd.cols.max()) + 1)
                     upd.apply(self._tables[g])
@@ -481,7 +480,7 @@ class LLM:
                 width = -(-int(d.result.seq_lens.max()) // bs)  # the blocks attention reads
                 decode_tables = [t[d.result.table_rows, :width] for t in self._tables]
             else:  # (a block manager without the incremental form: the step's padded tables)
-                decode_tables = d.result.block_tables if G else (d.result.block_tables,)
+                decode_tables = d.result.group_block_tables
             for g, dt in enumerate(decode_tables):  # a (B, width) matrix per group, after the prefills' tables
                 tables[g] = dt if not tables[g] else tables[g] + list(dt)
         logit_rows = "last" if not skip else np.asarray(rows, dtype=np.int64)
