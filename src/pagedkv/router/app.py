@@ -151,7 +151,8 @@ class RouterServer:
 
     def __init__(self, state, builder, *, host: str = "127.0.0.1", port: int = 8080, topic: str = "kv-events",
                  health_interval: float = 1.0, health_timeout: float = 3.0, health_fails: int = 3,
-                 api_key: str | None = None, upstream=None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+                 api_key: str | None = None, upstream=None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 model_names: tuple[str, ...] = ()) -> None:
         from .health import HealthChecker
         from .metrics import RouterMetrics
         from .proxy import Proxy
@@ -174,7 +175,8 @@ class RouterServer:
                 if hasattr(idx, "get_seq") else None,
                 applied=idx.set_seq if hasattr(idx, "set_seq") else None, health=state)
             state.subscriber = self.subscriber
-        self.health = HealthChecker(state, health_interval, health_timeout, health_fails)
+        self.health = HealthChecker(state, health_interval, health_timeout, health_fails, model_names=model_names,
+                                    api_key=getattr(upstream, "api_key", None))
         self._uvicorn = None
         self._thread = None
 

@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the prefix index lives (default: this process's memory)")
     p.add_argument("--index-prefix", default="pagedkv", help="key prefix in Redis (default: pagedkv)")
     p.add_argument("--model", default=None, help="model name (smollm2-135m, the default, or gemma-3-270m) or GGUF "
-                                                 "file whose tokenizer the replicas use (metadata only)")
+                                                 "file whose tokenizer the replicas use (metadata only); a replica "
+                                                 "whose /v1/models lists another model gets a warning at start-up")
     p.add_argument("--block-size", type=int, default=16, help="the replicas' KV block size (default 16)")
     p.add_argument("--balance-slack", type=float, default=0.2,
                    help="prefix routes skip a replica whose load (prompt tokens still to compute for its requests "
@@ -104,10 +105,13 @@ def make_router(args: argparse.Namespace):
                         balance_abs=args.balance_abs, block_size=args.block_size,
                         approx_capacity_blocks=args.approx_capacity_blocks, min_match=args.min_match)
     builder = PromptBuilder(load_tokenizer(args.model), args.block_size)
+    from ..server.launch import served_model_names
+
+    name, aliases = served_model_names(args.model)
     return RouterServer(state, builder, host=args.host, port=args.port, topic=args.kv_events_topic,
                         health_interval=args.health_interval, health_timeout=args.health_timeout,
                         health_fails=args.health_fails, api_key=args.api_key, upstream=upstream,
-                        max_body_bytes=args.max_body_bytes)
+                        max_body_bytes=args.max_body_bytes, model_names=(name, *aliases))
 
 
 def setup_logging() -> None:
@@ -127,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging()
     try:
         server = make_router(args)
-    except (ValueError, FileNotFoundError, OSError) as e:
+    except (ValueError, FileNotFoundError, OSError, ImportError) as e:  # (ImportError: a missing extra, named)
         print(f"pagedkv router: error: {e}", file=sys.stderr)
         return 2
     print(f"pagedkv router: {len(server.state.replicas)} replicas, route {args.route}, index {args.index}, "

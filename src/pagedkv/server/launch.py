@@ -19,16 +19,30 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Server", "make_server", "default_model_name"]
+__all__ = ["Server", "make_server", "default_model_name", "served_model_names"]
+
+
+def served_model_names(model: str | None) -> tuple[str, tuple[str, ...]]:
+    """``(model id, aliases)`` for ``--model``: a registry name (``gemma-3-270m``) is the id itself, with no alias;
+    a GGUF path (or none: the default model's file) is known by the file's stem, and also by the registry name
+    when the file has that model's file name (``.../gemma-3-270m-q4_k_m.gguf`` -> alias ``gemma-3-270m``).
+    Torch-free; finds the default model's file when ``model`` is None (FileNotFoundError if absent)."""
+    from ..engine.registry import MODEL_FILES, MODEL_NAMES
+
+    if model in MODEL_NAMES:
+        return model, ()
+    if model is None:
+        from ..engine.gguf_loader import find_default_model
+
+        model = str(find_default_model())
+    name = Path(model).name
+    return Path(model).stem, tuple(k for k, f in MODEL_FILES.items() if f == name)
 
 
 def default_model_name(llm: Any, path: str | None) -> str:
-    """The model id clients send: the GGUF file's stem (SmolLM2-135M-Instruct's for the default model)."""
-    if path is None:
-        from ..engine.gguf_loader import find_default_model
-
-        path = str(find_default_model())
-    return Path(path).stem
+    """The model id clients send (see :func:`served_model_names`): the registry name given, else the GGUF file's
+    stem (SmolLM2-135M-Instruct's for the default model)."""
+    return served_model_names(path)[0]
 
 
 log = logging.getLogger("pagedkv.server")
@@ -162,10 +176,11 @@ def make_server(llm: Any, *, model_name: str, host: str = "127.0.0.1", port: int
                 max_waiting: int = 256, kv_events_endpoint: str | None = None,
                 kv_events_replay_endpoint: str | None = None, kv_events_topic: str = "kv-events",
                 publisher: Any = None, max_body_bytes: int | None = None, drain_timeout: float = 30.0,
-                sock: socket.socket | None = None) -> Server:
+                sock: socket.socket | None = None, model_aliases: tuple[str, ...] = ()) -> Server:
     """Wire ``llm`` into a :class:`Server`. With ``kv_events_endpoint`` the block manager's events (it needs
     ``take_events``, i.e. an ``LLM(..., enable_kv_events=True)``) are published there over ZMQ (or give an
-    already bound ``publisher``). ``max_body_bytes``: the request body limit (413 beyond; default 2 MiB)."""
+    already bound ``publisher``). ``max_body_bytes``: the request body limit (413 beyond; default 2 MiB).
+    ``model_aliases``: other model ids a request may name (answered as ``model_name``)."""
     from .app import build_app
     from .async_engine import AsyncEngine
     from .metrics import ServerMetrics
@@ -186,7 +201,7 @@ def make_server(llm: Any, *, model_name: str, host: str = "127.0.0.1", port: int
                          event_sink=publisher.publish if publisher is not None else None,
                          on_fatal=lambda message: holder["server"].on_fatal(message))
     holder["engine"] = engine
-    app = build_app(engine, model_name=model_name, api_key=api_key, metrics=metrics,
+    app = build_app(engine, model_name=model_name, model_aliases=model_aliases, api_key=api_key, metrics=metrics,
                     max_body_bytes=max_body_bytes or DEFAULT_LIMITS.max_body_bytes)
     server = holder["server"] = Server(app, engine, metrics, publisher, model_name, host, port, drain_timeout, sock)
     return server
