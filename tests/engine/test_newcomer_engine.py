@@ -127,7 +127,8 @@ def test_a_file_of_a_registry_model_also_answers_to_the_registry_name(engine):
 
 
 def test_serve_with_a_model_name_serves_that_name(tmp_path):
-    """``pagedkv serve --model smollm2-135m`` as users start it (it exited 2 "no such file" before)."""
+    """``pagedkv serve --model smollm2-135m`` as users start it (it exited 2 "no such file" before), and its
+    --header-timeout."""
     from pagedkv.engine.gguf_loader import ModelNotFoundError, find_default_model
 
     try:
@@ -137,7 +138,7 @@ def test_serve_with_a_model_name_serves_that_name(tmp_path):
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     proc = subprocess.Popen([sys.executable, "-m", "pagedkv.cli", "serve", "--model", "smollm2-135m", "--port",
-                             str(port), "--num-gpu-blocks", "32", "--max-num-seqs", "2"],
+                             str(port), "--num-gpu-blocks", "32", "--max-num-seqs", "2", "--header-timeout", "1.5"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -154,6 +155,15 @@ def test_serve_with_a_model_name_serves_that_name(tmp_path):
         r = httpx.post(url + "/v1/completions", json={"model": "smollm2-135m", "prompt": "Hi", "max_tokens": 2},
                        timeout=60)
         assert r.status_code == 200 and r.json()["model"] == "smollm2-135m", r.text
+        # the header deadline of --header-timeout: a request whose headers never end gets 408 and is closed
+        slow = socket.create_connection(("127.0.0.1", port), timeout=15)
+        t0 = time.monotonic()
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")
+        data = b""
+        while chunk := slow.recv(65536):
+            data += chunk
+        slow.close()
+        assert data.startswith(b"HTTP/1.1 408 ") and 1.4 <= time.monotonic() - t0 <= 4.5, data
     finally:
         proc.terminate()
         try:

@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     from ..cluster.policy import ROUTES
 
     from .._help import HelpFormatter, plain
+    from ..server.http_options import add_http_args
 
     p = argparse.ArgumentParser(prog="pagedkv router", description=plain(__doc__), formatter_class=HelpFormatter)
     p.add_argument("--backend", action="append", required=True, metavar="URL[,EVENTS[,REPLAY]]",
@@ -64,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "replica or get 503 (default 256)")
     p.add_argument("--max-body-bytes", type=int, default=2 * 1024 * 1024,
                    help="largest request body accepted; larger ones get 413 (default 2 MiB, as pagedkv serve)")
+    add_http_args(p)
     return p
 
 
@@ -71,6 +73,7 @@ def make_router(args: argparse.Namespace):
     """A :class:`~pagedkv.router.app.RouterServer` from parsed options (ValueError / FileNotFoundError on bad
     ones)."""
     from ..cluster.index import RedisIndex, open_index
+    from ..server.http_options import check_http_args, http_options
     from .app import RouterServer
     from .prompt import PromptBuilder, load_tokenizer
     from .proxy import UpstreamOptions
@@ -88,6 +91,7 @@ def make_router(args: argparse.Namespace):
         raise ValueError(f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key must not be empty")
+    check_http_args(args)
     upstream = UpstreamOptions(connect_timeout=args.upstream_connect_timeout,
                                read_timeout=args.upstream_read_timeout,
                                max_connections=args.upstream_max_connections, api_key=args.replica_api_key)
@@ -111,7 +115,7 @@ def make_router(args: argparse.Namespace):
     return RouterServer(state, builder, host=args.host, port=args.port, topic=args.kv_events_topic,
                         health_interval=args.health_interval, health_timeout=args.health_timeout,
                         health_fails=args.health_fails, api_key=args.api_key, upstream=upstream,
-                        max_body_bytes=args.max_body_bytes, model_names=(name, *aliases))
+                        max_body_bytes=args.max_body_bytes, model_names=(name, *aliases), http=http_options(args))
 
 
 def setup_logging() -> None:

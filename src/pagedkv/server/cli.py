@@ -10,6 +10,7 @@ from typing import Any, Sequence
 
 from ..engine.options import add_engine_args, make_llm
 from ..engine.registry import MODEL_NAMES
+from .http_options import add_http_args, check_http_args, http_options
 
 __all__ = ["main", "build_parser"]
 
@@ -34,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-events-topic", default="kv-events", help="ZMQ topic of the KV-event messages")
     p.add_argument("--max-body-bytes", type=int, default=2 * 2**20,
                    help="largest request body accepted; larger ones get 413 (default: 2097152, 2 MiB)")
+    add_http_args(p)
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds the requests in flight get to finish before they are ended with an "
                         "error (default: 30)")
@@ -67,6 +69,7 @@ def check_options(args: argparse.Namespace) -> None:
         if args.num_cpu_blocks:
             raise ValueError("give --swap-space (GiB) or --num-cpu-blocks, not both")
     positive("long-prefill-token-threshold", getattr(args, "long_prefill_token_threshold", None), zero=True)
+    check_http_args(args)
     if not args.drain_timeout >= 0 or args.drain_timeout == float("inf"):
         raise ValueError(f"--drain-timeout must be a finite number >= 0, got {args.drain_timeout}")
     if args.preemption_mode == "swap" and not (args.num_cpu_blocks or swap):
@@ -144,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             llm, model_name=model_name, model_aliases=aliases, host=args.host,
             port=args.port, api_key=args.api_key, max_waiting=args.max_waiting, publisher=publisher,
             kv_events_topic=args.kv_events_topic, max_body_bytes=args.max_body_bytes,
-            drain_timeout=args.drain_timeout, sock=sock,
+            drain_timeout=args.drain_timeout, sock=sock, http=http_options(args),
         )
     except (PagedKVError, OSError, ValueError, RuntimeError, ImportError) as e:
         print(f"pagedkv serve: error: {e}", file=sys.stderr)

@@ -69,17 +69,21 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve_in_thread(app, host: str, port: int, name: str, timeout: float = 30.0):
+def serve_in_thread(app, host: str, port: int, name: str, timeout: float = 30.0, http: dict | None = None):
     """Run ASGI ``app`` with uvicorn on ``host:port`` (port 0: a free one) in a daemon thread; wait until it
-    accepts connections. Returns ``(uvicorn server, thread, port)``; RuntimeError if it does not start in
-    ``timeout`` seconds."""
+    accepts connections. ``http``: the read deadlines and connection cap (keywords of
+    :func:`~pagedkv.server.http_guard.uvicorn_config`; its defaults when None). Returns ``(uvicorn server,
+    thread, port)``; RuntimeError if it does not start in ``timeout`` seconds."""
     import uvicorn
+
+    from .http_guard import uvicorn_config
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2))
+    server = uvicorn.Server(uvicorn_config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2,
+                                           **(http or {})))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name=name, daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout
@@ -104,6 +108,7 @@ class Server:
     drain_timeout: float = 30.0
     sock: socket.socket | None = None  # bound in advance (pagedkv serve binds before loading the model)
     fatal: str | None = None  # why the engine stopped, if it did
+    http: dict | None = None  # read deadlines and connection cap (pagedkv.server.http_guard.uvicorn_config)
     _uvicorn: Any = None
     _thread: threading.Thread | None = None
 
@@ -114,7 +119,7 @@ class Server:
     def start_in_thread(self, timeout: float = 30.0) -> "Server":
         """Serve on ``host:port`` (port 0: a free port, written back to ``self.port``) in a daemon thread."""
         self._uvicorn, self._thread, self.port = serve_in_thread(self.app, self.host, self.port, "pagedkv-uvicorn",
-                                                                 timeout)
+                                                                 timeout, self.http)
         return self
 
     def run(self) -> int:
@@ -123,6 +128,7 @@ class Server:
         import uvicorn
 
         from .access_log import quiet_health_access_log
+        from .http_guard import uvicorn_config
 
         quiet_health_access_log()
 
@@ -141,8 +147,8 @@ class Server:
                 threading.Thread(target=outer._drain_then_exit, name="pagedkv-drain", daemon=True).start()
 
         sock = self.sock if self.sock is not None else bind_socket(self.host, self.port)
-        self._uvicorn = server = _Uvicorn(uvicorn.Config(self.app, log_level="info", lifespan="off",
-                                                         timeout_graceful_shutdown=2))
+        self._uvicorn = server = _Uvicorn(uvicorn_config(self.app, log_level="info", lifespan="off",
+                                                         timeout_graceful_shutdown=2, **(self.http or {})))
         try:
             server.run(sockets=[sock])
         finally:
@@ -176,11 +182,14 @@ def make_server(llm: Any, *, model_name: str, host: str = "127.0.0.1", port: int
                 max_waiting: int = 256, kv_events_endpoint: str | None = None,
                 kv_events_replay_endpoint: str | None = None, kv_events_topic: str = "kv-events",
                 publisher: Any = None, max_body_bytes: int | None = None, drain_timeout: float = 30.0,
-                sock: socket.socket | None = None, model_aliases: tuple[str, ...] = ()) -> Server:
+                sock: socket.socket | None = None, model_aliases: tuple[str, ...] = (),
+                http: dict | None = None) -> Server:
     """Wire ``llm`` into a :class:`Server`. With ``kv_events_endpoint`` the block manager's events (it needs
     ``take_events``, i.e. an ``LLM(..., enable_kv_events=True)``) are published there over ZMQ (or give an
     already bound ``publisher``). ``max_body_bytes``: the request body limit (413 beyond; default 2 MiB).
-    ``model_aliases``: other model ids a request may name (answered as ``model_name``)."""
+    ``model_aliases``: other model ids a request may name (answered as ``model_name``). ``http``: the header and
+    body read deadlines and the connection cap (keywords of :func:`~pagedkv.server.http_guard.uvicorn_config`:
+    ``header_timeout``, ``body_timeout``, ``max_connections``, ``keep_alive_timeout``; its defaults when None)."""
     from .app import build_app
     from .async_engine import AsyncEngine
     from .metrics import ServerMetrics
@@ -203,5 +212,6 @@ def make_server(llm: Any, *, model_name: str, host: str = "127.0.0.1", port: int
     holder["engine"] = engine
     app = build_app(engine, model_name=model_name, model_aliases=model_aliases, api_key=api_key, metrics=metrics,
                     max_body_bytes=max_body_bytes or DEFAULT_LIMITS.max_body_bytes)
-    server = holder["server"] = Server(app, engine, metrics, publisher, model_name, host, port, drain_timeout, sock)
+    server = holder["server"] = Server(app, engine, metrics, publisher, model_name, host, port, drain_timeout, sock,
+                                       http=http)
     return server
