@@ -98,8 +98,9 @@ class GuardedH11Protocol(H11Protocol):
         if kind == "header":
             if c is not None and not c.response_complete:
                 return  # a request is in progress: its headers came in time
-            partial = bool(self.conn.trailing_data[0]) or self.conn.their_state is not h11.IDLE
-            if partial:
+            # part of a new request came (h11 buffers headers until they are complete); not the rest of the body
+            # of a request already answered (e.g. a 413 sent before reading it): that connection just closes
+            if self.conn.their_state is h11.IDLE and self.conn.trailing_data[0]:
                 self.transport.write(_response_408(
                     f"the request headers were not complete within {self.header_timeout:g} s"))
         else:
