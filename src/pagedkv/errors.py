@@ -17,6 +17,8 @@ __all__ = [
     "OutOfBlocksError",
     "PromptTooLongError",
     "TableWidthError",
+    "NoChatTemplateError",
+    "MissingExtraError",
 ]
 
 
@@ -59,3 +61,13 @@ class PromptTooLongError(OutOfBlocksError):
 class TableWidthError(PagedKVError, ValueError):
     """A sequence needs more block-table columns than the manager's fixed ``block_table_width`` (the prompt, or
     the append, would take the sequence past ``block_table_width * block_size`` positions, lookahead included)."""
+
+
+class NoChatTemplateError(PagedKVError, ValueError):
+    """A chat was asked of a model whose file carries no chat template (a base model such as Gemma 3 270M's
+    GGUF): chat is refused, as vLLM refuses it; plain completion is what such a model does."""
+
+
+class MissingExtraError(PagedKVError, ImportError):
+    """A package of an optional extra is not installed; the message names the extra to install (for example
+    ``pip install 'pagedkv[gemma]'`` for Gemma 3's SentencePiece tokenizer)."""

@@ -138,6 +138,11 @@ class LLM:
             float32 products up to summation order; True, the default, where the kernels build: CPU, float32).
             A loading option: with an already loaded model it must match how that model was loaded
             (``InvalidArgumentError`` otherwise). ``llm.quant_kernels`` says whether they are in use.
+        max_model_len: the longest sequence (prompt + output) a request may have, at most the model's context
+            (vLLM's ``max_model_len``); None: the model's context.
+        swap_space: the CPU blocks for swap and the CPU tier given in GiB, as vLLM's ``swap_space``: sets
+            ``num_cpu_blocks`` to as many blocks as fit (``num_cpu_blocks`` must then be 0); None: use
+            ``num_cpu_blocks``. ``llm.block_manager.num_cpu_blocks`` says how many that is.
     """
 
     def __init__(
@@ -164,12 +169,14 @@ class LLM:
         kv_cache_groups: bool = True,
         fast_lm_head: bool = True,
         quant_kernels: bool = True,
+        max_model_len: int | None = None,
+        swap_space: float | None = None,
     ) -> None:
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise InvalidArgumentError(f"device {device!r} was asked for but CUDA is not available; use device='cpu'")
         if preemption_mode not in ("recompute", "swap"):
             raise InvalidArgumentError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
-        if preemption_mode == "swap" and num_cpu_blocks <= 0:
+        if preemption_mode == "swap" and num_cpu_blocks <= 0 and not swap_space:
             raise InvalidArgumentError("preemption_mode='swap' needs num_cpu_blocks > 0")
         if max_num_batched_tokens is None:
             max_num_batched_tokens = DEFAULT_CHUNKED_BUDGET if enable_chunked_prefill else DEFAULT_BUDGET
@@ -205,6 +212,12 @@ class LLM:
             head.prepare()  # the low-precision copies, once per model (shared by LLMs sharing the model)
         self.tokenizer = make_tokenizer(self.model.tokenizer_metadata)
         self.max_model_len = int(self.model.config.context_length)
+        if max_model_len is not None:
+            if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) \
+                    or not 1 <= max_model_len <= self.max_model_len:
+                raise InvalidArgumentError(f"max_model_len must be an int in [1, {self.max_model_len}] (the model's "
+                                           f"context), got {max_model_len!r}")
+            self.max_model_len = max_model_len
         groups = getattr(self.model, "kv_cache_groups", None) if kv_cache_groups else None
         #: the KV cache groups in use (a HybridBlockManager), or None (one block table for all layers)
         self.kv_cache_groups = tuple(groups) if groups else None
@@ -214,6 +227,14 @@ class LLM:
             per_block = self.model.kv_cache_bytes_per_block(block_size, **({"grouped": True} if grouped else {}))
             cap = n_groups * max_num_seqs * -(-self.max_model_len // block_size)
             num_gpu_blocks = max(1, min(cap, int(kv_cache_gib * 2**30) // per_block))
+        if swap_space is not None:
+            if num_cpu_blocks or isinstance(swap_space, bool) or not isinstance(swap_space, (int, float)) \
+                    or not 0 <= swap_space < float("inf"):
+                raise InvalidArgumentError(f"swap_space must be a finite number of GiB >= 0 and num_cpu_blocks 0 "
+                                           f"(give one of them), got swap_space={swap_space!r}, "
+                                           f"num_cpu_blocks={num_cpu_blocks!r}")
+            per_block = self.model.kv_cache_bytes_per_block(block_size, **({"grouped": True} if grouped else {}))
+            num_cpu_blocks = int(swap_space * 2**30) // per_block
         common = dict(num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=enable_prefix_caching,
                       enable_kv_events=enable_kv_events, cpu_prefix_cache=cpu_prefix_cache)
         if grouped:
@@ -281,7 +302,9 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate a reply to one conversation (a list of ``{"role", "content"}`` dicts) or to each of several,
-        using the model's own chat template."""
+        using the model's own chat template. :class:`~pagedkv.errors.NoChatTemplateError` when the model's file
+        carries none (a base model: use :meth:`generate`)."""
+        self.tokenizer.require_chat_template()
         convs = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         prompts = [{"prompt_token_ids": self.tokenizer.apply_chat_template(c)} for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -519,10 +519,10 @@ def parse_chat(body: bytes | dict, limits: Limits = DEFAULT_LIMITS) -> ChatReque
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
             raise _type_error(f"messages.[{i}]", "an object", m)
-        _check_keys(m, _MESSAGE_KEYS, f"messages.[{i}].")
         role = m.get("role")
-        if role in ("tool", "function"):
+        if role in ("tool", "function"):  # (before the keys: a tool message's tool_call_id would hide this)
             raise _unsupported(f"messages.[{i}].role", f"messages of role '{role}' are not (no tools)")
+        _check_keys(m, _MESSAGE_KEYS, f"messages.[{i}].")
         if role not in _ROLES:
             raise _bad(f"Invalid value for 'messages.[{i}].role': expected one of {', '.join(_ROLES)}, but got "
                        f"{_show(role)[:60]} instead.", f"messages.[{i}].role")
@@ -576,7 +576,7 @@ def parse_chat(body: bytes | dict, limits: Limits = DEFAULT_LIMITS) -> ChatReque
 # ---------------------------------------------------------------------------------------------- tokens
 def _context_error(n: int, limits: Limits, param: str) -> APIError:
     return _bad(f"This model's maximum context length is {limits.max_model_len} tokens; the "
-                f"{'messages' if param == 'messages' else 'prompt'} hold {n} tokens.", param,
+                f"{'messages hold' if param == 'messages' else 'prompt holds'} {n} tokens.", param,
                 "context_length_exceeded")
 
 
