@@ -17,6 +17,8 @@ __all__ = [
     "OutOfBlocksError",
     "PromptTooLongError",
     "TableWidthError",
+    "PinBudgetError",
+    "UnknownPinError",
 ]
 
 
@@ -59,3 +61,12 @@ class PromptTooLongError(OutOfBlocksError):
 class TableWidthError(PagedKVError, ValueError):
     """A sequence needs more block-table columns than the manager's fixed ``block_table_width`` (the prompt, or
     the append, would take the sequence past ``block_table_width * block_size`` positions, lookahead included)."""
+
+
+class PinBudgetError(PagedKVError, RuntimeError):
+    """A prefix pin would hold more distinct blocks than the pin budget (``pin_budget_blocks``); nothing was
+    pinned."""
+
+
+class UnknownPinError(PagedKVError, KeyError):
+    """The pin id was never returned by ``pin_prefix``, or the pin was dropped already (unpinned or expired)."""
