@@ -432,6 +432,8 @@ class BlockManager:
                 needed = -(-(len(hits) * self._bs + k + la) // self._bs)
             ref = self._gpu.ref
             needed -= sum(1 for b in hits if b >= 0 and ref[b] > 0)  # (a CPU-tier hit needs a GPU block)
+            if self._steered and self._cache.evictor.num_parked:  # pinned idle hits: not in the free count
+                needed -= sum(1 for b in hits if b >= 0 and self._cache.evictor.parked[b])
         if self.num_free_gpu_blocks - needed >= self._watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
@@ -556,6 +558,8 @@ class BlockManager:
         hits, _ = self._reg.lookup(arr, self._cache.root(namespace, intern=False))
         ref = self._gpu.ref_mv
         held = sum(1 for b in hits if b >= 0 and ref[b] > 0)
+        if self._steered and self._cache.evictor.num_parked:  # pinned idle hits: not in the free count
+            held += sum(1 for b in hits if b >= 0 and self._cache.evictor.parked[b])
         ncpu = sum(1 for b in hits if b < 0)
         n = arr.size if k is None else min(arr.size, len(hits) * self._bs + k)
         nb = -(-(n + la) // self._bs)

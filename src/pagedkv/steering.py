@@ -186,7 +186,7 @@ class SteeredEvictor:
             raise PinBudgetError(
                 f"pinning {blocks.size} blocks ({new.size} not pinned yet) would hold {self.num_pinned + new.size} "
                 f"pinned blocks; the pin budget is {self.budget} (pin_budget_blocks)")
-        self.pin_cid[new] = self._cid[new]
+        self.pin_cid[blocks] = self._cid[blocks]  # (a block whose pinned content had left holds the new one)
         self.pin_count[blocks] += 1
         self.num_pinned += new.size
         for b in new.tolist():  # idle ones leave their class for the parking
