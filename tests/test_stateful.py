@@ -405,6 +405,9 @@ class PagedKVMachine(RuleBasedStateMachine):
             while max_hit < (n - 1) // bs and keys[(max_hit + 1) * bs - 1] in self.ever_full:
                 max_hit += 1
         live_set = self.live_contents()
+        for pns, ptoks, _, blocks, lost in self.pins.values():  # pinned idle hits take no free block either
+            pkeys = self.keys_for(pns, ptoks)
+            live_set |= {pkeys[(j + 1) * bs - 1] for j, b in enumerate(blocks) if b not in lost}
         max_live = sum(1 for j in range(max_hit) if keys[(j + 1) * bs - 1] in live_set)
         must_ok = nb <= free
         must_fail = nb - max_live > free

@@ -32,6 +32,11 @@ from .errors import PinBudgetError, UnknownPinError
 __all__ = ["Pin", "SteeredEvictor"]
 
 
+def _now() -> float:
+    """The pins' clock (seconds, monotonic)."""
+    return time.monotonic()
+
+
 class Pin(NamedTuple):
     """A pinned prefix: its id (for ``unpin``), the tokens and GPU blocks it holds, its TTL (None: until unpinned)."""
 
@@ -49,7 +54,7 @@ class SteeredEvictor:
     blocks only (parked ones are neither free nor evictable)."""
 
     def __init__(self, base, num_blocks: int, make: Callable, cid: np.ndarray, budget: int = 0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] | None = None) -> None:
         self._make, self._nb, self._cid = make, num_blocks, cid
         self.classes = {0: base}
         self._order = [0]  # eviction order: largest priority value first
@@ -65,7 +70,7 @@ class SteeredEvictor:
         self._last: dict = {}  # a pin's last block -> its pin ids (a hit on the whole pin uses that block)
         self._next_id = 1
         self._deadline = math.inf
-        self._clock = clock
+        self._clock = clock if clock is not None else (lambda: _now())
 
     # ------------------------------------------------------------------ classes
     def _class(self, prio: int):
