@@ -1,9 +1,11 @@
 """Conversation ids for a trace that has none (the ``session`` eviction policy's hint in a replay).
 
-A Mooncake trace names no conversation, but a later turn of a conversation repeats the earlier turn's prompt:
-its longest prefix of trace blocks already seen, when longer than one block (the first block is a system prompt
-every request shares), was introduced by the earlier turn, whose conversation it joins; any other request starts a
-conversation. A client would send this id itself (a chat id); the replay derives it from the prompts before it,
+A Mooncake trace names no conversation, but a later turn of a conversation repeats the earlier turn's whole
+prompt (all its trace blocks but the last, partial one): a request whose longest prefix of trace blocks already
+seen is longer than one block (the first block is a system prompt every request shares) and ends where the
+request that introduced its last block ended (or one block short of it) joins that request's conversation; any
+other request starts one (a prompt that only shares a system prompt or a document head with an earlier one is not
+its next turn). A client would send this id itself (a chat id); the replay derives it from the prompts before it,
 never from later requests, so the hint uses nothing a server could not know at the time.
 """
 
@@ -28,7 +30,8 @@ def conversation_ids(trace: Trace) -> np.ndarray:
         k = 0
         while k < len(r) and r[k] in first:
             k += 1
-        out[i] = out[first[r[k - 1]]] if k > 1 else i
+        j = first[r[k - 1]] if k > 1 else -1
+        out[i] = out[j] if j >= 0 and k >= offs[j + 1] - offs[j] - 1 else i
         for x in r[k:]:
             first.setdefault(x, i)
     return out
