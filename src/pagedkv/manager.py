@@ -147,6 +147,8 @@ class BlockManager:
             make_evictor(eviction_policy, 1)  # raises, naming the policies
         if (eviction_policy != "lru" or pin_budget_blocks) and not enable_prefix_caching:
             raise InvalidArgumentError("eviction_policy and pin_budget_blocks need enable_prefix_caching=True")
+        if pin_budget_blocks and sliding_window is not None:  # (the step counts window-released blocks as free)
+            raise InvalidArgumentError("pin_budget_blocks is not available with a sliding window yet")
         block_size = _check_int("block_size", block_size, 1)
         num_cpu_blocks = _check_int("num_cpu_blocks", num_cpu_blocks, 0)
         max_kv_events = _check_int("max_kv_events", max_kv_events, 1)
