@@ -477,6 +477,7 @@ class PagedKVMachine(RuleBasedStateMachine):
         assert len(table) == nb
         blocks = []
         live_hits = 0
+        parked = self.held_pins() - set(live_before)  # pinned idle blocks: a hit on one takes no free block
         for j, b in enumerate(table):
             if j < hit // bs and b in live_before:
                 L = live_before[b]
@@ -485,6 +486,7 @@ class PagedKVMachine(RuleBasedStateMachine):
                 blocks.append(L)
             else:
                 assert b not in live_before, f"allocate handed out block {b}, which a live sequence holds"
+                live_hits += j < hit // bs and b in parked
                 blocks.append(LBlock(b, True))
         assert nb - live_hits <= free
         s = self.seqs[sid] = MSeq(ns, list(prompt), keys, blocks)
