@@ -807,8 +807,6 @@ class PagedKVMachine(RuleBasedStateMachine):
         assert pin.num_blocks == len(cached) and pin.num_tokens == len(cached) * self.bs
         if cached:
             event("pin_prefix: pinned")
-            for *_, lost in self.pins.values():
-                lost.difference_update(cached)  # pinned again: held for its current content
             self.pins[pin.pin_id] = (ns, toks, pin.num_tokens, cached, set())
         assert self.bm.num_pinned_blocks == len(pinned | set(cached))
 

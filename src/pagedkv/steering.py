@@ -191,10 +191,11 @@ class SteeredEvictor:
             raise PinBudgetError(
                 f"pinning {blocks.size} blocks ({new.size} not pinned yet) would hold {self.num_pinned + new.size} "
                 f"pinned blocks; the pin budget is {self.budget} (pin_budget_blocks)")
-        self.pin_cid[blocks] = self._cid[blocks]  # (a block whose pinned content had left holds the new one)
+        fresh = blocks[~self._held(blocks)]  # not held until now (new, or their pinned content had left)
+        self.pin_cid[blocks] = self._cid[blocks]
         self.pin_count[blocks] += 1
         self.num_pinned += new.size
-        for b in new.tolist():  # idle ones leave their class for the parking
+        for b in fresh.tolist():  # idle ones leave their class for the parking
             c = self.classes.get(int(self.where[b]))
             if c is not None and b in c:
                 c.discard(b)
