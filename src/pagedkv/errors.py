@@ -19,6 +19,8 @@ __all__ = [
     "TableWidthError",
     "NoChatTemplateError",
     "MissingExtraError",
+    "PinBudgetError",
+    "UnknownPinError",
 ]
 
 
@@ -71,3 +73,10 @@ class NoChatTemplateError(PagedKVError, ValueError):
 class MissingExtraError(PagedKVError, ImportError):
     """A package of an optional extra is not installed; the message names the extra to install (for example
     ``pip install 'pagedkv[gemma]'`` for Gemma 3's SentencePiece tokenizer)."""
+class PinBudgetError(PagedKVError, RuntimeError):
+    """A prefix pin would hold more distinct blocks than the pin budget (``pin_budget_blocks``); nothing was
+    pinned."""
+
+
+class UnknownPinError(PagedKVError, KeyError):
+    """The pin id was never returned by ``pin_prefix``, or the pin was dropped already (unpinned or expired)."""

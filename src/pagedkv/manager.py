@@ -69,6 +69,8 @@ from .errors import InvalidArgumentError, InvalidTokensError, OutOfBlocksError, 
 from .cpu_tier import CpuTier
 from .events import KVCacheEvent
 from .kv_groups import FullAttentionSpec, SlidingWindowSpec
+from .eviction import EVICTION_POLICIES, make_evictor
+from .steering import Pin, SteeredEvictor
 from .pool import BlockPool
 from .prefix_cache import PrefixCache, _encode_namespace
 from .cpu_tier import DEMOTE, PROMOTE
@@ -112,10 +114,16 @@ class BlockManager:
             shapes); a call that would give a sequence more blocks raises TableWidthError, changing nothing.
             None (default): as wide as the batch's longest table. Set it to ``ceil((max_model_len +
             num_lookahead_slots) / block_size)``.
+        eviction_policy: the order in which unreferenced cached blocks are evicted (:mod:`pagedkv.eviction`):
+            ``"lru"`` (default), ``"slru"`` (frequency-aware) or ``"session"`` (uses :meth:`set_retention`'s
+            session hint). Needs prefix caching for anything but ``"lru"``.
+        pin_budget_blocks: the most distinct GPU blocks :meth:`pin_prefix` may hold pinned (0: no pins).
 
     Sequences are keyed by any hashable ``seq_id`` chosen by the caller. Every method either completes or raises
     a :mod:`pagedkv.errors` exception and leaves the manager exactly as it was.
     """
+
+    _steered = False  # priority classes and pins installed (the first set_retention priority or pin_prefix)
 
     atomic_append = True
     """decode_step / append_slots are all-or-nothing for the whole batch: a scheduler may call them without asking
@@ -140,8 +148,17 @@ class BlockManager:
         max_kv_events: int = 100_000,
         cpu_prefix_cache: bool = False,
         block_table_width: int | None = None,
+        eviction_policy: str = "lru",
+        pin_budget_blocks: int = 0,
     ) -> None:
         num_gpu_blocks = _check_int("num_gpu_blocks", num_gpu_blocks, 1)
+        pin_budget_blocks = _check_int("pin_budget_blocks", pin_budget_blocks, 0)
+        if eviction_policy not in EVICTION_POLICIES:
+            make_evictor(eviction_policy, 1)  # raises, naming the policies
+        if (eviction_policy != "lru" or pin_budget_blocks) and not enable_prefix_caching:
+            raise InvalidArgumentError("eviction_policy and pin_budget_blocks need enable_prefix_caching=True")
+        if pin_budget_blocks and sliding_window is not None:  # (the step counts window-released blocks as free)
+            raise InvalidArgumentError("pin_budget_blocks is not available with a sliding window yet")
         block_size = _check_int("block_size", block_size, 1)
         num_cpu_blocks = _check_int("num_cpu_blocks", num_cpu_blocks, 0)
         max_kv_events = _check_int("max_kv_events", max_kv_events, 1)
@@ -157,6 +174,9 @@ class BlockManager:
         self._gpu = BlockPool(num_gpu_blocks)
         self._cpu = BlockPool(num_cpu_blocks)
         self._cache = PrefixCache(num_gpu_blocks, block_size) if enable_prefix_caching else None
+        self._policy, self._pin_budget = eviction_policy, pin_budget_blocks
+        if eviction_policy != "lru":
+            self._cache.evictor = make_evictor(eviction_policy, num_gpu_blocks)
         if self._cache is not None and enable_kv_events:
             self._cache.enable_events(max_kv_events)
         self._kv_events = bool(enable_kv_events)
@@ -200,6 +220,7 @@ class BlockManager:
                        └─ Swapper
         """
         self._window = sliding_window
+        self._hints: dict = {}  # seq_id -> (priority, session) given by set_retention, used by free
         self._small_batch = SMALL_BATCH  # batches up to this size take the plain-Python step (0: never)
         bs, blocks, cache, tier, copies = self._bs, self._blocks, self._cache, self._tier, self._copies
         t = self._t = SeqTables(self._gpu.ref_mv, max(4, self._fixed_w))
@@ -487,6 +508,8 @@ class BlockManager:
                 needed = -(-(len(hits) * self._bs + k + la) // self._bs)
             ref = self._gpu.ref
             needed -= sum(1 for b in hits if b >= 0 and ref[b] > 0)  # (a CPU-tier hit needs a GPU block)
+            if self._steered and self._cache.evictor.num_parked:  # pinned idle hits: not in the free count
+                needed -= sum(1 for b in hits if b >= 0 and self._cache.evictor.parked[b])
         if self.num_free_gpu_blocks - needed >= self._watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
@@ -611,6 +634,8 @@ class BlockManager:
         hits, _ = self._reg.lookup(arr, self._cache.root(namespace, intern=False))
         ref = self._gpu.ref_mv
         held = sum(1 for b in hits if b >= 0 and ref[b] > 0)
+        if self._steered and self._cache.evictor.num_parked:  # pinned idle hits: not in the free count
+            held += sum(1 for b in hits if b >= 0 and self._cache.evictor.parked[b])
         ncpu = sum(1 for b in hits if b < 0)
         n = arr.size if k is None else min(arr.size, len(hits) * self._bs + k)
         nb = -(-(n + la) // self._bs)
@@ -673,6 +698,8 @@ class BlockManager:
         row = t.row(seq_id)
         if not cache and self._cache is not None and not t.swapped[row]:
             self._reg.withdraw_pending(seq_id, row)  # may raise; changes nothing then
+        if self._hints or self._steered:
+            self._retain(seq_id, row)
         if t.partial:
             t.partial.pop(seq_id, None)
         if self._small.free_small(seq_id, row):
@@ -682,6 +709,101 @@ class BlockManager:
         else:
             self._blocks.release(t.table[row, t.nrel[row] : t.nblk[row]][::-1].copy())
         t.drop_row(seq_id, row)
+
+    # ------------------------------------------------------------------ retention (priority, session, pins)
+    @property
+    def eviction_policy(self) -> str:
+        """The eviction policy's name (:mod:`pagedkv.eviction`)."""
+        return self._policy
+
+    @property
+    def pin_budget_blocks(self) -> int:
+        return self._pin_budget
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        """Distinct GPU blocks held by pins (what the pin budget counts)."""
+        return self._cache.evictor.num_pinned if self._steered else 0
+
+    @property
+    def pins(self) -> tuple[Pin, ...]:
+        """The live pins (expired ones dropped first)."""
+        return self._cache.evictor.pin_list() if self._steered else ()
+
+    def set_retention(self, seq_id: Hashable, *, priority: int = 0, session: Hashable = None) -> None:
+        """How the sequence's blocks are kept once :meth:`free` releases them. ``priority`` (vLLM's request
+        field: a lower value is a higher priority, default 0): unreferenced blocks of a larger value are evicted
+        before any block of a smaller one (:mod:`pagedkv.steering`). ``session`` (a conversation id, any
+        hashable): a hint for the ``"session"`` eviction policy, which keeps the blocks of a conversation longer
+        the more requests it has had; other policies ignore it. Set it any time before the free; the last call
+        wins. Raises UnknownSequenceError or InvalidArgumentError (needs prefix caching), changing nothing. O(1);
+        the first non-default priority switches on the priority classes (:class:`SteeredEvictor`)."""
+        self._t.row(seq_id)
+        if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
+            raise InvalidArgumentError(f"priority must be an int, got {priority!r}")
+        if self._cache is None:
+            raise InvalidArgumentError("set_retention needs enable_prefix_caching=True")
+        hash(session)
+        if priority:
+            self._steering()
+        self._hints[seq_id] = (int(priority), session)
+
+    def pin_prefix(self, token_ids: Sequence[int], *, ttl: float | None = None, namespace: object = None) -> Pin:
+        """Pin the cached GPU blocks of this prefix (a system prompt, a tool list: allocate it first): they are
+        never evicted while pinned. Pins up to the first full block not cached on the GPU; ``Pin.num_tokens``
+        says how many tokens that is (0, with ``pin_id`` 0: nothing cached, and nothing pinned). ``ttl`` (seconds, None: until
+        :meth:`unpin`) is refreshed each time a hit takes the pin's last block back or it is released. The
+        distinct pinned blocks of all pins stay within ``pin_budget_blocks``: past it PinBudgetError, nothing
+        pinned. Raises InvalidArgumentError (no prefix caching, no budget, bad ttl), InvalidTokensError.
+        O(prompt blocks)."""
+        if self._cache is None or not self._pin_budget:
+            raise InvalidArgumentError("pin_prefix needs enable_prefix_caching=True and pin_budget_blocks > 0")
+        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0):
+            raise InvalidArgumentError(f"ttl must be a positive number of seconds or None, got {ttl!r}")
+        arr = _as_tokens(token_ids)
+        # (one token more: a lookup leaves the last block to compute; a pin holds every full block)
+        hits, _ = self._reg.lookup(np.append(arr, arr[:1]), self._cache.root(namespace, intern=False))
+        gpu = []
+        for b in hits:
+            if b < 0:
+                break
+            gpu.append(b)
+        if not gpu:
+            return Pin(0, 0, 0, ttl)
+        ev = self._steering()
+        return ev.pin(np.array(gpu, dtype=np.int64), len(gpu) * self._bs, ttl)
+
+    def unpin(self, pin_id: int) -> None:
+        """Drop a pin (UnknownPinError if there is none by that id); its blocks that no other pin holds become
+        evictable, idle ones at the most recent end of their class. O(its blocks)."""
+        if not self._steered:
+            from .errors import UnknownPinError
+
+            raise UnknownPinError(f"no pin {pin_id!r} (unpinned already, expired, or never made)")
+        self._cache.evictor.unpin(pin_id)
+
+    def _steering(self) -> SteeredEvictor:
+        """The prefix cache's evictor as a SteeredEvictor (installed over the current policy evictor once)."""
+        cache = self._cache
+        if not self._steered:
+            policy = self._policy
+            cache.evictor = SteeredEvictor(cache.evictor, self._gpu.num_blocks, lambda n: make_evictor(policy, n),
+                                           cache.cid, self._pin_budget)
+            self._steered = True
+        return cache.evictor
+
+    def _retain(self, seq_id: Hashable, row: int) -> None:
+        """Tag the sequence's GPU blocks with its retention hint just before free releases them."""
+        prio, session = self._hints.pop(seq_id, (0, None))
+        t = self._t
+        if t.swapped[row] or self._cache is None:
+            return
+        blocks = t.table[row, t.nrel[row] : t.nblk[row]].astype(np.int64)
+        ev = self._cache.evictor
+        if self._steered:
+            ev.tag(blocks, prio)
+        if session is not None:
+            ev.hint(blocks, session)
 
     # ------------------------------------------------------------------ appending (the per-step path)
     def can_append_slots(self, seq_ids: Iterable[Hashable], num_lookahead_slots: int = 0, *,

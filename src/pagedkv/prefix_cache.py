@@ -748,6 +748,9 @@ class PrefixCache:
         self.succ[:] = -1
         freed = list(self.evictor)
         self.evictor.discard_many(np.asarray(freed, dtype=np.int64))
+        drop = getattr(self.evictor, "drop_pins", None)  # (pagedkv.steering: pinned idle blocks are freed too)
+        if drop is not None:
+            freed += drop()
         self.cid[np.fromiter(self.map.values(), dtype=np.int64, count=len(self.map))] = 0
         self.map.clear()
         if self.events is not None:

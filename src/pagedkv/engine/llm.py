@@ -171,7 +171,12 @@ class LLM:
         quant_kernels: bool = True,
         max_model_len: int | None = None,
         swap_space: float | None = None,
+        scheduling_policy: str = "fcfs",
+        eviction_policy: str = "lru",
+        pin_budget_blocks: int = 0,
     ) -> None:
+        if scheduling_policy not in ("fcfs", "priority"):
+            raise InvalidArgumentError(f"scheduling_policy must be 'fcfs' or 'priority', got {scheduling_policy!r}")
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise InvalidArgumentError(f"device {device!r} was asked for but CUDA is not available; use device='cpu'")
         if preemption_mode not in ("recompute", "swap"):
@@ -238,16 +243,23 @@ class LLM:
         common = dict(num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=enable_prefix_caching,
                       enable_kv_events=enable_kv_events, cpu_prefix_cache=cpu_prefix_cache)
         if grouped:
+            if eviction_policy != "lru" or pin_budget_blocks:
+                raise InvalidArgumentError(
+                    "eviction_policy and pin_budget_blocks are not available with KV cache groups yet "
+                    "(pass kv_cache_groups=False for one block table)")
             self.block_manager = HybridBlockManager(num_gpu_blocks, block_size, kv_cache_groups=self.kv_cache_groups,
                                                     **common)
         else:
-            self.block_manager = BlockManager(num_gpu_blocks, block_size, sliding_window=sliding_window, **common)
+            self.block_manager = BlockManager(num_gpu_blocks, block_size, sliding_window=sliding_window,
+                                              eviction_policy=eviction_policy, pin_budget_blocks=pin_budget_blocks,
+                                              **common)
         self._timed_bm = _TimedCalls(self.block_manager)
         self.scheduler = Scheduler(
             self._timed_bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             preemption_mode=preemption_mode, num_lookahead_slots=num_lookahead_slots,
             enable_chunked_prefill=enable_chunked_prefill, long_prefill_token_threshold=long_prefill_token_threshold,
             incremental_tables=getattr(self.block_manager, "table_rows", None) is not None,
+            scheduling_policy=scheduling_policy,
         )
         self.enable_chunked_prefill = bool(enable_chunked_prefill)
         # the engine's block tables: row table_rows(seq) holds the sequence's table (see the module docstring)
@@ -275,11 +287,21 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        priority: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (a string, or ``{"prompt_token_ids": [...]}``); results in prompt order."""
+        """Generate for each prompt (a string, or ``{"prompt_token_ids": [...]}``); results in prompt order.
+        ``priority`` (vLLM's: one int, or one per prompt; lower is more urgent): the admission order and the
+        preemption victims with ``scheduling_policy="priority"``, and the eviction class of the request's cached
+        blocks with any policy (:meth:`pagedkv.BlockManager.set_retention`)."""
         if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
         requests = self._make_requests(prompts, sampling_params)
+        if priority is not None:
+            prios = [priority] * len(requests) if isinstance(priority, int) else list(priority)
+            if len(prios) != len(requests) or any(isinstance(p, bool) or not isinstance(p, int) for p in prios):
+                raise InvalidArgumentError(f"priority must be an int or one int per prompt, got {priority!r}")
+            for r, p in zip(requests, prios):
+                r.priority = p
         bar = None
         if use_tqdm and len(requests) > 1:
             from tqdm.auto import tqdm
@@ -375,7 +397,7 @@ class LLM:
         p = r.params
         self.scheduler.add_request(r.request_id, r.prompt_token_ids, n=p.n, max_tokens=p.max_tokens,
                                    eos_token_id=self.tokenizer.eos_token_id, ignore_eos=p.ignore_eos,
-                                   stop_token_ids=p.stop_token_ids, namespace=r.namespace)
+                                   stop_token_ids=p.stop_token_ids, namespace=r.namespace, priority=r.priority)
 
     def _step(self, by_id: dict, times: EngineTimes | None = None) -> tuple[Any, list]:
         """Run one engine step for the requests of ``by_id`` (request id -> ``_Request``): schedule, KV copies,
@@ -579,7 +601,7 @@ class LLM:
 
 class _Request:
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "generator", "tokenizer", "result", "live",
-                 "namespace")
+                 "namespace", "priority")
 
     def __init__(self, rid: int, prompt: str | None, ids: tuple, params: SamplingParams,
                  generator: torch.Generator, tokenizer: Any, namespace: Any = None) -> None:
@@ -592,6 +614,7 @@ class _Request:
         self.result: RequestOutput | None = None
         self.live: tuple = ()  # tokens generated so far by sample 0 (for streaming)
         self.namespace = namespace  # prefix-cache namespace (None: the shared default)
+        self.priority = 0  # vLLM's request priority (lower is more urgent)
 
     def text(self) -> str:
         """Text of sample 0 so far (the final text once finished)."""

@@ -55,6 +55,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "order; docs/engine-speed.md); --no-quant-kernels uses the dense float32 weights only")
     p.add_argument("--sliding-window", type=int, default=None, metavar="TOKENS",
                    help="attend to the last TOKENS tokens only, releasing older blocks (default: full attention)")
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                   help="priority: admit by each request's priority then arrival, preempt the largest first "
+                        "(vLLM's; a lower value is more urgent)")
+    p.add_argument("--eviction-policy", choices=("lru", "slru", "session"), default="lru",
+                   help="the prefix cache's eviction order (pagedkv.eviction; one block table only)")
+    p.add_argument("--pin-budget-blocks", type=int, default=0, metavar="BLOCKS",
+                   help="most KV blocks pinned prefixes may hold (BlockManager.pin_prefix; one block table only)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -80,6 +87,9 @@ def make_llm(args: argparse.Namespace, **over):
         fast_lm_head=getattr(args, "fast_lm_head", True),
         quant_kernels=getattr(args, "quant_kernels", True),
         max_model_len=getattr(args, "max_model_len", None), swap_space=getattr(args, "swap_space", None),
+        scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
+        eviction_policy=getattr(args, "eviction_policy", "lru"),
+        pin_budget_blocks=getattr(args, "pin_budget_blocks", 0),
     )
     kw.update(over)
     return LLM(args.model, **kw)

@@ -134,6 +134,7 @@ def build_app(engine: AsyncEngine, *, model_name: str, model_aliases: tuple[str,
         try:
             params = SamplingParams(**req.sampling_kwargs(max_tokens))
             request = engine.prepare({"prompt_token_ids": ids}, params, req.cache_salt)
+            request.priority = req.priority
         except PagedKVError as e:  # (validation caught what a client can get wrong; this is a last line)
             raise APIError(400, str(e).removeprefix("SamplingParams: "), "invalid_request_error", None,
                            None) from None
