@@ -95,13 +95,19 @@ def store_names(fingerprint: ModelFingerprint, chain_keys, namespace: object = N
     if not isinstance(fingerprint, ModelFingerprint):
         raise InvalidArgumentError(f"fingerprint must be a ModelFingerprint, got {type(fingerprint).__name__}")
     ns = _encode_namespace(namespace)
-    keys = np.asarray(chain_keys)
-    if keys.ndim != 1 or (keys.size and keys.dtype.kind not in "iuO"):
-        raise InvalidArgumentError(f"chain_keys must be a 1-D sequence of ints, got {keys.dtype} {keys.shape}")
+    if isinstance(chain_keys, np.ndarray):
+        if chain_keys.ndim != 1 or (chain_keys.size and chain_keys.dtype.kind not in "iu"):
+            raise InvalidArgumentError(f"chain_keys must be 1-D ints, got {chain_keys.dtype} {chain_keys.shape}")
+        chain_keys = chain_keys.tolist()
     try:
-        packed = [struct.pack("<Q", k) for k in (int(k) for k in chain_keys)]
-    except (struct.error, TypeError, ValueError) as e:
+        packed = [struct.pack("<Q", k) for k in chain_keys if type(k) is int or isinstance(k, (int, np.integer))
+                  and not isinstance(k, bool)]
+    except struct.error as e:
         raise InvalidArgumentError(f"chain keys must be ints in [0, 2**64): {e}") from None
+    except TypeError:
+        raise InvalidArgumentError("chain_keys must be a 1-D sequence of ints") from None
+    if len(packed) != len(chain_keys):
+        raise InvalidArgumentError("chain_keys must be a 1-D sequence of ints (no bools, floats or lists)")
     head = b"pagedkv-tier:" + fingerprint.digest + struct.pack("<I", len(ns)) + ns
     h = xxhash.xxh3_128_hexdigest
     return [h(head + p) for p in packed]
