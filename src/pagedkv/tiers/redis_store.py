@@ -58,6 +58,7 @@ class RedisBackend(Backend):
         except ImportError as e:  # pragma: no cover - depends on the environment
             raise ImportError("RedisBackend needs the redis package: pip install 'pagedkv[router]'") from e
         self._redis = redis
+        self._oom = getattr(redis.exceptions, "OutOfMemoryError", ())
         self._client = client if client is not None else redis.Redis.from_url(
             url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout,
             retry=Retry(NoBackoff(), 0))
@@ -149,7 +150,7 @@ class RedisBackend(Backend):
         for r in got:
             if isinstance(r, Exception):
                 errs.append(r)
-                if "OOM" in str(r):
+                if isinstance(r, self._oom) or "OOM" in str(r) or "maxmemory" in str(r):
                     out.append(PutStatus.FULL)
                 else:
                     out.append(PutStatus.ERROR)
