@@ -211,3 +211,14 @@ def test_a_backend_that_raises_is_answered_as_failed():
     st = s.stats
     assert st.read_errors == 4 and st.write_errors == 2 and st.hits == 0
     assert FAILED is not None and not FAILED
+
+
+def test_the_docs_page_example_runs_as_written():
+    import re
+    from pathlib import Path
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "tiers.md"
+    blocks = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
+    assert blocks
+    for code in blocks:
+        exec(compile(code, "docs/tiers.md example", "exec"), {})  # noqa: S102 - the repository's own example
