@@ -222,3 +222,19 @@ def test_the_docs_page_example_runs_as_written():
     assert blocks
     for code in blocks:
         exec(compile(code, "docs/tiers.md example", "exec"), {})  # noqa: S102 - the repository's own example
+
+
+def test_the_tiers_are_torch_free_and_import_redis_only_when_used():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    code = ("import sys; sys.path.insert(0, %r)\n"
+            "import pagedkv.tiers, tempfile\n"
+            "s = pagedkv.tiers.BlockStore(pagedkv.tiers.DiskBackend(tempfile.mkdtemp(), 1 << 20),\n"
+            "    pagedkv.tiers.ModelFingerprint('m', 'float32', 16, 'x'))\n"
+            "s.put_many([1], [b'abc']); assert s.get_many([1]).hit_prefix == 1\n"
+            "assert 'torch' not in sys.modules and 'redis' not in sys.modules, sorted(sys.modules)\n") % src
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
