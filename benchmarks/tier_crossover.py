@@ -17,7 +17,9 @@ For each model (SmolLM2-135M, Gemma 3 270M; float32 KV as the reference engine k
 
 Run (minutes: the prefills dominate; the machine is shared, so its load average is printed with the figures)::
 
-    PYTHONPATH=src python benchmarks/tier_crossover.py [--prompt-len 2048] [--prefill-repeats 3] [--repeats 5] [--json out.json]
+    PYTHONPATH=src python benchmarks/tier_crossover.py [--prompt-len 2048] [--prefill-repeats 3] [--repeats 5] \\
+        [--json out.json]
+    PYTHONPATH=src python benchmarks/tier_crossover.py --show benchmarks/results/tier_crossover.json
 """
 
 from __future__ import annotations
@@ -178,8 +180,12 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-repeats", type=int, default=3, help="prompts prefilled (the median is kept)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--models", default="smollm2-135m,gemma-3-270m")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, help="also write the figures to this file")
+    ap.add_argument("--show", default=None, help="print the figures of a saved --json file and exit")
     a = ap.parse_args(argv)
+    if a.show:
+        _print(json.loads(Path(a.show).read_text()))
+        return 0
     tmp = tempfile.mkdtemp(prefix="pagedkv-tiers-")
     proc, url = _start_redis(tmp)
     results = {"machine": platform.machine(), "cpus": os.cpu_count(), "load_avg_start": os.getloadavg(),
@@ -225,11 +231,12 @@ def _print(r: dict) -> None:
         extra = (f" ({m['kv_cache_groups']} KV cache groups of {m['block_bytes_per_group'] / 1024:.0f} KiB)"
                  if m["block_bytes_per_group"] else "")
         print(f"\n## {model}: one block = {kib:.0f} KiB{extra}; prefill {m['compute_ms_per_block']:.2f} ms per "
-              f"block -> loading wins above {m['crossover_MBps']:.0f} MB/s")
+              f"block -> loading wins above {m['crossover_MBps']:.2f} MB/s")
         if "crossover_MBps_full_group_only" in m:
-            print(f"   (loading only the full-attention group's block: above {m['crossover_MBps_full_group_only']:.0f}"
+            print(f"   (loading only the full-attention group's block: above {m['crossover_MBps_full_group_only']:.2f}"
                   f" MB/s)")
-        print(f"{'backend':28s} {'load ms/block':>14s} {'x compute':>10s} {'1-block call ms':>16s} {'store ms/block':>15s}")
+        print(f"{'backend':28s} {'load ms/block':>14s} {'x compute':>10s} {'1-block call ms':>16s} "
+              f"{'store ms/block':>15s}")
         for name, b in m["backends"].items():
             for temp in ("cold", "warm"):
                 if f"{temp}_batch_ms" not in b:
@@ -239,7 +246,8 @@ def _print(r: dict) -> None:
                 store = b.get("store_ms_per_block") if temp == "warm" else None
                 label = name if name.startswith("memory") else f"{name} ({temp})"
                 print(f"{label:28s} {ms:14.3f} {ms / m['compute_ms_per_block']:10.3f} "
-                      f"{'' if single is None else f'{single:.3f}':>16s} {'' if store is None else f'{store:.3f}':>15s}")
+                      f"{'' if single is None else f'{single:.3f}':>16s} "
+                      f"{'' if store is None else f'{store:.3f}':>15s}")
 
 
 if __name__ == "__main__":

@@ -50,7 +50,8 @@ class DiskBackend(Backend):
 
     medium = "disk"
 
-    def __init__(self, path, capacity_bytes: int, *, fsync: bool = True, full_retry_s: float = 30.0) -> None:
+    def __init__(self, path: str | os.PathLike, capacity_bytes: int, *, fsync: bool = True,
+                 full_retry_s: float = 30.0) -> None:
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 1:
             raise InvalidArgumentError(f"capacity_bytes must be an int >= 1, got {capacity_bytes!r}")
         if not full_retry_s >= 0:

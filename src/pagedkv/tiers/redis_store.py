@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 from ..errors import InvalidArgumentError
 from .backend import FAILED, Backend, PutStatus
@@ -46,7 +46,7 @@ class RedisBackend(Backend):
 
     def __init__(self, url: str = "redis://127.0.0.1:6379", *, prefix: str = "pagedkv:kv:",
                  ttl_s: int | None = None, socket_timeout: float = 0.5, retry_s: float = 1.0,
-                 client=None) -> None:
+                 client: Any = None) -> None:
         if ttl_s is not None and (isinstance(ttl_s, bool) or not isinstance(ttl_s, int) or ttl_s < 1):
             raise InvalidArgumentError(f"ttl_s must be None or an int >= 1, got {ttl_s!r}")
         if not socket_timeout > 0 or not retry_s >= 0:

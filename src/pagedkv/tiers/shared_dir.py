@@ -39,7 +39,8 @@ class SharedDirBackend(Backend):
 
     medium = "shared_dir"
 
-    def __init__(self, path, *, fsync: bool = True, full_retry_s: float = 30.0, stale_tmp_s: float = 3600.0) -> None:
+    def __init__(self, path: str | os.PathLike, *, fsync: bool = True, full_retry_s: float = 30.0,
+                 stale_tmp_s: float = 3600.0) -> None:
         if not full_retry_s >= 0 or not stale_tmp_s >= 0:
             raise InvalidArgumentError("full_retry_s and stale_tmp_s must be >= 0")
         self._root = os.fspath(path)
