@@ -355,3 +355,13 @@ class DiskMachine(RuleBasedStateMachine):
 
 TestDiskMachine = DiskMachine.TestCase
 TestDiskMachine.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+
+
+def test_another_process_cannot_open_a_held_directory(tmp_path):
+    b = DiskBackend(tmp_path, VB)
+    code = (f"import sys; sys.path.insert(0, {SRC!r})\n"
+            "from pagedkv.tiers import DiskBackend, TierInUseError\n"
+            f"try:\n    DiskBackend({str(tmp_path)!r}, 1024)\nexcept TierInUseError:\n    sys.exit(5)\n")
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 5
+    b.close()
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

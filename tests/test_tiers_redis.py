@@ -176,3 +176,30 @@ def test_full_server_refuses_writes_as_full(server, caplog):
     assert len([r for r in caplog.records if "server is full" in r.getMessage()]) == 1
     assert s.get_many(ks[:1]).statuses == (GetStatus.HIT,)  # reads go on
     raw.config_set("maxmemory", 0)
+
+
+def test_hung_store_is_bounded_by_the_socket_timeout(tmp_path):
+    import os
+    import signal
+
+    from redis_server import RedisServer
+
+    srv = RedisServer(tmp_path)
+    try:
+        b = RedisBackend(srv.url, socket_timeout=0.3, retry_s=5.0)
+        s = BlockStore(b, FP)
+        ks = keys(2, seed=7)
+        s.put_many(ks, [pay(0), pay(1)])
+        os.kill(srv.proc.pid, signal.SIGSTOP)  # alive but answering nothing
+        try:
+            t0 = time.monotonic()
+            assert s.get_many(ks).statuses == (GetStatus.ERROR,) * 2
+            assert time.monotonic() - t0 < 2.0
+            t1 = time.monotonic()
+            assert s.put_many(ks, [pay(0), pay(1)]) == (PutStatus.ERROR,) * 2  # deemed down: no new wait
+            assert time.monotonic() - t1 < 0.1
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        assert b.outages == 1 and s.stats.read_errors == 2 and s.stats.write_errors == 2
+    finally:
+        srv.stop()
