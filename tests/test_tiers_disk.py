@@ -365,3 +365,18 @@ def test_another_process_cannot_open_a_held_directory(tmp_path):
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 5
     b.close()
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def test_a_closed_backend_answers_failed(tmp_path):
+    b = DiskBackend(tmp_path, 10 * VB)
+    s = BlockStore(b, FP)
+    k = keys(1)
+    s.put_many(k, [payload(k[0])])
+    b.close()
+    b.close()  # idempotent
+    assert s.get_many(k).statuses == (GetStatus.ERROR,)
+    assert s.put_many(k, [payload(k[0])]) == (PutStatus.ERROR,)
+    assert s.contains_many(k) == (False,)
+    b2 = DiskBackend(tmp_path, 10 * VB)  # the next owner finds the value
+    check_hits(BlockStore(b2, FP), k)
+    b2.close()

@@ -15,6 +15,8 @@ One process owns the directory (an exclusive ``flock`` on ``<root>/.lock``; a se
 - **disk full** (ENOSPC / EDQUOT): the write is dropped (FULL), one warning is logged, and no write is tried for
   ``full_retry_s`` seconds (each refused one counted in ``disk_full_events``); reads go on.
 - a value file deleted behind the index's back reads as a miss (and leaves the index).
+- after :meth:`DiskBackend.close` (the lock released: another backend may own the directory) every call answers
+  as failed.
 
 Thread-safe: the index under a lock, file I/O outside it.
 """
@@ -159,6 +161,8 @@ class DiskBackend(Backend):
                 pass
 
     def read_many(self, names: Sequence[str]) -> list:
+        if self._closed:  # the directory may belong to another backend now
+            return [FAILED] * len(names)
         out = []
         for name in names:
             with self._lock:
@@ -180,6 +184,8 @@ class DiskBackend(Backend):
         return out
 
     def write_many(self, names: Sequence[str], values: Sequence[bytes]) -> list[PutStatus]:
+        if self._closed:
+            return [PutStatus.ERROR] * len(names)
         out = []
         for name, value in zip(names, values, strict=True):
             size = len(value)
@@ -220,10 +226,14 @@ class DiskBackend(Backend):
         return out
 
     def exists_many(self, names: Sequence[str]) -> list:
+        if self._closed:
+            return [None] * len(names)
         with self._lock:
             return [name in self._index for name in names]
 
     def discard_many(self, names: Sequence[str]) -> None:
+        if self._closed:
+            return
         with self._lock:
             gone = []
             for name in names:
