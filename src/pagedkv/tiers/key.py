@@ -13,8 +13,10 @@ A block below the CPU tier is stored under one *store name*, a 128-bit digest (3
   name and is never looked up; its header check (:mod:`pagedkv.tiers.codec`) would refuse it anyway.
 
 The chain key is 64 bits: two different prefixes share a name with probability about ``n**2 / 2**65`` among ``n``
-stored blocks of one fingerprint and namespace (1e-7 at 2**25 blocks). The prefix cache in memory checks each
-block's tokens on a hit; a tier does not store tokens, so this bound is the tier's.
+stored blocks of one fingerprint and namespace: 3e-10 at 100,000 blocks (70 GB of SmolLM2-135M's float32 KV),
+1e-7 at 2 million, 3e-5 at 2**25. The prefix cache in memory checks each block's tokens on a hit; a tier does not
+store tokens, so this bound is the tier's (a 128-bit chain computed from the tokens would remove it; for the
+wiring to decide).
 
 Pure functions of their arguments, deterministic across processes and machines; torch-free.
 """
