@@ -59,7 +59,7 @@ def plot(rows: list[dict], out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    fig, ax = plt.subplots(figsize=(9.5, 4.4))
     x = range(len(rows))
     bottom = [0.0] * len(rows)
     for tier, color in (("gpu", "#4c72b0"), ("cpu", "#55a868"), ("disk", "#dd8452"), ("shared", "#8172b3")):
@@ -75,12 +75,16 @@ def plot(rows: list[dict], out: Path) -> Path:
     if ceil is not None:
         ax.axhline(100 * ceil, ls="--", color="grey", lw=1, label=f"ceiling (infinite cache) {100 * ceil:.1f}%")
     for i, r in enumerate(rows):
-        ax.text(i, 100 * r["hit"] + 0.5, f"{100 * r['hit']:.1f}%", ha="center", va="bottom", fontsize=9)
+        ax.text(i, 100 * r["hit"] - 0.6, f"{100 * r['hit']:.1f}%", ha="center", va="top", fontsize=9,
+                color="white", fontweight="bold")
+        if r["bound"] is not None:
+            ax.text(i + 0.3, 100 * r["bound"] + 0.4, f"bound {100 * r['bound']:.1f}%", ha="left", va="bottom",
+                    fontsize=7)
     ax.set_xticks(list(x), [r["label"].replace(" + ", "\n+ ") for r in rows], fontsize=8)
     ax.set_ylabel("prompt tokens served from cache (%)")
     ax.set_title("Mooncake conversation trace: hit rate by tier configuration", fontsize=10)
-    ax.legend(fontsize=7, loc="upper left")
-    ax.set_ylim(0, max(40.0, 100 * (ceil or 0) + 5))
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.set_ylim(0, max(40.0, 100 * (ceil or 0) + 6))
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
