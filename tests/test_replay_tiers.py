@@ -152,3 +152,11 @@ def test_command_tiers_refused_where_not_modelled(capsys, extra):
     rc = cli_main(["replay", str(SAMPLE), "--limit", "5", "--capacity", "100k", "--disk-capacity", "1M",
                    "--no-progress", *extra])
     assert rc == 2 and "--disk-capacity" in capsys.readouterr().err
+
+
+def test_decimal_token_counts():
+    from pagedkv.replay.__main__ import parse_tokens
+
+    assert parse_tokens("33.3M") == 33_300_000 and parse_tokens("2.5k") == 2_500
+    with pytest.raises(Exception, match="not a token count"):
+        parse_tokens("1.00001k")

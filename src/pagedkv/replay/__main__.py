@@ -35,6 +35,8 @@ def parse_tokens(text: str) -> int:
         v = float(t) * mult if "." in t or "e" in t else int(t) * mult
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a token count: {text!r} (e.g. 300000, 300k, 1M)") from None
+    if isinstance(v, float) and abs(v - round(v)) < 1e-6:  # "33.3M": 33.3 * 10**6 is 33299999.999999996
+        v = round(v)
     if v < 0 or v != int(v):
         raise argparse.ArgumentTypeError(f"not a token count: {text!r}")
     return int(v)
