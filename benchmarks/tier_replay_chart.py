@@ -65,7 +65,8 @@ def plot(rows: list[dict], out: Path) -> Path:
     for tier, color in (("gpu", "#4c72b0"), ("cpu", "#55a868"), ("disk", "#dd8452"), ("shared", "#8172b3")):
         vals = [100 * r[tier] for r in rows]
         if any(vals):
-            ax.bar(x, vals, bottom=bottom, color=color, label=f"served from {tier.upper() if tier in ('gpu', 'cpu') else tier}")
+            name = tier.upper() if tier in ("gpu", "cpu") else tier
+            ax.bar(x, vals, bottom=bottom, color=color, label=f"served from {name}")
             bottom = [b + v for b, v in zip(bottom, vals)]
     bx = [i for i, r in enumerate(rows) if r["bound"] is not None]
     if bx:
