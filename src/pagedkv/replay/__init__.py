@@ -1,7 +1,8 @@
 """Replay production request traces (Mooncake format) through the prefix cache: ``pagedkv replay``.
 
 Modules: :mod:`.trace` (parsing, token synthesis), :mod:`.sequence` and :mod:`.timed` (the two replay modes),
-:mod:`.point` (one capacity point: the manager and its figures), :mod:`.bound` (ceiling and Belady's optimum),
+:mod:`.point` (one capacity point: the manager and its figures), :mod:`.tiered` (sequence mode with a disk and a
+shared tier below the CPU tier: hits per tier), :mod:`.bound` (ceiling and Belady's optimum),
 :mod:`.baseline` (the same LRU replay with an OrderedDict: the yardstick of the replay's speed),
 :mod:`.report` (JSON, table, chart), :mod:`.__main__` (the command). Core only: numpy and xxhash, never torch.
 
@@ -14,8 +15,10 @@ share).
 from .bound import NodeTrace, belady, ceiling, node_trace
 from .point import CpuTierUnavailable, PointResult
 from .sequence import replay_sequence
+from .tiered import LruTier, replay_tiered
 from .timed import ServiceModel, replay_timed
 from .trace import Trace, TraceFormatError, load_trace, parse_trace_lines
 
-__all__ = ["CpuTierUnavailable", "NodeTrace", "PointResult", "ServiceModel", "Trace", "TraceFormatError",
-           "belady", "ceiling", "load_trace", "node_trace", "parse_trace_lines", "replay_sequence", "replay_timed"]
+__all__ = ["CpuTierUnavailable", "LruTier", "NodeTrace", "PointResult", "ServiceModel", "Trace", "TraceFormatError",
+           "belady", "ceiling", "load_trace", "node_trace", "parse_trace_lines", "replay_sequence", "replay_tiered",
+           "replay_timed"]

@@ -36,6 +36,8 @@ def parse_tokens(text: str) -> int:
         v = float(t) * mult if "." in t or "e" in t else int(t) * mult
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a token count: {text!r} (e.g. 300000, 300k, 1M)") from None
+    if isinstance(v, float) and abs(v - round(v)) < 1e-6:  # "33.3M": 33.3 * 10**6 is 33299999.999999996
+        v = round(v)
     if v < 0 or v != int(v):
         raise argparse.ArgumentTypeError(f"not a token count: {text!r}")
     return int(v)
@@ -51,6 +53,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--cpu-capacity", type=parse_tokens, default=0, metavar="TOKENS",
                     help="CPU tier of the prefix cache, in tokens; 0: none (needs a BlockManager with "
                          "cpu_prefix_cache)")
+    ap.add_argument("--disk-capacity", type=parse_tokens, default=0, metavar="TOKENS",
+                    help="a disk tier below the CPU tier, in tokens: takes the blocks the tier above evicts "
+                         "(pagedkv.replay.tiered; sequence mode); 0: none")
+    ap.add_argument("--shared-capacity", type=parse_tokens, default=0, metavar="TOKENS",
+                    help="a shared tier below the disk tier, in tokens, written through; 0: none")
     ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block (a divisor of 512)")
     ap.add_argument("--mode", choices=("sequence", "timed"), default="sequence",
                     help="sequence: allocate then free each request in order (the paper's Fig. 9); "
@@ -111,9 +118,12 @@ def run(args: argparse.Namespace) -> dict:
 
     pol = args.eviction_policy
     if pol != "lru" and (args.mode != "sequence" or args.replicas is not None or args.route
-                         or args.groups is not None):
+                         or args.groups is not None or args.disk_capacity or args.shared_capacity):
         raise _CliError("--eviction-policy replays one manager in sequence mode (no --mode timed, --replicas, "
-                        "--route or --groups)")
+                        "--route, --groups, --disk-capacity or --shared-capacity)")
+    if (args.disk_capacity or args.shared_capacity) and (args.replicas is not None or args.route or args.groups):
+        raise _CliError("--disk-capacity / --shared-capacity replay one manager (not with --replicas, --route "
+                        "or --groups)")
     if args.replicas is not None or args.route:
         from .cluster_cli import run_cluster
 
@@ -136,6 +146,9 @@ def run(args: argparse.Namespace) -> dict:
     cls, impl = _manager_cls(args.impl)
     if args.mode == "timed" and not getattr(cls, "atomic_append", False):
         raise _CliError(f"--mode timed needs an all-or-nothing decode_step; {impl} has none (use sequence mode)")
+    tiered = bool(args.disk_capacity or args.shared_capacity)
+    if tiered and (args.mode != "sequence" or impl != "pagedkv"):
+        raise _CliError("--disk-capacity / --shared-capacity replay pagedkv in sequence mode")
     if args.cpu_capacity:  # fail before the long part
         from .point import make_manager
 
@@ -165,7 +178,14 @@ def run(args: argparse.Namespace) -> dict:
         for c in caps:
             if bar is not None:
                 bar.set_description(f"{impl} {c:,} tokens")
-            if args.mode == "sequence":
+            if tiered:
+                from .tiered import replay_tiered
+
+                p = replay_tiered(trace, c, block_size=bs, cpu_capacity_tokens=args.cpu_capacity,
+                                  disk_capacity_tokens=args.disk_capacity,
+                                  shared_capacity_tokens=args.shared_capacity, manager_cls=cls, impl=impl,
+                                  progress=tick)
+            elif args.mode == "sequence":
                 p = replay_sequence(trace, c, block_size=bs, cpu_capacity_tokens=args.cpu_capacity,
                                     manager_cls=cls, impl=impl, progress=tick, eviction_policy=pol,
                                     sessions=sessions)
@@ -175,10 +195,14 @@ def run(args: argparse.Namespace) -> dict:
             if args.bound:
                 if bar is not None:
                     bar.set_description(f"Belady {c:,} tokens")
-                hit, _ = belady(nt, c // bb, progress=tick)
+                # tiers: the bound of one pool of their total (no policy over the tiers can hold more blocks)
+                total = c + (args.cpu_capacity + args.disk_capacity + args.shared_capacity if tiered else 0)
+                hit, _ = belady(nt, total // bb, progress=tick)
                 p.bound = hit / trace.prompt_tokens
             points.append(p)
             say(f"  {c:>12,} tokens: hit rate {100 * p.hit_rate:.1f}%"
+                + (f" (gpu {100 * p.gpu_hit_rate:.1f}%, cpu {100 * p.cpu_hit_rate:.1f}%, disk "
+                   f"{100 * p.disk_hit_rate:.1f}%, shared {100 * p.shared_hit_rate:.1f}%)" if tiered else "")
                 + (f", bound {100 * p.bound:.1f}%" if p.bound is not None else "")
                 + f", {p.evictions if p.evictions is not None else '-'} evictions, {p.skipped} skipped, "
                   f"{p.seconds:.2f} s")

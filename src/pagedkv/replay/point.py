@@ -49,6 +49,10 @@ class PointResult:
     cpu_seconds: float | None = None  #: the same in the process's CPU time (sequence mode; steadier when shared)
     bound: float | None = None  #: Belady's hit rate at this capacity (with --bound)
     extra: dict = field(default_factory=dict)  #: mode-specific figures (timed mode: preemptions, ...)
+    disk_capacity_tokens: int = 0  #: the disk tier below the CPU tier (pagedkv.replay.tiered); 0: none
+    shared_capacity_tokens: int = 0  #: the shared tier below the disk tier; 0: none
+    disk_hit_tokens: int | None = None  #: prompt tokens loaded from the disk tier (None: no disk tier)
+    shared_hit_tokens: int | None = None  #: prompt tokens loaded from the shared tier (None: no shared tier)
 
     @property
     def hit_rate(self) -> float:
@@ -59,21 +63,32 @@ class PointResult:
         return (self.cpu_hit_tokens or 0) / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
+    def disk_hit_rate(self) -> float:
+        return (self.disk_hit_tokens or 0) / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def shared_hit_rate(self) -> float:
+        return (self.shared_hit_tokens or 0) / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
     def gpu_hit_rate(self) -> float:
-        return self.hit_rate - self.cpu_hit_rate
+        return self.hit_rate - self.cpu_hit_rate - self.disk_hit_rate - self.shared_hit_rate
 
     def to_json(self) -> dict:
         d = asdict(self)
         d.update(hit_rate=self.hit_rate, gpu_hit_rate=self.gpu_hit_rate, cpu_hit_rate=self.cpu_hit_rate)
+        if self.disk_hit_tokens is not None or self.shared_hit_tokens is not None:
+            d.update(disk_hit_rate=self.disk_hit_rate, shared_hit_rate=self.shared_hit_rate)
         return d
 
 
 def make_manager(cls, num_gpu_blocks: int, block_size: int, num_cpu_blocks: int = 0, watermark: float = 0.0,
-                 eviction_policy: str = "lru"):
+                 eviction_policy: str = "lru", **options):
     """``cls(num_gpu_blocks, block_size, enable_prefix_caching=True, ...)`` with the CPU tier when
-    ``num_cpu_blocks`` > 0 and the eviction policy when not ``"lru"``. Raises CpuTierUnavailable when ``cls`` has
-    no ``cpu_prefix_cache`` keyword, InvalidArgumentError when it has no ``eviction_policy`` one."""
-    kw: dict = {"enable_prefix_caching": True, "watermark": watermark}
+    ``num_cpu_blocks`` > 0 and the eviction policy when not ``"lru"`` (``options``: more keywords for ``cls``, e.g.
+    ``enable_kv_events=True``). Raises CpuTierUnavailable when ``cls`` has no ``cpu_prefix_cache`` keyword,
+    InvalidArgumentError when it has no ``eviction_policy`` one."""
+    kw: dict = {"enable_prefix_caching": True, "watermark": watermark, **options}
     if eviction_policy != "lru":
         try:
             params = inspect.signature(cls).parameters

@@ -64,12 +64,20 @@ def format_table(doc: dict) -> str:
                      _pct(p["cpu_hit_rate"]) if p["cpu_hit_tokens"] is not None else "-", _pct(p["bound"]),
                      _n(p["evictions"]), _n(p["demotions"]), _n(p["promotions"]), _n(p["skipped"]),
                      f"{p['seconds']:.2f}"])
-    table = _table(["capacity", "cpu", "hit rate", "gpu", "cpu", "bound", "evictions", "demoted", "promoted",
-                    "skipped", "seconds"], rows)
+    header = ["capacity", "cpu", "hit rate", "gpu", "cpu", "bound", "evictions", "demoted", "promoted", "skipped",
+              "seconds"]
+    if any(p.get("disk_hit_tokens") is not None or p.get("shared_hit_tokens") is not None for p in doc["points"]):
+        # the tiers below the CPU tier (pagedkv.replay.tiered): their capacities and hit rates after the CPU's
+        header[5:5] = ["disk", "shared", "disk hit", "shared hit"]
+        for r, p in zip(rows, doc["points"]):
+            r[5:5] = [_tokens(p[k]) if p.get(k) else "-" for k in ("disk_capacity_tokens", "shared_capacity_tokens")]
+            r[7:7] = [_pct(p.get(k)) if p.get(k.replace("rate", "tokens")) is not None else "-"
+                      for k in ("disk_hit_rate", "shared_hit_rate")]
+    table = _table(header, rows)
     extra = [f"  {_tokens(p['capacity_tokens'])}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                                               for k, v in p["extra"].items() if k != "model")
              for p in doc["points"] if p.get("extra")]
-    return "\n".join([head, table] + (["timed mode:"] + extra if extra else []))
+    return "\n".join([head, table] + ([f"{doc['mode']} mode:"] + extra if extra else []))
 
 
 def format_side_by_side(docs: list[dict]) -> str:

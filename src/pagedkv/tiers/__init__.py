@@ -1,0 +1,18 @@
+"""Storage tiers below the CPU tier: KV blocks on a local disk, in a shared directory, in Redis.
+
+The bottom layer only (docs/tiers.md): a batch-first :class:`Backend` interface that never raises for a store's
+state, three backends (:class:`DiskBackend`, :class:`SharedDirBackend`, :class:`RedisBackend`), the block key
+(:class:`ModelFingerprint`, :func:`store_names`), the checked value format (:mod:`pagedkv.tiers.codec`) and
+:class:`BlockStore`, which ties them together. Not yet wired into the block manager, the scheduler or the engine.
+Torch-free; the Redis backend imports ``redis`` when created.
+"""
+
+from .backend import FAILED, Backend, PutStatus
+from .disk import DiskBackend, TierInUseError
+from .key import ModelFingerprint, store_names
+from .redis_store import RedisBackend
+from .shared_dir import SharedDirBackend
+from .store import BlockStore, GetResult, GetStatus, TierStats
+
+__all__ = ["FAILED", "Backend", "BlockStore", "DiskBackend", "GetResult", "GetStatus", "ModelFingerprint",
+           "PutStatus", "RedisBackend", "SharedDirBackend", "TierInUseError", "TierStats", "store_names"]

@@ -1,0 +1,250 @@
+"""BlockStore: KV blocks in one backend, under their store names, checked on every load.
+
+The store takes blocks by their chained content keys (:func:`pagedkv.block_hashes`) and namespace, names them
+with its :class:`~pagedkv.tiers.ModelFingerprint` (:func:`~pagedkv.tiers.store_names`), wraps each payload in
+the value format of :mod:`pagedkv.tiers.codec`, and on a load returns a payload only if its value checks: a value
+corrupted, cut short, of another format version, or written for another fingerprint or name is **dropped** (the
+backend is asked to discard it), **counted** (:attr:`BlockStore.stats`) and never returned. A backend failure is
+counted and answered per block; no method raises for what the store holds or whether it is up.
+
+Thread-safe: the counters are updated under a lock; the backends are thread-safe. Payloads are bytes-like
+(``bytes``, a C-contiguous numpy array); loads return read-only ``memoryview`` s (``np.frombuffer`` reads them
+without a copy). Torch-free.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from typing import NamedTuple, Sequence
+
+from ..errors import InvalidArgumentError
+from . import codec
+from .backend import FAILED, Backend, PutStatus
+from .key import ModelFingerprint, store_names
+
+__all__ = ["BlockStore", "GetResult", "GetStatus", "TierStats"]
+
+log = logging.getLogger("pagedkv.tiers")
+
+
+class GetStatus(enum.IntEnum):
+    """The outcome of loading one block."""
+
+    HIT = 0  # the payload is returned
+    MISS = 1  # nothing stored under the block's name
+    CORRUPT = 2  # a value was stored but failed its checks (cut short, bad checksum, bad magic): dropped
+    MISMATCH = 3  # an intact value of another fingerprint, name or format version: dropped
+    ERROR = 4  # the store could not answer (down, I/O error, timeout)
+
+
+class GetResult(NamedTuple):
+    """Per-block answers of :meth:`BlockStore.get_many`, in the order asked."""
+
+    statuses: tuple  # GetStatus per block
+    values: tuple  # read-only memoryview of the payload for a HIT, None otherwise
+
+    @property
+    def hit_prefix(self) -> int:
+        """The number of leading blocks that are hits (what a prefix can use). O(that number)."""
+        n = 0
+        for s in self.statuses:
+            if s is not GetStatus.HIT:
+                break
+            n += 1
+        return n
+
+
+class TierStats(NamedTuple):
+    """Counters of a :class:`BlockStore` since it was created (a snapshot)."""
+
+    gets: int = 0  # blocks asked for by get_many
+    hits: int = 0
+    misses: int = 0
+    corrupt: int = 0  # refused and dropped: cut short, bad checksum, bad magic
+    mismatched: int = 0  # refused and dropped: another fingerprint / name / format version
+    read_errors: int = 0  # blocks the store could not answer (get_many and contains_many)
+    bytes_read: int = 0  # payload bytes returned
+    puts: int = 0  # blocks offered to put_many
+    stored: int = 0
+    present: int = 0  # already stored, nothing written
+    full: int = 0  # not stored: the store was full
+    too_large: int = 0
+    write_errors: int = 0
+    bytes_written: int = 0  # payload bytes of the stored blocks
+
+
+class BlockStore:
+    """KV blocks of one model fingerprint in one backend (see the module docstring).
+
+    Args:
+        backend: where the values live (:class:`~pagedkv.tiers.DiskBackend`, :class:`~pagedkv.tiers.SharedDirBackend`,
+            :class:`~pagedkv.tiers.RedisBackend`, or any :class:`~pagedkv.tiers.Backend`).
+        fingerprint: the model, dtype, block size, KV layout and KV cache group the blocks were computed with.
+        payload_bytes: if given, the size every payload must have (one block's KV bytes); ``put_many`` refuses
+            another size with :class:`pagedkv.InvalidArgumentError`, and a stored value of another size is
+            refused as MISMATCH.
+    """
+
+    def __init__(self, backend: Backend, fingerprint: ModelFingerprint, payload_bytes: int | None = None) -> None:
+        if not isinstance(backend, Backend):
+            raise InvalidArgumentError(f"backend must be a pagedkv.tiers.Backend, got {type(backend).__name__}")
+        if not isinstance(fingerprint, ModelFingerprint):
+            raise InvalidArgumentError(f"fingerprint must be a ModelFingerprint, got {type(fingerprint).__name__}")
+        if payload_bytes is not None and (isinstance(payload_bytes, bool) or not isinstance(payload_bytes, int)
+                                          or payload_bytes < 0):
+            raise InvalidArgumentError(f"payload_bytes must be None or an int >= 0, got {payload_bytes!r}")
+        self._backend = backend
+        self._fp = fingerprint
+        self._digest = fingerprint.digest
+        self._payload_bytes = payload_bytes
+        self._lock = threading.Lock()
+        self._c = dict.fromkeys(TierStats._fields, 0)
+        self._warned_errors = False
+
+    @property
+    def fingerprint(self) -> ModelFingerprint:
+        return self._fp
+
+    @property
+    def backend(self) -> Backend:
+        return self._backend
+
+    @property
+    def medium(self) -> str:
+        return self._backend.medium
+
+    @property
+    def stats(self) -> TierStats:
+        with self._lock:
+            return TierStats(**self._c)
+
+    def names(self, chain_keys, namespace: object = None) -> list[str]:
+        """The store names of these blocks (:func:`~pagedkv.tiers.store_names` with this store's fingerprint)."""
+        return store_names(self._fp, chain_keys, namespace)
+
+    def _count(self, **kw: int) -> None:
+        with self._lock:
+            for k, v in kw.items():
+                self._c[k] += v
+
+    def _backend_failed(self, what: str, e: BaseException) -> None:
+        if not self._warned_errors:  # a broken backend must not stop requests; say it once
+            self._warned_errors = True
+            log.warning("pagedkv tier %s: %s raised %s: %s (answered as failed; counted in stats)",
+                        self.medium, what, type(e).__name__, e)
+
+    def get_many(self, chain_keys, namespace: object = None) -> GetResult:
+        """Load the blocks with chained keys ``chain_keys`` of ``namespace``: one status and value per block
+        (see :class:`GetStatus`). Refused values are discarded from the backend. Raises only on bad arguments
+        (:class:`pagedkv.InvalidArgumentError`, before any I/O). O(blocks + payload bytes)."""
+        names = self.names(chain_keys, namespace)
+        try:
+            raw = self._backend.read_many(names)
+        except Exception as e:  # noqa: BLE001 - fail soft, counted
+            self._backend_failed("read_many", e)
+            raw = [FAILED] * len(names)
+        statuses, values, drop = [], [], []
+        hits = misses = corrupt = mismatched = errors = nbytes = 0
+        want = self._payload_bytes
+        for name, v in zip(names, raw):
+            if v is None:
+                statuses.append(GetStatus.MISS)
+                values.append(None)
+                misses += 1
+                continue
+            if v is FAILED or not isinstance(v, (bytes, bytearray, memoryview)):
+                statuses.append(GetStatus.ERROR)
+                values.append(None)
+                errors += 1
+                continue
+            why, payload = codec.decode(v, self._digest, name)
+            if why is codec.Decoded.OK and want is not None and payload.nbytes != want:
+                why = codec.Decoded.MISMATCH
+            if why is codec.Decoded.OK:
+                statuses.append(GetStatus.HIT)
+                values.append(payload)
+                hits += 1
+                nbytes += payload.nbytes
+            else:
+                st = GetStatus.CORRUPT if why is codec.Decoded.CORRUPT else GetStatus.MISMATCH
+                statuses.append(st)
+                values.append(None)
+                drop.append(name)
+                if st is GetStatus.CORRUPT:
+                    corrupt += 1
+                else:
+                    mismatched += 1
+        if drop:
+            try:
+                self._backend.discard_many(drop)
+            except Exception as e:  # noqa: BLE001
+                self._backend_failed("discard_many", e)
+        self._count(gets=len(names), hits=hits, misses=misses, corrupt=corrupt, mismatched=mismatched,
+                    read_errors=errors, bytes_read=nbytes)
+        return GetResult(tuple(statuses), tuple(values))
+
+    def put_many(self, chain_keys, payloads: Sequence, namespace: object = None) -> tuple:
+        """Store ``payloads[i]`` (bytes-like) as the block with chained key ``chain_keys[i]`` of ``namespace``:
+        one :class:`~pagedkv.tiers.PutStatus` per block. A block already stored is not rewritten (PRESENT).
+        Raises only on bad arguments (before any I/O). O(blocks + payload bytes)."""
+        names = self.names(chain_keys, namespace)
+        if len(payloads) != len(names):
+            raise InvalidArgumentError(f"{len(names)} chain keys but {len(payloads)} payloads")
+        views = []
+        for p in payloads:
+            try:
+                mv = memoryview(p)
+            except TypeError:
+                raise InvalidArgumentError(f"a payload must be bytes-like, got {type(p).__name__}") from None
+            if not mv.c_contiguous:
+                raise InvalidArgumentError("a payload must be C-contiguous")
+            if self._payload_bytes is not None and mv.nbytes != self._payload_bytes:
+                raise InvalidArgumentError(f"a payload has {mv.nbytes} bytes, this store's blocks have "
+                                           f"{self._payload_bytes}")
+            views.append(mv)
+        values = [codec.encode(self._digest, n, mv) for n, mv in zip(names, views)]
+        try:
+            out = [PutStatus(s) for s in self._backend.write_many(names, values)]
+            if len(out) != len(names):
+                raise RuntimeError(f"write_many answered {len(out)} statuses for {len(names)} values")
+        except Exception as e:  # noqa: BLE001 - fail soft, counted
+            self._backend_failed("write_many", e)
+            out = [PutStatus.ERROR] * len(names)
+        c = dict.fromkeys(("stored", "present", "full", "too_large", "write_errors"), 0)
+        field = {PutStatus.STORED: "stored", PutStatus.PRESENT: "present", PutStatus.FULL: "full",
+                 PutStatus.TOO_LARGE: "too_large", PutStatus.ERROR: "write_errors"}
+        nbytes = 0
+        for s, mv in zip(out, views):
+            c[field[s]] += 1
+            if s is PutStatus.STORED:
+                nbytes += mv.nbytes
+        self._count(puts=len(names), bytes_written=nbytes, **c)
+        return tuple(out)
+
+    def contains_many(self, chain_keys, namespace: object = None) -> tuple:
+        """For each block: whether a value is stored under its name (False when the store could not answer,
+        counted as a read error). A True is a hint: the value is checked only when loaded."""
+        names = self.names(chain_keys, namespace)
+        try:
+            raw = self._backend.exists_many(names)
+        except Exception as e:  # noqa: BLE001
+            self._backend_failed("exists_many", e)
+            raw = [None] * len(names)
+        errors = sum(1 for r in raw if r is None)
+        if errors:
+            self._count(read_errors=errors)
+        return tuple(bool(r) for r in raw)
+
+    def prefix_length(self, chain_keys, namespace: object = None) -> int:
+        """How many leading blocks of a chain the store holds (:meth:`contains_many`'s leading Trues)."""
+        n = 0
+        for r in self.contains_many(chain_keys, namespace):
+            if not r:
+                break
+            n += 1
+        return n
+
+    def close(self) -> None:
+        self._backend.close()
