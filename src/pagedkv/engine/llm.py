@@ -34,6 +34,7 @@ from ..scheduler import FINISH_STOP, Scheduler
 from .model import build_attention_metadata, build_group_attention_metadata, execute_copy_plan
 from .registry import load_model, make_tokenizer
 from .sampling import SamplingParams, sample, sample_batch, sample_bounded
+from .threads import ThreadPolicy
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
 
@@ -138,6 +139,11 @@ class LLM:
             float32 products up to summation order; True, the default, where the kernels build: CPU, float32).
             A loading option: with an already loaded model it must match how that model was loaded
             (``InvalidArgumentError`` otherwise). ``llm.quant_kernels`` says whether they are in use.
+        threads: CPU threads of torch and the quantized kernels (process-wide: ``torch.set_num_threads``). None
+            (the default): ``OMP_NUM_THREADS`` when set, else automatic: the cores other processes leave free,
+            re-checked every half second of steps (:mod:`pagedkv.engine.threads`), so that engines side by side
+            share the machine. An int >= 1: that many, fixed (``InvalidArgumentError`` otherwise).
+            ``llm.threads`` is the current count.
     """
 
     def __init__(
@@ -164,7 +170,9 @@ class LLM:
         kv_cache_groups: bool = True,
         fast_lm_head: bool = True,
         quant_kernels: bool = True,
+        threads: int | None = None,
     ) -> None:
+        policy = ThreadPolicy(threads)  # first: validates, and starts the window of the free-core reading
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise InvalidArgumentError(f"device {device!r} was asked for but CUDA is not available; use device='cpu'")
         if preemption_mode not in ("recompute", "swap"):
@@ -190,6 +198,8 @@ class LLM:
             self.device = model.device
         else:
             self.model = load_model(model, device=self.device, dtype=dtype, quant_kernels=quant_kernels)
+        self._thread_policy = policy
+        torch.set_num_threads(policy.check())  # (automatic: the cores left free while the model loaded)
         #: whether decode steps read the file's quantized weights (``quant_kernels`` and kernels that built)
         self.quant_kernels = bool(getattr(self.model, "quant_kernels", False))
         if sliding_window is not None and getattr(self.model, "layer_windows", None) is not None:
@@ -246,6 +256,11 @@ class LLM:
         # request id -> the exception its sampling raised in a step (that request got placeholder tokens and must
         # be aborted; the others of the step are unaffected). ``generate`` raises it; the server fails the request.
         self._sample_faults: dict = {}
+
+    @property
+    def threads(self) -> int:
+        """CPU threads the engine computes with now (see ``threads`` in the class docstring)."""
+        return self._thread_policy.threads
 
     # ------------------------------------------------------------------ public API
     def generate(
@@ -442,6 +457,9 @@ class LLM:
     def _execute(self, plan: Any, by_id: dict) -> list:
         """KV copies, forward and sampling of one plan: the sampled tokens (per sequence of the plan); the seconds
         spent sampling are left in ``self._sampling_s``."""
+        n = self._thread_policy.tick()  # (one clock read; every RECHECK_S a /proc reading)
+        if n is not None:
+            torch.set_num_threads(n)
         incremental = self.scheduler.incremental_tables
         if incremental:
             self._update_tables(plan)  # first: every plan's table changes reach the engine, whatever fails later
