@@ -221,9 +221,10 @@ class ThreadPolicy:
 
 
 def openmp_runtimes(maps_path: str = "/proc/self/maps") -> list[str]:
-    """The OpenMP runtime libraries mapped into this process (paths of ``libgomp``, ``libiomp``, ``libomp``): one
-    expected (the kernels' ``libgomp.so.1`` resolves to the one torch loaded, same soname). Empty where /proc
-    cannot be read."""
+    """The OpenMP runtime libraries mapped into this process (paths of ``libgomp``, ``libiomp``, ``libomp``). One
+    ``libgomp.so.1`` expected: the kernels' resolves to the one torch loaded (same soname; measured with torch
+    2.13's wheel). Wheels may bring renamed copies for their own code (sentencepiece's ``libgomp-<hash>.so``).
+    Empty where /proc cannot be read."""
     try:
         with open(maps_path) as f:
             paths = {line.split()[-1] for line in f if "omp" in line and "/" in line}
