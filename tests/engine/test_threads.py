@@ -220,3 +220,21 @@ def test_one_openmp_runtime(engine):
 
     runtimes = th.openmp_runtimes()
     assert len([r for r in runtimes if os.path.basename(r).startswith("libgomp.so")]) == 1, runtimes
+
+
+def test_initial_count_without_a_window():
+    """An engine built on an already loaded model has no window yet: it watches the machine once, briefly."""
+    m = Machine()
+    m.external = 1.0
+    slept = []
+
+    def sleep(s):
+        slept.append(s)
+        m.advance(s)
+
+    p = th.ThreadPolicy(env={}, cores=2, ncpu=2, reader=m.reader("p"), clock=m.clock, sleep=sleep)
+    m.engines["p"] = p
+    assert p.initial() == 1 and slept == [th.FIRST_WINDOW_S]
+    q = th.ThreadPolicy(env={}, cores=2, ncpu=2, reader=m.reader("q"), clock=m.clock, sleep=sleep)
+    m.advance(1.0)  # a model load: a long enough window, no sleep
+    assert q.initial() == 1 and len(slept) == 1

@@ -199,7 +199,7 @@ class LLM:
         else:
             self.model = load_model(model, device=self.device, dtype=dtype, quant_kernels=quant_kernels)
         self._thread_policy = policy
-        torch.set_num_threads(policy.check())  # (automatic: the cores left free while the model loaded)
+        torch.set_num_threads(policy.initial())  # (automatic: the cores left free while the model loaded)
         #: whether decode steps read the file's quantized weights (``quant_kernels`` and kernels that built)
         self.quant_kernels = bool(getattr(self.model, "quant_kernels", False))
         if sliding_window is not None and getattr(self.model, "layer_windows", None) is not None:

@@ -47,6 +47,11 @@ SPIN_COUNT = "10000"
 FREE_MARGIN = 0.25
 #: seconds between two re-checks of the free cores while the engine steps
 RECHECK_S = 0.5
+#: seconds an engine built on an already loaded model watches the machine before its first count (once per
+#: process: later engines start from the count last chosen)
+FIRST_WINDOW_S = 0.05
+
+_recent: dict = {}  # the count the last real (not injected) reading chose, for engines that start with no window
 
 
 class CpuTimes(NamedTuple):
@@ -160,12 +165,13 @@ class ThreadPolicy:
 
     def __init__(self, threads: int | None = None, *, env: dict | None = None, cores: int | None = None,
                  ncpu: int | None = None, reader: Callable[[], CpuTimes | None] = read_cpu_times,
-                 clock: Callable[[], float] = time.monotonic, recheck_s: float = RECHECK_S) -> None:
+                 clock: Callable[[], float] = time.monotonic, recheck_s: float = RECHECK_S,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         threads = validate_threads(threads)
         env = os.environ if env is None else env
         self._cores = usable_cores() if cores is None else cores
         self._ncpu = (os.cpu_count() or self._cores) if ncpu is None else ncpu
-        self._reader, self._clock, self._recheck_s = reader, clock, recheck_s
+        self._reader, self._clock, self._recheck_s, self._sleep = reader, clock, recheck_s, sleep
         env_n = _env_threads(env)
         if threads is not None:
             self._fixed, self._source = threads, "argument"
@@ -193,6 +199,19 @@ class ThreadPolicy:
         """Whether the count follows the free cores."""
         return self._fixed is None
 
+    def initial(self) -> int:
+        """The count to start with, when the engine is built: :meth:`check` over the window since construction
+        (the model's load); if that window is too short to read (an already loaded model), the count the
+        process's last reading chose, or else one :data:`FIRST_WINDOW_S` window."""
+        n = self.check()
+        if self._fixed is not None or self.checks:
+            return n
+        if self._reader is read_cpu_times and "count" in _recent:
+            self._threads = min(self._cores, _recent["count"])
+            return self._threads
+        self._sleep(FIRST_WINDOW_S)
+        return self.check()
+
     def check(self) -> int:
         """Re-read the free cores now (since the last reading) and return the count to use. O(1)."""
         if self._fixed is not None:
@@ -208,6 +227,8 @@ class ThreadPolicy:
         self._last = cur
         self.checks += 1
         self._threads = pick_threads(others, self._cores, self._ncpu)
+        if self._reader is read_cpu_times:
+            _recent["count"] = self._threads
         return self._threads
 
     def tick(self) -> int | None:
