@@ -9,7 +9,9 @@ excluded) in fresh engine processes, two configurations taking turns measurement
 
 * ``defaults``: no flag, no thread variable (the environment's ``OMP_NUM_THREADS``, ``OMP_WAIT_POLICY``,
   ``GOMP_SPINCOUNT`` and ``PAGEDKV_*`` removed), as a user starts it;
-* ``1 thread``: ``OMP_NUM_THREADS=1``.
+* ``1 thread``: ``OMP_NUM_THREADS=1``;
+* and any ``--extra VAR=VALUE[,VAR=VALUE]`` configuration (candidates of the policy, e.g. ``GOMP_SPINCOUNT=0``
+  or ``GOMP_SPINCOUNT=300000`` for libgomp's own spin), reported against ``1 thread`` beside the defaults.
 
 in three situations: (a) ``alone``; (b) ``busy``: beside one busy process (a Python ``while True`` loop at this
 script's niceness, started before the engine and stopped after it); (c) ``two``: two engines of the same
@@ -66,6 +68,8 @@ def _env(config: str) -> dict:
     env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
     if config == "1 thread":
         env["OMP_NUM_THREADS"] = "1"
+    elif config != "defaults":  # an --extra configuration: VAR=VALUE,VAR=VALUE
+        env.update(kv.split("=", 1) for kv in config.split(","))
     return env
 
 
@@ -111,7 +115,7 @@ def measure(situation: str, config: str, model: str, batch: int, out: int, inp: 
     return {"tokens_per_s": sum(r["output_tokens_per_s"] for r in results), "engines": results}
 
 
-def run(a: argparse.Namespace) -> dict:
+def run(a: argparse.Namespace, save=None) -> dict:
     batches = [int(b) for b in a.batches.split(",")]
     res: dict = {"machine": {"platform": platform.platform(), "python": sys.version.split()[0],
                              "cpus": os.cpu_count(), "nice": os.nice(0), "loadavg_before": os.getloadavg()},
@@ -123,14 +127,19 @@ def run(a: argparse.Namespace) -> dict:
             for batch in batches:
                 out = a.out_tokens[batch] if batch in a.out_tokens else 32
                 key = f"{situation}/{batch}"
-                rows[key] = {c: [] for c in CONFIGS} | {"out_tokens": out, "in_tokens": a.in_tokens}
+                configs = (*CONFIGS, *a.extra)
+                rows[key] = {c: [] for c in configs} | {"out_tokens": out, "in_tokens": a.in_tokens}
                 for r in range(a.rounds):
-                    order = CONFIGS if r % 2 == 0 else CONFIGS[::-1]
+                    order = configs if r % 2 == 0 else configs[::-1]
                     for config in order:
                         m = measure(situation, config, model, batch, out, a.in_tokens, a.timeout)
                         rows[key][config].append(m)
                         print(f"{model:14s} {situation:5s} batch {batch:2d} {config:8s} {m['tokens_per_s']:7.1f} "
                               f"tok/s  threads {[e['threads'] for e in m['engines']]}", flush=True)
+        if save is not None:  # after every model: a run cut short keeps what it measured
+            res["machine"]["loadavg_after"] = os.getloadavg()
+            res["seconds"] = time.time() - t0
+            save(res)
     res["machine"]["loadavg_after"] = os.getloadavg()
     res["seconds"] = time.time() - t0
     return res
@@ -151,6 +160,11 @@ def table(res: dict) -> str:
             threads = sorted({e["threads"] for m in row["defaults"] for e in m["engines"]})
             lines.append(f"| {model} | {situation} | {batch} | {d:.1f} (threads {threads}) | {o:.1f} | "
                          f"{ratio:.2f}x | >= {THRESHOLD[situation]}x | {'pass' if ok else 'FAIL'} |")
+            for c in row:
+                if c not in CONFIGS and isinstance(row[c], list) and row[c]:
+                    x = statistics.median(m["tokens_per_s"] for m in row[c])
+                    lines.append(f"| {model} | {situation} | {batch} | {c}: {x:.1f} | {o:.1f} | "
+                                 f"{x / o if o else float('nan'):.2f}x | (candidate) | |")
     lines.append("")
     lines.append(f"All criteria: {'pass' if ok_all else 'FAIL'}. Load average before / after: "
                  f"{res['machine']['loadavg_before']} / {res['machine']['loadavg_after']}; "
@@ -165,6 +179,8 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=1, help="measurements per configuration (alternating order)")
     p.add_argument("--in", dest="in_tokens", type=int, default=32, help="prompt tokens per request")
     p.add_argument("--quick", action="store_true", help="tiny workloads (a smoke test of the script)")
+    p.add_argument("--extra", action="append", default=[], metavar="VAR=VALUE[,VAR=VALUE]",
+                   help="another configuration to measure (environment of the engine processes); repeatable")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds one measurement may take")
     p.add_argument("--tag", default="", help="suffix of the result files")
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
@@ -177,14 +193,16 @@ def main() -> int:
         return worker(a.model, a.batch, a.out, a.in_tokens)
     # output tokens per request by batch size: about 2-8 s of generation each at one thread
     a.out_tokens = {1: 8, 8: 4, 32: 2} if a.quick else {1: 96, 8: 48, 32: 24}
-    res = run(a)
-    md = table(res)
-    print(md)
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = "threads_robust" + (f"_{a.tag}" if a.tag else "")
-    (out / f"{stem}.json").write_text(json.dumps(res, indent=1))
-    (out / f"{stem}.md").write_text("# benchmarks/threads_robust.py\n\n" + md + "\n")
+
+    def save(res: dict) -> None:
+        (out / f"{stem}.json").write_text(json.dumps(res, indent=1))
+        (out / f"{stem}.md").write_text("# benchmarks/threads_robust.py\n\n" + table(res) + "\n")
+
+    res = run(a, save)
+    print(table(res))
     return 0
 
 
