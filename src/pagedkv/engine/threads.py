@@ -13,11 +13,12 @@ The policy (what :class:`ThreadPolicy` does with no explicit setting):
   over a window (``/proc/stat`` and ``/proc/self/stat``), says how many cores others use; the engine takes the
   rest (:func:`pick_threads`: at least 1, at most the cores this process may run on, a core counted free only
   when less than :data:`FREE_MARGIN` of it is used by others). Re-checked every :data:`RECHECK_S` seconds of
-  engine steps (one read of two small /proc files, about 30 us, measured; nothing else per step), so replicas
+  engine steps (one read of two small /proc files: 53 us of CPU time, measured on the 2-core machine; a
+  step not due for a re-check costs one clock read, 0.1 us), so replicas
   started side by side settle on a core each, and an engine left alone again takes both.
 * **A short spin**: unless the user set ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``, :func:`prepare_runtime` sets
   ``GOMP_SPINCOUNT`` to :data:`SPIN_COUNT` before torch loads the OpenMP runtime, so a thread whose partner was
-  descheduled goes to sleep after a few microseconds instead of spinning for its time slice. It is called when
+  descheduled goes to sleep after 10000 spins (libgomp's default: 300000) instead of spinning out its slice. It is called when
   ``pagedkv.engine`` is imported; if torch was imported first, the runtime already read its settings and only the
   thread count adapts (:func:`prepare_runtime` returns ``False``).
 * **An explicit setting always wins**: ``LLM(threads=N)`` / ``--threads N``, else ``OMP_NUM_THREADS`` from the
@@ -41,7 +42,8 @@ __all__ = ["FREE_MARGIN", "RECHECK_S", "SPIN_COUNT", "CpuTimes", "ThreadPolicy",
            "read_cpu_times", "usable_cores", "validate_threads"]
 
 #: ``GOMP_SPINCOUNT`` set before the OpenMP runtime starts (libgomp's default is 300000 spins, and with
-#: ``OMP_WAIT_POLICY=PASSIVE`` 0); chosen by benchmarks/threads_robust.py, see docs/engine-speed.md
+#: ``OMP_WAIT_POLICY=PASSIVE`` 0); not yet measured on a quiet machine (benchmarks/threads_robust.py --extra
+#: compares candidates; docs/engine-speed.md)
 SPIN_COUNT = "10000"
 #: a core counts as free when others keep less than this fraction of it busy (:func:`pick_threads`)
 FREE_MARGIN = 0.25
@@ -84,7 +86,7 @@ def parse_self_stat(text: str) -> int:
 
 
 def read_cpu_times() -> CpuTimes | None:
-    """The current :class:`CpuTimes`, or ``None`` where /proc cannot be read (not Linux). About 30 us."""
+    """The current :class:`CpuTimes`, or ``None`` where /proc cannot be read (not Linux). About 53 us of CPU."""
     try:
         with open("/proc/stat") as f:
             busy, total = parse_proc_stat(f.readline())
