@@ -238,3 +238,19 @@ def test_initial_count_without_a_window():
     q = th.ThreadPolicy(env={}, cores=2, ncpu=2, reader=m.reader("q"), clock=m.clock, sleep=sleep)
     m.advance(1.0)  # a model load: a long enough window, no sleep
     assert q.initial() == 1 and len(slept) == 1
+
+
+@pytest.mark.parametrize("first,want", [("", th.SPIN_COUNT), ("import torch; ", "unset")])
+def test_importing_the_engine_sets_the_spin_before_torch(first, want):
+    """``import pagedkv.engine`` sets the spin when torch is not loaded yet; after torch it is too late, so it
+    does not pretend."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("torch")
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    code = first + "import os, pagedkv.engine; print(os.environ.get('GOMP_SPINCOUNT', 'unset'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == want

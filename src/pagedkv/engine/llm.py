@@ -143,7 +143,8 @@ class LLM:
             (the default): ``OMP_NUM_THREADS`` when set, else automatic: the cores other processes leave free,
             re-checked every half second of steps (:mod:`pagedkv.engine.threads`), so that engines side by side
             share the machine. An int >= 1: that many, fixed (``InvalidArgumentError`` otherwise).
-            ``llm.threads`` is the current count.
+            ``llm.threads`` is the current count. A ``torch.set_num_threads`` of the caller's before ``LLM()`` is
+            overridden by the automatic count: pass ``threads=`` instead.
     """
 
     def __init__(

@@ -16,11 +16,11 @@ The policy (what :class:`ThreadPolicy` does with no explicit setting):
   engine steps (one read of two small /proc files: 53 us of CPU time, measured on the 2-core machine; a
   step not due for a re-check costs one clock read, 0.1 us), so replicas
   started side by side settle on a core each, and an engine left alone again takes both.
-* **A short spin**: unless the user set ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``, :func:`prepare_runtime` sets
-  ``GOMP_SPINCOUNT`` to :data:`SPIN_COUNT` before torch loads the OpenMP runtime, so a thread whose partner was
-  descheduled goes to sleep after 10000 spins (libgomp's default: 300000) instead of spinning out its slice. It is called when
-  ``pagedkv.engine`` is imported; if torch was imported first, the runtime already read its settings and only the
-  thread count adapts (:func:`prepare_runtime` returns ``False``).
+* **A shorter spin**: unless the user set ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``, :func:`prepare_runtime`
+  sets ``GOMP_SPINCOUNT`` to :data:`SPIN_COUNT` before torch loads the OpenMP runtime, so a thread whose partner
+  was descheduled goes to sleep after 10000 spins (libgomp's default: 300000) instead of spinning out its slice.
+  It is called when ``pagedkv.engine`` is imported; if torch was imported first, the runtime already read its
+  settings and only the thread count adapts (:func:`prepare_runtime` returns ``False``).
 * **An explicit setting always wins**: ``LLM(threads=N)`` / ``--threads N``, else ``OMP_NUM_THREADS`` from the
   environment: that count, fixed, never re-checked.
 
