@@ -15,8 +15,8 @@ Submodules:
   import time).
 
 Names are exported lazily so that ``import pagedkv.engine`` does not import torch by itself. Importing it sets
-``GOMP_SPINCOUNT`` (a short spin at OpenMP barriers) when torch is not loaded yet and the user set neither it nor
-``OMP_WAIT_POLICY`` (:func:`pagedkv.engine.threads.prepare_runtime`).
+``GOMP_SPINCOUNT=0`` (OpenMP threads sleep at barriers instead of spinning) when torch is not loaded yet and the
+user set neither it nor ``OMP_WAIT_POLICY`` (:func:`pagedkv.engine.threads.prepare_runtime`).
 """
 
 from __future__ import annotations

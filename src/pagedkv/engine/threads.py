@@ -16,9 +16,10 @@ The policy (what :class:`ThreadPolicy` does with no explicit setting):
   engine steps (one read of two small /proc files: 53 us of CPU time, measured on the 2-core machine; a
   step not due for a re-check costs one clock read, 0.1 us), so replicas
   started side by side settle on a core each, and an engine left alone again takes both.
-* **A shorter spin**: unless the user set ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``, :func:`prepare_runtime`
-  sets ``GOMP_SPINCOUNT`` to :data:`SPIN_COUNT` before torch loads the OpenMP runtime, so a thread whose partner
-  was descheduled goes to sleep after 10000 spins (libgomp's default: 300000) instead of spinning out its slice.
+* **No spin**: unless the user set ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``, :func:`prepare_runtime` sets
+  ``GOMP_SPINCOUNT`` to :data:`SPIN_COUNT` (0) before torch loads the OpenMP runtime, so a thread whose partner
+  was descheduled sleeps at once (libgomp's default spins 300000 times first) instead of spinning out its slice:
+  the engine stays sound between a process's arrival and the next re-check.
   It is called when ``pagedkv.engine`` is imported; if torch was imported first, the runtime already read its
   settings and only the thread count adapts (:func:`prepare_runtime` returns ``False``).
 * **An explicit setting always wins**: ``LLM(threads=N)`` / ``--threads N``, else ``OMP_NUM_THREADS`` from the
@@ -41,10 +42,11 @@ __all__ = ["FREE_MARGIN", "RECHECK_S", "SPIN_COUNT", "CpuTimes", "ThreadPolicy",
            "others_cores", "parse_proc_stat", "parse_self_stat", "pick_threads", "prepare_runtime",
            "read_cpu_times", "usable_cores", "validate_threads"]
 
-#: ``GOMP_SPINCOUNT`` set before the OpenMP runtime starts (libgomp's default is 300000 spins, and with
-#: ``OMP_WAIT_POLICY=PASSIVE`` 0); not yet measured on a quiet machine (benchmarks/threads_robust.py --extra
-#: compares candidates; docs/engine-speed.md)
-SPIN_COUNT = "10000"
+#: ``GOMP_SPINCOUNT`` set before the OpenMP runtime starts (libgomp's default is 300000 spins). 0, as the figures
+#: pick (docs/engine-speed.md): 2 threads beside a busy process 37.4 tok/s against 38.5 at one thread and 10.1 at
+#: the default spin; on a loaded machine 9.4 against 3.0 at 10000 spins. Not yet measured alone on a quiet machine
+#: (benchmarks/threads_robust.py --extra GOMP_SPINCOUNT=300000 compares)
+SPIN_COUNT = "0"
 #: a core counts as free when others keep less than this fraction of it busy (:func:`pick_threads`)
 FREE_MARGIN = 0.25
 #: seconds between two re-checks of the free cores while the engine steps
