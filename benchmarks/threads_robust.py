@@ -10,7 +10,7 @@ excluded) in fresh engine processes, two configurations taking turns measurement
 * ``defaults``: no flag, no thread variable (the environment's ``OMP_NUM_THREADS``, ``OMP_WAIT_POLICY``,
   ``GOMP_SPINCOUNT`` and ``PAGEDKV_*`` removed), as a user starts it;
 * ``1 thread``: ``OMP_NUM_THREADS=1``;
-* and any ``--extra VAR=VALUE[,VAR=VALUE]`` configuration (candidates of the policy, e.g. ``GOMP_SPINCOUNT=0``
+* and any ``--extra VAR=VALUE[,VAR=VALUE]`` configuration (candidates of the policy, e.g. ``GOMP_SPINCOUNT=10000``
   or ``GOMP_SPINCOUNT=300000`` for libgomp's own spin), reported against ``1 thread`` beside the defaults.
 
 in three situations: (a) ``alone``; (b) ``busy``: beside one busy process (a Python ``while True`` loop at this
