@@ -254,3 +254,21 @@ def test_importing_the_engine_sets_the_spin_before_torch(first, want):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == want
+
+
+def test_an_idle_window_is_restarted_not_read():
+    """A server idle for a minute while another process ran: the first step does not act on that minute's
+    average; the re-check after it reads the recent window."""
+    m = Machine()
+    a = policy(m, "a")
+    m.advance(1.0)
+    assert a.check() == 2
+    m.external = 2.0  # someone computes while the engine idles...
+    m.advance(60.0)
+    m.external = 0.0  # ...and stops before the next request
+    assert a.tick() is None and a.threads == 2  # stale window dropped, count kept
+    m.advance(0.6)
+    assert a.tick() is None and a.threads == 2  # the recent window: the machine is free
+    m.external = 1.0
+    m.advance(0.6)
+    assert a.tick() == 1

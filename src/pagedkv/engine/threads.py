@@ -38,7 +38,7 @@ from typing import Callable, NamedTuple
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["FREE_MARGIN", "RECHECK_S", "SPIN_COUNT", "CpuTimes", "ThreadPolicy", "openmp_runtimes",
+__all__ = ["FIRST_WINDOW_S", "FREE_MARGIN", "RECHECK_S", "SPIN_COUNT", "STALE_S", "CpuTimes", "ThreadPolicy", "openmp_runtimes",
            "others_cores", "parse_proc_stat", "parse_self_stat", "pick_threads", "prepare_runtime",
            "read_cpu_times", "usable_cores", "validate_threads"]
 
@@ -51,6 +51,8 @@ SPIN_COUNT = "0"
 FREE_MARGIN = 0.25
 #: seconds between two re-checks of the free cores while the engine steps
 RECHECK_S = 0.5
+#: a window longer than this (the engine was idle, no steps) is dropped and restarted rather than read
+STALE_S = 5.0
 #: seconds an engine built on an already loaded model watches the machine before its first count (once per
 #: process: later engines start from the count last chosen)
 FIRST_WINDOW_S = 0.05
@@ -237,8 +239,16 @@ class ThreadPolicy:
 
     def tick(self) -> int | None:
         """Called once per engine step: the new count when a re-check (every ``recheck_s`` seconds) changed it,
-        else ``None``. One clock read when no re-check is due."""
-        if self._fixed is not None or self._clock() - self._last_t < self._recheck_s:
+        else ``None``. One clock read when no re-check is due. After more than :data:`STALE_S` seconds without a
+        step the window restarts instead (its average would describe the idle time), the count kept until the
+        next re-check."""
+        if self._fixed is not None:
+            return None
+        idle = self._clock() - self._last_t
+        if idle < self._recheck_s:
+            return None
+        if idle > STALE_S:  # the engine was idle (a server between requests): that window says little of now
+            self._last, self._last_t = self._reader(), self._clock()
             return None
         before = self._threads
         after = self.check()
