@@ -18,7 +18,10 @@ HF, llama.cpp, engine, HF, ...), so a slow spell of a shared machine hits them a
    ``--render A.json [B.json ...]`` writes the report and chart of earlier runs without measuring.
 
 A backend whose virtualenv is missing is left out (and said so). Threads: every backend uses ``--threads``
-(default 1, see --threads).
+(default 1, see --threads); ``--threads default`` runs each backend at its own defaults instead (pagedkv with no
+setting: its thread policy, pagedkv.engine.threads; HF ``generate`` at torch's default; llama-cpp-python at its
+``Llama`` class's default ``n_threads = cpu_count // 2``; thread variables removed from the workers'
+environment) and writes engine_speed_defaults.{md,json,png} beside the one-thread files.
 """
 
 from __future__ import annotations
@@ -39,8 +42,11 @@ NAMES = {"pagedkv": "pagedkv engine", "hf": "HF transformers generate", "llamacp
 
 
 class Worker:
-    def __init__(self, backend: str, python: str, model: str, threads: int) -> None:
+    def __init__(self, backend: str, python: str, model: str, threads: str) -> None:
         env = dict(os.environ)
+        if threads == "default":  # each backend as a user starts it
+            for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "MKL_NUM_THREADS"):
+                env.pop(k, None)
         if backend == "pagedkv":
             env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
         self.backend = backend
@@ -94,9 +100,10 @@ def main() -> int:
     p.add_argument("--models", default="smollm2,gemma-3-270m",
                    help="comma-separated: smollm2, gemma-3-270m or GGUF paths; measured one after the other")
     p.add_argument("--model", default=None, help="one GGUF file (overrides --models)")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=_threads, default="1",
                    help="threads of every backend (default 1: on a shared 2-core machine, 2 OpenMP threads per "
-                        "process stall at every barrier when another process holds a core)")
+                        "process stall at every barrier when another process holds a core), or 'default': each "
+                        "backend at its own defaults (files engine_speed_defaults.*)")
     p.add_argument("--repeats", type=int, default=2, help="pairs of the 32 x (256 + 256) throughput run")
     p.add_argument("--sweep-repeats", type=int, default=2)
     p.add_argument("--batches", default="1,4,16,32")
@@ -109,6 +116,7 @@ def main() -> int:
                    help="measure nothing: write the report, chart and merged engine_speed.json of earlier runs' "
                         "JSON files (their models side by side)")
     a = p.parse_args()
+    stem = "engine_speed_defaults" if a.threads == "default" else "engine_speed"
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -116,9 +124,9 @@ def main() -> int:
         runs: dict = {}
         for f in a.render:
             runs.update(json.loads(Path(f).read_text())["models"])
-        (out / "engine_speed.json").write_text(json.dumps({"models": runs}, indent=1))
+        (out / f"{stem}.json").write_text(json.dumps({"models": runs}, indent=1))
         write_report(out, runs, "rendered by `benchmarks/engine_speed.py --render` from "
-                     + ", ".join(os.path.basename(f) for f in a.render))
+                     + ", ".join(os.path.basename(f) for f in a.render), stem)
         return 0
     models = [a.model] if a.model else a.models.split(",")
     t0 = time.time()
@@ -127,17 +135,33 @@ def main() -> int:
         label = MODEL_LABELS.get(m, os.path.basename(resolve(m)))
         runs[label] = measure(a, m)
         # after every model: a run cut short keeps what it measured
-        (out / "engine_speed.json").write_text(json.dumps({"models": runs}, indent=1))
+        (out / f"{stem}.json").write_text(json.dumps({"models": runs}, indent=1))
     write_report(out, runs, f"run took {time.time() - t0:.0f} s; command: "
-                 f"`{' '.join(['benchmarks/engine_speed.py'] + sys.argv[1:])}`")
+                 f"`{' '.join(['benchmarks/engine_speed.py'] + sys.argv[1:])}`", stem)
     return 0
 
 
-def write_report(out: Path, runs: dict, note: str) -> None:
-    """engine_speed.md (printed too) and engine_speed.png for ``runs`` (label -> :func:`measure`'s result)."""
-    threads = {r["settings"]["threads"] for r in runs.values()}
-    head = (f"Machine: {platform.platform()}, {os.cpu_count()} cores, {'/'.join(map(str, sorted(threads)))} "
-            f"threads per backend; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {note}")
+def _threads(text: str) -> str:
+    if text != "default" and not (text.isdigit() and int(text) >= 1):
+        raise argparse.ArgumentTypeError(f"an integer >= 1 or 'default', got {text!r}")
+    return text
+
+
+def _used_threads(run: dict) -> str:
+    """What each backend ran with (the workers report it) as ``pagedkv 2, hf 2, ...``."""
+    seen: dict = {}
+    for r in run["results"]:
+        if "threads" in r:
+            seen.setdefault(r["backend"], set()).add(r["threads"])
+    return ", ".join(f"{b} {'/'.join(map(str, sorted(v)))}" for b, v in seen.items())
+
+
+def write_report(out: Path, runs: dict, note: str, stem: str = "engine_speed") -> None:
+    """STEM.md (printed too) and STEM.png for ``runs`` (label -> :func:`measure`'s result)."""
+    threads = {str(r["settings"]["threads"]) for r in runs.values()}
+    used = "; ".join(f"{label}: {_used_threads(r)}" for label, r in runs.items() if _used_threads(r))
+    head = (f"Machine: {platform.platform()}, {os.cpu_count()} cores, {'/'.join(sorted(threads))} "
+            f"threads per backend{f' (threads used: {used})' if used else ''}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {note}")
     sections, charts = [], []
     for label, run in runs.items():
         text, chart = render(run)
@@ -145,7 +169,7 @@ def write_report(out: Path, runs: dict, note: str) -> None:
         charts.append((label, chart))
     report = head + "\n\n" + "\n\n".join(sections)
     print(report)
-    (out / "engine_speed.md").write_text(report + "\n")
+    (out / f"{stem}.md").write_text(report + "\n")
     try:
         import matplotlib
 
@@ -164,7 +188,7 @@ def write_report(out: Path, runs: dict, note: str) -> None:
             ax.grid(True, alpha=0.3)
             ax.legend()
         fig.tight_layout()
-        fig.savefig(out / "engine_speed.png", dpi=120)
+        fig.savefig(out / f"{stem}.png", dpi=120)
     except ImportError:
         print("[engine_speed] matplotlib missing: no chart", file=sys.stderr)
 

@@ -1,7 +1,7 @@
 """One backend of benchmarks/engine_speed.py: loads the model once, then runs the jobs it reads on stdin.
 
     <python of the backend's virtualenv> benchmarks/engine_speed_worker.py {pagedkv,hf,llamacpp} --model FILE.gguf
-        [--threads N]
+        [--threads N|default]
 
 Each stdin line is a JSON job ``{"batch": B, "input_len": I, "output_len": O, "seed": S}``; the worker answers one
 JSON line on stdout with the wall time and tokens/s. Every backend gets the same workload: ``B`` prompts of ``I``
@@ -38,12 +38,15 @@ def make_prompts(batch: int, input_len: int, vocab: int, seed: int) -> list[list
 
 
 class PagedKV:
-    def __init__(self, model: str, threads: int) -> None:
+    def __init__(self, model: str, threads: int | None) -> None:
+        import pagedkv.engine  # noqa: F401 - first, as in any use of the engine: its runtime settings precede torch
         import torch
 
         from pagedkv.engine.registry import load_model
 
-        torch.set_num_threads(threads)
+        self.threads = threads  # None: the engine's own policy (pagedkv.engine.threads)
+        if threads is not None:
+            torch.set_num_threads(threads)
         self.model = load_model(model)  # PagedLlama or PagedGemma3, after the file's architecture
         self.vocab = self.model.config.vocab_size
 
@@ -51,21 +54,22 @@ class PagedKV:
         from pagedkv.engine.llm import LLM
         from pagedkv.engine.throughput import run_throughput
 
-        llm = LLM(self.model, max_num_seqs=max(32, batch))
+        llm = LLM(self.model, max_num_seqs=max(32, batch), threads=self.threads)
         r = run_throughput(llm, input_len=input_len, output_len=output_len, num_prompts=batch, seed=seed,
                            use_tqdm=False)
-        return {"elapsed_s": r["elapsed_s"], "split": {k: r[k] for k in (
+        return {"elapsed_s": r["elapsed_s"], "threads": r["torch_threads"], "split": {k: r[k] for k in (
             "block_manager_share", "scheduler_share", "model_share", "sampling_share")}}
 
 
 class HF:
-    def __init__(self, model: str, threads: int) -> None:
+    def __init__(self, model: str, threads: int | None) -> None:
         import os
 
         import torch
         from transformers import AutoModelForCausalLM
 
-        torch.set_num_threads(threads)
+        if threads is not None:  # None: torch's default
+            torch.set_num_threads(threads)
         self.torch = torch
         self.model = AutoModelForCausalLM.from_pretrained(os.path.dirname(model), gguf_file=os.path.basename(model),
                                                           dtype=torch.float32)
@@ -83,15 +87,18 @@ class HF:
                                   top_p=1.0, max_new_tokens=output_len, min_new_tokens=output_len, pad_token_id=0)
         elapsed = time.perf_counter() - t
         assert out.shape == (batch, input_len + output_len), out.shape
-        return {"elapsed_s": elapsed}
+        return {"elapsed_s": elapsed, "threads": torch.get_num_threads()}
 
 
 class LlamaCpp:
-    def __init__(self, model: str, threads: int) -> None:
+    def __init__(self, model: str, threads: int | None) -> None:
+        import multiprocessing
+
         import llama_cpp as lc
 
         self.lc = lc
-        self.threads = threads
+        # None: llama-cpp-python's default (its Llama class: n_threads = max(cpu_count // 2, 1))
+        self.threads = max(multiprocessing.cpu_count() // 2, 1) if threads is None else threads
         lc.llama_backend_init()
         mparams = lc.llama_model_default_params()
         if hasattr(mparams, "use_extra_bufts"):
@@ -154,7 +161,7 @@ class LlamaCpp:
             lc.llama_batch_free(b)
             lc.llama_sampler_free(chain)
             lc.llama_free(ctx)
-        return {"elapsed_s": elapsed}
+        return {"elapsed_s": elapsed, "threads": self.threads}
 
 
 BACKENDS = {"pagedkv": PagedKV, "hf": HF, "llamacpp": LlamaCpp}
@@ -164,9 +171,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("backend", choices=sorted(BACKENDS))
     p.add_argument("--model", required=True)
-    p.add_argument("--threads", type=int, required=True)
+    p.add_argument("--threads", required=True, help="an int, or 'default': the backend's own default")
     a = p.parse_args()
-    backend = BACKENDS[a.backend](a.model, a.threads)
+    backend = BACKENDS[a.backend](a.model, None if a.threads == "default" else int(a.threads))
     print(json.dumps({"ready": a.backend}), flush=True)
     for line in sys.stdin:
         if not line.strip():

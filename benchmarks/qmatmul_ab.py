@@ -118,7 +118,7 @@ def main() -> int:
         outs: dict[str, list] = {}
         for _ in range(a.rounds):
             for name, model in (("fast", fast), ("dense", dense)):
-                llm = LLM(model, max_num_seqs=max(32, batch))
+                llm = LLM(model, max_num_seqs=max(32, batch), threads=a.threads)
                 t = time.perf_counter()
                 res = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
                 rates[name].append(batch * (s_in + s_out) / (time.perf_counter() - t))

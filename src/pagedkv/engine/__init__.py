@@ -14,13 +14,19 @@ Submodules:
 * :mod:`pagedkv.engine.options`: the command-line options of every command that builds an engine (torch-free at
   import time).
 
-Names are exported lazily so that ``import pagedkv.engine`` does not import torch by itself.
+Names are exported lazily so that ``import pagedkv.engine`` does not import torch by itself. Importing it sets
+``GOMP_SPINCOUNT=0`` (OpenMP threads sleep at barriers instead of spinning) when torch is not loaded yet and the
+user set neither it nor ``OMP_WAIT_POLICY`` (:func:`pagedkv.engine.threads.prepare_runtime`).
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
+
+from .threads import prepare_runtime as _prepare_runtime
+
+_prepare_runtime()  # before anything loads torch's OpenMP runtime, which reads its settings once
 
 _EXPORTS = {
     "ModelConfig": "gguf_loader",

@@ -34,6 +34,7 @@ from ..scheduler import FINISH_STOP, Scheduler
 from .model import build_attention_metadata, build_group_attention_metadata, execute_copy_plan
 from .registry import load_model, make_tokenizer
 from .sampling import SamplingParams, sample, sample_batch, sample_bounded
+from .threads import ThreadPolicy
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
 
@@ -143,6 +144,12 @@ class LLM:
         swap_space: the CPU blocks for swap and the CPU tier given in GiB, as vLLM's ``swap_space``: sets
             ``num_cpu_blocks`` to as many blocks as fit (``num_cpu_blocks`` must then be 0); None: use
             ``num_cpu_blocks``. ``llm.block_manager.num_cpu_blocks`` says how many that is.
+        threads: CPU threads of torch and the quantized kernels (process-wide: ``torch.set_num_threads``). None
+            (the default): ``OMP_NUM_THREADS`` when set, else automatic: the cores other processes leave free,
+            re-checked every half second of steps (:mod:`pagedkv.engine.threads`), so that engines side by side
+            share the machine. An int >= 1: that many, fixed (``InvalidArgumentError`` otherwise).
+            ``llm.threads`` is the current count. A ``torch.set_num_threads`` of the caller's before ``LLM()`` is
+            overridden by the automatic count: pass ``threads=`` instead.
     """
 
     def __init__(
@@ -174,7 +181,9 @@ class LLM:
         scheduling_policy: str = "fcfs",
         eviction_policy: str = "lru",
         pin_budget_blocks: int = 0,
+        threads: int | None = None,
     ) -> None:
+        policy = ThreadPolicy(threads)  # first: validates, and starts the window of the free-core reading
         if scheduling_policy not in ("fcfs", "priority"):
             raise InvalidArgumentError(f"scheduling_policy must be 'fcfs' or 'priority', got {scheduling_policy!r}")
         if device.startswith("cuda") and not torch.cuda.is_available():
@@ -202,6 +211,8 @@ class LLM:
             self.device = model.device
         else:
             self.model = load_model(model, device=self.device, dtype=dtype, quant_kernels=quant_kernels)
+        self._thread_policy = policy
+        torch.set_num_threads(policy.initial())  # (automatic: the cores left free while the model loaded)
         #: whether decode steps read the file's quantized weights (``quant_kernels`` and kernels that built)
         self.quant_kernels = bool(getattr(self.model, "quant_kernels", False))
         if sliding_window is not None and getattr(self.model, "layer_windows", None) is not None:
@@ -279,6 +290,11 @@ class LLM:
         # request id -> the exception its sampling raised in a step (that request got placeholder tokens and must
         # be aborted; the others of the step are unaffected). ``generate`` raises it; the server fails the request.
         self._sample_faults: dict = {}
+
+    @property
+    def threads(self) -> int:
+        """CPU threads the engine computes with now (see ``threads`` in the class docstring)."""
+        return self._thread_policy.threads
 
     # ------------------------------------------------------------------ public API
     def generate(
@@ -486,6 +502,9 @@ class LLM:
     def _execute(self, plan: Any, by_id: dict) -> list:
         """KV copies, forward and sampling of one plan: the sampled tokens (per sequence of the plan); the seconds
         spent sampling are left in ``self._sampling_s``."""
+        n = self._thread_policy.tick()  # (one clock read; every RECHECK_S a /proc reading)
+        if n is not None:
+            torch.set_num_threads(n)
         incremental = self.scheduler.incremental_tables
         if incremental:
             self._update_tables(plan)  # first: every plan's table changes reach the engine, whatever fails later

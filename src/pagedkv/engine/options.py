@@ -53,6 +53,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="decode steps of up to 32 sequences read the GGUF file's quantized weights with float32 "
                         "activations, each weight rebuilt exactly (the float32 model's products up to summation "
                         "order; docs/engine-speed.md); --no-quant-kernels uses the dense float32 weights only")
+    p.add_argument("--threads", type=_threads_arg, default=None, metavar="N",
+                   help="CPU threads of the model's products (default: OMP_NUM_THREADS when set, else the cores "
+                        "other processes leave free, re-checked while running; docs/engine-speed.md)")
     p.add_argument("--sliding-window", type=int, default=None, metavar="TOKENS",
                    help="attend to the last TOKENS tokens only, releasing older blocks (default: full attention)")
     p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
@@ -62,6 +65,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="the prefix cache's eviction order (pagedkv.eviction; one block table only)")
     p.add_argument("--pin-budget-blocks", type=int, default=0, metavar="BLOCKS",
                    help="most KV blocks pinned prefixes may hold (BlockManager.pin_prefix; one block table only)")
+
+
+def _threads_arg(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return n
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -90,6 +103,7 @@ def make_llm(args: argparse.Namespace, **over):
         scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
         eviction_policy=getattr(args, "eviction_policy", "lru"),
         pin_budget_blocks=getattr(args, "pin_budget_blocks", 0),
+        threads=getattr(args, "threads", None),
     )
     kw.update(over)
     return LLM(args.model, **kw)

@@ -50,6 +50,8 @@ def run_throughput(llm, *, input_len: int, output_len: int, num_prompts: int, n:
         "model_share": t.model / t.total,
         "sampling_share": t.sampling / t.total,
         "torch_threads": _threads(),
+        "threads_source": llm._thread_policy.source,
+        "thread_checks": llm._thread_policy.checks,
         "fast_lm_head": bool(getattr(llm, "fast_lm_head", False)),
         "quant_kernels": bool(getattr(llm, "quant_kernels", False)),
         "block_manager_share": t.block_manager / t.total,

@@ -1,0 +1,269 @@
+"""How many CPU threads the engine computes with, and how they wait: robust at the defaults.
+
+Why: torch and the quantized kernels (``_qkernels.c``) run their parallel loops on one OpenMP thread pool
+(``torch.get_num_threads()`` threads; the kernels' ``libgomp.so.1`` resolves to the runtime torch already loaded,
+see :func:`openmp_runtimes`), and OpenMP threads spin at every barrier. Alone on a machine that wins, but as
+soon as another process wants a core, one of the threads is descheduled and the others spin waiting for it: on
+the 2-core development machine SmolLM2 at batch 1 fell from 52.3 output tok/s to 10.1 beside one busy process,
+and two engines side by side made 7.6 + 7.8 tok/s where one thread each gives 116 + 128 (docs/engine-speed.md).
+
+The policy (what :class:`ThreadPolicy` does with no explicit setting):
+
+* **Thread count from the cores that are free**: the CPU time the machine spent busy, minus this process's own,
+  over a window (``/proc/stat`` and ``/proc/self/stat``), says how many cores others use; the engine takes the
+  rest (:func:`pick_threads`: at least 1, at most the cores this process may run on, a core counted free only
+  when less than :data:`FREE_MARGIN` of it is used by others). Re-checked every :data:`RECHECK_S` seconds of
+  engine steps (one read of two small /proc files: 53 us of CPU time, measured on the 2-core machine; a
+  step not due for a re-check costs one clock read, 0.1 us), so replicas
+  started side by side settle on a core each, and an engine left alone again takes both.
+* **No spin**: unless the user set ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``, :func:`prepare_runtime` sets
+  ``GOMP_SPINCOUNT`` to :data:`SPIN_COUNT` (0) before torch loads the OpenMP runtime, so a thread whose partner
+  was descheduled sleeps at once (libgomp's default spins 300000 times first) instead of spinning out its slice:
+  the engine stays sound between a process's arrival and the next re-check.
+  It is called when ``pagedkv.engine`` is imported; if torch was imported first, the runtime already read its
+  settings and only the thread count adapts (:func:`prepare_runtime` returns ``False``).
+* **An explicit setting always wins**: ``LLM(threads=N)`` / ``--threads N``, else ``OMP_NUM_THREADS`` from the
+  environment: that count, fixed, never re-checked.
+
+Torch-free: the caller applies the count (``torch.set_num_threads``). The /proc readings are injected
+(``reader``, ``clock``) so the logic is tested deterministically.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Callable, NamedTuple
+
+from ..errors import InvalidArgumentError
+
+__all__ = ["FIRST_WINDOW_S", "FREE_MARGIN", "RECHECK_S", "SPIN_COUNT", "STALE_S", "CpuTimes", "ThreadPolicy", "openmp_runtimes",
+           "others_cores", "parse_proc_stat", "parse_self_stat", "pick_threads", "prepare_runtime",
+           "read_cpu_times", "usable_cores", "validate_threads"]
+
+#: ``GOMP_SPINCOUNT`` set before the OpenMP runtime starts (libgomp's default is 300000 spins). 0, as the figures
+#: pick (docs/engine-speed.md): 2 threads beside a busy process 37.4 tok/s against 38.5 at one thread and 10.1 at
+#: the default spin; on a loaded machine 9.4 against 3.0 at 10000 spins. Not yet measured alone on a quiet machine
+#: (benchmarks/threads_robust.py --extra GOMP_SPINCOUNT=300000 compares)
+SPIN_COUNT = "0"
+#: a core counts as free when others keep less than this fraction of it busy (:func:`pick_threads`)
+FREE_MARGIN = 0.25
+#: seconds between two re-checks of the free cores while the engine steps
+RECHECK_S = 0.5
+#: a window longer than this (the engine was idle, no steps) is dropped and restarted rather than read
+STALE_S = 5.0
+#: seconds an engine built on an already loaded model watches the machine before its first count (once per
+#: process: later engines start from the count last chosen)
+FIRST_WINDOW_S = 0.05
+
+_recent: dict = {}  # the count the last real (not injected) reading chose, for engines that start with no window
+
+
+class CpuTimes(NamedTuple):
+    """One reading, in clock ticks: ``busy`` and ``total`` CPU time of the whole machine (all cores) since boot,
+    ``own`` the CPU time of this process (all its threads)."""
+
+    busy: int
+    total: int
+    own: int
+
+
+def parse_proc_stat(text: str) -> tuple[int, int]:
+    """``(busy, total)`` ticks from the first line of ``/proc/stat`` (``cpu user nice system idle iowait irq
+    softirq steal ...``): busy is everything but idle and iowait (niced processes included: a niced process
+    still takes its time slices, and a thread waiting for it at a barrier waits all the same). ``ValueError`` on
+    another format."""
+    line = text.split("\n", 1)[0].split()
+    if not line or line[0] != "cpu" or len(line) < 5:
+        raise ValueError(f"not a /proc/stat cpu line: {text[:60]!r}")
+    v = [int(x) for x in line[1:9]]
+    total = sum(v)
+    return total - v[3] - (v[4] if len(v) > 4 else 0), total
+
+
+def parse_self_stat(text: str) -> int:
+    """This process's ``utime + stime`` ticks from ``/proc/self/stat`` (fields 14 and 15; the command name, field
+    2, may hold spaces and parentheses, so fields are counted after its last ``)``)."""
+    rest = text[text.rindex(")") + 2:].split()
+    return int(rest[11]) + int(rest[12])
+
+
+def read_cpu_times() -> CpuTimes | None:
+    """The current :class:`CpuTimes`, or ``None`` where /proc cannot be read (not Linux). About 53 us of CPU."""
+    try:
+        with open("/proc/stat") as f:
+            busy, total = parse_proc_stat(f.readline())
+        with open("/proc/self/stat") as f:
+            own = parse_self_stat(f.read())
+    except (OSError, ValueError, IndexError):
+        return None
+    return CpuTimes(busy, total, own)
+
+
+def others_cores(prev: CpuTimes, cur: CpuTimes, ncpu: int) -> float | None:
+    """How many of the machine's ``ncpu`` cores other processes kept busy between two readings (0 .. ncpu), or
+    ``None`` when too little time passed to say (fewer than one tick per core)."""
+    d_total = cur.total - prev.total
+    if d_total < ncpu:
+        return None
+    others = (cur.busy - prev.busy) - (cur.own - prev.own)
+    return min(float(ncpu), max(0.0, others * ncpu / d_total))
+
+
+def pick_threads(others: float, cores: int, ncpu: int) -> int:
+    """Threads for an engine that may run on ``cores`` of the machine's ``ncpu`` cores while others keep
+    ``others`` cores busy: the free cores, a core counted free when others use less than :data:`FREE_MARGIN` of
+    it; at least 1, at most ``cores``."""
+    free = ncpu - others
+    return max(1, min(cores, int(free + FREE_MARGIN)))
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, else ``os.cpu_count()``)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def validate_threads(threads: object) -> int | None:
+    """``threads`` as given to ``LLM(threads=)``: ``None`` (automatic) or an int >= 1; ``InvalidArgumentError``
+    otherwise."""
+    if threads is None:
+        return None
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise InvalidArgumentError(f"threads must be an int >= 1 or None (automatic), got {threads!r}")
+    return threads
+
+
+def _env_threads(env: dict) -> int | None:
+    raw = env.get("OMP_NUM_THREADS", "").strip()
+    if not raw:
+        return None
+    try:
+        n = int(raw.split(",")[0])  # OpenMP allows a list per nesting level; the first is ours
+    except ValueError:
+        return None  # an unparseable value: the runtime ignores it too
+    return n if n >= 1 else None
+
+
+def prepare_runtime(env: dict | None = None, modules: dict | None = None) -> bool:
+    """Set ``GOMP_SPINCOUNT`` to :data:`SPIN_COUNT` in ``env`` (default ``os.environ``) when the user set neither it
+    nor ``OMP_WAIT_POLICY`` and torch is not loaded yet (``modules``: default ``sys.modules``). Returns whether
+    the setting will take effect (``True`` also when the user's own wait policy is in place). O(1)."""
+    env = os.environ if env is None else env
+    modules = sys.modules if modules is None else modules
+    if "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env:
+        return True
+    if "torch" in modules:
+        return False
+    env["GOMP_SPINCOUNT"] = SPIN_COUNT
+    return True
+
+
+class ThreadPolicy:
+    """The engine's thread count: fixed when given (``threads``, else ``OMP_NUM_THREADS`` in ``env``), else
+    chosen from the free cores and re-checked every ``recheck_s`` seconds by :meth:`tick`.
+
+    ``reader`` returns :class:`CpuTimes` (or ``None``: no /proc, then the policy keeps ``cores`` threads, as torch
+    would), ``clock`` seconds; both injectable for tests. ``InvalidArgumentError`` for a bad ``threads``."""
+
+    def __init__(self, threads: int | None = None, *, env: dict | None = None, cores: int | None = None,
+                 ncpu: int | None = None, reader: Callable[[], CpuTimes | None] = read_cpu_times,
+                 clock: Callable[[], float] = time.monotonic, recheck_s: float = RECHECK_S,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        threads = validate_threads(threads)
+        env = os.environ if env is None else env
+        self._cores = usable_cores() if cores is None else cores
+        self._ncpu = (os.cpu_count() or self._cores) if ncpu is None else ncpu
+        self._reader, self._clock, self._recheck_s, self._sleep = reader, clock, recheck_s, sleep
+        env_n = _env_threads(env)
+        if threads is not None:
+            self._fixed, self._source = threads, "argument"
+        elif env_n is not None:
+            self._fixed, self._source = env_n, "OMP_NUM_THREADS"
+        else:
+            self._fixed, self._source = None, "auto"
+        self._threads = self._fixed if self._fixed is not None else self._cores
+        self._last = reader() if self._fixed is None else None
+        self._last_t = clock()
+        self.checks = 0  # re-checks done (for tests and the benchmark's record)
+
+    @property
+    def threads(self) -> int:
+        """The current count."""
+        return self._threads
+
+    @property
+    def source(self) -> str:
+        """``"argument"``, ``"OMP_NUM_THREADS"`` or ``"auto"``."""
+        return self._source
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether the count follows the free cores."""
+        return self._fixed is None
+
+    def initial(self) -> int:
+        """The count to start with, when the engine is built: :meth:`check` over the window since construction
+        (the model's load); if that window is too short to read (an already loaded model), the count the
+        process's last reading chose, or else one :data:`FIRST_WINDOW_S` window."""
+        n = self.check()
+        if self._fixed is not None or self.checks:
+            return n
+        if self._reader is read_cpu_times and "count" in _recent:
+            self._threads = min(self._cores, _recent["count"])
+            return self._threads
+        self._sleep(FIRST_WINDOW_S)
+        return self.check()
+
+    def check(self) -> int:
+        """Re-read the free cores now (since the last reading) and return the count to use. O(1)."""
+        if self._fixed is not None:
+            return self._fixed
+        cur = self._reader()
+        self._last_t = self._clock()
+        if cur is None or self._last is None:
+            self._last = cur
+            return self._threads
+        others = others_cores(self._last, cur, self._ncpu)
+        if others is None:  # too short a window: keep it and wait for more ticks
+            return self._threads
+        self._last = cur
+        self.checks += 1
+        self._threads = pick_threads(others, self._cores, self._ncpu)
+        if self._reader is read_cpu_times:
+            _recent["count"] = self._threads
+        return self._threads
+
+    def tick(self) -> int | None:
+        """Called once per engine step: the new count when a re-check (every ``recheck_s`` seconds) changed it,
+        else ``None``. One clock read when no re-check is due. After more than :data:`STALE_S` seconds without a
+        step the window restarts instead (its average would describe the idle time), the count kept until the
+        next re-check."""
+        if self._fixed is not None:
+            return None
+        idle = self._clock() - self._last_t
+        if idle < self._recheck_s:
+            return None
+        if idle > STALE_S:  # the engine was idle (a server between requests): that window says little of now
+            self._last, self._last_t = self._reader(), self._clock()
+            return None
+        before = self._threads
+        after = self.check()
+        return after if after != before else None
+
+
+def openmp_runtimes(maps_path: str = "/proc/self/maps") -> list[str]:
+    """The OpenMP runtime libraries mapped into this process (paths of ``libgomp``, ``libiomp``, ``libomp``). One
+    ``libgomp.so.1`` expected: the kernels' resolves to the one torch loaded (same soname; measured with torch
+    2.13's wheel). Wheels may bring renamed copies for their own code (sentencepiece's ``libgomp-<hash>.so``).
+    Empty where /proc cannot be read."""
+    try:
+        with open(maps_path) as f:
+            paths = {line.split()[-1] for line in f if "omp" in line and "/" in line}
+    except OSError:
+        return []
+    names = ("libgomp", "libiomp", "libomp")
+    return sorted(p for p in paths if os.path.basename(p).startswith(names))
