@@ -286,9 +286,7 @@ class HybridBlockManager:
         group g's, sequence 0's first (see BlockManager.lookahead_slots; a window never releases them: they are
         the newest positions). Changes nothing. O(B x k x groups)."""
         ids = seq_ids if type(seq_ids) is list else list(seq_ids)
-        rows = self._t0.rows(ids)
-        k = check_int("num_lookahead_slots", num_lookahead_slots, 0)
-        return np.stack([m._lookahead(rows, k, ids) for m in self._g])
+        return np.concatenate([m.lookahead_slots(ids, num_lookahead_slots) for m in self._g])
 
     def table_rows(self, seq_ids: Iterable[Hashable]) -> np.ndarray:
         """The table row of each sequence (read-only int64 (B,)), the same in every group: the row of
