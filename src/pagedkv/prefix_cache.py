@@ -238,7 +238,7 @@ class PrefixCache:
     __slots__ = ("map", "tok", "key", "cid", "pcid", "evictor", "roots", "serial", "evictions", "_width",
                  "cid_mv", "tok_mv", "key_mv", "pcid_mv", "tier", "fresh", "fresh_serial", "events", "event_overflows", "_ev_max", "_ev_lost", "pkey", "nsid", "_ns_ids", "ns_list", "block_size",
                  "_root_serial", "_ns_free", "sweep_at", "grouped", "void", "dl", "succ", "ndl", "_runs",
-                 "_runs_keep", "succ_mv", "dl_mv")
+                 "_runs_keep", "succ_mv", "dl_mv", "pool")
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.map: dict[int, int] = {}
@@ -267,6 +267,9 @@ class PrefixCache:
         # the CPU tier (cpu_tier.CpuTier) when on: evicted blocks spill into it; ``fresh`` stamps each block with
         # the step serial at which it was cached (a block cached in the current step is never demoted)
         self.tier = None
+        # the GPU pool whose blocks these are (set by the manager's Blocks): registration hands an idle block's
+        # content over to a held one and frees the idle block (None: never)
+        self.pool = None
         self.fresh = None
         self.fresh_serial = 0
         # KV events (enable_events): None when off, so that every emission point costs one test
@@ -499,9 +502,63 @@ class PrefixCache:
             if emit and self.events is not None:
                 self.emit_stored([block], [key], pcid, pkey, namespace)
             return new, key
-        if self.pcid_mv[other] == pcid and self.tok[other].tobytes() == data:
-            return cid[other], key  # same content cached by another block: share its identity
+        if self.tok[other].tobytes() == data:
+            if self.pcid_mv[other] == pcid:  # same content cached by another block: share its identity
+                c = cid[other]
+                if self.pool is not None and self.pool.ref_mv[other] == 0:
+                    self._hand_over(other, block)  # (an idle copy could be evicted while this one is held)
+                return c, key
+            if self._orphan(other, pkey):  # unreachable: its parent content left the cache; this block replaces it
+                self._uncache(other)
+                return self.register(block, pcid, pkey, namespace, emit)
         return 0, 0
+
+    def _hand_over(self, other: int, block: int) -> None:
+        """Move the cache identity of the unreferenced cached block ``other`` to ``block`` (uncached, same
+        tokens and parent), which a sequence holds, and put ``other`` on the free ring: a content cached by an
+        idle block while a held block has the same KV would leave the cache at the idle block's eviction (by
+        the very call that registered the held one, e.g. a later KV cache group's take) though a sequence still
+        holds it. Same content id and key: chains through it stay whole, no KV event. O(1)."""
+        self.cid_mv[block], self.key_mv[block], self.pcid_mv[block] = self.cid_mv[other], self.key_mv[other], \
+            self.pcid_mv[other]
+        self.map[self.key_mv[other]] = block
+        if self.fresh is not None:
+            self.fresh[block] = self.fresh[other]
+        if self.events is not None:
+            self.pkey[block], self.nsid[block] = self.pkey[other], self.nsid[other]
+        self.cid_mv[other] = 0
+        self.succ_mv[other] = -1
+        self.evictor.discard(other)
+        self.pool.give(np.array([other], dtype=np.int32))
+
+    def _orphan(self, block: int, pkey: int) -> bool:
+        """Whether the cached ``block``, whose key chains from ``pkey``, can no longer be reached by a lookup:
+        its parent content (``pcid``) is cached neither on the GPU nor in the CPU tier under ``pkey`` (it was
+        evicted; a content id is never reused). Map already flushed. O(1)."""
+        pc = self.pcid_mv[block]
+        if pc < 0:  # a namespace root: released only once nothing chains from it
+            return False
+        p = self.map.get(pkey)
+        if p is not None and self.cid_mv[p] == pc:
+            return False
+        if self.tier is not None:
+            c = self.tier.map.get(pkey)
+            if c is not None and self.tier.cpu_id[0, c] == pc:
+                return False
+        return True
+
+    def _uncache(self, block: int) -> None:
+        """Forget the cached content of ``block`` (in the map, map flushed): unreferenced, it goes to the free
+        ring; held, it stays with its sequences, uncached. A ``BlockRemoved`` event. O(1)."""
+        k = self.key_mv[block]
+        del self.map[k]
+        self.cid_mv[block] = 0
+        self.succ_mv[block] = -1
+        if self.events is not None:
+            self.emit_removed([k], [int(self.nsid[block])], "GPU")
+        if self.pool is not None and self.pool.ref_mv[block] == 0:
+            self.evictor.discard(block)
+            self.pool.give(np.array([block], dtype=np.int32))
 
     def register_chains(self, blocks: np.ndarray, counts: np.ndarray, pcids: np.ndarray,
                         pkeys: np.ndarray, namespaces: list | None = None,
