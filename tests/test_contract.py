@@ -40,18 +40,19 @@ def _manager(rng: random.Random, tier: bool, bs: int = 2, blocks: int = 40) -> B
 def _history(bm: BlockManager, rng: random.Random, n: int, live: list) -> None:
     """Random allocations, decodes and frees (cached blocks, evictions, demotions to the CPU tier)."""
     bs = bm.block_size
+    bm.take_copies()  # (the caller's step ends: its sequences' KV is written before any of them is freed)
     for i in range(n):
         ns = rng.choice([None, "t1"])
         p = _prompts(rng, 1, bs)[0]
         sid = f"h{i}-{rng.random()}"
+        if live and rng.random() < 0.5:  # (before this step's calls: a sequence is freed once its KV is written)
+            s = live.pop(rng.randrange(len(live)))
+            bm.free(s)
         try:
             bm.allocate(sid, p, namespace=ns)
             live.append(sid)
         except OutOfBlocksError:
             pass
-        if live and rng.random() < 0.5:
-            s = live.pop(rng.randrange(len(live)))
-            bm.free(s)
         if live and rng.random() < 0.5:
             try:
                 bm.decode_step(live, np.array([rng.randrange(6) for _ in live]))
