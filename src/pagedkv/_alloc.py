@@ -316,8 +316,9 @@ class Allocator:
                     pcid, pkey = v[3], key
                 else:
                     pcid = 0
-            elif other is None or (ctok[other].tobytes() == d and cpcid[other] != pcid
-                                   and cache._orphan(other, pkey)):  # (registration replaces an orphan)
+            elif other is None or (ctok[other].tobytes() == d and cpcid[other] != pcid and (
+                    cache.live_parent(pcid, pkey) or virt.get(pkey, (0,) * 4)[3] == pcid)):
+                # (registration replaces an orphan when its own parent is the content reached: PrefixCache.register)
                 t = tier.find_keyed(pcid, key, d) if tier is not None and other is None else -1
                 # (a content id of its own, distinct from every real one, for the batch's later walks)
                 newc = int(self.cpu_id[0, t]) if t >= 0 else cache.serial + 1 + len(virt)

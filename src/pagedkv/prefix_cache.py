@@ -508,8 +508,8 @@ class PrefixCache:
                 if self.pool is not None and self.pool.ref_mv[other] == 0:
                     self._hand_over(other, block)  # (an idle copy could be evicted while this one is held)
                 return c, key
-            if self._orphan(other, pkey):  # unreachable: its parent content left the cache; this block replaces it
-                self._uncache(other)
+            if self.live_parent(pcid, pkey):  # other's parent content is not the one cached: it cannot be reached
+                self._uncache(other)  # (an orphan: its parent left the cache); this block replaces it
                 return self.register(block, pcid, pkey, namespace, emit)
         return 0, 0
 
@@ -531,21 +531,20 @@ class PrefixCache:
         self.evictor.discard(other)
         self.pool.give(np.array([other], dtype=np.int32))
 
-    def _orphan(self, block: int, pkey: int) -> bool:
-        """Whether the cached ``block``, whose key chains from ``pkey``, can no longer be reached by a lookup:
-        its parent content (``pcid``) is cached neither on the GPU nor in the CPU tier under ``pkey`` (it was
-        evicted; a content id is never reused). Map already flushed. O(1)."""
-        pc = self.pcid_mv[block]
-        if pc < 0:  # a namespace root: released only once nothing chains from it
-            return False
+    def live_parent(self, pcid: int, pkey: int) -> bool:
+        """Whether the content ``pcid`` (key ``pkey``) is the one a lookup reaches under ``pkey``: a namespace root,
+        the GPU block cached under ``pkey``, or, with no GPU block under it, the CPU tier's. A cached block under
+        the key chained from ``pkey`` whose parent is another content is then unreachable (an orphan: its parent
+        was evicted; a content id is never reused). Map already flushed. O(1)."""
+        if pcid < 0:
+            return True
         p = self.map.get(pkey)
-        if p is not None and self.cid_mv[p] == pc:
-            return False
+        if p is not None:
+            return self.cid_mv[p] == pcid
         if self.tier is not None:
             c = self.tier.map.get(pkey)
-            if c is not None and self.tier.cpu_id[0, c] == pc:
-                return False
-        return True
+            return c is not None and self.tier.cpu_id[0, c] == pcid
+        return False
 
     def _uncache(self, block: int) -> None:
         """Forget the cached content of ``block`` (in the map, map flushed): unreferenced, it goes to the free
@@ -732,12 +731,21 @@ class PrefixCache:
     def adopt_many(self, blocks: np.ndarray, cids: np.ndarray, keys: np.ndarray, pcids: np.ndarray,
                    pkeys: np.ndarray, nsids: np.ndarray) -> None:
         """:meth:`adopt` of several blocks (promotions from the CPU tier; namespaces as indexes of this cache's
-        namespace list). A block whose key is taken stays uncached."""
+        namespace list). A block whose key is taken stays uncached, unless the block holding the key is an orphan
+        (another parent): that one is uncached instead."""
         if self.ndl:
             self.flush()
         kl = keys.tolist()
         mp = self.map
         free = np.fromiter((k not in mp for k in kl), dtype=bool, count=len(kl))
+        if not free.all():
+            # a key held by a block of another parent: an orphan (the promoted content's parent is the one a lookup
+            # just reached), replaced as registration replaces one (PrefixCache.register)
+            for i in np.flatnonzero(~free).tolist():
+                o = mp[kl[i]]
+                if self.pcid_mv[o] != pcids[i]:
+                    self._uncache(o)
+                    free[i] = True
         if not free.all():
             blocks, cids, keys, pcids, pkeys, nsids = (a[free] for a in (blocks, cids, keys, pcids, pkeys, nsids))
             kl = keys.tolist()
