@@ -640,6 +640,11 @@ class KVModel:
             # its chain ends in a content that left the cache (one it deduplicated into, evicted since; its prefix
             # may be cached again under another identity): what it registers next is not found (a known gap)
             return False
+        held = t.table[row, t.nrel[row] : t.nreg[row]]
+        if (cache.cid[held[held >= 0]] == 0).any():
+            # it holds an uncached copy of a content another block caches (deduplicated): when that block's holder
+            # frees it, an eviction can drop the content while this sequence still holds it (a known gap)
+            return False
         prompt = q.toks + q.rest
         want = min(len(q.toks) // bs, (len(prompt) - 1) // bs) * bs
         return self.bm.lookup_prefix(prompt, namespace=q.ns).num_cached_tokens >= want

@@ -377,6 +377,11 @@ class PagedKVMachine(RuleBasedStateMachine):
             return
         if nb > self.G - self.wm:
             assert status is AllocStatus.NEVER
+            if chunk is not None and self.W is not None and chunk < n and \
+                    min(nb, cdiv(self.W - 1 + chunk, bs) + 1) <= self.G - self.wm:
+                # a windowed manager admits it in chunks (issue 23 C; tests/test_findability.py runs one through)
+                assert bm.can_allocate(prompt, namespace=ns, num_new_tokens=chunk) is not AllocStatus.NEVER
+                return
             if chunk is not None:  # a chunk of a prompt that can never be completed is refused all the same
                 assert bm.can_allocate(prompt, namespace=ns, num_new_tokens=chunk) is AllocStatus.NEVER
             self.expect_failure(PromptTooLongError, bm.allocate, sid, prompt, **kw)
@@ -564,6 +569,9 @@ class PagedKVMachine(RuleBasedStateMachine):
         def found(sid):  # (a chunk's blocks are findable when the prefix before it still is: see kv_model)
             t, row = self.bm._t, self.bm._t.row_of[sid]
             if not self.bm._cache.live_parent(int(t.ccid[row]), int(t.ckey[row])):
+                return False
+            held = t.table[row, t.nrel[row] : t.nreg[row]]
+            if (self.bm._cache.cid[held[held >= 0]] == 0).any():  # (a deduplicated copy: see kv_model._found)
                 return False
             s = self.seqs[sid]
             full = s.tokens + s.rest
