@@ -522,8 +522,8 @@ class PrefixCache:
         self.cid_mv[block], self.key_mv[block], self.pcid_mv[block] = self.cid_mv[other], self.key_mv[other], \
             self.pcid_mv[other]
         self.map[self.key_mv[other]] = block
-        if self.fresh is not None:
-            self.fresh[block] = self.fresh[other]
+        if self.fresh is not None:  # (its KV is written by this step's forward: never demoted in this step)
+            self.fresh[block] = self.fresh_serial
         if self.events is not None:
             self.pkey[block], self.nsid[block] = self.pkey[other], self.nsid[other]
         self.cid_mv[other] = 0
