@@ -44,8 +44,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pagedkv import BlockManager, FullAttentionSpec, HybridBlockManager, SlidingWindowSpec
-from pagedkv.errors import OutOfBlocksError, SequenceStateError
+from pagedkv import EVICTION_POLICIES, BlockManager, FullAttentionSpec, HybridBlockManager, SlidingWindowSpec
+from pagedkv.errors import OutOfBlocksError, PinBudgetError, SequenceStateError
 
 GARBAGE = -2  # what a rejected speculative token leaves in a lookahead slot
 UNWRITTEN = -1
@@ -65,9 +65,18 @@ class Config:
     groups: tuple | None = None  # hybrid: the window of each KV cache group (None: full attention)
     vectorised: bool = False  # hybrid: every batch takes the numpy step (no plain-Python small-batch step)
     chunked: bool = False  # admissions are often chunked prefills
+    policy: str = "lru"  # the eviction policy (BlockManager with prefix caching; priorities and session hints too)
+    pin_budget: int = 0  # pins of the shared documents' prefixes (0: none)
 
     @staticmethod
     def draw(rng: random.Random) -> "Config":
+        cfg = Config._draw(rng)
+        if cfg.prefix and cfg.window is None:  # (pins are refused with a sliding window)
+            cfg.pin_budget = rng.choice([0, 0, 2, 6, 12])
+        return cfg
+
+    @staticmethod
+    def _draw(rng: random.Random) -> "Config":
         bs = rng.choice([4, 4, 4, 2, 8])
         prefix = rng.random() < 0.85
         tier = prefix and rng.random() < 0.75
@@ -82,6 +91,8 @@ class Config:
             events=prefix and rng.random() < 0.3,
             max_events=rng.randint(4, 64),
             chunked=rng.random() < 0.6,
+            policy=rng.choice(EVICTION_POLICIES) if prefix else "lru",
+            pin_budget=0,
         )
 
     @staticmethod
@@ -118,6 +129,7 @@ class Config:
             self.num_gpu_blocks, self.block_size, num_cpu_blocks=self.num_cpu_blocks,
             enable_prefix_caching=self.prefix, cpu_prefix_cache=self.tier, sliding_window=self.window,
             watermark=0, enable_kv_events=self.events, max_kv_events=self.max_events,
+            eviction_policy=self.policy, pin_budget_blocks=self.pin_budget,
         )
 
 
@@ -426,8 +438,16 @@ class KVModel:
         if not cand:
             return
         s = self.rng.choice(cand)
+        try:
+            self.bm.free(s)
+        except SequenceStateError:
+            # swap_in in this step may reuse a block cached in this step (its KV this step's forward writes): the
+            # sequence is then pending like one handed slots, and free(cache=True) is refused, changing nothing
+            if s not in self.swapped_in:
+                self._fail(f"free({s}) refused though it was neither handed slots nor swapped in in this step")
+            self.report.count("recompute_refused_pending")
+            return
         q = self.seqs.pop(s)
-        self.bm.free(s)
         self.waiting.append((q.toks + q.rest, q.ns))  # (mid-prefill: the whole prompt again)
         self.report.count("recomputes_mid_prefill" if q.rest else "recomputes")
 
@@ -488,7 +508,36 @@ class KVModel:
         self.bm.take_events()
 
     OPS = (("decode", 3.0), ("admit", 2.5), ("prefill", 2.0), ("swap_out", 1.5), ("swap_in", 1.5), ("recompute", 0.4),
-           ("abort", 1.0), ("reset", 0.03), ("events", 0.3))
+           ("abort", 1.0), ("reset", 0.03), ("events", 0.3), ("retain", 0.5), ("pin", 0.2), ("unpin", 0.1))
+
+    def op_retain(self) -> None:
+        """A priority and a session hint for a live sequence (used when it is freed)."""
+        if self.G or not self.cfg.prefix or not self.seqs:
+            return
+        s = self.rng.choice(list(self.seqs))
+        self.bm.set_retention(s, priority=self.rng.randint(-2, 2), session=self.rng.randrange(3))
+        self.report.count("retention_hints")
+
+    def op_pin(self) -> None:
+        """Pin the cached prefix of a shared document (refused past the budget: nothing changes)."""
+        if self.G or not self.cfg.pin_budget:
+            return
+        doc = self.rng.choice(self.docs)
+        before = (self.bm.num_pinned_blocks, self.bm.pins, self.bm.num_free_gpu_blocks)
+        try:
+            pin = self.bm.pin_prefix(doc[: self.rng.randint(1, len(doc))])
+        except PinBudgetError:
+            if (self.bm.num_pinned_blocks, self.bm.pins, self.bm.num_free_gpu_blocks) != before:
+                self._fail("a refused pin changed the manager")
+            self.report.count("pins_refused")
+            return
+        if pin.num_blocks:
+            self.report.count("pins")
+
+    def op_unpin(self) -> None:
+        if self.G or not self.cfg.pin_budget or not self.bm.pins:
+            return
+        self.bm.unpin(self.rng.choice(self.bm.pins).pin_id)
 
     # ------------------------------------------------------------------ copies, forward, check
     def _execute_plan(self) -> None:

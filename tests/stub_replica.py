@@ -88,10 +88,14 @@ def make_app(delay: float = 0.02):
     async def get_stats(_: Request):
         return JSONResponse(stats)
 
+    async def models(_: Request):
+        return JSONResponse({"object": "list", "data": [{"id": app.state.model_id, "object": "model"}]})
+
     app = Starlette(routes=[Route("/v1/completions", generate, methods=["POST"]),
                             Route("/v1/chat/completions", generate, methods=["POST"]),
-                            Route("/health", health), Route("/stats", get_stats)])
+                            Route("/health", health), Route("/stats", get_stats), Route("/v1/models", models)])
     app.state.stats = stats
+    app.state.model_id = "stub"  # the id GET /v1/models lists
     return app
 
 

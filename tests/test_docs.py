@@ -36,6 +36,65 @@ def test_mkdocs_builds_strictly(tmp_path):
     manager = (site / "api" / "manager.html").read_text()
     assert "decode_step" in manager and "OutOfBlocksError" in manager
     assert "swap_in" in manager and "take_events" in manager
+    # every link and image of the built site resolves (the charts render): checked in the HTML itself
+    bad, seen = [], 0
+    for html in site.rglob("*.html"):
+        if html.name == "404.html":
+            continue
+        for m in re.finditer(r'(?:href|src)="([^"]+)"', html.read_text()):
+            url = m.group(1).split("#")[0].split("?")[0]
+            if not url or re.match(r"^[a-z][a-z0-9+.-]*:|^//", url):
+                continue
+            seen += 1
+            if not (html.parent / url).exists():
+                bad.append((str(html.relative_to(site)), m.group(1)))
+    assert seen > 500 and not bad, bad[:20]
+    charts = re.findall(r'<img[^>]*src="([^"]+\.png)"', (site / "engine-speed.html").read_text())
+    assert charts and all((site / c).is_file() for c in charts), charts
+    assert (site / "_repo" / "index.html").is_file()  # README, the start-here link of the home page
+
+
+def _mini_site(tmp_path: Path, page: str) -> subprocess.CompletedProcess:
+    """A strict build of a one-page site with this repository's validation settings and link hook."""
+    cfg = (ROOT / "mkdocs.yml").read_text()
+    validation = re.search(r"^validation:\n(?:  .*\n)+", cfg, flags=re.M).group(0)
+    (tmp_path / "docs").mkdir(parents=True)
+    (tmp_path / "docs" / "index.md").write_text(page)
+    (tmp_path / "README.md").write_text("# Read me\n\nBack to [the docs](docs/index.md).\n")
+    (tmp_path / "charts").mkdir()
+    (tmp_path / "charts" / "a.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    (tmp_path / "mkdocs.yml").write_text(
+        f"site_name: t\ndocs_dir: docs\nuse_directory_urls: false\n{validation}"
+        f"hooks:\n  - {ROOT / 'scripts' / 'mkdocs_repo_links.py'}\nnav:\n  - Home: index.md\n")
+    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+
+
+def test_the_build_fails_on_a_link_to_nothing_and_brings_repository_files_in(tmp_path):
+    pytest.importorskip("mkdocs")
+    ok = _mini_site(tmp_path / "ok", "# Home\n\n[Read me](../README.md), ![a chart](../charts/a.png)\n")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    home = (tmp_path / "ok" / "site" / "index.html").read_text()
+    assert 'src="_repo/charts/a.png"' in home and 'href="_repo/index.html"' in home
+    assert (tmp_path / "ok" / "site" / "_repo" / "charts" / "a.png").is_file()
+    readme = (tmp_path / "ok" / "site" / "_repo" / "index.html").read_text()
+    assert 'href="../index.html"' in readme  # README's link into docs/ leads to the page
+    for broken in ("[gone](../nope.md)", "![gone](../charts/b.png)", "[gone](nope.md)"):
+        r = _mini_site(tmp_path / str(abs(hash(broken))), f"# Home\n\n{broken}\n")
+        assert r.returncode != 0 and "not found" in r.stderr, (broken, r.stderr[-2000:])
+
+
+def test_the_home_page_lists_every_page():
+    """docs/index.md links every page of the site (the API pages through api/index.md, which links each)."""
+    def linked(page: Path) -> set[Path]:
+        return {(page.parent / t.partition("#")[0]).resolve() for t in _links(page)
+                if not re.match(r"^[a-z]+:", t)}
+
+    home, api = linked(DOCS / "index.md"), linked(DOCS / "api" / "index.md")
+    missing = [str(p.relative_to(DOCS)) for p in sorted(DOCS.rglob("*.md")) if p.name != "index.md" or
+               p.parent not in (DOCS, DOCS / "api")
+               if p.resolve() not in (api if p.parent == DOCS / "api" else home)]
+    assert not missing, f"pages not listed on docs/index.md (API pages: on docs/api/index.md): {missing}"
 
 
 def _no_python_handler() -> bool:

@@ -259,3 +259,26 @@ def test_router_index_scores_the_same_window_rule():
     keys = PromptKeys(p, 4)
     assert m.lookup_prefix(p).num_cached_tokens == 12
     assert idx.longest_prefix(keys) == {"r0": 3}
+
+
+def test_a_pinned_idle_block_is_never_handed_over():
+    """A new block of the same content as a pinned idle (parked) block keeps its own, uncached: the pinned block
+    cannot be evicted, and the pin holds that very block. Handing it over (as an unpinned idle block is) freed the
+    pinned block: the allocation took no block of the free count, and once the sequence was freed the pin held
+    nothing (found by the stateful machine after merging pins with issue 23 A's fix)."""
+    bm = BlockManager(8, 2, enable_prefix_caching=True, pin_budget_blocks=2, watermark=0.0)
+    bm.allocate("a", [1, 0, 5])
+    bm.take_copies()
+    bm.free("a")
+    pin = bm.pin_prefix([1, 0])
+    assert pin.num_blocks == 1
+    free = bm.num_free_gpu_blocks
+    assert bm.lookup_prefix([1, 0]).num_new_blocks == 1
+    bm.allocate("b", [1, 0])
+    bm.take_copies()
+    assert bm.num_free_gpu_blocks == free - 1
+    bm.check_invariants()
+    bm.free("b")
+    bm.check_invariants()
+    assert bm.num_pinned_blocks == 1 and bm.num_free_gpu_blocks == free  # the pinned block is not free
+    assert bm.lookup_prefix([1, 0, 3]).num_cached_tokens == 2

@@ -349,3 +349,28 @@ def test_lru_baseline_equals_the_manager_on_random_traces(reqs, cap_blocks, bs):
     tr = trace_of(*rows)
     b, p = lru_replay(tr, cap_blocks * bs, block_size=bs), replay_sequence(tr, cap_blocks * bs, block_size=bs)
     assert (b.hit_tokens, b.evictions, b.skipped) == (p.hit_tokens, p.evictions, p.skipped)
+
+
+def test_conversation_ids_join_a_turn_that_repeats_the_whole_prompt():
+    from pagedkv.replay.sessions import conversation_ids
+    from pagedkv.replay.trace import parse_trace_lines
+
+    rows = [[0, 1, 2], [0, 5, 6, 7], [0, 1, 2, 3], [0, 5, 9], [0, 1, 2, 3, 4], [0, 5, 6, 8]]
+    trace = parse_trace_lines([json.dumps({"timestamp": 0, "input_length": 512 * len(h), "output_length": 1,
+                                           "hash_ids": h}) for h in rows])
+    # 2 repeats 0 whole, 4 repeats 2 whole; 5 repeats 1 but for its last (partial) block; 3 shares only [0, 5]
+    # of 1's four blocks: a conversation of its own
+    assert conversation_ids(trace).tolist() == [0, 1, 0, 3, 0, 1]
+
+
+@pytest.mark.parametrize("policy", ["slru", "session"])
+def test_replay_with_an_eviction_policy(tmp_path, policy, capsys):
+    out = tmp_path / "r.json"
+    assert cli_main(["replay", str(SAMPLE), "--limit", "60", "--capacity", "100k", "--eviction-policy", policy,
+                     "--no-progress", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["impl"] == f"pagedkv {policy}" and doc["eviction_policy"] == policy
+    (p,) = doc["points"]
+    assert p["requests"] == 60 and 0 <= p["hit_rate"] <= 1
+    assert cli_main(["replay", str(SAMPLE), "--limit", "5", "--eviction-policy", policy, "--mode", "timed"]) == 2
+    assert "sequence mode" in capsys.readouterr().err

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from hypothesis import event
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from pagedkv import NULL_BLOCK, AllocStatus, BlockManager, block_hashes
+from pagedkv import EVICTION_POLICIES, NULL_BLOCK, AllocStatus, BlockManager, block_hashes
 from pagedkv.events import AllBlocksCleared, BlockRemoved, BlockStored
 from pagedkv.errors import (
     DuplicateSequenceError,
@@ -39,6 +39,8 @@ from pagedkv.errors import (
     SequenceStateError,
     UnknownSequenceError,
     InvalidArgumentError,
+    PinBudgetError,
+    UnknownPinError,
 )
 
 _spec = importlib.util.spec_from_file_location("_pagedkv_test_errors", Path(__file__).with_name("test_errors.py"))
@@ -106,6 +108,7 @@ class PagedKVMachine(RuleBasedStateMachine):
     MAX_EVENTS = 100_000
     SMALL_PATH = True  # small batches take the plain-Python step (False: always the vectorised one)
     TIER = False  # the CPU tier of the prefix cache (when there is a CPU pool)
+    RETAIN = False  # an eviction policy drawn from EVICTION_POLICIES, priorities, session hints and pins
 
     # ------------------------------------------------------------------ setup
     @initialize(
@@ -114,8 +117,10 @@ class PagedKVMachine(RuleBasedStateMachine):
         cpu=st.sampled_from([0, 0, 2, 4, 8, 12]),
         window=st.integers(1, 9),
         watermark=st.sampled_from([0.0, 0.0, 0.0, 0.1, 0.25]),
+        policy=st.sampled_from(EVICTION_POLICIES),
+        budget=st.integers(0, 6),
     )
-    def setup(self, bs, gpu, cpu, window, watermark):
+    def setup(self, bs, gpu, cpu, window, watermark, policy="lru", budget=0):
         self.bs, self.G, self.C = bs, gpu, cpu
         self.W = window if self.WINDOW else None
         self.wm = int(watermark * gpu)
@@ -123,7 +128,10 @@ class PagedKVMachine(RuleBasedStateMachine):
             gpu, bs, num_cpu_blocks=cpu, enable_prefix_caching=self.PREFIX, sliding_window=self.W, watermark=watermark,
             enable_kv_events=self.PREFIX, max_kv_events=self.MAX_EVENTS,
             cpu_prefix_cache=self.TIER and self.PREFIX and cpu > 0,
+            **({"eviction_policy": policy, "pin_budget_blocks": 0 if self.W else budget} if self.RETAIN else {}),
         )
+        self.pins: dict[int, tuple] = {}  # pin id -> (namespace, tokens, tokens pinned, GPU blocks, withdrawn ones)
+        self.written: list[tuple] = []  # (namespace, tokens) of sequences freed with cache=True (their KV written)
         self.index: set[int] = set()  # block hashes a router knows, fed only by KV events (GPU tier)
         self.cpu_index: set[int] = set()  # the same for the CPU tier
         if not self.SMALL_PATH:
@@ -168,8 +176,14 @@ class PagedKVMachine(RuleBasedStateMachine):
                     assert out.setdefault(L.phys, L) is L, f"two logical blocks on physical block {L.phys}"
         return out
 
+    def held_pins(self) -> set:
+        """GPU blocks pins hold: their pinned content is still cached (an aborted write withdraws it)."""
+        return {b for *_, blocks, lost in self.pins.values() for b in blocks if b not in lost}
+
     def free_gpu(self) -> int:
-        return self.G - len(self.live(True))
+        live = self.live(True)
+        parked = self.held_pins() - set(live)  # pinned, idle: not free
+        return self.G - len(live) - len(parked)
 
     def free_cpu(self) -> int:
         return self.C - len(self.live(False))
@@ -396,6 +410,9 @@ class PagedKVMachine(RuleBasedStateMachine):
             while max_hit < (n - 1) // bs and keys[(max_hit + 1) * bs - 1] in self.ever_full:
                 max_hit += 1
         live_set = self.live_contents()
+        for pns, ptoks, _, blocks, lost in self.pins.values():  # pinned idle hits take no free block either
+            pkeys = self.keys_for(pns, ptoks)
+            live_set |= {pkeys[(j + 1) * bs - 1] for j, b in enumerate(blocks) if b not in lost}
         max_live = sum(1 for j in range(max_hit) if keys[(j + 1) * bs - 1] in live_set)
         must_ok = nb <= free
         must_fail = nb - max_live > free
@@ -465,6 +482,7 @@ class PagedKVMachine(RuleBasedStateMachine):
         assert len(table) == nb
         blocks = []
         live_hits = 0
+        parked = self.held_pins() - set(live_before)  # pinned idle blocks: a hit on one takes no free block
         for j, b in enumerate(table):
             if j < hit // bs and b in live_before:
                 L = live_before[b]
@@ -473,6 +491,7 @@ class PagedKVMachine(RuleBasedStateMachine):
                 blocks.append(L)
             else:
                 assert b not in live_before, f"allocate handed out block {b}, which a live sequence holds"
+                live_hits += j < hit // bs and b in parked
                 blocks.append(LBlock(b, True))
         assert nb - live_hits <= free
         s = self.seqs[sid] = MSeq(ns, list(prompt), keys, blocks)
@@ -648,7 +667,15 @@ class PagedKVMachine(RuleBasedStateMachine):
                 self.expect_failure(SequenceStateError, self.bm.free, sid, cache=False)
                 return
         self.bm.free(sid, cache=cache)
+        if not cache and self.pins:  # withdrawn content is no longer held by its pin (it still counts in the budget)
+            mapping = self.bm._cache.mapping()
+            for ns, toks, n, blocks, lost in self.pins.values():
+                for b, k in zip(blocks, block_hashes(toks, self.bs, ns)):
+                    if mapping.get(k) != b:
+                        lost.add(b)
         self.history.append((self.seqs[sid].ns, list(self.seqs[sid].tokens)))
+        if cache:
+            self.written.append(self.history[-1])
         del self.seqs[sid]
         assert sid not in self.bm
         self.expect_failure(UnknownSequenceError, self.bm.free, sid)  # double free
@@ -774,8 +801,60 @@ class PagedKVMachine(RuleBasedStateMachine):
             s.swapped = False
         self.stats["in"] += u
 
+    @rule(data=st.data(), priority=st.integers(-2, 2), session=st.sampled_from([None, 0, 1, "chat"]))
+    def set_retention(self, data, priority, session):
+        if not self.RETAIN or not self.seqs:
+            return
+        sid = data.draw(st.sampled_from(list(self.seqs)), label="seq")
+        self.bm.set_retention(sid, priority=priority, session=session)
+
+    @rule(data=st.data(), cut=st.integers(1, 40))
+    def pin_prefix(self, data, cut):
+        if not self.RETAIN or not self.written:
+            return
+        ns, toks = data.draw(st.sampled_from(self.written), label="written")
+        toks = toks[:cut]
+        before = (self.bm.num_pinned_blocks, self.bm.pins)
+        mapping = self.bm._cache.mapping()
+        keys = block_hashes(toks, self.bs, ns)
+        cached = []
+        for k in keys:  # the GPU prefix of its full blocks (a pin holds those)
+            if k not in mapping:
+                break
+            cached.append(mapping[k])
+        pinned = {b for *_, blocks, _ in self.pins.values() for b in blocks}
+        new = len(set(cached) - pinned)
+        if not self.bm.pin_budget_blocks:
+            self.expect_failure(InvalidArgumentError, self.bm.pin_prefix, toks, namespace=ns)
+            return
+        if cached and len(pinned) + new > self.bm.pin_budget_blocks:
+            event("pin_prefix: past the budget, refused")
+            self.expect_failure(PinBudgetError, self.bm.pin_prefix, toks, namespace=ns)
+            assert (self.bm.num_pinned_blocks, self.bm.pins) == before
+            return
+        pin = self.bm.pin_prefix(toks, namespace=ns)
+        assert pin.num_blocks == len(cached) and pin.num_tokens == len(cached) * self.bs
+        if cached:
+            event("pin_prefix: pinned")
+            self.pins[pin.pin_id] = (ns, toks, pin.num_tokens, cached, set())
+        assert self.bm.num_pinned_blocks == len(pinned | set(cached))
+
+    @rule(data=st.data())
+    def unpin(self, data):
+        if not self.RETAIN:
+            return
+        if not self.pins:
+            if self.bm.pin_budget_blocks:
+                self.expect_failure(UnknownPinError, self.bm.unpin, 12345)
+            return
+        pid = data.draw(st.sampled_from(list(self.pins)), label="pin")
+        self.bm.unpin(pid)
+        del self.pins[pid]
+        self.expect_failure(UnknownPinError, self.bm.unpin, pid)
+
     @rule()
     def reset_prefix_cache(self):
+        self.pins.clear()  # the cached content is gone, and the pins with it
         n = self.bm.reset_prefix_cache()
         assert isinstance(n, int) and 0 <= n <= self.G
         if not self.PREFIX:
@@ -846,6 +925,19 @@ class PagedKVMachine(RuleBasedStateMachine):
                 self.cpu_index.clear()
 
     @invariant()
+    def pins_hold(self):
+        """A pinned prefix is never evicted: each pin's blocks still hold its keys (checked through the map)."""
+        if not self.pins:
+            return
+        mapping = self.bm._cache.mapping()
+        for ns, toks, n, blocks, lost in self.pins.values():
+            keys = block_hashes(toks, self.bs, ns)[: len(blocks)]
+            got = [mapping.get(k) for k in keys]
+            assert all(g == b for g, b in zip(got, blocks) if b not in lost), "a pinned block was evicted"
+            if not lost:
+                assert self.bm.lookup_prefix(list(toks) + [0], namespace=ns).num_cached_tokens >= n
+
+    @invariant()
     def consistent(self):
         bm, bs = self.bm, self.bs
         bm.check_invariants()
@@ -889,10 +981,12 @@ class PagedKVMachine(RuleBasedStateMachine):
                     )
 
 
-def _machine(prefix: bool, window: bool, max_events: int = 100_000, small: bool = True, tier: bool = False):
-    name = f"Machine_{'cache' if prefix else 'nocache'}_{'window' if window else 'full'}_{max_events}_{small}_{tier}"
+def _machine(prefix: bool, window: bool, max_events: int = 100_000, small: bool = True, tier: bool = False,
+             retain: bool = False):
+    name = (f"Machine_{'cache' if prefix else 'nocache'}_{'window' if window else 'full'}_{max_events}_{small}_{tier}"
+            f"_{retain}")
     cls = type(name, (PagedKVMachine,), {"PREFIX": prefix, "WINDOW": window, "MAX_EVENTS": max_events,
-                                         "SMALL_PATH": small, "TIER": tier})
+                                         "SMALL_PATH": small, "TIER": tier, "RETAIN": retain})
     cls.TestCase.settings = settings(
         max_examples=EXAMPLES,
         stateful_step_count=STEPS,
@@ -915,6 +1009,10 @@ TestCacheFullVectorised = _machine(True, False, small=False).TestCase
 TestCpuTierFull = _machine(True, False, tier=True).TestCase
 TestCpuTierWindow = _machine(True, True, tier=True).TestCase
 TestCpuTierOverflow = _machine(True, False, max_events=3, tier=True).TestCase
+# every eviction policy, request priorities, session hints and pinned prefixes (pagedkv.eviction, pagedkv.steering)
+TestRetentionFull = _machine(True, False, retain=True).TestCase
+TestRetentionWindow = _machine(True, True, retain=True).TestCase
+TestRetentionCpuTier = _machine(True, False, tier=True, retain=True).TestCase
 
 
 # ---------------------------------------------------------------------- regressions found by the machine above

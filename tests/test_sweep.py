@@ -116,7 +116,8 @@ def test_quick_sweep_writes_results_and_chart(tmp_path, capsys):
     assert doc["machine"]["cpu_count"] >= 1 and doc["versions"]["numpy"]
     assert "no-such-anchor" in doc["skipped"]
     keys = {(r["impl"], r["prefix_caching"], r["batch"]) for r in doc["results"]}
-    assert keys == {("pagedkv", c, b) for c in (False, True) for b in sweep.QUICK_BATCH_SIZES}
+    assert keys == {(n, c, b) for n in ("pagedkv", "pagedkv-tables") for c in (False, True)
+                    for b in sweep.QUICK_BATCH_SIZES}
     for r in doc["results"]:
         u = r["us_per_step"]
         assert 0 < u["min"] <= u["median"] <= u["max"]
@@ -132,7 +133,7 @@ def test_quick_sweep_writes_results_and_chart(tmp_path, capsys):
 def test_sweep_ratios_are_same_process_pairs():
     """Ratios come from the pagedkv and anchor runs of the same repeat (an anchor stand-in: pagedkv again)."""
     doc = sweep.run_sweep(["pagedkv"], batch_sizes=(1, 4), steps=4, repeats=2, skip=1, caching=(False,))
-    assert len(doc["results"]) == 2 and all(len(r["runs_us"]) == 2 for r in doc["results"])
+    assert len(doc["results"]) == 4 and all(len(r["runs_us"]) == 2 for r in doc["results"])
     two = sweep.merge([doc, doc])
     assert len(two["by"][("pagedkv", False, 4)]) == 2
 

@@ -71,3 +71,14 @@ def test_limits_are_configurable():
             parse_completion(body, small)
         assert info.value.param == param, body
     assert parse_completion(b'{"prompt": [4], "n": 2, "cache_salt": "abc"}', small).n == 2
+
+
+def test_priority_field():
+    """vLLM's request ``priority``: an int, 0 by default, lower is more urgent; anything else is a clear 400."""
+    assert parse_completion(b'{"prompt": "x"}', LIMITS).priority == 0
+    assert parse_completion(b'{"prompt": "x", "priority": -3}', LIMITS).priority == -3
+    assert parse_chat(b'{"messages": [{"role": "user", "content": "x"}], "priority": 7}', LIMITS).priority == 7
+    for bad in (b'"high"', b"1.5", b"true", b"null", str(2**40).encode()):
+        with pytest.raises(APIError) as e:
+            parse_completion(b'{"prompt": "x", "priority": ' + bad + b"}", LIMITS)
+        assert e.value.status == 400 and "priority" in str(e.value.message if hasattr(e.value, "message") else e.value)

@@ -10,15 +10,19 @@ from .errors import (
     InvalidTokensError,
     OutOfBlocksError,
     PagedKVError,
+    PinBudgetError,
     PromptTooLongError,
     SequenceStateError,
     TableWidthError,
+    UnknownPinError,
     UnknownSequenceError,
 )
 from . import events
 from .manager import (NULL_BLOCK, AllocStatus, BlockManager, CopyKind, CopyPlan, PrefillBatch, PrefixHit, Stats,
                       StepDelta, StepResult, TableUpdates)
 from .prefix_cache import block_hashes
+from .eviction import EVICTION_POLICIES
+from .steering import Pin
 from .kv_groups import FullAttentionSpec, SlidingWindowSpec
 from .hybrid import HybridBlockManager, HybridPrefillBatch, HybridStepDelta, HybridStepResult
 
@@ -54,4 +58,8 @@ __all__ = [
     "OutOfBlocksError",
     "PromptTooLongError",
     "TableWidthError",
+    "PinBudgetError",
+    "UnknownPinError",
+    "EVICTION_POLICIES",
+    "Pin",
 ]

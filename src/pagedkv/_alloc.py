@@ -103,6 +103,9 @@ class Allocator:
             hits = [b for b in hits if b >= 0]
         ref = self.gpu.ref_mv
         reused_free = sum(1 for b in hits if ref[b] == 0) if hits else 0
+        if reused_free and getattr(self.cache.evictor, "num_parked", 0):  # pinned idle hits are not in num_free
+            pk = self.cache.evictor.parked
+            reused_free -= sum(1 for b in hits if pk[b])
         return arr, n, nblocks, hits, cpu_hits, chain, nblocks - len(hits) + reused_free
 
     def peak(self, n: int, la: int, chunk: int | None) -> int:
@@ -219,6 +222,8 @@ class Allocator:
         need = sum(p[2] - len(p[3]) for p in plans)  # new blocks (CPU hits take one each) ...
         ref = self.gpu.ref
         reused = {h for p in plans for h in p[3] if h >= 0 and ref[h] == 0}
+        if reused and getattr(self.cache.evictor, "num_parked", 0):  # pinned idle hits are not in num_free
+            reused = {h for h in reused if not self.cache.evictor.parked[h]}
         need += len(reused)  # ... plus each evictable cached hit, once
         if need > self.blocks.num_free:
             raise OutOfBlocksError(

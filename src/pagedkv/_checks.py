@@ -61,6 +61,22 @@ def flat_tokens(token_ids: object, num_new_tokens: object, b: int) -> tuple[np.n
         raise InvalidTokensError(f"got {arr.size} tokens for num_new_tokens summing to {counts.sum()}")
     return arr, (None if arr.size == b else counts.astype(np.int64, copy=False))
 
+def new_token_counts(num_new_tokens: object, b: int) -> np.ndarray:
+    """``num_new_tokens`` of ``can_append_slots`` as int64 (b,): one int (>= 1) for every sequence, or one count
+    (>= 1) per sequence (a ragged batch). InvalidArgumentError otherwise. O(b)."""
+    if isinstance(num_new_tokens, (int, np.integer)) and not isinstance(num_new_tokens, bool):
+        return np.full(b, check_int("num_new_tokens", num_new_tokens, 1), dtype=np.int64)
+    if isinstance(num_new_tokens, (str, bytes, bool)) or num_new_tokens is None:
+        raise InvalidArgumentError(f"num_new_tokens must be an int or {b} ints, got {num_new_tokens!r}")
+    counts = np.asarray(num_new_tokens)
+    if counts.ndim != 1 or counts.size != b or (b and counts.dtype.kind not in "iu"):
+        raise InvalidArgumentError(f"num_new_tokens must be an int or {b} ints (one per sequence), got "
+                                   f"{counts.dtype} of shape {counts.shape}")
+    if b and counts.min() < 1:
+        raise InvalidArgumentError("num_new_tokens: every sequence of the batch needs at least one new token")
+    return counts.astype(np.int64)
+
+
 def batch_tokens(token_ids: object, b: int) -> tuple[np.ndarray, np.ndarray | None]:
     """Flatten a batch's new tokens; returns (flat tokens, per-sequence counts or None for one each)."""
     if isinstance(token_ids, np.ndarray) or not isinstance(token_ids, (list, tuple)) or not token_ids or \

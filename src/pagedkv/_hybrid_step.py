@@ -86,10 +86,10 @@ class HybridStepper:
                                       f"blocks; block_table_width is {fw}")
         return plans
 
-    def fits(self, rows: np.ndarray, k: int, la: int) -> bool:
-        """Whether appending ``k`` tokens to each row (plus lookahead) fits in every group together."""
+    def fits(self, rows: np.ndarray, counts: np.ndarray, la: int) -> bool:
+        """Whether appending ``counts[i]`` tokens to row ``rows[i]`` (plus lookahead) fits in every group together."""
         try:
-            self.plans(rows, np.full(rows.size, k, dtype=np.int64), la)
+            self.plans(rows, counts, la)
         except (OutOfBlocksError, TableWidthError):
             return False
         return True

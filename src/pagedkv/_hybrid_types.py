@@ -25,6 +25,16 @@ class HybridStepResult(NamedTuple):
     seq_lens: np.ndarray  #: int32 (B,): tokens of each sequence after the append
     cow: np.ndarray  #: int64 (m, 2): copy-on-write pairs of every group, in the order made (as in the copy plan)
 
+    @property
+    def group_slot_mapping(self) -> np.ndarray:
+        """``slot_mapping`` (G, T): the name every manager's result answers (:class:`pagedkv.StepResult` too). O(1)."""
+        return self.slot_mapping
+
+    @property
+    def group_block_tables(self) -> tuple:
+        """``block_tables`` (G matrices): the name every manager's result answers. O(1)."""
+        return self.block_tables
+
 
 class HybridStepDelta(NamedTuple):
     """:meth:`HybridBlockManager.decode_step`'s result with ``block_tables=False``: :class:`pagedkv.StepDelta` per
@@ -37,6 +47,16 @@ class HybridStepDelta(NamedTuple):
     cow: np.ndarray  #: int64 (m, 2): as HybridStepResult.cow
     table_rows: np.ndarray  #: int64 (B,): the table row of each sequence of the batch (every group)
     table_updates: tuple  #: G :class:`pagedkv.TableUpdates`: the entries the step changed in each group's tables
+
+    @property
+    def group_slot_mapping(self) -> np.ndarray:
+        """``slot_mapping`` (G, T): the name every manager's result answers (:class:`pagedkv.StepResult` too). O(1)."""
+        return self.slot_mapping
+
+    @property
+    def group_table_updates(self) -> tuple:
+        """``table_updates`` (G :class:`pagedkv.TableUpdates`): the name every manager's result answers. O(1)."""
+        return self.table_updates
 
 
 class HybridPrefillBatch(NamedTuple):
@@ -51,3 +71,13 @@ class HybridPrefillBatch(NamedTuple):
     slot_mapping: np.ndarray  #: int64 (G, T)
     block_tables: tuple  #: G int32 (B, width) arrays
     seq_lens: np.ndarray  #: int32 (B,)
+
+    @property
+    def group_slot_mapping(self) -> np.ndarray:
+        """``slot_mapping`` (G, T): the name every manager's result answers (:class:`pagedkv.StepResult` too). O(1)."""
+        return self.slot_mapping
+
+    @property
+    def group_block_tables(self) -> tuple:
+        """``block_tables`` (G matrices): the name every manager's result answers. O(1)."""
+        return self.block_tables

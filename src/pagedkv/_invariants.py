@@ -45,7 +45,7 @@ def check(blocks, tier, bs: int, groups) -> None:
         if swapped:  # the CPU tier's blocks (cached or pinned) are neither free nor referenced
             cached_free = 0 if tier is None else len(set(tier.map.values()) | set(tier.pinned))
         else:
-            cached_free = len(cache.evictor) if cache is not None else 0
+            cached_free = len(cache.evictor) + getattr(cache.evictor, "num_parked", 0) if cache is not None else 0
         if free.size + cached_free + used != pool.num_blocks:
             fail(f"{name}: free {free.size} + cached {cached_free} + used {used} != {pool.num_blocks}")
     if cache is not None:
@@ -61,6 +61,11 @@ def _check_cache(blocks, tier, tables: list, fail) -> None:
     ev_arr = np.asarray(ev, dtype=np.int64)
     if (ref[ev_arr] != 0).any() or (cid[ev_arr] == 0).any():
         fail("the evictor holds a block that is referenced or uncached")
+    check_steering = getattr(cache.evictor, "check", None)  # priority classes and pins (pagedkv.steering)
+    if check_steering is not None:
+        check_steering(ref, fail)
+        if np.intersect1d(np.flatnonzero(cache.evictor.parked), ev_arr).size:
+            fail("a parked block is also evictable")
     free = blocks.gpu.free_ids()
     if np.intersect1d(free, ev_arr).size:
         fail("a block is both free and evictable")

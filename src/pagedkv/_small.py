@@ -71,6 +71,7 @@ class Small:
         self.take_one = blocks.take_one
         self.copies, self.bs, self.fixed_w = copies, bs, fixed_w
         self.cow_copies = 0
+        self.row1: dict[int, np.ndarray] = {}  # row -> its read-only one-element table_rows array (delta_one)
 
     def step_one(self, seq_id: object, token_ids: object, result: int):
         """One token appended to one sequence: ``decode_step`` at batch 1 (``result`` True: returns its
@@ -156,9 +157,12 @@ class Small:
 
     def delta_one(self, r: int, j: int, w: int, slots: np.ndarray, lens: np.ndarray, pair, changed: bool) -> StepDelta:
         """:meth:`step_one`'s StepDelta: row ``r``, and the entry (r, j) = w if the step changed it."""
-        row = _ONE_I64.copy()
-        row[0] = r
-        row.flags.writeable = False
+        row = self.row1.get(r)
+        if row is None:  # made read-only once per row (freezing an array costs more than the rest of the step)
+            row = _ONE_I64.copy()
+            row[0] = r
+            row.flags.writeable = False
+            self.row1[r] = row
         if changed:
             col = _ONE_I64.copy()
             col[0] = j

@@ -2,7 +2,8 @@
 
 ::
 
-    pagedkv generate "prompt"            stream a reply (chat template applied; --raw for plain completion)
+    pagedkv generate "prompt"            stream a reply (chat template applied if the model has one, else plain
+                                         completion; --raw for plain completion)
     pagedkv chat                         interactive chat
     pagedkv bench [options]              block-manager benchmark suite (pagedkv vs anchors, ablation)
     pagedkv bench throughput [options]   end-to-end engine throughput, like vLLM's benchmark_throughput.py
@@ -27,10 +28,20 @@ from .engine.options import make_llm as _make_llm, make_params as _params
 __all__ = ["main"]
 
 
+def _model_label(args: argparse.Namespace) -> str:
+    return args.model or "smollm2-135m"
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     llm = _make_llm(args)
     prompt = " ".join(args.prompt)
-    if args.raw:
+    raw = args.raw
+    if args.chat:
+        llm.tokenizer.require_chat_template(_model_label(args))
+    elif not raw and not llm.tokenizer.has_chat_template:
+        print(f"pagedkv: {_model_label(args)} has no chat template (a base model): plain completion", file=sys.stderr)
+        raw = True
+    if raw:
         source: object = prompt
     else:
         source = {"prompt_token_ids": llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])}
@@ -42,6 +53,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def _cmd_chat(args: argparse.Namespace) -> int:
     llm = _make_llm(args)
+    llm.tokenizer.require_chat_template(_model_label(args))
     messages: list[dict] = []
     print("pagedkv chat: empty line or Ctrl-D to quit", file=sys.stderr)
     while True:
@@ -120,7 +132,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     g = sub.add_parser("generate", help="stream a reply to a prompt", description="Stream a reply to a prompt.",
                        formatter_class=HelpFormatter)
     g.add_argument("prompt", nargs="+", help="the prompt (several words are joined by spaces)")
-    g.add_argument("--raw", action="store_true", help="plain completion, no chat template")
+    mode = g.add_mutually_exclusive_group()
+    mode.add_argument("--raw", action="store_true", help="plain completion, no chat template")
+    mode.add_argument("--chat", action="store_true",
+                      help="apply the chat template (the default when the model has one; refused when it has none)")
     _engine_args(g)
     _sampling_args(g)
     c = sub.add_parser("chat", help="interactive chat", description="Interactive chat; an empty line ends it.",

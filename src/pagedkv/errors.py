@@ -17,6 +17,10 @@ __all__ = [
     "OutOfBlocksError",
     "PromptTooLongError",
     "TableWidthError",
+    "NoChatTemplateError",
+    "MissingExtraError",
+    "PinBudgetError",
+    "UnknownPinError",
 ]
 
 
@@ -59,3 +63,20 @@ class PromptTooLongError(OutOfBlocksError):
 class TableWidthError(PagedKVError, ValueError):
     """A sequence needs more block-table columns than the manager's fixed ``block_table_width`` (the prompt, or
     the append, would take the sequence past ``block_table_width * block_size`` positions, lookahead included)."""
+
+
+class NoChatTemplateError(PagedKVError, ValueError):
+    """A chat was asked of a model whose file carries no chat template (a base model such as Gemma 3 270M's
+    GGUF): chat is refused, as vLLM refuses it; plain completion is what such a model does."""
+
+
+class MissingExtraError(PagedKVError, ImportError):
+    """A package of an optional extra is not installed; the message names the extra to install (for example
+    ``pip install 'pagedkv[gemma]'`` for Gemma 3's SentencePiece tokenizer)."""
+class PinBudgetError(PagedKVError, RuntimeError):
+    """A prefix pin would hold more distinct blocks than the pin budget (``pin_budget_blocks``); nothing was
+    pinned."""
+
+
+class UnknownPinError(PagedKVError, KeyError):
+    """The pin id was never returned by ``pin_prefix``, or the pin was dropped already (unpinned or expired)."""

@@ -47,6 +47,9 @@ class LRUEvictor:
     def __contains__(self, block: int) -> bool:
         return self.stamp_mv[block] != 0
 
+    def hint(self, blocks: np.ndarray, session: object) -> None:
+        """The policy hook for a session hint (:mod:`pagedkv.eviction`): LRU takes none."""
+
     def push(self, block: int) -> None:
         """Make ``block`` (not in the list) the most recently used."""
         if self._tail == len(self._lb):
@@ -161,6 +164,9 @@ class RetentionEvictor:
 
     def __contains__(self, block: int) -> bool:
         return block in self.main or block in self.spare
+
+    def hint(self, blocks: np.ndarray, session: object) -> None:
+        """No session hint (:mod:`pagedkv.eviction`)."""
 
     def push(self, block: int) -> None:
         self.main.push(block)

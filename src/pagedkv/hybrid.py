@@ -54,7 +54,7 @@ from typing import Hashable, Iterable, Sequence
 
 import numpy as np
 
-from ._checks import as_tokens, batch_tokens, check_int, flat_tokens
+from ._checks import as_tokens, batch_tokens, check_int, flat_tokens, new_token_counts
 from ._hybrid_allocator import HybridAllocator
 from ._hybrid_seqs import HybridSeqs
 from ._hybrid_step import HybridStepper
@@ -96,7 +96,9 @@ class HybridBlockManager:
 
     Same method names and semantics as :class:`pagedkv.BlockManager`; per-group results (``decode_step`` ->
     :class:`HybridStepResult`, ``allocate_batch`` -> :class:`HybridPrefillBatch`), and ``block_table`` /
-    ``slot_mapping`` take the group index. ``take_copy_plan()`` returns one plan for every group (block ids are
+    ``slot_mapping`` take the group index (default 0, as a BlockManager's; every result also answers the grouped
+    names ``group_slot_mapping`` / ``group_block_tables`` / ``group_table_updates`` that a BlockManager's answer
+    with G = 1). ``take_copy_plan()`` returns one plan for every group (block ids are
     pool-wide: an engine copies block src to dst in every layer slot). Every call is all or nothing across
     groups. Admission counts every group: a prompt of n tokens needs ``G * ceil((n + lookahead) / block_size)``
     blocks at most (NEVER when that exceeds the pool less the watermark), less its hits and the positions
@@ -104,6 +106,9 @@ class HybridBlockManager:
     """
 
     atomic_append = True
+    grouped_results = True
+    """The results' plain names are per group (``slot_mapping`` (G, T), ``block_tables`` G matrices, ...), as their
+    grouped names are on every manager (see BlockManager.grouped_results)."""
 
     def __init__(
         self,
@@ -268,14 +273,23 @@ class HybridBlockManager:
             raise InvalidArgumentError(f"group must be < {len(self._g)} (the number of KV cache groups), got {g}")
         return self._g[g]
 
-    def block_table(self, seq_id: Hashable, group: int) -> np.ndarray:
+    def block_table(self, seq_id: Hashable, group: int = 0) -> np.ndarray:
         """Group ``group``'s block table of the sequence (read-only int32 copy; NULL_BLOCK where a sliding window
         released blocks). O(table length)."""
         return self._group(group).block_table(seq_id)
 
-    def slot_mapping(self, seq_id: Hashable, start: int, end: int, group: int) -> np.ndarray:
+    def slot_mapping(self, seq_id: Hashable, start: int, end: int, group: int = 0) -> np.ndarray:
         """Group ``group``'s slots of positions ``[start, end)`` (int64); see BlockManager.slot_mapping."""
         return self._group(group).slot_mapping(seq_id, start, end)
+
+    def lookahead_slots(self, seq_ids: Sequence[Hashable], num_lookahead_slots: int) -> np.ndarray:
+        """Every group's slots of each sequence's ``k`` reserved lookahead positions: int64 ``(G, B * k)``, row g
+        group g's, sequence 0's first (see BlockManager.lookahead_slots; a window never releases them: they are
+        the newest positions). Changes nothing. O(B x k x groups)."""
+        ids = seq_ids if type(seq_ids) is list else list(seq_ids)
+        rows = self._t0.rows(ids)
+        k = check_int("num_lookahead_slots", num_lookahead_slots, 0)
+        return np.stack([m._lookahead(rows, k, ids) for m in self._g])
 
     def table_rows(self, seq_ids: Iterable[Hashable]) -> np.ndarray:
         """The table row of each sequence (read-only int64 (B,)), the same in every group: the row of
@@ -453,14 +467,15 @@ class HybridBlockManager:
         return [(int(s), int(d)) for s, d in res.cow]
 
     def can_append_slots(self, seq_ids: Iterable[Hashable], num_lookahead_slots: int = 0, *,
-                         num_new_tokens: int = 1) -> bool:
-        """Whether the append fits in every group together (see BlockManager.can_append_slots). O(B x groups)."""
+                         num_new_tokens: int | Sequence[int] = 1) -> bool:
+        """Whether the append fits in every group together (see BlockManager.can_append_slots; ``num_new_tokens``
+        one count or one per sequence). O(B x groups)."""
         rows = self._t0.rows(list(seq_ids))
         la = check_int("num_lookahead_slots", num_lookahead_slots, 0)
-        k = check_int("num_new_tokens", num_new_tokens, 1)
+        counts = new_token_counts(num_new_tokens, rows.size)
         if rows.size == 0:
             return True
-        return self._step.fits(rows, k, la)
+        return self._step.fits(rows, counts, la)
 
     # ------------------------------------------------------------------ swapping
     def can_swap_out(self, seq_ids: Iterable[Hashable]) -> bool:

@@ -54,7 +54,8 @@ from typing import Hashable, Iterable, Sequence
 
 import numpy as np
 
-from ._checks import as_tokens as _as_tokens, batch_tokens, check_int as _check_int, flat_tokens, token_count
+from ._checks import (as_tokens as _as_tokens, batch_tokens, check_int as _check_int, flat_tokens, new_token_counts,
+                      token_count)
 from . import _invariants
 from ._alloc import Allocator
 from ._blocks import Blocks
@@ -67,6 +68,9 @@ from ._window import Window
 from .errors import InvalidArgumentError, InvalidTokensError, OutOfBlocksError, SequenceStateError
 from .cpu_tier import CpuTier
 from .events import KVCacheEvent
+from .kv_groups import FullAttentionSpec, SlidingWindowSpec
+from .eviction import EVICTION_POLICIES, make_evictor
+from .steering import Pin, SteeredEvictor
 from .pool import BlockPool
 from .prefix_cache import PrefixCache, _encode_namespace
 from .cpu_tier import DEMOTE, PROMOTE
@@ -80,6 +84,8 @@ __all__ = ["AllocStatus", "BlockManager", "CacheCopies", "CopyKind", "CopyPlan",
 SWAP_OUT, SWAP_IN, COW = 0, 1, 2
 _KIND_OF_TAG = (CopyKind.GPU_TO_CPU, CopyKind.CPU_TO_GPU, CopyKind.GPU_TO_GPU, CopyKind.GPU_TO_CPU,
                 CopyKind.CPU_TO_GPU)
+
+_ZERO = 0  # (CPython keeps one object for every int 0: ``group is _ZERO`` is the one-group fast test)
 
 _NO_PAIRS = np.zeros((0, 2), dtype=np.int64)
 _NO_PAIRS.flags.writeable = False
@@ -108,14 +114,26 @@ class BlockManager:
             shapes); a call that would give a sequence more blocks raises TableWidthError, changing nothing.
             None (default): as wide as the batch's longest table. Set it to ``ceil((max_model_len +
             num_lookahead_slots) / block_size)``.
+        eviction_policy: the order in which unreferenced cached blocks are evicted (:mod:`pagedkv.eviction`):
+            ``"lru"`` (default), ``"slru"`` (frequency-aware) or ``"session"`` (uses :meth:`set_retention`'s
+            session hint). Needs prefix caching for anything but ``"lru"``.
+        pin_budget_blocks: the most distinct GPU blocks :meth:`pin_prefix` may hold pinned (0: no pins).
 
     Sequences are keyed by any hashable ``seq_id`` chosen by the caller. Every method either completes or raises
     a :mod:`pagedkv.errors` exception and leaves the manager exactly as it was.
     """
 
+    _steered = False  # priority classes and pins installed (the first set_retention priority or pin_prefix)
+
     atomic_append = True
     """decode_step / append_slots are all-or-nothing for the whole batch: a scheduler may call them without asking
     can_append_slots first and preempt when they raise OutOfBlocksError."""
+
+    grouped_results = False
+    """Whether the results' plain names are per KV cache group (HybridBlockManager: True): here ``slot_mapping``
+    is (T,), ``block_tables`` one matrix, ``table_updates`` one TableUpdates. The grouped names
+    (``group_slot_mapping`` (1, T), ...) are per group on every manager; this flag is for generic code, such as a
+    scheduler behind a wrapper, that reads the plain ones."""
 
     def __init__(
         self,
@@ -130,8 +148,17 @@ class BlockManager:
         max_kv_events: int = 100_000,
         cpu_prefix_cache: bool = False,
         block_table_width: int | None = None,
+        eviction_policy: str = "lru",
+        pin_budget_blocks: int = 0,
     ) -> None:
         num_gpu_blocks = _check_int("num_gpu_blocks", num_gpu_blocks, 1)
+        pin_budget_blocks = _check_int("pin_budget_blocks", pin_budget_blocks, 0)
+        if eviction_policy not in EVICTION_POLICIES:
+            make_evictor(eviction_policy, 1)  # raises, naming the policies
+        if (eviction_policy != "lru" or pin_budget_blocks) and not enable_prefix_caching:
+            raise InvalidArgumentError("eviction_policy and pin_budget_blocks need enable_prefix_caching=True")
+        if pin_budget_blocks and sliding_window is not None:  # (the step counts window-released blocks as free)
+            raise InvalidArgumentError("pin_budget_blocks is not available with a sliding window yet")
         block_size = _check_int("block_size", block_size, 1)
         num_cpu_blocks = _check_int("num_cpu_blocks", num_cpu_blocks, 0)
         max_kv_events = _check_int("max_kv_events", max_kv_events, 1)
@@ -147,6 +174,9 @@ class BlockManager:
         self._gpu = BlockPool(num_gpu_blocks)
         self._cpu = BlockPool(num_cpu_blocks)
         self._cache = PrefixCache(num_gpu_blocks, block_size) if enable_prefix_caching else None
+        self._policy, self._pin_budget = eviction_policy, pin_budget_blocks
+        if eviction_policy != "lru":
+            self._cache.evictor = make_evictor(eviction_policy, num_gpu_blocks)
         if self._cache is not None and enable_kv_events:
             self._cache.enable_events(max_kv_events)
         self._kv_events = bool(enable_kv_events)
@@ -190,6 +220,7 @@ class BlockManager:
                        └─ Swapper
         """
         self._window = sliding_window
+        self._hints: dict = {}  # seq_id -> (priority, session) given by set_retention, used by free
         self._small_batch = SMALL_BATCH  # batches up to this size take the plain-Python step (0: never)
         bs, blocks, cache, tier, copies = self._bs, self._blocks, self._cache, self._tier, self._copies
         t = self._t = SeqTables(self._gpu.ref_mv, max(4, self._fixed_w))
@@ -221,6 +252,24 @@ class BlockManager:
     @property
     def sliding_window(self) -> int | None:
         return self._window
+
+    @property
+    def kv_cache_groups(self) -> tuple:
+        """One spec, the single-table model as one KV cache group: ``(FullAttentionSpec(),)``, or
+        ``(SlidingWindowSpec(sliding_window),)`` with a window; what :attr:`HybridBlockManager.kv_cache_groups`
+        answers for G groups. O(1)."""
+        return (FullAttentionSpec(),) if self._window is None else (SlidingWindowSpec(self._window),)
+
+    @property
+    def num_groups(self) -> int:
+        """1: a BlockManager is the one-group case of :class:`pagedkv.HybridBlockManager` (every result also
+        answers the grouped names, ``group_slot_mapping`` (1, T), ``group_block_tables`` and
+        ``group_table_updates`` one-tuples)."""
+        return 1
+
+    def _check_group(self, group: object) -> None:
+        if _check_int("group", group, 0) != 0:
+            raise InvalidArgumentError(f"group must be < 1 (a BlockManager has one KV cache group), got {group}")
 
     @property
     def watermark_blocks(self) -> int:
@@ -334,11 +383,14 @@ class BlockManager:
     def is_swapped(self, seq_id: Hashable) -> bool:
         return bool(self._t.swapped[self._t.row(seq_id)])
 
-    def block_table(self, seq_id: Hashable) -> np.ndarray:
+    def block_table(self, seq_id: Hashable, group: int = 0) -> np.ndarray:
         """The sequence's block table: a read-only int32 copy, one entry per block of
         ``ceil((num_tokens + reserved lookahead) / block_size)``, NULL_BLOCK where the sliding window released the
-        block. While the sequence is swapped out the ids are CPU block ids. O(table length)."""
+        block. While the sequence is swapped out the ids are CPU block ids. ``group`` must be 0 (the one KV cache
+        group; the argument is :meth:`HybridBlockManager.block_table`'s). O(table length)."""
         row = self._t.row(seq_id)
+        if group is not _ZERO:  # (the common case in one identity test; anything else is checked)
+            self._check_group(group)
         t = self._t.table[row, : self._t.nblk[row]].copy()
         t.flags.writeable = False
         return t
@@ -353,12 +405,15 @@ class BlockManager:
         rows.flags.writeable = False
         return rows
 
-    def slot_mapping(self, seq_id: Hashable, start: int, end: int) -> np.ndarray:
+    def slot_mapping(self, seq_id: Hashable, start: int, end: int, group: int = 0) -> np.ndarray:
         """Physical slots (``block * block_size + offset``) of token positions ``[start, end)`` (int64).
 
         Positions up to the reserved lookahead slots are allowed. Raises SequenceStateError for a swapped-out
-        sequence or for positions released by the sliding window. O(end - start)."""
+        sequence or for positions released by the sliding window. ``group`` must be 0 (as for
+        :meth:`block_table`). O(end - start)."""
         row = self._t.row(seq_id)
+        if group is not _ZERO:  # (the common case in one identity test; anything else is checked)
+            self._check_group(group)
         start = _check_int("start", start, 0)
         end = _check_int("end", end, start)
         cap = int(self._t.nblk[row]) * self._bs
@@ -372,6 +427,46 @@ class BlockManager:
             raise SequenceStateError(f"positions [{start}, {end}) of {seq_id!r} include blocks released by the window")
         return blocks * self._bs + pos % self._bs
 
+    def lookahead_slots(self, seq_ids: Sequence[Hashable], num_lookahead_slots: int) -> np.ndarray:
+        """The batch form of ``slot_mapping(seq, n, n + k)`` for the reserved lookahead slots: int64
+        ``(1, B * k)`` (one row per KV cache group, as :meth:`HybridBlockManager.lookahead_slots`), the slots of
+        positions ``num_tokens(seq) .. num_tokens(seq) + k - 1`` of each sequence, sequence 0's first: where the
+        engine writes the drafts' K/V in the forward of the step that reserved them (``decode_step(...,
+        num_lookahead_slots=k)``). Every sequence must be live, on the GPU and distinct (as for decode_step) and
+        hold at least ``k`` reserved slots (InvalidArgumentError otherwise). Changes nothing. O(B x k): plain Python
+        up to 32 slots, a few numpy calls past that."""
+        ids = seq_ids if type(seq_ids) is list else list(seq_ids)
+        rows = self._t.rows(ids)
+        k = _check_int("num_lookahead_slots", num_lookahead_slots, 0)
+        return self._lookahead(rows, k, ids)[None]
+
+    def _lookahead(self, rows: np.ndarray, k: int, ids: list) -> np.ndarray:
+        """:meth:`lookahead_slots` of validated rows, flat (B * k,) (internal; the hybrid stacks its groups')."""
+        t, bs = self._t, self._bs
+        if k == 0 or rows.size == 0:
+            return _EMPTY_I64
+        if rows.size * k <= 32:  # a few slots: plain Python over the row arrays (numpy's fixed costs dominate)
+            mv = t.views()
+            ntok_mv, nblk_mv, flat, width = mv[0], mv[1], mv[10], mv[11]
+            out = []
+            for i, r in enumerate(rows.tolist()):
+                n = ntok_mv[r]
+                if nblk_mv[r] * bs - n < k:
+                    raise InvalidArgumentError(f"sequence {ids[i]!r} has {nblk_mv[r] * bs - n} reserved slots after "
+                                               f"its {n} tokens, fewer than num_lookahead_slots={k}")
+                base = r * width
+                out += [flat[base + p // bs] * bs + p % bs for p in range(n, n + k)]
+            return np.array(out, dtype=np.int64)
+        ntok = t.ntok[rows].astype(np.int64)
+        room = t.nblk[rows].astype(np.int64) * bs - ntok
+        short = np.flatnonzero(room < k)
+        if short.size:
+            i = int(short[0])
+            raise InvalidArgumentError(f"sequence {ids[i]!r} has {int(room[i])} reserved slots after its "
+                                       f"{int(ntok[i])} tokens, fewer than num_lookahead_slots={k}")
+        pos = ntok[:, None] + np.arange(k, dtype=np.int64)
+        blocks = t.table[rows[:, None], pos // bs].astype(np.int64)
+        return (blocks * bs + pos % bs).reshape(-1)
 
     @property
     def enable_kv_events(self) -> bool:
@@ -420,6 +515,8 @@ class BlockManager:
                 needed = -(-(len(hits) * self._bs + k + la) // self._bs)
             ref = self._gpu.ref
             needed -= sum(1 for b in hits if b >= 0 and ref[b] > 0)  # (a CPU-tier hit needs a GPU block)
+            if self._steered and self._cache.evictor.num_parked:  # pinned idle hits: not in the free count
+                needed -= sum(1 for b in hits if b >= 0 and self._cache.evictor.parked[b])
         if self.num_free_gpu_blocks - needed >= self._watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
@@ -548,6 +645,8 @@ class BlockManager:
             hits, _ = self._alloc.fit_hit(hits, chain, root, arr.size, la, k)
         ref = self._gpu.ref_mv
         held = sum(1 for b in hits if b >= 0 and ref[b] > 0)
+        if self._steered and self._cache.evictor.num_parked:  # pinned idle hits: not in the free count
+            held += sum(1 for b in hits if b >= 0 and self._cache.evictor.parked[b])
         ncpu = sum(1 for b in hits if b < 0)
         n = arr.size if k is None else min(arr.size, len(hits) * self._bs + k)
         nb = -(-(n + la) // self._bs)
@@ -619,6 +718,8 @@ class BlockManager:
                     f"free({seq_id!r}): it was handed slots in this step and their KV is written only by the step's "
                     "forward, so its blocks cannot be cached as computed; free it after the step (after "
                     "take_copy_plan() and the forward), or abort it with free(..., cache=False)")
+        if self._hints or self._steered:
+            self._retain(seq_id, row)
         if t.partial:
             t.partial.pop(seq_id, None)
         if self._small.free_small(seq_id, row):
@@ -629,16 +730,114 @@ class BlockManager:
             self._blocks.release(t.table[row, t.nrel[row] : t.nblk[row]][::-1].copy())
         t.drop_row(seq_id, row)
 
+    # ------------------------------------------------------------------ retention (priority, session, pins)
+    @property
+    def eviction_policy(self) -> str:
+        """The eviction policy's name (:mod:`pagedkv.eviction`)."""
+        return self._policy
+
+    @property
+    def pin_budget_blocks(self) -> int:
+        return self._pin_budget
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        """Distinct GPU blocks held by pins (what the pin budget counts)."""
+        return self._cache.evictor.num_pinned if self._steered else 0
+
+    @property
+    def pins(self) -> tuple[Pin, ...]:
+        """The live pins (expired ones dropped first)."""
+        return self._cache.evictor.pin_list() if self._steered else ()
+
+    def set_retention(self, seq_id: Hashable, *, priority: int = 0, session: Hashable = None) -> None:
+        """How the sequence's blocks are kept once :meth:`free` releases them. ``priority`` (vLLM's request
+        field: a lower value is a higher priority, default 0): unreferenced blocks of a larger value are evicted
+        before any block of a smaller one (:mod:`pagedkv.steering`). ``session`` (a conversation id, any
+        hashable): a hint for the ``"session"`` eviction policy, which keeps the blocks of a conversation longer
+        the more requests it has had; other policies ignore it. Set it any time before the free; the last call
+        wins. Raises UnknownSequenceError or InvalidArgumentError (needs prefix caching), changing nothing. O(1);
+        the first non-default priority switches on the priority classes (:class:`SteeredEvictor`)."""
+        self._t.row(seq_id)
+        if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
+            raise InvalidArgumentError(f"priority must be an int, got {priority!r}")
+        if self._cache is None:
+            raise InvalidArgumentError("set_retention needs enable_prefix_caching=True")
+        hash(session)
+        if priority:
+            self._steering()
+        self._hints[seq_id] = (int(priority), session)
+
+    def pin_prefix(self, token_ids: Sequence[int], *, ttl: float | None = None, namespace: object = None) -> Pin:
+        """Pin the cached GPU blocks of this prefix (a system prompt, a tool list: allocate it first): they are
+        never evicted while pinned. Pins up to the first full block not cached on the GPU; ``Pin.num_tokens``
+        says how many tokens that is (0, with ``pin_id`` 0: nothing cached, and nothing pinned). ``ttl`` (seconds, None: until
+        :meth:`unpin`) is refreshed each time a hit takes the pin's last block back or it is released. The
+        distinct pinned blocks of all pins stay within ``pin_budget_blocks``: past it PinBudgetError, nothing
+        pinned. Raises InvalidArgumentError (no prefix caching, no budget, bad ttl), InvalidTokensError.
+        O(prompt blocks)."""
+        if self._cache is None or not self._pin_budget:
+            raise InvalidArgumentError("pin_prefix needs enable_prefix_caching=True and pin_budget_blocks > 0")
+        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0):
+            raise InvalidArgumentError(f"ttl must be a positive number of seconds or None, got {ttl!r}")
+        arr = _as_tokens(token_ids)
+        # (one token more: a lookup leaves the last block to compute; a pin holds every full block)
+        hits, _ = self._reg.lookup(np.append(arr, arr[:1]), self._cache.root(namespace, intern=False))
+        gpu = []
+        for b in hits:
+            if b < 0:
+                break
+            gpu.append(b)
+        if not gpu:
+            return Pin(0, 0, 0, ttl)
+        ev = self._steering()
+        return ev.pin(np.array(gpu, dtype=np.int64), len(gpu) * self._bs, ttl)
+
+    def unpin(self, pin_id: int) -> None:
+        """Drop a pin (UnknownPinError if there is none by that id); its blocks that no other pin holds become
+        evictable, idle ones at the most recent end of their class. O(its blocks)."""
+        if not self._steered:
+            from .errors import UnknownPinError
+
+            raise UnknownPinError(f"no pin {pin_id!r} (unpinned already, expired, or never made)")
+        self._cache.evictor.unpin(pin_id)
+
+    def _steering(self) -> SteeredEvictor:
+        """The prefix cache's evictor as a SteeredEvictor (installed over the current policy evictor once)."""
+        cache = self._cache
+        if not self._steered:
+            policy = self._policy
+            cache.evictor = SteeredEvictor(cache.evictor, self._gpu.num_blocks, lambda n: make_evictor(policy, n),
+                                           cache.cid, self._pin_budget)
+            self._steered = True
+        return cache.evictor
+
+    def _retain(self, seq_id: Hashable, row: int) -> None:
+        """Tag the sequence's GPU blocks with its retention hint just before free releases them."""
+        prio, session = self._hints.pop(seq_id, (0, None))
+        t = self._t
+        if t.swapped[row] or self._cache is None:
+            return
+        blocks = t.table[row, t.nrel[row] : t.nblk[row]].astype(np.int64)
+        ev = self._cache.evictor
+        if self._steered:
+            ev.tag(blocks, prio)
+        if session is not None:
+            ev.hint(blocks, session)
+
     # ------------------------------------------------------------------ appending (the per-step path)
-    def can_append_slots(self, seq_ids: Iterable[Hashable], num_lookahead_slots: int = 0, *, num_new_tokens: int = 1) -> bool:
+    def can_append_slots(self, seq_ids: Iterable[Hashable], num_lookahead_slots: int = 0, *,
+                         num_new_tokens: int | Sequence[int] = 1) -> bool:
         """Whether appending ``num_new_tokens`` to each sequence (plus lookahead) fits in the free GPU blocks,
-        counting new blocks, copy-on-write copies and blocks the sliding window releases. O(batch)."""
+        counting new blocks, copy-on-write copies and blocks the sliding window releases. ``num_new_tokens``:
+        one count for every sequence, or one per sequence (a ragged batch, as ``decode_step``'s
+        ``num_new_tokens``). O(batch)."""
         rows = self._t.rows(list(seq_ids))
         la = _check_int("num_lookahead_slots", num_lookahead_slots, 0)
-        k = _check_int("num_new_tokens", num_new_tokens, 1)
+        counts = new_token_counts(num_new_tokens, rows.size)
         if rows.size == 0:
             return True
-        plan = self._step.plan(rows, np.full(rows.size, k, dtype=np.int64), la)
+        plan = self._step.plan(rows, counts, la)
         return plan[0] <= plan[1]
 
     def append_slots(self, seq_id: Hashable, token_ids: Sequence[int], num_lookahead_slots: int = 0) -> list[tuple[int, int]]:

@@ -505,13 +505,19 @@ class PrefixCache:
         if self.tok[other].tobytes() == data:
             if self.pcid_mv[other] == pcid:  # same content cached by another block: share its identity
                 c = cid[other]
-                if self.pool is not None and self.pool.ref_mv[other] == 0:
+                if self.pool is not None and self.pool.ref_mv[other] == 0 and not self._parked(other):
                     self._hand_over(other, block)  # (an idle copy could be evicted while this one is held)
                 return c, key
             if self.live_parent(pcid, pkey):  # other's parent content is not the one cached: it cannot be reached
                 self._uncache(other)  # (an orphan: its parent left the cache); this block replaces it
                 return self.register(block, pcid, pkey, namespace, emit)
         return 0, 0
+
+    def _parked(self, block: int) -> bool:
+        """Whether the idle ``block`` is parked by a pin (steering.SteeredEvictor): it cannot be evicted, so its
+        content stays cached, and the pin holds that very block; it is never handed over. O(1)."""
+        parked = getattr(self.evictor, "parked", None)
+        return parked is not None and bool(parked[block])
 
     def _hand_over(self, other: int, block: int) -> None:
         """Move the cache identity of the unreferenced cached block ``other`` to ``block`` (uncached, same
@@ -813,6 +819,9 @@ class PrefixCache:
         self.succ[:] = -1
         freed = list(self.evictor)
         self.evictor.discard_many(np.asarray(freed, dtype=np.int64))
+        drop = getattr(self.evictor, "drop_pins", None)  # (pagedkv.steering: pinned idle blocks are freed too)
+        if drop is not None:
+            freed += drop()
         self.cid[np.fromiter(self.map.values(), dtype=np.int64, count=len(self.map))] = 0
         self.map.clear()
         if self.events is not None:

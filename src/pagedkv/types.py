@@ -35,6 +35,18 @@ class StepResult(NamedTuple):
     seq_lens: np.ndarray  #: int32 (B,): tokens of each sequence after the append (KV positions 0 .. seq_len - 1; lookahead slots not counted)
     cow: np.ndarray  #: int64 (m, 2): copy-on-write pairs (src, dst) to copy before writing the new KV
 
+    @property
+    def group_slot_mapping(self) -> np.ndarray:
+        """int64 (G, T) with G = 1: ``slot_mapping`` as the one KV cache group's row, the shape
+        :class:`pagedkv.HybridStepResult` has for G groups (one engine code path for every manager:
+        docs/engine-contract.md, "One API for one group or many"). O(1): a view, built only when read."""
+        return self.slot_mapping[None]
+
+    @property
+    def group_block_tables(self) -> tuple:
+        """``(block_tables,)``: one table matrix per KV cache group, as :class:`pagedkv.HybridStepResult`'s. O(1)."""
+        return (self.block_tables,)
+
 
 class TableUpdates(NamedTuple):
     """The block-table entries one call changed, flat: after the call ``table[rows[i], cols[i]] == blocks[i]``
@@ -70,6 +82,17 @@ class StepDelta(NamedTuple):
     table_rows: np.ndarray  #: int64 (B,): the table row of each sequence of the batch
     table_updates: TableUpdates  #: the table entries this step changed (appends, copy-on-write, window releases)
 
+    @property
+    def group_slot_mapping(self) -> np.ndarray:
+        """int64 (1, T): ``slot_mapping`` as the one group's row, as :class:`pagedkv.HybridStepDelta`'s (G, T). O(1)."""
+        return self.slot_mapping[None]
+
+    @property
+    def group_table_updates(self) -> tuple:
+        """``(table_updates,)``: one :class:`TableUpdates` per KV cache group, as
+        :class:`pagedkv.HybridStepDelta`'s. O(1)."""
+        return (self.table_updates,)
+
 
 class PrefixHit(NamedTuple):
     """What :meth:`BlockManager.lookup_prefix` predicts for a prompt, without changing anything: exactly what
@@ -102,6 +125,17 @@ class PrefillBatch(NamedTuple):
     slot_mapping: np.ndarray  #: int64 (T,): the slot each token's K/V is written to
     block_tables: np.ndarray  #: int32 (B, width) padded with NULL_BLOCK (width: the longest, or block_table_width)
     seq_lens: np.ndarray  #: int32 (B,): prompt lengths (tokens whose KV exists after the prefill)
+
+    @property
+    def group_slot_mapping(self) -> np.ndarray:
+        """int64 (1, T): ``slot_mapping`` as the one group's row, as :class:`pagedkv.HybridPrefillBatch`'s (G, T).
+        O(1)."""
+        return self.slot_mapping[None]
+
+    @property
+    def group_block_tables(self) -> tuple:
+        """``(block_tables,)``: one table matrix per KV cache group, as :class:`pagedkv.HybridPrefillBatch`'s. O(1)."""
+        return (self.block_tables,)
 
 
 class CacheCopies(NamedTuple):

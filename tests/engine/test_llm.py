@@ -230,3 +230,23 @@ def test_engine_tables_incremental_or_padded_give_the_reference(engine, incremen
     assert [[ids(o, 0), ids(o, 1)] for o in outs] == [[e, e] for e in expected]
     assert llm.scheduler.stats.swap_ins > 0 and llm.block_manager.stats.cow_copies > 0
     llm.block_manager.check_invariants()
+
+
+@pytest.mark.parametrize("policy", ["slru", "session"])
+def test_priority_scheduling_eviction_policy_and_pins_give_the_reference(engine, policy):
+    """scheduling_policy="priority" with per-prompt priorities under preemption, an eviction policy and a pinned
+    prefix: the same tokens as the reference, and the pin survives the preemptions."""
+    n_new = 10
+    expected = [engine.reference_greedy(tuple(p), n_new).token_ids for p in PROMPTS]
+    llm = make_llm(engine, num_gpu_blocks=20, block_size=4, scheduling_policy="priority", eviction_policy=policy,
+                   pin_budget_blocks=4)
+    llm.generate([{"prompt_token_ids": PROMPTS[1]}], greedy(1), use_tqdm=False)
+    pin = llm.block_manager.pin_prefix(PROMPTS[1][:16])
+    assert pin.num_tokens == 16
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy(n_new), use_tqdm=False,
+                        priority=[3, 0, 2, 1])
+    assert [ids(o) for o in outs] == [list(e) for e in expected]
+    assert outs[1].num_cached_tokens == 20  # the pinned 16 tokens and the rest of its first run
+    assert llm.scheduler.stats.preemptions > 0
+    assert llm.block_manager.lookup_prefix(PROMPTS[1][:16] + [0]).num_cached_tokens == 16
+    llm.block_manager.check_invariants()

@@ -580,3 +580,27 @@ def test_a_broken_scheduler_stops_the_engine_and_says_so(engine):
         assert srv.fatal is not None and "injected" in srv.fatal
     finally:
         srv.close()
+
+
+def test_priority_field_reaches_the_block_manager(engine):
+    """A server with --scheduling-policy priority: the request's ``priority`` is the class its cached blocks are
+    evicted in (lower-priority blocks first), and a bad value is a 400."""
+    from pagedkv.engine import LLM
+    from pagedkv.server.launch import make_server
+
+    llm = LLM(engine.paged, num_gpu_blocks=64, max_num_seqs=4, block_size=BLOCK, scheduling_policy="priority",
+              eviction_policy="slru", kv_cache_groups=False)
+    srv = make_server(llm, model_name=MODEL, api_key=KEY, max_waiting=8).start_in_thread()
+    try:
+        h = {"Authorization": f"Bearer {KEY}"}
+        body = {"model": MODEL, "prompt": "Priorities order the eviction of cached blocks " * 2, "max_tokens": 1,
+                "temperature": 0, "priority": 9}
+        r = httpx.post(srv.url + "/v1/completions", json=body, headers=h, timeout=60)
+        assert r.status_code == 200, r.text
+        wait_idle(srv)
+        ev = llm.block_manager._cache.evictor
+        assert 9 in ev.classes and len(ev.classes[9]) > 0  # its full blocks wait in the class of priority 9
+        r = httpx.post(srv.url + "/v1/completions", json={**body, "priority": "high"}, headers=h, timeout=60)
+        assert r.status_code == 400 and "priority" in r.text
+    finally:
+        srv.close()

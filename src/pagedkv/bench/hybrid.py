@@ -10,39 +10,47 @@ of window 512 (Gemma 3 270M's 18 layers as 6 groups of 3), block size 16, all gr
 ``KVCacheGroupSpec`` of equal page size, for which ``KVCacheManager`` picks ``HybridKVCacheCoordinator``,
 see :mod:`pagedkv.bench.anchors.vllm_v1`).
 
-Two measurements:
+Both measurements time each implementation with what its own engine does on the CPU and nothing else, as
+:mod:`pagedkv.bench.fair` states: CPU time of the thread (``time.thread_time_ns``, one clock read subtracted per
+timed part), implementations alternating call by call in one process, the garbage collector frozen once the
+managers are built (vLLM's engine core calls ``gc.freeze()`` after start-up), and the tokens as lists of Python
+ints (what an engine's sampler hands over after ``.tolist()``).
 
-``decode``  For each batch size B (1 .. 1000) and prefix caching on and off, a fresh manager (pool: every
+``decode``  For each batch size B (1 .. 1000) and prefix caching on and off, fresh managers (pool: every
             sequence's final length in the full group plus a window and two blocks in each sliding group, plus
-            one prompt's worth of blocks in every group and 16) admits B prompts of 2048..4096 seeded random
-            tokens and runs each one's first decode step alone (untimed; both managers release the sliding
-            groups' blocks outside the window there, so the pool holds one prompt in full at a time), then runs
-            ``--steps`` decode steps of one token per sequence. Timed per step: pagedkv's
-            ``decode_step(seq_ids, tokens)``, which returns per group the slot mapping ``(G, B)`` and the block
-            tables, and the lengths; V1: its scheduler's KV-manager calls for the batch (the adapter's
-            ``decode_step``: ``allocate_slots`` per request, the per-step ``take_*`` calls) plus building the
-            same arrays from the per-group deltas as V1's ``MultiGroupBlockTable`` does
-            (:class:`pagedkv.bench.runner_tables.GroupTables`); the two V1 parts are also kept apart.
+            one prompt's worth of blocks in every group and 16) admit B prompts of 2048..4096 seeded random
+            tokens and run each one's first decode step alone (untimed; every manager releases the sliding
+            groups' blocks outside the window there, so the pool holds one prompt in full at a time), then
+            ``--steps`` decode steps of one token per sequence, the implementations alternating step by step.
+            Timed per step: ``pagedkv``: ``decode_step(seq_ids, tokens, block_tables=False)`` (what its engine
+            asks for: the slot mapping ``(G, B)``, the lengths and each group's changed table entries);
+            ``pagedkv-tables``: the same with the six padded tables; ``vllm_v1``: what V1's engine does on the
+            CPU for the KV cache per step, in three parts: ``request`` (``num_computed_tokens`` and
+            ``Request.append_output_token_ids``, where V1 hashes a block that has just filled), ``calls`` (its
+            scheduler's KV-cache-manager calls: ``allocate_slots`` per request, the per-step ``take_*`` calls)
+            and ``runner`` (the new block ids appended to the CPU block-table rows, ``BlockTable.append_row``,
+            :class:`pagedkv.bench.runner_tables.V1BlockRows`). V1 builds no slot mapping and no padded table on
+            the CPU (its slot mapping is a GPU kernel), so none is charged. Ratios are given against all of V1's
+            parts and against its ``calls`` alone.
 ``prefix``  Allocation with hybrid prefix hits: a conversation's second turn. For prompt lengths 1k, 4k and
             16k tokens, ``--requests`` sessions each admit their first turn (L random tokens; untimed), free it
-            into the prefix cache, then admit the second turn (the first + 256 tokens), timed: the hit covers
-            the first turn's full blocks in the full group and the last window in every sliding group. pagedkv:
-            ``allocate(seq, tokens)`` (hashing included); V1: ``get_computed_blocks`` + ``allocate_slots`` +
-            ``get_blocks`` (its scheduler's admission calls), with the engine-side ``Request`` (where V1 hashes
-            the prompt's blocks) built untimed; its hashing time is kept apart, and the ratio with it added is
-            given too. The hit token counts of both are recorded (they must agree).
+            into the prefix cache, then admit the second turn (the first + 256 tokens), timed, the
+            implementations alternating admission by admission: the hit covers the first turn's full blocks in
+            the full group and the last window in every sliding group. pagedkv: ``allocate(seq, tokens)``
+            (hashing included); V1: ``hash`` (building the engine-side ``Request``, where V1 hashes the prompt's
+            blocks when it arrives) and ``calls`` (``get_computed_blocks`` + ``allocate_slots`` + ``get_blocks``,
+            its scheduler's admission calls). Ratios against V1's calls alone and against calls + hashing. The
+            hit token counts of both are recorded (they must agree).
 
 Per (implementation, setting) and repeat: the median over the timed calls (decode: after the first ``--skip``
-steps). Repeats are interleaved (every setting and implementation, then the next repeat) after one untimed
-warm-up per implementation; ratios pagedkv / V1 are taken per repeat, then median, min and max (below 1:
-pagedkv faster).
+steps). Repeats are sequential (every setting, then the next repeat) after one untimed warm-up; ratios pagedkv /
+V1 are taken per repeat, then median, min and max (below 1: pagedkv faster).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import gc
 import json
 import shlex
 import sys
@@ -55,7 +63,8 @@ import numpy as np
 from .._help import HelpFormatter, plain
 from .meta import machine as _machine, versions as _versions
 from .report import save_result
-from .runner_tables import GroupTables
+from .fair import CLOCK, alternate, clock_overhead, engine_gc, net
+from .runner_tables import V1BlockRows
 
 __all__ = ["BATCH_SIZES", "PREFIX_LENGTHS", "GEMMA3_WINDOWS", "gemma3_groups", "run_hybrid", "format_table", "main"]
 
@@ -124,11 +133,6 @@ def _cdiv(a: int, b: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- decode
-def _prompts(b: int, seed: int, context: tuple[int, int]) -> list[np.ndarray]:
-    rng = np.random.default_rng([seed, b])
-    lens = rng.integers(context[0], context[1] + 1, size=b)
-    return [rng.integers(0, VOCAB, size=int(n), dtype=np.int64) for n in lens]
-
 
 def _pool_blocks(b: int, longest: int, steps: int, windows: Sequence[int | None]) -> int:
     per_seq = 0
@@ -139,105 +143,160 @@ def _pool_blocks(b: int, longest: int, steps: int, windows: Sequence[int | None]
     return b * per_seq + transient + 16
 
 
-class _DecodeRun:
-    """One manager with B admitted sequences; ``step(tokens)`` returns (total ns, block-manager ns)."""
+class _Contender(NamedTuple):
+    name: str
+    step: Callable[[int], dict]  # call i -> its timed parts (ns by name)
 
-    def __init__(self, impl: _Impl, b: int, caching: bool, steps: int, seed: int, context: tuple[int, int],
-                 windows: Sequence[int | None]) -> None:
-        prompts = _prompts(b, seed, context)
-        self.bm = bm = impl.make(_pool_blocks(b, context[1], steps, windows), caching)
-        first = np.random.default_rng([seed, b, 3]).integers(0, VOCAB, size=b, dtype=np.int64)
-        v1 = impl.name != "pagedkv"
-        for i, p in enumerate(prompts):
-            bm.allocate(i, p)
-            # the sequence's first decode step, alone: both managers release the sliding groups' blocks
-            # outside the window there (so a pool sized for the windows admits every prompt)
-            if v1:
-                bm.prepare_step([i], first[i : i + 1])
-            bm.decode_step([i], first[i : i + 1])
-        self.seq_ids = list(range(b))
-        self.step = self._pagedkv_step if impl.name == "pagedkv" else self._v1_step(len(windows))
 
-    def _pagedkv_step(self, tokens: np.ndarray) -> tuple[int, int]:
-        clock = time.perf_counter_ns
+def _pagedkv_decoder(name: str, bm: Any, prompts: list[list[int]], first: list[int], toks: list[list[int]],
+                     clock: Callable[[], int]) -> _Contender:
+    """pagedkv as its engine runs it: ``decode_step(seq_ids, tokens)`` with the sampled tokens as a list of ints;
+    ``pagedkv``: ``block_tables=False`` (the step's changed table entries, what :class:`pagedkv.engine.LLM`
+    asks for), ``pagedkv-tables``: the padded tables. The slot mapping is built in both (pagedkv's engine has
+    no GPU to build it)."""
+    tables = name == "pagedkv-tables"
+    for i, p in enumerate(prompts):
+        bm.allocate(i, p)
+        bm.decode_step([i], [first[i]], block_tables=tables)  # its first step alone, untimed (see the docstring)
+    seq_ids = list(range(len(prompts)))
+    decode = bm.decode_step
+
+    def step(i: int) -> dict:
+        tokens = toks[i]
         t0 = clock()
-        self.bm.decode_step(self.seq_ids, tokens)
-        t = clock() - t0
-        return t, t
+        decode(seq_ids, tokens, block_tables=tables)
+        return {"calls": clock() - t0}
 
-    def _v1_step(self, ngroups: int) -> Callable[[np.ndarray], tuple[int, int]]:
-        bm, seq_ids = self.bm, self.seq_ids
-        runner = GroupTables(BLOCK_SIZE, len(seq_ids), ngroups)
-        for s in seq_ids:
-            runner.add_row(s, [bm.block_table(s, g) for g in range(ngroups)])
-        rows = np.asarray(seq_ids, dtype=np.int64)
-        prepare, decode, build = bm.prepare_step, bm.decode_step, runner.build
-        clock = time.perf_counter_ns
-
-        def step(tokens: np.ndarray) -> tuple[int, int]:
-            prepare(seq_ids, tokens)
-            t0 = clock()
-            out = decode(seq_ids, tokens)
-            t1 = clock()
-            build(rows, out.block_tables, [r.num_tokens for r in bm._batch])
-            return clock() - t0, t1 - t0
-
-        return step
+    return _Contender(name, step)
 
 
-def run_decode(impl: _Impl, b: int, caching: bool, steps: int, seed: int, skip: int,
-               context: tuple[int, int] = CONTEXT, windows: Sequence[int | None] = GEMMA3_WINDOWS) -> dict:
-    """One measured decode run: medians (us) over the steps after the first ``skip``."""
-    run = _DecodeRun(impl, b, caching, steps, seed, context, windows)
-    toks = np.random.default_rng([seed, b, 1]).integers(0, VOCAB, size=(steps, b), dtype=np.int64)
-    total = np.empty(steps, dtype=np.int64)
-    bm_ns = np.empty(steps, dtype=np.int64)
-    step = run.step
-    gc.collect()
-    for s in range(steps):
-        total[s], bm_ns[s] = step(toks[s])
-    k = min(skip, steps - 1)
-    out = {"us": float(np.median(total[k:])) / 1e3, "bm_us": float(np.median(bm_ns[k:])) / 1e3,
-           "free_blocks": int(run.bm.num_free_gpu_blocks)}
-    del run
-    gc.collect()
+def _v1_decoder(bm: Any, prompts: list[list[int]], first: list[int], toks: list[list[int]], ngroups: int,
+                width: int, clock: Callable[[], int]) -> _Contender:
+    """vLLM V1 charged with its engine's CPU work for the KV cache per decode step, in three parts:
+    ``request`` (``update_requests``: ``num_computed_tokens`` and ``append_output_token_ids``, where V1 hashes
+    a block that has just filled), ``calls`` (its scheduler's KV-cache-manager calls, the adapter's
+    ``decode_step``) and ``runner`` (the new block ids appended to the CPU block-table rows,
+    :class:`~pagedkv.bench.runner_tables.V1BlockRows`). No slot mapping or padded table: V1 builds none on the
+    CPU. The adapter's own bookkeeping (``stage``) is not timed."""
+    for i, p in enumerate(prompts):
+        bm.allocate(i, p)
+        bm.prepare_step([i], [first[i]])
+        bm.decode_step([i])
+    seq_ids = list(range(len(prompts)))
+    rows = V1BlockRows(len(seq_ids), ngroups, width)
+    for s in seq_ids:
+        rows.add_row(s, [bm.block_table(s, g) for g in range(ngroups)])
+    stage, update, decode, append = bm.stage, bm.update_requests, bm.decode_step, rows.append
+
+    def step(i: int) -> dict:
+        stage(seq_ids, toks[i])
+        t0 = clock()
+        update()
+        t1 = clock()
+        out = decode(seq_ids)
+        t2 = clock()
+        append(out.block_tables)
+        t3 = clock()
+        return {"request": t1 - t0, "calls": t2 - t1, "runner": t3 - t2}
+
+    step.rows = rows  # type: ignore[attr-defined]  # for tests: the rows V1's runner holds
+    return _Contender("vllm_v1", step)
+
+
+def _summarise(calls: list[dict], overhead: int, skip: int) -> dict:
+    """Medians (us) of the total and of each part over the calls after the first ``skip``, each part less one
+    clock read."""
+    k = min(skip, len(calls) - 1)
+    kept = [net(c, overhead) for c in calls[k:]]
+    parts = {name: float(np.median([c[name] for c in kept])) / 1e3 for name in kept[0]}
+    return {"us": float(np.median([sum(c.values()) for c in kept])) / 1e3, "parts_us": parts,
+            "calls_us": parts["calls"]}
+
+
+def _decoders(impls: Sequence[_Impl]) -> list[str]:
+    names = []
+    for impl in impls:
+        names += ["pagedkv", "pagedkv-tables"] if impl.name == "pagedkv" else [impl.name]
+    return names
+
+
+def run_decode(impls: Sequence[_Impl], b: int, caching: bool, steps: int, seed: int, skip: int,
+               context: tuple[int, int] = CONTEXT, windows: Sequence[int | None] = GEMMA3_WINDOWS,
+               clock: Callable[[], int] = CLOCK) -> dict[str, dict]:
+    """One measured decode run of every implementation, alternating step by step (see the module docstring):
+    per contender the medians (us) over the steps after the first ``skip``, and its free blocks."""
+    rng = np.random.default_rng([seed, b])
+    lens = rng.integers(context[0], context[1] + 1, size=b)
+    prompts = [rng.integers(0, VOCAB, size=int(n)).tolist() for n in lens]
+    first = np.random.default_rng([seed, b, 3]).integers(0, VOCAB, size=b).tolist()
+    toks = np.random.default_rng([seed, b, 1]).integers(0, VOCAB, size=(steps, b)).tolist()
+    pool = _pool_blocks(b, context[1], steps, windows)
+    width = _cdiv(context[1] + steps + 2, BLOCK_SIZE)
+    by_name = {i.name: i for i in impls}
+    managers = {n: by_name["pagedkv" if n.startswith("pagedkv") else n].make(pool, caching) for n in _decoders(impls)}
+    with engine_gc():
+        contenders = [_pagedkv_decoder(n, bm, prompts, first, toks, clock) if n.startswith("pagedkv") else
+                      _v1_decoder(bm, prompts, first, toks, len(windows), width, clock)
+                      for n, bm in managers.items()]
+        calls = alternate([c.step for c in contenders], steps)
+    overhead = clock_overhead(clock)
+    out = {}
+    for c, cs in zip(contenders, calls):
+        out[c.name] = {**_summarise(cs, overhead, skip), "free_blocks": int(managers[c.name].num_free_gpu_blocks)}
     return out
 
 
 # ---------------------------------------------------------------------------------------------- prefix hits
-def run_prefix(impl: _Impl, length: int, n: int, seed: int, windows: Sequence[int | None] = GEMMA3_WINDOWS) -> dict:
-    """``n`` second-turn admissions with a hybrid prefix hit (see the module docstring): medians (us) of the
-    timed admission, of V1's untimed request building (hashing), and the hit tokens of each."""
+def run_prefix(impls: Sequence[_Impl], length: int, n: int, seed: int,
+               windows: Sequence[int | None] = GEMMA3_WINDOWS, clock: Callable[[], int] = CLOCK) -> dict[str, dict]:
+    """``n`` second-turn admissions with a hybrid prefix hit per implementation, alternating admission by
+    admission (see the module docstring): per implementation the median (us) of the charged admission and of
+    its parts (V1: ``hash``, building the engine-side ``Request``, where V1 hashes the prompt's blocks, and
+    ``calls``, its scheduler's admission calls; pagedkv: ``calls``, ``allocate`` with its hashing), and the hit
+    tokens of each admission."""
     rng = np.random.default_rng([seed, length, 2])
-    firsts = [rng.integers(0, VOCAB, size=length, dtype=np.int64) for _ in range(n)]
-    seconds = [np.concatenate([f, rng.integers(0, VOCAB, size=TURN, dtype=np.int64)]) for f in firsts]
+    firsts = [rng.integers(0, VOCAB, size=length).tolist() for _ in range(n)]
+    seconds = [f + rng.integers(0, VOCAB, size=TURN).tolist() for f in firsts]
     nblk = _cdiv(length + TURN, BLOCK_SIZE)
-    bm = impl.make(len(windows) * nblk * (n + 2) + 16, True)
-    v1 = impl.name != "pagedkv"
-    clock = time.perf_counter_ns
-    adm = np.empty(n, dtype=np.int64)
-    req_ns = np.zeros(n, dtype=np.int64)
-    hits = []
-    gc.collect()
-    for i in range(n):
-        bm.allocate(i, firsts[i])
-        bm.free(i)
-        sid = n + i
-        if v1:
-            t0 = clock()
-            req = bm.make_request(sid, seconds[i])
-            t1 = clock()
-            hit = bm.admit(sid, req)
-            t2 = clock()
-            req_ns[i], adm[i] = t1 - t0, t2 - t1
+    managers = [(impl.name, impl.make(len(windows) * nblk * (n + 2) + 16, True)) for impl in impls]
+    hits: dict[str, list[int]] = {name: [] for name, _ in managers}
+
+    def contender(name: str, bm: Any) -> Callable[[int], dict]:
+        got = hits[name]
+        if name == "pagedkv":
+            allocate = bm.allocate
+
+            def step(i: int) -> dict:
+                bm.allocate(i, firsts[i])
+                bm.free(i)
+                prompt = seconds[i]
+                t0 = clock()
+                hit = allocate(n + i, prompt)
+                t1 = clock()
+                got.append(int(hit))
+                bm.free(n + i)
+                return {"calls": t1 - t0}
         else:
-            t0 = clock()
-            hit = bm.allocate(sid, seconds[i])
-            adm[i] = clock() - t0
-        hits.append(int(hit))
-        bm.free(sid)
-    return {"us": float(np.median(adm)) / 1e3, "hash_us": float(np.median(req_ns)) / 1e3,
-            "us_with_hash": float(np.median(adm + req_ns)) / 1e3, "hit_tokens": hits}
+            make, admit = bm.make_request, bm.admit
+
+            def step(i: int) -> dict:
+                bm.allocate(i, firsts[i])
+                bm.free(i)
+                prompt = seconds[i]
+                t0 = clock()
+                req = make(n + i, prompt)
+                t1 = clock()
+                hit = admit(n + i, req)
+                t2 = clock()
+                got.append(int(hit))
+                bm.free(n + i)
+                return {"hash": t1 - t0, "calls": t2 - t1}
+        return step
+
+    with engine_gc():
+        calls = alternate([contender(name, bm) for name, bm in managers], n)
+    overhead = clock_overhead(clock)
+    return {name: {**_summarise(cs, overhead, 0), "hit_tokens": hits[name]} for (name, _), cs in zip(managers, calls)}
 
 
 # ---------------------------------------------------------------------------------------------- the run
@@ -250,7 +309,7 @@ def run_hybrid(impl_names: Sequence[str], *, batch_sizes: Sequence[int] = BATCH_
                lengths: Sequence[int] = PREFIX_LENGTHS, steps: int = 64, repeats: int = 3, skip: int = 8,
                requests: int = 32, seed: int = 0, caching: Sequence[bool] = (True, False),
                context: tuple[int, int] = CONTEXT, parts: Sequence[str] = ("decode", "prefix"),
-               progress: Callable[[str], None] | None = None) -> dict:
+               progress: Callable[[str], None] | None = None, clock: Callable[[], int] = CLOCK) -> dict:
     """Run the benchmark; returns the result document (without machine/command, see :func:`main`)."""
     groups = gemma3_groups()
     windows = [getattr(g, "window", None) for g in groups]
@@ -262,12 +321,11 @@ def run_hybrid(impl_names: Sequence[str], *, batch_sizes: Sequence[int] = BATCH_
         else:
             impls.append(impl)
     say = progress or (lambda s: None)
-    for impl in impls:  # warm-up
-        if "decode" in parts:
-            for c in caching:
-                run_decode(impl, min(4, max(batch_sizes)), c, min(steps, 16), seed, 0, context, windows)
-        if "prefix" in parts:
-            run_prefix(impl, min(lengths), 4, seed, windows)
+    if "decode" in parts:  # warm-up
+        for c in caching:
+            run_decode(impls, min(4, max(batch_sizes)), c, min(steps, 16), seed, 0, context, windows, clock)
+    if "prefix" in parts:
+        run_prefix(impls, min(lengths), 4, seed, windows, clock)
     dec: dict[tuple[str, bool, int], list[dict]] = {}
     pre: dict[tuple[str, int], list[dict]] = {}
     for rep in range(repeats):
@@ -275,50 +333,50 @@ def run_hybrid(impl_names: Sequence[str], *, batch_sizes: Sequence[int] = BATCH_
             for b in batch_sizes:
                 say(f"repeat {rep + 1}/{repeats}: decode, batch {b}")
                 for c in caching:
-                    for impl in impls:
-                        dec.setdefault((impl.name, c, b), []).append(
-                            run_decode(impl, b, c, steps, seed, skip, context, windows))
+                    for name, r in run_decode(impls, b, c, steps, seed, skip, context, windows, clock).items():
+                        dec.setdefault((name, c, b), []).append(r)
         if "prefix" in parts:
             for length in lengths:
                 say(f"repeat {rep + 1}/{repeats}: prefix hits, {length} tokens")
-                for impl in impls:
-                    pre.setdefault((impl.name, length), []).append(run_prefix(impl, length, requests, seed, windows))
+                for name, r in run_prefix(impls, length, requests, seed, windows, clock).items():
+                    pre.setdefault((name, length), []).append(r)
     decode_results, decode_ratios = [], []
     for (name, c, b), rs in dec.items():
-        rec = {"impl": name, "prefix_caching": c, "batch": b, "us_per_step": _mmm([r["us"] for r in rs]),
-               "runs_us": [r["us"] for r in rs]}
-        if name != "pagedkv":
-            rec["bm_us_per_step"] = _mmm([r["bm_us"] for r in rs])
-        decode_results.append(rec)
-        base = dec.get(("pagedkv", c, b))
-        if name != "pagedkv" and base is not None:
-            decode_ratios.append({"anchor": name, "prefix_caching": c, "batch": b,
-                                  "ratio": _mmm([p["us"] / a["us"] for p, a in zip(base, rs)]),
-                                  "ratio_vs_bm_only": _mmm([p["us"] / a["bm_us"] for p, a in zip(base, rs)])})
+        decode_results.append({"impl": name, "prefix_caching": c, "batch": b, "us_per_step": _mmm([r["us"] for r in rs]),
+                               "parts_us": {p: _mmm([r["parts_us"][p] for r in rs]) for p in rs[0]["parts_us"]},
+                               "runs_us": [r["us"] for r in rs]})
+        if name.startswith("pagedkv"):
+            continue
+        for mine in ("pagedkv", "pagedkv-tables"):
+            base = dec.get((mine, c, b))
+            if base is not None:
+                decode_ratios.append({"impl": mine, "anchor": name, "prefix_caching": c, "batch": b,
+                                      "ratio": _mmm([p["us"] / a["us"] for p, a in zip(base, rs)]),
+                                      "ratio_vs_calls_only": _mmm([p["us"] / a["calls_us"] for p, a in zip(base, rs)])})
     prefix_results, prefix_ratios = [], []
     for (name, length), rs in pre.items():
-        rec = {"impl": name, "prompt_tokens": length + TURN, "us_per_allocate": _mmm([r["us"] for r in rs]),
-               "hit_tokens_median": float(np.median(rs[0]["hit_tokens"])), "hit_tokens": rs[0]["hit_tokens"]}
-        if name != "pagedkv":
-            rec["hash_us"] = _mmm([r["hash_us"] for r in rs])
-            rec["us_with_hash"] = _mmm([r["us_with_hash"] for r in rs])
-        prefix_results.append(rec)
+        prefix_results.append({"impl": name, "prompt_tokens": length + TURN, "us_per_allocate": _mmm([r["us"] for r in rs]),
+                               "parts_us": {p: _mmm([r["parts_us"][p] for r in rs]) for p in rs[0]["parts_us"]},
+                               "hit_tokens_median": float(np.median(rs[0]["hit_tokens"])),
+                               "hit_tokens": rs[0]["hit_tokens"]})
         base = pre.get(("pagedkv", length))
         if name != "pagedkv" and base is not None:
             prefix_ratios.append({
-                "anchor": name, "prompt_tokens": length + TURN,
-                "ratio": _mmm([p["us"] / a["us"] for p, a in zip(base, rs)]),
-                "ratio_vs_with_hash": _mmm([p["us"] / a["us_with_hash"] for p, a in zip(base, rs)]),
-                "same_hits": base[0]["hit_tokens"] == rs[0]["hit_tokens"]})
+                "impl": "pagedkv", "anchor": name, "prompt_tokens": length + TURN,
+                "ratio": _mmm([p["us"] / a["calls_us"] for p, a in zip(base, rs)]),
+                "ratio_vs_with_hash": _mmm([p["us"] / a["us"] for p, a in zip(base, rs)]),
+                "same_hits": all(p["hit_tokens"] == a["hit_tokens"] for p, a in zip(base, rs))})
     return {
-        "schema": 1,
+        "schema": 2,
         "kind": "hybrid",
         "config": {"impl": list(impl_names), "groups": [{"kind": getattr(g, "kind", None), "window": w}
                                                         for g, w in zip(groups, windows)],
                    "block_size": BLOCK_SIZE, "batch_sizes": list(batch_sizes), "context": list(context),
                    "steps": steps, "skip_steps": skip, "repeats": repeats, "prefix_caching": list(caching),
                    "prefix_lengths": list(lengths), "turn_tokens": TURN, "requests": requests, "seed": seed,
-                   "parts": list(parts)},
+                   "parts": list(parts), "clock": getattr(clock, "__name__", str(clock)),
+                   "clock_overhead_ns": clock_overhead(clock), "gc": "frozen after the managers are built",
+                   "alternation": "call by call"},
         "versions_impl": {i.name: i.version for i in impls},
         "skipped": skipped,
         "decode": decode_results,
@@ -329,66 +387,81 @@ def run_hybrid(impl_names: Sequence[str], *, batch_sizes: Sequence[int] = BATCH_
 
 
 # ---------------------------------------------------------------------------------------------- report
+def _cell(q: dict) -> str:
+    return f"{q['median']:.3g} [{q['min']:.3g}-{q['max']:.3g}]"
+
+
 def format_table(doc: dict) -> str:
     """Markdown tables: decode us per step and ratios per batch size (caching on, off); prefix-hit admission."""
     out: list[str] = []
-    impls = sorted({r["impl"] for r in doc["decode"] + doc["prefix"]}, key=lambda n: (n != "pagedkv", n))
+    impls = sorted({r["impl"] for r in doc["decode"] + doc["prefix"]}, key=lambda n: (not n.startswith("pagedkv"), n))
     for c in doc["config"]["prefix_caching"]:
         rows = [r for r in doc["decode"] if r["prefix_caching"] == c]
         if not rows:
             continue
         by = {(r["impl"], r["batch"]): r for r in rows}
-        rat = {r["batch"]: r for r in doc["decode_ratios"] if r["prefix_caching"] == c}
-        out += [f"decode step, prefix caching {'on' if c else 'off'}: median us per step [min-max across repeats]; "
-                "ratio pagedkv / vllm_v1 (below 1: pagedkv faster), in parentheses vs V1's KV-manager calls alone",
-                "", "| batch | " + " | ".join(impls) + (" | ratio |" if rat else " |"),
-                "|---" * (len(impls) + 1 + bool(rat)) + "|"]
+        rat = {(r.get("impl", "pagedkv"), r["batch"]): r for r in doc["decode_ratios"] if r["prefix_caching"] == c}
+        pairs = sorted({(r.get("impl", "pagedkv"), r["anchor"]) for r in doc["decode_ratios"]
+                        if r["prefix_caching"] == c})
+        out += [f"decode step, prefix caching {'on' if c else 'off'}: median us of CPU time per step [min-max across "
+                "repeats]; ratio pagedkv / V1 charged with its engine's CPU work (request update with hashing, "
+                "KV-manager calls, block-id appends; below 1: pagedkv faster), in parentheses vs V1's KV-manager "
+                "calls alone", "",
+                "| batch | " + " | ".join(impls) + "".join(f" | {p} / {a}" for p, a in pairs) + " |",
+                "|---" * (len(impls) + 1 + len(pairs)) + "|"]
         for b in sorted({r["batch"] for r in rows}):
             cells = []
             for name in impls:
                 r = by.get((name, b))
-                cells.append("-" if r is None else
-                             f"{r['us_per_step']['median']:.1f} [{r['us_per_step']['min']:.1f}-{r['us_per_step']['max']:.1f}]")
-            line = f"| {b} | " + " | ".join(cells)
-            if rat:
-                q = rat.get(b)
-                line += " | " + ("-" if q is None else
-                                 f"{q['ratio']['median']:.3g} [{q['ratio']['min']:.3g}-{q['ratio']['max']:.3g}] "
-                                 f"({q['ratio_vs_bm_only']['median']:.3g})")
-            out.append(line + " |")
+                cells.append("-" if r is None else f"{r['us_per_step']['median']:.1f} [{r['us_per_step']['min']:.1f}-"
+                             f"{r['us_per_step']['max']:.1f}]")
+            for p, _a in pairs:
+                q = rat.get((p, b))
+                if q is None:
+                    cells.append("-")
+                    continue
+                alone = q.get("ratio_vs_calls_only", q.get("ratio_vs_bm_only"))  # schema 1 files: ratio_vs_bm_only
+                cells.append(f"{_cell(q['ratio'])} ({alone['median']:.3g})")
+            out.append(f"| {b} | " + " | ".join(cells) + " |")
         out.append("")
     if doc["prefix"]:
         by = {(r["impl"], r["prompt_tokens"]): r for r in doc["prefix"]}
         rat = {r["prompt_tokens"]: r for r in doc["prefix_ratios"]}
-        out += ["allocate with a hybrid prefix hit (second turn of a conversation): median us per admission; hit "
-                "tokens; for vllm_v1 its scheduler's calls alone and, apart, with its request hashing added (V1 "
+        pimpls = [n for n in impls if any(k[0] == n for k in by)]
+        out += ["allocate with a hybrid prefix hit (second turn of a conversation): median us of CPU time per "
+                "admission; hit tokens; for vllm_v1 its scheduler's calls alone and with its request hashing (V1 "
                 "hashes a request's blocks when it arrives); ratios pagedkv / vllm_v1 [min-max across repeats]", "",
                 "| prompt tokens | " + " | ".join(f"{n} us | {n} + hashing us | {n} hit" if n != "pagedkv" else
-                                                  f"{n} us | {n} hit" for n in impls)
+                                                  f"{n} us | {n} hit" for n in pimpls)
                 + (" | ratio vs calls alone | ratio vs calls + hashing |" if rat else " |"),
-                "|---" * (2 * len(impls) + sum(n != "pagedkv" for n in impls) + 1 + 2 * bool(rat)) + "|"]
+                "|---" * (2 * len(pimpls) + sum(n != "pagedkv" for n in pimpls) + 1 + 2 * bool(rat)) + "|"]
         for t in sorted({r["prompt_tokens"] for r in doc["prefix"]}):
             cells = []
-            for name in impls:
+            for name in pimpls:
                 r = by.get((name, t))
                 wide = name != "pagedkv"
                 if r is None:
                     cells += ["-"] * (3 if wide else 2)
                     continue
-                cells.append(f"{r['us_per_allocate']['median']:.1f}")
-                if wide:
+                if wide and "parts_us" not in r:  # a schema 1 file: us_per_allocate is V1's calls alone
                     w = r.get("us_with_hash")
-                    cells.append("-" if w is None else f"{w['median']:.1f}")
+                    cells += [f"{r['us_per_allocate']['median']:.1f}", "-" if w is None else f"{w['median']:.1f}"]
+                elif wide:
+                    cells += [f"{r['parts_us']['calls']['median']:.1f}", f"{r['us_per_allocate']['median']:.1f}"]
+                else:
+                    cells.append(f"{r['us_per_allocate']['median']:.1f}")
                 cells.append(f"{r['hit_tokens_median']:.0f}")
             line = f"| {t} | " + " | ".join(cells)
             if rat:
                 q = rat.get(t)
-                line += " | " + ("- | -" if q is None else
-                                 f"{q['ratio']['median']:.3g} [{q['ratio']['min']:.3g}-{q['ratio']['max']:.3g}] | "
-                                 f"{q['ratio_vs_with_hash']['median']:.3g} [{q['ratio_vs_with_hash']['min']:.3g}-"
-                                 f"{q['ratio_vs_with_hash']['max']:.3g}]" + ("" if q["same_hits"] else " hits differ"))
+                line += " | " + ("- | -" if q is None else f"{_cell(q['ratio'])} | {_cell(q['ratio_vs_with_hash'])}"
+                                 + ("" if q["same_hits"] else " hits differ"))
             out.append(line + " |")
         out.append("")
+    cfg = doc["config"]
+    if "clock" in cfg:
+        out.append(f"clock {cfg['clock']} (one read {cfg['clock_overhead_ns']} ns, subtracted from each timed part); "
+                   f"implementations alternating {cfg['alternation']}; gc {cfg['gc']}")
     for name, why in doc.get("skipped", {}).items():
         out.append(f"skipped {name}: {why}")
     return "\n".join(out).rstrip() + "\n"

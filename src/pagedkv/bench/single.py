@@ -11,8 +11,10 @@ one, the lookahead count checked, room checked before anything changes) and the 
 so the same calls give the same block tables, copy-on-write pairs and free-block order as pagedkv
 (``tests/test_single.py`` checks it on random call sequences).
 
-What is measured. Per repeat, on a fresh manager (caching off, block size 16), ``--seqs`` N sequences go
-through, each call timed alone with ``time.perf_counter_ns``:
+What is measured. Per repeat, on a fresh manager per implementation (caching off, block size 16), ``--seqs`` N
+sequences go through, each call timed alone in CPU time of the thread (``time.thread_time_ns``, one clock read
+subtracted), the implementations alternating call by call and the garbage collector frozen once the managers are
+built (:mod:`pagedkv.bench.fair`):
 
 ``allocate``        N prompts of 20 tokens (lists of Python ints);
 ``append_slots``    ``--rounds`` rounds of one token per sequence (``append_slots(seq, [tok])``), so one call
@@ -25,17 +27,18 @@ through, each call timed alone with ``time.perf_counter_ns``:
 The figure per call is the mean over the N (or rounds x N) calls of a repeat (what a loop over the sequences
 costs per sequence, the calls that take a new block included), leaving out the slowest 1% of the calls (on a
 shared machine a call now and then waits milliseconds for the CPU, which would swamp a mean of microsecond
-calls); the untrimmed mean and the median are in the JSON too. The table gives the median across ``--repeats`` interleaved repeats (every implementation
-in turn, then the next repeat) with the min and max, and the ratio to the reference per repeat (median, min,
-max). The per-call median is in the JSON too.
+calls); the untrimmed mean and the median are in the JSON too. The table gives the median across ``--repeats``
+repeats with the min and max, and the ratio to the reference per repeat (median, min, max). The per-call median
+is in the JSON too.
 
 Anchors (run under the anchor's virtualenv): the block-manager calls the anchor's scheduler makes for the same
 step, called on the anchor directly; the engine-side objects they take (nano-vllm ``Sequence``, vLLM v2
-``Sequence`` / ``SequenceGroup`` and a fork's deep copy, vLLM V1 ``Request``) are made, and the sampled token
-appended to them, untimed. ``allocate``: nano-vllm ``can_allocate`` + ``allocate``, vLLM v2 ``can_allocate`` +
+``Sequence`` / ``SequenceGroup`` and a fork's deep copy, vLLM V1 ``Request``) are made, and (except for V1) the
+sampled token appended to them, untimed; V1's request update (``Request.append_output_token_ids``, where V1
+hashes a block that has filled) is timed with its ``append_slots``. ``allocate``: nano-vllm ``can_allocate`` + ``allocate``, vLLM v2 ``can_allocate`` +
 ``allocate``, vLLM V1 ``get_computed_blocks`` + ``allocate_slots``; ``append_slots``: the dict lookup of the
-anchor's sequence object, then nano-vllm ``may_append``, vLLM v2 ``append_slots(seq, 0)``, vLLM V1
-``allocate_slots(request, 1)``; ``fork``: vLLM v2 ``fork(parent, child)``; ``free``: nano-vllm ``deallocate``,
+anchor's sequence object, then nano-vllm ``may_append``, vLLM v2 ``append_slots(seq, 0)``, vLLM V1 the request
+update and ``allocate_slots(request, 1)``; ``fork``: vLLM v2 ``fork(parent, child)``; ``free``: nano-vllm ``deallocate``,
 vLLM v2 ``free``, vLLM V1 ``free``. nano-vllm and vLLM V1 have no fork (no ``fork`` or ``append_cow`` rows).
 """
 
@@ -43,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import gc
 import json
 import shlex
 import sys
@@ -64,6 +66,7 @@ from ..errors import (
 )
 from .._help import HelpFormatter, plain
 from .meta import machine as _machine, versions as _versions
+from .fair import CLOCK, alternate, clock_overhead, engine_gc
 from .report import save_result
 
 __all__ = ["CALLS", "Reference", "run_single", "format_table", "main"]
@@ -202,7 +205,7 @@ class _Driver:
 
     def __init__(self, name: str, num_blocks: int) -> None:
         self.name = name
-        self.clock = time.perf_counter_ns
+        self.clock = CLOCK
         if name == "reference":
             self.mgr = Reference(num_blocks, BLOCK_SIZE)
         else:
@@ -333,8 +336,9 @@ class _VllmV1(_Driver):
 
     def append(self, sid: int, tok: list) -> int:
         a = self.mgr
-        a.prepare_step([sid], [tok])  # untimed: num_computed_tokens, Request.append_output_token_ids
+        a.stage([sid], [tok])  # untimed: the adapter's own bookkeeping
         t0 = self.clock()
+        a.update_requests()  # V1's engine: num_computed_tokens, Request.append_output_token_ids (its hashing)
         a.km.allocate_slots(a._reqs[sid], 1)
         return self.clock() - t0
 
@@ -350,39 +354,48 @@ class _VllmV1(_Driver):
 _DRIVERS = {"nanovllm": _NanoVllm, "vllm_v2": _VllmV2, "vllm_v1": _VllmV1}
 
 
-def _one_repeat(name: str, n: int, rounds: int, seed: int) -> dict:
+def _one_repeat(names: Sequence[str], n: int, rounds: int, seed: int) -> dict[str, dict]:
+    """One repeat of every implementation in ``names``, alternating call by call (call i of every implementation
+    before call i + 1 of any, the first rotating; :func:`pagedkv.bench.fair.alternate`), the garbage collector
+    frozen once the managers are built. Returns per implementation its figures per call (one clock read
+    subtracted from each call). LookupError if an implementation cannot run here."""
     rng = np.random.default_rng(seed)
     prompts = rng.integers(0, 32_000, size=(n, PROMPT_LEN)).tolist()
     toks = [[[t] for t in row] for row in rng.integers(0, 32_000, size=(rounds + 1, n)).tolist()]
     num_blocks = 2 * n * (-(-(PROMPT_LEN + rounds + 1) // BLOCK_SIZE) + 1) + 16
-    d = _DRIVERS.get(name, _Driver)(name, num_blocks)
-    ns: dict[str, list[int]] = {c: [] for c in CALLS}
-    gc.collect()
-    for i in range(n):
-        ns["allocate"].append(d.allocate(i, prompts[i]))
-    app = ns["append_slots"]
-    for r in range(rounds):
-        row = toks[r]
-        for i in range(n):
-            app.append(d.append(i, row[i]))
-    if d.has_fork:
-        for i in range(n):
-            ns["fork"].append(d.fork(i, n + i))
-        row = toks[rounds]
-        for i in range(n):
-            ns["append_cow"].append(d.append(n + i, row[i]))
-        for i in range(n):
-            ns["free"].append(d.free(n + i))
-    for i in range(n):
-        ns["free"].append(d.free(i))
-    out = {}
-    for c, v in ns.items():
-        if v:
-            a = np.asarray(v, dtype=np.int64)
-            kept = a[a <= np.percentile(a, 99)]  # drop the 1% slowest: the OS preempting the process
-            out[c] = {"mean_us": float(kept.mean()) / 1e3, "raw_mean_us": float(a.mean()) / 1e3,
-                      "median_us": float(np.median(a)) / 1e3, "calls": len(v)}
-    return out
+    drivers = {name: _DRIVERS.get(name, _Driver)(name, num_blocks) for name in names}
+    ns: dict[str, dict[str, list[int]]] = {name: {c: [] for c in CALLS} for name in names}
+
+    def phase(call: str, which: dict, fn: Callable[[Any, int], int]) -> None:
+        order = list(which.items())
+        runs = alternate([lambda i, d=d: {"x": fn(d, i)} for _, d in order], n)
+        for (name, _), got in zip(order, runs):
+            ns[name][call].extend(g["x"] for g in got)
+
+    with engine_gc():
+        phase("allocate", drivers, lambda d, i: d.allocate(i, prompts[i]))
+        for r in range(rounds):
+            row = toks[r]
+            phase("append_slots", drivers, lambda d, i: d.append(i, row[i]))
+        forking = {name: d for name, d in drivers.items() if d.has_fork}
+        if forking:
+            phase("fork", forking, lambda d, i: d.fork(i, n + i))
+            row = toks[rounds]
+            phase("append_cow", forking, lambda d, i: d.append(n + i, row[i]))
+            phase("free", forking, lambda d, i: d.free(n + i))
+        phase("free", drivers, lambda d, i: d.free(i))
+    overhead = clock_overhead()
+    result: dict[str, dict] = {}
+    for name in names:
+        out = {}
+        for c, v in ns[name].items():
+            if v:
+                a = np.maximum(np.asarray(v, dtype=np.int64) - overhead, 0)
+                kept = a[a <= np.percentile(a, 99)]  # drop the 1% slowest: the OS preempting the process
+                out[c] = {"mean_us": float(kept.mean()) / 1e3, "raw_mean_us": float(a.mean()) / 1e3,
+                          "median_us": float(np.median(a)) / 1e3, "calls": len(v)}
+        result[name] = out
+    return result
 
 
 def _mmm(vals: Sequence[float]) -> dict:
@@ -395,18 +408,19 @@ def run_single(impl_names: Sequence[str], *, seqs: int = 1000, rounds: int = 16,
     """Run the benchmark (the reference is always included); returns the result document's body."""
     names = ["reference", *[n for n in impl_names if n != "reference"]]
     skipped: dict[str, str] = {}
-    for name in names:  # warm-up, and find out what cannot run here
+    for name in names:  # find out what cannot run here
         try:
-            _one_repeat(name, min(seqs, 64), 2, seed)
+            _one_repeat([name], 8, 1, seed)
         except LookupError as exc:
             skipped[name] = str(exc)
     names = [n for n in names if n not in skipped]
+    _one_repeat(names, min(seqs, 64), 2, seed)  # warm-up
     say = progress or (lambda s: None)
     reps: dict[str, list[dict]] = {n: [] for n in names}
     for rep in range(repeats):
         say(f"repeat {rep + 1}/{repeats}")
-        for name in names:
-            reps[name].append(_one_repeat(name, seqs, rounds, seed + rep))
+        for name, got in _one_repeat(names, seqs, rounds, seed + rep).items():
+            reps[name].append(got)
     results = []
     for name, rs in reps.items():
         for call in CALLS:

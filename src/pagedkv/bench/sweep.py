@@ -4,31 +4,38 @@
 ``python -m pagedkv.bench sweep report FILE.json ... [--plot DIR]`` merges the files of several runs (one per
 anchor virtualenv) into one table and chart.
 
-What is measured. For each batch size B and prefix caching off and on, a fresh manager (pool: every sequence's
-final length fits, plus 16 blocks) admits B prompts of 64..256 seeded random tokens (untimed), then runs
+What is measured. For each batch size B and prefix caching off and on, fresh managers (pool: every sequence's
+final length fits, plus 16 blocks) admit B prompts of 64..256 seeded random tokens (untimed), then run
 ``--steps`` decode steps of one new token per sequence, the same B sequences every step (the same list object,
-as an engine passes its running batch). Only the step is timed (``time.perf_counter_ns`` around it):
+as an engine passes its running batch), the implementations alternating step by step. Timing follows
+:mod:`pagedkv.bench.fair`: CPU time of the thread, one clock read subtracted per timed part, the garbage
+collector frozen once the managers are built, the sampled tokens as a list of Python ints. Each implementation
+is charged with what its own engine does on the CPU per step:
 
-- pagedkv: ``decode_step(seq_ids, tokens)`` with the tokens as an int64 array; it returns the slot mapping, the
-  block tables padded into one matrix, the sequence lengths and the copy-on-write pairs;
-- an anchor: its adapter's untimed ``prepare_step`` (the engine appending the sampled token to its own sequence
-  objects), then, timed, the adapter's ``decode_step`` (the block-manager calls its scheduler makes for a
-  decode batch: nano-vllm ``may_append`` per sequence; vLLM v2 ``append_slots`` + ``get_block_table`` +
-  ``access_all_blocks_in_seq`` (+ ``get_common_computed_block_ids``) + ``mark_blocks_as_computed``; vLLM V1
-  ``allocate_slots`` per request and the per-step ``take_*`` calls, see each adapter's docstring) followed by
-  building the same three arrays pagedkv returns, as the anchor's model runner does
-  (:mod:`pagedkv.bench.runner_tables`). The two parts are also recorded apart (``bm`` and ``tables``).
+- ``pagedkv``: ``decode_step(seq_ids, tokens, block_tables=False)``, what its engine asks for (slot mapping,
+  lengths, copy-on-write pairs and the changed table entries); ``pagedkv-tables``: the same call returning the
+  padded block tables;
+- nano-vllm and vLLM v2, two figures: ``calls``, the block-manager calls their scheduler makes for a decode batch
+  (nano-vllm ``may_append`` per sequence; vLLM v2 ``append_slots`` + ``get_block_table`` +
+  ``access_all_blocks_in_seq`` (+ ``get_common_computed_block_ids``) + ``mark_blocks_as_computed``), and ``calls``
+  + ``tables``, building the slot mapping, padded tables and lengths as their model runner does on the CPU
+  (:class:`pagedkv.bench.runner_tables.ListTables`). The engine appending the sampled token to its own sequence
+  objects (the adapter's ``prepare_step``) is not timed;
+- vLLM V1: ``request`` (``Request.append_output_token_ids``, where V1 hashes a block that has just filled),
+  ``calls`` (``allocate_slots`` per request and the per-step ``take_*`` calls) and ``runner`` (the new block ids
+  appended to the CPU block-table rows); no slot mapping or padded table, which V1 builds on the GPU.
 
-The anchors' per-sequence capacity checks (nano-vllm ``can_append``, vLLM v2 ``can_append_slots``) are not made:
-the pool always has room, and pagedkv's step is all-or-nothing without one. nano-vllm cannot turn prefix caching
-off: its "off" runs cache all the same. With random prompts no prefix is shared, so "on" measures the cost of
-hashing and registering the blocks that fill. The loop is tight (nothing evicts the managers' arrays from the
-CPU caches between steps, unlike the replay suite), so these are warm-cache figures.
+The ratio pagedkv / anchor is given against everything the anchor is charged with and, in parentheses, against
+its block-manager calls alone. The anchors' per-sequence capacity checks (nano-vllm ``can_append``, vLLM v2
+``can_append_slots``) are not made: the pool always has room, and pagedkv's step is all-or-nothing without one.
+nano-vllm cannot turn prefix caching off: its "off" runs cache all the same. With random prompts no prefix is
+shared, so "on" measures the cost of hashing and registering the blocks that fill. The loop is tight (nothing
+evicts the managers' arrays from the CPU caches between steps, unlike the replay suite), so these are warm-cache
+figures.
 
-Per (implementation, caching, B) and repeat: the median over the steps after the first ``--skip`` ones.
-Repeats are interleaved (repeat 1 of every B and implementation, then repeat 2, ...) after one untimed warm-up
-run per implementation; the table gives the median across repeats with the min and max. The ratio pagedkv /
-anchor is taken per repeat from runs in the same process, back to back, then its median, min and max across
+Per (implementation, caching, B) and repeat: the median over the steps after the first ``--skip`` ones. Repeats
+are sequential (repeat 1 of every B, then repeat 2, ...) after one untimed warm-up run; the table gives the
+median across repeats with the min and max. Ratios are taken per repeat, then their median, min and max across
 repeats (below 1: pagedkv is faster).
 """
 
@@ -36,13 +43,12 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import gc
 import json
 import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -50,7 +56,8 @@ from .._help import HelpFormatter, plain
 from .harness import Impl, resolve_impl
 from .meta import machine as _machine, versions as _versions
 from .report import save_result
-from .runner_tables import ListTables, PersistentTables
+from .fair import CLOCK, alternate, clock_overhead, engine_gc, net
+from .runner_tables import ListTables, V1BlockRows
 
 __all__ = ["BATCH_SIZES", "run_sweep", "merge", "format_table", "plot", "main"]
 
@@ -61,87 +68,108 @@ PROMPT_LEN = (64, 256)
 VOCAB = 32_000
 
 
-def _prompts(b: int, seed: int) -> list[np.ndarray]:
+def _prompts(b: int, seed: int) -> list[list[int]]:
     rng = np.random.default_rng([seed, b])
     lens = rng.integers(PROMPT_LEN[0], PROMPT_LEN[1] + 1, size=b)
-    return [rng.integers(0, VOCAB, size=int(n), dtype=np.int64) for n in lens]
+    return [rng.integers(0, VOCAB, size=int(n)).tolist() for n in lens]
 
 
-def _tokens(b: int, steps: int, seed: int) -> np.ndarray:
-    return np.random.default_rng([seed, b, 1]).integers(0, VOCAB, size=(steps, b), dtype=np.int64)
+def _tokens(b: int, steps: int, seed: int) -> list[list[int]]:
+    return np.random.default_rng([seed, b, 1]).integers(0, VOCAB, size=(steps, b)).tolist()
 
 
-class _Run:
-    """One manager with B admitted sequences; ``step(tokens)`` returns (total ns, block-manager ns)."""
+def contenders_of(impls: Sequence[Impl]) -> list[str]:
+    """The contenders of a run: pagedkv twice (``pagedkv``: ``block_tables=False``, what its engine asks for;
+    ``pagedkv-tables``: the padded tables), every anchor once."""
+    names = []
+    for impl in impls:
+        names += ["pagedkv", "pagedkv-tables"] if impl.name == "pagedkv" else [impl.name]
+    return names
 
-    def __init__(self, impl: Impl, b: int, caching: bool, steps: int, seed: int) -> None:
-        prompts = _prompts(b, seed)
-        per_seq = -(-(PROMPT_LEN[1] + steps + 1) // BLOCK_SIZE)
-        self.bm = bm = impl.factory(b * per_seq + 16, BLOCK_SIZE, enable_prefix_caching=caching)
-        for i, p in enumerate(prompts):
-            bm.allocate(i, p)
-        self.seq_ids = list(range(b))
-        self.step = self._pagedkv_step if impl.name == "pagedkv" else self._anchor_step(impl.name)
 
-    def _pagedkv_step(self, tokens: np.ndarray) -> tuple[int, int]:
-        clock = time.perf_counter_ns
-        t0 = clock()
-        self.bm.decode_step(self.seq_ids, tokens)
-        t = clock() - t0
-        return t, t
+def make_step(name: str, bm: Any, prompts: list[list[int]], toks: list[list[int]], steps: int,
+              clock: Callable[[], int] = CLOCK) -> Callable[[int], dict]:
+    """Admit ``prompts`` into ``bm`` (untimed) and return its timed step: call i runs decode step i with the
+    tokens ``toks[i]`` and returns its parts (ns by name). What each contender is charged with is in the module
+    docstring."""
+    for i, p in enumerate(prompts):
+        bm.allocate(i, p)
+    seq_ids = list(range(len(prompts)))
+    if name.startswith("pagedkv"):
+        tables = name == "pagedkv-tables"
+        decode = bm.decode_step
 
-    def _anchor_step(self, name: str) -> Callable[[np.ndarray], tuple[int, int]]:
-        bm, seq_ids = self.bm, self.seq_ids
-        prepare, decode = bm.prepare_step, bm.decode_step
-        clock = time.perf_counter_ns
-        if name == "vllm_v1":
-            runner = PersistentTables(BLOCK_SIZE, len(seq_ids))
-            for s in seq_ids:
-                runner.add_row(s, bm.block_table(s))
-            rows = np.asarray(seq_ids, dtype=np.int64)
-            build = runner.build
-
-            def step(tokens: np.ndarray) -> tuple[int, int]:
-                prepare(seq_ids, tokens)
-                t0 = clock()
-                out = decode(seq_ids, tokens)
-                t1 = clock()
-                build(rows, out.block_tables, [r.num_tokens for r in bm._batch])
-                return clock() - t0, t1 - t0
-
-            return step
-        build = ListTables(BLOCK_SIZE).build
-        if name == "nanovllm":
-            lens = lambda: [len(s) for s in bm._batch]  # noqa: E731 - nano-vllm's runner: len(seq)
-        elif name == "vllm_v2":
-            seqs = bm._seqs
-            lens = lambda: [seqs[s].get_len() for s in seq_ids]  # noqa: E731 - vLLM v2's runner: seq_data.get_len()
-        else:  # pragma: no cover - a new anchor needs its runner's lengths here
-            raise NotImplementedError(f"the sweep does not know how {name}'s model runner reads sequence lengths")
-
-        def step(tokens: np.ndarray) -> tuple[int, int]:
-            prepare(seq_ids, tokens)
+        def step(i: int) -> dict:
+            tokens = toks[i]
             t0 = clock()
-            out = decode(seq_ids, tokens)
-            t1 = clock()
-            build(out.block_tables, lens())
-            return clock() - t0, t1 - t0
+            decode(seq_ids, tokens, block_tables=tables)
+            return {"calls": clock() - t0}
 
         return step
+    if name == "vllm_v1":
+        rows = V1BlockRows(len(seq_ids), 1, -(-(PROMPT_LEN[1] + steps + 2) // BLOCK_SIZE))
+        for s in seq_ids:
+            rows.add_row(s, [bm.block_table(s)])
+        stage, update, decode, append = bm.stage, bm.update_requests, bm.decode_step, rows.append
+
+        def step(i: int) -> dict:
+            stage(seq_ids, toks[i])
+            t0 = clock()
+            update()
+            t1 = clock()
+            out = decode(seq_ids)
+            t2 = clock()
+            append(out.block_tables)
+            t3 = clock()
+            return {"request": t1 - t0, "calls": t2 - t1, "runner": t3 - t2}
+
+        step.rows = rows  # type: ignore[attr-defined]
+        return step
+    build = ListTables(BLOCK_SIZE).build
+    if name == "nanovllm":
+        lens = lambda: [len(s) for s in bm._batch]  # noqa: E731 - nano-vllm's runner: len(seq)
+    elif name == "vllm_v2":
+        seqs = bm._seqs
+        lens = lambda: [seqs[s].get_len() for s in seq_ids]  # noqa: E731 - vLLM v2's runner: seq_data.get_len()
+    else:  # pragma: no cover - a new anchor needs its runner's lengths here
+        raise NotImplementedError(f"the sweep does not know how {name}'s model runner reads sequence lengths")
+    prepare, decode = bm.prepare_step, bm.decode_step
+
+    def step(i: int) -> dict:
+        prepare(seq_ids, toks[i])
+        t0 = clock()
+        out = decode(seq_ids, toks[i])
+        t1 = clock()
+        build(out.block_tables, lens())
+        t2 = clock()
+        return {"calls": t1 - t0, "tables": t2 - t1}
+
+    return step
 
 
-def run_one(impl: Impl, b: int, caching: bool, steps: int, seed: int, skip: int) -> dict:
-    """One measured run: medians (us) over the steps after the first ``skip``."""
-    run = _Run(impl, b, caching, steps, seed)
+def run_one(impls: Sequence[Impl], b: int, caching: bool, steps: int, seed: int, skip: int,
+            clock: Callable[[], int] = CLOCK) -> dict[str, dict]:
+    """One measured run of every contender, alternating step by step: per contender the medians (us) of the
+    charged step (``us``), of the anchor's block-manager calls alone (``bm_us``) and of each part."""
+    prompts = _prompts(b, seed)
     toks = _tokens(b, steps, seed)
-    total = np.empty(steps, dtype=np.int64)
-    bm = np.empty(steps, dtype=np.int64)
-    step = run.step
-    gc.collect()
-    for s in range(steps):
-        total[s], bm[s] = step(toks[s])
+    per_seq = -(-(PROMPT_LEN[1] + steps + 1) // BLOCK_SIZE)
+    by_name = {i.name: i for i in impls}
+    managers = {n: by_name["pagedkv" if n.startswith("pagedkv") else n].factory(b * per_seq + 16, BLOCK_SIZE,
+                                                                                  enable_prefix_caching=caching)
+                for n in contenders_of(impls)}
+    with engine_gc():
+        stepping = [make_step(n, bm, prompts, toks, steps, clock) for n, bm in managers.items()]
+        calls = alternate(stepping, steps)
+    overhead = clock_overhead(clock)
     k = min(skip, steps - 1)
-    return {"us": float(np.median(total[k:])) / 1e3, "bm_us": float(np.median(bm[k:])) / 1e3}
+    out = {}
+    for name, cs in zip(managers, calls):
+        kept = [net(c, overhead) for c in cs[k:]]
+        parts = {p: float(np.median([c[p] for c in kept])) / 1e3 for p in kept[0]}
+        out[name] = {"us": float(np.median([sum(c.values()) for c in kept])) / 1e3, "bm_us": parts["calls"],
+                     "parts_us": parts}
+    return out
 
 
 def _mmm(vals: Sequence[float]) -> dict:
@@ -151,7 +179,7 @@ def _mmm(vals: Sequence[float]) -> dict:
 
 def run_sweep(impl_names: Sequence[str], *, batch_sizes: Sequence[int] = BATCH_SIZES, steps: int = 256,
               repeats: int = 5, skip: int = 8, seed: int = 0, caching: Sequence[bool] = (False, True),
-              progress: Callable[[str], None] | None = None) -> dict:
+              progress: Callable[[str], None] | None = None, clock: Callable[[], int] = CLOCK) -> dict:
     """Run the sweep; returns the result document (without machine/command, see :func:`main`)."""
     impls, skipped = [], {}
     for name in impl_names:
@@ -161,39 +189,43 @@ def run_sweep(impl_names: Sequence[str], *, batch_sizes: Sequence[int] = BATCH_S
         else:
             impls.append(impl)
     say = progress or (lambda s: None)
-    for impl in impls:  # warm-up: imports, first-call costs, allocator pools
-        for c in caching:
-            run_one(impl, min(16, max(batch_sizes)), c, min(steps, 32), seed, 0)
+    for c in caching:  # warm-up: imports, first-call costs, allocator pools
+        run_one(impls, min(16, max(batch_sizes)), c, min(steps, 32), seed, 0, clock)
     runs: dict[tuple[str, bool, int], list[dict]] = {}
     for rep in range(repeats):
         for b in batch_sizes:
             say(f"repeat {rep + 1}/{repeats}, batch {b}")
             for c in caching:
-                for impl in impls:
-                    runs.setdefault((impl.name, c, b), []).append(run_one(impl, b, c, steps, seed, skip))
+                for name, r in run_one(impls, b, c, steps, seed, skip, clock).items():
+                    runs.setdefault((name, c, b), []).append(r)
     results = []
     for (name, c, b), rs in runs.items():
         rec = {"impl": name, "prefix_caching": c, "batch": b, "us_per_step": _mmm([r["us"] for r in rs]),
-               "runs_us": [r["us"] for r in rs]}
-        if name != "pagedkv":
+               "runs_us": [r["us"] for r in rs],
+               "parts_us": {p: _mmm([r["parts_us"][p] for r in rs]) for p in rs[0]["parts_us"]}}
+        if not name.startswith("pagedkv"):
             rec["bm_us_per_step"] = _mmm([r["bm_us"] for r in rs])
             rec["tables_us_per_step"] = _mmm([r["us"] - r["bm_us"] for r in rs])
         results.append(rec)
     ratios = []
     for (name, c, b), rs in runs.items():
-        base = runs.get(("pagedkv", c, b))
-        if name == "pagedkv" or base is None:
+        if name.startswith("pagedkv"):
             continue
-        per_rep = [p["us"] / a["us"] for p, a in zip(base, rs)]
-        per_rep_bm = [p["us"] / a["bm_us"] for p, a in zip(base, rs)]
-        ratios.append({"anchor": name, "prefix_caching": c, "batch": b, "ratio": _mmm(per_rep),
-                       "ratio_vs_bm_only": _mmm(per_rep_bm)})
+        for mine in ("pagedkv", "pagedkv-tables"):
+            base = runs.get((mine, c, b))
+            if base is None:
+                continue
+            ratios.append({"impl": mine, "anchor": name, "prefix_caching": c, "batch": b,
+                           "ratio": _mmm([p["us"] / a["us"] for p, a in zip(base, rs)]),
+                           "ratio_vs_bm_only": _mmm([p["us"] / a["bm_us"] for p, a in zip(base, rs)])})
     return {
-        "schema": 1,
+        "schema": 2,
         "kind": "sweep",
         "config": {"impl": list(impl_names), "batch_sizes": list(batch_sizes), "steps": steps, "repeats": repeats,
                    "skip_steps": skip, "seed": seed, "block_size": BLOCK_SIZE, "prompt_len": list(PROMPT_LEN),
-                   "prefix_caching": list(caching)},
+                   "prefix_caching": list(caching), "clock": getattr(clock, "__name__", str(clock)),
+                   "clock_overhead_ns": clock_overhead(clock), "gc": "frozen after the managers are built",
+                   "alternation": "call by call"},
         "versions_impl": {i.name: i.version for i in impls},
         "skipped": skipped,
         "results": results,
@@ -223,7 +255,7 @@ def format_table(docs: Sequence[dict]) -> str:
     and on; then the same-process ratios pagedkv / anchor."""
     m = merge(docs)
     impls = list(dict.fromkeys(k[0] for k in m["by"]))
-    impls.sort(key=lambda n: (n != "pagedkv", n))
+    impls.sort(key=lambda n: (not n.startswith("pagedkv"), n))
     out = []
     for c in sorted({k[1] for k in m["by"]}):
         bsz = sorted({k[2] for k in m["by"] if k[1] == c})
@@ -241,15 +273,19 @@ def format_table(docs: Sequence[dict]) -> str:
                 cells.append(f"{_median_of(recs):.1f} [{lo:.1f}-{hi:.1f}]")
             out.append(f"| {b} | " + " | ".join(cells) + " |")
         out.append("")
-        anchors = sorted({r["anchor"] for r in m["ratios"] if r["prefix_caching"] == c})
-        if anchors:
-            out += [f"prefix caching {'on' if c else 'off'}: pagedkv / anchor, same process (below 1: pagedkv faster); "
-                    "median [min-max across repeats]; in parentheses: vs the anchor's block-manager calls alone", "",
-                    "| batch | " + " | ".join(anchors) + " |", "|---" * (len(anchors) + 1) + "|"]
+        pairs = sorted({(r.get("impl", "pagedkv"), r["anchor"]) for r in m["ratios"] if r["prefix_caching"] == c})
+        if pairs:
+            out += [f"prefix caching {'on' if c else 'off'}: pagedkv / anchor charged with its engine's CPU work "
+                    "(nano-vllm and vLLM v2: block-manager calls + the runner's tables; vLLM V1: request update, "
+                    "KV-manager calls, block-id appends), same process, alternating step by step (below 1: pagedkv "
+                    "faster); median [min-max across repeats]; in parentheses: vs the anchor's block-manager calls "
+                    "alone", "",
+                    "| batch | " + " | ".join(f"{p} / {a}" for p, a in pairs) + " |", "|---" * (len(pairs) + 1) + "|"]
             for b in bsz:
                 cells = []
-                for a in anchors:
-                    rs = [r for r in m["ratios"] if r["anchor"] == a and r["prefix_caching"] == c and r["batch"] == b]
+                for p, a in pairs:
+                    rs = [r for r in m["ratios"] if r.get("impl", "pagedkv") == p and r["anchor"] == a
+                          and r["prefix_caching"] == c and r["batch"] == b]
                     if not rs:
                         cells.append("-")
                         continue
@@ -259,6 +295,10 @@ def format_table(docs: Sequence[dict]) -> str:
                                  f"({r['ratio_vs_bm_only']['median']:.3g})")
                 out.append(f"| {b} | " + " | ".join(cells) + " |")
             out.append("")
+    cfgs = [d["config"] for d in docs if "clock" in d.get("config", {})]
+    if cfgs:
+        out.append(f"clock {cfgs[0]['clock']} (one read {cfgs[0]['clock_overhead_ns']} ns, subtracted from each timed "
+                   f"part); implementations alternating {cfgs[0]['alternation']}; gc {cfgs[0]['gc']}")
     return "\n".join(out).rstrip() + "\n"
 
 
@@ -274,7 +314,7 @@ def plot(docs: Sequence[dict], outdir: str | Path) -> list[Path]:
     m = merge(docs)
     outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
-    impls = sorted(dict.fromkeys(k[0] for k in m["by"]), key=lambda n: (n != "pagedkv", n))
+    impls = sorted(dict.fromkeys(k[0] for k in m["by"]), key=lambda n: (not n.startswith("pagedkv"), n))
     colors = {name: f"C{i}" for i, name in enumerate(impls)}
     modes = sorted({k[1] for k in m["by"]})
     written = []
@@ -286,7 +326,7 @@ def plot(docs: Sequence[dict], outdir: str | Path) -> list[Path]:
                 continue
             b = [k[2] for k in keys]
             ax.plot(b, [_median_of(m["by"][k]) for k in keys], "o-", color=colors[name], ms=3, label=name)
-            if name != "pagedkv":
+            if not name.startswith("pagedkv"):
                 ax.plot(b, [_median_of(m["by"][k], "bm_us_per_step") for k in keys], ":", color=colors[name],
                         label=f"{name} (block manager alone)")
         ax.set_xscale("log", base=2)

@@ -138,6 +138,11 @@ class LLM:
             float32 products up to summation order; True, the default, where the kernels build: CPU, float32).
             A loading option: with an already loaded model it must match how that model was loaded
             (``InvalidArgumentError`` otherwise). ``llm.quant_kernels`` says whether they are in use.
+        max_model_len: the longest sequence (prompt + output) a request may have, at most the model's context
+            (vLLM's ``max_model_len``); None: the model's context.
+        swap_space: the CPU blocks for swap and the CPU tier given in GiB, as vLLM's ``swap_space``: sets
+            ``num_cpu_blocks`` to as many blocks as fit (``num_cpu_blocks`` must then be 0); None: use
+            ``num_cpu_blocks``. ``llm.block_manager.num_cpu_blocks`` says how many that is.
     """
 
     def __init__(
@@ -164,12 +169,19 @@ class LLM:
         kv_cache_groups: bool = True,
         fast_lm_head: bool = True,
         quant_kernels: bool = True,
+        max_model_len: int | None = None,
+        swap_space: float | None = None,
+        scheduling_policy: str = "fcfs",
+        eviction_policy: str = "lru",
+        pin_budget_blocks: int = 0,
     ) -> None:
+        if scheduling_policy not in ("fcfs", "priority"):
+            raise InvalidArgumentError(f"scheduling_policy must be 'fcfs' or 'priority', got {scheduling_policy!r}")
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise InvalidArgumentError(f"device {device!r} was asked for but CUDA is not available; use device='cpu'")
         if preemption_mode not in ("recompute", "swap"):
             raise InvalidArgumentError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
-        if preemption_mode == "swap" and num_cpu_blocks <= 0:
+        if preemption_mode == "swap" and num_cpu_blocks <= 0 and not swap_space:
             raise InvalidArgumentError("preemption_mode='swap' needs num_cpu_blocks > 0")
         if max_num_batched_tokens is None:
             max_num_batched_tokens = DEFAULT_CHUNKED_BUDGET if enable_chunked_prefill else DEFAULT_BUDGET
@@ -205,6 +217,12 @@ class LLM:
             head.prepare()  # the low-precision copies, once per model (shared by LLMs sharing the model)
         self.tokenizer = make_tokenizer(self.model.tokenizer_metadata)
         self.max_model_len = int(self.model.config.context_length)
+        if max_model_len is not None:
+            if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) \
+                    or not 1 <= max_model_len <= self.max_model_len:
+                raise InvalidArgumentError(f"max_model_len must be an int in [1, {self.max_model_len}] (the model's "
+                                           f"context), got {max_model_len!r}")
+            self.max_model_len = max_model_len
         groups = getattr(self.model, "kv_cache_groups", None) if kv_cache_groups else None
         #: the KV cache groups in use (a HybridBlockManager), or None (one block table for all layers)
         self.kv_cache_groups = tuple(groups) if groups else None
@@ -214,19 +232,34 @@ class LLM:
             per_block = self.model.kv_cache_bytes_per_block(block_size, **({"grouped": True} if grouped else {}))
             cap = n_groups * max_num_seqs * -(-self.max_model_len // block_size)
             num_gpu_blocks = max(1, min(cap, int(kv_cache_gib * 2**30) // per_block))
+        if swap_space is not None:
+            if num_cpu_blocks or isinstance(swap_space, bool) or not isinstance(swap_space, (int, float)) \
+                    or not 0 <= swap_space < float("inf"):
+                raise InvalidArgumentError(f"swap_space must be a finite number of GiB >= 0 and num_cpu_blocks 0 "
+                                           f"(give one of them), got swap_space={swap_space!r}, "
+                                           f"num_cpu_blocks={num_cpu_blocks!r}")
+            per_block = self.model.kv_cache_bytes_per_block(block_size, **({"grouped": True} if grouped else {}))
+            num_cpu_blocks = int(swap_space * 2**30) // per_block
         common = dict(num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=enable_prefix_caching,
                       enable_kv_events=enable_kv_events, cpu_prefix_cache=cpu_prefix_cache)
         if grouped:
+            if eviction_policy != "lru" or pin_budget_blocks:
+                raise InvalidArgumentError(
+                    "eviction_policy and pin_budget_blocks are not available with KV cache groups yet "
+                    "(pass kv_cache_groups=False for one block table)")
             self.block_manager = HybridBlockManager(num_gpu_blocks, block_size, kv_cache_groups=self.kv_cache_groups,
                                                     **common)
         else:
-            self.block_manager = BlockManager(num_gpu_blocks, block_size, sliding_window=sliding_window, **common)
+            self.block_manager = BlockManager(num_gpu_blocks, block_size, sliding_window=sliding_window,
+                                              eviction_policy=eviction_policy, pin_budget_blocks=pin_budget_blocks,
+                                              **common)
         self._timed_bm = _TimedCalls(self.block_manager)
         self.scheduler = Scheduler(
             self._timed_bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             preemption_mode=preemption_mode, num_lookahead_slots=num_lookahead_slots,
             enable_chunked_prefill=enable_chunked_prefill, long_prefill_token_threshold=long_prefill_token_threshold,
             incremental_tables=getattr(self.block_manager, "table_rows", None) is not None,
+            scheduling_policy=scheduling_policy,
         )
         self.enable_chunked_prefill = bool(enable_chunked_prefill)
         # the engine's block tables: row table_rows(seq) holds the sequence's table (see the module docstring)
@@ -254,11 +287,21 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        priority: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (a string, or ``{"prompt_token_ids": [...]}``); results in prompt order."""
+        """Generate for each prompt (a string, or ``{"prompt_token_ids": [...]}``); results in prompt order.
+        ``priority`` (vLLM's: one int, or one per prompt; lower is more urgent): the admission order and the
+        preemption victims with ``scheduling_policy="priority"``, and the eviction class of the request's cached
+        blocks with any policy (:meth:`pagedkv.BlockManager.set_retention`)."""
         if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
         requests = self._make_requests(prompts, sampling_params)
+        if priority is not None:
+            prios = [priority] * len(requests) if isinstance(priority, int) else list(priority)
+            if len(prios) != len(requests) or any(isinstance(p, bool) or not isinstance(p, int) for p in prios):
+                raise InvalidArgumentError(f"priority must be an int or one int per prompt, got {priority!r}")
+            for r, p in zip(requests, prios):
+                r.priority = p
         bar = None
         if use_tqdm and len(requests) > 1:
             from tqdm.auto import tqdm
@@ -281,7 +324,9 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate a reply to one conversation (a list of ``{"role", "content"}`` dicts) or to each of several,
-        using the model's own chat template."""
+        using the model's own chat template. :class:`~pagedkv.errors.NoChatTemplateError` when the model's file
+        carries none (a base model: use :meth:`generate`)."""
+        self.tokenizer.require_chat_template()
         convs = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         prompts = [{"prompt_token_ids": self.tokenizer.apply_chat_template(c)} for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
@@ -352,7 +397,7 @@ class LLM:
         p = r.params
         self.scheduler.add_request(r.request_id, r.prompt_token_ids, n=p.n, max_tokens=p.max_tokens,
                                    eos_token_id=self.tokenizer.eos_token_id, ignore_eos=p.ignore_eos,
-                                   stop_token_ids=p.stop_token_ids, namespace=r.namespace)
+                                   stop_token_ids=p.stop_token_ids, namespace=r.namespace, priority=r.priority)
 
     def _step(self, by_id: dict, times: EngineTimes | None = None) -> tuple[Any, list]:
         """Run one engine step for the requests of ``by_id`` (request id -> ``_Request``): schedule, KV copies,
@@ -433,8 +478,7 @@ class LLM:
         if d is not None:
             for _, row, table in d.table_loads:
                 self._load_row(row, table)
-            upds = (d.result.table_updates,) if self.kv_cache_groups is None else d.result.table_updates
-            for g, upd in enumerate(upds):
+            for g, upd in enumerate(d.result.group_table_updates):  # (one group or many: the same names)
                 if upd.rows.size:
                     self._fit_tables(g, int(upd.rows.max()) + 1, int(upd.cols.max()) + 1)
                     upd.apply(self._tables[g])
@@ -481,7 +525,7 @@ class LLM:
                 width = -(-int(d.result.seq_lens.max()) // bs)  # the blocks attention reads
                 decode_tables = [t[d.result.table_rows, :width] for t in self._tables]
             else:  # (a block manager without the incremental form: the step's padded tables)
-                decode_tables = d.result.block_tables if G else (d.result.block_tables,)
+                decode_tables = d.result.group_block_tables
             for g, dt in enumerate(decode_tables):  # a (B, width) matrix per group, after the prefills' tables
                 tables[g] = dt if not tables[g] else tables[g] + list(dt)
         logit_rows = "last" if not skip else np.asarray(rows, dtype=np.int64)
@@ -557,7 +601,7 @@ class LLM:
 
 class _Request:
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "generator", "tokenizer", "result", "live",
-                 "namespace")
+                 "namespace", "priority")
 
     def __init__(self, rid: int, prompt: str | None, ids: tuple, params: SamplingParams,
                  generator: torch.Generator, tokenizer: Any, namespace: Any = None) -> None:
@@ -570,6 +614,7 @@ class _Request:
         self.result: RequestOutput | None = None
         self.live: tuple = ()  # tokens generated so far by sample 0 (for streaming)
         self.namespace = namespace  # prefix-cache namespace (None: the shared default)
+        self.priority = 0  # vLLM's request priority (lower is more urgent)
 
     def text(self) -> str:
         """Text of sample 0 so far (the final text once finished)."""

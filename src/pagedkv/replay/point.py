@@ -68,10 +68,21 @@ class PointResult:
         return d
 
 
-def make_manager(cls, num_gpu_blocks: int, block_size: int, num_cpu_blocks: int = 0, watermark: float = 0.0):
+def make_manager(cls, num_gpu_blocks: int, block_size: int, num_cpu_blocks: int = 0, watermark: float = 0.0,
+                 eviction_policy: str = "lru"):
     """``cls(num_gpu_blocks, block_size, enable_prefix_caching=True, ...)`` with the CPU tier when
-    ``num_cpu_blocks`` > 0. Raises CpuTierUnavailable when ``cls`` has no ``cpu_prefix_cache`` keyword."""
+    ``num_cpu_blocks`` > 0 and the eviction policy when not ``"lru"``. Raises CpuTierUnavailable when ``cls`` has
+    no ``cpu_prefix_cache`` keyword, InvalidArgumentError when it has no ``eviction_policy`` one."""
     kw: dict = {"enable_prefix_caching": True, "watermark": watermark}
+    if eviction_policy != "lru":
+        try:
+            params = inspect.signature(cls).parameters
+        except (TypeError, ValueError):  # pragma: no cover - builtins
+            params = {}
+        if "eviction_policy" not in params:
+            raise InvalidArgumentError(f"--eviction-policy {eviction_policy}: {getattr(cls, '__name__', cls)} has "
+                                       f"no eviction_policy option")
+        kw["eviction_policy"] = eviction_policy
     if num_cpu_blocks:
         try:
             params = inspect.signature(cls).parameters

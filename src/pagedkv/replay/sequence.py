@@ -15,16 +15,23 @@ __all__ = ["replay_sequence"]
 
 
 def replay_sequence(trace: Trace, capacity_tokens: int, *, block_size: int = 16, cpu_capacity_tokens: int = 0,
-                    manager_cls=None, impl: str = "pagedkv", progress=None) -> PointResult:
+                    manager_cls=None, impl: str = "pagedkv", progress=None, eviction_policy: str = "lru",
+                    sessions=None) -> PointResult:
     """Replay ``trace`` through a prefix-caching manager of ``capacity_tokens // block_size`` GPU blocks (no
     watermark). ``manager_cls`` defaults to :class:`pagedkv.BlockManager`; an anchor adapter works the same.
     A request needing more blocks than the pool is skipped and counted. ``progress(k)`` is called every 512
     requests. Cost: one allocate and one free per request, plus O(prompt tokens) numpy work for its tokens.
+    ``eviction_policy`` (:mod:`pagedkv.eviction`); ``sessions`` (one conversation id per request,
+    :func:`pagedkv.replay.sessions.conversation_ids`): each request's hint (``set_retention(session=)``) before
+    its free.
     """
     if manager_cls is None:
         from ..manager import BlockManager as manager_cls
     num_blocks = capacity_tokens // block_size
-    bm = make_manager(manager_cls, num_blocks, block_size, cpu_capacity_tokens // block_size)
+    bm = make_manager(manager_cls, num_blocks, block_size, cpu_capacity_tokens // block_size,
+                      eviction_policy=eviction_policy)
+    hint = bm.set_retention if sessions is not None else None
+    sess = sessions.tolist() if sessions is not None else None
     limit = num_blocks - int(getattr(bm, "watermark_blocks", 0) or 0)
     need = (-(-trace.input_lengths // block_size)).tolist()
     lengths = trace.input_lengths.tolist()
@@ -42,12 +49,16 @@ def replay_sequence(trace: Trace, capacity_tokens: int, *, block_size: int = 16,
         hits += allocate(i, tokens(i))
         if step is not None:
             step()
+        if hint is not None:
+            hint(i, session=sess[i])
         free(i)
         prompt += lengths[i]
     seconds = time.perf_counter() - t0
     cpu_seconds = time.process_time() - c0
     if progress is not None and need:
         progress(len(need) - ((len(need) - 1) // 512) * 512)
+    if eviction_policy != "lru":
+        impl = f"{impl} {eviction_policy}"
     res = PointResult(impl, "sequence", capacity_tokens, cpu_capacity_tokens, block_size, requests=len(need) - skipped,
                       skipped=skipped, prompt_tokens=prompt, hit_tokens=hits, seconds=seconds)
     for k, v in tier_figures(bm.stats, bool(getattr(bm, "cpu_prefix_cache", False))).items():

@@ -151,13 +151,15 @@ class RouterServer:
 
     def __init__(self, state, builder, *, host: str = "127.0.0.1", port: int = 8080, topic: str = "kv-events",
                  health_interval: float = 1.0, health_timeout: float = 3.0, health_fails: int = 3,
-                 api_key: str | None = None, upstream=None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+                 api_key: str | None = None, upstream=None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 model_names: tuple[str, ...] = (), http: dict | None = None) -> None:
         from .health import HealthChecker
         from .metrics import RouterMetrics
         from .proxy import Proxy
 
         self.state, self.builder = state, builder
         self.host, self.port = host, port
+        self.http = http  # read deadlines and connection cap (pagedkv.server.http_guard.uvicorn_config)
         self.metrics = RouterMetrics(state)
         self.proxy = Proxy(state, self.metrics, upstream)
         self.app = build_app(state, builder, self.metrics, self.proxy, api_key=api_key,
@@ -174,7 +176,8 @@ class RouterServer:
                 if hasattr(idx, "get_seq") else None,
                 applied=idx.set_seq if hasattr(idx, "set_seq") else None, health=state)
             state.subscriber = self.subscriber
-        self.health = HealthChecker(state, health_interval, health_timeout, health_fails)
+        self.health = HealthChecker(state, health_interval, health_timeout, health_fails, model_names=model_names,
+                                    api_key=getattr(upstream, "api_key", None))
         self._uvicorn = None
         self._thread = None
 
@@ -193,19 +196,20 @@ class RouterServer:
 
         self._start_background()
         self._uvicorn, self._thread, self.port = serve_in_thread(self.app, self.host, self.port,
-                                                                 "pagedkv-router-uvicorn", timeout)
+                                                                 "pagedkv-router-uvicorn", timeout, self.http)
         return self
 
     def run(self) -> None:
         import uvicorn
 
         from ..server.access_log import quiet_health_access_log
+        from ..server.http_guard import uvicorn_config
 
         self._start_background()
         quiet_health_access_log()
         try:
-            uvicorn.run(self.app, host=self.host, port=self.port, log_level="info", lifespan="off",
-                        timeout_graceful_shutdown=5)
+            uvicorn.Server(uvicorn_config(self.app, host=self.host, port=self.port, log_level="info",
+                                          lifespan="off", timeout_graceful_shutdown=5, **(self.http or {}))).run()
         finally:
             self.close()
 

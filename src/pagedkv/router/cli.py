@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     from ..cluster.policy import ROUTES
 
     from .._help import HelpFormatter, plain
+    from ..server.http_options import add_http_args
 
     p = argparse.ArgumentParser(prog="pagedkv router", description=plain(__doc__), formatter_class=HelpFormatter)
     p.add_argument("--backend", action="append", required=True, metavar="URL[,EVENTS[,REPLAY]]",
@@ -34,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the prefix index lives (default: this process's memory)")
     p.add_argument("--index-prefix", default="pagedkv", help="key prefix in Redis (default: pagedkv)")
     p.add_argument("--model", default=None, help="model name (smollm2-135m, the default, or gemma-3-270m) or GGUF "
-                                                 "file whose tokenizer the replicas use (metadata only)")
+                                                 "file whose tokenizer the replicas use (metadata only); a replica "
+                                                 "whose /v1/models lists another model gets a warning at start-up")
     p.add_argument("--block-size", type=int, default=16, help="the replicas' KV block size (default 16)")
     p.add_argument("--balance-slack", type=float, default=0.2,
                    help="prefix routes skip a replica whose load (prompt tokens still to compute for its requests "
@@ -63,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "replica or get 503 (default 256)")
     p.add_argument("--max-body-bytes", type=int, default=2 * 1024 * 1024,
                    help="largest request body accepted; larger ones get 413 (default 2 MiB, as pagedkv serve)")
+    add_http_args(p)
     return p
 
 
@@ -70,6 +73,7 @@ def make_router(args: argparse.Namespace):
     """A :class:`~pagedkv.router.app.RouterServer` from parsed options (ValueError / FileNotFoundError on bad
     ones)."""
     from ..cluster.index import RedisIndex, open_index
+    from ..server.http_options import check_http_args, http_options
     from .app import RouterServer
     from .prompt import PromptBuilder, load_tokenizer
     from .proxy import UpstreamOptions
@@ -87,6 +91,7 @@ def make_router(args: argparse.Namespace):
         raise ValueError(f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key must not be empty")
+    check_http_args(args)
     upstream = UpstreamOptions(connect_timeout=args.upstream_connect_timeout,
                                read_timeout=args.upstream_read_timeout,
                                max_connections=args.upstream_max_connections, api_key=args.replica_api_key)
@@ -104,10 +109,13 @@ def make_router(args: argparse.Namespace):
                         balance_abs=args.balance_abs, block_size=args.block_size,
                         approx_capacity_blocks=args.approx_capacity_blocks, min_match=args.min_match)
     builder = PromptBuilder(load_tokenizer(args.model), args.block_size)
+    from ..server.launch import served_model_names
+
+    name, aliases = served_model_names(args.model)
     return RouterServer(state, builder, host=args.host, port=args.port, topic=args.kv_events_topic,
                         health_interval=args.health_interval, health_timeout=args.health_timeout,
                         health_fails=args.health_fails, api_key=args.api_key, upstream=upstream,
-                        max_body_bytes=args.max_body_bytes)
+                        max_body_bytes=args.max_body_bytes, model_names=(name, *aliases), http=http_options(args))
 
 
 def setup_logging() -> None:
@@ -127,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging()
     try:
         server = make_router(args)
-    except (ValueError, FileNotFoundError, OSError) as e:
+    except (ValueError, FileNotFoundError, OSError, ImportError) as e:  # (ImportError: a missing extra, named)
         print(f"pagedkv router: error: {e}", file=sys.stderr)
         return 2
     print(f"pagedkv router: {len(server.state.replicas)} replicas, route {args.route}, index {args.index}, "

@@ -33,7 +33,10 @@ class BlockCalls:
         self.bm = bm
         self.prepare = getattr(bm, "prepare_step", None)
         self.has_slots = getattr(bm, "slot_mapping", None) is not None
-        self.num_groups = getattr(bm, "num_groups", None)
+        # per-group shapes when the manager's plain result names are per group (grouped_results; an adapter
+        # without it: when it has num_groups); a BlockManager (num_groups 1) keeps the plain (T,) / one table
+        grouped = getattr(bm, "grouped_results", None)
+        self.num_groups = None if grouped is False else getattr(bm, "num_groups", None)
         self.own_plan = getattr(bm, "take_copy_plan", None) is None
         self.step_copies: list = []  # (kind, pairs) in call order (own_plan only)
 

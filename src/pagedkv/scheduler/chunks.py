@@ -60,6 +60,8 @@ class Chunker(Part):
                 except OutOfBlocksError:
                     pass
             victim = items[-1][0]  # the most recently admitted of them (items follow admission order)
+            if self.q.by_priority:  # or the one of the largest (priority, arrival)
+                victim = max((g for g, _, _ in items), key=lambda g: (g.priority, g.arrival))
             budget += sum(c for g, _, c in items if g is victim)
             items = [it for it in items if it[0] is not victim]
             if victim.arrival not in swapped_in and all(s.prefill is not None for s in victim.live):

@@ -94,11 +94,17 @@ class Decoder(Part):
                     pass
             if not allow_preempt:
                 return None
-            # preempt the most recently admitted running request (all of its sequences are at the batch's end)
-            g = running[next(reversed(running))]
+            # preempt the most recently admitted running request (all of its sequences are at the batch's end),
+            # or by priority the one of the largest (priority, arrival)
+            g = q.victim()
             m = sum(1 for s in g.live if s.prefill is None)  # its decoding sequences: the batch's last
-            if m:
+            if m and (not q.by_priority or g is running[next(reversed(running))]):
                 del ids[-m:], starts[-m:], qs[-m:], toks[-m:]
+            elif m:
+                mine = {s.seq_id for s in g.live}
+                keep = [i for i, sid in enumerate(ids) if sid not in mine]
+                ids, starts, qs = [ids[i] for i in keep], [starts[i] for i in keep], [qs[i] for i in keep]
+                toks = [toks[i] for i in keep]
             m = len(g.live)
             if not uniform:
                 uniform = all(n == 1 for n in qs)

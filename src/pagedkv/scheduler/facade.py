@@ -107,6 +107,7 @@ class Scheduler:
         incremental_tables: bool = False,
         enable_chunked_prefill: bool = False,
         long_prefill_token_threshold: int = 0,
+        scheduling_policy: str = "fcfs",
     ) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
@@ -118,6 +119,8 @@ class Scheduler:
             raise ValueError(f"num_lookahead_slots must be >= 0, got {num_lookahead_slots}")
         if long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {long_prefill_token_threshold}")
+        if scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {scheduling_policy!r}")
         if precheck_append is None:
             precheck_append = not getattr(block_manager, "atomic_append", False)
         if incremental_tables and getattr(block_manager, "table_rows", None) is None:
@@ -137,6 +140,8 @@ class Scheduler:
         self.stats = SchedulerStats()
         # the state and the parts (state.py; calls.py; preempt.py, decode.py, chunks.py, prefill.py, update.py)
         self._q = q = Queues(self.stats)
+        q.by_priority = scheduling_policy == "priority"
+        self.scheduling_policy = scheduling_policy
         self._calls = calls = BlockCalls(block_manager)
         self._preemptor = preemptor = Preemptor(cfg, q, calls)
         self._decoder = Decoder(cfg, q, calls, preemptor)
@@ -162,11 +167,17 @@ class Scheduler:
         ignore_eos: bool = False,
         stop_token_ids: Seq[int] = (),
         namespace: Any = None,
+        priority: int = 0,
     ) -> None:
         """Queue a request. ``max_tokens`` counts generated tokens per sample; generation stops after EOS
         (unless ``ignore_eos``) or a token of ``stop_token_ids``; ``namespace`` isolates its prefix-cache
-        entries."""
+        entries. ``priority`` (vLLM's field, lower is more urgent): with ``scheduling_policy="priority"`` requests
+        are admitted by (priority, arrival) and preempted from the largest (priority, arrival) first; with any
+        policy the block manager (if it has ``set_retention``, prefix caching on) evicts the cached blocks of a
+        request of a larger value first."""
         q = self._q
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"request {request_id!r}: priority must be an int, got {priority!r}")
         if request_id in q.requests:
             raise ValueError(f"request {request_id!r} is already queued or running")
         prompt = np.array(prompt_token_ids, dtype=np.int64).reshape(-1)
@@ -180,7 +191,7 @@ class Scheduler:
             raise ValueError(f"request {request_id!r}: max_tokens must be >= 1, got {max_tokens}")
         prompt.setflags(write=False)
         q.add(request_id, prompt, int(n), int(max_tokens), None if eos_token_id is None else int(eos_token_id),
-              bool(ignore_eos), frozenset(int(t) for t in stop_token_ids), namespace)
+              bool(ignore_eos), frozenset(int(t) for t in stop_token_ids), namespace, int(priority))
 
     def abort_request(self, request_id: Hashable) -> RequestOutput | None:
         """Drop a request wherever it is; returns its output (finish reason "abort"), None if unknown."""

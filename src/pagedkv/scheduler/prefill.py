@@ -77,6 +77,8 @@ class Admitter(Part):
                     verdict = "NEVER" if type(e).__name__ == "PromptTooLongError" else "LATER"
                     reason = str(e)
                     break
+                if g.priority and getattr(bm, "enable_prefix_caching", False) and hasattr(bm, "set_retention"):
+                    bm.set_retention(s.seq_id, priority=g.priority)  # its cached blocks' eviction class
                 end = len(toks)
                 if chunked:
                     end = min(end, int(hit) + kw["num_new_tokens"])

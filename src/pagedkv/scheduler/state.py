@@ -60,7 +60,7 @@ class Group:
 
     __slots__ = (
         "request_id", "arrival", "prompt", "n", "max_tokens", "eos", "ignore_eos", "stop_ids",
-        "namespace", "seqs", "live", "forked", "num_cached_tokens", "num_preemptions", "status",
+        "namespace", "seqs", "live", "forked", "num_cached_tokens", "num_preemptions", "status", "priority",
     )
 
     def __init__(self) -> None:
@@ -70,6 +70,7 @@ class Group:
         self.num_cached_tokens: int | None = None
         self.num_preemptions = 0
         self.status = WAITING
+        self.priority = 0  # vLLM's request priority: lower is served first (scheduling_policy="priority")
 
     def __lt__(self, other: "Group") -> bool:  # heap order of the swapped queue
         return self.arrival < other.arrival
@@ -85,11 +86,12 @@ class Queues:
     (incremental tables) holds the sequences whose whole table row the engine has not seen yet (forked, swapped
     in). All O(1) per request, except removing a request from the middle of a queue (aborts)."""
 
-    __slots__ = ("waiting", "running", "swapped", "requests", "seqs", "num_running_seqs", "row_loads", "stats",
+    __slots__ = ("by_priority", "waiting", "running", "swapped", "requests", "seqs", "num_running_seqs", "row_loads", "stats",
                  "next_seq_id", "next_arrival")
 
     def __init__(self, stats: SchedulerStats) -> None:
         self.waiting: deque[Group] = deque()
+        self.by_priority = False  # scheduling_policy="priority": waiting by (priority, arrival)
         self.running: dict[int, Group] = {}
         self.swapped: list[Group] = []
         self.requests: dict[Hashable, Group] = {}
@@ -101,7 +103,7 @@ class Queues:
         self.next_arrival = 0
 
     def add(self, request_id: Hashable, prompt: np.ndarray, n: int, max_tokens: int, eos: int | None,
-            ignore_eos: bool, stop_ids: frozenset, namespace: Any) -> None:
+            ignore_eos: bool, stop_ids: frozenset, namespace: Any, priority: int = 0) -> None:
         """A new request (checked by the caller) at the back of the waiting queue, with ``n`` sequences of
         consecutive ids (sample 0 live, the others until the fork)."""
         g = Group()
@@ -115,6 +117,7 @@ class Queues:
         g.ignore_eos = ignore_eos
         g.stop_ids = stop_ids
         g.namespace = namespace
+        g.priority = priority
         base = self.next_seq_id
         self.next_seq_id += n
         for i in range(n):
@@ -123,7 +126,27 @@ class Queues:
             self.seqs[base + i] = s
         g.live = [g.seqs[0]]
         self.requests[request_id] = g
+        if self.by_priority:
+            self.enqueue_by_priority(g)
+        else:
+            self.waiting.append(g)
+
+    def enqueue_by_priority(self, g: Group) -> None:
+        """Into the waiting queue at its place by (priority, arrival) (scheduling_policy="priority"). O(queue)."""
+        key = (g.priority, g.arrival)
+        for i, o in enumerate(self.waiting):
+            if (o.priority, o.arrival) > key:
+                self.waiting.insert(i, g)
+                return
         self.waiting.append(g)
+
+    def victim(self) -> Group:
+        """The running request to preempt: the most recently admitted one, or with scheduling_policy="priority"
+        the one of the largest (priority, arrival) (vLLM's order). O(1), O(running) by priority."""
+        r = self.running
+        if self.by_priority:
+            return max(r.values(), key=lambda g: (g.priority, g.arrival))
+        return r[next(reversed(r))]
 
     def unqueue(self, g: Group) -> None:
         """Take a swapped or waiting request out of its queue (O(queue length): aborts and stops only)."""
@@ -142,7 +165,10 @@ class Queues:
             s.num_computed = 0
             s.num_pending = 0
             s.prefill = None
-        self.waiting.appendleft(g)
+        if self.by_priority:
+            self.enqueue_by_priority(g)
+        else:
+            self.waiting.appendleft(g)
 
     def finish_group(self, g: Group, reason: str, error: str | None = None) -> RequestOutput:
         """Forget a request (its blocks are already freed) and return its output."""

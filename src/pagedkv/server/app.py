@@ -7,7 +7,7 @@ one ``data: {chunk}`` per step that produced text, ending with ``data: [DONE]``)
 
 Status codes, all in OpenAI's error shape: 400 for a client's mistake (see :mod:`.validation`: invalid JSON,
 a field of the wrong type or out of range, an unknown field, a prompt longer than the context or than the KV
-cache), 401 for a missing or wrong key, 404 for an unknown model or route, 413 for a body over the limit, 415 for
+cache, a chat for a model without a chat template: code ``chat_template_missing``), 401 for a missing or wrong key, 404 for an unknown model or route, 413 for a body over the limit, 415 for
 a body that is not JSON, 503 when the waiting queue is full or the server is shutting down, 500 when the engine
 failed this request (a server fault; the engine goes on). A streamed request that fails after its first chunk
 ends with an error event (``data: {"error": {...}}``) and ``data: [DONE]``. A client that disconnects (streamed
@@ -53,10 +53,12 @@ def _error(status: int, message: str, type: str, code: str | None = None, param:
     return _ErrorResponse(error_body(message, type, code, param), status_code=status)
 
 
-def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = None,
+def build_app(engine: AsyncEngine, *, model_name: str, model_aliases: tuple[str, ...] = (),
+              api_key: str | None = None,
               metrics: ServerMetrics | None = None, limits: Limits | None = None,
               max_body_bytes: int = DEFAULT_LIMITS.max_body_bytes) -> FastAPI:
-    """The application serving ``engine`` under the model id ``model_name``. ``limits`` default to the model's
+    """The application serving ``engine`` under the model id ``model_name`` (a request may also name one of
+    ``model_aliases``; answers always carry ``model_name``). ``limits`` default to the model's
     (:func:`~pagedkv.server.validation.limits_for`) with ``max_body_bytes``."""
     app = FastAPI(title="pagedkv", docs_url=None, redoc_url=None, openapi_url=None)
     llm = engine.llm
@@ -89,7 +91,7 @@ def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = Non
                            "authentication_error", "invalid_api_key")
 
     def check_model(name: str | None) -> None:
-        if name is not None and name != model_name:
+        if name is not None and name != model_name and name not in model_aliases:
             raise APIError(404, f"The model {name[:100]!r} does not exist; this server serves {model_name!r}",
                            "not_found_error", "model_not_found", "model")
 
@@ -132,6 +134,7 @@ def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = Non
         try:
             params = SamplingParams(**req.sampling_kwargs(max_tokens))
             request = engine.prepare({"prompt_token_ids": ids}, params, req.cache_salt)
+            request.priority = req.priority
         except PagedKVError as e:  # (validation caught what a client can get wrong; this is a last line)
             raise APIError(400, str(e).removeprefix("SamplingParams: "), "invalid_request_error", None,
                            None) from None
@@ -257,6 +260,10 @@ def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = Non
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         req = await parsed(request, parse_chat)
+        if not llm.tokenizer.has_chat_template:  # a base model: refused, as vLLM refuses chat without a template
+            raise APIError(400, f"The model {model_name!r} has no chat template (its GGUF file carries none: a base "
+                           "model), so chat completions are refused; use /v1/completions.",
+                           "invalid_request_error", "chat_template_missing", "messages")
         stream = await start(req, chat=True)
         head = ResponseHead.make("chatcmpl", model_name)
 
@@ -285,9 +292,9 @@ def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = Non
     async def models(request: Request) -> JSONResponse:
         check_auth(request)
         return JSONResponse({"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": created, "owned_by": "pagedkv",
+            "id": name, "object": "model", "created": created, "owned_by": "pagedkv", "root": model_name,
             "max_model_len": llm.max_model_len,
-        }]})
+        } for name in (model_name, *model_aliases)]})
 
     @app.get("/health")
     async def health() -> Response:

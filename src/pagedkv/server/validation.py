@@ -300,7 +300,7 @@ _COMMON = frozenset({
     "model", "max_tokens", "temperature", "top_p", "n", "seed", "stop", "stream", "stream_options", "logprobs",
     "presence_penalty", "frequency_penalty", "logit_bias", "user", "best_of",
     # vLLM's extensions implemented here (or accepted at their neutral value)
-    "top_k", "ignore_eos", "cache_salt", "stop_token_ids", "repetition_penalty", "min_tokens",
+    "top_k", "ignore_eos", "cache_salt", "stop_token_ids", "repetition_penalty", "min_tokens", "priority",
 })
 _COMPLETION_KEYS = _COMMON | {"prompt", "echo", "suffix"}
 _CHAT_KEYS = _COMMON | {
@@ -329,6 +329,7 @@ class _Common:
     cache_salt: str | None
     stream: bool
     include_usage: bool
+    priority: int  # vLLM's request priority (lower is more urgent; --scheduling-policy priority)
 
     def sampling_kwargs(self, default_max_tokens: int) -> dict:
         """Keyword arguments of ``pagedkv.engine.SamplingParams`` (a tiny temperature or top_p: greedy)."""
@@ -396,6 +397,7 @@ def _common(d: dict, limits: Limits, *, chat: bool) -> dict:
         if not salt:
             raise _bad("Invalid 'cache_salt': expected a non-empty string.", "cache_salt")
     out["cache_salt"] = salt
+    out["priority"] = _int(d, "priority", 0, -(2**31), 2**31 - 1, nullable=False)
     # known, not implemented: refused unless neutral
     if _num(d, "presence_penalty", 0.0, -2.0, 2.0):
         raise _unsupported("presence_penalty", "only 0 is")
@@ -519,10 +521,10 @@ def parse_chat(body: bytes | dict, limits: Limits = DEFAULT_LIMITS) -> ChatReque
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
             raise _type_error(f"messages.[{i}]", "an object", m)
-        _check_keys(m, _MESSAGE_KEYS, f"messages.[{i}].")
         role = m.get("role")
-        if role in ("tool", "function"):
+        if role in ("tool", "function"):  # (before the keys: a tool message's tool_call_id would hide this)
             raise _unsupported(f"messages.[{i}].role", f"messages of role '{role}' are not (no tools)")
+        _check_keys(m, _MESSAGE_KEYS, f"messages.[{i}].")
         if role not in _ROLES:
             raise _bad(f"Invalid value for 'messages.[{i}].role': expected one of {', '.join(_ROLES)}, but got "
                        f"{_show(role)[:60]} instead.", f"messages.[{i}].role")
@@ -576,7 +578,7 @@ def parse_chat(body: bytes | dict, limits: Limits = DEFAULT_LIMITS) -> ChatReque
 # ---------------------------------------------------------------------------------------------- tokens
 def _context_error(n: int, limits: Limits, param: str) -> APIError:
     return _bad(f"This model's maximum context length is {limits.max_model_len} tokens; the "
-                f"{'messages' if param == 'messages' else 'prompt'} hold {n} tokens.", param,
+                f"{'messages hold' if param == 'messages' else 'prompt holds'} {n} tokens.", param,
                 "context_length_exceeded")
 
 

@@ -28,12 +28,14 @@ Per decode step, the KV-cache-manager calls of vLLM V1's ``Scheduler.schedule()`
 3. once: ``take_boundary_state_offloads()``, ``take_kv_cache_block_copies()``,
    ``take_new_block_ids()`` and ``take_events()``.
 
-Engine-side work done untimed in :meth:`VllmV1Anchor.prepare_step`: ``request.num_computed_tokens``
-is advanced over the tokens scheduled in the previous step (``_update_after_schedule``) and the
-sampled token is appended with ``Request.append_output_token_ids`` (``update_from_output``).  Note
-that with prefix caching V1 hashes a block that has just become full inside
-``append_output_token_ids`` (the request's block hasher), i.e. in the untimed part, whereas vLLM v2,
-nano-vllm and pagedkv hash inside their timed block-manager calls.
+Engine-side work outside ``decode_step``, in :meth:`VllmV1Anchor.prepare_step` (= :meth:`~VllmV1Anchor.stage`,
+the adapter's own bookkeeping, then :meth:`~VllmV1Anchor.update_requests`, V1's engine work):
+``request.num_computed_tokens`` is advanced over the tokens scheduled in the previous step
+(``_update_after_schedule``) and the sampled token is appended with ``Request.append_output_token_ids``
+(``update_from_output``).  With prefix caching V1 hashes a block that has just become full inside
+``append_output_token_ids`` (the request's block hasher), whereas vLLM v2, nano-vllm and pagedkv hash inside
+their block-manager calls: the side-by-side benchmarks (``pagedkv bench hybrid`` and ``sweep``) therefore
+time ``update_requests`` as part of V1's step.
 
 A request is admitted as V1's waiting-queue path does: ``get_computed_blocks(request)`` then
 ``allocate_slots(request, num_new_tokens, num_new_computed_tokens=..., new_computed_blocks=...,
@@ -224,6 +226,7 @@ class VllmV1Anchor(AnchorAdapter):
         self._key: Any = None
         self._batch: list[Any] = []
         self._n_new: list[int] = []
+        self._rows: list[Any] = []
         self._prepared = False
         self._prompt_tokens = 0
         self._hit_tokens = 0
@@ -301,23 +304,37 @@ class VllmV1Anchor(AnchorAdapter):
         return need <= self.km.block_pool.get_num_free_blocks()
 
     def prepare_step(self, seq_ids: Seq[int], token_ids: Any) -> None:
-        """Untimed: what V1's scheduler does around the forward (see the module docstring)."""
+        """Untimed: what V1's engine does around the forward (see the module docstring):
+        :meth:`stage` then :meth:`update_requests`."""
+        self.stage(seq_ids, token_ids)
+        self.update_requests()
+
+    def stage(self, seq_ids: Seq[int], token_ids: Any) -> None:
+        """The adapter's own bookkeeping for the next step (tokens as lists, the batch's requests looked up);
+        no V1 work. :meth:`update_requests` then :meth:`decode_step` must follow."""
         rows = token_rows(token_ids)
         if len(rows) != len(seq_ids):
             raise ValueError("seq_ids and token_ids differ in length")
-        batch, counts = [], []
-        for sid, row in zip(seq_ids, rows):
+        batch = []
+        for sid in seq_ids:
             req = self._reqs[sid]
             if req.status != RequestStatus.RUNNING:
                 raise ValueError(f"sequence {sid} is not running")
-            req.num_computed_tokens = req.num_tokens
-            req.append_output_token_ids(row[0] if len(row) == 1 else list(row))
             batch.append(req)
-            counts.append(len(row))  # ragged with speculative decoding: accepted tokens + 1 per request
         self._batch = batch
         self._key = seq_ids
-        self._n_new = counts
-        self._prepared = True
+        self._rows = [row[0] if len(row) == 1 else row for row in rows]
+        self._n_new = [len(row) for row in rows]  # ragged with speculative decoding: accepted tokens + 1
+
+    def update_requests(self) -> None:
+        """V1's engine work on the staged batch's requests: ``num_computed_tokens`` advanced over the tokens of
+        the previous step (``_update_after_schedule``) and the sampled tokens appended
+        (``Request.append_output_token_ids``, in ``update_from_output``), which with prefix caching hashes
+        every block that has just become full (the request's block hasher). O(B) plus O(1) per filled block."""
+        for req, tok in zip(self._batch, self._rows):
+            req.num_computed_tokens = req.num_tokens
+            req.append_output_token_ids(tok)
+        self._prepared = True  # the tokens are in: can_append_slots counts no extra one
 
     def decode_step(self, seq_ids: Seq[int], token_ids: Any = None, num_lookahead_slots: int = 0, *,
                     num_new_tokens: Any = None) -> AnchorStep:

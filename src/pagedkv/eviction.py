@@ -1,0 +1,222 @@
+"""Eviction policies of the prefix cache: which unreferenced cached GPU block goes first when blocks are needed.
+
+Every policy is one small class with the methods of :class:`pagedkv.evictor.LRUEvictor` (the default, and the
+only one on the hot path when no other policy is asked for): ``push`` / ``push_many`` (a block became
+unreferenced, in release order: a freed sequence's blocks tail first), ``discard`` / ``discard_many`` (a hit took
+it back), ``pop`` / ``pop_many`` (evict: the policy's choice), ``len``, ``in`` and iteration in eviction order;
+plus ``hint(blocks, session)``, called by the manager just before a sequence that carries a session hint
+releases its blocks (a no-op for policies that take none). The policy only orders blocks: which blocks are cached,
+the KV events and every counter stay the manager's, so a policy changes hit rates and nothing else.
+
+==========  =====================================================================================================
+``lru``     least recently released first (:class:`~pagedkv.evictor.LRUEvictor`)
+``slru``    segmented LRU (frequency-aware): blocks never hit since they were cached are evicted before blocks
+            that were (the protected segment, at most ``protected_fraction`` of the pool; its overflow goes back
+            to the most recent end of the probation segment)
+``session`` conversation-aware (a GreedyDual over a release clock): a block released by the ``t``-th request of
+            a session is kept ``(t - 1) x lifetimes x num_blocks`` releases longer than LRU would keep it;
+            requests without a hint behave as LRU. On the Mooncake conversation trace a conversation that has
+            come back is the better bet, and keeping *some* conversations long beats keeping all of them briefly.
+==========  =====================================================================================================
+
+:func:`make_evictor` builds one by name. Costs: ``slru`` as LRU (two LRU logs, a few numpy calls per batch);
+``session`` O(log n) per block (a binary heap with lazy deletion, compacted when half its entries are stale).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from typing import Hashable, Iterator
+
+import numpy as np
+
+from .errors import InvalidArgumentError
+from .evictor import LRUEvictor
+
+__all__ = ["EVICTION_POLICIES", "SLRUEvictor", "SessionEvictor", "make_evictor"]
+
+EVICTION_POLICIES = ("lru", "slru", "session")
+
+
+def make_evictor(policy: str, num_blocks: int):
+    """The evictor of ``policy`` (one of :data:`EVICTION_POLICIES`) for a pool of ``num_blocks``. Raises
+    InvalidArgumentError naming the known policies for any other name."""
+    if policy == "lru":
+        return LRUEvictor(num_blocks)
+    if policy == "slru":
+        return SLRUEvictor(num_blocks)
+    if policy == "session":
+        return SessionEvictor(num_blocks)
+    raise InvalidArgumentError(f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}; got {policy!r}")
+
+
+class SLRUEvictor:
+    """Segmented LRU: a *probation* LRU of blocks not hit since they were cached, evicted first, and a
+    *protected* LRU of blocks that were hit (a :meth:`discard` is a hit: a prefix hit took the block back). The
+    protected segment holds at most ``protected_fraction x num_blocks`` blocks; a push past that moves its least
+    recent blocks to the most recent end of probation. ``hit`` (bool per block) is cleared when the block is
+    evicted. O(1) per block, batch forms a few numpy calls (as LRUEvictor)."""
+
+    __slots__ = ("probation", "protected", "hit", "cap")
+
+    def __init__(self, num_blocks: int, protected_fraction: float = 0.8) -> None:
+        self.probation = LRUEvictor(num_blocks)
+        self.protected = LRUEvictor(num_blocks)
+        self.hit = np.zeros(num_blocks, dtype=np.bool_)
+        self.cap = max(1, int(protected_fraction * num_blocks))
+
+    def __len__(self) -> int:
+        return len(self.probation) + len(self.protected)
+
+    def __contains__(self, block: int) -> bool:
+        return block in self.probation or block in self.protected
+
+    def hint(self, blocks, session) -> None:
+        return None
+
+    def _spill(self) -> None:
+        over = len(self.protected) - self.cap
+        if over > 0:
+            self.probation.push_many(self.protected.pop_many(over))
+
+    def push(self, block: int) -> None:
+        if self.hit[block]:
+            self.protected.push(block)
+            self._spill()
+        else:
+            self.probation.push(block)
+
+    def push_many(self, blocks: np.ndarray) -> None:
+        if blocks.size == 0:
+            return
+        h = self.hit[blocks]
+        if h.any():
+            self.probation.push_many(blocks[~h])
+            self.protected.push_many(blocks[h])
+            self._spill()
+        else:
+            self.probation.push_many(blocks)
+
+    def discard(self, block: int) -> None:
+        if self.probation.stamp_mv[block]:
+            self.probation.discard(block)
+        else:
+            self.protected.discard(block)
+        self.hit[block] = True
+
+    def discard_many(self, blocks: np.ndarray) -> None:
+        if blocks.size == 0:
+            return
+        p = self.probation.stamp[blocks] != 0
+        self.probation.discard_many(blocks[p])
+        self.protected.discard_many(blocks[~p])
+        self.hit[blocks] = True
+
+    def pop(self) -> int:
+        b = self.probation.pop() if len(self.probation) else self.protected.pop()
+        self.hit[b] = False
+        return b
+
+    def pop_many(self, n: int) -> np.ndarray:
+        k = min(n, len(self.probation))
+        if k == n:
+            got = self.probation.pop_many(n)
+        elif k == 0:
+            got = self.protected.pop_many(n)
+        else:
+            got = np.concatenate((self.probation.pop_many(k), self.protected.pop_many(n - k)))
+        self.hit[got] = False
+        return got
+
+    def __iter__(self) -> Iterator[int]:
+        """Eviction order: probation (least recent first), then protected."""
+        yield from self.probation
+        yield from self.protected
+
+
+class SessionEvictor:
+    """GreedyDual over a release clock with a per-session bonus. Each push advances ``clock`` by one and files
+    the block under ``clock + bonus``; the smallest key is evicted first (ties: the earlier push). Without hints
+    every bonus is 0 and the order is exactly LRU. :meth:`hint` (``blocks`` of the ``t``-th request seen for
+    ``session``, about to be released) sets their bonus to ``(t - 1) x span`` for their next push, ``span =
+    lifetimes x num_blocks`` releases. Sessions are counted in a bounded table (the ``max_sessions`` most
+    recently hinted; a forgotten session starts again at its first request).
+
+    ``key`` (int64 per block, the push serial, 0: not in the evictor); a heap of (clock + bonus, serial, block)
+    with lazy deletion. push / pop O(log n), discard O(1); batch forms loop in Python."""
+
+    __slots__ = ("serial", "bonus", "heap", "clock", "n", "span", "sessions", "max_sessions")
+
+    def __init__(self, num_blocks: int, lifetimes: float = 4.0, max_sessions: int = 1 << 16) -> None:
+        self.serial = np.zeros(num_blocks, dtype=np.int64)
+        self.bonus = np.zeros(num_blocks, dtype=np.int64)
+        self.heap: list = []
+        self.clock = 0
+        self.n = 0
+        self.span = max(1, int(lifetimes * num_blocks))
+        self.sessions: OrderedDict = OrderedDict()
+        self.max_sessions = max_sessions
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __contains__(self, block: int) -> bool:
+        return self.serial[block] != 0
+
+    def hint(self, blocks: np.ndarray, session: Hashable) -> None:
+        """Count one more request of ``session`` and give its ``blocks`` that request's bonus at their next push."""
+        if session is None:
+            return
+        s = self.sessions
+        t = s.pop(session, 0) + 1
+        s[session] = t
+        if len(s) > self.max_sessions:
+            s.popitem(last=False)
+        self.bonus[blocks] = (t - 1) * self.span
+
+    def push(self, block: int) -> None:
+        c = self.clock = self.clock + 1
+        self.serial[block] = c
+        b = int(self.bonus[block])
+        if b:
+            self.bonus[block] = 0
+        heapq.heappush(self.heap, (c + b, c, block))
+        self.n += 1
+        if len(self.heap) > 2 * self.n + 64:
+            self._compact()
+
+    def push_many(self, blocks: np.ndarray) -> None:
+        for b in blocks.tolist():
+            self.push(b)
+
+    def discard(self, block: int) -> None:
+        self.serial[block] = 0
+        self.n -= 1
+
+    def discard_many(self, blocks: np.ndarray) -> None:
+        self.serial[blocks] = 0
+        self.n -= blocks.size
+
+    def pop(self) -> int:
+        heap, serial = self.heap, self.serial
+        while True:
+            _, c, b = heapq.heappop(heap)
+            if serial[b] == c:
+                break
+        serial[b] = 0
+        self.n -= 1
+        return b
+
+    def pop_many(self, n: int) -> np.ndarray:
+        return np.array([self.pop() for _ in range(n)], dtype=np.int32)
+
+    def _compact(self) -> None:
+        serial = self.serial
+        self.heap = [e for e in self.heap if serial[e[2]] == e[1]]
+        heapq.heapify(self.heap)
+
+    def __iter__(self) -> Iterator[int]:
+        """Eviction order (smallest key first)."""
+        serial = self.serial
+        return iter([b for _, c, b in sorted(self.heap) if serial[b] == c])
