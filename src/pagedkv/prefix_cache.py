@@ -238,7 +238,7 @@ class PrefixCache:
     __slots__ = ("map", "tok", "key", "cid", "pcid", "evictor", "roots", "serial", "evictions", "_width",
                  "cid_mv", "tok_mv", "key_mv", "pcid_mv", "tier", "fresh", "fresh_serial", "events", "event_overflows", "_ev_max", "_ev_lost", "pkey", "nsid", "_ns_ids", "ns_list", "block_size",
                  "_root_serial", "_ns_free", "sweep_at", "grouped", "void", "dl", "succ", "ndl", "_runs",
-                 "_runs_keep", "succ_mv", "dl_mv", "pool")
+                 "_runs_keep", "succ_mv", "dl_mv", "pool", "batch_idle", "batch_moved")
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.map: dict[int, int] = {}
@@ -270,6 +270,11 @@ class PrefixCache:
         # the GPU pool whose blocks these are (set by the manager's Blocks): registration hands an idle block's
         # content over to a held one and frees the idle block (None: never)
         self.pool = None
+        # during allocate_batch: the cached blocks idle before the batch that only the batch's later prompts hit
+        # (held by those hits already; the consecutive calls would hand them over like idle ones), and the
+        # hand-overs made of them (idle block -> held block) for the later prompts' hits to follow. None: no batch
+        self.batch_idle: dict | None = None
+        self.batch_moved: dict | None = None
         self.fresh = None
         self.fresh_serial = 0
         # KV events (enable_events): None when off, so that every emission point costs one test
@@ -505,8 +510,11 @@ class PrefixCache:
         if self.tok[other].tobytes() == data:
             if self.pcid_mv[other] == pcid:  # same content cached by another block: share its identity
                 c = cid[other]
-                if self.pool is not None and self.pool.ref_mv[other] == 0 and not self._parked(other):
-                    self._hand_over(other, block)  # (an idle copy could be evicted while this one is held)
+                if self.pool is not None:
+                    if self.pool.ref_mv[other] == 0 and not self._parked(other):
+                        self._hand_over(other, block)  # (an idle copy could be evicted while this one is held)
+                    elif self.batch_idle is not None and other in self.batch_idle:
+                        self._hand_over_batch(other, block)
                 return c, key
             if self.live_parent(pcid, pkey):  # other's parent content is not the one cached: it cannot be reached
                 self._uncache(other)  # (an orphan: its parent left the cache); this block replaces it
@@ -535,6 +543,27 @@ class PrefixCache:
         self.cid_mv[other] = 0
         self.succ_mv[other] = -1
         self.evictor.discard(other)
+        self.pool.give(np.array([other], dtype=np.int32))
+
+    def _hand_over_batch(self, other: int, block: int) -> None:
+        """:meth:`_hand_over` inside ``allocate_batch`` of a block idle before the batch that only the batch's later
+        prompts hit (they hold their references already; it left the evictor then): those references move to
+        ``block``, which the later prompts then hit instead (``batch_moved``), as the consecutive allocate calls
+        would have found it. O(1)."""
+        ref = self.pool.ref_mv
+        ref[block] += ref[other]
+        ref[other] = 0
+        del self.batch_idle[other]
+        self.batch_moved[other] = block
+        self.cid_mv[block], self.key_mv[block], self.pcid_mv[block] = self.cid_mv[other], self.key_mv[other], \
+            self.pcid_mv[other]
+        self.map[self.key_mv[other]] = block
+        if self.fresh is not None:  # (as _hand_over)
+            self.fresh[block] = self.fresh_serial
+        if self.events is not None:
+            self.pkey[block], self.nsid[block] = self.pkey[other], self.nsid[other]
+        self.cid_mv[other] = 0
+        self.succ_mv[other] = -1
         self.pool.give(np.array([other], dtype=np.int32))
 
     def live_parent(self, pcid: int, pkey: int) -> bool:
