@@ -28,7 +28,11 @@ attention and sliding windows). All groups share the block ids, so the store sta
 group: group g writes the value ``identity * G + g`` through its own slot mapping, so a block handed to two
 groups at once, or read through the wrong group's table, shows up as a wrong read. After every step every live
 sequence reads back its own identities through every group's table, and a sliding group's table holds every
-position its window still needs (``[num_tokens - W, num_tokens)``).
+position its window still needs (``(num_tokens - W, num_tokens)``, what the next query reads).
+
+**Findability** (issue 23): after every ``allocate`` (and ``allocate_batch``) the prompt's full blocks the
+sequence holds are found by ``lookup_prefix`` once the call returns, and so are a chunk's (single-table manager
+without a window: a window may release and evict earlier blocks in the same call) when its prefix still was.
 
 Used by tests/test_kv_content.py (a CI-sized run) and scripts/soak_kv.py (long runs).
 """
@@ -300,6 +304,7 @@ class KVModel:
             self.report.count("hit_tokens", hit)
             if self.G and hit and any(bm.block_table(sid, g)[0] < 0 for g in range(self.G)):
                 self.report.count("hits_past_window")  # a sliding group hit its window only
+            self._findable(sid, toks, ns, min(len(toks), hit + chunk) if chunk is not None else len(toks))
             rest = []
             if chunk is not None:
                 held = min(len(toks), hit + chunk)
@@ -343,6 +348,7 @@ class KVModel:
                                f"tokens, not the hit {hit} plus the chunk")
                 toks, rest = toks[:held], toks[held:]
                 self.report.count("chunked_batch_admits" if rest else "chunked_admits_whole")
+            self._findable(sid, burst[i][0], ns, held if chunks is not None else len(burst[i][0]))
             q = _Seq(ns, list(toks), self._ids(ns, toks), list(rest))
             self.seqs[sid] = q
             self.order_of[sid] = sid
@@ -361,6 +367,11 @@ class KVModel:
         batch = cand[: rng.randint(1, len(cand))]
         counts = [min(len(self.seqs[s].rest), rng.choice([1, 2, 3, 4, 7])) for s in batch]
         flat = np.array([t for s, c in zip(batch, counts) for t in self.seqs[s].rest[:c]], dtype=np.int64)
+        # (the chunk's blocks are findable when the prefix before it still is: a reset, a withdrawal or an eviction
+        # of a block the sequence deduplicated into can have cut it since; a window may release and evict in the call)
+        # (and without the CPU tier: a known gap, see _found)
+        intact = {s: not self.G and self.cfg.window is None and self.cfg.prefix and not self.cfg.tier
+                  and self._found(s) for s in batch}
         try:
             res = bm.decode_step(batch, flat, 0, num_new_tokens=np.array(counts))
         except OutOfBlocksError:
@@ -370,6 +381,8 @@ class KVModel:
         pos = 0
         for s, c in zip(batch, counts):
             q = self.seqs[s]
+            if intact[s]:
+                self._findable(s, q.toks + q.rest, q.ns, len(q.toks) + c)
             q.toks.extend(q.rest[:c])
             del q.rest[:c]
             q.ids = self._ids(q.ns, q.toks, q.ids)
@@ -425,8 +438,16 @@ class KVModel:
         if not cand:
             return
         s = self.rng.choice(cand)
+        try:
+            self.bm.free(s)
+        except SequenceStateError:
+            # swap_in in this step may reuse a block cached in this step (its KV this step's forward writes): the
+            # sequence is then pending like one handed slots, and free(cache=True) is refused, changing nothing
+            if s not in self.swapped_in:
+                self._fail(f"free({s}) refused though it was neither handed slots nor swapped in in this step")
+            self.report.count("recompute_refused_pending")
+            return
         q = self.seqs.pop(s)
-        self.bm.free(s)
         self.waiting.append((q.toks + q.rest, q.ns))  # (mid-prefill: the whole prompt again)
         self.report.count("recomputes_mid_prefill" if q.rest else "recomputes")
 
@@ -587,7 +608,7 @@ class KVModel:
                 keep = blk >= 0
                 if self.G:
                     w = self.cfg.groups[g]
-                    if not keep[max(0, n - w) if w else 0 :].all():
+                    if not keep[max(0, n - w + 1) if w else 0 :].all():  # (the next query reads (n - W, n])
                         self._fail(f"sequence {sid} group {g}: a position its window needs has no block "
                                    f"(table {table.tolist()}, {n} tokens)")
                 store = self.cpu if q.swapped else self.gpu
@@ -659,13 +680,46 @@ class KVModel:
         self._new_step()
         self._after_forward()
 
+    def _found(self, sid) -> bool:
+        """Whether lookup_prefix finds every full block ``sid`` holds of its prompt."""
+        q, bs = self.seqs[sid], self.cfg.block_size
+        t, cache = self.bm._t, self.bm._cache
+        row = t.row_of[sid]
+        if not cache.live_parent(int(t.ccid[row]), int(t.ckey[row])):
+            # its chain ends in a content that left the cache (one it deduplicated into, evicted since; its prefix
+            # may be cached again under another identity): what it registers next is not found (a known gap)
+            return False
+        held = t.table[row, t.nrel[row] : t.nreg[row]]
+        if (cache.cid[held[held >= 0]] == 0).any():
+            # it holds an uncached copy of a content another block caches (deduplicated): when that block's holder
+            # frees it, an eviction can drop the content while this sequence still holds it (a known gap)
+            return False
+        prompt = q.toks + q.rest
+        want = min(len(q.toks) // bs, (len(prompt) - 1) // bs) * bs
+        return self.bm.lookup_prefix(prompt, namespace=q.ns).num_cached_tokens >= want
+
+    def _findable(self, sid, prompt: list, ns, held: int) -> None:
+        """lookup_prefix finds the full blocks of ``prompt`` that ``sid`` holds (``held`` tokens) once the call
+        that handed them out returns (issue 23 A)."""
+        if not self.cfg.prefix:
+            return
+        bs = self.cfg.block_size
+        want = min(held // bs, (len(prompt) - 1) // bs) * bs
+        got = self.bm.lookup_prefix(prompt, namespace=ns).num_cached_tokens
+        if got < want:
+            self._fail(f"sequence {sid}: lookup_prefix finds {got} of the {want} tokens it holds cached")
+        self.report.count("findable_checks")
+
     def _probe_refusals(self) -> None:
         """fork / swap_out of a sequence handed slots in this step must raise SequenceStateError."""
         live = [s for s in self.touched if s in self.seqs and not self.seqs[s].swapped and s not in self.aborted]
         if not live:
             return
         s = self.rng.choice(live)
-        for call in (lambda: self.bm.fork(s, ("probe", s)), lambda: self.bm.swap_out([s])):
+        calls = [lambda: self.bm.fork(s, ("probe", s)), lambda: self.bm.swap_out([s])]
+        if self.cfg.prefix:  # free(s) would cache blocks nobody wrote yet (issue 23 B)
+            calls.append(lambda: self.bm.free(s))
+        for call in calls:
             try:
                 call()
             except SequenceStateError:

@@ -40,6 +40,7 @@ def test_a_chunk_holds_the_hit_plus_k_tokens_and_the_lookup_sees_the_whole_promp
     assert bm.allocate("b", p, num_new_tokens=3) == 20
     assert bm.num_tokens("b") == 22 and "b" not in bm._t.partial  # the chunk completes the prompt
     assert free - bm.num_free_gpu_blocks == 1
+    bm.take_copy_plan()
     bm.free("a")
     bm.free("b")
     q = p[:8] + [99] * 14

@@ -106,8 +106,8 @@ def test_namespaces_stay_apart_in_the_cpu_tier_and_reset_clears_it():
     assert bm.num_cpu_cached_blocks == 2
     bm.free("b")
     assert bm.allocate("c", list(range(9))) == 0  # another namespace: no hit in either tier
-    bm.free("c")
     bm.take_copies()
+    bm.free("c")
     assert bm.allocate("d", list(range(9)), namespace="t1") == 8
     bm.take_copies()
     ev = bm.take_events()

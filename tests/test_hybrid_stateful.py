@@ -100,8 +100,11 @@ class HybridMachine(RuleBasedStateMachine):
         for g, w in enumerate(self.windows):
             t = m.block_table(seq, g)
             assert len(t) == cdiv(held + la, BS)
-            nnull = 0 if w is None or not got else max(0, got - w) // BS
+            nnull = 0 if w is None or not got else max(0, got - w + 1) // BS  # (the window (L - W, L) only)
             assert (t[:nnull] == NULL_BLOCK).all() and (t[nnull:] >= 0).all()
+        if m.enable_prefix_caching:  # findability: every full block the call holds is found (issue 23 A)
+            want = min(held // BS, (len(toks) - 1) // BS) * BS
+            assert m.lookup_prefix(toks, namespace=ns).num_cached_tokens >= want
         self._new(seq, toks[:held], la)
         if held < len(toks):
             self.rest[seq] = list(toks[held:])
@@ -212,8 +215,12 @@ class HybridMachine(RuleBasedStateMachine):
         try:
             self.m.free(s, cache=cache)
         except SequenceStateError:
-            assert not cache and self.snap() == before
+            # cache=False: others hold its unwritten blocks; cache=True: it was handed slots in this step (issue 23 B)
+            assert (not cache or (self.m.enable_prefix_caching and self.stepping and s in self.touched)) \
+                and self.snap() == before
             return
+        if cache and self.m.enable_prefix_caching:
+            assert not (self.stepping and s in self.touched), "free of a sequence handed slots in this step passed"
         del self.seqs[s]
         self.rest.pop(s, None)
 

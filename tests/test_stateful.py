@@ -391,6 +391,11 @@ class PagedKVMachine(RuleBasedStateMachine):
             return
         if nb > self.G - self.wm:
             assert status is AllocStatus.NEVER
+            if chunk is not None and self.W is not None and chunk < n and \
+                    min(nb, cdiv(self.W - 1 + chunk, bs) + 1) <= self.G - self.wm:
+                # a windowed manager admits it in chunks (issue 23 C; tests/test_findability.py runs one through)
+                assert bm.can_allocate(prompt, namespace=ns, num_new_tokens=chunk) is not AllocStatus.NEVER
+                return
             if chunk is not None:  # a chunk of a prompt that can never be completed is refused all the same
                 assert bm.can_allocate(prompt, namespace=ns, num_new_tokens=chunk) is AllocStatus.NEVER
             self.expect_failure(PromptTooLongError, bm.allocate, sid, prompt, **kw)
@@ -493,7 +498,10 @@ class PagedKVMachine(RuleBasedStateMachine):
         s.pending = blocks[hit // bs : n // bs]
         if n < len(full_prompt):
             s.plen, s.rest = len(full_prompt), list(full_prompt[n:])
-        if self.PREFIX:
+        if self.PREFIX:  # findability: every full block the call holds is found once it returns (issue 23 A)
+            want = min(n // bs, (len(full_prompt) - 1) // bs) * bs
+            got = bm.lookup_prefix(full_prompt, namespace=ns).num_cached_tokens
+            assert got >= want, f"allocate({sid!r}) returned but lookup_prefix finds {got} of its {want} tokens"
             self.stats["qtok"] += len(full_prompt)  # (the whole prompt is looked up)
             self.stats["htok"] += hit
             self.stats["qblk"] += (len(full_prompt) - 1) // bs
@@ -575,12 +583,33 @@ class PagedKVMachine(RuleBasedStateMachine):
             return r.slot_mapping, r.block_tables, r.seq_lens, r.cow
 
         call.__name__ = "decode_step (prefill chunk)"
+        bs = self.bs
+
+        def found(sid):  # (a chunk's blocks are findable when the prefix before it still is: see kv_model)
+            t, row = self.bm._t, self.bm._t.row_of[sid]
+            if not self.bm._cache.live_parent(int(t.ccid[row]), int(t.ckey[row])):
+                return False
+            held = t.table[row, t.nrel[row] : t.nreg[row]]
+            if (self.bm._cache.cid[held[held >= 0]] == 0).any():  # (a deduplicated copy: see kv_model._found)
+                return False
+            s = self.seqs[sid]
+            full = s.tokens + s.rest
+            want = min(len(s.tokens) // bs, (len(full) - 1) // bs) * bs
+            return self.bm.lookup_prefix(full, namespace=s.ns).num_cached_tokens >= want
+
+        intact = {sid: self.PREFIX and self.W is None and found(sid) for sid in sids}
         self.do_append(sids, counts, flat, 0, call)
+        bs = self.bs
         for sid, c in zip(sids, counts):
             s = self.seqs[sid]
             if len(s.tokens) > before[sid]:
+                full = s.tokens + s.rest[c:]
                 del s.rest[:c]
                 event("prefill chunk: the last" if not s.rest else "prefill chunk")
+                if intact[sid]:  # findability: the blocks the chunk filled are found once it returns
+                    want = min(len(s.tokens) // bs, (len(full) - 1) // bs) * bs
+                    got = self.bm.lookup_prefix(full, namespace=s.ns).num_cached_tokens
+                    assert got >= want, f"a chunk of {sid!r} returned but lookup_prefix finds {got} of {want} tokens"
 
     @rule(data=st.data(), toks=st.lists(VOCAB, min_size=1, max_size=5), la=st.sampled_from([0, 0, 1, 3]))
     def append_slots(self, data, toks, la):

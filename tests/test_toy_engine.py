@@ -124,14 +124,6 @@ GROUPED = [
 ]
 
 
-# Configurations where lookup_prefix right after an allocation or a chunk finds less than the sequence holds, with
-# no abort involved (e.g. block-size-1's r11/0: 0 of its 5 held tokens right after allocate; its group-0 blocks are
-# not in the cache as themselves). The symptom of issue 23's A (a registration dropped as a duplicate of cached
-# blocks that the same call then evicts), being fixed on another branch; the root cause of these very cases was not
-# established here. The xfail test below checks them strictly: remove them from this set once it passes.
-_ISSUE_23_A = {"six-groups", "block-size-1"}
-
-
 def _run_grouped(name, windows, bs, nblocks, opts, strict):
     opts = dict(opts)
     cpu_tier = opts.pop("cpu_tier", False)
@@ -146,7 +138,7 @@ def _run_grouped(name, windows, bs, nblocks, opts, strict):
 
 @pytest.mark.parametrize("name,windows,bs,nblocks,opts", GROUPED, ids=[g[0] for g in GROUPED])
 def test_toy_engine_over_kv_cache_groups(name, windows, bs, nblocks, opts):
-    engine, bm, opts, cpu_tier = _run_grouped(name, windows, bs, nblocks, opts, strict=name not in _ISSUE_23_A)
+    engine, bm, opts, cpu_tier = _run_grouped(name, windows, bs, nblocks, opts, strict=True)
     checked = check_against_reference(engine)
     c, st = engine.counts, bm.stats
     print(name, c, st)
@@ -154,8 +146,7 @@ def test_toy_engine_over_kv_cache_groups(name, windows, bs, nblocks, opts):
     assert c["cached_tokens"] > 0 and c["forks"] > 0 and st.cow_copies > 0
     assert c["swap_outs"] + c["recomputes"] > 0
     assert c["findable_checks"] > 0
-    if name not in _ISSUE_23_A:
-        assert c["findable_misses"] == 0, engine.findable_examples
+    assert c["findable_misses"] == 0, engine.findable_examples  # (six-groups, block-size-1: issue 23 A, fixed)
     if any(w is not None for w in windows):
         assert c["window_nulls"] > 0
     if opts.get("chunk"):
@@ -171,26 +162,18 @@ def test_toy_engine_over_kv_cache_groups(name, windows, bs, nblocks, opts):
     assert len(bm) == 0
 
 
-@pytest.mark.xfail(strict=False, reason="issue 23 A: full blocks not found right after allocate (another branch)")
-@pytest.mark.parametrize("name", sorted(_ISSUE_23_A))
-def test_toy_engine_findability_issue_23_a(name):
-    """Every full block a sequence holds is found by lookup_prefix right after the allocate or chunk that filled
-    it, in the configurations where issue 23's bug A shows (sequences r11/0 of block-size-1: 0 of 5 tokens)."""
-    (cfg,) = [g for g in GROUPED if g[0] == name]
-    engine, *_ = _run_grouped(*cfg, strict=True)
-    assert engine.counts["findable_misses"] == 0
-
-
 SEEDS = int(os.environ.get("PAGEDKV_TOY_SEEDS", "4"))
 STRICT = os.environ.get("PAGEDKV_TOY_STRICT", "") == "1"
 
 
-@pytest.mark.parametrize("seed", range(SEEDS))
-def test_toy_engine_random_configurations(seed):
-    """A random configuration per seed: 1-6 groups (one group on either manager), windows 1-13, block sizes
-    1-16, chunked prefill, incremental tables, lookahead drafts, the CPU tier, aborts, forks, both preemption
-    modes. Every logit against the reference. Longer: PAGEDKV_TOY_SEEDS=200 pytest tests/test_toy_engine.py -k
-    random (PAGEDKV_TOY_STRICT=1 also fails on a findability miss; see _ISSUE_23_A)."""
+# Random configurations whose findability check (lookup_prefix right after an allocation or a chunk finds every
+# full block the sequence holds) still fails with issue 23's A fixed, in seeds 0-59 (seed 23: r7/0 found 0 of 12
+# held tokens, no abort involved; 29: r9/0 0 of 32; 53: r1/0 0 of 16). Root cause not established: these are
+# checked strictly below, as strict xfails; remove a seed from this set once its test passes.
+_FINDABILITY_OPEN = (23, 29, 53)
+
+
+def _run_random(seed, strict):
     rng = random.Random(1000 + seed)
     G = rng.randint(1, 6)
     windows = tuple(None if rng.random() < 0.35 else rng.randint(1, 13) for _ in range(G))
@@ -204,10 +187,30 @@ def test_toy_engine_random_configurations(seed):
     model = ToyModel(seed=seed, windows=windows)
     engine = ToyEngine(model, bm, lookahead=rng.choice((0, 0, 1, 2)), swap=rng.random() < 0.7,
                        token_budget=rng.randint(2, 8) * bs, seed=seed, chunk=rng.choice((None, 1, 3, bs + 1, 2 * bs)),
-                       incremental=rng.random() < 0.5, p_abort=rng.choice((0.0, 0.1, 0.25)), strict_findable=STRICT)
+                       incremental=rng.random() < 0.5, p_abort=rng.choice((0.0, 0.1, 0.25)), strict_findable=strict)
     _grouped_workload(engine, seed, rng.randint(8, 24), samples=(1, 1, 2, 3), namespaces=(None, "t"))
     engine.run()
-    checked = check_against_reference(engine)
     print(seed, dict(G=G, windows=windows, bs=bs, hybrid=hybrid, nblocks=nblocks), engine.counts,
           engine.findable_examples)
+    return engine, bm
+
+
+@pytest.mark.parametrize("seed", range(SEEDS))
+def test_toy_engine_random_configurations(seed):
+    """A random configuration per seed: 1-6 groups (one group on either manager), windows 1-13, block sizes
+    1-16, chunked prefill, incremental tables, lookahead drafts, the CPU tier, aborts, forks, both preemption
+    modes. Every logit against the reference. Longer: PAGEDKV_TOY_SEEDS=200 pytest tests/test_toy_engine.py -k
+    random (PAGEDKV_TOY_STRICT=1 also fails on a findability miss; see _FINDABILITY_OPEN)."""
+    engine, bm = _run_random(seed, STRICT)
+    checked = check_against_reference(engine)
     assert checked > 0 and len(bm) == 0
+
+
+@pytest.mark.xfail(strict=True, reason="findability misses with no abort involved, root cause not established "
+                                       "(not issue 23 A's roots, which are fixed)")
+@pytest.mark.parametrize("seed", _FINDABILITY_OPEN)
+def test_toy_engine_findability_open_cases(seed):
+    """Every full block a sequence holds is found by lookup_prefix right after the allocate or chunk that filled
+    it, in the random configurations where that still fails (_FINDABILITY_OPEN)."""
+    engine, _ = _run_random(seed, strict=True)
+    assert engine.counts["findable_misses"] == 0

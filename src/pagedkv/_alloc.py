@@ -45,10 +45,12 @@ class Allocator:
     Counts the prefix-cache queries and hits (``query_tokens``, ``hit_tokens``, ``query_blocks``,
     ``hit_blocks``)."""
 
-    def __init__(self, t, blocks, reg, cache, tier, cpu_id, bs: int, watermark: int, fixed_w: int) -> None:
+    def __init__(self, t, blocks, reg, cache, tier, cpu_id, bs: int, watermark: int, fixed_w: int,
+                 window: int | None = None) -> None:
         self.t, self.blocks, self.reg, self.cache, self.tier = t, blocks, reg, cache, tier
         self.gpu, self.cpu_id = blocks.gpu, cpu_id
         self.bs, self.watermark, self.fixed_w = bs, watermark, fixed_w
+        self.window = window  # the sliding window (tokens) or None: chunked prompts may outgrow the pool
         self.query_tokens = self.hit_tokens = self.query_blocks = self.hit_blocks = 0
 
     def plan(self, token_ids: object, la: int, namespace: object, root: tuple | None = None,
@@ -76,10 +78,11 @@ class Allocator:
                 root = self.cache.root(namespace, intern=False)
         bs = self.bs
         nblocks = -(-(n + la) // bs)
-        if nblocks > self.gpu.num_blocks - self.watermark:
+        if self.peak(n, la, chunk) > self.gpu.num_blocks - self.watermark:
             raise PromptTooLongError(
-                f"{_what(n, la)} needs {nblocks} blocks; the pool has {self.gpu.num_blocks} with "
-                f"{self.watermark} kept free"
+                f"{_what(n, la)} needs {self.peak(n, la, chunk)} blocks at once"
+                f"{f' (in chunks of {chunk} tokens)' if nblocks != self.peak(n, la, chunk) else ''}; the pool has "
+                f"{self.gpu.num_blocks} with {self.watermark} kept free"
             )
         if self.fixed_w and nblocks > self.fixed_w:
             raise TableWidthError(f"{_what(n, la)} needs {nblocks} blocks; block_table_width is {self.fixed_w}")
@@ -89,6 +92,8 @@ class Allocator:
                 nblocks = -(-(n + la) // bs)
             return arr, n, nblocks, [], None, (0, 0), nblocks
         hits, chain = self.reg.lookup(arr, root, memo=True)
+        if self.window is not None and chunk is not None:
+            hits, chain = self.fit_hit(hits, chain, root, n, la, chunk)
         if chunk is not None and len(hits) * bs + chunk < n:  # chunked prefill: the hit plus one chunk
             n = len(hits) * bs + chunk
             nblocks = -(-(n + la) // bs)
@@ -102,6 +107,32 @@ class Allocator:
             pk = self.cache.evictor.parked
             reused_free -= sum(1 for b in hits if pk[b])
         return arr, n, nblocks, hits, cpu_hits, chain, nblocks - len(hits) + reused_free
+
+    def peak(self, n: int, la: int, chunk: int | None) -> int:
+        """The most blocks a prompt of ``n`` tokens (plus ``la`` lookahead slots) holds at once: all of them, or
+        with a sliding window and chunked prefill (chunks of ``chunk`` tokens, the window releasing the blocks
+        before each chunk's first query's window) the window's ``W - 1`` tokens plus one chunk. O(1)."""
+        nblocks = -(-(n + la) // self.bs)
+        if self.window is None or chunk is None or chunk >= n:
+            return nblocks
+        return min(nblocks, -(-(self.window - 1 + chunk + la) // self.bs) + 1)
+
+    def fit_hit(self, hits: list, chain: tuple, root: tuple, n: int, la: int, chunk: int) -> tuple[list, tuple]:
+        """A windowed manager's chunked allocation holds its whole hit plus the chunk: the hit cut (and its
+        ``chain``, the ``(cid, key)`` after the last hit, ``root`` when none is left) so that they fit in the pool minus the watermark, as a
+        prompt that :meth:`peak` admits can complete. O(1) unless it cuts."""
+        bs = self.bs
+        avail = self.gpu.num_blocks - self.watermark
+        if -(-(min(n, len(hits) * bs + chunk) + la) // bs) <= avail:
+            return hits, chain
+        h = max(0, (avail * bs - chunk - la) // bs)
+        hits = hits[:h]
+        if not h:
+            return hits, root
+        b = hits[-1]
+        if b >= 0:
+            return hits, (int(self.cache.cid[b]), int(self.cache.key[b]))
+        return hits, (int(self.cpu_id[0, ~b]), int(self.cpu_id[1, ~b]) & 0xFFFFFFFFFFFFFFFF)
 
     def commit(self, seq_id, namespace, arr, n: int, nblocks: int, hits: list, cpu_hits, chain,
                referenced: bool, nnull: int = 0) -> int:
@@ -212,12 +243,37 @@ class Allocator:
             if pins:
                 self.tier.pin_many(list(dict.fromkeys(pins)))
         rows: list[int] = []
-        for s, ns, (arr, n, nblocks, hits, cpu_hits, chain, _) in zip(seq_ids, namespaces, plans):
-            if hits and min(hits) < 0:
-                hits, chain = self.resolve(hits, cpu_hits, chain, rows)
-            rows.append(self.commit(s, ns, arr, n, nblocks, hits, cpu_hits, chain, referenced=True))
-            if n < arrs[len(rows) - 1].size:  # a chunk: fork waits for the rest of the prompt
-                self.t.partial[s] = arrs[len(rows) - 1].size
+        firsts = None
+        if self.cache is not None and reused and len(plans) > 1:
+            # a block idle before the batch that a later prompt hits: the consecutive calls would hand its identity
+            # over to an earlier prompt's new block of the same content (PrefixCache._hand_over), so registration
+            # may do that here too (until the first prompt hitting it is committed); later hits follow the move
+            first: dict[int, int] = {}
+            for i, p in enumerate(plans):
+                for h in p[3]:
+                    if h in reused and h not in first:
+                        first[h] = i
+            firsts = sorted((i, h) for h, i in first.items())
+            self.cache.batch_idle, self.cache.batch_moved = first, {}
+        try:
+            k = 0
+            for i, (s, ns, (arr, n, nblocks, hits, cpu_hits, chain, _)) in enumerate(zip(seq_ids, namespaces, plans)):
+                if firsts is not None:
+                    idle = self.cache.batch_idle
+                    while k < len(firsts) and firsts[k][0] <= i:  # held by this prompt from now on, as in the calls
+                        idle.pop(firsts[k][1], None)
+                        k += 1
+                    moved = self.cache.batch_moved
+                    if moved:
+                        hits = [moved.get(h, h) for h in hits]
+                if hits and min(hits) < 0:
+                    hits, chain = self.resolve(hits, cpu_hits, chain, rows)
+                rows.append(self.commit(s, ns, arr, n, nblocks, hits, cpu_hits, chain, referenced=True))
+                if n < arrs[len(rows) - 1].size:  # a chunk: fork waits for the rest of the prompt
+                    self.t.partial[s] = arrs[len(rows) - 1].size
+        finally:
+            if firsts is not None:
+                self.cache.batch_idle = self.cache.batch_moved = None
         nhit = [len(p[3]) + (len(p[4]) if p[4] else 0) for p in plans]
         return self.prefill_result(tuple(seq_ids), arrs, plans, rows, nhit)
 
@@ -256,13 +312,12 @@ class Allocator:
             d = data[j * width : (j + 1) * width]
             key = _xxh3(d, seed=pkey)
             b = cmap.get(key)
-            v = virt.get(key) if b is None else None
-            if b is not None:
-                if cpcid[b] == pcid and ctok[b].tobytes() == d:
-                    hits.append(b)
-                    pcid, pkey = int(ccid[b]), key
-                    continue
-            elif v is not None and v[0] == pcid and v[1] == d:
+            if b is not None and cpcid[b] == pcid and ctok[b].tobytes() == d:
+                hits.append(b)
+                pcid, pkey = int(ccid[b]), key
+                continue
+            v = virt.get(key)  # (an earlier prompt's block, new or replacing an orphan under this key)
+            if v is not None and v[0] == pcid and v[1] == d:
                 hits.append(v[2])
                 pcid, pkey = v[3], key
                 continue
@@ -285,18 +340,20 @@ class Allocator:
             d = data[j * width : (j + 1) * width]
             key = _xxh3(d, seed=pkey)
             other = cmap.get(key)
-            if other is None:
-                other = virt.get(key)
-                if other is None:
-                    t = tier.find_keyed(pcid, key, d) if tier is not None else -1
-                    # (a content id of its own, distinct from every real one, for the batch's later walks)
-                    newc = int(self.cpu_id[0, t]) if t >= 0 else cache.serial + 1 + len(virt)
-                    virt[key] = (pcid, d, ~(i * _COL + j), newc)
-                    pcid, pkey = newc, key
-                elif other[0] == pcid and other[1] == d:
-                    pcid, pkey = other[3], key
+            v = virt.get(key)
+            if v is not None:  # (an earlier prompt of the batch registers it)
+                if v[0] == pcid and v[1] == d:
+                    pcid, pkey = v[3], key
                 else:
                     pcid = 0
+            elif other is None or (ctok[other].tobytes() == d and cpcid[other] != pcid and (
+                    cache.live_parent(pcid, pkey) or virt.get(pkey, (0,) * 4)[3] == pcid)):
+                # (registration replaces an orphan when its own parent is the content reached: PrefixCache.register)
+                t = tier.find_keyed(pcid, key, d) if tier is not None and other is None else -1
+                # (a content id of its own, distinct from every real one, for the batch's later walks)
+                newc = int(self.cpu_id[0, t]) if t >= 0 else cache.serial + 1 + len(virt)
+                virt[key] = (pcid, d, ~(i * _COL + j), newc)
+                pcid, pkey = newc, key
             elif cpcid[other] == pcid and ctok[other].tobytes() == d:
                 pcid, pkey = int(ccid[other]), key
             else:

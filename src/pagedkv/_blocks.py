@@ -23,6 +23,8 @@ class Blocks:
 
     def __init__(self, gpu, cpu, cache, cpu_id, tier) -> None:
         self.gpu, self.cpu, self.cache, self.cpu_id, self.tier = gpu, cpu, cache, cpu_id, tier
+        if cache is not None:
+            cache.pool = gpu
 
     @property
     def num_free(self) -> int:

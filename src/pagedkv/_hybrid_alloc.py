@@ -11,7 +11,7 @@ without a Python step per block::
                        parent cid == previous cid   cached, breaks the content-id chain, or holds other tokens
     sliding group g    map.get + token compare   -> present_g[j] for j < h (only the last window of h first;
                                                     every block below h only when a window there has a hole)
-    hit L              the largest L <= h with every sliding group's blocks [L - W_g, L) present: a cumulative
+    hit L              the largest L <= h with every sliding group's blocks covering (L - W_g, L) present: a cumulative
                        count of holes per group, compared at every candidate L at once
 
 The semantics are exactly those of the block-by-block walk it replaces (:meth:`HybridAllocator.plan_walk <pagedkv._hybrid_allocator.HybridAllocator.plan_walk>`,
@@ -120,7 +120,7 @@ def find_hit(ha, arr: np.ndarray, roots: list):
     if sliding and L:
         # the sliding groups' keys of the last window before L: the anchor's siblings where recorded, hashed on
         # from the last recorded one otherwise
-        fs = [max(0, L * bs - specs[g].window) // bs for g in sliding]
+        fs = [max(0, L * bs - specs[g].window + 1) // bs for g in sliding]
         known = min(fs)
         sib = ha.sib
         if sib is not None:
@@ -170,12 +170,12 @@ def find_hit(ha, arr: np.ndarray, roots: list):
                 pres[g] = (0, p)
                 c = np.zeros(L + 1, dtype=np.int64)
                 np.cumsum(p < 0, out=c[1:])
-                first = np.maximum(0, cand * bs - specs[g].window) // bs
+                first = np.maximum(0, cand * bs - specs[g].window + 1) // bs
                 ok_all &= c[cand] == c[first]
             L = int(np.flatnonzero(ok_all)[-1])
         for g in sliding:
             f, p = pres[g]
-            nnull = max(0, L * bs - specs[g].window) // bs if L else 0
+            nnull = max(0, L * bs - specs[g].window + 1) // bs if L else 0
             blocks[g] = p[nnull - f : L - f]
     for g in ha.full:
         blocks[g] = blocks[g][:L]

@@ -139,9 +139,10 @@ class HybridAllocator:
             nblocks = -(-(n + la) // bs)
         if L:
             held = np.concatenate(blks)
-            last = [x - 1 for x in accumulate(b.size for b in blks)]
-            cids, cks = cache.cid[held[last]].tolist(), cache.key[held[last]].tolist()
-            groups = [(b, None, (c, k), L - b.size) for b, c, k in zip(blks, cids, cks)]
+            last = [max(x - 1, 0) for x in accumulate(b.size for b in blks)] if held.size else [0] * G
+            cids, cks = (cache.cid[held[last]].tolist(), cache.key[held[last]].tolist()) if held.size else (last, last)
+            # (a window of one token holds no block: its chain is not known past the hit)
+            groups = [(b, None, (c, k) if b.size else (0, 0), L - b.size) for b, c, k in zip(blks, cids, cks)]
             need = G * (nblocks - L) + int(np.count_nonzero(self.gpu.ref[held] == 0))
         else:
             held = None
@@ -189,7 +190,7 @@ class HybridAllocator:
             while L > 0:
                 ok = True
                 for g in self.sliding:
-                    first = max(0, L * bs - self.specs[g].window) // bs
+                    first = max(0, L * bs - self.specs[g].window + 1) // bs
                     for j in range(L - 1, first - 1, -1):
                         if pres(g, j) is None:
                             ok, L = False, j  # every hit point whose window covers block j fails too
@@ -209,7 +210,7 @@ class HybridAllocator:
                 ents = full_hits[g][:L]
                 nnull = 0
             else:
-                nnull = max(0, L * bs - spec.window) // bs if L else 0
+                nnull = max(0, L * bs - spec.window + 1) // bs if L else 0
                 ents = [present[(g, j)] for j in range(nnull, L)]
             gpu = [NULL_BLOCK] * nnull
             cpu = None
@@ -223,9 +224,11 @@ class HybridAllocator:
                     if cpu is None:
                         cpu = []
                     cpu.append((j, ~e))
-            if L:
+            if L and ents:
                 e = ents[-1]
                 chain = (int(cid[e]), int(ckey[e])) if e >= 0 else (int(cpu_id[0, ~e]), int(cpu_id[1, ~e]) & _U64)
+            elif L:  # a window of one token needs no cached block: the group's chain is not known past the hit
+                chain = (0, 0)
             else:
                 chain = roots[g]
             nc = len(cpu) if cpu else 0

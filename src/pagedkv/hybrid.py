@@ -29,7 +29,8 @@ block_size, heads, head_dim)``; layer L of group g at index j uses slot j with g
 
 **Hybrid prefix hits.** ``allocate`` returns the longest prefix L (a multiple of block_size, less than the
 prompt) such that every full-attention group has all of its blocks ``[0, L)`` cached and every sliding group
-has the blocks covering positions ``[L - W, L)`` cached (GPU or CPU tier). A sliding group's table holds
+has the blocks covering positions ``(L - W, L)`` cached (GPU or CPU tier): the W - 1 cached positions the first
+computed query, at L, reads (a window of one token needs none). A sliding group's table holds
 NULL_BLOCK before them. The chained keys of a prompt are computable without the blocks being present, so a
 sliding group finds a window late in a prompt even after its early blocks were evicted; such a window block is
 verified by its stored tokens and its 64-bit chained key (which covers every earlier token of the prompt),

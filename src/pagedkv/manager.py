@@ -229,7 +229,7 @@ class BlockManager:
         self._step = Stepper(t, blocks, win, reg, cache, copies, bs, self._fixed_w)
         self._small = Small(t, blocks, reg, cache, copies, bs, self._fixed_w)
         self._alloc = Allocator(t, blocks, reg, cache, tier, self._cpu_id, bs, self._watermark_blocks,
-                                self._fixed_w)
+                                self._fixed_w, sliding_window)
         self._swap = Swapper(t, blocks, cache, tier, self._cpu_tok, self._cpu_id, copies)
 
     # ------------------------------------------------------------------ read-only state
@@ -491,19 +491,26 @@ class BlockManager:
         LATER if they do not fit now, else OK. With prefix caching, full blocks it would share with live
         sequences are not counted. ``num_new_tokens`` (chunked prefill): LATER / OK count only the blocks of
         the prefix-cache hit plus that many further prompt tokens, as ``allocate(..., num_new_tokens=)`` takes
-        them (NEVER still looks at the whole prompt: it could never be completed). O(prompt blocks)."""
+        them (NEVER still looks at the whole prompt: it could never be completed). With a sliding window and
+        ``num_new_tokens``, NEVER looks at the most blocks the prompt holds at once in chunks of that size (the
+        window's ``W - 1`` tokens plus a chunk: the window releases blocks as the chunks go), so a prompt longer
+        than the pool is admitted; the hit is then cut where it and the first chunk would not fit in the pool.
+        O(prompt blocks)."""
         arr = _as_tokens(token_ids)
         la = _check_int("num_lookahead_slots", num_lookahead_slots, 0)
         k = None if num_new_tokens is None else _check_int("num_new_tokens", num_new_tokens, 1)
         needed = -(-(arr.size + la) // self._bs)
-        if needed > self._gpu.num_blocks - self._watermark_blocks:
+        if self._alloc.peak(arr.size, la, k) > self._gpu.num_blocks - self._watermark_blocks:
             return AllocStatus.NEVER
         if self._cache is None:
             _encode_namespace(namespace)  # validate it all the same
             if k is not None and k < arr.size:
                 needed = -(-(k + la) // self._bs)
         else:
-            hits, _ = self._reg.lookup(arr, self._cache.root(namespace, intern=False))
+            root = self._cache.root(namespace, intern=False)
+            hits, chain = self._reg.lookup(arr, root)
+            if self._window is not None and k is not None:
+                hits, _ = self._alloc.fit_hit(hits, chain, root, arr.size, la, k)
             if k is not None and len(hits) * self._bs + k < arr.size:
                 needed = -(-(len(hits) * self._bs + k + la) // self._bs)
             ref = self._gpu.ref
@@ -542,7 +549,8 @@ class BlockManager:
         blocks enter the prefix cache as they fill; the engine computes each chunk's KV in the step that hands
         it out and samples only after the last one. Until the whole prompt is appended the sequence cannot be
         forked (SequenceStateError); it can be swapped out and in, and freed (``cache=False`` too). The
-        PromptTooLongError and TableWidthError checks look at the whole prompt. ::
+        PromptTooLongError and TableWidthError checks look at the whole prompt (with a
+        sliding window PromptTooLongError looks at the most blocks held at once: see :meth:`can_allocate`). ::
 
             prompt   [ hit (cached) | chunk 1 ][ chunk 2 ][ chunk 3 ]
                        allocate(num_new_tokens=k)  decode_step  decode_step (last: sample)
@@ -631,7 +639,10 @@ class BlockManager:
             nb = -(-((n if k is None else min(n, k)) + la) // self._bs)
             return PrefixHit(0, 0, 0, nb)
         arr = _as_tokens(token_ids)
-        hits, _ = self._reg.lookup(arr, self._cache.root(namespace, intern=False))
+        root = self._cache.root(namespace, intern=False)
+        hits, chain = self._reg.lookup(arr, root)
+        if self._window is not None and k is not None:
+            hits, _ = self._alloc.fit_hit(hits, chain, root, arr.size, la, k)
         ref = self._gpu.ref_mv
         held = sum(1 for b in hits if b >= 0 and ref[b] > 0)
         if self._steered and self._cache.evictor.num_parked:  # pinned idle hits: not in the free count
@@ -693,11 +704,20 @@ class BlockManager:
 
         ``cache=True`` says the sequence's KV is written: before the step's forward it is for sequences not handed
         slots in the step; abort one that was with ``cache=False`` and leave it out of the forward (see
-        docs/engine-contract.md)."""
+        docs/engine-contract.md). With prefix caching, once the same-step checks are on (after the first
+        :meth:`take_copy_plan`), ``free(seq_id)`` of a sequence handed slots in the current step (by ``allocate``,
+        ``decode_step`` or ``append_slots``) raises SequenceStateError and changes nothing: its
+        blocks would become prefix hits before anybody wrote their KV."""
         t = self._t
         row = t.row(seq_id)
-        if not cache and self._cache is not None and not t.swapped[row]:
-            self._reg.withdraw_pending(seq_id, row)  # may raise; changes nothing then
+        if self._cache is not None and not t.swapped[row]:
+            if not cache:
+                self._reg.withdraw_pending(seq_id, row)  # may raise; changes nothing then
+            elif t.stepping and t.ntok[row] != t.ntok0[row]:
+                raise SequenceStateError(
+                    f"free({seq_id!r}): it was handed slots in this step and their KV is written only by the step's "
+                    "forward, so its blocks cannot be cached as computed; free it after the step (after "
+                    "take_copy_plan() and the forward), or abort it with free(..., cache=False)")
         if self._hints or self._steered:
             self._retain(seq_id, row)
         if t.partial:

@@ -238,7 +238,7 @@ class PrefixCache:
     __slots__ = ("map", "tok", "key", "cid", "pcid", "evictor", "roots", "serial", "evictions", "_width",
                  "cid_mv", "tok_mv", "key_mv", "pcid_mv", "tier", "fresh", "fresh_serial", "events", "event_overflows", "_ev_max", "_ev_lost", "pkey", "nsid", "_ns_ids", "ns_list", "block_size",
                  "_root_serial", "_ns_free", "sweep_at", "grouped", "void", "dl", "succ", "ndl", "_runs",
-                 "_runs_keep", "succ_mv", "dl_mv")
+                 "_runs_keep", "succ_mv", "dl_mv", "pool", "batch_idle", "batch_moved")
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.map: dict[int, int] = {}
@@ -267,6 +267,14 @@ class PrefixCache:
         # the CPU tier (cpu_tier.CpuTier) when on: evicted blocks spill into it; ``fresh`` stamps each block with
         # the step serial at which it was cached (a block cached in the current step is never demoted)
         self.tier = None
+        # the GPU pool whose blocks these are (set by the manager's Blocks): registration hands an idle block's
+        # content over to a held one and frees the idle block (None: never)
+        self.pool = None
+        # during allocate_batch: the cached blocks idle before the batch that only the batch's later prompts hit
+        # (held by those hits already; the consecutive calls would hand them over like idle ones), and the
+        # hand-overs made of them (idle block -> held block) for the later prompts' hits to follow. None: no batch
+        self.batch_idle: dict | None = None
+        self.batch_moved: dict | None = None
         self.fresh = None
         self.fresh_serial = 0
         # KV events (enable_events): None when off, so that every emission point costs one test
@@ -499,9 +507,92 @@ class PrefixCache:
             if emit and self.events is not None:
                 self.emit_stored([block], [key], pcid, pkey, namespace)
             return new, key
-        if self.pcid_mv[other] == pcid and self.tok[other].tobytes() == data:
-            return cid[other], key  # same content cached by another block: share its identity
+        if self.tok[other].tobytes() == data:
+            if self.pcid_mv[other] == pcid:  # same content cached by another block: share its identity
+                c = cid[other]
+                if self.pool is not None:
+                    if self.pool.ref_mv[other] == 0 and not self._parked(other):
+                        self._hand_over(other, block)  # (an idle copy could be evicted while this one is held)
+                    elif self.batch_idle is not None and other in self.batch_idle:
+                        self._hand_over_batch(other, block)
+                return c, key
+            if self.live_parent(pcid, pkey):  # other's parent content is not the one cached: it cannot be reached
+                self._uncache(other)  # (an orphan: its parent left the cache); this block replaces it
+                return self.register(block, pcid, pkey, namespace, emit)
         return 0, 0
+
+    def _parked(self, block: int) -> bool:
+        """Whether the idle ``block`` is parked by a pin (steering.SteeredEvictor): it cannot be evicted, so its
+        content stays cached, and the pin holds that very block; it is never handed over. O(1)."""
+        parked = getattr(self.evictor, "parked", None)
+        return parked is not None and bool(parked[block])
+
+    def _hand_over(self, other: int, block: int) -> None:
+        """Move the cache identity of the unreferenced cached block ``other`` to ``block`` (uncached, same
+        tokens and parent), which a sequence holds, and put ``other`` on the free ring: a content cached by an
+        idle block while a held block has the same KV would leave the cache at the idle block's eviction (by
+        the very call that registered the held one, e.g. a later KV cache group's take) though a sequence still
+        holds it. Same content id and key: chains through it stay whole, no KV event. O(1)."""
+        self.cid_mv[block], self.key_mv[block], self.pcid_mv[block] = self.cid_mv[other], self.key_mv[other], \
+            self.pcid_mv[other]
+        self.map[self.key_mv[other]] = block
+        if self.fresh is not None:  # (its KV is written by this step's forward: never demoted in this step)
+            self.fresh[block] = self.fresh_serial
+        if self.events is not None:
+            self.pkey[block], self.nsid[block] = self.pkey[other], self.nsid[other]
+        self.cid_mv[other] = 0
+        self.succ_mv[other] = -1
+        self.evictor.discard(other)
+        self.pool.give(np.array([other], dtype=np.int32))
+
+    def _hand_over_batch(self, other: int, block: int) -> None:
+        """:meth:`_hand_over` inside ``allocate_batch`` of a block idle before the batch that only the batch's later
+        prompts hit (they hold their references already; it left the evictor then): those references move to
+        ``block``, which the later prompts then hit instead (``batch_moved``), as the consecutive allocate calls
+        would have found it. O(1)."""
+        ref = self.pool.ref_mv
+        ref[block] += ref[other]
+        ref[other] = 0
+        del self.batch_idle[other]
+        self.batch_moved[other] = block
+        self.cid_mv[block], self.key_mv[block], self.pcid_mv[block] = self.cid_mv[other], self.key_mv[other], \
+            self.pcid_mv[other]
+        self.map[self.key_mv[other]] = block
+        if self.fresh is not None:  # (as _hand_over)
+            self.fresh[block] = self.fresh_serial
+        if self.events is not None:
+            self.pkey[block], self.nsid[block] = self.pkey[other], self.nsid[other]
+        self.cid_mv[other] = 0
+        self.succ_mv[other] = -1
+        self.pool.give(np.array([other], dtype=np.int32))
+
+    def live_parent(self, pcid: int, pkey: int) -> bool:
+        """Whether the content ``pcid`` (key ``pkey``) is the one a lookup reaches under ``pkey``: a namespace root,
+        the GPU block cached under ``pkey``, or, with no GPU block under it, the CPU tier's. A cached block under
+        the key chained from ``pkey`` whose parent is another content is then unreachable (an orphan: its parent
+        was evicted; a content id is never reused). Map already flushed. O(1)."""
+        if pcid < 0:
+            return True
+        p = self.map.get(pkey)
+        if p is not None:
+            return self.cid_mv[p] == pcid
+        if self.tier is not None:
+            c = self.tier.map.get(pkey)
+            return c is not None and self.tier.cpu_id[0, c] == pcid
+        return False
+
+    def _uncache(self, block: int) -> None:
+        """Forget the cached content of ``block`` (in the map, map flushed): unreferenced, it goes to the free
+        ring; held, it stays with its sequences, uncached. A ``BlockRemoved`` event. O(1)."""
+        k = self.key_mv[block]
+        del self.map[k]
+        self.cid_mv[block] = 0
+        self.succ_mv[block] = -1
+        if self.events is not None:
+            self.emit_removed([k], [int(self.nsid[block])], "GPU")
+        if self.pool is not None and self.pool.ref_mv[block] == 0:
+            self.evictor.discard(block)
+            self.pool.give(np.array([block], dtype=np.int32))
 
     def register_chains(self, blocks: np.ndarray, counts: np.ndarray, pcids: np.ndarray,
                         pkeys: np.ndarray, namespaces: list | None = None,
@@ -675,12 +766,21 @@ class PrefixCache:
     def adopt_many(self, blocks: np.ndarray, cids: np.ndarray, keys: np.ndarray, pcids: np.ndarray,
                    pkeys: np.ndarray, nsids: np.ndarray) -> None:
         """:meth:`adopt` of several blocks (promotions from the CPU tier; namespaces as indexes of this cache's
-        namespace list). A block whose key is taken stays uncached."""
+        namespace list). A block whose key is taken stays uncached, unless the block holding the key is an orphan
+        (another parent): that one is uncached instead."""
         if self.ndl:
             self.flush()
         kl = keys.tolist()
         mp = self.map
         free = np.fromiter((k not in mp for k in kl), dtype=bool, count=len(kl))
+        if not free.all():
+            # a key held by a block of another parent: an orphan (the promoted content's parent is the one a lookup
+            # just reached), replaced as registration replaces one (PrefixCache.register)
+            for i in np.flatnonzero(~free).tolist():
+                o = mp[kl[i]]
+                if self.pcid_mv[o] != pcids[i]:
+                    self._uncache(o)
+                    free[i] = True
         if not free.all():
             blocks, cids, keys, pcids, pkeys, nsids = (a[free] for a in (blocks, cids, keys, pcids, pkeys, nsids))
             kl = keys.tolist()

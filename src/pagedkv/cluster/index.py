@@ -29,7 +29,8 @@ vLLM's events do) and learns each replica's *layout* (group -> full attention or
 ``BlockStored`` events. A replica with more than group 0, or whose group 0 is not full attention, is scored by
 the engine's own hybrid-hit rule: its match is the largest L (in blocks, within the prompt's hashes) such that
 every full-attention group holds blocks [0, L) and every sliding-window group holds the blocks covering the
-last W tokens before L (blocks [max(0, L - ceil(W / block_size)), L)); other kinds (mamba, chunked local) are
+W - 1 tokens before L, the cached ones the first computed query reads (blocks [max(0, L - ceil((W - 1) /
+block_size)), L)); other kinds (mamba, chunked local) are
 read as needing block L-1 only. That needs the prompt's keys in each group: pass a
 :class:`pagedkv.prefix_cache.PromptKeys` as ``hashes`` (a list of the group-0 keys that computes the others on
 demand; the router does; its ``hit_blocks`` caps L where the engine caps a hit, one token before the prompt's
@@ -100,7 +101,7 @@ def _spec(event: object) -> tuple[int, int | None] | None:
     w = getattr(event, "kv_cache_spec_sliding_window", None)
     bs = getattr(event, "block_size", 0) or 0
     if kind in _SLIDING_KINDS and isinstance(w, int) and w > 0 and bs > 0:
-        return g, -(-w // bs)
+        return g, -(-(w - 1) // bs)  # (the first computed query at L reads positions (L - W, L))
     return g, 1  # another kind (mamba, chunked local, ...): the state at the hit point only
 
 
@@ -148,6 +149,8 @@ def hybrid_match(n: int, layout: dict, bits: int, masks: Callable[[int, int], li
     if not m:
         return {}
     for k, gs in part.items():
+        if k == 0:  # (a window of one token needs no cached block)
+            continue
         both = None
         for g in gs:
             c = masks(g, m)

@@ -1,0 +1,284 @@
+"""Issue 23, item 1: every full block a call makes findable stays findable once the call returns (A), free of a
+sequence handed slots in the current step is refused (B), a windowed BlockManager admits chunked prompts longer
+than its pool (C), and the hybrid hit rule asks a sliding group for the W - 1 positions the first computed query
+reads (D). Each exact case of the issue is pinned here; the stateful machines and the KV-content model check
+findability after every allocate and chunk at random."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from pagedkv import AllocStatus, BlockManager, FullAttentionSpec, HybridBlockManager, SlidingWindowSpec
+from pagedkv.cluster.index import MemoryIndex
+from pagedkv.errors import PromptTooLongError, SequenceStateError
+from pagedkv.prefix_cache import PromptKeys
+from test_errors import check_raises
+
+
+# ---------------------------------------------------------------------------------------------- A: hits kept
+def test_hybrid_registration_is_not_lost_to_the_same_calls_eviction():
+    """Issue 23 A, first case: group 0's new blocks duplicate s0's idle cached blocks, and taking group 1's blocks
+    in the same call evicted those: the prompt was not findable (0 where 12 is expected), even after s4's free.
+    The held block now takes the idle block's cache identity (the idle one goes to the free ring)."""
+    m = HybridBlockManager(8, 4, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(5)],
+                           enable_prefix_caching=True)
+    m.allocate("s0", list(range(1, 14)))
+    m.take_copy_plan()
+    m.decode_step(["s0"], np.array([[7, 8]]))
+    m.take_copy_plan()
+    m.decode_step(["s0"], np.array([[9, 10]]))
+    m.take_copy_plan()
+    m.free("s0")
+    p1 = list(range(1, 9)) + list(range(40, 45))
+    assert m.allocate("s4", p1) == 0
+    m.check_invariants()
+    assert m.lookup_prefix(p1).num_cached_tokens == 12
+    m.take_copy_plan()
+    m.free("s4")
+    assert m.lookup_prefix(p1).num_cached_tokens == 12
+    assert m.allocate("s5", p1) == 12
+    m.check_invariants()
+
+
+def test_an_orphaned_cached_block_does_not_keep_the_new_one_out():
+    """Issue 23 A, second case: s0's window released its first two blocks, which were then evicted; its third
+    block stayed cached (s0 holds it) under the key the same prompt computes, chained to content that is gone.
+    It kept the new prompt's block out of the cache (lookup 8 instead of 12); the orphan now gives way."""
+    m = BlockManager(7, 4, sliding_window=4, enable_prefix_caching=True)
+    p = list(range(1, 14))
+    m.allocate("s0", p)
+    m.take_copy_plan()
+    m.decode_step(["s0"], [14])
+    m.take_copy_plan()
+    assert m.block_table("s0").tolist()[:2] == [-1, -1]
+    m.allocate("s1", list(range(100, 120)))  # evicts s0's released blocks
+    m.take_copy_plan()
+    m.free("s1")
+    assert m.allocate("s4", p) == 0
+    m.check_invariants()
+    assert m.lookup_prefix(p).num_cached_tokens == 12
+    # s0 still reads its own block, now uncached; the new chain is whole
+    assert m.block_table("s0")[2] >= 0 and m._cache.cid[m.block_table("s0")[2]] == 0
+
+
+def _findability_walk(seed: int, hybrid: bool) -> int:
+    """Random allocate / decode (chunks of 1-3 tokens) / free over small pools, windows and block sizes; after
+    every allocate the prompt's full blocks (up to one token before its end) must be found. Returns the checks."""
+    rng = random.Random(seed)
+    bs, nb, w = rng.choice([1, 2, 4]), rng.randint(4, 12), rng.randint(1, 9)
+    if hybrid:
+        m = HybridBlockManager(nb, bs, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(w)],
+                               enable_prefix_caching=True)
+    else:
+        m = BlockManager(nb, bs, sliding_window=rng.choice([None, w]), enable_prefix_caching=True)
+    live, checks = {}, 0
+    base = [rng.randint(1, 3) for _ in range(40)]
+    for step in range(60):
+        op = rng.random()
+        if op < 0.4:
+            n = rng.randint(1, 20)
+            k = rng.randint(0, n)
+            p = base[:k] + [rng.randint(1, 3) for _ in range(n - k)]
+            if m.can_allocate(p) != AllocStatus.OK:
+                continue
+            m.allocate(step, p)
+            live[step] = p
+            assert m.lookup_prefix(p).num_cached_tokens == (len(p) - 1) // bs * bs, (seed, step)
+            checks += 1
+        elif op < 0.7 and live:
+            s = rng.choice(list(live))
+            t = [rng.randint(1, 3) for _ in range(rng.randint(1, 3))]
+            if m.can_append_slots([s], num_new_tokens=len(t)):
+                m.decode_step([s], np.array([t]))
+        elif live:
+            s = rng.choice(list(live))
+            del live[s]
+            m.free(s)
+        m.take_copy_plan()
+        m.check_invariants()
+    return checks
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_every_allocated_prompt_is_findable(hybrid):
+    # (before the fixes: 14 of these 300 walks failed single-group, 48 hybrid)
+    assert sum(_findability_walk(seed, hybrid) for seed in range(300)) > 1000
+
+
+# ---------------------------------------------------------------------------------------------- B: free in step
+def _stepping(m):
+    m.allocate("warm", [1, 2, 3])
+    m.take_copy_plan()  # (the first plan switches the same-step checks on)
+    m.free("warm")
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_free_of_a_sequence_handed_slots_this_step_is_refused(hybrid):
+    m = HybridBlockManager(16, 4, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(6)],
+                           enable_prefix_caching=True) if hybrid else BlockManager(16, 4, enable_prefix_caching=True)
+    _stepping(m)
+    p = list(range(1, 10))
+    m.allocate("a", p)
+    if not hybrid:  # (the hybrid's refusal comes from its group 0 manager, unchanged state checked below)
+        check_raises(m, SequenceStateError, m.free, "a", must_mention=("'a'", "cache=False"))
+    else:
+        with pytest.raises(SequenceStateError):
+            m.free("a")
+        m.check_invariants()
+    assert "a" in m and m.lookup_prefix(p).num_cached_tokens == 8  # still cached, pending
+    m.free("a", cache=False)  # the abort path stays open and withdraws what nobody wrote
+    assert "a" not in m and m.lookup_prefix(p).num_cached_tokens == 0
+    m.allocate("b", p)
+    m.take_copy_plan()
+    m.free("b")  # after the step: written, cached
+    assert m.lookup_prefix(p).num_cached_tokens == 8
+    m.allocate("c", p)
+    m.take_copy_plan()
+    m.decode_step(["c"], [5])
+    with pytest.raises(SequenceStateError):
+        m.free("c")
+    m.take_copy_plan()
+    m.free("c")
+    m.check_invariants()
+
+
+def test_free_in_step_is_allowed_without_prefix_caching_and_before_the_first_plan():
+    m = BlockManager(8, 4)
+    _stepping(m)
+    m.allocate("a", [1, 2, 3, 4, 5])
+    m.free("a")  # nothing is cached: nothing can be found as computed
+    m = BlockManager(8, 4, enable_prefix_caching=True)
+    m.allocate("a", [1, 2, 3, 4, 5])
+    m.free("a")  # no step known yet (the same-step checks start with the first take_copy_plan)
+    m.check_invariants()
+
+
+# ---------------------------------------------------------------------------------------------- C: windowed chunks
+@pytest.mark.parametrize("caching", [False, True])
+def test_windowed_manager_admits_a_chunked_prompt_longer_than_its_pool(caching):
+    p = list(range(1, 81))
+    hyb = HybridBlockManager(10, 4, kv_cache_groups=[SlidingWindowSpec(4)], enable_prefix_caching=caching)
+    m = BlockManager(10, 4, sliding_window=4, enable_prefix_caching=caching)
+    assert hyb.can_allocate(p, num_new_tokens=8) == m.can_allocate(p, num_new_tokens=8) == AllocStatus.OK
+    assert m.can_allocate(p) == AllocStatus.NEVER  # whole, it never fits
+    check_raises(m, PromptTooLongError, m.allocate, "x", p)
+    assert m.can_allocate(p, num_new_tokens=40) == AllocStatus.NEVER  # 3 + 40 tokens at once: 12 blocks
+    check_raises(m, PromptTooLongError, m.allocate, "x", p, num_new_tokens=40)
+    m.allocate("a", p, num_new_tokens=8)
+    m.take_copy_plan()
+    while m.num_tokens("a") < len(p):
+        n = m.num_tokens("a")
+        assert m.can_append_slots(["a"], num_new_tokens=8)
+        m.decode_step(["a"], np.array(p[n : n + 8]), num_new_tokens=[8])
+        m.take_copy_plan()
+        m.check_invariants()
+        assert (m.block_table("a") >= 0).sum() <= 4
+    assert (m.block_table("a") >= 0).sum() == 3
+    m.free("a")
+    m.check_invariants()
+
+
+def test_windowed_chunked_hit_is_cut_to_fit_the_pool():
+    """A cached prefix as large as the pool: the hit plus the first chunk must fit, so the hit is cut (lookup_prefix
+    and can_allocate predict the same), else the prompt would wait for blocks forever."""
+    m = BlockManager(6, 4, sliding_window=4, enable_prefix_caching=True, watermark=0)
+    p = list(range(1, 31))  # 7 full blocks + 2
+    m.allocate("a", p[:24])  # 6 full blocks, all cached
+    m.take_copy_plan()
+    m.free("a")
+    assert m.lookup_prefix(p).num_cached_tokens == 24
+    hit = m.lookup_prefix(p, num_new_tokens=8)
+    assert (hit.num_cached_tokens, hit.num_new_blocks) == (16, 6)  # 4 hit blocks + 2 chunk blocks: the pool
+    assert m.can_allocate(p, num_new_tokens=8) == AllocStatus.OK
+    assert m.allocate("b", p, num_new_tokens=8) == 16
+    assert m.num_tokens("b") == 24
+    m.check_invariants()
+    m.take_copy_plan()
+    m.decode_step(["b"], np.array(p[24:]), num_new_tokens=[6])
+    m.check_invariants()
+
+
+# ---------------------------------------------------------------------------------------------- D: hybrid hit rule
+def test_hybrid_hit_needs_the_w_minus_1_positions_the_first_query_reads():
+    """W % block_size == 1 (W = 5, block_size 4): the first query at L = 12 reads positions 8..11, block 2 only;
+    the old rule asked for [7, 12), blocks 1 and 2, and lost the hit when block 1 was gone."""
+    m = HybridBlockManager(12, 4, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(5)],
+                           enable_prefix_caching=True)
+    p = list(range(1, 14))
+    m.allocate("a", p)
+    m.take_copy_plan()
+    m.decode_step(["a"], [20])
+    m.take_copy_plan()
+    t1 = m.block_table("a", 1)
+    assert t1[:2].tolist() == [-1, -1]  # released by the window (positions < 14 - 5 + 1 = 10)
+    m.allocate("b", list(range(200, 212)))  # takes the free blocks, then evicts group 1's released ones
+    m.take_copy_plan()
+    m.free("b")
+    cached = set(m._cache.mapping().values())
+    assert t1[2] in cached and t1[1] not in cached
+    hit = m.lookup_prefix(p)
+    assert hit.num_cached_tokens == 12  # the old rule: 8 (block 1 of group 1 missing)
+    assert m.allocate("c", p) == 12
+    assert m.block_table("c", 1).tolist()[:3] == [-1, -1, int(t1[2])]
+    m.check_invariants()
+
+
+def test_hybrid_window_of_one_token_needs_no_cached_block():
+    m = HybridBlockManager(16, 2, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(1)],
+                           enable_prefix_caching=True)
+    p = list(range(1, 10))
+    m.allocate("a", p)
+    m.take_copy_plan()
+    m.free("a")
+    assert m.lookup_prefix(p).num_cached_tokens == 8
+    assert m.allocate("b", p) == 8
+    t1 = m.block_table("b", 1).tolist()
+    assert t1[:4] == [-1, -1, -1, -1] and t1[4] >= 0  # nothing held before the hit point
+    m.take_copy_plan()
+    m.decode_step(["b"], [3])
+    m.check_invariants()
+
+
+def test_router_index_scores_the_same_window_rule():
+    """The router's hybrid match (cluster.index) needs ceil((W - 1) / block_size) blocks before L, as the engine."""
+    m = HybridBlockManager(12, 4, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(5)],
+                           enable_prefix_caching=True, enable_kv_events=True)
+    p = list(range(1, 14))
+    m.allocate("a", p)
+    m.take_copy_plan()
+    m.decode_step(["a"], [20])
+    m.take_copy_plan()
+    m.allocate("b", list(range(200, 212)))
+    m.take_copy_plan()
+    m.free("b")
+    idx = MemoryIndex()
+    idx.apply_all("r0", m.take_events())
+    keys = PromptKeys(p, 4)
+    assert m.lookup_prefix(p).num_cached_tokens == 12
+    assert idx.longest_prefix(keys) == {"r0": 3}
+
+
+def test_a_pinned_idle_block_is_never_handed_over():
+    """A new block of the same content as a pinned idle (parked) block keeps its own, uncached: the pinned block
+    cannot be evicted, and the pin holds that very block. Handing it over (as an unpinned idle block is) freed the
+    pinned block: the allocation took no block of the free count, and once the sequence was freed the pin held
+    nothing (found by the stateful machine after merging pins with issue 23 A's fix)."""
+    bm = BlockManager(8, 2, enable_prefix_caching=True, pin_budget_blocks=2, watermark=0.0)
+    bm.allocate("a", [1, 0, 5])
+    bm.take_copies()
+    bm.free("a")
+    pin = bm.pin_prefix([1, 0])
+    assert pin.num_blocks == 1
+    free = bm.num_free_gpu_blocks
+    assert bm.lookup_prefix([1, 0]).num_new_blocks == 1
+    bm.allocate("b", [1, 0])
+    bm.take_copies()
+    assert bm.num_free_gpu_blocks == free - 1
+    bm.check_invariants()
+    bm.free("b")
+    bm.check_invariants()
+    assert bm.num_pinned_blocks == 1 and bm.num_free_gpu_blocks == free  # the pinned block is not free
+    assert bm.lookup_prefix([1, 0, 3]).num_cached_tokens == 2
