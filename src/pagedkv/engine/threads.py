@@ -16,10 +16,14 @@ The policy (what :class:`ThreadPolicy` does with no explicit setting):
   engine steps (one read of two small /proc files: 53 us of CPU time, measured on the 2-core machine; a
   step not due for a re-check costs one clock read, 0.1 us), so replicas
   started side by side settle on a core each, and an engine left alone again takes both.
-* **No spin**: unless the user set ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``, :func:`prepare_runtime` sets
-  ``GOMP_SPINCOUNT`` to :data:`SPIN_COUNT` (0) before torch loads the OpenMP runtime, so a thread whose partner
-  was descheduled sleeps at once (libgomp's default spins 300000 times first) instead of spinning out its slice:
-  the engine stays sound between a process's arrival and the next re-check.
+* **Spin as libgomp does, not longer**: unless the user set ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``,
+  :func:`prepare_runtime` sets ``GOMP_SPINCOUNT`` to :data:`SPIN_COUNT` (libgomp's own default, 300000) before torch
+  loads the OpenMP runtime, so a library that asked for active waiting cannot make threads spin without end. The
+  thread count, not the wait policy, is what keeps the engine sound beside other processes: with it, a thread whose
+  partner was descheduled spins at most until the next re-check drops the count. Measured on the quiet 2-core
+  machine (benchmarks/threads_robust.py, SmolLM2): passive waits (``GOMP_SPINCOUNT=0``) at 2 threads alone made
+  31.4 / 142.6 / 190.2 tok/s at batch 1 / 8 / 32 against 49.5 / 151.2 / 128.1 at one thread; the default spin
+  62.8 / 247.0 / 242.4.
   It is called when ``pagedkv.engine`` is imported; if torch was imported first, the runtime already read its
   settings and only the thread count adapts (:func:`prepare_runtime` returns ``False``).
 * **An explicit setting always wins**: ``LLM(threads=N)`` / ``--threads N``, else ``OMP_NUM_THREADS`` from the
@@ -42,11 +46,11 @@ __all__ = ["FIRST_WINDOW_S", "FREE_MARGIN", "RECHECK_S", "SPIN_COUNT", "STALE_S"
            "others_cores", "parse_proc_stat", "parse_self_stat", "pick_threads", "prepare_runtime",
            "read_cpu_times", "usable_cores", "validate_threads"]
 
-#: ``GOMP_SPINCOUNT`` set before the OpenMP runtime starts (libgomp's default is 300000 spins). 0, as the figures
-#: pick (docs/engine-speed.md): 2 threads beside a busy process 37.4 tok/s against 38.5 at one thread and 10.1 at
-#: the default spin; on a loaded machine 9.4 against 3.0 at 10000 spins. Not yet measured alone on a quiet machine
-#: (benchmarks/threads_robust.py --extra GOMP_SPINCOUNT=300000 compares)
-SPIN_COUNT = "0"
+#: ``GOMP_SPINCOUNT`` set before the OpenMP runtime starts: libgomp's own default (300000 spins), as the figures pick
+#: (docs/engine-speed.md): alone, 2 threads with passive waits (0) lost to one thread (31.4 against 49.5 tok/s at
+#: batch 1), with the default spin they win (62.8); beside a busy process or a second engine the thread count drops
+#: to one core within a re-check, where the spin no longer matters (1.05-1.15x the one-thread figure)
+SPIN_COUNT = "300000"
 #: a core counts as free when others keep less than this fraction of it busy (:func:`pick_threads`)
 FREE_MARGIN = 0.25
 #: seconds between two re-checks of the free cores while the engine steps
