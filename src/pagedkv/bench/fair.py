@@ -71,3 +71,38 @@ def engine_gc() -> Iterator[None]:
     finally:
         gc.unfreeze()
         gc.collect()
+
+
+def pagedkv_step(decode: Callable, seq_ids: list, toks: Sequence, tables: bool,
+                 clock: Callable[[], int] = CLOCK) -> Callable[[int], dict]:
+    """The timed step of pagedkv: one ``decode_step(seq_ids, toks[i], block_tables=tables)`` call, part
+    ``calls``."""
+
+    def step(i: int) -> dict:
+        tokens = toks[i]
+        t0 = clock()
+        decode(seq_ids, tokens, block_tables=tables)
+        return {"calls": clock() - t0}
+
+    return step
+
+
+def v1_step(bm, rows, seq_ids: list, toks: Sequence, clock: Callable[[], int] = CLOCK) -> Callable[[int], dict]:
+    """The timed step of vLLM V1 (adapter ``bm``, runner rows ``rows``: a V1BlockRows): the request update with
+    its hashing (``request``), the KV-manager calls (``calls``) and the new block ids appended to the CPU rows
+    (``runner``); the adapter's staging of the step's tokens is not timed. ``step.rows`` is ``rows`` (tests)."""
+    stage, update, decode, append = bm.stage, bm.update_requests, bm.decode_step, rows.append
+
+    def step(i: int) -> dict:
+        stage(seq_ids, toks[i])
+        t0 = clock()
+        update()
+        t1 = clock()
+        out = decode(seq_ids)
+        t2 = clock()
+        append(out.block_tables)
+        t3 = clock()
+        return {"request": t1 - t0, "calls": t2 - t1, "runner": t3 - t2}
+
+    step.rows = rows  # type: ignore[attr-defined]
+    return step

@@ -63,7 +63,7 @@ import numpy as np
 from .._help import HelpFormatter, plain
 from .meta import machine as _machine, versions as _versions
 from .report import save_result
-from .fair import CLOCK, alternate, clock_overhead, engine_gc, net
+from .fair import CLOCK, alternate, clock_overhead, engine_gc, net, pagedkv_step, v1_step
 from .runner_tables import V1BlockRows
 
 __all__ = ["BATCH_SIZES", "PREFIX_LENGTHS", "GEMMA3_WINDOWS", "gemma3_groups", "run_hybrid", "format_table", "main"]
@@ -159,15 +159,7 @@ def _pagedkv_decoder(name: str, bm: Any, prompts: list[list[int]], first: list[i
         bm.allocate(i, p)
         bm.decode_step([i], [first[i]], block_tables=tables)  # its first step alone, untimed (see the docstring)
     seq_ids = list(range(len(prompts)))
-    decode = bm.decode_step
-
-    def step(i: int) -> dict:
-        tokens = toks[i]
-        t0 = clock()
-        decode(seq_ids, tokens, block_tables=tables)
-        return {"calls": clock() - t0}
-
-    return _Contender(name, step)
+    return _Contender(name, pagedkv_step(bm.decode_step, seq_ids, toks, tables, clock))
 
 
 def _v1_decoder(bm: Any, prompts: list[list[int]], first: list[int], toks: list[list[int]], ngroups: int,
@@ -186,21 +178,7 @@ def _v1_decoder(bm: Any, prompts: list[list[int]], first: list[int], toks: list[
     rows = V1BlockRows(len(seq_ids), ngroups, width)
     for s in seq_ids:
         rows.add_row(s, [bm.block_table(s, g) for g in range(ngroups)])
-    stage, update, decode, append = bm.stage, bm.update_requests, bm.decode_step, rows.append
-
-    def step(i: int) -> dict:
-        stage(seq_ids, toks[i])
-        t0 = clock()
-        update()
-        t1 = clock()
-        out = decode(seq_ids)
-        t2 = clock()
-        append(out.block_tables)
-        t3 = clock()
-        return {"request": t1 - t0, "calls": t2 - t1, "runner": t3 - t2}
-
-    step.rows = rows  # type: ignore[attr-defined]  # for tests: the rows V1's runner holds
-    return _Contender("vllm_v1", step)
+    return _Contender("vllm_v1", v1_step(bm, rows, seq_ids, toks, clock))
 
 
 def _summarise(calls: list[dict], overhead: int, skip: int) -> dict:

@@ -56,7 +56,7 @@ from .._help import HelpFormatter, plain
 from .harness import Impl, resolve_impl
 from .meta import machine as _machine, versions as _versions
 from .report import save_result
-from .fair import CLOCK, alternate, clock_overhead, engine_gc, net
+from .fair import CLOCK, alternate, clock_overhead, engine_gc, net, pagedkv_step, v1_step
 from .runner_tables import ListTables, V1BlockRows
 
 __all__ = ["BATCH_SIZES", "run_sweep", "merge", "format_table", "plot", "main"]
@@ -96,35 +96,12 @@ def make_step(name: str, bm: Any, prompts: list[list[int]], toks: list[list[int]
         bm.allocate(i, p)
     seq_ids = list(range(len(prompts)))
     if name.startswith("pagedkv"):
-        tables = name == "pagedkv-tables"
-        decode = bm.decode_step
-
-        def step(i: int) -> dict:
-            tokens = toks[i]
-            t0 = clock()
-            decode(seq_ids, tokens, block_tables=tables)
-            return {"calls": clock() - t0}
-
-        return step
+        return pagedkv_step(bm.decode_step, seq_ids, toks, name == "pagedkv-tables", clock)
     if name == "vllm_v1":
         rows = V1BlockRows(len(seq_ids), 1, -(-(PROMPT_LEN[1] + steps + 2) // BLOCK_SIZE))
         for s in seq_ids:
             rows.add_row(s, [bm.block_table(s)])
-        stage, update, decode, append = bm.stage, bm.update_requests, bm.decode_step, rows.append
-
-        def step(i: int) -> dict:
-            stage(seq_ids, toks[i])
-            t0 = clock()
-            update()
-            t1 = clock()
-            out = decode(seq_ids)
-            t2 = clock()
-            append(out.block_tables)
-            t3 = clock()
-            return {"request": t1 - t0, "calls": t2 - t1, "runner": t3 - t2}
-
-        step.rows = rows  # type: ignore[attr-defined]
-        return step
+        return v1_step(bm, rows, seq_ids, toks, clock)
     build = ListTables(BLOCK_SIZE).build
     if name == "nanovllm":
         lens = lambda: [len(s) for s in bm._batch]  # noqa: E731 - nano-vllm's runner: len(seq)
