@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     path = a.trace or _default_trace()
     if path is None or not Path(path).is_file():
         ap.error("no trace: pass --trace FILE (../shared/data/mooncake/conversation_trace.jsonl)")
-    if not (a.before / "pagedkv" / "manager.py").is_file():
+    if not any((a.before / "pagedkv" / f).is_file() for f in ("manager.py", "manager/core.py")):
         ap.error(f"{a.before} has no pagedkv package")
     tmp = tempfile.mkdtemp()
     shutil.copytree(a.before / "pagedkv", Path(tmp) / "pagedkv_before")

@@ -69,7 +69,7 @@ def validation_cost() -> None:
 
 
 def namespaces(tenants: int) -> None:
-    import pagedkv.prefix_cache as pc
+    import pagedkv.blocks.prefix_cache as pc
     from pagedkv import BlockManager
 
     def run(n: int, sweep: int) -> tuple[float, float, int]:

@@ -4,7 +4,7 @@ block), equal :func:`pagedkv.block_hashes` of the sequence's tokens."""
 import numpy as np
 
 from pagedkv import BlockManager, block_hashes
-from pagedkv.prefix_cache import _chain, _xxh3
+from pagedkv.blocks.prefix_cache import _chain, _xxh3
 
 
 def test_chain_equals_the_loop():

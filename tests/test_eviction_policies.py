@@ -1,4 +1,4 @@
-"""Eviction policies (pagedkv.eviction) and steered retention (pagedkv.steering): each policy against a plain
+"""Eviction policies (pagedkv.retention.eviction) and steered retention (pagedkv.retention.steering): each policy against a plain
 reference model through random operation sequences, golden eviction orders, request priorities, pinned prefixes
 (budget, TTL, unpin, reset) and the manager's contracts around them."""
 
@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 import pagedkv
 from pagedkv import BlockManager, EVICTION_POLICIES
 from pagedkv.errors import InvalidArgumentError, PinBudgetError, UnknownPinError, UnknownSequenceError
-from pagedkv.eviction import SessionEvictor, SLRUEvictor, make_evictor
-from pagedkv.evictor import LRUEvictor
+from pagedkv.retention.eviction import SessionEvictor, SLRUEvictor, make_evictor
+from pagedkv.blocks.evictor import LRUEvictor
 from pagedkv import steering
 
 

@@ -9,7 +9,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedkv.evictor import LRUEvictor
+from pagedkv.blocks.evictor import LRUEvictor
 
 OPS = st.lists(st.tuples(st.sampled_from(["push", "push_many", "discard", "discard_many", "pop", "pop_many"]),
                          st.integers(0, 1000)), min_size=1, max_size=400)

@@ -14,7 +14,7 @@ import pytest
 from pagedkv import AllocStatus, BlockManager, FullAttentionSpec, HybridBlockManager, SlidingWindowSpec
 from pagedkv.cluster.index import MemoryIndex
 from pagedkv.errors import PromptTooLongError, SequenceStateError
-from pagedkv.prefix_cache import PromptKeys
+from pagedkv.blocks.prefix_cache import PromptKeys
 from test_errors import check_raises
 
 

@@ -1,6 +1,6 @@
-"""HybridBlockManager's vectorised allocation (pagedkv._hybrid_alloc) against the block-by-block walk it replaces.
+"""HybridBlockManager's vectorised allocation (pagedkv.hybrid._hit) against the block-by-block walk it replaces.
 
-The plan of :func:`pagedkv._hybrid_alloc.find_hit` (hit, blocks per group, blocks consumed) must equal
+The plan of :func:`pagedkv.hybrid._hit.find_hit` (hit, blocks per group, blocks consumed) must equal
 ``HybridAllocator.plan_walk``'s on every state a random workload reaches (shared prefixes, decode steps that
 fill blocks, windows released, evictions under a small pool, frees with and without caching, namespaces, prefix
 cache resets); the sibling keys it records must be each group's ``block_hashes``; a key that names a block with

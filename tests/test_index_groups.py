@@ -15,7 +15,7 @@ from pagedkv.cluster.index import hybrid_match
 from pagedkv.cluster.policy import PrefixPolicy
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.events import BlockRemoved as PlainRemoved, BlockStored as PlainStored
-from pagedkv.prefix_cache import PromptKeys
+from pagedkv.blocks.prefix_cache import PromptKeys
 
 
 class BlockStored(NamedTuple):  # a group-carrying BlockStored (the index dispatches on the class name)

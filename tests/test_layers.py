@@ -62,10 +62,10 @@ MODS = _modules()
 GRAPH = {name: _imports(name, path, is_pkg, MODS) for name, (path, is_pkg) in MODS.items()}
 
 
-def _layer_table() -> dict[str, list[str]]:
+def _layer_table(tag: str = "layers") -> dict[str, list[str]]:
     text = DESIGN.read_text()
-    m = re.search(r"<!-- layers -->(.*?)<!-- /layers -->", text, re.S)
-    assert m, "docs/design.md has no <!-- layers --> table"
+    m = re.search(rf"<!-- {tag} -->(.*?)<!-- /{tag} -->", text, re.S)
+    assert m, f"docs/design.md has no <!-- {tag} --> table"
     table = {}
     for line in m.group(1).strip().splitlines()[2:]:
         layer, allowed = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -74,6 +74,7 @@ def _layer_table() -> dict[str, list[str]]:
 
 
 TABLE = _layer_table()
+CORE_TABLE = _layer_table("core-layers")  # the core's folders; "vocabulary": the root's modules
 
 
 def _layer_of(module: str) -> str:
@@ -106,7 +107,7 @@ def test_the_graph_is_read():
     assert "pagedkv.engine.options" in GRAPH["pagedkv.cli"]
     assert {"pagedkv.cluster.index", "pagedkv.replay.trace"} <= GRAPH["pagedkv.replay.cluster"]
     assert "pagedkv.scheduler" in GRAPH["pagedkv.engine.llm"]  # an import inside a function counts
-    assert _layer_of("pagedkv._step") == "core" and _layer_of("pagedkv.bench.anchors._base") == "pagedkv.bench"
+    assert _layer_of("pagedkv.manager._step") == "core" and _layer_of("pagedkv.bench.anchors._base") == "pagedkv.bench"
     assert not _allowed("pagedkv.manager", "pagedkv.engine.llm")
     assert _allowed("pagedkv.replay.__main__", "pagedkv.bench.anchors")
     assert not _allowed("pagedkv.replay.__main__", "pagedkv.bench.harness")
@@ -189,3 +190,37 @@ def test_the_table_keeps_the_stated_order(lower, upper):
 def test_every_layer_of_the_table_exists():
     for layer in TABLE:
         assert layer == "core" or layer in MODS, f"design.md names {layer}, which is not a module"
+
+
+def _core_layer_of(module: str) -> str:
+    best = "vocabulary"
+    for layer in CORE_TABLE:
+        if layer != "vocabulary" and (module == layer or module.startswith(layer + ".")):
+            best = layer if best == "vocabulary" or len(layer) > len(best) else best
+    return best
+
+
+def _core_allowed(src: str, dst: str) -> bool:
+    if src == "pagedkv":  # the package's __init__: re-exports the public names of every part
+        return True
+    layer, target = _core_layer_of(src), _core_layer_of(dst)
+    return layer == target or target in CORE_TABLE[layer] or (target == "vocabulary" and "vocabulary" in CORE_TABLE[layer])
+
+
+def test_the_core_folders_follow_the_core_table_of_design_md():
+    core = [m for m in GRAPH if _layer_of(m) == "core"]
+    assert {"pagedkv.manager.core", "pagedkv.hybrid.core", "pagedkv.blocks.pool", "pagedkv.tiers.cpu",
+            "pagedkv.retention.eviction", "pagedkv.types"} <= set(core)
+    bad = sorted(f"{s} -> {d}" for s in core for d in GRAPH[s] if _layer_of(d) == "core" and not _core_allowed(s, d))
+    assert not bad, "imports that docs/design.md's core-layers table does not allow:\n" + "\n".join(bad)
+
+
+def test_the_core_table_is_strict():
+    # the leaves import nothing above them; the manager never imports the hybrid coordinator
+    assert _core_layer_of("pagedkv.blocks.pool") == "pagedkv.blocks" and _core_layer_of("pagedkv.errors") == "vocabulary"
+    assert not _core_allowed("pagedkv.blocks.pool", "pagedkv.manager.core")
+    assert not _core_allowed("pagedkv.manager.core", "pagedkv.hybrid.core")
+    assert not _core_allowed("pagedkv.types", "pagedkv.blocks.pool")
+    assert _core_allowed("pagedkv.hybrid._seqs", "pagedkv.manager._invariants")
+    for layer in CORE_TABLE:
+        assert layer == "vocabulary" or layer in MODS, f"design.md names {layer}, which is not a module"

@@ -130,7 +130,7 @@ _NO_TORCH = ("import sys\n"
 
 
 def test_core_does_not_import_torch():
-    code = _NO_TORCH + "import pagedkv, pagedkv.scheduler, pagedkv.manager, pagedkv.cpu_tier, pagedkv.events"
+    code = _NO_TORCH + "import pagedkv, pagedkv.scheduler, pagedkv.manager, pagedkv.tiers.cpu, pagedkv.events"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

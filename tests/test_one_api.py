@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from pagedkv import (NULL_BLOCK, BlockManager, FullAttentionSpec, HybridBlockManager, SlidingWindowSpec)
-from pagedkv._small import SMALL_BATCH
+from pagedkv.manager._small import SMALL_BATCH
 from pagedkv.errors import InvalidArgumentError, OutOfBlocksError, SequenceStateError
 
 

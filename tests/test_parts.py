@@ -16,21 +16,24 @@ import pytest
 from pagedkv import BlockManager, FullAttentionSpec, HybridBlockManager, SlidingWindowSpec
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "pagedkv"
-PART_MODULES = ["_rows", "_blocks", "_window", "_registry", "_step", "_small", "_alloc", "_swap", "_invariants",
-                "_retention"]
+PART_MODULES = ["manager/_rows", "blocks/_blocks", "manager/_window", "manager/_registry", "manager/_step",
+                "manager/_small", "manager/_alloc", "manager/_swap", "manager/_invariants", "hybrid/_retention"]
 # attributes under which a part holds another part (and the locals the hot functions bind them to)
 PART_ATTRS = {"t", "tb", "blocks", "win", "reg", "step", "small", "alloc", "swap"}
 
 
 # the coordinator's parts (HybridBlockManager)
-HYBRID_MODULES = ["_hybrid_types", "_hybrid_step", "_hybrid_swap", "_hybrid_seqs", "_hybrid_allocator",
-                  "_hybrid_alloc"]
-# every core module (not the engine, server, router, scheduler, bench or replay packages)
-CORE_MODULES = sorted(p.stem for p in SRC.glob("*.py") if p.stem not in ("__init__", "__main__", "cli", "scheduler"))
+HYBRID_MODULES = ["hybrid/_types", "hybrid/_step", "hybrid/_swap", "hybrid/_seqs", "hybrid/_allocator", "hybrid/_hit"]
+# every core module (not the engine, server, router, scheduler, bench or replay packages): the root's modules and
+# the core's folders (the manager, the hybrid coordinator, the per-block leaves, retention, the CPU tier)
+CORE_DIRS = ("manager", "hybrid", "blocks", "retention")
+CORE_MODULES = sorted([p.stem for p in SRC.glob("*.py") if p.stem not in ("__init__", "__main__", "cli")]
+                      + [f"{d}/{p.stem}" for d in CORE_DIRS for p in (SRC / d).glob("*.py") if p.stem != "__init__"]
+                      + ["tiers/cpu"])
 # private attributes a module reads on objects of another class of the same module
-SAME_MODULE = {"prefix_cache": {"_data"}}  # (_GroupNS's encoding, read by _encode_namespace and __eq__)
+SAME_MODULE = {"blocks/prefix_cache": {"_data"}}  # (_GroupNS's encoding, read by _encode_namespace and __eq__)
 # functions that wire parts and so read the parts' objects' internals
-WIRING = {"hybrid": ("__init__", "_wire")}
+WIRING = {"hybrid/core": ("__init__", "_wire")}
 NAMEDTUPLE_API = {"_replace", "_asdict", "_fields", "_make"}  # (public methods of NamedTuple results)
 
 
@@ -80,11 +83,11 @@ def test_no_core_module_reads_another_objects_private_state(module):
 
 
 def test_the_strict_check_covers_the_parts_and_the_leaves():
-    assert set(PART_MODULES) | set(HYBRID_MODULES) | {"pool", "prefix_cache", "cpu_tier", "evictor", "hybrid",
-                                                      "manager"} <= set(CORE_MODULES)
+    assert set(PART_MODULES) | set(HYBRID_MODULES) | {"blocks/pool", "blocks/prefix_cache", "tiers/cpu",
+                                                      "blocks/evictor", "hybrid/core", "manager/core"} <= set(CORE_MODULES)
     # the hybrid facade does read its group managers' internals, but only in its wiring
-    assert _foreign_private_reads(SRC / "hybrid.py") and not _foreign_private_reads(SRC / "hybrid.py",
-                                                                                     skip=WIRING["hybrid"])
+    assert _foreign_private_reads(SRC / "hybrid/core.py") and not _foreign_private_reads(
+        SRC / "hybrid/core.py", skip=WIRING["hybrid/core"])
 
 
 def test_the_strict_checker_finds_foreign_reads(tmp_path):

@@ -1,4 +1,4 @@
-"""Window retention of HybridBlockManager (pagedkv._retention, pagedkv.evictor.RetentionEvictor): released
+"""Window retention of HybridBlockManager (pagedkv.hybrid._retention, pagedkv.blocks.evictor.RetentionEvictor): released
 sliding-window blocks outside the windows before useful points are evicted first, so hybrid prefix hits survive
 memory pressure that plain LRU turns into misses; invariants hold throughout."""
 
@@ -11,7 +11,7 @@ import pytest
 
 from pagedkv import FullAttentionSpec, HybridBlockManager, SlidingWindowSpec
 from pagedkv.errors import InvalidArgumentError
-from pagedkv.evictor import RetentionEvictor
+from pagedkv.blocks.evictor import RetentionEvictor
 
 BS = 4
 GROUPS = [FullAttentionSpec(), SlidingWindowSpec(16), SlidingWindowSpec(16), SlidingWindowSpec(16)]  # k = 4

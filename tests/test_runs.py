@@ -11,7 +11,7 @@ import pytest
 
 from pagedkv import BlockManager
 from pagedkv.errors import PagedKVError
-from pagedkv.prefix_cache import PrefixCache
+from pagedkv.blocks.prefix_cache import PrefixCache
 
 
 class _NoRuns(PrefixCache):
@@ -118,7 +118,7 @@ def test_runs_change_nothing(seed):
 def test_run_successor_rejoins_the_map_when_its_predecessor_is_evicted():
     """A run's block whose predecessor leaves first (released head first: an eviction order the manager's tail-
     first release never makes, kept safe all the same) enters the map then, and the run's rest stays reachable."""
-    from pagedkv.prefix_cache import _chain
+    from pagedkv.blocks.prefix_cache import _chain
 
     c = PrefixCache(8, 2)
     c.tok[:4] = np.arange(8, dtype=np.int32).reshape(4, 2)

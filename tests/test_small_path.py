@@ -1,4 +1,4 @@
-"""The plain-Python small-batch step (``_small.py``) against the vectorised one, call for call.
+"""The plain-Python small-batch step (``manager/_small.py``) against the vectorised one, call for call.
 
 Two managers get the same random calls, one with the small path (batches up to ``SMALL_BATCH``, and the batch-of-one
 variant ``_step_one``) and one with ``_small_batch = 0`` (always vectorised). Every result, every error type and
@@ -11,7 +11,7 @@ import pytest
 
 import pagedkv
 from pagedkv import BlockManager
-from pagedkv._small import SMALL_BATCH
+from pagedkv.manager._small import SMALL_BATCH
 
 from test_errors import check_memo
 

@@ -1009,7 +1009,7 @@ TestCacheFullVectorised = _machine(True, False, small=False).TestCase
 TestCpuTierFull = _machine(True, False, tier=True).TestCase
 TestCpuTierWindow = _machine(True, True, tier=True).TestCase
 TestCpuTierOverflow = _machine(True, False, max_events=3, tier=True).TestCase
-# every eviction policy, request priorities, session hints and pinned prefixes (pagedkv.eviction, pagedkv.steering)
+# every eviction policy, request priorities, session hints and pinned prefixes (pagedkv.retention.eviction, pagedkv.retention.steering)
 TestRetentionFull = _machine(True, False, retain=True).TestCase
 TestRetentionWindow = _machine(True, True, retain=True).TestCase
 TestRetentionCpuTier = _machine(True, False, tier=True, retain=True).TestCase

@@ -20,9 +20,9 @@ from .errors import (
 from . import events
 from .manager import (NULL_BLOCK, AllocStatus, BlockManager, CopyKind, CopyPlan, PrefillBatch, PrefixHit, Stats,
                       StepDelta, StepResult, TableUpdates)
-from .prefix_cache import block_hashes
-from .eviction import EVICTION_POLICIES
-from .steering import Pin
+from .blocks.prefix_cache import block_hashes
+from .retention.eviction import EVICTION_POLICIES
+from .retention.steering import Pin
 from .kv_groups import FullAttentionSpec, SlidingWindowSpec
 from .hybrid import HybridBlockManager, HybridPrefillBatch, HybridStepDelta, HybridStepResult
 

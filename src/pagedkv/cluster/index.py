@@ -32,7 +32,7 @@ every full-attention group holds blocks [0, L) and every sliding-window group ho
 W - 1 tokens before L, the cached ones the first computed query reads (blocks [max(0, L - ceil((W - 1) /
 block_size)), L)); other kinds (mamba, chunked local) are
 read as needing block L-1 only. That needs the prompt's keys in each group: pass a
-:class:`pagedkv.prefix_cache.PromptKeys` as ``hashes`` (a list of the group-0 keys that computes the others on
+:class:`pagedkv.blocks.prefix_cache.PromptKeys` as ``hashes`` (a list of the group-0 keys that computes the others on
 demand; the router does; its ``hit_blocks`` caps L where the engine caps a hit, one token before the prompt's
 end). Given a plain list, a hybrid replica is scored on its group 0 alone when that is full attention (an upper
 bound: its sliding windows are not checked), else not at all. Cost for hybrid replicas:

@@ -62,7 +62,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="priority: admit by each request's priority then arrival, preempt the largest first "
                         "(vLLM's; a lower value is more urgent)")
     p.add_argument("--eviction-policy", choices=("lru", "slru", "session"), default="lru",
-                   help="the prefix cache's eviction order (pagedkv.eviction; one block table only)")
+                   help="the prefix cache's eviction order (pagedkv.retention.eviction; one block table only)")
     p.add_argument("--pin-budget-blocks", type=int, default=0, metavar="BLOCKS",
                    help="most KV blocks pinned prefixes may hold (BlockManager.pin_prefix; one block table only)")
 

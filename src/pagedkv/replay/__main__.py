@@ -18,7 +18,7 @@ from typing import Sequence
 
 from .._help import HelpFormatter, plain
 from ..errors import PagedKVError
-from ..eviction import EVICTION_POLICIES
+from ..retention.eviction import EVICTION_POLICIES
 from .command import DEFAULT_CAPACITIES, progress_bar
 
 __all__ = ["main", "parse_tokens"]
@@ -75,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--compare-lru", action="store_true",
                     help="with --groups: also replay the groups without window retention (plain LRU)")
     ap.add_argument("--eviction-policy", choices=EVICTION_POLICIES, default="lru",
-                    help="the prefix cache's eviction policy (pagedkv.eviction; sequence mode): lru, slru "
+                    help="the prefix cache's eviction policy (pagedkv.retention.eviction; sequence mode): lru, slru "
                          "(frequency-aware) or session (each request hints its conversation, derived from the "
                          "prompts seen before it: pagedkv.replay.sessions)")
     ap.add_argument("--json", metavar="OUT", help="write the results as JSON to OUT")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from ..prefix_cache import block_hashes
+from ..blocks.prefix_cache import block_hashes
 from ..cluster.index import MemoryIndex, predicted_tokens
 from ..cluster.policy import make_policy
 from .point import PointResult

@@ -6,7 +6,7 @@ prefix keeps. With one block table for all layers (:class:`pagedkv.BlockManager`
 KV of its tokens; with groups (:class:`pagedkv.HybridBlockManager`) a block holds one group's layers, so the same
 bytes make G times as many blocks, and a cached prefix needs its full-attention blocks plus, per sliding-window
 group, only the windows before the points where later prompts stop matching (window retention,
-:mod:`pagedkv._retention`). For each ``--capacity`` C (tokens of the one-table manager's pool):
+:mod:`pagedkv.hybrid._retention`). For each ``--capacity`` C (tokens of the one-table manager's pool):
 
 - ``one table``: ``BlockManager(C / block_size)`` blocks of all layers;
 - ``groups``: ``HybridBlockManager(G x C / block_size, kv_cache_groups=preset)``: the same bytes, retention on;

@@ -21,7 +21,7 @@ def replay_sequence(trace: Trace, capacity_tokens: int, *, block_size: int = 16,
     watermark). ``manager_cls`` defaults to :class:`pagedkv.BlockManager`; an anchor adapter works the same.
     A request needing more blocks than the pool is skipped and counted. ``progress(k)`` is called every 512
     requests. Cost: one allocate and one free per request, plus O(prompt tokens) numpy work for its tokens.
-    ``eviction_policy`` (:mod:`pagedkv.eviction`); ``sessions`` (one conversation id per request,
+    ``eviction_policy`` (:mod:`pagedkv.retention.eviction`); ``sessions`` (one conversation id per request,
     :func:`pagedkv.replay.sessions.conversation_ids`): each request's hint (``set_retention(session=)``) before
     its free.
     """

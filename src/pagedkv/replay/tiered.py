@@ -37,7 +37,7 @@ from collections import OrderedDict
 
 from ..errors import InvalidArgumentError
 from ..events import MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
-from ..prefix_cache import block_hashes
+from ..blocks.prefix_cache import block_hashes
 from .point import PointResult, make_manager, tier_figures
 from .trace import Trace
 

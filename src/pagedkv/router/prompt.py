@@ -7,7 +7,7 @@ the weights are never read, and torch is never imported (the ``gguf`` package re
 tests/test_router_torch_free.py checks it). A completion's string prompt is encoded with the special tokens (as
 ``LLM.generate``), token ids are taken as given, and a chat's messages go through the model's chat template (as
 the server's chat route). The prefix-cache namespace is the request's ``cache_salt`` (as the server passes it).
-The hashes are a :class:`pagedkv.prefix_cache.PromptKeys`: the prompt's group-0 keys, which also give its keys in
+The hashes are a :class:`pagedkv.blocks.prefix_cache.PromptKeys`: the prompt's group-0 keys, which also give its keys in
 the other KV cache groups when the index scores a replica of a hybrid model.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..prefix_cache import PromptKeys
+from ..blocks.prefix_cache import PromptKeys
 
 __all__ = ["PromptBuilder", "RoutedPrompt", "load_tokenizer"]
 

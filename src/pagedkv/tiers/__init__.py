@@ -1,6 +1,7 @@
-"""Storage tiers below the CPU tier: KV blocks on a local disk, in a shared directory, in Redis.
+"""The tiers below the GPU pool: the CPU tier of the prefix cache (:mod:`pagedkv.tiers.cpu`, used by the block
+manager), and storage tiers below it: KV blocks on a local disk, in a shared directory, in Redis.
 
-The bottom layer only (docs/tiers.md): a batch-first :class:`Backend` interface that never raises for a store's
+The storage tiers' bottom layer (docs/tiers.md): a batch-first :class:`Backend` interface that never raises for a store's
 state, three backends (:class:`DiskBackend`, :class:`SharedDirBackend`, :class:`RedisBackend`), the block key
 (:class:`ModelFingerprint`, :func:`store_names`), the checked value format (:mod:`pagedkv.tiers.codec`) and
 :class:`BlockStore`, which ties them together. Not yet wired into the block manager, the scheduler or the engine.

@@ -30,7 +30,7 @@ import numpy as np
 import xxhash
 
 from ..errors import InvalidArgumentError
-from ..prefix_cache import _encode_namespace
+from ..blocks.prefix_cache import _encode_namespace
 
 __all__ = ["ModelFingerprint", "store_names"]
 

@@ -20,10 +20,10 @@ from __future__ import annotations
 import numpy as np
 import xxhash
 
-from ._checks import as_tokens as _as_tokens, token_count
-from .errors import DuplicateSequenceError, OutOfBlocksError, PromptTooLongError, TableWidthError
-from .prefix_cache import _encode_namespace
-from .types import PrefillBatch
+from .._checks import as_tokens as _as_tokens, token_count
+from ..errors import DuplicateSequenceError, OutOfBlocksError, PromptTooLongError, TableWidthError
+from ..blocks.prefix_cache import _encode_namespace
+from ..types import PrefillBatch
 
 _xxh3 = xxhash.xxh3_64_intdigest
 _COL = 1 << 24  # a planned hit on column c of the batch's prompt i is encoded ~(i * _COL + c) until commit
@@ -40,8 +40,8 @@ def _frozen(a: np.ndarray) -> np.ndarray:
 
 class Allocator:
     """Allocation of one manager's new sequences over its parts: the tables ``t``
-    (:class:`~pagedkv._rows.SeqTables`), ``blocks`` (:class:`~pagedkv._blocks.Blocks`), the registry ``reg``
-    (:class:`~pagedkv._registry.Registry`: lookups, registration, promotion), the prefix cache and the CPU tier.
+    (:class:`~pagedkv.manager._rows.SeqTables`), ``blocks`` (:class:`~pagedkv.blocks._blocks.Blocks`), the registry ``reg``
+    (:class:`~pagedkv.manager._registry.Registry`: lookups, registration, promotion), the prefix cache and the CPU tier.
     Counts the prefix-cache queries and hits (``query_tokens``, ``hit_tokens``, ``query_blocks``,
     ``hit_blocks``)."""
 

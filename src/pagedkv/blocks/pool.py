@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import OutOfBlocksError
+from ..errors import OutOfBlocksError
 
 __all__ = ["BlockPool"]
 
@@ -34,7 +34,7 @@ class BlockPool:
     (int32 free ring) and ``ring_mv``; ``head`` (ring index of the oldest free block) and ``nfree`` (plain free
     blocks). Only :meth:`take` / :meth:`take_one` / :meth:`take_few` move ``head``; a release appends at
     ``(head + nfree) % num_blocks`` and increments ``nfree`` (:meth:`give`, or inlined for one block by the
-    plain-Python releases of ``pagedkv._small`` and ``pagedkv._window``), only for blocks whose ``ref`` is 0.
+    plain-Python releases of ``pagedkv.manager._small`` and ``pagedkv.manager._window``), only for blocks whose ``ref`` is 0.
 
     ``take`` and ``give`` are O(n) in the number of blocks moved and O(1) otherwise.
     """

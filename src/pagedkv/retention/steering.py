@@ -27,7 +27,7 @@ from typing import Callable, Iterator, NamedTuple
 
 import numpy as np
 
-from .errors import PinBudgetError, UnknownPinError
+from ..errors import PinBudgetError, UnknownPinError
 
 __all__ = ["Pin", "SteeredEvictor"]
 
@@ -49,7 +49,7 @@ class Pin(NamedTuple):
 class SteeredEvictor:
     """Priority classes and pins over evictors made by ``make(num_blocks)``; ``base`` (already holding blocks)
     becomes the class of priority 0. ``cid`` is the prefix cache's content-id array (a pin holds a block only
-    while its content is the one pinned). The evictor methods of :class:`pagedkv.evictor.LRUEvictor`, plus
+    while its content is the one pinned). The evictor methods of :class:`pagedkv.blocks.evictor.LRUEvictor`, plus
     :meth:`tag`, :meth:`pin`, :meth:`unpin`, :meth:`drop_pins` and :meth:`check`. ``len`` counts evictable
     blocks only (parked ones are neither free nor evictable)."""
 

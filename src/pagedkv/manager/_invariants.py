@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from .prefix_cache import block_key
-from .types import NULL_BLOCK
+from ..blocks.prefix_cache import block_key
+from ..types import NULL_BLOCK
 
 
 def check(blocks, tier, bs: int, groups) -> None:
-    """Check every invariant of the managers sharing ``blocks`` (:class:`~pagedkv._blocks.Blocks`: the pools,
+    """Check every invariant of the managers sharing ``blocks`` (:class:`~pagedkv.blocks._blocks.Blocks`: the pools,
     the prefix cache, the CPU blocks' identities) and ``tier``; ``groups``: ``(tables, window)`` of each manager
     (one, or one per KV cache group), whose references are counted together. Raises AssertionError.
     O(blocks + total table length).
@@ -61,7 +61,7 @@ def _check_cache(blocks, tier, tables: list, fail) -> None:
     ev_arr = np.asarray(ev, dtype=np.int64)
     if (ref[ev_arr] != 0).any() or (cid[ev_arr] == 0).any():
         fail("the evictor holds a block that is referenced or uncached")
-    check_steering = getattr(cache.evictor, "check", None)  # priority classes and pins (pagedkv.steering)
+    check_steering = getattr(cache.evictor, "check", None)  # priority classes and pins (pagedkv.retention.steering)
     if check_steering is not None:
         check_steering(ref, fail)
         if np.intersect1d(np.flatnonzero(cache.evictor.parked), ev_arr).size:

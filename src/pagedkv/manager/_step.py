@@ -9,9 +9,9 @@ path.
                                                         └─> append (all or nothing)
 
 Both paths register in the prefix cache the blocks that the step fills (burst sharing: findable as soon as
-the call returns, through the :class:`~pagedkv._registry.Registry`) and release what the sliding window lets
-go before writing (through the :class:`~pagedkv._window.Window`). The step's state is the tables'
-(:class:`~pagedkv._rows.SeqTables`); the Stepper itself holds only its copy-on-write counter.
+the call returns, through the :class:`~pagedkv.manager._registry.Registry`) and release what the sliding window lets
+go before writing (through the :class:`~pagedkv.manager._window.Window`). The step's state is the tables'
+(:class:`~pagedkv.manager._rows.SeqTables`); the Stepper itself holds only its copy-on-write counter.
 
 What the step hands back about the block tables (``tables``): the batch's tables in full, padded
 (:class:`StepResult`, the default: O(B x width) to gather), or only the entries the step changed
@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import InvalidTokensError, OutOfBlocksError, TableWidthError
-from .types import NULL_BLOCK, StepDelta, StepResult, TableUpdates
+from ..errors import InvalidTokensError, OutOfBlocksError, TableWidthError
+from ..types import NULL_BLOCK, StepDelta, StepResult, TableUpdates
 
 _NO_COW = np.zeros((0, 2), dtype=np.int64)
 _NO_COW.flags.writeable = False
@@ -69,9 +69,9 @@ def _frozen_rows(rows: np.ndarray) -> np.ndarray:
 
 
 class Stepper:
-    """The vectorised append of one manager over its parts: ``t`` (:class:`~pagedkv._rows.SeqTables`), ``blocks``
-    (:class:`~pagedkv._blocks.Blocks`), ``win`` (:class:`~pagedkv._window.Window`), ``reg``
-    (:class:`~pagedkv._registry.Registry`), the prefix cache and the pending copy list. Counts its copy-on-write
+    """The vectorised append of one manager over its parts: ``t`` (:class:`~pagedkv.manager._rows.SeqTables`), ``blocks``
+    (:class:`~pagedkv.blocks._blocks.Blocks`), ``win`` (:class:`~pagedkv.manager._window.Window`), ``reg``
+    (:class:`~pagedkv.manager._registry.Registry`), the prefix cache and the pending copy list. Counts its copy-on-write
     copies (``cow_copies``)."""
 
     def __init__(self, t, blocks, win, reg, cache, copies: list, bs: int, fixed_w: int) -> None:

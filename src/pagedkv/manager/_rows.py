@@ -12,7 +12,7 @@ One row per live sequence in a few flat numpy arrays and the block-table matrix:
 
 Rows are recycled through a free list; the arrays double when full (so a part reads them through this object,
 ``tables.ntok``, never keeps an array across calls) and the table widens on demand. ``views()`` are memoryviews
-of the same arrays for the plain-Python paths (:mod:`pagedkv._small`), rebuilt after a reallocation. Every
+of the same arrays for the plain-Python paths (:mod:`pagedkv.manager._small`), rebuilt after a reallocation. Every
 other part of the manager reads and writes rows through this object; it depends on nothing but numpy.
 """
 
@@ -22,8 +22,8 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
-from .errors import DuplicateSequenceError, InvalidArgumentError, SequenceStateError, UnknownSequenceError
-from .types import NULL_BLOCK
+from ..errors import DuplicateSequenceError, InvalidArgumentError, SequenceStateError, UnknownSequenceError
+from ..types import NULL_BLOCK
 
 _EMPTY_I64 = np.zeros(0, dtype=np.int64)
 _EMPTY_I64.flags.writeable = False  # (shared: empty results and the empty batch's rows)

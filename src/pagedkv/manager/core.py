@@ -39,7 +39,7 @@ counts, lookahead slots, fixed-width tables and the order of a step's copies.
 **The engine contract** (docs/engine-contract.md): once per step, after the step's calls, the engine takes
 :meth:`BlockManager.take_copy_plan` (every KV block copy the calls handed out: swap-out, swap-in, copy-on-write,
 the CPU tier's demotions and promotions) and executes it in order, then the step's forward. Why that order is
-safe: :mod:`pagedkv.cpu_tier`. Burst sharing relies on the forward's part of it: an engine writes the KV of every token scheduled in a step
+safe: :mod:`pagedkv.tiers.cpu`. Burst sharing relies on the forward's part of it: an engine writes the KV of every token scheduled in a step
 before any attention of that step reads it (in each layer, the whole batch's K/V are written through the slot
 mapping, then attention runs, as paged-attention engines do), and it runs every scheduled step in full. A block
 full of known tokens is then findable in the prefix cache from the moment the call that hands it out returns
@@ -54,27 +54,27 @@ from typing import Hashable, Iterable, Sequence
 
 import numpy as np
 
-from ._checks import (as_tokens as _as_tokens, batch_tokens, check_int as _check_int, flat_tokens, new_token_counts,
+from .._checks import (as_tokens as _as_tokens, batch_tokens, check_int as _check_int, flat_tokens, new_token_counts,
                       token_count)
 from . import _invariants
 from ._alloc import Allocator
-from ._blocks import Blocks
+from ..blocks._blocks import Blocks
 from ._registry import Registry
 from ._rows import _EMPTY_I64, SeqTables
 from ._small import SMALL_BATCH, Small
 from ._step import _NO_UPDATES, TABLES_DELTA, Stepper
 from ._swap import Swapper
 from ._window import Window
-from .errors import InvalidArgumentError, InvalidTokensError, OutOfBlocksError, SequenceStateError
-from .cpu_tier import CpuTier
-from .events import KVCacheEvent
-from .kv_groups import FullAttentionSpec, SlidingWindowSpec
-from .eviction import EVICTION_POLICIES, make_evictor
-from .steering import Pin, SteeredEvictor
-from .pool import BlockPool
-from .prefix_cache import PrefixCache, _encode_namespace
-from .cpu_tier import DEMOTE, PROMOTE
-from .types import (_EMPTY_PLAN, NULL_BLOCK, AllocStatus, CacheCopies, CopyKind, CopyPlan, PrefillBatch, PrefixHit,
+from ..errors import InvalidArgumentError, InvalidTokensError, OutOfBlocksError, SequenceStateError
+from ..tiers.cpu import CpuTier
+from ..events import KVCacheEvent
+from ..kv_groups import FullAttentionSpec, SlidingWindowSpec
+from ..retention.eviction import EVICTION_POLICIES, make_evictor
+from ..retention.steering import Pin, SteeredEvictor
+from ..blocks.pool import BlockPool
+from ..blocks.prefix_cache import PrefixCache, _encode_namespace
+from ..tiers.cpu import DEMOTE, PROMOTE
+from ..types import (_EMPTY_PLAN, NULL_BLOCK, AllocStatus, CacheCopies, CopyKind, CopyPlan, PrefillBatch, PrefixHit,
                     Stats, StepDelta, StepResult, TableUpdates)
 
 __all__ = ["AllocStatus", "BlockManager", "CacheCopies", "CopyKind", "CopyPlan", "NULL_BLOCK", "PrefillBatch",
@@ -104,7 +104,7 @@ class BlockManager:
         watermark: fraction of GPU blocks that admission (can_allocate / can_swap_in) keeps free for running
             sequences, in [0, 1).
         enable_kv_events: record the prefix cache's KV events (:mod:`pagedkv.events`) for :meth:`take_events`.
-        cpu_prefix_cache: a CPU tier of the prefix cache in the CPU pool (:mod:`pagedkv.cpu_tier`): evicted GPU
+        cpu_prefix_cache: a CPU tier of the prefix cache in the CPU pool (:mod:`pagedkv.tiers.cpu`): evicted GPU
             blocks are demoted to it and prompts get them back as hits; the engine then makes the copies that
             :meth:`take_copy_plan` returns once per step. Needs prefix caching and ``num_cpu_blocks``.
         max_kv_events: events kept until taken; past it the buffer is dropped and the next :meth:`take_events`
@@ -114,7 +114,7 @@ class BlockManager:
             shapes); a call that would give a sequence more blocks raises TableWidthError, changing nothing.
             None (default): as wide as the batch's longest table. Set it to ``ceil((max_model_len +
             num_lookahead_slots) / block_size)``.
-        eviction_policy: the order in which unreferenced cached blocks are evicted (:mod:`pagedkv.eviction`):
+        eviction_policy: the order in which unreferenced cached blocks are evicted (:mod:`pagedkv.retention.eviction`):
             ``"lru"`` (default), ``"slru"`` (frequency-aware) or ``"session"`` (uses :meth:`set_retention`'s
             session hint). Needs prefix caching for anything but ``"lru"``.
         pin_budget_blocks: the most distinct GPU blocks :meth:`pin_prefix` may hold pinned (0: no pins).
@@ -196,7 +196,7 @@ class BlockManager:
     @classmethod
     def _sharing(cls, parts: "BlockManager", sliding_window: int | None) -> "BlockManager":
         """A manager of its own sequences and tables over the *shared parts* of ``parts`` (internal): the GPU and
-        CPU pools with the prefix cache (one :class:`~pagedkv._blocks.Blocks`), the CPU tier and its CPU-side
+        CPU pools with the prefix cache (one :class:`~pagedkv.blocks._blocks.Blocks`), the CPU tier and its CPU-side
         arrays, the pending copy list, the watermark and the table width are the same objects.
         :class:`pagedkv.HybridBlockManager` runs one per KV cache group; each call on one of them keeps every
         invariant of the shared parts except the pools' refcount totals, which the coordinator checks over all
@@ -305,7 +305,7 @@ class BlockManager:
         runs the step's forward. The calls' own return values (``swap_out``/``swap_in`` pairs,
         ``StepResult.cow``) are the same copies; executing those lists in any fixed order of kinds is not safe
         (a swap-out frees GPU blocks a later promotion of the same step writes; a swap-in frees CPU blocks a
-        later demotion or swap-out writes): execute the plan. Why its order is safe: :mod:`pagedkv.cpu_tier`
+        later demotion or swap-out writes): execute the plan. Why its order is safe: :mod:`pagedkv.tiers.cpu`
         and docs/engine-contract.md.
 
         The first call also switches on the same-step checks: from then on ``swap_out`` and ``fork`` refuse a
@@ -733,7 +733,7 @@ class BlockManager:
     # ------------------------------------------------------------------ retention (priority, session, pins)
     @property
     def eviction_policy(self) -> str:
-        """The eviction policy's name (:mod:`pagedkv.eviction`)."""
+        """The eviction policy's name (:mod:`pagedkv.retention.eviction`)."""
         return self._policy
 
     @property
@@ -753,7 +753,7 @@ class BlockManager:
     def set_retention(self, seq_id: Hashable, *, priority: int = 0, session: Hashable = None) -> None:
         """How the sequence's blocks are kept once :meth:`free` releases them. ``priority`` (vLLM's request
         field: a lower value is a higher priority, default 0): unreferenced blocks of a larger value are evicted
-        before any block of a smaller one (:mod:`pagedkv.steering`). ``session`` (a conversation id, any
+        before any block of a smaller one (:mod:`pagedkv.retention.steering`). ``session`` (a conversation id, any
         hashable): a hint for the ``"session"`` eviction policy, which keeps the blocks of a conversation longer
         the more requests it has had; other policies ignore it. Set it any time before the free; the last call
         wins. Raises UnknownSequenceError or InvalidArgumentError (needs prefix caching), changing nothing. O(1);
@@ -797,7 +797,7 @@ class BlockManager:
         """Drop a pin (UnknownPinError if there is none by that id); its blocks that no other pin holds become
         evictable, idle ones at the most recent end of their class. O(its blocks)."""
         if not self._steered:
-            from .errors import UnknownPinError
+            from ..errors import UnknownPinError
 
             raise UnknownPinError(f"no pin {pin_id!r} (unpinned already, expired, or never made)")
         self._cache.evictor.unpin(pin_id)

@@ -12,7 +12,7 @@ public call; the coordinator's share is what spans the groups::
     end     take_copy_plan: group 0 builds the one plan (shared copy list and tier), every other group ends
             its step snapshot
     check   the groups hold the same rows, token counts, table lengths, swap states, step snapshots and partly
-            prefilled sequences; then every group's tables and the shared parts (pagedkv._invariants.check)
+            prefilled sequences; then every group's tables and the shared parts (pagedkv.manager._invariants.check)
 
 Cost: each call O(table length x groups); ``check`` O(blocks + total table length).
 """
@@ -23,18 +23,18 @@ from typing import Hashable
 
 import numpy as np
 
-from . import _invariants
-from .types import CopyPlan
+from ..manager import _invariants
+from ..types import CopyPlan
 
 __all__ = ["HybridSeqs"]
 
 
 class HybridSeqs:
     """fork / free / end of step / prefix-cache reset / audit over every group. Holds, per group: ``groups``
-    (the group managers, called through their public methods), ``tables`` (:class:`~pagedkv._rows.SeqTables`),
-    ``regs`` (:class:`~pagedkv._registry.Registry`), ``wins`` (the group's window part, None for a full-attention
+    (the group managers, called through their public methods), ``tables`` (:class:`~pagedkv.manager._rows.SeqTables`),
+    ``regs`` (:class:`~pagedkv.manager._registry.Registry`), ``wins`` (the group's window part, None for a full-attention
     group) and ``windows`` (the window in tokens, None for full attention); shared: ``retention``
-    (:class:`~pagedkv._retention.WindowRetention` or None), ``blocks`` (:class:`~pagedkv._blocks.Blocks`),
+    (:class:`~pagedkv.hybrid._retention.WindowRetention` or None), ``blocks`` (:class:`~pagedkv.blocks._blocks.Blocks`),
     ``gpu`` (the GPU pool), ``cache`` (the prefix cache or None), ``tier`` (the CPU tier or None) and ``bs``."""
 
     __slots__ = ("groups", "tables", "t0", "regs", "wins", "windows", "retention", "blocks", "gpu", "cache",

@@ -53,8 +53,8 @@ import itertools
 import numpy as np
 import xxhash
 
-from .errors import InvalidArgumentError, InvalidTokensError
-from .events import AllBlocksCleared, BlockRemoved, BlockStored
+from ..errors import InvalidArgumentError, InvalidTokensError
+from ..events import AllBlocksCleared, BlockRemoved, BlockStored
 from .evictor import LRUEvictor
 
 __all__ = ["LRUEvictor", "PrefixCache", "PromptKeys", "block_hashes", "block_key"]
@@ -848,7 +848,7 @@ class PrefixCache:
         self.succ[:] = -1
         freed = list(self.evictor)
         self.evictor.discard_many(np.asarray(freed, dtype=np.int64))
-        drop = getattr(self.evictor, "drop_pins", None)  # (pagedkv.steering: pinned idle blocks are freed too)
+        drop = getattr(self.evictor, "drop_pins", None)  # (pagedkv.retention.steering: pinned idle blocks are freed too)
         if drop is not None:
             freed += drop()
         self.cid[np.fromiter(self.map.values(), dtype=np.int64, count=len(self.map))] = 0

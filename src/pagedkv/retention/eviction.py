@@ -1,6 +1,6 @@
 """Eviction policies of the prefix cache: which unreferenced cached GPU block goes first when blocks are needed.
 
-Every policy is one small class with the methods of :class:`pagedkv.evictor.LRUEvictor` (the default, and the
+Every policy is one small class with the methods of :class:`pagedkv.blocks.evictor.LRUEvictor` (the default, and the
 only one on the hot path when no other policy is asked for): ``push`` / ``push_many`` (a block became
 unreferenced, in release order: a freed sequence's blocks tail first), ``discard`` / ``discard_many`` (a hit took
 it back), ``pop`` / ``pop_many`` (evict: the policy's choice), ``len``, ``in`` and iteration in eviction order;
@@ -9,7 +9,7 @@ releases its blocks (a no-op for policies that take none). The policy only order
 the KV events and every counter stay the manager's, so a policy changes hit rates and nothing else.
 
 ==========  =====================================================================================================
-``lru``     least recently released first (:class:`~pagedkv.evictor.LRUEvictor`)
+``lru``     least recently released first (:class:`~pagedkv.blocks.evictor.LRUEvictor`)
 ``slru``    segmented LRU (frequency-aware): blocks never hit since they were cached are evicted before blocks
             that were (the protected segment, at most ``protected_fraction`` of the pool; its overflow goes back
             to the most recent end of the probation segment)
@@ -31,8 +31,8 @@ from typing import Hashable, Iterator
 
 import numpy as np
 
-from .errors import InvalidArgumentError
-from .evictor import LRUEvictor
+from ..errors import InvalidArgumentError
+from ..blocks.evictor import LRUEvictor
 
 __all__ = ["EVICTION_POLICIES", "SLRUEvictor", "SessionEvictor", "make_evictor"]
 

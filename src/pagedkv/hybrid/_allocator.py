@@ -4,18 +4,18 @@ An allocation is planned for every group, checked as a whole, then committed, so
 group or changes nothing::
 
     plan     the hybrid hit (module docstring of pagedkv.hybrid): vectorised over blocks and groups
-             (pagedkv._hybrid_alloc.find_hit; no CPU tier, four full blocks or more) or block by block
+             (pagedkv.hybrid._hit.find_hit; no CPU tier, four full blocks or more) or block by block
              (plan_walk), with the same result; the blocks every group consumes   -> _Plan (nothing changed)
     hold     every GPU hit of every group referenced, every CPU-tier hit pinned, before any group takes a block
              (no group evicts another's hit)
-    commit   the sequence's row in every group: one pass over every group (pagedkv._hybrid_alloc.commit_all) or
+    commit   the sequence's row in every group: one pass over every group (pagedkv.hybrid._hit.commit_all) or
              each group's Allocator.commit; the sibling keys recorded; the retention policy told the prompt
     unhold   (a batch) the extra references of its hold dropped
 
 A batch plans every prompt, admits the sum, holds every hit planned, then replans each later prompt (burst
 hits on the batch's earlier prompts) before committing it.
 
-Cost: O(prompt blocks x groups) per allocation (see pagedkv._hybrid_alloc for the vectorised path's).
+Cost: O(prompt blocks x groups) per allocation (see pagedkv.hybrid._hit for the vectorised path's).
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from typing import Hashable, NamedTuple
 
 import numpy as np
 
-from ._hybrid_alloc import commit_all, find_hit
-from ._hybrid_types import HybridPrefillBatch, frozen
-from .errors import OutOfBlocksError, PromptTooLongError, TableWidthError
-from .prefix_cache import _GroupNS, _chain, _encode_namespace, _slices
-from .types import NULL_BLOCK, AllocStatus
+from ._hit import commit_all, find_hit
+from ._types import HybridPrefillBatch, frozen
+from ..errors import OutOfBlocksError, PromptTooLongError, TableWidthError
+from ..blocks.prefix_cache import _GroupNS, _chain, _encode_namespace, _slices
+from ..types import NULL_BLOCK, AllocStatus
 
 __all__ = ["HybridAllocator"]
 
@@ -56,13 +56,13 @@ class HybridAllocator:
     """allocate / allocate_batch / lookup_prefix / can_allocate over every group.
 
     Holds ``specs`` (the group specs), ``full`` / ``sliding`` (the indices of the full-attention and
-    sliding-window groups), per group ``tables`` (:class:`~pagedkv._rows.SeqTables`), ``regs``
-    (:class:`~pagedkv._registry.Registry`), ``allocs`` (:class:`~pagedkv._alloc.Allocator`) and ``windows``
-    (tokens, None for full attention); shared: ``blocks`` (:class:`~pagedkv._blocks.Blocks`), ``gpu`` (the GPU
-    pool), ``cache`` (:class:`~pagedkv.prefix_cache.PrefixCache` or None), ``tier`` (the CPU tier or None),
+    sliding-window groups), per group ``tables`` (:class:`~pagedkv.manager._rows.SeqTables`), ``regs``
+    (:class:`~pagedkv.manager._registry.Registry`), ``allocs`` (:class:`~pagedkv.manager._alloc.Allocator`) and ``windows``
+    (tokens, None for full attention); shared: ``blocks`` (:class:`~pagedkv.blocks._blocks.Blocks`), ``gpu`` (the GPU
+    pool), ``cache`` (:class:`~pagedkv.blocks.prefix_cache.PrefixCache` or None), ``tier`` (the CPU tier or None),
     ``cpu_tok`` / ``cpu_id`` (the CPU blocks' tokens and identities), ``retention`` (the window retention
     policy or None), ``bs``, ``watermark`` and ``fixed_w``. Owns ``ns_memo`` (namespace encoding -> its
-    ``_GroupNS`` per group) and the sibling keys ``sib`` / ``sib_rows`` (:mod:`pagedkv._hybrid_alloc`)."""
+    ``_GroupNS`` per group) and the sibling keys ``sib`` / ``sib_rows`` (:mod:`pagedkv.hybrid._hit`)."""
 
     def __init__(self, specs: tuple, tables: list, regs: list, allocs: list, blocks, gpu, cache, tier,
                  cpu_tok, cpu_id, retention, bs: int, watermark: int, fixed_w: int) -> None:
@@ -76,7 +76,7 @@ class HybridAllocator:
         self.cpu_tok, self.cpu_id, self.retention = cpu_tok, cpu_id, retention
         self.bs, self.watermark, self.fixed_w = bs, watermark, fixed_w
         self.ns_memo: dict = {}
-        # sibling keys (pagedkv._hybrid_alloc): per block of the first full group, the content id it held when the
+        # sibling keys (pagedkv.hybrid._hit): per block of the first full group, the content id it held when the
         # sliding groups' keys of the same prefix were recorded, and those keys (one column per sliding group)
         self.sib = self.sib_rows = None
         if cache is not None and self.full and self.sliding:
@@ -152,7 +152,7 @@ class HybridAllocator:
 
     def plan_walk(self, arr: np.ndarray, n: int, nblocks: int, la: int, roots: list, chunk: int | None) -> _Plan:
         """:meth:`plan`'s hit found block by block (with the CPU tier, and for prompts of fewer than four full
-        blocks; :mod:`pagedkv._hybrid_alloc` otherwise, with the same result). O(prompt blocks x groups)."""
+        blocks; :mod:`pagedkv.hybrid._hit` otherwise, with the same result). O(prompt blocks x groups)."""
         bs, cache = self.bs, self.cache
         h = (n - 1) // bs
         full_hits = {}
@@ -254,7 +254,7 @@ class HybridAllocator:
         if self.cache is None:
             return []
         ref, ev = self.gpu.ref_mv, self.cache.evictor
-        if plan.memo is not None:  # (a plan of pagedkv._hybrid_alloc: no CPU-tier hit)
+        if plan.memo is not None:  # (a plan of pagedkv.hybrid._hit: no CPU-tier hit)
             h = plan.held
             if h is not None:
                 gref = self.gpu.ref
@@ -281,7 +281,7 @@ class HybridAllocator:
         """Create the sequence in every group (hits held by :meth:`hold`); nothing here can fail."""
         cache = self.cache
         memo = plan.memo
-        if memo is not None:  # a plan of pagedkv._hybrid_alloc: every group at once, with the plan's keys
+        if memo is not None:  # a plan of pagedkv.hybrid._hit: every group at once, with the plan's keys
             if not commit_all(self, seq_id, gns, plan) and self.sib is not None:
                 self.record_siblings(seq_id, memo[3])
         else:
@@ -301,7 +301,7 @@ class HybridAllocator:
                 self.regs[0].release_namespaces()
 
     def record_siblings(self, seq_id: Hashable, fresh: int) -> None:
-        """Record the sibling keys of the new sequence's prompt blocks (see :mod:`pagedkv._hybrid_alloc`): for each
+        """Record the sibling keys of the new sequence's prompt blocks (see :mod:`pagedkv.hybrid._hit`): for each
         position from the sliding groups' first held block to the registered ones, the anchor group's block, the
         content id it holds, and the keys of the sliding groups' blocks at that position (read from the prefix
         cache: each is the key of the same prefix in its group), skipping the positions before ``fresh`` (whose

@@ -14,7 +14,7 @@ without a Python step per block::
     hit L              the largest L <= h with every sliding group's blocks covering (L - W_g, L) present: a cumulative
                        count of holes per group, compared at every candidate L at once
 
-The semantics are exactly those of the block-by-block walk it replaces (:meth:`HybridAllocator.plan_walk <pagedkv._hybrid_allocator.HybridAllocator.plan_walk>`,
+The semantics are exactly those of the block-by-block walk it replaces (:meth:`HybridAllocator.plan_walk <pagedkv.hybrid._allocator.HybridAllocator.plan_walk>`,
 still used with the CPU tier and for prompts of fewer than four blocks): a full group's hit block must be
 the dict's block for the key, chained by content id to the previous hit and hold the prompt's tokens (a hash
 collision ends the hit there: a miss, never another sequence's KV); a sliding group's window block must be the
@@ -42,8 +42,8 @@ from itertools import repeat
 
 import numpy as np
 
-from .prefix_cache import _chain, _extend_chain
-from .types import NULL_BLOCK
+from ..blocks.prefix_cache import _chain, _extend_chain
+from ..types import NULL_BLOCK
 
 __all__ = ["commit_all", "find_hit"]
 
@@ -68,7 +68,7 @@ def _present(cache, blocks: np.ndarray, rows: np.ndarray) -> np.ndarray:
 
 def find_hit(ha, arr: np.ndarray, roots: list):
     """The hybrid hit of prompt ``arr`` (int32) in every group of ``ha`` (the
-    :class:`~pagedkv._hybrid_allocator.HybridAllocator` of a manager with prefix caching and no CPU tier), groups' roots ``roots`` ((cid, key) each). Returns ``(L, blocks, keys, datas,
+    :class:`~pagedkv.hybrid._allocator.HybridAllocator` of a manager with prefix caching and no CPU tier), groups' roots ``roots`` ((cid, key) each). Returns ``(L, blocks, keys, datas,
     fresh)``: the hit in blocks; per group the int64 array of its hit blocks ``[nnull_g, L)`` (nnull_g: the
     blocks before a sliding group's window, 0 for a full group); per group the list of chained keys computed (at
     least blocks ``[nnull_g, L)``; a sliding group's list may start with placeholder zeros where its keys were

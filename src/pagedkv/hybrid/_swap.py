@@ -1,6 +1,6 @@
 """Swapping in every KV cache group of :class:`pagedkv.HybridBlockManager` (internal): :class:`HybridSwapper`.
 
-Each group's :class:`~pagedkv._swap.Swapper` moves that group's blocks; the coordinator counts every group's
+Each group's :class:`~pagedkv.manager._swap.Swapper` moves that group's blocks; the coordinator counts every group's
 blocks against the shared pool before any group moves, so a swap completes in every group or changes nothing::
 
     swap_out   refuse rows handed slots this step (group 0's snapshot: every group holds the same) ── the SUM of
@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import OutOfBlocksError
-from .types import AllocStatus
+from ..errors import OutOfBlocksError
+from ..types import AllocStatus
 
 __all__ = ["HybridSwapper"]
 
 
 class HybridSwapper:
-    """swap_out / swap_in over every group. Holds, per group: ``tables`` (:class:`~pagedkv._rows.SeqTables`) and
-    ``swaps`` (:class:`~pagedkv._swap.Swapper`); shared: ``blocks`` (:class:`~pagedkv._blocks.Blocks`), ``gpu``
-    (the GPU :class:`~pagedkv.pool.BlockPool`), ``bs`` and ``watermark`` (GPU blocks kept free)."""
+    """swap_out / swap_in over every group. Holds, per group: ``tables`` (:class:`~pagedkv.manager._rows.SeqTables`) and
+    ``swaps`` (:class:`~pagedkv.manager._swap.Swapper`); shared: ``blocks`` (:class:`~pagedkv.blocks._blocks.Blocks`), ``gpu``
+    (the GPU :class:`~pagedkv.blocks.pool.BlockPool`), ``bs`` and ``watermark`` (GPU blocks kept free)."""
 
     __slots__ = ("tables", "t0", "swaps", "blocks", "gpu", "bs", "watermark")
 

@@ -16,16 +16,16 @@ block_size, heads, head_dim)``; layer L of group g at index j uses slot j with g
 
     HybridBlockManager   facade: every call's contract, argument checks, a call into a coordinator part
       ├── coordinator parts (each given, at construction, the per-group parts and the shared ones it works on)
-      │     HybridAllocator (_hybrid_allocator.py, _hybrid_alloc.py)   allocate*, lookup_prefix, can_allocate
-      │     HybridStepper   (_hybrid_step.py)     decode_step / append_slots / can_append_slots
-      │     HybridSwapper   (_hybrid_swap.py)     swap_out / swap_in / can_*
-      │     HybridSeqs      (_hybrid_seqs.py)     fork / free / take_copy_plan / reset_prefix_cache / audit
+      │     HybridAllocator (_allocator.py, _hit.py)   allocate*, lookup_prefix, can_allocate
+      │     HybridStepper   (_step.py)     decode_step / append_slots / can_append_slots
+      │     HybridSwapper   (_swap.py)     swap_out / swap_in / can_*
+      │     HybridSeqs      (_seqs.py)     fork / free / take_copy_plan / reset_prefix_cache / audit
       ├── one group manager per group: a BlockManager built on the shared parts (``BlockManager._sharing``),
       │   holding that group's SeqTables, Stepper, Small, Registry, Allocator, Swapper and Window (a sliding
       │   group's manager has ``sliding_window = W``; with window retention, a RetainingWindow)
       └── shared parts (one of each): Blocks over the GPU and CPU BlockPools, PrefixCache (one map, one LRU;
           keyed by content AND group: each group's chains start from its own root), CpuTier, the pending copy
-          list, WindowRetention (pagedkv._retention)
+          list, WindowRetention (pagedkv.hybrid._retention)
 
 **Hybrid prefix hits.** ``allocate`` returns the longest prefix L (a multiple of block_size, less than the
 prompt) such that every full-attention group has all of its blocks ``[0, L)`` cached and every sliding group
@@ -36,7 +36,7 @@ sliding group finds a window late in a prompt even after its early blocks were e
 verified by its stored tokens and its 64-bit chained key (which covers every earlier token of the prompt),
 since the content ids of blocks that are gone cannot be compared. :meth:`lookup_prefix` predicts ``allocate``.
 Without a CPU tier, for prompts of four full blocks or more, the hit is found and committed vectorised over
-blocks and groups (:mod:`pagedkv._hybrid_alloc`: one probe pass per full group, one for every sliding group's
+blocks and groups (:mod:`pagedkv.hybrid._hit`: one probe pass per full group, one for every sliding group's
 window, sibling keys recorded per block of the first full group instead of hashing every sliding chain, one
 commit of every group); otherwise block by block (``HybridAllocator.plan_walk``), with the same result.
 
@@ -54,18 +54,18 @@ from typing import Hashable, Iterable, Sequence
 
 import numpy as np
 
-from ._checks import as_tokens, batch_tokens, check_int, flat_tokens, new_token_counts
-from ._hybrid_allocator import HybridAllocator
-from ._hybrid_seqs import HybridSeqs
-from ._hybrid_step import HybridStepper
-from ._hybrid_swap import HybridSwapper
-from ._hybrid_types import HybridPrefillBatch, HybridStepDelta, HybridStepResult
+from .._checks import as_tokens, batch_tokens, check_int, flat_tokens, new_token_counts
+from ._allocator import HybridAllocator
+from ._seqs import HybridSeqs
+from ._step import HybridStepper
+from ._swap import HybridSwapper
+from ._types import HybridPrefillBatch, HybridStepDelta, HybridStepResult
 from ._retention import WindowRetention, _SlidingGroup
-from .errors import DuplicateSequenceError, InvalidArgumentError, InvalidTokensError
-from .evictor import RetentionEvictor
-from .kv_groups import FullAttentionSpec, SlidingWindowSpec
-from .manager import BlockManager
-from .types import AllocStatus, CopyPlan, PrefixHit, Stats
+from ..errors import DuplicateSequenceError, InvalidArgumentError, InvalidTokensError
+from ..blocks.evictor import RetentionEvictor
+from ..kv_groups import FullAttentionSpec, SlidingWindowSpec
+from ..manager import BlockManager
+from ..types import AllocStatus, CopyPlan, PrefixHit, Stats
 
 __all__ = ["HybridBlockManager", "HybridPrefillBatch", "HybridStepDelta", "HybridStepResult"]
 
@@ -92,7 +92,7 @@ class HybridBlockManager:
     ``window_retention`` (default on; with prefix caching and a sliding group): released sliding-group blocks
     outside the windows before useful points (prompt end, sequence end, every ``retention_interval`` tokens:
     by default 16 windows of the widest group, 0 for none) are evicted before any other cached block, so hybrid
-    prefix hits survive memory pressure (:mod:`pagedkv._retention`).
+    prefix hits survive memory pressure (:mod:`pagedkv.hybrid._retention`).
 
     Same method names and semantics as :class:`pagedkv.BlockManager`; per-group results (``decode_step`` ->
     :class:`HybridStepResult`, ``allocate_batch`` -> :class:`HybridPrefillBatch`), and ``block_table`` /
@@ -155,9 +155,9 @@ class HybridBlockManager:
         self._bs = bs = m0._bs
         self._gpu, self._cpu, self._cache, self._tier = m0._gpu, m0._cpu, m0._cache, m0._tier
         blocks = m0._blocks
-        for m in gs:  # every group's blocks stay in the prefix cache's map (see pagedkv._hybrid_alloc)
+        for m in gs:  # every group's blocks stay in the prefix cache's map (see pagedkv.hybrid._hit)
             m._reg.use_runs = False
-        # window retention (pagedkv._retention): spare sliding blocks are evicted first
+        # window retention (pagedkv.hybrid._retention): spare sliding blocks are evicted first
         self._retention = None
         if retain:
             self._cache.evictor = RetentionEvictor(self._gpu.num_blocks)

@@ -1,7 +1,7 @@
 """The GPU and CPU blocks of one manager (shared by the KV cache groups of a hybrid one): :class:`Blocks`.
 
-Taking and releasing blocks over the pools (:mod:`pagedkv.pool`) and the prefix cache's LRU evictor
-(:mod:`pagedkv.prefix_cache`), the block-level half of vLLM V1's block pool::
+Taking and releasing blocks over the pools (:mod:`pagedkv.blocks.pool`) and the prefix cache's LRU evictor
+(:mod:`pagedkv.blocks.prefix_cache`), the block-level half of vLLM V1's block pool::
 
     take(n)      free ring first (oldest free first), then evict the least recently used cached blocks
     release(bs)  refcount - 1; a block reaching 0 goes to the evictor if cached, else to the free ring's tail
@@ -15,8 +15,8 @@ import numpy as np
 
 
 class Blocks:
-    """Block-level operations over ``gpu`` / ``cpu`` (:class:`pagedkv.pool.BlockPool`), ``cache``
-    (:class:`pagedkv.prefix_cache.PrefixCache` or None) and ``cpu_id`` (the CPU blocks' cache identities, or
+    """Block-level operations over ``gpu`` / ``cpu`` (:class:`pagedkv.blocks.pool.BlockPool`), ``cache``
+    (:class:`pagedkv.blocks.prefix_cache.PrefixCache` or None) and ``cpu_id`` (the CPU blocks' cache identities, or
     None without prefix caching). O(1) per block unless stated."""
 
     __slots__ = ("gpu", "cpu", "cache", "cpu_id", "tier")

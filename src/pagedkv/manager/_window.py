@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from .types import NULL_BLOCK
+from ..types import NULL_BLOCK
 
 
 class Window:
     """Sliding-window releases of one manager: ``window`` (tokens, or None: no window) over its tables ``t``
-    (:class:`~pagedkv._rows.SeqTables`), releasing through ``blocks`` (:class:`~pagedkv._blocks.Blocks`).
-    A KV cache group with window retention uses a subclass (:class:`pagedkv._retention.RetainingWindow`)."""
+    (:class:`~pagedkv.manager._rows.SeqTables`), releasing through ``blocks`` (:class:`~pagedkv.blocks._blocks.Blocks`).
+    A KV cache group with window retention uses a subclass (:class:`pagedkv.hybrid._retention.RetainingWindow`)."""
 
     def __init__(self, t, blocks, window: int | None, bs: int) -> None:
         self.t, self.blocks, self.window, self.bs = t, blocks, window, bs

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import OutOfBlocksError, SequenceStateError
+from ..errors import OutOfBlocksError, SequenceStateError
 
 
 _U64 = 2**64 - 1  # keys are stored as int64 bit patterns on the CPU side
@@ -17,8 +17,8 @@ _U64 = 2**64 - 1  # keys are stored as int64 bit patterns on the CPU side
 
 class Swapper:
     """swap_out / swap_in of one manager's sequences: rewrites the tables ``t``
-    (:class:`~pagedkv._rows.SeqTables`) between the GPU and CPU pools of ``blocks``
-    (:class:`~pagedkv._blocks.Blocks`), carrying the blocks' cache identity (``cpu_tok``, ``cpu_id``) with
+    (:class:`~pagedkv.manager._rows.SeqTables`) between the GPU and CPU pools of ``blocks``
+    (:class:`~pagedkv.blocks._blocks.Blocks`), carrying the blocks' cache identity (``cpu_tok``, ``cpu_id``) with
     prefix caching, and records the copies in the pending copy list. Counts the blocks moved (``swapped_out``,
     ``swapped_in``)."""
 

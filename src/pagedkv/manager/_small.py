@@ -1,10 +1,10 @@
 """The per-step append and the single-sequence calls in plain Python, for small batches.
 
 numpy costs about a microsecond per call whatever the size of the arrays, so the vectorised step
-(:mod:`pagedkv._step`) has a floor of about ten microseconds that a batch of one sequence pays in full. Below
+(:mod:`pagedkv.manager._step`) has a floor of about ten microseconds that a batch of one sequence pays in full. Below
 ``SMALL_BATCH`` sequences the step runs here instead (:class:`Small`, over the same parts as the
-:class:`~pagedkv._step.Stepper`), reading and writing the *same* flat arrays (the
-:class:`~pagedkv._rows.SeqTables`') element by element through memoryviews (``SeqTables.views()``; a
+:class:`~pagedkv.manager._step.Stepper`), reading and writing the *same* flat arrays (the
+:class:`~pagedkv.manager._rows.SeqTables`') element by element through memoryviews (``SeqTables.views()``; a
 memoryview item costs about a third of a numpy scalar access), so there is one state and one statement of
 the semantics: this path handles the common case (one token per sequence, no lookahead, no sliding window;
 copy-on-write included) and returns None, having changed nothing, for everything else (bad input, out of
@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._step import TABLES_DELTA, table_updates
-from .types import StepDelta, StepResult
+from ..types import StepDelta, StepResult
 
 SMALL_BATCH = 24
 """Batches of at most this many sequences take the plain-Python step (the measured crossover with the vectorised
@@ -62,7 +62,7 @@ _NULLS = memoryview(np.full(64, -1, dtype=np.int32))  # NULL_BLOCK x SMALL_TABLE
 
 
 class Small:
-    """The plain-Python twin of :class:`~pagedkv._step.Stepper` (same parts, same semantics) for small batches,
+    """The plain-Python twin of :class:`~pagedkv.manager._step.Stepper` (same parts, same semantics) for small batches,
     and fork / free of short tables. Counts its copy-on-write copies (``cow_copies``)."""
 
     def __init__(self, t, blocks, reg, cache, copies: list, bs: int, fixed_w: int) -> None:

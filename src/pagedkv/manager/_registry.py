@@ -1,6 +1,6 @@
 """Prefix-cache registration, lookup and withdrawal for the block manager's sequences.
 
-:class:`Registry`, a part of the manager. A row's chain state (in :class:`~pagedkv._rows.SeqTables`) is ``nreg``
+:class:`Registry`, a part of the manager. A row's chain state (in :class:`~pagedkv.manager._rows.SeqTables`) is ``nreg``
 (leading blocks offered to the cache), ``ccid``/``ckey`` (content id and key of block ``nreg - 1``, a namespace
 root's before block 0; ``ccid == 0``: chain broken, nothing more is cached) and ``pend`` (blocks
 ``pend .. nreg - 1`` were cached by the row's last call, whose KV the engine may not have written yet)::
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import SequenceStateError
-from .prefix_cache import _GroupNS, _encode_namespace, _extend_chain, block_key
+from ..errors import SequenceStateError
+from ..blocks.prefix_cache import _GroupNS, _encode_namespace, _extend_chain, block_key
 
 _KEYS_FIRST = 16  # keys a lookup hashes before its first dict probe (then twice as many each time it needs more)
 
@@ -26,7 +26,7 @@ _KEYS_FIRST = 16  # keys a lookup hashes before its first dict probe (then twice
 class Registry:
     """The prefix-cache side of one manager's sequences: registering their full blocks (burst sharing), looking
     prompts up in both tiers, promoting CPU-tier hits, withdrawing a sequence's last blocks. Works on the
-    tables ``t`` (:class:`~pagedkv._rows.SeqTables`: the chain fields ``nreg``, ``pend``, ``ccid``, ``ckey``,
+    tables ``t`` (:class:`~pagedkv.manager._rows.SeqTables`: the chain fields ``nreg``, ``pend``, ``ccid``, ``ckey``,
     ``ns_of``), the prefix cache ``cache``, the CPU tier ``tier`` (or None) and the CPU blocks' cache identity
     (``cpu_tok``, ``cpu_id``). Called only with prefix caching."""
 

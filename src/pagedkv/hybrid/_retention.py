@@ -19,7 +19,7 @@ later prompt will stop matching is useful. Those *useful points* are, per sequen
 
 When a sliding group releases a block, the block is *kept* (stays in the LRU with the full groups' blocks) if
 its position lies in the window before a useful point, else it is made *spare*
-(:meth:`pagedkv.evictor.RetentionEvictor.demote_many`): spare blocks are evicted before any other block. A cached
+(:meth:`pagedkv.blocks.evictor.RetentionEvictor.demote_many`): spare blocks are evicted before any other block. A cached
 prefix then costs its full-attention blocks plus a few windows, not every group's blocks, so the same pool
 keeps many more prefixes hittable (``pagedkv replay --groups``). Nothing changes for the blocks a sequence
 holds, for hits, or for a manager without prefix caching.
@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._window import Window
-from .manager import BlockManager
+from ..manager._window import Window
+from ..manager import BlockManager
 
 __all__ = ["WindowRetention"]
 

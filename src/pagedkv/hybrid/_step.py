@@ -1,8 +1,8 @@
 """The per-step path of :class:`pagedkv.HybridBlockManager` (internal): :class:`HybridStepper` appends tokens in
 every KV cache group, all or nothing across them.
 
-Every group's manager has its own :class:`~pagedkv._step.Stepper` (the vectorised append) and
-:class:`~pagedkv._small.Small` (the plain-Python one), over its own tables and the shared blocks. The
+Every group's manager has its own :class:`~pagedkv.manager._step.Stepper` (the vectorised append) and
+:class:`~pagedkv.manager._small.Small` (the plain-Python one), over its own tables and the shared blocks. The
 coordinator's step decides, before any group changes, that every group's step succeeds::
 
     decode_step ─┬─ up to small_batch sequences, one token each: step_small (plain Python; declines, changing
@@ -12,7 +12,7 @@ coordinator's step decides, before any group changes, that every group's step su
                     commit_order ── every group's Stepper.append, in that order
 
 The groups hold the same sequences in the same rows (every call reaches every group in the same order), so one
-row lookup (group 0's tables) serves every group. Results are stacked per group (:mod:`pagedkv._hybrid_types`).
+row lookup (group 0's tables) serves every group. Results are stacked per group (:mod:`pagedkv.hybrid._types`).
 
 Cost: O(B x groups) numpy work, plus O(1) per block filled, released or evicted; up to ``small_batch``
 sequences with one token each, O(B x groups) plain Python.
@@ -22,19 +22,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._hybrid_types import HybridStepDelta, HybridStepResult, frozen
-from ._small import SMALL_BATCH, small_tokens
-from ._step import _NO_UPDATES, TABLES_DELTA, table_updates
-from .errors import InvalidTokensError, OutOfBlocksError, TableWidthError
+from ._types import HybridStepDelta, HybridStepResult, frozen
+from ..manager._small import SMALL_BATCH, small_tokens
+from ..manager._step import _NO_UPDATES, TABLES_DELTA, table_updates
+from ..errors import InvalidTokensError, OutOfBlocksError, TableWidthError
 
 __all__ = ["HybridStepper"]
 
 
 class HybridStepper:
-    """The append in every group. Holds, per group (group order): ``tables`` (:class:`~pagedkv._rows.SeqTables`),
-    ``steps`` (:class:`~pagedkv._step.Stepper`), ``smalls`` (:class:`~pagedkv._small.Small`), ``wins`` (the
-    group's :class:`~pagedkv._window.Window`, None for a full-attention group); and the shared ``blocks``
-    (:class:`~pagedkv._blocks.Blocks`), ``gpu`` (the GPU :class:`~pagedkv.pool.BlockPool`), ``bs``, ``fixed_w``
+    """The append in every group. Holds, per group (group order): ``tables`` (:class:`~pagedkv.manager._rows.SeqTables`),
+    ``steps`` (:class:`~pagedkv.manager._step.Stepper`), ``smalls`` (:class:`~pagedkv.manager._small.Small`), ``wins`` (the
+    group's :class:`~pagedkv.manager._window.Window`, None for a full-attention group); and the shared ``blocks``
+    (:class:`~pagedkv.blocks._blocks.Blocks`), ``gpu`` (the GPU :class:`~pagedkv.blocks.pool.BlockPool`), ``bs``, ``fixed_w``
     (the fixed table width, 0 for none) and ``small_batch`` (batches up to this size try the plain-Python step;
     0: never)."""
 
@@ -110,7 +110,7 @@ class HybridStepper:
     def step_small(self, seq_ids, token_ids: object, b: int, delta: bool) -> HybridStepResult | HybridStepDelta | None:
         """One token each for a few sequences, every group in plain Python (numpy's fixed costs dominate there):
         sliding groups release what their windows let go, then every group takes the plain-Python step of
-        BlockManager (:mod:`pagedkv._small`). None, having changed nothing, unless every group's blocks (new
+        BlockManager (:mod:`pagedkv.manager._small`). None, having changed nothing, unless every group's blocks (new
         ones and possible copy-on-write copies, releases not counted) are free together. O(B x G)."""
         toks = small_tokens(token_ids, b)
         if toks is None:

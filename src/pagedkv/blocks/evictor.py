@@ -48,7 +48,7 @@ class LRUEvictor:
         return self.stamp_mv[block] != 0
 
     def hint(self, blocks: np.ndarray, session: object) -> None:
-        """The policy hook for a session hint (:mod:`pagedkv.eviction`): LRU takes none."""
+        """The policy hook for a session hint (:mod:`pagedkv.retention.eviction`): LRU takes none."""
 
     def push(self, block: int) -> None:
         """Make ``block`` (not in the list) the most recently used."""
@@ -145,7 +145,7 @@ class LRUEvictor:
 class RetentionEvictor:
     """Two LRU classes of unreferenced cached blocks: *spare* ones, evicted first, and the others (``main``),
     evicted once no spare one is left; within each class least recently released first. The eviction-policy
-    hook of :class:`pagedkv.HybridBlockManager`'s window retention (:mod:`pagedkv._retention`): a sliding-window
+    hook of :class:`pagedkv.HybridBlockManager`'s window retention (:mod:`pagedkv.hybrid._retention`): a sliding-window
     group's blocks that no likely hit point needs are made spare, so the full-attention blocks and the
     window-sized runs at request boundaries stay cached longer than plain LRU would keep them.
 
@@ -166,7 +166,7 @@ class RetentionEvictor:
         return block in self.main or block in self.spare
 
     def hint(self, blocks: np.ndarray, session: object) -> None:
-        """No session hint (:mod:`pagedkv.eviction`)."""
+        """No session hint (:mod:`pagedkv.retention.eviction`)."""
 
     def push(self, block: int) -> None:
         self.main.push(block)

@@ -13,7 +13,7 @@ for a demotion and drops the demotion when every CPU block is held.
 
 Per CPU block, the tier uses the manager's CPU-side arrays: ``cpu_tok`` (token ids) and ``cpu_id`` rows
 (content id, key, parent content id, parent key, namespace index), plus the ``key -> CPU block`` dict, an
-:class:`~pagedkv.prefix_cache.LRUEvictor` over the unpinned tier blocks and a GPU-sized int32 array ``fresh``.
+:class:`~pagedkv.blocks.prefix_cache.LRUEvictor` over the unpinned tier blocks and a GPU-sized int32 array ``fresh``.
 
 **The copies of a step** are part of the manager's one ordered copy plan (``BlockManager.take_copy_plan``):
 every call appends its copies when it makes them, so a demotion (GPU -> CPU) or promotion (CPU -> GPU) sits
@@ -49,10 +49,10 @@ import collections
 import numpy as np
 import xxhash
 
-from .events import BlockRemoved, BlockStored
-from .pool import BlockPool
-from .evictor import LRUEvictor
-from .prefix_cache import PrefixCache, _stored_event
+from ..events import BlockRemoved, BlockStored
+from ..blocks.pool import BlockPool
+from ..blocks.evictor import LRUEvictor
+from ..blocks.prefix_cache import PrefixCache, _stored_event
 
 __all__ = ["CpuTier"]
 

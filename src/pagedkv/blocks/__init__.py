@@ -1,0 +1,11 @@
+"""The per-block leaves: state in flat arrays indexed by block id, no object per block.
+
+::
+
+    pool          BlockPool: refcounts and the free ring of one pool (GPU or CPU)
+    prefix_cache  chained content keys, the cache map key -> block, its KV events
+    evictor       the eviction order of unreferenced cached blocks (LRU; RetentionEvictor)
+    _blocks       Blocks: taking and releasing blocks over the pools and the evictor
+
+Nothing here knows about sequences; :mod:`pagedkv.manager` does.
+"""

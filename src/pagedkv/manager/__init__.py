@@ -1,0 +1,22 @@
+"""The block manager of one KV cache group: :class:`BlockManager` (``core``, the facade) and its parts.
+
+::
+
+    core         BlockManager: every public call, its contract and argument checks; wires the parts
+    _alloc       allocate / allocate_batch / lookup_prefix: plan, then commit
+    _step        the vectorised append (decode_step, append_slots)
+    _small       the same append in plain Python below SMALL_BATCH sequences
+    _swap        swap out / in between the GPU and CPU pools
+    _registry    registration of full blocks in the prefix cache, lookup, withdrawal
+    _window      the sliding window: blocks no future query can see, released
+    _rows        SeqTables: one row per live sequence in flat arrays and the block-table matrix
+    _invariants  the O(n) audit of every invariant (check_invariants)
+
+The parts work over the per-block leaves of :mod:`pagedkv.blocks` and the CPU tier of :mod:`pagedkv.tiers`.
+"""
+
+from .core import (NULL_BLOCK, AllocStatus, BlockManager, CacheCopies, CopyKind, CopyPlan, PrefillBatch, PrefixHit,
+                   Stats, StepDelta, StepResult, TableUpdates)
+
+__all__ = ["AllocStatus", "BlockManager", "CacheCopies", "CopyKind", "CopyPlan", "NULL_BLOCK", "PrefillBatch",
+           "PrefixHit", "StepDelta", "StepResult", "Stats", "TableUpdates"]
