@@ -18,6 +18,18 @@ def test_parse_proc_files():
     with pytest.raises(ValueError):
         th.parse_proc_stat("intr 1 2 3")
     assert th.read_cpu_times() is None or th.read_cpu_times().total > 0
+    assert th.parse_proc_stat(STAT, yield_nice=True) == (130, 1000)  # the nice column (50) yields to the engine
+
+
+def test_niced_processes_yield_only_without_autogroup(tmp_path):
+    on, off = tmp_path / "on", tmp_path / "off"
+    on.write_text("1\n")
+    off.write_text("0\n")
+    assert th.nice_yields(str(off), own_nice=0) is True  # nice compared machine-wide: a niced process yields
+    assert th.nice_yields(str(off), own_nice=-5) is True
+    assert th.nice_yields(str(on), own_nice=0) is False  # autogroup: each session shares the CPU as a whole
+    assert th.nice_yields(str(off), own_nice=10) is False  # our own time is in the nice column: count it all
+    assert th.nice_yields(str(tmp_path / "absent"), own_nice=0) is True  # no autogroup in this kernel
 
 
 def test_others_cores():

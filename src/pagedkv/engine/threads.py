@@ -10,7 +10,8 @@ and two engines side by side made 7.6 + 7.8 tok/s where one thread each gives 11
 The policy (what :class:`ThreadPolicy` does with no explicit setting):
 
 * **Thread count from the cores that are free**: the CPU time the machine spent busy, minus this process's own,
-  over a window (``/proc/stat`` and ``/proc/self/stat``), says how many cores others use; the engine takes the
+  over a window (``/proc/stat`` and ``/proc/self/stat``), says how many cores others use (niced processes not
+  counted where the scheduler makes them yield to this one: :func:`nice_yields`); the engine takes the
   rest (:func:`pick_threads`: at least 1, at most the cores this process may run on, a core counted free only
   when less than :data:`FREE_MARGIN` of it is used by others). Re-checked every :data:`RECHECK_S` seconds of
   engine steps (one read of two small /proc files: 53 us of CPU time, measured on the 2-core machine; a
@@ -43,7 +44,7 @@ from typing import Callable, NamedTuple
 from ..errors import InvalidArgumentError
 
 __all__ = ["FIRST_WINDOW_S", "FREE_MARGIN", "RECHECK_S", "SPIN_COUNT", "STALE_S", "CpuTimes", "ThreadPolicy", "openmp_runtimes",
-           "others_cores", "parse_proc_stat", "parse_self_stat", "pick_threads", "prepare_runtime",
+           "nice_yields", "others_cores", "parse_proc_stat", "parse_self_stat", "pick_threads", "prepare_runtime",
            "read_cpu_times", "usable_cores", "validate_threads"]
 
 #: ``GOMP_SPINCOUNT`` set before the OpenMP runtime starts: libgomp's own default (300000 spins), as the figures pick
@@ -73,17 +74,39 @@ class CpuTimes(NamedTuple):
     own: int
 
 
-def parse_proc_stat(text: str) -> tuple[int, int]:
+def parse_proc_stat(text: str, yield_nice: bool = False) -> tuple[int, int]:
     """``(busy, total)`` ticks from the first line of ``/proc/stat`` (``cpu user nice system idle iowait irq
-    softirq steal ...``): busy is everything but idle and iowait (niced processes included: a niced process
-    still takes its time slices, and a thread waiting for it at a barrier waits all the same). ``ValueError`` on
-    another format."""
+    softirq steal ...``): busy is everything but idle and iowait, and with ``yield_nice`` also but the ``nice``
+    column (the time of processes at a positive nice value, which yield a core to this engine: see
+    :func:`nice_yields`). ``ValueError`` on another format."""
     line = text.split("\n", 1)[0].split()
     if not line or line[0] != "cpu" or len(line) < 5:
         raise ValueError(f"not a /proc/stat cpu line: {text[:60]!r}")
     v = [int(x) for x in line[1:9]]
     total = sum(v)
-    return total - v[3] - (v[4] if len(v) > 4 else 0), total
+    return total - v[3] - (v[4] if len(v) > 4 else 0) - (v[1] if yield_nice else 0), total
+
+
+def nice_yields(autogroup_path: str = "/proc/sys/kernel/sched_autogroup_enabled",
+                own_nice: int | None = None) -> bool:
+    """Whether the CPU time of niced processes is time this engine can have: True when this process runs at nice
+    <= 0 and the scheduler compares nice values across the whole machine (no autogroup). Then a process at nice
+    10 or 19 beside the engine gets a slice only when the engine's threads leave one (CFS weights: 1024 at nice 0
+    against 110 at 10 and 15 at 19), so a core it keeps busy is still free for the engine. With autogroup on (the
+    default of many desktop kernels: ``/proc/sys/kernel/sched_autogroup_enabled`` is 1) each session shares the
+    CPU as a whole whatever its nice value, so a niced process in another session counts as busy. A kernel
+    without the file has no autogroup."""
+    try:
+        own = os.getpriority(os.PRIO_PROCESS, 0) if own_nice is None else own_nice
+    except (AttributeError, OSError):
+        return False
+    if own > 0:  # this process's own time is then in the nice column too
+        return False
+    try:
+        with open(autogroup_path) as f:
+            return f.read().strip() == "0"
+    except OSError:
+        return True
 
 
 def parse_self_stat(text: str) -> int:
@@ -94,10 +117,13 @@ def parse_self_stat(text: str) -> int:
 
 
 def read_cpu_times() -> CpuTimes | None:
-    """The current :class:`CpuTimes`, or ``None`` where /proc cannot be read (not Linux). About 53 us of CPU."""
+    """The current :class:`CpuTimes`, or ``None`` where /proc cannot be read (not Linux). About 53 us of CPU.
+    Niced processes' time counts as busy unless :func:`nice_yields` (read once per process)."""
+    if "nice_yields" not in _recent:
+        _recent["nice_yields"] = nice_yields()
     try:
         with open("/proc/stat") as f:
-            busy, total = parse_proc_stat(f.readline())
+            busy, total = parse_proc_stat(f.readline(), _recent["nice_yields"])
         with open("/proc/self/stat") as f:
             own = parse_self_stat(f.read())
     except (OSError, ValueError, IndexError):
