@@ -380,6 +380,8 @@ class External:
         self.pinned[b] = 0
         if success:
             self.stored[b] = c
+        elif self.policy == "selective":
+            self.hits[b] = 0  # (counted again from zero: planned again once hit min_hits more times)
         self.blocks.release(b)
 
     # ------------------------------------------------------------------ audit
