@@ -111,7 +111,9 @@ class External:
         if store_policy != "none":
             self.stored = np.zeros(n, np.int64)  # content id a successful store wrote from the block (0: none)
             self.pinned = np.zeros(n, np.int64)  # content id a pending store reads from the block (0: none)
-            self.last_serial = cache.serial  # write_through: contents registered after it are candidates
+            # write_through: contents registered after last_serial and before the last step's end (step_serial,
+            # taken by take_copy_plan: their KV is written by that step's forward) are candidates
+            self.last_serial = self.step_serial = cache.serial
         if store_policy == "selective":
             self.hits = np.zeros(n, np.int64)  # prefix hits on the block's content ...
             self.hits_cid = np.zeros(n, np.int64)  # ... counted for this content id
@@ -297,6 +299,10 @@ class External:
         h = self.holds[hid] = Hold(hid, seq_id, ids, n, at + lease, (ids,))
         return h
 
+    def held(self, seq_id: Hashable) -> list:
+        """The ids of the live holds of a sequence. O(holds)."""
+        return [hid for hid, h in self.holds.items() if h.seq_id == seq_id]
+
     def get_hold(self, hold_id: object) -> Hold:
         try:
             return self.holds[hold_id]
@@ -340,14 +346,18 @@ class External:
             if hc[b] == m and stored[b] != c:
                 self.cand.append(b)
 
+    def end_step(self) -> None:
+        """take_copy_plan ends a step: the contents registered so far are written by its forward."""
+        self.step_serial = self.cache.serial
+
     def take_store_plan(self) -> StorePlan | None:
         if self.policy == "none":
             return None
         cache = self.cache
         cid = cache.cid
         if self.policy == "write_through":
-            b = np.flatnonzero(cid > self.last_serial)  # contents registered since the last plan
-            self.last_serial = cache.serial
+            b = np.flatnonzero((cid > self.last_serial) & (cid <= self.step_serial))
+            self.last_serial = self.step_serial
         else:
             b = np.unique(np.array(self.cand, dtype=np.int64))
             self.cand = []

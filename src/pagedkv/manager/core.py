@@ -341,6 +341,8 @@ class BlockManager:
         else:
             plan = _EMPTY_PLAN
         self._t.end_step()
+        if self._store[0] == "write_through":
+            self._ext.end_step()
         return plan
 
     def take_copies(self) -> CacheCopies:
@@ -770,6 +772,9 @@ class BlockManager:
         transfer may still write, which stay PARKED until :meth:`finish_external` reports the sequence
         (docs/external-kv.md)."""
         if hold_for is not None:
+            if not cache:
+                raise InvalidArgumentError("free(..., hold_for=) holds KV for a reader; with cache=False that KV "
+                                           "was never written")
             h = self._ext.hold(seq_id, hold_for, now)
             try:
                 self.free(seq_id, cache=cache)
@@ -786,6 +791,10 @@ class BlockManager:
                 self._ext.abort(seq_id)
                 return None
             raise
+        if not cache and self._ext.holds and self._ext.held(seq_id):
+            raise SequenceStateError(
+                f"free({seq_id!r}, cache=False): a hold of it covers KV that is then never written; release its "
+                "holds first (their reader must drop them)")
         if self._cache is not None and not t.swapped[row]:
             if not cache:
                 self._reg.withdraw_pending(seq_id, row)  # may raise; changes nothing then
@@ -878,6 +887,8 @@ class BlockManager:
         """The blocks to write to the storage tiers since the last call, by the store policy (None when there
         are none, always with ``"none"``), each pinned (a reference) until :meth:`complete_store`: a store never
         reads a block that was evicted and reused. A content stored successfully is not planned again.
+        write_through plans the blocks registered before the last :meth:`take_copy_plan` (their KV is written by
+        that step's forward): execute a plan's stores after that forward.
         write_through: O(num_gpu_blocks) vectorised compare plus O(planned blocks); selective: O(planned)."""
         return self._ext.take_store_plan()
 
