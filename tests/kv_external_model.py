@@ -311,9 +311,7 @@ class ExternalModel:
     # ------------------------------------------------------------------ one step
     def step(self, calls: bool = True) -> None:
         rng = self.rng
-        self.stepped: set = set()
-        self.writes = []
-        self.step_no += 1
+        self.begin_step()
         for _ in range(rng.randint(1, 5) if calls else 0):
             r = rng.random()
             if r < 0.35:
@@ -326,6 +324,15 @@ class ExternalModel:
                 self.hold_one()
             else:
                 self.take_store()
+        self.end_step()
+
+    def begin_step(self) -> None:
+        self.stepped: set = set()
+        self.writes = []
+        self.step_no += 1
+
+    def end_step(self) -> None:
+        """Transfers, the copy plan, the forward, holds and stores, then the checks."""
         self.transfers_step()
         plan = self.bm.take_copy_plan()
         for kind, src, dst in plan.batches():  # GPU -> GPU only here (copy-on-write)
