@@ -76,6 +76,7 @@ class HybridAllocator:
         self.cpu_tok, self.cpu_id, self.retention = cpu_tok, cpu_id, retention
         self.bs, self.watermark, self.fixed_w = bs, watermark, fixed_w
         self.ns_memo: dict = {}
+        self.on_hits = None  # called with every group's GPU hit blocks of a committed prompt (selective stores)
         # sibling keys (pagedkv.hybrid._hit): per block of the first full group, the content id it held when the
         # sliding groups' keys of the same prefix were recorded, and those keys (one column per sliding group)
         self.sib = self.sib_rows = None
@@ -289,6 +290,11 @@ class HybridAllocator:
                 if cache is not None and plan.nhit == 0:
                     chain = cache.root(gns[g], intern=True)  # (a new namespace's root gets its content id now)
                 al.commit(seq_id, gns[g], plan.arr, plan.n, plan.nblocks, gpu, cpu, chain, True, nnull)
+        if self.on_hits is not None and plan.nhit:
+            hits = [b for gpu, _, _, _ in plan.groups for b in (gpu.tolist() if hasattr(gpu, "tolist") else gpu)
+                    if b >= 0]
+            if hits:
+                self.on_hits(hits)
         if plan.n < plan.arr.size:  # a chunk: fork waits for the rest of the prompt (every group records it)
             for t in self.tables:
                 t.partial[seq_id] = plan.arr.size

@@ -65,6 +65,9 @@ from ..errors import DuplicateSequenceError, InvalidArgumentError, InvalidTokens
 from ..blocks.evictor import RetentionEvictor
 from ..kv_groups import FullAttentionSpec, SlidingWindowSpec
 from ..manager import BlockManager
+from ..manager import _invariants
+from ..manager._external import STORE_POLICIES, External, Hold, StorePlan
+from ..errors import SequenceStateError
 from ..types import AllocStatus, CopyPlan, PrefixHit, Stats
 
 __all__ = ["HybridBlockManager", "HybridPrefillBatch", "HybridStepDelta", "HybridStepResult"]
@@ -125,8 +128,16 @@ class HybridBlockManager:
         block_table_width: int | None = None,
         window_retention: bool = True,
         retention_interval: int | None = None,
+        store_policy: str = "none",
+        store_min_hits: int = 1,
     ) -> None:
         specs = _check_groups(kv_cache_groups)
+        if store_policy not in STORE_POLICIES:
+            raise InvalidArgumentError(f"store_policy must be one of {STORE_POLICIES}, got {store_policy!r}")
+        store_min_hits = check_int("store_min_hits", store_min_hits, 1)
+        if store_policy != "none" and not enable_prefix_caching:
+            raise InvalidArgumentError("store_policy needs enable_prefix_caching=True")
+        self._store = (store_policy, store_min_hits)
         if retention_interval is None:  # auto: 16 windows of the widest group
             retention_interval = 16 * max((s.window for s in specs if s.window is not None), default=0)
         retention_interval = check_int("retention_interval", retention_interval, 0)
@@ -176,6 +187,8 @@ class HybridBlockManager:
         self._swap = HybridSwapper(tables, [m._swap for m in gs], blocks, self._gpu, bs, m0._watermark_blocks)
         self._seqs = HybridSeqs(gs, tables, [m._reg for m in gs], wins, [m._window for m in gs], self._retention,
                                 blocks, self._gpu, self._cache, self._tier, bs)
+        # holds and store plans over every group (external loads: not on the hybrid manager yet)
+        self._ext = External(self._t0, blocks, m0._reg, self._alloc, self._cache, bs, *self._store, tables=tables)
 
     # ------------------------------------------------------------------ read-only state
     @property
@@ -300,7 +313,10 @@ class HybridBlockManager:
         """Every KV block copy of the step, all groups, in the order to execute them (block ids are pool-wide: copy
         block src to dst in every layer slot), and end the step. See BlockManager.take_copy_plan.
         O(copies + rows x groups)."""
-        return self._seqs.take_copy_plan()
+        plan = self._seqs.take_copy_plan()
+        if self._store[0] == "write_through":
+            self._ext.end_step()
+        return plan
 
     def take_copies(self):
         """Deprecated, as BlockManager.take_copies: :meth:`take_copy_plan` narrowed to the CPU tier's copies."""
@@ -314,7 +330,8 @@ class HybridBlockManager:
         """Every invariant of every group and of the shared parts (refcounts summed over the groups' tables), and
         that the groups hold the same sequences in the same rows, token counts and partly prefilled sequences
         (chunked prefill: every group records the same prompt lengths). O(blocks + total table length)."""
-        self._seqs.check()
+        self._seqs.check(self._ext.extra_refs())
+        self._ext.check(_invariants.fail)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block of every group (see BlockManager.reset_prefix_cache). Returns how many blocks
@@ -323,7 +340,7 @@ class HybridBlockManager:
 
     # ------------------------------------------------------------------ allocation
     def allocate(self, seq_id: Hashable, token_ids: Sequence[int], num_lookahead_slots: int = 0, *,
-                 namespace: object = None, num_new_tokens: int | None = None) -> int:
+                 namespace: object = None, num_new_tokens: int | None = None, num_external_tokens: int = 0) -> int:
         """Create the sequence's block table in every group; returns the hybrid hit (tokens cached in every group,
         a multiple of block_size, less than the prompt). See BlockManager.allocate; raises what it raises
         (PromptTooLongError counting every group) and changes nothing then. O(prompt blocks x groups).
@@ -338,7 +355,12 @@ class HybridBlockManager:
             group 0 (full)     [ hit ........ | chunk 1 ][ chunk 2 ][ chunk 3 ]
             group 1 (sliding)  [ NULL | window | chunk 1 ][ chunk 2 ][ chunk 3 ]
                                  allocate(num_new_tokens=k)  decode_step  decode_step
+
+        ``num_external_tokens``: external KV loads are not available on the hybrid manager yet
+        (InvalidArgumentError for a count > 0; docs/external-kv.md).
         """
+        if num_external_tokens:
+            self._no_loads()
         self._t0.check_new_id(seq_id)
         la = check_int("num_lookahead_slots", num_lookahead_slots, 0)
         k = None if num_new_tokens is None else check_int("num_new_tokens", num_new_tokens, 1)
@@ -347,7 +369,8 @@ class HybridBlockManager:
 
     def allocate_batch(self, seq_ids: Sequence[Hashable], token_ids: Sequence[Sequence[int]],
                        num_lookahead_slots: int = 0, *, namespaces: Sequence[object] | None = None,
-                       num_new_tokens: Sequence[int] | None = None) -> HybridPrefillBatch:
+                       num_new_tokens: Sequence[int] | None = None,
+                       num_external_tokens: Sequence[int] | None = None) -> HybridPrefillBatch:
         """Allocate B sequences at once and return their prefill metadata per group (:class:`HybridPrefillBatch`).
         Like consecutive :meth:`allocate` calls (a prompt hits the blocks the batch's earlier prompts cached),
         all or nothing, and every hit planned for the batch is held before any block is taken. Admission counts
@@ -358,6 +381,8 @@ class HybridBlockManager:
 
         ``num_new_tokens`` (chunked prefill): None, or one chunk size (>= 1) per prompt, as for :meth:`allocate`;
         the metadata then covers each sequence's hit plus its chunk (``seq_lens``: the tokens held)."""
+        if num_external_tokens is not None and any(num_external_tokens):
+            self._no_loads()
         seq_ids = list(seq_ids)
         prompts = list(token_ids) if not isinstance(token_ids, np.ndarray) or token_ids.ndim == 2 else None
         if prompts is None or len(prompts) != len(seq_ids):
@@ -418,11 +443,96 @@ class HybridBlockManager:
         token counts). O(table length x groups)."""
         self._seqs.fork(parent_seq_id, child_seq_id)
 
-    def free(self, seq_id: Hashable, *, cache: bool = True) -> None:
+    def free(self, seq_id: Hashable, *, cache: bool = True, hold_for: float | None = None,
+             now: float | None = None) -> Hold | None:
         """Release the sequence's blocks in every group (see BlockManager.free; with ``cache=False`` every group's
         blocks of the last call are withdrawn, or, if another sequence holds one, SequenceStateError and nothing
-        changes). O(table length x groups)."""
+        changes). ``hold_for``: :meth:`hold` first, all or nothing (see BlockManager.free). O(table length x
+        groups)."""
+        if hold_for is not None:
+            if not cache:
+                raise InvalidArgumentError("free(..., hold_for=) holds KV for a reader; with cache=False that KV "
+                                           "was never written")
+            h = self._ext.hold(seq_id, hold_for, now)
+            try:
+                self._seqs.free(seq_id, cache)
+            except BaseException:
+                self._ext.undo_hold(h.hold_id)
+                raise
+            return h
+        if not cache and self._ext.holds and self._ext.held(seq_id):
+            raise SequenceStateError(
+                f"free({seq_id!r}, cache=False): a hold of it covers KV that is then never written; release its "
+                "holds first (their reader must drop them)")
         self._seqs.free(seq_id, cache)
+        return None
+
+    # ------------------------------------------------------------------ external KV (docs/external-kv.md)
+    def _no_loads(self) -> None:
+        raise InvalidArgumentError("num_external_tokens: external KV loads are not available on HybridBlockManager "
+                                   "yet (holds and store plans are)")
+
+    def external_blocks(self, seq_id: Hashable):
+        """None: no sequence of the hybrid manager is LOADING (loads are not available here yet).
+        UnknownSequenceError for an unknown id."""
+        self._t0.row(seq_id)
+        return None
+
+    def finish_external(self, done: Iterable[Hashable] = (), failed: dict | None = None) -> dict:
+        """No sequence is LOADING here: every reported id raises (UnknownSequenceError, SequenceStateError for a
+        live one); nothing reported: ``{}``."""
+        return self._ext.finish(done, failed)
+
+    @property
+    def loading_seq_ids(self) -> tuple:
+        return ()
+
+    def is_loading(self, seq_id: Hashable) -> bool:
+        self._t0.row(seq_id)
+        return False
+
+    @property
+    def parked_seq_ids(self) -> tuple:
+        return ()
+
+    def hold(self, seq_id: Hashable, lease_s: float, *, now: float | None = None) -> Hold:
+        """BlockManager.hold over every group: the blocks each group's table holds for the sequence's tokens (a
+        sliding group: only those its window still holds, NULL_BLOCK positions left out); ``Hold.block_ids`` are
+        group 0's, ``Hold.group_block_ids`` every group's. O(table length x groups)."""
+        return self._ext.hold(seq_id, lease_s, now)
+
+    def release_hold(self, hold_id: int) -> None:
+        """See BlockManager.release_hold."""
+        self._ext.release_hold(hold_id)
+
+    def renew_hold(self, hold_id: int, lease_s: float, *, now: float | None = None) -> Hold:
+        """See BlockManager.renew_hold."""
+        return self._ext.renew_hold(hold_id, lease_s, now)
+
+    def expire_holds(self, now: float | None = None) -> list[int]:
+        """See BlockManager.expire_holds."""
+        return self._ext.expire_holds(now)
+
+    @property
+    def holds(self) -> tuple:
+        return tuple(self._ext.holds.values())
+
+    @property
+    def store_policy(self) -> str:
+        return self._store[0]
+
+    def take_store_plan(self) -> StorePlan | None:
+        """See BlockManager.take_store_plan: blocks of every group (a key names its group: each group's chain
+        starts from a root of its own); a sliding group's registered blocks are the ones it still held."""
+        return self._ext.take_store_plan()
+
+    def complete_store(self, store_id: int, success: bool = True) -> None:
+        """See BlockManager.complete_store."""
+        self._ext.complete_store(store_id, success)
+
+    @property
+    def pending_stores(self) -> tuple:
+        return tuple(self._ext.plans)
 
     # ------------------------------------------------------------------ appending
     def decode_step(self, seq_ids: Sequence[Hashable], token_ids: object, num_lookahead_slots: int = 0, *,

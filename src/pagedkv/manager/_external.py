@@ -95,11 +95,14 @@ class External:
     (:class:`~pagedkv.manager._rows.SeqTables`: ``loading``, ``parked``), ``blocks``
     (:class:`~pagedkv.blocks._blocks.Blocks`), the registry ``reg``, the allocator ``alloc`` and the prefix cache.
     Its own state: the LOADING sequences' records, the holds, the pending store plans and the per-block store
-    marks (flat arrays by block id)."""
+    marks (flat arrays by block id). A HybridBlockManager builds one over group 0's parts with ``tables`` (every
+    group's) for its holds and store plans; its group managers' own parts are never used for those."""
 
     def __init__(self, t, blocks, reg, alloc, cache, bs: int, store_policy: str = "none",
-                 store_min_hits: int = 1) -> None:
+                 store_min_hits: int = 1, tables: list | None = None) -> None:
         self.t, self.blocks, self.reg, self.alloc, self.cache, self.bs = t, blocks, reg, alloc, cache, bs
+        # every KV cache group's tables (a HybridBlockManager's holds cover every group; rows are the same)
+        self.tables = tables if tables is not None else [t]
         self.gpu = blocks.gpu
         self.loads: dict = {}  # seq_id -> _Load of each LOADING sequence
         self.holds: dict = {}  # hold_id -> Hold
@@ -290,13 +293,16 @@ class External:
         if t.swapped[row]:
             raise SequenceStateError(f"sequence {seq_id!r} is swapped out; swap it in before holding its blocks")
         n = int(t.ntok[row])
-        b = t.table[row, t.nrel[row] : -(-n // self.bs)].astype(np.int64)
-        b = b[b >= 0]
+        per = []
+        for tg in self.tables:  # (a sliding group: only the blocks its window still holds)
+            b = tg.table[row, tg.nrel[row] : -(-n // self.bs)].astype(np.int64)
+            per.append(b[b >= 0])
+        b = np.concatenate(per) if len(per) > 1 else per[0]
         self.gpu.ref[b] += 1  # (held by the sequence: referenced, so in neither the free ring nor the evictor)
         hid = self.next_hold
         self.next_hold += 1
-        ids = tuple(b.tolist())
-        h = self.holds[hid] = Hold(hid, seq_id, ids, n, at + lease, (ids,))
+        groups = tuple(tuple(x.tolist()) for x in per)
+        h = self.holds[hid] = Hold(hid, seq_id, groups[0], n, at + lease, groups)
         return h
 
     def held(self, seq_id: Hashable) -> list:
@@ -312,7 +318,8 @@ class External:
     def release_hold(self, hold_id: object) -> None:
         h = self.get_hold(hold_id)
         del self.holds[hold_id]
-        self.blocks.release(np.array(h.block_ids[::-1], dtype=np.int64))  # (tail first, as free)
+        for ids in h.group_block_ids:
+            self.blocks.release(np.array(ids[::-1], dtype=np.int64))  # (tail first, as free)
 
     def undo_hold(self, hold_id: int) -> None:
         """Drop the hold just made (a free that failed after it): exactly as before the hold."""
@@ -398,7 +405,7 @@ class External:
     def extra_refs(self) -> list:
         """The blocks holding a reference besides the tables: parked loads, holds, pending stores."""
         out = list(self.t.parked.values())
-        out += [np.array(h.block_ids, dtype=np.int64) for h in self.holds.values()]
+        out += [np.array(ids, dtype=np.int64) for h in self.holds.values() for ids in h.group_block_ids]
         out += [b for b, _ in self.plans.values()]
         return out
 
