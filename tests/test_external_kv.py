@@ -95,6 +95,10 @@ def test_loading_refuses_the_step_calls_and_changes_nothing():
     assert m.table_rows(["a"]).size == 1 and not m.is_swapped("a")
     with pytest.raises(DuplicateSequenceError):
         m.allocate("a", prompt(2))
+    m.allocate("p", [1, 2, 3])
+    with pytest.raises(DuplicateSequenceError):  # a fork's child id is checked against the LOADING ids too
+        m.fork("p", "a")
+    m.free("p", cache=False)
 
 
 def test_failed_load_keeps_the_intact_part_and_computes_the_rest():
@@ -215,6 +219,7 @@ def test_chunked_prefill_with_external_tokens():
     p = prompt(1, 40)  # 48 tokens
     assert m.allocate("a", p, num_external_tokens=8, num_new_tokens=8) == 16
     assert m.num_tokens("a") == 24  # hit 8 + external 8 + one chunk of 8
+    m.check_invariants()
     m.finish_external(done=["a"])
     m.take_copy_plan()
     m.decode_step(["a"], p[24:32], num_new_tokens=[8])

@@ -720,7 +720,7 @@ class BlockManager:
         except (KeyError, TypeError):
             prow = t.row(parent_seq_id)
             fresh = False
-        if not fresh:
+        if not fresh or t.loading or t.parked:
             t.check_new_id(child_seq_id)
         if t.partial and parent_seq_id in t.partial:
             n = t.partial[parent_seq_id]
