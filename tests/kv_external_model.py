@@ -10,8 +10,10 @@ the prefix whose KV belongs there (interned ``(parent identity, token)`` pairs).
 2. the step's copy plan, executed in order;
 3. transfers: each load completes after a random delay, in any order, writing its bytes into its blocks **even
    when its sequence was aborted** (a parked block that had been reused would be corrupted and caught), and some
-   fail part way (only the first ``ok`` blocks are written, garbage in the rest); completed transfers are
-   reported with ``finish_external`` (done or failed) at that step or a later one;
+   fail part way (only the first ``ok`` blocks are written, garbage in the rest); a transfer writes only after
+   the copy plan of the step that handed its blocks out has run (those blocks may be that plan's copy sources:
+   a swap-out, a demotion); completed transfers are reported with ``finish_external`` (done or failed) in a
+   later step, before its copy plan;
 4. the forward: the KV of every token handed out in the step (finished loads included, from the count
    ``finish_external`` returned) is written through its slot;
 5. holds are read by a second party (a "decode replica") when they are released or expire: the held blocks
@@ -58,12 +60,15 @@ class ExternalModel:
         self.bs = rng.choice([2, 4, 8])
         self.nblocks = rng.randint(24, 96)
         policy = rng.choice(["none", "write_through", "selective"])
-        self.bm = BlockManager(self.nblocks, self.bs, enable_prefix_caching=rng.random() < 0.85,
-                               watermark=0.0, store_policy=policy if rng.random() < 0.85 else "none",
+        prefix = rng.random() < 0.85
+        ncpu = rng.choice([0, 16, 48])
+        tier = prefix and ncpu > 0 and rng.random() < 0.6
+        self.bm = BlockManager(self.nblocks, self.bs, enable_prefix_caching=prefix, num_cpu_blocks=ncpu,
+                               cpu_prefix_cache=tier, watermark=0.0, store_policy=policy if prefix else "none",
                                store_min_hits=rng.randint(1, 3))
-        if not self.bm.enable_prefix_caching:
-            self.bm = BlockManager(self.nblocks, self.bs, watermark=0.0)
         self.gpu = np.full(self.nblocks * self.bs, UNWRITTEN, np.int64)
+        self.cpu = np.full(max(ncpu, 1) * self.bs, UNWRITTEN, np.int64)
+        self.swapped: set = set()
         self.ident: dict = {}  # (parent identity, token) -> identity
         self.ident_toks: dict = {0: ()}  # identity -> its tokens (for the store check)
         self.seqs: dict = {}  # running seq -> list of identities (one per token)
@@ -145,7 +150,7 @@ class ExternalModel:
 
     def decode(self) -> None:
         rng, bm = self.rng, self.bm
-        run = [s for s in self.seqs if s not in self.stepped]
+        run = [s for s in self.seqs if s not in self.stepped and s not in self.swapped]
         if not run:
             return
         batch = rng.sample(run, rng.randint(1, min(len(run), 6)))
@@ -174,7 +179,7 @@ class ExternalModel:
         if not self.seqs:
             return
         s = rng.choice(list(self.seqs))
-        hold = rng.random() < 0.3
+        hold = rng.random() < 0.3 and s not in self.swapped
         fresh = s in self.stepped
         if fresh:
             # handed slots in this step: an abort (cache=False); its holds are dropped first (their reader is told)
@@ -198,11 +203,40 @@ class ExternalModel:
         else:
             bm.free(s)
         del self.seqs[s]
+        self.swapped.discard(s)
+
+    def swap(self) -> None:
+        """Preemption by swap: a running sequence out (not one handed slots in this step), or one back in."""
+        bm, rng = self.bm, self.rng
+        if not bm.num_cpu_blocks:
+            return
+        if self.swapped and rng.random() < 0.5:
+            s = rng.choice(sorted(self.swapped))
+            try:
+                bm.swap_in([s])
+            except OutOfBlocksError:
+                return
+            self.swapped.discard(s)
+            self.stepped.add(s)  # (its copies run before this step's forward; no more calls for it this step)
+            self.report.count("swapped_in")
+            return
+        cand = [s for s in self.seqs if s not in self.stepped and s not in self.swapped]
+        if not cand:
+            return
+        s = rng.choice(cand)
+        try:
+            bm.swap_out([s])
+        except (OutOfBlocksError, SequenceStateError):
+            return
+        self.swapped.add(s)
+        self.report.count("swapped_out")
 
     def hold_one(self) -> None:
         if not self.seqs:
             return
         s = self.rng.choice(list(self.seqs))
+        if s in self.swapped:
+            return
         h = self.bm.hold(s, self.rng.choice([1.0, 3.0]), now=float(self.step_no))
         self.holds[h.hold_id] = (h.block_ids, list(self.seqs[s][: h.num_tokens]))
         self.report.count("holds")
@@ -267,20 +301,26 @@ class ExternalModel:
             self.report.count("stores_done")
         self.stores = keep
 
-    def transfers_step(self) -> None:
-        """Transfers that complete now write their blocks; those due are reported (done / failed)."""
-        bs, rng = self.bs, self.rng
+    def transfers_write(self) -> None:
+        """Transfers that complete now write their blocks. Called after the step's copy plan is executed: a load
+        writes its blocks only once the copies of the step that handed them out have run (a block freed and
+        handed out again in one step is a copy source until then: a swap-out, a demotion)."""
+        bs = self.bs
         for tr in self.transfers:
             at, s, ext, ok, written, _ = tr
-            if written or at > self.step_no:
+            if written is not False or at > self.step_no:
                 continue
             ids = self.identities(self.toks[s][: ext.start_token + ext.num_tokens])
             for i, b in enumerate(ext.block_ids):
                 good = ok is None or i * bs < ok
                 vals = ids[ext.start_token + i * bs : ext.start_token + (i + 1) * bs] if good else [GARBAGE] * bs
                 self.gpu[b * bs : b * bs + bs] = vals
-            tr[4] = True
-        due = [tr for tr in self.transfers if tr[4] and tr[5] <= self.step_no]
+            tr[4] = self.step_no
+
+    def transfers_step(self) -> None:
+        """Transfers written in an earlier step and due are reported (done / failed), in a random order."""
+        rng = self.rng
+        due = [tr for tr in self.transfers if tr[4] is not False and tr[4] < self.step_no and tr[5] <= self.step_no]
         rng.shuffle(due)
         if not due:
             return
@@ -320,8 +360,10 @@ class ExternalModel:
                 self.decode()
             elif r < 0.85:
                 self.free_one()
-            elif r < 0.92:
+            elif r < 0.88:
                 self.hold_one()
+            elif r < 0.93:
+                self.swap()
             else:
                 self.take_store()
         self.end_step()
@@ -335,9 +377,14 @@ class ExternalModel:
         """Transfers, the copy plan, the forward, holds and stores, then the checks."""
         self.transfers_step()
         plan = self.bm.take_copy_plan()
-        for kind, src, dst in plan.batches():  # GPU -> GPU only here (copy-on-write)
-            for sb, db in zip(src.tolist(), dst.tolist()):
-                self.gpu[db * self.bs : db * self.bs + self.bs] = self.gpu[sb * self.bs : sb * self.bs + self.bs]
+        stores = {0: (self.gpu, self.cpu), 1: (self.cpu, self.gpu), 2: (self.gpu, self.gpu)}
+        bs = self.bs
+        for kind, src, dst in plan.batches():  # gather every source of a batch, then scatter
+            a, b = stores[int(kind)]
+            vals = [a[x * bs : x * bs + bs].copy() for x in src.tolist()]
+            for d, v in zip(dst.tolist(), vals):
+                b[d * bs : d * bs + bs] = v
+        self.transfers_write()
         for _, slots, vals in self.writes:  # the forward
             self.gpu[slots] = vals
         self.release_holds()
@@ -354,7 +401,12 @@ class ExternalModel:
             self.fail("the manager's LOADING sequences differ from the model's")
         for s, ids in self.seqs.items():
             n = bm.num_tokens(s)
-            got = self.gpu[self.slots(s, 0, n)].tolist()
+            if s in self.swapped:
+                t = bm.block_table(s).astype(np.int64)
+                pos = np.arange(n)
+                got = self.cpu[t[pos // bs] * bs + pos % bs].tolist()
+            else:
+                got = self.gpu[self.slots(s, 0, n)].tolist()
             if got != ids[:n]:
                 bad = next(i for i, (a, b) in enumerate(zip(got, ids)) if a != b)
                 self.fail(f"{s}: position {bad} reads {got[bad]}, expected {ids[bad]}")
@@ -365,7 +417,8 @@ class ExternalModel:
             tr[0] = tr[5] = self.step_no + 1
         for st in self.stores:
             st[0] = self.step_no + 1
-        self.step(calls=False)
+        self.step(calls=False)  # (the transfers write)
+        self.step(calls=False)  # (and are reported)
         for hid in list(self.holds):
             self.read_hold(hid)
             self.bm.release_hold(hid)

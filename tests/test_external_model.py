@@ -20,5 +20,6 @@ def test_the_model_exercises_every_path():
         for k, v in kv_external_model.run(seed, 150).counts.items():
             counts[k] = counts.get(k, 0) + v
     for k in ("loads", "loads_done", "loads_failed", "aborted_loading", "holds", "held_on_free", "holds_read",
+              "swapped_out", "swapped_in",
               "holds_expired", "stores_planned", "stores_done", "admitted"):
         assert counts.get(k, 0) > 0, (k, counts)
