@@ -450,7 +450,7 @@ def test_hybrid_holds_cover_every_group_and_only_the_window():
         m.release_hold(h.hold_id)
 
 
-def test_hybrid_store_plan_and_no_loads_yet():
+def test_hybrid_store_plan():
     m = hybrid(store_policy="write_through")
     m.allocate("a", prompt(1))
     m.take_copy_plan()
@@ -461,13 +461,41 @@ def test_hybrid_store_plan_and_no_loads_yet():
     m.check_invariants()
     m.complete_store(plan.store_id)
     m.check_invariants()
-    with pytest.raises(InvalidArgumentError):
-        m.allocate("b", prompt(2), num_external_tokens=8)
-    with pytest.raises(InvalidArgumentError):
-        m.allocate_batch(["b"], [prompt(2)], num_external_tokens=[8])
-    assert m.external_blocks("a") is None and m.loading_seq_ids == () and m.finish_external() == {}
+
+
+def test_hybrid_loads_in_every_group():
+    m = hybrid(enable_kv_events=True)
+    m.allocate("w", SYS + [7])
+    m.take_copy_plan()
+    m.free("w")
+    m.take_events()
+    p = prompt(1)
+    assert m.allocate("a", p, num_external_tokens=12) == 20
+    ext = m.external_blocks("a")
+    assert len(ext.group_block_ids) == 2 and all(len(g) == 3 for g in ext.group_block_ids)
+    assert ext.group_keys[1] == tuple(block_hashes(p[:20], BS, group=1)[2:])
+    assert m.loading_seq_ids == ("a",)
+    m.check_invariants()
     with pytest.raises(SequenceStateError):
-        m.finish_external(done=["a"])
+        m.decode_step(["a"], [1])
+    assert m.lookup_prefix(p).num_cached_tokens == 8 and m.take_events() == []
+    assert m.finish_external(done=["a"]) == {"a": 20}
+    m.check_invariants()
+    assert m.lookup_prefix(p).num_cached_tokens == 24
+    m.take_copy_plan()
+    m.decode_step(["a"], [1])
+    m.check_invariants()
+    # an abort while loading parks every group's arriving blocks
+    m.allocate("b", prompt(2), num_external_tokens=8)
+    m.free("b")
+    assert m.parked_seq_ids == ("b",)
+    m.check_invariants()
+    assert m.finish_external(failed={"b": 4}) == {}
+    m.check_invariants()
+    b = m.allocate_batch(["c", "d"], [prompt(3), prompt(4)], num_external_tokens=[8, 0])
+    assert b.num_cached_tokens.tolist() == [16, 8] and m.loading_seq_ids == ("c",)
+    m.check_invariants()
+    m.finish_external(failed={"c": 0})
     m.check_invariants()
 
 

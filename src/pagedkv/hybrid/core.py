@@ -61,13 +61,12 @@ from ._step import HybridStepper
 from ._swap import HybridSwapper
 from ._types import HybridPrefillBatch, HybridStepDelta, HybridStepResult
 from ._retention import WindowRetention, _SlidingGroup
-from ..errors import DuplicateSequenceError, InvalidArgumentError, InvalidTokensError
+from ..errors import DuplicateSequenceError, InvalidArgumentError, InvalidTokensError, OutOfBlocksError, SequenceStateError
 from ..blocks.evictor import RetentionEvictor
 from ..kv_groups import FullAttentionSpec, SlidingWindowSpec
 from ..manager import BlockManager
 from ..manager import _invariants
 from ..manager._external import STORE_POLICIES, External, Hold, StorePlan
-from ..errors import SequenceStateError
 from ..types import AllocStatus, CopyPlan, PrefixHit, Stats
 
 __all__ = ["HybridBlockManager", "HybridPrefillBatch", "HybridStepDelta", "HybridStepResult"]
@@ -188,7 +187,8 @@ class HybridBlockManager:
         self._seqs = HybridSeqs(gs, tables, [m._reg for m in gs], wins, [m._window for m in gs], self._retention,
                                 blocks, self._gpu, self._cache, self._tier, bs)
         # holds and store plans over every group (external loads: not on the hybrid manager yet)
-        self._ext = External(self._t0, blocks, m0._reg, self._alloc, self._cache, bs, *self._store, tables=tables)
+        self._ext = External(self._t0, blocks, m0._reg, self._alloc, self._cache, bs, *self._store, tables=tables,
+                             regs=[m._reg for m in gs])
 
     # ------------------------------------------------------------------ read-only state
     @property
@@ -356,11 +356,21 @@ class HybridBlockManager:
             group 1 (sliding)  [ NULL | window | chunk 1 ][ chunk 2 ][ chunk 3 ]
                                  allocate(num_new_tokens=k)  decode_step  decode_step
 
-        ``num_external_tokens``: external KV loads are not available on the hybrid manager yet
-        (InvalidArgumentError for a count > 0; docs/external-kv.md).
+        ``num_external_tokens=E`` (external KV, docs/external-kv.md): as BlockManager.allocate's, in every group:
+        each group reserves the blocks of the E' tokens after the hybrid hit (a sliding group too: its window
+        releases those it no longer needs once the sequence runs), registers nothing past the hit until
+        :meth:`finish_external`, and the sequence is LOADING until then.
         """
         if num_external_tokens:
-            self._no_loads()
+            e = self._ext.check_external(num_external_tokens)
+            self._t0.check_new_id(seq_id)
+            la = check_int("num_lookahead_slots", num_lookahead_slots, 0)
+            k = None if num_new_tokens is None else check_int("num_new_tokens", num_new_tokens, 1)
+            arr = as_tokens(token_ids)
+            nhit, ext = self._alloc.allocate_external(seq_id, arr, la, self._alloc.gns(namespace), k, e)
+            if ext:
+                self._ext.start_load(seq_id, arr, nhit, ext, namespace)
+            return nhit * self._bs + ext
         self._t0.check_new_id(seq_id)
         la = check_int("num_lookahead_slots", num_lookahead_slots, 0)
         k = None if num_new_tokens is None else check_int("num_new_tokens", num_new_tokens, 1)
@@ -381,8 +391,9 @@ class HybridBlockManager:
 
         ``num_new_tokens`` (chunked prefill): None, or one chunk size (>= 1) per prompt, as for :meth:`allocate`;
         the metadata then covers each sequence's hit plus its chunk (``seq_lens``: the tokens held)."""
-        if num_external_tokens is not None and any(num_external_tokens):
-            self._no_loads()
+        if num_external_tokens is not None:
+            return self._allocate_batch_external(seq_ids, token_ids, num_lookahead_slots, namespaces,
+                                                 num_new_tokens, num_external_tokens)
         seq_ids = list(seq_ids)
         prompts = list(token_ids) if not isinstance(token_ids, np.ndarray) or token_ids.ndim == 2 else None
         if prompts is None or len(prompts) != len(seq_ids):
@@ -411,6 +422,42 @@ class HybridBlockManager:
         gnss = [self._alloc.gns(ns) for ns in namespaces]
         arrs = [as_tokens(p, f"token_ids[{i}]") for i, p in enumerate(prompts)]
         return self._alloc.allocate_batch(seq_ids, arrs, gnss, chunks, la)
+
+    def _allocate_batch_external(self, seq_ids, token_ids, la, namespaces, chunks, exts) -> HybridPrefillBatch:
+        """allocate_batch with ``num_external_tokens``: checked as a whole (ids, prompts, the sum of the prompts'
+        new blocks against the free ones), then consecutive :meth:`allocate` calls. O(total prompt blocks x
+        groups)."""
+        seq_ids = list(seq_ids)
+        b = len(seq_ids)
+        if isinstance(exts, (int, np.integer)) or len(exts) != b:
+            raise InvalidArgumentError("num_external_tokens must be None or one count per prompt")
+        exts = [self._ext.check_external(e) for e in exts]
+        prompts = list(token_ids) if not isinstance(token_ids, np.ndarray) or token_ids.ndim == 2 else None
+        if prompts is None or len(prompts) != b:
+            raise InvalidTokensError(f"token_ids must hold one prompt per sequence ({b})")
+        la = check_int("num_lookahead_slots", la, 0)
+        namespaces = [None] * b if namespaces is None else list(namespaces)
+        chunks = [None] * b if chunks is None else [check_int(f"num_new_tokens[{i}]", c, 1)
+                                                    for i, c in enumerate(chunks)]
+        if len(namespaces) != b or len(chunks) != b:
+            raise InvalidArgumentError("namespaces and num_new_tokens must hold one entry per prompt")
+        seen: set = set()
+        for s in seq_ids:
+            self._t0.check_new_id(s)
+            if s in seen:
+                raise DuplicateSequenceError(f"sequence {s!r} appears twice in one batch")
+            seen.add(s)
+        arrs = [as_tokens(p, f"token_ids[{i}]") for i, p in enumerate(prompts)]
+        need = sum(self._alloc.plan(a, la, self._alloc.gns(ns), chunk=None).need for a, ns in zip(arrs, namespaces))
+        if need > self.num_free_gpu_blocks:
+            raise OutOfBlocksError(f"the batch of {b} prompts needs up to {need} new blocks; "
+                                   f"{self.num_free_gpu_blocks} are free")
+        nhit, shapes = [], []
+        for s, a, ns, c, e in zip(seq_ids, arrs, namespaces, chunks, exts):
+            cached = self.allocate(s, a, la, namespace=ns, num_new_tokens=c, num_external_tokens=e)
+            nhit.append(cached // self._bs)
+            shapes.append((None, self.num_tokens(s)))
+        return self._alloc.result(seq_ids, arrs, shapes, nhit)
 
     def lookup_prefix(self, token_ids: Sequence[int], num_lookahead_slots: int = 0, *,
                       namespace: object = None, num_new_tokens: int | None = None) -> PrefixHit:
@@ -464,36 +511,36 @@ class HybridBlockManager:
             raise SequenceStateError(
                 f"free({seq_id!r}, cache=False): a hold of it covers KV that is then never written; release its "
                 "holds first (their reader must drop them)")
-        self._seqs.free(seq_id, cache)
+        try:
+            self._seqs.free(seq_id, cache)
+        except SequenceStateError:
+            if seq_id in self._t0.loading:  # an abort while LOADING: every group's arriving blocks park
+                self._ext.abort(seq_id)
+                return None
+            raise
         return None
 
     # ------------------------------------------------------------------ external KV (docs/external-kv.md)
-    def _no_loads(self) -> None:
-        raise InvalidArgumentError("num_external_tokens: external KV loads are not available on HybridBlockManager "
-                                   "yet (holds and store plans are)")
-
     def external_blocks(self, seq_id: Hashable):
-        """None: no sequence of the hybrid manager is LOADING (loads are not available here yet).
-        UnknownSequenceError for an unknown id."""
-        self._t0.row(seq_id)
-        return None
+        """See BlockManager.external_blocks: ``group_block_ids[g]`` and ``group_keys[g]`` are group g's blocks
+        and keys of the external range (``block_ids`` / ``keys``: group 0's)."""
+        return self._ext.external_blocks(seq_id)
 
     def finish_external(self, done: Iterable[Hashable] = (), failed: dict | None = None) -> dict:
-        """No sequence is LOADING here: every reported id raises (UnknownSequenceError, SequenceStateError for a
-        live one); nothing reported: ``{}``."""
+        """See BlockManager.finish_external: every group registers its arrived blocks."""
         return self._ext.finish(done, failed)
 
     @property
     def loading_seq_ids(self) -> tuple:
-        return ()
+        return tuple(self._t0.loading)
 
     def is_loading(self, seq_id: Hashable) -> bool:
-        self._t0.row(seq_id)
-        return False
+        self._t0.any_row(seq_id)
+        return seq_id in self._t0.loading
 
     @property
     def parked_seq_ids(self) -> tuple:
-        return ()
+        return tuple(self._t0.parked)
 
     def hold(self, seq_id: Hashable, lease_s: float, *, now: float | None = None) -> Hold:
         """BlockManager.hold over every group: the blocks each group's table holds for the sequence's tokens (a

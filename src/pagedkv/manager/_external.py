@@ -33,7 +33,7 @@ class ExternalLoad(NamedTuple):
     """The blocks that receive a LOADING sequence's external KV: ``block_ids[i]`` takes the KV of tokens
     ``[start_token + i * block_size, start_token + (i + 1) * block_size)``, whose chained content key (the prefix
     cache's, :func:`pagedkv.block_hashes`) is ``keys[i]``. ``group_block_ids``: the same per KV cache group (one
-    tuple per group; a BlockManager has one)."""
+    tuple per group; a BlockManager has one) and ``group_keys``."""
 
     seq_id: Hashable
     start_token: int
@@ -42,6 +42,7 @@ class ExternalLoad(NamedTuple):
     keys: tuple
     namespace: object
     group_block_ids: tuple
+    group_keys: tuple  # the keys per group (``pagedkv.block_hashes(..., group=g)``: each group's chain)
 
 
 class Hold(NamedTuple):
@@ -99,10 +100,11 @@ class External:
     group's) for its holds and store plans; its group managers' own parts are never used for those."""
 
     def __init__(self, t, blocks, reg, alloc, cache, bs: int, store_policy: str = "none",
-                 store_min_hits: int = 1, tables: list | None = None) -> None:
+                 store_min_hits: int = 1, tables: list | None = None, regs: list | None = None) -> None:
         self.t, self.blocks, self.reg, self.alloc, self.cache, self.bs = t, blocks, reg, alloc, cache, bs
         # every KV cache group's tables (a HybridBlockManager's holds cover every group; rows are the same)
         self.tables = tables if tables is not None else [t]
+        self.regs = regs if regs is not None else [reg]
         self.gpu = blocks.gpu
         self.loads: dict = {}  # seq_id -> _Load of each LOADING sequence
         self.holds: dict = {}  # hold_id -> Hold
@@ -165,11 +167,17 @@ class External:
             self.enter_loading(seq_id, row, _Load(arr, n, nhit, ext // self.bs, namespace))
         return nhit * self.bs + ext
 
+    def start_load(self, seq_id: Hashable, arr: np.ndarray, nhit: int, ext: int, namespace) -> None:
+        """A sequence just allocated (every group) with ``ext`` external tokens after its ``nhit`` hit blocks,
+        registration deferred: it becomes LOADING. O(groups)."""
+        row = self.t.row_of[seq_id]
+        self.enter_loading(seq_id, row, _Load(arr, int(self.t.ntok[row]), nhit, ext // self.bs, namespace))
+
     def enter_loading(self, seq_id: Hashable, row: int, rec: _Load) -> None:
-        t = self.t
-        del t.row_of[seq_id]
-        t.loading[seq_id] = row
-        t.memo_ids = None
+        for t in self.tables:  # (every group's row of the sequence: the same row)
+            del t.row_of[seq_id]
+            t.loading[seq_id] = row
+            t.memo_ids = None
         self.loads[seq_id] = rec
 
     def allocate_batch(self, seq_ids: list, prompts: list, la: int, namespaces: list, chunks, exts: list,
@@ -211,9 +219,10 @@ class External:
             return None
         row = t.loading[seq_id]
         bs = self.bs
-        ids = tuple(t.table[row, rec.nhit : rec.nhit + rec.next].tolist())
-        keys = tuple(block_hashes(rec.arr[: (rec.nhit + rec.next) * bs], bs, rec.namespace)[rec.nhit :])
-        return ExternalLoad(seq_id, rec.nhit * bs, rec.next * bs, ids, keys, rec.namespace, (ids,))
+        ids = tuple(tuple(tg.table[row, rec.nhit : rec.nhit + rec.next].tolist()) for tg in self.tables)
+        keys = tuple(tuple(block_hashes(rec.arr[: (rec.nhit + rec.next) * bs], bs, rec.namespace, g)[rec.nhit :])
+                     for g in range(len(self.tables)))
+        return ExternalLoad(seq_id, rec.nhit * bs, rec.next * bs, ids[0], keys[0], rec.namespace, ids, keys)
 
     def finish(self, done, failed) -> dict:
         """``finish_external``: validate every report, then end each load (see docs/external-kv.md).
@@ -254,33 +263,36 @@ class External:
                 self.blocks.release(t.parked.pop(s))
                 continue
             rec = self.loads.pop(s)
-            row = t.loading.pop(s)
-            t.row_of[s] = row
-            t.memo_ids = None
             got = rec.next if ok is None else int(ok) // bs
-            if self.cache is not None and t.ccid[row] != 0:
-                new = t.table[row, rec.nhit : t.nblk[row]].copy()
-                self.reg.fill_prompt(row, rec.arr[: rec.n], new, rec.nhit)
-            t.pend[row] = min(rec.nhit + got, int(t.nreg[row]))  # (only the computed blocks are pending)
-            t.ntok0[row] = -1  # handed slots in this step, as after allocate: prefill the rest now
+            for tg, reg in zip(self.tables, self.regs):
+                row = tg.loading.pop(s)
+                tg.row_of[s] = row
+                tg.memo_ids = None
+                if self.cache is not None and tg.ccid[row] != 0:
+                    new = tg.table[row, rec.nhit : tg.nblk[row]].copy()
+                    reg.fill_prompt(row, rec.arr[: rec.n], new, rec.nhit)
+                tg.pend[row] = min(rec.nhit + got, int(tg.nreg[row]))  # (only the computed blocks are pending)
+                tg.ntok0[row] = -1  # handed slots in this step, as after allocate: prefill the rest now
             out[s] = (rec.nhit + got) * bs
         return out
 
     def abort(self, seq_id: Hashable) -> None:
         """``free(seq_id)`` of a LOADING sequence: every block but the external range's released (none is
         registered), those parked until finish_external reports the sequence. O(table length)."""
-        t = self.t
         rec = self.loads.pop(seq_id)
-        row = t.loading.pop(seq_id)
-        trow = t.table[row]
         a, z = rec.nhit, rec.nhit + rec.next
-        ext = trow[a:z].astype(np.int64)
-        rest = np.concatenate([trow[t.nrel[row] : a], trow[z : t.nblk[row]]])[::-1].astype(np.int64)
-        t.row_of[seq_id] = row
-        t.partial.pop(seq_id, None)
-        t.drop_row(seq_id, row)
-        self.blocks.release(rest)
-        t.parked[seq_id] = ext
+        exts = []
+        for t in self.tables:
+            row = t.loading.pop(seq_id)
+            trow = t.table[row]
+            exts.append(trow[a:z].astype(np.int64))
+            rest = np.concatenate([trow[t.nrel[row] : a], trow[z : t.nblk[row]]])[::-1].astype(np.int64)
+            rest = rest[rest >= 0]  # (a sliding group's released positions)
+            t.row_of[seq_id] = row
+            t.partial.pop(seq_id, None)
+            t.drop_row(seq_id, row)
+            self.blocks.release(rest)
+        self.t.parked[seq_id] = np.concatenate(exts) if len(exts) > 1 else exts[0]  # (group 0's tables: all)
 
     # ------------------------------------------------------------------ holds
     def hold(self, seq_id: Hashable, lease_s: object, now: object) -> Hold:
@@ -414,17 +426,22 @@ class External:
         t, cache = self.t, self.cache
         if set(self.loads) != set(t.loading):
             fail("the LOADING records and the loading rows differ")
-        for s, row in t.loading.items():
-            rec = self.loads[s]
-            if int(t.nreg[row]) != rec.nhit and not (cache is None or t.ccid[row] == 0):
-                fail(f"{s!r}: a LOADING sequence registered blocks past its hit")
-            if rec.nhit + rec.next > int(t.nblk[row]) or (rec.nhit + rec.next) * self.bs >= rec.arr.size:
-                fail(f"{s!r}: its external range is not inside its prompt")
-            ext = t.table[row, rec.nhit : rec.nhit + rec.next]
-            if cache is not None and (cache.cid[ext] != 0).any():
-                fail(f"{s!r}: a block still loading is findable in the prefix cache")
-            if (self.gpu.ref[ext] != 1).any():
-                fail(f"{s!r}: a block still loading is shared")
+        for tg in self.tables:
+            if tg.loading != t.loading:
+                fail("the groups' LOADING sequences differ")
+            for s, row in tg.loading.items():
+                rec = self.loads[s]
+                if int(tg.nreg[row]) > rec.nhit:
+                    fail(f"{s!r}: a LOADING sequence registered blocks past its hit")
+                if rec.nhit + rec.next > int(tg.nblk[row]) or (rec.nhit + rec.next) * self.bs >= rec.arr.size:
+                    fail(f"{s!r}: its external range is not inside its prompt")
+                ext = tg.table[row, rec.nhit : rec.nhit + rec.next]
+                if (ext < 0).any():
+                    fail(f"{s!r}: a block of its external range is missing")
+                if cache is not None and (cache.cid[ext] != 0).any():
+                    fail(f"{s!r}: a block still loading is findable in the prefix cache")
+                if (self.gpu.ref[ext] != 1).any():
+                    fail(f"{s!r}: a block still loading is shared")
         for s, b in t.parked.items():
             if cache is not None and (cache.cid[b] != 0).any():
                 fail(f"parked {s!r}: a block a transfer may still write is findable")
