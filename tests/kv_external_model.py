@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pagedkv import BlockManager, block_hashes
+from pagedkv import BlockManager, FullAttentionSpec, HybridBlockManager, SlidingWindowSpec, block_hashes
 from pagedkv.errors import OutOfBlocksError, SequenceStateError
 
 GARBAGE = -2
@@ -55,7 +55,7 @@ class _Violation(Exception):
 
 
 class ExternalModel:
-    def __init__(self, seed: int, check_every: int = 1) -> None:
+    def __init__(self, seed: int, check_every: int = 1, hybrid: bool = False) -> None:
         rng = self.rng = random.Random(seed)
         self.bs = rng.choice([2, 4, 8])
         self.nblocks = rng.randint(24, 96)
@@ -63,9 +63,17 @@ class ExternalModel:
         prefix = rng.random() < 0.85
         ncpu = rng.choice([0, 16, 48])
         tier = prefix and ncpu > 0 and rng.random() < 0.6
-        self.bm = BlockManager(self.nblocks, self.bs, enable_prefix_caching=prefix, num_cpu_blocks=ncpu,
-                               cpu_prefix_cache=tier, watermark=0.0, store_policy=policy if prefix else "none",
-                               store_min_hits=rng.randint(1, 3))
+        kw = dict(enable_prefix_caching=prefix, num_cpu_blocks=ncpu, cpu_prefix_cache=tier, watermark=0.0,
+                  store_policy=policy if prefix else "none", store_min_hits=rng.randint(1, 3))
+        if hybrid:  # KV cache groups: full attention and sliding windows over one pool
+            specs = [FullAttentionSpec()] + [SlidingWindowSpec(rng.choice([self.bs, 2 * self.bs, 3 * self.bs + 1]))
+                                             for _ in range(rng.randint(1, 2))]
+            rng.shuffle(specs)
+            self.nblocks *= len(specs)
+            self.bm = HybridBlockManager(self.nblocks, self.bs, kv_cache_groups=specs, **kw)
+        else:
+            self.bm = BlockManager(self.nblocks, self.bs, **kw)
+        self.G = self.bm.num_groups
         self.gpu = np.full(self.nblocks * self.bs, UNWRITTEN, np.int64)
         self.cpu = np.full(max(ncpu, 1) * self.bs, UNWRITTEN, np.int64)
         self.swapped: set = set()
@@ -101,8 +109,12 @@ class ExternalModel:
             p = q
         return out
 
-    def slots(self, seq, a: int, b: int) -> np.ndarray:
-        return self.bm.slot_mapping(seq, a, b)
+    def put(self, seq, a: int, b: int, ids: list) -> tuple:
+        """A forward write of positions ``[a, b)`` in every group: group g's slots take ``identity * G + g``."""
+        G = self.G
+        slots = np.concatenate([self.bm.slot_mapping(seq, a, b, g) for g in range(G)])
+        vals = np.concatenate([np.asarray(ids, np.int64) * G + g for g in range(G)])
+        return (seq, slots, vals)
 
     def new_prompt(self) -> list:
         rng = self.rng
@@ -133,14 +145,15 @@ class ExternalModel:
             ext = bm.external_blocks(s)
             if ext is None:
                 self.seqs[s] = ids
-                self.writes.append((s, self.slots(s, c, len(p)), ids[c:]))
+                self.writes.append(self.put(s, c, len(p), ids[c:]))
                 self.stepped.add(s)
                 self.report.count("admitted")
                 continue
             if c != ext.start_token + ext.num_tokens:
                 self.fail(f"{s}: allocate returned {c}, its load ends at {ext.start_token + ext.num_tokens}")
-            if ext.keys != tuple(block_hashes(p[: c], bs)[ext.start_token // bs:]):
-                self.fail(f"{s}: the load's keys are not the prompt's")
+            for g in range(self.G):
+                if ext.group_keys[g] != tuple(block_hashes(p[: c], bs, group=g)[ext.start_token // bs:]):
+                    self.fail(f"{s}: the load's keys of group {g} are not the prompt's")
             self.loading[s] = ids
             nblk = len(ext.block_ids)
             ok = None if rng.random() < 0.75 else rng.randrange(0, nblk) * bs
@@ -165,7 +178,7 @@ class ExternalModel:
             ids.append(self.identities([t], ids[-1])[0])
             self.toks[s].append(t)
             n = len(ids)
-            self.writes.append((s, self.slots(s, n - 1, n), ids[n - 1:]))
+            self.writes.append(self.put(s, n - 1, n, ids[n - 1:]))
             self.stepped.add(s)
 
     def free_one(self) -> None:
@@ -197,8 +210,9 @@ class ExternalModel:
             return
         if hold:
             ids = list(self.seqs[s])
+            where = self.hold_positions(s)
             h = bm.free(s, hold_for=self.rng.choice([1.0, 3.0, 100.0]), now=float(self.step_no))
-            self.holds[h.hold_id] = (h.block_ids, ids[: h.num_tokens])
+            self.holds[h.hold_id] = self.hold_record(h, where, ids)
             self.report.count("held_on_free")
         else:
             bm.free(s)
@@ -237,8 +251,9 @@ class ExternalModel:
         s = self.rng.choice(list(self.seqs))
         if s in self.swapped:
             return
+        where = self.hold_positions(s)
         h = self.bm.hold(s, self.rng.choice([1.0, 3.0]), now=float(self.step_no))
-        self.holds[h.hold_id] = (h.block_ids, list(self.seqs[s][: h.num_tokens]))
+        self.holds[h.hold_id] = self.hold_record(h, where, list(self.seqs[s]))
         self.report.count("holds")
 
     def release_holds(self) -> None:
@@ -263,12 +278,29 @@ class ExternalModel:
             self.holds.pop(hid, None)
         self.report.count("holds_expired", len(expired))
 
+    def hold_positions(self, s) -> list:
+        """Per group, the table column of each block (the reader's map from a held block to its positions)."""
+        return [{int(b): c for c, b in enumerate(self.bm.block_table(s, g).tolist()) if b >= 0}
+                for g in range(self.G)]
+
+    def hold_record(self, h, where: list, ids: list) -> list:
+        """``[(block, expected values)]`` of every held block, every group (positions below num_tokens)."""
+        bs, G, n = self.bs, self.G, h.num_tokens
+        if len(h.group_block_ids) != G:
+            self.fail(f"hold {h.hold_id}: {len(h.group_block_ids)} groups of blocks, the manager has {G}")
+        out = []
+        for g, blocks in enumerate(h.group_block_ids):
+            for b in blocks:
+                c = where[g].get(b)
+                if c is None:
+                    self.fail(f"hold {h.hold_id}: block {b} is not in group {g}'s table")
+                out.append((b, [i * G + g for i in ids[c * bs : min((c + 1) * bs, n)]]))
+        return out
+
     def read_hold(self, hid: int) -> None:
-        blocks, ids = self.holds.pop(hid)
         bs = self.bs
-        for i, b in enumerate(blocks):
+        for b, want in self.holds.pop(hid):
             got = self.gpu[b * bs : b * bs + bs].tolist()
-            want = ids[i * bs : (i + 1) * bs]
             if got[: len(want)] != want:
                 self.fail(f"hold {hid}: block {b} holds {got}, the reader expected {want}")
         self.report.count("holds_read")
@@ -288,13 +320,14 @@ class ExternalModel:
                 keep.append([at, plan])
                 continue
             for b, key in zip(plan.block_ids, plan.keys):  # the store reads its blocks now
-                last = int(self.gpu[b * bs + bs - 1])
-                if last <= 0:
-                    self.fail(f"store {plan.store_id}: block {b} holds no KV ({last})")
+                v = int(self.gpu[b * bs + bs - 1])
+                if v <= 0:
+                    self.fail(f"store {plan.store_id}: block {b} holds no KV ({v})")
+                last, g = divmod(v, self.G)
                 toks = self.ident_toks[last]
-                if len(toks) % bs or block_hashes(list(toks), bs)[-1] != key:
+                if len(toks) % bs or block_hashes(list(toks), bs, group=g)[-1] != key:
                     self.fail(f"store {plan.store_id}: block {b} holds content other than its key names")
-                want = self.identities(list(toks))[-bs:]
+                want = [i * self.G + g for i in self.identities(list(toks))[-bs:]]
                 if self.gpu[b * bs : b * bs + bs].tolist() != want:
                     self.fail(f"store {plan.store_id}: block {b} is not the KV of its content")
             self.bm.complete_store(plan.store_id, success=self.rng.random() < 0.9)
@@ -311,10 +344,12 @@ class ExternalModel:
             if written is not False or at > self.step_no:
                 continue
             ids = self.identities(self.toks[s][: ext.start_token + ext.num_tokens])
-            for i, b in enumerate(ext.block_ids):
-                good = ok is None or i * bs < ok
-                vals = ids[ext.start_token + i * bs : ext.start_token + (i + 1) * bs] if good else [GARBAGE] * bs
-                self.gpu[b * bs : b * bs + bs] = vals
+            for g, blocks in enumerate(ext.group_block_ids):
+                for i, b in enumerate(blocks):
+                    good = ok is None or i * bs < ok
+                    vals = [x * self.G + g for x in ids[ext.start_token + i * bs : ext.start_token + (i + 1) * bs]] \
+                        if good else [GARBAGE] * bs
+                    self.gpu[b * bs : b * bs + bs] = vals
             tr[4] = self.step_no
 
     def transfers_step(self) -> None:
@@ -344,7 +379,7 @@ class ExternalModel:
             if n != len(ids):
                 self.fail(f"{s}: holds {n} tokens, its prompt is {len(ids)}")
             self.seqs[s] = ids[:n]
-            self.writes.append((s, self.slots(s, c, n), ids[c:n]))
+            self.writes.append(self.put(s, c, n, ids[c:n]))
             self.stepped.add(s)
             self.report.count("loads_done" if tr[3] is None else "loads_failed")
 
@@ -399,17 +434,21 @@ class ExternalModel:
             self.fail("the manager's sequences differ from the model's")
         if set(bm.loading_seq_ids) != set(self.loading):
             self.fail("the manager's LOADING sequences differ from the model's")
+        G = self.G
         for s, ids in self.seqs.items():
             n = bm.num_tokens(s)
-            if s in self.swapped:
-                t = bm.block_table(s).astype(np.int64)
-                pos = np.arange(n)
-                got = self.cpu[t[pos // bs] * bs + pos % bs].tolist()
-            else:
-                got = self.gpu[self.slots(s, 0, n)].tolist()
-            if got != ids[:n]:
-                bad = next(i for i, (a, b) in enumerate(zip(got, ids)) if a != b)
-                self.fail(f"{s}: position {bad} reads {got[bad]}, expected {ids[bad]}")
+            store = self.cpu if s in self.swapped else self.gpu
+            pos = np.arange(n)
+            want = np.asarray(ids[:n], np.int64)
+            for g in range(G):
+                t = bm.block_table(s, g).astype(np.int64)[pos // bs]
+                held = t >= 0  # (a sliding group: the positions its window still holds)
+                got = store[t[held] * bs + pos[held] % bs]
+                exp = want[held] * G + g
+                if not np.array_equal(got, exp):
+                    bad = int(np.flatnonzero(got != exp)[0])
+                    self.fail(f"{s}: group {g} position {int(pos[held][bad])} reads {int(got[bad])}, "
+                              f"expected {int(exp[bad])}")
 
     def drain(self) -> None:
         """Every transfer completed and reported, every hold read and released, every store completed."""
@@ -427,8 +466,8 @@ class ExternalModel:
             self.fail("something is left in flight after draining")
 
 
-def run(seed: int, steps: int, check_every: int = 1) -> Report:
-    m = ExternalModel(seed, check_every)
+def run(seed: int, steps: int, check_every: int = 1, hybrid: bool = False) -> Report:
+    m = ExternalModel(seed, check_every, hybrid)
     try:
         for _ in range(steps):
             m.step()

@@ -448,15 +448,25 @@ class HybridBlockManager:
                 raise DuplicateSequenceError(f"sequence {s!r} appears twice in one batch")
             seen.add(s)
         arrs = [as_tokens(p, f"token_ids[{i}]") for i, p in enumerate(prompts)]
-        need = sum(self._alloc.plan(a, la, self._alloc.gns(ns), chunk=None).need for a, ns in zip(arrs, namespaces))
+        plans = [self._alloc.plan(a, la, self._alloc.gns(ns)) for a, ns in zip(arrs, namespaces)]
+        need = sum(p.need for p in plans)
         if need > self.num_free_gpu_blocks:
             raise OutOfBlocksError(f"the batch of {b} prompts needs up to {need} new blocks; "
                                    f"{self.num_free_gpu_blocks} are free")
+        # every planned GPU hit held first: no prompt of the batch evicts a later one's hit (a lost hybrid hit
+        # costs a sliding group more than the block lost), so each prompt's need stays an upper bound
+        held = list(dict.fromkeys(x for p in plans for x in self._alloc.hold_list(p)))
+        if held and self._cache is not None:
+            self._alloc.hold_blocks(held)
         nhit, shapes = [], []
-        for s, a, ns, c, e in zip(seq_ids, arrs, namespaces, chunks, exts):
-            cached = self.allocate(s, a, la, namespace=ns, num_new_tokens=c, num_external_tokens=e)
-            nhit.append(cached // self._bs)
-            shapes.append((None, self.num_tokens(s)))
+        try:
+            for s, a, ns, c, e in zip(seq_ids, arrs, namespaces, chunks, exts):
+                cached = self.allocate(s, a, la, namespace=ns, num_new_tokens=c, num_external_tokens=e)
+                nhit.append(cached // self._bs)
+                shapes.append((None, self.num_tokens(s)))
+        finally:
+            if held and self._cache is not None:
+                self._alloc.unhold(held)
         return self._alloc.result(seq_ids, arrs, shapes, nhit)
 
     def lookup_prefix(self, token_ids: Sequence[int], num_lookahead_slots: int = 0, *,

@@ -182,10 +182,11 @@ class External:
 
     def allocate_batch(self, seq_ids: list, prompts: list, la: int, namespaces: list, chunks, exts: list,
                        walk) -> object:
-        """``allocate_batch(..., num_external_tokens=exts)``: checked and counted as a whole first (every plan,
-        the batch's new blocks at most the free ones: each prompt's need is an upper bound once earlier prompts
-        are committed), then consecutive allocations, so it is all or nothing. ``walk(rows, plans, nhit)``
-        builds the PrefillBatch. O(total prompt blocks)."""
+        """``allocate_batch(..., num_external_tokens=exts)``: checked and counted as a whole first (every plan;
+        the batch's new blocks at most the free ones), every planned GPU hit held (so that no prompt of the batch
+        evicts a later one's hit: each prompt's need is then an upper bound once earlier prompts are committed),
+        then consecutive allocations, so it is all or nothing. ``walk(arrs, plans, rows, nhit)`` builds the
+        PrefillBatch. O(total prompt blocks)."""
         t = self.t
         seen: set = set()
         for s in seq_ids:
@@ -200,14 +201,22 @@ class External:
         if need > self.blocks.num_free:
             raise OutOfBlocksError(
                 f"the batch of {len(plans)} prompts needs up to {need} new blocks; {self.blocks.num_free} are free")
+        held = np.array(sorted({b for p in plans for b in p[3] if b >= 0}), dtype=np.int64)
+        if held.size:
+            ref = self.gpu.ref
+            self.cache.evictor.discard_many(held[ref[held] == 0])
+            ref[held] += 1
         rows, out_plans, nhit = [], [], []
-        for s, p, ns, c, e in zip(seq_ids, prompts, namespaces, chunks, exts):
-            cached = self.allocate(s, p, la, ns, c, e)
-            row = t.loading[s] if s in t.loading else t.row_of[s]
-            arr = _as_tokens(p)
-            rows.append(row)
-            out_plans.append((arr, int(t.ntok[row])))
-            nhit.append(cached // self.bs)
+        try:
+            for s, p, ns, c, e in zip(seq_ids, prompts, namespaces, chunks, exts):
+                cached = self.allocate(s, p, la, ns, c, e)
+                row = t.loading[s] if s in t.loading else t.row_of[s]
+                rows.append(row)
+                out_plans.append((_as_tokens(p), int(t.ntok[row])))
+                nhit.append(cached // self.bs)
+        finally:
+            if held.size:
+                self.blocks.release(held)
         return walk([_as_tokens(p) for p in prompts], out_plans, rows, nhit)
 
     def external_blocks(self, seq_id: Hashable) -> ExternalLoad | None:
