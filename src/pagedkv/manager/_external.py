@@ -255,7 +255,7 @@ class External:
             if s in t.loading:
                 e = self.loads[s].next * bs
             elif s in t.parked:
-                e = t.parked[s].size * bs
+                e = t.parked[s].size // len(self.tables) * bs  # (every group's blocks of the range)
             elif s in t.row_of:
                 raise SequenceStateError(f"sequence {s!r} is not loading external KV (reported twice, or it never "
                                          "was)")
