@@ -132,6 +132,7 @@ class BlockManager:
 
     _steered = False  # priority classes and pins installed (the first set_retention priority or pin_prefix)
     _store = ("none", 1)  # (store policy, min hits); a KV cache group's manager (_sharing) stores nothing itself
+    _write_through = False  # (take_copy_plan's one test)
 
     atomic_append = True
     """decode_step / append_slots are all-or-nothing for the whole batch: a scheduler may call them without asking
@@ -168,6 +169,7 @@ class BlockManager:
         if store_policy != "none" and not enable_prefix_caching:
             raise InvalidArgumentError("store_policy needs enable_prefix_caching=True")
         self._store = (store_policy, store_min_hits)
+        self._write_through = store_policy == "write_through"
         pin_budget_blocks = _check_int("pin_budget_blocks", pin_budget_blocks, 0)
         if eviction_policy not in EVICTION_POLICIES:
             make_evictor(eviction_policy, 1)  # raises, naming the policies
@@ -341,7 +343,7 @@ class BlockManager:
         else:
             plan = _EMPTY_PLAN
         self._t.end_step()
-        if self._store[0] == "write_through":
+        if self._write_through:
             self._ext.end_step()
         return plan
 
