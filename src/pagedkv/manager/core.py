@@ -26,7 +26,8 @@ objects it works on (no part reaches another's private state; dependencies point
     _rows.py        SeqTables   seq_id -> row; per-sequence row arrays and the block-table matrix
     _blocks.py      Blocks      take / release GPU and CPU blocks (free ring, then LRU eviction)
     _invariants.py  check       the O(n) audit behind check_invariants
-    _external.py    External    external KV: loads (LOADING, parked), holds with leases, store plans
+    _external.py    External    external KV: loads (LOADING, parked), holds with leases
+    _stores.py      Stores      store plans by write policy (pinned until complete_store)
     pool.py, prefix_cache.py, evictor.py, cpu_tier.py   per-block flat arrays (refcounts, free ring; keys,
                                 tokens, LRU; the CPU tier)
 
@@ -66,7 +67,8 @@ from ._small import SMALL_BATCH, Small
 from ._step import _NO_UPDATES, TABLES_DELTA, Stepper
 from ._swap import Swapper
 from ._window import Window
-from ._external import STORE_POLICIES, External, ExternalLoad, Hold, StorePlan
+from ._external import External, ExternalLoad, Hold
+from ._stores import STORE_POLICIES, StorePlan, Stores
 from ..errors import InvalidArgumentError, InvalidTokensError, OutOfBlocksError, SequenceStateError
 from ..tiers.cpu import CpuTier
 from ..events import KVCacheEvent
@@ -248,7 +250,8 @@ class BlockManager:
         self._small = Small(t, blocks, reg, cache, copies, bs, self._fixed_w)
         self._alloc = Allocator(t, blocks, reg, cache, tier, self._cpu_id, bs, self._watermark_blocks,
                                 self._fixed_w, sliding_window)
-        self._ext = External(t, blocks, reg, self._alloc, cache, bs, *self._store)
+        self._ext = External(t, blocks, reg, self._alloc, cache, bs)
+        self._stores = Stores(blocks, cache, self._alloc, *self._store)
         self._swap = Swapper(t, blocks, cache, tier, self._cpu_tok, self._cpu_id, copies)
 
     # ------------------------------------------------------------------ read-only state
@@ -344,7 +347,7 @@ class BlockManager:
             plan = _EMPTY_PLAN
         self._t.end_step()
         if self._write_through:
-            self._ext.end_step()
+            self._stores.end_step()
         return plan
 
     def take_copies(self) -> CacheCopies:
@@ -892,17 +895,17 @@ class BlockManager:
         write_through plans the blocks registered before the last :meth:`take_copy_plan` (their KV is written by
         that step's forward): execute a plan's stores after that forward.
         write_through: O(num_gpu_blocks) vectorised compare plus O(planned blocks); selective: O(planned)."""
-        return self._ext.take_store_plan()
+        return self._stores.take_store_plan()
 
     def complete_store(self, store_id: int, success: bool = True) -> None:
         """Unpin a store plan's blocks; ``success`` marks their contents stored. UnknownStoreError for an unknown
         or completed id, changing nothing. O(its blocks)."""
-        self._ext.complete_store(store_id, success)
+        self._stores.complete_store(store_id, success)
 
     @property
     def pending_stores(self) -> tuple:
         """Store ids taken and not completed."""
-        return tuple(self._ext.plans)
+        return tuple(self._stores.plans)
 
     # ------------------------------------------------------------------ retention (priority, session, pins)
     @property
@@ -1176,5 +1179,7 @@ class BlockManager:
         - the free ring holds unreferenced uncached blocks, the evictor unreferenced cached ones, in a
           consistent linked list; the cache map and the per-block entries agree (no block under two keys).
         """
-        _invariants.check(self._blocks, self._tier, self._bs, [(self._t, self._window)], self._ext.extra_refs())
+        _invariants.check(self._blocks, self._tier, self._bs, [(self._t, self._window)],
+                          self._ext.extra_refs() + self._stores.extra_refs())
         self._ext.check(_invariants.fail)
+        self._stores.check(_invariants.fail)
