@@ -427,9 +427,9 @@ class HybridBlockManager:
         return self._alloc.allocate_batch(seq_ids, arrs, gnss, chunks, la)
 
     def _allocate_batch_external(self, seq_ids, token_ids, la, namespaces, chunks, exts) -> HybridPrefillBatch:
-        """allocate_batch with ``num_external_tokens``: checked as a whole (ids, prompts, the sum of the prompts'
-        new blocks against the free ones), then consecutive :meth:`allocate` calls. O(total prompt blocks x
-        groups)."""
+        """allocate_batch with ``num_external_tokens``: checked as a whole (ids, prompts, and the blocks of every
+        prompt counted without its hit against the free ones), then consecutive :meth:`allocate` calls: all or
+        nothing. O(total prompt blocks x groups)."""
         seq_ids = list(seq_ids)
         b = len(seq_ids)
         if isinstance(exts, (int, np.integer)) or len(exts) != b:
@@ -452,12 +452,15 @@ class HybridBlockManager:
             seen.add(s)
         arrs = [as_tokens(p, f"token_ids[{i}]") for i, p in enumerate(prompts)]
         plans = [self._alloc.plan(a, la, self._alloc.gns(ns)) for a, ns in zip(arrs, namespaces)]
-        need = sum(p.need for p in plans)
+        # admitted against the blocks every prompt needs without any hit (an earlier prompt may evict or demote a
+        # later one's CPU-tier hit, and a lost hybrid hit costs a sliding group more than the block lost), plus the
+        # idle hits held below: all or nothing; allocate the prompts one by one to count on their hits
+        G = len(self._g)
+        need = sum(G * p.nblocks + max(0, p.need - G * (p.nblocks - p.nhit)) for p in plans)
         if need > self.num_free_gpu_blocks:
-            raise OutOfBlocksError(f"the batch of {b} prompts needs up to {need} new blocks; "
-                                   f"{self.num_free_gpu_blocks} are free")
-        # every planned GPU hit held first: no prompt of the batch evicts a later one's hit (a lost hybrid hit
-        # costs a sliding group more than the block lost), so each prompt's need stays an upper bound
+            raise OutOfBlocksError(f"the batch of {b} prompts needs up to {need} new blocks (counted without their "
+                                   f"hits); {self.num_free_gpu_blocks} are free")
+        # every planned GPU hit held first: no prompt of the batch evicts a later one's hit
         held = list(dict.fromkeys(x for p in plans for x in self._alloc.hold_list(p)))
         if held and self._cache is not None:
             self._alloc.hold_blocks(held)
