@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import errno
 import logging
+import re
+import time
 
 import pytest
 
@@ -56,7 +58,7 @@ def full_blocks(p):
 
 def test_disk_tier_after_an_llm_restart_gives_the_reference(engine, tmp_path):
     want = expected(engine)
-    with make(engine, kv_disk_dir=tmp_path, kv_disk_gib=0.05) as a:
+    with make(engine, kv_disk_dir=tmp_path, kv_disk_gib=0.05, enable_kv_events=True) as a:
         outs = run(a)
         assert [list(o.outputs[0].token_ids) for o in outs] == want
         assert a.scheduler.stats.external_tokens == 0
@@ -90,12 +92,14 @@ def test_shared_store_between_two_llms_gives_the_reference(engine, tmp_path, kin
         url = (tmp_path / "shared").as_uri()
     try:
         want = expected(engine)
-        with make(engine, kv_shared=url) as a, make(engine, kv_shared=url) as b:  # two replicas at once
+        with make(engine, kv_shared=url, enable_kv_events=True) as a, make(engine, kv_shared=url) as b:
             assert [list(o.outputs[0].token_ids) for o in run(a, PROMPTS[:3])] == want[:3]
             a.kv_tiers.connector.flush(30)
             assert {e.medium for e in a.kv_tiers.take_events()} == {"SHARED"}
-            outs = run(b)
+            outs = run(b)  # (a second replica at the same time)
             assert [list(o.outputs[0].token_ids) for o in outs] == want
+            b.kv_tiers.connector.flush(30)
+            assert b.kv_tiers.take_events() == []  # without enable_kv_events none are kept
             assert b.scheduler.stats.external_tokens == BS * sum(full_blocks(p) for p in PROMPTS[:3])
             assert b.kv_tiers.connector.counters()[0].hit_blocks >= sum(full_blocks(p) for p in PROMPTS[:3])
     finally:
@@ -171,3 +175,42 @@ def test_tier_options_are_checked(engine, tmp_path):
     with make(engine, kv_disk_dir=tmp_path, kv_disk_gib=0.05):
         with pytest.raises(pagedkv.tiers.TierInUseError):  # one engine per disk directory
             make(engine, kv_disk_dir=tmp_path, kv_disk_gib=0.05)
+
+
+def test_server_restarted_over_its_disk_tier_loads_and_counts(engine, tmp_path):
+    """A server answers a prompt, stops; a new server over the same disk directory answers it with the same text
+    from the loaded blocks, and /metrics counts the tier's hits, its load latency histogram and no failures."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    pytest.importorskip("prometheus_client")
+    from pagedkv.server.launch import make_server
+
+    prompt = "Disk tiers keep the prefix cache across restarts, so that a long system prompt is computed once."
+    texts = []
+    for i in range(2):
+        llm = make(engine, kv_disk_dir=tmp_path, kv_disk_gib=0.05)
+        srv = make_server(llm, model_name="m", max_waiting=8).start_in_thread()
+        try:
+            r = httpx.post(srv.url + "/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 5,
+                                                              "temperature": 0}, timeout=120)
+            assert r.status_code == 200, r.text
+            texts.append(r.json()["choices"][0]["text"])
+            deadline = time.monotonic() + 30
+            while srv.engine.llm.scheduler.has_unfinished():
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            time.sleep(0.1)
+            m = httpx.get(srv.url + "/metrics", timeout=10).text
+        finally:
+            srv.close()
+            llm.close()
+        hits = float(re.search(r'^pagedkv:kv_tier_hit_blocks_total\{[^}]*medium="DISK"[^}]*\} (\S+)$', m, re.M)
+                     .group(1))
+        failed = float(re.search(r'^pagedkv:kv_tier_failed_blocks_total\{[^}]*\} (\S+)$', m, re.M).group(1))
+        assert failed == 0
+        if i == 0:
+            assert hits == 0 and llm.kv_tiers.stats["stored_blocks"] > 0
+        else:
+            assert hits > 0 and llm.scheduler.stats.external_tokens > 0
+            assert re.search(r'^pagedkv:kv_tier_load_seconds_count\{[^}]*\} 1\.0$', m, re.M)
+    assert texts[0] == texts[1]

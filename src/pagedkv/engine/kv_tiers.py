@@ -63,12 +63,13 @@ class EngineTiers:
         write_through: store every full prompt block the engine computes (False: load only).
         io_threads: the connector's I/O threads.
         load_timeout_s: a load not finished after this long is given up (the request computes its prompt).
+        record_events: keep the tiers' KV events (medium DISK / SHARED) for :meth:`take_events`.
     """
 
     def __init__(self, model: Any, kv_cache: Any, block_size: int, *, disk_dir: Any = None,
                  disk_gib: float | None = None, shared: str | None = None,
                  max_load_ms_per_block: float | None, write_through: bool = True, io_threads: int = 2,
-                 load_timeout_s: float = 30.0) -> None:
+                 load_timeout_s: float = 30.0, record_events: bool = True) -> None:
         fp = model_fingerprint(model, kv_cache)
         nbytes = payload_bytes(kv_cache)
         tiers = []
@@ -91,7 +92,8 @@ class EngineTiers:
         self.fingerprint = fp
         self.block_size = int(block_size)
         self.connector = TierConnector(tiers, block_size, io_threads=io_threads,
-                                       max_load_ms_per_block=max_load_ms_per_block, write_through=write_through)
+                                       max_load_ms_per_block=max_load_ms_per_block, write_through=write_through,
+                                       record_events=record_events)
         self.load_timeout_s = float(load_timeout_s)
         self._loaded: dict = {}  # request id -> LoadDone, from kv_ready until its first prefill
         self._started: dict = {}  # request id -> when its load was asked (the timeout)

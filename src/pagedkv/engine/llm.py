@@ -165,6 +165,9 @@ class LLM:
         kv_store: write every full prompt block the engine computes to the tiers (write-through, off the step
             loop); False: load only.
 
+    With ``enable_kv_events``, ``llm.kv_tiers.take_events()`` returns the ``BlockStored`` events of what the tiers
+    stored, ``medium`` ``"DISK"`` or ``"SHARED"`` (the server publishes them with the block manager's).
+
     With tiers, a request whose prompt continues past the GPU/CPU hit in a tier waits (the scheduler's loading
     set) while its blocks are read on an I/O thread, then is admitted with that KV written into its blocks
     (``PrefillWork.num_external_tokens``); a failed or corrupt load computes what it could not load. Models with
@@ -328,7 +331,8 @@ class LLM:
                 raise InvalidArgumentError("the disk and shared KV tiers are not available with sliding_window")
             self.kv_tiers = EngineTiers(self.model, self.kv_cache, block_size, disk_dir=kv_disk_dir,
                                         disk_gib=kv_disk_gib, shared=kv_shared,
-                                        max_load_ms_per_block=kv_load_max_ms_per_block, write_through=kv_store)
+                                        max_load_ms_per_block=kv_load_max_ms_per_block, write_through=kv_store,
+                                        record_events=enable_kv_events)
         elif kv_disk_gib is not None:
             raise InvalidArgumentError("kv_disk_gib needs kv_disk_dir")
 

@@ -139,11 +139,14 @@ class TierConnector:
         initial_load_ms: the average a tier starts from (before its first read).
         probe_every: while a tier is skipped, every ``probe_every``-th lookup still reads it.
         write_through: store every block handed to :meth:`store` (False: stores are dropped, loads only).
+        record_events: keep the KV events of the stores for :meth:`take_events` (False: none are kept, so an
+            engine that never takes them does not accumulate them).
     """
 
     def __init__(self, tiers: Sequence[tuple[str, BlockStore]], block_size: int, *, io_threads: int = 2,
                  max_load_ms_per_block: float | None = DEFAULT_MAX_LOAD_MS_PER_BLOCK,
-                 initial_load_ms: float = 10.0, probe_every: int = 16, write_through: bool = True) -> None:
+                 initial_load_ms: float = 10.0, probe_every: int = 16, write_through: bool = True,
+                 record_events: bool = True) -> None:
         if not tiers:
             raise InvalidArgumentError("a TierConnector needs at least one tier")
         seen = set()
@@ -164,6 +167,7 @@ class TierConnector:
         self.max_load_ms_per_block = max_load_ms_per_block
         self.probe_every = max(1, int(probe_every))
         self.write_through = bool(write_through)
+        self.record_events = bool(record_events)
         self._tiers = [_Tier(m, st, initial_load_ms) for m, st in tiers]
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="pagedkv-tier-io")
         self._done: queue.Queue = queue.Queue()
@@ -323,7 +327,7 @@ class TierConnector:
                             stored_bytes=sum(memoryview(payloads[i]).nbytes for i in new),
                             store_full=sum(1 for s in statuses if s is PutStatus.FULL),
                             store_errors=sum(1 for s in statuses if s in (PutStatus.ERROR, PutStatus.TOO_LARGE)))
-                if new:
+                if new and self.record_events:
                     bs = self.block_size
                     for run in _runs(new):  # one event per run of consecutive blocks (a chain)
                         i0 = run[0]
