@@ -66,9 +66,9 @@ def weights_digest(model: Any) -> str:
             for i, x in enumerate(items):
                 for j, t in enumerate(x if isinstance(x, (list, tuple)) else (x,)):
                     if isinstance(t, torch.Tensor):
-                        t = t.detach().cpu().contiguous()
                         h.update(f"{name}[{i}][{j}]:{tuple(t.shape)}:{t.dtype};".encode())
-                        h.update(t.view(torch.uint8).numpy().data)
+                        flat = t.detach().cpu().contiguous().reshape(-1)  # (0-d tensors too)
+                        h.update(flat.view(torch.uint8).numpy().data)
                         n += 1
         if not n:
             raise TypeError(f"{type(model).__name__}: no GGUF path and no weights to name the KV it computes")
