@@ -45,7 +45,8 @@ def payload_bytes(kv_cache: torch.Tensor) -> int:
 def weights_digest(model: Any) -> str:
     """The weights' identity: ``"gguf:<xxh3_128 of the file>"`` when the model knows its GGUF file
     (``model.source_path``, set by :func:`pagedkv.engine.registry.load_model`), else ``"weights:<xxh3_128 of every
-    weight tensor the model holds in its public attributes: name, shape, dtype and bytes>"``. Computed once per model (cached on it). O(file or weights)."""
+    weight tensor the model holds in its public attributes: name, shape, dtype and bytes>"``. Computed once per
+    model (cached on it). O(file or weights)."""
     cached = getattr(model, "_pagedkv_weights_digest", None)
     if cached is not None:
         return cached

@@ -64,13 +64,14 @@ class EngineTiers:
         io_threads: the connector's I/O threads.
         load_timeout_s: a load not finished after this long is given up (the request computes its prompt).
         record_events: keep the tiers' KV events (medium DISK / SHARED) for :meth:`take_events`.
+        fingerprint: the blocks' :class:`~pagedkv.tiers.ModelFingerprint` (None: from ``model`` and the cache).
     """
 
     def __init__(self, model: Any, kv_cache: Any, block_size: int, *, disk_dir: Any = None,
                  disk_gib: float | None = None, shared: str | None = None,
                  max_load_ms_per_block: float | None, write_through: bool = True, io_threads: int = 2,
-                 load_timeout_s: float = 30.0, record_events: bool = True) -> None:
-        fp = model_fingerprint(model, kv_cache)
+                 load_timeout_s: float = 30.0, record_events: bool = True, fingerprint: Any = None) -> None:
+        fp = fingerprint if fingerprint is not None else model_fingerprint(model, kv_cache)
         nbytes = payload_bytes(kv_cache)
         tiers = []
         try:

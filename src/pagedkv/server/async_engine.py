@@ -242,7 +242,8 @@ class AsyncEngine:
                 raise EngineDraining("the server is shutting down; retry on another replica")
             if not self.alive:
                 raise EngineDead(self._error or "the engine is stopped")
-            if len(self._adds) + self._in_transit + self.llm.scheduler.num_waiting >= self.max_waiting:
+            sched = self.llm.scheduler
+            if len(self._adds) + self._in_transit + sched.num_waiting + sched.num_loading >= self.max_waiting:
                 raise EngineOverloaded(f"{self.max_waiting} requests are already waiting; retry later")
             n = request.params.n
             self._adds.append(_Live(request, stream, time.perf_counter(), [""] * n, [0] * n))
@@ -534,7 +535,7 @@ class AsyncEngine:
             queued = len(self._adds)
         self.snapshot = {
             "num_requests_running": sched.num_running,
-            "num_requests_waiting": sched.num_waiting + queued,
+            "num_requests_waiting": sched.num_waiting + getattr(sched, "num_loading", 0) + queued,
             "num_requests_swapped": sched.num_swapped,
             "kv_cache_usage_perc": bm.gpu_usage,
             "prefix_cache_queries": st.prefix_query_tokens,

@@ -6,7 +6,7 @@ engine's own counts); the three latency histograms are observed by the engine th
 
 ===================================================  ==========================================================
 ``pagedkv:num_requests_running``                     requests in the running batch
-``pagedkv:num_requests_waiting``                     requests waiting for admission (queued or preempted)
+``pagedkv:num_requests_waiting``                     requests waiting for admission (queued, preempted, or loading KV)
 ``pagedkv:num_requests_swapped``                     requests swapped out to the CPU pool
 ``pagedkv:kv_cache_usage_perc``                      blocks held by requests / all blocks (0..1; cached blocks
                                                      no request holds count as free, so 0 when idle)
@@ -45,7 +45,7 @@ _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 30
 
 _GAUGES = {
     "num_requests_running": "Requests in the running batch.",
-    "num_requests_waiting": "Requests waiting for admission (queued or preempted by recompute).",
+    "num_requests_waiting": "Requests waiting for admission (queued, preempted by recompute, or loading KV).",
     "num_requests_swapped": "Requests swapped out to the CPU pool.",
     "kv_cache_usage_perc": "KV-cache usage: blocks held by requests / all GPU blocks (0..1).",
 }
