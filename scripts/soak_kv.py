@@ -13,9 +13,9 @@ groups: full attention and sliding windows) instead; ``--hybrid both`` alternate
 
 ``--external`` runs the external-KV model instead (tests/kv_external_model.py: loads into reserved blocks that
 complete late, reordered, failing or after an abort; holds read by a second party; stores reading their blocks
-late; docs/external-kv.md):
+late; docs/external-kv.md; ``--hybrid`` as above):
 
-    PYTHONPATH=src python scripts/soak_kv.py --steps 20000 --external --steps-per-manager 500
+    PYTHONPATH=src python scripts/soak_kv.py --steps 20000 --external --steps-per-manager 500 --hybrid both
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def main(argv=None) -> int:
             break
         hybrid = args.hybrid == "yes" or (args.hybrid == "both" and seed % 2 == 1)
         if args.external:
-            r = kv_external_model.run(seed, n, check_every=args.check_every)
+            r = kv_external_model.run(seed, n, check_every=args.check_every, hybrid=hybrid)
         else:
             r = kv_model.run(seed, n, order=args.order, check_every=args.check_every, hybrid=hybrid)
         steps += r.steps

@@ -10,8 +10,10 @@ the prefix whose KV belongs there (interned ``(parent identity, token)`` pairs).
 2. the step's copy plan, executed in order;
 3. transfers: each load completes after a random delay, in any order, writing its bytes into its blocks **even
    when its sequence was aborted** (a parked block that had been reused would be corrupted and caught), and some
-   fail part way (only the first ``ok`` blocks are written, garbage in the rest); completed transfers are
-   reported with ``finish_external`` (done or failed) at that step or a later one;
+   fail part way (only the first ``ok`` blocks are written, garbage in the rest); a transfer writes only after
+   the copy plan of the step that handed its blocks out has run (those blocks may be that plan's copy sources:
+   a swap-out, a demotion); completed transfers are reported with ``finish_external`` (done or failed) in a
+   later step, before its copy plan;
 4. the forward: the KV of every token handed out in the step (finished loads included, from the count
    ``finish_external`` returned) is written through its slot;
 5. holds are read by a second party (a "decode replica") when they are released or expire: the held blocks
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pagedkv import BlockManager, block_hashes
+from pagedkv import BlockManager, FullAttentionSpec, HybridBlockManager, SlidingWindowSpec, block_hashes
 from pagedkv.errors import OutOfBlocksError, SequenceStateError
 
 GARBAGE = -2
@@ -53,17 +55,28 @@ class _Violation(Exception):
 
 
 class ExternalModel:
-    def __init__(self, seed: int, check_every: int = 1) -> None:
+    def __init__(self, seed: int, check_every: int = 1, hybrid: bool = False) -> None:
         rng = self.rng = random.Random(seed)
         self.bs = rng.choice([2, 4, 8])
         self.nblocks = rng.randint(24, 96)
         policy = rng.choice(["none", "write_through", "selective"])
-        self.bm = BlockManager(self.nblocks, self.bs, enable_prefix_caching=rng.random() < 0.85,
-                               watermark=0.0, store_policy=policy if rng.random() < 0.85 else "none",
-                               store_min_hits=rng.randint(1, 3))
-        if not self.bm.enable_prefix_caching:
-            self.bm = BlockManager(self.nblocks, self.bs, watermark=0.0)
+        prefix = rng.random() < 0.85
+        ncpu = rng.choice([0, 16, 48])
+        tier = prefix and ncpu > 0 and rng.random() < 0.6
+        kw = dict(enable_prefix_caching=prefix, num_cpu_blocks=ncpu, cpu_prefix_cache=tier, watermark=0.0,
+                  store_policy=policy if prefix else "none", store_min_hits=rng.randint(1, 3))
+        if hybrid:  # KV cache groups: full attention and sliding windows over one pool
+            specs = [FullAttentionSpec()] + [SlidingWindowSpec(rng.choice([self.bs, 2 * self.bs, 3 * self.bs + 1]))
+                                             for _ in range(rng.randint(1, 2))]
+            rng.shuffle(specs)
+            self.nblocks *= len(specs)
+            self.bm = HybridBlockManager(self.nblocks, self.bs, kv_cache_groups=specs, **kw)
+        else:
+            self.bm = BlockManager(self.nblocks, self.bs, **kw)
+        self.G = self.bm.num_groups
         self.gpu = np.full(self.nblocks * self.bs, UNWRITTEN, np.int64)
+        self.cpu = np.full(max(ncpu, 1) * self.bs, UNWRITTEN, np.int64)
+        self.swapped: set = set()
         self.ident: dict = {}  # (parent identity, token) -> identity
         self.ident_toks: dict = {0: ()}  # identity -> its tokens (for the store check)
         self.seqs: dict = {}  # running seq -> list of identities (one per token)
@@ -96,8 +109,12 @@ class ExternalModel:
             p = q
         return out
 
-    def slots(self, seq, a: int, b: int) -> np.ndarray:
-        return self.bm.slot_mapping(seq, a, b)
+    def put(self, seq, a: int, b: int, ids: list) -> tuple:
+        """A forward write of positions ``[a, b)`` in every group: group g's slots take ``identity * G + g``."""
+        G = self.G
+        slots = np.concatenate([self.bm.slot_mapping(seq, a, b, g) for g in range(G)])
+        vals = np.concatenate([np.asarray(ids, np.int64) * G + g for g in range(G)])
+        return (seq, slots, vals)
 
     def new_prompt(self) -> list:
         rng = self.rng
@@ -128,14 +145,15 @@ class ExternalModel:
             ext = bm.external_blocks(s)
             if ext is None:
                 self.seqs[s] = ids
-                self.writes.append((s, self.slots(s, c, len(p)), ids[c:]))
+                self.writes.append(self.put(s, c, len(p), ids[c:]))
                 self.stepped.add(s)
                 self.report.count("admitted")
                 continue
             if c != ext.start_token + ext.num_tokens:
                 self.fail(f"{s}: allocate returned {c}, its load ends at {ext.start_token + ext.num_tokens}")
-            if ext.keys != tuple(block_hashes(p[: c], bs)[ext.start_token // bs:]):
-                self.fail(f"{s}: the load's keys are not the prompt's")
+            for g in range(self.G):
+                if ext.group_keys[g] != tuple(block_hashes(p[: c], bs, group=g)[ext.start_token // bs:]):
+                    self.fail(f"{s}: the load's keys of group {g} are not the prompt's")
             self.loading[s] = ids
             nblk = len(ext.block_ids)
             ok = None if rng.random() < 0.75 else rng.randrange(0, nblk) * bs
@@ -145,7 +163,7 @@ class ExternalModel:
 
     def decode(self) -> None:
         rng, bm = self.rng, self.bm
-        run = [s for s in self.seqs if s not in self.stepped]
+        run = [s for s in self.seqs if s not in self.stepped and s not in self.swapped]
         if not run:
             return
         batch = rng.sample(run, rng.randint(1, min(len(run), 6)))
@@ -160,7 +178,7 @@ class ExternalModel:
             ids.append(self.identities([t], ids[-1])[0])
             self.toks[s].append(t)
             n = len(ids)
-            self.writes.append((s, self.slots(s, n - 1, n), ids[n - 1:]))
+            self.writes.append(self.put(s, n - 1, n, ids[n - 1:]))
             self.stepped.add(s)
 
     def free_one(self) -> None:
@@ -174,7 +192,7 @@ class ExternalModel:
         if not self.seqs:
             return
         s = rng.choice(list(self.seqs))
-        hold = rng.random() < 0.3
+        hold = rng.random() < 0.3 and s not in self.swapped
         fresh = s in self.stepped
         if fresh:
             # handed slots in this step: an abort (cache=False); its holds are dropped first (their reader is told)
@@ -192,19 +210,50 @@ class ExternalModel:
             return
         if hold:
             ids = list(self.seqs[s])
+            where = self.hold_positions(s)
             h = bm.free(s, hold_for=self.rng.choice([1.0, 3.0, 100.0]), now=float(self.step_no))
-            self.holds[h.hold_id] = (h.block_ids, ids[: h.num_tokens])
+            self.holds[h.hold_id] = self.hold_record(h, where, ids)
             self.report.count("held_on_free")
         else:
             bm.free(s)
         del self.seqs[s]
+        self.swapped.discard(s)
+
+    def swap(self) -> None:
+        """Preemption by swap: a running sequence out (not one handed slots in this step), or one back in."""
+        bm, rng = self.bm, self.rng
+        if not bm.num_cpu_blocks:
+            return
+        if self.swapped and rng.random() < 0.5:
+            s = rng.choice(sorted(self.swapped))
+            try:
+                bm.swap_in([s])
+            except OutOfBlocksError:
+                return
+            self.swapped.discard(s)
+            self.stepped.add(s)  # (its copies run before this step's forward; no more calls for it this step)
+            self.report.count("swapped_in")
+            return
+        cand = [s for s in self.seqs if s not in self.stepped and s not in self.swapped]
+        if not cand:
+            return
+        s = rng.choice(cand)
+        try:
+            bm.swap_out([s])
+        except (OutOfBlocksError, SequenceStateError):
+            return
+        self.swapped.add(s)
+        self.report.count("swapped_out")
 
     def hold_one(self) -> None:
         if not self.seqs:
             return
         s = self.rng.choice(list(self.seqs))
+        if s in self.swapped:
+            return
+        where = self.hold_positions(s)
         h = self.bm.hold(s, self.rng.choice([1.0, 3.0]), now=float(self.step_no))
-        self.holds[h.hold_id] = (h.block_ids, list(self.seqs[s][: h.num_tokens]))
+        self.holds[h.hold_id] = self.hold_record(h, where, list(self.seqs[s]))
         self.report.count("holds")
 
     def release_holds(self) -> None:
@@ -229,12 +278,29 @@ class ExternalModel:
             self.holds.pop(hid, None)
         self.report.count("holds_expired", len(expired))
 
+    def hold_positions(self, s) -> list:
+        """Per group, the table column of each block (the reader's map from a held block to its positions)."""
+        return [{int(b): c for c, b in enumerate(self.bm.block_table(s, g).tolist()) if b >= 0}
+                for g in range(self.G)]
+
+    def hold_record(self, h, where: list, ids: list) -> list:
+        """``[(block, expected values)]`` of every held block, every group (positions below num_tokens)."""
+        bs, G, n = self.bs, self.G, h.num_tokens
+        if len(h.group_block_ids) != G:
+            self.fail(f"hold {h.hold_id}: {len(h.group_block_ids)} groups of blocks, the manager has {G}")
+        out = []
+        for g, blocks in enumerate(h.group_block_ids):
+            for b in blocks:
+                c = where[g].get(b)
+                if c is None:
+                    self.fail(f"hold {h.hold_id}: block {b} is not in group {g}'s table")
+                out.append((b, [i * G + g for i in ids[c * bs : min((c + 1) * bs, n)]]))
+        return out
+
     def read_hold(self, hid: int) -> None:
-        blocks, ids = self.holds.pop(hid)
         bs = self.bs
-        for i, b in enumerate(blocks):
+        for b, want in self.holds.pop(hid):
             got = self.gpu[b * bs : b * bs + bs].tolist()
-            want = ids[i * bs : (i + 1) * bs]
             if got[: len(want)] != want:
                 self.fail(f"hold {hid}: block {b} holds {got}, the reader expected {want}")
         self.report.count("holds_read")
@@ -254,33 +320,42 @@ class ExternalModel:
                 keep.append([at, plan])
                 continue
             for b, key in zip(plan.block_ids, plan.keys):  # the store reads its blocks now
-                last = int(self.gpu[b * bs + bs - 1])
-                if last <= 0:
-                    self.fail(f"store {plan.store_id}: block {b} holds no KV ({last})")
+                v = int(self.gpu[b * bs + bs - 1])
+                if v <= 0:
+                    self.fail(f"store {plan.store_id}: block {b} holds no KV ({v})")
+                last, g = divmod(v, self.G)
                 toks = self.ident_toks[last]
-                if len(toks) % bs or block_hashes(list(toks), bs)[-1] != key:
+                if len(toks) % bs or block_hashes(list(toks), bs, group=g)[-1] != key:
                     self.fail(f"store {plan.store_id}: block {b} holds content other than its key names")
-                want = self.identities(list(toks))[-bs:]
+                want = [i * self.G + g for i in self.identities(list(toks))[-bs:]]
                 if self.gpu[b * bs : b * bs + bs].tolist() != want:
                     self.fail(f"store {plan.store_id}: block {b} is not the KV of its content")
             self.bm.complete_store(plan.store_id, success=self.rng.random() < 0.9)
             self.report.count("stores_done")
         self.stores = keep
 
-    def transfers_step(self) -> None:
-        """Transfers that complete now write their blocks; those due are reported (done / failed)."""
-        bs, rng = self.bs, self.rng
+    def transfers_write(self) -> None:
+        """Transfers that complete now write their blocks. Called after the step's copy plan is executed: a load
+        writes its blocks only once the copies of the step that handed them out have run (a block freed and
+        handed out again in one step is a copy source until then: a swap-out, a demotion)."""
+        bs = self.bs
         for tr in self.transfers:
             at, s, ext, ok, written, _ = tr
-            if written or at > self.step_no:
+            if written is not False or at > self.step_no:
                 continue
             ids = self.identities(self.toks[s][: ext.start_token + ext.num_tokens])
-            for i, b in enumerate(ext.block_ids):
-                good = ok is None or i * bs < ok
-                vals = ids[ext.start_token + i * bs : ext.start_token + (i + 1) * bs] if good else [GARBAGE] * bs
-                self.gpu[b * bs : b * bs + bs] = vals
-            tr[4] = True
-        due = [tr for tr in self.transfers if tr[4] and tr[5] <= self.step_no]
+            for g, blocks in enumerate(ext.group_block_ids):
+                for i, b in enumerate(blocks):
+                    good = ok is None or i * bs < ok
+                    vals = [x * self.G + g for x in ids[ext.start_token + i * bs : ext.start_token + (i + 1) * bs]] \
+                        if good else [GARBAGE] * bs
+                    self.gpu[b * bs : b * bs + bs] = vals
+            tr[4] = self.step_no
+
+    def transfers_step(self) -> None:
+        """Transfers written in an earlier step and due are reported (done / failed), in a random order."""
+        rng = self.rng
+        due = [tr for tr in self.transfers if tr[4] is not False and tr[4] < self.step_no and tr[5] <= self.step_no]
         rng.shuffle(due)
         if not due:
             return
@@ -304,7 +379,7 @@ class ExternalModel:
             if n != len(ids):
                 self.fail(f"{s}: holds {n} tokens, its prompt is {len(ids)}")
             self.seqs[s] = ids[:n]
-            self.writes.append((s, self.slots(s, c, n), ids[c:n]))
+            self.writes.append(self.put(s, c, n, ids[c:n]))
             self.stepped.add(s)
             self.report.count("loads_done" if tr[3] is None else "loads_failed")
 
@@ -320,8 +395,10 @@ class ExternalModel:
                 self.decode()
             elif r < 0.85:
                 self.free_one()
-            elif r < 0.92:
+            elif r < 0.88:
                 self.hold_one()
+            elif r < 0.93:
+                self.swap()
             else:
                 self.take_store()
         self.end_step()
@@ -335,9 +412,14 @@ class ExternalModel:
         """Transfers, the copy plan, the forward, holds and stores, then the checks."""
         self.transfers_step()
         plan = self.bm.take_copy_plan()
-        for kind, src, dst in plan.batches():  # GPU -> GPU only here (copy-on-write)
-            for sb, db in zip(src.tolist(), dst.tolist()):
-                self.gpu[db * self.bs : db * self.bs + self.bs] = self.gpu[sb * self.bs : sb * self.bs + self.bs]
+        stores = {0: (self.gpu, self.cpu), 1: (self.cpu, self.gpu), 2: (self.gpu, self.gpu)}
+        bs = self.bs
+        for kind, src, dst in plan.batches():  # gather every source of a batch, then scatter
+            a, b = stores[int(kind)]
+            vals = [a[x * bs : x * bs + bs].copy() for x in src.tolist()]
+            for d, v in zip(dst.tolist(), vals):
+                b[d * bs : d * bs + bs] = v
+        self.transfers_write()
         for _, slots, vals in self.writes:  # the forward
             self.gpu[slots] = vals
         self.release_holds()
@@ -352,12 +434,21 @@ class ExternalModel:
             self.fail("the manager's sequences differ from the model's")
         if set(bm.loading_seq_ids) != set(self.loading):
             self.fail("the manager's LOADING sequences differ from the model's")
+        G = self.G
         for s, ids in self.seqs.items():
             n = bm.num_tokens(s)
-            got = self.gpu[self.slots(s, 0, n)].tolist()
-            if got != ids[:n]:
-                bad = next(i for i, (a, b) in enumerate(zip(got, ids)) if a != b)
-                self.fail(f"{s}: position {bad} reads {got[bad]}, expected {ids[bad]}")
+            store = self.cpu if s in self.swapped else self.gpu
+            pos = np.arange(n)
+            want = np.asarray(ids[:n], np.int64)
+            for g in range(G):
+                t = bm.block_table(s, g).astype(np.int64)[pos // bs]
+                held = t >= 0  # (a sliding group: the positions its window still holds)
+                got = store[t[held] * bs + pos[held] % bs]
+                exp = want[held] * G + g
+                if not np.array_equal(got, exp):
+                    bad = int(np.flatnonzero(got != exp)[0])
+                    self.fail(f"{s}: group {g} position {int(pos[held][bad])} reads {int(got[bad])}, "
+                              f"expected {int(exp[bad])}")
 
     def drain(self) -> None:
         """Every transfer completed and reported, every hold read and released, every store completed."""
@@ -365,7 +456,8 @@ class ExternalModel:
             tr[0] = tr[5] = self.step_no + 1
         for st in self.stores:
             st[0] = self.step_no + 1
-        self.step(calls=False)
+        self.step(calls=False)  # (the transfers write)
+        self.step(calls=False)  # (and are reported)
         for hid in list(self.holds):
             self.read_hold(hid)
             self.bm.release_hold(hid)
@@ -374,8 +466,8 @@ class ExternalModel:
             self.fail("something is left in flight after draining")
 
 
-def run(seed: int, steps: int, check_every: int = 1) -> Report:
-    m = ExternalModel(seed, check_every)
+def run(seed: int, steps: int, check_every: int = 1, hybrid: bool = False) -> Report:
+    m = ExternalModel(seed, check_every, hybrid)
     try:
         for _ in range(steps):
             m.step()

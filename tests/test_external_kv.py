@@ -95,6 +95,10 @@ def test_loading_refuses_the_step_calls_and_changes_nothing():
     assert m.table_rows(["a"]).size == 1 and not m.is_swapped("a")
     with pytest.raises(DuplicateSequenceError):
         m.allocate("a", prompt(2))
+    m.allocate("p", [1, 2, 3])
+    with pytest.raises(DuplicateSequenceError):  # a fork's child id is checked against the LOADING ids too
+        m.fork("p", "a")
+    m.free("p", cache=False)
 
 
 def test_failed_load_keeps_the_intact_part_and_computes_the_rest():
@@ -215,6 +219,7 @@ def test_chunked_prefill_with_external_tokens():
     p = prompt(1, 40)  # 48 tokens
     assert m.allocate("a", p, num_external_tokens=8, num_new_tokens=8) == 16
     assert m.num_tokens("a") == 24  # hit 8 + external 8 + one chunk of 8
+    m.check_invariants()
     m.finish_external(done=["a"])
     m.take_copy_plan()
     m.decode_step(["a"], p[24:32], num_new_tokens=[8])
@@ -347,6 +352,8 @@ def test_write_through_plans_each_registered_block_once_and_pins_it():
     assert m.take_store_plan() is None
     p = prompt(1, 12)  # 20 tokens: 5 full blocks registered by allocate
     m.allocate("a", p)
+    assert m.take_store_plan() is None  # their KV is written by this step's forward: planned after it
+    m.take_copy_plan()
     plan = m.take_store_plan()
     assert plan.keys == tuple(block_hashes(p, BS)) and len(plan.block_ids) == 5
     assert m.pending_stores == (plan.store_id,)
@@ -364,6 +371,7 @@ def test_write_through_plans_each_registered_block_once_and_pins_it():
     with pytest.raises(UnknownStoreError):
         m.complete_store(plan.store_id)
     m.check_invariants()
+    m.take_copy_plan()
     plan2 = m.take_store_plan()  # x's blocks, none of a's
     assert not set(plan2.block_ids) & set(plan.block_ids)
     m.complete_store(plan2.store_id, success=False)
@@ -373,8 +381,10 @@ def test_write_through_plans_each_registered_block_once_and_pins_it():
 def test_write_through_plans_a_load_only_once_it_is_done():
     m = mgr(store_policy="write_through")
     m.allocate("a", prompt(1), num_external_tokens=12)
+    m.take_copy_plan()
     assert m.take_store_plan() is None  # nothing registered while loading
     m.finish_external(done=["a"])
+    m.take_copy_plan()
     assert len(m.take_store_plan().block_ids) == 7
 
 
@@ -400,6 +410,7 @@ def test_selective_plans_a_block_hit_often_enough():
 def test_complete_store_bad_input():
     m = mgr(store_policy="write_through")
     m.allocate("a", prompt(1))
+    m.take_copy_plan()
     plan = m.take_store_plan()
     for bad in (999, None, "x"):
         with pytest.raises(UnknownStoreError):
@@ -407,4 +418,94 @@ def test_complete_store_bad_input():
     with pytest.raises(InvalidArgumentError):
         m.complete_store(plan.store_id, success="yes")
     assert m.pending_stores == (plan.store_id,)
+    m.check_invariants()
+
+
+# ------------------------------------------------------------------ KV cache groups (HybridBlockManager)
+def hybrid(**kw):
+    from pagedkv import FullAttentionSpec, HybridBlockManager, SlidingWindowSpec
+
+    kw.setdefault("enable_prefix_caching", True)
+    return HybridBlockManager(kw.pop("num_gpu_blocks", 64), BS, kv_cache_groups=[
+        FullAttentionSpec(), SlidingWindowSpec(8)], **kw)
+
+
+def test_hybrid_holds_cover_every_group_and_only_the_window():
+    m = hybrid()
+    p = prompt(1)  # 28 tokens: 7 blocks per group, the sliding group keeps its window after a step
+    m.allocate("a", p)
+    m.take_copy_plan()
+    m.decode_step(["a"], [3])
+    m.take_copy_plan()
+    h = m.free("a", hold_for=10.0, now=0.0)
+    full, sliding = h.group_block_ids
+    assert h.block_ids == full and len(full) == 8
+    assert 0 < len(sliding) < len(full)  # the window released the others (NULL_BLOCK, not held)
+    m.check_invariants()
+    free = m.num_free_gpu_blocks
+    m.release_hold(h.hold_id)
+    assert m.num_free_gpu_blocks == free + len(full) + len(sliding)
+    m.check_invariants()
+    with pytest.raises(UnknownHoldError):
+        m.release_hold(h.hold_id)
+
+
+def test_hybrid_store_plan():
+    m = hybrid(store_policy="write_through")
+    m.allocate("a", prompt(1))
+    m.take_copy_plan()
+    plan = m.take_store_plan()
+    assert len(plan.block_ids) == 14  # 7 full blocks in each group
+    assert set(block_hashes(prompt(1), BS)) <= set(plan.keys)
+    assert set(block_hashes(prompt(1), BS, group=1)) <= set(plan.keys)
+    m.check_invariants()
+    m.complete_store(plan.store_id)
+    m.check_invariants()
+
+
+def test_hybrid_loads_in_every_group():
+    m = hybrid(enable_kv_events=True)
+    m.allocate("w", SYS + [7])
+    m.take_copy_plan()
+    m.free("w")
+    m.take_events()
+    p = prompt(1)
+    assert m.allocate("a", p, num_external_tokens=12) == 20
+    ext = m.external_blocks("a")
+    assert len(ext.group_block_ids) == 2 and all(len(g) == 3 for g in ext.group_block_ids)
+    assert ext.group_keys[1] == tuple(block_hashes(p[:20], BS, group=1)[2:])
+    assert m.loading_seq_ids == ("a",)
+    m.check_invariants()
+    with pytest.raises(SequenceStateError):
+        m.decode_step(["a"], [1])
+    assert m.lookup_prefix(p).num_cached_tokens == 8 and m.take_events() == []
+    assert m.finish_external(done=["a"]) == {"a": 20}
+    m.check_invariants()
+    assert m.lookup_prefix(p).num_cached_tokens == 24
+    m.take_copy_plan()
+    m.decode_step(["a"], [1])
+    m.check_invariants()
+    # an abort while loading parks every group's arriving blocks
+    m.allocate("b", prompt(2), num_external_tokens=8)
+    m.free("b")
+    assert m.parked_seq_ids == ("b",)
+    m.check_invariants()
+    assert m.finish_external(failed={"b": 4}) == {}
+    m.check_invariants()
+    b = m.allocate_batch(["c", "d"], [prompt(3), prompt(4)], num_external_tokens=[8, 0])
+    assert b.num_cached_tokens.tolist() == [16, 8] and m.loading_seq_ids == ("c",)
+    m.check_invariants()
+    m.finish_external(failed={"c": 0})
+    m.check_invariants()
+
+
+def test_hybrid_selective_counts_hits_in_every_group():
+    m = hybrid(store_policy="selective", store_min_hits=1)
+    p = prompt(1)
+    m.allocate(0, p)
+    m.take_copy_plan()
+    assert m.take_store_plan() is None
+    m.allocate(1, p)
+    plan = m.take_store_plan()
+    assert plan is not None and len(plan.block_ids) >= 6
     m.check_invariants()

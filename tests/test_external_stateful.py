@@ -3,7 +3,8 @@ each step (admissions with external tokens, decodes, frees and aborts, holds, st
 parameters, and shrinks a failing run to a short one; the KV-content model (tests/kv_external_model.py)
 executes each step as an engine does (transfers completing late, reordered, failing; the copy plan; the
 forward; holds read by a second party; stores reading their blocks late) and checks every running sequence's
-KV. check_invariants after every rule, and the typed errors of bad reports leave the manager unchanged.
+KV. check_invariants after every rule, and the typed errors of bad reports leave the manager unchanged. Both
+managers: BlockManager and HybridBlockManager (KV cache groups).
 
 More examples: PAGEDKV_STATEFUL_EXAMPLES=2000 pytest tests/test_external_stateful.py
 """
@@ -32,9 +33,9 @@ def state(bm) -> tuple:
 
 
 class ExternalMachine(RuleBasedStateMachine):
-    @initialize(seed=SEEDS)
-    def start(self, seed):
-        self.m = kv_external_model.ExternalModel(seed)
+    @initialize(seed=SEEDS, hybrid=st.booleans())
+    def start(self, seed, hybrid):
+        self.m = kv_external_model.ExternalModel(seed, hybrid=hybrid)
         self.m.begin_step()
 
     def _with(self, seed):

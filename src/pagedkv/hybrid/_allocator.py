@@ -76,6 +76,7 @@ class HybridAllocator:
         self.cpu_tok, self.cpu_id, self.retention = cpu_tok, cpu_id, retention
         self.bs, self.watermark, self.fixed_w = bs, watermark, fixed_w
         self.ns_memo: dict = {}
+        self.on_hits = None  # called with every group's GPU hit blocks of a committed prompt (selective stores)
         # sibling keys (pagedkv.hybrid._hit): per block of the first full group, the content id it held when the
         # sliding groups' keys of the same prefix were recorded, and those keys (one column per sliding group)
         self.sib = self.sib_rows = None
@@ -277,8 +278,9 @@ class HybridAllocator:
             self.tier.pin_many(pins)
         return held
 
-    def commit(self, seq_id: Hashable, gns: tuple, plan: _Plan) -> None:
-        """Create the sequence in every group (hits held by :meth:`hold`); nothing here can fail."""
+    def commit(self, seq_id: Hashable, gns: tuple, plan: _Plan, defer: bool = False) -> None:
+        """Create the sequence in every group (hits held by :meth:`hold`); nothing here can fail. ``defer``
+        (external KV, a plan without ``memo``): register nothing past the hit in any group."""
         cache = self.cache
         memo = plan.memo
         if memo is not None:  # a plan of pagedkv.hybrid._hit: every group at once, with the plan's keys
@@ -288,7 +290,12 @@ class HybridAllocator:
             for g, (al, (gpu, cpu, chain, nnull)) in enumerate(zip(self.allocs, plan.groups)):
                 if cache is not None and plan.nhit == 0:
                     chain = cache.root(gns[g], intern=True)  # (a new namespace's root gets its content id now)
-                al.commit(seq_id, gns[g], plan.arr, plan.n, plan.nblocks, gpu, cpu, chain, True, nnull)
+                al.commit(seq_id, gns[g], plan.arr, plan.n, plan.nblocks, gpu, cpu, chain, True, nnull, defer)
+        if self.on_hits is not None and plan.nhit:
+            hits = [b for gpu, _, _, _ in plan.groups for b in (gpu.tolist() if hasattr(gpu, "tolist") else gpu)
+                    if b >= 0]
+            if hits:
+                self.on_hits(hits)
         if plan.n < plan.arr.size:  # a chunk: fork waits for the rest of the prompt (every group records it)
             for t in self.tables:
                 t.partial[seq_id] = plan.arr.size
@@ -357,6 +364,33 @@ class HybridAllocator:
         self.commit(seq_id, gns, plan)
         return plan.nhit * self.bs
 
+    def allocate_external(self, seq_id: Hashable, arr: np.ndarray, la: int, gns: tuple, chunk: int | None,
+                          e: int) -> tuple:
+        """External KV (manager/_external.py): the hybrid hit L, then ``e`` tokens after it (cut to whole blocks
+        before the prompt's last token) whose blocks every group reserves unregistered. Returns ``(L, e')``;
+        ``e' == 0``: a plain allocation (chunked as asked). O(prompt blocks x groups)."""
+        bs, G = self.bs, self.G
+        plan = self.plan(arr, la, gns)
+        h = plan.nhit * bs
+        ext = max(0, min(e, (arr.size - 1) // bs * bs - h))
+        if not ext:
+            return self.allocate(seq_id, arr, la, gns, chunk) // bs, 0
+        if chunk is not None and h + ext + chunk < plan.n:  # the hit, the external tokens, one chunk
+            n = h + ext + chunk
+            nb = -(-(n + la) // bs)
+            plan = plan._replace(n=n, nblocks=nb, need=plan.need - G * (plan.nblocks - nb))
+        free = self.blocks.num_free
+        if plan.need > free:
+            raise OutOfBlocksError(f"prompt of {plan.n} tokens needs {plan.need} new blocks in {G} KV cache groups; "
+                                   f"{free} are free")
+        if plan.memo is not None:  # the per-group commit (it can defer registration): hits with leading NULLs
+            plan = plan._replace(memo=None, held=None, groups=[
+                ([NULL_BLOCK] * nn + (b.tolist() if hasattr(b, "tolist") else list(b)), cpu, chain, nn)
+                for b, cpu, chain, nn in plan.groups])
+        self.hold(plan)
+        self.commit(seq_id, gns, plan, defer=True)
+        return plan.nhit, ext
+
     def allocate_batch(self, seq_ids: list, arrs: list, gnss: list, chunks: list, la: int) -> HybridPrefillBatch:
         """A batch of validated prompts (see HybridBlockManager.allocate_batch), all or nothing."""
         plans = [self.plan(a, la, gns, chunk=c) for a, gns, c in zip(arrs, gnss, chunks)]
@@ -390,8 +424,14 @@ class HybridAllocator:
             nhit.append(plan.nhit)
             shapes.append((None, plan.n))
         self.unhold(held)
+        return self.result(seq_ids, arrs, shapes, nhit)
+
+    def result(self, seq_ids: list, arrs: list, shapes: list, nhit: list) -> HybridPrefillBatch:
+        """The prefill metadata of committed prompts, per group (LOADING ones included: their tokens to compute
+        start after the external range, ``nhit`` counting it). O(tokens x groups)."""
         sids = tuple(seq_ids)
-        res = [al.prefill_result(sids, arrs, shapes, [t.row_of[s] for s in seq_ids], nhit)
+        res = [al.prefill_result(sids, arrs, shapes, [t.row_of[s] if s in t.row_of else t.loading[s]
+                                                       for s in seq_ids], nhit)
                for al, t in zip(self.allocs, self.tables)]
         r0 = res[0]
         return HybridPrefillBatch(sids, r0.num_cached_tokens, r0.query_start_loc, r0.token_ids, r0.positions,

@@ -106,7 +106,7 @@ class HybridSeqs:
                 t.ccid[:] = 0  # break every live chain
         return freed
 
-    def check(self) -> None:
+    def check(self, extra=()) -> None:
         """The cross-group invariants, then every group's tables and the shared parts; AssertionError."""
         t0 = self.t0
         for g, t in enumerate(self.tables[1:], 1):
@@ -122,4 +122,4 @@ class HybridSeqs:
             if t.partial != t0.partial:
                 raise AssertionError(f"group {g}: partly prefilled sequences {t.partial} differ from group 0's "
                                      f"{t0.partial}")
-        _invariants.check(self.blocks, self.tier, self.bs, list(zip(self.tables, self.windows)))
+        _invariants.check(self.blocks, self.tier, self.bs, list(zip(self.tables, self.windows)), extra)

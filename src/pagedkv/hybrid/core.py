@@ -61,10 +61,12 @@ from ._step import HybridStepper
 from ._swap import HybridSwapper
 from ._types import HybridPrefillBatch, HybridStepDelta, HybridStepResult
 from ._retention import WindowRetention, _SlidingGroup
-from ..errors import DuplicateSequenceError, InvalidArgumentError, InvalidTokensError
+from ..errors import DuplicateSequenceError, InvalidArgumentError, InvalidTokensError, OutOfBlocksError, SequenceStateError
 from ..blocks.evictor import RetentionEvictor
 from ..kv_groups import FullAttentionSpec, SlidingWindowSpec
 from ..manager import BlockManager
+from ..manager import _invariants
+from ..manager._external import STORE_POLICIES, External, Hold, StorePlan
 from ..types import AllocStatus, CopyPlan, PrefixHit, Stats
 
 __all__ = ["HybridBlockManager", "HybridPrefillBatch", "HybridStepDelta", "HybridStepResult"]
@@ -125,8 +127,16 @@ class HybridBlockManager:
         block_table_width: int | None = None,
         window_retention: bool = True,
         retention_interval: int | None = None,
+        store_policy: str = "none",
+        store_min_hits: int = 1,
     ) -> None:
         specs = _check_groups(kv_cache_groups)
+        if store_policy not in STORE_POLICIES:
+            raise InvalidArgumentError(f"store_policy must be one of {STORE_POLICIES}, got {store_policy!r}")
+        store_min_hits = check_int("store_min_hits", store_min_hits, 1)
+        if store_policy != "none" and not enable_prefix_caching:
+            raise InvalidArgumentError("store_policy needs enable_prefix_caching=True")
+        self._store = (store_policy, store_min_hits)
         if retention_interval is None:  # auto: 16 windows of the widest group
             retention_interval = 16 * max((s.window for s in specs if s.window is not None), default=0)
         retention_interval = check_int("retention_interval", retention_interval, 0)
@@ -176,6 +186,9 @@ class HybridBlockManager:
         self._swap = HybridSwapper(tables, [m._swap for m in gs], blocks, self._gpu, bs, m0._watermark_blocks)
         self._seqs = HybridSeqs(gs, tables, [m._reg for m in gs], wins, [m._window for m in gs], self._retention,
                                 blocks, self._gpu, self._cache, self._tier, bs)
+        # holds and store plans over every group (external loads: not on the hybrid manager yet)
+        self._ext = External(self._t0, blocks, m0._reg, self._alloc, self._cache, bs, *self._store, tables=tables,
+                             regs=[m._reg for m in gs])
 
     # ------------------------------------------------------------------ read-only state
     @property
@@ -300,7 +313,10 @@ class HybridBlockManager:
         """Every KV block copy of the step, all groups, in the order to execute them (block ids are pool-wide: copy
         block src to dst in every layer slot), and end the step. See BlockManager.take_copy_plan.
         O(copies + rows x groups)."""
-        return self._seqs.take_copy_plan()
+        plan = self._seqs.take_copy_plan()
+        if self._store[0] == "write_through":
+            self._ext.end_step()
+        return plan
 
     def take_copies(self):
         """Deprecated, as BlockManager.take_copies: :meth:`take_copy_plan` narrowed to the CPU tier's copies."""
@@ -314,7 +330,8 @@ class HybridBlockManager:
         """Every invariant of every group and of the shared parts (refcounts summed over the groups' tables), and
         that the groups hold the same sequences in the same rows, token counts and partly prefilled sequences
         (chunked prefill: every group records the same prompt lengths). O(blocks + total table length)."""
-        self._seqs.check()
+        self._seqs.check(self._ext.extra_refs())
+        self._ext.check(_invariants.fail)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block of every group (see BlockManager.reset_prefix_cache). Returns how many blocks
@@ -323,7 +340,7 @@ class HybridBlockManager:
 
     # ------------------------------------------------------------------ allocation
     def allocate(self, seq_id: Hashable, token_ids: Sequence[int], num_lookahead_slots: int = 0, *,
-                 namespace: object = None, num_new_tokens: int | None = None) -> int:
+                 namespace: object = None, num_new_tokens: int | None = None, num_external_tokens: int = 0) -> int:
         """Create the sequence's block table in every group; returns the hybrid hit (tokens cached in every group,
         a multiple of block_size, less than the prompt). See BlockManager.allocate; raises what it raises
         (PromptTooLongError counting every group) and changes nothing then. O(prompt blocks x groups).
@@ -338,7 +355,22 @@ class HybridBlockManager:
             group 0 (full)     [ hit ........ | chunk 1 ][ chunk 2 ][ chunk 3 ]
             group 1 (sliding)  [ NULL | window | chunk 1 ][ chunk 2 ][ chunk 3 ]
                                  allocate(num_new_tokens=k)  decode_step  decode_step
+
+        ``num_external_tokens=E`` (external KV, docs/external-kv.md): as BlockManager.allocate's, in every group:
+        each group reserves the blocks of the E' tokens after the hybrid hit (a sliding group too: its window
+        releases those it no longer needs once the sequence runs), registers nothing past the hit until
+        :meth:`finish_external`, and the sequence is LOADING until then.
         """
+        if num_external_tokens:
+            e = self._ext.check_external(num_external_tokens)
+            self._t0.check_new_id(seq_id)
+            la = check_int("num_lookahead_slots", num_lookahead_slots, 0)
+            k = None if num_new_tokens is None else check_int("num_new_tokens", num_new_tokens, 1)
+            arr = as_tokens(token_ids)
+            nhit, ext = self._alloc.allocate_external(seq_id, arr, la, self._alloc.gns(namespace), k, e)
+            if ext:
+                self._ext.start_load(seq_id, arr, nhit, ext, namespace)
+            return nhit * self._bs + ext
         self._t0.check_new_id(seq_id)
         la = check_int("num_lookahead_slots", num_lookahead_slots, 0)
         k = None if num_new_tokens is None else check_int("num_new_tokens", num_new_tokens, 1)
@@ -347,7 +379,8 @@ class HybridBlockManager:
 
     def allocate_batch(self, seq_ids: Sequence[Hashable], token_ids: Sequence[Sequence[int]],
                        num_lookahead_slots: int = 0, *, namespaces: Sequence[object] | None = None,
-                       num_new_tokens: Sequence[int] | None = None) -> HybridPrefillBatch:
+                       num_new_tokens: Sequence[int] | None = None,
+                       num_external_tokens: Sequence[int] | None = None) -> HybridPrefillBatch:
         """Allocate B sequences at once and return their prefill metadata per group (:class:`HybridPrefillBatch`).
         Like consecutive :meth:`allocate` calls (a prompt hits the blocks the batch's earlier prompts cached),
         all or nothing, and every hit planned for the batch is held before any block is taken. Admission counts
@@ -358,6 +391,9 @@ class HybridBlockManager:
 
         ``num_new_tokens`` (chunked prefill): None, or one chunk size (>= 1) per prompt, as for :meth:`allocate`;
         the metadata then covers each sequence's hit plus its chunk (``seq_lens``: the tokens held)."""
+        if num_external_tokens is not None:
+            return self._allocate_batch_external(seq_ids, token_ids, num_lookahead_slots, namespaces,
+                                                 num_new_tokens, num_external_tokens)
         seq_ids = list(seq_ids)
         prompts = list(token_ids) if not isinstance(token_ids, np.ndarray) or token_ids.ndim == 2 else None
         if prompts is None or len(prompts) != len(seq_ids):
@@ -386,6 +422,52 @@ class HybridBlockManager:
         gnss = [self._alloc.gns(ns) for ns in namespaces]
         arrs = [as_tokens(p, f"token_ids[{i}]") for i, p in enumerate(prompts)]
         return self._alloc.allocate_batch(seq_ids, arrs, gnss, chunks, la)
+
+    def _allocate_batch_external(self, seq_ids, token_ids, la, namespaces, chunks, exts) -> HybridPrefillBatch:
+        """allocate_batch with ``num_external_tokens``: checked as a whole (ids, prompts, the sum of the prompts'
+        new blocks against the free ones), then consecutive :meth:`allocate` calls. O(total prompt blocks x
+        groups)."""
+        seq_ids = list(seq_ids)
+        b = len(seq_ids)
+        if isinstance(exts, (int, np.integer)) or len(exts) != b:
+            raise InvalidArgumentError("num_external_tokens must be None or one count per prompt")
+        exts = [self._ext.check_external(e) for e in exts]
+        prompts = list(token_ids) if not isinstance(token_ids, np.ndarray) or token_ids.ndim == 2 else None
+        if prompts is None or len(prompts) != b:
+            raise InvalidTokensError(f"token_ids must hold one prompt per sequence ({b})")
+        la = check_int("num_lookahead_slots", la, 0)
+        namespaces = [None] * b if namespaces is None else list(namespaces)
+        chunks = [None] * b if chunks is None else [check_int(f"num_new_tokens[{i}]", c, 1)
+                                                    for i, c in enumerate(chunks)]
+        if len(namespaces) != b or len(chunks) != b:
+            raise InvalidArgumentError("namespaces and num_new_tokens must hold one entry per prompt")
+        seen: set = set()
+        for s in seq_ids:
+            self._t0.check_new_id(s)
+            if s in seen:
+                raise DuplicateSequenceError(f"sequence {s!r} appears twice in one batch")
+            seen.add(s)
+        arrs = [as_tokens(p, f"token_ids[{i}]") for i, p in enumerate(prompts)]
+        plans = [self._alloc.plan(a, la, self._alloc.gns(ns)) for a, ns in zip(arrs, namespaces)]
+        need = sum(p.need for p in plans)
+        if need > self.num_free_gpu_blocks:
+            raise OutOfBlocksError(f"the batch of {b} prompts needs up to {need} new blocks; "
+                                   f"{self.num_free_gpu_blocks} are free")
+        # every planned GPU hit held first: no prompt of the batch evicts a later one's hit (a lost hybrid hit
+        # costs a sliding group more than the block lost), so each prompt's need stays an upper bound
+        held = list(dict.fromkeys(x for p in plans for x in self._alloc.hold_list(p)))
+        if held and self._cache is not None:
+            self._alloc.hold_blocks(held)
+        nhit, shapes = [], []
+        try:
+            for s, a, ns, c, e in zip(seq_ids, arrs, namespaces, chunks, exts):
+                cached = self.allocate(s, a, la, namespace=ns, num_new_tokens=c, num_external_tokens=e)
+                nhit.append(cached // self._bs)
+                shapes.append((None, self.num_tokens(s)))
+        finally:
+            if held and self._cache is not None:
+                self._alloc.unhold(held)
+        return self._alloc.result(seq_ids, arrs, shapes, nhit)
 
     def lookup_prefix(self, token_ids: Sequence[int], num_lookahead_slots: int = 0, *,
                       namespace: object = None, num_new_tokens: int | None = None) -> PrefixHit:
@@ -418,11 +500,96 @@ class HybridBlockManager:
         token counts). O(table length x groups)."""
         self._seqs.fork(parent_seq_id, child_seq_id)
 
-    def free(self, seq_id: Hashable, *, cache: bool = True) -> None:
+    def free(self, seq_id: Hashable, *, cache: bool = True, hold_for: float | None = None,
+             now: float | None = None) -> Hold | None:
         """Release the sequence's blocks in every group (see BlockManager.free; with ``cache=False`` every group's
         blocks of the last call are withdrawn, or, if another sequence holds one, SequenceStateError and nothing
-        changes). O(table length x groups)."""
-        self._seqs.free(seq_id, cache)
+        changes). ``hold_for``: :meth:`hold` first, all or nothing (see BlockManager.free). O(table length x
+        groups)."""
+        if hold_for is not None:
+            if not cache:
+                raise InvalidArgumentError("free(..., hold_for=) holds KV for a reader; with cache=False that KV "
+                                           "was never written")
+            h = self._ext.hold(seq_id, hold_for, now)
+            try:
+                self._seqs.free(seq_id, cache)
+            except BaseException:
+                self._ext.undo_hold(h.hold_id)
+                raise
+            return h
+        if not cache and self._ext.holds and self._ext.held(seq_id):
+            raise SequenceStateError(
+                f"free({seq_id!r}, cache=False): a hold of it covers KV that is then never written; release its "
+                "holds first (their reader must drop them)")
+        try:
+            self._seqs.free(seq_id, cache)
+        except SequenceStateError:
+            if seq_id in self._t0.loading:  # an abort while LOADING: every group's arriving blocks park
+                self._ext.abort(seq_id)
+                return None
+            raise
+        return None
+
+    # ------------------------------------------------------------------ external KV (docs/external-kv.md)
+    def external_blocks(self, seq_id: Hashable):
+        """See BlockManager.external_blocks: ``group_block_ids[g]`` and ``group_keys[g]`` are group g's blocks
+        and keys of the external range (``block_ids`` / ``keys``: group 0's)."""
+        return self._ext.external_blocks(seq_id)
+
+    def finish_external(self, done: Iterable[Hashable] = (), failed: dict | None = None) -> dict:
+        """See BlockManager.finish_external: every group registers its arrived blocks."""
+        return self._ext.finish(done, failed)
+
+    @property
+    def loading_seq_ids(self) -> tuple:
+        return tuple(self._t0.loading)
+
+    def is_loading(self, seq_id: Hashable) -> bool:
+        self._t0.any_row(seq_id)
+        return seq_id in self._t0.loading
+
+    @property
+    def parked_seq_ids(self) -> tuple:
+        return tuple(self._t0.parked)
+
+    def hold(self, seq_id: Hashable, lease_s: float, *, now: float | None = None) -> Hold:
+        """BlockManager.hold over every group: the blocks each group's table holds for the sequence's tokens (a
+        sliding group: only those its window still holds, NULL_BLOCK positions left out); ``Hold.block_ids`` are
+        group 0's, ``Hold.group_block_ids`` every group's. O(table length x groups)."""
+        return self._ext.hold(seq_id, lease_s, now)
+
+    def release_hold(self, hold_id: int) -> None:
+        """See BlockManager.release_hold."""
+        self._ext.release_hold(hold_id)
+
+    def renew_hold(self, hold_id: int, lease_s: float, *, now: float | None = None) -> Hold:
+        """See BlockManager.renew_hold."""
+        return self._ext.renew_hold(hold_id, lease_s, now)
+
+    def expire_holds(self, now: float | None = None) -> list[int]:
+        """See BlockManager.expire_holds."""
+        return self._ext.expire_holds(now)
+
+    @property
+    def holds(self) -> tuple:
+        return tuple(self._ext.holds.values())
+
+    @property
+    def store_policy(self) -> str:
+        return self._store[0]
+
+    def take_store_plan(self) -> StorePlan | None:
+        """See BlockManager.take_store_plan: blocks of every group (a key names its group: each group's chain
+        starts from a root of its own); a sliding group's registered blocks are the ones it still held."""
+        return self._ext.take_store_plan()
+
+    def complete_store(self, store_id: int, success: bool = True) -> None:
+        """See BlockManager.complete_store."""
+        self._ext.complete_store(store_id, success)
+
+    @property
+    def pending_stores(self) -> tuple:
+        return tuple(self._ext.plans)
 
     # ------------------------------------------------------------------ appending
     def decode_step(self, seq_ids: Sequence[Hashable], token_ids: object, num_lookahead_slots: int = 0, *,

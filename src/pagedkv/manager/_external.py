@@ -33,7 +33,7 @@ class ExternalLoad(NamedTuple):
     """The blocks that receive a LOADING sequence's external KV: ``block_ids[i]`` takes the KV of tokens
     ``[start_token + i * block_size, start_token + (i + 1) * block_size)``, whose chained content key (the prefix
     cache's, :func:`pagedkv.block_hashes`) is ``keys[i]``. ``group_block_ids``: the same per KV cache group (one
-    tuple per group; a BlockManager has one)."""
+    tuple per group; a BlockManager has one) and ``group_keys``."""
 
     seq_id: Hashable
     start_token: int
@@ -42,6 +42,7 @@ class ExternalLoad(NamedTuple):
     keys: tuple
     namespace: object
     group_block_ids: tuple
+    group_keys: tuple  # the keys per group (``pagedkv.block_hashes(..., group=g)``: each group's chain)
 
 
 class Hold(NamedTuple):
@@ -95,11 +96,15 @@ class External:
     (:class:`~pagedkv.manager._rows.SeqTables`: ``loading``, ``parked``), ``blocks``
     (:class:`~pagedkv.blocks._blocks.Blocks`), the registry ``reg``, the allocator ``alloc`` and the prefix cache.
     Its own state: the LOADING sequences' records, the holds, the pending store plans and the per-block store
-    marks (flat arrays by block id)."""
+    marks (flat arrays by block id). A HybridBlockManager builds one over group 0's parts with ``tables`` (every
+    group's) for its holds and store plans; its group managers' own parts are never used for those."""
 
     def __init__(self, t, blocks, reg, alloc, cache, bs: int, store_policy: str = "none",
-                 store_min_hits: int = 1) -> None:
+                 store_min_hits: int = 1, tables: list | None = None, regs: list | None = None) -> None:
         self.t, self.blocks, self.reg, self.alloc, self.cache, self.bs = t, blocks, reg, alloc, cache, bs
+        # every KV cache group's tables (a HybridBlockManager's holds cover every group; rows are the same)
+        self.tables = tables if tables is not None else [t]
+        self.regs = regs if regs is not None else [reg]
         self.gpu = blocks.gpu
         self.loads: dict = {}  # seq_id -> _Load of each LOADING sequence
         self.holds: dict = {}  # hold_id -> Hold
@@ -162,19 +167,26 @@ class External:
             self.enter_loading(seq_id, row, _Load(arr, n, nhit, ext // self.bs, namespace))
         return nhit * self.bs + ext
 
+    def start_load(self, seq_id: Hashable, arr: np.ndarray, nhit: int, ext: int, namespace) -> None:
+        """A sequence just allocated (every group) with ``ext`` external tokens after its ``nhit`` hit blocks,
+        registration deferred: it becomes LOADING. O(groups)."""
+        row = self.t.row_of[seq_id]
+        self.enter_loading(seq_id, row, _Load(arr, int(self.t.ntok[row]), nhit, ext // self.bs, namespace))
+
     def enter_loading(self, seq_id: Hashable, row: int, rec: _Load) -> None:
-        t = self.t
-        del t.row_of[seq_id]
-        t.loading[seq_id] = row
-        t.memo_ids = None
+        for t in self.tables:  # (every group's row of the sequence: the same row)
+            del t.row_of[seq_id]
+            t.loading[seq_id] = row
+            t.memo_ids = None
         self.loads[seq_id] = rec
 
     def allocate_batch(self, seq_ids: list, prompts: list, la: int, namespaces: list, chunks, exts: list,
                        walk) -> object:
-        """``allocate_batch(..., num_external_tokens=exts)``: checked and counted as a whole first (every plan,
-        the batch's new blocks at most the free ones: each prompt's need is an upper bound once earlier prompts
-        are committed), then consecutive allocations, so it is all or nothing. ``walk(rows, plans, nhit)``
-        builds the PrefillBatch. O(total prompt blocks)."""
+        """``allocate_batch(..., num_external_tokens=exts)``: checked and counted as a whole first (every plan;
+        the batch's new blocks at most the free ones), every planned GPU hit held (so that no prompt of the batch
+        evicts a later one's hit: each prompt's need is then an upper bound once earlier prompts are committed),
+        then consecutive allocations, so it is all or nothing. ``walk(arrs, plans, rows, nhit)`` builds the
+        PrefillBatch. O(total prompt blocks)."""
         t = self.t
         seen: set = set()
         for s in seq_ids:
@@ -189,14 +201,22 @@ class External:
         if need > self.blocks.num_free:
             raise OutOfBlocksError(
                 f"the batch of {len(plans)} prompts needs up to {need} new blocks; {self.blocks.num_free} are free")
+        held = np.array(sorted({b for p in plans for b in p[3] if b >= 0}), dtype=np.int64)
+        if held.size:
+            ref = self.gpu.ref
+            self.cache.evictor.discard_many(held[ref[held] == 0])
+            ref[held] += 1
         rows, out_plans, nhit = [], [], []
-        for s, p, ns, c, e in zip(seq_ids, prompts, namespaces, chunks, exts):
-            cached = self.allocate(s, p, la, ns, c, e)
-            row = t.loading[s] if s in t.loading else t.row_of[s]
-            arr = _as_tokens(p)
-            rows.append(row)
-            out_plans.append((arr, int(t.ntok[row])))
-            nhit.append(cached // self.bs)
+        try:
+            for s, p, ns, c, e in zip(seq_ids, prompts, namespaces, chunks, exts):
+                cached = self.allocate(s, p, la, ns, c, e)
+                row = t.loading[s] if s in t.loading else t.row_of[s]
+                rows.append(row)
+                out_plans.append((_as_tokens(p), int(t.ntok[row])))
+                nhit.append(cached // self.bs)
+        finally:
+            if held.size:
+                self.blocks.release(held)
         return walk([_as_tokens(p) for p in prompts], out_plans, rows, nhit)
 
     def external_blocks(self, seq_id: Hashable) -> ExternalLoad | None:
@@ -208,9 +228,10 @@ class External:
             return None
         row = t.loading[seq_id]
         bs = self.bs
-        ids = tuple(t.table[row, rec.nhit : rec.nhit + rec.next].tolist())
-        keys = tuple(block_hashes(rec.arr[: (rec.nhit + rec.next) * bs], bs, rec.namespace)[rec.nhit :])
-        return ExternalLoad(seq_id, rec.nhit * bs, rec.next * bs, ids, keys, rec.namespace, (ids,))
+        ids = tuple(tuple(tg.table[row, rec.nhit : rec.nhit + rec.next].tolist()) for tg in self.tables)
+        keys = tuple(tuple(block_hashes(rec.arr[: (rec.nhit + rec.next) * bs], bs, rec.namespace, g)[rec.nhit :])
+                     for g in range(len(self.tables)))
+        return ExternalLoad(seq_id, rec.nhit * bs, rec.next * bs, ids[0], keys[0], rec.namespace, ids, keys)
 
     def finish(self, done, failed) -> dict:
         """``finish_external``: validate every report, then end each load (see docs/external-kv.md).
@@ -234,7 +255,7 @@ class External:
             if s in t.loading:
                 e = self.loads[s].next * bs
             elif s in t.parked:
-                e = t.parked[s].size * bs
+                e = t.parked[s].size // len(self.tables) * bs  # (every group's blocks of the range)
             elif s in t.row_of:
                 raise SequenceStateError(f"sequence {s!r} is not loading external KV (reported twice, or it never "
                                          "was)")
@@ -251,33 +272,36 @@ class External:
                 self.blocks.release(t.parked.pop(s))
                 continue
             rec = self.loads.pop(s)
-            row = t.loading.pop(s)
-            t.row_of[s] = row
-            t.memo_ids = None
             got = rec.next if ok is None else int(ok) // bs
-            if self.cache is not None and t.ccid[row] != 0:
-                new = t.table[row, rec.nhit : t.nblk[row]].copy()
-                self.reg.fill_prompt(row, rec.arr[: rec.n], new, rec.nhit)
-            t.pend[row] = min(rec.nhit + got, int(t.nreg[row]))  # (only the computed blocks are pending)
-            t.ntok0[row] = -1  # handed slots in this step, as after allocate: prefill the rest now
+            for tg, reg in zip(self.tables, self.regs):
+                row = tg.loading.pop(s)
+                tg.row_of[s] = row
+                tg.memo_ids = None
+                if self.cache is not None and tg.ccid[row] != 0:
+                    new = tg.table[row, rec.nhit : tg.nblk[row]].copy()
+                    reg.fill_prompt(row, rec.arr[: rec.n], new, rec.nhit)
+                tg.pend[row] = min(rec.nhit + got, int(tg.nreg[row]))  # (only the computed blocks are pending)
+                tg.ntok0[row] = -1  # handed slots in this step, as after allocate: prefill the rest now
             out[s] = (rec.nhit + got) * bs
         return out
 
     def abort(self, seq_id: Hashable) -> None:
         """``free(seq_id)`` of a LOADING sequence: every block but the external range's released (none is
         registered), those parked until finish_external reports the sequence. O(table length)."""
-        t = self.t
         rec = self.loads.pop(seq_id)
-        row = t.loading.pop(seq_id)
-        trow = t.table[row]
         a, z = rec.nhit, rec.nhit + rec.next
-        ext = trow[a:z].astype(np.int64)
-        rest = np.concatenate([trow[t.nrel[row] : a], trow[z : t.nblk[row]]])[::-1].astype(np.int64)
-        t.row_of[seq_id] = row
-        t.partial.pop(seq_id, None)
-        t.drop_row(seq_id, row)
-        self.blocks.release(rest)
-        t.parked[seq_id] = ext
+        exts = []
+        for t in self.tables:
+            row = t.loading.pop(seq_id)
+            trow = t.table[row]
+            exts.append(trow[a:z].astype(np.int64))
+            rest = np.concatenate([trow[t.nrel[row] : a], trow[z : t.nblk[row]]])[::-1].astype(np.int64)
+            rest = rest[rest >= 0]  # (a sliding group's released positions)
+            t.row_of[seq_id] = row
+            t.partial.pop(seq_id, None)
+            t.drop_row(seq_id, row)
+            self.blocks.release(rest)
+        self.t.parked[seq_id] = np.concatenate(exts) if len(exts) > 1 else exts[0]  # (group 0's tables: all)
 
     # ------------------------------------------------------------------ holds
     def hold(self, seq_id: Hashable, lease_s: object, now: object) -> Hold:
@@ -290,13 +314,16 @@ class External:
         if t.swapped[row]:
             raise SequenceStateError(f"sequence {seq_id!r} is swapped out; swap it in before holding its blocks")
         n = int(t.ntok[row])
-        b = t.table[row, t.nrel[row] : -(-n // self.bs)].astype(np.int64)
-        b = b[b >= 0]
+        per = []
+        for tg in self.tables:  # (a sliding group: only the blocks its window still holds)
+            b = tg.table[row, tg.nrel[row] : -(-n // self.bs)].astype(np.int64)
+            per.append(b[b >= 0])
+        b = np.concatenate(per) if len(per) > 1 else per[0]
         self.gpu.ref[b] += 1  # (held by the sequence: referenced, so in neither the free ring nor the evictor)
         hid = self.next_hold
         self.next_hold += 1
-        ids = tuple(b.tolist())
-        h = self.holds[hid] = Hold(hid, seq_id, ids, n, at + lease, (ids,))
+        groups = tuple(tuple(x.tolist()) for x in per)
+        h = self.holds[hid] = Hold(hid, seq_id, groups[0], n, at + lease, groups)
         return h
 
     def held(self, seq_id: Hashable) -> list:
@@ -312,7 +339,8 @@ class External:
     def release_hold(self, hold_id: object) -> None:
         h = self.get_hold(hold_id)
         del self.holds[hold_id]
-        self.blocks.release(np.array(h.block_ids[::-1], dtype=np.int64))  # (tail first, as free)
+        for ids in h.group_block_ids:
+            self.blocks.release(np.array(ids[::-1], dtype=np.int64))  # (tail first, as free)
 
     def undo_hold(self, hold_id: int) -> None:
         """Drop the hold just made (a free that failed after it): exactly as before the hold."""
@@ -398,7 +426,7 @@ class External:
     def extra_refs(self) -> list:
         """The blocks holding a reference besides the tables: parked loads, holds, pending stores."""
         out = list(self.t.parked.values())
-        out += [np.array(h.block_ids, dtype=np.int64) for h in self.holds.values()]
+        out += [np.array(ids, dtype=np.int64) for h in self.holds.values() for ids in h.group_block_ids]
         out += [b for b, _ in self.plans.values()]
         return out
 
@@ -407,17 +435,22 @@ class External:
         t, cache = self.t, self.cache
         if set(self.loads) != set(t.loading):
             fail("the LOADING records and the loading rows differ")
-        for s, row in t.loading.items():
-            rec = self.loads[s]
-            if int(t.nreg[row]) != rec.nhit and not (cache is None or t.ccid[row] == 0):
-                fail(f"{s!r}: a LOADING sequence registered blocks past its hit")
-            if rec.nhit + rec.next > int(t.nblk[row]) or (rec.nhit + rec.next) * self.bs >= rec.arr.size:
-                fail(f"{s!r}: its external range is not inside its prompt")
-            ext = t.table[row, rec.nhit : rec.nhit + rec.next]
-            if cache is not None and (cache.cid[ext] != 0).any():
-                fail(f"{s!r}: a block still loading is findable in the prefix cache")
-            if (self.gpu.ref[ext] != 1).any():
-                fail(f"{s!r}: a block still loading is shared")
+        for tg in self.tables:
+            if tg.loading != t.loading:
+                fail("the groups' LOADING sequences differ")
+            for s, row in tg.loading.items():
+                rec = self.loads[s]
+                if int(tg.nreg[row]) > rec.nhit:
+                    fail(f"{s!r}: a LOADING sequence registered blocks past its hit")
+                if rec.nhit + rec.next > int(tg.nblk[row]) or (rec.nhit + rec.next) * self.bs >= rec.arr.size:
+                    fail(f"{s!r}: its external range is not inside its prompt")
+                ext = tg.table[row, rec.nhit : rec.nhit + rec.next]
+                if (ext < 0).any():
+                    fail(f"{s!r}: a block of its external range is missing")
+                if cache is not None and (cache.cid[ext] != 0).any():
+                    fail(f"{s!r}: a block still loading is findable in the prefix cache")
+                if (self.gpu.ref[ext] != 1).any():
+                    fail(f"{s!r}: a block still loading is shared")
         for s, b in t.parked.items():
             if cache is not None and (cache.cid[b] != 0).any():
                 fail(f"parked {s!r}: a block a transfer may still write is findable")

@@ -122,7 +122,7 @@ def _check_rows(t, window, bs: int, gpu, cpu, cache, counts: dict, fail) -> None
     if set(t.row_of) & (set(t.loading) | set(t.parked)) or set(t.loading) & set(t.parked):
         fail("a sequence id is in two of live, loading and parked")
     for seq_id in t.partial:  # (chunked prefill: prompt lengths of live sequences only)
-        if seq_id not in t.row_of:
+        if seq_id not in t.row_of and seq_id not in t.loading:
             fail(f"{seq_id!r}: a freed sequence is still recorded as partly prefilled")
     for seq_id, row in list(t.row_of.items()) + list(t.loading.items()):
         if t.seq_of[row] != seq_id:

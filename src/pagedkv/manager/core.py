@@ -720,7 +720,7 @@ class BlockManager:
         except (KeyError, TypeError):
             prow = t.row(parent_seq_id)
             fresh = False
-        if not fresh:
+        if not fresh or t.loading or t.parked:
             t.check_new_id(child_seq_id)
         if t.partial and parent_seq_id in t.partial:
             n = t.partial[parent_seq_id]
@@ -930,7 +930,7 @@ class BlockManager:
         the more requests it has had; other policies ignore it. Set it any time before the free; the last call
         wins. Raises UnknownSequenceError or InvalidArgumentError (needs prefix caching), changing nothing. O(1);
         the first non-default priority switches on the priority classes (:class:`SteeredEvictor`)."""
-        self._t.row(seq_id)
+        self._t.any_row(seq_id)  # (a LOADING sequence too: free applies the hint)
         if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
             raise InvalidArgumentError(f"priority must be an int, got {priority!r}")
         if self._cache is None:
