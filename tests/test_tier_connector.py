@@ -192,3 +192,52 @@ def test_latency_histogram_buckets():
         h.observe(s)
     cum, total, n = h.snapshot()
     assert cum == (2, 3, 4) and n == 4 and abs(total - 3.065) < 1e-9
+
+
+class _Memory(Backend):
+    """A dict store that records the size of every call."""
+
+    medium = "memory"
+
+    def __init__(self):
+        self.d, self.calls = {}, []
+
+    def read_many(self, names):
+        self.calls.append(("read", len(names)))
+        return [self.d.get(n) for n in names]
+
+    def write_many(self, names, values):
+        self.calls.append(("write", len(names)))
+        out = []
+        for n, v in zip(names, values):
+            out.append(PutStatus.PRESENT if n in self.d else PutStatus.STORED)
+            self.d.setdefault(n, bytes(v))
+        return out
+
+    def exists_many(self, names):
+        self.calls.append(("exists", len(names)))
+        return [n in self.d for n in names]
+
+    def discard_many(self, names):
+        for n in names:
+            self.d.pop(n, None)
+
+
+def test_long_runs_are_read_and_written_in_bounded_calls():
+    mem = _Memory()
+    c = TierConnector([("SHARED", BlockStore(mem, FP, PB))], BS, max_blocks_per_call=2)
+    try:
+        toks = tokens(5)
+        keys = pagedkv.block_hashes(toks, BS)
+        c.store(keys, [payload(i) for i in range(5)], None)
+        c.flush(10)
+        assert [n for op, n in mem.calls if op == "write"] == [2, 2, 1]
+        mem.calls.clear()
+        c.request_load("r", toks, None, 0)
+        (r,) = wait_loads(c)
+        assert r.ok and [int(np.frombuffer(p, np.float32)[0]) for p in r.payloads] == [0, 1, 2, 3, 4]
+        assert [n for op, n in mem.calls if op == "read"] == [2, 2, 1]
+        with pytest.raises(InvalidArgumentError):
+            TierConnector([("SHARED", BlockStore(mem, FP, PB))], BS, max_blocks_per_call=0)
+    finally:
+        c.close()

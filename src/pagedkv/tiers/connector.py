@@ -141,12 +141,14 @@ class TierConnector:
         write_through: store every block handed to :meth:`store` (False: stores are dropped, loads only).
         record_events: keep the KV events of the stores for :meth:`take_events` (False: none are kept, so an
             engine that never takes them does not accumulate them).
+        max_blocks_per_call: the most blocks one ``get_many`` / ``put_many`` carries (a long prompt's run is read
+            and written in several calls, each within a store's socket timeout).
     """
 
     def __init__(self, tiers: Sequence[tuple[str, BlockStore]], block_size: int, *, io_threads: int = 2,
                  max_load_ms_per_block: float | None = DEFAULT_MAX_LOAD_MS_PER_BLOCK,
                  initial_load_ms: float = 10.0, probe_every: int = 16, write_through: bool = True,
-                 record_events: bool = True) -> None:
+                 record_events: bool = True, max_blocks_per_call: int = 8) -> None:
         if not tiers:
             raise InvalidArgumentError("a TierConnector needs at least one tier")
         seen = set()
@@ -168,6 +170,10 @@ class TierConnector:
         self.probe_every = max(1, int(probe_every))
         self.write_through = bool(write_through)
         self.record_events = bool(record_events)
+        if isinstance(max_blocks_per_call, bool) or not isinstance(max_blocks_per_call, int) \
+                or max_blocks_per_call < 1:
+            raise InvalidArgumentError(f"max_blocks_per_call must be an int >= 1, got {max_blocks_per_call!r}")
+        self.max_blocks_per_call = max_blocks_per_call
         self._tiers = [_Tier(m, st, initial_load_ms) for m, st in tiers]
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="pagedkv-tier-io")
         self._done: queue.Queue = queue.Queue()
@@ -273,13 +279,19 @@ class TierConnector:
                     continue
                 asked += n
                 t1 = time.perf_counter()
-                got = t.store.get_many(keys[pos:pos + n], namespace)
+                good, values = 0, []
+                for a in range(pos, pos + n, self.max_blocks_per_call):  # bounded calls (a store's timeouts)
+                    got = t.store.get_many(keys[a:min(a + self.max_blocks_per_call, pos + n)], namespace)
+                    h = got.hit_prefix
+                    good += h
+                    values.extend(got.values[:h])
+                    if h < len(got.statuses):
+                        break
                 dt = time.perf_counter() - t1
-                good = got.hit_prefix
                 with self._lock:
-                    t.ema_ms = 0.8 * t.ema_ms + 0.2 * (1000.0 * dt / n)
-                payloads.extend(got.values[:good])
-                nbytes = sum(v.nbytes for v in got.values[:good])
+                    t.ema_ms = 0.8 * t.ema_ms + 0.2 * (1000.0 * dt / max(good, 1))
+                payloads.extend(values)
+                nbytes = sum(v.nbytes for v in values)
                 self._count(t, hit_blocks=good, hit_bytes=nbytes, failed_blocks=n - good)
                 by_tier.append((t.medium, good))
                 pos += good
@@ -317,7 +329,10 @@ class TierConnector:
         try:
             for t in self._tiers:
                 try:
-                    statuses = t.store.put_many(keys, payloads, namespace)
+                    m = self.max_blocks_per_call
+                    statuses = []
+                    for a in range(0, len(keys), m):  # bounded calls (a store's timeouts)
+                        statuses.extend(t.store.put_many(keys[a:a + m], payloads[a:a + m], namespace))
                 except Exception as e:  # noqa: BLE001 (bad payload size: a bug; counted, never raised here)
                     log.warning("pagedkv tier %s: store failed: %s: %s", t.medium, type(e).__name__, e)
                     self._count(t, store_errors=len(keys))
