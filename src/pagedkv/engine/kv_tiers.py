@@ -55,9 +55,11 @@ class EngineTiers:
     """The storage tiers of one engine (see the module docstring).
 
     Args:
-        model, kv_cache: the engine's model and KV cache (the payload layout and the fingerprint come from them).
+        model: the engine's model (the fingerprint's weights digest comes from it).
+        kv_cache: the engine's KV cache (the payload layout and dtype come from it).
         block_size: the block manager's.
-        disk_dir, disk_gib: the disk tier (a directory this process alone uses, bounded to ``disk_gib`` GiB).
+        disk_dir: the disk tier's directory (this process alone uses it).
+        disk_gib: the disk tier's bound in GiB.
         shared: the shared tier's URL (:func:`open_shared_backend`).
         max_load_ms_per_block: the crossover (:class:`~pagedkv.tiers.TierConnector`); None: always load.
         write_through: store every full prompt block the engine computes (False: load only).
