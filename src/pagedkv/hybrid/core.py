@@ -66,7 +66,8 @@ from ..blocks.evictor import RetentionEvictor
 from ..kv_groups import FullAttentionSpec, SlidingWindowSpec
 from ..manager import BlockManager
 from ..manager import _invariants
-from ..manager._external import STORE_POLICIES, External, Hold, StorePlan
+from ..manager._external import External, Hold
+from ..manager._stores import STORE_POLICIES, StorePlan, Stores
 from ..types import AllocStatus, CopyPlan, PrefixHit, Stats
 
 __all__ = ["HybridBlockManager", "HybridPrefillBatch", "HybridStepDelta", "HybridStepResult"]
@@ -187,8 +188,9 @@ class HybridBlockManager:
         self._seqs = HybridSeqs(gs, tables, [m._reg for m in gs], wins, [m._window for m in gs], self._retention,
                                 blocks, self._gpu, self._cache, self._tier, bs)
         # holds and store plans over every group (external loads: not on the hybrid manager yet)
-        self._ext = External(self._t0, blocks, m0._reg, self._alloc, self._cache, bs, *self._store, tables=tables,
+        self._ext = External(self._t0, blocks, m0._reg, self._alloc, self._cache, bs, tables=tables,
                              regs=[m._reg for m in gs])
+        self._stores = Stores(blocks, self._cache, self._alloc, *self._store)
 
     # ------------------------------------------------------------------ read-only state
     @property
@@ -315,7 +317,7 @@ class HybridBlockManager:
         O(copies + rows x groups)."""
         plan = self._seqs.take_copy_plan()
         if self._store[0] == "write_through":
-            self._ext.end_step()
+            self._stores.end_step()
         return plan
 
     def take_copies(self):
@@ -330,8 +332,9 @@ class HybridBlockManager:
         """Every invariant of every group and of the shared parts (refcounts summed over the groups' tables), and
         that the groups hold the same sequences in the same rows, token counts and partly prefilled sequences
         (chunked prefill: every group records the same prompt lengths). O(blocks + total table length)."""
-        self._seqs.check(self._ext.extra_refs())
+        self._seqs.check(self._ext.extra_refs() + self._stores.extra_refs())
         self._ext.check(_invariants.fail)
+        self._stores.check(_invariants.fail)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block of every group (see BlockManager.reset_prefix_cache). Returns how many blocks
@@ -581,15 +584,15 @@ class HybridBlockManager:
     def take_store_plan(self) -> StorePlan | None:
         """See BlockManager.take_store_plan: blocks of every group (a key names its group: each group's chain
         starts from a root of its own); a sliding group's registered blocks are the ones it still held."""
-        return self._ext.take_store_plan()
+        return self._stores.take_store_plan()
 
     def complete_store(self, store_id: int, success: bool = True) -> None:
         """See BlockManager.complete_store."""
-        self._ext.complete_store(store_id, success)
+        self._stores.complete_store(store_id, success)
 
     @property
     def pending_stores(self) -> tuple:
-        return tuple(self._ext.plans)
+        return tuple(self._stores.plans)
 
     # ------------------------------------------------------------------ appending
     def decode_step(self, seq_ids: Sequence[Hashable], token_ids: object, num_lookahead_slots: int = 0, *,

@@ -1,17 +1,17 @@
-"""External KV, the block manager's side (:class:`External`, a part of the manager; docs/external-kv.md).
+"""External KV, the block manager's side (:class:`External`, a part of the manager; docs/external-kv.md): loads
+and holds (the store plans are :mod:`pagedkv.manager._stores`).
 
-No I/O here: the part decides which blocks receive KV that arrives from outside, keeps blocks a reader or a
-writer outside still uses, and says which blocks to store. Three states beside a sequence's usual life::
+No I/O here: the part decides which blocks receive KV that arrives from outside and keeps blocks a reader
+outside still uses. The states beside a sequence's usual life::
 
     LOADING   allocate(..., num_external_tokens=E): the row is moved out of ``row_of`` into ``t.loading`` (every
               per-step path then refuses it at no cost to the others); blocks past the hit are not registered
     PARKED    free() while LOADING: the blocks a transfer may still write keep their reference (``t.parked``)
               until finish_external reports the sequence
     HELD      hold() / free(hold_for=): one more reference on the sequence's blocks until release / expiry
-    PINNED    take_store_plan(): one more reference on each planned block until complete_store
 
-Every block of the last three holds exactly one reference per such use (``extra_refs`` feeds the refcount
-audit of ``check_invariants``).
+Every parked or held block holds exactly one reference per such use (``extra_refs`` feeds the refcount audit of
+``check_invariants``).
 """
 
 from __future__ import annotations
@@ -23,11 +23,8 @@ import numpy as np
 
 from .._checks import as_tokens as _as_tokens
 from ..errors import (DuplicateSequenceError, InvalidArgumentError, OutOfBlocksError, SequenceStateError,
-                      UnknownHoldError, UnknownSequenceError, UnknownStoreError)
+                      UnknownHoldError, UnknownSequenceError)
 from ..blocks.prefix_cache import block_hashes
-
-STORE_POLICIES = ("none", "write_through", "selective")
-
 
 class ExternalLoad(NamedTuple):
     """The blocks that receive a LOADING sequence's external KV: ``block_ids[i]`` takes the KV of tokens
@@ -58,16 +55,6 @@ class Hold(NamedTuple):
     group_block_ids: tuple
 
 
-class StorePlan(NamedTuple):
-    """Blocks to write to the tiers (:meth:`BlockManager.take_store_plan`), pinned until
-    :meth:`BlockManager.complete_store`: ``keys[i]`` is block ``block_ids[i]``'s chained content key (the
-    namespace is part of the chain: its root's key)."""
-
-    store_id: int
-    block_ids: tuple
-    keys: tuple
-
-
 class _Load(NamedTuple):
     arr: np.ndarray  # the whole prompt (int32)
     n: int  # tokens the sequence holds
@@ -92,15 +79,15 @@ def _now(now: object) -> float:
 
 
 class External:
-    """Loads, holds and store plans of one manager over its parts: the tables ``t``
+    """Loads and holds of one manager over its parts: the tables ``t``
     (:class:`~pagedkv.manager._rows.SeqTables`: ``loading``, ``parked``), ``blocks``
     (:class:`~pagedkv.blocks._blocks.Blocks`), the registry ``reg``, the allocator ``alloc`` and the prefix cache.
-    Its own state: the LOADING sequences' records, the holds, the pending store plans and the per-block store
-    marks (flat arrays by block id). A HybridBlockManager builds one over group 0's parts with ``tables`` (every
-    group's) for its holds and store plans; its group managers' own parts are never used for those."""
+    Its own state: the LOADING sequences' records and the holds. A HybridBlockManager builds one over group 0's
+    parts with ``tables`` and ``regs`` (every group's); its group managers' own parts are never used for
+    those."""
 
-    def __init__(self, t, blocks, reg, alloc, cache, bs: int, store_policy: str = "none",
-                 store_min_hits: int = 1, tables: list | None = None, regs: list | None = None) -> None:
+    def __init__(self, t, blocks, reg, alloc, cache, bs: int, tables: list | None = None,
+                 regs: list | None = None) -> None:
         self.t, self.blocks, self.reg, self.alloc, self.cache, self.bs = t, blocks, reg, alloc, cache, bs
         # every KV cache group's tables (a HybridBlockManager's holds cover every group; rows are the same)
         self.tables = tables if tables is not None else [t]
@@ -109,21 +96,6 @@ class External:
         self.loads: dict = {}  # seq_id -> _Load of each LOADING sequence
         self.holds: dict = {}  # hold_id -> Hold
         self.next_hold = 1
-        self.policy, self.min_hits = store_policy, store_min_hits
-        self.plans: dict = {}  # store_id -> (blocks int64, their content ids at plan time)
-        self.next_store = 1
-        n = self.gpu.num_blocks
-        if store_policy != "none":
-            self.stored = np.zeros(n, np.int64)  # content id a successful store wrote from the block (0: none)
-            self.pinned = np.zeros(n, np.int64)  # content id a pending store reads from the block (0: none)
-            # write_through: contents registered after last_serial and before the last step's end (step_serial,
-            # taken by take_copy_plan: their KV is written by that step's forward) are candidates
-            self.last_serial = self.step_serial = cache.serial
-        if store_policy == "selective":
-            self.hits = np.zeros(n, np.int64)  # prefix hits on the block's content ...
-            self.hits_cid = np.zeros(n, np.int64)  # ... counted for this content id
-            self.cand: list = []
-            alloc.on_hits = self.count_hits
 
     # ------------------------------------------------------------------ loads
     def check_external(self, e: object) -> int:
@@ -360,74 +332,11 @@ class External:
             self.release_hold(hid)
         return gone
 
-    # ------------------------------------------------------------------ stores
-    def count_hits(self, hits: list) -> None:
-        """The selective policy's hit counter (Allocator.on_hits): a block's content becomes a candidate once it
-        has been hit ``min_hits`` times. O(hits)."""
-        cid, hc, hcid, stored, m = self.cache.cid, self.hits, self.hits_cid, self.stored, self.min_hits
-        for b in hits:
-            c = cid[b]
-            if hcid[b] != c:
-                hcid[b] = c
-                hc[b] = 0
-            hc[b] += 1
-            if hc[b] == m and stored[b] != c:
-                self.cand.append(b)
-
-    def end_step(self) -> None:
-        """take_copy_plan ends a step: the contents registered so far are written by its forward."""
-        self.step_serial = self.cache.serial
-
-    def take_store_plan(self) -> StorePlan | None:
-        if self.policy == "none":
-            return None
-        cache = self.cache
-        cid = cache.cid
-        if self.policy == "write_through":
-            b = np.flatnonzero((cid > self.last_serial) & (cid <= self.step_serial))
-            self.last_serial = self.step_serial
-        else:
-            b = np.unique(np.array(self.cand, dtype=np.int64))
-            self.cand = []
-            if b.size:
-                b = b[(cid[b] != 0) & (self.hits_cid[b] == cid[b])]  # the content that was hit is still there
-        if b.size:
-            c = cid[b]
-            b = b[(c != 0) & (self.stored[b] != c) & (self.pinned[b] != c)]
-        if not b.size:
-            return None
-        ref = self.gpu.ref
-        idle = b[ref[b] == 0]
-        if idle.size:
-            cache.evictor.discard_many(idle)
-        ref[b] += 1
-        c = cid[b].copy()
-        self.pinned[b] = c
-        sid = self.next_store
-        self.next_store += 1
-        self.plans[sid] = (b, c)
-        return StorePlan(sid, tuple(b.tolist()), tuple(cache.key[b].tolist()))
-
-    def complete_store(self, store_id: object, success: object) -> None:
-        if not isinstance(success, (bool, np.bool_)):
-            raise InvalidArgumentError(f"success must be a bool, got {success!r}")
-        try:
-            b, c = self.plans.pop(store_id)
-        except (KeyError, TypeError):
-            raise UnknownStoreError(f"no pending store {store_id!r} (completed already, or never planned)") from None
-        self.pinned[b] = 0
-        if success:
-            self.stored[b] = c
-        elif self.policy == "selective":
-            self.hits[b] = 0  # (counted again from zero: planned again once hit min_hits more times)
-        self.blocks.release(b)
-
     # ------------------------------------------------------------------ audit
     def extra_refs(self) -> list:
-        """The blocks holding a reference besides the tables: parked loads, holds, pending stores."""
+        """The blocks holding a reference besides the tables: parked loads, holds."""
         out = list(self.t.parked.values())
         out += [np.array(ids, dtype=np.int64) for h in self.holds.values() for ids in h.group_block_ids]
-        out += [b for b, _ in self.plans.values()]
         return out
 
     def check(self, fail) -> None:
@@ -457,10 +366,3 @@ class External:
         for hid, h in self.holds.items():
             if h.hold_id != hid or hid >= self.next_hold:
                 fail(f"hold {hid}: inconsistent id")
-        for sid, (b, c) in self.plans.items():
-            if sid >= self.next_store or (self.pinned[b] != c).any():
-                fail(f"store {sid}: its pins are not recorded")
-        if self.policy != "none":
-            pending = np.concatenate([b for b, _ in self.plans.values()]) if self.plans else np.zeros(0, np.int64)
-            if np.count_nonzero(self.pinned) != pending.size or np.unique(pending).size != pending.size:
-                fail("a block is pinned by two stores, or pinned by none")

@@ -93,9 +93,15 @@ class SeqTables:
 
     def any_row(self, seq_id: Hashable) -> int:
         """The row of a live sequence, LOADING ones included (the read-only queries); UnknownSequenceError."""
-        if self.loading and seq_id in self.loading:
-            return self.loading[seq_id]
-        return self.row(seq_id)
+        try:
+            return self.row_of[seq_id]
+        except (KeyError, TypeError):
+            if self.loading:
+                try:
+                    return self.loading[seq_id]
+                except (KeyError, TypeError):
+                    pass
+            return self.row(seq_id)
 
     def rows(self, seq_ids: Sequence[Hashable]) -> np.ndarray:
         """Validated rows of a batch of live, GPU-resident, distinct sequences (int64). The last batch is

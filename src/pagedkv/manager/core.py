@@ -26,7 +26,8 @@ objects it works on (no part reaches another's private state; dependencies point
     _rows.py        SeqTables   seq_id -> row; per-sequence row arrays and the block-table matrix
     _blocks.py      Blocks      take / release GPU and CPU blocks (free ring, then LRU eviction)
     _invariants.py  check       the O(n) audit behind check_invariants
-    _external.py    External    external KV: loads (LOADING, parked), holds with leases, store plans
+    _external.py    External    external KV: loads (LOADING, parked), holds with leases
+    _stores.py      Stores      store plans by write policy (pinned until complete_store)
     pool.py, prefix_cache.py, evictor.py, cpu_tier.py   per-block flat arrays (refcounts, free ring; keys,
                                 tokens, LRU; the CPU tier)
 
@@ -66,7 +67,8 @@ from ._small import SMALL_BATCH, Small
 from ._step import _NO_UPDATES, TABLES_DELTA, Stepper
 from ._swap import Swapper
 from ._window import Window
-from ._external import STORE_POLICIES, External, ExternalLoad, Hold, StorePlan
+from ._external import External, ExternalLoad, Hold
+from ._stores import STORE_POLICIES, StorePlan, Stores
 from ..errors import InvalidArgumentError, InvalidTokensError, OutOfBlocksError, SequenceStateError
 from ..tiers.cpu import CpuTier
 from ..events import KVCacheEvent
@@ -132,6 +134,7 @@ class BlockManager:
 
     _steered = False  # priority classes and pins installed (the first set_retention priority or pin_prefix)
     _store = ("none", 1)  # (store policy, min hits); a KV cache group's manager (_sharing) stores nothing itself
+    _write_through = False  # (take_copy_plan's one test)
 
     atomic_append = True
     """decode_step / append_slots are all-or-nothing for the whole batch: a scheduler may call them without asking
@@ -168,6 +171,7 @@ class BlockManager:
         if store_policy != "none" and not enable_prefix_caching:
             raise InvalidArgumentError("store_policy needs enable_prefix_caching=True")
         self._store = (store_policy, store_min_hits)
+        self._write_through = store_policy == "write_through"
         pin_budget_blocks = _check_int("pin_budget_blocks", pin_budget_blocks, 0)
         if eviction_policy not in EVICTION_POLICIES:
             make_evictor(eviction_policy, 1)  # raises, naming the policies
@@ -246,7 +250,8 @@ class BlockManager:
         self._small = Small(t, blocks, reg, cache, copies, bs, self._fixed_w)
         self._alloc = Allocator(t, blocks, reg, cache, tier, self._cpu_id, bs, self._watermark_blocks,
                                 self._fixed_w, sliding_window)
-        self._ext = External(t, blocks, reg, self._alloc, cache, bs, *self._store)
+        self._ext = External(t, blocks, reg, self._alloc, cache, bs)
+        self._stores = Stores(blocks, cache, self._alloc, *self._store)
         self._swap = Swapper(t, blocks, cache, tier, self._cpu_tok, self._cpu_id, copies)
 
     # ------------------------------------------------------------------ read-only state
@@ -341,8 +346,8 @@ class BlockManager:
         else:
             plan = _EMPTY_PLAN
         self._t.end_step()
-        if self._store[0] == "write_through":
-            self._ext.end_step()
+        if self._write_through:
+            self._stores.end_step()
         return plan
 
     def take_copies(self) -> CacheCopies:
@@ -890,17 +895,17 @@ class BlockManager:
         write_through plans the blocks registered before the last :meth:`take_copy_plan` (their KV is written by
         that step's forward): execute a plan's stores after that forward.
         write_through: O(num_gpu_blocks) vectorised compare plus O(planned blocks); selective: O(planned)."""
-        return self._ext.take_store_plan()
+        return self._stores.take_store_plan()
 
     def complete_store(self, store_id: int, success: bool = True) -> None:
         """Unpin a store plan's blocks; ``success`` marks their contents stored. UnknownStoreError for an unknown
         or completed id, changing nothing. O(its blocks)."""
-        self._ext.complete_store(store_id, success)
+        self._stores.complete_store(store_id, success)
 
     @property
     def pending_stores(self) -> tuple:
         """Store ids taken and not completed."""
-        return tuple(self._ext.plans)
+        return tuple(self._stores.plans)
 
     # ------------------------------------------------------------------ retention (priority, session, pins)
     @property
@@ -1174,5 +1179,7 @@ class BlockManager:
         - the free ring holds unreferenced uncached blocks, the evictor unreferenced cached ones, in a
           consistent linked list; the cache map and the per-block entries agree (no block under two keys).
         """
-        _invariants.check(self._blocks, self._tier, self._bs, [(self._t, self._window)], self._ext.extra_refs())
+        _invariants.check(self._blocks, self._tier, self._bs, [(self._t, self._window)],
+                          self._ext.extra_refs() + self._stores.extra_refs())
         self._ext.check(_invariants.fail)
+        self._stores.check(_invariants.fail)

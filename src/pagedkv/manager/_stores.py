@@ -1,0 +1,132 @@
+"""Store plans by write policy (:class:`Stores`, a part of the manager; docs/external-kv.md, "Stores to tiers").
+
+No I/O here: the part says which blocks to write to the storage tiers and pins each planned block (one more
+reference) until its store completes, so that a store never reads a block that was evicted and reused::
+
+    write_through   every content registered before the last take_copy_plan (its KV is written by that step's
+                    forward), once: one vectorised compare of the content ids against two serials
+    selective       a content once prefix hits took it ``min_hits`` times (the allocator's hit callback)
+
+Per-block state in flat arrays by block id: the content id a successful store wrote from the block
+(``stored``), the content id a pending store reads (``pinned``), and (selective) the hit counts.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from ..errors import InvalidArgumentError, UnknownStoreError
+
+STORE_POLICIES = ("none", "write_through", "selective")
+
+
+class StorePlan(NamedTuple):
+    """Blocks to write to the tiers (:meth:`BlockManager.take_store_plan`), pinned until
+    :meth:`BlockManager.complete_store`: ``keys[i]`` is block ``block_ids[i]``'s chained content key (the
+    namespace is part of the chain: its root's key)."""
+
+    store_id: int
+    block_ids: tuple
+    keys: tuple
+
+
+class Stores:
+    """The store plans of one manager (every KV cache group of a hybrid one: they share the prefix cache) over
+    ``blocks`` (:class:`~pagedkv.blocks._blocks.Blocks`), the prefix cache and an allocator whose ``on_hits``
+    it sets (selective). ``policy``: one of :data:`STORE_POLICIES`; nothing is planned with ``"none"``."""
+
+    def __init__(self, blocks, cache, alloc, store_policy: str = "none", store_min_hits: int = 1) -> None:
+        self.blocks, self.cache, self.gpu = blocks, cache, blocks.gpu
+        self.policy, self.min_hits = store_policy, store_min_hits
+        self.plans: dict = {}  # store_id -> (blocks int64, their content ids at plan time)
+        self.next_store = 1
+        n = self.gpu.num_blocks
+        if store_policy != "none":
+            self.stored = np.zeros(n, np.int64)  # content id a successful store wrote from the block (0: none)
+            self.pinned = np.zeros(n, np.int64)  # content id a pending store reads from the block (0: none)
+            # write_through: contents registered after last_serial and before the last step's end (step_serial,
+            # taken by take_copy_plan: their KV is written by that step's forward) are candidates
+            self.last_serial = self.step_serial = cache.serial
+        if store_policy == "selective":
+            self.hits = np.zeros(n, np.int64)  # prefix hits on the block's content ...
+            self.hits_cid = np.zeros(n, np.int64)  # ... counted for this content id
+            self.cand: list = []
+            alloc.on_hits = self.count_hits
+
+    def count_hits(self, hits: list) -> None:
+        """The selective policy's hit counter (Allocator.on_hits): a block's content becomes a candidate once it
+        has been hit ``min_hits`` times. O(hits)."""
+        cid, hc, hcid, stored, m = self.cache.cid, self.hits, self.hits_cid, self.stored, self.min_hits
+        for b in hits:
+            c = cid[b]
+            if hcid[b] != c:
+                hcid[b] = c
+                hc[b] = 0
+            hc[b] += 1
+            if hc[b] == m and stored[b] != c:
+                self.cand.append(b)
+
+    def end_step(self) -> None:
+        """take_copy_plan ends a step: the contents registered so far are written by its forward."""
+        self.step_serial = self.cache.serial
+
+    def take_store_plan(self) -> StorePlan | None:
+        if self.policy == "none":
+            return None
+        cache = self.cache
+        cid = cache.cid
+        if self.policy == "write_through":
+            b = np.flatnonzero((cid > self.last_serial) & (cid <= self.step_serial))
+            self.last_serial = self.step_serial
+        else:
+            b = np.unique(np.array(self.cand, dtype=np.int64))
+            self.cand = []
+            if b.size:
+                b = b[(cid[b] != 0) & (self.hits_cid[b] == cid[b])]  # the content that was hit is still there
+        if b.size:
+            c = cid[b]
+            b = b[(c != 0) & (self.stored[b] != c) & (self.pinned[b] != c)]
+        if not b.size:
+            return None
+        ref = self.gpu.ref
+        idle = b[ref[b] == 0]
+        if idle.size:
+            cache.evictor.discard_many(idle)
+        ref[b] += 1
+        c = cid[b].copy()
+        self.pinned[b] = c
+        sid = self.next_store
+        self.next_store += 1
+        self.plans[sid] = (b, c)
+        return StorePlan(sid, tuple(b.tolist()), tuple(cache.key[b].tolist()))
+
+    def complete_store(self, store_id: object, success: object) -> None:
+        if not isinstance(success, (bool, np.bool_)):
+            raise InvalidArgumentError(f"success must be a bool, got {success!r}")
+        try:
+            b, c = self.plans.pop(store_id)
+        except (KeyError, TypeError):
+            raise UnknownStoreError(f"no pending store {store_id!r} (completed already, or never planned)") from None
+        self.pinned[b] = 0
+        if success:
+            self.stored[b] = c
+        elif self.policy == "selective":
+            self.hits[b] = 0  # (counted again from zero: planned again once hit min_hits more times)
+        self.blocks.release(b)
+
+    # ------------------------------------------------------------------ audit
+    def extra_refs(self) -> list:
+        """The blocks pending stores pin (one reference each)."""
+        return [b for b, _ in self.plans.values()]
+
+    def check(self, fail) -> None:
+        """This part's invariants (the refcounts are checked with the tables'). O(pinned blocks)."""
+        for sid, (b, c) in self.plans.items():
+            if sid >= self.next_store or (self.pinned[b] != c).any():
+                fail(f"store {sid}: its pins are not recorded")
+        if self.policy != "none":
+            pending = np.concatenate([b for b, _ in self.plans.values()]) if self.plans else np.zeros(0, np.int64)
+            if np.count_nonzero(self.pinned) != pending.size or np.unique(pending).size != pending.size:
+                fail("a block is pinned by two stores, or pinned by none")
