@@ -529,3 +529,23 @@ def test_gguf_layout_facts_decide_the_reference(gemma, reference):
         unpermute_qk(v.numpy(), cfg.n_head if k.endswith("attn_q.weight") else cfg.n_head_kv)))
         if k.endswith(("attn_q.weight", "attn_k.weight")) else v for k, v in weights.items()}
     assert first_token(permuted) != c["gen_ids"][0]
+
+
+def test_disk_tier_after_a_restart_one_table_and_groups_refused(gemma, cases, tmp_path):
+    """The disk KV tier (docs/tiers.md): with one block table (every layer's KV in a block's payload) a restarted
+    LLM over the same directory loads every full prompt block and still gives the reference; with KV cache groups
+    the tiers are refused with a clear error (a sliding group's window-only blocks are not there yet)."""
+    from pagedkv.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="KV cache groups"):
+        make_llm(gemma, num_gpu_blocks=64, kv_disk_dir=tmp_path / "g", kv_disk_gib=0.1)
+    n = sum(blocks(len(c["prompt_ids"]) + c["max_tokens"]) for c in cases) * 2
+    for restart in (False, True):
+        with make_llm(gemma, kv_cache_groups=False, num_gpu_blocks=n, kv_disk_dir=tmp_path / "d",
+                      kv_disk_gib=0.2) as llm:
+            outs = run(llm, cases)
+            assert gen(outs) == [c["gen_ids"] for c in cases]
+            full = [(len(c["prompt_ids"]) - 1) // BLOCK * BLOCK for c in cases]
+            assert [o.num_cached_tokens for o in outs] == (full if restart else [0] * len(cases))
+            assert llm.scheduler.stats.external_tokens == (sum(full) if restart else 0)
+            llm.block_manager.check_invariants()

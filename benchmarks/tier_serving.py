@@ -1,0 +1,218 @@
+"""TTFT of a long prompt served from the storage tiers against recomputing it (issue 24, item 6).
+
+Three servers' worth of scenarios, in one process over one loaded model (each server: ``make_server`` on
+127.0.0.1, a fresh ``LLM``, its own GPU pool, so nothing is in the GPU prefix cache at the start), and per repeat a
+fresh random ``--prompt-len``-token prompt (token ids; no GPU hit from an earlier repeat):
+
+1. **recompute** (the baseline, measured in the same run): a server without tiers answers the prompt;
+2. **disk restart**: a server with ``kv_disk_dir`` answers the prompt (it computes and writes every full block
+   through to disk), is stopped (its stores finished); a new server over the same directory answers it again:
+   its prompt's blocks come from disk;
+3. **replica A -> B through the shared store**: two servers at once on one shared store (Redis on 127.0.0.1 when
+   ``redis-server`` is installed, else a shared directory: ``--shared file``); A answers the prompt, its stores
+   finish, then B answers it from the shared store.
+
+TTFT is the time from sending a streaming ``/v1/completions`` request (``max_tokens`` 2, greedy) to its first
+streamed chunk, measured by the client. The ratio is TTFT / the recompute TTFT of the same repeat. The texts must
+be equal (greedy).
+
+Run (minutes: every repeat computes the prompt three times)::
+
+    PYTHONPATH=src python benchmarks/tier_serving.py [--prompt-len 2048] [--repeats 3] [--shared redis|file] \\
+        [--json benchmarks/results/tier_serving.json]
+    PYTHONPATH=src python benchmarks/tier_serving.py --show benchmarks/results/tier_serving.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_redis(tmp: str):
+    binary = shutil.which("redis-server")
+    if binary is None:
+        return None, None
+    port = _free_port()
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", tmp, "--loglevel", "warning"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    import redis
+
+    url = f"redis://127.0.0.1:{port}"
+    for _ in range(200):
+        try:
+            redis.Redis.from_url(url).ping()
+            return proc, url
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    proc.kill()
+    return None, None
+
+
+class _Server:
+    def __init__(self, model, block_size: int, **tier_kw) -> None:
+        from pagedkv.engine import LLM
+        from pagedkv.server.launch import make_server
+
+        self.llm = LLM(model, block_size=block_size, max_num_seqs=4, **tier_kw)
+        self.srv = make_server(self.llm, model_name="m", max_waiting=8).start_in_thread()
+
+    def ttft(self, prompt: list[int]) -> tuple[float, str, int]:
+        """(seconds to the first streamed chunk, the whole text, prompt tokens the tiers served)."""
+        import httpx
+
+        before = self.llm.scheduler.stats.external_tokens
+        body = {"model": "m", "prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": True}
+        t0 = time.perf_counter()
+        first = None
+        text = []
+        with httpx.stream("POST", self.srv.url + "/v1/completions", json=body, timeout=900) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                    continue
+                if first is None:
+                    first = time.perf_counter() - t0
+                for ch in json.loads(line[5:]).get("choices", []):
+                    text.append(ch.get("text", ""))
+        deadline = time.monotonic() + 60
+        while self.llm.scheduler.has_unfinished() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return first, "".join(text), self.llm.scheduler.stats.external_tokens - before
+
+    def close(self) -> None:
+        self.srv.close()
+        self.llm.close()  # the stores in flight finish, the disk directory is released
+
+
+def run(args) -> dict:
+    from pagedkv.engine.registry import load_model
+
+    model = load_model(args.model)
+    vocab = model.config.vocab_size
+    rng = np.random.default_rng(args.seed)
+    tmp = tempfile.mkdtemp(prefix="pagedkv-tier-serving-")
+    proc = url = None
+    if args.shared == "redis":
+        proc, url = _start_redis(tmp)
+        if url is None:
+            print("redis-server not available: the shared tier is a shared directory", file=sys.stderr)
+    if url is None:
+        url = "file://" + os.path.join(tmp, "shared")
+    load0 = os.getloadavg()
+    rows = []
+    try:
+        warm = _Server(model, args.block_size)
+        warm.ttft(rng.integers(100, vocab, 32).tolist())  # warm-up (threads, kernels)
+        warm.close()
+        for rep in range(args.repeats):
+            prompt = rng.integers(100, vocab, args.prompt_len).tolist()
+            row = {"repeat": rep}
+            s = _Server(model, args.block_size)
+            row["recompute_s"], base_text, _ = s.ttft(prompt)
+            s.close()
+            disk = os.path.join(tmp, f"disk{rep}")
+            s = _Server(model, args.block_size, kv_disk_dir=disk, kv_disk_gib=args.disk_gib)
+            row["disk_first_s"], t1, _ = s.ttft(prompt)
+            s.close()
+            s = _Server(model, args.block_size, kv_disk_dir=disk, kv_disk_gib=args.disk_gib)
+            row["disk_restart_s"], t2, row["disk_loaded_tokens"] = s.ttft(prompt)
+            row["disk_load_ms_per_block"] = s.llm.kv_tiers.connector.counters()[0].load_ms_per_block
+            s.close()
+            prompt_b = rng.integers(100, vocab, args.prompt_len).tolist()
+            s = _Server(model, args.block_size)
+            row["recompute_b_s"], base_b, _ = s.ttft(prompt_b)
+            s.close()
+            a = _Server(model, args.block_size, kv_shared=url)
+            b = _Server(model, args.block_size, kv_shared=url)
+            try:
+                row["replica_a_s"], ta, _ = a.ttft(prompt_b)
+                a.llm.kv_tiers.connector.flush(300)
+                row["replica_b_s"], tb, row["replica_b_loaded_tokens"] = b.ttft(prompt_b)
+            finally:
+                a.close()
+                b.close()
+            row["same_text"] = base_text == t1 == t2 and base_b == ta == tb
+            row["disk_ratio"] = row["disk_restart_s"] / row["recompute_s"]
+            row["shared_ratio"] = row["replica_b_s"] / row["recompute_b_s"]
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+    finally:
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {
+        "model": args.model, "prompt_len": args.prompt_len, "block_size": args.block_size,
+        "shared": "redis" if url.startswith("redis") else "shared directory", "repeats": rows,
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg_start": load0,
+                    "loadavg_end": os.getloadavg()},
+        "median": {k: statistics.median(r[k] for r in rows) for k in
+                   ("recompute_s", "disk_first_s", "disk_restart_s", "disk_ratio", "recompute_b_s", "replica_a_s",
+                    "replica_b_s", "shared_ratio")},
+    }
+
+
+def show(res: dict) -> None:
+    m = res["median"]
+    print(f"{res['model']}, {res['prompt_len']}-token prompt, blocks of {res['block_size']}, shared tier: "
+          f"{res['shared']}; load average {res['machine']['loadavg_start'][0]:.1f} -> "
+          f"{res['machine']['loadavg_end'][0]:.1f}; medians of {len(res['repeats'])} repeats")
+    print("| scenario | TTFT s | x recompute |")
+    print("|---|---|---|")
+    print(f"| recompute (no tiers) | {m['recompute_s']:.2f} | 1.00 |")
+    print(f"| first server with a disk tier (computes, writes through) | {m['disk_first_s']:.2f} | "
+          f"{m['disk_first_s'] / m['recompute_s']:.2f} |")
+    print(f"| **restarted server, prompt from its disk tier** | {m['disk_restart_s']:.2f} | "
+          f"**{m['disk_ratio']:.3f}** |")
+    print(f"| recompute, second prompt (no tiers) | {m['recompute_b_s']:.2f} | 1.00 |")
+    print(f"| replica A (computes, writes to the shared store) | {m['replica_a_s']:.2f} | "
+          f"{m['replica_a_s'] / m['recompute_b_s']:.2f} |")
+    print(f"| **replica B, prompt from the shared store** | {m['replica_b_s']:.2f} | **{m['shared_ratio']:.3f}** |")
+    print("same greedy text everywhere:", all(r["same_text"] for r in res["repeats"]))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--prompt-len", type=int, default=2048)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--disk-gib", type=float, default=2.0)
+    p.add_argument("--shared", choices=("redis", "file"), default="redis")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None)
+    p.add_argument("--show", default=None, metavar="JSON", help="reprint a result file")
+    args = p.parse_args(argv)
+    if args.show:
+        with open(args.show) as f:
+            show(json.load(f))
+        return 0
+    res = run(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    show(res)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
