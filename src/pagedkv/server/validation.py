@@ -301,6 +301,7 @@ _COMMON = frozenset({
     "presence_penalty", "frequency_penalty", "logit_bias", "user", "best_of",
     # vLLM's extensions implemented here (or accepted at their neutral value)
     "top_k", "ignore_eos", "cache_salt", "stop_token_ids", "repetition_penalty", "min_tokens", "priority",
+    "kv_transfer_params",  # a prefill/decode split (pagedkv.server.kv_transfer)
 })
 _COMPLETION_KEYS = _COMMON | {"prompt", "echo", "suffix"}
 _CHAT_KEYS = _COMMON | {
@@ -330,6 +331,7 @@ class _Common:
     stream: bool
     include_usage: bool
     priority: int  # vLLM's request priority (lower is more urgent; --scheduling-policy priority)
+    kv_transfer: Any = None  # a pagedkv.server.kv_transfer.KVTransferParams, or None (no transfer)
 
     def sampling_kwargs(self, default_max_tokens: int) -> dict:
         """Keyword arguments of ``pagedkv.engine.SamplingParams`` (a tiny temperature or top_p: greedy)."""
@@ -398,6 +400,10 @@ def _common(d: dict, limits: Limits, *, chat: bool) -> dict:
             raise _bad("Invalid 'cache_salt': expected a non-empty string.", "cache_salt")
     out["cache_salt"] = salt
     out["priority"] = _int(d, "priority", 0, -(2**31), 2**31 - 1, nullable=False)
+    if d.get("kv_transfer_params") is not None:
+        from .kv_transfer import parse_kv_transfer_params
+
+        out["kv_transfer"] = parse_kv_transfer_params(d["kv_transfer_params"])
     # known, not implemented: refused unless neutral
     if _num(d, "presence_penalty", 0.0, -2.0, 2.0):
         raise _unsupported("presence_penalty", "only 0 is")
