@@ -97,3 +97,112 @@ class FakePort:
     # decode side
     def attach_external(self, request, payloads):
         self.attached[request.request_id] = list(payloads)
+
+
+# ---------------------------------------------------------------------------------------------- a fake engine
+class ByteTokenizer:
+    """One token per UTF-8 byte."""
+
+    vocab_size = 256
+    has_chat_template = False
+
+    def encode(self, text, add_special_tokens=False):
+        return list(text.encode())
+
+
+class FakeLLM:
+    def __init__(self, block_size: int = 4) -> None:
+        from types import SimpleNamespace
+
+        self.tokenizer = ByteTokenizer()
+        self.max_model_len = 4096
+        self.max_num_seqs = 8
+        self.block_manager = SimpleNamespace(num_gpu_blocks=100_000, watermark_blocks=0, block_size=block_size)
+
+
+class FakeRequest:
+    _ids = itertools.count(1)
+
+    def __init__(self, ids, params, namespace):
+        self.request_id = next(self._ids)
+        self.prompt_token_ids = tuple(ids)
+        self.params = params
+        self.namespace = namespace
+        self.priority = 0
+
+
+class FakeStream:
+    """A finished request's stream: one Delta per token, then Finished (the server's RequestStream's shape)."""
+
+    def __init__(self, request, tokens, cached):
+        from pagedkv.engine.llm import CompletionOutput, RequestOutput
+        from pagedkv.server.async_engine import Delta, Finished
+
+        self.request_id = request.request_id
+        self.n = 1
+        self.finished = self.aborted = False
+        text = "".join(f" t{t}" for t in tokens)
+        out = CompletionOutput(0, text, tuple(tokens), "length")
+        res = RequestOutput(request.request_id, None, request.prompt_token_ids, (out,), cached)
+        self._items = [Delta(0, f" t{t}", 1) for t in tokens[:-1]]
+        self._items.append(Finished(res, (Delta(0, f" t{tokens[-1]}", 1),)))
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if not self._items:
+            self.finished = True
+            raise StopAsyncIteration
+        import asyncio
+
+        await asyncio.sleep(0)
+        return self._items.pop(0)
+
+    def abort(self):
+        self.finished = True
+
+
+class FakeEngine:
+    """The AsyncEngine's face to the app: a request finishes at once with ``max_tokens`` tokens; a prefill for a
+    remote decode takes its hold in ``port`` (``port.finish``); ``cached`` (usage) counts the external tokens."""
+
+    def __init__(self, port=None, block_size: int = 4) -> None:
+        self.llm = FakeLLM(block_size)
+        self.port = port
+        self.draining = False
+        self.alive = True
+        self.submitted = []
+
+    def prepare(self, prompt, params, namespace=None):
+        return FakeRequest(prompt["prompt_token_ids"], params, namespace)
+
+    def submit(self, request):
+        self.submitted.append(request)
+        cached = 0
+        if self.port is not None:
+            if request.request_id in self.port.marked:
+                self.port.finish(request.request_id)
+            cached = len(self.port.attached.get(request.request_id, ())) * self.port.block_size
+        tokens = [sum(request.prompt_token_ids) % 97 + i for i in range(request.params.max_tokens)]
+        return FakeStream(request, tokens, cached)
+
+
+def fake_server(role: str, port=None, *, block_size: int = 4, **kv):
+    """``pagedkv serve``'s app over a :class:`FakeEngine`, served on 127.0.0.1 in a thread: ``(url, engine,
+    handoff, close)``."""
+    from pagedkv.server.app import build_app
+    from pagedkv.server.kv_handoff import KVHandoff
+    from pagedkv.server.launch import serve_in_thread
+
+    engine = FakeEngine(port, block_size)
+    handoff = KVHandoff(role=role, port=port, **kv)
+    app = build_app(engine, model_name="fake", kv=handoff)
+    server, thread, number = serve_in_thread(app, "127.0.0.1", 0, f"fake-{role}")
+    handoff.port_number = number
+
+    def close():
+        server.should_exit = True
+        thread.join(10)
+
+    return f"http://127.0.0.1:{number}", engine, handoff, close

@@ -145,6 +145,12 @@ class KVHandoff:
         self._holds: dict[str, _Held] = {}
         self._pending: dict[Any, list] = {}  # request id -> the names of its blocks, until answered
         self._client = None
+        self._sweep_task = None
+
+    def ensure_sweeper(self, every_s: float = 5.0) -> None:
+        """Start :meth:`sweeper` on the running event loop unless it runs (call it from the serving loop)."""
+        if self.port is not None and (self._sweep_task is None or self._sweep_task.done()):
+            self._sweep_task = asyncio.ensure_future(self.sweeper(every_s))
 
     @property
     def available(self) -> bool:
