@@ -30,6 +30,17 @@ def replicas():
     d_close()
 
 
+def wait_for(cond, timeout=10.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 def post(url, body):
     return httpx.post(url + "/v1/completions", json=body, timeout=20)
 
@@ -53,13 +64,8 @@ def test_prefill_then_decode_hands_the_blocks_over(replicas):
     ids = list(prompt.encode())
     assert dport.attached[req.request_id] == [block_payload(ids[i:i + BS], 64) for i in range(0, 28, BS)]
     assert "kv_transfer_params" not in r.json()
-    for _ in range(100):  # the release runs in the background after the fetch
-        if p_kv.num_holds == 0:
-            break
-        import time
-
-        time.sleep(0.02)
-    assert p_kv.num_holds == 0 and pport.released == [1] and d_kv.stats["blocks_fetched"] == 7
+    # the release runs in the background after the fetch (the port's part in a worker thread)
+    assert wait_for(lambda: p_kv.num_holds == 0 and pport.released == [1]) and d_kv.stats["blocks_fetched"] == 7
 
 
 def test_decode_computes_the_prompt_when_the_hold_is_gone(replicas):
@@ -102,13 +108,7 @@ def test_a_decode_replica_that_refuses_the_request_frees_the_hold_at_once(replic
     bad = {**body, "kv_transfer_params": {**kvp, "remote_num_tokens": kvp["remote_num_tokens"] - BS}}
     r = post(d_url, bad)
     assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params.remote_num_tokens"
-    import time
-
-    for _ in range(100):
-        if p_kv.num_holds == 0:
-            break
-        time.sleep(0.02)
-    assert p_kv.num_holds == 0 and pport.released == [1] and not d_engine.submitted
+    assert wait_for(lambda: p_kv.num_holds == 0 and pport.released == [1]) and not d_engine.submitted
 
 
 def test_a_peer_outside_the_allowed_hosts_is_refused(replicas):

@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .validation import APIError
+from .api_error import APIError
 
 __all__ = ["KV_ROLES", "KVTransferParams", "parse_kv_transfer_params", "check_request", "answer_params",
            "prefill_body", "max_prefill_tokens", "MAX_HOLD_ID_CHARS"]

@@ -29,6 +29,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .api_error import APIError, _printable, error_body  # noqa: F401 (their home; re-exported here)
+
 __all__ = [
     "APIError",
     "ChatRequest",
@@ -49,32 +51,6 @@ __all__ = [
 GREEDY_TEMPERATURE = 1e-5
 
 _INT64_MIN, _UINT64_MAX, _INT32_MAX = -(2**63), 2**64 - 1, 2**31 - 1
-
-
-class APIError(Exception):
-    """An error answered to the client as ``{"error": {"message", "type", "code", "param"}}``."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", code: str | None = None,
-                 param: str | None = None) -> None:
-        message, param = _printable(message), (None if param is None else _printable(param))
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.code = code
-        self.param = param
-
-    def body(self) -> dict:
-        return error_body(self.message, self.type, self.code, self.param)
-
-
-def _printable(text: str) -> str:
-    """``text`` with anything UTF-8 cannot encode (a client's lone surrogates) as backslash escapes."""
-    return text if text.isascii() else text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-def error_body(message: str, type: str, code: str | None = None, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "code": code, "param": param}}
 
 
 def _bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
