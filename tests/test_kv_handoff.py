@@ -375,3 +375,41 @@ def test_roles_need_a_port():
     with pytest.raises(ValueError, match="kv role"):
         KVHandoff(role="middle")
     assert not KVHandoff().available
+
+
+def test_a_prefill_replica_killed_mid_body_leaves_the_whole_blocks_that_arrived():
+    """The connection drops inside block 3's value (the peer died): the blocks before it are kept."""
+    import socket
+
+    from pagedkv.server.kv_handoff import KVHandoff
+    from pagedkv.server.kv_wire import encode_blocks
+
+    port = FakePort(BS)
+    dec = KVHandoff(role="decode", port=port, fetch_timeout=5.0)
+    tokens = list(range(100, 130))  # 7 whole blocks handed over
+    names = dec.names(tokens, None, 7)
+    body = b"".join(encode_blocks(port.fingerprint.digest, names,
+                                  [block_payload(tokens[i:i + BS], 64) for i in range(0, 28, BS)]))
+    cut = 3 * 120 + 50  # inside the fourth value (each 48 + 64 + 8 bytes)
+    lst = socket.socket()
+    lst.bind(("127.0.0.1", 0))
+    lst.listen(1)
+
+    def peer():
+        conn, _ = lst.accept()
+        conn.recv(65536)
+        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream\r\ncontent-length: "
+                     + str(len(body)).encode() + b"\r\n\r\n" + body[:cut])
+        conn.close()  # dies mid-body
+
+    t = threading.Thread(target=peer, daemon=True)
+    t.start()
+    try:
+        kvt = parse_kv_transfer_params(good_params(remote_port=lst.getsockname()[1], remote_block_ids=list(range(7)),
+                                                   remote_num_tokens=28))
+        r = asyncio.run(dec.fetch(kvt, tokens, None))
+    finally:
+        t.join(5)
+        lst.close()
+    assert len(r.payloads) == 3 and r.payloads == [block_payload(tokens[i:i + BS], 64) for i in range(0, 12, BS)]
+    assert "reading the blocks failed" in r.error and dec.stats["fetches_partial"] == 1

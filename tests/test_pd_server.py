@@ -129,3 +129,20 @@ def test_a_replica_without_a_port_refuses_kv_transfer_params_and_serves_plain_re
         assert httpx.get(url + "/v1/kv/holds/x", timeout=5).status_code == 404  # no routes
     finally:
         close()
+
+
+def test_serve_options_of_the_split_are_checked_before_the_model_loads():
+    from pagedkv.server.cli import build_parser, check_options
+
+    def check(*argv):
+        check_options(build_parser().parse_args(["--port", "0", *argv]))
+
+    check("--kv-role", "both", "--kv-peer", "10.0.0.2", "--kv-lease", "60")
+    for argv, words in ((["--kv-role", "prefill"], "--kv-role prefill needs"),
+                        (["--kv-role", "decode"], "--kv-role decode needs"),
+                        (["--kv-lease", "0"], "--kv-lease"), (["--kv-lease", "inf"], "--kv-lease"),
+                        (["--kv-fetch-timeout", "-1"], "--kv-fetch-timeout")):
+        with pytest.raises(ValueError, match=words):
+            check(*argv)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--kv-role", "middle"])
