@@ -10,6 +10,12 @@ groups: full attention and sliding windows) instead; ``--hybrid both`` alternate
 (tests/test_kv_content.py is).
 
     PYTHONPATH=src python scripts/soak_kv.py --seconds 600 --hybrid yes
+
+``--external`` runs the external-KV model instead (tests/kv_external_model.py: loads into reserved blocks that
+complete late, reordered, failing or after an abort; holds read by a second party; stores reading their blocks
+late; docs/external-kv.md):
+
+    PYTHONPATH=src python scripts/soak_kv.py --steps 20000 --external --steps-per-manager 500
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+import kv_external_model  # noqa: E402
 import kv_model  # noqa: E402
 
 
@@ -34,6 +41,8 @@ def main(argv=None) -> int:
     ap.add_argument("--order", choices=("plan", "documented"), default="plan")
     ap.add_argument("--hybrid", choices=("no", "yes", "both"), default="no",
                     help="HybridBlockManager configurations (KV cache groups); both: every other manager")
+    ap.add_argument("--external", action="store_true",
+                    help="the external-KV model (loads, holds, stores) on BlockManagers")
     args = ap.parse_args(argv)
     if not args.steps and not args.seconds:
         ap.error("give --steps or --seconds")
@@ -47,7 +56,10 @@ def main(argv=None) -> int:
         if n <= 0 or (args.seconds and time.perf_counter() - t0 >= args.seconds):
             break
         hybrid = args.hybrid == "yes" or (args.hybrid == "both" and seed % 2 == 1)
-        r = kv_model.run(seed, n, order=args.order, check_every=args.check_every, hybrid=hybrid)
+        if args.external:
+            r = kv_external_model.run(seed, n, check_every=args.check_every)
+        else:
+            r = kv_model.run(seed, n, order=args.order, check_every=args.check_every, hybrid=hybrid)
         steps += r.steps
         managers += 1
         violations += r.violations

@@ -17,7 +17,8 @@ from pagedkv import BlockManager, FullAttentionSpec, HybridBlockManager, Sliding
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "pagedkv"
 PART_MODULES = ["manager/_rows", "blocks/_blocks", "manager/_window", "manager/_registry", "manager/_step",
-                "manager/_small", "manager/_alloc", "manager/_swap", "manager/_invariants", "hybrid/_retention"]
+                "manager/_small", "manager/_alloc", "manager/_swap", "manager/_invariants", "manager/_external",
+                "hybrid/_retention"]
 # attributes under which a part holds another part (and the locals the hot functions bind them to)
 PART_ATTRS = {"t", "tb", "blocks", "win", "reg", "step", "small", "alloc", "swap"}
 

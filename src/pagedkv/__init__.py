@@ -14,12 +14,14 @@ from .errors import (
     PromptTooLongError,
     SequenceStateError,
     TableWidthError,
+    UnknownHoldError,
     UnknownPinError,
     UnknownSequenceError,
+    UnknownStoreError,
 )
 from . import events
-from .manager import (NULL_BLOCK, AllocStatus, BlockManager, CopyKind, CopyPlan, PrefillBatch, PrefixHit, Stats,
-                      StepDelta, StepResult, TableUpdates)
+from .manager import (NULL_BLOCK, AllocStatus, BlockManager, CopyKind, CopyPlan, ExternalLoad, Hold, PrefillBatch,
+                      PrefixHit, Stats, StepDelta, StepResult, StorePlan, TableUpdates)
 from .blocks.prefix_cache import block_hashes
 from .retention.eviction import EVICTION_POLICIES
 from .retention.steering import Pin
@@ -60,6 +62,11 @@ __all__ = [
     "TableWidthError",
     "PinBudgetError",
     "UnknownPinError",
+    "UnknownHoldError",
+    "UnknownStoreError",
+    "ExternalLoad",
+    "Hold",
+    "StorePlan",
     "EVICTION_POLICIES",
     "Pin",
 ]

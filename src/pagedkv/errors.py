@@ -16,6 +16,8 @@ __all__ = [
     "SequenceStateError",
     "OutOfBlocksError",
     "PromptTooLongError",
+    "UnknownHoldError",
+    "UnknownStoreError",
     "TableWidthError",
     "NoChatTemplateError",
     "MissingExtraError",
@@ -80,3 +82,12 @@ class PinBudgetError(PagedKVError, RuntimeError):
 
 class UnknownPinError(PagedKVError, KeyError):
     """The pin id was never returned by ``pin_prefix``, or the pin was dropped already (unpinned or expired)."""
+
+
+class UnknownHoldError(PagedKVError, KeyError):
+    """The hold id was never returned by ``hold`` / ``free(..., hold_for=)``, or the hold is gone already
+    (released or expired)."""
+
+
+class UnknownStoreError(PagedKVError, KeyError):
+    """The store id was never returned by ``take_store_plan``, or its store was completed already."""

@@ -33,6 +33,8 @@ from ..manager import NULL_BLOCK, AllocStatus, BlockManager
 from ..scheduler import FINISH_STOP, Scheduler
 from .model import build_attention_metadata, build_group_attention_metadata, execute_copy_plan
 from .registry import load_model, make_tokenizer
+from ..tiers.connector import DEFAULT_MAX_LOAD_MS_PER_BLOCK
+from .kv_tiers import EngineTiers
 from .sampling import SamplingParams, sample, sample_batch, sample_bounded
 from .threads import ThreadPolicy
 
@@ -150,6 +152,27 @@ class LLM:
             share the machine. An int >= 1: that many, fixed (``InvalidArgumentError`` otherwise).
             ``llm.threads`` is the current count. A ``torch.set_num_threads`` of the caller's before ``LLM()`` is
             overridden by the automatic count: pass ``threads=`` instead.
+        kv_disk_dir: a directory for the **disk tier** of the prefix cache (one process at a time: a second
+            opener gets :class:`~pagedkv.tiers.TierInUseError`), bounded to ``kv_disk_gib`` GiB (LRU); it survives
+            restarts: a new engine over the same directory loads what an earlier one stored. LMCache's
+            ``local_disk`` / ``max_local_disk_size``.
+        kv_disk_gib: the disk tier's bound in GiB (required with ``kv_disk_dir``).
+        kv_shared: the **shared tier**, which every replica reads and writes: ``redis://host:port`` (Redis or
+            Valkey; LMCache's ``remote_url``) or ``file:///dir`` (a shared directory).
+        kv_load_max_ms_per_block: the crossover: a tier whose measured load time per block is above this is not
+            read (the prompt is computed); the default is this machine's measured SmolLM2 prefill time per
+            16-token block (683 ms, benchmarks/tier_crossover.py). None: always load.
+        kv_store: write every full prompt block the engine computes to the tiers (write-through, off the step
+            loop); False: load only.
+
+    With ``enable_kv_events``, ``llm.kv_tiers.take_events()`` returns the ``BlockStored`` events of what the tiers
+    stored, ``medium`` ``"DISK"`` or ``"SHARED"`` (the server publishes them with the block manager's).
+
+    With tiers, a request whose prompt continues past the GPU/CPU hit in a tier waits (the scheduler's loading
+    set) while its blocks are read on an I/O thread, then is admitted with that KV written into its blocks
+    (``PrefillWork.num_external_tokens``); a failed or corrupt load computes what it could not load. Models with
+    KV cache groups (Gemma 3 with ``kv_cache_groups=True``) and ``sliding_window`` refuse tiers
+    (``InvalidArgumentError``). Call :meth:`close` (or use ``with LLM(...) as llm``) to finish the stores.
     """
 
     def __init__(
@@ -182,6 +205,11 @@ class LLM:
         eviction_policy: str = "lru",
         pin_budget_blocks: int = 0,
         threads: int | None = None,
+        kv_disk_dir: str | os.PathLike | None = None,
+        kv_disk_gib: float | None = None,
+        kv_shared: str | None = None,
+        kv_load_max_ms_per_block: float | None = DEFAULT_MAX_LOAD_MS_PER_BLOCK,
+        kv_store: bool = True,
     ) -> None:
         policy = ThreadPolicy(threads)  # first: validates, and starts the window of the free-core reading
         if scheduling_policy not in ("fcfs", "priority"):
@@ -290,6 +318,35 @@ class LLM:
         # request id -> the exception its sampling raised in a step (that request got placeholder tokens and must
         # be aborted; the others of the step are unaffected). ``generate`` raises it; the server fails the request.
         self._sample_faults: dict = {}
+        #: the storage tiers (kv_disk_dir, kv_shared), or None
+        self.kv_tiers: EngineTiers | None = None
+        if kv_disk_dir is not None or kv_shared is not None:
+            if grouped:
+                raise InvalidArgumentError(
+                    "the disk and shared KV tiers are not available with KV cache groups yet (Gemma 3's "
+                    "HybridBlockManager): pass kv_cache_groups=False (one block table; every layer's KV stored)")
+            if not enable_prefix_caching:
+                raise InvalidArgumentError("the disk and shared KV tiers need enable_prefix_caching=True")
+            if sliding_window is not None:
+                raise InvalidArgumentError("the disk and shared KV tiers are not available with sliding_window")
+            self.kv_tiers = EngineTiers(self.model, self.kv_cache, block_size, disk_dir=kv_disk_dir,
+                                        disk_gib=kv_disk_gib, shared=kv_shared,
+                                        max_load_ms_per_block=kv_load_max_ms_per_block, write_through=kv_store,
+                                        record_events=enable_kv_events)
+        elif kv_disk_gib is not None:
+            raise InvalidArgumentError("kv_disk_gib needs kv_disk_dir")
+
+    def close(self) -> None:
+        """Finish the storage tiers' stores in flight and close them (the disk directory may then be opened by
+        another engine). The engine must not run afterwards. Nothing to do without tiers."""
+        if self.kv_tiers is not None:
+            self.kv_tiers.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     @property
     def threads(self) -> int:
@@ -411,9 +468,31 @@ class LLM:
     def _add(self, r: "_Request") -> None:
         """Queue a request built by :meth:`_make_request` in the scheduler."""
         p = r.params
-        self.scheduler.add_request(r.request_id, r.prompt_token_ids, n=p.n, max_tokens=p.max_tokens,
-                                   eos_token_id=self.tokenizer.eos_token_id, ignore_eos=p.ignore_eos,
-                                   stop_token_ids=p.stop_token_ids, namespace=r.namespace, priority=r.priority)
+        wait = False
+        if self.kv_tiers is not None:  # the disk / shared tiers may hold blocks past the GPU and CPU hit
+            wait = self.kv_tiers.on_add(r.request_id, r.prompt_token_ids, r.namespace, self.block_manager)
+        try:
+            self.scheduler.add_request(r.request_id, r.prompt_token_ids, n=p.n, max_tokens=p.max_tokens,
+                                       eos_token_id=self.tokenizer.eos_token_id, ignore_eos=p.ignore_eos,
+                                       stop_token_ids=p.stop_token_ids, namespace=r.namespace, priority=r.priority,
+                                       wait_for_kv=wait)
+        except Exception:
+            if wait:
+                self.kv_tiers.forget(r.request_id)
+            raise
+
+    def _poll_tiers(self) -> None:
+        """Before a schedule: finished tier loads let their requests join the waiting queue."""
+        if self.kv_tiers is not None:
+            self.kv_tiers.poll(self.scheduler)
+
+    def _wait_for_loads(self, timeout: float) -> bool:
+        """Nothing can run but requests wait for tier loads: block up to ``timeout`` s for one. True if any
+        request is loading."""
+        if self.kv_tiers is None or not self.scheduler.num_loading:
+            return False
+        self.kv_tiers.wait(timeout)
+        return True
 
     def _step(self, by_id: dict, times: EngineTimes | None = None) -> tuple[Any, list]:
         """Run one engine step for the requests of ``by_id`` (request id -> ``_Request``): schedule, KV copies,
@@ -422,6 +501,7 @@ class LLM:
         ``abort_request`` only between two calls."""
         sched = self.scheduler
         t0 = time.perf_counter()
+        self._poll_tiers()
         plan = sched.schedule()
         t1 = time.perf_counter()
         self._sampling_s = 0.0
@@ -463,7 +543,7 @@ class LLM:
                     r.finish(out)
                     finished.append(r)
             pending -= len(finished)
-            if plan.is_empty and not done and pending:
+            if plan.is_empty and not done and pending and not self._wait_for_loads(0.05):
                 raise RuntimeError("the scheduler made no progress (no request can be scheduled)")
             yield finished
         times.total = time.perf_counter() - t_start
@@ -512,6 +592,9 @@ class LLM:
             execute_copy_plan(plan.copies, self.kv_cache, self.cpu_kv_cache)
         if not plan.has_forward:  # a step that only moved blocks
             return []
+        tiers = self.kv_tiers
+        if tiers is not None:  # KV loaded from the disk / shared tiers, into its blocks before the forward
+            tiers.write_loads(plan, self.kv_cache)
         new_tokens, computed, slots, owners = [], [], [], []
         G = len(self.kv_cache_groups) if self.kv_cache_groups is not None else 0
         tables = [[] for _ in range(max(G, 1))]  # each group's tables (one group without KV cache groups)
@@ -564,6 +647,8 @@ class LLM:
             logits = None
         else:
             logits = self.model(meta, self.kv_cache).cpu()
+        if tiers is not None:  # the full prompt blocks just computed: a snapshot for the tiers (written off-loop)
+            tiers.store_computed(plan, self.kv_cache, by_id)
         if not owners:  # only chunks that sample nothing
             return [None] * len(plan.prefills)
         t = time.perf_counter()

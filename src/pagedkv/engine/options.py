@@ -65,6 +65,22 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="the prefix cache's eviction order (pagedkv.retention.eviction; one block table only)")
     p.add_argument("--pin-budget-blocks", type=int, default=0, metavar="BLOCKS",
                    help="most KV blocks pinned prefixes may hold (BlockManager.pin_prefix; one block table only)")
+    p.add_argument("--kv-disk-dir", default=None, metavar="DIR",
+                   help="a disk tier under the prefix cache in DIR (one process at a time; survives restarts: "
+                        "a restarted engine loads the KV stored there); needs --kv-disk-gib (LMCache's local_disk)")
+    p.add_argument("--kv-disk-gib", type=float, default=None, metavar="GIB",
+                   help="the disk tier's bound in GiB, least recently used blocks evicted (LMCache's "
+                        "max_local_disk_size)")
+    p.add_argument("--kv-shared", default=None, metavar="URL",
+                   help="a KV tier every replica shares: redis://HOST:PORT (Redis or Valkey; LMCache's remote_url) "
+                        "or file:///DIR (a shared directory)")
+    p.add_argument("--kv-load-max-ms-per-block", type=float, default=683.0, metavar="MS",
+                   help="the crossover: a tier whose measured load time per block is above MS is not read and the "
+                        "prompt is computed (default 683: this machine's SmolLM2 prefill time per 16-token block; "
+                        "0: always load)")
+    p.add_argument("--kv-store", action=argparse.BooleanOptionalAction, default=True,
+                   help="write every full prompt block computed to the tiers (write-through, off the step loop); "
+                        "--no-kv-store: load only")
 
 
 def _threads_arg(text: str) -> int:
@@ -105,6 +121,12 @@ def make_llm(args: argparse.Namespace, **over):
         pin_budget_blocks=getattr(args, "pin_budget_blocks", 0),
         threads=getattr(args, "threads", None),
     )
+    if getattr(args, "kv_disk_dir", None) is not None or getattr(args, "kv_shared", None) is not None:
+        ms = getattr(args, "kv_load_max_ms_per_block", 683.0)
+        kw.update(kv_disk_dir=args.kv_disk_dir, kv_disk_gib=args.kv_disk_gib, kv_shared=args.kv_shared,
+                  kv_load_max_ms_per_block=ms if ms else None, kv_store=getattr(args, "kv_store", True))
+    elif getattr(args, "kv_disk_gib", None) is not None:
+        kw["kv_disk_gib"] = args.kv_disk_gib  # (LLM refuses it without a directory)
     kw.update(over)
     return LLM(args.model, **kw)
 

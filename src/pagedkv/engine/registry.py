@@ -139,7 +139,9 @@ def load_model(model: str | os.PathLike[str] | None = None, *, device: Any = Non
     kw = {"device": device, "quant_kernels": quant_kernels}
     if dtype is not None:
         kw["dtype"] = dtype
-    return cls.from_gguf(path, **kw)
+    m = cls.from_gguf(path, **kw)
+    m.source_path = str(path)  # (the storage tiers name the KV by the file's digest: pagedkv.engine.kv_io)
+    return m
 
 
 def make_tokenizer(meta: Any) -> Any:

@@ -11,12 +11,14 @@
     _window      the sliding window: blocks no future query can see, released
     _rows        SeqTables: one row per live sequence in flat arrays and the block-table matrix
     _invariants  the O(n) audit of every invariant (check_invariants)
+    _external    external KV: loads into reserved blocks (LOADING), holds with leases, store plans
 
 The parts work over the per-block leaves of :mod:`pagedkv.blocks` and the CPU tier of :mod:`pagedkv.tiers`.
 """
 
 from .core import (NULL_BLOCK, AllocStatus, BlockManager, CacheCopies, CopyKind, CopyPlan, PrefillBatch, PrefixHit,
                    Stats, StepDelta, StepResult, TableUpdates)
+from ._external import ExternalLoad, Hold, StorePlan
 
-__all__ = ["AllocStatus", "BlockManager", "CacheCopies", "CopyKind", "CopyPlan", "NULL_BLOCK", "PrefillBatch",
-           "PrefixHit", "StepDelta", "StepResult", "Stats", "TableUpdates"]
+__all__ = ["AllocStatus", "BlockManager", "CacheCopies", "CopyKind", "CopyPlan", "ExternalLoad", "Hold", "NULL_BLOCK",
+           "PrefillBatch", "PrefixHit", "StepDelta", "StepResult", "Stats", "StorePlan", "TableUpdates"]

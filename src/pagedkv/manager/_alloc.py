@@ -52,6 +52,9 @@ class Allocator:
         self.bs, self.watermark, self.fixed_w = bs, watermark, fixed_w
         self.window = window  # the sliding window (tokens) or None: chunked prompts may outgrow the pool
         self.query_tokens = self.hit_tokens = self.query_blocks = self.hit_blocks = 0
+        # called with the GPU hit blocks of each committed allocation (the selective store policy counts hits:
+        # manager/_external.py); None: no call
+        self.on_hits = None
 
     def plan(self, token_ids: object, la: int, namespace: object, root: tuple | None = None,
              lookup: bool = True, checked: bool = False, chunk: int | None = None) -> tuple:
@@ -135,11 +138,13 @@ class Allocator:
         return hits, (int(self.cpu_id[0, ~b]), int(self.cpu_id[1, ~b]) & 0xFFFFFFFFFFFFFFFF)
 
     def commit(self, seq_id, namespace, arr, n: int, nblocks: int, hits: list, cpu_hits, chain,
-               referenced: bool, nnull: int = 0) -> int:
+               referenced: bool, nnull: int = 0, defer: bool = False) -> int:
         """Create the row of a planned allocation; nothing here can fail. ``referenced``: the GPU hits hold their
         new reference already and the CPU hits are pinned (a batch takes them all first). ``nnull``: the first
         ``nnull`` entries of ``hits`` are NULL_BLOCK, positions a sliding window no longer needs (a KV cache
-        group's hybrid hit; ``referenced`` then). Returns the row."""
+        group's hybrid hit; ``referenced`` then). ``defer``: register nothing past the hit (external KV arrives
+        in the new blocks later: manager/_external.py registers them when the load is reported). Returns the
+        row."""
         if cpu_hits and not referenced:  # pinned first: taking GPU blocks below may demote into the CPU tier
             self.tier.pin_many([c for _, c in cpu_hits])
         if referenced:
@@ -187,7 +192,12 @@ class Allocator:
             if self.cache.intern(namespace) and len(self.cache.roots) > self.cache.sweep_at:
                 self.reg.release_namespaces()  # bounded state per tenant (amortised O(1) per new namespace)
             tb.ccid[row], tb.ckey[row] = chain
-            self.reg.fill_prompt(row, arr if arr.size == n else arr[:n], new, len(hits))  # (a chunk: its tokens)
+            if defer:
+                self.reg.keys_memo = None
+            else:
+                self.reg.fill_prompt(row, arr if arr.size == n else arr[:n], new, len(hits))  # (a chunk: its tokens)
+            if self.on_hits is not None and hits:
+                self.on_hits(hits)
             self.query_tokens += arr.size  # (the whole prompt was looked up)
             self.hit_tokens += len(hits) * bs
             self.query_blocks += (arr.size - 1) // bs

@@ -12,11 +12,17 @@ from ..blocks.prefix_cache import block_key
 from ..types import NULL_BLOCK
 
 
-def check(blocks, tier, bs: int, groups) -> None:
+def fail(msg: str) -> None:
+    """Raise the audit's AssertionError (shared with the parts that check their own state)."""
+    raise AssertionError(msg)
+
+
+def check(blocks, tier, bs: int, groups, extra=()) -> None:
     """Check every invariant of the managers sharing ``blocks`` (:class:`~pagedkv.blocks._blocks.Blocks`: the pools,
     the prefix cache, the CPU blocks' identities) and ``tier``; ``groups``: ``(tables, window)`` of each manager
-    (one, or one per KV cache group), whose references are counted together. Raises AssertionError.
-    O(blocks + total table length).
+    (one, or one per KV cache group), whose references are counted together; ``extra``: arrays of GPU blocks
+    holding one reference each besides the tables (external KV: parked loads, holds, store pins). Raises
+    AssertionError. O(blocks + total table length).
 
     - each GPU (CPU) block's refcount equals the number of GPU-resident (swapped-out) tables holding it;
     - no block appears twice in one table, released positions hold NULL_BLOCK, tables cover the tokens;
@@ -25,13 +31,12 @@ def check(blocks, tier, bs: int, groups) -> None:
       consistent linked list; the cache map and the per-block entries agree (no block under two keys).
     """
 
-    def fail(msg: str) -> None:
-        raise AssertionError(msg)
-
     gpu, cpu, cache = blocks.gpu, blocks.cpu, blocks.cache
     counts = {False: np.zeros(gpu.num_blocks, np.int64), True: np.zeros(cpu.num_blocks, np.int64)}
     for t, window in groups:
         _check_rows(t, window, bs, gpu, cpu, cache, counts, fail)
+    for blocks_held in extra:
+        np.add.at(counts[False], np.asarray(blocks_held, dtype=np.int64), 1)
     for swapped, pool, name in ((False, gpu, "GPU"), (True, cpu, "CPU")):
         if not np.array_equal(counts[swapped], pool.ref):
             bad = int(np.flatnonzero(counts[swapped] != pool.ref)[0])
@@ -99,7 +104,7 @@ def _check_cache(blocks, tier, tables: list, fail) -> None:
         if p in parent_key and block_key(parent_key[p], cache.tok[b].tobytes()) != k:
             fail(f"cached block {b}: its key is not the hash of its tokens after its parent")
     for t in tables:
-        for row in t.row_of.values():
+        for row in list(t.row_of.values()) + list(t.loading.values()):
             c = int(t.ccid[row])
             if c and c in parent_key and parent_key[c] != int(t.ckey[row]):
                 fail(f"row {row}: its chain key is not the key of its chain's content")
@@ -112,12 +117,14 @@ def _check_cache(blocks, tier, tables: list, fail) -> None:
 
 def _check_rows(t, window, bs: int, gpu, cpu, cache, counts: dict, fail) -> None:
     """One manager's rows and tables; adds each table's references to ``counts`` (GPU, CPU)."""
-    if len(t.row_of) + len(t.free_rows) != len(t.seq_of):
-        fail("rows: live + free != capacity")
+    if len(t.row_of) + len(t.loading) + len(t.free_rows) != len(t.seq_of):
+        fail("rows: live + loading + free != capacity")
+    if set(t.row_of) & (set(t.loading) | set(t.parked)) or set(t.loading) & set(t.parked):
+        fail("a sequence id is in two of live, loading and parked")
     for seq_id in t.partial:  # (chunked prefill: prompt lengths of live sequences only)
         if seq_id not in t.row_of:
             fail(f"{seq_id!r}: a freed sequence is still recorded as partly prefilled")
-    for seq_id, row in t.row_of.items():
+    for seq_id, row in list(t.row_of.items()) + list(t.loading.items()):
         if t.seq_of[row] != seq_id:
             fail(f"row {row} maps back to {t.seq_of[row]!r}, not {seq_id!r}")
         n, nb, nrel = int(t.ntok[row]), int(t.nblk[row]), int(t.nrel[row])

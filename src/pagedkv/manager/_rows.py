@@ -35,7 +35,7 @@ class SeqTables:
     """seq_id -> row, the row arrays and the block-table matrix of one manager (see the module docstring).
 
     Attributes are the part's documented state (read and written by the other parts of the manager):
-    ``row_of``, ``seq_of``, ``ns_of``, ``free_rows``, ``partial`` (seq_id -> prompt length of a sequence
+    ``row_of``, ``seq_of``, ``ns_of``, ``free_rows``, ``loading`` and ``parked`` (external KV), ``partial`` (seq_id -> prompt length of a sequence
     allocated a chunk of its prompt), the row arrays, ``table``, the batch memo (``memo_ids`` / ``memo_rows`` /
     ``memo_small``), ``mvs`` (memoryviews or None) and the step snapshot (``stepping``, ``ntok0``)."""
 
@@ -57,6 +57,11 @@ class SeqTables:
         self.ckey = np.zeros(0, dtype=np.uint64)  # chain: key of that content
         self.swapped = np.zeros(0, dtype=bool)
         self.partial: dict = {}  # seq_id -> prompt length, for sequences allocated a chunk of their prompt
+        # external KV (manager/_external.py): LOADING sequences (seq_id -> row) are out of row_of, so that every
+        # per-step path refuses them at no cost; PARKED ids (aborted while loading: seq_id -> the blocks a
+        # transfer may still write) cannot be allocated again until finish_external reports them
+        self.loading: dict = {}
+        self.parked: dict = {}
         self.table = np.full((0, width), NULL_BLOCK, dtype=np.int32)
         # one-entry memo of the last batch: seq_ids list -> validated rows (memo_small: the same list, rows list)
         self.memo_ids: list | None = None
@@ -68,6 +73,9 @@ class SeqTables:
         try:
             return self.row_of[seq_id]
         except KeyError:
+            if self.loading and seq_id in self.loading:
+                raise SequenceStateError(f"sequence {seq_id!r} is loading external KV; finish_external it (or "
+                                         "free it) first") from None
             raise UnknownSequenceError(f"unknown sequence {seq_id!r} (never allocated, or already freed)") from None
         except TypeError:
             raise InvalidArgumentError(f"seq_id must be hashable, got {type(seq_id).__name__}") from None
@@ -79,6 +87,15 @@ class SeqTables:
             raise InvalidArgumentError(f"seq_id must be hashable, got {type(seq_id).__name__}") from None
         if exists:
             raise DuplicateSequenceError(f"sequence {seq_id!r} is already allocated")
+        if (self.loading or self.parked) and (seq_id in self.loading or seq_id in self.parked):
+            raise DuplicateSequenceError(f"sequence {seq_id!r} is loading external KV, or was aborted while loading "
+                                         "and finish_external has not reported it yet")
+
+    def any_row(self, seq_id: Hashable) -> int:
+        """The row of a live sequence, LOADING ones included (the read-only queries); UnknownSequenceError."""
+        if self.loading and seq_id in self.loading:
+            return self.loading[seq_id]
+        return self.row(seq_id)
 
     def rows(self, seq_ids: Sequence[Hashable]) -> np.ndarray:
         """Validated rows of a batch of live, GPU-resident, distinct sequences (int64). The last batch is

@@ -26,6 +26,7 @@ objects it works on (no part reaches another's private state; dependencies point
     _rows.py        SeqTables   seq_id -> row; per-sequence row arrays and the block-table matrix
     _blocks.py      Blocks      take / release GPU and CPU blocks (free ring, then LRU eviction)
     _invariants.py  check       the O(n) audit behind check_invariants
+    _external.py    External    external KV: loads (LOADING, parked), holds with leases, store plans
     pool.py, prefix_cache.py, evictor.py, cpu_tier.py   per-block flat arrays (refcounts, free ring; keys,
                                 tokens, LRU; the CPU tier)
 
@@ -65,6 +66,7 @@ from ._small import SMALL_BATCH, Small
 from ._step import _NO_UPDATES, TABLES_DELTA, Stepper
 from ._swap import Swapper
 from ._window import Window
+from ._external import STORE_POLICIES, External, ExternalLoad, Hold, StorePlan
 from ..errors import InvalidArgumentError, InvalidTokensError, OutOfBlocksError, SequenceStateError
 from ..tiers.cpu import CpuTier
 from ..events import KVCacheEvent
@@ -118,12 +120,18 @@ class BlockManager:
             ``"lru"`` (default), ``"slru"`` (frequency-aware) or ``"session"`` (uses :meth:`set_retention`'s
             session hint). Needs prefix caching for anything but ``"lru"``.
         pin_budget_blocks: the most distinct GPU blocks :meth:`pin_prefix` may hold pinned (0: no pins).
+        store_policy: which blocks :meth:`take_store_plan` hands out to write to the storage tiers:
+            ``"none"`` (default), ``"write_through"`` (every block once registered in the prefix cache) or
+            ``"selective"`` (a cached block once prefix hits took it ``store_min_hits`` times). Needs prefix
+            caching for anything but ``"none"`` (docs/external-kv.md).
+        store_min_hits: the selective policy's hit count (>= 1).
 
     Sequences are keyed by any hashable ``seq_id`` chosen by the caller. Every method either completes or raises
     a :mod:`pagedkv.errors` exception and leaves the manager exactly as it was.
     """
 
     _steered = False  # priority classes and pins installed (the first set_retention priority or pin_prefix)
+    _store = ("none", 1)  # (store policy, min hits); a KV cache group's manager (_sharing) stores nothing itself
 
     atomic_append = True
     """decode_step / append_slots are all-or-nothing for the whole batch: a scheduler may call them without asking
@@ -150,8 +158,16 @@ class BlockManager:
         block_table_width: int | None = None,
         eviction_policy: str = "lru",
         pin_budget_blocks: int = 0,
+        store_policy: str = "none",
+        store_min_hits: int = 1,
     ) -> None:
         num_gpu_blocks = _check_int("num_gpu_blocks", num_gpu_blocks, 1)
+        if store_policy not in STORE_POLICIES:
+            raise InvalidArgumentError(f"store_policy must be one of {STORE_POLICIES}, got {store_policy!r}")
+        store_min_hits = _check_int("store_min_hits", store_min_hits, 1)
+        if store_policy != "none" and not enable_prefix_caching:
+            raise InvalidArgumentError("store_policy needs enable_prefix_caching=True")
+        self._store = (store_policy, store_min_hits)
         pin_budget_blocks = _check_int("pin_budget_blocks", pin_budget_blocks, 0)
         if eviction_policy not in EVICTION_POLICIES:
             make_evictor(eviction_policy, 1)  # raises, naming the policies
@@ -230,6 +246,7 @@ class BlockManager:
         self._small = Small(t, blocks, reg, cache, copies, bs, self._fixed_w)
         self._alloc = Allocator(t, blocks, reg, cache, tier, self._cpu_id, bs, self._watermark_blocks,
                                 self._fixed_w, sliding_window)
+        self._ext = External(t, blocks, reg, self._alloc, cache, bs, *self._store)
         self._swap = Swapper(t, blocks, cache, tier, self._cpu_tok, self._cpu_id, copies)
 
     # ------------------------------------------------------------------ read-only state
@@ -324,6 +341,8 @@ class BlockManager:
         else:
             plan = _EMPTY_PLAN
         self._t.end_step()
+        if self._store[0] == "write_through":
+            self._ext.end_step()
         return plan
 
     def take_copies(self) -> CacheCopies:
@@ -363,32 +382,33 @@ class BlockManager:
         )
 
     def __len__(self) -> int:
-        return len(self._t.row_of)
+        return len(self._t.row_of) + len(self._t.loading)
 
     def __contains__(self, seq_id: object) -> bool:
         try:
-            return seq_id in self._t.row_of
+            return seq_id in self._t.row_of or seq_id in self._t.loading
         except TypeError:
             return False
 
     @property
     def seq_ids(self) -> tuple:
-        """Live sequence ids, in allocation order."""
-        return tuple(self._t.row_of)
+        """Live sequence ids (LOADING ones included): in allocation order, except that a sequence whose load
+        finished comes after the others."""
+        return tuple(self._t.row_of) + tuple(self._t.loading)
 
     def num_tokens(self, seq_id: Hashable) -> int:
-        """Tokens appended to the sequence (prompt plus every appended token)."""
-        return int(self._t.ntok[self._t.row(seq_id)])
+        """Tokens appended to the sequence (prompt plus every appended token; a LOADING one's held prompt)."""
+        return int(self._t.ntok[self._t.any_row(seq_id)])
 
     def is_swapped(self, seq_id: Hashable) -> bool:
-        return bool(self._t.swapped[self._t.row(seq_id)])
+        return bool(self._t.swapped[self._t.any_row(seq_id)])
 
     def block_table(self, seq_id: Hashable, group: int = 0) -> np.ndarray:
         """The sequence's block table: a read-only int32 copy, one entry per block of
         ``ceil((num_tokens + reserved lookahead) / block_size)``, NULL_BLOCK where the sliding window released the
         block. While the sequence is swapped out the ids are CPU block ids. ``group`` must be 0 (the one KV cache
         group; the argument is :meth:`HybridBlockManager.block_table`'s). O(table length)."""
-        row = self._t.row(seq_id)
+        row = self._t.any_row(seq_id)
         if group is not _ZERO:  # (the common case in one identity test; anything else is checked)
             self._check_group(group)
         t = self._t.table[row, : self._t.nblk[row]].copy()
@@ -401,7 +421,7 @@ class BlockManager:
         sequence). A sequence keeps its row from ``allocate`` / ``fork`` to ``free``, swapped out or not; a
         freed row is given to a later sequence. Rows are small ints (below the most sequences live at once,
         rounded up to a power of two, at least 8). Swapped-out sequences are allowed. O(B)."""
-        rows = np.array([self._t.row(s) for s in seq_ids], dtype=np.int64)
+        rows = np.array([self._t.any_row(s) for s in seq_ids], dtype=np.int64)
         rows.flags.writeable = False
         return rows
 
@@ -411,7 +431,7 @@ class BlockManager:
         Positions up to the reserved lookahead slots are allowed. Raises SequenceStateError for a swapped-out
         sequence or for positions released by the sliding window. ``group`` must be 0 (as for
         :meth:`block_table`). O(end - start)."""
-        row = self._t.row(seq_id)
+        row = self._t.any_row(seq_id)
         if group is not _ZERO:  # (the common case in one identity test; anything else is checked)
             self._check_group(group)
         start = _check_int("start", start, 0)
@@ -523,7 +543,7 @@ class BlockManager:
 
 
     def allocate(self, seq_id: Hashable, token_ids: Sequence[int], num_lookahead_slots: int = 0, *,
-                 namespace: object = None, num_new_tokens: int | None = None) -> int:
+                 namespace: object = None, num_new_tokens: int | None = None, num_external_tokens: int = 0) -> int:
         """Create the block table of a new sequence holding the prompt ``token_ids``, with blocks for
         ``num_lookahead_slots`` empty slots after it (as :meth:`can_allocate` counts them).
 
@@ -554,7 +574,17 @@ class BlockManager:
 
             prompt   [ hit (cached) | chunk 1 ][ chunk 2 ][ chunk 3 ]
                        allocate(num_new_tokens=k)  decode_step  decode_step (last: sample)
+
+        **External KV** (``num_external_tokens=E``, a multiple of block_size; docs/external-kv.md): the E tokens
+        after the hit H (cut to whole blocks before the prompt's last token) arrive from outside (a storage tier,
+        a prefill replica) instead of being computed. Returns ``H + E'`` (E' the tokens kept); with E' > 0 the
+        sequence is LOADING: :meth:`external_blocks` names the blocks to fill, nothing past the hit is
+        registered, and its prefill waits for :meth:`finish_external`. With ``num_new_tokens=k`` it holds the
+        hit, the E' tokens and one chunk of k. Not with a sliding window (InvalidArgumentError).
         """
+        if num_external_tokens:
+            return self._allocate_external(seq_id, token_ids, num_lookahead_slots, namespace, num_new_tokens,
+                                           num_external_tokens)
         self._t.check_new_id(seq_id)
         la = num_lookahead_slots if type(num_lookahead_slots) is int and num_lookahead_slots >= 0 else \
             _check_int("num_lookahead_slots", num_lookahead_slots, 0)
@@ -575,9 +605,18 @@ class BlockManager:
             self._t.partial[seq_id] = token_ids.size
         return (len(hits) + (len(cpu_hits) if cpu_hits else 0)) * self._bs
 
+    def _allocate_external(self, seq_id, token_ids, num_lookahead_slots, namespace, num_new_tokens, e) -> int:
+        la = _check_int("num_lookahead_slots", num_lookahead_slots, 0)
+        k = None if num_new_tokens is None else _check_int("num_new_tokens", num_new_tokens, 1)
+        e = self._ext.check_external(e)
+        if e and self._window is not None:
+            raise InvalidArgumentError("num_external_tokens is not available with a sliding window")
+        return self._ext.allocate(seq_id, token_ids, la, namespace, k, e)
+
     def allocate_batch(self, seq_ids: Sequence[Hashable], token_ids: Sequence[Sequence[int]],
                        num_lookahead_slots: int = 0, *, namespaces: Sequence[object] | None = None,
-                       num_new_tokens: Sequence[int] | None = None) -> PrefillBatch:
+                       num_new_tokens: Sequence[int] | None = None,
+                       num_external_tokens: Sequence[int] | None = None) -> PrefillBatch:
         """Allocate B new sequences at once (``seq_ids[i]`` holds the prompt ``token_ids[i]``) and return their
         prefill metadata, flat: :class:`PrefillBatch` (the cached-token count of each, the tokens to compute
         with their positions and slots, query start offsets, block tables, sequence lengths).
@@ -596,6 +635,11 @@ class BlockManager:
 
         ``num_new_tokens`` (chunked prefill): None, or one chunk size (>= 1) per prompt, as for :meth:`allocate`;
         the batch's metadata then covers each sequence's hit plus its chunk (``seq_lens`` the held tokens).
+
+        ``num_external_tokens``: None, or one count per prompt (as :meth:`allocate`'s); with any count > 0 the
+        batch is checked as a whole, then allocated as consecutive :meth:`allocate` calls (sharing inside the
+        batch as those calls share), and each LOADING sequence's metadata starts at its ``H + E'`` (its prefill
+        waits for :meth:`finish_external`).
         """
         seq_ids = list(seq_ids)
         prompts = list(token_ids) if not isinstance(token_ids, np.ndarray) or token_ids.ndim == 2 else None
@@ -618,6 +662,17 @@ class BlockManager:
             if isinstance(num_new_tokens, (int, np.integer)) or len(num_new_tokens) != len(seq_ids):
                 raise InvalidArgumentError("num_new_tokens must be None or one chunk size per prompt")
             chunks = [_check_int(f"num_new_tokens[{i}]", c, 1) for i, c in enumerate(num_new_tokens)]
+        if num_external_tokens is not None:
+            if isinstance(num_external_tokens, (int, np.integer)) or len(num_external_tokens) != len(seq_ids):
+                raise InvalidArgumentError("num_external_tokens must be None or one count per prompt")
+            exts = [self._ext.check_external(e) for e in num_external_tokens]
+            if any(exts):
+                if self._window is not None:
+                    raise InvalidArgumentError("num_external_tokens is not available with a sliding window")
+                ids = tuple(seq_ids)
+                return self._ext.allocate_batch(
+                    seq_ids, prompts, la, namespaces, chunks, exts,
+                    lambda arrs, plans, rows, nhit: self._alloc.prefill_result(ids, arrs, plans, rows, nhit))
         return self._alloc.allocate_batch(seq_ids, prompts, la, namespaces, chunks)
 
     def lookup_prefix(self, token_ids: Sequence[int], num_lookahead_slots: int = 0, *,
@@ -684,7 +739,8 @@ class BlockManager:
             t.ntok0[t.row_of[child_seq_id]] = t.ntok0[prow]
 
 
-    def free(self, seq_id: Hashable, *, cache: bool = True) -> None:
+    def free(self, seq_id: Hashable, *, cache: bool = True, hold_for: float | None = None,
+             now: float | None = None) -> Hold | None:
         """Release every block of the sequence and forget it. With prefix caching its full blocks stay cached
         until evicted; they are released tail first, so under memory pressure a long prefix loses its tail
         before its head. Freeing an unknown or already freed id raises UnknownSequenceError.
@@ -707,9 +763,38 @@ class BlockManager:
         docs/engine-contract.md). With prefix caching, once the same-step checks are on (after the first
         :meth:`take_copy_plan`), ``free(seq_id)`` of a sequence handed slots in the current step (by ``allocate``,
         ``decode_step`` or ``append_slots``) raises SequenceStateError and changes nothing: its
-        blocks would become prefix hits before anybody wrote their KV."""
+        blocks would become prefix hits before anybody wrote their KV.
+
+        ``hold_for=s`` (seconds): :meth:`hold` the sequence's blocks for a reader outside with a lease of ``s``
+        (clock ``now``), then free it, all or nothing; returns the :class:`Hold` (None without ``hold_for``).
+
+        A LOADING sequence (external KV still arriving) is aborted: its blocks are released except those a
+        transfer may still write, which stay PARKED until :meth:`finish_external` reports the sequence
+        (docs/external-kv.md)."""
+        if hold_for is not None:
+            if not cache:
+                raise InvalidArgumentError("free(..., hold_for=) holds KV for a reader; with cache=False that KV "
+                                           "was never written")
+            h = self._ext.hold(seq_id, hold_for, now)
+            try:
+                self.free(seq_id, cache=cache)
+            except BaseException:
+                self._ext.undo_hold(h.hold_id)
+                raise
+            return h
         t = self._t
-        row = t.row(seq_id)
+        try:
+            row = t.row(seq_id)
+        except SequenceStateError:
+            if seq_id in t.loading:
+                self._hints.pop(seq_id, None)
+                self._ext.abort(seq_id)
+                return None
+            raise
+        if not cache and self._ext.holds and self._ext.held(seq_id):
+            raise SequenceStateError(
+                f"free({seq_id!r}, cache=False): a hold of it covers KV that is then never written; release its "
+                "holds first (their reader must drop them)")
         if self._cache is not None and not t.swapped[row]:
             if not cache:
                 self._reg.withdraw_pending(seq_id, row)  # may raise; changes nothing then
@@ -723,12 +808,99 @@ class BlockManager:
         if t.partial:
             t.partial.pop(seq_id, None)
         if self._small.free_small(seq_id, row):
-            return
+            return None
         if t.swapped[row]:
             self._blocks.release_cpu(t.table[row, t.nrel[row] : t.nblk[row]][::-1].copy())
         else:
             self._blocks.release(t.table[row, t.nrel[row] : t.nblk[row]][::-1].copy())
         t.drop_row(seq_id, row)
+        return None
+
+    # ------------------------------------------------------------------ external KV (docs/external-kv.md)
+    def external_blocks(self, seq_id: Hashable) -> ExternalLoad | None:
+        """The blocks a LOADING sequence's external KV goes into: :class:`ExternalLoad` (``start_token`` = the
+        hit allocate found, ``block_ids``, their chained content ``keys``), or None when the sequence is not
+        LOADING. UnknownSequenceError for an unknown id. O(prompt blocks)."""
+        return self._ext.external_blocks(seq_id)
+
+    def finish_external(self, done: Iterable[Hashable] = (), failed: dict | None = None) -> dict:
+        """Report ended transfers: ``done`` (every external token arrived) and ``failed`` ``{seq: ok}`` (the
+        first ``ok`` external tokens arrived intact; a multiple of block_size below E'). The engine guarantees
+        that no transfer writes those blocks any more. Each live sequence becomes RUNNING, its arrived blocks
+        and held prompt blocks are registered as :meth:`allocate` would have registered them, and it counts as
+        handed slots in this step: prefill its tokens from the returned count to ``num_tokens(seq)`` in this
+        step. A sequence aborted while LOADING (``free``) has its parked blocks freed and is left out of the
+        result. Returns ``{seq: tokens computed}``. Everything is checked first (UnknownSequenceError,
+        SequenceStateError for a sequence not loading, e.g. reported twice; InvalidArgumentError for a bad
+        ``ok`` or an id reported twice in the call); nothing changes then. O(reported blocks)."""
+        return self._ext.finish(done, failed)
+
+    @property
+    def loading_seq_ids(self) -> tuple:
+        """The LOADING sequences (external KV still arriving), in allocation order."""
+        return tuple(self._t.loading)
+
+    def is_loading(self, seq_id: Hashable) -> bool:
+        """Whether the sequence is LOADING (UnknownSequenceError for an unknown id). O(1)."""
+        self._t.any_row(seq_id)
+        return seq_id in self._t.loading
+
+    @property
+    def parked_seq_ids(self) -> tuple:
+        """Sequences freed while LOADING whose blocks wait for :meth:`finish_external` to report them."""
+        return tuple(self._t.parked)
+
+    def hold(self, seq_id: Hashable, lease_s: float, *, now: float | None = None) -> Hold:
+        """Keep the blocks covering the sequence's tokens for a reader outside (a decode replica reading a
+        prefill's KV, a store in flight): one more reference each until :meth:`release_hold` or
+        :meth:`expire_holds` past ``now + lease_s`` (``now``: ``time.monotonic()`` by default). Held blocks are
+        never evicted, reused or written (a write copies on write); full ones stay findable. Raises
+        SequenceStateError (LOADING, swapped out), InvalidArgumentError (lease), UnknownSequenceError.
+        O(table length)."""
+        return self._ext.hold(seq_id, lease_s, now)
+
+    def release_hold(self, hold_id: int) -> None:
+        """Release a hold's blocks (tail first, as :meth:`free`). UnknownHoldError for an unknown, released or
+        expired id, changing nothing. O(its blocks)."""
+        self._ext.release_hold(hold_id)
+
+    def renew_hold(self, hold_id: int, lease_s: float, *, now: float | None = None) -> Hold:
+        """A new lease for a hold: it expires at ``now + lease_s``; returns the renewed Hold.
+        UnknownHoldError, InvalidArgumentError, changing nothing. O(1)."""
+        return self._ext.renew_hold(hold_id, lease_s, now)
+
+    def expire_holds(self, now: float | None = None) -> list[int]:
+        """Release every hold whose lease ended (``expires_at <= now``); returns their ids. The manager never
+        expires a hold by itself. O(holds + released blocks)."""
+        return self._ext.expire_holds(now)
+
+    @property
+    def holds(self) -> tuple:
+        """The live holds, oldest first."""
+        return tuple(self._ext.holds.values())
+
+    @property
+    def store_policy(self) -> str:
+        return self._store[0]
+
+    def take_store_plan(self) -> StorePlan | None:
+        """The blocks to write to the storage tiers since the last call, by the store policy (None when there
+        are none, always with ``"none"``), each pinned (a reference) until :meth:`complete_store`: a store never
+        reads a block that was evicted and reused. A content stored successfully is not planned again.
+        write_through plans the blocks registered before the last :meth:`take_copy_plan` (their KV is written by
+        that step's forward): execute a plan's stores after that forward.
+        write_through: O(num_gpu_blocks) vectorised compare plus O(planned blocks); selective: O(planned)."""
+        return self._ext.take_store_plan()
+
+    def complete_store(self, store_id: int, success: bool = True) -> None:
+        """Unpin a store plan's blocks; ``success`` marks their contents stored. UnknownStoreError for an unknown
+        or completed id, changing nothing. O(its blocks)."""
+        self._ext.complete_store(store_id, success)
+
+    @property
+    def pending_stores(self) -> tuple:
+        """Store ids taken and not completed."""
+        return tuple(self._ext.plans)
 
     # ------------------------------------------------------------------ retention (priority, session, pins)
     @property
@@ -1002,4 +1174,5 @@ class BlockManager:
         - the free ring holds unreferenced uncached blocks, the evictor unreferenced cached ones, in a
           consistent linked list; the cache map and the per-block entries agree (no block under two keys).
         """
-        _invariants.check(self._blocks, self._tier, self._bs, [(self._t, self._window)])
+        _invariants.check(self._blocks, self._tier, self._bs, [(self._t, self._window)], self._ext.extra_refs())
+        self._ext.check(_invariants.fail)

@@ -44,6 +44,14 @@ that ends the prompt (whose last logits give the first token, as an unchunked pr
 chunk fills is in the prefix cache when the call returns, so an identical prompt admitted later (even in the same
 step) starts from there. Without chunking the budget counts whole prompts, and decodes are not charged.
 
+**Waiting for KV** (storage tiers, docs/tiers.md): a request added with ``wait_for_kv=True`` waits in the
+*loading* set, outside every queue and batch, while the engine loads its prompt's KV from a disk or shared tier;
+``kv_ready(request_id, start_token, num_tokens)`` puts it back in the waiting queue at its arrival's place with
+the loaded run. At admission the run is used from the prefix-cache hit on (only if it continues the hit): the
+allocation covers it (``num_new_tokens`` = loaded + chunk), the :class:`PrefillWork` starts after it and says how
+many tokens the engine writes from the load instead of computing (``num_external_tokens``; not charged to the
+budget). A failed load hands over fewer tokens: the rest is computed.
+
 Sequence ids are ints handed out by the scheduler: a request with ``n`` samples owns the consecutive ids
 ``base .. base + n - 1`` (sample ``i`` is ``base + i``, sample 0 is the parent). A fresh request is prefilled once,
 as sample 0; the caller samples ``n`` tokens from the prompt's last logits and the scheduler then forks samples

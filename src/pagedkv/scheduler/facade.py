@@ -21,6 +21,7 @@ from typing import Any, Hashable, Sequence as Seq
 
 import numpy as np
 
+from ..errors import InvalidArgumentError
 from .calls import BlockCalls
 from .chunks import Chunker
 from .decode import Decoder
@@ -39,7 +40,7 @@ from .plan import (
 )
 from .preempt import Preemptor
 from .prefill import Admitter
-from .state import FINISHED, RUNNING, SWAPPED, WAITING, Config, Queues
+from .state import FINISHED, LOADING, RUNNING, SWAPPED, WAITING, Config, Queues
 from .update import Updater
 
 
@@ -168,13 +169,18 @@ class Scheduler:
         stop_token_ids: Seq[int] = (),
         namespace: Any = None,
         priority: int = 0,
+        wait_for_kv: bool = False,
     ) -> None:
         """Queue a request. ``max_tokens`` counts generated tokens per sample; generation stops after EOS
         (unless ``ignore_eos``) or a token of ``stop_token_ids``; ``namespace`` isolates its prefix-cache
         entries. ``priority`` (vLLM's field, lower is more urgent): with ``scheduling_policy="priority"`` requests
         are admitted by (priority, arrival) and preempted from the largest (priority, arrival) first; with any
         policy the block manager (if it has ``set_retention``, prefix caching on) evicts the cached blocks of a
-        request of a larger value first."""
+        request of a larger value first.
+
+        ``wait_for_kv``: the request waits in the *loading* set (not admitted, steps go on for the others) until
+        :meth:`kv_ready` says its load from a storage tier finished; it then joins the waiting queue at its
+        arrival's place."""
         q = self._q
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"request {request_id!r}: priority must be an int, got {priority!r}")
@@ -191,7 +197,42 @@ class Scheduler:
             raise ValueError(f"request {request_id!r}: max_tokens must be >= 1, got {max_tokens}")
         prompt.setflags(write=False)
         q.add(request_id, prompt, int(n), int(max_tokens), None if eos_token_id is None else int(eos_token_id),
-              bool(ignore_eos), frozenset(int(t) for t in stop_token_ids), namespace, int(priority))
+              bool(ignore_eos), frozenset(int(t) for t in stop_token_ids), namespace, int(priority),
+              bool(wait_for_kv))
+
+    def kv_ready(self, request_id: Hashable, start_token: int = 0, num_tokens: int = 0) -> bool:
+        """The storage-tier load of a request added with ``wait_for_kv=True`` finished: it holds the KV of prompt
+        positions ``[start_token, start_token + num_tokens)`` (block multiples; ``num_tokens`` 0: nothing was
+        loaded, or the load failed at once: the prompt is computed). The request joins the waiting queue at its
+        arrival's place; at admission the loaded run is used from the prefix-cache hit on if it continues the
+        hit (``PrefillWork.num_external_tokens``), else computed (``stats.stale_external_loads``). A failed load
+        passes the good leading blocks only: the rest is computed, never skipped.
+
+        Returns False, changing nothing, for an unknown request (aborted meanwhile: a documented no-op). Raises
+        ``InvalidArgumentError`` (state unchanged) for a request that is not loading, or a bad range. O(waiting)."""
+        q = self._q
+        g = q.requests.get(request_id)
+        if g is None:
+            return False
+        if g.status != LOADING:
+            raise InvalidArgumentError(f"request {request_id!r} is not waiting for KV")
+        bs = getattr(self.bm, "block_size", 1)
+        for name, v in (("start_token", start_token), ("num_tokens", num_tokens)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0 or v % bs:
+                raise InvalidArgumentError(f"{name} must be an int >= 0 and a multiple of {bs}, got {v!r}")
+        if num_tokens and start_token + num_tokens > len(g.prompt) - 1:
+            raise InvalidArgumentError(f"request {request_id!r}: loaded KV up to {start_token + num_tokens} tokens "
+                                       f"leaves no prompt token to compute ({len(g.prompt)} tokens)")
+        del q.loading[request_id]
+        g.status = WAITING
+        g.external = (int(start_token), int(num_tokens)) if num_tokens else None
+        q.enqueue_by_arrival(g)
+        return True
+
+    @property
+    def num_loading(self) -> int:
+        """Requests waiting for their KV from a storage tier (``add_request(..., wait_for_kv=True)``)."""
+        return len(self._q.loading)
 
     def abort_request(self, request_id: Hashable) -> RequestOutput | None:
         """Drop a request wherever it is; returns its output (finish reason "abort"), None if unknown."""
@@ -211,7 +252,7 @@ class Scheduler:
             for s in g.live:
                 free(s.seq_id, True)
             q.unqueue(g)
-        elif g.status == WAITING:
+        elif g.status in (WAITING, LOADING):
             q.unqueue(g)
         for s in g.live:
             s.status = FINISHED
@@ -248,6 +289,10 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self._q.requests)
+
+    def has_request(self, request_id: Hashable) -> bool:
+        """Whether ``request_id`` is queued, loading, running or swapped (not finished). O(1)."""
+        return request_id in self._q.requests
 
     @property
     def num_waiting(self) -> int:

@@ -62,6 +62,9 @@ class PrefillWork(NamedTuple):
     num_samples: int  # tokens to sample from the last logits (n for a fresh request, else 1; 0: a chunk that
     #                   does not end the prompt: sample nothing, its entry in update() is ignored)
     table_row: int | None = None  # incremental_tables: the sequence's table row (block_table goes there whole)
+    # KV loaded from a storage tier: positions [num_cached_tokens - num_external_tokens, num_cached_tokens) are
+    # not computed; the engine writes their blocks from the load's payloads before the step's forward
+    num_external_tokens: int = 0
 
 
 class DecodeBatch(NamedTuple):
@@ -158,6 +161,8 @@ class SchedulerStats:
     prefills: int = 0  # sequence prefills (re-prefills after recompute included)
     prompt_tokens: int = 0  # tokens passed to allocate
     cached_tokens: int = 0  # prefix-cache hits returned by allocate
+    external_tokens: int = 0  # prompt tokens past the hit whose KV came from a storage tier (not computed)
+    stale_external_loads: int = 0  # loads not used: the hit they continued was evicted before admission
     computed_prefill_tokens: int = 0
     prefill_chunks: int = 0  # chunked prefill: chunks scheduled (a prompt prefilled in one step counts one)
     decode_tokens: int = 0

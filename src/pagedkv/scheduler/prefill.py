@@ -62,10 +62,19 @@ class Admitter(Part):
             reason = ""
             m = len(token_lists)
             ends: list[int] = []
+            exts: list[int] = []
             for i, (s, toks) in enumerate(zip(g.live, token_lists)):
                 kw: dict = {} if g.namespace is None else {"namespace": g.namespace}
+                extra = 0  # prompt tokens past the hit whose KV a storage tier loaded (not computed, not charged)
+                if fresh and g.external is not None:
+                    xs, xn = g.external
+                    cur = int(bm.lookup_prefix(toks, k, **kw).num_cached_tokens)
+                    if xs <= cur < xs + xn:
+                        extra = xs + xn - cur
+                    elif cur < xs:  # the hit the load continued is gone (evicted meanwhile): compute it all
+                        self.stats.stale_external_loads += 1
                 if chunked:  # the hit plus one chunk, leaving a token of budget for each later sequence
-                    kw["num_new_tokens"] = min(cap, budget - used - (m - 1 - i))
+                    kw["num_new_tokens"] = extra + min(cap, budget - used - (m - 1 - i))
                 st = status_name(bm.can_allocate(toks, k, **kw))
                 if st != "OK":
                     verdict = st
@@ -82,8 +91,13 @@ class Admitter(Part):
                 end = len(toks)
                 if chunked:
                     end = min(end, int(hit) + kw["num_new_tokens"])
-                    used += end - int(hit)
+                if extra:  # the loaded run as allocate placed it: [hit, xs + xn), only if it continues the hit
+                    xs, xn = g.external
+                    extra = max(0, min(xs + xn, end) - int(hit)) if xs <= int(hit) else 0
+                if chunked:
+                    used += end - int(hit) - extra
                 ends.append(end)
+                exts.append(extra)
                 done.append((s, toks, int(hit)))
             if verdict != "OK":
                 for s, _, _ in reversed(done):  # later samples may share earlier ones' unwritten blocks
@@ -96,10 +110,11 @@ class Admitter(Part):
             waiting.popleft()
             if not chunked:
                 used += ntok
-            for (s, toks, hit), end in zip(done, ends):
-                prefills.append(self.work(g, s, toks, hit, g.n if fresh else 1, end))
+            for (s, toks, hit), end, extra in zip(done, ends, exts):
+                prefills.append(self.work(g, s, toks, hit, g.n if fresh else 1, end, extra))
             if g.num_cached_tokens is None:
-                g.num_cached_tokens = done[0][2]
+                g.num_cached_tokens = done[0][2] + exts[0]
+            g.external = None
             g.status = RUNNING
             for s in g.live:
                 s.status = RUNNING
@@ -107,14 +122,16 @@ class Admitter(Part):
             q.num_running_seqs += new_seqs
 
     def work(self, g: Group, s: Seq, toks: np.ndarray, hit: int, num_samples: int,
-             end: int | None = None) -> PrefillWork:
-        """The prefill of a just allocated sequence: prompt positions ``[hit, end)`` (``end`` < len: the first
-        chunk of a chunked prefill, which samples nothing; the rest is :class:`~pagedkv.scheduler.chunks.Chunker`'s
-        job)."""
+             end: int | None = None, extra: int = 0) -> PrefillWork:
+        """The prefill of a just allocated sequence: prompt positions ``[hit + extra, end)`` (``end`` < len: the
+        first chunk of a chunked prefill, which samples nothing; the rest is
+        :class:`~pagedkv.scheduler.chunks.Chunker`'s job). ``extra``: tokens past the hit whose KV the engine
+        writes from a storage tier's load before the step's forward (``PrefillWork.num_external_tokens``)."""
         L = len(toks)
         end = L if end is None else end
         # the last prompt token is always computed: its logits give the next token
-        start = min(hit, L - 1)
+        start = min(hit + extra, L - 1)
+        extra = max(0, start - hit)
         calls = self.calls
         if calls.has_slots:
             slots = calls.slots(s.seq_id, start, end)
@@ -129,6 +146,7 @@ class Admitter(Part):
         st.prefills += 1
         st.prompt_tokens += L
         st.cached_tokens += hit
+        st.external_tokens += extra
         st.computed_prefill_tokens += end - start
         if self.cfg.enable_chunked_prefill:
             st.prefill_chunks += 1
@@ -144,4 +162,5 @@ class Admitter(Part):
             seq_len=end,
             num_samples=num_samples if end == L else 0,
             table_row=row,
+            num_external_tokens=extra,
         )

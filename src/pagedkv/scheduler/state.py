@@ -2,9 +2,10 @@
 :class:`Seq`) and where they are (:class:`Queues`)::
 
     add_request --> waiting (deque) --admit--> running (dict, admission order) --finish--> RequestOutput
-                      ^   ^                      |    |
-                      |   +--- recompute --------+    +--- swap --> swapped (heap by arrival) --swap in--+
-                      +---------- recompute (a swap-in that can never fit) --------------------------------+
+      |               ^   ^   ^                  |    |
+      |               |   |   +--- recompute ----+    +--- swap --> swapped (heap by arrival) --swap in--+
+      |               |   +---------- recompute (a swap-in that can never fit) ----------------------------+
+      +--(wait_for_kv)--> loading (dict by request id) --kv_ready (load done or failed)--+
 
 A request is a :class:`Group` of ``n`` samples, each a :class:`Seq` with a scheduler-assigned id. Every part of
 the scheduler works on the one :class:`Queues` object it is given; the queue operations shared by several parts
@@ -21,8 +22,8 @@ import numpy as np
 
 from .plan import FINISH_IGNORED, RequestOutput, SchedulerStats
 
-# sequence (and request) states
-WAITING, RUNNING, SWAPPED, FINISHED = 0, 1, 2, 3
+# sequence (and request) states; LOADING: a request waiting for its KV from a storage tier (not admitted yet)
+WAITING, RUNNING, SWAPPED, FINISHED, LOADING = 0, 1, 2, 3, 4
 
 
 class Config:
@@ -61,6 +62,7 @@ class Group:
     __slots__ = (
         "request_id", "arrival", "prompt", "n", "max_tokens", "eos", "ignore_eos", "stop_ids",
         "namespace", "seqs", "live", "forked", "num_cached_tokens", "num_preemptions", "status", "priority",
+        "external",
     )
 
     def __init__(self) -> None:
@@ -71,6 +73,8 @@ class Group:
         self.num_preemptions = 0
         self.status = WAITING
         self.priority = 0  # vLLM's request priority: lower is served first (scheduling_policy="priority")
+        # (start_token, num_tokens) of prompt KV loaded from a storage tier, waiting for admission (Scheduler.kv_ready)
+        self.external: tuple | None = None
 
     def __lt__(self, other: "Group") -> bool:  # heap order of the swapped queue
         return self.arrival < other.arrival
@@ -87,13 +91,14 @@ class Queues:
     in). All O(1) per request, except removing a request from the middle of a queue (aborts)."""
 
     __slots__ = ("by_priority", "waiting", "running", "swapped", "requests", "seqs", "num_running_seqs", "row_loads", "stats",
-                 "next_seq_id", "next_arrival")
+                 "next_seq_id", "next_arrival", "loading")
 
     def __init__(self, stats: SchedulerStats) -> None:
         self.waiting: deque[Group] = deque()
         self.by_priority = False  # scheduling_policy="priority": waiting by (priority, arrival)
         self.running: dict[int, Group] = {}
         self.swapped: list[Group] = []
+        self.loading: dict[Hashable, Group] = {}  # waiting for KV from a storage tier: request id -> group
         self.requests: dict[Hashable, Group] = {}
         self.seqs: dict[int, Seq] = {}
         self.num_running_seqs = 0
@@ -103,7 +108,8 @@ class Queues:
         self.next_arrival = 0
 
     def add(self, request_id: Hashable, prompt: np.ndarray, n: int, max_tokens: int, eos: int | None,
-            ignore_eos: bool, stop_ids: frozenset, namespace: Any, priority: int = 0) -> None:
+            ignore_eos: bool, stop_ids: frozenset, namespace: Any, priority: int = 0,
+            wait_for_kv: bool = False) -> None:
         """A new request (checked by the caller) at the back of the waiting queue, with ``n`` sequences of
         consecutive ids (sample 0 live, the others until the fork)."""
         g = Group()
@@ -126,10 +132,25 @@ class Queues:
             self.seqs[base + i] = s
         g.live = [g.seqs[0]]
         self.requests[request_id] = g
-        if self.by_priority:
+        if wait_for_kv:
+            g.status = LOADING
+            self.loading[request_id] = g
+        elif self.by_priority:
             self.enqueue_by_priority(g)
         else:
             self.waiting.append(g)
+
+    def enqueue_by_arrival(self, g: Group) -> None:
+        """Into the waiting queue at its place by arrival (a request whose KV load finished: it keeps its turn
+        among the requests that came after it). O(queue)."""
+        if self.by_priority:
+            self.enqueue_by_priority(g)
+            return
+        for i, o in enumerate(self.waiting):
+            if o.arrival > g.arrival:
+                self.waiting.insert(i, g)
+                return
+        self.waiting.append(g)
 
     def enqueue_by_priority(self, g: Group) -> None:
         """Into the waiting queue at its place by (priority, arrival) (scheduling_policy="priority"). O(queue)."""
@@ -153,12 +174,15 @@ class Queues:
         if g.status == SWAPPED:
             self.swapped.remove(g)
             heapq.heapify(self.swapped)
+        elif g.status == LOADING:
+            del self.loading[g.request_id]
         else:
             self.waiting.remove(g)
 
     def to_waiting_front(self, g: Group) -> None:
         """Back to the front of the waiting queue, to be prefilled again from scratch (recompute)."""
         g.status = WAITING
+        g.external = None  # (its blocks are recomputed, or found in the prefix cache)
         for s in g.live:
             self.row_loads.pop(s.seq_id, None)  # (its prefill hands over the whole row)
             s.status = WAITING

@@ -300,6 +300,10 @@ class AsyncEngine:
                 self._die(f"engine error: {e!r}", adds)
                 return
             self._take_snapshot()
+            wait = getattr(self.llm, "_wait_for_loads", None)
+            if wait is not None and sched.num_loading and not (sched.num_running or sched.num_waiting
+                                                                or sched.num_swapped):
+                wait(0.02)  # only requests waiting for tier loads: sleep until one finishes (bounded)
         self._fail_all("the server is shutting down", fatal=True)
 
     def _die(self, message: str, adds: list) -> None:
@@ -319,6 +323,9 @@ class AsyncEngine:
     def _guarded_step(self) -> None:
         """One step with fault isolation (see the module docstring). Raises only when the engine is unusable."""
         llm, sched = self.llm, self.llm.scheduler
+        poll = getattr(llm, "_poll_tiers", None)
+        if poll is not None:
+            poll()  # finished tier loads: their requests join the waiting queue
         plan = sched.schedule()
         faults: dict = {}
         forward_failed = False
@@ -497,6 +504,9 @@ class AsyncEngine:
     def _publish_events(self) -> None:
         if self._take_events is not None:
             events = self._take_events()
+            tiers = getattr(self.llm, "kv_tiers", None)
+            if tiers is not None:  # blocks the disk / shared tiers stored (medium DISK / SHARED)
+                events = events + tiers.take_events()
             if events:
                 self._event_sink(events)
 
@@ -534,3 +544,6 @@ class AsyncEngine:
             "generation_tokens": self._generation_tokens,
             "request_success": dict(self._finished),
         }
+        tiers = getattr(self.llm, "kv_tiers", None)
+        if tiers is not None:
+            self.snapshot["kv_tiers"] = tiers.snapshot()

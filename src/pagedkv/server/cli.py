@@ -90,6 +90,18 @@ def check_options(args: argparse.Namespace) -> None:
         raise ValueError("--preemption-mode swap needs --num-cpu-blocks > 0 (or --swap-space > 0)")
     if args.cpu_prefix_cache and not (args.num_cpu_blocks or swap):
         raise ValueError("--cpu-prefix-cache needs --num-cpu-blocks > 0 (or --swap-space > 0)")
+    kv_dir, kv_gib, kv_shared = (getattr(args, n, None) for n in ("kv_disk_dir", "kv_disk_gib", "kv_shared"))
+    if (kv_dir is None) != (kv_gib is None):
+        raise ValueError("--kv-disk-dir and --kv-disk-gib go together")
+    if kv_gib is not None and not 0 < kv_gib < float("inf"):
+        raise ValueError(f"--kv-disk-gib must be a finite number of GiB > 0, got {kv_gib}")
+    if kv_shared is not None and not re.match(r"^(redis|rediss|unix)://\S+$|^file:///\S*$", kv_shared):
+        raise ValueError(f"--kv-shared must be redis://HOST:PORT or file:///DIR, got {kv_shared!r}")
+    if (kv_dir is not None or kv_shared is not None) and args.no_prefix_caching:
+        raise ValueError("--kv-disk-dir / --kv-shared need prefix caching (drop --no-prefix-caching)")
+    ms = getattr(args, "kv_load_max_ms_per_block", None)
+    if ms is not None and not 0 <= ms < float("inf"):
+        raise ValueError(f"--kv-load-max-ms-per-block must be a finite number >= 0, got {ms}")
     if args.api_key is not None and not args.api_key:
         raise ValueError("--api-key must not be empty")
     for opt in ("kv_events_endpoint", "kv_events_replay_endpoint"):
@@ -186,6 +198,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"pagedkv serve: model {server.model_name!r} on http://{args.host}:{sock.getsockname()[1]}",
           file=sys.stderr)
     rc = server.run()
+    try:
+        llm.close()  # the tiers' stores in flight are finished (bounded), the disk directory released
+    except Exception as e:  # noqa: BLE001
+        print(f"pagedkv serve: closing the KV tiers failed: {e}", file=sys.stderr)
     # Everything is closed (sockets, engine thread, publisher): skip the interpreter's teardown, which takes
     # seconds with torch loaded, so that a drained server exits as soon as its last request is answered.
     logging.shutdown()

@@ -19,6 +19,12 @@ engine's own counts); the three latency histograms are observed by the engine th
 ``pagedkv:time_to_first_token_seconds``              histogram: arrival to first token
 ``pagedkv:inter_token_latency_seconds``              histogram: gap between two steps that gave a request tokens
 ``pagedkv:e2e_request_latency_seconds``              histogram: arrival to the last token
+``pagedkv:kv_tier_*_total{medium}``                 with --kv-disk-dir / --kv-shared, per tier (DISK, SHARED):
+                                                     hit_blocks, hit_bytes, failed_blocks, skipped_slow,
+                                                     stored_blocks, stored_bytes, store_full, store_errors,
+                                                     corrupt, mismatched, read_errors
+``pagedkv:kv_tier_load_ms_per_block{medium}``        the crossover rule's average load time per block
+``pagedkv:kv_tier_load_seconds``                     histogram: a request's tier lookup and load
 ===================================================  ==========================================================
 """
 
@@ -27,7 +33,7 @@ from __future__ import annotations
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 __all__ = ["ServerMetrics", "CONTENT_TYPE"]
 
@@ -72,6 +78,48 @@ class _SnapshotCollector:
         for reason, count in sorted(snap.get("request_success", {}).items()):
             c.add_metric([self._model, reason], float(count))
         yield c
+        tiers = snap.get("kv_tiers")
+        if tiers is not None:
+            yield from _tier_metrics(tiers, self._model)
+
+
+#: per storage tier (label ``medium``: DISK, SHARED): TierCounters field or BlockStore stats field -> doc
+_TIER_COUNTERS = {
+    "hit_blocks": ("tiers", "KV blocks loaded from the tier."),
+    "hit_bytes": ("tiers", "KV bytes loaded from the tier."),
+    "failed_blocks": ("tiers", "Blocks the tier said it held that did not load (corrupt, foreign, store down)."),
+    "skipped_slow": ("tiers", "Lookups that skipped the tier: its loads were slower than computing."),
+    "stored_blocks": ("tiers", "KV blocks newly stored in the tier."),
+    "stored_bytes": ("tiers", "KV bytes newly stored in the tier."),
+    "store_full": ("tiers", "Blocks not stored: the tier was full (disk full)."),
+    "store_errors": ("tiers", "Blocks not stored: the tier failed."),
+    "corrupt": ("store_stats", "Values refused and dropped: cut short, bad checksum, bad magic."),
+    "mismatched": ("store_stats", "Values refused and dropped: another model fingerprint, name or format."),
+    "read_errors": ("store_stats", "Blocks the tier could not answer (down, timeout, I/O error)."),
+}
+
+
+def _tier_metrics(tiers: dict, model: str):
+    """The storage tiers' families (``pagedkv:kv_tier_*``) from ``EngineTiers.snapshot()``."""
+    for name, (part, doc) in _TIER_COUNTERS.items():
+        c = CounterMetricFamily(f"pagedkv:kv_tier_{name}", doc, labels=["model_name", "medium"])
+        for counters, stats in zip(tiers["tiers"], tiers["store_stats"]):
+            src = counters if part == "tiers" else stats
+            c.add_metric([model, counters.medium], float(getattr(src, name)))
+        yield c
+    g = GaugeMetricFamily("pagedkv:kv_tier_load_ms_per_block",
+                          "The crossover rule's moving average of a tier's load time per block (ms).",
+                          labels=["model_name", "medium"])
+    for counters in tiers["tiers"]:
+        g.add_metric([model, counters.medium], float(counters.load_ms_per_block))
+    yield g
+    buckets, cum, total, _count = tiers["latency"]
+    h = HistogramMetricFamily("pagedkv:kv_tier_load_seconds",
+                              "Time of a request's tier lookup and load (every tier), loads that loaded a block.",
+                              labels=["model_name"])
+    h.add_metric([model], [(repr(float(b)), float(n)) for b, n in zip(buckets, cum[:-1])]
+                 + [("+Inf", float(cum[-1]))], float(total))
+    yield h
 
 
 class ServerMetrics:

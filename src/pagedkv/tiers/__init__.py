@@ -4,7 +4,8 @@ manager), and storage tiers below it: KV blocks on a local disk, in a shared dir
 The storage tiers' bottom layer (docs/tiers.md): a batch-first :class:`Backend` interface that never raises for a store's
 state, three backends (:class:`DiskBackend`, :class:`SharedDirBackend`, :class:`RedisBackend`), the block key
 (:class:`ModelFingerprint`, :func:`store_names`), the checked value format (:mod:`pagedkv.tiers.codec`) and
-:class:`BlockStore`, which ties them together. Not yet wired into the block manager, the scheduler or the engine.
+:class:`BlockStore`, which ties them together; :class:`~pagedkv.tiers.connector.TierConnector` loads and stores
+blocks on I/O threads for the engine (``LLM(kv_disk_dir=, kv_shared=)``, docs/tiers.md).
 Torch-free; the Redis backend imports ``redis`` when created.
 """
 

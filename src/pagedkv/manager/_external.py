@@ -1,0 +1,433 @@
+"""External KV, the block manager's side (:class:`External`, a part of the manager; docs/external-kv.md).
+
+No I/O here: the part decides which blocks receive KV that arrives from outside, keeps blocks a reader or a
+writer outside still uses, and says which blocks to store. Three states beside a sequence's usual life::
+
+    LOADING   allocate(..., num_external_tokens=E): the row is moved out of ``row_of`` into ``t.loading`` (every
+              per-step path then refuses it at no cost to the others); blocks past the hit are not registered
+    PARKED    free() while LOADING: the blocks a transfer may still write keep their reference (``t.parked``)
+              until finish_external reports the sequence
+    HELD      hold() / free(hold_for=): one more reference on the sequence's blocks until release / expiry
+    PINNED    take_store_plan(): one more reference on each planned block until complete_store
+
+Every block of the last three holds exactly one reference per such use (``extra_refs`` feeds the refcount
+audit of ``check_invariants``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Hashable, NamedTuple
+
+import numpy as np
+
+from .._checks import as_tokens as _as_tokens
+from ..errors import (DuplicateSequenceError, InvalidArgumentError, OutOfBlocksError, SequenceStateError,
+                      UnknownHoldError, UnknownSequenceError, UnknownStoreError)
+from ..blocks.prefix_cache import block_hashes
+
+STORE_POLICIES = ("none", "write_through", "selective")
+
+
+class ExternalLoad(NamedTuple):
+    """The blocks that receive a LOADING sequence's external KV: ``block_ids[i]`` takes the KV of tokens
+    ``[start_token + i * block_size, start_token + (i + 1) * block_size)``, whose chained content key (the prefix
+    cache's, :func:`pagedkv.block_hashes`) is ``keys[i]``. ``group_block_ids``: the same per KV cache group (one
+    tuple per group; a BlockManager has one)."""
+
+    seq_id: Hashable
+    start_token: int
+    num_tokens: int
+    block_ids: tuple
+    keys: tuple
+    namespace: object
+    group_block_ids: tuple
+
+
+class Hold(NamedTuple):
+    """Blocks kept for a reader outside (:meth:`BlockManager.hold`): ``block_ids`` cover the sequence's first
+    ``num_tokens`` tokens (block ``i`` holds tokens ``[i * bs, (i + 1) * bs)``; a sliding window's released
+    blocks left out); ``expires_at`` on the clock ``hold`` was given (``time.monotonic()`` by default)."""
+
+    hold_id: int
+    seq_id: Hashable
+    block_ids: tuple
+    num_tokens: int
+    expires_at: float
+    group_block_ids: tuple
+
+
+class StorePlan(NamedTuple):
+    """Blocks to write to the tiers (:meth:`BlockManager.take_store_plan`), pinned until
+    :meth:`BlockManager.complete_store`: ``keys[i]`` is block ``block_ids[i]``'s chained content key (the
+    namespace is part of the chain: its root's key)."""
+
+    store_id: int
+    block_ids: tuple
+    keys: tuple
+
+
+class _Load(NamedTuple):
+    arr: np.ndarray  # the whole prompt (int32)
+    n: int  # tokens the sequence holds
+    nhit: int  # hit blocks (the external range starts after them)
+    next: int  # external blocks
+    namespace: object
+
+
+def _check_lease(lease_s: object) -> float:
+    if isinstance(lease_s, bool) or not isinstance(lease_s, (int, float, np.integer, np.floating)) or \
+            not 0 < lease_s < float("inf"):
+        raise InvalidArgumentError(f"lease_s must be a positive finite number of seconds, got {lease_s!r}")
+    return float(lease_s)
+
+
+def _now(now: object) -> float:
+    if now is None:
+        return time.monotonic()
+    if isinstance(now, bool) or not isinstance(now, (int, float, np.integer, np.floating)):
+        raise InvalidArgumentError(f"now must be a number of seconds or None, got {now!r}")
+    return float(now)
+
+
+class External:
+    """Loads, holds and store plans of one manager over its parts: the tables ``t``
+    (:class:`~pagedkv.manager._rows.SeqTables`: ``loading``, ``parked``), ``blocks``
+    (:class:`~pagedkv.blocks._blocks.Blocks`), the registry ``reg``, the allocator ``alloc`` and the prefix cache.
+    Its own state: the LOADING sequences' records, the holds, the pending store plans and the per-block store
+    marks (flat arrays by block id)."""
+
+    def __init__(self, t, blocks, reg, alloc, cache, bs: int, store_policy: str = "none",
+                 store_min_hits: int = 1) -> None:
+        self.t, self.blocks, self.reg, self.alloc, self.cache, self.bs = t, blocks, reg, alloc, cache, bs
+        self.gpu = blocks.gpu
+        self.loads: dict = {}  # seq_id -> _Load of each LOADING sequence
+        self.holds: dict = {}  # hold_id -> Hold
+        self.next_hold = 1
+        self.policy, self.min_hits = store_policy, store_min_hits
+        self.plans: dict = {}  # store_id -> (blocks int64, their content ids at plan time)
+        self.next_store = 1
+        n = self.gpu.num_blocks
+        if store_policy != "none":
+            self.stored = np.zeros(n, np.int64)  # content id a successful store wrote from the block (0: none)
+            self.pinned = np.zeros(n, np.int64)  # content id a pending store reads from the block (0: none)
+            # write_through: contents registered after last_serial and before the last step's end (step_serial,
+            # taken by take_copy_plan: their KV is written by that step's forward) are candidates
+            self.last_serial = self.step_serial = cache.serial
+        if store_policy == "selective":
+            self.hits = np.zeros(n, np.int64)  # prefix hits on the block's content ...
+            self.hits_cid = np.zeros(n, np.int64)  # ... counted for this content id
+            self.cand: list = []
+            alloc.on_hits = self.count_hits
+
+    # ------------------------------------------------------------------ loads
+    def check_external(self, e: object) -> int:
+        if isinstance(e, bool) or not isinstance(e, (int, np.integer)) or e < 0 or e % self.bs:
+            raise InvalidArgumentError(
+                f"num_external_tokens must be an int >= 0 and a multiple of block_size {self.bs}, got {e!r}")
+        return int(e)
+
+    def plan(self, token_ids, la: int, namespace, k: int | None, e: int) -> tuple:
+        """The allocation of a prompt with ``e`` external tokens after its hit, without changing anything:
+        ``(plan, e')`` with ``plan`` as :meth:`Allocator.plan`'s (``n``, ``nblocks`` and ``need`` of the tokens
+        held) and ``e'`` the external tokens kept (whole blocks, ending at or before the last block boundary
+        below the prompt's end). Raises what allocate raises. O(prompt blocks)."""
+        arr = _as_tokens(token_ids)
+        arr, n, nblocks, hits, cpu_hits, chain, need = self.alloc.plan(arr, la, namespace, checked=True)
+        if arr is None:  # (no prefix caching: the plan keeps only the count)
+            arr = _as_tokens(token_ids)
+        h = (len(hits) + (len(cpu_hits) if cpu_hits else 0)) * self.bs
+        last = (arr.size - 1) // self.bs * self.bs  # the last block boundary below the end
+        ext = max(0, min(e, last - h))
+        if k is not None and h + ext + k < n:  # chunked prefill: the hit, the external tokens, one chunk
+            n2 = h + ext + k
+            nb2 = -(-(n2 + la) // self.bs)
+            need -= nblocks - nb2
+            n, nblocks = n2, nb2
+        return (arr, n, nblocks, hits, cpu_hits, chain, need), ext
+
+    def allocate(self, seq_id: Hashable, token_ids, la: int, namespace, k: int | None, e: int) -> int:
+        """``allocate(..., num_external_tokens=e)`` (the facade checked the arguments). O(prompt blocks)."""
+        t = self.t
+        t.check_new_id(seq_id)
+        (arr, n, nblocks, hits, cpu_hits, chain, need), ext = self.plan(token_ids, la, namespace, k, e)
+        if need > self.blocks.num_free:
+            raise OutOfBlocksError(f"prompt of {n} tokens needs {need} new blocks; {self.blocks.num_free} are free")
+        nhit = len(hits) + (len(cpu_hits) if cpu_hits else 0)
+        row = self.alloc.commit(seq_id, namespace, arr, n, nblocks, hits, cpu_hits, chain, referenced=False,
+                                defer=ext > 0)
+        if n < arr.size:
+            t.partial[seq_id] = arr.size
+        if ext:
+            self.enter_loading(seq_id, row, _Load(arr, n, nhit, ext // self.bs, namespace))
+        return nhit * self.bs + ext
+
+    def enter_loading(self, seq_id: Hashable, row: int, rec: _Load) -> None:
+        t = self.t
+        del t.row_of[seq_id]
+        t.loading[seq_id] = row
+        t.memo_ids = None
+        self.loads[seq_id] = rec
+
+    def allocate_batch(self, seq_ids: list, prompts: list, la: int, namespaces: list, chunks, exts: list,
+                       walk) -> object:
+        """``allocate_batch(..., num_external_tokens=exts)``: checked and counted as a whole first (every plan,
+        the batch's new blocks at most the free ones: each prompt's need is an upper bound once earlier prompts
+        are committed), then consecutive allocations, so it is all or nothing. ``walk(rows, plans, nhit)``
+        builds the PrefillBatch. O(total prompt blocks)."""
+        t = self.t
+        seen: set = set()
+        for s in seq_ids:
+            t.check_new_id(s)
+            if s in seen:
+                raise DuplicateSequenceError(f"sequence {s!r} appears twice in one batch")
+            seen.add(s)
+        if chunks is None:
+            chunks = [None] * len(seq_ids)
+        plans = [self.plan(p, la, ns, c, e)[0] for p, ns, c, e in zip(prompts, namespaces, chunks, exts)]
+        need = sum(p[6] for p in plans)
+        if need > self.blocks.num_free:
+            raise OutOfBlocksError(
+                f"the batch of {len(plans)} prompts needs up to {need} new blocks; {self.blocks.num_free} are free")
+        rows, out_plans, nhit = [], [], []
+        for s, p, ns, c, e in zip(seq_ids, prompts, namespaces, chunks, exts):
+            cached = self.allocate(s, p, la, ns, c, e)
+            row = t.loading[s] if s in t.loading else t.row_of[s]
+            arr = _as_tokens(p)
+            rows.append(row)
+            out_plans.append((arr, int(t.ntok[row])))
+            nhit.append(cached // self.bs)
+        return walk([_as_tokens(p) for p in prompts], out_plans, rows, nhit)
+
+    def external_blocks(self, seq_id: Hashable) -> ExternalLoad | None:
+        """The LOADING sequence's external range (None when it is not LOADING). O(prompt blocks) (its keys)."""
+        t = self.t
+        rec = self.loads.get(seq_id) if t.loading else None
+        if rec is None:
+            t.any_row(seq_id)  # UnknownSequenceError for an unknown id
+            return None
+        row = t.loading[seq_id]
+        bs = self.bs
+        ids = tuple(t.table[row, rec.nhit : rec.nhit + rec.next].tolist())
+        keys = tuple(block_hashes(rec.arr[: (rec.nhit + rec.next) * bs], bs, rec.namespace)[rec.nhit :])
+        return ExternalLoad(seq_id, rec.nhit * bs, rec.next * bs, ids, keys, rec.namespace, (ids,))
+
+    def finish(self, done, failed) -> dict:
+        """``finish_external``: validate every report, then end each load (see docs/external-kv.md).
+        O(reported blocks)."""
+        t, bs = self.t, self.bs
+        if isinstance(done, (str, bytes)) or not hasattr(done, "__iter__"):
+            raise InvalidArgumentError(f"done must be an iterable of sequence ids, got {done!r}")
+        if failed is None:
+            failed = {}
+        if not isinstance(failed, dict):
+            raise InvalidArgumentError(f"failed must be a dict {{seq_id: tokens loaded}}, got {failed!r}")
+        items = [(s, None) for s in done] + list(failed.items())
+        seen: set = set()
+        for s, ok in items:
+            try:
+                if s in seen:
+                    raise InvalidArgumentError(f"sequence {s!r} is reported twice in one finish_external")
+            except TypeError:
+                raise InvalidArgumentError(f"seq_id must be hashable, got {type(s).__name__}") from None
+            seen.add(s)
+            if s in t.loading:
+                e = self.loads[s].next * bs
+            elif s in t.parked:
+                e = t.parked[s].size * bs
+            elif s in t.row_of:
+                raise SequenceStateError(f"sequence {s!r} is not loading external KV (reported twice, or it never "
+                                         "was)")
+            else:
+                raise UnknownSequenceError(f"unknown sequence {s!r}: not loading, not aborted while loading")
+            if ok is not None and (isinstance(ok, bool) or not isinstance(ok, (int, np.integer)) or
+                                   not 0 <= ok < e or ok % bs):
+                raise InvalidArgumentError(f"failed[{s!r}] must be a multiple of block_size {bs} in [0, {e}) "
+                                           f"(tokens loaded intact), got {ok!r}")
+        # ---- mutation: nothing below can fail
+        out = {}
+        for s, ok in items:
+            if s in t.parked:
+                self.blocks.release(t.parked.pop(s))
+                continue
+            rec = self.loads.pop(s)
+            row = t.loading.pop(s)
+            t.row_of[s] = row
+            t.memo_ids = None
+            got = rec.next if ok is None else int(ok) // bs
+            if self.cache is not None and t.ccid[row] != 0:
+                new = t.table[row, rec.nhit : t.nblk[row]].copy()
+                self.reg.fill_prompt(row, rec.arr[: rec.n], new, rec.nhit)
+            t.pend[row] = min(rec.nhit + got, int(t.nreg[row]))  # (only the computed blocks are pending)
+            t.ntok0[row] = -1  # handed slots in this step, as after allocate: prefill the rest now
+            out[s] = (rec.nhit + got) * bs
+        return out
+
+    def abort(self, seq_id: Hashable) -> None:
+        """``free(seq_id)`` of a LOADING sequence: every block but the external range's released (none is
+        registered), those parked until finish_external reports the sequence. O(table length)."""
+        t = self.t
+        rec = self.loads.pop(seq_id)
+        row = t.loading.pop(seq_id)
+        trow = t.table[row]
+        a, z = rec.nhit, rec.nhit + rec.next
+        ext = trow[a:z].astype(np.int64)
+        rest = np.concatenate([trow[t.nrel[row] : a], trow[z : t.nblk[row]]])[::-1].astype(np.int64)
+        t.row_of[seq_id] = row
+        t.partial.pop(seq_id, None)
+        t.drop_row(seq_id, row)
+        self.blocks.release(rest)
+        t.parked[seq_id] = ext
+
+    # ------------------------------------------------------------------ holds
+    def hold(self, seq_id: Hashable, lease_s: object, now: object) -> Hold:
+        """One more reference on each block covering the sequence's tokens, until release or expiry.
+        O(table length)."""
+        t = self.t
+        row = t.row(seq_id)  # (SequenceStateError while LOADING)
+        lease = _check_lease(lease_s)
+        at = _now(now)
+        if t.swapped[row]:
+            raise SequenceStateError(f"sequence {seq_id!r} is swapped out; swap it in before holding its blocks")
+        n = int(t.ntok[row])
+        b = t.table[row, t.nrel[row] : -(-n // self.bs)].astype(np.int64)
+        b = b[b >= 0]
+        self.gpu.ref[b] += 1  # (held by the sequence: referenced, so in neither the free ring nor the evictor)
+        hid = self.next_hold
+        self.next_hold += 1
+        ids = tuple(b.tolist())
+        h = self.holds[hid] = Hold(hid, seq_id, ids, n, at + lease, (ids,))
+        return h
+
+    def held(self, seq_id: Hashable) -> list:
+        """The ids of the live holds of a sequence. O(holds)."""
+        return [hid for hid, h in self.holds.items() if h.seq_id == seq_id]
+
+    def get_hold(self, hold_id: object) -> Hold:
+        try:
+            return self.holds[hold_id]
+        except (KeyError, TypeError):
+            raise UnknownHoldError(f"no hold {hold_id!r} (released already, expired, or never made)") from None
+
+    def release_hold(self, hold_id: object) -> None:
+        h = self.get_hold(hold_id)
+        del self.holds[hold_id]
+        self.blocks.release(np.array(h.block_ids[::-1], dtype=np.int64))  # (tail first, as free)
+
+    def undo_hold(self, hold_id: int) -> None:
+        """Drop the hold just made (a free that failed after it): exactly as before the hold."""
+        self.release_hold(hold_id)
+        self.next_hold -= 1
+
+    def renew_hold(self, hold_id: object, lease_s: object, now: object) -> Hold:
+        h = self.get_hold(hold_id)
+        lease = _check_lease(lease_s)
+        h = self.holds[hold_id] = h._replace(expires_at=_now(now) + lease)
+        return h
+
+    def expire_holds(self, now: object) -> list:
+        at = _now(now)
+        gone = [hid for hid, h in self.holds.items() if h.expires_at <= at]
+        for hid in gone:
+            self.release_hold(hid)
+        return gone
+
+    # ------------------------------------------------------------------ stores
+    def count_hits(self, hits: list) -> None:
+        """The selective policy's hit counter (Allocator.on_hits): a block's content becomes a candidate once it
+        has been hit ``min_hits`` times. O(hits)."""
+        cid, hc, hcid, stored, m = self.cache.cid, self.hits, self.hits_cid, self.stored, self.min_hits
+        for b in hits:
+            c = cid[b]
+            if hcid[b] != c:
+                hcid[b] = c
+                hc[b] = 0
+            hc[b] += 1
+            if hc[b] == m and stored[b] != c:
+                self.cand.append(b)
+
+    def end_step(self) -> None:
+        """take_copy_plan ends a step: the contents registered so far are written by its forward."""
+        self.step_serial = self.cache.serial
+
+    def take_store_plan(self) -> StorePlan | None:
+        if self.policy == "none":
+            return None
+        cache = self.cache
+        cid = cache.cid
+        if self.policy == "write_through":
+            b = np.flatnonzero((cid > self.last_serial) & (cid <= self.step_serial))
+            self.last_serial = self.step_serial
+        else:
+            b = np.unique(np.array(self.cand, dtype=np.int64))
+            self.cand = []
+            if b.size:
+                b = b[(cid[b] != 0) & (self.hits_cid[b] == cid[b])]  # the content that was hit is still there
+        if b.size:
+            c = cid[b]
+            b = b[(c != 0) & (self.stored[b] != c) & (self.pinned[b] != c)]
+        if not b.size:
+            return None
+        ref = self.gpu.ref
+        idle = b[ref[b] == 0]
+        if idle.size:
+            cache.evictor.discard_many(idle)
+        ref[b] += 1
+        c = cid[b].copy()
+        self.pinned[b] = c
+        sid = self.next_store
+        self.next_store += 1
+        self.plans[sid] = (b, c)
+        return StorePlan(sid, tuple(b.tolist()), tuple(cache.key[b].tolist()))
+
+    def complete_store(self, store_id: object, success: object) -> None:
+        if not isinstance(success, (bool, np.bool_)):
+            raise InvalidArgumentError(f"success must be a bool, got {success!r}")
+        try:
+            b, c = self.plans.pop(store_id)
+        except (KeyError, TypeError):
+            raise UnknownStoreError(f"no pending store {store_id!r} (completed already, or never planned)") from None
+        self.pinned[b] = 0
+        if success:
+            self.stored[b] = c
+        elif self.policy == "selective":
+            self.hits[b] = 0  # (counted again from zero: planned again once hit min_hits more times)
+        self.blocks.release(b)
+
+    # ------------------------------------------------------------------ audit
+    def extra_refs(self) -> list:
+        """The blocks holding a reference besides the tables: parked loads, holds, pending stores."""
+        out = list(self.t.parked.values())
+        out += [np.array(h.block_ids, dtype=np.int64) for h in self.holds.values()]
+        out += [b for b, _ in self.plans.values()]
+        return out
+
+    def check(self, fail) -> None:
+        """This part's invariants (the refcounts are checked with the tables'). O(its blocks + loading rows)."""
+        t, cache = self.t, self.cache
+        if set(self.loads) != set(t.loading):
+            fail("the LOADING records and the loading rows differ")
+        for s, row in t.loading.items():
+            rec = self.loads[s]
+            if int(t.nreg[row]) != rec.nhit and not (cache is None or t.ccid[row] == 0):
+                fail(f"{s!r}: a LOADING sequence registered blocks past its hit")
+            if rec.nhit + rec.next > int(t.nblk[row]) or (rec.nhit + rec.next) * self.bs >= rec.arr.size:
+                fail(f"{s!r}: its external range is not inside its prompt")
+            ext = t.table[row, rec.nhit : rec.nhit + rec.next]
+            if cache is not None and (cache.cid[ext] != 0).any():
+                fail(f"{s!r}: a block still loading is findable in the prefix cache")
+            if (self.gpu.ref[ext] != 1).any():
+                fail(f"{s!r}: a block still loading is shared")
+        for s, b in t.parked.items():
+            if cache is not None and (cache.cid[b] != 0).any():
+                fail(f"parked {s!r}: a block a transfer may still write is findable")
+        for hid, h in self.holds.items():
+            if h.hold_id != hid or hid >= self.next_hold:
+                fail(f"hold {hid}: inconsistent id")
+        for sid, (b, c) in self.plans.items():
+            if sid >= self.next_store or (self.pinned[b] != c).any():
+                fail(f"store {sid}: its pins are not recorded")
+        if self.policy != "none":
+            pending = np.concatenate([b for b, _ in self.plans.values()]) if self.plans else np.zeros(0, np.int64)
+            if np.count_nonzero(self.pinned) != pending.size or np.unique(pending).size != pending.size:
+                fail("a block is pinned by two stores, or pinned by none")

@@ -1,0 +1,390 @@
+"""TierConnector: loads and stores of KV blocks in the storage tiers, off the step loop (torch-free).
+
+The engine's side of issue 24 items 2-3. The connector knows block keys and byte payloads, never block ids or
+tensors: the engine extracts a block's KV into a payload and writes a payload back (:mod:`pagedkv.engine.kv_io`),
+the scheduler keeps a request waiting while its load runs (``Scheduler.add_request(..., wait_for_kv=True)`` and
+``Scheduler.kv_ready``). Every tier call runs on a small pool of I/O threads; the step loop only submits jobs and
+collects what finished::
+
+    engine thread                               I/O threads
+    request_load(rid, tokens, ns, hit_blocks) --> keys past the GPU/CPU hit; each tier in order (disk, then
+                                                  shared): prefix_length, then get_many of that run (a tier
+                                                  slower than computing is skipped); payloads kept in memory
+    poll() <-- LoadDone(rid, start_block, payloads, ok, failed, by_tier)
+    store(keys, payloads, ns, tokens) ---------> put_many on every tier (write-through); KV events (medium)
+    take_events() <-- BlockStored(medium="DISK" | "SHARED") of the blocks each tier newly stored
+
+A load is **done** when every block the tiers said they hold came back checked; **failed** when a block they
+said they hold did not (corrupt, cut short, another fingerprint, the store down between the probe and the read):
+``payloads`` then holds the good leading blocks only and the request computes the rest. A tier that is down
+answers "holds nothing" (its probe fails soft), so requests go on computing.
+
+**Crossover** (issue 24: load only what is faster to load than to compute): a tier's load time per block is
+followed as an exponential moving average of its measured reads (seeded with ``initial_load_ms``); while it is
+above ``max_load_ms_per_block`` the tier is not read (every ``probe_every``-th lookup still is, so the average
+can come back down). The engine passes its prefill time per block as the bound (docs/tiers.md#crossover).
+
+Thread-safety: the public methods are for one thread (the step loop); the I/O threads touch only the job they
+run, the result queue and the counters (under a lock).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple, Sequence
+
+from ..blocks.prefix_cache import block_hashes
+from ..errors import InvalidArgumentError
+from ..events import BlockStored
+from .backend import PutStatus
+from .store import BlockStore
+
+__all__ = ["TierConnector", "LoadDone", "TierCounters", "LoadLatencyHistogram", "MEDIUM_DISK", "MEDIUM_SHARED",
+           "DEFAULT_MAX_LOAD_MS_PER_BLOCK", "LATENCY_BUCKETS_S"]
+
+log = logging.getLogger("pagedkv.tiers")
+
+MEDIUM_DISK = "DISK"
+MEDIUM_SHARED = "SHARED"
+
+#: the prefill time of one 16-token block of SmolLM2-135M measured by benchmarks/tier_crossover.py on this
+#: machine (683 ms; Gemma 3 270M: 802 ms): a tier whose loads take longer per block than this is not read
+DEFAULT_MAX_LOAD_MS_PER_BLOCK = 683.0
+
+#: the load-latency histogram's upper bounds in seconds (Prometheus ``le`` labels), +Inf implied
+LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class LoadDone(NamedTuple):
+    """A finished load (:meth:`TierConnector.poll`)."""
+
+    request_id: Any
+    start_block: int  # the first block loaded (the GPU/CPU hit, in blocks, when the load was asked)
+    payloads: tuple  # read-only buffers, one per good leading block from start_block on
+    ok: bool  # every block the tiers said they hold came back checked
+    num_asked: int  # blocks the tiers said they hold (len(payloads) <= num_asked; == when ok)
+    by_tier: tuple  # (medium, blocks loaded from it) per tier, in lookup order
+    seconds: float  # wall time of the lookup and the reads
+
+
+class TierCounters(NamedTuple):
+    """One tier's counters as the connector saw them (a snapshot)."""
+
+    medium: str
+    lookups: int = 0  # load jobs that asked this tier
+    hit_blocks: int = 0  # blocks loaded from it
+    hit_bytes: int = 0
+    failed_blocks: int = 0  # blocks it said it holds that did not come back checked
+    skipped_slow: int = 0  # lookups skipped because its loads were slower than computing (crossover)
+    stored_blocks: int = 0  # blocks newly stored in it
+    stored_bytes: int = 0
+    store_full: int = 0  # blocks refused because it was full (disk full: one warning, this metric)
+    store_errors: int = 0
+    load_ms_per_block: float = 0.0  # the moving average the crossover rule reads
+
+
+class LoadLatencyHistogram:
+    """A cumulative histogram of load latencies (seconds), Prometheus-style. Thread-safe; O(buckets) per
+    observation."""
+
+    def __init__(self, buckets: Sequence[float] = LATENCY_BUCKETS_S) -> None:
+        self.buckets = tuple(float(b) for b in buckets)
+        self._counts = [0] * (len(self.buckets) + 1)
+        self._sum = 0.0
+        self._lock = threading.Lock()
+
+    def observe(self, seconds: float) -> None:
+        with self._lock:
+            i = 0
+            while i < len(self.buckets) and seconds > self.buckets[i]:
+                i += 1
+            self._counts[i] += 1
+            self._sum += seconds
+
+    def snapshot(self) -> tuple[tuple, float, int]:
+        """(cumulative counts per bucket with +Inf last, sum, count)."""
+        with self._lock:
+            cum, c = [], 0
+            for n in self._counts:
+                c += n
+                cum.append(c)
+            return tuple(cum), self._sum, c
+
+
+class _Tier:
+    __slots__ = ("medium", "store", "c", "ema_ms", "n_lookups")
+
+    def __init__(self, medium: str, store: BlockStore, initial_ms: float) -> None:
+        self.medium = medium
+        self.store = store
+        self.c = dict.fromkeys(TierCounters._fields[1:-1], 0)
+        self.ema_ms = float(initial_ms)
+        self.n_lookups = 0
+
+
+class TierConnector:
+    """Asynchronous loads and stores of KV blocks in storage tiers (see the module docstring).
+
+    Args:
+        tiers: ``(medium, BlockStore)`` pairs in lookup order (``("DISK", disk_store), ("SHARED", shared)``).
+            Every store must have ``payload_bytes`` set to one block's KV size.
+        block_size: tokens per block (the stores' fingerprints' block size).
+        io_threads: the I/O pool's threads (>= 1).
+        max_load_ms_per_block: the crossover: a tier whose average load time per block is above it is skipped.
+            None: never skip.
+        initial_load_ms: the average a tier starts from (before its first read).
+        probe_every: while a tier is skipped, every ``probe_every``-th lookup still reads it.
+        write_through: store every block handed to :meth:`store` (False: stores are dropped, loads only).
+        record_events: keep the KV events of the stores for :meth:`take_events` (False: none are kept, so an
+            engine that never takes them does not accumulate them).
+    """
+
+    def __init__(self, tiers: Sequence[tuple[str, BlockStore]], block_size: int, *, io_threads: int = 2,
+                 max_load_ms_per_block: float | None = DEFAULT_MAX_LOAD_MS_PER_BLOCK,
+                 initial_load_ms: float = 10.0, probe_every: int = 16, write_through: bool = True,
+                 record_events: bool = True) -> None:
+        if not tiers:
+            raise InvalidArgumentError("a TierConnector needs at least one tier")
+        seen = set()
+        for medium, st in tiers:
+            if not isinstance(st, BlockStore):
+                raise InvalidArgumentError(f"tier {medium!r}: a BlockStore is needed, got {type(st).__name__}")
+            if st.fingerprint.block_size != block_size:
+                raise InvalidArgumentError(f"tier {medium!r}: its fingerprint's block size "
+                                           f"{st.fingerprint.block_size} is not {block_size}")
+            if medium in seen:
+                raise InvalidArgumentError(f"two tiers named {medium!r}")
+            seen.add(medium)
+        if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
+            raise InvalidArgumentError(f"io_threads must be an int >= 1, got {io_threads!r}")
+        if max_load_ms_per_block is not None and not max_load_ms_per_block > 0:
+            raise InvalidArgumentError(f"max_load_ms_per_block must be > 0 or None, got {max_load_ms_per_block!r}")
+        self.block_size = int(block_size)
+        self.max_load_ms_per_block = max_load_ms_per_block
+        self.probe_every = max(1, int(probe_every))
+        self.write_through = bool(write_through)
+        self.record_events = bool(record_events)
+        self._tiers = [_Tier(m, st, initial_load_ms) for m, st in tiers]
+        self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="pagedkv-tier-io")
+        self._done: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._events: list = []
+        self._pending_loads: set = set()  # request ids whose load runs or waits to be polled
+        self._cancelled: set = set()
+        self._stores_in_flight = 0
+        self._idle = threading.Condition(self._lock)
+        self.latency = LoadLatencyHistogram()
+        self._closed = False
+
+    # ------------------------------------------------------------------------------------------ state
+
+    @property
+    def media(self) -> tuple:
+        return tuple(t.medium for t in self._tiers)
+
+    @property
+    def num_pending_loads(self) -> int:
+        return len(self._pending_loads)
+
+    def counters(self) -> tuple[TierCounters, ...]:
+        """Each tier's counters (a snapshot)."""
+        with self._lock:
+            return tuple(TierCounters(t.medium, **t.c, load_ms_per_block=t.ema_ms) for t in self._tiers)
+
+    def stores(self) -> tuple:
+        """The ``BlockStore`` of each tier, in lookup order (their own ``stats`` count what the backends did)."""
+        return tuple(t.store for t in self._tiers)
+
+    # ------------------------------------------------------------------------------------------ loads
+
+    def request_load(self, request_id: Any, token_ids: Sequence[int], namespace: object, hit_blocks: int) -> bool:
+        """Start looking up and loading the blocks of ``token_ids`` past its first ``hit_blocks`` (the GPU/CPU
+        hit) in the tiers; at most ``(len - 1) // block_size`` blocks in all (the last prompt token is always
+        computed). Returns False (and starts nothing) when no block is left to ask for; else the result comes
+        out of :meth:`poll` once. O(1) here; the job hashes the prompt (O(len)) and does the I/O."""
+        if self._closed:
+            raise RuntimeError("the TierConnector is closed")
+        n_max = (len(token_ids) - 1) // self.block_size
+        if hit_blocks >= n_max:
+            return False
+        if request_id in self._pending_loads:
+            raise InvalidArgumentError(f"request {request_id!r} already has a load in flight")
+        self._pending_loads.add(request_id)
+        toks = list(token_ids[: n_max * self.block_size])
+        self._pool.submit(self._load_job, request_id, toks, namespace, int(hit_blocks))
+        return True
+
+    def cancel(self, request_id: Any) -> None:
+        """Forget a load (its request was aborted): its result is dropped when it comes. O(1)."""
+        if request_id in self._pending_loads:
+            self._cancelled.add(request_id)
+
+    def poll(self) -> list[LoadDone]:
+        """The loads finished since the last call (cancelled ones dropped). Never blocks."""
+        out = []
+        while True:
+            try:
+                r = self._done.get_nowait()
+            except queue.Empty:
+                return out
+            self._pending_loads.discard(r.request_id)
+            if r.request_id in self._cancelled:
+                self._cancelled.discard(r.request_id)
+                continue
+            out.append(r)
+
+    def wait(self, timeout: float) -> bool:
+        """Block until a load finished (something to poll) or ``timeout`` seconds passed; True if one did. For an
+        engine with nothing else to run."""
+        if not self._done.empty():
+            return True
+        try:
+            r = self._done.get(timeout=timeout)
+        except queue.Empty:
+            return False
+        self._done.put(r)  # (back for poll(): order among finished loads does not matter)
+        return True
+
+    def _load_job(self, request_id: Any, toks: list, namespace: object, hit_blocks: int) -> None:
+        t0 = time.perf_counter()
+        payloads: list = []
+        by_tier: list = []
+        asked = 0
+        ok = True
+        try:
+            keys = block_hashes(toks, self.block_size, namespace)
+            pos = hit_blocks
+            for t in self._tiers:
+                if pos >= len(keys):
+                    break
+                t.n_lookups += 1
+                if (self.max_load_ms_per_block is not None and t.ema_ms > self.max_load_ms_per_block
+                        and t.n_lookups % self.probe_every):
+                    self._count(t, skipped_slow=1)
+                    continue
+                self._count(t, lookups=1)
+                n = t.store.prefix_length(keys[pos:], namespace)
+                if n == 0:
+                    by_tier.append((t.medium, 0))
+                    continue
+                asked += n
+                t1 = time.perf_counter()
+                got = t.store.get_many(keys[pos:pos + n], namespace)
+                dt = time.perf_counter() - t1
+                good = got.hit_prefix
+                with self._lock:
+                    t.ema_ms = 0.8 * t.ema_ms + 0.2 * (1000.0 * dt / n)
+                payloads.extend(got.values[:good])
+                nbytes = sum(v.nbytes for v in got.values[:good])
+                self._count(t, hit_blocks=good, hit_bytes=nbytes, failed_blocks=n - good)
+                by_tier.append((t.medium, good))
+                pos += good
+                if good < n:  # a block it said it holds did not come back checked: stop the prefix here
+                    ok = False
+                    break
+        except Exception as e:  # noqa: BLE001 - a bug in a tier must not lose the request: it computes
+            log.warning("pagedkv tiers: load for request %r failed: %s: %s", request_id, type(e).__name__, e)
+            ok = False
+        dt = time.perf_counter() - t0
+        if payloads:
+            self.latency.observe(dt)
+        self._done.put(LoadDone(request_id, hit_blocks, tuple(payloads), ok, asked, tuple(by_tier), dt))
+
+    # ----------------------------------------------------------------------------------------- stores
+
+    def store(self, chain_keys: Sequence[int], payloads: Sequence, namespace: object,
+              token_ids: Sequence[int] | None = None, parent_key: int | None = None) -> bool:
+        """Write these blocks (their chained keys, one payload each, owned by the connector from now on) to every
+        tier, on an I/O thread; a tier that already holds a block keeps it. ``token_ids`` (the blocks' tokens)
+        go into the KV events. Returns False when nothing was submitted (write-through off, no block).
+        O(1) here."""
+        if self._closed or not self.write_through or not len(chain_keys):
+            return False
+        if len(chain_keys) != len(payloads):
+            raise InvalidArgumentError(f"{len(chain_keys)} chain keys but {len(payloads)} payloads")
+        with self._lock:
+            self._stores_in_flight += 1
+        self._pool.submit(self._store_job, list(chain_keys), list(payloads), namespace,
+                          None if token_ids is None else list(token_ids), parent_key)
+        return True
+
+    def _store_job(self, keys: list, payloads: list, namespace: object, toks: list | None,
+                   parent: int | None) -> None:
+        try:
+            for t in self._tiers:
+                try:
+                    statuses = t.store.put_many(keys, payloads, namespace)
+                except Exception as e:  # noqa: BLE001 (bad payload size: a bug; counted, never raised here)
+                    log.warning("pagedkv tier %s: store failed: %s: %s", t.medium, type(e).__name__, e)
+                    self._count(t, store_errors=len(keys))
+                    continue
+                new = [i for i, s in enumerate(statuses) if s is PutStatus.STORED]
+                self._count(t, stored_blocks=len(new),
+                            stored_bytes=sum(memoryview(payloads[i]).nbytes for i in new),
+                            store_full=sum(1 for s in statuses if s is PutStatus.FULL),
+                            store_errors=sum(1 for s in statuses if s in (PutStatus.ERROR, PutStatus.TOO_LARGE)))
+                if new and self.record_events:
+                    bs = self.block_size
+                    for run in _runs(new):  # one event per run of consecutive blocks (a chain)
+                        i0 = run[0]
+                        ev = BlockStored(
+                            block_hashes=[keys[i] for i in run],
+                            parent_block_hash=(keys[i0 - 1] if i0 > 0 else parent),
+                            token_ids=[] if toks is None else toks[i0 * bs:(run[-1] + 1) * bs],
+                            block_size=bs, medium=t.medium, namespace=namespace)
+                        with self._lock:
+                            self._events.append(ev)
+        finally:
+            with self._lock:
+                self._stores_in_flight -= 1
+                self._idle.notify_all()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every submitted store finished (tests, shutdown); True if they all did in time."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while self._stores_in_flight:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    def take_events(self) -> list:
+        """The tier KV events since the last call (``BlockStored`` with ``medium`` = the tier's), in order."""
+        with self._lock:
+            ev, self._events = self._events, []
+        return ev
+
+    def _count(self, t: _Tier, **kw: int) -> None:
+        with self._lock:
+            for k, v in kw.items():
+                t.c[k] += v
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Finish the stores in flight (at most ``timeout`` s), stop the I/O threads and close the stores."""
+        if self._closed:
+            return
+        self._closed = True
+        self.flush(timeout)
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        for t in self._tiers:
+            try:
+                t.store.close()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def _runs(idx: list[int]) -> list[list[int]]:
+    """Sorted indices split into runs of consecutive ones."""
+    runs: list[list[int]] = []
+    for i in idx:
+        if runs and runs[-1][-1] == i - 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs

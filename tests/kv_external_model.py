@@ -1,0 +1,387 @@
+"""The KV-content model of external KV (docs/external-kv.md): a BlockManager driven step by step as an engine with
+storage tiers and a remote reader drives it, checked in the KV data itself.
+
+As in tests/kv_model.py, a simulated GPU KV store holds one int64 per slot: instead of K/V, the *identity* of
+the prefix whose KV belongs there (interned ``(parent identity, token)`` pairs). One step:
+
+1. calls in a random order: admissions (prompts sharing prefixes; some with ``num_external_tokens``, some as a
+   batch, some chunked), decodes, frees (``cache=False`` for a sequence handed slots in the step), aborts of
+   LOADING sequences, holds (``hold`` / ``free(hold_for=)``), lease renewals, ``take_store_plan``;
+2. the step's copy plan, executed in order;
+3. transfers: each load completes after a random delay, in any order, writing its bytes into its blocks **even
+   when its sequence was aborted** (a parked block that had been reused would be corrupted and caught), and some
+   fail part way (only the first ``ok`` blocks are written, garbage in the rest); completed transfers are
+   reported with ``finish_external`` (done or failed) at that step or a later one;
+4. the forward: the KV of every token handed out in the step (finished loads included, from the count
+   ``finish_external`` returned) is written through its slot;
+5. holds are read by a second party (a "decode replica") when they are released or expire: the held blocks
+   must still hold the sequence's identities of hold time; stores complete after a random delay and read their
+   blocks then: each must still hold the content its key names (a store that read a reused block is caught).
+
+After every step every running sequence reads back exactly its own identities through its block table, and
+``check_invariants`` runs every ``check_every`` steps. Used by tests/test_external_model.py and
+``scripts/soak_kv.py --external``.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pagedkv import BlockManager, block_hashes
+from pagedkv.errors import OutOfBlocksError, SequenceStateError
+
+GARBAGE = -2
+UNWRITTEN = -1
+
+
+@dataclass
+class Report:
+    steps: int = 0
+    violations: int = 0
+    messages: list = field(default_factory=list)
+    counts: dict = field(default_factory=dict)
+
+    def count(self, k: str, n: int = 1) -> None:
+        self.counts[k] = self.counts.get(k, 0) + n
+
+
+class _Violation(Exception):
+    pass
+
+
+class ExternalModel:
+    def __init__(self, seed: int, check_every: int = 1) -> None:
+        rng = self.rng = random.Random(seed)
+        self.bs = rng.choice([2, 4, 8])
+        self.nblocks = rng.randint(24, 96)
+        policy = rng.choice(["none", "write_through", "selective"])
+        self.bm = BlockManager(self.nblocks, self.bs, enable_prefix_caching=rng.random() < 0.85,
+                               watermark=0.0, store_policy=policy if rng.random() < 0.85 else "none",
+                               store_min_hits=rng.randint(1, 3))
+        if not self.bm.enable_prefix_caching:
+            self.bm = BlockManager(self.nblocks, self.bs, watermark=0.0)
+        self.gpu = np.full(self.nblocks * self.bs, UNWRITTEN, np.int64)
+        self.ident: dict = {}  # (parent identity, token) -> identity
+        self.ident_toks: dict = {0: ()}  # identity -> its tokens (for the store check)
+        self.seqs: dict = {}  # running seq -> list of identities (one per token)
+        self.toks: dict = {}  # seq -> tokens
+        self.loading: dict = {}  # seq -> (prompt identities, ExternalLoad)
+        self.transfers: list = []  # [complete_at, seq, ExternalLoad, ok or None, written, report_at]
+        self.holds: dict = {}  # hold_id -> (block ids, identities at hold time)
+        self.stores: list = []  # [complete_at, plan]
+        self.writes: list = []  # (slots, identities) of this step's forward
+        self.step_no = 0
+        self.next_id = 0
+        self.check_every = check_every
+        self.report = Report()
+        self.prefixes = [[rng.randrange(1, 50) for _ in range(rng.randint(1, 5) * self.bs)] for _ in range(4)]
+        self.bm.take_copy_plan()  # same-step checks on
+
+    # ------------------------------------------------------------------ helpers
+    def fail(self, msg: str) -> None:
+        raise _Violation(f"step {self.step_no}: {msg}")
+
+    def identities(self, toks: list, start_id: int = 0) -> list:
+        out, p = [], start_id
+        for t in toks:
+            key = (p, t)
+            q = self.ident.get(key)
+            if q is None:
+                q = self.ident[key] = len(self.ident) + 1
+                self.ident_toks[q] = self.ident_toks[p] + (t,)
+            out.append(q)
+            p = q
+        return out
+
+    def slots(self, seq, a: int, b: int) -> np.ndarray:
+        return self.bm.slot_mapping(seq, a, b)
+
+    def new_prompt(self) -> list:
+        rng = self.rng
+        p = list(rng.choice(self.prefixes)) if rng.random() < 0.8 else []
+        p += [rng.randrange(1, 50) for _ in range(rng.randint(1, 4 * self.bs))]
+        return p
+
+    # ------------------------------------------------------------------ calls
+    def admit(self) -> None:
+        rng, bm, bs = self.rng, self.bm, self.bs
+        k = rng.randint(1, 3) if rng.random() < 0.3 else 1
+        seqs = [f"s{self.next_id + i}" for i in range(k)]
+        self.next_id += k
+        prompts = [self.new_prompt() for _ in seqs]
+        exts = [rng.randrange(0, 6) * bs if rng.random() < 0.6 else 0 for _ in seqs]
+        try:
+            if k > 1:
+                res = bm.allocate_batch(seqs, prompts, num_external_tokens=exts)
+                cached = res.num_cached_tokens.tolist()
+            else:
+                cached = [bm.allocate(seqs[0], prompts[0], num_external_tokens=exts[0])]
+        except OutOfBlocksError:
+            self.report.count("admit_refused")
+            return
+        for s, p, c in zip(seqs, prompts, cached):
+            ids = self.identities(p)
+            self.toks[s] = list(p)
+            ext = bm.external_blocks(s)
+            if ext is None:
+                self.seqs[s] = ids
+                self.writes.append((s, self.slots(s, c, len(p)), ids[c:]))
+                self.stepped.add(s)
+                self.report.count("admitted")
+                continue
+            if c != ext.start_token + ext.num_tokens:
+                self.fail(f"{s}: allocate returned {c}, its load ends at {ext.start_token + ext.num_tokens}")
+            if ext.keys != tuple(block_hashes(p[: c], bs)[ext.start_token // bs:]):
+                self.fail(f"{s}: the load's keys are not the prompt's")
+            self.loading[s] = ids
+            nblk = len(ext.block_ids)
+            ok = None if rng.random() < 0.75 else rng.randrange(0, nblk) * bs
+            done_at = self.step_no + rng.randint(0, 4)
+            self.transfers.append([done_at, s, ext, ok, False, done_at + rng.randint(0, 2)])
+            self.report.count("loads")
+
+    def decode(self) -> None:
+        rng, bm = self.rng, self.bm
+        run = [s for s in self.seqs if s not in self.stepped]
+        if not run:
+            return
+        batch = rng.sample(run, rng.randint(1, min(len(run), 6)))
+        toks = [rng.randrange(1, 50) for _ in batch]
+        try:
+            bm.decode_step(batch, toks)
+        except OutOfBlocksError:
+            self.report.count("decode_refused")
+            return
+        for s, t in zip(batch, toks):
+            ids = self.seqs[s]
+            ids.append(self.identities([t], ids[-1])[0])
+            self.toks[s].append(t)
+            n = len(ids)
+            self.writes.append((s, self.slots(s, n - 1, n), ids[n - 1:]))
+            self.stepped.add(s)
+
+    def free_one(self) -> None:
+        rng, bm = self.rng, self.bm
+        if self.loading and rng.random() < 0.3:  # an abort while loading: its blocks park
+            s = rng.choice(list(self.loading))
+            bm.free(s)
+            del self.loading[s]
+            self.report.count("aborted_loading")
+            return
+        if not self.seqs:
+            return
+        s = rng.choice(list(self.seqs))
+        hold = rng.random() < 0.3
+        fresh = s in self.stepped
+        if fresh:
+            # handed slots in this step: an abort (cache=False); its holds are dropped first (their reader is told)
+            for hid in [h.hold_id for h in self.bm.holds if h.seq_id == s]:
+                self.bm.release_hold(hid)
+                del self.holds[hid]
+            try:
+                bm.free(s, cache=False)
+            except SequenceStateError:
+                self.report.count("abort_refused")
+                return
+            self.writes = [w for w in self.writes if w[0] != s]
+            del self.seqs[s]
+            self.report.count("aborted")
+            return
+        if hold:
+            ids = list(self.seqs[s])
+            h = bm.free(s, hold_for=self.rng.choice([1.0, 3.0, 100.0]), now=float(self.step_no))
+            self.holds[h.hold_id] = (h.block_ids, ids[: h.num_tokens])
+            self.report.count("held_on_free")
+        else:
+            bm.free(s)
+        del self.seqs[s]
+
+    def hold_one(self) -> None:
+        if not self.seqs:
+            return
+        s = self.rng.choice(list(self.seqs))
+        h = self.bm.hold(s, self.rng.choice([1.0, 3.0]), now=float(self.step_no))
+        self.holds[h.hold_id] = (h.block_ids, list(self.seqs[s][: h.num_tokens]))
+        self.report.count("holds")
+
+    def release_holds(self) -> None:
+        bm = self.bm
+        for hid in list(self.holds):
+            if self.rng.random() < 0.2:
+                self.read_hold(hid)
+                bm.release_hold(hid)
+        if self.rng.random() < 0.2 and self.holds:
+            hid = self.rng.choice(list(self.holds))
+            bm.renew_hold(hid, 2.0, now=float(self.step_no))
+        gone_before = set(self.holds)
+        # the reader reads every hold about to expire before the manager releases it
+        live = {h.hold_id: h for h in bm.holds}
+        for hid in list(self.holds):
+            if live[hid].expires_at <= float(self.step_no):
+                self.read_hold(hid)
+        expired = bm.expire_holds(now=float(self.step_no))
+        for hid in expired:
+            if hid not in gone_before:
+                self.fail(f"hold {hid} expired but was not live")
+            self.holds.pop(hid, None)
+        self.report.count("holds_expired", len(expired))
+
+    def read_hold(self, hid: int) -> None:
+        blocks, ids = self.holds.pop(hid)
+        bs = self.bs
+        for i, b in enumerate(blocks):
+            got = self.gpu[b * bs : b * bs + bs].tolist()
+            want = ids[i * bs : (i + 1) * bs]
+            if got[: len(want)] != want:
+                self.fail(f"hold {hid}: block {b} holds {got}, the reader expected {want}")
+        self.report.count("holds_read")
+
+    def take_store(self) -> None:
+        plan = self.bm.take_store_plan()
+        if plan is None:
+            return
+        self.stores.append([self.step_no + self.rng.randint(0, 3), plan])
+        self.report.count("stores_planned", len(plan.block_ids))
+
+    def complete_stores(self) -> None:
+        bs = self.bs
+        keep = []
+        for at, plan in self.stores:
+            if at > self.step_no:
+                keep.append([at, plan])
+                continue
+            for b, key in zip(plan.block_ids, plan.keys):  # the store reads its blocks now
+                last = int(self.gpu[b * bs + bs - 1])
+                if last <= 0:
+                    self.fail(f"store {plan.store_id}: block {b} holds no KV ({last})")
+                toks = self.ident_toks[last]
+                if len(toks) % bs or block_hashes(list(toks), bs)[-1] != key:
+                    self.fail(f"store {plan.store_id}: block {b} holds content other than its key names")
+                want = self.identities(list(toks))[-bs:]
+                if self.gpu[b * bs : b * bs + bs].tolist() != want:
+                    self.fail(f"store {plan.store_id}: block {b} is not the KV of its content")
+            self.bm.complete_store(plan.store_id, success=self.rng.random() < 0.9)
+            self.report.count("stores_done")
+        self.stores = keep
+
+    def transfers_step(self) -> None:
+        """Transfers that complete now write their blocks; those due are reported (done / failed)."""
+        bs, rng = self.bs, self.rng
+        for tr in self.transfers:
+            at, s, ext, ok, written, _ = tr
+            if written or at > self.step_no:
+                continue
+            ids = self.identities(self.toks[s][: ext.start_token + ext.num_tokens])
+            for i, b in enumerate(ext.block_ids):
+                good = ok is None or i * bs < ok
+                vals = ids[ext.start_token + i * bs : ext.start_token + (i + 1) * bs] if good else [GARBAGE] * bs
+                self.gpu[b * bs : b * bs + bs] = vals
+            tr[4] = True
+        due = [tr for tr in self.transfers if tr[4] and tr[5] <= self.step_no]
+        rng.shuffle(due)
+        if not due:
+            return
+        done = [tr[1] for tr in due if tr[3] is None]
+        failed = {tr[1]: tr[3] for tr in due if tr[3] is not None}
+        got = self.bm.finish_external(done=done, failed=failed)
+        for tr in due:
+            self.transfers.remove(tr)
+            s = tr[1]
+            if s not in self.loading:
+                if s in got:
+                    self.fail(f"{s} was aborted but finish_external returned it")
+                continue
+            ids = self.loading.pop(s)
+            c = got[s]
+            want = tr[2].start_token + (tr[2].num_tokens if tr[3] is None else tr[3])
+            if c != want:
+                self.fail(f"{s}: finish_external says {c} tokens computed, the transfer brought {want}")
+            self.seqs[s] = ids
+            n = self.bm.num_tokens(s)
+            if n != len(ids):
+                self.fail(f"{s}: holds {n} tokens, its prompt is {len(ids)}")
+            self.seqs[s] = ids[:n]
+            self.writes.append((s, self.slots(s, c, n), ids[c:n]))
+            self.stepped.add(s)
+            self.report.count("loads_done" if tr[3] is None else "loads_failed")
+
+    # ------------------------------------------------------------------ one step
+    def step(self, calls: bool = True) -> None:
+        rng = self.rng
+        self.begin_step()
+        for _ in range(rng.randint(1, 5) if calls else 0):
+            r = rng.random()
+            if r < 0.35:
+                self.admit()
+            elif r < 0.65:
+                self.decode()
+            elif r < 0.85:
+                self.free_one()
+            elif r < 0.92:
+                self.hold_one()
+            else:
+                self.take_store()
+        self.end_step()
+
+    def begin_step(self) -> None:
+        self.stepped: set = set()
+        self.writes = []
+        self.step_no += 1
+
+    def end_step(self) -> None:
+        """Transfers, the copy plan, the forward, holds and stores, then the checks."""
+        self.transfers_step()
+        plan = self.bm.take_copy_plan()
+        for kind, src, dst in plan.batches():  # GPU -> GPU only here (copy-on-write)
+            for sb, db in zip(src.tolist(), dst.tolist()):
+                self.gpu[db * self.bs : db * self.bs + self.bs] = self.gpu[sb * self.bs : sb * self.bs + self.bs]
+        for _, slots, vals in self.writes:  # the forward
+            self.gpu[slots] = vals
+        self.release_holds()
+        self.complete_stores()
+        self.check()
+        if self.step_no % self.check_every == 0:
+            self.bm.check_invariants()
+
+    def check(self) -> None:
+        bm, bs = self.bm, self.bs
+        if set(bm.seq_ids) != set(self.seqs) | set(self.loading):
+            self.fail("the manager's sequences differ from the model's")
+        if set(bm.loading_seq_ids) != set(self.loading):
+            self.fail("the manager's LOADING sequences differ from the model's")
+        for s, ids in self.seqs.items():
+            n = bm.num_tokens(s)
+            got = self.gpu[self.slots(s, 0, n)].tolist()
+            if got != ids[:n]:
+                bad = next(i for i, (a, b) in enumerate(zip(got, ids)) if a != b)
+                self.fail(f"{s}: position {bad} reads {got[bad]}, expected {ids[bad]}")
+
+    def drain(self) -> None:
+        """Every transfer completed and reported, every hold read and released, every store completed."""
+        for tr in self.transfers:
+            tr[0] = tr[5] = self.step_no + 1
+        for st in self.stores:
+            st[0] = self.step_no + 1
+        self.step(calls=False)
+        for hid in list(self.holds):
+            self.read_hold(hid)
+            self.bm.release_hold(hid)
+        self.bm.check_invariants()
+        if self.transfers or self.bm.parked_seq_ids or self.bm.pending_stores or self.bm.holds:
+            self.fail("something is left in flight after draining")
+
+
+def run(seed: int, steps: int, check_every: int = 1) -> Report:
+    m = ExternalModel(seed, check_every)
+    try:
+        for _ in range(steps):
+            m.step()
+            m.report.steps += 1
+        m.drain()
+    except Exception as e:  # (a violation, a failed audit, or any unexpected error)
+        m.report.violations += 1
+        m.report.messages.append(f"seed {seed}: {type(e).__name__}: {e}")
+    return m.report

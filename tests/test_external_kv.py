@@ -1,0 +1,410 @@
+"""External KV in the BlockManager (docs/external-kv.md): loads into reserved blocks (LOADING, done, failed, abort
+while loading: parked), holds with leases, store plans by write policy, and the races of the contract, each
+with a test; check_invariants after every call."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pagedkv import BlockManager, block_hashes
+from pagedkv.errors import (DuplicateSequenceError, InvalidArgumentError, OutOfBlocksError, SequenceStateError,
+                            UnknownHoldError, UnknownSequenceError, UnknownStoreError)
+
+BS = 4
+SYS = list(range(1, 9))  # two full blocks shared by the prompts below
+
+
+def prompt(tag: int, n: int = 20) -> list[int]:
+    return SYS + [1000 * tag + i for i in range(n)]
+
+
+def mgr(**kw) -> BlockManager:
+    kw.setdefault("enable_prefix_caching", True)
+    return BlockManager(kw.pop("num_gpu_blocks", 32), BS, **kw)
+
+
+def warm(m: BlockManager) -> None:
+    """SYS cached (and idle): a later prompt's hit is 8 tokens."""
+    m.allocate("warm", SYS + [7])
+    m.take_copy_plan()
+    m.free("warm")
+
+
+def snapshot(m: BlockManager) -> tuple:
+    return (m.num_free_gpu_blocks, m.num_cached_blocks, m.seq_ids, m.loading_seq_ids, m.parked_seq_ids,
+            tuple(m.holds), m.pending_stores, {s: m.block_table(s).tolist() for s in m.seq_ids})
+
+
+# ------------------------------------------------------------------ loads
+def test_load_done_registers_only_at_finish():
+    m = mgr(enable_kv_events=True)
+    warm(m)
+    m.take_events()
+    p = prompt(1)  # 28 tokens: 2 hit blocks, external 3 blocks, then the rest computed
+    assert m.allocate("a", p, num_external_tokens=12) == 20
+    ext = m.external_blocks("a")
+    assert (ext.start_token, ext.num_tokens, len(ext.block_ids)) == (8, 12, 3)
+    assert ext.keys == tuple(block_hashes(p[:20], BS)[2:])
+    assert ext.group_block_ids == (ext.block_ids,)
+    assert m.is_loading("a") and m.loading_seq_ids == ("a",) and "a" in m and len(m) == 1
+    m.check_invariants()
+    # not findable while loading, no events
+    assert m.lookup_prefix(p).num_cached_tokens == 8
+    assert m.take_events() == []
+    assert m.finish_external(done=["a"]) == {"a": 20}
+    m.check_invariants()
+    assert not m.is_loading("a") and m.external_blocks("a") is None
+    # findable right after finish: every full block of the held prompt
+    assert m.lookup_prefix(p).num_cached_tokens == 24
+    stored = [k for e in m.take_events() for k in e.block_hashes]
+    assert stored == block_hashes(p, BS)[2:]
+    m.decode_step(["a"], [5])  # the sequence runs as usual
+    m.check_invariants()
+
+
+def test_finish_counts_as_a_step_handing_slots_out():
+    m = mgr()
+    m.take_copy_plan()  # same-step checks on
+    m.allocate("a", prompt(1), num_external_tokens=12)
+    m.take_copy_plan()
+    m.finish_external(done=["a"])
+    with pytest.raises(SequenceStateError):  # its prefill runs in this step's forward
+        m.free("a")
+    m.free("a", cache=False)  # an abort withdraws the computed blocks, keeps the loaded ones
+    m.check_invariants()
+    assert m.lookup_prefix(prompt(1)).num_cached_tokens == 12  # the 3 external blocks (no hit: nothing warm)
+
+
+def test_loading_refuses_the_step_calls_and_changes_nothing():
+    m = mgr(num_cpu_blocks=16)
+    warm(m)
+    m.allocate("a", prompt(1), num_external_tokens=12)
+    before = snapshot(m)
+    calls = [lambda: m.decode_step(["a"], [1]), lambda: m.decode_step(["a"], np.array([1])),
+             lambda: m.append_slots("a", [1]), lambda: m.fork("a", "c"), lambda: m.swap_out(["a"]),
+             lambda: m.swap_in(["a"]), lambda: m.hold("a", 10.0), lambda: m.free("a", hold_for=10.0),
+             lambda: m.can_append_slots(["a"])]
+    for call in calls:
+        with pytest.raises(SequenceStateError):
+            call()
+        assert snapshot(m) == before
+        m.check_invariants()
+    # the read-only queries answer
+    assert m.num_tokens("a") == 28 and m.block_table("a").size == 7 and m.slot_mapping("a", 8, 12).size == 4
+    assert m.table_rows(["a"]).size == 1 and not m.is_swapped("a")
+    with pytest.raises(DuplicateSequenceError):
+        m.allocate("a", prompt(2))
+
+
+def test_failed_load_keeps_the_intact_part_and_computes_the_rest():
+    m = mgr()
+    warm(m)
+    p = prompt(1)
+    m.allocate("a", p, num_external_tokens=12)
+    assert m.finish_external(failed={"a": 4}) == {"a": 12}
+    m.check_invariants()
+    assert m.num_tokens("a") == len(p)  # never a silent truncation: the rest is computed by the prefill
+    m.take_copy_plan()
+    m.free("a")
+    assert m.lookup_prefix(p).num_cached_tokens == 24
+
+
+def test_abort_while_loading_parks_the_blocks_until_reported():
+    m = mgr(num_gpu_blocks=12, watermark=0)
+    warm(m)
+    m.allocate("a", prompt(1), num_external_tokens=12)
+    ext = set(m.external_blocks("a").block_ids)
+    m.free("a")
+    assert m.parked_seq_ids == ("a",) and "a" not in m
+    m.check_invariants()
+    assert m.num_free_gpu_blocks == 12 - 3
+    with pytest.raises(DuplicateSequenceError):
+        m.allocate("a", prompt(2))
+    # the whole rest of the pool is handed out; never a parked block
+    m.allocate("x", list(range(5000, 5000 + 9 * BS - 1)))
+    assert not ext & set(m.block_table("x").tolist())
+    with pytest.raises(OutOfBlocksError):
+        m.allocate("y", [1, 2, 3])
+    m.check_invariants()
+    assert m.finish_external(done=["a"]) == {}  # after abort: frees the parked blocks, not in the result
+    assert m.parked_seq_ids == () and m.num_free_gpu_blocks == 3
+    m.check_invariants()
+    with pytest.raises(UnknownSequenceError):  # reported again
+        m.finish_external(done=["a"])
+    m.allocate("a", prompt(2)[:5])
+
+
+def test_finish_validates_everything_first():
+    m = mgr()
+    m.allocate("a", prompt(1), num_external_tokens=12)
+    m.allocate("b", prompt(2), num_external_tokens=8)
+    m.allocate("c", [1, 2, 3])
+    before = snapshot(m)
+    bad = [dict(done=["a", "zz"]), dict(done=["a", "c"]), dict(done=["a"], failed={"a": 0}),
+           dict(done=["a", "a"]), dict(failed={"a": 12}), dict(failed={"a": 3}), dict(failed={"a": -4}),
+           dict(failed={"a": True}), dict(done="a"), dict(failed=[("a", 0)]), dict(done=[["a"]])]
+    errs = (UnknownSequenceError, SequenceStateError, InvalidArgumentError)
+    for kw in bad:
+        with pytest.raises(errs):
+            m.finish_external(**kw)
+        assert snapshot(m) == before
+        m.check_invariants()
+    assert m.finish_external(done=["a"], failed={"b": 0}) == {"a": 12, "b": 0}
+    with pytest.raises(SequenceStateError):  # reported twice
+        m.finish_external(done=["a"])
+    m.check_invariants()
+
+
+def test_allocate_decides_the_external_range_not_the_lookup():
+    """Race: another request takes the looked-up prefix's blocks between lookup and allocation."""
+    m = mgr(num_gpu_blocks=10, watermark=0)
+    warm(m)
+    p = prompt(1)
+    assert m.lookup_prefix(p).num_cached_tokens == 8
+    m.allocate("hog", list(range(3000, 3000 + 10 * BS - 1)))  # evicts SYS
+    m.take_copy_plan()
+    m.free("hog")
+    assert m.allocate("a", p, num_external_tokens=12) == 12  # hit 0: the range starts at 0
+    ext = m.external_blocks("a")
+    assert ext.start_token == 0 and ext.keys == tuple(block_hashes(p[:12], BS))
+    m.check_invariants()
+
+
+def test_external_range_is_cut_before_the_last_token():
+    m = mgr()
+    p = list(range(1, 13))  # 12 tokens: at most 8 loaded (the last block holds the token to compute)
+    assert m.allocate("a", p, num_external_tokens=40) == 8
+    assert m.external_blocks("a").num_tokens == 8
+    assert m.allocate("b", [1, 2, 3], num_external_tokens=4) == 0  # nothing to load: RUNNING
+    assert m.external_blocks("b") is None and not m.is_loading("b")
+    m.check_invariants()
+
+
+def test_bad_arguments():
+    m = mgr()
+    for e in (3, -4, 4.0, True, "8"):
+        with pytest.raises(InvalidArgumentError):
+            m.allocate("a", prompt(1), num_external_tokens=e)
+    assert len(m) == 0
+    with pytest.raises(InvalidArgumentError):
+        BlockManager(8, BS, sliding_window=8).allocate("a", prompt(1), num_external_tokens=4)
+    with pytest.raises(UnknownSequenceError):
+        m.external_blocks("nope")
+    with pytest.raises(InvalidArgumentError):
+        BlockManager(8, BS, store_policy="write_through")
+    with pytest.raises(InvalidArgumentError):
+        BlockManager(8, BS, enable_prefix_caching=True, store_policy="write_back")
+    with pytest.raises(InvalidArgumentError):
+        BlockManager(8, BS, enable_prefix_caching=True, store_policy="selective", store_min_hits=0)
+    m.check_invariants()
+
+
+def test_without_prefix_caching():
+    m = BlockManager(16, BS)
+    assert m.allocate("a", prompt(1), num_external_tokens=12) == 12
+    assert m.external_blocks("a").start_token == 0
+    assert m.finish_external(done=["a"]) == {"a": 12}
+    m.decode_step(["a"], [1])
+    m.check_invariants()
+
+
+def test_chunked_prefill_with_external_tokens():
+    m = mgr()
+    warm(m)
+    p = prompt(1, 40)  # 48 tokens
+    assert m.allocate("a", p, num_external_tokens=8, num_new_tokens=8) == 16
+    assert m.num_tokens("a") == 24  # hit 8 + external 8 + one chunk of 8
+    m.finish_external(done=["a"])
+    m.take_copy_plan()
+    m.decode_step(["a"], p[24:32], num_new_tokens=[8])
+    m.check_invariants()
+    with pytest.raises(SequenceStateError):
+        m.fork("a", "b")  # the prompt is not all appended yet
+
+
+def test_allocate_batch_with_external_tokens():
+    m = mgr()
+    warm(m)
+    ps = [prompt(1), prompt(2), prompt(1)]
+    b = m.allocate_batch(["a", "b", "c"], ps, num_external_tokens=[12, 0, 8])
+    assert b.num_cached_tokens.tolist() == [20, 8, 16]
+    assert m.loading_seq_ids == ("a", "c")
+    assert b.seq_lens.tolist() == [28, 28, 28]
+    assert b.query_start_loc.tolist() == [0, 8, 28, 40]
+    m.check_invariants()
+    before = snapshot(m)
+    with pytest.raises(DuplicateSequenceError):
+        m.allocate_batch(["d", "d"], ps[:2], num_external_tokens=[4, 4])
+    with pytest.raises(InvalidArgumentError):
+        m.allocate_batch(["d", "e"], ps[:2], num_external_tokens=[4])
+    with pytest.raises(OutOfBlocksError):
+        m.allocate_batch(["d", "e"], [prompt(7, 60), prompt(8, 60)], num_external_tokens=[4, 4])
+    assert snapshot(m) == before
+    m.finish_external(done=["a", "c"])
+    m.check_invariants()
+
+
+def test_reset_prefix_cache_while_loading():
+    m = mgr()
+    warm(m)
+    m.allocate("a", prompt(1), num_external_tokens=12)
+    m.reset_prefix_cache()
+    m.check_invariants()
+    assert m.finish_external(done=["a"]) == {"a": 20}
+    m.check_invariants()
+    assert m.lookup_prefix(prompt(1)).num_cached_tokens == 0  # the broken chain caches nothing
+
+
+# ------------------------------------------------------------------ holds
+def test_hold_keeps_blocks_findable_and_unreusable():
+    m = mgr(num_gpu_blocks=12, watermark=0)
+    p = prompt(1)
+    m.allocate("a", p)
+    m.take_copy_plan()
+    h = m.free("a", hold_for=480.0, now=100.0)
+    assert h.expires_at == 580.0 and h.num_tokens == 28 and len(h.block_ids) == 7 and h.seq_id == "a"
+    assert m.holds == (h,)
+    m.check_invariants()
+    assert m.lookup_prefix(p).num_cached_tokens == 24  # still findable
+    assert m.num_free_gpu_blocks == 5
+    with pytest.raises(OutOfBlocksError):  # never evicted for another prompt
+        m.allocate("x", list(range(5000, 5000 + 6 * BS)))
+    m.allocate("x", list(range(5000, 5000 + 5 * BS)))
+    assert not set(h.block_ids) & set(m.block_table("x").tolist())
+    m.check_invariants()
+    m.release_hold(h.hold_id)
+    with pytest.raises(UnknownHoldError):
+        m.release_hold(h.hold_id)
+    m.check_invariants()
+    assert m.num_free_gpu_blocks == 7
+
+
+def test_hold_leases_renew_and_expire_on_an_injected_clock():
+    m = mgr()
+    m.allocate("a", prompt(1))
+    m.allocate("b", prompt(2))
+    h1 = m.hold("a", 10.0, now=0.0)
+    h2 = m.hold("b", 20.0, now=0.0)
+    h3 = m.hold("a", 5.0, now=0.0)  # held twice
+    m.check_invariants()
+    assert m.renew_hold(h3.hold_id, 30.0, now=1.0).expires_at == 31.0
+    assert m.expire_holds(now=9.9) == []
+    assert m.expire_holds(now=20.0) == [h1.hold_id, h2.hold_id]
+    m.check_invariants()
+    for bad in (h1.hold_id, 999, "x", None):
+        with pytest.raises(UnknownHoldError):
+            m.renew_hold(bad, 1.0)
+    for bad in (0, -1, float("inf"), True, "1"):
+        with pytest.raises(InvalidArgumentError):
+            m.renew_hold(h3.hold_id, bad)
+        with pytest.raises(InvalidArgumentError):
+            m.hold("a", bad)
+    m.take_copy_plan()
+    m.free("a")
+    m.free("b")
+    assert [h.hold_id for h in m.holds] == [h3.hold_id]
+    assert m.expire_holds(now=31.0) == [h3.hold_id]
+    m.check_invariants()
+    assert m.num_free_gpu_blocks == 32
+
+
+def test_a_write_into_a_held_block_copies_on_write():
+    m = mgr()
+    m.allocate("a", list(range(1, 7)))  # a partial second block
+    h = m.hold("a", 10.0, now=0.0)
+    res = m.decode_step(["a"], [99])
+    assert res.cow.tolist() == [[h.block_ids[1], m.block_table("a")[1]]]
+    m.check_invariants()
+
+
+def test_free_with_hold_for_is_all_or_nothing():
+    m = mgr()
+    m.take_copy_plan()
+    m.allocate("a", prompt(1))
+    before = snapshot(m)
+    with pytest.raises(SequenceStateError):  # handed slots in this step
+        m.free("a", hold_for=10.0)
+    assert snapshot(m) == before
+    m.check_invariants()
+    m.take_copy_plan()
+    assert m.free("a", hold_for=10.0, now=0.0).hold_id == 1  # (the failed one took no id)
+
+
+def test_hold_refused_for_a_swapped_sequence():
+    m = mgr(num_cpu_blocks=16)
+    m.allocate("a", prompt(1))
+    m.take_copy_plan()
+    m.swap_out(["a"])
+    with pytest.raises(SequenceStateError):
+        m.hold("a", 10.0)
+    m.check_invariants()
+
+
+# ------------------------------------------------------------------ stores
+def test_write_through_plans_each_registered_block_once_and_pins_it():
+    m = mgr(num_gpu_blocks=10, watermark=0, store_policy="write_through")
+    assert m.take_store_plan() is None
+    p = prompt(1, 12)  # 20 tokens: 5 full blocks registered by allocate
+    m.allocate("a", p)
+    plan = m.take_store_plan()
+    assert plan.keys == tuple(block_hashes(p, BS)) and len(plan.block_ids) == 5
+    assert m.pending_stores == (plan.store_id,)
+    assert m.take_store_plan() is None
+    m.check_invariants()
+    m.take_copy_plan()
+    m.free("a")
+    # pinned: a store never reads a reused block
+    with pytest.raises(OutOfBlocksError):
+        m.allocate("x", list(range(5000, 5000 + 6 * BS)))
+    m.allocate("x", list(range(5000, 5000 + 5 * BS - 1)))
+    assert not set(plan.block_ids) & set(m.block_table("x").tolist())
+    m.check_invariants()
+    m.complete_store(plan.store_id, success=True)
+    with pytest.raises(UnknownStoreError):
+        m.complete_store(plan.store_id)
+    m.check_invariants()
+    plan2 = m.take_store_plan()  # x's blocks, none of a's
+    assert not set(plan2.block_ids) & set(plan.block_ids)
+    m.complete_store(plan2.store_id, success=False)
+    m.check_invariants()
+
+
+def test_write_through_plans_a_load_only_once_it_is_done():
+    m = mgr(store_policy="write_through")
+    m.allocate("a", prompt(1), num_external_tokens=12)
+    assert m.take_store_plan() is None  # nothing registered while loading
+    m.finish_external(done=["a"])
+    assert len(m.take_store_plan().block_ids) == 7
+
+
+def test_selective_plans_a_block_hit_often_enough():
+    m = mgr(store_policy="selective", store_min_hits=2)
+    p = prompt(1)
+    for i in range(3):
+        m.allocate(i, p)
+        m.take_copy_plan()
+        plan = m.take_store_plan()
+        if i < 2:
+            assert plan is None
+        else:
+            assert len(plan.block_ids) == 6  # every full block but the last (the last block is computed)
+    m.check_invariants()
+    m.complete_store(plan.store_id, True)
+    for i in range(3, 6):
+        m.allocate(i, p)
+        assert m.take_store_plan() is None  # stored already
+    m.check_invariants()
+
+
+def test_complete_store_bad_input():
+    m = mgr(store_policy="write_through")
+    m.allocate("a", prompt(1))
+    plan = m.take_store_plan()
+    for bad in (999, None, "x"):
+        with pytest.raises(UnknownStoreError):
+            m.complete_store(bad)
+    with pytest.raises(InvalidArgumentError):
+        m.complete_store(plan.store_id, success="yes")
+    assert m.pending_stores == (plan.store_id,)
+    m.check_invariants()
