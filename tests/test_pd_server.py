@@ -138,8 +138,8 @@ def test_serve_options_of_the_split_are_checked_before_the_model_loads():
         check_options(build_parser().parse_args(["--port", "0", *argv]))
 
     check("--kv-role", "both", "--kv-peer", "10.0.0.2", "--kv-lease", "60")
-    for argv, words in ((["--kv-role", "prefill"], "--kv-role prefill needs"),
-                        (["--kv-role", "decode"], "--kv-role decode needs"),
+    check("--kv-role", "prefill")
+    for argv, words in ((["--kv-role", "prefill", "--host", "0.0.0.0"], "--kv-advertise-host"),
                         (["--kv-lease", "0"], "--kv-lease"), (["--kv-lease", "inf"], "--kv-lease"),
                         (["--kv-fetch-timeout", "-1"], "--kv-fetch-timeout")):
         with pytest.raises(ValueError, match=words):

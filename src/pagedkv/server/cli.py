@@ -119,13 +119,9 @@ def check_options(args: argparse.Namespace) -> None:
         v = getattr(args, name)
         if not 0 < v < float("inf"):
             raise ValueError(f"--{name.replace('_', '-')} must be a finite number of seconds > 0, got {v}")
-    if args.kv_role != "both":
-        from ..engine.llm import LLM
-
-        if not hasattr(LLM, "kv_port"):
-            raise ValueError(f"--kv-role {args.kv_role} needs an engine that hands KV blocks over (the block "
-                             "manager's holds and external KV, the engine's block bytes); this build's engine has "
-                             "none yet (docs/pd-split.md)")
+    if args.kv_role != "both" and args.host in ("0.0.0.0", "::") and not args.kv_advertise_host:
+        raise ValueError("--kv-role with --host 0.0.0.0 needs --kv-advertise-host (the address decode replicas "
+                         "reach this one at)")
     if args.kv_events_endpoint and args.no_prefix_caching:
         raise ValueError("--kv-events-endpoint needs prefix caching (drop --no-prefix-caching)")
 

@@ -183,12 +183,18 @@ class Server:
             self.publisher.close()
 
 
-def engine_kv_port(llm: Any) -> Any:
-    """The engine's :class:`~pagedkv.server.kv_handoff.KVPort` (``llm.kv_port()``), or None when the engine
-    offers none (this build: the block manager's holds and external KV, and the engine's block bytes, are not
-    wired yet; docs/pd-split.md)."""
-    make = getattr(llm, "kv_port", None)
-    return make() if callable(make) else None
+def engine_kv_port(llm: Any, lock: Any = None, *, required: bool = False) -> Any:
+    """The engine's :class:`~pagedkv.server.kv_handoff.KVPort` (:class:`pagedkv.engine.kv_port.EngineKVPort`,
+    over the engine's step ``lock``), or None when the engine cannot hand KV over (a model with KV cache groups);
+    ValueError then when ``required``."""
+    try:
+        from ..engine.kv_port import EngineKVPort
+
+        return EngineKVPort(llm, lock)
+    except (ValueError, AttributeError, TypeError, ImportError):
+        if required:
+            raise
+        return None
 
 
 def make_server(llm: Any, *, model_name: str, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
@@ -225,21 +231,25 @@ def make_server(llm: Any, *, model_name: str, host: str = "127.0.0.1", port: int
                                      topic=kv_events_topic)
     from .kv_handoff import LOOPBACK_HOSTS, KVHandoff
 
-    if kv_port is None:
-        kv_port = engine_kv_port(llm)
     advertise = kv_advertise_host or host
     if kv_role != "both" and advertise in ("0.0.0.0", "::", ""):
         raise ValueError("--kv-role with --host 0.0.0.0 needs --kv-advertise-host (the address decode replicas "
                          "reach this one at)")
-    kv = KVHandoff(role=kv_role, port=kv_port, host=advertise, port_number=port, lease_s=kv_lease,
-                   allow_hosts=LOOPBACK_HOSTS | frozenset(kv_peers), fetch_timeout=kv_fetch_timeout,
-                   peer_api_key=kv_peer_api_key if kv_peer_api_key is not None else api_key)
     holder: dict = {}
     metrics = ServerMetrics(lambda: holder["engine"].snapshot, model_name)
     engine = AsyncEngine(llm, max_waiting=max_waiting, observer=metrics.observe,
                          event_sink=publisher.publish if publisher is not None else None,
                          on_fatal=lambda message: holder["server"].on_fatal(message))
     holder["engine"] = engine
+    try:
+        if kv_port is None:
+            kv_port = engine_kv_port(llm, engine._lock, required=kv_role != "both")
+        kv = KVHandoff(role=kv_role, port=kv_port, host=advertise, port_number=port, lease_s=kv_lease,
+                       allow_hosts=LOOPBACK_HOSTS | frozenset(kv_peers), fetch_timeout=kv_fetch_timeout,
+                       peer_api_key=kv_peer_api_key if kv_peer_api_key is not None else api_key)
+    except ValueError:
+        engine.shutdown()
+        raise
     app = build_app(engine, model_name=model_name, model_aliases=model_aliases, api_key=api_key, metrics=metrics,
                     max_body_bytes=max_body_bytes or DEFAULT_LIMITS.max_body_bytes, kv=kv)
     server = holder["server"] = Server(app, engine, metrics, publisher, model_name, host, port, drain_timeout, sock,
