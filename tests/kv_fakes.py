@@ -98,6 +98,9 @@ class FakePort:
     def attach_external(self, request, payloads):
         self.attached[request.request_id] = list(payloads)
 
+    def drop_staged(self, request_id):
+        self.attached.pop(request_id, None)
+
 
 # ---------------------------------------------------------------------------------------------- a fake engine
 class ByteTokenizer:

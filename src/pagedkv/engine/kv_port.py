@@ -89,6 +89,9 @@ class EngineKVPort:
     def attach_external(self, request: Any, payloads: Sequence) -> None:
         self._staged[request.request_id] = list(payloads)
 
+    def drop_staged(self, request_id: Any) -> None:
+        self._staged.pop(request_id, None)
+
     # ------------------------------------------------------------------------------------ the step loop's calls
     def on_add(self, request_id: Any, token_ids: Any, namespace: Any, block_manager: Any) -> bool:
         payloads = self._staged.pop(request_id, None)

@@ -180,6 +180,8 @@ def build_app(engine: AsyncEngine, *, model_name: str, model_aliases: tuple[str,
         except (EngineOverloaded, EngineDead) as e:
             if kvt is not None and kvt.do_remote_decode:
                 kv.forget(request.request_id)
+            elif kvt is not None and kvt.do_remote_prefill:
+                kv.port.drop_staged(request.request_id)
             if isinstance(e, EngineOverloaded):
                 raise APIError(503, str(e), "server_overloaded", "server_overloaded") from None
             if isinstance(e, EngineDraining):

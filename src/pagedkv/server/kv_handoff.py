@@ -87,6 +87,10 @@ class KVPort(Protocol):
         """Mark a prepared, not yet submitted request: its prompt's first ``len(payloads)`` blocks come with this
         KV (the engine allocates them as external tokens and writes these bytes before computing the rest)."""
 
+    def drop_staged(self, request_id: Any) -> None:
+        """Drop what :meth:`attach_external` staged for a request that will not run (its submission was
+        refused)."""
+
 
 @dataclass
 class _Held:
