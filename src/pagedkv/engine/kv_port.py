@@ -25,6 +25,7 @@ from __future__ import annotations
 import threading
 from typing import Any, NamedTuple, Sequence
 
+from ..errors import PagedKVError
 from .kv_io import model_fingerprint, payload_bytes, read_blocks, write_blocks
 
 __all__ = ["EngineKVPort"]
@@ -105,10 +106,16 @@ class EngineKVPort:
         if self._adding:
             adding, self._adding = self._adding, {}
             for rid, payloads in adding.items():
-                if scheduler.kv_ready(rid, 0, len(payloads) * self.block_size):
-                    self._ready[rid] = payloads
-                    self.stats["loaded"] += 1
+                try:
+                    ok = scheduler.kv_ready(rid, 0, len(payloads) * self.block_size)
+                except PagedKVError:  # (a range the server's checks exclude) the prompt is computed
+                    ok = scheduler.kv_ready(rid, 0, 0)
+                    payloads = None
+                if ok:
                     n += 1
+                    if payloads:
+                        self._ready[rid] = payloads
+                        self.stats["loaded"] += 1
         if self._ready:
             for rid in [rid for rid in self._ready if not scheduler.has_request(rid)]:
                 del self._ready[rid]  # (aborted before its admission)
