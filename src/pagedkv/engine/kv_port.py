@@ -50,7 +50,7 @@ class EngineKVPort:
         self._llm = llm
         self._bm = bm
         self._kv = llm.kv_cache
-        self.fingerprint = model_fingerprint(llm.model, llm.kv_cache)
+        self._fingerprint = None  # (computed on first use: it reads the weights file once)
         self.block_size = int(bm.block_size)
         self.payload_bytes = payload_bytes(llm.kv_cache)
         self._lock = lock if lock is not None else threading.Lock()
@@ -64,6 +64,14 @@ class EngineKVPort:
         llm.kv_tiers = self
 
     # ------------------------------------------------------------------------------------ KVPort (server side)
+    @property
+    def fingerprint(self) -> Any:
+        """The :class:`pagedkv.tiers.ModelFingerprint` of this engine's KV blocks (weights, dtype, block size,
+        layout)."""
+        if self._fingerprint is None:
+            self._fingerprint = model_fingerprint(self._llm.model, self._kv)
+        return self._fingerprint
+
     def hold_on_finish(self, request: Any, lease_s: float) -> None:
         self._marked[request.request_id] = float(lease_s)
 
