@@ -296,8 +296,8 @@ class _SplitExchange(_Exchange):
         if isinstance(outcome, _AsIs):  # the client's mistake: the prefill replica's 4xx as it is
             status, ctype, content = outcome
             p.metrics.pd_client_errors += 1
-            await send({"type": "http.response.start", "status": status,
-                        "headers": [(b"content-type", ctype.encode()), (b"content-length", str(len(content)).encode())]})
+            head = [(b"content-type", ctype.encode()), (b"content-length", str(len(content)).encode())]
+            await send({"type": "http.response.start", "status": status, "headers": head})
             await send({"type": "http.response.body", "body": content, "more_body": False})
             return
         doc = dict(self.doc)
