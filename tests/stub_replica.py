@@ -8,6 +8,12 @@ finished, aborted) and the last ``Authorization`` header received.
 
 Run in a thread (:func:`start_in_thread`) or as a process (``python stub_replica.py PORT DELAY``, which prints
 ``ready`` once it serves), so a test can ``kill -9`` it mid-stream.
+
+A prefill/decode split's wire behaviour (docs/pd-split.md), without KV: a body whose ``kv_transfer_params`` asks
+for ``do_remote_decode`` is answered (after ``delay`` per token, as any request) with ``kv_transfer_params``
+naming a made-up hold on this stub (``stats["holds"]``); a body with ``do_remote_prefill`` is recorded in
+``stats["kv_params"]`` and answered as usual; ``DELETE /v1/kv/holds/{id}`` releases a hold (204, or 404 when
+unknown; ``stats["releases"]``).
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ def make_app(delay: float = 0.02):
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
-    stats = {"requests": 0, "finished": 0, "aborted": 0, "authorization": None}
+    stats = {"requests": 0, "finished": 0, "aborted": 0, "authorization": None, "holds": [], "releases": [],
+             "kv_params": [], "bodies": []}
 
     async def generate(request: Request):
         body = json.loads(await request.body())
@@ -31,6 +38,10 @@ def make_app(delay: float = 0.02):
         stats["authorization"] = request.headers.get("authorization")
         n = int(body.get("max_tokens") or 4)
         d = float(body.get("stub_delay", delay))
+        stats["bodies"].append(body)
+        kvp = body.get("kv_transfer_params") or {}
+        if kvp.get("do_remote_prefill"):
+            stats["kv_params"].append(kvp)
         gone = asyncio.Event()
 
         async def watch():
@@ -78,9 +89,24 @@ def make_app(delay: float = 0.02):
             stats["aborted"] += 1
             return Response(status_code=499)
         stats["finished"] += 1
-        return JSONResponse({"id": "cmpl-stub", "object": "text_completion", "model": "stub",
-                             "choices": [{"index": 0, "text": "".join(f" t{i}" for i in out),
-                                          "finish_reason": "length"}]})
+        answer = {"id": "cmpl-stub", "object": "text_completion", "model": "stub",
+                  "choices": [{"index": 0, "text": "".join(f" t{i}" for i in out), "finish_reason": "length"}]}
+        if kvp.get("do_remote_decode"):
+            hold = f"h{len(stats['holds'])}"
+            stats["holds"].append(hold)
+            port = request.url.port
+            answer["kv_transfer_params"] = {
+                "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "stub",
+                "remote_request_id": hold, "remote_block_ids": [1, 2], "remote_host": "127.0.0.1",
+                "remote_port": port, "remote_num_tokens": 8, "tp_size": 1}
+        return JSONResponse(answer)
+
+    async def release(request: Request):
+        hold = request.path_params["hold"]
+        if hold not in stats["holds"] or hold in stats["releases"]:
+            return Response(status_code=404)
+        stats["releases"].append(hold)
+        return Response(status_code=204)
 
     async def health(_: Request):
         return Response(status_code=200)
@@ -93,7 +119,8 @@ def make_app(delay: float = 0.02):
 
     app = Starlette(routes=[Route("/v1/completions", generate, methods=["POST"]),
                             Route("/v1/chat/completions", generate, methods=["POST"]),
-                            Route("/health", health), Route("/stats", get_stats), Route("/v1/models", models)])
+                            Route("/health", health), Route("/stats", get_stats), Route("/v1/models", models),
+                            Route("/v1/kv/holds/{hold}", release, methods=["DELETE"])])
     app.state.stats = stats
     app.state.model_id = "stub"  # the id GET /v1/models lists
     return app

@@ -98,6 +98,9 @@ def test_bad_options_exit_2_with_one_line_before_the_model_loads():
                              "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{_free_port()}"], "KV-event"),
         "missing model file": (["--port", "0", "--model", "/nonexistent/model.gguf"], "no such file"),
         "bad block size": (["--port", "0", "--block-size", "0"], "--block-size"),
+        "a split role on 0.0.0.0 without an address": (["--port", "0", "--kv-role", "decode", "--host", "0.0.0.0"],
+                                                        "--kv-advertise-host"),
+        "bad hold lease": (["--port", "0", "--kv-lease", "0"], "--kv-lease"),
     }
     try:
         procs = {name: _serve(*argv) for name, (argv, _) in cases.items()}

@@ -6,6 +6,11 @@ Example (two replicas publishing KV events, a router on port 8080)::
     pagedkv serve --port 8002 --kv-events-endpoint tcp://127.0.0.1:5567 &
     pagedkv router --backend http://127.0.0.1:8001,tcp://127.0.0.1:5557 \\
                    --backend http://127.0.0.1:8002,tcp://127.0.0.1:5567 --port 8080
+
+A prefill/decode split (docs/pd-split.md): prompts to the prefill replicas (by prefix), the decode to a decode
+replica with the KV blocks the prefill replica holds for it::
+
+    pagedkv router --prefill http://127.0.0.1:8001,tcp://127.0.0.1:5557 --decode http://127.0.0.1:8002
 """
 
 from __future__ import annotations
@@ -25,9 +30,15 @@ def build_parser() -> argparse.ArgumentParser:
     from ..server.http_options import add_http_args
 
     p = argparse.ArgumentParser(prog="pagedkv router", description=plain(__doc__), formatter_class=HelpFormatter)
-    p.add_argument("--backend", action="append", required=True, metavar="URL[,EVENTS[,REPLAY]]",
+    p.add_argument("--backend", action="append", default=[], metavar="URL[,EVENTS[,REPLAY]]",
                    help="a replica: its base URL, and its KV-events ZMQ endpoint (replay endpoint: the events "
                         "port + 1 unless given); repeat for each replica")
+    p.add_argument("--prefill", action="append", default=[], metavar="URL[,EVENTS[,REPLAY]]",
+                   help="a prefill replica of a prefill/decode split (pagedkv serve --kv-role prefill), as "
+                        "--backend; with --decode, prompts go here (by prefix) and the decode to a decode replica "
+                        "(docs/pd-split.md)")
+    p.add_argument("--decode", action="append", default=[], metavar="URL[,EVENTS[,REPLAY]]",
+                   help="a decode replica of a prefill/decode split (pagedkv serve --kv-role decode)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8080, help="TCP port to listen on")
     p.add_argument("--route", choices=ROUTES, default="prefix", help="routing policy (default: prefix)")
@@ -95,7 +106,12 @@ def make_router(args: argparse.Namespace):
     upstream = UpstreamOptions(connect_timeout=args.upstream_connect_timeout,
                                read_timeout=args.upstream_read_timeout,
                                max_connections=args.upstream_max_connections, api_key=args.replica_api_key)
-    replicas = [parse_backend(b) for b in args.backend]
+    if not (args.backend or args.prefill or args.decode):
+        raise ValueError("give at least one --backend (or --prefill and --decode)")
+    if bool(args.prefill) != bool(args.decode):
+        raise ValueError("a prefill/decode split needs both --prefill and --decode replicas")
+    replicas = [parse_backend(b) for b in args.backend] + [parse_backend(b, "prefill") for b in args.prefill] + \
+        [parse_backend(b, "decode") for b in args.decode]
     if args.index.startswith(("redis://", "rediss://", "unix://")):
         try:
             index = RedisIndex(args.index, prefix=args.index_prefix)
@@ -138,7 +154,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, OSError, ImportError) as e:  # (ImportError: a missing extra, named)
         print(f"pagedkv router: error: {e}", file=sys.stderr)
         return 2
-    print(f"pagedkv router: {len(server.state.replicas)} replicas, route {args.route}, index {args.index}, "
+    split = f" ({len(args.prefill)} prefill, {len(args.decode)} decode)" if args.prefill else ""
+    print(f"pagedkv router: {len(server.state.replicas)} replicas{split}, route {args.route}, index {args.index}, "
           f"on http://{args.host}:{args.port}", file=sys.stderr)
     server.run()
     return 0

@@ -20,6 +20,10 @@
   ``pagedkv_router_upstream_failures_total`` (a replica lost mid-answer: error event or 502),
   ``pagedkv_router_upstream_timeouts_total`` (a replica silent past the read timeout: error event or 504),
   ``pagedkv_router_pool_timeouts_total`` (a replica's connection cap stayed full).
+- Prefill/decode split (docs/pd-split.md): ``pagedkv_router_pd_recomputes_total`` (requests computed whole on one
+  replica because no prefill replica answered), ``pagedkv_router_pd_prefill_failures_total``,
+  ``pagedkv_router_pd_client_errors_total`` (4xx from the prefill step, answered as they are),
+  ``pagedkv_router_pd_holds_released_total`` (holds released by the router: no decode replica took the request).
 """
 
 from __future__ import annotations
@@ -40,6 +44,10 @@ class RouterMetrics:
         self.upstream_failures = 0
         self.upstream_timeouts = 0
         self.pool_timeouts = 0
+        self.pd_recomputes = 0  # split requests computed whole on one replica (no prefill replica answered)
+        self.pd_prefill_failures = 0  # prefill replicas that failed a split request (it went on elsewhere)
+        self.pd_client_errors = 0  # split requests a prefill replica refused as the client's mistake (4xx)
+        self.pd_holds_released = 0  # holds the router released because no decode replica took the request
         self.registry = CollectorRegistry()
         self.registry.register(self)
 
@@ -110,7 +118,14 @@ class RouterMetrics:
                 ("client_disconnects", "requests whose client hung up before the end", self.client_disconnects),
                 ("upstream_failures", "replicas lost mid-answer", self.upstream_failures),
                 ("upstream_timeouts", "replicas silent past the read timeout", self.upstream_timeouts),
-                ("pool_timeouts", "requests that found a replica's connection cap full", self.pool_timeouts)):
+                ("pool_timeouts", "requests that found a replica's connection cap full", self.pool_timeouts),
+                ("pd_recomputes", "split requests computed whole because no prefill replica answered",
+                 self.pd_recomputes),
+                ("pd_prefill_failures", "prefill replicas that failed a split request", self.pd_prefill_failures),
+                ("pd_client_errors", "split requests refused by the prefill step as the client's mistake",
+                 self.pd_client_errors),
+                ("pd_holds_released", "holds released by the router (no decode replica took the request)",
+                 self.pd_holds_released)):
             yield _one(CounterMetricFamily, f"pagedkv_router_{name}", doc, v)
 
     def render(self) -> bytes:

@@ -33,7 +33,7 @@ import asyncio
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from starlette.responses import Response
 
@@ -90,6 +90,10 @@ class _Exchange(Response):
         # (Response's own fields are not used: this response writes its status, headers and body itself)
         self.proxy, self.path, self.body_out, self.headers_out, self.prompt = proxy, path, body, headers, prompt
         self.background = None  # FastAPI may attach its background tasks here
+        self.roles = None  # the replica roles this exchange may go to (RouterState.choose; None: plain)
+        self.num_tokens = len(prompt.token_ids)  # the prompt tokens the chosen replica computes
+        self.extra_headers: list = []
+        self.answered_by: str | None = None  # the replica whose answer was relayed (or began to be)
 
     async def __call__(self, scope, receive, send) -> None:
         work = asyncio.ensure_future(self._run(send))
@@ -128,6 +132,7 @@ class _Exchange(Response):
         while True:
             choice = await self._choose(tried)
             if choice is None:
+                await self._no_replica()
                 await _send_json(send, 503, error_body("no replica is available", "server_overloaded", "no_replica"))
                 return
             url, predicted, load = choice
@@ -159,12 +164,13 @@ class _Exchange(Response):
                 except httpx.TransportError as e:  # reset or closed before any answer: nothing was sent back
                     p.retry(url, f"no answer ({type(e).__name__}: {e})")
                     continue
-                if resp.status_code == 503 and state.routable(tried):
+                if resp.status_code == 503 and state.routable(tried, self.roles or state.plain_roles):
                     await resp.aread()
                     p.retry(url, "it answered 503")
                     continue
+                self.answered_by = url
                 extra = [(b"x-pagedkv-replica", url.encode()),
-                         (b"x-pagedkv-predicted-cached-tokens", str(predicted).encode())]
+                         (b"x-pagedkv-predicted-cached-tokens", str(predicted).encode()), *self.extra_headers]
                 ctype = resp.headers.get("content-type", "application/json")
                 if ctype.startswith("text/event-stream"):
                     await self._relay_stream(resp, send, url, ctype, extra)
@@ -176,11 +182,15 @@ class _Exchange(Response):
                 if resp is not None:
                     await _close(resp)
 
+    async def _no_replica(self) -> None:
+        """Called before the 503 when no replica can take the request (a hook for the split's hold)."""
+
     async def _choose(self, tried: set):
         """``state.choose`` in a thread (the index may be Redis). If this request is cancelled meanwhile, the
         decision still completes in its thread and is then undone, so that it leaves no load behind."""
         state, prompt = self.proxy.state, self.prompt
-        fut = asyncio.ensure_future(asyncio.to_thread(state.choose, prompt.hashes, len(prompt.token_ids), tried))
+        fut = asyncio.ensure_future(asyncio.to_thread(state.choose, prompt.hashes, self.num_tokens, tried,
+                                                      self.roles))
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
@@ -252,6 +262,155 @@ class _Exchange(Response):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
+class _AsIs(NamedTuple):
+    """An upstream answer relayed to the client as it is."""
+
+    status: int
+    ctype: str
+    content: bytes
+
+
+class _SplitExchange(_Exchange):
+    """One request through a prefill/decode split (docs/pd-split.md)::
+
+        prefill replica (by prefix) ──> JSON answer with kv_transfer_params ──> decode replica (least busy)
+           │ fails before answering: the next prefill replica                     │ relayed as in _Exchange:
+           │ none left / a 5xx / silent: recompute on a colocated or decode       │ streamed, retried before
+           │   replica (the request without kv_transfer_params)                   │ its answer, an error event
+           └ a 4xx: the client's own mistake, answered as it is                   └ if lost mid-stream
+
+    The prefill step's body is the client's with ``max_tokens`` 1, not streamed, and ``do_remote_decode``
+    (:func:`pagedkv.server.kv_transfer.prefill_body`); its answer's ``kv_transfer_params`` (validated; null or
+    malformed: the decode replica computes the whole prompt) go into the decode step's body. When no decode replica
+    takes the request, the router releases the hold itself (``DELETE`` on the prefill replica)."""
+
+    def __init__(self, proxy: "Proxy", path: str, body: bytes, headers: dict, prompt, doc: dict) -> None:
+        super().__init__(proxy, path, body, headers, prompt)
+        self.doc = doc  # the client's body, parsed (the app validated it)
+
+    async def _run(self, send) -> None:
+        from ..server.kv_transfer import prefill_body
+
+        p, state = self.proxy, self.proxy.state
+        outcome = await self._prefill(json.dumps(prefill_body(self.doc)).encode())
+        if isinstance(outcome, _AsIs):  # the client's mistake: the prefill replica's 4xx as it is
+            status, ctype, content = outcome
+            p.metrics.pd_client_errors += 1
+            head = [(b"content-type", ctype.encode()), (b"content-length", str(len(content)).encode())]
+            await send({"type": "http.response.start", "status": status, "headers": head})
+            await send({"type": "http.response.body", "body": content, "more_body": False})
+            return
+        doc = dict(self.doc)
+        doc.pop("kv_transfer_params", None)
+        if outcome is None:  # no prefill replica answered: computed whole on a colocated (or decode) replica
+            p.metrics.pd_recomputes += 1
+            self.roles = state.plain_roles
+        else:
+            prefill_url, kvt = outcome
+            self.extra_headers = [(b"x-pagedkv-prefill-replica", prefill_url.encode())]
+            self.roles = ("decode",)
+            if kvt is not None:
+                doc["kv_transfer_params"] = kvt.to_json()
+                self.num_tokens = max(1, len(self.prompt.token_ids) - kvt.remote_num_tokens)
+        self.body_out = json.dumps(doc).encode()
+        self._hold = outcome[1] if outcome is not None else None
+        try:
+            await super()._run(send)
+        finally:
+            if self._hold is not None and self.answered_by is None:  # (a decode replica that took the request
+                await self._no_replica()  # releases the hold itself once it has read the blocks)
+
+    async def _no_replica(self) -> None:
+        if getattr(self, "_hold", None) is not None:
+            hold, self._hold = self._hold, None
+            await self._release(hold)
+
+    async def _prefill(self, body: bytes):
+        """``(prefill url, KVTransferParams or None)``; an :class:`_AsIs` answer for the client (a 4xx); None when
+        no prefill replica answered (the caller recomputes)."""
+        import httpx
+
+        from ..server.kv_transfer import parse_kv_transfer_params
+        from ..server.validation import APIError
+
+        p, state, prompt = self.proxy, self.proxy.state, self.prompt
+        tried: set = set()
+        while True:
+            self.roles = ("prefill",)
+            choice = await self._choose(tried)
+            if choice is None:
+                if tried:
+                    log.warning("no prefill replica answered (tried %d): the request is computed whole on a "
+                                "colocated replica", len(tried))
+                return None
+            url, _, load = choice
+            tried.add(url)
+            try:
+                client = p.client(url)
+                try:
+                    resp = await client.post(url + self.path, content=body, headers=self.headers_out)
+                except httpx.PoolTimeout:
+                    p.metrics.pool_timeouts += 1
+                    p.retry(url, "its connections stayed busy (prefill)")
+                    continue
+                except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                    await asyncio.to_thread(state.mark, url, False, f"connection failed: {type(e).__name__}")
+                    p.retry(url, f"connection failed ({type(e).__name__}) (prefill)")
+                    continue
+                except httpx.TimeoutException:
+                    p.metrics.upstream_timeouts += 1
+                    log.warning("prefill replica %s silent for %g s: the request is computed whole elsewhere", url,
+                                p.options.read_timeout)
+                    return None
+                except httpx.TransportError as e:
+                    p.metrics.pd_prefill_failures += 1
+                    p.retry(url, f"no answer ({type(e).__name__}) (prefill)")
+                    continue
+            finally:
+                state.done(url, load, prompt.hashes)
+            ctype = resp.headers.get("content-type", "application/json")
+            if 400 <= resp.status_code < 500 and resp.status_code != 408 and not _replica_refusal(resp):
+                return _AsIs(resp.status_code, ctype, resp.content)
+            if resp.status_code != 200:
+                p.metrics.pd_prefill_failures += 1
+                p.retry(url, f"it answered {resp.status_code} (prefill)")
+                continue
+            try:
+                raw = resp.json().get("kv_transfer_params")
+                kvt = parse_kv_transfer_params(raw)
+                if kvt is not None and not kvt.do_remote_prefill:
+                    raise APIError(400, "not a prefill's answer")
+            except (ValueError, AttributeError, APIError) as e:
+                log.warning("prefill replica %s answered unusable kv_transfer_params (%s): the decode replica "
+                            "computes the whole prompt", url, e)
+                kvt = None
+            return url, kvt
+
+    async def _release(self, kvt) -> None:
+        """Free a hold no decode replica took (bounded; its lease ends it otherwise)."""
+        import httpx
+
+        p = self.proxy
+        url = f"{kvt.base_url}/v1/kv/holds/{kvt.remote_request_id}"
+        try:
+            await asyncio.shield(p.client(kvt.base_url).delete(url, headers=self.headers_out))
+            p.metrics.pd_holds_released += 1
+        except (httpx.HTTPError, asyncio.CancelledError, OSError) as e:
+            log.warning("releasing hold %s on %s failed (%s): its lease will end it", kvt.remote_request_id,
+                        kvt.base_url, type(e).__name__)
+
+
+def _replica_refusal(resp) -> bool:
+    """A prefill replica's 400 that says it cannot take the split (misconfigured), not that the request is bad."""
+    if resp.status_code != 400:
+        return False
+    try:
+        code = resp.json()["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return False
+    return code in ("kv_role_mismatch", "kv_transfer_unavailable")
+
+
 async def _close(resp) -> None:
     """Close an upstream answer even while being cancelled (closing an unfinished one closes its connection,
     which the replica sees as its client leaving)."""
@@ -303,5 +462,11 @@ class Proxy:
         return h
 
     def respond(self, path: str, body: bytes, request_headers, prompt) -> _Exchange:
-        """The response of a validated request (``prompt``: its :class:`~.prompt.RoutedPrompt`)."""
-        return _Exchange(self, path, body, self.upstream_headers(request_headers), prompt)
+        """The response of a validated request (``prompt``: its :class:`~.prompt.RoutedPrompt`): through the
+        prefill/decode split when the router has both roles (:class:`_SplitExchange`), else to one replica."""
+        headers = self.upstream_headers(request_headers)
+        if self.state.split:
+            from ..server.validation import load_json
+
+            return _SplitExchange(self, path, body, headers, prompt, load_json(body))
+        return _Exchange(self, path, body, headers, prompt)

@@ -121,9 +121,10 @@ class Replica:
     failures: int = 0  #: consecutive failed health checks
     downs: int = 0  #: times it left routing
     since: float = 0.0  #: time.monotonic() of the last change of health
+    role: str = "both"  #: "prefill" or "decode" in a prefill/decode split (--prefill / --decode), else "both"
 
 
-def parse_backend(spec: str) -> Replica:
+def parse_backend(spec: str, role: str = "both") -> Replica:
     """``URL`` or ``URL,EVENTS_ENDPOINT`` (the replay endpoint is the events port + 1, as ``pagedkv serve``'s
     default) or ``URL,EVENTS_ENDPOINT,REPLAY_ENDPOINT``. ValueError on anything else."""
     from .events import replay_endpoint_for
@@ -134,7 +135,7 @@ def parse_backend(spec: str) -> Replica:
         raise ValueError(f"--backend must be URL[,EVENTS_ENDPOINT[,REPLAY_ENDPOINT]], got {spec!r}")
     events = parts[1] if len(parts) > 1 else None
     replay = parts[2] if len(parts) > 2 else (replay_endpoint_for(events) if events else None)
-    return Replica(url, events, replay)
+    return Replica(url, events, replay, role=role)
 
 
 class RouterState:
@@ -239,19 +240,42 @@ class RouterState:
             self.subscriber.forget(replica)
         return True
 
-    def routable(self, exclude: set = frozenset()) -> list[str]:
-        return [u for u in self.order if self.replicas[u].healthy and u not in exclude]
+    def routable(self, exclude: set = frozenset(), roles: tuple | None = None) -> list[str]:
+        """Healthy replicas not in ``exclude``, of one of ``roles`` (any role when None)."""
+        return [u for u in self.order if self.replicas[u].healthy and u not in exclude
+                and (roles is None or self.replicas[u].role in roles)]
+
+    @property
+    def split(self) -> bool:
+        """True when the router has prefill and decode replicas: requests go through the split."""
+        roles = {r.role for r in self.replicas.values()}
+        return "prefill" in roles and "decode" in roles
+
+    @property
+    def plain_roles(self) -> tuple:
+        """The roles a request computed whole on one replica goes to: colocated replicas, or (with none) the
+        decode replicas (a recompute when no prefill replica can take it)."""
+        return ("both",) if any(r.role == "both" for r in self.replicas.values()) else ("both", "decode")
 
     # ------------------------------------------------------------------ decisions
-    def choose(self, hashes: list[int], num_tokens: int, exclude: set = frozenset()):
+    def choose(self, hashes: list[int], num_tokens: int, exclude: set = frozenset(), roles: tuple | None = None):
         """``(replica url, predicted cached tokens, load added)`` or None when no replica is routable. The load of
         a replica is the prompt tokens it still has to compute for the requests in flight (each request's
         tokens minus what the index predicts it holds); the balance limit and ``least-loaded`` use it. Counts
-        the decision and the request as in flight (call :meth:`done` with the load when it ends)."""
+        the decision and the request as in flight (call :meth:`done` with the load when it ends). ``roles``:
+        only replicas of these roles (default: :attr:`plain_roles`); ``("decode",)`` picks the decode replica
+        with the fewest requests in flight (its cache does not matter: the KV comes from the prefill replica)."""
         with self.lock:
-            urls = self.routable(exclude)
+            urls = self.routable(exclude, roles if roles is not None else self.plain_roles)
             if not urls:
                 return None
+            if roles == ("decode",):
+                u = min(urls, key=lambda u: (self.replicas[u].inflight, self.replicas[u].decisions))
+                r = self.replicas[u]
+                r.inflight += 1
+                r.inflight_tokens += num_tokens
+                r.decisions += 1
+                return u, 0, num_tokens
             loads = {u: self.replicas[u].inflight_tokens for u in urls}
             tiebreak = {u: self.replicas[u].decisions for u in urls}
             if isinstance(self.policy, PrefixPolicy):

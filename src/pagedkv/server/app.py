@@ -15,6 +15,13 @@ or not) aborts its request, which frees its blocks after the engine's current st
 
 The body is read up to the limit only; parsing a large body, tokenizing a prompt and rendering a chat template
 run in worker threads, never on the event loop, and only after the text was bounded by the context length.
+
+Prefill/decode split (``kv_transfer_params`` in vLLM's shape; :mod:`.kv_transfer`, :mod:`.kv_handoff`,
+docs/pd-split.md): a request with ``do_remote_decode`` is computed here and its answer carries the
+``kv_transfer_params`` naming the blocks held for the decode replica (``GET`` / ``DELETE /v1/kv/holds/{id}``,
+:mod:`.kv_routes`); a request with ``do_remote_prefill`` first reads those blocks from the prefill replica (the
+rest of the prompt is computed here, also when the read fails), then releases the hold. Bad params, a direction
+the replica's ``--kv-role`` does not take, or an engine that cannot hand KV over: 400.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..errors import PagedKVError
 from .async_engine import (AsyncEngine, Delta, EngineDead, EngineDraining, EngineOverloaded, Finished,
                            RequestFailed, RequestStream)
+from .kv_handoff import KVHandoff
+from .kv_transfer import check_request
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import ResponseHead, usage
 from .validation import (DEFAULT_LIMITS, APIError, Limits, check_content_type, error_body, limits_for,
@@ -56,10 +65,11 @@ def _error(status: int, message: str, type: str, code: str | None = None, param:
 def build_app(engine: AsyncEngine, *, model_name: str, model_aliases: tuple[str, ...] = (),
               api_key: str | None = None,
               metrics: ServerMetrics | None = None, limits: Limits | None = None,
-              max_body_bytes: int = DEFAULT_LIMITS.max_body_bytes) -> FastAPI:
+              max_body_bytes: int = DEFAULT_LIMITS.max_body_bytes, kv: KVHandoff | None = None) -> FastAPI:
     """The application serving ``engine`` under the model id ``model_name`` (a request may also name one of
     ``model_aliases``; answers always carry ``model_name``). ``limits`` default to the model's
-    (:func:`~pagedkv.server.validation.limits_for`) with ``max_body_bytes``."""
+    (:func:`~pagedkv.server.validation.limits_for`) with ``max_body_bytes``. ``kv``: the replica's side of a
+    prefill/decode split (default: role ``both`` without an engine port, so ``kv_transfer_params`` get 400)."""
     app = FastAPI(title="pagedkv", docs_url=None, redoc_url=None, openapi_url=None)
     llm = engine.llm
     created = int(time.time())
@@ -67,6 +77,15 @@ def build_app(engine: AsyncEngine, *, model_name: str, model_aliases: tuple[str,
         limits = limits_for(llm.tokenizer, llm.max_model_len, max_n=min(128, llm.max_num_seqs),
                             max_body_bytes=max_body_bytes)
     app.state.limits = limits
+    if kv is None:
+        kv = KVHandoff()
+    app.state.kv = kv
+    background: set = set()  # hold releases in flight (a reference keeps each task alive)
+
+    def in_background(coro) -> None:
+        task = asyncio.ensure_future(coro)
+        background.add(task)
+        task.add_done_callback(background.discard)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
@@ -130,23 +149,55 @@ def build_app(engine: AsyncEngine, *, model_name: str, model_aliases: tuple[str,
             max_tokens = max(1, min(llm.max_model_len, kv_room) - len(ids))
         else:
             max_tokens = 16  # OpenAI's default for completions
-        fit(len(ids), max_tokens, param)
+        kvt = req.kv_transfer
         try:
-            params = SamplingParams(**req.sampling_kwargs(max_tokens))
-            request = engine.prepare({"prompt_token_ids": ids}, params, req.cache_salt)
-            request.priority = req.priority
-        except PagedKVError as e:  # (validation caught what a client can get wrong; this is a last line)
-            raise APIError(400, str(e).removeprefix("SamplingParams: "), "invalid_request_error", None,
-                           None) from None
+            fit(len(ids), max_tokens, param)
+            check_request(kvt, role=kv.role, available=kv.available, block_size=bm.block_size,
+                          num_prompt_tokens=len(ids), n=req.n, stream=req.stream)
+            if kvt is not None and kvt.do_remote_prefill:
+                kv.check_peer(kvt)
+            try:
+                params = SamplingParams(**req.sampling_kwargs(max_tokens))
+                request = engine.prepare({"prompt_token_ids": ids}, params, req.cache_salt)
+                request.priority = req.priority
+            except PagedKVError as e:  # (validation caught what a client can get wrong; this is a last line)
+                raise APIError(400, str(e).removeprefix("SamplingParams: "), "invalid_request_error", None,
+                               None) from None
+        except APIError:
+            if kvt is not None and kvt.do_remote_prefill and kvt.remote_host in kv.allow_hosts:
+                in_background(kv.release_remote(kvt))  # refused here: the prefill replica frees its hold now
+            raise
+        if kvt is not None and kvt.do_remote_prefill:  # read the KV before queueing: no step waits on it
+            got = await kv.fetch(kvt, ids, req.cache_salt)
+            in_background(kv.release_remote(kvt))
+            if got.payloads:
+                kv.port.attach_external(request, got.payloads)
         check_open()
+        if kvt is not None and kvt.do_remote_decode:
+            kv.expect_hold(request, ids, req.cache_salt)
         try:
             return engine.submit(request)
-        except EngineOverloaded as e:
-            raise APIError(503, str(e), "server_overloaded", "server_overloaded")
-        except EngineDraining as e:
-            raise APIError(503, str(e), "server_error", "server_shutting_down")
-        except EngineDead as e:
-            raise APIError(503, str(e), "server_error", "engine_dead")
+        except (EngineOverloaded, EngineDead) as e:
+            if kvt is not None and kvt.do_remote_decode:
+                kv.forget(request.request_id)
+            elif kvt is not None and kvt.do_remote_prefill:
+                kv.port.drop_staged(request.request_id)
+            if isinstance(e, EngineOverloaded):
+                raise APIError(503, str(e), "server_overloaded", "server_overloaded") from None
+            if isinstance(e, EngineDraining):
+                raise APIError(503, str(e), "server_error", "server_shutting_down") from None
+            raise APIError(503, str(e), "server_error", "engine_dead") from None
+
+    async def finish(stream: RequestStream, request: Request, req: Any) -> tuple[Finished | None, dict]:
+        """:func:`until_done`, and the extra fields of the answer: ``kv_transfer_params`` for a prefill for a
+        remote decode (a hold left unanswered, the request aborted or failed, is released)."""
+        try:
+            done = await until_done(stream, request)
+            if done is None or req.kv_transfer is None or not req.kv_transfer.do_remote_decode:
+                return done, {}
+            return done, {"kv_transfer_params": kv.answer(stream.request_id)}
+        finally:
+            kv.forget(stream.request_id)
 
     def abort_on_disconnect(request: Request, stream: RequestStream) -> asyncio.Task:
         """A task that aborts ``stream`` when the client disconnects (cancel it once the response is done).
@@ -224,6 +275,7 @@ def build_app(engine: AsyncEngine, *, model_name: str, model_aliases: tuple[str,
         """Auth, then the body checked (415, 413) and parsed (400); a large body is parsed in a thread."""
         check_auth(request)
         check_open()
+        kv.ensure_sweeper()
         check_content_type(request.headers.get("content-type"))
         body = await read_body(request, limits.max_body_bytes)
         if len(body) > _PARSE_IN_THREAD:
@@ -246,7 +298,7 @@ def build_app(engine: AsyncEngine, *, model_name: str, model_aliases: tuple[str,
         if req.stream:
             events = stream_events(request, stream, chunk, "text_completion", head, req.include_usage, None)
             return StreamingResponse(events, media_type="text/event-stream")
-        done = await until_done(stream, request)
+        done, extra = await finish(stream, request, req)
         if done is None:
             return Response(status_code=499)  # nobody is listening
         res = done.result
@@ -254,7 +306,7 @@ def build_app(engine: AsyncEngine, *, model_name: str, model_aliases: tuple[str,
             "id": head.id, "object": "text_completion", "created": head.created, "model": head.model,
             "choices": [{"index": o.index, "text": o.text, "logprobs": None, "finish_reason": o.finish_reason}
                         for o in res.outputs],
-            "usage": result_usage(res),
+            "usage": result_usage(res), **extra,
         })
 
     @app.post("/v1/chat/completions")
@@ -277,7 +329,7 @@ def build_app(engine: AsyncEngine, *, model_name: str, model_aliases: tuple[str,
             first = [chunk(i, "", None, role=True) for i in range(stream.n)]
             events = stream_events(request, stream, chunk, "chat.completion.chunk", head, req.include_usage, first)
             return StreamingResponse(events, media_type="text/event-stream")
-        done = await until_done(stream, request)
+        done, extra = await finish(stream, request, req)
         if done is None:
             return Response(status_code=499)
         res = done.result
@@ -285,8 +337,13 @@ def build_app(engine: AsyncEngine, *, model_name: str, model_aliases: tuple[str,
             "id": head.id, "object": "chat.completion", "created": head.created, "model": head.model,
             "choices": [{"index": o.index, "message": {"role": "assistant", "content": o.text},
                          "logprobs": None, "finish_reason": o.finish_reason} for o in res.outputs],
-            "usage": result_usage(res),
+            "usage": result_usage(res), **extra,
         })
+
+    if kv.available:
+        from .kv_routes import add_kv_routes
+
+        add_kv_routes(app, kv, check_auth)
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:

@@ -35,6 +35,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-events-topic", default="kv-events", help="ZMQ topic of the KV-event messages")
     p.add_argument("--max-body-bytes", type=int, default=2 * 2**20,
                    help="largest request body accepted; larger ones get 413 (default: 2097152, 2 MiB)")
+    p.add_argument("--kv-role", choices=("prefill", "decode", "both"), default="both",
+                   help="prefill/decode split (docs/pd-split.md): prefill computes prompts and holds their KV "
+                        "blocks for a decode replica, decode generates after reading them, both does either and "
+                        "plain requests (default: both)")
+    p.add_argument("--kv-lease", type=float, default=480.0,
+                   help="seconds a prefill replica holds a prompt's blocks for its decode replica (default 480, "
+                        "vLLM's)")
+    p.add_argument("--kv-peer", action="append", default=[], metavar="HOST",
+                   help="a host a decode replica may read KV blocks from, besides loopback (repeat for each)")
+    p.add_argument("--kv-advertise-host", default=None,
+                   help="the address decode replicas reach this prefill replica at (default: --host)")
+    p.add_argument("--kv-fetch-timeout", type=float, default=30.0,
+                   help="seconds a decode replica spends reading a prompt's blocks before computing the rest "
+                        "(default 30)")
     add_http_args(p)
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds the requests in flight get to finish before they are ended with an "
@@ -101,6 +115,13 @@ def check_options(args: argparse.Namespace) -> None:
         raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
     if args.kv_events_endpoint and args.kv_events_replay_endpoint is None:
         _replay_default(args.kv_events_endpoint)
+    for name in ("kv_lease", "kv_fetch_timeout"):
+        v = getattr(args, name)
+        if not 0 < v < float("inf"):
+            raise ValueError(f"--{name.replace('_', '-')} must be a finite number of seconds > 0, got {v}")
+    if args.kv_role != "both" and args.host in ("0.0.0.0", "::") and not args.kv_advertise_host:
+        raise ValueError("--kv-role with --host 0.0.0.0 needs --kv-advertise-host (the address decode replicas "
+                         "reach this one at)")
     if args.kv_events_endpoint and args.no_prefix_caching:
         raise ValueError("--kv-events-endpoint needs prefix caching (drop --no-prefix-caching)")
 
@@ -159,7 +180,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             llm, model_name=model_name, model_aliases=aliases, host=args.host,
             port=args.port, api_key=args.api_key, max_waiting=args.max_waiting, publisher=publisher,
             kv_events_topic=args.kv_events_topic, max_body_bytes=args.max_body_bytes,
-            drain_timeout=args.drain_timeout, sock=sock, http=http_options(args),
+            drain_timeout=args.drain_timeout, sock=sock, http=http_options(args), kv_role=args.kv_role,
+            kv_lease=args.kv_lease, kv_peers=tuple(args.kv_peer), kv_advertise_host=args.kv_advertise_host,
+            kv_fetch_timeout=args.kv_fetch_timeout,
         )
     except (PagedKVError, OSError, ValueError, RuntimeError, ImportError) as e:
         print(f"pagedkv serve: error: {e}", file=sys.stderr)

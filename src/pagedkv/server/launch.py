@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Server", "make_server", "default_model_name", "served_model_names"]
+__all__ = ["Server", "make_server", "default_model_name", "served_model_names", "engine_kv_port"]
 
 
 def served_model_names(model: str | None) -> tuple[str, tuple[str, ...]]:
@@ -109,6 +109,7 @@ class Server:
     sock: socket.socket | None = None  # bound in advance (pagedkv serve binds before loading the model)
     fatal: str | None = None  # why the engine stopped, if it did
     http: dict | None = None  # read deadlines and connection cap (pagedkv.server.http_guard.uvicorn_config)
+    kv: Any = None  # the replica's side of a prefill/decode split (pagedkv.server.kv_handoff.KVHandoff)
     _uvicorn: Any = None
     _thread: threading.Thread | None = None
 
@@ -120,6 +121,8 @@ class Server:
         """Serve on ``host:port`` (port 0: a free port, written back to ``self.port``) in a daemon thread."""
         self._uvicorn, self._thread, self.port = serve_in_thread(self.app, self.host, self.port, "pagedkv-uvicorn",
                                                                  timeout, self.http)
+        if self.kv is not None:
+            self.kv.port_number = self.port  # (port 0: the one found)
         return self
 
     def run(self) -> int:
@@ -147,6 +150,8 @@ class Server:
                 threading.Thread(target=outer._drain_then_exit, name="pagedkv-drain", daemon=True).start()
 
         sock = self.sock if self.sock is not None else bind_socket(self.host, self.port)
+        if self.kv is not None:
+            self.kv.port_number = sock.getsockname()[1]
         self._uvicorn = server = _Uvicorn(uvicorn_config(self.app, log_level="info", lifespan="off",
                                                          timeout_graceful_shutdown=2, **(self.http or {})))
         try:
@@ -178,18 +183,38 @@ class Server:
             self.publisher.close()
 
 
+def engine_kv_port(llm: Any, lock: Any = None, *, required: bool = False) -> Any:
+    """The engine's :class:`~pagedkv.server.kv_handoff.KVPort` (:class:`pagedkv.engine.kv_port.EngineKVPort`,
+    over the engine's step ``lock``), or None when the engine cannot hand KV over (a model with KV cache groups);
+    ValueError then when ``required``."""
+    try:
+        from ..engine.kv_port import EngineKVPort
+
+        return EngineKVPort(llm, lock)
+    except (ValueError, AttributeError, TypeError, ImportError):
+        if required:
+            raise
+        return None
+
+
 def make_server(llm: Any, *, model_name: str, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
                 max_waiting: int = 256, kv_events_endpoint: str | None = None,
                 kv_events_replay_endpoint: str | None = None, kv_events_topic: str = "kv-events",
                 publisher: Any = None, max_body_bytes: int | None = None, drain_timeout: float = 30.0,
                 sock: socket.socket | None = None, model_aliases: tuple[str, ...] = (),
-                http: dict | None = None) -> Server:
+                http: dict | None = None, kv_role: str = "both", kv_port: Any = None, kv_lease: float = 480.0,
+                kv_peers: tuple[str, ...] = (), kv_advertise_host: str | None = None, kv_fetch_timeout: float = 30.0,
+                kv_peer_api_key: str | None = None) -> Server:
     """Wire ``llm`` into a :class:`Server`. With ``kv_events_endpoint`` the block manager's events (it needs
     ``take_events``, i.e. an ``LLM(..., enable_kv_events=True)``) are published there over ZMQ (or give an
     already bound ``publisher``). ``max_body_bytes``: the request body limit (413 beyond; default 2 MiB).
     ``model_aliases``: other model ids a request may name (answered as ``model_name``). ``http``: the header and
     body read deadlines and the connection cap (keywords of :func:`~pagedkv.server.http_guard.uvicorn_config`:
-    ``header_timeout``, ``body_timeout``, ``max_connections``, ``keep_alive_timeout``; its defaults when None)."""
+    ``header_timeout``, ``body_timeout``, ``max_connections``, ``keep_alive_timeout``; its defaults when None).
+    ``kv_*``: the prefill/decode split (:class:`~pagedkv.server.kv_handoff.KVHandoff`): the role, the engine's
+    port (default :func:`engine_kv_port`; ValueError for a role other than ``both`` without one), the hold lease,
+    the hosts a decode replica reads KV from besides loopback, the address decode replicas reach this one at
+    (default ``host``), the fetch bound in seconds and the key sent to prefill replicas (default ``api_key``)."""
     from .app import build_app
     from .async_engine import AsyncEngine
     from .metrics import ServerMetrics
@@ -204,14 +229,29 @@ def make_server(llm: Any, *, model_name: str, host: str = "127.0.0.1", port: int
             raise RuntimeError("--kv-events-endpoint needs a block manager with take_events (enable_kv_events)")
         publisher = KVEventPublisher(kv_events_endpoint, replay_endpoint=kv_events_replay_endpoint,
                                      topic=kv_events_topic)
+    from .kv_handoff import LOOPBACK_HOSTS, KVHandoff
+
+    advertise = kv_advertise_host or host
+    if kv_role != "both" and advertise in ("0.0.0.0", "::", ""):
+        raise ValueError("--kv-role with --host 0.0.0.0 needs --kv-advertise-host (the address decode replicas "
+                         "reach this one at)")
     holder: dict = {}
     metrics = ServerMetrics(lambda: holder["engine"].snapshot, model_name)
     engine = AsyncEngine(llm, max_waiting=max_waiting, observer=metrics.observe,
                          event_sink=publisher.publish if publisher is not None else None,
                          on_fatal=lambda message: holder["server"].on_fatal(message))
     holder["engine"] = engine
+    try:
+        if kv_port is None:
+            kv_port = engine_kv_port(llm, engine._lock, required=kv_role != "both")
+        kv = KVHandoff(role=kv_role, port=kv_port, host=advertise, port_number=port, lease_s=kv_lease,
+                       allow_hosts=LOOPBACK_HOSTS | frozenset(kv_peers), fetch_timeout=kv_fetch_timeout,
+                       peer_api_key=kv_peer_api_key if kv_peer_api_key is not None else api_key)
+    except ValueError:
+        engine.shutdown()
+        raise
     app = build_app(engine, model_name=model_name, model_aliases=model_aliases, api_key=api_key, metrics=metrics,
-                    max_body_bytes=max_body_bytes or DEFAULT_LIMITS.max_body_bytes)
+                    max_body_bytes=max_body_bytes or DEFAULT_LIMITS.max_body_bytes, kv=kv)
     server = holder["server"] = Server(app, engine, metrics, publisher, model_name, host, port, drain_timeout, sock,
-                                       http=http)
+                                       http=http, kv=kv)
     return server

@@ -29,6 +29,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .api_error import APIError, _printable, error_body  # noqa: F401 (their home; re-exported here)
+
 __all__ = [
     "APIError",
     "ChatRequest",
@@ -49,32 +51,6 @@ __all__ = [
 GREEDY_TEMPERATURE = 1e-5
 
 _INT64_MIN, _UINT64_MAX, _INT32_MAX = -(2**63), 2**64 - 1, 2**31 - 1
-
-
-class APIError(Exception):
-    """An error answered to the client as ``{"error": {"message", "type", "code", "param"}}``."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", code: str | None = None,
-                 param: str | None = None) -> None:
-        message, param = _printable(message), (None if param is None else _printable(param))
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.code = code
-        self.param = param
-
-    def body(self) -> dict:
-        return error_body(self.message, self.type, self.code, self.param)
-
-
-def _printable(text: str) -> str:
-    """``text`` with anything UTF-8 cannot encode (a client's lone surrogates) as backslash escapes."""
-    return text if text.isascii() else text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-def error_body(message: str, type: str, code: str | None = None, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "code": code, "param": param}}
 
 
 def _bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -301,6 +277,7 @@ _COMMON = frozenset({
     "presence_penalty", "frequency_penalty", "logit_bias", "user", "best_of",
     # vLLM's extensions implemented here (or accepted at their neutral value)
     "top_k", "ignore_eos", "cache_salt", "stop_token_ids", "repetition_penalty", "min_tokens", "priority",
+    "kv_transfer_params",  # a prefill/decode split (pagedkv.server.kv_transfer)
 })
 _COMPLETION_KEYS = _COMMON | {"prompt", "echo", "suffix"}
 _CHAT_KEYS = _COMMON | {
@@ -330,6 +307,7 @@ class _Common:
     stream: bool
     include_usage: bool
     priority: int  # vLLM's request priority (lower is more urgent; --scheduling-policy priority)
+    kv_transfer: Any = None  # a pagedkv.server.kv_transfer.KVTransferParams, or None (no transfer)
 
     def sampling_kwargs(self, default_max_tokens: int) -> dict:
         """Keyword arguments of ``pagedkv.engine.SamplingParams`` (a tiny temperature or top_p: greedy)."""
@@ -398,6 +376,10 @@ def _common(d: dict, limits: Limits, *, chat: bool) -> dict:
             raise _bad("Invalid 'cache_salt': expected a non-empty string.", "cache_salt")
     out["cache_salt"] = salt
     out["priority"] = _int(d, "priority", 0, -(2**31), 2**31 - 1, nullable=False)
+    if d.get("kv_transfer_params") is not None:
+        from .kv_transfer import parse_kv_transfer_params
+
+        out["kv_transfer"] = parse_kv_transfer_params(d["kv_transfer_params"])
     # known, not implemented: refused unless neutral
     if _num(d, "presence_penalty", 0.0, -2.0, 2.0):
         raise _unsupported("presence_penalty", "only 0 is")

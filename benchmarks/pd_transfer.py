@@ -1,0 +1,123 @@
+"""A prefill/decode split's KV transfer against a recompute, on two ``pagedkv serve`` processes (docs/pd-split.md).
+
+Starts a prefill replica (``--kv-role prefill``) and a decode replica (``--kv-role decode``) on 127.0.0.1, then
+for each repeat and prompt length, with a fresh ``cache_salt`` each time (no prefix hit anywhere):
+
+- recompute: the decode replica gets the plain request (it computes the whole prompt): TTFT of its stream;
+- split: the prefill replica computes the prompt (max_tokens 1, its wall time reported), then the decode replica
+  gets the request with the returned kv_transfer_params: TTFT of its stream (the blocks' read included).
+
+Prints per length the medians and the ratio split-TTFT / recompute-TTFT, and checks that both give the same
+greedy text. The two measure the decode replica's time to first token only: the prefill replica's compute is
+reported beside it, not added (in a split it runs on other cores). Bounded: every request has a timeout and
+the servers are killed at the end.
+
+    PYTHONPATH=src .venv/bin/python benchmarks/pd_transfer.py --lengths 512 2048 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def start(role: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
+    import httpx
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "pagedkv.cli", "serve", "--port", str(port), "--kv-role", role,
+                             *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the {role} replica exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"the {role} replica did not start")
+
+
+def ttft(url: str, body: dict) -> tuple[float, str]:
+    import httpx
+
+    t = time.perf_counter()
+    first, text = None, []
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=600) as s:
+        s.raise_for_status()
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(chunk["error"])
+                if first is None:
+                    first = time.perf_counter() - t
+                text.append(chunk["choices"][0]["text"])
+    return first, "".join(text)
+
+
+def main() -> None:
+    import httpx
+
+    from pagedkv.server.kv_transfer import prefill_body
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=4)
+    p.add_argument("--serve-args", default="--num-gpu-blocks 1024", help="extra pagedkv serve options (both)")
+    a = p.parse_args()
+    extra = a.serve_args.split()
+    procs = []
+    try:
+        (pp, p_url), (dp, d_url) = start("prefill", extra), start("decode", extra)
+        procs = [pp, dp]
+        for n in a.lengths:
+            rec, spl, pre = [], [], []
+            for r in range(a.repeats + 1):  # the first round warms up
+                ids = [1] + [(7 * i + 13 * r + n) % 20000 + 100 for i in range(n - 1)]
+                base = {"prompt": ids, "max_tokens": a.max_tokens, "temperature": 0, "ignore_eos": True}
+                t_rec, text_rec = ttft(d_url, {**base, "cache_salt": f"rec-{n}-{r}"})
+                salt = f"split-{n}-{r}"
+                t = time.perf_counter()
+                ans = httpx.post(p_url + "/v1/completions", json=prefill_body({**base, "cache_salt": salt}),
+                                 timeout=600).json()
+                t_pre = time.perf_counter() - t
+                kvp = ans["kv_transfer_params"]
+                t_spl, text_spl = ttft(d_url, {**base, "cache_salt": salt, "kv_transfer_params": kvp})
+                if text_rec != text_spl:
+                    raise SystemExit(f"texts differ at {n} tokens: {text_rec!r} vs {text_spl!r}")
+                if r:
+                    rec.append(t_rec)
+                    spl.append(t_spl)
+                    pre.append(t_pre)
+            mr, ms, mp = statistics.median(rec), statistics.median(spl), statistics.median(pre)
+            print(f"prompt {n:6d} tokens ({kvp['remote_num_tokens']} handed over): decode TTFT recompute "
+                  f"{mr * 1000:8.1f} ms, after the transfer {ms * 1000:8.1f} ms, ratio {ms / mr:5.2f}x; "
+                  f"prefill replica's compute {mp * 1000:8.1f} ms; texts equal", flush=True)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(10)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,371 @@
+"""The server side of a prefill/decode split: holds served to decode replicas, and KV fetched from prefill ones.
+
+One :class:`KVHandoff` per replica (``pagedkv serve --kv-role``), over a :class:`KVPort`: what the replica's
+engine offers (the block manager's holds with a lease on the prefill side, KV arriving from outside on the decode
+side: docs/external-kv.md; the bytes of a block: the engine's extract/insert functions). The server never touches
+the block manager or the KV tensors itself; everything engine-side goes through the port.
+
+**Prefill side.** A request with ``do_remote_decode`` is marked (:meth:`KVPort.hold_on_finish`) before it is
+queued; when it finishes, the engine keeps its prompt's whole blocks before the last prompt token held with a
+lease (``--kv-lease``, default 480 s, vLLM's) and :meth:`KVHandoff.answer` registers the hold under a fresh
+unguessable id (128 random bits: the id is the capability to read a tenant's KV) and returns the
+``kv_transfer_params`` naming it. Routes (:func:`.kv_routes.add_kv_routes`; behind the API key like ``/v1``):
+
+- ``GET /v1/kv/holds/{id}?engine=ENGINE_ID``: the hold's blocks as one body of checked values
+  (:mod:`.kv_wire`), streamed a few blocks at a time; 404 ``unknown_hold`` when the id is unknown, released or
+  past its lease, or the engine id is another (a replica restarted since);
+- ``DELETE /v1/kv/holds/{id}``: release the hold (the decode replica has read it, or refused the request): 204;
+  404 ``unknown_hold`` when unknown.
+
+Leases are swept every ``sweep_s`` seconds (:meth:`KVHandoff.sweep`: the port's ``expire_holds`` and the
+registry's own deadlines). A request whose client left before its answer releases its hold at once.
+
+**Decode side.** A request with ``do_remote_prefill`` is checked (:func:`.kv_transfer.check_request`), then
+:meth:`KVHandoff.fetch` reads the blocks from the prefill replica (a host of ``allow_hosts``: loopback by default,
+``--kv-peer`` adds others; 400 ``kv_peer_not_allowed`` otherwise) before the request is queued, so the engine's
+steps never wait on the network. The names the decode replica expects are computed from its own tokens of the
+prompt (:func:`pagedkv.tiers.store_names`), so only blocks of this model, tenant and prompt are accepted. A fetch
+that fails (the prefill replica gone, the hold expired, a read timeout, a body cut short or refused) keeps the
+good leading blocks and the engine computes the rest of the prompt: never a silent truncation, never an error
+for the client. The hold is then released (``DELETE``; a failed release is logged, the lease ends it).
+Counters: :attr:`KVHandoff.stats`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Protocol, Sequence
+
+from .kv_transfer import KVTransferParams, answer_params, max_prefill_tokens
+
+__all__ = ["KVPort", "KVHandoff", "FetchResult", "LOOPBACK_HOSTS", "DEFAULT_LEASE_S"]
+
+log = logging.getLogger("pagedkv.server")
+
+DEFAULT_LEASE_S = 480.0  # vLLM's default (VLLM_NIXL_ABORT_REQUEST_TIMEOUT)
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
+_READ_BATCH = 8  # blocks read from the engine per worker-thread hop while serving a hold
+
+
+class KVPort(Protocol):
+    """What an engine offers a :class:`KVHandoff` (implemented by the engine; tests use a fake).
+
+    ``fingerprint``: the :class:`pagedkv.tiers.ModelFingerprint` of its KV (weights, dtype, block size, layout);
+    ``block_size``; ``payload_bytes``: the bytes of one block's KV (every layer, K and V).
+    ``hold_on_finish``, ``take_hold`` and ``attach_external`` are called on the event loop and must not block
+    (a dict lookup or an attribute set); ``read_blocks``, ``release_hold`` and ``expire_holds`` are called in
+    worker threads and the port makes them safe against the engine's steps (held blocks are never written, so
+    reading them while a step runs is safe)."""
+
+    fingerprint: Any
+    block_size: int
+    payload_bytes: int
+
+    def hold_on_finish(self, request: Any, lease_s: float) -> None:
+        """Mark a prepared, not yet submitted request: when it finishes, hold its prompt's whole blocks before
+        the last prompt token for ``lease_s`` seconds instead of freeing them."""
+
+    def take_hold(self, request_id: Any) -> Any | None:
+        """The hold taken when request ``request_id`` finished (``hold_id``, ``block_ids``, ``num_tokens``,
+        ``expires_at``), once; None when there is none (nothing to hand over, or the request failed)."""
+
+    def read_blocks(self, hold_id: Any, block_ids: Sequence[int]) -> Iterable:
+        """The KV payload (bytes-like, ``payload_bytes`` each) of held blocks, in order. Raises LookupError when
+        the hold is gone (released or expired)."""
+
+    def release_hold(self, hold_id: Any) -> None:
+        """Release a hold (its blocks return to the cache); LookupError when unknown."""
+
+    def expire_holds(self) -> list:
+        """Release every hold past its lease; their ids."""
+
+    def attach_external(self, request: Any, payloads: Sequence) -> None:
+        """Mark a prepared, not yet submitted request: its prompt's first ``len(payloads)`` blocks come with this
+        KV (the engine allocates them as external tokens and writes these bytes before computing the rest)."""
+
+    def drop_staged(self, request_id: Any) -> None:
+        """Drop what :meth:`attach_external` staged for a request that will not run (its submission was
+        refused)."""
+
+
+@dataclass
+class _Held:
+    port_id: Any
+    block_ids: tuple
+    names: list
+    num_tokens: int
+    expires_at: float  # time.monotonic() deadline (the port's own lease ends it too)
+
+
+@dataclass(frozen=True)
+class FetchResult:
+    """What a decode replica read: the good leading blocks' ``payloads`` and, when fewer than asked, why."""
+
+    payloads: list
+    asked: int
+    error: str | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.error is None and len(self.payloads) == self.asked
+
+
+@dataclass
+class KVHandoff:
+    """See the module docstring. ``port`` None: this replica cannot hand KV over (requests with
+    ``kv_transfer_params`` get 400 ``kv_transfer_unavailable``; ``--kv-role prefill|decode`` refuses to start).
+
+    ``host`` / ``port_number``: where decode replicas reach this one (its HTTP address). ``clock``: seconds,
+    monotonic (injectable: tests never sleep)."""
+
+    role: str = "both"
+    port: Any = None
+    engine_id: str = field(default_factory=lambda: secrets.token_hex(8))
+    host: str = "127.0.0.1"
+    port_number: int = 0
+    lease_s: float = DEFAULT_LEASE_S
+    allow_hosts: frozenset = LOOPBACK_HOSTS
+    fetch_timeout: float = 30.0
+    peer_api_key: str | None = None
+    clock: Callable[[], float] = time.monotonic
+    stats: dict = field(default_factory=lambda: dict.fromkeys((
+        "holds", "holds_released", "holds_expired", "holds_served", "blocks_served", "fetches", "fetches_partial",
+        "fetches_failed", "blocks_fetched", "releases_failed"), 0))
+
+    def __post_init__(self) -> None:
+        from .kv_transfer import KV_ROLES
+
+        if self.role not in KV_ROLES:
+            raise ValueError(f"kv role must be one of {', '.join(KV_ROLES)}, got {self.role!r}")
+        if self.role != "both" and self.port is None:
+            raise ValueError(f"--kv-role {self.role} needs an engine that hands KV blocks over (held blocks with a "
+                             "lease, external KV, block bytes); this engine has none")
+        if not self.lease_s > 0:
+            raise ValueError(f"--kv-lease must be > 0 seconds, got {self.lease_s}")
+        self._holds: dict[str, _Held] = {}
+        self._pending: dict[Any, list] = {}  # request id -> the names of its blocks, until answered
+        self._client = None
+        self._sweep_task = None
+
+    def ensure_sweeper(self, every_s: float = 5.0) -> None:
+        """Start :meth:`sweeper` on the running event loop unless it runs (call it from the serving loop)."""
+        if self.port is not None and (self._sweep_task is None or self._sweep_task.done()):
+            self._sweep_task = asyncio.ensure_future(self.sweeper(every_s))
+
+    @property
+    def available(self) -> bool:
+        return self.port is not None
+
+    @property
+    def num_holds(self) -> int:
+        return len(self._holds)
+
+    # ------------------------------------------------------------------------------------------ names
+    def names(self, token_ids: Sequence[int], namespace: Any, num_blocks: int) -> list[str]:
+        """The store names of the prompt's first ``num_blocks`` blocks (model fingerprint, namespace, chained
+        content keys). O(num_blocks * block_size)."""
+        from ..blocks.prefix_cache import block_hashes
+        from ..tiers import store_names
+
+        bs = self.port.block_size
+        keys = block_hashes(list(token_ids[: num_blocks * bs]), bs, namespace)
+        return store_names(self.port.fingerprint, list(keys), namespace)
+
+    # ------------------------------------------------------------------------------------------ prefill side
+    def expect_hold(self, request: Any, token_ids: Sequence[int], namespace: Any) -> None:
+        """Before submitting a ``do_remote_decode`` request: mark it, and remember its blocks' names."""
+        n = max_prefill_tokens(len(token_ids), self.port.block_size) // self.port.block_size
+        self.port.hold_on_finish(request, self.lease_s)
+        self._pending[request.request_id] = self.names(token_ids, namespace, n)
+
+    def answer(self, request_id: Any) -> dict | None:
+        """After the request finished: its hold registered, and the ``kv_transfer_params`` of the answer (None
+        when there is nothing to hand over). Call :meth:`forget` in any case afterwards."""
+        names = self._pending.pop(request_id, None)
+        hold = self.port.take_hold(request_id)
+        if hold is None or not hold.block_ids:
+            if hold is not None:
+                self._release_port(hold.hold_id)
+            return None
+        if names is None or len(names) < len(hold.block_ids):
+            self._release_port(hold.hold_id)
+            raise RuntimeError(f"the engine held {len(hold.block_ids)} blocks for request {request_id!r}, more "
+                               "than its prompt's whole blocks")
+        wire = secrets.token_hex(16)
+        self._holds[wire] = _Held(hold.hold_id, tuple(int(b) for b in hold.block_ids),
+                                  names[: len(hold.block_ids)], int(hold.num_tokens), self.clock() + self.lease_s)
+        self.stats["holds"] += 1
+        return answer_params(hold_id=wire, block_ids=hold.block_ids, num_tokens=hold.num_tokens,
+                             engine_id=self.engine_id, host=self.host, port=self.port_number)
+
+    def forget(self, request_id: Any) -> None:
+        """The request ended without :meth:`answer` (its client left, it failed): release any hold it took."""
+        if self._pending.pop(request_id, None) is not None:
+            hold = self.port.take_hold(request_id)
+            if hold is not None:
+                self._release_port(hold.hold_id)
+
+    def _release_port(self, port_id: Any) -> bool:
+        try:
+            self.port.release_hold(port_id)
+            return True
+        except LookupError:
+            return False
+
+    def lookup(self, wire_id: str, engine_id: str | None) -> _Held | None:
+        """The live hold of a wire id (None when unknown, past its lease, or asked of another engine id). A hold
+        found past its lease leaves the registry (release it in the port with :meth:`release_port`)."""
+        h = self._holds.get(wire_id)
+        if h is None or (engine_id is not None and engine_id != self.engine_id):
+            return None
+        if self.clock() >= h.expires_at:
+            return None
+        return h
+
+    def pop(self, wire_id: str) -> _Held | None:
+        """Take a hold out of the registry (the caller releases it in the port); None when unknown."""
+        return self._holds.pop(wire_id, None)
+
+    def release_port(self, port_id: Any) -> bool:
+        """Release a hold in the port (blocking: call it in a worker thread); False when the port no longer
+        knows it."""
+        return self._release_port(port_id)
+
+    async def release(self, wire_id: str) -> bool:
+        """Release a hold by its wire id (the registry on the event loop, the port in a worker thread); False
+        when unknown."""
+        h = self.pop(wire_id)
+        if h is None:
+            return False
+        await asyncio.to_thread(self._release_port, h.port_id)
+        self.stats["holds_released"] += 1
+        return True
+
+    async def sweep(self) -> list[str]:
+        """Release the holds past their lease (the port's, and the registry's deadlines); their wire ids.
+        O(holds); the port's calls in a worker thread, the registry on the event loop."""
+        gone = set(await asyncio.to_thread(self.port.expire_holds)) if self.port is not None else set()
+        now = self.clock()
+        out, late = [], []
+        for wire, h in list(self._holds.items()):
+            if h.port_id in gone or now >= h.expires_at:
+                del self._holds[wire]
+                self.stats["holds_expired"] += 1
+                out.append(wire)
+                if h.port_id not in gone:
+                    late.append(h.port_id)
+        for port_id in late:
+            await asyncio.to_thread(self._release_port, port_id)
+        return out
+
+    async def serve_blocks(self, h: _Held):
+        """The body of a GET: the hold's values, a few blocks per worker-thread hop. A hold released or expired
+        mid-body ends the body early (the reader sees it cut short)."""
+        from .kv_wire import encode_blocks
+
+        fp = self.port.fingerprint.digest
+        for i in range(0, len(h.block_ids), _READ_BATCH):
+            ids = h.block_ids[i: i + _READ_BATCH]
+            try:
+                payloads = await asyncio.to_thread(lambda ids=ids: list(self.port.read_blocks(h.port_id, ids)))
+            except LookupError:
+                return
+            for value in encode_blocks(fp, h.names[i: i + _READ_BATCH], payloads):
+                self.stats["blocks_served"] += 1
+                yield value
+
+    # ------------------------------------------------------------------------------------------ decode side
+    def check_peer(self, kvt: KVTransferParams) -> None:
+        from .validation import APIError
+
+        if kvt.remote_host not in self.allow_hosts:
+            raise APIError(400, f"this replica does not read KV from {kvt.remote_host!r} (allowed: "
+                           f"{', '.join(sorted(self.allow_hosts))}; --kv-peer adds hosts)", "invalid_request_error",
+                           "kv_peer_not_allowed", "kv_transfer_params.remote_host")
+
+    def _http(self):
+        if self._client is None:
+            import httpx
+
+            self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.fetch_timeout, connect=min(
+                5.0, self.fetch_timeout)))
+        return self._client
+
+    def _headers(self) -> dict:
+        return {"authorization": f"Bearer {self.peer_api_key}"} if self.peer_api_key else {}
+
+    async def fetch(self, kvt: KVTransferParams, token_ids: Sequence[int], namespace: Any) -> FetchResult:
+        """Read the blocks ``kvt`` names from the prefill replica (bounded by ``fetch_timeout`` as a whole);
+        never raises for the peer's faults: the result says how many leading blocks are good and why not all."""
+        import httpx
+
+        from .kv_wire import BundleReader
+
+        n = len(kvt.remote_block_ids)
+        self.stats["fetches"] += 1
+        if n == 0:
+            return FetchResult([], 0)
+        reader = BundleReader(self.port.fingerprint.digest, self.names(token_ids, namespace, n),
+                              self.port.payload_bytes)
+        url = f"{kvt.base_url}/v1/kv/holds/{kvt.remote_request_id}"
+        error = None
+        try:
+            async with asyncio.timeout(self.fetch_timeout):
+                async with self._http().stream("GET", url, params={"engine": kvt.remote_engine_id},
+                                               headers=self._headers()) as resp:
+                    if resp.status_code != 200:
+                        await resp.aread()
+                        error = f"the prefill replica answered {resp.status_code}"
+                    else:
+                        async for chunk in resp.aiter_bytes():
+                            if not reader.feed(chunk):
+                                break
+                        reader.finish()
+        except (httpx.HTTPError, TimeoutError, OSError) as e:
+            error = f"reading the blocks failed: {type(e).__name__}"
+        if error is None:
+            error = reader.error
+        res = FetchResult(reader.payloads, n, error)
+        self.stats["blocks_fetched"] += len(res.payloads)
+        if not res.complete:
+            self.stats["fetches_failed" if not res.payloads else "fetches_partial"] += 1
+            log.warning("KV from %s (hold %s): %d of %d blocks (%s); the engine computes the rest of the prompt",
+                        kvt.base_url, kvt.remote_request_id, len(res.payloads), n, error)
+        return res
+
+    async def release_remote(self, kvt: KVTransferParams) -> bool:
+        """Tell the prefill replica that its hold is no longer needed (bounded; a failure is counted and logged:
+        the hold's lease ends it)."""
+        import httpx
+
+        url = f"{kvt.base_url}/v1/kv/holds/{kvt.remote_request_id}"
+        try:
+            async with asyncio.timeout(self.fetch_timeout):
+                r = await self._http().delete(url, headers=self._headers())
+            if r.status_code in (204, 404):
+                return r.status_code == 204
+            why = f"answered {r.status_code}"
+        except (httpx.HTTPError, TimeoutError, OSError) as e:
+            why = type(e).__name__
+        self.stats["releases_failed"] += 1
+        log.warning("releasing hold %s on %s failed (%s): its lease will end it", kvt.remote_request_id,
+                    kvt.base_url, why)
+        return False
+
+    async def sweeper(self, every_s: float = 5.0) -> None:
+        """Run :meth:`sweep` every ``every_s`` seconds until cancelled (errors logged, never fatal)."""
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                await self.sweep()
+            except Exception:  # noqa: BLE001 - the sweeper goes on
+                log.exception("sweeping KV holds failed")
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None

@@ -1,0 +1,98 @@
+"""The bytes of a held sequence's blocks on the wire between a prefill replica and a decode replica.
+
+A prefill replica answers ``GET /v1/kv/holds/{id}`` with the blocks of the hold, in order, each as one value of
+the tiers' checked format (:mod:`pagedkv.tiers.codec`: header, payload, xxh3 checksum), concatenated::
+
+    value(block 0) value(block 1) ... value(block k-1)        each: 48-byte header, n-byte payload, 8-byte check
+
+Each value is named by the block's store name (:func:`pagedkv.tiers.store_names`: the model fingerprint, the
+request's namespace and the block's chained content key), so the decode replica, which computes the same names
+from its own copy of the prompt, accepts a block only if it was computed by the same model and layout, for the
+same tenant and the same tokens, and arrived intact. :class:`BundleReader` parses such a body as it arrives,
+chunk by chunk, and keeps the leading blocks that check: a body cut short, a flipped bit, a block of another
+prompt or model stops it there, and the blocks before stay good (the decode replica computes the rest). It never
+buffers more than one value, refuses a value whose length is not the expected payload size before reading it,
+and never raises on the bytes it is given. O(bytes) overall.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Iterable, Iterator, Sequence
+
+from ..tiers import codec
+
+__all__ = ["encode_blocks", "BundleReader", "MEDIA_TYPE"]
+
+MEDIA_TYPE = "application/vnd.pagedkv.kv-blocks"
+_LEN = struct.Struct("<Q")
+_LEN_AT = codec.HEADER_BYTES - 8  # the payload length's offset in the header
+
+
+def encode_blocks(fingerprint_digest: bytes, names: Sequence[str], payloads: Iterable) -> Iterator[bytes]:
+    """The values of a hold's blocks, one per (name, payload), in order (a generator: one value in memory at a
+    time). O(total payload bytes)."""
+    for name, payload in zip(names, payloads):
+        yield codec.encode(fingerprint_digest, name, payload)
+
+
+class BundleReader:
+    """Incremental parser of a bundle (see the module docstring) for the blocks named ``names``, each with a
+    payload of exactly ``payload_bytes`` bytes.
+
+    Feed chunks with :meth:`feed` (False once it stopped: a bad value, or more bytes than the blocks named); call
+    :meth:`finish` at the end of the body. :attr:`payloads` holds the good leading blocks' payloads (bytes),
+    :attr:`error` says why it stopped before all of them (None when every block arrived and checked)."""
+
+    def __init__(self, fingerprint_digest: bytes, names: Sequence[str], payload_bytes: int) -> None:
+        if payload_bytes < 1:
+            raise ValueError(f"payload_bytes must be >= 1, got {payload_bytes}")
+        self._fp = fingerprint_digest
+        self._names = list(names)
+        self._value_bytes = payload_bytes + codec.OVERHEAD_BYTES
+        self._payload_bytes = payload_bytes
+        self._buf = bytearray()
+        self.payloads: list[bytes] = []
+        self.error: str | None = None
+        self.bytes_read = 0
+
+    @property
+    def done(self) -> bool:
+        """Every named block arrived and checked."""
+        return len(self.payloads) == len(self._names) and self.error is None
+
+    @property
+    def stopped(self) -> bool:
+        return self.error is not None
+
+    def feed(self, chunk: bytes) -> bool:
+        """Take the next bytes of the body; False once the reader stopped (the rest may be dropped)."""
+        if self.error is not None:
+            return False
+        self.bytes_read += len(chunk)
+        self._buf += chunk
+        while len(self._buf) >= codec.HEADER_BYTES:
+            if len(self.payloads) == len(self._names):
+                self.error = "the body holds more than the blocks named"
+                return False
+            (n,) = _LEN.unpack_from(self._buf, _LEN_AT)
+            if n != self._payload_bytes:
+                self.error = (f"block {len(self.payloads)}: a payload of {n} bytes where this replica's blocks hold "
+                              f"{self._payload_bytes} (another model or layout, or corrupt)")
+                return False
+            if len(self._buf) < self._value_bytes:
+                break
+            value = bytes(self._buf[: self._value_bytes])
+            del self._buf[: self._value_bytes]
+            status, payload = codec.decode(value, self._fp, self._names[len(self.payloads)])
+            if status is not codec.Decoded.OK:
+                self.error = f"block {len(self.payloads)} refused: {status.name}"
+                return False
+            self.payloads.append(bytes(payload))
+        return True
+
+    def finish(self) -> None:
+        """The body ended: a partial value or missing blocks become the :attr:`error`."""
+        if self.error is None and len(self.payloads) < len(self._names):
+            self.error = (f"the body ended after {len(self.payloads)} of {len(self._names)} blocks"
+                          + (f" and {len(self._buf)} bytes of the next" if self._buf else ""))

@@ -1,0 +1,147 @@
+"""The engine's KV port (``pagedkv.engine.kv_port.EngineKVPort``) without a model: a real Scheduler and
+BlockManager on each side, a small torch KV cache, and the engine's step reduced to its KV writes (each computed
+token's K/V set to its token id through the slot mapping). The prefill side holds the prompt's whole blocks
+before its last token in the step that computes it, hands over exactly those blocks' bytes and releases them; the
+decode side writes the bytes into the blocks its scheduler allocates as external tokens (after its own prefix
+hit), computes the rest, and every block of its prompt then reads back the prompt's tokens. Holds expire and are
+refused to readers once released."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from pagedkv import BlockManager  # noqa: E402
+from pagedkv.scheduler import Scheduler  # noqa: E402
+
+BS = 4
+L, H, D = 2, 1, 3
+
+
+def engine():
+    bm = BlockManager(32, BS, enable_prefix_caching=True)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, enable_chunked_prefill=True,
+                      incremental_tables=True)
+    kv = torch.zeros(L, 2, 32, BS, H, D)
+    llm = SimpleNamespace(block_manager=bm, scheduler=sched, kv_cache=kv, kv_tiers=None, kv_cache_groups=None,
+                          model=SimpleNamespace(w=torch.arange(3.0)))
+    return llm
+
+
+def step(llm, port, by_id):
+    """One engine step: schedule, the port's loads, the forward's KV writes (token ids), the port's hook, update."""
+    plan = llm.scheduler.schedule()
+    port.write_loads(plan, llm.kv_cache)
+    for pw in plan.prefills:
+        prompt = by_id[pw.request_id].prompt_token_ids
+        for pos, slot in zip(pw.positions.tolist(), np.asarray(pw.slot_mapping).tolist()):
+            llm.kv_cache[:, :, slot // BS, slot % BS] = float(prompt[pos]) if pos < len(prompt) else -1.0
+    port.store_computed(plan, llm.kv_cache, by_id)
+    sampled = [7] * len(plan.prefills) + ([7] * len(plan.decode.seq_ids) if plan.decode is not None else [])
+    done = llm.scheduler.update(plan, sampled)
+    llm.block_manager.check_invariants()
+    return plan, done
+
+
+def block_tokens(kv, block):
+    return kv[0, 0, block, :, 0, 0].tolist()
+
+
+def add(llm, port, rid, prompt, max_tokens):
+    req = SimpleNamespace(request_id=rid, prompt_token_ids=tuple(prompt))
+    wait = port.on_add(rid, prompt, None, llm.block_manager)
+    llm.scheduler.add_request(rid, prompt, max_tokens=max_tokens, wait_for_kv=wait)
+    return req
+
+
+def test_blocks_held_on_one_engine_arrive_in_the_right_blocks_of_another():
+    from pagedkv.engine.kv_port import EngineKVPort
+
+    pre, dec = engine(), engine()
+    pport, dport = EngineKVPort(pre), EngineKVPort(dec)
+    assert pre.kv_tiers is pport and pport.payload_bytes == L * 2 * BS * H * D * 4
+    assert pport.fingerprint == dport.fingerprint  # the same model, dtype, block size and layout
+    prompt = list(range(100, 123))  # 23 tokens: 5 whole blocks before the last token
+
+    # prefill side: the request is marked, computed in chunks of at most 64 tokens, held at its last chunk
+    req = add(pre, pport, "p", prompt, 1)
+    pport.hold_on_finish(req, 30.0)
+    by_id = {"p": req}
+    while pre.scheduler.has_unfinished():
+        step(pre, pport, by_id)
+    hold = pport.take_hold("p")
+    assert hold.num_tokens == 20 and len(hold.block_ids) == 5 and pport.take_hold("p") is None
+    payloads = pport.read_blocks(hold.hold_id, hold.block_ids)
+    for i, p in enumerate(payloads):  # each block's bytes hold its 4 tokens, every layer, K and V
+        arr = np.frombuffer(memoryview(p).cast("B"), dtype=np.float32).reshape(L, 2, BS, H, D)
+        assert (arr == np.array(prompt[i * BS:(i + 1) * BS], dtype=np.float32)[None, None, :, None, None]).all()
+    # the held blocks survive the request's end and a flood of other prompts (never evicted or reused)
+    others = {f"o{i}": add(pre, pport, f"o{i}", list(range(1000 + 40 * i, 1030 + 40 * i)), 1) for i in range(4)}
+    while pre.scheduler.has_unfinished():
+        step(pre, pport, others)
+    again = pport.read_blocks(hold.hold_id, hold.block_ids)
+    assert all(bytes(memoryview(a).cast("B")) == bytes(memoryview(b).cast("B")) for a, b in zip(payloads, again))
+
+    # decode side: the same prompt with a prefix of 2 blocks already cached there
+    warm = add(dec, dport, "w", prompt[:9], 1)
+    while dec.scheduler.has_unfinished():
+        step(dec, dport, {"w": warm})
+    dreq = SimpleNamespace(request_id="d", prompt_token_ids=tuple(prompt))
+    dport.attach_external(dreq, [bytes(memoryview(p).cast("B")) for p in payloads])
+    add(dec, dport, "d", prompt, 3)
+    assert dec.scheduler.num_loading == 1
+    first = None
+    while dec.scheduler.has_unfinished():
+        dport.poll(dec.scheduler)
+        plan, _ = step(dec, dport, {"d": dreq})
+        if first is None and plan.prefills:
+            first = plan.prefills[0]
+            table = first.block_table.tolist()
+            # the hit's 2 blocks, 3 blocks written from the payloads, the last 3 tokens computed
+            assert first.num_external_tokens == 12 and first.num_cached_tokens == 20
+            assert first.positions.tolist() == [20, 21, 22]
+            for i in range(6):
+                want = prompt[i * BS:(i + 1) * BS] + [-1.0] * (BS - len(prompt[i * BS:(i + 1) * BS]))
+                assert block_tokens(dec.kv_cache, table[i])[:len(prompt[i * BS:(i + 1) * BS])] == \
+                    [float(t) for t in prompt[i * BS:(i + 1) * BS]], (i, want)
+    assert dport.stats["written_blocks"] == 3 and dec.scheduler.stats.external_tokens == 12
+
+    # release: the reader is refused afterwards, and the pool is whole again
+    pport.release_hold(hold.hold_id)
+    with pytest.raises(LookupError):
+        pport.read_blocks(hold.hold_id, hold.block_ids)
+    with pytest.raises(LookupError):
+        pport.release_hold(hold.hold_id)
+    assert not pre.block_manager.holds
+    pre.block_manager.check_invariants()
+
+
+def test_holds_expire_and_short_prompts_hold_nothing():
+    from pagedkv.engine.kv_port import EngineKVPort
+
+    pre = engine()
+    port = EngineKVPort(pre)
+    reqs = {"a": add(pre, port, "a", list(range(10, 20)), 1), "b": add(pre, port, "b", [5, 6, 7, 8], 1)}
+    port.hold_on_finish(reqs["a"], 1e-9)
+    port.hold_on_finish(reqs["b"], 30.0)
+    while pre.scheduler.has_unfinished():
+        step(pre, port, reqs)
+    assert port.take_hold("b") is None  # one block, holding the last token: nothing to hand over
+    h = port.take_hold("a")
+    assert h.num_tokens == 8 and len(pre.block_manager.holds) == 1
+    assert port.expire_holds() == [h.hold_id] and not pre.block_manager.holds
+    pre.block_manager.check_invariants()
+
+
+def test_models_with_kv_cache_groups_are_refused():
+    from pagedkv.engine.kv_port import EngineKVPort
+
+    llm = engine()
+    llm.kv_cache_groups = ("full", "sliding")
+    with pytest.raises(ValueError, match="KV cache group"):
+        EngineKVPort(llm)
+    assert llm.kv_tiers is None

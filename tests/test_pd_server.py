@@ -1,0 +1,148 @@
+"""``pagedkv serve``'s routes in a prefill/decode split, over a fake engine (tests/kv_fakes.py: the app, the
+validation, KVHandoff and the routes are the real ones; the engine and its KV port are fakes until the engine
+implements the port). Two replicas on 127.0.0.1: a prefill replica answers kv_transfer_params naming its held
+blocks; a decode replica reads them, checks them against its own prompt, hands them to its engine and releases
+the hold; faults leave the decode replica computing the prompt. Every wait is bounded."""
+
+from __future__ import annotations
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("torch")  # (the app builds the engine's SamplingParams)
+
+from kv_fakes import FakePort, block_payload, fake_server  # noqa: E402
+
+from pagedkv.server.kv_transfer import prefill_body  # noqa: E402
+
+BS = 4
+
+
+@pytest.fixture
+def replicas():
+    pport, dport = FakePort(BS), FakePort(BS)
+    p_url, p_engine, p_kv, p_close = fake_server("prefill", pport, lease_s=60.0)
+    d_url, d_engine, d_kv, d_close = fake_server("decode", dport, fetch_timeout=5.0)
+    yield (p_url, p_engine, p_kv, pport), (d_url, d_engine, d_kv, dport)
+    p_close()
+    d_close()
+
+
+def wait_for(cond, timeout=10.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def post(url, body):
+    return httpx.post(url + "/v1/completions", json=body, timeout=20)
+
+
+def test_prefill_then_decode_hands_the_blocks_over(replicas):
+    (p_url, p_engine, p_kv, pport), (d_url, d_engine, d_kv, dport) = replicas
+    prompt = "the prompt of a split request"  # 29 bytes: 7 whole blocks before the last token
+    body = {"prompt": prompt, "max_tokens": 5, "temperature": 0}
+    r = post(p_url, prefill_body(body))
+    assert r.status_code == 200, r.text
+    kvp = r.json()["kv_transfer_params"]
+    assert kvp["do_remote_prefill"] and kvp["remote_num_tokens"] == 28 and len(kvp["remote_block_ids"]) == 7
+    assert kvp["remote_port"] == int(p_url.rsplit(":", 1)[1]) and kvp["remote_engine_id"] == p_kv.engine_id
+    assert r.json()["usage"]["completion_tokens"] == 1 and p_engine.submitted[-1].params.max_tokens == 1
+    assert p_kv.num_holds == 1
+    r = post(d_url, {**body, "kv_transfer_params": kvp})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 5 and r.json()["usage"]["prompt_tokens_details"][
+        "cached_tokens"] == 28
+    req = d_engine.submitted[-1]
+    ids = list(prompt.encode())
+    assert dport.attached[req.request_id] == [block_payload(ids[i:i + BS], 64) for i in range(0, 28, BS)]
+    assert "kv_transfer_params" not in r.json()
+    # the release runs in the background after the fetch (the port's part in a worker thread)
+    assert wait_for(lambda: p_kv.num_holds == 0 and pport.released == [1]) and d_kv.stats["blocks_fetched"] == 7
+
+
+def test_decode_computes_the_prompt_when_the_hold_is_gone(replicas):
+    (p_url, _, p_kv, pport), (d_url, d_engine, d_kv, dport) = replicas
+    body = {"prompt": "another prompt of some length", "max_tokens": 3}
+    kvp = post(p_url, prefill_body(body)).json()["kv_transfer_params"]
+    assert httpx.delete(f"{p_url}/v1/kv/holds/{kvp['remote_request_id']}", timeout=5).status_code == 204
+    r = post(d_url, {**body, "kv_transfer_params": kvp})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # computed, not read
+    assert d_engine.submitted[-1].request_id not in dport.attached and d_kv.stats["fetches_failed"] == 1
+
+
+def test_short_prompt_answers_null_params(replicas):
+    (p_url, _, p_kv, _), (d_url, _, _, _) = replicas
+    r = post(p_url, prefill_body({"prompt": "abc"}))
+    assert r.status_code == 200 and r.json()["kv_transfer_params"] is None and p_kv.num_holds == 0
+
+
+@pytest.mark.parametrize("who, body, code", [
+    ("prefill", {"prompt": "x" * 20, "kv_transfer_params": {
+        "do_remote_prefill": True, "remote_engine_id": "e", "remote_request_id": "h", "remote_block_ids": [1],
+        "remote_host": "127.0.0.1", "remote_port": 9, "remote_num_tokens": 4}}, "kv_role_mismatch"),
+    ("decode", prefill_body({"prompt": "x" * 20}), "kv_role_mismatch"),
+    ("prefill", {**prefill_body({"prompt": "x" * 20}), "stream": True}, None),
+    ("prefill", {**prefill_body({"prompt": "x" * 20}), "n": 2}, None),
+    ("decode", {"prompt": "x", "kv_transfer_params": {"do_remote_decode": 1}}, "invalid_kv_transfer_params"),
+])
+def test_bad_requests_are_4xx(replicas, who, body, code):
+    (p_url, *_), (d_url, *_) = replicas
+    r = post(p_url if who == "prefill" else d_url, body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == code or (code is None and r.json()["error"]["param"] in ("stream", "n"))
+
+
+def test_a_decode_replica_that_refuses_the_request_frees_the_hold_at_once(replicas):
+    (p_url, _, p_kv, pport), (d_url, d_engine, _, _) = replicas
+    body = {"prompt": "a prompt that will be refused", "max_tokens": 2}
+    kvp = post(p_url, prefill_body(body)).json()["kv_transfer_params"]
+    bad = {**body, "kv_transfer_params": {**kvp, "remote_num_tokens": kvp["remote_num_tokens"] - BS}}
+    r = post(d_url, bad)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params.remote_num_tokens"
+    assert wait_for(lambda: p_kv.num_holds == 0 and pport.released == [1]) and not d_engine.submitted
+
+
+def test_a_peer_outside_the_allowed_hosts_is_refused(replicas):
+    (p_url, *_), (d_url, d_engine, _, _) = replicas
+    body = {"prompt": "x" * 20, "max_tokens": 2}
+    kvp = post(p_url, prefill_body(body)).json()["kv_transfer_params"]
+    r = post(d_url, {**body, "kv_transfer_params": {**kvp, "remote_host": "10.0.0.9"}})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "kv_peer_not_allowed" and not d_engine.submitted
+
+
+def test_a_replica_without_a_port_refuses_kv_transfer_params_and_serves_plain_requests():
+    url, engine, kv, close = fake_server("both")
+    try:
+        r = post(url, prefill_body({"prompt": "x" * 20}))
+        assert r.status_code == 400 and r.json()["error"]["code"] == "kv_transfer_unavailable"
+        r = post(url, {"prompt": "x" * 20, "max_tokens": 2})
+        assert r.status_code == 200 and "kv_transfer_params" not in r.json()
+        assert httpx.get(url + "/v1/kv/holds/x", timeout=5).status_code == 404  # no routes
+    finally:
+        close()
+
+
+def test_serve_options_of_the_split_are_checked_before_the_model_loads():
+    from pagedkv.server.cli import build_parser, check_options
+
+    def check(*argv):
+        check_options(build_parser().parse_args(["--port", "0", *argv]))
+
+    check("--kv-role", "both", "--kv-peer", "10.0.0.2", "--kv-lease", "60")
+    check("--kv-role", "prefill")
+    for argv, words in ((["--kv-role", "prefill", "--host", "0.0.0.0"], "--kv-advertise-host"),
+                        (["--kv-lease", "0"], "--kv-lease"), (["--kv-lease", "inf"], "--kv-lease"),
+                        (["--kv-fetch-timeout", "-1"], "--kv-fetch-timeout")):
+        with pytest.raises(ValueError, match=words):
+            check(*argv)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--kv-role", "middle"])
