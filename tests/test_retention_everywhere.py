@@ -396,3 +396,33 @@ HybridRetentionMachine.TestCase.settings = settings(
     max_examples=80, stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 TestHybridRetention = HybridRetentionMachine.TestCase
+
+
+def test_kv_events_and_stats_keep_their_meaning_with_pins_and_priorities():
+    """A pin or a priority changes which blocks are evicted, never what the events say: every evicted block is one
+    BlockRemoved (the pinned ones never), the eviction counter counts them, and the index rebuilt from the events
+    is the cache's key set."""
+    hm = hybrid(n=40, pin_budget_blocks=10, eviction_policy="slru", enable_kv_events=True)
+    hm.allocate("sys", SYSTEM + [1]); hm.free("sys")
+    pin = hm.pin_prefix(SYSTEM)
+    pinned_keys = {int(hm._cache.key[b]) for b in hm._cache.evictor.pins[pin.pin_id][0]}
+    index: set = set()
+    for e in hm.take_events():
+        if isinstance(e, pagedkv.events.BlockStored):
+            index |= set(e.block_hashes)
+    ev0, removed = hm.stats.evictions, 0
+    rng = np.random.default_rng(1)
+    for i in range(10):
+        hm.allocate(i, rng.integers(0, 1000, 28))
+        hm.set_retention(i, priority=i % 3)
+        hm.free(i)
+        for e in hm.take_events():
+            if isinstance(e, pagedkv.events.BlockStored):
+                index |= set(e.block_hashes)
+            elif isinstance(e, pagedkv.events.BlockRemoved):
+                assert not pinned_keys & set(e.block_hashes)
+                index -= set(e.block_hashes)
+                removed += len(e.block_hashes)
+    assert removed == hm.stats.evictions - ev0 > 0
+    assert index == {int(k) for k in hm._cache.mapping()}
+    hm.check_invariants()
