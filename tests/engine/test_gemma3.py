@@ -540,7 +540,8 @@ def test_retention_with_kv_cache_groups_pins_priorities_and_a_policy(gemma, refe
     n5 = len(c5["prompt_ids"])
     window_blocks = blocks(512) + 1  # a window of 512 tokens ending anywhere inside a block
     budget = n5 // BLOCK + 5 * window_blocks
-    llm = make_llm(gemma, num_gpu_blocks=budget + 260, eviction_policy="slru", pin_budget_blocks=budget,
+    # room for case 3 (945 tokens: 6 x 60 blocks) beside the pin; cases 3 and 4 together need more than is left
+    llm = make_llm(gemma, num_gpu_blocks=budget + 420, eviction_policy="slru", pin_budget_blocks=budget,
                    scheduling_policy="priority", max_num_batched_tokens=1024)
     assert llm.kv_cache_groups is not None and llm.block_manager.eviction_policy == "slru"
     pin = llm.pin_prefix({"prompt_token_ids": c5["prompt_ids"]})
