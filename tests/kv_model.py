@@ -67,11 +67,12 @@ class Config:
     chunked: bool = False  # admissions are often chunked prefills
     policy: str = "lru"  # the eviction policy (BlockManager with prefix caching; priorities and session hints too)
     pin_budget: int = 0  # pins of the shared documents' prefixes (0: none)
+    retention: bool = True  # hybrid: window retention
 
     @staticmethod
     def draw(rng: random.Random) -> "Config":
         cfg = Config._draw(rng)
-        if cfg.prefix and cfg.window is None:  # (pins are refused with a sliding window)
+        if cfg.prefix:
             cfg.pin_budget = rng.choice([0, 0, 2, 6, 12])
         return cfg
 
@@ -106,12 +107,15 @@ class Config:
             groups[rng.randrange(g)] = rng.randint(3, 30)
         prefix = rng.random() < 0.9
         tier = prefix and rng.random() < 0.6
+        policy = rng.choice(EVICTION_POLICIES) if prefix else "lru"
+        budget = rng.choice([0, 0, 3, 8, 20]) if prefix else 0
         return Config(
             num_gpu_blocks=rng.randint(12, 40) * 4 // bs * g,
             num_cpu_blocks=rng.randint(16, 80) * 4 // bs * g,
             block_size=bs, prefix=prefix, tier=tier, window=None, lookahead=rng.choice([0, 0, 1, 2]),
             events=prefix and rng.random() < 0.3, max_events=rng.randint(8, 64), groups=tuple(groups),
-            vectorised=rng.random() < 0.5, chunked=rng.random() < 0.6,
+            vectorised=rng.random() < 0.5, chunked=rng.random() < 0.6, policy=policy, pin_budget=budget,
+            retention=rng.random() < 0.7,
         )
 
     def manager(self):
@@ -120,7 +124,8 @@ class Config:
                 self.num_gpu_blocks, self.block_size, num_cpu_blocks=self.num_cpu_blocks,
                 kv_cache_groups=[FullAttentionSpec() if w is None else SlidingWindowSpec(w) for w in self.groups],
                 enable_prefix_caching=self.prefix, cpu_prefix_cache=self.tier, watermark=0,
-                enable_kv_events=self.events, max_kv_events=self.max_events,
+                enable_kv_events=self.events, max_kv_events=self.max_events, window_retention=self.retention,
+                eviction_policy=self.policy, pin_budget_blocks=self.pin_budget,
             )
             if self.vectorised:
                 hm._step.small_batch = 0
@@ -512,7 +517,7 @@ class KVModel:
 
     def op_retain(self) -> None:
         """A priority and a session hint for a live sequence (used when it is freed)."""
-        if self.G or not self.cfg.prefix or not self.seqs:
+        if not self.cfg.prefix or not self.seqs:
             return
         s = self.rng.choice(list(self.seqs))
         self.bm.set_retention(s, priority=self.rng.randint(-2, 2), session=self.rng.randrange(3))
@@ -520,7 +525,7 @@ class KVModel:
 
     def op_pin(self) -> None:
         """Pin the cached prefix of a shared document (refused past the budget: nothing changes)."""
-        if self.G or not self.cfg.pin_budget:
+        if not self.cfg.pin_budget:
             return
         doc = self.rng.choice(self.docs)
         before = (self.bm.num_pinned_blocks, self.bm.pins, self.bm.num_free_gpu_blocks)
@@ -535,7 +540,7 @@ class KVModel:
             self.report.count("pins")
 
     def op_unpin(self) -> None:
-        if self.G or not self.cfg.pin_budget or not self.bm.pins:
+        if not self.cfg.pin_budget or not self.bm.pins:
             return
         self.bm.unpin(self.rng.choice(self.bm.pins).pin_id)
 

@@ -226,8 +226,7 @@ def test_constructor_checks():
         BlockManager(4, 2, eviction_policy="slru")  # needs prefix caching
     with pytest.raises(InvalidArgumentError):
         BlockManager(4, 2, enable_prefix_caching=True, pin_budget_blocks=-1)
-    with pytest.raises(InvalidArgumentError, match="sliding window"):
-        BlockManager(4, 2, enable_prefix_caching=True, pin_budget_blocks=2, sliding_window=4)
+    assert BlockManager(4, 2, enable_prefix_caching=True, pin_budget_blocks=2, sliding_window=4).pin_budget_blocks == 2
     assert EVICTION_POLICIES == ("lru", "slru", "session")
     assert type(BlockManager(4, 2, enable_prefix_caching=True)._cache.evictor) is LRUEvictor  # the hot path as is
     assert type(BlockManager(4, 2, enable_prefix_caching=True, eviction_policy="slru")._cache.evictor) is SLRUEvictor

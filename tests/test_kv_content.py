@@ -46,6 +46,10 @@ def test_every_configuration_axis_is_drawn():
     assert any(c.tier for c in cfgs) and any(not c.prefix for c in cfgs)
     assert any(c.window for c in cfgs) and any(c.lookahead for c in cfgs) and any(c.events for c in cfgs)
     assert any(c.chunked for c in cfgs) and any(not c.chunked for c in cfgs)
+    assert any(c.window and c.pin_budget for c in cfgs)  # pins with a sliding window
+    hyb = [kv_model.Config.draw_hybrid(random.Random(s)) for s in range(HYBRID_SEEDS)]
+    assert {c.policy for c in hyb} == {"lru", "slru", "session"} and any(c.pin_budget for c in hyb)
+    assert any(c.retention and c.pin_budget for c in hyb) and any(not c.retention and c.pin_budget for c in hyb)
 
 
 HYBRID_SEEDS = int(os.environ.get("PAGEDKV_KV_HYBRID_SEEDS", "16"))
@@ -65,7 +69,7 @@ def test_hybrid_every_sequence_reads_its_own_kv_in_every_group(chunk):
             total[k] = total.get(k, 0) + v
     for what in ("admits", "batch_admits", "decodes", "swap_outs", "swap_ins", "cow", "aborts", "forks", "copies",
                  "hit_tokens", "hits_past_window", "refusals_ok", "chunked_admits", "chunked_batch_admits",
-                 "prefill_chunks", "prefill_last_chunks", "fork_refused_mid_prefill"):
+                 "prefill_chunks", "prefill_last_chunks", "fork_refused_mid_prefill", "pins", "retention_hints"):
         assert total.get(what, 0) > 0, (what, total)
 
 

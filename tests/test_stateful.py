@@ -128,7 +128,7 @@ class PagedKVMachine(RuleBasedStateMachine):
             gpu, bs, num_cpu_blocks=cpu, enable_prefix_caching=self.PREFIX, sliding_window=self.W, watermark=watermark,
             enable_kv_events=self.PREFIX, max_kv_events=self.MAX_EVENTS,
             cpu_prefix_cache=self.TIER and self.PREFIX and cpu > 0,
-            **({"eviction_policy": policy, "pin_budget_blocks": 0 if self.W else budget} if self.RETAIN else {}),
+            **({"eviction_policy": policy, "pin_budget_blocks": budget} if self.RETAIN else {}),
         )
         self.pins: dict[int, tuple] = {}  # pin id -> (namespace, tokens, tokens pinned, GPU blocks, withdrawn ones)
         self.written: list[tuple] = []  # (namespace, tokens) of sequences freed with cache=True (their KV written)

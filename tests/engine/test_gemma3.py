@@ -549,3 +549,31 @@ def test_disk_tier_after_a_restart_one_table_and_groups_refused(gemma, cases, tm
             assert [o.num_cached_tokens for o in outs] == (full if restart else [0] * len(cases))
             assert llm.scheduler.stats.external_tokens == (sum(full) if restart else 0)
             llm.block_manager.check_invariants()
+def test_retention_with_kv_cache_groups_pins_priorities_and_a_policy(gemma, reference):
+    """Gemma 3 on KV cache groups with an eviction policy, priority scheduling and a pin (issue 23 item 4): the pin
+    (through LLM.pin_prefix) holds the full-attention group's blocks and each sliding group's last window of the
+    783-token case, the other cases evict everything else, and the rerun hits the pinned prefix and gives the
+    reference tokens."""
+    c5, others = reference["cases"][5], [reference["cases"][i] for i in (3, 4)]
+    n5 = len(c5["prompt_ids"])
+    window_blocks = blocks(512) + 1  # a window of 512 tokens ending anywhere inside a block
+    budget = n5 // BLOCK + 5 * window_blocks
+    # room for case 3 (945 tokens: 6 x 60 blocks) beside the pin; cases 3 and 4 together need more than is left
+    llm = make_llm(gemma, num_gpu_blocks=budget + 420, eviction_policy="slru", pin_budget_blocks=budget,
+                   scheduling_policy="priority", max_num_batched_tokens=1024)
+    assert llm.kv_cache_groups is not None and llm.block_manager.eviction_policy == "slru"
+    pin = llm.pin_prefix({"prompt_token_ids": c5["prompt_ids"]})
+    assert pin.num_tokens == n5 // BLOCK * BLOCK and n5 // BLOCK < pin.num_blocks <= budget
+    evictions = llm.block_manager.stats.evictions
+    outs = run(llm, others)
+    assert gen(outs) == [c["gen_ids"] for c in others]
+    assert llm.block_manager.stats.evictions > evictions
+    from pagedkv.engine.sampling import SamplingParams
+
+    again = llm.generate([{"prompt_token_ids": c5["prompt_ids"]}],
+                         SamplingParams(temperature=0, max_tokens=c5["max_tokens"], ignore_eos=True),
+                         use_tqdm=False, priority=-1)[0]
+    assert again.num_cached_tokens == (n5 - 1) // BLOCK * BLOCK
+    assert list(again.outputs[0].token_ids) == c5["gen_ids"]
+    llm.unpin(pin.pin_id)
+    llm.block_manager.check_invariants()

@@ -250,3 +250,51 @@ def test_priority_scheduling_eviction_policy_and_pins_give_the_reference(engine,
     assert llm.scheduler.stats.preemptions > 0
     assert llm.block_manager.lookup_prefix(PROMPTS[1][:16] + [0]).num_cached_tokens == 16
     llm.block_manager.check_invariants()
+
+
+def test_llm_pin_prefix_computes_pins_and_survives_pressure(engine):
+    """LLM.pin_prefix computes a prefix that is not cached (a one-token generation), pins its full blocks, and the
+    pin keeps them through a workload that evicts everything else; the rerun hits them and gives the reference."""
+    from pagedkv.errors import InvalidArgumentError, PinBudgetError, UnknownPinError
+
+    n_new = 6
+    llm = make_llm(engine, num_gpu_blocks=18, block_size=4, pin_budget_blocks=5)
+    system = PROMPTS[1]  # 22 tokens: 5 full blocks
+    pin = llm.pin_prefix({"prompt_token_ids": system}, ttl=3600)
+    assert (pin.num_tokens, pin.num_blocks, pin.ttl) == (20, 5, 3600) and llm.pins == (pin,)
+    assert llm.block_manager.num_pinned_blocks == 5
+    assert llm.pin_prefix(system).num_blocks == 5  # pinned again: nested, no budget spent
+    with pytest.raises(PinBudgetError):  # a prefix whose blocks would pass the budget: nothing pinned
+        llm.pin_prefix(PROMPTS[3])
+    assert llm.block_manager.num_pinned_blocks == 5 and len(llm.pins) == 2
+    evictions = llm.block_manager.stats.evictions
+    others = [list(range(1000 + 50 * i, 1030 + 50 * i)) for i in range(4)]  # 4 x 30 tokens through 18 blocks
+    llm.generate([{"prompt_token_ids": p} for p in others], greedy(n_new), use_tqdm=False)
+    assert llm.block_manager.stats.evictions > evictions
+    again = llm.generate([{"prompt_token_ids": system + [5, 6]}], greedy(n_new), use_tqdm=False)[0]
+    assert again.num_cached_tokens == 20
+    assert ids(again) == list(engine.reference_greedy(tuple(system + [5, 6]), n_new).token_ids)
+    for p in llm.pins:
+        llm.unpin(p.pin_id)
+    assert llm.pins == () and llm.block_manager.num_pinned_blocks == 0
+    with pytest.raises(UnknownPinError):
+        llm.unpin(pin.pin_id)
+    assert llm.pin_prefix([1, 2, 3]).pin_id == 0  # shorter than a block: nothing to pin
+    with pytest.raises(InvalidArgumentError):
+        make_llm(engine, num_gpu_blocks=18, block_size=4).pin_prefix(system)  # no pin budget
+    llm.block_manager.check_invariants()
+
+
+def test_forked_samples_inherit_the_request_priority(engine):
+    """n = 2 samples of a request of priority 5: the forked sample's blocks are evicted in the request's class
+    (5), as the parent's, not in the default class; the tokens are the reference's."""
+    n_new = 9
+    llm = make_llm(engine, num_gpu_blocks=40, block_size=4)
+    out = llm.generate([{"prompt_token_ids": PROMPTS[1]}], greedy(n_new, n=2), use_tqdm=False, priority=5)[0]
+    expected = list(engine.reference_greedy(tuple(PROMPTS[1]), n_new).token_ids)
+    assert [ids(out, 0), ids(out, 1)] == [expected, expected]
+    ev = llm.block_manager._cache.evictor
+    # every cached idle block sits in class 5: the prompt's and each sample's own full decode blocks
+    assert set(ev.classes) >= {5} and len(ev.classes[5]) == len(list(ev)) > 22 // 4
+    assert len(ev.classes[0]) == 0
+    llm.block_manager.check_invariants()

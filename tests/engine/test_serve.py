@@ -604,3 +604,57 @@ def test_priority_field_reaches_the_block_manager(engine):
         assert r.status_code == 400 and "priority" in r.text
     finally:
         srv.close()
+
+
+def test_pins_through_the_server(engine, server):
+    """POST /v1/pins computes a prefix that is not cached and pins it (a later request hits it after pressure that
+    evicts everything else), GET lists the pins, DELETE drops one; bad input is a 400, past the budget a 409, an
+    unknown pin a 404, and a server without a pin budget answers 400 (pinning_disabled)."""
+    from pagedkv.engine import LLM
+    from pagedkv.server.launch import make_server
+
+    llm = LLM(engine.paged, num_gpu_blocks=20, max_num_seqs=4, block_size=BLOCK, pin_budget_blocks=4,
+              kv_cache_groups=False)
+    srv = make_server(llm, model_name=MODEL, api_key=KEY, max_waiting=8).start_in_thread()
+    h = {"Authorization": f"Bearer {KEY}"}
+    system = list(range(300, 350))  # 50 tokens: 3 full blocks of 16
+    try:
+        r = httpx.post(srv.url + "/v1/pins", json={"model": MODEL, "prompt": system, "ttl": 600}, headers=h,
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        got = r.json()
+        assert (got["num_tokens"], got["num_blocks"], got["ttl"], got["prompt_tokens"]) == (48, 3, 600, 50)
+        pid = got["pin_id"]
+        assert pid and llm.block_manager.num_pinned_blocks == 3
+        listed = httpx.get(srv.url + "/v1/pins", headers=h, timeout=30).json()
+        assert [p["pin_id"] for p in listed["data"]] == [pid] and listed["num_pinned_blocks"] == 3
+        assert listed["pin_budget_blocks"] == 4
+        # pressure: prompts that need every other block, twice over
+        for i in range(4):
+            body = {"model": MODEL, "prompt": list(range(1000 + 100 * i, 1090 + 100 * i)), "max_tokens": 4,
+                    "temperature": 0}
+            assert httpx.post(srv.url + "/v1/completions", json=body, headers=h, timeout=60).status_code == 200
+        assert llm.block_manager.stats.evictions > 0
+        r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": system + [7, 8],
+                                                           "max_tokens": 2, "temperature": 0}, headers=h, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 48
+        # past the budget: 409, nothing pinned
+        r = httpx.post(srv.url + "/v1/pins", json={"prompt": list(range(500, 540))}, headers=h, timeout=60)
+        assert r.status_code == 409 and r.json()["error"]["code"] == "pin_budget_exceeded"
+        assert llm.block_manager.num_pinned_blocks == 3
+        for bad in ({"prompt": system, "ttl": 0}, {"prompt": system, "ttl": "long"}, {},
+                    {"prompt": system, "messages": [{"role": "user", "content": "x"}]}, {"prompt": system, "x": 1},
+                    {"prompt": [-1, 2]}):
+            r = httpx.post(srv.url + "/v1/pins", json=bad, headers=h, timeout=30)
+            assert r.status_code == 400, (bad, r.text)
+        assert httpx.post(srv.url + "/v1/pins", json={"prompt": system}, timeout=30).status_code == 401
+        assert httpx.delete(srv.url + f"/v1/pins/{pid}", headers=h, timeout=30).json()["deleted"] is True
+        assert llm.block_manager.num_pinned_blocks == 0
+        for gone in (str(pid), "abc", "-1"):
+            r = httpx.delete(srv.url + f"/v1/pins/{gone}", headers=h, timeout=30)
+            assert r.status_code == 404 and r.json()["error"]["code"] == "pin_not_found"
+        llm.block_manager.check_invariants()
+    finally:
+        srv.close()
+    r = httpx.post(server.url + "/v1/pins", json={"prompt": system}, headers=h, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "pinning_disabled"

@@ -150,13 +150,15 @@ class RetentionEvictor:
     window-sized runs at request boundaries stay cached longer than plain LRU would keep them.
 
     The methods of :class:`LRUEvictor` (a push goes to ``main``), plus :meth:`demote_many`. O(1) per block as
-    LRUEvictor; ``discard`` looks up the block's class in O(1).
+    LRUEvictor; ``discard`` looks up the block's class in O(1). ``main``: the evictor of the other blocks, an
+    eviction policy's (:mod:`pagedkv.retention.eviction`; default LRU), which then orders them and takes the
+    session hints; the spare blocks are always LRU.
     """
 
     __slots__ = ("main", "spare")
 
-    def __init__(self, num_blocks: int) -> None:
-        self.main = LRUEvictor(num_blocks)
+    def __init__(self, num_blocks: int, main=None) -> None:
+        self.main = main if main is not None else LRUEvictor(num_blocks)
         self.spare = LRUEvictor(num_blocks)
 
     def __len__(self) -> int:
@@ -166,7 +168,8 @@ class RetentionEvictor:
         return block in self.main or block in self.spare
 
     def hint(self, blocks: np.ndarray, session: object) -> None:
-        """No session hint (:mod:`pagedkv.retention.eviction`)."""
+        """The main evictor's session hint (:mod:`pagedkv.retention.eviction`)."""
+        self.main.hint(blocks, session)
 
     def push(self, block: int) -> None:
         self.main.push(block)
@@ -179,7 +182,11 @@ class RetentionEvictor:
         the main class (referenced, evicted, spare already) are ignored."""
         if blocks.size == 0:
             return
-        live = blocks[self.main.stamp[blocks] != 0]
+        main = self.main
+        if type(main) is LRUEvictor:
+            live = blocks[main.stamp[blocks] != 0]
+        else:  # (another policy: membership block by block)
+            live = blocks[np.fromiter((b in main for b in blocks.tolist()), dtype=np.bool_, count=blocks.size)]
         if live.size:
             self.main.discard_many(live)
             self.spare.push_many(live)

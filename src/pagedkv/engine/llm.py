@@ -30,6 +30,7 @@ import torch
 from ..errors import InvalidArgumentError, PromptTooLongError
 from ..hybrid import HybridBlockManager
 from ..manager import NULL_BLOCK, AllocStatus, BlockManager
+from ..retention.steering import Pin
 from ..scheduler import FINISH_STOP, Scheduler
 from .model import build_attention_metadata, build_group_attention_metadata, execute_copy_plan
 from .registry import load_model, make_tokenizer
@@ -173,6 +174,12 @@ class LLM:
     (``PrefillWork.num_external_tokens``); a failed or corrupt load computes what it could not load. Models with
     KV cache groups (Gemma 3 with ``kv_cache_groups=True``) and ``sliding_window`` refuse tiers
     (``InvalidArgumentError``). Call :meth:`close` (or use ``with LLM(...) as llm``) to finish the stores.
+        scheduling_policy: ``"fcfs"`` (default) or ``"priority"`` (vLLM's: admission by (priority, arrival),
+            preemption of the largest first; :meth:`generate`'s ``priority``).
+        eviction_policy: the prefix cache's eviction order, ``"lru"`` (default), ``"slru"`` or ``"session"``
+            (:mod:`pagedkv.retention.eviction`), with one block table or KV cache groups alike.
+        pin_budget_blocks: the most KV blocks (every group's, with KV cache groups) :meth:`pin_prefix` may hold
+            pinned (0, the default: no pins).
     """
 
     def __init__(
@@ -281,17 +288,12 @@ class LLM:
             num_cpu_blocks = int(swap_space * 2**30) // per_block
         common = dict(num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=enable_prefix_caching,
                       enable_kv_events=enable_kv_events, cpu_prefix_cache=cpu_prefix_cache)
+        common.update(eviction_policy=eviction_policy, pin_budget_blocks=pin_budget_blocks)
         if grouped:
-            if eviction_policy != "lru" or pin_budget_blocks:
-                raise InvalidArgumentError(
-                    "eviction_policy and pin_budget_blocks are not available with KV cache groups yet "
-                    "(pass kv_cache_groups=False for one block table)")
             self.block_manager = HybridBlockManager(num_gpu_blocks, block_size, kv_cache_groups=self.kv_cache_groups,
                                                     **common)
         else:
-            self.block_manager = BlockManager(num_gpu_blocks, block_size, sliding_window=sliding_window,
-                                              eviction_policy=eviction_policy, pin_budget_blocks=pin_budget_blocks,
-                                              **common)
+            self.block_manager = BlockManager(num_gpu_blocks, block_size, sliding_window=sliding_window, **common)
         self._timed_bm = _TimedCalls(self.block_manager)
         self.scheduler = Scheduler(
             self._timed_bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -388,6 +390,50 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [r.result for r in requests]
+
+    def pin_prefix(self, prompt: str | Mapping[str, Any] | Sequence[int], *, ttl: float | None = None,
+                   namespace: Any = None, compute: bool = True) -> Pin:
+        """Pin a prefix (a system prompt, a tool list) in the prefix cache: its blocks are never evicted while
+        pinned (:meth:`pagedkv.BlockManager.pin_prefix`; with KV cache groups, every group's blocks a hit at its
+        length needs: :meth:`pagedkv.HybridBlockManager.pin_prefix`). ``prompt``: a string (encoded as
+        :meth:`generate` encodes it, special tokens included), ``{"prompt_token_ids": [...]}`` or a list of token
+        ids. ``compute`` (default): when the prefix's full blocks are not all cached, its KV is computed first
+        (a one-token generation of the prefix; not while another thread runs this LLM); False: pin only what is
+        cached. ``ttl``: seconds, refreshed on every hit (None: until :meth:`unpin`). Returns the
+        :class:`~pagedkv.Pin` (``num_tokens``: the tokens pinned, a multiple of the block size; ``pin_id`` 0 when
+        nothing could be pinned, e.g. a prefix shorter than a block). Needs ``pin_budget_blocks`` > 0 and prefix
+        caching (InvalidArgumentError); past the budget PinBudgetError, nothing pinned. O(prefix) plus the
+        prefill when it computes."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        elif isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
+            ids = [int(t) for t in prompt["prompt_token_ids"]]
+        elif isinstance(prompt, Sequence) and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
+                                                   for t in prompt):
+            ids = [int(t) for t in prompt]
+        else:
+            raise InvalidArgumentError("a prompt to pin is a string, {'prompt_token_ids': [...]} or a list of token ids")
+        bm = self.block_manager
+        if not bm.enable_prefix_caching or not bm.pin_budget_blocks:
+            raise InvalidArgumentError("pin_prefix needs enable_prefix_caching=True and pin_budget_blocks > 0")
+        if not ids:
+            raise InvalidArgumentError("empty prompt")
+        full = len(ids) // bm.block_size * bm.block_size
+        if compute and full and bm.lookup_prefix(ids + ids[:1], namespace=namespace).num_cached_tokens < full:
+            req = self._make_request({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, temperature=0.0),
+                                     namespace=namespace)
+            for _ in self._run([req]):
+                pass
+        return bm.pin_prefix(ids, ttl=ttl, namespace=namespace)
+
+    def unpin(self, pin_id: int) -> None:
+        """Drop a pin made by :meth:`pin_prefix` (UnknownPinError if there is none by that id, e.g. expired)."""
+        self.block_manager.unpin(pin_id)
+
+    @property
+    def pins(self) -> tuple:
+        """The live pins (:class:`~pagedkv.Pin`; expired ones dropped first)."""
+        return self.block_manager.pins
 
     def chat(
         self,

@@ -144,7 +144,10 @@ class HybridAllocator:
             cids, cks = (cache.cid[held[last]].tolist(), cache.key[held[last]].tolist()) if held.size else (last, last)
             # (a window of one token holds no block: its chain is not known past the hit)
             groups = [(b, None, (c, k) if b.size else (0, 0), L - b.size) for b, c, k in zip(blks, cids, cks)]
-            need = G * (nblocks - L) + int(np.count_nonzero(self.gpu.ref[held] == 0))
+            idle = self.gpu.ref[held] == 0
+            if getattr(cache.evictor, "num_parked", 0):  # pinned idle hits are not in num_free: they take none
+                idle &= ~cache.evictor.parked[held]
+            need = G * (nblocks - L) + int(np.count_nonzero(idle))
         else:
             held = None
             groups = [(blks[g], None, roots[g], 0) for g in range(G)]
@@ -205,6 +208,7 @@ class HybridAllocator:
             nblocks = -(-(n + la) // bs)
         ref = self.gpu.ref_mv
         cid, ckey, cpu_id = cache.cid, cache.key, self.cpu_id
+        parked = cache.evictor.parked if getattr(cache.evictor, "num_parked", 0) else None
         groups, need, ncpu = [], 0, 0
         for g, spec in enumerate(self.specs):
             if spec.window is None:
@@ -219,7 +223,7 @@ class HybridAllocator:
             for j, e in enumerate(ents, nnull):
                 if e >= 0:
                     gpu.append(e)
-                    if ref[e] == 0:
+                    if ref[e] == 0 and (parked is None or not parked[e]):  # (a pinned idle hit takes none)
                         reused += 1
                 else:
                     if cpu is None:

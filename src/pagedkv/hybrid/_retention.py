@@ -42,25 +42,41 @@ class WindowRetention:
     """The retention policy of one HybridBlockManager: the useful points per row (rows are shared by every group
     manager of the coordinator) and the demotion of released blocks that no useful point needs."""
 
-    __slots__ = ("bs", "interval", "pblk", "cache", "ref")
+    __slots__ = ("bs", "interval", "pblk", "prio", "cache", "ref", "steer")
 
     def __init__(self, block_size: int, interval: int | None, cache, ref: np.ndarray) -> None:
         self.bs = block_size
         self.interval = (interval // block_size) if interval else 0  # in blocks; 0: no interval points
         self.pblk = np.zeros(8, dtype=np.int64)  # per row: prompt tokens // block_size
+        self.prio = np.zeros(8, dtype=np.int64)  # per row: the retention priority (set_retention)
         self.cache = cache
         self.ref = ref
+        self.steer = None  # the SteeredEvictor once installed: window releases are tagged with the row's priority
 
     def set_prompt(self, row: int, prompt_tokens: int) -> None:
         if row >= self.pblk.size:
-            p = np.zeros(max(2 * self.pblk.size, row + 1), dtype=np.int64)
+            n = max(2 * self.pblk.size, row + 1)
+            p = np.zeros(n, dtype=np.int64)
             p[: self.pblk.size] = self.pblk
             self.pblk = p
+            q = np.zeros(n, dtype=np.int64)
+            q[: self.prio.size] = self.prio
+            self.prio = q
         self.pblk[row] = prompt_tokens // self.bs
+        self.prio[row] = 0
+
+    def set_priority(self, row: int, priority: int) -> None:
+        self.prio[row] = priority
 
     def copy_row(self, src: int, dst: int) -> None:
         self.set_prompt(dst, 0)
         self.pblk[dst] = self.pblk[src]
+        self.prio[dst] = self.prio[src]
+
+    def tag(self, rows, blocks: np.ndarray) -> None:
+        """Tag window-released ``blocks`` (of ``rows``: one row, or one per block) with their rows' priority."""
+        held = blocks >= 0
+        self.steer.tag(blocks[held], self.prio[rows] if np.ndim(rows) == 0 else self.prio[rows][held])
 
     def kept(self, row: int, pos: np.ndarray, k: int, end_blk: int = -1) -> np.ndarray:
         """Which table positions ``pos`` of ``row`` lie in a window before a useful point (``k``: the group's
@@ -117,6 +133,8 @@ class RetainingWindow(Window):
             rr = np.repeat(rows, stop - first)
             pos = np.concatenate([np.arange(a, z) for a, z in zip(first.tolist(), stop.tolist())])
         blk = self.t.table[rr, pos]  # (a copy: fancy indexing)
+        if ret.steer is not None:
+            ret.tag(rr, blk)
         super().release(release, changed)
         ret.demote(blk, ret.kept_rows(rr, pos, self.k))
 
@@ -134,6 +152,9 @@ class RetainingWindow(Window):
                 a = int(t.nrel[r])
                 if target > a:
                     parts.append((r, t.table[r, a:target].copy(), np.arange(a, target)))
+        if ret.steer is not None:
+            for r, blk, _ in parts:
+                ret.tag(r, blk)
         super().release_small(rows, changed)
         for r, blk, pos in parts:
             ret.demote(blk, ret.kept(r, pos, self.k))

@@ -38,21 +38,42 @@ class HybridSeqs:
     ``gpu`` (the GPU pool), ``cache`` (the prefix cache or None), ``tier`` (the CPU tier or None) and ``bs``."""
 
     __slots__ = ("groups", "tables", "t0", "regs", "wins", "windows", "retention", "blocks", "gpu", "cache",
-                 "tier", "bs")
+                 "tier", "bs", "hints", "steer")
 
     def __init__(self, groups: list, tables: list, regs: list, wins: list, windows: list, retention, blocks,
-                 gpu, cache, tier, bs: int) -> None:
+                 gpu, cache, tier, bs: int, hints: dict | None = None) -> None:
         self.groups, self.tables, self.t0, self.regs = groups, tables, tables[0], regs
         self.wins, self.windows, self.retention = wins, windows, retention
         self.blocks, self.gpu, self.cache, self.tier, self.bs = blocks, gpu, cache, tier, bs
+        self.hints = hints if hints is not None else {}  # the coordinator's set_retention hints (seq_id -> (p, s))
+        self.steer = None  # the SteeredEvictor once installed (priority classes and pins)
 
     def fork(self, parent: Hashable, child: Hashable) -> None:
-        """Every group's fork (group 0 first: it raises, changing nothing, before any group changes)."""
+        """Every group's fork (group 0 first: it raises, changing nothing, before any group changes); the child
+        takes the parent's retention priority (not its session hint)."""
         for m in self.groups:
             m.fork(parent, child)
         if self.retention is not None:
             row_of = self.t0.row_of
             self.retention.copy_row(row_of[parent], row_of[child])
+        h = self.hints.get(parent) if self.hints else None
+        if h is not None and h[0]:
+            self.hints[child] = (h[0], None)
+
+    def retain(self, seq_id: Hashable, row: int) -> None:
+        """Tag every group's GPU blocks of the sequence with its retention hint (priority classes) and give the
+        policy its session hint once, for all of them, just before the groups release them (their free)."""
+        prio, session = self.hints.pop(seq_id, (0, None))
+        if self.t0.swapped[row]:
+            return
+        parts = [t.table[row, int(t.nrel[row]) : int(t.nblk[row])] for t in self.tables]
+        blocks = np.concatenate(parts).astype(np.int64)
+        blocks = blocks[blocks >= 0]
+        ev = self.cache.evictor
+        if self.steer is not None:
+            ev.tag(blocks, prio)
+        if session is not None:
+            ev.hint(blocks, session)
 
     def free(self, seq_id: Hashable, cache: bool) -> None:
         """Every group's free, all or nothing (``cache=False``: every group's withdrawal checked first); with
@@ -66,6 +87,10 @@ class HybridSeqs:
                 blocks = blocks[blocks >= 0]
                 if (ref[blocks] > 1).any():
                     reg.withdraw_pending(seq_id, row)  # raises, changing nothing
+        if self.cache is not None and (self.hints or self.steer is not None):
+            if cache and not t0.swapped[row] and t0.stepping and t0.ntok[row] != t0.ntok0[row]:
+                self.groups[0].free(seq_id, cache=cache)  # refused (same step): raises, changing nothing
+            self.retain(seq_id, row)
         ret = self.retention
         if ret is None or t0.swapped[row]:
             for m in self.groups:

@@ -61,13 +61,16 @@ from ._step import HybridStepper
 from ._swap import HybridSwapper
 from ._types import HybridPrefillBatch, HybridStepDelta, HybridStepResult
 from ._retention import WindowRetention, _SlidingGroup
-from ..errors import DuplicateSequenceError, InvalidArgumentError, InvalidTokensError, OutOfBlocksError, SequenceStateError
+from ..errors import (DuplicateSequenceError, InvalidArgumentError, InvalidTokensError, OutOfBlocksError,
+                      SequenceStateError, UnknownPinError)
 from ..blocks.evictor import RetentionEvictor
 from ..kv_groups import FullAttentionSpec, SlidingWindowSpec
 from ..manager import BlockManager
 from ..manager import _invariants
 from ..manager._external import External, Hold
 from ..manager._stores import STORE_POLICIES, StorePlan, Stores
+from ..retention.eviction import make_evictor
+from ..retention.steering import Pin, SteeredEvictor
 from ..types import AllocStatus, CopyPlan, PrefixHit, Stats
 
 __all__ = ["HybridBlockManager", "HybridPrefillBatch", "HybridStepDelta", "HybridStepResult"]
@@ -95,7 +98,10 @@ class HybridBlockManager:
     ``window_retention`` (default on; with prefix caching and a sliding group): released sliding-group blocks
     outside the windows before useful points (prompt end, sequence end, every ``retention_interval`` tokens:
     by default 16 windows of the widest group, 0 for none) are evicted before any other cached block, so hybrid
-    prefix hits survive memory pressure (:mod:`pagedkv.hybrid._retention`).
+    prefix hits survive memory pressure (:mod:`pagedkv.hybrid._retention`); ``eviction_policy`` and
+    ``pin_budget_blocks`` as BlockManager's (the policy orders the cached blocks that window retention does not
+    make spare; spare blocks go first whatever their priority), with :meth:`set_retention`, :meth:`pin_prefix`
+    and :meth:`unpin` over every group's blocks.
 
     Same method names and semantics as :class:`pagedkv.BlockManager`; per-group results (``decode_step`` ->
     :class:`HybridStepResult`, ``allocate_batch`` -> :class:`HybridPrefillBatch`), and ``block_table`` /
@@ -130,6 +136,8 @@ class HybridBlockManager:
         retention_interval: int | None = None,
         store_policy: str = "none",
         store_min_hits: int = 1,
+        eviction_policy: str = "lru",
+        pin_budget_blocks: int = 0,
     ) -> None:
         specs = _check_groups(kv_cache_groups)
         if store_policy not in STORE_POLICIES:
@@ -146,8 +154,11 @@ class HybridBlockManager:
                              num_gpu_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
                              enable_prefix_caching=enable_prefix_caching, sliding_window=specs[0].window,
                              watermark=watermark, enable_kv_events=enable_kv_events, max_kv_events=max_kv_events,
-                             cpu_prefix_cache=cpu_prefix_cache, block_table_width=block_table_width)
+                             cpu_prefix_cache=cpu_prefix_cache, block_table_width=block_table_width,
+                             eviction_policy=eviction_policy, pin_budget_blocks=pin_budget_blocks)
         self._specs = specs
+        self._policy, self._pin_budget = first._policy, first._pin_budget
+        self._hints: dict = {}  # seq_id -> (priority, session) given by set_retention, used by free
         self._g = [first] + [(_SlidingGroup if retain and s.window is not None else BlockManager)._sharing(first, s.window)
                              for s in specs[1:]]
         self._m0 = first
@@ -170,8 +181,9 @@ class HybridBlockManager:
             m._reg.use_runs = False
         # window retention (pagedkv.hybrid._retention): spare sliding blocks are evicted first
         self._retention = None
-        if retain:
-            self._cache.evictor = RetentionEvictor(self._gpu.num_blocks)
+        if retain:  # (the policy, if not LRU, orders the blocks that are not spare)
+            main = None if self._policy == "lru" else self._cache.evictor
+            self._cache.evictor = RetentionEvictor(self._gpu.num_blocks, main)
             self._retention = WindowRetention(bs, retention_interval, self._cache, self._gpu.ref)
             for m, s in zip(gs, self._specs):
                 if s.window is not None:
@@ -186,7 +198,7 @@ class HybridBlockManager:
                                    bs, m0._fixed_w)
         self._swap = HybridSwapper(tables, [m._swap for m in gs], blocks, self._gpu, bs, m0._watermark_blocks)
         self._seqs = HybridSeqs(gs, tables, [m._reg for m in gs], wins, [m._window for m in gs], self._retention,
-                                blocks, self._gpu, self._cache, self._tier, bs)
+                                blocks, self._gpu, self._cache, self._tier, bs, self._hints)
         # holds and store plans over every group (external loads: not on the hybrid manager yet)
         self._ext = External(self._t0, blocks, m0._reg, self._alloc, self._cache, bs, tables=tables,
                              regs=[m._reg for m in gs])
@@ -670,3 +682,100 @@ class HybridBlockManager:
         """Bring swapped-out sequences back in every group; (cpu, gpu) pairs of every group. All or nothing.
         O(total table length x groups)."""
         return self._swap.swap_in(list(seq_ids))
+
+    # ------------------------------------------------------------------ retention (priority, session, pins)
+    @property
+    def eviction_policy(self) -> str:
+        """The eviction policy's name (:mod:`pagedkv.retention.eviction`)."""
+        return self._policy
+
+    @property
+    def pin_budget_blocks(self) -> int:
+        """The most distinct GPU blocks (all groups together) pins may hold."""
+        return self._pin_budget
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        """Distinct GPU blocks held by pins, every group's (what the pin budget counts)."""
+        ev = self._cache.evictor if self._cache is not None else None
+        return ev.num_pinned if isinstance(ev, SteeredEvictor) else 0
+
+    @property
+    def pins(self) -> tuple:
+        """The live pins (expired ones dropped first)."""
+        ev = self._cache.evictor if self._cache is not None else None
+        return ev.pin_list() if isinstance(ev, SteeredEvictor) else ()
+
+    def set_retention(self, seq_id: Hashable, *, priority: int = 0, session: Hashable = None) -> None:
+        """How the sequence's blocks, in every group, are kept once they are released (see
+        BlockManager.set_retention): ``priority`` tags every group's blocks at :meth:`free`, and, with window
+        retention, a sliding group's blocks its window releases while the sequence runs; ``session`` is one
+        hint for every group's blocks (one request of the conversation). A :meth:`fork` child takes the
+        priority. Raises UnknownSequenceError or InvalidArgumentError (needs prefix caching), changing nothing.
+        O(1)."""
+        row = self._t0.row(seq_id)
+        if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
+            raise InvalidArgumentError(f"priority must be an int, got {priority!r}")
+        if self._cache is None:
+            raise InvalidArgumentError("set_retention needs enable_prefix_caching=True")
+        hash(session)
+        if priority:
+            self._steering()
+        self._hints[seq_id] = (int(priority), session)
+        if self._retention is not None:
+            self._retention.set_priority(row, int(priority))
+
+    def pin_prefix(self, token_ids: Sequence[int], *, ttl: float | None = None, namespace: object = None) -> Pin:
+        """Pin the cached GPU blocks that a hybrid hit at this prefix's length needs, in every group: a
+        full-attention group's blocks ``[0, L)``, a sliding group's last window before L (the blocks covering
+        ``(L - W, L)``), where L is the longest hybrid hit of the prefix's full blocks with every needed block on
+        the GPU (CPU-tier blocks are not pinned: L stops before them). ``Pin.num_tokens`` is ``L * block_size``,
+        ``Pin.num_blocks`` the blocks of every group; nothing found: ``Pin(0, 0, 0, ttl)``, nothing pinned.
+        Budget, TTL (refreshed when a hit takes the pin's last full-attention block back or it is released),
+        parking and errors as BlockManager.pin_prefix. O(prompt blocks x groups)."""
+        if self._cache is None or not self._pin_budget:
+            raise InvalidArgumentError("pin_prefix needs enable_prefix_caching=True and pin_budget_blocks > 0")
+        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0):
+            raise InvalidArgumentError(f"ttl must be a positive number of seconds or None, got {ttl!r}")
+        arr = as_tokens(token_ids)
+        gns = self._alloc.gns(namespace)
+        bs = self._bs
+        nfull = arr.size // bs
+        while True:
+            # (one token more: a hit leaves the last token to compute; a pin covers every full block)
+            probe = np.append(arr[: nfull * bs], arr[:1])
+            plan = self._alloc.plan(probe, 0, gns, check=False)
+            cpu = [j for _, c, _, _ in plan.groups if c for j, _ in c]
+            if not cpu:
+                break
+            nfull = min(cpu)  # a hit point past a CPU-tier block needs it: stop before it
+        L = plan.nhit
+        parts = [[int(b) for b in gpu if b >= 0] for gpu, _, _, _ in plan.groups] if L else []
+        if not any(parts):
+            return Pin(0, 0, 0, ttl)
+        last = next((g for g, s in enumerate(self._specs) if s.window is None), 0)
+        order = [g for g in range(len(parts)) if g != last] + [last]  # the anchor's last block last (TTL refresh)
+        blocks = np.array([b for g in order for b in parts[g]], dtype=np.int64)
+        return self._steering().pin(blocks, L * bs, ttl)
+
+    def unpin(self, pin_id: int) -> None:
+        """Drop a pin (UnknownPinError if there is none by that id); see BlockManager.unpin. O(its blocks)."""
+        ev = self._cache.evictor if self._cache is not None else None
+        if not isinstance(ev, SteeredEvictor):
+            raise UnknownPinError(f"no pin {pin_id!r} (unpinned already, expired, or never made)")
+        ev.unpin(pin_id)
+
+    def _steering(self) -> SteeredEvictor:
+        """The prefix cache's evictor as a SteeredEvictor, installed once over the current one (over window
+        retention's evictor, its spare blocks stay first); the coordinator's parts are told."""
+        cache = self._cache
+        ev = cache.evictor
+        if not isinstance(ev, SteeredEvictor):
+            policy = self._policy
+            ev = cache.evictor = SteeredEvictor(ev, self._gpu.num_blocks, lambda n: make_evictor(policy, n),
+                                                cache.cid, self._pin_budget)
+            self._seqs.steer = ev
+            if self._retention is not None:
+                self._retention.steer = ev
+        return ev
+

@@ -100,8 +100,13 @@ class Stepper:
         if release is not None:
             blk = np.concatenate([t.table[r, a:z] for r, a, z in zip(*release)])
             rel = np.unique(blk[blk >= 0], return_counts=True)
-            # a block is freed when every holder releases it in this step (forks advancing in lockstep)
-            available += int((ref[rel[0]] == rel[1]).sum())
+            # a block is freed when every holder releases it in this step (forks advancing in lockstep), unless a
+            # pin holds it (pagedkv.retention.steering: it is parked, neither free nor evictable)
+            freed = rel[0][ref[rel[0]] == rel[1]]
+            available += freed.size
+            ev = self.cache.evictor if self.cache is not None else None
+            if freed.size and getattr(ev, "num_pinned", 0):
+                available -= int(np.count_nonzero(ev.held(freed)))
         # copy-on-write: existing blocks that receive one of the new tokens, or hold one of the reserved lookahead
         # slots (the engine writes draft KV there), and are still shared once the window has released what it
         # releases (a fork shares the parent's lookahead-only blocks too)

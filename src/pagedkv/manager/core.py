@@ -177,8 +177,6 @@ class BlockManager:
             make_evictor(eviction_policy, 1)  # raises, naming the policies
         if (eviction_policy != "lru" or pin_budget_blocks) and not enable_prefix_caching:
             raise InvalidArgumentError("eviction_policy and pin_budget_blocks need enable_prefix_caching=True")
-        if pin_budget_blocks and sliding_window is not None:  # (the step counts window-released blocks as free)
-            raise InvalidArgumentError("pin_budget_blocks is not available with a sliding window yet")
         block_size = _check_int("block_size", block_size, 1)
         num_cpu_blocks = _check_int("num_cpu_blocks", num_cpu_blocks, 0)
         max_kv_events = _check_int("max_kv_events", max_kv_events, 1)
@@ -740,6 +738,8 @@ class BlockManager:
         if t.partial:
             t.partial.pop(parent_seq_id, None)  # (complete: forget it only once the fork cannot fail)
         self._small.fork_row(prow, child_seq_id)
+        if self._hints:
+            self._inherit(parent_seq_id, child_seq_id)
         if t.stepping:
             t.ntok0[t.row_of[child_seq_id]] = t.ntok0[prow]
 
@@ -933,8 +933,9 @@ class BlockManager:
         before any block of a smaller one (:mod:`pagedkv.retention.steering`). ``session`` (a conversation id, any
         hashable): a hint for the ``"session"`` eviction policy, which keeps the blocks of a conversation longer
         the more requests it has had; other policies ignore it. Set it any time before the free; the last call
-        wins. Raises UnknownSequenceError or InvalidArgumentError (needs prefix caching), changing nothing. O(1);
-        the first non-default priority switches on the priority classes (:class:`SteeredEvictor`)."""
+        wins. A :meth:`fork` child takes its parent's priority (the session hint stays the parent's). Raises
+        UnknownSequenceError or InvalidArgumentError (needs prefix caching), changing nothing. O(1); the first
+        non-default priority switches on the priority classes (:class:`SteeredEvictor`)."""
         self._t.any_row(seq_id)  # (a LOADING sequence too: free applies the hint)
         if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
             raise InvalidArgumentError(f"priority must be an int, got {priority!r}")
@@ -951,7 +952,10 @@ class BlockManager:
         says how many tokens that is (0, with ``pin_id`` 0: nothing cached, and nothing pinned). ``ttl`` (seconds, None: until
         :meth:`unpin`) is refreshed each time a hit takes the pin's last block back or it is released. The
         distinct pinned blocks of all pins stay within ``pin_budget_blocks``: past it PinBudgetError, nothing
-        pinned. Raises InvalidArgumentError (no prefix caching, no budget, bad ttl), InvalidTokensError.
+        pinned. With a sliding window a pin holds the same blocks, every full block of the prefix: a hit at the
+        pin's length needs them all (the lookup walks the chain from the first block), even those that no query
+        of a live sequence sees any more; the step does not count a pinned block its window releases as free.
+        Raises InvalidArgumentError (no prefix caching, no budget, bad ttl), InvalidTokensError.
         O(prompt blocks)."""
         if self._cache is None or not self._pin_budget:
             raise InvalidArgumentError("pin_prefix needs enable_prefix_caching=True and pin_budget_blocks > 0")
@@ -988,6 +992,13 @@ class BlockManager:
                                            cache.cid, self._pin_budget)
             self._steered = True
         return cache.evictor
+
+    def _inherit(self, parent: Hashable, child: Hashable) -> None:
+        """A forked child takes its parent's retention priority (not its session hint: the session policy counts
+        one request per hint). O(1)."""
+        h = self._hints.get(parent)
+        if h is not None and h[0]:
+            self._hints[child] = (h[0], None)
 
     def _retain(self, seq_id: Hashable, row: int) -> None:
         """Tag the sequence's GPU blocks with its retention hint just before free releases them."""

@@ -15,6 +15,10 @@ path is unchanged.
   nothing. A pin may have a TTL in seconds, refreshed each time its last block is taken back by a hit or
   released; expired pins are dropped lazily, by the next call that counts or evicts evictable blocks. A block
   whose content left the cache while pinned (an aborted write) is no longer held by its pin.
+- *Spare blocks* (:class:`pagedkv.HybridBlockManager`'s window retention, :mod:`pagedkv.hybrid._retention`): over a
+  :class:`~pagedkv.blocks.evictor.RetentionEvictor` the steered evictor keeps its *spare* LRU (released
+  sliding-window blocks no hit point needs) above every class: spare blocks of any priority are evicted before
+  any block of a class (:meth:`SteeredEvictor.demote_many` moves idle blocks there; pinned ones stay parked).
 
 Costs: O(1) per block on top of the policy (a class lookup); a pin or unpin O(its blocks); expiry O(pins).
 """
@@ -56,6 +60,10 @@ class SteeredEvictor:
     def __init__(self, base, num_blocks: int, make: Callable, cid: np.ndarray, budget: int = 0,
                  clock: Callable[[], float] | None = None) -> None:
         self._make, self._nb, self._cid = make, num_blocks, cid
+        # over a RetentionEvictor (window retention): its spare LRU stays above every class, its main one is class 0
+        self.spare = getattr(base, "spare", None)
+        if self.spare is not None:
+            base = base.main
         self.classes = {0: base}
         self._order = [0]  # eviction order: largest priority value first
         self.tagged = np.zeros(num_blocks, dtype=np.int64)  # the priority of the block's next push
@@ -89,7 +97,8 @@ class SteeredEvictor:
         if blocks.size:
             self._class(int(self.tagged[blocks[0]])).hint(blocks, session)
 
-    def _held(self, blocks: np.ndarray) -> np.ndarray:
+    def held(self, blocks: np.ndarray) -> np.ndarray:
+        """Which ``blocks`` a pin holds (pinned for the content they hold now): parked, not evictable, once idle."""
         return (self.pin_count[blocks] > 0) & (self.pin_cid[blocks] == self._cid[blocks])
 
     def push(self, block: int) -> None:
@@ -107,7 +116,7 @@ class SteeredEvictor:
         if blocks.size == 0:
             return
         if self.num_pinned:
-            held = self._held(blocks)
+            held = self.held(blocks)
             if held.any():
                 for b in blocks[held].tolist():
                     self.push(b)
@@ -130,6 +139,10 @@ class SteeredEvictor:
             self.num_parked -= 1
             self._touch(block)
             return
+        sp = self.spare
+        if sp is not None and sp.stamp_mv[block]:
+            sp.discard(block)
+            return
         self.classes[int(self.where[block])].discard(block)
 
     def discard_many(self, blocks: np.ndarray) -> None:
@@ -141,6 +154,12 @@ class SteeredEvictor:
                 for b in blocks[pk].tolist():
                     self.discard(b)
                 blocks = blocks[~pk]
+        sp = self.spare
+        if sp is not None and len(sp):
+            m = sp.stamp[blocks] != 0
+            if m.any():
+                sp.discard_many(blocks[m])
+                blocks = blocks[~m]
         if len(self.classes) == 1:
             self.classes[0].discard_many(blocks)
             return
@@ -148,8 +167,29 @@ class SteeredEvictor:
         for v in set(w.tolist()):
             self.classes[v].discard_many(blocks[w == v])
 
+    def demote_many(self, blocks: np.ndarray) -> None:
+        """Move idle ``blocks`` (distinct, in order) out of their classes to the most recent end of the spare LRU
+        (window retention); blocks that are not in a class (referenced, parked, evicted, spare already) are
+        ignored. O(blocks) numpy work plus one call per class touched."""
+        sp = self.spare
+        if sp is None or blocks.size == 0:
+            return
+        blocks = np.asarray(blocks, dtype=np.int64)
+        inside = np.fromiter((b in self.classes[w] for b, w in zip(blocks.tolist(), self.where[blocks].tolist())),
+                             dtype=np.bool_, count=blocks.size)
+        blocks = blocks[inside]
+        if blocks.size == 0:
+            return
+        w = self.where[blocks]
+        for v in set(w.tolist()):
+            self.classes[v].discard_many(blocks[w == v])
+        sp.push_many(blocks)
+
     def pop(self) -> int:
         self._due()
+        sp = self.spare
+        if sp is not None and len(sp):
+            return sp.pop()
         for p in self._order:
             c = self.classes[p]
             if len(c):
@@ -159,6 +199,13 @@ class SteeredEvictor:
     def pop_many(self, n: int) -> np.ndarray:
         self._due()
         out = []
+        sp = self.spare
+        if sp is not None and len(sp):
+            k = min(n, len(sp))
+            out.append(sp.pop_many(k).astype(np.int32))
+            n -= k
+            if not n:
+                return out[0]
         for p in self._order:
             c = self.classes[p]
             k = min(n, len(c))
@@ -171,13 +218,16 @@ class SteeredEvictor:
 
     def __len__(self) -> int:
         self._due()
-        return sum(len(c) for c in self.classes.values())
+        n = sum(len(c) for c in self.classes.values())
+        return n + len(self.spare) if self.spare is not None else n
 
     def __contains__(self, block: int) -> bool:
-        return any(block in c for c in self.classes.values())
+        return (self.spare is not None and block in self.spare) or any(block in c for c in self.classes.values())
 
     def __iter__(self) -> Iterator[int]:
-        """Evictable blocks in eviction order (the lowest priority's class first)."""
+        """Evictable blocks in eviction order (spare ones first, then the lowest priority's class first)."""
+        if self.spare is not None:
+            yield from self.spare
         for p in self._order:
             yield from self.classes[p]
 
@@ -191,11 +241,17 @@ class SteeredEvictor:
             raise PinBudgetError(
                 f"pinning {blocks.size} blocks ({new.size} not pinned yet) would hold {self.num_pinned + new.size} "
                 f"pinned blocks; the pin budget is {self.budget} (pin_budget_blocks)")
-        fresh = blocks[~self._held(blocks)]  # not held until now (new, or their pinned content had left)
+        fresh = blocks[~self.held(blocks)]  # not held until now (new, or their pinned content had left)
         self.pin_cid[blocks] = self._cid[blocks]
         self.pin_count[blocks] += 1
         self.num_pinned += new.size
-        for b in fresh.tolist():  # idle ones leave their class for the parking
+        sp = self.spare
+        for b in fresh.tolist():  # idle ones leave their class (or the spare LRU) for the parking
+            if sp is not None and sp.stamp_mv[b]:
+                sp.discard(b)
+                self.parked[b] = True
+                self.num_parked += 1
+                continue
             c = self.classes.get(int(self.where[b]))
             if c is not None and b in c:
                 c.discard(b)
@@ -271,16 +327,21 @@ class SteeredEvictor:
         pk = np.flatnonzero(self.parked)
         if pk.size != self.num_parked:
             fail("parked count is wrong")
-        if (ref[pk] != 0).any() or (self._cid[pk] == 0).any() or not self._held(pk).all():
+        if (ref[pk] != 0).any() or (self._cid[pk] == 0).any() or not self.held(pk).all():
             fail("a parked block is referenced, uncached or not pinned for its content")
         if int(np.count_nonzero(self.pin_count)) != self.num_pinned or self.num_pinned > self.budget:
             fail("pinned blocks are not counted within the budget")
         if (self.pin_count < 0).any():
             fail("a pin count is negative")
+        spare = np.asarray(list(self.spare) if self.spare is not None else [], dtype=np.int64)
+        if self.parked[spare].any():
+            fail("a spare block is parked")
         for p, c in self.classes.items():
             inside = np.asarray(list(c), dtype=np.int64)
             if (self.where[inside] != p).any() or self.parked[inside].any():
                 fail(f"priority class {p} holds a block filed elsewhere or parked")
+            if np.intersect1d(inside, spare).size:
+                fail(f"priority class {p} holds a spare block")
         counts = np.zeros_like(self.pin_count)
         for blocks, *_ in self.pins.values():
             np.add.at(counts, blocks, 1)

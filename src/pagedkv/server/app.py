@@ -2,7 +2,10 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``"stream": true`` answers Server-Sent Events,
 one ``data: {chunk}`` per step that produced text, ending with ``data: [DONE]``), ``GET /v1/models``,
-``GET /health`` and ``GET /metrics`` (Prometheus text). With an API key, every ``/v1`` route needs
+``GET /health`` and ``GET /metrics`` (Prometheus text); the pins of the prefix cache (``--pin-budget-blocks``):
+``POST /v1/pins`` (pin a prefix: ``prompt`` or ``messages``, ``ttl`` seconds, ``cache_salt``; its KV is computed
+first when it is not cached; 409 ``pin_budget_exceeded`` past the budget, 400 when pinning is off),
+``GET /v1/pins`` and ``DELETE /v1/pins/{pin_id}`` (404 ``pin_not_found``). With an API key, every ``/v1`` route needs
 ``Authorization: Bearer KEY`` (401 otherwise); /health and /metrics stay open, as in vLLM.
 
 Status codes, all in OpenAI's error shape: 400 for a client's mistake (see :mod:`.validation`: invalid JSON,
@@ -36,7 +39,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import PagedKVError
+from ..errors import PagedKVError, PinBudgetError, UnknownPinError
+from ..retention.steering import Pin
 from .async_engine import (AsyncEngine, Delta, EngineDead, EngineDraining, EngineOverloaded, Finished,
                            RequestFailed, RequestStream)
 from .kv_handoff import KVHandoff
@@ -44,7 +48,7 @@ from .kv_transfer import check_request
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import ResponseHead, usage
 from .validation import (DEFAULT_LIMITS, APIError, Limits, check_content_type, error_body, limits_for,
-                         parse_chat, parse_completion, prompt_token_ids, read_body)
+                         parse_chat, parse_completion, parse_pin, prompt_token_ids, read_body)
 
 __all__ = ["build_app"]
 
@@ -344,6 +348,77 @@ def build_app(engine: AsyncEngine, *, model_name: str, model_aliases: tuple[str,
         from .kv_routes import add_kv_routes
 
         add_kv_routes(app, kv, check_auth)
+    def pin_json(pin: Any) -> dict:
+        return {"object": "pin", "pin_id": pin.pin_id or None, "num_tokens": pin.num_tokens,
+                "num_blocks": pin.num_blocks, "ttl": pin.ttl}
+
+    def pins_on() -> None:
+        if not bm.enable_prefix_caching or not bm.pin_budget_blocks:
+            raise APIError(400, "pinning is off on this server: start it with --pin-budget-blocks N (and prefix "
+                           "caching on)", "invalid_request_error", "pinning_disabled")
+
+    @app.post("/v1/pins")
+    async def pin_prefix(request: Request) -> JSONResponse:
+        """Pin a prefix (see the module docstring): computed first (a one-token request) unless its full blocks are
+        all cached, then pinned between two engine steps."""
+        from ..engine.sampling import SamplingParams
+
+        pr = await parsed(request, parse_pin)
+        pins_on()
+        ids = await asyncio.to_thread(prompt_token_ids, pr.request, llm.tokenizer, limits)
+        param = "messages" if hasattr(pr.request, "messages") else "prompt"
+        fit(len(ids), 1, param)
+        full = len(ids) // bm.block_size * bm.block_size
+
+        def pin(require_full: bool) -> Any:
+            if require_full and bm.lookup_prefix(ids + ids[:1], namespace=pr.cache_salt).num_cached_tokens < full:
+                return None
+            return bm.pin_prefix(ids, ttl=pr.ttl, namespace=pr.cache_salt)
+
+        try:
+            got = await asyncio.to_thread(engine.between_steps, lambda: pin(True)) if full else None
+            if got is None and full:  # compute its KV first: a one-token request through the scheduler
+                try:
+                    warm = engine.prepare({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, temperature=0.0),
+                                          pr.cache_salt)
+                except PagedKVError as e:
+                    raise APIError(400, str(e), "invalid_request_error", None, param) from None
+                check_open()
+                try:
+                    stream = engine.submit(warm)
+                except EngineOverloaded as e:
+                    raise APIError(503, str(e), "server_overloaded", "server_overloaded")
+                done = await until_done(stream, request)
+                if done is None:
+                    return Response(status_code=499)
+                got = await asyncio.to_thread(engine.between_steps, lambda: pin(False))
+        except PinBudgetError as e:
+            raise APIError(409, str(e), "invalid_request_error", "pin_budget_exceeded") from None
+        except EngineDead as e:
+            raise APIError(503, str(e), "server_error", "engine_dead") from None
+        if got is None:  # shorter than a block: nothing to pin
+            got = Pin(0, 0, 0, pr.ttl)
+        return JSONResponse({**pin_json(got), "prompt_tokens": len(ids)})
+
+    @app.get("/v1/pins")
+    async def list_pins(request: Request) -> JSONResponse:
+        check_auth(request)
+        pins_on()
+        pins, n = await asyncio.to_thread(engine.between_steps, lambda: (bm.pins, bm.num_pinned_blocks))
+        return JSONResponse({"object": "list", "data": [pin_json(p) for p in pins], "num_pinned_blocks": n,
+                             "pin_budget_blocks": bm.pin_budget_blocks})
+
+    @app.delete("/v1/pins/{pin_id}")
+    async def unpin(pin_id: str, request: Request) -> JSONResponse:
+        check_auth(request)
+        pins_on()
+        if not pin_id.isascii() or not pin_id.isdigit() or len(pin_id) > 18:
+            raise APIError(404, f"no pin {pin_id[:40]!r}", "not_found_error", "pin_not_found", "pin_id")
+        try:
+            await asyncio.to_thread(engine.between_steps, lambda: bm.unpin(int(pin_id)))
+        except UnknownPinError as e:
+            raise APIError(404, str(e), "not_found_error", "pin_not_found", "pin_id") from None
+        return JSONResponse({"object": "pin", "pin_id": int(pin_id), "deleted": True})
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:

@@ -21,6 +21,7 @@ Contract:
   invariant, a failed recovery) stops it: every request in flight fails, :attr:`alive` turns False (/health
   answers 503), new requests are refused, and ``on_fatal(message)`` is called (``pagedkv serve`` exits non-zero
   so that a supervisor restarts it).
+* :meth:`between_steps` runs a caller's function with the engine between two steps (``pagedkv serve``'s pins).
 * :meth:`drain` (SIGTERM): new requests are refused (:class:`EngineDraining`), the requests in flight run to
   their end for up to ``timeout`` seconds, the rest then fail with a clean error.
 * :attr:`AsyncEngine.snapshot` holds counters and gauges as of the end of the last loop iteration (for
@@ -249,6 +250,16 @@ class AsyncEngine:
             self._adds.append(_Live(request, stream, time.perf_counter(), [""] * n, [0] * n))
             self._cond.notify()
         return stream
+
+    def between_steps(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn()`` on the calling thread while the engine thread is between two steps (it holds off the next
+        step until ``fn`` returns), and return its result: the way to call the block manager from another thread
+        (pins). Blocking (call it with ``asyncio.to_thread``); keep ``fn`` short. Raises :class:`EngineDead` when
+        the engine is stopped."""
+        if not self.alive:
+            raise EngineDead(self._error or "the engine is stopped")
+        with self._lock:
+            return fn()
 
     def abort(self, request_id: Any) -> None:
         """Abort a request (thread-safe, idempotent); applied between two steps."""

@@ -6,6 +6,8 @@ A plain module (standard library only; no torch, no pydantic, no web framework a
 * :func:`check_content_type`, :func:`read_body`: the HTTP side (415, 413) before any parsing.
 * :func:`parse_completion`, :func:`parse_chat`: a raw body -> a validated :class:`CompletionRequest` /
   :class:`ChatRequest`, or :class:`APIError` (400, OpenAI's error shape, ``param`` naming the field at fault).
+* :func:`parse_pin`: a POST /v1/pins body (a prefix to pin: ``prompt`` or ``messages``, ``ttl``, ``cache_salt``)
+  -> :class:`PinRequest`.
 * :func:`prompt_token_ids`: the request's prompt as token ids (tokenizing, or rendering the chat template), bounded
   by the context length *before* the work; blocking, so call it with ``asyncio.to_thread``.
 
@@ -43,6 +45,8 @@ __all__ = [
     "load_json",
     "parse_chat",
     "parse_completion",
+    "parse_pin",
+    "PinRequest",
     "prompt_token_ids",
     "read_body",
 ]
@@ -555,6 +559,43 @@ def parse_chat(body: bytes | dict, limits: Limits = DEFAULT_LIMITS) -> ChatReque
     for name in ("service_tier", "prompt_cache_key", "safety_identifier"):
         _opt_text(d, name)
     return ChatRequest(messages=tuple(out), **common)
+
+
+# ---------------------------------------------------------------------------------------------- pins
+_PIN_KEYS = frozenset({"model", "prompt", "messages", "ttl", "cache_salt"})
+#: the longest TTL a pin may ask for (seconds: 30 days); longer: pin without a TTL and unpin it
+MAX_PIN_TTL = 30 * 24 * 3600.0
+
+
+@dataclass(frozen=True)
+class PinRequest:
+    """A validated POST /v1/pins body: the prefix as a completion or chat request (its prompt, tokenized as those
+    routes tokenize it), the TTL in seconds (None: until unpinned) and the cache_salt (the namespace of the
+    prefix-cache blocks: a pin holds the blocks of requests with the same salt)."""
+
+    model: str | None
+    request: Any  # CompletionRequest | ChatRequest (only its prompt is used)
+    ttl: float | None
+    cache_salt: str | None
+
+
+def parse_pin(body: bytes | dict, limits: Limits = DEFAULT_LIMITS) -> PinRequest:
+    """Validate a /v1/pins body: exactly one of ``prompt`` (a string or token ids, as /v1/completions takes it)
+    and ``messages`` (as /v1/chat/completions takes them, rendered by the chat template); ``ttl`` a number of
+    seconds in (0, :data:`MAX_PIN_TTL`] or null; ``cache_salt`` and ``model`` as in the other routes. Raises
+    :class:`APIError` (400)."""
+    d = load_json(body) if not isinstance(body, dict) else body
+    _check_keys(d, _PIN_KEYS)
+    has_p, has_m = d.get("prompt") is not None, d.get("messages") is not None
+    if has_p == has_m:
+        raise _bad("Send exactly one of 'prompt' and 'messages': the prefix to pin.", "prompt"
+                   if not has_p else "messages", None if has_p else "missing_required_parameter")
+    sub = {k: d[k] for k in ("prompt", "messages", "cache_salt") if d.get(k) is not None}
+    req = parse_completion(sub, limits) if has_p else parse_chat(sub, limits)
+    ttl = d.get("ttl")
+    if ttl is not None:
+        ttl = _num(d, "ttl", 0.0, 0.0, MAX_PIN_TTL, lo_open=True)
+    return PinRequest(_opt_text(d, "model", 256), req, ttl, req.cache_salt)
 
 
 # ---------------------------------------------------------------------------------------------- tokens
