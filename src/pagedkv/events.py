@@ -22,7 +22,9 @@ as ``"GPU"``, so consumers written before the tiers read every event unchanged):
 - ``"CPU"`` (:data:`MEDIUM_CPU`): the replica's CPU tier (``cpu_prefix_cache=True``: demotions are stored, the
   tier's evictions removed);
 - ``"DISK"`` (:data:`MEDIUM_DISK`): the replica's own disk tier (:class:`pagedkv.tiers.DiskBackend`); only that
-  replica can load it;
+  replica can load it. ``BlockStored`` for each block stored there (a put answered ``STORED``; after a restart,
+  one for each block the rebuilt index found on disk), ``BlockRemoved`` for each block it evicted, dropped as
+  corrupt or found gone;
 - ``"SHARED"`` (:data:`MEDIUM_SHARED`): a store every replica of the cluster reads (Redis, a shared directory:
   :class:`pagedkv.tiers.RedisBackend`, :class:`pagedkv.tiers.SharedDirBackend`). A replica emits
   ``BlockStored(medium="SHARED")`` for each block it stored there or found already there (a put answered
