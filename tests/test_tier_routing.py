@@ -371,6 +371,11 @@ def test_router_chooses_a_replica_by_shared_tier_blocks_learnt_over_zmq():
         pubs["http://b"].publish([stored(keys[:6], "SHARED")])
         pubs["http://b"].flush()
         wait_blocks(6, 7)
+        if pytest.importorskip("prometheus_client"):
+            from pagedkv.router.metrics import RouterMetrics
+
+            text = RouterMetrics(state).render().decode()
+            assert "pagedkv_router_index_shared_blocks 6.0" in text and "pagedkv_router_index_blocks 7.0" in text
         score, matched = state.policy.scores(keys, state.routable())
         assert score == pytest.approx({"http://a": 3.2, "http://b": 3.2, "http://c": 1.8})
         assert matched == {"http://a": 6, "http://b": 6, "http://c": 6}

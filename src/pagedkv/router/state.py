@@ -307,3 +307,9 @@ class RouterState:
     def index_blocks(self) -> int:
         with self.lock:
             return self.index.num_blocks()
+
+    def index_shared_blocks(self) -> int:
+        """Blocks the index believes the shared store holds (0 for an index without a shared store)."""
+        with self.lock:
+            f = getattr(self.index, "num_shared_blocks", None)
+            return int(f()) if f is not None else 0
