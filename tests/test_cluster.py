@@ -55,7 +55,7 @@ def test_all_blocks_cleared_and_drop_replica():
     with pytest.raises(ValueError):
         ix.apply("a", object())
     with pytest.raises(ValueError):
-        ix.apply("a", stored([1], medium="DISK"))
+        ix.apply("a", stored([1], medium="TAPE"))
 
 
 def test_cpu_tier_counts_for_either_medium_and_policy_prefers_gpu():

@@ -15,7 +15,28 @@ clears the events since the last call:
 - :class:`AllBlocksCleared`: ``reset_prefix_cache()``, or a resynchronisation after the buffer overflowed (it is
   then followed by a :class:`BlockStored` for every block cached at that moment).
 
-``medium`` is ``"GPU"`` or ``"CPU"`` (the CPU tier of the prefix cache); ``namespace`` is the request's prefix-cache
+``medium`` says where the blocks are (vLLM's field, the same strings; None, or a field a producer leaves out, reads
+as ``"GPU"``, so consumers written before the tiers read every event unchanged):
+
+- ``"GPU"`` (:data:`MEDIUM_GPU`): the replica's prefix cache in device memory, the pool its forward reads;
+- ``"CPU"`` (:data:`MEDIUM_CPU`): the replica's CPU tier (``cpu_prefix_cache=True``: demotions are stored, the
+  tier's evictions removed);
+- ``"DISK"`` (:data:`MEDIUM_DISK`): the replica's own disk tier (:class:`pagedkv.tiers.DiskBackend`); only that
+  replica can load it. ``BlockStored`` for each block stored there (a put answered ``STORED``; after a restart,
+  one for each block the rebuilt index found on disk), ``BlockRemoved`` for each block it evicted, dropped as
+  corrupt or found gone;
+- ``"SHARED"`` (:data:`MEDIUM_SHARED`): a store every replica of the cluster reads (Redis, a shared directory:
+  :class:`pagedkv.tiers.RedisBackend`, :class:`pagedkv.tiers.SharedDirBackend`). A replica emits
+  ``BlockStored(medium="SHARED")`` for each block it stored there or found already there (a put answered
+  ``STORED`` or ``PRESENT``) and for each block it loaded from there (a hit refreshes the store's LRU), and
+  ``BlockRemoved(medium="SHARED")`` for each block it found gone or refused (a load answered ``MISS``,
+  ``CORRUPT`` or ``MISMATCH`` for a block it expected) or discarded. A router counts a shared block as
+  reachable from **every** replica (:mod:`pagedkv.cluster.index`), whichever replica reported it; a
+  ``reset_prefix_cache`` of one replica (``AllBlocksCleared``) does not empty the shared store. The store evicts
+  on its own without telling anyone, so a router bounds what it believes the store holds
+  (``MemoryIndex(shared_capacity_blocks=...)``).
+
+:func:`medium_of` reads an event's medium with those rules. ``namespace`` is the request's prefix-cache
 namespace (None for the default one: keys of different namespaces never coincide, the field only tells a router
 which tenant or adapter a block belongs to; vLLM's ``lora_id`` plays the same part and is kept for layout
 compatibility).
@@ -32,10 +53,15 @@ from __future__ import annotations
 
 from typing import NamedTuple, Union
 
-__all__ = ["BlockStored", "BlockRemoved", "AllBlocksCleared", "KVCacheEvent", "MEDIUM_GPU", "MEDIUM_CPU"]
+__all__ = ["BlockStored", "BlockRemoved", "AllBlocksCleared", "KVCacheEvent", "MEDIUM_GPU", "MEDIUM_CPU",
+           "MEDIUM_DISK", "MEDIUM_SHARED", "MEDIA", "medium_of"]
 
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
+MEDIUM_DISK = "DISK"
+MEDIUM_SHARED = "SHARED"
+#: every medium an event may carry, fastest first (the order a lookup walks them)
+MEDIA = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_DISK, MEDIUM_SHARED)
 
 
 class BlockStored(NamedTuple):
@@ -59,6 +85,17 @@ class BlockRemoved(NamedTuple):
     block_hashes: list[int]
     medium: str = MEDIUM_GPU
     group_idx: int | None = None
+
+
+def medium_of(event: object) -> str:
+    """The event's medium: its ``medium`` field, None or absent read as ``"GPU"``; ValueError for a string
+    that is not one of :data:`MEDIA` (vLLM spells them in capitals, as here). O(1)."""
+    m = getattr(event, "medium", None)
+    if m is None:
+        return MEDIUM_GPU
+    if m not in MEDIA:
+        raise ValueError(f"unknown medium {m!r} (expected one of {', '.join(MEDIA)})")
+    return m
 
 
 class AllBlocksCleared(NamedTuple):

@@ -8,15 +8,32 @@ Contract shared by :class:`MemoryIndex` and :class:`RedisIndex` (the :class:`KVI
 
 - ``apply(replica, event)`` takes one event, either a :mod:`pagedkv.events` tuple or the wire struct of
   :mod:`pagedkv.server.kv_events` (dispatch on the class name: ``BlockStored``, ``BlockRemoved``,
-  ``AllBlocksCleared``; ``medium`` None reads as ``"GPU"``). Storing a block already present and removing one that
-  is absent are no-ops, so applying a stream twice gives the same index. ``AllBlocksCleared`` forgets every block
-  of that replica (the replica stays known). Cost: O(blocks in the event).
+  ``AllBlocksCleared``; ``medium`` None reads as ``"GPU"``, see :mod:`pagedkv.events`). Storing a block already
+  present and removing one that is absent are no-ops, so applying a stream twice gives the same index.
+  ``AllBlocksCleared`` forgets every block of that replica's own tiers (the replica stays known; the shared store
+  is not emptied). Cost: O(blocks in the event).
 - ``longest_prefix(hashes, medium=None) -> {replica: matched blocks}``: the number of leading ``hashes`` each
-  replica holds in ``medium`` (``"GPU"``, ``"CPU"``, or None: either tier, a block counting if it is in one of
-  them). Replicas matching nothing are left out. Cost: O(matched length x replicas / word size) in memory,
-  a pipelined round trip per chunk of 256 keys in Redis.
-- ``drop_replica(replica)`` forgets a replica and all its blocks (a replica that died). O(its blocks).
-- ``replicas()``, ``num_blocks(replica=None)`` (entries: (block, medium, replica) triples), ``has_cpu``.
+  known replica can read from the media ``medium`` names: one medium (``"GPU"``, ``"CPU"``, ``"DISK"``,
+  ``"SHARED"``), a tuple / set of them (a block counts if it is in one of them), or None: all four. Replicas
+  matching nothing are left out. Cost: O(matched length x replicas / word size) in memory, a pipelined round trip
+  per chunk of 256 keys in Redis.
+- ``shared_prefix(hashes) -> int``: the leading ``hashes`` the shared store holds (what a replica the index does
+  not know yet can load).
+- ``drop_replica(replica)`` forgets a replica and all the blocks of its own tiers (a replica that died; what it
+  stored in the shared store stays there). O(its blocks).
+- ``replicas()``, ``num_blocks(replica=None)`` (entries: (block, medium, replica) triples of the replicas' own
+  tiers), ``num_shared_blocks()``, ``media`` (the media holding a block now, GPU always), ``has_cpu``.
+
+**Media.** A replica's own tiers (GPU, CPU, DISK) are kept per block as the set of replicas holding it in that
+medium. A block in the **shared** store (``"SHARED"``) is reachable from **every** replica, whichever one
+reported it: the index keeps the set of shared blocks (per KV cache group), and a prompt's walk counts a shared
+block for every known replica, so a replica's match may run through its own blocks and the shared ones
+interleaved (the engine's lookup walks GPU -> CPU -> disk -> shared block by block). Nobody reports what the
+shared store evicts by itself (Redis under ``allkeys-lru``, a swept directory): ``shared_capacity_blocks`` bounds
+what the index believes it holds, least recently reported first out (a block reported again, stored or loaded,
+becomes the most recent), to match the store's own LRU; None: unbounded. A chain reported parent first enters
+children first, so its parent is the most recent and the bound drops a chain from its tail, as the store's LRU
+and the tiers do.
 
 A block whose parent was evicted stays in the index (the replica still holds it), but it is never counted: the
 match stops at the first key a replica lacks, as the engine's own lookup does.
@@ -50,7 +67,9 @@ import functools
 from typing import Callable, Hashable, Iterable, Protocol, Sequence, runtime_checkable
 
 from ..errors import PagedKVError
-from ..events import MEDIUM_CPU, MEDIUM_GPU
+from collections import OrderedDict
+
+from ..events import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_GPU, MEDIUM_SHARED, medium_of
 
 __all__ = ["KVIndex", "MemoryIndex", "RedisIndex", "IndexUnavailableError", "open_index", "event_kind",
            "hybrid_match"]
@@ -72,7 +91,19 @@ def _guard(method):
 
     return wrapper
 
-_MEDIA = (MEDIUM_GPU, MEDIUM_CPU)
+_MEDIA = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_DISK)  # a replica's own tiers (SHARED: every replica's)
+_ALL_MEDIA = frozenset((*_MEDIA, MEDIUM_SHARED))
+
+
+def media_set(medium) -> frozenset:
+    """The media a query names: None -> all four, a string -> that one, a tuple / set -> those (ValueError for
+    an unknown or empty one)."""
+    if medium is None:
+        return _ALL_MEDIA
+    ms = frozenset((medium,)) if isinstance(medium, str) else frozenset(medium)
+    if not ms or not ms <= _ALL_MEDIA:
+        raise ValueError(f"unknown medium {medium!r} (expected GPU, CPU, DISK, SHARED or a set of them)")
+    return ms
 FULL_ATTENTION = "full_attention"
 SLIDING_WINDOW = "sliding_window"
 _SLIDING_KINDS = (SLIDING_WINDOW, "sliding_window_mla")
@@ -182,10 +213,7 @@ def event_kind(event: object) -> str:
 
 
 def _medium(event: object) -> str:
-    m = getattr(event, "medium", None) or MEDIUM_GPU
-    if m not in _MEDIA:
-        raise ValueError(f"unknown medium {m!r} (expected GPU or CPU)")
-    return m
+    return medium_of(event)
 
 
 @runtime_checkable
@@ -194,7 +222,9 @@ class KVIndex(Protocol):
 
     def apply(self, replica: Hashable, event: object) -> None: ...
 
-    def longest_prefix(self, hashes: Sequence[int], medium: str | None = None) -> dict: ...
+    def longest_prefix(self, hashes: Sequence[int], medium=None) -> dict: ...
+
+    def shared_prefix(self, hashes: Sequence[int]) -> int: ...
 
     def drop_replica(self, replica: Hashable) -> None: ...
 
@@ -209,10 +239,18 @@ class MemoryIndex:
     replica, medium and group the set of its keys (for :meth:`drop_replica` and ``AllBlocksCleared`` in O(its
     blocks)), and per replica its group layout (see the module docstring).
 
+    Shared blocks: per group an ordered dict ``key -> None`` (least recently reported first), bounded by
+    ``shared_capacity_blocks`` (see the module docstring).
+
     Memory: about 150 bytes per distinct (key, medium, group) plus about 60 per (key, medium, group, replica).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, shared_capacity_blocks: int | None = None) -> None:
+        if shared_capacity_blocks is not None and (isinstance(shared_capacity_blocks, bool) or not isinstance(
+                shared_capacity_blocks, int) or shared_capacity_blocks < 0):
+            raise ValueError(f"shared_capacity_blocks must be None or an int >= 0, got {shared_capacity_blocks!r}")
+        self.shared_capacity_blocks = shared_capacity_blocks
+        self._shared: dict[int, OrderedDict] = {0: OrderedDict()}  # group -> shared keys, least recent first
         self._bit: dict[Hashable, int] = {}  # replica -> its bit (a power of two)
         self._by_bit: dict[int, Hashable] = {}
         self._free_bits: list[int] = []
@@ -276,6 +314,9 @@ class MemoryIndex:
             return
         m = _medium(event)
         g = _group(event)
+        if m == MEDIUM_SHARED:
+            self._apply_shared(replica, kind, event, g)
+            return
         if g:
             mg = (m, g)
             masks = self._gm.get(mg)
@@ -310,6 +351,31 @@ class MemoryIndex:
                         del masks[h]
             keys.difference_update(hashes)
 
+    def _apply_shared(self, replica: Hashable, kind: str, event: object, g: int) -> None:
+        """A shared-store event: the keys enter (or become the most recent of) the shared set, or leave it."""
+        d = self._shared.get(g)
+        if d is None:
+            d = self._shared[g] = OrderedDict()
+        if kind == "BlockStored":
+            spec = _spec(event)
+            if spec is not None:
+                self._layout.setdefault(replica, {})[spec[0]] = spec[1]
+            cap = self.shared_capacity_blocks
+            if cap == 0:
+                return
+            move = d.move_to_end
+            for h in reversed(event.block_hashes):  # children first: the chain's parent ends the most recent
+                if h in d:
+                    move(h)
+                else:
+                    d[h] = None
+            if cap is not None:
+                while len(d) > cap:
+                    d.popitem(last=False)
+        else:
+            for h in event.block_hashes:
+                d.pop(h, None)
+
     def apply_all(self, replica: Hashable, events: Iterable[object]) -> None:
         """:meth:`apply` each event in order."""
         for e in events:
@@ -321,26 +387,59 @@ class MemoryIndex:
         """Whether any replica holds a block in the CPU tier."""
         return any(d for (m, _g), d in self._gm.items() if m == MEDIUM_CPU)
 
+    @property
+    def media(self) -> frozenset:
+        """The media holding at least one block now (GPU always). O(media x groups)."""
+        out = {MEDIUM_GPU}
+        out.update(m for (m, _g), d in self._gm.items() if d)
+        if any(self._shared.values()):
+            out.add(MEDIUM_SHARED)
+        return frozenset(out)
+
+    def num_shared_blocks(self) -> int:
+        """Blocks the index believes the shared store holds (every group). O(groups)."""
+        return sum(len(d) for d in self._shared.values())
+
+    def shared_prefix(self, hashes: Sequence[int]) -> int:
+        """The leading ``hashes`` (group 0's keys) the shared store holds. O(that length)."""
+        d = self._shared[0]
+        n = 0
+        for h in hashes:
+            if h not in d:
+                break
+            n += 1
+        return n
+
     def num_blocks(self, replica: Hashable | None = None) -> int:
         if replica is None:
             return sum(len(k) for r in self._members.values() for k in r.values())
         r = self._members.get(replica)
         return sum(len(k) for k in r.values()) if r else 0
 
-    def _getter(self, medium: str | None, group: int):
-        empty: dict = {}
-        if medium is None:
-            g, c = self._gm.get((MEDIUM_GPU, group), empty).get, self._gm.get((MEDIUM_CPU, group), empty)
-            if c:
-                c = c.get
-                return lambda h: g(h, 0) | c(h, 0)
+    def _getter(self, media: frozenset, group: int):
+        """``h -> bitmask of the replicas that can read block h`` from ``media`` (-1, every replica, for a shared
+        block)."""
+        gets = [d.get for m in _MEDIA if m in media for d in (self._gm.get((m, group)),) if d]
+        shared = self._shared.get(group) if MEDIUM_SHARED in media else None
+        if shared:
+            if not gets:
+                return lambda h: -1 if h in shared else 0
+            if len(gets) == 1:
+                g = gets[0]
+                return lambda h: -1 if h in shared else g(h, 0)
+            return lambda h: -1 if h in shared else _or(gets, h)
+        if not gets:
+            return lambda h: 0
+        if len(gets) == 1:
+            g = gets[0]
             return lambda h: g(h, 0)
-        d = self._gm.get((medium, group), empty).get
-        return lambda h: d(h, 0)  # noqa: E731
+        if len(gets) == 2:
+            g, c = gets
+            return lambda h: g(h, 0) | c(h, 0)
+        return lambda h: _or(gets, h)
 
-    def longest_prefix(self, hashes: Sequence[int], medium: str | None = None) -> dict:
-        if medium is not None and medium not in _MEDIA:
-            raise ValueError(f"unknown medium {medium!r}")
+    def longest_prefix(self, hashes: Sequence[int], medium=None) -> dict:
+        medium = media_set(medium)
         out = self._plain(hashes, medium)
         if self._layout:
             self._hybrid(hashes, medium, out)
@@ -406,6 +505,13 @@ class MemoryIndex:
             bits ^= low
 
 
+def _or(gets: list, h) -> int:
+    v = 0
+    for g in gets:
+        v |= g(h, 0)
+    return v
+
+
 def _bits(bits: int):
     while bits:
         low = bits & -bits
@@ -418,13 +524,16 @@ class RedisIndex:
 
     Key layout (``<p>`` is the prefix, ``pagedkv`` by default; hashes and sequence numbers in decimal):
 
-    - ``<p>:blk:<medium>:<hash>``: SET of the replica ids holding block ``hash`` in ``medium`` (GPU or CPU).
+    - ``<p>:blk:<medium>:<hash>``: SET of the replica ids holding block ``hash`` in ``medium`` (GPU, CPU or DISK).
     - ``<p>:rep:<replica>:<medium>``: SET of the hashes ``replica`` holds in ``medium`` (to clean up after it).
     - ``<p>:blk:<medium>:g<group>:<hash>`` and ``<p>:rep:<replica>:<medium>:g<group>``: the same for KV cache group
       ``group`` > 0 (group 0, and every single-group replica, use the keys above).
     - ``<p>:layout:<replica>``: HASH group -> ``full`` or the blocks its hybrid hit needs before the hit point
       (written from the replica's ``BlockStored`` group fields; absent for a single-group replica). Queries read
       the layouts at most once a second (and at once after this object wrote a new one).
+    - ``<p>:shared`` (``<p>:shared:g<group>`` for group > 0): ZSET of the blocks in the shared store, scored by
+      ``<p>:shared_clock`` (INCRBY: the most recently reported highest), trimmed to ``shared_capacity_blocks``
+      (ZREMRANGEBYRANK in the same MULTI) when bounded.
     - ``<p>:replicas``: SET of known replica ids.
     - ``<p>:seq:<replica>``: the last event-message sequence number applied for ``replica`` (written by the
       router's subscriber through :meth:`set_seq`, read by a restarted router to replay what it missed).
@@ -444,9 +553,11 @@ class RedisIndex:
     CHUNK = 256
 
     def __init__(self, url: str = "redis://127.0.0.1:6379", *, prefix: str = "pagedkv", client=None,
-                 timeout: float = 2.0) -> None:
+                 timeout: float = 2.0, shared_capacity_blocks: int | None = None) -> None:
         import redis
 
+        MemoryIndex(shared_capacity_blocks=shared_capacity_blocks)  # (the same checks)
+        self.shared_capacity_blocks = shared_capacity_blocks
         if client is None:
             from redis.backoff import NoBackoff
             from redis.retry import Retry
@@ -483,6 +594,9 @@ class RedisIndex:
         if group:
             return f"{self.p}:rep:{replica}:{medium}:g{group}"
         return f"{self.p}:rep:{replica}:{medium}"
+
+    def _shared_key(self, group: int = 0) -> str:
+        return f"{self.p}:shared:g{group}" if group else f"{self.p}:shared"
 
     def _groups_of(self, rid: str) -> list[int]:
         return sorted({0} | {int(g) for g in self.r.hkeys(f"{self.p}:layout:{rid}")})
@@ -527,6 +641,9 @@ class RedisIndex:
         m = _medium(event)
         g = _group(event)
         hashes = [int(h) for h in event.block_hashes]
+        clock = 0
+        if m == MEDIUM_SHARED and kind == "BlockStored" and hashes:
+            clock = int(self.r.incrby(f"{self.p}:shared_clock", len(hashes)))
         pipe = self.r.pipeline(transaction=True)
         pipe.sadd(f"{self.p}:replicas", rid)
         new_field = None
@@ -535,7 +652,15 @@ class RedisIndex:
             if spec is not None:
                 pipe.hset(f"{self.p}:layout:{rid}", str(spec[0]), "full" if spec[1] is None else str(spec[1]))
                 new_field = (rid, spec[0], spec[1])
-        if hashes:
+        if hashes and m == MEDIUM_SHARED:
+            key, cap = self._shared_key(g), self.shared_capacity_blocks
+            if kind == "BlockRemoved":
+                pipe.zrem(key, *hashes)
+            elif cap != 0:  # the parent scored the highest: a chain leaves from its tail (MemoryIndex's order)
+                pipe.zadd(key, {h: clock - i for i, h in enumerate(hashes)})
+                if cap is not None:
+                    pipe.zremrangebyrank(key, 0, -cap - 1)
+        elif hashes:
             if kind == "BlockStored":
                 for h in hashes:
                     pipe.sadd(self._blk(m, h, g), rid)
@@ -600,6 +725,48 @@ class RedisIndex:
             self._cpu_checked = now
         return self._has_cpu
 
+    @property
+    @_guard
+    def media(self) -> frozenset:
+        """As :attr:`MemoryIndex.media` (asked of Redis at each call: one pipeline)."""
+        reps = self.replicas()
+        lays = self._all_layouts()
+        groups = sorted({0}.union(*[set(lays.get(r, ())) for r in reps]))
+        pipe = self.r.pipeline(transaction=False)
+        asked = []
+        for m in (MEDIUM_CPU, MEDIUM_DISK):
+            for r in reps:
+                for g in sorted({0} | set(lays.get(r, ()))):
+                    pipe.scard(self._rep(r, m, g))
+                    asked.append(m)
+        for g in groups:
+            pipe.zcard(self._shared_key(g))
+            asked.append(MEDIUM_SHARED)
+        out = {MEDIUM_GPU}
+        out.update(m for m, n in zip(asked, pipe.execute()) if n)
+        return frozenset(out)
+
+    @_guard
+    def num_shared_blocks(self) -> int:
+        lays = self._all_layouts()
+        groups = sorted({0}.union(*[set(v) for v in lays.values()]))
+        pipe = self.r.pipeline(transaction=False)
+        for g in groups:
+            pipe.zcard(self._shared_key(g))
+        return int(sum(pipe.execute()))
+
+    @_guard
+    def shared_prefix(self, hashes: Sequence[int]) -> int:
+        n = 0
+        key = self._shared_key(0)
+        for start in range(0, len(hashes), self.CHUNK):
+            chunk = [int(h) for h in hashes[start : start + self.CHUNK]]
+            for sc in self.r.zmscore(key, chunk):
+                if sc is None:
+                    return n
+                n += 1
+        return n
+
     @_guard
     def num_blocks(self, replica=None) -> int:
         reps = self.replicas() if replica is None else [str(replica)]
@@ -611,17 +778,36 @@ class RedisIndex:
         return int(sum(pipe.execute()))
 
     @_guard
-    def longest_prefix(self, hashes: Sequence[int], medium: str | None = None) -> dict:
-        if medium is not None and medium not in _MEDIA:
-            raise ValueError(f"unknown medium {medium!r}")
-        media = _MEDIA if medium is None else (medium,)
+    def longest_prefix(self, hashes: Sequence[int], medium=None) -> dict:
+        media = media_set(medium)
         out = self._plain(hashes, media)
         lays = {r: lay for r, lay in self._all_layouts().items() if _is_hybrid(lay)}
         if lays:
             self._hybrid(hashes, media, lays, out)
         return out
 
-    def _hybrid(self, hashes: Sequence[int], media: tuple, lays: dict, out: dict) -> None:
+    def _column(self, keys: Sequence[int], media: frozenset, group: int) -> list:
+        """Per key (in order): the set of replica ids (bytes) holding it in the own media of ``media``, or None
+        when the shared store holds it (every replica). One pipeline per chunk of :attr:`CHUNK` keys."""
+        own = [m for m in _MEDIA if m in media]
+        shared = MEDIUM_SHARED in media
+        skey = self._shared_key(group)
+        col: list = []
+        for start in range(0, len(keys), self.CHUNK):
+            chunk = [int(h) for h in keys[start : start + self.CHUNK]]
+            pipe = self.r.pipeline(transaction=False)
+            if own:
+                for h in chunk:
+                    pipe.sunion(*[self._blk(m, h, group) for m in own])
+            if shared:
+                pipe.zmscore(skey, chunk)
+            got = pipe.execute()
+            sets = got[: len(chunk)] if own else [set()] * len(chunk)
+            scores = got[-1] if shared else [None] * len(chunk)
+            col.extend(None if sc is not None else members for members, sc in zip(sets, scores))
+        return col
+
+    def _hybrid(self, hashes: Sequence[int], media: frozenset, lays: dict, out: dict) -> None:
         """As :meth:`MemoryIndex._hybrid`: the hybrid replicas' answers replaced by their hybrid hits."""
         classes: dict[tuple, list] = {}
         for r, lay in lays.items():
@@ -642,41 +828,46 @@ class RedisIndex:
             bit_of = {r.encode(): 1 << i for i, r in enumerate(reps)}
 
             def masks(g: int, m: int) -> list:
-                keys = (hashes if g == 0 else keys_of(g))[:m]
                 col: list = []
-                for start in range(0, len(keys), self.CHUNK):
-                    pipe = self.r.pipeline(transaction=False)
-                    for h in keys[start : start + self.CHUNK]:
-                        pipe.sunion(*[self._blk(md, h, g) for md in media])
-                    for members in pipe.execute():
-                        v = 0
+                for members in self._column((hashes if g == 0 else keys_of(g))[:m], media, g):
+                    v = 0
+                    if members is None:  # in the shared store: every replica
+                        v = -1
+                    else:
                         for x in members:
                             v |= bit_of.get(x, 0)
-                        col.append(v)
+                    col.append(v)
                 return col
 
             for b, L in hybrid_match(n, lay, (1 << len(reps)) - 1, masks).items():
                 out[reps[b.bit_length() - 1]] = L
 
-    def _plain(self, hashes: Sequence[int], media: tuple) -> dict:
+    def _plain(self, hashes: Sequence[int], media: frozenset) -> dict:
         out: dict = {}
-        alive: set | None = None
+        alive: set | None = None  # None: every known replica still matches (only shared blocks so far)
         n = len(hashes)
+        known = None
         for start in range(0, n, self.CHUNK):
-            chunk = hashes[start : start + self.CHUNK]
-            pipe = self.r.pipeline(transaction=False)
-            for h in chunk:
-                pipe.sunion(*[self._blk(m, h) for m in media])
-            for j, members in enumerate(pipe.execute()):
+            for j, members in enumerate(self._column(hashes[start : start + self.CHUNK], media, 0)):
+                if members is None:  # a shared block: nobody drops out
+                    continue
                 now = {x.decode() for x in members}
-                cur = now if alive is None else alive & now
-                if alive is not None:
-                    for r in alive - cur:
-                        out[r] = start + j
+                if alive is None:
+                    if known is None:
+                        known = set(self.replicas()) if MEDIUM_SHARED in media else now
+                    cur = known & now
+                    gone = known - cur if start + j else ()
+                else:
+                    cur = alive & now
+                    gone = alive - cur
+                for r in gone:
+                    out[r] = start + j
                 alive = cur
                 if not alive:
                     return out
-        for r in alive or ():
+        if alive is None:
+            alive = set(self.replicas()) if n else set()
+        for r in alive:
             out[r] = n
         return out
 
@@ -691,13 +882,13 @@ class RedisIndex:
         self.r.set(f"{self.p}:seq:{replica}", int(seq))
 
 
-def open_index(spec: str | None) -> MemoryIndex | RedisIndex:
+def open_index(spec: str | None, *, shared_capacity_blocks: int | None = None) -> MemoryIndex | RedisIndex:
     """``None`` or ``"memory"``: a :class:`MemoryIndex`; ``"redis://HOST:PORT[/DB]"``: a :class:`RedisIndex`
-    (ValueError for anything else)."""
+    (ValueError for anything else). ``shared_capacity_blocks``: the bound on the shared blocks it keeps."""
     if spec in (None, "", "memory"):
-        return MemoryIndex()
+        return MemoryIndex(shared_capacity_blocks=shared_capacity_blocks)
     if spec.startswith(("redis://", "rediss://", "unix://")):
-        return RedisIndex(spec)
+        return RedisIndex(spec, shared_capacity_blocks=shared_capacity_blocks)
     raise ValueError(f"--index must be 'memory' or redis://HOST:PORT, got {spec!r}")
 
 

@@ -16,8 +16,11 @@ Policies (:func:`make_policy` builds one by name):
 
 - ``round-robin``: each replica in turn.
 - ``least-loaded``: the lowest load (ties: the first in order).
-- ``prefix``: the replica with the longest cached prefix according to the KV-event-fed index (a GPU block
-  counts 1, a block only in the CPU tier ``cpu_weight``); but a replica whose load would exceed the balance
+- ``prefix``: the replica with the longest cached prefix according to the KV-event-fed index, each block
+  weighted by the tier it is read from (:meth:`PrefixPolicy.scores`: a GPU block counts 1, a CPU-tier block
+  ``cpu_weight``, a disk block ``disk_weight``, a block of the shared store, reachable from every replica,
+  ``shared_weight``: a load costs something, so a replica holding the blocks beats one that would load them);
+  but a replica whose load would exceed the balance
   limit is skipped: ``load + cost > (1 + slack) * (sum of loads + cost) / len(replicas) + abs_slack``. Ties go
   to the least loaded. When every replica is over the limit the least loaded one serves. ``slack=None``:
   no limit (the longest prefix alone). ``min_match`` (a fraction of the prompt's blocks, 0 by default): a
@@ -34,11 +37,14 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Hashable, Mapping, NamedTuple, Sequence
 
-from ..events import MEDIUM_GPU, BlockRemoved, BlockStored
+from ..events import MEDIA, MEDIUM_CPU, MEDIUM_DISK, MEDIUM_GPU, MEDIUM_SHARED, BlockRemoved, BlockStored
 from .index import MemoryIndex
 
 __all__ = ["Decision", "RoundRobin", "LeastLoaded", "PrefixPolicy", "ApproxPrefixPolicy", "make_policy",
-           "ROUTES"]
+           "ROUTES", "TIER_WEIGHTS"]
+
+#: the default weight of a block by the tier it is read from (see :meth:`PrefixPolicy.scores` and docs/tiers.md)
+TIER_WEIGHTS = {MEDIUM_GPU: 1.0, MEDIUM_CPU: 0.5, MEDIUM_DISK: 0.4, MEDIUM_SHARED: 0.3}
 
 ROUTES = ("round-robin", "least-loaded", "prefix", "prefix-approx")
 
@@ -94,35 +100,76 @@ class PrefixPolicy:
     name = "prefix"
     uses_index = True
 
-    def __init__(self, index, *, slack: float | None = 0.2, abs_slack: float = 0.0, cpu_weight: float = 0.5,
-                 min_match: float = 0.0) -> None:
+    def __init__(self, index, *, slack: float | None = 0.2, abs_slack: float = 0.0,
+                 cpu_weight: float = TIER_WEIGHTS[MEDIUM_CPU], disk_weight: float = TIER_WEIGHTS[MEDIUM_DISK],
+                 shared_weight: float = TIER_WEIGHTS[MEDIUM_SHARED], min_match: float = 0.0) -> None:
         if slack is not None and slack < 0:
             raise ValueError(f"balance slack must be >= 0, got {slack}")
         if not 0 <= min_match <= 1:
             raise ValueError(f"min_match must lie in [0, 1], got {min_match}")
+        for name, w in (("cpu_weight", cpu_weight), ("disk_weight", disk_weight), ("shared_weight", shared_weight)):
+            if not 0 <= w <= 1:
+                raise ValueError(f"{name} must lie in [0, 1], got {w}")
         self.min_match = min_match
         self.index = index
         self.slack = slack
         self.abs_slack = abs_slack
         self.cpu_weight = cpu_weight
+        self.disk_weight = disk_weight
+        self.shared_weight = shared_weight
 
-    def scores(self, hashes: Sequence[int] | None) -> tuple[dict, dict]:
-        """``({replica: score}, {replica: leading blocks in either tier})`` for a prompt's hashes."""
+    @property
+    def weights(self) -> dict:
+        """``{medium: weight}`` of a block read from that medium (GPU 1)."""
+        return {MEDIUM_GPU: 1.0, MEDIUM_CPU: self.cpu_weight, MEDIUM_DISK: self.disk_weight,
+                MEDIUM_SHARED: self.shared_weight}
+
+    def scores(self, hashes: Sequence[int] | None, replicas: Sequence | None = None) -> tuple[dict, dict]:
+        """``({replica: score}, {replica: leading blocks it can read from any tier})`` for a prompt's hashes.
+
+        A replica's match walks its own tiers and the shared store block by block (the engine's lookup). Its
+        score counts the match by nested prefixes, fastest tier first: with ``L(GPU)``, ``L(GPU+CPU)``,
+        ``L(GPU+CPU+DISK)`` and ``L(all)`` the leading blocks readable from those media, the score is
+        ``L(GPU) + cpu_weight x (L(GPU+CPU) - L(GPU)) + disk_weight x (...) + shared_weight x (L(all) -
+        L(GPU+CPU+DISK))``: each block weighs as the slowest tier the prefix up to it needs (exact when the
+        tiers hold nested prefixes, as LRU tiers filled from the GPU do; a lower bound when they interleave and
+        the weights decrease). A shared block counts for every replica: a replica of ``replicas`` the index
+        does not know yet (no event so far) scores the shared store's prefix alone. Cost: one index walk per
+        medium present (:attr:`media`; only GPU: one walk)."""
         if not hashes:
             return {}, {}
-        any_tier = self.index.longest_prefix(hashes)
-        if not any_tier or not self.index.has_cpu:
+        index = self.index
+        any_tier = index.longest_prefix(hashes)
+        media = getattr(index, "media", None)
+        if media is None:  # an index without the property: the CPU tier only
+            media = frozenset((MEDIUM_GPU, MEDIUM_CPU)) if index.has_cpu else frozenset((MEDIUM_GPU,))
+        if MEDIUM_SHARED in media and replicas:
+            s = index.shared_prefix(hashes)
+            if s:
+                for r in replicas:
+                    if r not in any_tier:
+                        any_tier[r] = s
+        if not any_tier or len(media) == 1:
             return any_tier, any_tier
-        gpu = self.index.longest_prefix(hashes, MEDIUM_GPU)
-        w = self.cpu_weight
-        return {r: gpu.get(r, 0) + w * (n - gpu.get(r, 0)) for r, n in any_tier.items()}, any_tier
+        tiers = [m for m in MEDIA if m in media]
+        w = self.weights
+        score = dict.fromkeys(any_tier, 0.0)
+        prev: dict = {}
+        for k, m in enumerate(tiers):
+            got = any_tier if k == len(tiers) - 1 else index.longest_prefix(hashes, tuple(tiers[: k + 1]))
+            wm = w[m]
+            for r in any_tier:
+                n = got.get(r, 0)
+                score[r] += wm * (n - prev.get(r, 0))
+                prev[r] = n
+        return score, any_tier
 
     def choose(self, replicas: Sequence, loads: Mapping, hashes: Sequence[int] | None = None,
                cost: float | Mapping = 1.0, tiebreak: Mapping | None = None, *, scored: tuple | None = None) -> Decision:
         """``scored``: :meth:`scores`'s answer for ``hashes`` when the caller already has it."""
         if not replicas:
             raise ValueError("no replica to route to")
-        score, matched = scored if scored is not None else self.scores(hashes)
+        score, matched = scored if scored is not None else self.scores(hashes, replicas)
         if self.min_match and score:
             floor = self.min_match * len(hashes)
             score = {r: v for r, v in score.items() if v >= floor}
@@ -185,9 +232,10 @@ class ApproxPrefixPolicy(PrefixPolicy):
 
 
 def make_policy(route: str, index=None, *, slack: float | None = 0.2, abs_slack: float = 0.0,
-                capacity_blocks: int | None = None, min_match: float = 0.0):
+                capacity_blocks: int | None = None, min_match: float = 0.0, weights: Mapping | None = None):
     """A policy by name (:data:`ROUTES`). ``prefix`` needs ``index``; ``prefix-approx`` needs
-    ``capacity_blocks`` (each replica's prefix-cache size as the router assumes it)."""
+    ``capacity_blocks`` (each replica's prefix-cache size as the router assumes it). ``weights``: ``{medium:
+    weight}`` for ``prefix`` (:data:`TIER_WEIGHTS` for the media not given)."""
     if route == "round-robin":
         return RoundRobin()
     if route == "least-loaded":
@@ -195,7 +243,9 @@ def make_policy(route: str, index=None, *, slack: float | None = 0.2, abs_slack:
     if route == "prefix":
         if index is None:
             raise ValueError("the prefix route needs an index")
-        return PrefixPolicy(index, slack=slack, abs_slack=abs_slack, min_match=min_match)
+        w = {**TIER_WEIGHTS, **(weights or {})}
+        return PrefixPolicy(index, slack=slack, abs_slack=abs_slack, min_match=min_match, cpu_weight=w[MEDIUM_CPU],
+                            disk_weight=w[MEDIUM_DISK], shared_weight=w[MEDIUM_SHARED])
     if route == "prefix-approx":
         if capacity_blocks is None:
             raise ValueError("the prefix-approx route needs the replicas' capacity in blocks")

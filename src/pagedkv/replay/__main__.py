@@ -57,7 +57,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="a disk tier below the CPU tier, in tokens: takes the blocks the tier above evicts "
                          "(pagedkv.replay.tiered; sequence mode); 0: none")
     ap.add_argument("--shared-capacity", type=parse_tokens, default=0, metavar="TOKENS",
-                    help="a shared tier below the disk tier, in tokens, written through; 0: none")
+                    help="a shared tier below the disk tier, in tokens, written through; 0: none (with "
+                         "--replicas: one store every replica reads and writes, pagedkv.replay.cluster)")
     ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block (a divisor of 512)")
     ap.add_argument("--mode", choices=("sequence", "timed"), default="sequence",
                     help="sequence: allocate then free each request in order (the paper's Fig. 9); "
@@ -88,6 +89,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="routing policy (repeat for several; default: all four)")
     c.add_argument("--balance-slack", type=float, default=0.2,
                    help="prefix routes skip a replica whose load would exceed (1 + slack) x the mean (0.2)")
+    c.add_argument("--shared-weight", type=float, default=None, metavar="W",
+                   help="prefix route: weight of a block in the shared tier (a GPU block weighs 1; default: "
+                        "pagedkv.cluster.policy.TIER_WEIGHTS)")
     t = ap.add_argument_group("timed mode (service model, see pagedkv.replay.timed)")
     t.add_argument("--prefill-tps", type=float, default=50_000.0, help="uncached prompt tokens per second (50000)")
     t.add_argument("--decode-step-ms", type=float, default=30.0, help="ms per decode step of the batch (30)")
@@ -121,9 +125,12 @@ def run(args: argparse.Namespace) -> dict:
                          or args.groups is not None or args.disk_capacity or args.shared_capacity):
         raise _CliError("--eviction-policy replays one manager in sequence mode (no --mode timed, --replicas, "
                         "--route, --groups, --disk-capacity or --shared-capacity)")
-    if (args.disk_capacity or args.shared_capacity) and (args.replicas is not None or args.route or args.groups):
-        raise _CliError("--disk-capacity / --shared-capacity replay one manager (not with --replicas, --route "
-                        "or --groups)")
+    if args.disk_capacity and (args.replicas is not None or args.route or args.groups):
+        raise _CliError("--disk-capacity replays one manager (not with --replicas, --route or --groups)")
+    if args.shared_capacity and args.groups:
+        raise _CliError("--shared-capacity does not combine with --groups")
+    if args.shared_weight is not None and args.replicas is None and not args.route:
+        raise _CliError("--shared-weight needs --replicas")
     if args.replicas is not None or args.route:
         from .cluster_cli import run_cluster
 

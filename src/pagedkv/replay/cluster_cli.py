@@ -1,11 +1,15 @@
-"""``pagedkv replay TRACE --replicas N [--route R ...] [--balance-slack S]``: the cluster replay's command part
+"""``pagedkv replay TRACE --replicas N [--route R ...] [--balance-slack S] [--shared-capacity T]``: the cluster
+replay's command part
 (called from :mod:`pagedkv.replay.__main__`; the replay itself is :mod:`pagedkv.replay.cluster`): run, JSON document, table, chart.
 
 JSON document: the single-manager replay's (``trace``, ``requests``, ``prompt_tokens``, ``ceiling``, ``impl``,
 ``mode``, ``block_size``, ``command``, ``versions``, ``machine``) plus ``replicas`` and ``cluster: true``; each
 entry of ``points`` is one (capacity, route) pair with the :class:`~pagedkv.replay.cluster.ClusterPoint` fields (``replicas``,
 ``route``, ``load_imbalance``, ``per_replica``, ``predicted_hit_tokens``, ``pooled_hit_rate``, ...), and
-``pooled`` holds the reference points (one manager of ``replicas x capacity``).
+``pooled`` holds the reference points (one manager of ``replicas x capacity``). With ``--shared-capacity`` the
+document has ``shared_capacity_tokens`` and each point ``shared_hit_tokens``, ``shared_hit_rate`` and, per
+replica, ``gpu_hit_tokens`` / ``shared_hit_tokens``; the pooled reference is then one manager of ``replicas x
+capacity`` with nothing below it.
 """
 
 from __future__ import annotations
@@ -31,6 +35,12 @@ def run_cluster(args, error_cls) -> dict:
         raise error_cls(f"--replicas must be >= 1, got {n_rep}")
     if args.mode != "sequence":
         raise error_cls("--replicas replays in sequence mode only")
+    shared_cap = getattr(args, "shared_capacity", 0) or 0
+    sw = getattr(args, "shared_weight", None)
+    if sw is not None and not 0 <= sw <= 1:
+        raise error_cls(f"--shared-weight must lie in [0, 1], got {sw}")
+    if shared_cap and shared_cap < bs_of(args):
+        raise error_cls(f"--shared-capacity {shared_cap} is less than one block")
     if args.impl != "pagedkv" or args.cpu_capacity or args.bound:
         raise error_cls("--replicas does not combine with --impl, --cpu-capacity or --bound")
     if args.balance_slack < 0:
@@ -65,10 +75,13 @@ def run_cluster(args, error_cls) -> dict:
                 if bar is not None:
                     bar.set_description(f"{route} {n_rep} x {c:,}")
                 p = replay_cluster(trace, c, n_rep, route, block_size=bs, balance_slack=args.balance_slack,
-                                   progress=tick)
+                                   progress=tick, shared_capacity_tokens=shared_cap,
+                                   weights=None if sw is None else {"SHARED": sw})
                 p.pooled_hit_rate = ref.hit_rate
                 points.append(p.to_json())
-                say(f"  {n_rep} x {c:,} tokens {route}: hit rate {100 * p.hit_rate:.1f}%, "
+                split = (f" (GPU {100 * p.gpu_hit_rate:.1f}%, shared {100 * p.shared_hit_rate:.1f}%)"
+                         if shared_cap else "")
+                say(f"  {n_rep} x {c:,} tokens {route}: hit rate {100 * p.hit_rate:.1f}%{split}, "
                     f"imbalance {p.load_imbalance:.2f}, {p.seconds:.1f} s")
     finally:
         if bar is not None:
@@ -79,11 +92,15 @@ def run_cluster(args, error_cls) -> dict:
 
     return {"trace": trace.name, "requests": n, "prompt_tokens": trace.prompt_tokens, "ceiling": ceil,
             "impl": "pagedkv", "mode": "sequence", "block_size": bs, "bound_block_size": None, "cluster": True,
-            "replicas": n_rep, "points": points, "pooled": pooled,
+            "replicas": n_rep, "shared_capacity_tokens": shared_cap, "points": points, "pooled": pooled,
             "command": "pagedkv replay " + " ".join(shlex.quote(a) for a in args.argv),
             "versions": {"python": platform.python_version(), "numpy": numpy.__version__,
                          "pagedkv": pagedkv.__version__, "impl": "pagedkv"},
             "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine()}}
+
+
+def bs_of(args) -> int:
+    return args.block_size
 
 
 def _pct(x) -> str:
@@ -94,22 +111,25 @@ def format_table(doc: dict) -> str:
     """The cluster run as text: one row per (capacity, route), then the pooled reference."""
     from .report import _table, _tokens
 
+    sc = doc.get("shared_capacity_tokens") or 0
     head = (f"{doc['trace']}: {doc['requests']:,} requests, {doc['prompt_tokens']:,} prompt tokens, "
-            f"{doc['replicas']} replicas, sequence mode, blocks of {doc['block_size']}; "
-            f"ceiling {_pct(doc['ceiling'])}")
+            f"{doc['replicas']} replicas" + (f" + a shared tier of {_tokens(sc)} tokens" if sc else "") +
+            f", sequence mode, blocks of {doc['block_size']}; ceiling {_pct(doc['ceiling'])}")
     rows = []
     for p in doc["points"]:
         per = [x["hit_rate"] for x in p["per_replica"]]
+        split = [_pct(p.get("gpu_hit_rate")), _pct(p.get("shared_hit_rate"))] if sc else []
         rows.append([_tokens(p["capacity_tokens"]), p["route"],
-                     "-" if p["balance_slack"] is None else f"{p['balance_slack']:g}", _pct(p["hit_rate"]),
+                     "-" if p["balance_slack"] is None else f"{p['balance_slack']:g}", _pct(p["hit_rate"]), *split,
                      f"{p['load_imbalance']:.2f}", f"{_pct(min(per))}..{_pct(max(per))}",
                      _pct(p["predicted_hit_tokens"] / p["prompt_tokens"] if p["prompt_tokens"] else 0),
                      _pct(p["pooled_hit_rate"]), str(p["skipped"]), f"{p['seconds']:.1f}"])
     for p in doc.get("pooled", []):
-        rows.append([_tokens(p["capacity_tokens"]), "pooled (1 manager)", "-", _pct(p["hit_rate"]), "-", "-", "-",
-                     "-", str(p["skipped"]), f"{p['seconds']:.1f}"])
-    return head + "\n" + _table(["per replica", "route", "slack", "hit rate", "imbalance", "replicas' hit rates",
-                                 "predicted", "pooled", "skipped", "seconds"], rows)
+        rows.append([_tokens(p["capacity_tokens"]), "pooled (1 manager)", "-", _pct(p["hit_rate"]),
+                     *(["-", "-"] if sc else []), "-", "-", "-", "-", str(p["skipped"]), f"{p['seconds']:.1f}"])
+    return head + "\n" + _table(["per replica", "route", "slack", "hit rate", *(["GPU", "shared"] if sc else []),
+                                 "imbalance", "replicas' hit rates", "predicted", "pooled", "skipped", "seconds"],
+                                rows)
 
 
 def plot(docs: list[dict], outdir, name: str | None = None) -> Path:

@@ -83,9 +83,10 @@ class LruTier:
         self.hits += got
         return got
 
-    def put_many(self, keys) -> None:
+    def put_many(self, keys, evicted: list | None = None) -> None:
         """Store ``keys`` in order: a present one becomes the most recent; a new one evicts the least recently
-        used keys until it fits (nothing is stored in a tier of zero capacity)."""
+        used keys until it fits (nothing is stored in a tier of zero capacity). ``evicted``: a list the evicted
+        keys are appended to, in eviction order."""
         cap = self._capacity
         if not cap:
             return
@@ -95,7 +96,9 @@ class LruTier:
                 d.move_to_end(k)
                 continue
             if len(d) >= cap:
-                d.popitem(last=False)
+                gone = d.popitem(last=False)[0]
+                if evicted is not None:
+                    evicted.append(gone)
                 self.evictions += 1
             d[k] = None
             self.stored += 1

@@ -24,7 +24,7 @@ __all__ = ["main", "build_parser"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..cluster.policy import ROUTES
+    from ..cluster.policy import ROUTES, TIER_WEIGHTS
 
     from .._help import HelpFormatter, plain
     from ..server.http_options import add_http_args
@@ -55,6 +55,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--balance-abs", type=float, default=1024.0, help="absolute allowance in tokens (default 1024)")
     p.add_argument("--min-match", type=float, default=0.3,
                    help="a cached prefix shorter than this fraction of the prompt counts as none (default 0.3)")
+    p.add_argument("--cpu-weight", type=float, default=TIER_WEIGHTS["CPU"],
+                   help="prefix route: weight of a cached block the replica reads from its CPU tier (a GPU block "
+                        f"weighs 1; default {TIER_WEIGHTS['CPU']:g})")
+    p.add_argument("--disk-weight", type=float, default=TIER_WEIGHTS["DISK"],
+                   help=f"prefix route: weight of a block in the replica's disk tier (default {TIER_WEIGHTS['DISK']:g})")
+    p.add_argument("--shared-weight", type=float, default=TIER_WEIGHTS["SHARED"],
+                   help="prefix route: weight of a block in the store every replica shares (KV events with medium "
+                        f"SHARED), counted for every replica (default {TIER_WEIGHTS['SHARED']:g})")
+    p.add_argument("--shared-index-blocks", type=int, default=None, metavar="N",
+                   help="keep at most N blocks of the shared store in the index, least recently reported first "
+                        "out (the store evicts without telling; default: unbounded)")
     p.add_argument("--approx-capacity-blocks", type=int, default=65536,
                    help="prefix-approx: blocks each replica is assumed to cache (default 65536)")
     p.add_argument("--health-interval", type=float, default=1.0, help="seconds between health checks")
@@ -96,6 +107,11 @@ def make_router(args: argparse.Namespace):
         raise ValueError("--balance-slack and --balance-abs must be >= 0")
     if not 0 <= args.min_match <= 1:
         raise ValueError(f"--min-match must lie in [0, 1], got {args.min_match}")
+    for name in ("cpu_weight", "disk_weight", "shared_weight"):
+        if not 0 <= getattr(args, name) <= 1:
+            raise ValueError(f"--{name.replace('_', '-')} must lie in [0, 1], got {getattr(args, name)}")
+    if args.shared_index_blocks is not None and args.shared_index_blocks < 0:
+        raise ValueError(f"--shared-index-blocks must be >= 0, got {args.shared_index_blocks}")
     if args.health_interval <= 0 or args.health_timeout <= 0 or args.health_fails < 1:
         raise ValueError("--health-interval and --health-timeout must be > 0, --health-fails >= 1")
     if args.max_body_bytes < 1024:
@@ -114,16 +130,17 @@ def make_router(args: argparse.Namespace):
         [parse_backend(b, "decode") for b in args.decode]
     if args.index.startswith(("redis://", "rediss://", "unix://")):
         try:
-            index = RedisIndex(args.index, prefix=args.index_prefix)
+            index = RedisIndex(args.index, prefix=args.index_prefix, shared_capacity_blocks=args.shared_index_blocks)
         except ImportError:
             raise ValueError("--index redis:// needs the redis package (pip install 'pagedkv[router]')") from None
         except Exception as e:  # redis.ConnectionError and friends
             raise ValueError(f"cannot reach the Redis index at {args.index}: {e}") from None
     else:
-        index = open_index(args.index)
+        index = open_index(args.index, shared_capacity_blocks=args.shared_index_blocks)
     state = RouterState(replicas, index, route=args.route, balance_slack=args.balance_slack,
                         balance_abs=args.balance_abs, block_size=args.block_size,
-                        approx_capacity_blocks=args.approx_capacity_blocks, min_match=args.min_match)
+                        approx_capacity_blocks=args.approx_capacity_blocks, min_match=args.min_match,
+                        weights={"CPU": args.cpu_weight, "DISK": args.disk_weight, "SHARED": args.shared_weight})
     builder = PromptBuilder(load_tokenizer(args.model), args.block_size)
     from ..server.launch import served_model_names
 

@@ -23,7 +23,7 @@ that message:
 Faults (the thread never ends on one; see docs/router-reliability.md):
 
 - *malformed messages* (not three frames, a sequence number that is not 8 bytes, a payload that is not the
-  msgpack layout, an event with an unknown medium, a negative hash or a non-finite timestamp) are dropped and
+  msgpack layout, an event with a medium other than None, GPU, CPU, DISK or SHARED, a negative hash or a non-finite timestamp) are dropped and
   counted in :attr:`Feed.bad_payloads`; the numbering steps over it when it is the very next number (or it comes
   from the replay socket), otherwise it is left alone (a stray message proves nothing; a real one missing is a
   gap that the next good message reveals);
@@ -46,11 +46,12 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..cluster.index import IndexUnavailableError
+from ..events import MEDIA
 
 __all__ = ["EventSubscriber", "Feed", "IndexHealth", "replay_endpoint_for"]
 
 END = -1
-_MEDIA = (None, "GPU", "CPU")
+_MEDIA = (None, *MEDIA)  # (None reads as GPU)
 log = logging.getLogger("pagedkv.router")
 
 

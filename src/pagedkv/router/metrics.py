@@ -4,7 +4,9 @@
 - ``pagedkv_router_predicted_cached_tokens_total{replica}``: prompt tokens the index predicted as cached there.
 - ``pagedkv_router_inflight{replica}``, ``pagedkv_router_inflight_prompt_tokens{replica}`` (the load), ``pagedkv_router_replica_healthy{replica}`` (1 or 0),
   ``pagedkv_router_replica_down_total{replica}`` (times it left routing).
-- ``pagedkv_router_index_blocks``: entries in the index ((block, medium, replica) triples).
+- ``pagedkv_router_index_blocks``: entries in the index ((block, medium, replica) triples of the replicas' own
+  tiers); ``pagedkv_router_index_shared_blocks``: blocks it believes the shared store holds (KV events with
+  medium ``SHARED``; every replica reaches them).
 - ``pagedkv_router_event_lag_seconds{replica}``: age of the last applied event message when it was applied.
 - ``pagedkv_router_event_messages_total{replica}``, ``pagedkv_router_resyncs_total{replica}`` (gaps repaired
   through the replay socket), ``pagedkv_router_incomplete_resyncs_total{replica}``,
@@ -77,6 +79,13 @@ class RouterMetrics:
         try:
             g.add_metric([], st.index_blocks())
         except Exception:  # the Redis index unreachable: leave the gauge out of this scrape
+            pass
+        else:
+            yield g
+        g = GaugeMetricFamily("pagedkv_router_index_shared_blocks", "blocks of the shared store in the prefix index")
+        try:
+            g.add_metric([], st.index_shared_blocks())
+        except Exception:  # as above
             pass
         else:
             yield g

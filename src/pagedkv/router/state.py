@@ -24,7 +24,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ..cluster.index import IndexUnavailableError, MemoryIndex, predicted_tokens
+from ..cluster.index import IndexUnavailableError, MemoryIndex, media_set, predicted_tokens
+from ..events import MEDIUM_GPU
 from ..cluster.policy import ApproxPrefixPolicy, PrefixPolicy, make_policy
 
 __all__ = ["Replica", "RouterState", "PendingIndex", "parse_backend"]
@@ -78,7 +79,7 @@ class PendingIndex:
 
 class _WithPending:
     """The policy's view: per replica the longer of the events index's match and the pending prompts' match
-    (pending blocks count as GPU blocks). While the index is stale (``state.index_ok`` False) it is not asked;
+    (pending blocks count as GPU blocks; the shared store's blocks come from the index alone). While the index is stale (``state.index_ok`` False) it is not asked;
     an ``IndexUnavailableError`` makes it stale (``state.index_failed``) and the answer is the pending one."""
 
     def __init__(self, index, pending: PendingIndex, state) -> None:
@@ -94,6 +95,27 @@ class _WithPending:
             self.state.index_failed(e)
             return False
 
+    @property
+    def media(self) -> frozenset:
+        """The index's media (GPU alone while it is stale)."""
+        if self.state.index_ok:
+            try:
+                m = getattr(self.index, "media", None)
+                if m is not None:
+                    return m
+                return frozenset((MEDIUM_GPU, "CPU")) if self.index.has_cpu else frozenset((MEDIUM_GPU,))
+            except IndexUnavailableError as e:
+                self.state.index_failed(e)
+        return frozenset((MEDIUM_GPU,))
+
+    def shared_prefix(self, hashes) -> int:
+        if self.state.index_ok:
+            try:
+                return self.index.shared_prefix(hashes)
+            except IndexUnavailableError as e:
+                self.state.index_failed(e)
+        return 0
+
     def longest_prefix(self, hashes, medium=None) -> dict:
         out: dict = {}
         if self.state.index_ok:
@@ -101,7 +123,7 @@ class _WithPending:
                 out = self.index.longest_prefix(hashes, medium)
             except IndexUnavailableError as e:
                 self.state.index_failed(e)
-        if medium in (None, "GPU"):
+        if MEDIUM_GPU in media_set(medium):
             for r, n in self.pending.index.longest_prefix(hashes).items():
                 if n > out.get(r, 0):
                     out[r] = n
@@ -143,7 +165,7 @@ class RouterState:
 
     def __init__(self, replicas: list[Replica], index=None, *, route: str = "prefix", balance_slack: float = 0.2,
                  balance_abs: float = 1024.0, block_size: int = 16, approx_capacity_blocks: int = 65536,
-                 min_match: float = 0.3) -> None:
+                 min_match: float = 0.3, weights: dict | None = None) -> None:
         if not replicas:
             raise ValueError("at least one --backend is needed")
         urls = [r.url for r in replicas]
@@ -160,7 +182,7 @@ class RouterState:
         self.index_outages = 0  #: times the index became unreachable
         self.policy = make_policy(route, _WithPending(self.index, self.pending, self), slack=balance_slack,
                                   abs_slack=balance_abs,
-                                  capacity_blocks=approx_capacity_blocks, min_match=min_match)
+                                  capacity_blocks=approx_capacity_blocks, min_match=min_match, weights=weights)
         self.route = route
         self.lock = threading.Lock()
         self._health_lock = threading.Lock()
@@ -279,7 +301,7 @@ class RouterState:
             loads = {u: self.replicas[u].inflight_tokens for u in urls}
             tiebreak = {u: self.replicas[u].decisions for u in urls}
             if isinstance(self.policy, PrefixPolicy):
-                scored = self.policy.scores(hashes)
+                scored = self.policy.scores(hashes, urls)
                 costs = {u: num_tokens - predicted_tokens(scored[1].get(u, 0), num_tokens, self.block_size)
                          for u in urls}
                 d = self.policy.choose(urls, loads, hashes, costs, tiebreak, scored=scored)
@@ -309,3 +331,9 @@ class RouterState:
     def index_blocks(self) -> int:
         with self.lock:
             return self.index.num_blocks()
+
+    def index_shared_blocks(self) -> int:
+        """Blocks the index believes the shared store holds (0 for an index without a shared store)."""
+        with self.lock:
+            f = getattr(self.index, "num_shared_blocks", None)
+            return int(f()) if f is not None else 0

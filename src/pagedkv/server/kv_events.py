@@ -15,7 +15,9 @@ Wire layout (what a router written for vLLM's ``ZmqEventPublisher`` reads):
   medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window]`` (``lora_name``
   and ``extra_keys`` None) and ``["BlockRemoved", block_hashes, medium, group_idx]``; single-group events keep
   the short layout above. :func:`decode_payload` reads all of them, and vLLM's longer arrays (fields after
-  ``kv_cache_spec_sliding_window`` are ignored).
+  ``kv_cache_spec_sliding_window`` are ignored). ``medium`` is sent as the event holds it: ``"GPU"``, ``"CPU"``,
+  ``"DISK"`` or ``"SHARED"`` (:data:`pagedkv.events.MEDIA`), at vLLM's position and type (a string or nil); a
+  consumer reads nil as ``"GPU"`` (:func:`pagedkv.events.medium_of`).
 * A **ROUTER** socket bound at ``replay_endpoint`` resends recent messages. A client (a DEALER socket) sends
   ``[b"", start]`` with ``start`` an 8-byte big-endian sequence number; it receives ``[b"", seq, payload]`` for
   every buffered message with ``seq >= start``, in order, then the end marker ``[b"", -1 as 8 signed big-endian
