@@ -54,9 +54,9 @@ class RefSession:
         for b in blocks:
             self.bonus[b] = (self.turns[s] - 1) * self.span
 
-    def push(self, b):
+    def push(self, b, first=None):  # the blocks of one push_many share the key of its first serial
         self.clock += 1
-        self.key[b] = (self.clock + self.bonus.pop(b, 0), self.clock)
+        self.key[b] = ((self.clock if first is None else first) + self.bonus.pop(b, 0), self.clock)
 
     def discard(self, b):
         del self.key[b]
@@ -89,8 +89,9 @@ def test_policy_matches_its_reference(policy, n, ops):
         elif op == "push_many" and absent:
             blocks = list(dict.fromkeys(absent[(x + 7 * i) % len(absent)] for i in range(x % (len(absent) + 1))))
             ev.push_many(np.array(blocks, dtype=np.int32))
+            first = getattr(ref, "clock", 0) + 1
             for b in blocks:
-                ref.push(b)
+                ref.push(b) if policy == "slru" else ref.push(b, first)
             inside += blocks
         elif op == "discard" and inside:
             b = inside.pop(x % len(inside))

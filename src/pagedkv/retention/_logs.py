@@ -16,57 +16,66 @@ __all__ = ["PushLog"]
 
 
 class PushLog:
-    """Blocks in push order, with their serials (see the module docstring). ``b`` (int32) and ``c`` (int64) hold
-    entries ``[head, tail)``; entries before ``head`` are gone."""
+    """Blocks in push order, with their serials and an ordering key each (see the module docstring). ``b``
+    (int32), ``c`` and ``k`` (int64) hold entries ``[head, tail)``; entries before ``head`` are gone. Keys do not
+    decrease along the log (a policy's merge of several logs compares ``(key, serial)``)."""
 
-    __slots__ = ("b", "c", "head", "tail")
+    __slots__ = ("b", "c", "k", "head", "tail")
 
     def __init__(self, capacity: int = 16) -> None:
         self.b = np.empty(capacity, dtype=np.int32)
         self.c = np.empty(capacity, dtype=np.int64)
+        self.k = np.empty(capacity, dtype=np.int64)
         self.head = self.tail = 0
 
-    def append(self, blocks: np.ndarray, serials: np.ndarray, cur: np.ndarray) -> None:
-        """Append ``blocks`` with their ``serials`` (increasing, above every serial in the log). O(len) amortised:
-        a full log drops its stale entries and doubles when still more than half live."""
+    def append(self, blocks: np.ndarray, serials: np.ndarray, cur: np.ndarray, key: int = 0) -> None:
+        """Append ``blocks`` with their ``serials`` (increasing, above every serial in the log) under one ``key``
+        (not below the log's last). O(len) amortised: a full log drops its stale entries and doubles when still
+        more than half live."""
         n = blocks.size
         if self.tail + n > self.b.size:
             h, z = self.head, self.tail
             lb, lc = self.b[h:z], self.c[h:z]
             live = cur[lb] == lc
-            k = int(np.count_nonzero(live))
-            size = max(16, 2 * (k + n))
+            m = int(np.count_nonzero(live))
+            size = max(16, 2 * (m + n))
             nb = np.empty(size, dtype=np.int32)
             nc = np.empty(size, dtype=np.int64)
-            nb[:k], nc[:k] = lb[live], lc[live]
-            self.b, self.c, self.head, self.tail = nb, nc, 0, k
+            nk = np.empty(size, dtype=np.int64)
+            nb[:m], nc[:m], nk[:m] = lb[live], lc[live], self.k[h:z][live]
+            self.b, self.c, self.k, self.head, self.tail = nb, nc, nk, 0, m
         z = self.tail
         self.b[z : z + n] = blocks
         self.c[z : z + n] = serials
+        self.k[z : z + n] = key
         self.tail = z + n
 
-    def head_entry(self, cur: np.ndarray) -> tuple[int, int]:
-        """``(block, serial)`` of the oldest live entry, dropping the stale ones before it; ``(-1, 0)`` if none.
-        O(stale entries skipped), a few numpy calls per 64 of them."""
+    def head_entry(self, cur: np.ndarray) -> tuple[int, int, int]:
+        """``(block, serial, key)`` of the oldest live entry, dropping the stale ones before it; ``(-1, 0, 0)`` if
+        none. O(stale entries skipped), a few numpy calls per 64 of them."""
         h, z = self.head, self.tail
         b, c = self.b, self.c
         while h < z:
             if cur[b[h]] == c[h]:
                 self.head = h
-                return int(b[h]), int(c[h])
+                return int(b[h]), int(c[h]), int(self.k[h])
             e = min(z, h + 64)
             live = np.flatnonzero(cur[b[h:e]] == c[h:e])
             h = h + int(live[0]) if live.size else e
         self.head = h
-        return -1, 0
+        return -1, 0, 0
 
-    def take(self, n: int, cur: np.ndarray, below: int | None = None) -> np.ndarray:
+    def take(self, n: int, cur: np.ndarray, below: tuple[int, int] | None = None) -> np.ndarray:
         """Remove and return up to ``n`` live entries from the oldest on (int32 blocks, their ``cur`` zeroed), only
-        those with a serial ``< below`` when given. O(entries scanned), numpy."""
+        those whose ``(key, serial)`` is below ``below`` when given. O(log entries + entries scanned), numpy."""
         out = []
         h, z = self.head, self.tail
-        if below is not None:  # serials increase along the log: the entries below the bound are a prefix
-            z = h + int(np.searchsorted(self.c[h:z], below))
+        if below is not None:  # (key, serial) increases along the log: the entries below the bound are a prefix
+            kl, cl = below
+            kk = self.k[h:z]
+            lo = int(np.searchsorted(kk, kl))
+            hi = int(np.searchsorted(kk, kl, "right"))
+            z = h + lo + int(np.searchsorted(self.c[h + lo : h + hi], cl))
         while n and h < z:
             e = min(z, h + max(2 * n, 64))
             lb = self.b[h:e]

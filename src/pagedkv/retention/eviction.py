@@ -20,7 +20,7 @@ the KV events and every counter stay the manager's, so a policy changes hit rate
 ==========  =====================================================================================================
 
 :func:`make_evictor` builds one by name. Costs: ``slru`` as LRU (two LRU logs, a few numpy calls per batch);
-``session`` O(log n) per block (a binary heap with lazy deletion, compacted when half its entries are stale).
+``session`` O(1) per block plus O(levels) per release a pop reaches (push logs, one per bonus).
 """
 
 from __future__ import annotations
@@ -136,19 +136,21 @@ class SLRUEvictor:
 
 
 class SessionEvictor:
-    """GreedyDual over a release clock with a per-session bonus. Each push advances ``clock`` by one and files
-    the block under ``clock + bonus``; the smallest key is evicted first (ties: the earlier push). Without hints
-    every bonus is 0 and the order is exactly LRU. :meth:`hint` (``blocks`` of the ``t``-th request seen for
-    ``session``, about to be released) sets their bonus to ``(t - 1) x span`` for their next push, ``span =
-    lifetimes x num_blocks`` releases. Sessions are counted in a bounded table (the ``max_sessions`` most
-    recently hinted; a forgotten session starts again at its first request).
+    """GreedyDual over a release clock with a per-session bonus. Each block pushed advances ``clock`` by one; the
+    blocks of one push (one release: a freed sequence's blocks) are filed under ``first serial + bonus``, the
+    smallest key evicted first (ties, and within a push: the earlier push, tail first). Without hints every bonus
+    is 0 and the order is exactly LRU. :meth:`hint` (``blocks`` of the ``t``-th request seen for ``session``, about
+    to be released) sets their bonus to ``(t - 1) x span`` for their next push, ``span = lifetimes x num_blocks``
+    releases. Sessions are counted in a bounded table (the ``max_sessions`` most recently hinted; a forgotten
+    session starts again at its first request).
 
     Blocks of one bonus are one *level*: a :class:`~pagedkv.retention._logs.PushLog`, in key order since the clock
     only grows. ``cur`` (int64 per block, the push serial, 0: not in the evictor) and ``bonus`` (int64 per block)
-    are flat arrays; a pop merges the heads of the levels. push / discard O(1) amortised, batch forms a few numpy
-    calls; a pop O(levels) (levels: the distinct turn counts of the blocks held, a handful), a ``pop_many`` that
-    many per switch between levels plus numpy work for the blocks taken. (Before: a binary heap in Python, one
-    entry per push, 3-5x LRU's replay time.)"""
+    are flat arrays; a pop merges the heads of the levels, a release at a time. push / discard O(1) amortised,
+    batch forms a few numpy calls; ``pop_many`` O(levels) per release it reaches into (levels: the distinct turn
+    counts of the blocks held, a handful) plus numpy work for the blocks taken. (Until round four: one key per
+    block, in a binary heap in Python, one entry per push, 3-5x LRU's replay time; a key per release changes the
+    order only between releases whose keys were interleaved.)"""
 
     __slots__ = ("cur", "bonus", "levels", "clock", "n", "span", "sessions", "max_sessions")
 
@@ -191,7 +193,7 @@ class SessionEvictor:
         b = int(self.bonus[block])
         if b:
             self.bonus[block] = 0
-        self._level(b).append(np.array([block], dtype=np.int32), np.array([c], dtype=np.int64), self.cur)
+        self._level(b).append(np.array([block], dtype=np.int32), np.array([c], dtype=np.int64), self.cur, c + b)
         self.n += 1
 
     def push_many(self, blocks: np.ndarray) -> None:
@@ -205,11 +207,11 @@ class SessionEvictor:
         bon = self.bonus[blocks]
         b0 = int(bon[0])
         if (bon == b0).all():
-            self._level(b0).append(blocks, serials, self.cur)
+            self._level(b0).append(blocks, serials, self.cur, c0 + 1 + b0)
         else:
             for v in np.unique(bon).tolist():
                 m = bon == v
-                self._level(v).append(blocks[m], serials[m], self.cur)
+                self._level(v).append(blocks[m], serials[m], self.cur, c0 + 1 + v)
         self.bonus[blocks] = 0
         self.n += n
 
@@ -225,11 +227,11 @@ class SessionEvictor:
         """``[(key, serial, bonus)]`` of each level's oldest live entry, smallest first; empty levels dropped."""
         out = []
         for b, log in list(self.levels.items()):
-            blk, c = log.head_entry(self.cur)
+            blk, c, k = log.head_entry(self.cur)
             if blk < 0:
                 del self.levels[b]
             else:
-                out.append((c + b, c, b))
+                out.append((k, c, b))
         out.sort()
         return out
 
@@ -245,9 +247,7 @@ class SessionEvictor:
             if len(heads) == 1:
                 got = self.levels[b].take(want, self.cur)
             else:  # take while (key, serial) stays below the next level's head
-                k2, c2, _ = heads[1]
-                lim = k2 - b
-                got = self.levels[b].take(want, self.cur, lim + 1 if lim < c2 else lim)
+                got = self.levels[b].take(want, self.cur, heads[1][:2])
             out.append(got)
             want -= got.size
         self.n -= n
@@ -258,10 +258,11 @@ class SessionEvictor:
     def __iter__(self) -> Iterator[int]:
         """Eviction order (smallest key first)."""
         blocks, keys = [], []
-        for b, log in self.levels.items():
-            lb = log.live(self.cur)
-            blocks.append(lb)
-            keys.append(self.cur[lb] + b)
+        for log in self.levels.values():
+            h, z = log.head, log.tail
+            live = self.cur[log.b[h:z]] == log.c[h:z]
+            blocks.append(log.b[h:z][live])
+            keys.append(log.k[h:z][live])
         if not blocks:
             return iter(())
         blocks, keys = np.concatenate(blocks), np.concatenate(keys)
