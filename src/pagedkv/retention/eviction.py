@@ -36,7 +36,7 @@ from ._logs import PushLog
 
 __all__ = ["EVICTION_POLICIES", "SLRUEvictor", "SessionEvictor", "make_evictor"]
 
-EVICTION_POLICIES = ("lru", "slru", "session")
+EVICTION_POLICIES = ("lru", "slru", "session", "density")
 
 
 def make_evictor(policy: str, num_blocks: int):
@@ -48,6 +48,10 @@ def make_evictor(policy: str, num_blocks: int):
         return SLRUEvictor(num_blocks)
     if policy == "session":
         return SessionEvictor(num_blocks)
+    if policy == "density":
+        from .density import DensityEvictor
+
+        return DensityEvictor(num_blocks)
     raise InvalidArgumentError(f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}; got {policy!r}")
 
 
