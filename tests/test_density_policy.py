@@ -239,3 +239,28 @@ def test_make_evictor_density():
     ev = make_evictor("density", 5)
     assert isinstance(ev, DensityEvictor) and len(ev) == 0 and ev.pop_many(0).size == 0
     assert not math.isnan(ev.est.table.sum())
+
+
+@pytest.mark.parametrize("fast_learning", [False, True])
+def test_kv_content_model_with_density(monkeypatch, fast_learning):
+    """The KV-content model (tests/kv_model.py: several calls a step, the copy plan, every live sequence's KV read
+    back) with the density policy forced, with the default estimate and with one refreshed at every hint over
+    bins of one release (so the learnt order, not LRU's, decides evictions)."""
+    import dataclasses
+    import random
+
+    import kv_model
+    from pagedkv.retention import density
+
+    if fast_learning:
+        monkeypatch.setattr(density.HitDensity.__init__, "__defaults__", (1, 8, 1, 1.0, 1 << 15, 1 << 16))
+    runs = 0
+    for seed in range(12):
+        cfg = kv_model.Config.draw(random.Random(seed))
+        if not cfg.prefix:
+            continue
+        cfg = dataclasses.replace(cfg, policy="density")
+        r = kv_model.run(seed, 200, cfg=cfg)
+        assert r.violations == 0, f"seed {seed}: {r.messages[:3]}"
+        runs += 1
+    assert runs >= 6
