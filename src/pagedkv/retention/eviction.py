@@ -17,10 +17,13 @@ the KV events and every counter stay the manager's, so a policy changes hit rate
             a session is kept ``(t - 1) x lifetimes x num_blocks`` releases longer than LRU would keep it;
             requests without a hint behave as LRU. On the Mooncake conversation trace a conversation that has
             come back is the better bet, and keeping *some* conversations long beats keeping all of them briefly.
+``density`` the release of least hit density first (:mod:`pagedkv.retention.density`): expected hits per block per
+            unit of time given its age, learnt online per class of turn and size; unhinted blocks first, as LRU
 ==========  =====================================================================================================
 
 :func:`make_evictor` builds one by name. Costs: ``slru`` as LRU (two LRU logs, a few numpy calls per batch);
-``session`` O(1) per block plus O(levels) per release a pop reaches (push logs, one per bonus).
+``session`` O(1) per block plus O(levels) per release a pop reaches (push logs, one per bonus); ``density`` O(1) per
+block plus an O(R log R) sort of the R live releases after a hint (see its module).
 """
 
 from __future__ import annotations
