@@ -115,8 +115,8 @@ class BlockManager:
             None (default): as wide as the batch's longest table. Set it to ``ceil((max_model_len +
             num_lookahead_slots) / block_size)``.
         eviction_policy: the order in which unreferenced cached blocks are evicted (:mod:`pagedkv.retention.eviction`):
-            ``"lru"`` (default), ``"slru"`` (frequency-aware) or ``"session"`` (uses :meth:`set_retention`'s
-            session hint). Needs prefix caching for anything but ``"lru"``.
+            ``"lru"`` (default), ``"slru"`` (frequency-aware), ``"session"`` or ``"density"`` (both use
+            :meth:`set_retention`'s session hint). Needs prefix caching for anything but ``"lru"``.
         pin_budget_blocks: the most distinct GPU blocks :meth:`pin_prefix` may hold pinned (0: no pins).
 
     Sequences are keyed by any hashable ``seq_id`` chosen by the caller. Every method either completes or raises
@@ -755,7 +755,8 @@ class BlockManager:
         field: a lower value is a higher priority, default 0): unreferenced blocks of a larger value are evicted
         before any block of a smaller one (:mod:`pagedkv.retention.steering`). ``session`` (a conversation id, any
         hashable): a hint for the ``"session"`` eviction policy, which keeps the blocks of a conversation longer
-        the more requests it has had; other policies ignore it. Set it any time before the free; the last call
+        the more requests it has had, and for ``"density"``, which learns how likely a conversation is to come
+        back; other policies ignore it. Set it any time before the free; the last call
         wins. Raises UnknownSequenceError or InvalidArgumentError (needs prefix caching), changing nothing. O(1);
         the first non-default priority switches on the priority classes (:class:`SteeredEvictor`)."""
         self._t.row(seq_id)

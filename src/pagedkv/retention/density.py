@@ -1,7 +1,7 @@
 """The ``density`` eviction policy: evict the release with the fewest expected hits per block per unit of time.
 
 A cached block pays for itself only if a later request hits it; on conversational traffic that is the next turn
-of its conversation, which comes minutes later (on the Mooncake conversation trace a median 430 requests; a
+of its conversation, which comes minutes later (on the Mooncake conversation trace a median 422 requests; a
 1M-token cache holds about 80 prompts), seldom in the first seconds (people read the answer), and more likely the
 more turns the conversation has had. Recency (LRU) is the wrong signal there: the newest release is the one least
 likely to be hit *now*. This policy estimates, per release, its *hit density* (LHD, Beckmann et al., NSDI'18):
