@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from pagedkv import BlockManager
 from pagedkv.blocks.evictor import LRUEvictor
-from pagedkv.retention.density import ANONYMOUS, DensityEvictor, HitDensity
+from pagedkv.retention.density import ANONYMOUS, SHARED, DensityEvictor, HitDensity
 from pagedkv.retention.eviction import make_evictor
 
 
@@ -24,10 +24,20 @@ class RefDensity:
 
     def __init__(self, ev: DensityEvictor):
         self.ev, self.rels, self.hinted, self.serial, self.cur = ev, [], {}, 0, {}
+        self.own, self.shared, self.born = {}, {}, {}  # per block: last hinting session, its shared hits, first hint
+        self.pend = set()
 
     def hint(self, blocks, session):  # after ev.hint: read the class and clock it gave
         for b in blocks:
             self.hinted[b] = (self.ev.est.sessions[session][3], self.ev.est.clock)
+            if b in self.pend:  # hinted, never pushed since: new content
+                self.own.pop(b, None), self.shared.pop(b, None), self.born.pop(b, None)
+            self.pend.add(b)
+            if b in self.own and self.own[b] != session:
+                self.shared[b] = self.shared.get(b, 0) + 1
+            if b not in self.own:
+                self.born[b] = self.ev.est.clock
+            self.own[b] = session
 
     def _live(self, rel):
         return [b for b, c in rel[3] if self.cur.get(b) == c]
@@ -38,28 +48,37 @@ class RefDensity:
         for b in blocks:
             self.serial += 1
             k, t = self.hinted.pop(b, (ANONYMOUS, -1))
-            entries.append((b, self.serial, k if t == now else ANONYMOUS))
+            self.pend.discard(b)
+            k = SHARED if self.shared.get(b) else (k if t == now else ANONYMOUS)
+            entries.append((b, self.serial, k))
             self.cur[b] = self.serial
         for k in dict.fromkeys(e[2] for e in entries):
             group = [(b, c) for b, c, kk in entries if kk == k]
             last = self.rels[-1] if self.rels else None
-            if last is not None and self._live(last) and (last[0], last[1]) == (k, now):
+            if last is not None and self._live(last) and (last[0], last[1]) == (k, now) and k != SHARED:
                 last[3] += group
             else:
-                self.rels.append([k, now, group[0][1], group])
+                rate = None
+                if k == SHARED:
+                    rate = (min(self.shared[b] for b, _ in group), max(self.born[b] for b, _ in group))
+                self.rels.append([k, now, group[0][1], group, rate])
 
     def discard(self, b):
         del self.cur[b]
 
     def order(self):
         live = [r for r in self.rels if self._live(r)]
-        d = [float(self.ev.est.density(np.array([r[0]]), np.array([r[1]]))[0]) for r in live]
+        est = self.ev.est
+        d = [r[4][0] / (est.clock - r[4][1] + 1.0) if r[0] == SHARED
+             else float(est.density(np.array([r[0]]), np.array([r[1]]))[0]) for r in live]
         idx = sorted(range(len(live)), key=lambda i: (d[i], live[i][2]))
         return [b for i in idx for b in self._live(live[i])]
 
     def pop(self):
         b = self.order()[0]
         del self.cur[b]
+        for m in (self.own, self.shared, self.born):  # evicted: its content, and what was known of it, leaves
+            m.pop(b, None)
         return b
 
 

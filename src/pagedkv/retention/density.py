@@ -25,9 +25,16 @@ release tail first (as pushed): a partly evicted conversation keeps its prefix, 
   releases. Until data comes every density is 0 and the order is LRU's.
 - **Blocks without a hint** (no session) are an *anonymous* release of density 0: evicted first, least recently
   released first. With no hints at all the order is exactly LRU.
+- **Blocks shared across conversations** (hinted by a second session while cached: a system prompt, a shared
+  document) leave the release they came in with: their density is their own hit rate, the hints by other
+  sessions per clock tick since their first hint (the density's unit), the fewest and newest of a push's shared
+  blocks for all of them. A system prompt every request hits is then the last block to go, whatever release
+  brought it back last. What is known of a block is forgotten when it is evicted, or hinted again without having
+  been pushed since (freed uncached: new content).
 
 Data: per block ``cur`` (int64 push serial, 0: not in the evictor), ``seg`` (int32 release slot), the class and
-clock of the last hint (int32, int64); per release slot its class, clock, creation serial, live count and a
+clock of the last hint (int32, int64), the last hinting session's hash, shared hits, first hint (int64) and a
+pending flag; per release slot its class, clock, creation serial, live count and a
 :class:`~pagedkv.retention._logs.PushLog`. A release is one push (a freed sequence's blocks) or several pushes
 between two hints with the same class and clock; never one object per block. Costs: push, discard O(1) amortised
 (batch forms a few numpy calls); a pop computes the order of the live releases when a hint or a push changed it
@@ -49,6 +56,7 @@ __all__ = ["DensityEvictor", "HitDensity"]
 TURNS = 4  # turn classes: 1, 2, 3, 4 or more
 SIZES = 16  # log2 classes of the blocks a turn adds
 ANONYMOUS = TURNS * SIZES  # the class of a release without a hint (density 0)
+SHARED = ANONYMOUS + 1  # blocks hinted by two sessions while cached (a system prompt): density = their hit rate
 
 
 class HitDensity:
@@ -148,14 +156,18 @@ class DensityEvictor:
     """The ``density`` policy (see the module docstring): the evictor methods of
     :class:`pagedkv.blocks.evictor.LRUEvictor` plus :meth:`hint`. ``est`` is its :class:`HitDensity`."""
 
-    __slots__ = ("cur", "seg", "hk", "ht", "serial", "n", "est", "s_k", "s_t", "s_ser", "s_live", "logs", "free",
-                 "nslots", "order", "oi", "stale", "last")
+    __slots__ = ("cur", "seg", "hk", "ht", "own", "shd", "born", "pend", "serial", "n", "est", "s_k", "s_t", "s_ser",
+                 "s_live", "s_h", "s_b", "logs", "free", "nslots", "order", "oi", "stale", "last")
 
     def __init__(self, num_blocks: int, **options) -> None:
         self.cur = np.zeros(num_blocks, dtype=np.int64)
         self.seg = np.zeros(num_blocks, dtype=np.int32)
         self.hk = np.full(num_blocks, ANONYMOUS, dtype=np.int32)  # class and clock of the block's last hint
         self.ht = np.zeros(num_blocks, dtype=np.int64)
+        self.own = np.zeros(num_blocks, dtype=np.int64)  # the session (a hash, 0: none) that last hinted the block
+        self.shd = np.zeros(num_blocks, dtype=np.int64)  # hints by another session since it was cached
+        self.born = np.zeros(num_blocks, dtype=np.int64)  # clock of its first hint since it was cached
+        self.pend = np.zeros(num_blocks, dtype=np.bool_)  # hinted and not pushed since
         self.serial = 0
         self.n = 0
         self.est = HitDensity(**options)
@@ -164,6 +176,8 @@ class DensityEvictor:
         self.s_t = np.zeros(cap, dtype=np.int64)
         self.s_ser = np.zeros(cap, dtype=np.int64)
         self.s_live = np.zeros(cap, dtype=np.int64)
+        self.s_h = np.zeros(cap, dtype=np.int64)  # shared releases: fewest shared hits, latest first hint
+        self.s_b = np.zeros(cap, dtype=np.int64)
         self.logs: list = [None] * cap
         self.free: list = list(range(cap - 1, -1, -1))
         self.nslots = 0  # slots ever used (the order looks at [0, nslots))
@@ -186,15 +200,25 @@ class DensityEvictor:
         k, c = self.est.tick(session, int(blocks.size))
         self.hk[blocks] = k
         self.ht[blocks] = c
+        h = (hash(session) & 0x7FFFFFFFFFFFFFFF) | 1
+        gone = self.pend[blocks]  # hinted before and never pushed since: freed uncached, new content now
+        if gone.any():
+            self.own[blocks[gone]] = 0
+            self.shd[blocks[gone]] = 0
+        self.pend[blocks] = True
+        prev = self.own[blocks]
+        self.shd[blocks] += (prev != 0) & (prev != h)
+        self.born[blocks] = np.where(prev == 0, c, self.born[blocks])
+        self.own[blocks] = h
         self.stale = True
 
     # ------------------------------------------------------------------ releases
     def _slot(self, k: int, t: int, blocks: np.ndarray, serials: np.ndarray) -> None:
         s = self.last
-        if s < 0 or self.logs[s] is None or self.s_k[s] != k or self.s_t[s] != t:
+        if s < 0 or self.logs[s] is None or self.s_k[s] != k or self.s_t[s] != t or k == SHARED:
             if not self.free:
                 cap = self.s_k.size
-                for name in ("s_k", "s_t", "s_ser", "s_live"):
+                for name in ("s_k", "s_t", "s_ser", "s_live", "s_h", "s_b"):
                     a = getattr(self, name)
                     b = np.zeros(2 * cap, dtype=a.dtype)
                     b[:cap] = a
@@ -204,6 +228,8 @@ class DensityEvictor:
             s = self.free.pop()
             self.nslots = max(self.nslots, s + 1)
             self.s_k[s], self.s_t[s], self.s_ser[s], self.s_live[s] = k, t, int(serials[0]), 0
+            if k == SHARED:
+                self.s_h[s], self.s_b[s] = int(self.shd[blocks].min()), int(self.born[blocks].max())
             self.logs[s] = PushLog()
             self.last = s
             self.stale = True
@@ -225,7 +251,9 @@ class DensityEvictor:
         now = self.est.clock
         hk = self.hk[blocks]
         k = np.where(self.ht[blocks] == now, hk, ANONYMOUS)  # a hint counts until the next one
+        k[self.shd[blocks] > 0] = SHARED
         self.hk[blocks] = ANONYMOUS
+        self.pend[blocks] = False
         k0 = int(k[0])
         if (k == k0).all():
             self._slot(k0, now, blocks, serials)
@@ -263,7 +291,11 @@ class DensityEvictor:
     def _order(self) -> np.ndarray:
         if self.stale:
             live = np.flatnonzero(self.s_live[: self.nslots] > 0)
-            d = self.est.density(self.s_k[live], self.s_t[live])
+            k = self.s_k[live]
+            sh = k == SHARED
+            d = self.est.density(np.where(sh, ANONYMOUS, k), self.s_t[live])
+            if sh.any():  # hits per tick since first hinted, the density's unit
+                d[sh] = self.s_h[live[sh]] / (self.est.clock - self.s_b[live[sh]] + 1.0)
             self.order = live[np.lexsort((self.s_ser[live], d))]
             self.oi = 0
             self.stale = False
@@ -294,7 +326,10 @@ class DensityEvictor:
                 i += 1
         self.oi = i
         self.n -= n
-        return out[0].astype(np.int32, copy=False) if len(out) == 1 else np.concatenate(out).astype(np.int32)
+        got = out[0].astype(np.int32, copy=False) if len(out) == 1 else np.concatenate(out).astype(np.int32)
+        self.own[got] = 0  # the content leaves: its sessions and shared hits with it
+        self.shd[got] = 0
+        return got
 
     def __iter__(self) -> Iterator[int]:
         """Eviction order: releases by density (then age), each tail first (as pushed)."""
