@@ -54,9 +54,9 @@ class RefSession:
         for b in blocks:
             self.bonus[b] = (self.turns[s] - 1) * self.span
 
-    def push(self, b):
+    def push(self, b, first=None):  # the blocks of one push_many share the key of its first serial
         self.clock += 1
-        self.key[b] = (self.clock + self.bonus.pop(b, 0), self.clock)
+        self.key[b] = ((self.clock if first is None else first) + self.bonus.pop(b, 0), self.clock)
 
     def discard(self, b):
         del self.key[b]
@@ -89,8 +89,9 @@ def test_policy_matches_its_reference(policy, n, ops):
         elif op == "push_many" and absent:
             blocks = list(dict.fromkeys(absent[(x + 7 * i) % len(absent)] for i in range(x % (len(absent) + 1))))
             ev.push_many(np.array(blocks, dtype=np.int32))
+            first = getattr(ref, "clock", 0) + 1
             for b in blocks:
-                ref.push(b)
+                ref.push(b) if policy == "slru" else ref.push(b, first)
             inside += blocks
         elif op == "discard" and inside:
             b = inside.pop(x % len(inside))
@@ -148,6 +149,7 @@ def _run_golden(policy):
     ("lru", "bdac"),       # least recently released first
     ("slru", "bdac"),      # never-hit b, d first, then the protected a, c in LRU order
     ("session", "bdac"),   # the conversation's blocks (turns 2-5 of "chat") outlive the one-offs b, d
+    ("density", "bdac"),   # nothing learnt yet (no return seen before a refresh): every density 0, LRU's order
 ])
 def test_golden_eviction_order(policy, order):
     assert _run_golden(policy) == order
@@ -220,14 +222,14 @@ def test_set_retention_errors_change_nothing():
 
 
 def test_constructor_checks():
-    with pytest.raises(InvalidArgumentError, match="lru, slru, session"):
+    with pytest.raises(InvalidArgumentError, match="lru, slru, session, density"):
         BlockManager(4, 2, enable_prefix_caching=True, eviction_policy="arc")
     with pytest.raises(InvalidArgumentError):
         BlockManager(4, 2, eviction_policy="slru")  # needs prefix caching
     with pytest.raises(InvalidArgumentError):
         BlockManager(4, 2, enable_prefix_caching=True, pin_budget_blocks=-1)
     assert BlockManager(4, 2, enable_prefix_caching=True, pin_budget_blocks=2, sliding_window=4).pin_budget_blocks == 2
-    assert EVICTION_POLICIES == ("lru", "slru", "session")
+    assert EVICTION_POLICIES == ("lru", "slru", "session", "density")
     assert type(BlockManager(4, 2, enable_prefix_caching=True)._cache.evictor) is LRUEvictor  # the hot path as is
     assert type(BlockManager(4, 2, enable_prefix_caching=True, eviction_policy="slru")._cache.evictor) is SLRUEvictor
     assert BlockManager(4, 2, enable_prefix_caching=True, eviction_policy="session").eviction_policy == "session"

@@ -363,7 +363,7 @@ def test_conversation_ids_join_a_turn_that_repeats_the_whole_prompt():
     assert conversation_ids(trace).tolist() == [0, 1, 0, 3, 0, 1]
 
 
-@pytest.mark.parametrize("policy", ["slru", "session"])
+@pytest.mark.parametrize("policy", ["slru", "session", "density"])
 def test_replay_with_an_eviction_policy(tmp_path, policy, capsys):
     out = tmp_path / "r.json"
     assert cli_main(["replay", str(SAMPLE), "--limit", "60", "--capacity", "100k", "--eviction-policy", policy,

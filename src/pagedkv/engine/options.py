@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..retention.eviction import EVICTION_POLICIES
+
 __all__ = ["add_engine_args", "add_sampling_args", "make_llm", "make_params"]
 
 
@@ -61,7 +63,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
                    help="priority: admit by each request's priority then arrival, preempt the largest first "
                         "(vLLM's; a lower value is more urgent)")
-    p.add_argument("--eviction-policy", choices=("lru", "slru", "session"), default="lru",
+    p.add_argument("--eviction-policy", choices=EVICTION_POLICIES, default="lru",
                    help="the prefix cache's eviction order (pagedkv.retention.eviction; one block table only)")
     p.add_argument("--pin-budget-blocks", type=int, default=0, metavar="BLOCKS",
                    help="most KV blocks pinned prefixes may hold (BlockManager.pin_prefix; one block table only)")

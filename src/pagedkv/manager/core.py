@@ -119,8 +119,8 @@ class BlockManager:
             None (default): as wide as the batch's longest table. Set it to ``ceil((max_model_len +
             num_lookahead_slots) / block_size)``.
         eviction_policy: the order in which unreferenced cached blocks are evicted (:mod:`pagedkv.retention.eviction`):
-            ``"lru"`` (default), ``"slru"`` (frequency-aware) or ``"session"`` (uses :meth:`set_retention`'s
-            session hint). Needs prefix caching for anything but ``"lru"``.
+            ``"lru"`` (default), ``"slru"`` (frequency-aware), ``"session"`` or ``"density"`` (both use
+            :meth:`set_retention`'s session hint). Needs prefix caching for anything but ``"lru"``.
         pin_budget_blocks: the most distinct GPU blocks :meth:`pin_prefix` may hold pinned (0: no pins).
         store_policy: which blocks :meth:`take_store_plan` hands out to write to the storage tiers:
             ``"none"`` (default), ``"write_through"`` (every block once registered in the prefix cache) or
@@ -932,10 +932,11 @@ class BlockManager:
         field: a lower value is a higher priority, default 0): unreferenced blocks of a larger value are evicted
         before any block of a smaller one (:mod:`pagedkv.retention.steering`). ``session`` (a conversation id, any
         hashable): a hint for the ``"session"`` eviction policy, which keeps the blocks of a conversation longer
-        the more requests it has had; other policies ignore it. Set it any time before the free; the last call
-        wins. A :meth:`fork` child takes its parent's priority (the session hint stays the parent's). Raises
-        UnknownSequenceError or InvalidArgumentError (needs prefix caching), changing nothing. O(1); the first
-        non-default priority switches on the priority classes (:class:`SteeredEvictor`)."""
+        the more requests it has had, and for ``"density"``, which learns how likely a conversation is to come
+        back; other policies ignore it. Set it any time before the free; the last call wins. A :meth:`fork` child
+        takes its parent's priority (the session hint stays the parent's). Raises UnknownSequenceError or
+        InvalidArgumentError (needs prefix caching), changing nothing. O(1); the first non-default priority switches
+        on the priority classes (:class:`SteeredEvictor`)."""
         self._t.any_row(seq_id)  # (a LOADING sequence too: free applies the hint)
         if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
             raise InvalidArgumentError(f"priority must be an int, got {priority!r}")

@@ -77,8 +77,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="with --groups: also replay the groups without window retention (plain LRU)")
     ap.add_argument("--eviction-policy", choices=EVICTION_POLICIES, default="lru",
                     help="the prefix cache's eviction policy (pagedkv.retention.eviction; sequence mode): lru, slru "
-                         "(frequency-aware) or session (each request hints its conversation, derived from the "
-                         "prompts seen before it: pagedkv.replay.sessions)")
+                         "(frequency-aware), session or density (each request hints its conversation, derived from "
+                         "the prompts seen before it: pagedkv.replay.sessions)")
     ap.add_argument("--json", metavar="OUT", help="write the results as JSON to OUT")
     ap.add_argument("--plot", metavar="DIR", help="draw hit rate against capacity into DIR (matplotlib)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> dict:
         make_manager(cls, 1, bs, eviction_policy=pol)
     trace = load_trace(args.trace, args.limit)
     sessions = None
-    if pol == "session":
+    if pol in ("session", "density"):
         from .sessions import conversation_ids
 
         sessions = conversation_ids(trace)

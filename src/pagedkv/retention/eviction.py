@@ -17,15 +17,17 @@ the KV events and every counter stay the manager's, so a policy changes hit rate
             a session is kept ``(t - 1) x lifetimes x num_blocks`` releases longer than LRU would keep it;
             requests without a hint behave as LRU. On the Mooncake conversation trace a conversation that has
             come back is the better bet, and keeping *some* conversations long beats keeping all of them briefly.
+``density`` the release of least hit density first (:mod:`pagedkv.retention.density`): expected hits per block per
+            unit of time given its age, learnt online per class of turn and size; unhinted blocks first, as LRU
 ==========  =====================================================================================================
 
 :func:`make_evictor` builds one by name. Costs: ``slru`` as LRU (two LRU logs, a few numpy calls per batch);
-``session`` O(log n) per block (a binary heap with lazy deletion, compacted when half its entries are stale).
+``session`` O(1) per block plus O(levels) per release a pop reaches (push logs, one per bonus); ``density`` O(1) per
+block plus an O(R log R) sort of the R live releases after a hint (see its module).
 """
 
 from __future__ import annotations
 
-import heapq
 from collections import OrderedDict
 from typing import Hashable, Iterator
 
@@ -33,10 +35,11 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 from ..blocks.evictor import LRUEvictor
+from ._logs import PushLog
 
 __all__ = ["EVICTION_POLICIES", "SLRUEvictor", "SessionEvictor", "make_evictor"]
 
-EVICTION_POLICIES = ("lru", "slru", "session")
+EVICTION_POLICIES = ("lru", "slru", "session", "density")
 
 
 def make_evictor(policy: str, num_blocks: int):
@@ -48,6 +51,10 @@ def make_evictor(policy: str, num_blocks: int):
         return SLRUEvictor(num_blocks)
     if policy == "session":
         return SessionEvictor(num_blocks)
+    if policy == "density":
+        from .density import DensityEvictor
+
+        return DensityEvictor(num_blocks)
     raise InvalidArgumentError(f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}; got {policy!r}")
 
 
@@ -136,22 +143,28 @@ class SLRUEvictor:
 
 
 class SessionEvictor:
-    """GreedyDual over a release clock with a per-session bonus. Each push advances ``clock`` by one and files
-    the block under ``clock + bonus``; the smallest key is evicted first (ties: the earlier push). Without hints
-    every bonus is 0 and the order is exactly LRU. :meth:`hint` (``blocks`` of the ``t``-th request seen for
-    ``session``, about to be released) sets their bonus to ``(t - 1) x span`` for their next push, ``span =
-    lifetimes x num_blocks`` releases. Sessions are counted in a bounded table (the ``max_sessions`` most
-    recently hinted; a forgotten session starts again at its first request).
+    """GreedyDual over a release clock with a per-session bonus. Each block pushed advances ``clock`` by one; the
+    blocks of one push (one release: a freed sequence's blocks) are filed under ``first serial + bonus``, the
+    smallest key evicted first (ties, and within a push: the earlier push, tail first). Without hints every bonus
+    is 0 and the order is exactly LRU. :meth:`hint` (``blocks`` of the ``t``-th request seen for ``session``, about
+    to be released) sets their bonus to ``(t - 1) x span`` for their next push, ``span = lifetimes x num_blocks``
+    releases. Sessions are counted in a bounded table (the ``max_sessions`` most recently hinted; a forgotten
+    session starts again at its first request).
 
-    ``key`` (int64 per block, the push serial, 0: not in the evictor); a heap of (clock + bonus, serial, block)
-    with lazy deletion. push / pop O(log n), discard O(1); batch forms loop in Python."""
+    Blocks of one bonus are one *level*: a :class:`~pagedkv.retention._logs.PushLog`, in key order since the clock
+    only grows. ``cur`` (int64 per block, the push serial, 0: not in the evictor) and ``bonus`` (int64 per block)
+    are flat arrays; a pop merges the heads of the levels, a release at a time. push / discard O(1) amortised,
+    batch forms a few numpy calls; ``pop_many`` O(levels) per release it reaches into (levels: the distinct turn
+    counts of the blocks held, a handful) plus numpy work for the blocks taken. (Until round four: one key per
+    block, in a binary heap in Python, one entry per push, 3-5x LRU's replay time; a key per release changes the
+    order only between releases whose keys were interleaved.)"""
 
-    __slots__ = ("serial", "bonus", "heap", "clock", "n", "span", "sessions", "max_sessions")
+    __slots__ = ("cur", "bonus", "levels", "clock", "n", "span", "sessions", "max_sessions")
 
     def __init__(self, num_blocks: int, lifetimes: float = 4.0, max_sessions: int = 1 << 16) -> None:
-        self.serial = np.zeros(num_blocks, dtype=np.int64)
+        self.cur = np.zeros(num_blocks, dtype=np.int64)
         self.bonus = np.zeros(num_blocks, dtype=np.int64)
-        self.heap: list = []
+        self.levels: dict = {}  # bonus -> PushLog of the blocks pushed with it
         self.clock = 0
         self.n = 0
         self.span = max(1, int(lifetimes * num_blocks))
@@ -162,7 +175,7 @@ class SessionEvictor:
         return self.n
 
     def __contains__(self, block: int) -> bool:
-        return self.serial[block] != 0
+        return self.cur[block] != 0
 
     def hint(self, blocks: np.ndarray, session: Hashable) -> None:
         """Count one more request of ``session`` and give its ``blocks`` that request's bonus at their next push."""
@@ -175,48 +188,89 @@ class SessionEvictor:
             s.popitem(last=False)
         self.bonus[blocks] = (t - 1) * self.span
 
+    def _level(self, bonus: int) -> PushLog:
+        log = self.levels.get(bonus)
+        if log is None:
+            log = self.levels[bonus] = PushLog()
+        return log
+
     def push(self, block: int) -> None:
         c = self.clock = self.clock + 1
-        self.serial[block] = c
+        self.cur[block] = c
         b = int(self.bonus[block])
         if b:
             self.bonus[block] = 0
-        heapq.heappush(self.heap, (c + b, c, block))
+        self._level(b).append(np.array([block], dtype=np.int32), np.array([c], dtype=np.int64), self.cur, c + b)
         self.n += 1
-        if len(self.heap) > 2 * self.n + 64:
-            self._compact()
 
     def push_many(self, blocks: np.ndarray) -> None:
-        for b in blocks.tolist():
-            self.push(b)
+        n = blocks.size
+        if n == 0:
+            return
+        c0 = self.clock
+        serials = np.arange(c0 + 1, c0 + n + 1, dtype=np.int64)
+        self.clock = c0 + n
+        self.cur[blocks] = serials
+        bon = self.bonus[blocks]
+        b0 = int(bon[0])
+        if (bon == b0).all():
+            self._level(b0).append(blocks, serials, self.cur, c0 + 1 + b0)
+        else:
+            for v in np.unique(bon).tolist():
+                m = bon == v
+                self._level(v).append(blocks[m], serials[m], self.cur, c0 + 1 + v)
+        self.bonus[blocks] = 0
+        self.n += n
 
     def discard(self, block: int) -> None:
-        self.serial[block] = 0
+        self.cur[block] = 0
         self.n -= 1
 
     def discard_many(self, blocks: np.ndarray) -> None:
-        self.serial[blocks] = 0
+        self.cur[blocks] = 0
         self.n -= blocks.size
 
+    def _heads(self) -> list:
+        """``[(key, serial, bonus)]`` of each level's oldest live entry, smallest first; empty levels dropped."""
+        out = []
+        for b, log in list(self.levels.items()):
+            blk, c, k = log.head_entry(self.cur)
+            if blk < 0:
+                del self.levels[b]
+            else:
+                out.append((k, c, b))
+        out.sort()
+        return out
+
     def pop(self) -> int:
-        heap, serial = self.heap, self.serial
-        while True:
-            _, c, b = heapq.heappop(heap)
-            if serial[b] == c:
-                break
-        serial[b] = 0
-        self.n -= 1
-        return b
+        return int(self.pop_many(1)[0])
 
     def pop_many(self, n: int) -> np.ndarray:
-        return np.array([self.pop() for _ in range(n)], dtype=np.int32)
-
-    def _compact(self) -> None:
-        serial = self.serial
-        self.heap = [e for e in self.heap if serial[e[2]] == e[1]]
-        heapq.heapify(self.heap)
+        out = []
+        want = n
+        while want:
+            heads = self._heads()
+            key, c, b = heads[0]
+            if len(heads) == 1:
+                got = self.levels[b].take(want, self.cur)
+            else:  # take while (key, serial) stays below the next level's head
+                got = self.levels[b].take(want, self.cur, heads[1][:2])
+            out.append(got)
+            want -= got.size
+        self.n -= n
+        if len(out) == 1:
+            return out[0].astype(np.int32, copy=False)
+        return np.concatenate(out).astype(np.int32) if out else np.empty(0, dtype=np.int32)
 
     def __iter__(self) -> Iterator[int]:
         """Eviction order (smallest key first)."""
-        serial = self.serial
-        return iter([b for _, c, b in sorted(self.heap) if serial[b] == c])
+        blocks, keys = [], []
+        for log in self.levels.values():
+            h, z = log.head, log.tail
+            live = self.cur[log.b[h:z]] == log.c[h:z]
+            blocks.append(log.b[h:z][live])
+            keys.append(log.k[h:z][live])
+        if not blocks:
+            return iter(())
+        blocks, keys = np.concatenate(blocks), np.concatenate(keys)
+        return iter(blocks[np.lexsort((self.cur[blocks], keys))].tolist())
