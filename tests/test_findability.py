@@ -64,6 +64,32 @@ def test_an_orphaned_cached_block_does_not_keep_the_new_one_out():
     assert m.block_table("s0")[2] >= 0 and m._cache.cid[m.block_table("s0")[2]] == 0
 
 
+def test_a_window_the_sequence_moved_past_is_not_promised():
+    """Toy-engine seeds 29 and 53 (issue 23, item 1): the chunk of 'a' moves its sliding group's window past the hit
+    point 8 (its first query, at 10, reads positions 8..10), so the group releases blocks 0 and 1; 'b', in the same
+    call, needs two blocks and the pool has none free: it takes exactly those. The hit at 8 needs the sliding
+    group's block 1 (positions 6, 7), which nobody holds any more, so lookup_prefix finds 0: no block 'a' holds is
+    lost. Findability promises the hit points whose blocks the sequence itself holds in every group
+    (tests/toy_engine.py's ``_held_hit``); a window it moved past is an eviction candidate like any idle block."""
+    m = HybridBlockManager(10, 4, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(3)],
+                           enable_prefix_caching=True, watermark=0.0)
+    p = list(range(1, 13))
+    m.allocate("a", p, num_new_tokens=10)
+    m.allocate("b", list(range(50, 58)))
+    m.take_copy_plan()
+    assert m.num_free_gpu_blocks == 0 and m.lookup_prefix(p).num_cached_tokens == 8
+    released = set(m.block_table("a", 1)[:2].tolist())
+    m.decode_step(["a", "b"], np.array([11, 12, 60]), num_new_tokens=[2, 1])
+    m.take_copy_plan()
+    m.check_invariants()
+    assert m.block_table("a", 1)[:2].tolist() == [-1, -1]  # released by the window: the hit at 8 is not held
+    assert {int(m.block_table("b", g)[2]) for g in (0, 1)} == released  # b's new blocks are those very blocks
+    assert m.lookup_prefix(p).num_cached_tokens == 0
+    m.free("a")
+    m.free("b")
+    m.check_invariants()
+
+
 def _findability_walk(seed: int, hybrid: bool) -> int:
     """Random allocate / decode (chunks of 1-3 tokens) / free over small pools, windows and block sizes; after
     every allocate the prompt's full blocks (up to one token before its end) must be found. Returns the checks."""
