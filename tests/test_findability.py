@@ -11,6 +11,8 @@ import random
 import numpy as np
 import pytest
 
+import pagedkv
+
 from pagedkv import AllocStatus, BlockManager, FullAttentionSpec, HybridBlockManager, SlidingWindowSpec
 from pagedkv.cluster.index import MemoryIndex
 from pagedkv.errors import PromptTooLongError, SequenceStateError
@@ -88,6 +90,55 @@ def test_a_window_the_sequence_moved_past_is_not_promised():
     m.free("a")
     m.free("b")
     m.check_invariants()
+
+
+def _copy_of_a_cached_block(events: bool = False):
+    """'a' prefills p in chunks; 'b' allocates p whole meanwhile, so b's block 1 caches p's second block first and
+    a's chunk, which fills the same content, keeps its own block uncached (one block a key): a copy."""
+    m = BlockManager(10, 4, enable_prefix_caching=True, watermark=0.0, enable_kv_events=events)
+    p = list(range(1, 14))
+    m.allocate("a", p, num_new_tokens=5)
+    m.allocate("b", p)
+    m.take_copy_plan()
+    m.decode_step(["a"], np.array(p[5:9]), num_new_tokens=[4])
+    m.take_copy_plan()
+    m.check_invariants()
+    a1, b1 = int(m.block_table("a")[1]), int(m.block_table("b")[1])
+    assert a1 != b1 and m._cache.cid[a1] == 0 and m._cache.dupc[a1] == m._cache.cid[b1]
+    return m, p, a1, b1
+
+
+def test_a_held_copy_inherits_the_content_when_the_cached_block_is_evicted():
+    """Toy-engine seed 23 (issue 23, item 1): r7/0 held an uncached copy (deduplicated against r13-r18's block of
+    the same content); they were freed and their block evicted, and lookup_prefix found 0 of the 12 tokens r7/0
+    holds. Now the held copy takes the evicted block's cache identity: same key and content id, no KV event."""
+    m, p, a1, b1 = _copy_of_a_cached_block(events=True)
+    m.free("b")
+    m.take_events()
+    m.allocate("c", list(range(100, 128)))  # 7 blocks: the 5 free ones, then b's blocks 3 and 2 (LRU) evicted
+    m.take_copy_plan()
+    m.check_invariants()
+    assert b1 in m.block_table("c").tolist()  # the cached block went
+    assert m.lookup_prefix(p).num_cached_tokens == 8  # was 4: the content stayed, in a's block
+    removed = [k for e in m.take_events() if type(e).__name__ == "BlockRemoved" for k in e.block_hashes]
+    assert pagedkv.block_hashes(p, 4)[1] not in removed and len(removed) == 1  # only block 2's content left
+    assert m.stats.evictions == 1
+    m.free("c")
+    assert m.allocate("d", p) == 8 and int(m.block_table("d")[1]) == a1  # d shares a's block
+    m.check_invariants()
+
+
+def test_a_copy_freed_before_the_eviction_inherits_nothing():
+    """A copy returned to the free ring forgets its record: the eviction then takes the content out as usual (its
+    block may hold anything by then)."""
+    m, p, a1, b1 = _copy_of_a_cached_block()
+    m.free("a")
+    assert m._cache.dupc[a1] == 0  # (back on the free ring)
+    m.free("b")
+    m.allocate("c", list(range(100, 140)))  # the whole pool: every free block and every cached one
+    m.take_copy_plan()
+    m.check_invariants()
+    assert m.lookup_prefix(p).num_cached_tokens == 0 and not m._cache.dups
 
 
 def _findability_walk(seed: int, hybrid: bool) -> int:

@@ -167,12 +167,12 @@ STRICT = os.environ.get("PAGEDKV_TOY_STRICT", "") == "1"
 
 
 # Random configurations whose findability check (lookup_prefix right after an allocation or a chunk finds every
-# hit point whose blocks the sequence holds) still fails, in seeds 0-59. Seeds 29 and 53 were the check's own
-# overreach: it wanted every full block, also where a sliding group's window had moved past the hit point (released,
-# then evicted: tests/test_findability.py::test_a_window_the_sequence_moved_past_is_not_promised). Seed 23: r7/0
-# holds an uncached copy of a content another sequence cached first (deduplicated), and that block was evicted.
-# Checked strictly below, as strict xfails; remove a seed from this set once its test passes.
-_FINDABILITY_OPEN = (23,)
+# hit point whose blocks the sequence holds) failed with issue 23 A fixed, in seeds 0-59, no abort involved. Seeds 29
+# and 53 were the check's own overreach: it wanted every full block, also where a sliding group's window had moved
+# past the hit point (released, then evicted: test_findability.py::test_a_window_the_sequence_moved_past_is_not_promised).
+# Seed 23: r7/0 held an uncached copy of a content other sequences cached first (deduplicated), and their block was
+# evicted (test_findability.py::test_a_held_copy_inherits_the_content_when_the_cached_block_is_evicted: fixed).
+_FINDABILITY_FORMER_MISSES = (23, 29, 53)
 
 
 def _run_random(seed, strict):
@@ -202,17 +202,16 @@ def test_toy_engine_random_configurations(seed):
     """A random configuration per seed: 1-6 groups (one group on either manager), windows 1-13, block sizes
     1-16, chunked prefill, incremental tables, lookahead drafts, the CPU tier, aborts, forks, both preemption
     modes. Every logit against the reference. Longer: PAGEDKV_TOY_SEEDS=200 pytest tests/test_toy_engine.py -k
-    random (PAGEDKV_TOY_STRICT=1 also fails on a findability miss; see _FINDABILITY_OPEN)."""
+    random (PAGEDKV_TOY_STRICT=1 also fails on a findability miss)."""
     engine, bm = _run_random(seed, STRICT)
     checked = check_against_reference(engine)
     assert checked > 0 and len(bm) == 0
 
 
-@pytest.mark.xfail(strict=True, reason="findability misses with no abort involved, root cause not established "
-                                       "(not issue 23 A's roots, which are fixed)")
-@pytest.mark.parametrize("seed", _FINDABILITY_OPEN)
-def test_toy_engine_findability_open_cases(seed):
-    """Every full block a sequence holds is found by lookup_prefix right after the allocate or chunk that filled
-    it, in the random configurations where that still fails (_FINDABILITY_OPEN)."""
-    engine, _ = _run_random(seed, strict=True)
-    assert engine.counts["findable_misses"] == 0
+@pytest.mark.parametrize("seed", _FINDABILITY_FORMER_MISSES)
+def test_toy_engine_findability_former_misses(seed):
+    """Every hit point whose blocks a sequence holds is found by lookup_prefix right after the allocate or chunk
+    that filled them, in the random configurations where that failed (_FINDABILITY_FORMER_MISSES)."""
+    engine, bm = _run_random(seed, strict=True)
+    assert engine.counts["findable_checks"] > 30 and engine.counts["findable_misses"] == 0
+    assert check_against_reference(engine) > 0 and len(bm) == 0

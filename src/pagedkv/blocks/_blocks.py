@@ -78,7 +78,9 @@ class Blocks:
             return
         cached = self.cache.cid[zero] != 0
         self.cache.evictor.push_many(zero[cached])
-        self.gpu.give(zero[~cached])
+        loose = zero[~cached]
+        self.cache.forget_copies(loose)
+        self.gpu.give(loose)
 
     def release_cpu(self, blocks: np.ndarray) -> None:
         """Drop one reference to each of the CPU ``blocks`` (distinct); freed ones lose their cache identity."""
