@@ -278,6 +278,34 @@ def test_windowed_chunked_hit_is_cut_to_fit_the_pool():
     m.check_invariants()
 
 
+def _pool_sized_prefix():
+    m = BlockManager(8, 4, sliding_window=4, enable_prefix_caching=True, watermark=0.25, enable_kv_events=True)
+    p = list(range(1, 31))
+    m.allocate("a", p[:24])  # 6 full blocks, all cached: the pool less its watermark of 2
+    m.take_copy_plan()
+    m.free("a")
+    return m, p
+
+
+def test_windowed_chunked_hit_is_cut_in_allocate_batch_as_in_allocate():
+    """Issue 23, item 1.3: allocate_batch cuts a windowed chunked prompt's hit to fit the pool less the watermark
+    as allocate does. Its walk over the batch did not: 'b' wanted its 6 hit blocks plus 2 and the batch with 'x'
+    was refused (9 blocks of 8), though the consecutive calls admit both (b: 4 hits + 2 new, x: 1)."""
+    a, p = _pool_sized_prefix()
+    b, _ = _pool_sized_prefix()
+    q = [90, 91]
+    res = a.allocate_batch(["b", "x"], [p, q], num_new_tokens=[8, 8])
+    hits = [b.allocate("b", p, num_new_tokens=8), b.allocate("x", q, num_new_tokens=8)]
+    assert res.num_cached_tokens.tolist() == hits == [16, 0]
+    for s in ("b", "x"):
+        assert a.block_table(s).tolist() == b.block_table(s).tolist() and a.num_tokens(s) == b.num_tokens(s)
+    assert a.num_tokens("b") == 24 and a.take_events() == b.take_events()
+    a.check_invariants()
+    a.take_copy_plan()
+    a.decode_step(["b"], np.array(p[24:]), num_new_tokens=[6])
+    a.check_invariants()
+
+
 # ---------------------------------------------------------------------------------------------- D: hybrid hit rule
 def test_hybrid_hit_needs_the_w_minus_1_positions_the_first_query_reads():
     """W % block_size == 1 (W = 5, block_size 4): the first query at L = 12 reads positions 8..11, block 2 only;
