@@ -249,7 +249,7 @@ class PrefixCache:
                  "cid_mv", "tok_mv", "key_mv", "pcid_mv", "tier", "fresh", "fresh_serial", "events", "event_overflows", "_ev_max", "_ev_lost", "pkey", "nsid", "_ns_ids", "ns_list", "block_size",
                  "_root_serial", "_ns_free", "sweep_at", "grouped", "void", "dl", "succ", "ndl", "_runs",
                  "_runs_keep", "succ_mv", "dl_mv", "pool", "batch_idle", "batch_moved", "dupc", "dupc_mv",
-                 "dups")
+                 "dups", "has_copies")
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.map: dict[int, int] = {}
@@ -272,6 +272,7 @@ class PrefixCache:
         self.dupc = np.zeros(num_blocks, dtype=np.int64)
         self.dupc_mv = memoryview(self.dupc)
         self.dups: dict[int, list[int]] = {}
+        self.has_copies = False  # a copy was recorded since the last reset (dupc may be non-zero)
         self._runs: list[np.ndarray] = []
         self._runs_keep = 64  # prune _runs (drop the runs with no dict-less block left) past this length
         self.roots: dict[bytes, tuple[int, int]] = {}  # encoded namespace -> (cid < 0, key)
@@ -543,6 +544,7 @@ class PrefixCache:
         """Record the held, uncached ``block`` as a copy of content ``c`` (see Copies). O(1) amortised: a list
         of copies drops its stale records when it reaches 8."""
         self.dupc_mv[block] = c
+        self.has_copies = True
         got = self.dups.get(c)
         if got is None:
             self.dups[c] = [block]
@@ -553,9 +555,9 @@ class PrefixCache:
         got.append(block)
 
     def forget_copies(self, blocks: np.ndarray) -> None:
-        """Uncached ``blocks`` return to the free ring: they copy nothing any more. O(len(blocks)) when copies are
-        recorded, else one test."""
-        if self.dups:
+        """Uncached ``blocks`` return to the free ring: they copy nothing any more. O(len(blocks)) once a copy was
+        recorded (since the last reset), else one test."""
+        if self.has_copies:
             self.dupc[blocks] = 0
 
     def _heirs(self, blocks: np.ndarray) -> list:
@@ -956,6 +958,7 @@ class PrefixCache:
         self.succ[:] = -1
         self.dups.clear()
         self.dupc[:] = 0
+        self.has_copies = False
         freed = list(self.evictor)
         self.evictor.discard_many(np.asarray(freed, dtype=np.int64))
         drop = getattr(self.evictor, "drop_pins", None)  # (pagedkv.retention.steering: pinned idle blocks are freed too)
