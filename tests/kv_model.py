@@ -369,7 +369,6 @@ class KVModel:
         flat = np.array([t for s, c in zip(batch, counts) for t in self.seqs[s].rest[:c]], dtype=np.int64)
         # (the chunk's blocks are findable when the prefix before it still is: a reset, a withdrawal or an eviction
         # of a block the sequence deduplicated into can have cut it since; a window may release and evict in the call)
-        # (and without the CPU tier: a known gap, see _found)
         intact = {s: not self.G and self.cfg.window is None and self.cfg.prefix
                   and self._found(s) for s in batch}
         try:
@@ -686,8 +685,8 @@ class KVModel:
         t, cache = self.bm._t, self.bm._cache
         row = t.row_of[sid]
         if not cache.live_parent(int(t.ccid[row]), int(t.ckey[row])):
-            # its chain ends in a content that left the cache (one it deduplicated into, evicted since; its prefix
-            # may be cached again under another identity): what it registers next is not found (a known gap)
+            # its chain ends in a content that left the cache (a swapped-in row whose prefix is not cached again whole,
+            # or a windowed one: Swapper.rechain skips those): what it registers next is not found (a stated gap)
             return False
         # (an uncached copy of a content another block caches, deduplicated at registration, inherits the content
         # when that block is evicted: prefix_cache "Copies"; no gap left there)

@@ -141,6 +141,39 @@ def test_a_copy_freed_before_the_eviction_inherits_nothing():
     assert m.lookup_prefix(p).num_cached_tokens == 0 and not m._cache.dups
 
 
+def test_a_swapped_in_sequence_chains_on_from_its_prefix_cached_again():
+    """Issue 23, item 1.2, re-cached chains: 'a' was swapped out, its blocks evicted, and 'b' cached the same prefix
+    again under new content ids. Swapped in, a's blocks could not adopt their old identity (the keys are taken)
+    and its chain ended in the gone content, so the block its next chunk filled was cached under it, unreachable:
+    lookup_prefix found 8 of the 12 tokens it holds. Swap-in now walks such a row's prefix: its blocks become copies
+    of the contents cached again and its chain continues from them."""
+    m = BlockManager(8, 4, num_cpu_blocks=8, enable_prefix_caching=True, watermark=0.0)
+    p = list(range(1, 10))
+    m.allocate("a", p)
+    m.take_copy_plan()
+    m.swap_out(["a"])
+    m.take_copy_plan()
+    m.allocate("big", list(range(100, 132)))  # the whole pool: a's idle cached blocks are evicted
+    m.take_copy_plan()
+    m.free("big")
+    assert m.lookup_prefix(p).num_cached_tokens == 0
+    m.allocate("b", p)  # the same prefix, cached again: new content ids
+    m.take_copy_plan()
+    m.swap_in(["a"])
+    m.take_copy_plan()
+    m.check_invariants()
+    m.decode_step(["a"], [10, 11, 12], num_new_tokens=[3])  # fills a's block 2
+    m.take_copy_plan()
+    m.check_invariants()
+    q = list(range(1, 13)) + [99]
+    assert m.lookup_prefix(q).num_cached_tokens == 12  # was 8
+    m.free("b")
+    m.allocate("c", list(range(200, 220)))  # evicts b's blocks: a's copies inherit their contents
+    m.take_copy_plan()
+    m.check_invariants()
+    assert m.lookup_prefix(q).num_cached_tokens == 12
+
+
 def _findability_walk(seed: int, hybrid: bool) -> int:
     """Random allocate / decode (chunks of 1-3 tokens) / free over small pools, windows and block sizes; after
     every allocate the prompt's full blocks (up to one token before its end) must be found. Returns the checks."""

@@ -79,7 +79,8 @@ class Blocks:
         cached = self.cache.cid[zero] != 0
         self.cache.evictor.push_many(zero[cached])
         loose = zero[~cached]
-        self.cache.forget_copies(loose)
+        if self.cache.has_copies:
+            self.cache.forget_copies(loose)
         self.gpu.give(loose)
 
     def release_cpu(self, blocks: np.ndarray) -> None:

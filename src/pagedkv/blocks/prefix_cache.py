@@ -533,14 +533,14 @@ class PrefixCache:
                     elif self.batch_idle is not None and other in self.batch_idle:
                         self._hand_over_batch(other, block)
                     else:
-                        self._note_copy(block, c)
+                        self.note_copy(block, c)
                 return c, key
             if self.live_parent(pcid, pkey):  # other's parent content is not the one cached: it cannot be reached
                 self._uncache(other)  # (an orphan: its parent left the cache); this block replaces it
                 return self.register(block, pcid, pkey, namespace, emit)
         return 0, 0
 
-    def _note_copy(self, block: int, c: int) -> None:
+    def note_copy(self, block: int, c: int) -> None:
         """Record the held, uncached ``block`` as a copy of content ``c`` (see Copies). O(1) amortised: a list
         of copies drops its stale records when it reaches 8."""
         self.dupc_mv[block] = c

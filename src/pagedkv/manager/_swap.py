@@ -100,6 +100,7 @@ class Swapper:
                 ns = cache.ns_list[int(ident[4, c])] if cache.events is not None else None
                 cache.adopt(g, int(ident[0, c]), int(ident[1, c]) & _U64, int(ident[2, c]), int(ident[3, c]) & _U64,
                             ns)
+            self.rechain(rows)
         self.t.swapped[rows] = False
         freed = uniq[self.cpu.ref[uniq] == 0]
         if self.cpu_id is not None:
@@ -111,6 +112,37 @@ class Swapper:
         if src:
             self.copies.append((1, src, dst))  # SWAP_IN
         return list(zip(src, dst))
+
+    def rechain(self, rows: np.ndarray) -> None:
+        """A swapped-in row whose chain ends in a content that left the cache while it was out (evicted, then the
+        same prefix cached again by another sequence under new content ids: its blocks could not adopt their old
+        identity, the key being taken) would chain what it registers next to the gone content, where no lookup
+        finds it. Its registered blocks are walked from the root instead: where each is cached again (same key,
+        tokens and parent), the row's block is recorded as a copy of that content and the chain continues from it.
+        A row with released (windowed) blocks, or whose prefix is not cached whole, keeps its chain. O(registered
+        blocks) per such row, nothing for the others."""
+        cache, t = self.cache, self.t
+        if cache.ndl:
+            cache.flush()
+        for r in rows.tolist():
+            c = int(t.ccid[r])
+            if not c or t.nrel[r] or cache.live_parent(c, int(t.ckey[r])):
+                continue
+            pcid, pkey = cache.root(t.ns_of[r], intern=False)
+            blocks = t.table[r, : t.nreg[r]].tolist()
+            found = []
+            for b in blocks:
+                g, key = cache.find(pcid, pkey, cache.tok[b].tobytes())
+                if g < 0:
+                    break
+                pcid, pkey = int(cache.cid[g]), key
+                found.append(pcid)
+            if len(found) < len(blocks):
+                continue
+            for b, cc in zip(blocks, found):
+                if not cache.cid[b]:
+                    cache.note_copy(b, cc)
+            t.ccid[r], t.ckey[r] = pcid, pkey
 
     def refuse_pending(self, seq_ids: list, rows: np.ndarray) -> None:
         """SequenceStateError if one of the rows was handed slots in this step (after a take_copy_plan): its KV is
