@@ -114,13 +114,13 @@ class Swapper:
         return list(zip(src, dst))
 
     def rechain(self, rows: np.ndarray) -> None:
-        """A swapped-in row whose chain ends in a content that left the cache while it was out (evicted, then the
-        same prefix cached again by another sequence under new content ids: its blocks could not adopt their old
-        identity, the key being taken) would chain what it registers next to the gone content, where no lookup
-        finds it. Its registered blocks are walked from the root instead: where each is cached again (same key,
-        tokens and parent), the row's block is recorded as a copy of that content and the chain continues from it.
-        A row with released (windowed) blocks, or whose prefix is not cached whole, keeps its chain. O(registered
-        blocks) per such row, nothing for the others."""
+        """A swapped-in row whose chain ends in a content that left the cache while it was out (evicted; a copy's
+        CPU block carries no identity to adopt; the same prefix may be cached again under new content ids) would
+        chain what it registers next to the gone content, where no lookup finds it. Its full blocks are registered
+        again from the root instead, as a prompt's are: each is found cached (its own identity, or it becomes a
+        copy of the content cached again) or is cached anew (a ``BlockStored`` event), and the chain continues from
+        there. Their KV is the swap-in's copy, executed before the step's forward. A row with released (windowed)
+        blocks keeps its chain (a stated gap). O(registered blocks) per such row, nothing for the others."""
         cache, t = self.cache, self.t
         if cache.ndl:
             cache.flush()
@@ -128,20 +128,12 @@ class Swapper:
             c = int(t.ccid[r])
             if not c or t.nrel[r] or cache.live_parent(c, int(t.ckey[r])):
                 continue
-            pcid, pkey = cache.root(t.ns_of[r], intern=False)
-            blocks = t.table[r, : t.nreg[r]].tolist()
-            found = []
-            for b in blocks:
-                g, key = cache.find(pcid, pkey, cache.tok[b].tobytes())
-                if g < 0:
+            ns = t.ns_of[r]
+            pcid, pkey = cache.root(ns, intern=True)
+            for b in t.table[r, : t.nreg[r]].tolist():
+                pcid, pkey = cache.register(b, pcid, pkey, ns)
+                if not pcid:
                     break
-                pcid, pkey = int(cache.cid[g]), key
-                found.append(pcid)
-            if len(found) < len(blocks):
-                continue
-            for b, cc in zip(blocks, found):
-                if not cache.cid[b]:
-                    cache.note_copy(b, cc)
             t.ccid[r], t.ckey[r] = pcid, pkey
 
     def refuse_pending(self, seq_ids: list, rows: np.ndarray) -> None:
