@@ -95,7 +95,7 @@ def test_a_window_the_sequence_moved_past_is_not_promised():
 def _copy_of_a_cached_block(events: bool = False):
     """'a' prefills p in chunks; 'b' allocates p whole meanwhile, so b's block 1 caches p's second block first and
     a's chunk, which fills the same content, keeps its own block uncached (one block a key): a copy."""
-    m = BlockManager(10, 4, enable_prefix_caching=True, watermark=0.0, enable_kv_events=events)
+    m = BlockManager(10, 4, num_cpu_blocks=8, enable_prefix_caching=True, watermark=0.0, enable_kv_events=events)
     p = list(range(1, 14))
     m.allocate("a", p, num_new_tokens=5)
     m.allocate("b", p)
@@ -139,6 +139,25 @@ def test_a_copy_freed_before_the_eviction_inherits_nothing():
     m.take_copy_plan()
     m.check_invariants()
     assert m.lookup_prefix(p).num_cached_tokens == 0 and not m._cache.dups
+
+
+def test_a_copy_swapped_out_and_in_is_a_copy_again():
+    """Toy-engine seed 78: a sequence holding copies was swapped out (a copy's CPU block carries no identity) and
+    in: its blocks came back uncached and unrecorded, so once the cached ones were freed and evicted lookup_prefix
+    found 4 of its 8 tokens. Swap-in registers such a row's blocks again: they are recorded copies."""
+    m, p, a1, b1 = _copy_of_a_cached_block()
+    m.swap_out(["a"])
+    m.take_copy_plan()
+    m.swap_in(["a"])
+    m.take_copy_plan()
+    m.check_invariants()
+    a1 = int(m.block_table("a")[1])
+    assert m._cache.cid[a1] == 0 and m._cache.dupc[a1] == m._cache.cid[b1]
+    m.free("b")
+    m.allocate("c", list(range(100, 128)))  # evicts b's cached blocks
+    m.take_copy_plan()
+    m.check_invariants()
+    assert m.lookup_prefix(p).num_cached_tokens == 8
 
 
 def test_a_swapped_in_sequence_chains_on_from_its_prefix_cached_again():

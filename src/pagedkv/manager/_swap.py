@@ -114,23 +114,27 @@ class Swapper:
         return list(zip(src, dst))
 
     def rechain(self, rows: np.ndarray) -> None:
-        """A swapped-in row whose chain ends in a content that left the cache while it was out (evicted; a copy's
-        CPU block carries no identity to adopt; the same prefix may be cached again under new content ids) would
-        chain what it registers next to the gone content, where no lookup finds it. Its full blocks are registered
-        again from the root instead, as a prompt's are: each is found cached (its own identity, or it becomes a
-        copy of the content cached again) or is cached anew (a ``BlockStored`` event), and the chain continues from
-        there. Their KV is the swap-in's copy, executed before the step's forward. A row with released (windowed)
-        blocks keeps its chain (a stated gap). O(registered blocks) per such row, nothing for the others."""
+        """A swapped-in row with a registered block that came back uncached (a copy's CPU block carries no identity
+        to adopt; a block whose key another block took meanwhile), or whose chain ends in a content that left the
+        cache while it was out (evicted, perhaps cached again under new content ids), would hold content nobody
+        finds once the other holders go, and chain what it registers next to a gone content. Its full blocks are
+        registered again from the root instead, as a prompt's are: each is found cached (its own identity, or it
+        becomes a recorded copy of the content cached elsewhere) or is cached anew (a ``BlockStored`` event), and
+        the chain continues from there. Their KV is the swap-in's copy, executed before the step's forward. A row
+        with released (windowed) blocks keeps its chain (a stated gap). O(registered blocks) per swapped-in row."""
         cache, t = self.cache, self.t
         if cache.ndl:
             cache.flush()
         for r in rows.tolist():
             c = int(t.ccid[r])
-            if not c or t.nrel[r] or cache.live_parent(c, int(t.ckey[r])):
+            if not c or t.nrel[r]:
+                continue
+            blocks = t.table[r, : t.nreg[r]]
+            if cache.cid[blocks].all() and cache.live_parent(c, int(t.ckey[r])):
                 continue
             ns = t.ns_of[r]
             pcid, pkey = cache.root(ns, intern=True)
-            for b in t.table[r, : t.nreg[r]].tolist():
+            for b in blocks.tolist():
                 pcid, pkey = cache.register(b, pcid, pkey, ns)
                 if not pcid:
                     break
