@@ -10,7 +10,7 @@ import pytest
 
 import pagedkv
 from pagedkv import NULL_BLOCK, AllocStatus, BlockManager
-from pagedkv import prefix_cache as pc_mod
+from pagedkv.blocks import prefix_cache as pc_mod
 from pagedkv.errors import SequenceStateError
 
 from test_errors import assert_unchanged, snapshot
