@@ -562,11 +562,15 @@ class PrefixCache:
 
     def _heirs(self, blocks: np.ndarray) -> list:
         """For evicted ``blocks`` (still cached): ``(i, d)`` for each ``blocks[i]`` of which a held copy ``d``
-        takes the identity (see Copies); each such content's record keeps its other copies. O(len(blocks))."""
+        takes the identity (see Copies); each such content's record keeps its other copies. A few numpy calls
+        over ``blocks`` and the recorded contents, then O(1) a block whose content has copies."""
         dups, dupc, ref, tok = self.dups, self.dupc_mv, self.pool.ref_mv, self.tok
         cid = self.cid_mv
+        cids = self.cid[blocks]
+        rec = np.fromiter(dups.keys(), dtype=np.int64, count=len(dups))
         out = []
-        for i, b in enumerate(blocks.tolist()):
+        for i in np.flatnonzero(np.isin(cids, rec)).tolist():  # (a few numpy calls, however many blocks)
+            b = int(blocks[i])
             c = cid[b]
             got = dups.pop(c, None)
             if not got:
