@@ -16,7 +16,7 @@ from pagedkv import BlockManager, EVICTION_POLICIES
 from pagedkv.errors import InvalidArgumentError, PinBudgetError, UnknownPinError, UnknownSequenceError
 from pagedkv.retention.eviction import SessionEvictor, SLRUEvictor, make_evictor
 from pagedkv.blocks.evictor import LRUEvictor
-from pagedkv import steering
+from pagedkv.retention import steering
 
 
 # ---------------------------------------------------------------------- reference models
