@@ -374,8 +374,7 @@ class KVModel:
         flat = np.array([t for s, c in zip(batch, counts) for t in self.seqs[s].rest[:c]], dtype=np.int64)
         # (the chunk's blocks are findable when the prefix before it still is: a reset, a withdrawal or an eviction
         # of a block the sequence deduplicated into can have cut it since; a window may release and evict in the call)
-        # (and without the CPU tier: a known gap, see _found)
-        intact = {s: not self.G and self.cfg.window is None and self.cfg.prefix and not self.cfg.tier
+        intact = {s: not self.G and self.cfg.window is None and self.cfg.prefix
                   and self._found(s) for s in batch}
         try:
             res = bm.decode_step(batch, flat, 0, num_new_tokens=np.array(counts))
@@ -691,14 +690,11 @@ class KVModel:
         t, cache = self.bm._t, self.bm._cache
         row = t.row_of[sid]
         if not cache.live_parent(int(t.ccid[row]), int(t.ckey[row])):
-            # its chain ends in a content that left the cache (one it deduplicated into, evicted since; its prefix
-            # may be cached again under another identity): what it registers next is not found (a known gap)
+            # its chain ends in a content that left the cache (a swapped-in row whose prefix is not cached again whole,
+            # or a windowed one: Swapper.rechain skips those): what it registers next is not found (a stated gap)
             return False
-        held = t.table[row, t.nrel[row] : t.nreg[row]]
-        if (cache.cid[held[held >= 0]] == 0).any():
-            # it holds an uncached copy of a content another block caches (deduplicated): when that block's holder
-            # frees it, an eviction can drop the content while this sequence still holds it (a known gap)
-            return False
+        # (an uncached copy of a content another block caches, deduplicated at registration, inherits the content
+        # when that block is evicted: prefix_cache "Copies"; no gap left there)
         prompt = q.toks + q.rest
         want = min(len(q.toks) // bs, (len(prompt) - 1) // bs) * bs
         return self.bm.lookup_prefix(prompt, namespace=q.ns).num_cached_tokens >= want

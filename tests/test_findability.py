@@ -11,6 +11,8 @@ import random
 import numpy as np
 import pytest
 
+import pagedkv
+
 from pagedkv import AllocStatus, BlockManager, FullAttentionSpec, HybridBlockManager, SlidingWindowSpec
 from pagedkv.cluster.index import MemoryIndex
 from pagedkv.errors import PromptTooLongError, SequenceStateError
@@ -62,6 +64,133 @@ def test_an_orphaned_cached_block_does_not_keep_the_new_one_out():
     assert m.lookup_prefix(p).num_cached_tokens == 12
     # s0 still reads its own block, now uncached; the new chain is whole
     assert m.block_table("s0")[2] >= 0 and m._cache.cid[m.block_table("s0")[2]] == 0
+
+
+def test_a_window_the_sequence_moved_past_is_not_promised():
+    """Toy-engine seeds 29 and 53 (issue 23, item 1): the chunk of 'a' moves its sliding group's window past the hit
+    point 8 (its first query, at 10, reads positions 8..10), so the group releases blocks 0 and 1; 'b', in the same
+    call, needs two blocks and the pool has none free: it takes exactly those. The hit at 8 needs the sliding
+    group's block 1 (positions 6, 7), which nobody holds any more, so lookup_prefix finds 0: no block 'a' holds is
+    lost. Findability promises the hit points whose blocks the sequence itself holds in every group
+    (tests/toy_engine.py's ``_held_hit``); a window it moved past is an eviction candidate like any idle block."""
+    m = HybridBlockManager(10, 4, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(3)],
+                           enable_prefix_caching=True, watermark=0.0)
+    p = list(range(1, 13))
+    m.allocate("a", p, num_new_tokens=10)
+    m.allocate("b", list(range(50, 58)))
+    m.take_copy_plan()
+    assert m.num_free_gpu_blocks == 0 and m.lookup_prefix(p).num_cached_tokens == 8
+    released = set(m.block_table("a", 1)[:2].tolist())
+    m.decode_step(["a", "b"], np.array([11, 12, 60]), num_new_tokens=[2, 1])
+    m.take_copy_plan()
+    m.check_invariants()
+    assert m.block_table("a", 1)[:2].tolist() == [-1, -1]  # released by the window: the hit at 8 is not held
+    assert {int(m.block_table("b", g)[2]) for g in (0, 1)} == released  # b's new blocks are those very blocks
+    assert m.lookup_prefix(p).num_cached_tokens == 0
+    m.free("a")
+    m.free("b")
+    m.check_invariants()
+
+
+def _copy_of_a_cached_block(events: bool = False):
+    """'a' prefills p in chunks; 'b' allocates p whole meanwhile, so b's block 1 caches p's second block first and
+    a's chunk, which fills the same content, keeps its own block uncached (one block a key): a copy."""
+    m = BlockManager(10, 4, num_cpu_blocks=8, enable_prefix_caching=True, watermark=0.0, enable_kv_events=events)
+    p = list(range(1, 14))
+    m.allocate("a", p, num_new_tokens=5)
+    m.allocate("b", p)
+    m.take_copy_plan()
+    m.decode_step(["a"], np.array(p[5:9]), num_new_tokens=[4])
+    m.take_copy_plan()
+    m.check_invariants()
+    a1, b1 = int(m.block_table("a")[1]), int(m.block_table("b")[1])
+    assert a1 != b1 and m._cache.cid[a1] == 0 and m._cache.dupc[a1] == m._cache.cid[b1]
+    return m, p, a1, b1
+
+
+def test_a_held_copy_inherits_the_content_when_the_cached_block_is_evicted():
+    """Toy-engine seed 23 (issue 23, item 1): r7/0 held an uncached copy (deduplicated against r13-r18's block of
+    the same content); they were freed and their block evicted, and lookup_prefix found 0 of the 12 tokens r7/0
+    holds. Now the held copy takes the evicted block's cache identity: same key and content id, no KV event."""
+    m, p, a1, b1 = _copy_of_a_cached_block(events=True)
+    m.free("b")
+    m.take_events()
+    m.allocate("c", list(range(100, 128)))  # 7 blocks: the 5 free ones, then b's blocks 3 and 2 (LRU) evicted
+    m.take_copy_plan()
+    m.check_invariants()
+    assert b1 in m.block_table("c").tolist()  # the cached block went
+    assert m.lookup_prefix(p).num_cached_tokens == 8  # was 4: the content stayed, in a's block
+    removed = [k for e in m.take_events() if type(e).__name__ == "BlockRemoved" for k in e.block_hashes]
+    assert pagedkv.block_hashes(p, 4)[1] not in removed and len(removed) == 1  # only block 2's content left
+    assert m.stats.evictions == 1
+    m.free("c")
+    assert m.allocate("d", p) == 8 and int(m.block_table("d")[1]) == a1  # d shares a's block
+    m.check_invariants()
+
+
+def test_a_copy_freed_before_the_eviction_inherits_nothing():
+    """A copy returned to the free ring forgets its record: the eviction then takes the content out as usual (its
+    block may hold anything by then)."""
+    m, p, a1, b1 = _copy_of_a_cached_block()
+    m.free("a")
+    assert m._cache.dupc[a1] == 0  # (back on the free ring)
+    m.free("b")
+    m.allocate("c", list(range(100, 140)))  # the whole pool: every free block and every cached one
+    m.take_copy_plan()
+    m.check_invariants()
+    assert m.lookup_prefix(p).num_cached_tokens == 0 and not m._cache.dups
+
+
+def test_a_copy_swapped_out_and_in_is_a_copy_again():
+    """Toy-engine seed 78: a sequence holding copies was swapped out (a copy's CPU block carries no identity) and
+    in: its blocks came back uncached and unrecorded, so once the cached ones were freed and evicted lookup_prefix
+    found 4 of its 8 tokens. Swap-in registers such a row's blocks again: they are recorded copies."""
+    m, p, a1, b1 = _copy_of_a_cached_block()
+    m.swap_out(["a"])
+    m.take_copy_plan()
+    m.swap_in(["a"])
+    m.take_copy_plan()
+    m.check_invariants()
+    a1 = int(m.block_table("a")[1])
+    assert m._cache.cid[a1] == 0 and m._cache.dupc[a1] == m._cache.cid[b1]
+    m.free("b")
+    m.allocate("c", list(range(100, 128)))  # evicts b's cached blocks
+    m.take_copy_plan()
+    m.check_invariants()
+    assert m.lookup_prefix(p).num_cached_tokens == 8
+
+
+def test_a_swapped_in_sequence_chains_on_from_its_prefix_cached_again():
+    """Issue 23, item 1.2, re-cached chains: 'a' was swapped out, its blocks evicted, and 'b' cached the same prefix
+    again under new content ids. Swapped in, a's blocks could not adopt their old identity (the keys are taken)
+    and its chain ended in the gone content, so the block its next chunk filled was cached under it, unreachable:
+    lookup_prefix found 8 of the 12 tokens it holds. Swap-in now walks such a row's prefix: its blocks become copies
+    of the contents cached again and its chain continues from them."""
+    m = BlockManager(8, 4, num_cpu_blocks=8, enable_prefix_caching=True, watermark=0.0)
+    p = list(range(1, 10))
+    m.allocate("a", p)
+    m.take_copy_plan()
+    m.swap_out(["a"])
+    m.take_copy_plan()
+    m.allocate("big", list(range(100, 132)))  # the whole pool: a's idle cached blocks are evicted
+    m.take_copy_plan()
+    m.free("big")
+    assert m.lookup_prefix(p).num_cached_tokens == 0
+    m.allocate("b", p)  # the same prefix, cached again: new content ids
+    m.take_copy_plan()
+    m.swap_in(["a"])
+    m.take_copy_plan()
+    m.check_invariants()
+    m.decode_step(["a"], [10, 11, 12], num_new_tokens=[3])  # fills a's block 2
+    m.take_copy_plan()
+    m.check_invariants()
+    q = list(range(1, 13)) + [99]
+    assert m.lookup_prefix(q).num_cached_tokens == 12  # was 8
+    m.free("b")
+    m.allocate("c", list(range(200, 220)))  # evicts b's blocks: a's copies inherit their contents
+    m.take_copy_plan()
+    m.check_invariants()
+    assert m.lookup_prefix(q).num_cached_tokens == 12
 
 
 def _findability_walk(seed: int, hybrid: bool) -> int:
@@ -199,6 +328,34 @@ def test_windowed_chunked_hit_is_cut_to_fit_the_pool():
     m.take_copy_plan()
     m.decode_step(["b"], np.array(p[24:]), num_new_tokens=[6])
     m.check_invariants()
+
+
+def _pool_sized_prefix():
+    m = BlockManager(8, 4, sliding_window=4, enable_prefix_caching=True, watermark=0.25, enable_kv_events=True)
+    p = list(range(1, 31))
+    m.allocate("a", p[:24])  # 6 full blocks, all cached: the pool less its watermark of 2
+    m.take_copy_plan()
+    m.free("a")
+    return m, p
+
+
+def test_windowed_chunked_hit_is_cut_in_allocate_batch_as_in_allocate():
+    """Issue 23, item 1.3: allocate_batch cuts a windowed chunked prompt's hit to fit the pool less the watermark
+    as allocate does. Its walk over the batch did not: 'b' wanted its 6 hit blocks plus 2 and the batch with 'x'
+    was refused (9 blocks of 8), though the consecutive calls admit both (b: 4 hits + 2 new, x: 1)."""
+    a, p = _pool_sized_prefix()
+    b, _ = _pool_sized_prefix()
+    q = [90, 91]
+    res = a.allocate_batch(["b", "x"], [p, q], num_new_tokens=[8, 8])
+    hits = [b.allocate("b", p, num_new_tokens=8), b.allocate("x", q, num_new_tokens=8)]
+    assert res.num_cached_tokens.tolist() == hits == [16, 0]
+    for s in ("b", "x"):
+        assert a.block_table(s).tolist() == b.block_table(s).tolist() and a.num_tokens(s) == b.num_tokens(s)
+    assert a.num_tokens("b") == 24 and a.take_events() == b.take_events()
+    a.check_invariants()
+    a.take_copy_plan()
+    a.decode_step(["b"], np.array(p[24:]), num_new_tokens=[6])
+    a.check_invariants()
 
 
 # ---------------------------------------------------------------------------------------------- D: hybrid hit rule

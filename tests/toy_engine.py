@@ -195,7 +195,8 @@ class ToyEngine:
     of aborting a request handed slots in the step before its forward (``free(cache=False)``, left out of the
     forward) and the chance of aborting a live request between steps (``free``). Findability: with prefix
     caching, after every allocation and every prompt chunk, ``lookup_prefix(prompt)`` must find the prompt's
-    full blocks held so far (not checked for the sequences live when an in-step abort withdrew blocks: one that
+    full blocks held so far, up to the last hit point whose blocks the sequence holds in every group (a sliding
+    group's window before it; one it moved past may be evicted) (not checked for the sequences live when an in-step abort withdrew blocks: one that
     deduplicated a block against them caches nothing more, as ``free(cache=False)`` documents) (``findable_misses`` counts the calls where it did not, ``findable_examples`` keeps
     the first few; ``strict_findable`` raises at once)."""
 
@@ -292,7 +293,7 @@ class ToyEngine:
             self.counts["findable_skipped"] += 1
             return
         prompt = s.tokens + s.todo
-        want = min(len(s.tokens) // self.bs, (len(prompt) - 1) // self.bs) * self.bs
+        want = self._held_hit(s.sid, min(len(s.tokens) // self.bs, (len(prompt) - 1) // self.bs)) * self.bs
         got = self.bm.lookup_prefix(prompt, namespace=s.req.namespace).num_cached_tokens
         self.counts["findable_checks"] += 1
         if got < want:
@@ -300,6 +301,28 @@ class ToyEngine:
             if len(self.findable_examples) < 5:
                 self.findable_examples.append((s.sid, len(prompt), len(s.tokens), want, got))
             assert not self.strict_findable, f"lookup_prefix found {got} of {want} held tokens of {s.sid}"
+
+    def _held_hit(self, sid: str, top: int) -> int:
+        """The largest hit point L <= ``top`` (in blocks) whose blocks the sequence itself holds in every group: a
+        full-attention group's [0, L), a sliding group's window before L, [max(0, L * bs - W + 1) // bs, L) (the
+        hybrid hit rule). A window the sequence has moved past is released and may be evicted since (by the very
+        call that released it, when another sequence of the batch needs blocks): that hit point is not the
+        sequence's to promise. O(top x groups)."""
+        bs = self.bs
+        if self.G == 1:  # (one table: checked after allocate only when windowed, where it holds its prompt)
+            return top
+        tables = [self.bm.block_table(sid, g) for g in range(self.G)]
+        for L in range(top, 0, -1):
+            ok = True
+            for spec, t in zip(self.bm.kv_cache_groups, tables):
+                w = spec.window
+                a = 0 if w is None else max(0, L * bs - w + 1) // bs
+                if t.size < L or (t[a:L] == NULL_BLOCK).any():
+                    ok = False
+                    break
+            if ok:
+                return L
+        return 0
 
     # -------------------------------------------------------------- one step
     def step(self) -> None:

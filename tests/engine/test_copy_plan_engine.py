@@ -49,4 +49,7 @@ def test_greedy_equals_hf_with_cpu_tier_swap_and_a_small_pool(engine, reference_
     print(f"steps {len(plans)}: swapped blocks {swaps}, demotions {demotions}, promotions {promotions}, "
           f"steps with a swap and a tier copy {both}; cpu hit tokens {st.cpu_hit_tokens}")
     assert demotions == st.demotions and promotions == st.promotions
-    assert swaps > 0 and demotions > 0 and promotions > 0 and both > 0
+    # (promotions: since held copies inherit a cached content at eviction (issue 23 item 1), every prefix this
+    # workload asks for again is still on the GPU: 0 promotions at 16-26 blocks, where 20 gave 2 before; the CPU
+    # tier's promotions through the engine need a new workload, see the findab branch's report)
+    assert swaps > 0 and demotions > 0 and both > 0

@@ -78,7 +78,10 @@ class Blocks:
             return
         cached = self.cache.cid[zero] != 0
         self.cache.evictor.push_many(zero[cached])
-        self.gpu.give(zero[~cached])
+        loose = zero[~cached]
+        if self.cache.has_copies:
+            self.cache.forget_copies(loose)
+        self.gpu.give(loose)
 
     def release_cpu(self, blocks: np.ndarray) -> None:
         """Drop one reference to each of the CPU ``blocks`` (distinct); freed ones lose their cache identity."""

@@ -20,6 +20,7 @@ Everything is flat and indexed by block id; there is no object per block::
     pcid  int64[num_blocks]              content id of its parent (a root's for block 0 of a prompt)
     succ  int32[num_blocks]              the next block of the run the block was registered in (-1: none)
     dl    bool[num_blocks]               the block is cached but *dict-less* (see Runs)
+    dupc  int64[num_blocks]              content id of which a held, uncached block is a copy (see Copies)
     LRUEvictor: stamp int32[num_blocks], a push log of 1.25 x num_blocks (block, stamp) int32 pairs: the LRU
                                          order of the unreferenced cached blocks
 
@@ -43,6 +44,15 @@ goes on without it) into the dict. Every method that reads the dict as the whole
 :meth:`PrefixCache.flush` (a dict insert per dict-less block, what registering it cost before): only prompt
 registration, eviction and the manager's lookup walk work with runs, so a workload of prompts allocated and freed
 keeps them, and a decode step after an allocation pays the inserts the allocation saved.
+
+Copies. A sequence that fills a block whose content another block caches already, while that block is held,
+keeps its block uncached (one block a key) and chains on from the cached content. It records the copy: ``dupc[b]``
+is the content id and ``dups`` lists the copies of each content id. When the cached block is evicted, a copy that
+is still held takes its cache identity (same key, content id and parent: no KV event, no demotion) and the
+evicted block leaves as usual, so the content stays findable while a sequence holds it. A record is valid only
+while ``dupc[b]`` still names the content: an uncached block that returns to the free ring clears it
+(:meth:`forget_copies`), a copy that takes an identity clears it, a reset clears all. O(1) a copy; an eviction
+pays one dict probe a block while copies are recorded.
 """
 
 from __future__ import annotations
@@ -238,7 +248,8 @@ class PrefixCache:
     __slots__ = ("map", "tok", "key", "cid", "pcid", "evictor", "roots", "serial", "evictions", "_width",
                  "cid_mv", "tok_mv", "key_mv", "pcid_mv", "tier", "fresh", "fresh_serial", "events", "event_overflows", "_ev_max", "_ev_lost", "pkey", "nsid", "_ns_ids", "ns_list", "block_size",
                  "_root_serial", "_ns_free", "sweep_at", "grouped", "void", "dl", "succ", "ndl", "_runs",
-                 "_runs_keep", "succ_mv", "dl_mv", "pool", "batch_idle", "batch_moved")
+                 "_runs_keep", "succ_mv", "dl_mv", "pool", "batch_idle", "batch_moved", "dupc", "dupc_mv",
+                 "dups", "has_copies")
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.map: dict[int, int] = {}
@@ -256,6 +267,12 @@ class PrefixCache:
         self.succ = np.full(num_blocks, -1, dtype=np.int32)
         self.dl_mv, self.succ_mv = memoryview(self.dl), memoryview(self.succ)
         self.ndl = 0
+        # held, uncached copies of cached contents (see Copies): dupc[b] = the content id block b copies, dups
+        # content id -> its copies (records checked against dupc when used)
+        self.dupc = np.zeros(num_blocks, dtype=np.int64)
+        self.dupc_mv = memoryview(self.dupc)
+        self.dups: dict[int, list[int]] = {}
+        self.has_copies = False  # a copy was recorded since the last reset (dupc may be non-zero)
         self._runs: list[np.ndarray] = []
         self._runs_keep = 64  # prune _runs (drop the runs with no dict-less block left) past this length
         self.roots: dict[bytes, tuple[int, int]] = {}  # encoded namespace -> (cid < 0, key)
@@ -515,11 +532,78 @@ class PrefixCache:
                         self._hand_over(other, block)  # (an idle copy could be evicted while this one is held)
                     elif self.batch_idle is not None and other in self.batch_idle:
                         self._hand_over_batch(other, block)
+                    else:
+                        self.note_copy(block, c)
                 return c, key
             if self.live_parent(pcid, pkey):  # other's parent content is not the one cached: it cannot be reached
                 self._uncache(other)  # (an orphan: its parent left the cache); this block replaces it
                 return self.register(block, pcid, pkey, namespace, emit)
         return 0, 0
+
+    def note_copy(self, block: int, c: int) -> None:
+        """Record the held, uncached ``block`` as a copy of content ``c`` (see Copies). O(1) amortised: a list
+        of copies drops its stale records when it reaches 8."""
+        self.dupc_mv[block] = c
+        self.has_copies = True
+        got = self.dups.get(c)
+        if got is None:
+            self.dups[c] = [block]
+            return
+        if len(got) >= 8:
+            dupc = self.dupc_mv
+            got[:] = [d for d in got if dupc[d] == c and d != block]
+        got.append(block)
+
+    def forget_copies(self, blocks: np.ndarray) -> None:
+        """Uncached ``blocks`` return to the free ring: they copy nothing any more. O(len(blocks)) once a copy was
+        recorded (since the last reset), else one test."""
+        if self.has_copies:
+            self.dupc[blocks] = 0
+
+    def _heirs(self, blocks: np.ndarray) -> list:
+        """For evicted ``blocks`` (still cached): ``(i, d)`` for each ``blocks[i]`` of which a held copy ``d``
+        takes the identity (see Copies); each such content's record keeps its other copies. A few numpy calls
+        over ``blocks`` and the recorded contents, then O(1) a block whose content has copies."""
+        dups, dupc, ref, tok = self.dups, self.dupc_mv, self.pool.ref_mv, self.tok
+        cid = self.cid_mv
+        cids = self.cid[blocks]
+        rec = np.fromiter(dups.keys(), dtype=np.int64, count=len(dups))
+        out = []
+        for i in np.flatnonzero(np.isin(cids, rec)).tolist():  # (a few numpy calls, however many blocks)
+            b = int(blocks[i])
+            c = cid[b]
+            got = dups.pop(c, None)
+            if not got:
+                continue
+            for n, d in enumerate(got):
+                if dupc[d] == c and ref[d] > 0 and cid[d] == 0 and d != b and np.array_equal(tok[d], tok[b]):
+                    out.append((i, d))
+                    rest = [x for x in got[n + 1 :] if dupc[x] == c]
+                    if rest:
+                        dups[c] = rest
+                    break
+        return out
+
+    def _inherit(self, blocks: np.ndarray, heirs: list, cids: np.ndarray) -> np.ndarray:
+        """Give each heir ``d`` of ``heirs`` (from :meth:`_heirs`) the identity of the evicted ``blocks[i]`` whose
+        content id was ``cids[i]`` (the map side of their eviction done). Returns the mask of ``blocks`` whose
+        content left the cache. O(len(heirs))."""
+        gone = np.ones(blocks.size, dtype=bool)
+        mp = self.map
+        for i, d in heirs:
+            b = int(blocks[i])
+            k = self.key_mv[b]
+            if mp.setdefault(k, d) != d:  # (the key is cached again already: nothing to inherit)
+                continue
+            self.cid_mv[d], self.key_mv[d], self.pcid_mv[d] = int(cids[i]), k, self.pcid_mv[b]
+            self.succ_mv[d] = -1
+            self.dupc_mv[d] = 0
+            if self.fresh is not None:  # (as _hand_over)
+                self.fresh[d] = self.fresh_serial
+            if self.events is not None:
+                self.pkey[d], self.nsid[d] = self.pkey[b], self.nsid[b]
+            gone[i] = False
+        return gone
 
     def _parked(self, block: int) -> bool:
         """Whether the idle ``block`` is parked by a pin (steering.SteeredEvictor): it cannot be evicted, so its
@@ -586,6 +670,8 @@ class PrefixCache:
         ring; held, it stays with its sequences, uncached. A ``BlockRemoved`` event. O(1)."""
         k = self.key_mv[block]
         del self.map[k]
+        if self.dups:
+            self.dups.pop(self.cid_mv[block], None)
         self.cid_mv[block] = 0
         self.succ_mv[block] = -1
         if self.events is not None:
@@ -799,6 +885,9 @@ class PrefixCache:
         keys = [int(self.key[b]) for b in blocks]
         for k in keys:
             del self.map[k]
+        if self.dups:  # (their copies' records go with them: a content id is never cached again)
+            for c in self.cid[blocks].tolist():
+                self.dups.pop(c, None)
         self.cid[blocks] = 0
         self.succ[blocks] = -1
         if self.events is not None and keys:
@@ -809,6 +898,9 @@ class PrefixCache:
         """:meth:`evict` of the ``n`` least recently used unreferenced blocks, LRU first (int32). Batch form:
         a few numpy calls and one C-level pass over the map."""
         blocks = self.evictor.pop_many(n)
+        heirs = self._heirs(blocks) if self.dups else None
+        if heirs:
+            return self._evict_with_heirs(blocks, heirs)
         if self.ndl:  # some blocks may be dict-less, or the successors of evicted ones
             keys = self._forget_runs(blocks)
             cids = None
@@ -824,9 +916,31 @@ class PrefixCache:
             self.tier.demote(blocks, cids)
         return blocks
 
+    def _evict_with_heirs(self, blocks: np.ndarray, heirs: list) -> np.ndarray:
+        """:meth:`evict_many`'s eviction of ``blocks`` when held copies inherit some of their contents: those
+        contents stay cached (no removal event, no demotion, not counted as evictions)."""
+        if self.ndl:
+            self._forget_runs(blocks)
+        else:
+            collections.deque(map(self.map.__delitem__, self.key[blocks].tolist()), maxlen=0)
+        cids = self.cid[blocks].copy()
+        self.cid[blocks] = 0
+        gone = self._inherit(blocks, heirs, cids)
+        out = blocks[gone]
+        self.evictions += int(out.size)
+        if self.events is not None and out.size:
+            self.emit_removed(self.key[out].tolist(), self.nsid[out], "GPU")
+        if self.tier is not None and out.size:
+            self.tier.demote(out, cids[gone])
+        return blocks
+
     def evict(self) -> int:
         """Evict the least recently used unreferenced block and return its id (now uncached)."""
         b = self.evictor.pop()
+        if self.dups:
+            heirs = self._heirs(np.array([b], dtype=np.int32))
+            if heirs:
+                return int(self._evict_with_heirs(np.array([b], dtype=np.int32), heirs)[0])
         k = int(self.key[b])
         c = int(self.cid[b])
         if self.ndl:
@@ -846,6 +960,9 @@ class PrefixCache:
         if self.ndl:
             self.flush()
         self.succ[:] = -1
+        self.dups.clear()
+        self.dupc[:] = 0
+        self.has_copies = False
         freed = list(self.evictor)
         self.evictor.discard_many(np.asarray(freed, dtype=np.int64))
         drop = getattr(self.evictor, "drop_pins", None)  # (pagedkv.retention.steering: pinned idle blocks are freed too)

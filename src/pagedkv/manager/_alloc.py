@@ -124,11 +124,9 @@ class Allocator:
         """A windowed manager's chunked allocation holds its whole hit plus the chunk: the hit cut (and its
         ``chain``, the ``(cid, key)`` after the last hit, ``root`` when none is left) so that they fit in the pool minus the watermark, as a
         prompt that :meth:`peak` admits can complete. O(1) unless it cuts."""
-        bs = self.bs
-        avail = self.gpu.num_blocks - self.watermark
-        if -(-(min(n, len(hits) * bs + chunk) + la) // bs) <= avail:
+        h = self.fit_len(len(hits), n, la, chunk)
+        if h == len(hits):
             return hits, chain
-        h = max(0, (avail * bs - chunk - la) // bs)
         hits = hits[:h]
         if not h:
             return hits, root
@@ -136,6 +134,15 @@ class Allocator:
         if b >= 0:
             return hits, (int(self.cache.cid[b]), int(self.cache.key[b]))
         return hits, (int(self.cpu_id[0, ~b]), int(self.cpu_id[1, ~b]) & 0xFFFFFFFFFFFFFFFF)
+
+    def fit_len(self, nhit: int, n: int, la: int, chunk: int) -> int:
+        """How many of ``nhit`` hit blocks a windowed manager's chunked allocation of ``n`` tokens keeps: all when
+        they and the chunk fit in the pool minus the watermark, else as many as leave room for the chunk. O(1)."""
+        bs = self.bs
+        avail = self.gpu.num_blocks - self.watermark
+        if -(-(min(n, nhit * bs + chunk) + la) // bs) <= avail:
+            return nhit
+        return min(nhit, max(0, (avail * bs - chunk - la) // bs))
 
     def commit(self, seq_id, namespace, arr, n: int, nblocks: int, hits: list, cpu_hits, chain,
                referenced: bool, nnull: int = 0, defer: bool = False) -> int:
@@ -318,6 +325,7 @@ class Allocator:
         pcid, pkey = root
         hits: list[int] = []
         cpu_hits: list = []
+        after: list = []  # (cid, key) after each hit, and the key of each promotion recorded in virt (or None)
         for j in range((n - 1) // bs):
             d = data[j * width : (j + 1) * width]
             key = _xxh3(d, seed=pkey)
@@ -325,21 +333,35 @@ class Allocator:
             if b is not None and cpcid[b] == pcid and ctok[b].tobytes() == d:
                 hits.append(b)
                 pcid, pkey = int(ccid[b]), key
+                after.append((pcid, pkey, None))
                 continue
             v = virt.get(key)  # (an earlier prompt's block, new or replacing an orphan under this key)
             if v is not None and v[0] == pcid and v[1] == d:
                 hits.append(v[2])
                 pcid, pkey = v[3], key
+                after.append((pcid, pkey, None))
                 continue
             c = tier.find_keyed(pcid, key, d) if tier is not None else -1
             if c < 0:
                 break
             cpu_hits.append((len(hits) + len(cpu_hits), c))
             newc = int(self.cpu_id[0, c])
-            if b is None and v is None:  # the promoted block is cached on the GPU from then on
+            promoted = b is None and v is None
+            if promoted:  # the promoted block is cached on the GPU from then on
                 virt[key] = (pcid, d, ~(i * _COL + j), newc)
             pcid, pkey = newc, key
+            after.append((pcid, pkey, key if promoted else None))
         nhit = len(hits) + len(cpu_hits)
+        if self.window is not None and chunk is not None and nhit:  # the hit cut of plan (fit_hit), as allocate
+            h = self.fit_len(nhit, n, la, chunk)
+            if h < nhit:
+                for _, _, k in after[h:]:
+                    if k is not None:
+                        del virt[k]  # (a promotion past the cut: the block is this prompt's new one instead)
+                cpu_hits = [(j, c) for j, c in cpu_hits if j < h]
+                hits = hits[: h - len(cpu_hits)]
+                nhit = h
+                pcid, pkey = after[h - 1][:2] if h else root
         chain = (pcid, pkey)
         if chunk is not None and nhit * bs + chunk < n:  # chunked prefill: the hit plus one chunk
             n = nhit * bs + chunk

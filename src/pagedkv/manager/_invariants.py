@@ -76,6 +76,10 @@ def _check_cache(blocks, tier, tables: list, fail) -> None:
         fail("a block is both free and evictable")
     if (cid[free] != 0).any():
         fail("a free block is still cached")
+    # copies (prefix_cache "Copies"): a recorded copy is held and uncached, of a content id handed out already
+    copies = np.flatnonzero(cache.dupc)
+    if (ref[copies] == 0).any() or (cid[copies] != 0).any() or (cache.dupc[copies] > cache.serial).any():
+        fail("a block recorded as a copy of a cached content is free, or cached itself")
     cached = np.flatnonzero(cid)
     dl = cache.dl  # dict-less blocks (runs): cached, out of the map, each the successor of its parent's block
     if (dl & (cid == 0)).any() or int(np.count_nonzero(dl)) != cache.ndl:

@@ -342,6 +342,8 @@ class Small:
                 if cid is not None and cid[b]:
                     cache.evictor.push(b)
                 else:  # to the tail of the free ring (BlockPool.give, one block, inlined)
+                    if cid is not None and cache.has_copies:
+                        cache.dupc_mv[b] = 0  # (PrefixCache.forget_copies)
                     ring[(pool.head + pool.nfree) % size] = b
                     pool.nfree += 1
         flat[r0 : r0 + z] = _NULLS[:z]  # NULL_BLOCK, one C-level copy

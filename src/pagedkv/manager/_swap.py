@@ -100,6 +100,7 @@ class Swapper:
                 ns = cache.ns_list[int(ident[4, c])] if cache.events is not None else None
                 cache.adopt(g, int(ident[0, c]), int(ident[1, c]) & _U64, int(ident[2, c]), int(ident[3, c]) & _U64,
                             ns)
+            self.rechain(rows)
         self.t.swapped[rows] = False
         freed = uniq[self.cpu.ref[uniq] == 0]
         if self.cpu_id is not None:
@@ -111,6 +112,33 @@ class Swapper:
         if src:
             self.copies.append((1, src, dst))  # SWAP_IN
         return list(zip(src, dst))
+
+    def rechain(self, rows: np.ndarray) -> None:
+        """A swapped-in row with a registered block that came back uncached (a copy's CPU block carries no identity
+        to adopt; a block whose key another block took meanwhile), or whose chain ends in a content that left the
+        cache while it was out (evicted, perhaps cached again under new content ids), would hold content nobody
+        finds once the other holders go, and chain what it registers next to a gone content. Its full blocks are
+        registered again from the root instead, as a prompt's are: each is found cached (its own identity, or it
+        becomes a recorded copy of the content cached elsewhere) or is cached anew (a ``BlockStored`` event), and
+        the chain continues from there. Their KV is the swap-in's copy, executed before the step's forward. A row
+        with released (windowed) blocks keeps its chain (a stated gap). O(registered blocks) per swapped-in row."""
+        cache, t = self.cache, self.t
+        if cache.ndl:
+            cache.flush()
+        for r in rows.tolist():
+            c = int(t.ccid[r])
+            if not c or t.nrel[r]:
+                continue
+            blocks = t.table[r, : t.nreg[r]]
+            if cache.cid[blocks].all() and cache.live_parent(c, int(t.ckey[r])):
+                continue
+            ns = t.ns_of[r]
+            pcid, pkey = cache.root(ns, intern=True)
+            for b in blocks.tolist():
+                pcid, pkey = cache.register(b, pcid, pkey, ns)
+                if not pcid:
+                    break
+            t.ccid[r], t.ckey[r] = pcid, pkey
 
     def refuse_pending(self, seq_ids: list, rows: np.ndarray) -> None:
         """SequenceStateError if one of the rows was handed slots in this step (after a take_copy_plan): its KV is

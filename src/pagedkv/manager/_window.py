@@ -90,6 +90,8 @@ class Window:
                     if cid is not None and cid[b]:
                         cache.evictor.push(b)
                     else:  # to the tail of the free ring (BlockPool.give of one block, inlined)
+                        if cid is not None and cache.has_copies:
+                            cache.dupc_mv[b] = 0  # (PrefixCache.forget_copies)
                         ring[(pool.head + pool.nfree) % size] = b
                         pool.nfree += 1
             nrel[r] = target
