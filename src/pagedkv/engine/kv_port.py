@@ -63,6 +63,12 @@ class EngineKVPort:
         self.stats = {"held": 0, "blocks_read": 0, "loaded": 0, "written_blocks": 0}
         llm.kv_tiers = self
 
+    @property
+    def inner(self) -> Any:
+        """The engine's own storage tiers (:class:`pagedkv.engine.kv_tiers.EngineTiers`) this port passes the tiers'
+        calls on to, or None without tiers."""
+        return self._inner
+
     # ------------------------------------------------------------------------------------ KVPort (server side)
     @property
     def fingerprint(self) -> Any:
