@@ -465,7 +465,15 @@ class KVModel:
             try:
                 bm.free(s, cache=cache)
             except SequenceStateError:  # its blocks are others' prefix hits in this step
-                bm.free(s)
+                try:
+                    bm.free(s)
+                except SequenceStateError:
+                    # swapped in in this step with blocks re-registered (their KV this step's copies write): pending
+                    # like one handed slots, so both frees are refused, changing nothing
+                    if s not in self.swapped_in:
+                        self._fail(f"free({s}) refused though it was neither handed slots nor swapped in this step")
+                    self.report.count("abort_refused_pending")
+                    return
             del self.seqs[s]
             self.report.count("aborts")
             return

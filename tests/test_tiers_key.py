@@ -220,7 +220,9 @@ def test_the_docs_page_example_runs_as_written():
     page = Path(__file__).resolve().parents[1] / "docs" / "tiers.md"
     blocks = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
     assert blocks
-    for code in blocks:
+    run = [code for code in blocks if not code.startswith("# (not run by the tests")]
+    assert run  # the bottom layer's example, at least
+    for code in run:
         exec(compile(code, "docs/tiers.md example", "exec"), {})  # noqa: S102 - the repository's own example
 
 
