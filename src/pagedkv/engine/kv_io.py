@@ -118,3 +118,21 @@ def write_blocks(kv_cache: torch.Tensor, block_ids: Sequence[int], payloads: Seq
     src = torch.from_numpy(buf).view(kv_cache.dtype).view(n, L, two, bs, h, d).permute(1, 2, 0, 3, 4, 5)
     idx = torch.as_tensor(np.asarray(block_ids, dtype=np.int64), device=kv_cache.device)
     kv_cache.index_copy_(2, idx, src.to(kv_cache.device))
+
+
+def write_external(plan: Any, kv_cache: torch.Tensor, pending: dict, block_size: int) -> int:
+    """Write the KV that arrived from outside into the blocks of the plan's prefills that use it (before the
+    forward): ``pending`` maps a request id to ``(start_block, payloads)``, ``payloads[i]`` the KV of prompt block
+    ``start_block + i``. Each prefill's entry is popped, used or not (a prefill without external tokens drops it).
+    Returns the blocks written. O(written blocks x block bytes)."""
+    written = 0
+    for pw in plan.prefills:
+        entry = pending.pop(pw.request_id, None)
+        if entry is None or not pw.num_external_tokens:
+            continue
+        start, payloads = entry
+        j0 = (pw.num_cached_tokens - pw.num_external_tokens) // block_size
+        j1 = pw.num_cached_tokens // block_size
+        write_blocks(kv_cache, pw.block_table[j0:j1].tolist(), payloads[j0 - start:j1 - start])
+        written += j1 - j0
+    return written

@@ -26,7 +26,7 @@ import threading
 from typing import Any, NamedTuple, Sequence
 
 from ..errors import PagedKVError
-from .kv_io import model_fingerprint, payload_bytes, read_blocks, write_blocks
+from .kv_io import model_fingerprint, payload_bytes, read_blocks, write_external
 
 __all__ = ["EngineKVPort"]
 
@@ -58,7 +58,7 @@ class EngineKVPort:
         self._held: dict = {}  # request id -> _Held, until take_hold
         self._staged: dict = {}  # request id -> payloads (decode side, until the request is added)
         self._adding: dict = {}  # request id -> payloads (added, waiting for kv_ready)
-        self._ready: dict = {}  # request id -> payloads (until its first prefill)
+        self._ready: dict = {}  # request id -> (0, payloads) (until its first prefill)
         self._inner = llm.kv_tiers  # the engine's own storage tiers (None without)
         self.stats = {"held": 0, "blocks_read": 0, "loaded": 0, "written_blocks": 0}
         llm.kv_tiers = self
@@ -128,7 +128,7 @@ class EngineKVPort:
                 if ok:
                     n += 1
                     if payloads:
-                        self._ready[rid] = payloads
+                        self._ready[rid] = (0, payloads)  # (the prompt's blocks from block 0)
                         self.stats["loaded"] += 1
         if self._ready:
             for rid in [rid for rid in self._ready if not scheduler.has_request(rid)]:
@@ -147,15 +147,7 @@ class EngineKVPort:
 
     def write_loads(self, plan: Any, kv_cache: Any) -> None:
         if self._ready:
-            bs = self.block_size
-            for pw in plan.prefills:
-                payloads = self._ready.pop(pw.request_id, None)
-                if payloads is None or not pw.num_external_tokens:
-                    continue
-                j0 = (pw.num_cached_tokens - pw.num_external_tokens) // bs
-                j1 = pw.num_cached_tokens // bs
-                write_blocks(kv_cache, pw.block_table[j0:j1].tolist(), payloads[j0:j1])
-                self.stats["written_blocks"] += j1 - j0
+            self.stats["written_blocks"] += write_external(plan, kv_cache, self._ready, self.block_size)
         if self._inner:
             self._inner.write_loads(plan, kv_cache)
 

@@ -28,7 +28,7 @@ from ..blocks.prefix_cache import block_hashes
 from ..errors import InvalidArgumentError
 from ..tiers import BlockStore, DiskBackend, RedisBackend, SharedDirBackend
 from ..tiers.connector import MEDIUM_DISK, MEDIUM_SHARED, TierConnector
-from .kv_io import model_fingerprint, payload_bytes, read_blocks, write_blocks
+from .kv_io import model_fingerprint, payload_bytes, read_blocks, write_external
 
 __all__ = ["EngineTiers", "open_shared_backend"]
 
@@ -98,7 +98,8 @@ class EngineTiers:
                                        max_load_ms_per_block=max_load_ms_per_block, write_through=write_through,
                                        record_events=record_events)
         self.load_timeout_s = float(load_timeout_s)
-        self._loaded: dict = {}  # request id -> LoadDone, from kv_ready until its first prefill
+        # request id -> (start block, payloads) of its LoadDone, from kv_ready until its first prefill
+        self._loaded: dict = {}
         self._started: dict = {}  # request id -> when its load was asked (the timeout)
         self.stats = {"loads": 0, "loads_failed": 0, "loads_timed_out": 0, "loaded_blocks": 0,
                       "written_blocks": 0, "stored_blocks": 0}
@@ -128,7 +129,7 @@ class EngineTiers:
             if scheduler.kv_ready(r.request_id, r.start_block * bs if k else 0, k * bs):
                 n += 1
                 if k:
-                    self._loaded[r.request_id] = r
+                    self._loaded[r.request_id] = (r.start_block, r.payloads)
                     self.stats["loaded_blocks"] += k
         if self._started:
             now = time.monotonic()
@@ -164,18 +165,8 @@ class EngineTiers:
     def write_loads(self, plan: Any, kv_cache: Any) -> None:
         """Write the loaded blocks of the plan's prefills that use external KV into their blocks (before the
         forward). A request's held payloads are dropped at its first prefill, used or not."""
-        if not self._loaded:
-            return
-        bs = self.block_size
-        for pw in plan.prefills:
-            r = self._loaded.pop(pw.request_id, None)
-            if r is None or not pw.num_external_tokens:
-                continue
-            j0 = (pw.num_cached_tokens - pw.num_external_tokens) // bs
-            j1 = pw.num_cached_tokens // bs
-            table = pw.block_table
-            write_blocks(kv_cache, table[j0:j1].tolist(), r.payloads[j0 - r.start_block:j1 - r.start_block])
-            self.stats["written_blocks"] += j1 - j0
+        if self._loaded:
+            self.stats["written_blocks"] += write_external(plan, kv_cache, self._loaded, self.block_size)
 
     def store_computed(self, plan: Any, kv_cache: Any, by_id: dict) -> None:
         """After the forward: copy out the full prompt blocks each prefill of the plan computed and hand them to
