@@ -64,14 +64,15 @@ def test_tier_loads_and_stores_read_back_in_the_data(tmp_path, seed):
 
     rng = random.Random(seed)
     cpu = rng.random() < 0.5
-    bm = BlockManager(24, BS, enable_prefix_caching=True, num_cpu_blocks=16, cpu_prefix_cache=cpu)
+    bm = BlockManager(24, BS, enable_prefix_caching=True, num_cpu_blocks=16, cpu_prefix_cache=cpu,
+                      store_policy=rng.choice(["write_through", "selective"]))
     sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=16, enable_chunked_prefill=True,
                       preemption_mode=rng.choice(["recompute", "swap"]))
     kv = torch.zeros((1, 2, 24, BS, 1, 1), dtype=torch.float64)
     cpu_kv = torch.zeros((1, 2, 16, BS, 1, 1), dtype=torch.float64)
     fp = ModelFingerprint("content-model", "float64", BS, "L1,2,B4,H1,D1")
     tiers = EngineTiers(None, kv, BS, disk_dir=tmp_path / f"d{seed}", disk_gib=0.001, max_load_ms_per_block=None,
-                        fingerprint=fp)
+                        fingerprint=fp, block_manager=bm)
     ids = _Ids()
     by_id: dict = {}
     base = [rng.randrange(50) for _ in range(40)]
@@ -102,8 +103,8 @@ def test_tier_loads_and_stores_read_back_in_the_data(tmp_path, seed):
             plan = sched.schedule()
             if len(plan.copies):
                 execute_copy_plan(plan.copies, kv, cpu_kv)
+            tiers.start_loads(plan.kv_loads)  # (reserved blocks: read off the loop, written at a later poll)
             if plan.has_forward:
-                tiers.write_loads(plan, kv)
                 for pw in plan.prefills:  # the forward: each computed token's identity at its slot
                     r = by_id[pw.request_id]
                     loaded_used += pw.num_external_tokens
@@ -148,18 +149,23 @@ def test_tier_loads_and_stores_read_back_in_the_data(tmp_path, seed):
         # drain: every request finishes
         deadline = time.monotonic() + 30
         while sched.has_unfinished():
-            assert time.monotonic() < deadline
+            assert time.monotonic() < deadline, (sched.num_loading, sched.num_waiting)
             tiers.connector.wait(0.02)
             tiers.poll(sched)
             plan = sched.schedule()
             if len(plan.copies):
                 execute_copy_plan(plan.copies, kv, cpu_kv)
+            tiers.start_loads(plan.kv_loads)
             if plan.has_forward:
-                tiers.write_loads(plan, kv)
+                tiers.store_computed(plan, kv, by_id)
             n = len(plan.prefills) + (len(plan.decode.seq_ids) if plan.decode is not None else 0)
             for out in sched.update(plan, [0] * n):
                 by_id.pop(out.request_id, None)
         assert checked > 50
         assert loaded_used > 0 and tiers.stats["written_blocks"] > 0  # the tiers really served blocks
+        tiers.connector.flush(30)
+        tiers.poll(sched)  # the last stores complete their plans
+        assert not bm.pending_stores and not bm.parked_seq_ids and not bm.loading_seq_ids
+        bm.check_invariants()
     finally:
         tiers.close()

@@ -1,20 +1,28 @@
 """The engine's storage tiers: a disk directory and a shared store (Redis or a shared directory) under the prefix
-cache, wired into :class:`pagedkv.engine.LLM` (issue 24 items 2-3; docs/tiers.md#the-engine).
+cache, wired into :class:`pagedkv.engine.LLM` on the block manager's external-KV contract (issue 24 items 2-3;
+docs/tiers.md#the-engine, docs/external-kv.md).
 
 One object per engine, used by the step loop only::
 
-    add a request    on_add: the GPU/CPU hit (lookup_prefix) -> TierConnector.request_load of the blocks past it;
-                     the request is added with wait_for_kv=True (the scheduler's loading set)
-    every step       poll: finished loads -> Scheduler.kv_ready(rid, start, tokens); payloads kept until admission
-    the step's plan  write_loads (after the plan's copies, before the forward): a prefill with
-                     num_external_tokens gets its loaded blocks written into its blocks
-                     store_computed (after the forward): the full prompt blocks the step computed are copied out
-                     (the snapshot) and handed to the connector, which writes them to every tier (write-through)
+    add a request    on_add: the GPU/CPU hit (lookup_prefix) -> TierConnector.request_lookup of the blocks past it
+                     (how many the tiers hold; nothing read yet); the request waits in the scheduler's loading set
+    every step       poll (before the schedule):
+                       lookups done   -> Scheduler.kv_ready(rid, start, n, reserve=True): at admission the
+                                         scheduler allocates with num_external_tokens (the blocks reserved,
+                                         counted by the manager; the sequence LOADING, out of every batch)
+                       reads done     -> the payloads written into the reserved blocks (external_blocks), then
+                                         Scheduler.kv_loaded (all, or the good leading blocks: the rest computed);
+                                         the next schedule calls finish_external and prefills the rest
+                       stores done    -> block_manager.complete_store(store_id, success)
+                       timeouts       -> a lookup: computed; a read: reported with what arrived (nothing)
+    the step's plan  start_loads (after the plan's copies): each StepPlan.kv_loads -> request_read of its blocks
+                     store_computed (after the forward): take_store_plan (write-through, selective, ...): the
+                     pinned blocks copied out (the snapshot) and handed to the connector, which writes them to
+                     every tier; the plan completes when the connector reports the write
 
 Nothing here waits on I/O: the connector's threads do the lookups, reads and writes; the step loop copies bytes
-between host buffers and the KV cache only. A load that fails (a tier down, a value corrupted) hands over its
-good leading blocks and the request computes the rest; one that never answers in ``load_timeout_s`` is given up
-(the request computes everything; the load's result is dropped when it comes).
+between host buffers and the KV cache only. A load's blocks are written only after the copy plan of the step that
+reserved them has run (poll comes before the next step's schedule): docs/external-kv.md's rule.
 """
 
 from __future__ import annotations
@@ -24,13 +32,12 @@ import time
 from typing import Any
 from urllib.parse import urlparse
 
-from ..blocks.prefix_cache import block_hashes
 from ..errors import InvalidArgumentError
 from ..tiers import BlockStore, DiskBackend, RedisBackend, SharedDirBackend
-from ..tiers.connector import MEDIUM_DISK, MEDIUM_SHARED, TierConnector
-from .kv_io import model_fingerprint, payload_bytes, read_blocks, write_external
+from ..tiers.connector import MEDIUM_DISK, MEDIUM_SHARED, LookupDone, TierConnector
+from .kv_io import model_fingerprint, payload_bytes, read_blocks, write_blocks
 
-__all__ = ["EngineTiers", "open_shared_backend"]
+__all__ = ["EngineTiers", "open_shared_backend", "parse_store_policy"]
 
 log = logging.getLogger("pagedkv.tiers")
 
@@ -51,27 +58,57 @@ def open_shared_backend(url: str) -> Any:
     raise InvalidArgumentError(f"kv_shared must be a redis://, rediss://, unix:// or file:/// URL, got {url!r}")
 
 
+def parse_store_policy(policy: Any) -> tuple[str, int]:
+    """``LLM(kv_store=)`` / ``pagedkv serve --kv-store-policy`` to the block manager's ``(store_policy,
+    store_min_hits)``: ``"through"`` (or True, or SGLang's ``"write_through"``): every full block once computed
+    or loaded; ``"selective:N"`` (or ``"selective"``, N = 1; SGLang's ``"write_through_selective"``): a block
+    once prefix hits have taken it N times; ``"back"`` (SGLang's ``"write_back"``): a cached block when it is
+    about to be evicted; ``"off"`` (or False): loads only. Anything else: InvalidArgumentError."""
+    if policy is True:
+        return "write_through", 1
+    if policy is False or policy is None:
+        return "none", 1
+    if not isinstance(policy, str):
+        raise InvalidArgumentError(f"kv_store must be through, selective[:N], back or off, got {policy!r}")
+    p = policy.strip().lower()
+    if p in ("through", "write_through", "on"):
+        return "write_through", 1
+    if p in ("off", "none"):
+        return "none", 1
+    if p in ("back", "write_back"):
+        return "write_back", 1
+    head, _, n = p.partition(":")
+    if head in ("selective", "write_through_selective"):
+        if not n:
+            return "selective", 1
+        if n.isdigit() and int(n) >= 1:
+            return "selective", int(n)
+    raise InvalidArgumentError(f"kv_store must be through, selective[:N] (N >= 1 hits), back or off, got {policy!r}")
+
+
 class EngineTiers:
     """The storage tiers of one engine (see the module docstring).
 
     Args:
         model: the engine's model (the fingerprint's weights digest comes from it).
-        kv_cache: the engine's KV cache (the payload layout and dtype come from it).
+        kv_cache: the engine's KV cache (the payload layout and dtype come from it; loads are written into it).
         block_size: the block manager's.
         disk_dir: the disk tier's directory (this process alone uses it).
         disk_gib: the disk tier's bound in GiB.
         shared: the shared tier's URL (:func:`open_shared_backend`).
         max_load_ms_per_block: the crossover (:class:`~pagedkv.tiers.TierConnector`); None: always load.
-        write_through: store every full prompt block the engine computes (False: load only).
+        block_manager: the engine's block manager: its ``store_policy`` decides what is stored
+            (``take_store_plan``; ``"none"``: loads only); None: loads only.
         io_threads: the connector's I/O threads.
-        load_timeout_s: a load not finished after this long is given up (the request computes its prompt).
+        load_timeout_s: a lookup or read not finished after this long is given up (the request computes what
+            did not arrive).
         record_events: keep the tiers' KV events (medium DISK / SHARED) for :meth:`take_events`.
         fingerprint: the blocks' :class:`~pagedkv.tiers.ModelFingerprint` (None: from ``model`` and the cache).
     """
 
     def __init__(self, model: Any, kv_cache: Any, block_size: int, *, disk_dir: Any = None,
                  disk_gib: float | None = None, shared: str | None = None,
-                 max_load_ms_per_block: float | None, write_through: bool = True, io_threads: int = 2,
+                 max_load_ms_per_block: float | None, block_manager: Any = None, io_threads: int = 2,
                  load_timeout_s: float = 30.0, record_events: bool = True, fingerprint: Any = None) -> None:
         fp = fingerprint if fingerprint is not None else model_fingerprint(model, kv_cache)
         nbytes = payload_bytes(kv_cache)
@@ -85,7 +122,8 @@ class EngineTiers:
                 cap = int(disk_gib * 2**30)
                 if cap < nbytes:
                     raise InvalidArgumentError(f"kv_disk_gib={disk_gib} holds no block of {nbytes} bytes")
-                tiers.append((MEDIUM_DISK, BlockStore(DiskBackend(disk_dir, cap), fp, nbytes)))
+                tiers.append((MEDIUM_DISK, BlockStore(DiskBackend(disk_dir, cap), fp, nbytes,
+                                                      track_removals=record_events)))
             if shared is not None:
                 tiers.append((MEDIUM_SHARED, BlockStore(open_shared_backend(shared), fp, nbytes)))
         except BaseException:
@@ -94,15 +132,23 @@ class EngineTiers:
             raise
         self.fingerprint = fp
         self.block_size = int(block_size)
+        self._kv = kv_cache
+        self._bm = block_manager
+        policy = getattr(block_manager, "store_policy", "none") if block_manager is not None else "none"
+        #: the block manager's store policy ("none": loads only)
+        self.store_policy = policy
         self.connector = TierConnector(tiers, block_size, io_threads=io_threads,
-                                       max_load_ms_per_block=max_load_ms_per_block, write_through=write_through,
-                                       record_events=record_events)
+                                       max_load_ms_per_block=max_load_ms_per_block,
+                                       write_through=policy != "none", record_events=record_events,
+                                       chain_names=True)
         self.load_timeout_s = float(load_timeout_s)
-        # request id -> (start block, payloads) of its LoadDone, from kv_ready until its first prefill
-        self._loaded: dict = {}
-        self._started: dict = {}  # request id -> when its load was asked (the timeout)
+        self._runs: dict = {}  # request id -> (start block, runs) of its lookup, until its admission
+        self._reading: dict = {}  # request id -> the ExternalLoad its read fills
+        self._lookups: dict = {}  # request id -> when its lookup was asked (the timeout)
+        self._reads: dict = {}  # request id -> when its read was asked (the timeout)
+        self._given_up: set = set()  # reads past their timeout: their result is dropped when it comes
         self.stats = {"loads": 0, "loads_failed": 0, "loads_timed_out": 0, "loaded_blocks": 0,
-                      "written_blocks": 0, "stored_blocks": 0}
+                      "written_blocks": 0, "stored_blocks": 0, "stores_failed": 0, "loads_aborted": 0}
 
     # --------------------------------------------------------------------------------------- requests
 
@@ -110,88 +156,142 @@ class EngineTiers:
         """Start the tier lookup of a new request; True when it must wait for it (``wait_for_kv``)."""
         kw = {} if namespace is None else {"namespace": namespace}
         hit = block_manager.lookup_prefix(token_ids, **kw).num_cached_blocks
-        if not self.connector.request_load(request_id, token_ids, namespace, int(hit)):
+        if not self.connector.request_lookup(request_id, token_ids, namespace, int(hit)):
             return False
-        self._started[request_id] = time.monotonic()
+        self._lookups[request_id] = time.monotonic()
         return True
 
     def poll(self, scheduler: Any) -> int:
-        """Hand finished loads to the scheduler (``kv_ready``), give up loads past their timeout, and drop the
-        payloads of requests that are gone. Returns how many requests became ready. O(finished + held)."""
+        """Between two steps: finished lookups join the waiting queue (``kv_ready(..., reserve=True)``), finished
+        reads are written into their reserved blocks and reported (``kv_loaded``), finished stores complete the
+        manager's plans, and lookups or reads past their timeout are given up. Returns how many requests
+        became ready. O(finished + in flight) plus the written blocks' bytes."""
         n = 0
         bs = self.block_size
         for r in self.connector.poll():
-            self._started.pop(r.request_id, None)
-            self.stats["loads"] += 1
-            if not r.ok:
-                self.stats["loads_failed"] += 1
-            k = len(r.payloads)
-            if scheduler.kv_ready(r.request_id, r.start_block * bs if k else 0, k * bs):
-                n += 1
-                if k:
-                    self._loaded[r.request_id] = (r.start_block, r.payloads)
-                    self.stats["loaded_blocks"] += k
-        if self._started:
-            now = time.monotonic()
-            late = [rid for rid, t in self._started.items() if now - t > self.load_timeout_s]
-            for rid in late:
-                del self._started[rid]
-                self.connector.cancel(rid)
-                self.stats["loads_timed_out"] += 1
-                log.warning("pagedkv tiers: the load of request %r took over %.1f s: computing its prompt",
-                            rid, self.load_timeout_s)
-                if scheduler.kv_ready(rid, 0, 0):
-                    n += 1
-        if self._loaded:
-            for rid in [rid for rid in self._loaded if not scheduler.has_request(rid)]:
-                del self._loaded[rid]  # (aborted before its admission)
+            if isinstance(r, LookupDone):
+                self._lookups.pop(r.request_id, None)
+                if r.num_blocks:
+                    ok = scheduler.kv_ready(r.request_id, r.start_block * bs, r.num_blocks * bs, reserve=True)
+                    if ok:
+                        self._runs[r.request_id] = (r.start_block, r.runs)
+                else:
+                    ok = scheduler.kv_ready(r.request_id, 0, 0)
+                n += bool(ok)
+            else:
+                self._read_done(r, scheduler)
+        if self._lookups or self._reads:
+            self._expire(scheduler)
+        if self._bm is not None and self.store_policy != "none":
+            for sid, ok in self.connector.poll_stores():
+                if not ok:
+                    self.stats["stores_failed"] += 1
+                self._bm.complete_store(sid, ok)
+        if self._runs:
+            for rid in [rid for rid in self._runs if not scheduler.has_request(rid)]:
+                del self._runs[rid]  # (aborted before its admission)
         return n
 
+    def _read_done(self, r: Any, scheduler: Any) -> None:
+        rid = r.request_id
+        self._reads.pop(rid, None)
+        load = self._reading.pop(rid, None)
+        if rid in self._given_up:  # reported already (nothing arrived in time): its bytes are dropped
+            self._given_up.discard(rid)
+            return
+        self.stats["loads"] += 1
+        if not scheduler.is_fetching(rid):  # aborted meanwhile: its parked blocks are freed now
+            self.stats["loads_aborted"] += 1
+            scheduler.kv_loaded(rid)
+            return
+        k = min(len(r.payloads), len(load.block_ids))
+        if k:
+            write_blocks(self._kv, load.block_ids[:k], r.payloads[:k])
+            self.stats["written_blocks"] += k
+            self.stats["loaded_blocks"] += k
+        if k < len(load.block_ids):
+            self.stats["loads_failed"] += 1
+        scheduler.kv_loaded(rid, None if k == len(load.block_ids) else k * self.block_size)
+
+    def _expire(self, scheduler: Any) -> None:
+        now = time.monotonic()
+        for rid in [rid for rid, t in self._lookups.items() if now - t > self.load_timeout_s]:
+            del self._lookups[rid]
+            self.connector.cancel(rid)
+            self.stats["loads_timed_out"] += 1
+            log.warning("pagedkv tiers: the lookup of request %r took over %.1f s: computing its prompt",
+                        rid, self.load_timeout_s)
+            scheduler.kv_ready(rid, 0, 0)
+        for rid in [rid for rid, t in self._reads.items() if now - t > self.load_timeout_s]:
+            del self._reads[rid]
+            self._reading.pop(rid, None)
+            self._given_up.add(rid)  # (the connector's result, when it comes, is dropped)
+            self.stats["loads_timed_out"] += 1
+            log.warning("pagedkv tiers: the read of request %r took over %.1f s: computing its blocks",
+                        rid, self.load_timeout_s)
+            if scheduler.is_fetching(rid):
+                scheduler.kv_loaded(rid, 0)  # nothing arrived: every reserved block is computed
+            else:
+                scheduler.kv_loaded(rid)  # (aborted meanwhile: its parked blocks are freed)
+
+    def start_loads(self, kv_loads: Any) -> None:
+        """Start reading the KV of the requests a step admitted with reserved blocks (``StepPlan.kv_loads``),
+        each from the tiers its lookup found, from its reserved range's first block on. O(loads) here."""
+        bs = self.block_size
+        for kl in kv_loads:
+            ext = kl.load
+            start, runs = self._runs.pop(kl.request_id, (0, ()))
+            skip = ext.start_token // bs - start  # (the hit may have grown since the lookup)
+            left = len(ext.block_ids)
+            clipped = []
+            for i, m in runs:
+                cut = min(skip, m)
+                skip -= cut
+                m = min(m - cut, left)
+                if m > 0:
+                    clipped.append((i, m))
+                    left -= m
+            self._reading[kl.request_id] = ext
+            self._reads[kl.request_id] = time.monotonic()
+            self.connector.request_read(kl.request_id, ext.keys, clipped, None, ext.start_token // bs)
+
     def forget(self, request_id: Any) -> None:
-        """A request was aborted: drop its load (in flight or held). O(1)."""
+        """A request was added and failed at once: drop its lookup. O(1). (A request aborted later needs
+        nothing: its lookup's or read's result is dropped or reported for its parked blocks.)"""
         self.connector.cancel(request_id)
-        self._started.pop(request_id, None)
-        self._loaded.pop(request_id, None)
+        self._lookups.pop(request_id, None)
+        self._runs.pop(request_id, None)
 
     def wait(self, timeout: float) -> None:
-        """Nothing else to run: block until a load finishes or ``timeout`` (never past the next load timeout)."""
-        if self._started:
-            left = min(self._started.values()) + self.load_timeout_s - time.monotonic()
+        """Nothing else to run: block until a lookup or read finishes or ``timeout`` (never past the next
+        timeout)."""
+        started = list(self._lookups.values()) + list(self._reads.values())
+        if started:
+            left = min(started) + self.load_timeout_s - time.monotonic()
             timeout = max(0.0, min(timeout, left))
         self.connector.wait(timeout)
 
     # ----------------------------------------------------------------------------------------- a step
 
     def write_loads(self, plan: Any, kv_cache: Any) -> None:
-        """Write the loaded blocks of the plan's prefills that use external KV into their blocks (before the
-        forward). A request's held payloads are dropped at its first prefill, used or not."""
-        if self._loaded:
-            self.stats["written_blocks"] += write_external(plan, kv_cache, self._loaded, self.block_size)
+        """Nothing to do: a tier load is written into its reserved blocks when it arrives (:meth:`poll`). (Kept
+        for the engine's KV port, which writes its own staged loads here.)"""
 
     def store_computed(self, plan: Any, kv_cache: Any, by_id: dict) -> None:
-        """After the forward: copy out the full prompt blocks each prefill of the plan computed and hand them to
-        the connector (written to every tier off the step loop). O(computed blocks x block bytes)."""
-        c = self.connector
-        if not c.write_through:
+        """After the forward: the block manager's store plan (the blocks its policy picked, pinned until the
+        store completes) copied out of the KV cache (the snapshot) and handed to the connector, which writes
+        it to every tier off the step loop. O(planned blocks x block bytes)."""
+        bm = self._bm
+        if bm is None or self.store_policy == "none":
             return
-        bs = self.block_size
-        for pw in plan.prefills:
-            req = by_id.get(pw.request_id)
-            if req is None or pw.positions.size == 0:
-                continue
-            prompt = req.prompt_token_ids
-            start = int(pw.positions[0])
-            j0 = start // bs
-            j1 = min(pw.seq_len, len(prompt)) // bs  # (a recomputed sample's generated tokens are not stored)
-            if j1 <= j0:
-                continue
-            table = pw.block_table
-            ids = table[j0:j1].tolist()
-            keys = block_hashes(prompt[: j1 * bs], bs, req.namespace)
-            payloads = read_blocks(kv_cache, ids)
-            c.store(keys[j0:j1], payloads, req.namespace, prompt[j0 * bs: j1 * bs],
-                    keys[j0 - 1] if j0 > 0 else None)
-            self.stats["stored_blocks"] += j1 - j0
+        sp = bm.take_store_plan()
+        if sp is None:
+            return
+        payloads = read_blocks(kv_cache, list(sp.block_ids))
+        if self.connector.store(sp.keys, payloads, None, store_id=sp.store_id, chained=False):
+            self.stats["stored_blocks"] += len(sp.block_ids)
+        else:  # (closed) the plan ends at once, its blocks unpinned
+            bm.complete_store(sp.store_id, False)
 
     # ----------------------------------------------------------------------------------------- state
 
@@ -207,5 +307,8 @@ class EngineTiers:
 
     def close(self, timeout: float = 30.0) -> None:
         """Finish the stores in flight (at most ``timeout`` s) and close the tiers (the disk directory's lock is
-        released: another engine may open it)."""
+        released: another engine may open it). Stores that finish then complete their plans."""
         self.connector.close(timeout)
+        if self._bm is not None and self.store_policy != "none":
+            for sid, ok in self.connector.poll_stores():
+                self._bm.complete_store(sid, ok)

@@ -35,7 +35,7 @@ from ..scheduler import FINISH_STOP, Scheduler
 from .model import build_attention_metadata, build_group_attention_metadata, execute_copy_plan
 from .registry import load_model, make_tokenizer
 from ..tiers.connector import DEFAULT_MAX_LOAD_MS_PER_BLOCK
-from .kv_tiers import EngineTiers
+from .kv_tiers import EngineTiers, parse_store_policy
 from .sampling import SamplingParams, sample, sample_batch, sample_bounded
 from .threads import ThreadPolicy
 
@@ -163,15 +163,20 @@ class LLM:
         kv_load_max_ms_per_block: the crossover: a tier whose measured load time per block is above this is not
             read (the prompt is computed); the default is this machine's measured SmolLM2 prefill time per
             16-token block (683 ms, benchmarks/tier_crossover.py). None: always load.
-        kv_store: write every full prompt block the engine computes to the tiers (write-through, off the step
-            loop); False: load only.
+        kv_store: the tiers' write policy (SGLang's ``--hicache-write-policy``), the block manager's store plans
+            written off the step loop: ``"through"`` (True, the default: every full block once computed or
+            loaded), ``"selective:N"`` (a block once prefix hits have taken it N times; ``"selective"``: N = 1),
+            ``"back"`` (a cached block about to be evicted from the GPU prefix cache, pinned until stored),
+            ``"off"`` (False: loads only).
 
     With ``enable_kv_events``, ``llm.kv_tiers.take_events()`` returns the ``BlockStored`` events of what the tiers
     stored, ``medium`` ``"DISK"`` or ``"SHARED"`` (the server publishes them with the block manager's).
 
-    With tiers, a request whose prompt continues past the GPU/CPU hit in a tier waits (the scheduler's loading
-    set) while its blocks are read on an I/O thread, then is admitted with that KV written into its blocks
-    (``PrefillWork.num_external_tokens``); a failed or corrupt load computes what it could not load. Models with
+    With tiers, a request whose prompt continues past the GPU/CPU hit in a tier waits while the tiers are asked
+    how many blocks they hold (an I/O thread), is then admitted with GPU blocks reserved for them
+    (``allocate(..., num_external_tokens=)``; out of every batch while they are read on an I/O thread and
+    written in), and its prefill computes the rest (``PrefillWork.num_external_tokens``: the loaded tokens); a
+    failed, corrupt or timed-out load computes what did not arrive. Models with
     KV cache groups (Gemma 3 with ``kv_cache_groups=True``) and ``sliding_window`` refuse tiers
     (``InvalidArgumentError``). Call :meth:`close` (or use ``with LLM(...) as llm``) to finish the stores.
         scheduling_policy: ``"fcfs"`` (default) or ``"priority"`` (vLLM's: admission by (priority, arrival),
@@ -216,7 +221,7 @@ class LLM:
         kv_disk_gib: float | None = None,
         kv_shared: str | None = None,
         kv_load_max_ms_per_block: float | None = DEFAULT_MAX_LOAD_MS_PER_BLOCK,
-        kv_store: bool = True,
+        kv_store: bool | str = True,
     ) -> None:
         policy = ThreadPolicy(threads)  # first: validates, and starts the window of the free-core reading
         if scheduling_policy not in ("fcfs", "priority"):
@@ -289,6 +294,10 @@ class LLM:
         common = dict(num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=enable_prefix_caching,
                       enable_kv_events=enable_kv_events, cpu_prefix_cache=cpu_prefix_cache)
         common.update(eviction_policy=eviction_policy, pin_budget_blocks=pin_budget_blocks)
+        store_policy, store_min_hits = parse_store_policy(kv_store)
+        tiered = kv_disk_dir is not None or kv_shared is not None
+        if tiered and not grouped and enable_prefix_caching and store_policy != "none":
+            common.update(store_policy=store_policy, store_min_hits=store_min_hits)
         if grouped:
             self.block_manager = HybridBlockManager(num_gpu_blocks, block_size, kv_cache_groups=self.kv_cache_groups,
                                                     **common)
@@ -333,10 +342,12 @@ class LLM:
                 raise InvalidArgumentError("the disk and shared KV tiers are not available with sliding_window")
             self.kv_tiers = EngineTiers(self.model, self.kv_cache, block_size, disk_dir=kv_disk_dir,
                                         disk_gib=kv_disk_gib, shared=kv_shared,
-                                        max_load_ms_per_block=kv_load_max_ms_per_block, write_through=kv_store,
-                                        record_events=enable_kv_events)
+                                        max_load_ms_per_block=kv_load_max_ms_per_block,
+                                        block_manager=self.block_manager, record_events=enable_kv_events)
         elif kv_disk_gib is not None:
             raise InvalidArgumentError("kv_disk_gib needs kv_disk_dir")
+        # the engine's own tiers (a KV port may wrap llm.kv_tiers later: the reads it starts stay here)
+        self._own_tiers = self.kv_tiers
 
     def close(self) -> None:
         """Finish the storage tiers' stores in flight and close them (the disk directory may then be opened by
@@ -636,6 +647,8 @@ class LLM:
             self._update_tables(plan)  # first: every plan's table changes reach the engine, whatever fails later
         if len(plan.copies):  # every copy of the step, in the order the block manager handed them out
             execute_copy_plan(plan.copies, self.kv_cache, self.cpu_kv_cache)
+        if plan.kv_loads and self._own_tiers is not None:  # reserved blocks: their KV is read off the step loop
+            self._own_tiers.start_loads(plan.kv_loads)
         if not plan.has_forward:  # a step that only moved blocks
             return []
         tiers = self.kv_tiers

@@ -40,7 +40,7 @@ from .plan import (
 )
 from .preempt import Preemptor
 from .prefill import Admitter
-from .state import FINISHED, LOADING, RUNNING, SWAPPED, WAITING, Config, Queues
+from .state import FETCHING, FINISHED, LOADING, RUNNING, SWAPPED, WAITING, Config, Queues
 from .update import Updater
 
 
@@ -200,13 +200,21 @@ class Scheduler:
               bool(ignore_eos), frozenset(int(t) for t in stop_token_ids), namespace, int(priority),
               bool(wait_for_kv))
 
-    def kv_ready(self, request_id: Hashable, start_token: int = 0, num_tokens: int = 0) -> bool:
+    def kv_ready(self, request_id: Hashable, start_token: int = 0, num_tokens: int = 0, *,
+                 reserve: bool = False) -> bool:
         """The storage-tier load of a request added with ``wait_for_kv=True`` finished: it holds the KV of prompt
         positions ``[start_token, start_token + num_tokens)`` (block multiples; ``num_tokens`` 0: nothing was
         loaded, or the load failed at once: the prompt is computed). The request joins the waiting queue at its
         arrival's place; at admission the loaded run is used from the prefix-cache hit on if it continues the
         hit (``PrefillWork.num_external_tokens``), else computed (``stats.stale_external_loads``). A failed load
         passes the good leading blocks only: the rest is computed, never skipped.
+
+        ``reserve=True`` (the tiers' path, docs/tiers.md): ``[start_token, start_token + num_tokens)`` is what a
+        tier *holds*, not loaded yet. At admission the request is allocated with ``num_external_tokens`` = the
+        part of that run past the hit (admission counts those blocks), becomes FETCHING (its blocks reserved,
+        the block manager's LOADING; out of every batch) and is listed in ``StepPlan.kv_loads``; the engine
+        loads the KV into ``load.block_ids`` and reports it with :meth:`kv_loaded`; the next step prefills the
+        rest.
 
         Returns False, changing nothing, for an unknown request (aborted meanwhile: a documented no-op). Raises
         ``InvalidArgumentError`` (state unchanged) for a request that is not loading, or a bad range. O(waiting)."""
@@ -226,13 +234,61 @@ class Scheduler:
         del q.loading[request_id]
         g.status = WAITING
         g.external = (int(start_token), int(num_tokens)) if num_tokens else None
+        g.reserve = bool(reserve)
         q.enqueue_by_arrival(g)
         return True
 
+    def kv_loaded(self, request_id: Hashable, num_tokens: int | None = None) -> bool:
+        """The KV of a FETCHING request (``StepPlan.kv_loads``) arrived in its reserved blocks: all of it
+        (``num_tokens`` None), or only the first ``num_tokens`` of its external range (a failed or timed-out
+        load: a multiple of ``block_size``, from ``load.start_token`` on; the rest is computed). The engine
+        writes no more into those blocks. The next :meth:`schedule` reports it to the block manager
+        (``finish_external``, before the step's copy plan) and prefills the request from there in that step.
+
+        A request aborted while FETCHING (its blocks parked by the block manager) is reported the same way once
+        its transfer ended: its blocks are freed then, and False is returned. False, changing nothing, for an
+        unknown request. ``InvalidArgumentError`` (state unchanged) for a request that is not FETCHING, one
+        reported twice, or a bad ``num_tokens``. O(1)."""
+        q = self._q
+        sid = q.parked.pop(request_id, None)
+        if sid is not None:
+            q.loaded[sid] = None  # (parked: the block manager frees its blocks)
+            return False
+        g = q.requests.get(request_id)
+        if g is None:
+            return False
+        if g.status != FETCHING:
+            raise InvalidArgumentError(f"request {request_id!r} has no KV load into reserved blocks")
+        sid = g.live[0].seq_id
+        if sid in q.loaded:
+            raise InvalidArgumentError(f"request {request_id!r}: its load was reported already")
+        e = g.fetch.num_tokens
+        if num_tokens is not None:
+            bs = getattr(self.bm, "block_size", 1)
+            if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)) or \
+                    not 0 <= num_tokens <= e or num_tokens % bs:
+                raise InvalidArgumentError(f"num_tokens must be None or a multiple of {bs} in [0, {e}], "
+                                           f"got {num_tokens!r}")
+            if num_tokens == e:
+                num_tokens = None
+        q.loaded[sid] = None if num_tokens is None else int(num_tokens)
+        return True
+
+    def is_fetching(self, request_id: Hashable) -> bool:
+        """Whether the request waits for KV arriving into its reserved blocks (not reported yet). O(1)."""
+        g = self._q.fetching.get(request_id)
+        return g is not None and g.live[0].seq_id not in self._q.loaded
+
     @property
     def num_loading(self) -> int:
-        """Requests waiting for their KV from a storage tier (``add_request(..., wait_for_kv=True)``)."""
-        return len(self._q.loading)
+        """Requests waiting for their KV from a storage tier: looked up (``add_request(..., wait_for_kv=True)``)
+        or arriving into reserved blocks (FETCHING)."""
+        return len(self._q.loading) + len(self._q.fetching)
+
+    @property
+    def num_parked(self) -> int:
+        """Requests aborted while FETCHING whose transfer has not been reported ended (:meth:`kv_loaded`)."""
+        return len(self._q.parked)
 
     def abort_request(self, request_id: Hashable) -> RequestOutput | None:
         """Drop a request wherever it is; returns its output (finish reason "abort"), None if unknown."""
@@ -252,6 +308,16 @@ class Scheduler:
             for s in g.live:
                 free(s.seq_id, True)
             q.unqueue(g)
+        elif g.status == FETCHING:  # the block manager parks its arriving blocks until kv_loaded reports it
+            s0 = g.live[0].seq_id
+            free(s0, True)
+            q.unqueue(g)
+            q.num_running_seqs -= g.n
+            if s0 in q.loaded:
+                q.loaded[s0] = None  # (its transfer ended already: finish_external frees the parked blocks)
+            else:
+                q.parked[request_id] = s0
+            g.fetch = None
         elif g.status in (WAITING, LOADING):
             q.unqueue(g)
         for s in g.live:
@@ -275,7 +341,7 @@ class Scheduler:
             out: list[RequestOutput] = []
             self._updater.finish_seq(s, reason, out)
             return out[0] if out else None
-        if s.status == WAITING and not g.forked:
+        if s.status in (WAITING, LOADING, FETCHING) and not g.forked:
             return None  # nothing generated yet: there is nothing to stop
         if s.status == SWAPPED:
             self._calls.free(s.seq_id, True)
@@ -353,11 +419,16 @@ class Scheduler:
                 budget -= int(decode.query_lens.sum())
             if q.running:  # the next chunk of each partly prefilled prompt
                 budget, chunk_cow = self._chunker.schedule(prefills, budget, swap_out, preempted, swapped_in)
+        used = 0
+        if q.loaded:  # KV arrived in reserved blocks: finish_external, then prefill the rest in this step
+            used = self._admitter.finish_loads(prefills)
+            budget -= used
+        kv_loads: list = []
         if not preempted and not q.swapped and q.waiting:
-            self._admitter.schedule(prefills, ignored, budget)
+            self._admitter.schedule(prefills, ignored, budget, kv_loads, used)
 
         # progress guard: nothing runs and nothing could be started although work is queued
-        if not q.running and not prefills and not swapped_in_any and not preempted:
+        if not q.running and not prefills and not swapped_in_any and not preempted and not q.fetching:
             if q.swapped:  # cannot swap in even into an empty pool: recompute it instead
                 self._preemptor.recompute(heapq.heappop(q.swapped))
             elif q.waiting:  # LATER with an empty pool means never
@@ -383,6 +454,7 @@ class Scheduler:
             preempted=tuple(preempted),
             ignored=tuple(ignored),
             copies=calls.take_copy_plan(),
+            kv_loads=tuple(kv_loads),
         )
         self._outstanding = plan
         return plan

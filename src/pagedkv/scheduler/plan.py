@@ -83,6 +83,18 @@ class DecodeBatch(NamedTuple):
     table_loads: tuple = ()
 
 
+class KVLoad(NamedTuple):
+    """A request admitted in this step with GPU blocks reserved for KV that a storage tier holds
+    (``Scheduler.kv_ready(..., reserve=True)``): ``load`` is the block manager's
+    :class:`~pagedkv.manager._external.ExternalLoad` (``block_ids``, ``keys``, ``start_token``, ``num_tokens``).
+    The engine reads that KV off the step loop, writes it into ``load.block_ids`` once this step's copy plan
+    has run, and reports it with ``Scheduler.kv_loaded``; the request is left out of every batch meanwhile."""
+
+    request_id: Hashable
+    seq_id: int
+    load: Any
+
+
 class Preemption(NamedTuple):
     request_id: Hashable
     seq_ids: tuple
@@ -102,6 +114,7 @@ class StepPlan(NamedTuple):
     preempted: tuple  # tuple[Preemption, ...]
     ignored: tuple  # tuple[RequestOutput, ...]: requests finished as "ignored" in this step
     copies: CopyPlan = CopyPlan.build([])  # every copy of the step (CPU tier included), in execution order
+    kv_loads: tuple = ()  # tuple[KVLoad, ...]: requests admitted with reserved blocks for KV a tier holds
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -126,7 +139,8 @@ class StepPlan(NamedTuple):
     def is_empty(self) -> bool:
         """Nothing at all to do: no forward pass, no copies, no preemption, nothing ignored."""
         return (not self.prefills and self.decode is None and not len(self.copies) and not len(self.swap_out)
-                and not len(self.swap_in) and not len(self.copy_on_write) and not self.preempted and not self.ignored)
+                and not len(self.swap_in) and not len(self.copy_on_write) and not self.preempted and not self.ignored
+                and not self.kv_loads)
 
 
 @dataclass(frozen=True)

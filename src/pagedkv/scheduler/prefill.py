@@ -8,8 +8,8 @@ import numpy as np
 
 from ..errors import OutOfBlocksError
 from .calls import status_name
-from .plan import PrefillWork
-from .state import RUNNING, Group, Seq
+from .plan import KVLoad, PrefillWork
+from .state import FETCHING, RUNNING, Group, Seq
 from .part import Part
 
 
@@ -26,10 +26,13 @@ class Admitter(Part):
 
     __slots__ = ()
 
-    def schedule(self, prefills: list, ignored: list, budget: int | None = None) -> None:
+    def schedule(self, prefills: list, ignored: list, budget: int | None = None, loads: list | None = None,
+                 used: int = 0) -> None:
         """Admit from the front of the waiting queue, appending to ``prefills``; a request that can never fit is
         finished as ignored (``ignored``). ``budget``: prefill tokens left in the step (chunked prefill; else
-        ``max_num_batched_tokens`` of whole prompts, a longer prompt admitted alone)."""
+        ``max_num_batched_tokens`` of whole prompts, a longer prompt admitted alone, ``used`` of them taken
+        already). A request whose KV a tier holds (``kv_ready(..., reserve=True)``) is allocated with
+        ``num_external_tokens`` and becomes FETCHING (appended to ``loads``, no prefill yet, nothing charged)."""
         cfg = self.cfg
         q = self.q
         calls = self.calls
@@ -39,7 +42,8 @@ class Admitter(Part):
         if budget is None or not chunked:
             budget = cfg.max_num_batched_tokens
         cap = cfg.long_prefill_token_threshold or cfg.max_num_batched_tokens
-        used = 0
+        if chunked:
+            used = 0
         waiting = q.waiting
         while waiting:
             g = waiting[0]
@@ -63,6 +67,7 @@ class Admitter(Part):
             m = len(token_lists)
             ends: list[int] = []
             exts: list[int] = []
+            fetch = None  # the ExternalLoad of a request admitted with reserved blocks (reserve)
             for i, (s, toks) in enumerate(zip(g.live, token_lists)):
                 kw: dict = {} if g.namespace is None else {"namespace": g.namespace}
                 extra = 0  # prompt tokens past the hit whose KV a storage tier loaded (not computed, not charged)
@@ -73,9 +78,18 @@ class Admitter(Part):
                         extra = xs + xn - cur
                     elif cur < xs:  # the hit the load continued is gone (evicted meanwhile): compute it all
                         self.stats.stale_external_loads += 1
-                if chunked:  # the hit plus one chunk, leaving a token of budget for each later sequence
-                    kw["num_new_tokens"] = extra + min(cap, budget - used - (m - 1 - i))
-                st = status_name(bm.can_allocate(toks, k, **kw))
+                reserve = bool(extra) and g.reserve
+                if reserve:  # admission counts the external blocks and one chunk; allocate reserves them
+                    if chunked:
+                        kw["num_new_tokens"] = extra + cap
+                    st = status_name(bm.can_allocate(toks, k, **kw))
+                    if chunked:
+                        kw["num_new_tokens"] = cap
+                    kw["num_external_tokens"] = extra
+                else:
+                    if chunked:  # the hit plus one chunk, leaving a token of budget for each later sequence
+                        kw["num_new_tokens"] = extra + min(cap, budget - used - (m - 1 - i))
+                    st = status_name(bm.can_allocate(toks, k, **kw))
                 if st != "OK":
                     verdict = st
                     reason = f"{len(toks)} tokens can never fit in the pool"
@@ -88,6 +102,15 @@ class Admitter(Part):
                     break
                 if g.priority and getattr(bm, "enable_prefix_caching", False) and hasattr(bm, "set_retention"):
                     bm.set_retention(s.seq_id, priority=g.priority)  # its cached blocks' eviction class
+                if reserve:
+                    fetch = bm.external_blocks(s.seq_id)  # (None: allocate kept no external token)
+                    if fetch is not None:
+                        ends.append(0)
+                        exts.append(0)
+                        done.append((s, toks, int(hit)))
+                        continue
+                    kw.pop("num_external_tokens")
+                    extra = 0
                 end = len(toks)
                 if chunked:
                     end = min(end, int(hit) + kw["num_new_tokens"])
@@ -108,6 +131,17 @@ class Admitter(Part):
                     continue
                 break
             waiting.popleft()
+            if fetch is not None:  # FETCHING: its blocks reserved, its prefill once the load is reported
+                (s, _, _), = done
+                g.fetch = fetch
+                g.external = None
+                g.status = FETCHING
+                s.status = FETCHING
+                q.fetching[g.request_id] = g
+                q.num_running_seqs += new_seqs
+                if loads is not None:
+                    loads.append(KVLoad(g.request_id, s.seq_id, fetch))
+                continue
             if not chunked:
                 used += ntok
             for (s, toks, hit), end, extra in zip(done, ends, exts):
@@ -120,6 +154,33 @@ class Admitter(Part):
                 s.status = RUNNING
             q.running[g.arrival] = g
             q.num_running_seqs += new_seqs
+
+    def finish_loads(self, prefills: list) -> int:
+        """The loads reported since the last step (``Scheduler.kv_loaded``, and those of requests aborted while
+        FETCHING): one ``finish_external`` call, then each live request runs: its prefill from the tokens that
+        arrived to what it holds (a failed load's missing blocks are computed here). Returns the tokens these
+        prefills compute. O(reported requests + their blocks)."""
+        q = self.q
+        rep, q.loaded = q.loaded, {}
+        done = [s for s, ok in rep.items() if ok is None]
+        failed = {s: ok for s, ok in rep.items() if ok is not None}
+        bm = self.calls.bm
+        got = bm.finish_external(done=done, failed=failed)
+        computed = 0
+        for sid, n in got.items():
+            s = q.seqs[sid]
+            g = s.group
+            del q.fetching[g.request_id]
+            h = g.fetch.start_token
+            g.fetch = None
+            end = int(bm.num_tokens(sid))
+            prefills.append(self.work(g, s, g.prompt, h, g.n, end, int(n) - h))
+            computed += end - min(int(n), len(g.prompt) - 1)
+            g.num_cached_tokens = int(n)
+            g.status = RUNNING
+            s.status = RUNNING
+            q.running[g.arrival] = g
+        return computed
 
     def work(self, g: Group, s: Seq, toks: np.ndarray, hit: int, num_samples: int,
              end: int | None = None, extra: int = 0) -> PrefillWork:

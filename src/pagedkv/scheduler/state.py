@@ -5,7 +5,10 @@
       |               ^   ^   ^                  |    |
       |               |   |   +--- recompute ----+    +--- swap --> swapped (heap by arrival) --swap in--+
       |               |   +---------- recompute (a swap-in that can never fit) ----------------------------+
-      +--(wait_for_kv)--> loading (dict by request id) --kv_ready (load done or failed)--+
+      +--(wait_for_kv)--> loading (dict by request id) --kv_ready (lookup or load done)--+
+                                                                                          |
+      kv_ready(reserve=True) --> waiting --admit (allocate(num_external_tokens=E))--> fetching (dict by request id:
+      its GPU blocks reserved, the block manager's LOADING) --kv_loaded + finish_external--> running (prefill rest)
 
 A request is a :class:`Group` of ``n`` samples, each a :class:`Seq` with a scheduler-assigned id. Every part of
 the scheduler works on the one :class:`Queues` object it is given; the queue operations shared by several parts
@@ -22,8 +25,9 @@ import numpy as np
 
 from .plan import FINISH_IGNORED, RequestOutput, SchedulerStats
 
-# sequence (and request) states; LOADING: a request waiting for its KV from a storage tier (not admitted yet)
-WAITING, RUNNING, SWAPPED, FINISHED, LOADING = 0, 1, 2, 3, 4
+# sequence (and request) states; LOADING: a request waiting for its KV from a storage tier (not admitted yet);
+# FETCHING: admitted with its GPU blocks reserved, its KV arriving into them (the block manager's LOADING)
+WAITING, RUNNING, SWAPPED, FINISHED, LOADING, FETCHING = 0, 1, 2, 3, 4, 5
 
 
 class Config:
@@ -62,7 +66,7 @@ class Group:
     __slots__ = (
         "request_id", "arrival", "prompt", "n", "max_tokens", "eos", "ignore_eos", "stop_ids",
         "namespace", "seqs", "live", "forked", "num_cached_tokens", "num_preemptions", "status", "priority",
-        "external",
+        "external", "reserve", "fetch",
     )
 
     def __init__(self) -> None:
@@ -75,6 +79,8 @@ class Group:
         self.priority = 0  # vLLM's request priority: lower is served first (scheduling_policy="priority")
         # (start_token, num_tokens) of prompt KV loaded from a storage tier, waiting for admission (Scheduler.kv_ready)
         self.external: tuple | None = None
+        self.reserve = False  # kv_ready(reserve=True): admit with allocate(num_external_tokens=) (FETCHING)
+        self.fetch = None  # the ExternalLoad of a FETCHING request (its reserved blocks), until its load ends
 
     def __lt__(self, other: "Group") -> bool:  # heap order of the swapped queue
         return self.arrival < other.arrival
@@ -91,7 +97,7 @@ class Queues:
     in). All O(1) per request, except removing a request from the middle of a queue (aborts)."""
 
     __slots__ = ("by_priority", "waiting", "running", "swapped", "requests", "seqs", "num_running_seqs", "row_loads", "stats",
-                 "next_seq_id", "next_arrival", "loading")
+                 "next_seq_id", "next_arrival", "loading", "fetching", "parked", "loaded")
 
     def __init__(self, stats: SchedulerStats) -> None:
         self.waiting: deque[Group] = deque()
@@ -99,6 +105,9 @@ class Queues:
         self.running: dict[int, Group] = {}
         self.swapped: list[Group] = []
         self.loading: dict[Hashable, Group] = {}  # waiting for KV from a storage tier: request id -> group
+        self.fetching: dict[Hashable, Group] = {}  # admitted, KV arriving into reserved blocks: request id -> group
+        self.parked: dict[Hashable, int] = {}  # aborted while FETCHING: request id -> seq id (blocks parked)
+        self.loaded: dict[int, int | None] = {}  # seq id -> tokens arrived (None: all), reported by kv_loaded
         self.requests: dict[Hashable, Group] = {}
         self.seqs: dict[int, Seq] = {}
         self.num_running_seqs = 0
@@ -176,6 +185,8 @@ class Queues:
             heapq.heapify(self.swapped)
         elif g.status == LOADING:
             del self.loading[g.request_id]
+        elif g.status == FETCHING:
+            del self.fetching[g.request_id]
         else:
             self.waiting.remove(g)
 

@@ -7,12 +7,17 @@ the scheduler keeps a request waiting while its load runs (``Scheduler.add_reque
 collects what finished::
 
     engine thread                               I/O threads
-    request_load(rid, tokens, ns, hit_blocks) --> keys past the GPU/CPU hit; each tier in order (disk, then
-                                                  shared): prefix_length, then get_many of that run (a tier
-                                                  slower than computing is skipped); payloads kept in memory
-    poll() <-- LoadDone(rid, start_block, payloads, ok, failed, by_tier)
-    store(keys, payloads, ns, tokens) ---------> put_many on every tier (write-through); KV events (medium)
-    take_events() <-- BlockStored(medium="DISK" | "SHARED") of the blocks each tier newly stored
+    request_lookup(rid, tokens, ns, hit) -------> keys past the GPU/CPU hit; each tier in order (disk, then
+                                                  shared): prefix_length (a tier slower than computing skipped)
+    poll() <-- LookupDone(rid, start_block, num_blocks, runs)      (the engine reserves GPU blocks for them)
+    request_read(rid, keys, runs, ns) ----------> get_many of each tier's run; payloads kept in memory
+    poll() <-- LoadDone(rid, start_block, payloads, ok, failed, by_tier)   (the engine writes them into the
+                                                  reserved blocks and reports the load done or failed)
+    request_load(rid, tokens, ns, hit) ---------> both in one job (lookup, then read): one LoadDone
+    store(keys, payloads, ns, store_id=) -------> put_many on every tier; KV events (medium)
+    poll_stores() <-- (store_id, success) of the stores that finished (the engine completes the manager's plan)
+    take_events() <-- BlockStored(medium="DISK" | "SHARED") of the blocks each tier newly stored, BlockRemoved
+                      (medium "DISK") of the blocks the disk tier evicted or dropped
 
 A load is **done** when every block the tiers said they hold came back checked; **failed** when a block they
 said they hold did not (corrupt, cut short, another fingerprint, the store down between the probe and the read):
@@ -39,11 +44,11 @@ from typing import Any, NamedTuple, Sequence
 
 from ..blocks.prefix_cache import block_hashes
 from ..errors import InvalidArgumentError
-from ..events import BlockStored
+from ..events import BlockRemoved, BlockStored
 from .backend import PutStatus
 from .store import BlockStore
 
-__all__ = ["TierConnector", "LoadDone", "TierCounters", "LoadLatencyHistogram", "MEDIUM_DISK", "MEDIUM_SHARED",
+__all__ = ["TierConnector", "LoadDone", "LookupDone", "TierCounters", "LoadLatencyHistogram", "MEDIUM_DISK", "MEDIUM_SHARED",
            "DEFAULT_MAX_LOAD_MS_PER_BLOCK", "LATENCY_BUCKETS_S"]
 
 log = logging.getLogger("pagedkv.tiers")
@@ -69,6 +74,18 @@ class LoadDone(NamedTuple):
     num_asked: int  # blocks the tiers said they hold (len(payloads) <= num_asked; == when ok)
     by_tier: tuple  # (medium, blocks loaded from it) per tier, in lookup order
     seconds: float  # wall time of the lookup and the reads
+
+
+class LookupDone(NamedTuple):
+    """A finished lookup (:meth:`TierConnector.request_lookup`): the tiers hold ``num_blocks`` leading blocks
+    from ``start_block`` on; ``runs``: ``(tier index, blocks)`` in order, each tier's part of that run (a tier
+    skipped or holding nothing there is left out)."""
+
+    request_id: Any
+    start_block: int
+    num_blocks: int
+    runs: tuple
+    seconds: float
 
 
 class TierCounters(NamedTuple):
@@ -141,6 +158,10 @@ class TierConnector:
         write_through: store every block handed to :meth:`store` (False: stores are dropped, loads only).
         record_events: keep the KV events of the stores for :meth:`take_events` (False: none are kept, so an
             engine that never takes them does not accumulate them).
+        chain_names: name blocks in the tiers by their chained key alone (``namespace=None`` in every
+            ``BlockStore`` call): the chain key already commits to the namespace (its root's key), and a store
+            plan of the block manager names its blocks by chain key without their namespace. False: the
+            namespace given with each call goes into the names too.
         max_blocks_per_call: the most blocks one ``get_many`` / ``put_many`` carries (a long prompt's run is read
             and written in several calls, each within a store's socket timeout).
     """
@@ -148,7 +169,7 @@ class TierConnector:
     def __init__(self, tiers: Sequence[tuple[str, BlockStore]], block_size: int, *, io_threads: int = 2,
                  max_load_ms_per_block: float | None = DEFAULT_MAX_LOAD_MS_PER_BLOCK,
                  initial_load_ms: float = 10.0, probe_every: int = 16, write_through: bool = True,
-                 record_events: bool = True, max_blocks_per_call: int = 8) -> None:
+                 record_events: bool = True, max_blocks_per_call: int = 8, chain_names: bool = False) -> None:
         if not tiers:
             raise InvalidArgumentError("a TierConnector needs at least one tier")
         seen = set()
@@ -170,6 +191,7 @@ class TierConnector:
         self.probe_every = max(1, int(probe_every))
         self.write_through = bool(write_through)
         self.record_events = bool(record_events)
+        self.chain_names = bool(chain_names)
         if isinstance(max_blocks_per_call, bool) or not isinstance(max_blocks_per_call, int) \
                 or max_blocks_per_call < 1:
             raise InvalidArgumentError(f"max_blocks_per_call must be an int >= 1, got {max_blocks_per_call!r}")
@@ -182,6 +204,7 @@ class TierConnector:
         self._pending_loads: set = set()  # request ids whose load runs or waits to be polled
         self._cancelled: set = set()
         self._stores_in_flight = 0
+        self._stores_done: list = []  # (store_id, success) of finished stores, for poll_stores
         self._idle = threading.Condition(self._lock)
         self.latency = LoadLatencyHistogram()
         self._closed = False
@@ -224,13 +247,50 @@ class TierConnector:
         self._pool.submit(self._load_job, request_id, toks, namespace, int(hit_blocks))
         return True
 
+    def request_lookup(self, request_id: Any, token_ids: Sequence[int], namespace: object,
+                       hit_blocks: int) -> bool:
+        """Start asking the tiers how many leading blocks of ``token_ids`` past its first ``hit_blocks`` they
+        hold (at most ``(len - 1) // block_size`` blocks in all), without reading them: a :class:`LookupDone`
+        comes out of :meth:`poll` once. Returns False (nothing started) when no block is left to ask for.
+        O(1) here; the job hashes the prompt (O(len)) and probes each tier."""
+        if self._closed:
+            raise RuntimeError("the TierConnector is closed")
+        n_max = (len(token_ids) - 1) // self.block_size
+        if hit_blocks >= n_max:
+            return False
+        if request_id in self._pending_loads:
+            raise InvalidArgumentError(f"request {request_id!r} already has a load in flight")
+        self._pending_loads.add(request_id)
+        toks = list(token_ids[: n_max * self.block_size])
+        self._pool.submit(self._lookup_job, request_id, toks, namespace, int(hit_blocks))
+        return True
+
+    def request_read(self, request_id: Any, chain_keys: Sequence[int], runs: Sequence[tuple], namespace: object,
+                     start_block: int = 0) -> None:
+        """Start reading the blocks ``chain_keys`` (in order), ``runs`` saying which tier holds which part
+        (``(tier index, blocks)``, as a :class:`LookupDone`'s, summing to at most ``len(chain_keys)``): a
+        :class:`LoadDone` (``start_block`` echoed) comes out of :meth:`poll` once, with the good leading
+        payloads (a block that does not come back checked ends the run there: ``ok`` False). O(1) here."""
+        if self._closed:
+            raise RuntimeError("the TierConnector is closed")
+        if request_id in self._pending_loads:
+            raise InvalidArgumentError(f"request {request_id!r} already has a load in flight")
+        runs = tuple((int(i), int(n)) for i, n in runs)
+        if any(not 0 <= i < len(self._tiers) or n < 0 for i, n in runs) or \
+                sum(n for _, n in runs) > len(chain_keys):
+            raise InvalidArgumentError(f"runs {runs!r} do not fit {len(chain_keys)} blocks of "
+                                       f"{len(self._tiers)} tiers")
+        self._pending_loads.add(request_id)
+        self._pool.submit(self._read_job, request_id, list(chain_keys), runs, namespace, int(start_block))
+
     def cancel(self, request_id: Any) -> None:
         """Forget a load (its request was aborted): its result is dropped when it comes. O(1)."""
         if request_id in self._pending_loads:
             self._cancelled.add(request_id)
 
-    def poll(self) -> list[LoadDone]:
-        """The loads finished since the last call (cancelled ones dropped). Never blocks."""
+    def poll(self) -> list:
+        """The lookups (:class:`LookupDone`) and loads (:class:`LoadDone`) finished since the last call
+        (cancelled ones dropped). Never blocks."""
         out = []
         while True:
             try:
@@ -255,44 +315,118 @@ class TierConnector:
         self._done.put(r)  # (back for poll(): order among finished loads does not matter)
         return True
 
+    def _skip(self, t: _Tier) -> bool:
+        """Whether the crossover rule skips this tier's lookup now (counted)."""
+        t.n_lookups += 1
+        if (self.max_load_ms_per_block is not None and t.ema_ms > self.max_load_ms_per_block
+                and t.n_lookups % self.probe_every):
+            self._count(t, skipped_slow=1)
+            return True
+        return False
+
+    def _lookup_job(self, request_id: Any, toks: list, namespace: object, hit_blocks: int) -> None:
+        t0 = time.perf_counter()
+        runs: list = []
+        pos = hit_blocks
+        try:
+            keys = block_hashes(toks, self.block_size, namespace)
+            for i, t in enumerate(self._tiers):
+                if pos >= len(keys):
+                    break
+                if self._skip(t):
+                    continue
+                self._count(t, lookups=1)
+                n = t.store.prefix_length(keys[pos:], None if self.chain_names else namespace)
+                if n:
+                    runs.append((i, n))
+                    pos += n
+        except Exception as e:  # noqa: BLE001 - a bug in a tier must not lose the request: it computes
+            log.warning("pagedkv tiers: lookup for request %r failed: %s: %s", request_id, type(e).__name__, e)
+            runs, pos = [], hit_blocks
+        self._done.put(LookupDone(request_id, hit_blocks, pos - hit_blocks, tuple(runs),
+                                  time.perf_counter() - t0))
+
+    def _read_job(self, request_id: Any, keys: list, runs: tuple, namespace: object, start_block: int) -> None:
+        t0 = time.perf_counter()
+        payloads: list = []
+        by_tier: list = []
+        asked = sum(n for _, n in runs)
+        ok = True
+        pos = 0
+        try:
+            for i, n in runs:
+                if not n:
+                    continue
+                t = self._tiers[i]
+                good, values = self._read_run(t, keys[pos:pos + n], namespace)
+                payloads.extend(values)
+                by_tier.append((t.medium, good))
+                pos += good
+                if good < n:  # a block it said it holds did not come back checked: stop the prefix here
+                    ok = False
+                    break
+        except Exception as e:  # noqa: BLE001
+            log.warning("pagedkv tiers: read for request %r failed: %s: %s", request_id, type(e).__name__, e)
+            ok = False
+        self._emit_removed()
+        dt = time.perf_counter() - t0
+        if payloads:
+            self.latency.observe(dt)
+        self._done.put(LoadDone(request_id, start_block, tuple(payloads), ok, asked, tuple(by_tier), dt))
+
+    def _read_run(self, t: _Tier, keys: list, namespace: object) -> tuple[int, list]:
+        """get_many of one tier's run in bounded calls, up to its first block that does not come back checked;
+        the moving average and the counters updated. (good blocks, their payloads)."""
+        t1 = time.perf_counter()
+        good, values = 0, []
+        ns = None if self.chain_names else namespace
+        for a in range(0, len(keys), self.max_blocks_per_call):  # bounded calls (a store's timeouts)
+            got = t.store.get_many(keys[a:a + self.max_blocks_per_call], ns)
+            h = got.hit_prefix
+            good += h
+            values.extend(got.values[:h])
+            if h < len(got.statuses):
+                break
+        dt = time.perf_counter() - t1
+        with self._lock:
+            t.ema_ms = 0.8 * t.ema_ms + 0.2 * (1000.0 * dt / max(good, 1))
+        self._count(t, hit_blocks=good, hit_bytes=sum(v.nbytes for v in values), failed_blocks=len(keys) - good)
+        return good, values
+
+    def _emit_removed(self) -> None:
+        """BlockRemoved (the tier's medium) for the blocks each tier that tracks them evicted or dropped."""
+        if not self.record_events:
+            return
+        for t in self._tiers:
+            take = getattr(t.store, "take_removed", None)
+            gone = take() if take is not None else None
+            if gone:
+                with self._lock:
+                    self._events.append(BlockRemoved(list(gone), t.medium))
+
     def _load_job(self, request_id: Any, toks: list, namespace: object, hit_blocks: int) -> None:
         t0 = time.perf_counter()
         payloads: list = []
         by_tier: list = []
         asked = 0
         ok = True
+        ns = None if self.chain_names else namespace
         try:
             keys = block_hashes(toks, self.block_size, namespace)
             pos = hit_blocks
             for t in self._tiers:
                 if pos >= len(keys):
                     break
-                t.n_lookups += 1
-                if (self.max_load_ms_per_block is not None and t.ema_ms > self.max_load_ms_per_block
-                        and t.n_lookups % self.probe_every):
-                    self._count(t, skipped_slow=1)
+                if self._skip(t):
                     continue
                 self._count(t, lookups=1)
-                n = t.store.prefix_length(keys[pos:], namespace)
+                n = t.store.prefix_length(keys[pos:], ns)
                 if n == 0:
                     by_tier.append((t.medium, 0))
                     continue
                 asked += n
-                t1 = time.perf_counter()
-                good, values = 0, []
-                for a in range(pos, pos + n, self.max_blocks_per_call):  # bounded calls (a store's timeouts)
-                    got = t.store.get_many(keys[a:min(a + self.max_blocks_per_call, pos + n)], namespace)
-                    h = got.hit_prefix
-                    good += h
-                    values.extend(got.values[:h])
-                    if h < len(got.statuses):
-                        break
-                dt = time.perf_counter() - t1
-                with self._lock:
-                    t.ema_ms = 0.8 * t.ema_ms + 0.2 * (1000.0 * dt / max(good, 1))
+                good, values = self._read_run(t, keys[pos:pos + n], namespace)
                 payloads.extend(values)
-                nbytes = sum(v.nbytes for v in values)
-                self._count(t, hit_blocks=good, hit_bytes=nbytes, failed_blocks=n - good)
                 by_tier.append((t.medium, good))
                 pos += good
                 if good < n:  # a block it said it holds did not come back checked: stop the prefix here
@@ -301,6 +435,7 @@ class TierConnector:
         except Exception as e:  # noqa: BLE001 - a bug in a tier must not lose the request: it computes
             log.warning("pagedkv tiers: load for request %r failed: %s: %s", request_id, type(e).__name__, e)
             ok = False
+        self._emit_removed()
         dt = time.perf_counter() - t0
         if payloads:
             self.latency.observe(dt)
@@ -309,11 +444,15 @@ class TierConnector:
     # ----------------------------------------------------------------------------------------- stores
 
     def store(self, chain_keys: Sequence[int], payloads: Sequence, namespace: object,
-              token_ids: Sequence[int] | None = None, parent_key: int | None = None) -> bool:
+              token_ids: Sequence[int] | None = None, parent_key: int | None = None, *,
+              store_id: Any = None, chained: bool = True) -> bool:
         """Write these blocks (their chained keys, one payload each, owned by the connector from now on) to every
         tier, on an I/O thread; a tier that already holds a block keeps it. ``token_ids`` (the blocks' tokens)
-        go into the KV events. Returns False when nothing was submitted (write-through off, no block).
-        O(1) here."""
+        go into the KV events. ``chained``: the blocks are a chain in order (``parent_key`` the first one's
+        parent), published as such; False: blocks of any chains (a store plan), published as one
+        ``BlockStored`` without parent. ``store_id``: when the job ends, ``(store_id, success)`` comes out of
+        :meth:`poll_stores` (success: every block is held by at least one tier, stored now or before).
+        Returns False when nothing was submitted (write-through off, closed, no block). O(1) here."""
         if self._closed or not self.write_through or not len(chain_keys):
             return False
         if len(chain_keys) != len(payloads):
@@ -321,11 +460,21 @@ class TierConnector:
         with self._lock:
             self._stores_in_flight += 1
         self._pool.submit(self._store_job, list(chain_keys), list(payloads), namespace,
-                          None if token_ids is None else list(token_ids), parent_key)
+                          None if token_ids is None else list(token_ids), parent_key, store_id, chained)
         return True
 
+    def poll_stores(self) -> list:
+        """``(store_id, success)`` of the stores submitted with a ``store_id`` that finished since the last call.
+        Never blocks."""
+        with self._lock:
+            out, self._stores_done = self._stores_done, []
+        return out
+
     def _store_job(self, keys: list, payloads: list, namespace: object, toks: list | None,
-                   parent: int | None) -> None:
+                   parent: int | None, store_id: Any = None, chained: bool = True) -> None:
+        held = [False] * len(keys)
+        if self.chain_names:
+            namespace = None
         try:
             for t in self._tiers:
                 try:
@@ -337,12 +486,20 @@ class TierConnector:
                     log.warning("pagedkv tier %s: store failed: %s: %s", t.medium, type(e).__name__, e)
                     self._count(t, store_errors=len(keys))
                     continue
+                for i, st in enumerate(statuses):
+                    if st is PutStatus.STORED or st is PutStatus.PRESENT:
+                        held[i] = True
                 new = [i for i, s in enumerate(statuses) if s is PutStatus.STORED]
                 self._count(t, stored_blocks=len(new),
                             stored_bytes=sum(memoryview(payloads[i]).nbytes for i in new),
                             store_full=sum(1 for s in statuses if s is PutStatus.FULL),
                             store_errors=sum(1 for s in statuses if s in (PutStatus.ERROR, PutStatus.TOO_LARGE)))
-                if new and self.record_events:
+                if new and self.record_events and not chained:
+                    ev = BlockStored(block_hashes=[keys[i] for i in new], parent_block_hash=None, token_ids=[],
+                                     block_size=self.block_size, medium=t.medium, namespace=None)
+                    with self._lock:
+                        self._events.append(ev)
+                elif new and self.record_events:
                     bs = self.block_size
                     for run in _runs(new):  # one event per run of consecutive blocks (a chain)
                         i0 = run[0]
@@ -353,8 +510,11 @@ class TierConnector:
                             block_size=bs, medium=t.medium, namespace=namespace)
                         with self._lock:
                             self._events.append(ev)
+            self._emit_removed()
         finally:
             with self._lock:
+                if store_id is not None:
+                    self._stores_done.append((store_id, all(held)))
                 self._stores_in_flight -= 1
                 self._idle.notify_all()
 

@@ -76,6 +76,10 @@ class DiskBackend(Backend):
         self._evictions = 0
         self._cleaned_tmp = 0
         self._closed = False
+        #: record the names of evicted / vanished values for :meth:`take_removed` (set by a BlockStore that
+        #: publishes a tier's removals; off by default so that nothing accumulates)
+        self.track_removed = False
+        self._removed: list[str] = []
         self._rebuild()
 
     # -- restart ------------------------------------------------------------------------------------------------
@@ -149,7 +153,16 @@ class DiskBackend(Backend):
             self._used -= size
             self._evictions += 1
             victims.append(name)
+        if victims and self.track_removed:
+            self._removed.extend(victims)
         return victims
+
+    def take_removed(self) -> list[str]:
+        """The names evicted (LRU, to make room) or found gone since the last call, with ``track_removed`` on.
+        O(names)."""
+        with self._lock:
+            out, self._removed = self._removed, []
+        return out
 
     def _unlink(self, names) -> None:
         for name in names:
@@ -180,6 +193,8 @@ class DiskBackend(Backend):
                     size = self._index.pop(name, None)
                     if size is not None:
                         self._used -= size
+                        if self.track_removed:
+                            self._removed.append(name)
             out.append(v)
         return out
 

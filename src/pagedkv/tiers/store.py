@@ -87,7 +87,8 @@ class BlockStore:
             refused as MISMATCH.
     """
 
-    def __init__(self, backend: Backend, fingerprint: ModelFingerprint, payload_bytes: int | None = None) -> None:
+    def __init__(self, backend: Backend, fingerprint: ModelFingerprint, payload_bytes: int | None = None, *,
+                 track_removals: bool = False) -> None:
         if not isinstance(backend, Backend):
             raise InvalidArgumentError(f"backend must be a pagedkv.tiers.Backend, got {type(backend).__name__}")
         if not isinstance(fingerprint, ModelFingerprint):
@@ -102,6 +103,15 @@ class BlockStore:
         self._lock = threading.Lock()
         self._c = dict.fromkeys(TierStats._fields, 0)
         self._warned_errors = False
+        # track_removals: name -> (chain key) of the blocks this store put or loaded, so that the values the
+        # backend evicts (a backend with take_removed: DiskBackend) or this store drops can be published by
+        # chain key (take_removed); names stored before a restart are unknown here and not published
+        self._keys: dict | None = None
+        self._dropped: list = []
+        if track_removals:
+            if hasattr(backend, "track_removed"):
+                backend.track_removed = True
+            self._keys = {}
 
     @property
     def fingerprint(self) -> ModelFingerprint:
@@ -134,6 +144,27 @@ class BlockStore:
             self._warned_errors = True
             log.warning("pagedkv tier %s: %s raised %s: %s (answered as failed; counted in stats)",
                         self.medium, what, type(e).__name__, e)
+
+    def take_removed(self) -> list[int]:
+        """The chain keys of the blocks that left this store since the last call (evicted by the backend, found
+        gone, or dropped as corrupt or mismatched) among those this store put or loaded; [] without
+        ``track_removals``. O(removed)."""
+        if self._keys is None:
+            return []
+        take = getattr(self._backend, "take_removed", None)
+        names = take() if take is not None else []
+        with self._lock:
+            out, self._dropped = self._dropped, []
+            keys = self._keys
+            out += [k for k in (keys.pop(n, None) for n in names) if k is not None]
+            return out
+
+    def _remember(self, names, chain_keys, ok) -> None:
+        if self._keys is not None:
+            with self._lock:
+                for n, k, good in zip(names, chain_keys, ok):
+                    if good:
+                        self._keys[n] = int(k)
 
     def get_many(self, chain_keys, namespace: object = None) -> GetResult:
         """Load the blocks with chained keys ``chain_keys`` of ``namespace``: one status and value per block
@@ -181,6 +212,15 @@ class BlockStore:
                 self._backend.discard_many(drop)
             except Exception as e:  # noqa: BLE001
                 self._backend_failed("discard_many", e)
+            if self._keys is not None:  # (by chain key: known here even for a value stored before a restart)
+                gone = set(drop)
+                with self._lock:
+                    for n, k in zip(names, chain_keys):
+                        if n in gone:
+                            self._keys.pop(n, None)
+                            self._dropped.append(int(k))
+        if self._keys is not None:
+            self._remember(names, chain_keys, [s is GetStatus.HIT for s in statuses])
         self._count(gets=len(names), hits=hits, misses=misses, corrupt=corrupt, mismatched=mismatched,
                     read_errors=errors, bytes_read=nbytes)
         return GetResult(tuple(statuses), tuple(values))
@@ -221,6 +261,8 @@ class BlockStore:
             if s is PutStatus.STORED:
                 nbytes += mv.nbytes
         self._count(puts=len(names), bytes_written=nbytes, **c)
+        if self._keys is not None:
+            self._remember(names, chain_keys, [s is PutStatus.STORED or s is PutStatus.PRESENT for s in out])
         return tuple(out)
 
     def contains_many(self, chain_keys, namespace: object = None) -> tuple:
