@@ -72,12 +72,14 @@ def test_disk_tier_after_an_llm_restart_gives_the_reference(engine, tmp_path):
         outs = run(b)
         assert [list(o.outputs[0].token_ids) for o in outs] == want
         st = b.scheduler.stats
-        # the three distinct prompts come from disk; the duplicate hits the blocks the first one wrote
-        assert st.external_tokens == BS * sum(full_blocks(p) for p in PROMPTS[:3])
-        assert [o.num_cached_tokens for o in outs[:3]] == [BS * full_blocks(p) for p in PROMPTS[:3]]
+        # the three distinct prompts come from disk; the duplicate too (its own reserved blocks, when it is
+        # admitted while the first one's are still loading) or from the blocks the first one loaded
+        distinct = sum(full_blocks(p) for p in PROMPTS[:3])
+        assert BS * distinct <= st.external_tokens <= BS * (distinct + full_blocks(PROMPTS[3]))
+        assert [o.num_cached_tokens for o in outs] == [BS * full_blocks(p) for p in PROMPTS]
         (d,) = b.kv_tiers.connector.counters()
-        assert d.hit_blocks >= sum(full_blocks(p) for p in PROMPTS[:3]) and d.failed_blocks == 0
-        assert b.kv_tiers.stats["written_blocks"] == sum(full_blocks(p) for p in PROMPTS[:3])
+        assert d.hit_blocks >= distinct and d.failed_blocks == 0
+        assert b.kv_tiers.stats["written_blocks"] == st.external_tokens // BS
 
 
 @pytest.mark.parametrize("kind", ["file", "redis"])
@@ -100,7 +102,8 @@ def test_shared_store_between_two_llms_gives_the_reference(engine, tmp_path, kin
             assert [list(o.outputs[0].token_ids) for o in outs] == want
             b.kv_tiers.connector.flush(30)
             assert b.kv_tiers.take_events() == []  # without enable_kv_events none are kept
-            assert b.scheduler.stats.external_tokens == BS * sum(full_blocks(p) for p in PROMPTS[:3])
+            distinct = sum(full_blocks(p) for p in PROMPTS[:3])  # (the duplicate may load its own copy)
+            assert BS * distinct <= b.scheduler.stats.external_tokens <= BS * (distinct + full_blocks(PROMPTS[3]))
             assert b.kv_tiers.connector.counters()[0].hit_blocks >= sum(full_blocks(p) for p in PROMPTS[:3])
     finally:
         if srv is not None:
