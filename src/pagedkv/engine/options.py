@@ -8,6 +8,7 @@ without loading torch until an engine command runs.
 from __future__ import annotations
 
 import argparse
+import re
 
 from ..retention.eviction import EVICTION_POLICIES
 
@@ -80,9 +81,23 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="the crossover: a tier whose measured load time per block is above MS is not read and the "
                         "prompt is computed (default 683: this machine's SmolLM2 prefill time per 16-token block; "
                         "0: always load)")
+    p.add_argument("--kv-store-policy", type=_store_policy_arg, default=None, metavar="POLICY",
+                   help="what the engine writes to the tiers, off the step loop (SGLang's --hicache-write-policy): "
+                        "through (default: every full block once computed or loaded), selective:N (a block once "
+                        "prefix hits took it N times), back (a cached block about to be evicted), off (load only)")
     p.add_argument("--kv-store", action=argparse.BooleanOptionalAction, default=True,
-                   help="write every full prompt block computed to the tiers (write-through, off the step loop); "
-                        "--no-kv-store: load only")
+                   help="--no-kv-store: the same as --kv-store-policy off")
+
+
+_STORE_POLICY = re.compile(r"^(through|write_through|(selective|write_through_selective)(:[1-9][0-9]*)?|back|write_back"
+                           r"|off)$")
+
+
+def _store_policy_arg(text: str) -> str:
+    t = text.strip().lower()
+    if not _STORE_POLICY.match(t):
+        raise argparse.ArgumentTypeError(f"must be through, selective[:N] (N >= 1), back or off, got {text!r}")
+    return t
 
 
 def _threads_arg(text: str) -> int:
@@ -102,6 +117,14 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="nucleus sampling: keep the most likely tokens up to this total probability")
     p.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens; -1 keeps all")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: none, a fresh one)")
+
+
+def _store_policy(args: argparse.Namespace) -> str:
+    """``--kv-store-policy``, or ``--[no-]kv-store`` without it."""
+    pol = getattr(args, "kv_store_policy", None)
+    if pol is not None:
+        return pol
+    return "through" if getattr(args, "kv_store", True) else "off"
 
 
 def make_llm(args: argparse.Namespace, **over):
@@ -126,7 +149,7 @@ def make_llm(args: argparse.Namespace, **over):
     if getattr(args, "kv_disk_dir", None) is not None or getattr(args, "kv_shared", None) is not None:
         ms = getattr(args, "kv_load_max_ms_per_block", 683.0)
         kw.update(kv_disk_dir=args.kv_disk_dir, kv_disk_gib=args.kv_disk_gib, kv_shared=args.kv_shared,
-                  kv_load_max_ms_per_block=ms if ms else None, kv_store=getattr(args, "kv_store", True))
+                  kv_load_max_ms_per_block=ms if ms else None, kv_store=_store_policy(args))
     elif getattr(args, "kv_disk_gib", None) is not None:
         kw["kv_disk_gib"] = args.kv_disk_gib  # (LLM refuses it without a directory)
     kw.update(over)
