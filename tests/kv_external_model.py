@@ -59,7 +59,7 @@ class ExternalModel:
         rng = self.rng = random.Random(seed)
         self.bs = rng.choice([2, 4, 8])
         self.nblocks = rng.randint(24, 96)
-        policy = rng.choice(["none", "write_through", "selective"])
+        policy = rng.choice(["none", "write_through", "selective", "write_back"])
         prefix = rng.random() < 0.85
         ncpu = rng.choice([0, 16, 48])
         tier = prefix and ncpu > 0 and rng.random() < 0.6

@@ -198,7 +198,7 @@ def test_bad_arguments():
     with pytest.raises(InvalidArgumentError):
         BlockManager(8, BS, store_policy="write_through")
     with pytest.raises(InvalidArgumentError):
-        BlockManager(8, BS, enable_prefix_caching=True, store_policy="write_back")
+        BlockManager(8, BS, enable_prefix_caching=True, store_policy="write_sideways")
     with pytest.raises(InvalidArgumentError):
         BlockManager(8, BS, enable_prefix_caching=True, store_policy="selective", store_min_hits=0)
     m.check_invariants()
@@ -404,6 +404,41 @@ def test_selective_plans_a_block_hit_often_enough():
     for i in range(3, 6):
         m.allocate(i, p)
         assert m.take_store_plan() is None  # stored already
+    m.check_invariants()
+
+
+def test_write_back_plans_the_next_victims_and_pins_them_until_stored():
+    m = mgr(num_gpu_blocks=32, watermark=0, store_policy="write_back")  # at most 16 pinned at once
+    assert m.take_store_plan() is None  # nothing cached and idle
+    a = prompt(1, 12)  # 20 tokens: 5 full blocks
+    m.allocate("a", a)
+    m.take_copy_plan()
+    assert m.take_store_plan() is None  # referenced: nothing is about to be evicted
+    m.free("a")
+    plan = m.take_store_plan()  # a's 5 idle cached blocks are the next victims
+    assert set(plan.keys) == set(block_hashes(a, BS)) and len(plan.block_ids) == 5
+    assert m.num_free_gpu_blocks == 27 and m.take_store_plan() is None  # pinned: not evictable, not replanned
+    m.check_invariants()
+    with pytest.raises(OutOfBlocksError):  # the pinned blocks cannot be evicted for another prompt ...
+        m.allocate("x", list(range(5000, 5000 + 28 * BS)))
+    m.allocate("x", list(range(5000, 5000 + 27 * BS)))  # ... the rest can
+    assert not set(plan.block_ids) & set(m.block_table("x").tolist())
+    m.check_invariants()
+    m.complete_store(plan.store_id, success=True)  # stored: evictable again, never planned again
+    m.take_copy_plan()
+    m.free("x")
+    plan2 = m.take_store_plan()  # the next victims: x's blocks (27 full), at most 16, none of a's
+    assert len(plan2.block_ids) == 16 and not set(plan2.block_ids) & set(plan.block_ids)
+    assert set(plan2.keys) <= set(block_hashes(list(range(5000, 5000 + 27 * BS)), BS))
+    assert m.take_store_plan() is None  # 16 pinned: the lookahead is full
+    m.complete_store(plan2.store_id, success=False)  # not stored: planned again
+    plan3 = m.take_store_plan()
+    assert len(plan3.block_ids) == 16 and not set(plan3.keys) & set(block_hashes(a, BS))
+    m.complete_store(plan3.store_id, success=True)
+    plan4 = m.take_store_plan()
+    assert len(plan4.block_ids) == 27 - 16 and not set(plan4.keys) & (set(plan3.keys) | set(block_hashes(a, BS)))
+    m.complete_store(plan4.store_id, success=True)
+    assert m.take_store_plan() is None  # every idle cached block is stored
     m.check_invariants()
 
 

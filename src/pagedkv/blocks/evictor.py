@@ -135,6 +135,19 @@ class LRUEvictor:
         self.stamp[keep] = st
         self._head, self._tail, self._next = 0, k, k + 1
 
+    def head(self, n: int) -> list:
+        """The first ``n`` blocks from the least recently used on (fewer if the evictor holds fewer), without
+        changing anything. O(n + stale entries passed) numpy work in chunks."""
+        out: list = []
+        h, z = self._head, self._tail
+        step = max(64, 2 * n)
+        while h < z and len(out) < n:
+            e = min(z, h + step)
+            lb = self._lb[h:e]
+            out.extend(lb[self.stamp[lb] == self._ls[h:e]][: n - len(out)].tolist())
+            h = e
+        return out
+
     def __iter__(self) -> Iterator[int]:
         """Blocks from least to most recently used."""
         h, z = self._head, self._tail

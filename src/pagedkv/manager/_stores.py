@@ -6,6 +6,10 @@ reference) until its store completes, so that a store never reads a block that w
     write_through   every content registered before the last take_copy_plan (its KV is written by that step's
                     forward), once: one vectorised compare of the content ids against two serials
     selective       a content once prefix hits took it ``min_hits`` times (the allocator's hit callback)
+    write_back      the unreferenced cached blocks next in the evictor's order (the next to be evicted) whose
+                    content is not stored yet, at most ``lookahead`` pinned at once: a block about to leave the
+                    GPU prefix cache is written first (its eviction deferred until the store completes, after
+                    which it re-enters the evictor at its most recently used end: a second chance)
 
 Per-block state in flat arrays by block id: the content id a successful store wrote from the block
 (``stored``), the content id a pending store reads (``pinned``), and (selective) the hit counts.
@@ -19,7 +23,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError, UnknownStoreError
 
-STORE_POLICIES = ("none", "write_through", "selective")
+STORE_POLICIES = ("none", "write_through", "selective", "write_back")
 
 
 class StorePlan(NamedTuple):
@@ -49,6 +53,11 @@ class Stores:
             # write_through: contents registered after last_serial and before the last step's end (step_serial,
             # taken by take_copy_plan: their KV is written by that step's forward) are candidates
             self.last_serial = self.step_serial = cache.serial
+        if store_policy == "write_back":
+            # how many blocks may wait for a write-back at once (pinned, so not evictable meanwhile): 1/32 of the
+            # pool, at least 16 (a step rarely evicts more before the next plan)
+            self.lookahead = min(n, max(16, n // 32))
+            self.npinned = 0
         if store_policy == "selective":
             self.hits = np.zeros(n, np.int64)  # prefix hits on the block's content ...
             self.hits_cid = np.zeros(n, np.int64)  # ... counted for this content id
@@ -80,6 +89,8 @@ class Stores:
         if self.policy == "write_through":
             b = np.flatnonzero((cid > self.last_serial) & (cid <= self.step_serial))
             self.last_serial = self.step_serial
+        elif self.policy == "write_back":
+            b = self._next_victims()
         else:
             b = np.unique(np.array(self.cand, dtype=np.int64))
             self.cand = []
@@ -100,6 +111,8 @@ class Stores:
         sid = self.next_store
         self.next_store += 1
         self.plans[sid] = (b, c)
+        if self.policy == "write_back":
+            self.npinned += b.size
         return StorePlan(sid, tuple(b.tolist()), tuple(cache.key[b].tolist()))
 
     def complete_store(self, store_id: object, success: object) -> None:
@@ -110,11 +123,32 @@ class Stores:
         except (KeyError, TypeError):
             raise UnknownStoreError(f"no pending store {store_id!r} (completed already, or never planned)") from None
         self.pinned[b] = 0
+        if self.policy == "write_back":
+            self.npinned -= b.size
         if success:
             self.stored[b] = c
         elif self.policy == "selective":
             self.hits[b] = 0  # (counted again from zero: planned again once hit min_hits more times)
         self.blocks.release(b)
+
+    def _next_victims(self) -> np.ndarray:
+        """write_back: up to ``lookahead`` minus the blocks pinned now of the evictor's next victims whose content
+        is not stored, scanning at most 4 x ``lookahead`` of them. O(lookahead)."""
+        room = self.lookahead - self.npinned
+        if room <= 0:
+            return np.zeros(0, np.int64)
+        ev = self.cache.evictor
+        head = getattr(ev, "head", None)
+        window = 4 * self.lookahead
+        if head is not None:
+            b = np.array(head(window), dtype=np.int64)
+        else:
+            it = iter(ev)
+            b = np.fromiter((x for _, x in zip(range(window), it)), dtype=np.int64)
+        if b.size:
+            c = self.cache.cid[b]
+            b = b[(c != 0) & (self.stored[b] != c)][:room]
+        return b
 
     # ------------------------------------------------------------------ audit
     def extra_refs(self) -> list:
@@ -130,3 +164,5 @@ class Stores:
             pending = np.concatenate([b for b, _ in self.plans.values()]) if self.plans else np.zeros(0, np.int64)
             if np.count_nonzero(self.pinned) != pending.size or np.unique(pending).size != pending.size:
                 fail("a block is pinned by two stores, or pinned by none")
+            if self.policy == "write_back" and not 0 <= self.npinned == pending.size <= self.lookahead:
+                fail("write_back: the pinned count is wrong or past its lookahead")

@@ -124,7 +124,9 @@ class BlockManager:
         pin_budget_blocks: the most distinct GPU blocks :meth:`pin_prefix` may hold pinned (0: no pins).
         store_policy: which blocks :meth:`take_store_plan` hands out to write to the storage tiers:
             ``"none"`` (default), ``"write_through"`` (every block once registered in the prefix cache) or
-            ``"selective"`` (a cached block once prefix hits took it ``store_min_hits`` times). Needs prefix
+            ``"selective"`` (a cached block once prefix hits took it ``store_min_hits`` times) or ``"write_back"``
+            (the unreferenced cached blocks next to be evicted whose content is not stored yet, at most
+            ``max(16, num_gpu_blocks // 32)`` pinned at once: written before they leave the GPU). Needs prefix
             caching for anything but ``"none"`` (docs/external-kv.md).
         store_min_hits: the selective policy's hit count (>= 1).
 
