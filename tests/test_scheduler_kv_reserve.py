@@ -1,0 +1,163 @@
+"""The scheduler on the block manager's external-KV contract (issue 24 item 2, the tiers' path): a request whose
+prefix a tier holds (``kv_ready(..., reserve=True)``) is admitted with ``allocate(num_external_tokens=)``: its
+GPU blocks are reserved and counted by the manager while it waits FETCHING outside every batch (the others keep
+stepping); ``kv_loaded`` reports the load, the next step calls ``finish_external`` and prefills the rest; a
+failed load computes what did not arrive; an abort while FETCHING parks the blocks until the transfer is
+reported ended; bad calls change nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedkv import BlockManager
+from pagedkv.errors import InvalidArgumentError
+from pagedkv.scheduler import Scheduler
+
+BS = 4
+PROMPT = list(range(100, 130))  # 30 tokens: 7 full blocks, a tier can serve 7 (the last token is computed)
+
+
+def make(chunked: bool = True, budget: int = 64, blocks: int = 64) -> Scheduler:
+    bm = BlockManager(blocks, BS, enable_prefix_caching=True)
+    return Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
+                     incremental_tables=True)
+
+
+def step(s: Scheduler):
+    plan = s.schedule()
+    sampled = [7] * len(plan.prefills) + ([7] * len(plan.decode.seq_ids) if plan.decode is not None else [])
+    done = s.update(plan, sampled)
+    s.bm.check_invariants()
+    return plan, done
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_reserved_blocks_are_counted_while_the_others_step_then_the_rest_is_prefilled(chunked):
+    s = make(chunked)
+    bm = s.bm
+    s.add_request("a", PROMPT, max_tokens=3, wait_for_kv=True)
+    s.add_request("b", list(range(200, 210)), max_tokens=4)
+    plan, _ = step(s)
+    assert [p.request_id for p in plan.prefills] == ["b"] and not plan.kv_loads
+    assert s.kv_ready("a", 0, 24, reserve=True)  # the tiers hold blocks 0-5
+    free = bm.num_free_gpu_blocks
+    plan, _ = step(s)
+    assert not plan.prefills and plan.decode is not None  # b decodes; a is admitted FETCHING, no prefill
+    (kl,) = plan.kv_loads
+    assert kl.request_id == "a" and bm.is_loading(kl.seq_id)
+    assert (kl.load.start_token, kl.load.num_tokens, len(kl.load.block_ids)) == (0, 24, 6)
+    assert bm.num_free_gpu_blocks <= free - 8  # its blocks are reserved (the 6 external ones and the rest)
+    assert s.num_loading == 1 and s.is_fetching("a") and s.num_running_seqs == 2
+    for _ in range(2):  # the load takes a while: b goes on, a is in no batch
+        plan, _ = step(s)
+        assert not plan.prefills and plan.decode.seq_ids.tolist() == [1] and not plan.kv_loads  # (b: seq 1)
+    assert bm.lookup_prefix(PROMPT).num_cached_tokens == 0  # arriving blocks are not findable yet
+    assert s.kv_loaded("a")  # everything arrived
+    assert not s.is_fetching("a")
+    plan, _ = step(s)
+    (pw,) = plan.prefills
+    assert pw.request_id == "a" and pw.num_external_tokens == 24 and pw.num_cached_tokens == 24
+    assert pw.positions.tolist() == list(range(24, 30)) and pw.num_samples == 1
+    assert s.stats.external_tokens == 24 and s.num_loading == 0
+    while s.has_unfinished():
+        step(s)
+    assert bm.lookup_prefix(PROMPT).num_cached_tokens == 28  # registered like computed blocks
+
+
+def test_a_failed_load_computes_the_rest_in_the_step_it_is_reported():
+    s = make()
+    s.add_request("a", PROMPT, max_tokens=1, wait_for_kv=True)
+    s.kv_ready("a", 0, 24, reserve=True)
+    plan, _ = step(s)
+    (kl,) = plan.kv_loads
+    assert s.kv_loaded("a", 8)  # two good leading blocks, then a corrupt one
+    plan, _ = step(s)
+    (pw,) = plan.prefills
+    assert pw.num_external_tokens == 8 and pw.positions.tolist() == list(range(8, 30))
+    while s.has_unfinished():
+        step(s)
+    assert s.bm.lookup_prefix(PROMPT).num_cached_tokens == 28
+
+
+def test_the_reserved_range_starts_at_the_hit_and_a_gone_hit_computes_everything():
+    s = make()
+    s.add_request("warm", PROMPT[:13], max_tokens=1)  # caches blocks 0-2
+    while s.has_unfinished():
+        step(s)
+    s.add_request("a", PROMPT, max_tokens=1, wait_for_kv=True)
+    s.kv_ready("a", 4, 20, reserve=True)  # the tiers hold blocks 1-5; blocks 0-2 are on the GPU
+    plan, _ = step(s)
+    (kl,) = plan.kv_loads
+    assert (kl.load.start_token, kl.load.num_tokens) == (12, 12)  # only blocks 3-5 are reserved
+    s.kv_loaded("a")
+    plan, _ = step(s)
+    (pw,) = plan.prefills
+    assert pw.num_cached_tokens == 24 and pw.num_external_tokens == 12
+    bm = BlockManager(16, BS, enable_prefix_caching=True)
+    s2 = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, enable_chunked_prefill=True)
+    s2.add_request("b", PROMPT, max_tokens=1, wait_for_kv=True)
+    s2.kv_ready("b", 8, 12, reserve=True)  # the load continued a 2-block hit that is gone
+    plan = s2.schedule()
+    assert not plan.kv_loads and plan.prefills[0].positions[0] == 0 and s2.stats.stale_external_loads == 1
+
+
+def test_abort_while_fetching_parks_the_blocks_until_the_transfer_ends():
+    s = make()
+    bm = s.bm
+    free0 = bm.num_free_gpu_blocks
+    s.add_request("a", PROMPT, max_tokens=1, wait_for_kv=True)
+    s.kv_ready("a", 0, 24, reserve=True)
+    plan, _ = step(s)
+    (kl,) = plan.kv_loads
+    out = s.abort_request("a")
+    assert out.finish_reason == "abort" and s.num_loading == 0 and s.num_parked == 1
+    assert bm.parked_seq_ids == (kl.seq_id,) and bm.num_free_gpu_blocks == free0 - 6  # a transfer may write them
+    assert not s.is_fetching("a") and s.num_running_seqs == 0
+    step(s)
+    assert bm.parked_seq_ids == (kl.seq_id,)  # still: the transfer has not been reported ended
+    assert s.kv_loaded("a") is False  # the transfer ended: the parked blocks are freed at the next step
+    step(s)
+    assert bm.parked_seq_ids == () and bm.num_free_gpu_blocks == free0 and s.num_parked == 0
+    assert s.kv_loaded("a") is False  # unknown now: a no-op
+    # a load reported, then the request aborted before the next step: the blocks are freed at that step
+    s.add_request("b", PROMPT, max_tokens=1, wait_for_kv=True)
+    s.kv_ready("b", 0, 24, reserve=True)
+    step(s)
+    s.kv_loaded("b")
+    s.abort_request("b")
+    assert s.num_parked == 0
+    step(s)
+    assert bm.parked_seq_ids == () and bm.num_free_gpu_blocks == free0 and not s.has_unfinished()
+
+
+def test_bad_kv_loaded_calls_change_nothing():
+    s = make()
+    s.add_request("a", PROMPT, max_tokens=1, wait_for_kv=True)
+    with pytest.raises(InvalidArgumentError):
+        s.kv_loaded("a")  # not admitted with reserved blocks yet
+    s.kv_ready("a", 0, 24, reserve=True)
+    step(s)
+    for bad in (3, 28, -4, True, 2.0):
+        with pytest.raises(InvalidArgumentError):
+            s.kv_loaded("a", bad)
+        assert s.is_fetching("a")
+    assert s.kv_loaded("a", 24)  # all of it: the same as None
+    with pytest.raises(InvalidArgumentError):
+        s.kv_loaded("a")  # reported twice
+    plan, _ = step(s)
+    assert plan.prefills[0].num_external_tokens == 24
+    assert s.kv_loaded("nope") is False
+
+
+def test_the_progress_guard_waits_for_a_fetching_request_that_holds_the_pool():
+    s = make(blocks=10)
+    s.add_request("a", PROMPT, max_tokens=1, wait_for_kv=True)
+    s.kv_ready("a", 0, 24, reserve=True)
+    step(s)  # a holds 8 of the 10 blocks while it loads
+    s.add_request("b", list(range(300, 320)), max_tokens=1)  # needs 5: not now, but not never either
+    plan, _ = step(s)
+    assert not plan.prefills and not plan.ignored and s.num_waiting == 1
+    s.kv_loaded("a")
+    while s.has_unfinished():
+        plan, _ = step(s)
+        assert not plan.ignored
