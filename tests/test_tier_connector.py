@@ -241,3 +241,86 @@ def test_long_runs_are_read_and_written_in_bounded_calls():
             TierConnector([("SHARED", BlockStore(mem, FP, PB))], BS, max_blocks_per_call=0)
     finally:
         c.close()
+
+
+# ------------------------------------------------------------------ the engine's two phases, completions, removals
+def test_lookup_then_read_in_two_phases(tmp_path):
+    """request_lookup answers how many blocks each tier holds past the hit, reading nothing; request_read reads
+    the blocks it is given by the runs the lookup found (the engine reserves GPU blocks in between)."""
+    disk = BlockStore(DiskBackend(tmp_path / "disk", 1 << 20), FP, PB)
+    shared = BlockStore(SharedDirBackend(tmp_path / "shared"), FP, PB)
+    c = TierConnector([("DISK", disk), ("SHARED", shared)], BS, chain_names=True)
+    try:
+        toks = tokens(6)
+        keys = pagedkv.block_hashes(toks, BS, "t")
+        disk.put_many(keys[:3], [payload(i) for i in range(3)])  # (chain names: no namespace in the name)
+        shared.put_many(keys[3:5], [payload(i) for i in range(3, 5)])
+        gets0 = disk.stats.gets + shared.stats.gets
+        assert c.request_lookup("r", toks, "t", 1)
+        (lk,) = wait_loads(c)
+        assert (lk.request_id, lk.start_block, lk.num_blocks, lk.runs) == ("r", 1, 4, ((0, 2), (1, 2)))
+        assert disk.stats.gets + shared.stats.gets == gets0  # nothing read yet
+        c.request_read("r", keys[2:5], ((0, 1), (1, 2)), None, start_block=2)  # the hit grew by one block
+        (ld,) = wait_loads(c)
+        assert ld.ok and ld.start_block == 2 and [np.frombuffer(v, np.float32)[0] for v in ld.payloads] == [2, 3, 4]
+        assert ld.by_tier == (("DISK", 1), ("SHARED", 2))
+        with pytest.raises(InvalidArgumentError):
+            c.request_read("x", keys[:2], ((0, 3),), None)  # more blocks than keys
+        with pytest.raises(InvalidArgumentError):
+            c.request_read("x", keys[:2], ((5, 1),), None)  # no such tier
+        assert c.request_lookup("none", tokens(1), None, 1) is False  # nothing past the hit to ask for
+    finally:
+        c.close()
+
+
+def test_store_completions_say_whether_every_block_is_held(tmp_path):
+    disk = BlockStore(DiskBackend(tmp_path / "disk", 3 * (PB + 100)), FP, PB)  # room for 3 values
+    c = TierConnector([("DISK", disk)], BS, chain_names=True)
+    try:
+        keys = pagedkv.block_hashes(tokens(6), BS)
+        assert c.store(keys[:2], [payload(0), payload(1)], None, store_id=7, chained=False)
+        assert c.flush(10)
+        assert c.poll_stores() == [(7, True)] and c.poll_stores() == []
+        c.store(keys[:2], [payload(0), payload(1)], None, store_id=8, chained=False)  # held already: PRESENT
+        c.store([keys[2]], [np.zeros(3, np.float32)], None, store_id=9, chained=False)  # a bad payload
+        assert c.flush(10)
+        assert sorted(c.poll_stores()) == [(8, True), (9, False)]
+        c.write_through = False
+        assert not c.store(keys[:1], [payload(0)], None, store_id=10)  # nothing submitted: the caller ends it
+    finally:
+        c.close()
+
+
+def test_the_disk_tier_publishes_its_evictions_and_drops_as_block_removed(tmp_path):
+    """A DiskBackend evicts inside a put; with events on, the connector publishes BlockRemoved(medium "DISK")
+    with the chain keys of the blocks that left (evicted, or dropped as corrupt on a load); the shared tier's
+    evictions are not tracked (Redis evicts by itself)."""
+    from pagedkv.events import BlockRemoved, BlockStored
+
+    size = len(pagedkv.tiers.codec.encode(FP.digest, "0" * 32, payload(0).tobytes()))
+    disk = BlockStore(DiskBackend(tmp_path / "disk", 3 * size), FP, PB, track_removals=True)
+    c = TierConnector([("DISK", disk)], BS, chain_names=True)
+    try:
+        keys = pagedkv.block_hashes(tokens(5), BS)
+        c.store(keys[:3], [payload(i) for i in range(3)], None, store_id=1, chained=False)
+        c.flush(10)
+        ev = c.take_events()
+        assert ev == [BlockStored(block_hashes=keys[:3], parent_block_hash=None, token_ids=[], block_size=BS,
+                                  medium="DISK", namespace=None)]
+        c.store(keys[3:5], [payload(3), payload(4)], None, store_id=2, chained=False)  # evicts the 2 oldest
+        c.flush(10)
+        ev = c.take_events()
+        assert [type(e).__name__ for e in ev] == ["BlockStored", "BlockRemoved"]
+        assert ev[1] == BlockRemoved(keys[:2], "DISK")
+        # a value damaged on disk: dropped when a load finds it, published as removed
+        (name,) = disk.names([keys[2]])
+        path = pagedkv.tiers._files.value_path(str(tmp_path / "disk"), name)
+        with open(path, "r+b") as f:
+            f.seek(60)
+            f.write(b"\xff")
+        c.request_read("r", [keys[2]], ((0, 1),), None)
+        (ld,) = wait_loads(c)
+        assert not ld.ok and c.take_events() == [BlockRemoved([keys[2]], "DISK")]
+        assert disk.take_removed() == []
+    finally:
+        c.close()

@@ -398,3 +398,38 @@ def test_router_chooses_a_replica_by_shared_tier_blocks_learnt_over_zmq():
         sub.close()
         for p in pubs.values():
             p.close()
+
+
+def test_the_index_drops_blocks_the_disk_tier_evicted(any_index, tmp_path):
+    """The disk tier's evictions reach the router: a replica's connector publishes BlockStored / BlockRemoved with
+    medium "DISK" (a DiskBackend bounded to 3 values evicts the oldest as new ones come); applied to the index,
+    the replica's DISK prefix is what the disk really holds."""
+    import numpy as np
+
+    import pagedkv
+    from pagedkv.tiers import BlockStore, DiskBackend, ModelFingerprint
+    from pagedkv.tiers.codec import encode
+    from pagedkv.tiers.connector import TierConnector
+
+    bs, pb = 4, 64
+    fp = ModelFingerprint("w", "float32", bs, "L1,2,B4,H1,D2")
+    size = len(encode(fp.digest, "0" * 32, bytes(pb)))
+    disk = BlockStore(DiskBackend(tmp_path / "disk", 3 * size), fp, pb, track_removals=True)
+    c = TierConnector([("DISK", disk)], bs, chain_names=True)
+    ix = any_index
+    try:
+        keys = pagedkv.block_hashes(list(range(21)), bs)  # 5 blocks of one chain
+        c.store(keys[:3], [np.full(pb // 4, i, np.float32) for i in range(3)], None, store_id=1, chained=False)
+        c.flush(10)
+        ix.apply_all("r", c.take_events())
+        assert ix.longest_prefix(keys, "DISK") == {"r": 3}
+        c.store(keys[3:5], [np.full(pb // 4, i, np.float32) for i in range(3, 5)], None, store_id=2, chained=False)
+        c.flush(10)
+        ev = c.take_events()
+        assert any(type(e).__name__ == "BlockRemoved" and e.medium == "DISK" for e in ev)
+        ix.apply_all("r", ev)
+        assert ix.longest_prefix(keys, "DISK") == {}  # blocks 0-1 left the disk: no prefix from the start
+        assert ix.longest_prefix(keys[2:], "DISK") == {"r": 3}
+        assert ix.num_blocks() == 3
+    finally:
+        c.close()
