@@ -172,7 +172,9 @@ def test_tier_options_are_checked(engine, tmp_path):
     for kw in [dict(kv_disk_dir=tmp_path), dict(kv_disk_dir=tmp_path, kv_disk_gib=0),
                dict(kv_disk_gib=1.0), dict(kv_shared="http://x"), dict(kv_shared="file://host/dir"),
                dict(kv_disk_dir=tmp_path, kv_disk_gib=1.0, enable_prefix_caching=False),
-               dict(kv_disk_dir=tmp_path, kv_disk_gib=1.0, sliding_window=8)]:
+               dict(kv_disk_dir=tmp_path, kv_disk_gib=1.0, sliding_window=8),
+               dict(kv_disk_dir=tmp_path, kv_disk_gib=1.0, kv_store="sideways"),
+               dict(kv_disk_dir=tmp_path, kv_disk_gib=1.0, kv_store="selective:0")]:
         with pytest.raises(InvalidArgumentError):
             make(engine, **kw)
     with make(engine, kv_disk_dir=tmp_path, kv_disk_gib=0.05):

@@ -52,6 +52,18 @@ allocation covers it (``num_new_tokens`` = loaded + chunk), the :class:`PrefillW
 many tokens the engine writes from the load instead of computing (``num_external_tokens``; not charged to the
 budget). A failed load hands over fewer tokens: the rest is computed.
 
+**Loads into reserved blocks** (the block manager's external-KV contract, docs/external-kv.md; what the engine's
+storage tiers use): ``kv_ready(request_id, start, n, reserve=True)`` says a tier *holds* that run. At admission
+the request is allocated with ``allocate(..., num_external_tokens=E)`` (E: the run past the hit; admission counts
+those blocks and one chunk) and becomes **FETCHING**: its blocks reserved (the manager's LOADING), out of every
+batch, counted against ``max_num_seqs``, listed once in ``StepPlan.kv_loads`` (:class:`KVLoad`). The engine reads
+the KV off the step loop, writes it into the reserved blocks after that step's copy plan, and reports it with
+``kv_loaded(request_id)`` (all) or ``kv_loaded(request_id, tokens)`` (the good leading part). The next
+``schedule`` calls ``finish_external`` (before its copy plan) and prefills the rest in that step, its tokens
+charged to the step's budget (a failed load's missing blocks and the chunk held since admission may exceed what
+is left of it). ``abort_request`` while FETCHING frees the sequence: the manager parks the arriving blocks until
+the engine reports the transfer ended (``kv_loaded`` of the aborted request).
+
 Sequence ids are ints handed out by the scheduler: a request with ``n`` samples owns the consecutive ids
 ``base .. base + n - 1`` (sample ``i`` is ``base + i``, sample 0 is the parent). A fresh request is prefilled once,
 as sample 0; the caller samples ``n`` tokens from the prompt's last logits and the scheduler then forks samples
@@ -123,6 +135,7 @@ from .plan import (  # (in this order in the API reference)
     FINISH_LENGTH,
     FINISH_STOP,
     PrefillWork,
+    KVLoad,
     DecodeBatch,
     Preemption,
     StepPlan,
@@ -137,6 +150,7 @@ __all__ = [
     "SchedulerStats",
     "StepPlan",
     "PrefillWork",
+    "KVLoad",
     "DecodeBatch",
     "Preemption",
     "RequestOutput",

@@ -115,7 +115,7 @@ def _tier_metrics(tiers: dict, model: str):
     yield g
     buckets, cum, total, _count = tiers["latency"]
     h = HistogramMetricFamily("pagedkv:kv_tier_load_seconds",
-                              "Time of a request's tier lookup and load (every tier), loads that loaded a block.",
+                              "Time of a request's tier reads (every tier), for loads that loaded a block.",
                               labels=["model_name"])
     h.add_metric([model], [(repr(float(b)), float(n)) for b, n in zip(buckets, cum[:-1])]
                  + [("+Inf", float(cum[-1]))], float(total))
