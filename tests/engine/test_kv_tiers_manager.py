@@ -89,6 +89,8 @@ def test_a_slow_load_goes_into_reserved_blocks_while_the_others_step(engine, gat
         assert list(other.result.outputs[0].token_ids) == ref(engine, SHORT, 8)
         assert slow.result.num_cached_tokens == 40 and b.scheduler.stats.external_tokens == 40
         assert b.kv_tiers.stats["written_blocks"] == 10 and not bm.loading_seq_ids
+        # write-through plans the loaded blocks once registered: they came from the tier, nothing is rewritten
+        assert b.kv_tiers.stats["store_skipped_loaded"] == 10
 
 
 def test_a_read_that_never_answers_is_given_up_and_computed(engine, gated):

@@ -39,6 +39,10 @@ from .kv_io import model_fingerprint, payload_bytes, read_blocks, write_blocks
 
 __all__ = ["EngineTiers", "open_shared_backend", "parse_store_policy"]
 
+#: the most chain keys of loaded blocks remembered so that a store plan does not write them back (oldest dropped)
+_MAX_LOADED_KEYS = 1 << 16
+_ABSENT = object()
+
 log = logging.getLogger("pagedkv.tiers")
 
 
@@ -147,8 +151,11 @@ class EngineTiers:
         self._lookups: dict = {}  # request id -> when its lookup was asked (the timeout)
         self._reads: dict = {}  # request id -> when its read was asked (the timeout)
         self._given_up: set = set()  # reads past their timeout: their result is dropped when it comes
+        # chain keys this engine loaded from the tiers (not written back by a store plan), oldest first, bounded
+        self._loaded_keys: dict = {}
         self.stats = {"loads": 0, "loads_failed": 0, "loads_timed_out": 0, "loaded_blocks": 0,
-                      "written_blocks": 0, "stored_blocks": 0, "stores_failed": 0, "loads_aborted": 0}
+                      "written_blocks": 0, "stored_blocks": 0, "stores_failed": 0, "loads_aborted": 0,
+                      "store_skipped_loaded": 0}
 
     # --------------------------------------------------------------------------------------- requests
 
@@ -207,6 +214,10 @@ class EngineTiers:
         k = min(len(r.payloads), len(load.block_ids))
         if k:
             write_blocks(self._kv, load.block_ids[:k], r.payloads[:k])
+            lk = self._loaded_keys
+            lk.update(dict.fromkeys(load.keys[:k]))
+            while len(lk) > _MAX_LOADED_KEYS:
+                del lk[next(iter(lk))]
             self.stats["written_blocks"] += k
             self.stats["loaded_blocks"] += k
         if k < len(load.block_ids):
@@ -278,18 +289,31 @@ class EngineTiers:
         for the engine's KV port, which writes its own staged loads here.)"""
 
     def store_computed(self, plan: Any, kv_cache: Any, by_id: dict) -> None:
-        """After the forward: the block manager's store plan (the blocks its policy picked, pinned until the
-        store completes) copied out of the KV cache (the snapshot) and handed to the connector, which writes
-        it to every tier off the step loop. O(planned blocks x block bytes)."""
+        """After the forward (the engine calls it after sampling, so that no first token waits for it): the block
+        manager's store plan (the blocks its policy picked, pinned until the store completes) copied out of the
+        KV cache (the snapshot) and handed to the connector, which writes it to every tier off the step loop.
+        Blocks this engine loaded from the tiers are neither copied nor written again (the plan completes as
+        stored: they are in the tier they came from; with two tiers, one loaded from the disk is not copied to
+        the shared store). O(planned blocks x block bytes)."""
         bm = self._bm
         if bm is None or self.store_policy == "none":
             return
         sp = bm.take_store_plan()
         if sp is None:
             return
-        payloads = read_blocks(kv_cache, list(sp.block_ids))
-        if self.connector.store(sp.keys, payloads, None, store_id=sp.store_id, chained=False):
-            self.stats["stored_blocks"] += len(sp.block_ids)
+        ids, keys = sp.block_ids, sp.keys
+        lk = self._loaded_keys
+        if lk:  # blocks this engine just loaded from the tiers are there already: not copied, not written again
+            keep = [i for i, k in enumerate(keys) if lk.pop(k, _ABSENT) is _ABSENT]
+            if len(keep) < len(keys):
+                self.stats["store_skipped_loaded"] += len(keys) - len(keep)
+                ids, keys = [ids[i] for i in keep], [keys[i] for i in keep]
+        if not keys:
+            bm.complete_store(sp.store_id, True)
+            return
+        payloads = read_blocks(kv_cache, list(ids))
+        if self.connector.store(keys, payloads, None, store_id=sp.store_id, chained=False):
+            self.stats["stored_blocks"] += len(keys)
         else:  # (closed) the plan ends at once, its blocks unpinned
             bm.complete_store(sp.store_id, False)
 

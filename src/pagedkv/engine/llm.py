@@ -706,9 +706,9 @@ class LLM:
             logits = None
         else:
             logits = self.model(meta, self.kv_cache).cpu()
-        if tiers is not None:  # the full prompt blocks just computed: a snapshot for the tiers (written off-loop)
-            tiers.store_computed(plan, self.kv_cache, by_id)
         if not owners:  # only chunks that sample nothing
+            if tiers is not None:  # the store plan's blocks: a snapshot for the tiers (written off the loop)
+                tiers.store_computed(plan, self.kv_cache, by_id)
             return [None] * len(plan.prefills)
         t = time.perf_counter()
         head_s = head.seconds if head is not None else 0.0
@@ -733,6 +733,8 @@ class LLM:
         out = [toks if num > 1 else toks[0] for toks, (_, num) in zip(drawn, owners)]
         for i in skip:  # (in order: each index counts the entries before it)
             out.insert(i, None)
+        if tiers is not None:  # after sampling (the first token waits for no snapshot): the store plan's blocks
+            tiers.store_computed(plan, self.kv_cache, by_id)
         return out
 
     def _after_step(self, plan: Any, by_id: dict) -> list:
