@@ -26,7 +26,7 @@ from urllib.parse import urlparse
 
 from ..blocks.prefix_cache import block_hashes
 from ..errors import InvalidArgumentError
-from ..tiers import BlockStore, DiskBackend, RedisBackend, SharedDirBackend
+from ..tiers import BlockStore, DiskBackend, RedisBackend, SharedDirBackend, check_digests
 from ..tiers.connector import MEDIUM_DISK, MEDIUM_SHARED, TierConnector
 from .kv_io import model_fingerprint, payload_bytes, read_blocks, write_external
 
@@ -188,9 +188,10 @@ class EngineTiers:
             table = pw.block_table
             ids = table[j0:j1].tolist()
             keys = block_hashes(prompt[: j1 * bs], bs, req.namespace)
+            checks = check_digests(prompt[: j1 * bs], bs, req.namespace)  # (the loads compare them)
             payloads = read_blocks(kv_cache, ids)
             c.store(keys[j0:j1], payloads, req.namespace, prompt[j0 * bs: j1 * bs],
-                    keys[j0 - 1] if j0 > 0 else None)
+                    keys[j0 - 1] if j0 > 0 else None, checks[j0:j1])
             self.stats["stored_blocks"] += j1 - j0
 
     # ----------------------------------------------------------------------------------------- state

@@ -11,7 +11,7 @@ collects what finished::
                                                   shared): prefix_length, then get_many of that run (a tier
                                                   slower than computing is skipped); payloads kept in memory
     poll() <-- LoadDone(rid, start_block, payloads, ok, failed, by_tier)
-    store(keys, payloads, ns, tokens) ---------> put_many on every tier (write-through); KV events (medium)
+    store(keys, payloads, ns, tokens, checks) -> put_many on every tier (write-through); KV events (medium)
     take_events() <-- BlockStored(medium="DISK" | "SHARED") of the blocks each tier newly stored
 
 A load is **done** when every block the tiers said they hold came back checked; **failed** when a block they
@@ -41,6 +41,7 @@ from ..blocks.prefix_cache import block_hashes
 from ..errors import InvalidArgumentError
 from ..events import BlockStored
 from .backend import PutStatus
+from .key import check_digests
 from .store import BlockStore
 
 __all__ = ["TierConnector", "LoadDone", "TierCounters", "LoadLatencyHistogram", "MEDIUM_DISK", "MEDIUM_SHARED",
@@ -185,6 +186,7 @@ class TierConnector:
         self._idle = threading.Condition(self._lock)
         self.latency = LoadLatencyHistogram()
         self._closed = False
+        self._warned_unchecked = False
 
     # ------------------------------------------------------------------------------------------ state
 
@@ -263,6 +265,7 @@ class TierConnector:
         ok = True
         try:
             keys = block_hashes(toks, self.block_size, namespace)
+            checks = check_digests(toks, self.block_size, namespace)  # a collided chain key is never served
             pos = hit_blocks
             for t in self._tiers:
                 if pos >= len(keys):
@@ -281,7 +284,8 @@ class TierConnector:
                 t1 = time.perf_counter()
                 good, values = 0, []
                 for a in range(pos, pos + n, self.max_blocks_per_call):  # bounded calls (a store's timeouts)
-                    got = t.store.get_many(keys[a:min(a + self.max_blocks_per_call, pos + n)], namespace)
+                    b = min(a + self.max_blocks_per_call, pos + n)
+                    got = t.store.get_many(keys[a:b], namespace, checks[a:b])
                     h = got.hit_prefix
                     good += h
                     values.extend(got.values[:h])
@@ -309,30 +313,47 @@ class TierConnector:
     # ----------------------------------------------------------------------------------------- stores
 
     def store(self, chain_keys: Sequence[int], payloads: Sequence, namespace: object,
-              token_ids: Sequence[int] | None = None, parent_key: int | None = None) -> bool:
+              token_ids: Sequence[int] | None = None, parent_key: int | None = None,
+              checks: Sequence[int] | None = None) -> bool:
         """Write these blocks (their chained keys, one payload each, owned by the connector from now on) to every
         tier, on an I/O thread; a tier that already holds a block keeps it. ``token_ids`` (the blocks' tokens)
-        go into the KV events. Returns False when nothing was submitted (write-through off, no block).
-        O(1) here."""
+        go into the KV events. ``checks``: the blocks' check digests (:func:`~pagedkv.tiers.check_digests` of the
+        whole prompt, sliced like the keys); None: computed from ``token_ids`` when the blocks start the chain
+        (``parent_key`` None), else the blocks are not stored (a load would refuse a value without its check
+        digest; one warning, counted in ``store_errors``). Returns False when nothing was submitted
+        (write-through off, no block). O(1) here."""
         if self._closed or not self.write_through or not len(chain_keys):
             return False
         if len(chain_keys) != len(payloads):
             raise InvalidArgumentError(f"{len(chain_keys)} chain keys but {len(payloads)} payloads")
+        if checks is None and parent_key is None and token_ids is not None \
+                and len(token_ids) >= len(chain_keys) * self.block_size:
+            checks = check_digests(token_ids, self.block_size, namespace)[: len(chain_keys)]
+        if checks is None or len(checks) != len(chain_keys):
+            if not self._warned_unchecked:
+                self._warned_unchecked = True
+                log.warning("pagedkv tiers: blocks handed to store() without their check digests are not stored "
+                            "(pass checks=check_digests(prompt, block_size, namespace)[j0:j1])")
+            with self._lock:
+                for t in self._tiers:
+                    t.c["store_errors"] += len(chain_keys)
+            return False
         with self._lock:
             self._stores_in_flight += 1
         self._pool.submit(self._store_job, list(chain_keys), list(payloads), namespace,
-                          None if token_ids is None else list(token_ids), parent_key)
+                          None if token_ids is None else list(token_ids), parent_key, list(checks))
         return True
 
     def _store_job(self, keys: list, payloads: list, namespace: object, toks: list | None,
-                   parent: int | None) -> None:
+                   parent: int | None, checks: list) -> None:
         try:
             for t in self._tiers:
                 try:
                     m = self.max_blocks_per_call
                     statuses = []
                     for a in range(0, len(keys), m):  # bounded calls (a store's timeouts)
-                        statuses.extend(t.store.put_many(keys[a:a + m], payloads[a:a + m], namespace))
+                        statuses.extend(t.store.put_many(keys[a:a + m], payloads[a:a + m], namespace,
+                                                         checks[a:a + m]))
                 except Exception as e:  # noqa: BLE001 (bad payload size: a bug; counted, never raised here)
                     log.warning("pagedkv tier %s: store failed: %s: %s", t.medium, type(e).__name__, e)
                     self._count(t, store_errors=len(keys))
