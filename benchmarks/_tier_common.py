@@ -80,8 +80,8 @@ def medians(rows: list[dict], keys) -> dict:
 
 class TierServer:
     """An ``LLM`` served by ``make_server`` on 127.0.0.1 in a thread (its own GPU pool, so nothing in its prefix
-    cache at the start), the storage tiers and other ``LLM`` arguments given by ``llm_kw``; :meth:`ttft` measures one streamed
-    request."""
+    cache at the start), the storage tiers and other ``LLM`` arguments given by ``llm_kw``; :meth:`ttft` measures one
+    streamed request."""
 
     def __init__(self, model, block_size: int, **llm_kw) -> None:
         from pagedkv.engine import LLM

@@ -4,8 +4,9 @@ manager), and storage tiers below it: KV blocks on a local disk, in a shared dir
 The storage tiers' bottom layer (docs/tiers.md): a batch-first :class:`Backend` interface that never raises for a store's
 state, three backends (:class:`DiskBackend`, :class:`SharedDirBackend`, :class:`RedisBackend`), the block key
 (:class:`ModelFingerprint`, :func:`store_names`) and check digest (:func:`check_digests`), the checked value format
-(:mod:`pagedkv.tiers.codec`) and :class:`BlockStore`, which ties them together; :class:`~pagedkv.tiers.connector.TierConnector` loads and stores
-blocks on I/O threads for the engine (``LLM(kv_disk_dir=, kv_shared=)``, docs/tiers.md).
+(:mod:`pagedkv.tiers.codec`) and :class:`BlockStore`, which ties them together;
+:class:`~pagedkv.tiers.connector.TierConnector` loads and stores blocks on I/O threads for the engine
+(``LLM(kv_disk_dir=, kv_shared=)``, docs/tiers.md).
 Torch-free; the Redis backend imports ``redis`` when created.
 """
 
