@@ -137,7 +137,7 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default="none,shared", help="comma-separated: none, shared (run in this order)")
     ap.add_argument("--route", default="prefix")
     ap.add_argument("--replicas", type=int, default=2)
-    ap.add_argument("--num-gpu-blocks", type=int, default=256, help="KV blocks of 16 tokens per replica (256)")
+    ap.add_argument("--num-gpu-blocks", type=int, default=128, help="KV blocks of 16 tokens per replica (128)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per replica (1)")
     ap.add_argument("--conversations", type=int, default=24)
     ap.add_argument("--output-len", type=int, default=8)
