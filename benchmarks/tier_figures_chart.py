@@ -6,11 +6,11 @@ Usage::
         --serving benchmarks/results/tier_serving_smollm2.json benchmarks/results/tier_serving_gemma3.json \\
         --out benchmarks/results/tier_figures.png
 
-Three panels: (1) the router live run (``tier_router.py``): prompt tokens served from cache per configuration,
-stacked by tier (the replicas' own pools, the shared tier), the median over the runs given; (2) its TTFT p50 and
-p90 per configuration (medians over the runs), per route; (3) the single-prompt serving figures (``tier_serving.py``): TTFT
-as a fraction of recomputing, per tier and model, with the issue's goal (0.3x) as a dashed line. Prints the
-Markdown table of docs/tiers.md for the router run.
+Three panels: (1) the router live run (``tier_router.py``): prompt tokens served from cache per route and
+configuration, stacked by tier (the replicas' own pools, the shared tier), the median over the runs given; (2) its
+TTFT p50 and p90 (medians over the runs); (3) the single-prompt serving figures (``tier_serving.py``): TTFT as a
+fraction of recomputing, per tier and model, with the issue's goal (0.3x) as a dashed line. Prints the Markdown
+table of docs/tiers.md for the router run.
 """
 
 from __future__ import annotations
