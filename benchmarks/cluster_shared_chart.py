@@ -14,17 +14,11 @@ index's prediction, replay seconds).
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
-
-def _tok(n: int) -> str:
-    for unit, div in (("M", 10**6), ("k", 10**3)):
-        if n >= div:
-            return f"{n / div:g}{unit}"
-    return str(n)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bar_chart import chart_main, pct, pyplot, save, stacked_bars, tok  # noqa: E402
 
 
 def rows_of(docs: list[dict]) -> list[dict]:
@@ -45,17 +39,16 @@ def rows_of(docs: list[dict]) -> list[dict]:
 
 
 def label(r: dict) -> str:
-    s = f"{r['replicas']} x {_tok(r['capacity'])}"
-    return s + (f" + shared {_tok(r['shared'])}" if r["shared"] else "")
+    s = f"{r['replicas']} x {tok(r['capacity'])}"
+    return s + (f" + shared {tok(r['shared'])}" if r["shared"] else "")
 
 
 def table(rows: list[dict]) -> str:
-    pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
     out = ["| replicas x pool (tokens) | shared tier | route | hit rate | own pool (GPU) | loaded from shared | "
            "imbalance | replicas' hit rates | predicted by the index | pooled (one manager) | replay s |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {r['replicas']} x {_tok(r['capacity'])} | {_tok(r['shared']) if r['shared'] else 'none'} | "
+        out.append(f"| {r['replicas']} x {tok(r['capacity'])} | {tok(r['shared']) if r['shared'] else 'none'} | "
                    f"{r['route']} | {pct(r['hit'])} | {pct(r['gpu'])} | {pct(r['loaded']) if r['shared'] else ''} | "
                    f"{r['imbalance']:.2f} | {pct(r['per'][0])}..{pct(r['per'][1])} | "
                    f"{pct(r['predicted']) if r['route'] == 'prefix' else '-'} | {pct(r['pooled'])} | "
@@ -64,48 +57,27 @@ def table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], out: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(max(7.0, 0.9 * len(rows) + 2.5), 4.6))
-    x = list(range(len(rows)))
-    gpu = [100 * r["gpu"] for r in rows]
-    loaded = [100 * r["loaded"] for r in rows]
-    ax.bar(x, gpu, color="#4c72b0", label="served from the replica's own pool")
-    ax.bar(x, loaded, bottom=gpu, color="#8172b3", label="loaded from the shared tier")
-    px = [i for i, r in enumerate(rows) if r["pooled"] is not None]
-    if px:
-        ax.scatter(px, [100 * rows[i]["pooled"] for i in px], marker="_", s=500, color="black", zorder=3,
-                   label="pooled: one manager of N x the pool")
     ceil = next((r["ceiling"] for r in rows if r["ceiling"] is not None), None)
-    if ceil is not None:
-        ax.axhline(100 * ceil, ls="--", color="grey", lw=1, label=f"ceiling (infinite cache) {100 * ceil:.1f}%")
-    for i, r in enumerate(rows):
-        ax.text(i, 100 * r["hit"] + 0.4, f"{100 * r['hit']:.1f}%", ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(x, [f"{label(r)}\n{r['route']}".replace(" + shared", "\n+ shared") for r in rows], fontsize=7)
+    stacked_bars(ax, [("served from the replica's own pool", [100 * r["gpu"] for r in rows], "#4c72b0"),
+                      ("loaded from the shared tier", [100 * r["loaded"] for r in rows], "#8172b3")],
+                 ticks=[None if r["pooled"] is None else 100 * r["pooled"] for r in rows], tick_size=500,
+                 tick_label="pooled: one manager of N x the pool", ceiling=None if ceil is None else 100 * ceil,
+                 totals=[100 * r["hit"] for r in rows])
+    ax.set_xticks(range(len(rows)), [f"{label(r)}\n{r['route']}".replace(" + shared", "\n+ shared") for r in rows],
+                  fontsize=7)
     ax.set_ylabel("prompt tokens served from cache (%)")
     ax.set_title("Mooncake conversation trace over N replicas:\nprefix routing vs round robin, with and without a "
                  "shared tier", fontsize=9)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.set_ylim(0, max(40.0, 100 * (ceil or 0) + 6))
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save(fig, out)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("json", nargs="+", help="results of pagedkv replay --replicas N --json, in the order of the bars")
-    ap.add_argument("--out", default="benchmarks/results/cluster/shared.png", help="the chart (PNG)")
-    args = ap.parse_args(argv)
-    rows = rows_of([json.loads(Path(f).read_text()) for f in args.json])
-    print(table(rows))
-    print(f"chart: {plot(rows, Path(args.out))}")
-    return 0
+    return chart_main(__doc__, rows_of, table, plot, "benchmarks/results/cluster/shared.png",
+                      "results of pagedkv replay --replicas N --json, in the order of the bars", argv)
 
 
 if __name__ == "__main__":

@@ -50,25 +50,30 @@ def pagedkv(*args: str) -> list[str]:
     return [sys.executable, "-m", "pagedkv.cli", *args]
 
 
-def run_route(route: str, args, outdir: Path) -> dict:
+def run_route(route: str, args, outdir: Path, serve_args: tuple = (), tag: str | None = None) -> dict:
+    """One run: fresh replicas (``serve_args`` added to each ``pagedkv serve``), the router, the trace's bench.
+    Writes and returns ``bench-<tag or route>.json``: the bench summary, the router's and each replica's /metrics
+    text (scraped before they stop), the setup."""
+    tag = tag or route
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=str(ROOT / "src"))
     procs, backends = [], []
     logs = []
     try:
         for i in range(args.replicas):
             port, ev, rep = free_port(), free_port(), free_port()
-            log = open(outdir / f"replica-{route}-{i}.log", "w")
+            log = open(outdir / f"replica-{tag}-{i}.log", "w")
             logs.append(log)
             procs.append(subprocess.Popen(pagedkv("serve", "--port", str(port), "--num-gpu-blocks",
                                                   str(args.num_gpu_blocks), "--max-num-seqs", "8",
                                                   "--kv-events-endpoint", f"tcp://127.0.0.1:{ev}",
-                                                  "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{rep}"),
+                                                  "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{rep}",
+                                                  *serve_args),
                                           env=env, stdout=log, stderr=subprocess.STDOUT))
             backends.append((f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{ev},tcp://127.0.0.1:{rep}"))
         for url, _ in backends:
             wait_health(url, procs)
         rport = free_port()
-        rlog = open(outdir / f"router-{route}.log", "w")
+        rlog = open(outdir / f"router-{tag}.log", "w")
         logs.append(rlog)
         cmd = ["router", "--port", str(rport), "--route", route]
         for url, ev in backends:
@@ -76,7 +81,7 @@ def run_route(route: str, args, outdir: Path) -> dict:
         procs.append(subprocess.Popen(pagedkv(*cmd), env=env, stdout=rlog, stderr=subprocess.STDOUT))
         rurl = f"http://127.0.0.1:{rport}"
         wait_health(rurl, procs)
-        out = outdir / f"bench-{route}.json"
+        out = outdir / f"bench-{tag}.json"
         bench = pagedkv("bench", "serve", "--base-url", rurl, "--trace", args.trace, "--trace-conversations",
                         str(args.conversations), "--output-len", str(args.output_len), "--max-concurrency",
                         str(args.concurrency), "--trace-time-scale", str(args.time_scale), "--no-progress",
@@ -86,10 +91,11 @@ def run_route(route: str, args, outdir: Path) -> dict:
 
         doc = json.loads(out.read_text())
         doc["router_metrics"] = httpx.get(rurl + "/metrics").text
+        doc["replica_metrics"] = [httpx.get(url + "/metrics").text for url, _ in backends]
         doc["setup"] = {"route": route, "replicas": args.replicas, "num_gpu_blocks": args.num_gpu_blocks,
                         "threads_per_replica": args.threads, "concurrency": args.concurrency,
                         "conversations": args.conversations, "output_len": args.output_len,
-                        "time_scale": args.time_scale}
+                        "time_scale": args.time_scale, "serve_args": list(serve_args)}
         out.write_text(json.dumps(doc, indent=1, default=str))
         return doc
     finally:

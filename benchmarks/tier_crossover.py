@@ -29,9 +29,7 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,6 +40,9 @@ import numpy as np
 import pagedkv
 from pagedkv.tiers import BlockStore, DiskBackend, ModelFingerprint, PutStatus, RedisBackend, SharedDirBackend
 from pagedkv.tiers import _files
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _tier_common import RedisServer  # noqa: E402
 
 
 def prefill_ms_per_block(model: str, prompt_len: int, repeats: int, block_size: int) -> tuple[object, float]:
@@ -92,33 +93,6 @@ def _time_loads(store: BlockStore, keys: list[int], kv: np.ndarray, repeats: int
             _drop_cache(cold_root)
         single.append(one_pass([k]))
     return 1e3 * statistics.median(batch), 1e3 * statistics.median(single)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start_redis(tmp: str):
-    binary = shutil.which("redis-server")
-    if binary is None:
-        return None, None
-    port = _free_port()
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", tmp, "--loglevel", "warning"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    import redis
-
-    url = f"redis://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            redis.Redis.from_url(url).ping()
-            return proc, url
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    proc.kill()
-    return None, None
 
 
 def measure_backends(block_bytes: int, n_blocks: int, repeats: int, fp: ModelFingerprint, tmp: str,
@@ -187,7 +161,8 @@ def main(argv=None) -> int:
         _print(json.loads(Path(a.show).read_text()))
         return 0
     tmp = tempfile.mkdtemp(prefix="pagedkv-tiers-")
-    proc, url = _start_redis(tmp)
+    redis_srv = RedisServer(tmp)
+    url = redis_srv.url
     results = {"machine": platform.machine(), "cpus": os.cpu_count(), "load_avg_start": os.getloadavg(),
                "prompt_len": a.prompt_len, "block_size": a.block_size, "prefill_repeats": a.prefill_repeats,
                "repeats": a.repeats, "models": {}}
@@ -212,9 +187,7 @@ def main(argv=None) -> int:
             results["models"][model] = row
             del llm, m
     finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(10)
+        redis_srv.close()
         shutil.rmtree(tmp, ignore_errors=True)
     results["load_avg_end"] = os.getloadavg()
     _print(results)

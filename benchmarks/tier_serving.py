@@ -19,7 +19,7 @@ be equal (greedy).
 Run (minutes: every repeat computes the prompt three times)::
 
     PYTHONPATH=src python benchmarks/tier_serving.py [--prompt-len 2048] [--repeats 3] [--shared redis|file] \\
-        [--json benchmarks/results/tier_serving.json]
+        [--model gemma-3-270m --no-kv-cache-groups] [--json benchmarks/results/tier_serving.json]
     PYTHONPATH=src python benchmarks/tier_serving.py --show benchmarks/results/tier_serving.json
 """
 
@@ -28,79 +28,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
-import socket
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start_redis(tmp: str):
-    binary = shutil.which("redis-server")
-    if binary is None:
-        return None, None
-    port = _free_port()
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", tmp, "--loglevel", "warning"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    import redis
-
-    url = f"redis://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            redis.Redis.from_url(url).ping()
-            return proc, url
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    proc.kill()
-    return None, None
-
-
-class _Server:
-    def __init__(self, model, block_size: int, **tier_kw) -> None:
-        from pagedkv.engine import LLM
-        from pagedkv.server.launch import make_server
-
-        self.llm = LLM(model, block_size=block_size, max_num_seqs=4, **tier_kw)
-        self.srv = make_server(self.llm, model_name="m", max_waiting=8).start_in_thread()
-
-    def ttft(self, prompt: list[int]) -> tuple[float, str, int]:
-        """(seconds to the first streamed chunk, the whole text, prompt tokens the tiers served)."""
-        import httpx
-
-        before = self.llm.scheduler.stats.external_tokens
-        body = {"model": "m", "prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": True}
-        t0 = time.perf_counter()
-        first = None
-        text = []
-        with httpx.stream("POST", self.srv.url + "/v1/completions", json=body, timeout=900) as r:
-            r.raise_for_status()
-            for line in r.iter_lines():
-                if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                    continue
-                if first is None:
-                    first = time.perf_counter() - t0
-                for ch in json.loads(line[5:]).get("choices", []):
-                    text.append(ch.get("text", ""))
-        deadline = time.monotonic() + 60
-        while self.llm.scheduler.has_unfinished() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return first, "".join(text), self.llm.scheduler.stats.external_tokens - before
-
-    def close(self) -> None:
-        self.srv.close()
-        self.llm.close()  # the stores in flight finish, the disk directory is released
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _tier_common import RedisServer, TierServer, machine, medians  # noqa: E402
 
 
 def run(args) -> dict:
@@ -110,15 +47,19 @@ def run(args) -> dict:
     vocab = model.config.vocab_size
     rng = np.random.default_rng(args.seed)
     tmp = tempfile.mkdtemp(prefix="pagedkv-tier-serving-")
-    proc = url = None
-    if args.shared == "redis":
-        proc, url = _start_redis(tmp)
-        if url is None:
-            print("redis-server not available: the shared tier is a shared directory", file=sys.stderr)
+    redis_srv = RedisServer(tmp) if args.shared == "redis" else None
+    url = redis_srv.url if redis_srv is not None else None
+    if args.shared == "redis" and url is None:
+        print("redis-server not available: the shared tier is a shared directory", file=sys.stderr)
     if url is None:
         url = "file://" + os.path.join(tmp, "shared")
+    grp = {} if args.kv_cache_groups else {"kv_cache_groups": False}
     load0 = os.getloadavg()
     rows = []
+
+    def _Server(model, block_size, **kw):  # noqa: N802 - every server of the run, with the run's groups setting
+        return TierServer(model, block_size, **grp, **kw)
+
     try:
         warm = _Server(model, args.block_size)
         warm.ttft(rng.integers(100, vocab, 32).tolist())  # warm-up (threads, kernels)
@@ -135,7 +76,7 @@ def run(args) -> dict:
             s.close()
             s = _Server(model, args.block_size, kv_disk_dir=disk, kv_disk_gib=args.disk_gib)
             row["disk_restart_s"], t2, row["disk_loaded_tokens"] = s.ttft(prompt)
-            row["disk_load_ms_per_block"] = s.llm.kv_tiers.connector.counters()[0].load_ms_per_block
+            row["disk_load_ms_per_block"] = s.connector.counters()[0].load_ms_per_block
             s.close()
             prompt_b = rng.integers(100, vocab, args.prompt_len).tolist()
             s = _Server(model, args.block_size)
@@ -145,7 +86,7 @@ def run(args) -> dict:
             b = _Server(model, args.block_size, kv_shared=url)
             try:
                 row["replica_a_s"], ta, _ = a.ttft(prompt_b)
-                a.llm.kv_tiers.connector.flush(300)
+                a.connector.flush(300)
                 row["replica_b_s"], tb, row["replica_b_loaded_tokens"] = b.ttft(prompt_b)
             finally:
                 a.close()
@@ -156,24 +97,23 @@ def run(args) -> dict:
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
     finally:
-        if proc is not None:
-            proc.kill()
-            proc.wait()
+        if redis_srv is not None:
+            redis_srv.close()
         shutil.rmtree(tmp, ignore_errors=True)
     return {
         "model": args.model, "prompt_len": args.prompt_len, "block_size": args.block_size,
+        "kv_cache_groups": bool(args.kv_cache_groups),
         "shared": "redis" if url.startswith("redis") else "shared directory", "repeats": rows,
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg_start": load0,
-                    "loadavg_end": os.getloadavg()},
-        "median": {k: statistics.median(r[k] for r in rows) for k in
-                   ("recompute_s", "disk_first_s", "disk_restart_s", "disk_ratio", "recompute_b_s", "replica_a_s",
-                    "replica_b_s", "shared_ratio")},
+        "machine": dict(machine(), loadavg_start=load0, loadavg_end=os.getloadavg()),
+        "median": medians(rows, ("recompute_s", "disk_first_s", "disk_restart_s", "disk_ratio", "recompute_b_s",
+                                 "replica_a_s", "replica_b_s", "shared_ratio")),
     }
 
 
 def show(res: dict) -> None:
     m = res["median"]
-    print(f"{res['model']}, {res['prompt_len']}-token prompt, blocks of {res['block_size']}, shared tier: "
+    one = "" if res.get("kv_cache_groups", True) else " (kv_cache_groups=False: one block table)"
+    print(f"{res['model']}{one}, {res['prompt_len']}-token prompt, blocks of {res['block_size']}, shared tier: "
           f"{res['shared']}; load average {res['machine']['loadavg_start'][0]:.1f} -> "
           f"{res['machine']['loadavg_end'][0]:.1f}; medians of {len(res['repeats'])} repeats")
     print("| scenario | TTFT s | x recompute |")
@@ -199,6 +139,8 @@ def main(argv=None) -> int:
     p.add_argument("--disk-gib", type=float, default=2.0)
     p.add_argument("--shared", choices=("redis", "file"), default="redis")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-kv-cache-groups", dest="kv_cache_groups", action="store_false",
+                   help="one block table for a model with KV cache groups (Gemma 3): the tiers refuse groups today")
     p.add_argument("--json", default=None)
     p.add_argument("--show", default=None, metavar="JSON", help="reprint a result file")
     args = p.parse_args(argv)

@@ -330,7 +330,8 @@ def test_routes_need_the_key_and_name_unknown_holds(pd):
     assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_hold"
     assert httpx.delete(url + "nope", timeout=5).status_code == 404
     r = httpx.get(url + kvt.remote_request_id, params={"engine": kvt.remote_engine_id}, timeout=5)
-    assert r.status_code == 200 and r.headers["x-pagedkv-kv-blocks"] == "7" and len(r.content) == 7 * (64 + 56)
+    # 7 blocks of a 64-byte payload, each with the codec's 64 bytes of header and checksum
+    assert r.status_code == 200 and r.headers["x-pagedkv-kv-blocks"] == "7" and len(r.content) == 7 * (64 + 64)
     assert httpx.delete(url + kvt.remote_request_id, timeout=5).status_code == 204
     assert httpx.delete(url + kvt.remote_request_id, timeout=5).status_code == 404  # twice: unknown
     # with an API key

@@ -14,7 +14,8 @@ import pytest
 
 import pagedkv
 from pagedkv.errors import InvalidArgumentError
-from pagedkv.tiers import Backend, BlockStore, DiskBackend, ModelFingerprint, PutStatus, SharedDirBackend
+from pagedkv.tiers import (Backend, BlockStore, DiskBackend, ModelFingerprint, PutStatus, SharedDirBackend,
+                           check_digests)
 from pagedkv.tiers.backend import FAILED
 from pagedkv.tiers.connector import LoadLatencyHistogram, TierConnector
 
@@ -53,8 +54,9 @@ def test_lookup_walks_disk_then_shared_from_the_hit(tiers):
     c, disk, shared = tiers
     toks = tokens(6)
     keys = pagedkv.block_hashes(toks, BS, "ns")
-    disk.put_many(keys[:3], [payload(i) for i in range(3)], "ns")  # blocks 0-2 on disk
-    shared.put_many(keys[3:5], [payload(i) for i in range(3, 5)], "ns")  # 3-4 in the shared tier; 5 nowhere
+    ch = check_digests(toks, BS, "ns")
+    disk.put_many(keys[:3], [payload(i) for i in range(3)], "ns", ch[:3])  # blocks 0-2 on disk
+    shared.put_many(keys[3:5], [payload(i) for i in range(3, 5)], "ns", ch[3:5])  # 3-4 in the shared tier
     assert c.request_load("r", toks, "ns", hit_blocks=1)  # blocks 0 on the GPU: ask from block 1
     (r,) = wait_loads(c)
     assert r.request_id == "r" and r.ok and r.start_block == 1 and r.num_asked == 4
@@ -71,7 +73,8 @@ def test_nothing_to_ask_and_other_namespace(tiers):
     c, disk, _ = tiers
     toks = tokens(3)
     assert not c.request_load("r", toks, None, hit_blocks=3)  # the hit already covers every full block
-    disk.put_many(pagedkv.block_hashes(toks, BS, "a"), [payload(i) for i in range(3)], "a")
+    disk.put_many(pagedkv.block_hashes(toks, BS, "a"), [payload(i) for i in range(3)], "a",
+                  check_digests(toks, BS, "a"))
     assert c.request_load("r", toks, "b", hit_blocks=0)  # another tenant's blocks are never loaded
     (r,) = wait_loads(c)
     assert r.ok and r.payloads == () and r.num_asked == 0
@@ -83,7 +86,7 @@ def test_a_corrupted_value_fails_the_load_with_the_good_leading_blocks(tiers, tm
     c, disk, _ = tiers
     toks = tokens(4)
     keys = pagedkv.block_hashes(toks, BS)
-    disk.put_many(keys, [payload(i) for i in range(4)])
+    disk.put_many(keys, [payload(i) for i in range(4)], checks=check_digests(toks, BS))
     name = disk.names(keys[2:3])[0]
     path = next(os.path.join(dp, f) for dp, _, fs in os.walk(tmp_path / "disk") for f in fs if f.startswith(name))
     with open(path, "r+b") as f:  # flip a byte of block 2's payload
@@ -123,7 +126,7 @@ def test_a_store_that_is_down_holds_nothing_and_counts_errors():
         (r,) = wait_loads(c)
         assert r.ok and r.payloads == ()  # nothing held: the request computes
         keys = pagedkv.block_hashes(toks, BS)
-        assert c.store(keys, [payload(i) for i in range(3)], None)
+        assert c.store(keys, [payload(i) for i in range(3)], None, toks[:3 * BS])
         assert c.flush(10)
         (s,) = c.counters()
         assert s.store_errors == 3 and s.stored_blocks == 0 and c.take_events() == []
@@ -135,14 +138,15 @@ def test_stores_go_to_every_tier_once_with_events_of_their_medium(tiers):
     c, disk, shared = tiers
     toks = tokens(4)
     keys = pagedkv.block_hashes(toks, BS)
-    assert c.store(keys[1:3], [payload(1), payload(2)], None, toks[BS:3 * BS], keys[0])
+    ch = check_digests(toks, BS)
+    assert c.store(keys[1:3], [payload(1), payload(2)], None, toks[BS:3 * BS], keys[0], ch[1:3])
     assert c.flush(10)
     ev = c.take_events()
     assert [(e.medium, e.block_hashes, e.parent_block_hash, e.token_ids) for e in ev] == [
         ("DISK", keys[1:3], keys[0], toks[BS:3 * BS]), ("SHARED", keys[1:3], keys[0], toks[BS:3 * BS])]
     assert disk.contains_many(keys) == (False, True, True, False)
     assert shared.contains_many(keys) == (False, True, True, False)
-    c.store(keys[1:4], [payload(1), payload(2), payload(3)], None, toks[BS:4 * BS], keys[0])
+    c.store(keys[1:4], [payload(1), payload(2), payload(3)], None, toks[BS:4 * BS], keys[0], ch[1:4])
     c.flush(10)
     ev = c.take_events()  # the shared tier held 1-2 already (PRESENT): only block 3 is news there
     assert [(e.medium, e.block_hashes) for e in ev if e.medium == "SHARED"] == [("SHARED", keys[3:4])]
@@ -154,7 +158,7 @@ def test_a_tier_slower_than_computing_is_skipped_then_probed(tmp_path):
     c = TierConnector([("DISK", disk)], BS, max_load_ms_per_block=5.0, initial_load_ms=50.0, probe_every=3)
     try:
         toks = tokens(2)
-        disk.put_many(pagedkv.block_hashes(toks, BS), [payload(0), payload(1)])
+        disk.put_many(pagedkv.block_hashes(toks, BS), [payload(0), payload(1)], checks=check_digests(toks, BS))
         got = []
         for i in range(3):
             c.request_load(i, toks, None, 0)
@@ -229,7 +233,7 @@ def test_long_runs_are_read_and_written_in_bounded_calls():
     try:
         toks = tokens(5)
         keys = pagedkv.block_hashes(toks, BS)
-        c.store(keys, [payload(i) for i in range(5)], None)
+        c.store(keys, [payload(i) for i in range(5)], None, toks[:5 * BS])  # (check digests from the tokens)
         c.flush(10)
         assert [n for op, n in mem.calls if op == "write"] == [2, 2, 1]
         mem.calls.clear()
@@ -278,11 +282,13 @@ def test_store_completions_say_whether_every_block_is_held(tmp_path):
     c = TierConnector([("DISK", disk)], BS, chain_names=True)
     try:
         keys = pagedkv.block_hashes(tokens(6), BS)
-        assert c.store(keys[:2], [payload(0), payload(1)], None, store_id=7, chained=False)
+        ck = check_digests(tokens(6), BS)
+        assert c.store(keys[:2], [payload(0), payload(1)], None, store_id=7, chained=False, checks=ck[:2])
         assert c.flush(10)
         assert c.poll_stores() == [(7, True)] and c.poll_stores() == []
-        c.store(keys[:2], [payload(0), payload(1)], None, store_id=8, chained=False)  # held already: PRESENT
-        c.store([keys[2]], [np.zeros(3, np.float32)], None, store_id=9, chained=False)  # a bad payload
+        c.store(keys[:2], [payload(0), payload(1)], None, store_id=8, chained=False, checks=ck[:2])  # PRESENT
+        c.store([keys[2]], [np.zeros(3, np.float32)], None, store_id=9, chained=False, checks=ck[2:3])  # bad
+        assert not c.store(keys[3:4], [payload(3)], None, store_id=11, chained=False)  # no check digest: refused
         assert c.flush(10)
         assert sorted(c.poll_stores()) == [(8, True), (9, False)]
         c.write_through = False
@@ -302,12 +308,13 @@ def test_the_disk_tier_publishes_its_evictions_and_drops_as_block_removed(tmp_pa
     c = TierConnector([("DISK", disk)], BS, chain_names=True)
     try:
         keys = pagedkv.block_hashes(tokens(5), BS)
-        c.store(keys[:3], [payload(i) for i in range(3)], None, store_id=1, chained=False)
+        ck = check_digests(tokens(5), BS)
+        c.store(keys[:3], [payload(i) for i in range(3)], None, store_id=1, chained=False, checks=ck[:3])
         c.flush(10)
         ev = c.take_events()
         assert ev == [BlockStored(block_hashes=keys[:3], parent_block_hash=None, token_ids=[], block_size=BS,
                                   medium="DISK", namespace=None)]
-        c.store(keys[3:5], [payload(3), payload(4)], None, store_id=2, chained=False)  # evicts the 2 oldest
+        c.store(keys[3:5], [payload(3), payload(4)], None, store_id=2, chained=False, checks=ck[3:5])  # evicts 2
         c.flush(10)
         ev = c.take_events()
         assert [type(e).__name__ for e in ev] == ["BlockStored", "BlockRemoved"]
@@ -318,9 +325,45 @@ def test_the_disk_tier_publishes_its_evictions_and_drops_as_block_removed(tmp_pa
         with open(path, "r+b") as f:
             f.seek(60)
             f.write(b"\xff")
-        c.request_read("r", [keys[2]], ((0, 1),), None)
+        c.request_read("r", [keys[2]], ((0, 1),), None, checks=ck[2:3])
         (ld,) = wait_loads(c)
         assert not ld.ok and c.take_events() == [BlockRemoved([keys[2]], "DISK")]
         assert disk.take_removed() == []
     finally:
         c.close()
+def test_a_forced_chain_key_collision_is_never_loaded(tiers, monkeypatch):
+    """Two prompts with the same chain keys by construction (the chain hash monkeypatched to ignore the tokens):
+    the first one's blocks stored through the connector, the second's load refuses each (another prefix's check
+    digest): nothing served, the load failed (the request computes), the refusals counted, the values kept."""
+    import pagedkv.blocks.prefix_cache as pc
+
+    c, disk, shared = tiers
+    monkeypatch.setattr(pc, "_xxh3", lambda data, seed=0: (seed * 31 + 7) % 2**64)
+    a, b = tokens(3, seed=10), tokens(3, seed=500)
+    keys = pagedkv.block_hashes(a, BS)
+    assert keys == pagedkv.block_hashes(b, BS) and a != b
+    assert c.store(keys, [payload(i) for i in range(3)], None, a[:3 * BS])
+    assert c.flush(10)
+    c.request_load("b", b, None, 0)
+    (r,) = wait_loads(c)
+    assert not r.ok and r.payloads == () and r.num_asked == 3  # the names are there; none is served
+    assert disk.stats.check_refused == 3 and disk.stats.hits == 0 and c.counters()[0].failed_blocks == 3
+    assert disk.contains_many(keys) == (True,) * 3  # prefix a's blocks are kept
+    c.request_load("a", a, None, 0)
+    (r,) = wait_loads(c)
+    assert r.ok and [int(np.frombuffer(p, np.float32)[0]) for p in r.payloads] == [0, 1, 2]
+
+
+def test_a_store_mid_chain_needs_its_check_digests(tiers):
+    c, disk, shared = tiers
+    toks = tokens(3)
+    keys = pagedkv.block_hashes(toks, BS)
+    # mid-chain blocks without check digests: not stored (a load would refuse them), counted
+    assert not c.store(keys[1:3], [payload(1), payload(2)], None, toks[BS:3 * BS], keys[0])
+    assert [t.store_errors for t in c.counters()] == [2, 2] and not any(disk.contains_many(keys))
+    assert c.store(keys[1:3], [payload(1), payload(2)], None, toks[BS:3 * BS], keys[0],
+                   check_digests(toks, BS)[1:3])
+    assert c.flush(10) and disk.contains_many(keys) == (False, True, True)
+    c.request_load("r", toks, None, 1)
+    (r,) = wait_loads(c)
+    assert r.ok and len(r.payloads) == 2

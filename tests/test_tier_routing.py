@@ -407,7 +407,7 @@ def test_the_index_drops_blocks_the_disk_tier_evicted(any_index, tmp_path):
     import numpy as np
 
     import pagedkv
-    from pagedkv.tiers import BlockStore, DiskBackend, ModelFingerprint
+    from pagedkv.tiers import BlockStore, DiskBackend, ModelFingerprint, check_digests
     from pagedkv.tiers.codec import encode
     from pagedkv.tiers.connector import TierConnector
 
@@ -419,11 +419,14 @@ def test_the_index_drops_blocks_the_disk_tier_evicted(any_index, tmp_path):
     ix = any_index
     try:
         keys = pagedkv.block_hashes(list(range(21)), bs)  # 5 blocks of one chain
-        c.store(keys[:3], [np.full(pb // 4, i, np.float32) for i in range(3)], None, store_id=1, chained=False)
+        ck = check_digests(list(range(21)), bs)
+        c.store(keys[:3], [np.full(pb // 4, i, np.float32) for i in range(3)], None, checks=ck[:3], store_id=1,
+                chained=False)
         c.flush(10)
         ix.apply_all("r", c.take_events())
         assert ix.longest_prefix(keys, "DISK") == {"r": 3}
-        c.store(keys[3:5], [np.full(pb // 4, i, np.float32) for i in range(3, 5)], None, store_id=2, chained=False)
+        c.store(keys[3:5], [np.full(pb // 4, i, np.float32) for i in range(3, 5)], None, checks=ck[3:5], store_id=2,
+                chained=False)
         c.flush(10)
         ev = c.take_events()
         assert any(type(e).__name__ == "BlockRemoved" and e.medium == "DISK" for e in ev)

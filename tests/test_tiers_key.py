@@ -11,7 +11,7 @@ import pytest
 
 import pagedkv
 from pagedkv import InvalidArgumentError
-from pagedkv.tiers import BlockStore, GetStatus, ModelFingerprint, PutStatus, store_names
+from pagedkv.tiers import BlockStore, GetStatus, ModelFingerprint, PutStatus, check_digests, store_names
 from pagedkv.tiers import codec
 from pagedkv.tiers.backend import FAILED, Backend
 
@@ -83,10 +83,14 @@ PAYLOAD = bytes(range(200))
 
 def test_value_round_trip_and_layout():
     v = codec.encode(FP.digest, NAME, PAYLOAD)
-    assert len(v) == codec.OVERHEAD_BYTES + len(PAYLOAD) == 56 + 200
-    assert v[:4] == b"PKVB" and struct.unpack_from("<H", v, 4)[0] == codec.FORMAT_VERSION
+    assert len(v) == codec.OVERHEAD_BYTES + len(PAYLOAD) == 64 + 200
+    assert v[:4] == b"PKVB" and struct.unpack_from("<H", v, 4)[0] == codec.FORMAT_VERSION == 2
     assert v[8:24] == FP.digest and v[24:40] == bytes.fromhex(NAME)
-    assert struct.unpack_from("<Q", v, 40)[0] == 200
+    assert struct.unpack_from("<HQQ", v, 6)[0] == 0 and struct.unpack_from("<QQ", v, 40) == (0, 200)
+    assert not codec.has_check(v)
+    c = codec.encode(FP.digest, NAME, PAYLOAD, check=2**64 - 3)
+    assert struct.unpack_from("<H", c, 6)[0] == 1 and struct.unpack_from("<QQ", c, 40) == (2**64 - 3, 200)
+    assert codec.has_check(c) and bytes(codec.decode(c, FP.digest, NAME, 2**64 - 3)[1]) == PAYLOAD
     why, payload = codec.decode(v, FP.digest, NAME)
     assert why is codec.Decoded.OK and bytes(payload) == PAYLOAD and payload.readonly
     arr = np.arange(12, dtype=np.float32).reshape(3, 4)
@@ -122,6 +126,82 @@ def test_other_version_fingerprint_or_name_is_refused():
     import xxhash
     future = bytes(body) + struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(body)))
     assert codec.decode(future, FP.digest, NAME) == (codec.Decoded.VERSION, None)
+
+
+def test_the_check_digest_is_compared_when_the_reader_passes_one():
+    v = codec.encode(FP.digest, NAME, PAYLOAD, check=7)
+    assert codec.decode(v, FP.digest, NAME)[0] is codec.Decoded.OK  # not asked: not compared
+    assert codec.decode(v, FP.digest, NAME, 7)[0] is codec.Decoded.OK
+    assert codec.decode(v, FP.digest, NAME, 8) == (codec.Decoded.CHECK, None)  # another prefix's block
+    bare = codec.encode(FP.digest, NAME, PAYLOAD)
+    assert codec.decode(bare, FP.digest, NAME, 0) == (codec.Decoded.CHECK, None)  # none stored: refused, even 0
+    # the name and fingerprint are judged first
+    assert codec.decode(v, FP.digest, OTHER, 7) == (codec.Decoded.MISMATCH, None)
+
+
+def test_a_version_1_value_is_refused_as_another_version():
+    # the format before the check digest: a 48-byte header (magic, version 1, flags, fingerprint, name, length)
+    head = struct.pack("<4sHH16s16sQ", b"PKVB", 1, 0, FP.digest, bytes.fromhex(NAME), len(PAYLOAD))
+    import xxhash
+    old = head + PAYLOAD
+    old += struct.pack("<Q", xxhash.xxh3_64_intdigest(old))
+    assert codec.decode(old, FP.digest, NAME) == (codec.Decoded.VERSION, None)
+    assert codec.decode(old[:20], FP.digest, NAME) == (codec.Decoded.VERSION, None)
+    b = _Dict()
+    s = BlockStore(b, FP)
+    (key,) = [12345]
+    b.d[NAME] = old
+    r = s.get_many([key])
+    assert r.statuses == (GetStatus.MISMATCH,) and NAME not in b.d  # refused, counted, dropped
+    assert s.stats.mismatched == 1
+
+
+def test_check_digests_chain_the_whole_prefix_independently_of_the_chain_keys():
+    toks = list(range(100, 164))
+    c = check_digests(toks, 16)
+    assert len(c) == 4 and len(set(c)) == 4 and all(0 <= x < 2**64 for x in c)
+    assert c == check_digests(np.array(toks + [1, 2, 3]), 16)  # full blocks only; deterministic
+    assert check_digests(toks[:32], 16) == c[:2]  # a prefix's digests are the first ones
+    assert check_digests(toks, 16, "t") != c and check_digests(toks, 16, group=1) != c
+    other = [7] + toks[1:]  # the first token differs: every later digest differs although blocks 1-3 are equal
+    assert all(a != b for a, b in zip(check_digests(other, 16), c))
+    assert set(c).isdisjoint(pagedkv.block_hashes(toks, 16))  # not the chain keys
+    assert check_digests([], 16) == []
+    for bad in (dict(block_size=0), dict(group=-1)):
+        with pytest.raises(InvalidArgumentError):
+            check_digests(toks, **{"block_size": 16, **bad})
+    with pytest.raises(pagedkv.InvalidTokensError):
+        check_digests([-1] * 16, 16)
+
+
+def test_a_forced_chain_key_collision_is_never_served(monkeypatch):
+    """Two different prefixes with the same chain keys by construction (the chain hash monkeypatched to ignore
+    the tokens): the first one's blocks are stored; the second's load finds values under its own names, intact
+    and of its fingerprint, but refuses each (another prefix's check digest), counts it and keeps it."""
+    import pagedkv.blocks.prefix_cache as pc
+
+    monkeypatch.setattr(pc, "_xxh3", lambda data, seed=0: (seed * 31 + 7) % 2**64)  # tokens ignored
+    a = list(range(200, 264))
+    b = list(range(300, 364))
+    ka, kb = pagedkv.block_hashes(a, 16), pagedkv.block_hashes(b, 16)
+    assert ka == kb  # the collision
+    be = _Dict()
+    s = BlockStore(be, FP)
+    vals = [np.full(8, i, np.int32) for i in range(4)]
+    assert s.put_many(ka, vals, checks=check_digests(a, 16)) == (PutStatus.STORED,) * 4
+    r = s.get_many(kb, checks=check_digests(b, 16))
+    assert r.statuses == (GetStatus.CHECK,) * 4 and r.values == (None,) * 4 and r.hit_prefix == 0
+    assert s.stats.check_refused == 4 and s.stats.hits == 0 and len(be.d) == 4  # kept: prefix a's blocks
+    assert s.get_many(ka, checks=check_digests(a, 16)).hit_prefix == 4  # the owner still loads them
+    # a value stored without a check digest is refused by a checked load, and dropped
+    s2 = BlockStore(_Dict(), FP)
+    s2.put_many(ka[:1], vals[:1])
+    r = s2.get_many(ka[:1], checks=check_digests(a, 16)[:1])
+    assert r.statuses == (GetStatus.CHECK,) and s2.backend.d == {}
+    with pytest.raises(InvalidArgumentError):
+        s.get_many(ka, checks=[1, 2])  # one per key
+    with pytest.raises(InvalidArgumentError):
+        s.put_many(ka[:1], vals[:1], checks=[2**64])
 
 
 class _Dict(Backend):

@@ -33,7 +33,8 @@ from typing import Any
 from urllib.parse import urlparse
 
 from ..errors import InvalidArgumentError
-from ..tiers import BlockStore, DiskBackend, RedisBackend, SharedDirBackend
+from ..blocks.prefix_cache import block_hashes
+from ..tiers import BlockStore, DiskBackend, RedisBackend, SharedDirBackend, check_digests
 from ..tiers.connector import MEDIUM_DISK, MEDIUM_SHARED, LookupDone, TierConnector
 from .kv_io import model_fingerprint, payload_bytes, read_blocks, write_blocks
 
@@ -41,6 +42,9 @@ __all__ = ["EngineTiers", "open_shared_backend", "parse_store_policy"]
 
 #: the most chain keys of loaded blocks remembered so that a store plan does not write them back (oldest dropped)
 _MAX_LOADED_KEYS = 1 << 16
+#: the most chain keys whose check digests (pagedkv.tiers.check_digests) are remembered for store plans (oldest
+#: dropped; a planned block whose digest is not known is not stored: a load would refuse it without one)
+_MAX_CHECK_KEYS = 1 << 18
 _ABSENT = object()
 
 log = logging.getLogger("pagedkv.tiers")
@@ -153,9 +157,12 @@ class EngineTiers:
         self._given_up: set = set()  # reads past their timeout: their result is dropped when it comes
         # chain keys this engine loaded from the tiers (not written back by a store plan), oldest first, bounded
         self._loaded_keys: dict = {}
+        # chain key -> check digest of the prompt blocks of the requests added (store plans name blocks by key only)
+        self._checks: dict = {}
+        self._req_checks: dict = {}  # request id -> its prompt's check digests, until its read starts
         self.stats = {"loads": 0, "loads_failed": 0, "loads_timed_out": 0, "loaded_blocks": 0,
                       "written_blocks": 0, "stored_blocks": 0, "stores_failed": 0, "loads_aborted": 0,
-                      "store_skipped_loaded": 0}
+                      "store_skipped_loaded": 0, "store_skipped_unchecked": 0}
 
     # --------------------------------------------------------------------------------------- requests
 
@@ -163,8 +170,16 @@ class EngineTiers:
         """Start the tier lookup of a new request; True when it must wait for it (``wait_for_kv``)."""
         kw = {} if namespace is None else {"namespace": namespace}
         hit = block_manager.lookup_prefix(token_ids, **kw).num_cached_blocks
+        bs = self.block_size
+        full = list(token_ids[: len(token_ids) // bs * bs])
+        checks = check_digests(full, bs, namespace)  # (O(prompt): a BLAKE2b call per block, ~1 us)
+        cd = self._checks
+        cd.update(zip(block_hashes(full, bs, namespace), checks))
+        while len(cd) > _MAX_CHECK_KEYS:
+            del cd[next(iter(cd))]
         if not self.connector.request_lookup(request_id, token_ids, namespace, int(hit)):
             return False
+        self._req_checks[request_id] = checks
         self._lookups[request_id] = time.monotonic()
         return True
 
@@ -182,7 +197,10 @@ class EngineTiers:
                     ok = scheduler.kv_ready(r.request_id, r.start_block * bs, r.num_blocks * bs, reserve=True)
                     if ok:
                         self._runs[r.request_id] = (r.start_block, r.runs)
+                    else:
+                        self._req_checks.pop(r.request_id, None)
                 else:
+                    self._req_checks.pop(r.request_id, None)
                     ok = scheduler.kv_ready(r.request_id, 0, 0)
                 n += bool(ok)
             else:
@@ -197,6 +215,9 @@ class EngineTiers:
         if self._runs:
             for rid in [rid for rid in self._runs if not scheduler.has_request(rid)]:
                 del self._runs[rid]  # (aborted before its admission)
+        if self._req_checks:
+            for rid in [rid for rid in self._req_checks if not scheduler.has_request(rid)]:
+                del self._req_checks[rid]  # (aborted before its read started)
         return n
 
     def _read_done(self, r: Any, scheduler: Any) -> None:
@@ -228,6 +249,7 @@ class EngineTiers:
         now = time.monotonic()
         for rid in [rid for rid, t in self._lookups.items() if now - t > self.load_timeout_s]:
             del self._lookups[rid]
+            self._req_checks.pop(rid, None)
             self.connector.cancel(rid)
             self.stats["loads_timed_out"] += 1
             log.warning("pagedkv tiers: the lookup of request %r took over %.1f s: computing its prompt",
@@ -264,7 +286,12 @@ class EngineTiers:
                     left -= m
             self._reading[kl.request_id] = ext
             self._reads[kl.request_id] = time.monotonic()
-            self.connector.request_read(kl.request_id, ext.keys, clipped, None, ext.start_token // bs)
+            j0 = ext.start_token // bs
+            checks = self._req_checks.pop(kl.request_id, [])[j0:j0 + len(ext.keys)]
+            if len(checks) < len(ext.keys):  # (cannot happen: the lookup was of this prompt) nothing is loaded
+                clipped = []
+                checks = [0] * len(ext.keys)
+            self.connector.request_read(kl.request_id, ext.keys, clipped, None, j0, checks)
 
     def forget(self, request_id: Any) -> None:
         """A request was added and failed at once: drop its lookup. O(1). (A request aborted later needs
@@ -272,6 +299,7 @@ class EngineTiers:
         self.connector.cancel(request_id)
         self._lookups.pop(request_id, None)
         self._runs.pop(request_id, None)
+        self._req_checks.pop(request_id, None)
 
     def wait(self, timeout: float) -> None:
         """Nothing else to run: block until a lookup or read finishes or ``timeout`` (never past the next
@@ -308,11 +336,17 @@ class EngineTiers:
             if len(keep) < len(keys):
                 self.stats["store_skipped_loaded"] += len(keys) - len(keep)
                 ids, keys = [ids[i] for i in keep], [keys[i] for i in keep]
+        cd = self._checks
+        checks = [cd.get(k) for k in keys]
+        if None in checks:  # blocks of no added prompt (a decode's): their check digests are unknown, not stored
+            keep = [i for i, c in enumerate(checks) if c is not None]
+            self.stats["store_skipped_unchecked"] += len(keys) - len(keep)
+            ids, keys, checks = [ids[i] for i in keep], [keys[i] for i in keep], [checks[i] for i in keep]
         if not keys:
             bm.complete_store(sp.store_id, True)
             return
         payloads = read_blocks(kv_cache, list(ids))
-        if self.connector.store(keys, payloads, None, store_id=sp.store_id, chained=False):
+        if self.connector.store(keys, payloads, None, store_id=sp.store_id, chained=False, checks=checks):
             self.stats["stored_blocks"] += len(keys)
         else:  # (closed) the plan ends at once, its blocks unpinned
             bm.complete_store(sp.store_id, False)

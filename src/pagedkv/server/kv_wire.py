@@ -3,7 +3,7 @@
 A prefill replica answers ``GET /v1/kv/holds/{id}`` with the blocks of the hold, in order, each as one value of
 the tiers' checked format (:mod:`pagedkv.tiers.codec`: header, payload, xxh3 checksum), concatenated::
 
-    value(block 0) value(block 1) ... value(block k-1)        each: 48-byte header, n-byte payload, 8-byte check
+    value(block 0) value(block 1) ... value(block k-1)        each: 56-byte header, n-byte payload, 8-byte check
 
 Each value is named by the block's store name (:func:`pagedkv.tiers.store_names`: the model fingerprint, the
 request's namespace and the block's chained content key), so the decode replica, which computes the same names

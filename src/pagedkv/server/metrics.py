@@ -22,7 +22,7 @@ engine's own counts); the three latency histograms are observed by the engine th
 ``pagedkv:kv_tier_*_total{medium}``                 with --kv-disk-dir / --kv-shared, per tier (DISK, SHARED):
                                                      hit_blocks, hit_bytes, failed_blocks, skipped_slow,
                                                      stored_blocks, stored_bytes, store_full, store_errors,
-                                                     corrupt, mismatched, read_errors
+                                                     corrupt, mismatched, check_refused, read_errors
 ``pagedkv:kv_tier_load_ms_per_block{medium}``        the crossover rule's average load time per block
 ``pagedkv:kv_tier_load_seconds``                     histogram: a request's tier lookup and load
 ===================================================  ==========================================================
@@ -95,6 +95,7 @@ _TIER_COUNTERS = {
     "store_errors": ("tiers", "Blocks not stored: the tier failed."),
     "corrupt": ("store_stats", "Values refused and dropped: cut short, bad checksum, bad magic."),
     "mismatched": ("store_stats", "Values refused and dropped: another model fingerprint, name or format."),
+    "check_refused": ("store_stats", "Values refused: another prefix's check digest (a chain-key collision) or none."),
     "read_errors": ("store_stats", "Blocks the tier could not answer (down, timeout, I/O error)."),
 }
 

@@ -46,6 +46,7 @@ from ..blocks.prefix_cache import block_hashes
 from ..errors import InvalidArgumentError
 from ..events import BlockRemoved, BlockStored
 from .backend import PutStatus
+from .key import check_digests
 from .store import BlockStore
 
 __all__ = ["TierConnector", "LoadDone", "LookupDone", "TierCounters", "LoadLatencyHistogram", "MEDIUM_DISK", "MEDIUM_SHARED",
@@ -208,6 +209,7 @@ class TierConnector:
         self._idle = threading.Condition(self._lock)
         self.latency = LoadLatencyHistogram()
         self._closed = False
+        self._warned_unchecked = False
 
     # ------------------------------------------------------------------------------------------ state
 
@@ -266,11 +268,13 @@ class TierConnector:
         return True
 
     def request_read(self, request_id: Any, chain_keys: Sequence[int], runs: Sequence[tuple], namespace: object,
-                     start_block: int = 0) -> None:
+                     start_block: int = 0, checks: Sequence[int] | None = None) -> None:
         """Start reading the blocks ``chain_keys`` (in order), ``runs`` saying which tier holds which part
         (``(tier index, blocks)``, as a :class:`LookupDone`'s, summing to at most ``len(chain_keys)``): a
         :class:`LoadDone` (``start_block`` echoed) comes out of :meth:`poll` once, with the good leading
-        payloads (a block that does not come back checked ends the run there: ``ok`` False). O(1) here."""
+        payloads (a block that does not come back checked ends the run there: ``ok`` False). ``checks``: the
+        blocks' check digests (:func:`~pagedkv.tiers.check_digests`, one per key): a value whose digest differs
+        (a chain-key collision) or that has none is refused like a corrupt one. O(1) here."""
         if self._closed:
             raise RuntimeError("the TierConnector is closed")
         if request_id in self._pending_loads:
@@ -280,8 +284,11 @@ class TierConnector:
                 sum(n for _, n in runs) > len(chain_keys):
             raise InvalidArgumentError(f"runs {runs!r} do not fit {len(chain_keys)} blocks of "
                                        f"{len(self._tiers)} tiers")
+        if checks is not None and len(checks) != len(chain_keys):
+            raise InvalidArgumentError(f"{len(chain_keys)} chain keys but {len(checks)} check digests")
         self._pending_loads.add(request_id)
-        self._pool.submit(self._read_job, request_id, list(chain_keys), runs, namespace, int(start_block))
+        self._pool.submit(self._read_job, request_id, list(chain_keys), runs, namespace, int(start_block),
+                          None if checks is None else list(checks))
 
     def cancel(self, request_id: Any) -> None:
         """Forget a load (its request was aborted): its result is dropped when it comes. O(1)."""
@@ -346,7 +353,8 @@ class TierConnector:
         self._done.put(LookupDone(request_id, hit_blocks, pos - hit_blocks, tuple(runs),
                                   time.perf_counter() - t0))
 
-    def _read_job(self, request_id: Any, keys: list, runs: tuple, namespace: object, start_block: int) -> None:
+    def _read_job(self, request_id: Any, keys: list, runs: tuple, namespace: object, start_block: int,
+                  checks: list | None = None) -> None:
         t0 = time.perf_counter()
         payloads: list = []
         by_tier: list = []
@@ -358,7 +366,8 @@ class TierConnector:
                 if not n:
                     continue
                 t = self._tiers[i]
-                good, values = self._read_run(t, keys[pos:pos + n], namespace)
+                good, values = self._read_run(t, keys[pos:pos + n], namespace,
+                                              None if checks is None else checks[pos:pos + n])
                 payloads.extend(values)
                 by_tier.append((t.medium, good))
                 pos += good
@@ -374,14 +383,15 @@ class TierConnector:
             self.latency.observe(dt)
         self._done.put(LoadDone(request_id, start_block, tuple(payloads), ok, asked, tuple(by_tier), dt))
 
-    def _read_run(self, t: _Tier, keys: list, namespace: object) -> tuple[int, list]:
+    def _read_run(self, t: _Tier, keys: list, namespace: object, checks: list | None) -> tuple[int, list]:
         """get_many of one tier's run in bounded calls, up to its first block that does not come back checked;
         the moving average and the counters updated. (good blocks, their payloads)."""
         t1 = time.perf_counter()
         good, values = 0, []
         ns = None if self.chain_names else namespace
         for a in range(0, len(keys), self.max_blocks_per_call):  # bounded calls (a store's timeouts)
-            got = t.store.get_many(keys[a:a + self.max_blocks_per_call], ns)
+            b = a + self.max_blocks_per_call
+            got = t.store.get_many(keys[a:b], ns, None if checks is None else checks[a:b])
             h = got.hit_prefix
             good += h
             values.extend(got.values[:h])
@@ -413,6 +423,7 @@ class TierConnector:
         ns = None if self.chain_names else namespace
         try:
             keys = block_hashes(toks, self.block_size, namespace)
+            checks = check_digests(toks, self.block_size, namespace)  # a collided chain key is never served
             pos = hit_blocks
             for t in self._tiers:
                 if pos >= len(keys):
@@ -425,7 +436,7 @@ class TierConnector:
                     by_tier.append((t.medium, 0))
                     continue
                 asked += n
-                good, values = self._read_run(t, keys[pos:pos + n], namespace)
+                good, values = self._read_run(t, keys[pos:pos + n], namespace, checks[pos:pos + n])
                 payloads.extend(values)
                 by_tier.append((t.medium, good))
                 pos += good
@@ -444,23 +455,40 @@ class TierConnector:
     # ----------------------------------------------------------------------------------------- stores
 
     def store(self, chain_keys: Sequence[int], payloads: Sequence, namespace: object,
-              token_ids: Sequence[int] | None = None, parent_key: int | None = None, *,
-              store_id: Any = None, chained: bool = True) -> bool:
+              token_ids: Sequence[int] | None = None, parent_key: int | None = None,
+              checks: Sequence[int] | None = None, *, store_id: Any = None, chained: bool = True) -> bool:
         """Write these blocks (their chained keys, one payload each, owned by the connector from now on) to every
         tier, on an I/O thread; a tier that already holds a block keeps it. ``token_ids`` (the blocks' tokens)
         go into the KV events. ``chained``: the blocks are a chain in order (``parent_key`` the first one's
         parent), published as such; False: blocks of any chains (a store plan), published as one
         ``BlockStored`` without parent. ``store_id``: when the job ends, ``(store_id, success)`` comes out of
         :meth:`poll_stores` (success: every block is held by at least one tier, stored now or before).
+        ``checks``: the blocks' check digests (:func:`~pagedkv.tiers.check_digests` of the whole prompt, sliced
+        like the keys); None: computed from ``token_ids`` when the blocks start the chain (``parent_key`` None,
+        ``chained``), else the blocks are not stored (a load would refuse a value without its check digest; one
+        warning, counted in ``store_errors``; a ``store_id`` then completes as failed).
         Returns False when nothing was submitted (write-through off, closed, no block). O(1) here."""
         if self._closed or not self.write_through or not len(chain_keys):
             return False
         if len(chain_keys) != len(payloads):
             raise InvalidArgumentError(f"{len(chain_keys)} chain keys but {len(payloads)} payloads")
+        if checks is None and chained and parent_key is None and token_ids is not None \
+                and len(token_ids) >= len(chain_keys) * self.block_size:
+            checks = check_digests(token_ids, self.block_size, namespace)[: len(chain_keys)]
+        if checks is None or len(checks) != len(chain_keys):
+            if not self._warned_unchecked:
+                self._warned_unchecked = True
+                log.warning("pagedkv tiers: blocks handed to store() without their check digests are not stored "
+                            "(pass checks=check_digests(prompt, block_size, namespace)[j0:j1])")
+            with self._lock:
+                for t in self._tiers:
+                    t.c["store_errors"] += len(chain_keys)
+            return False
         with self._lock:
             self._stores_in_flight += 1
         self._pool.submit(self._store_job, list(chain_keys), list(payloads), namespace,
-                          None if token_ids is None else list(token_ids), parent_key, store_id, chained)
+                          None if token_ids is None else list(token_ids), parent_key, store_id, chained,
+                          [int(c) for c in checks])
         return True
 
     def poll_stores(self) -> list:
@@ -471,7 +499,7 @@ class TierConnector:
         return out
 
     def _store_job(self, keys: list, payloads: list, namespace: object, toks: list | None,
-                   parent: int | None, store_id: Any = None, chained: bool = True) -> None:
+                   parent: int | None, store_id: Any = None, chained: bool = True, checks: list | None = None) -> None:
         held = [False] * len(keys)
         if self.chain_names:
             namespace = None
@@ -481,7 +509,8 @@ class TierConnector:
                     m = self.max_blocks_per_call
                     statuses = []
                     for a in range(0, len(keys), m):  # bounded calls (a store's timeouts)
-                        statuses.extend(t.store.put_many(keys[a:a + m], payloads[a:a + m], namespace))
+                        statuses.extend(t.store.put_many(keys[a:a + m], payloads[a:a + m], namespace,
+                                                         checks[a:a + m]))
                 except Exception as e:  # noqa: BLE001 (bad payload size: a bug; counted, never raised here)
                     log.warning("pagedkv tier %s: store failed: %s: %s", t.medium, type(e).__name__, e)
                     self._count(t, store_errors=len(keys))

@@ -14,25 +14,30 @@ A block below the CPU tier is stored under one *store name*, a 128-bit digest (3
 
 The chain key is 64 bits: two different prefixes share a name with probability about ``n**2 / 2**65`` among ``n``
 stored blocks of one fingerprint and namespace: 3e-10 at 100,000 blocks (70 GB of SmolLM2-135M's float32 KV),
-1e-7 at 2 million, 3e-5 at 2**25. The prefix cache in memory checks each block's tokens on a hit; a tier does not
-store tokens, so this bound is the tier's (a 128-bit chain computed from the tokens would remove it; for the
-wiring to decide).
+1e-7 at 2 million, 3e-5 at 2**25, and a store shared across replicas, days and tenants can hold 2**25 blocks.
+A tier does not store tokens, so a name collision alone would serve another prefix's KV silently. **The
+decision** (docs/tiers.md#the-check-digest): every stored value also carries a **check digest**
+(:func:`check_digests`), a second 64-bit digest of the block's whole token prefix computed by another hash
+function (BLAKE2b) over its own chain, and a load refuses a value whose check digest is not the one of the
+prefix it wants (refused, counted, computed; :mod:`pagedkv.tiers.codec`). A wrong load then needs the chain key
+*and* the independent check digest to collide: about ``n**2 / 2**129`` (2e-24 at 2**25 blocks).
 
 Pure functions of their arguments, deterministic across processes and machines; torch-free.
 """
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from dataclasses import dataclass
 
 import numpy as np
 import xxhash
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, InvalidTokensError
 from ..blocks.prefix_cache import _encode_namespace
 
-__all__ = ["ModelFingerprint", "store_names"]
+__all__ = ["ModelFingerprint", "check_digests", "store_names"]
 
 _DTYPES = frozenset({"float32", "float16", "bfloat16", "float64", "int8", "uint8", "fp8_e4m3", "fp8_e5m2"})
 
@@ -113,3 +118,37 @@ def store_names(fingerprint: ModelFingerprint, chain_keys, namespace: object = N
     head = b"pagedkv-tier:" + fingerprint.digest + struct.pack("<I", len(ns)) + ns
     h = xxhash.xxh3_128_hexdigest
     return [h(head + p) for p in packed]
+
+
+_blake8 = hashlib.blake2b
+
+
+def check_digests(token_ids, block_size: int, namespace: object = None, group: int = 0) -> list[int]:
+    """The check digests (ints in [0, 2**64)) of the full blocks of ``token_ids``: the second, independent digest
+    of each block's whole token prefix that a stored value carries and a load compares (see the module
+    docstring). A chain of its own, over another hash function than the chain keys'::
+
+        c_0 = blake2b(b"pagedkv-check:" + b"g<group>:" + enc(namespace), digest_size=8)
+        c_i = blake2b(c_{i-1} (8 bytes, little-endian) + int32 bytes of block i's tokens, digest_size=8)
+
+    so the pair (chain key, check digest) is a 128-bit chained digest of the prefix. Deterministic across
+    processes. O(len(token_ids)) (one BLAKE2b call per block, about a microsecond: nothing next to the I/O of a
+    block). Raises like :func:`pagedkv.block_hashes` on bad tokens, block size or group."""
+    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
+        raise InvalidArgumentError(f"block_size must be an int >= 1, got {block_size!r}")
+    if isinstance(group, bool) or not isinstance(group, (int, np.integer)) or group < 0:
+        raise InvalidArgumentError(f"group must be an int >= 0, got {group!r}")
+    arr = np.asarray(token_ids)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise InvalidTokensError(f"token_ids must be a 1-D sequence of ints, got {arr.dtype} of shape {arr.shape}")
+    if arr.size and (arr.min() < 0 or arr.max() > 2**31 - 1):
+        raise InvalidTokensError("token_ids must lie in [0, 2**31)")
+    n = arr.size // block_size
+    data = arr[: n * block_size].astype("<i4").tobytes()
+    w = 4 * block_size
+    c = _blake8(b"pagedkv-check:g%d:" % int(group) + _encode_namespace(namespace), digest_size=8).digest()
+    out = []
+    for i in range(n):
+        c = _blake8(c + data[i * w:(i + 1) * w], digest_size=8).digest()
+        out.append(int.from_bytes(c, "little"))
+    return out

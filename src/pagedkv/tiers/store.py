@@ -4,8 +4,11 @@ The store takes blocks by their chained content keys (:func:`pagedkv.block_hashe
 with its :class:`~pagedkv.tiers.ModelFingerprint` (:func:`~pagedkv.tiers.store_names`), wraps each payload in
 the value format of :mod:`pagedkv.tiers.codec`, and on a load returns a payload only if its value checks: a value
 corrupted, cut short, of another format version, or written for another fingerprint or name is **dropped** (the
-backend is asked to discard it), **counted** (:attr:`BlockStore.stats`) and never returned. A backend failure is
-counted and answered per block; no method raises for what the store holds or whether it is up.
+backend is asked to discard it), **counted** (:attr:`BlockStore.stats`) and never returned. A load that passes the
+blocks' check digests (:func:`~pagedkv.tiers.check_digests`, as the :class:`~pagedkv.tiers.connector.TierConnector`
+always does) also refuses a value whose check digest is another prefix's (a 64-bit chain-key collision) or that has
+none (``GetStatus.CHECK``, counted in ``check_refused``). A backend failure is counted and answered per block; no
+method raises for what the store holds or whether it is up.
 
 Thread-safe: the counters are updated under a lock; the backends are thread-safe. Payloads are bytes-like
 (``bytes``, a C-contiguous numpy array); loads return read-only ``memoryview`` s (``np.frombuffer`` reads them
@@ -37,6 +40,7 @@ class GetStatus(enum.IntEnum):
     CORRUPT = 2  # a value was stored but failed its checks (cut short, bad checksum, bad magic): dropped
     MISMATCH = 3  # an intact value of another fingerprint, name or format version: dropped
     ERROR = 4  # the store could not answer (down, I/O error, timeout)
+    CHECK = 5  # an intact value of this name whose check digest is not the prefix's, or that has none: refused
 
 
 class GetResult(NamedTuple):
@@ -64,6 +68,7 @@ class TierStats(NamedTuple):
     misses: int = 0
     corrupt: int = 0  # refused and dropped: cut short, bad checksum, bad magic
     mismatched: int = 0  # refused and dropped: another fingerprint / name / format version
+    check_refused: int = 0  # refused: another prefix's check digest (kept: it is that prefix's) or none (dropped)
     read_errors: int = 0  # blocks the store could not answer (get_many and contains_many)
     bytes_read: int = 0  # payload bytes returned
     puts: int = 0  # blocks offered to put_many
@@ -166,20 +171,24 @@ class BlockStore:
                     if good:
                         self._keys[n] = int(k)
 
-    def get_many(self, chain_keys, namespace: object = None) -> GetResult:
+    def get_many(self, chain_keys, namespace: object = None, checks=None) -> GetResult:
         """Load the blocks with chained keys ``chain_keys`` of ``namespace``: one status and value per block
-        (see :class:`GetStatus`). Refused values are discarded from the backend. Raises only on bad arguments
-        (:class:`pagedkv.InvalidArgumentError`, before any I/O). O(blocks + payload bytes)."""
+        (see :class:`GetStatus`). ``checks``: the blocks' check digests (:func:`~pagedkv.tiers.check_digests`,
+        one per key): a value is returned only if it carries the same (None: not compared; the chain key alone
+        names the block). Refused values are discarded from the backend, except a value with another check
+        digest (another prefix's block). Raises only on bad arguments (:class:`pagedkv.InvalidArgumentError`,
+        before any I/O). O(blocks + payload bytes)."""
         names = self.names(chain_keys, namespace)
+        checks = _checks(checks, len(names))
         try:
             raw = self._backend.read_many(names)
         except Exception as e:  # noqa: BLE001 - fail soft, counted
             self._backend_failed("read_many", e)
             raw = [FAILED] * len(names)
         statuses, values, drop = [], [], []
-        hits = misses = corrupt = mismatched = errors = nbytes = 0
+        hits = misses = corrupt = mismatched = refused = errors = nbytes = 0
         want = self._payload_bytes
-        for name, v in zip(names, raw):
+        for i, (name, v) in enumerate(zip(names, raw)):
             if v is None:
                 statuses.append(GetStatus.MISS)
                 values.append(None)
@@ -190,7 +199,7 @@ class BlockStore:
                 values.append(None)
                 errors += 1
                 continue
-            why, payload = codec.decode(v, self._digest, name)
+            why, payload = codec.decode(v, self._digest, name, None if checks is None else checks[i])
             if why is codec.Decoded.OK and want is not None and payload.nbytes != want:
                 why = codec.Decoded.MISMATCH
             if why is codec.Decoded.OK:
@@ -198,6 +207,12 @@ class BlockStore:
                 values.append(payload)
                 hits += 1
                 nbytes += payload.nbytes
+            elif why is codec.Decoded.CHECK:
+                statuses.append(GetStatus.CHECK)
+                values.append(None)
+                refused += 1
+                if not codec.has_check(v):
+                    drop.append(name)  # no check digest: no checked load can ever use it
             else:
                 st = GetStatus.CORRUPT if why is codec.Decoded.CORRUPT else GetStatus.MISMATCH
                 statuses.append(st)
@@ -222,14 +237,17 @@ class BlockStore:
         if self._keys is not None:
             self._remember(names, chain_keys, [s is GetStatus.HIT for s in statuses])
         self._count(gets=len(names), hits=hits, misses=misses, corrupt=corrupt, mismatched=mismatched,
-                    read_errors=errors, bytes_read=nbytes)
+                    check_refused=refused, read_errors=errors, bytes_read=nbytes)
         return GetResult(tuple(statuses), tuple(values))
 
-    def put_many(self, chain_keys, payloads: Sequence, namespace: object = None) -> tuple:
-        """Store ``payloads[i]`` (bytes-like) as the block with chained key ``chain_keys[i]`` of ``namespace``:
-        one :class:`~pagedkv.tiers.PutStatus` per block. A block already stored is not rewritten (PRESENT).
-        Raises only on bad arguments (before any I/O). O(blocks + payload bytes)."""
+    def put_many(self, chain_keys, payloads: Sequence, namespace: object = None, checks=None) -> tuple:
+        """Store ``payloads[i]`` (bytes-like) as the block with chained key ``chain_keys[i]`` of ``namespace``
+        and check digest ``checks[i]`` (:func:`~pagedkv.tiers.check_digests`; None: stored without one, and a
+        load that passes check digests refuses it): one :class:`~pagedkv.tiers.PutStatus` per block. A block
+        already stored is not rewritten (PRESENT). Raises only on bad arguments (before any I/O).
+        O(blocks + payload bytes)."""
         names = self.names(chain_keys, namespace)
+        checks = _checks(checks, len(names))
         if len(payloads) != len(names):
             raise InvalidArgumentError(f"{len(names)} chain keys but {len(payloads)} payloads")
         views = []
@@ -244,7 +262,8 @@ class BlockStore:
                 raise InvalidArgumentError(f"a payload has {mv.nbytes} bytes, this store's blocks have "
                                            f"{self._payload_bytes}")
             views.append(mv)
-        values = [codec.encode(self._digest, n, mv) for n, mv in zip(names, views)]
+        values = [codec.encode(self._digest, n, mv, None if checks is None else checks[i])
+                  for i, (n, mv) in enumerate(zip(names, views))]
         try:
             out = [PutStatus(s) for s in self._backend.write_many(names, values)]
             if len(out) != len(names):
@@ -290,3 +309,18 @@ class BlockStore:
 
     def close(self) -> None:
         self._backend.close()
+
+
+def _checks(checks, n: int):
+    """``checks`` as a list of n ints in [0, 2**64), or None; raises InvalidArgumentError otherwise."""
+    if checks is None:
+        return None
+    try:
+        out = [int(c) for c in checks]
+    except (TypeError, ValueError):
+        raise InvalidArgumentError("checks must be a sequence of ints (check digests)") from None
+    if len(out) != n:
+        raise InvalidArgumentError(f"{n} chain keys but {len(out)} check digests")
+    if any(c < 0 or c >= 1 << 64 for c in out):
+        raise InvalidArgumentError("check digests must be ints in [0, 2**64)")
+    return out
