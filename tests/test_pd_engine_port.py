@@ -251,3 +251,41 @@ def test_usable_blocks_of_a_grouped_transfer_cut_short():
     # a long one: the window's blocks of block 7's position were never sent for a load of fewer blocks
     assert [usable_blocks(7, BS, w, k) for k in (0, 5, 8, 9)] == [0, 0, 0, 7]
     assert usable_blocks(7, BS, (None, None), 5) == 2  # two full groups: the positions both hold
+
+
+def test_a_grouped_load_whose_hit_moved_is_computed():
+    """The scheduler's lookup said one hit and allocate found another: the payloads do not match the range, so
+    the load is aborted (its blocks parked and released at once) and the prompt computed from allocate's hit."""
+    from pagedkv.engine.kv_port import EngineKVPort
+
+    pre, dec = grouped_engine(), grouped_engine()
+    pport, dport = EngineKVPort(pre), EngineKVPort(dec)
+    prompt = list(range(200, 231))
+    req = add(pre, pport, "p", prompt, 1)
+    pport.hold_on_finish(req, 30.0)
+    while pre.scheduler.has_unfinished():
+        grouped_step(pre, pport, {"p": req})
+    hold = pport.take_hold("p")
+    payloads = pport.read_blocks(hold.hold_id, hold.wire_block_ids)
+    warm = add(dec, dport, "w", prompt[:9], 1)
+    while dec.scheduler.has_unfinished():
+        grouped_step(dec, dport, {"w": warm})
+    bm = dec.block_manager
+    real = bm.lookup_prefix
+    bm.lookup_prefix = lambda *a, **k: real(*a, **k)._replace(num_cached_tokens=0)  # (advice that went stale)
+    dreq = SimpleNamespace(request_id="d", prompt_token_ids=tuple(prompt))
+    dport.attach_external(dreq, [bytes(memoryview(p).cast("B")) for p in payloads], 7)
+    add(dec, dport, "d", prompt, 2)
+    first = None
+    while dec.scheduler.has_unfinished():
+        dport.poll(dec.scheduler)
+        plan, _ = grouped_step(dec, dport, {"d": dreq})
+        if first is None and plan.prefills:
+            first = plan.prefills[0]
+            assert first.num_external_tokens == 0 and first.num_cached_tokens == 8  # allocate's hit, computed on
+            full = first.block_table[0].tolist()
+            for j in range(7):
+                assert block_tokens(dec.kv_cache, full[j]) == group_values(prompt, 0, j), j
+    assert dec.scheduler.stats.stale_external_loads == 1 and dec.scheduler.stats.external_tokens == 0
+    assert dport.stats["written_blocks"] == 0 and not bm.parked_seq_ids and not bm.loading_seq_ids
+    bm.check_invariants()
