@@ -167,3 +167,27 @@ def test_faults_a_lease_that_ended_and_a_transfer_cut_short(cases, split):
         port.read_blocks = read
     assert wait_for(lambda: not pre.engine.llm.block_manager.holds)
     check(pre, dec)
+
+
+def test_through_the_router_as_one_streamed_answer(cases, split):
+    from pagedkv.router.app import RouterServer
+    from pagedkv.router.prompt import PromptBuilder
+    from pagedkv.router.state import Replica, RouterState
+
+    pre, dec = split
+    case = cases[4]
+    state = RouterState([Replica(pre.url, role="prefill"), Replica(dec.url, role="decode")], block_size=BS)
+    router = RouterServer(state, PromptBuilder(pre.engine.llm.tokenizer, BS), port=0).start_in_thread()
+    try:
+        ext0 = dec.engine.llm.scheduler.stats.external_tokens
+        with httpx.stream("POST", router.url + "/v1/completions", json=body(case, stream=True, cache_salt="r"),
+                          timeout=600) as s:
+            assert s.status_code == 200 and s.headers["x-pagedkv-prefill-replica"] == pre.url
+            lines = list(s.iter_lines())
+        text = "".join(json.loads(ln[6:])["choices"][0]["text"] for ln in lines if ln.startswith("data: {"))
+        assert text == case["text"] and "data: [DONE]" in lines
+        assert dec.engine.llm.scheduler.stats.external_tokens - ext0 == 416  # 26 blocks read, not computed
+        assert wait_for(lambda: not pre.engine.llm.block_manager.holds)
+    finally:
+        router.close()
+    check(pre, dec)
