@@ -13,6 +13,11 @@ reported beside it, not added (in a split it runs on other cores). Bounded: ever
 the servers are killed at the end.
 
     PYTHONPATH=src .venv/bin/python benchmarks/pd_transfer.py --lengths 512 2048 --repeats 3
+    PYTHONPATH=src .venv/bin/python benchmarks/pd_transfer.py --lengths 1024 2048 --repeats 1 \
+        --serve-args "--model gemma-3-270m --num-gpu-blocks 2048"     (Gemma 3: KV cache groups)
+
+Each length's line also says what the prefill replica serves for the hold (its response headers: values and
+bytes; with KV cache groups one value per group block, a sliding group's only inside its window).
 """
 
 from __future__ import annotations
@@ -102,6 +107,9 @@ def main() -> None:
                                  timeout=600).json()
                 t_pre = time.perf_counter() - t
                 kvp = ans["kv_transfer_params"]
+                with httpx.stream("GET", f"{p_url}/v1/kv/holds/{kvp['remote_request_id']}",
+                                  params={"engine": kvp["remote_engine_id"]}, timeout=60) as h:
+                    sent = (int(h.headers["x-pagedkv-kv-blocks"]), int(h.headers["x-pagedkv-kv-bytes"]))
                 t_spl, text_spl = ttft(d_url, {**base, "cache_salt": salt, "kv_transfer_params": kvp})
                 if text_rec != text_spl:
                     raise SystemExit(f"texts differ at {n} tokens: {text_rec!r} vs {text_spl!r}")
@@ -110,7 +118,8 @@ def main() -> None:
                     spl.append(t_spl)
                     pre.append(t_pre)
             mr, ms, mp = statistics.median(rec), statistics.median(spl), statistics.median(pre)
-            print(f"prompt {n:6d} tokens ({kvp['remote_num_tokens']} handed over): decode TTFT recompute "
+            print(f"prompt {n:6d} tokens ({kvp['remote_num_tokens']} handed over in {sent[0]} values, "
+                  f"{sent[1] / 1e6:.1f} MB): decode TTFT recompute "
                   f"{mr * 1000:8.1f} ms, after the transfer {ms * 1000:8.1f} ms, ratio {ms / mr:5.2f}x; "
                   f"prefill replica's compute {mp * 1000:8.1f} ms; texts equal", flush=True)
     finally:

@@ -5,7 +5,8 @@ As in tests/kv_model.py, a simulated GPU KV store holds one int64 per slot: inst
 the prefix whose KV belongs there (interned ``(parent identity, token)`` pairs). One step:
 
 1. calls in a random order: admissions (prompts sharing prefixes; some with ``num_external_tokens``, some as a
-   batch, some chunked), decodes, frees (``cache=False`` for a sequence handed slots in the step), aborts of
+   batch, some chunked; with KV cache groups some loads ``external_window_only``: a sliding group receives only
+   its window's blocks, and those complete whole or are aborted), decodes, frees (``cache=False`` for a sequence handed slots in the step), aborts of
    LOADING sequences, holds (``hold`` / ``free(hold_for=)``), lease renewals, ``take_store_plan``;
 2. the step's copy plan, executed in order;
 3. transfers: each load completes after a random delay, in any order, writing its bytes into its blocks **even
@@ -130,10 +131,14 @@ class ExternalModel:
         self.next_id += k
         prompts = [self.new_prompt() for _ in seqs]
         exts = [rng.randrange(0, 6) * bs if rng.random() < 0.6 else 0 for _ in seqs]
+        # KV cache groups: some single loads bring only the blocks each sliding window sees at their end
+        wo = self.G > 1 and k == 1 and exts[0] > 0 and rng.random() < 0.4
         try:
             if k > 1:
                 res = bm.allocate_batch(seqs, prompts, num_external_tokens=exts)
                 cached = res.num_cached_tokens.tolist()
+            elif wo:
+                cached = [bm.allocate(seqs[0], prompts[0], num_external_tokens=exts[0], external_window_only=True)]
             else:
                 cached = [bm.allocate(seqs[0], prompts[0], num_external_tokens=exts[0])]
         except OutOfBlocksError:
@@ -154,9 +159,22 @@ class ExternalModel:
             for g in range(self.G):
                 if ext.group_keys[g] != tuple(block_hashes(p[: c], bs, group=g)[ext.start_token // bs:]):
                     self.fail(f"{s}: the load's keys of group {g} are not the prompt's")
+            cut = False
+            h0 = ext.start_token // bs
+            for g, spec in enumerate(bm.kv_cache_groups):  # a cut group: NULL_BLOCK exactly before its window
+                first = max(0, c - spec.window + 1) // bs if wo and spec.window is not None else 0
+                first = first if first > h0 else 0
+                nulls = [h0 + i < first for i in range(len(ext.group_block_ids[g]))]
+                if [b < 0 for b in ext.group_block_ids[g]] != nulls:
+                    self.fail(f"{s}: group {g}'s external blocks {ext.group_block_ids[g]} are not NULL_BLOCK exactly "
+                              f"before block {first}")
+                cut = cut or any(nulls)
             self.loading[s] = ids
             nblk = len(ext.block_ids)
             ok = None if rng.random() < 0.75 else rng.randrange(0, nblk) * bs
+            if cut:  # (such a load completes whole, or is aborted)
+                ok = None
+                self.report.count("loads_window_only")
             done_at = self.step_no + rng.randint(0, 4)
             self.transfers.append([done_at, s, ext, ok, False, done_at + rng.randint(0, 2)])
             self.report.count("loads")
@@ -346,6 +364,8 @@ class ExternalModel:
             ids = self.identities(self.toks[s][: ext.start_token + ext.num_tokens])
             for g, blocks in enumerate(ext.group_block_ids):
                 for i, b in enumerate(blocks):
+                    if b < 0:  # (a cut sliding group's position: no block, nothing sent)
+                        continue
                     good = ok is None or i * bs < ok
                     vals = [x * self.G + g for x in ids[ext.start_token + i * bs : ext.start_token + (i + 1) * bs]] \
                         if good else [GARBAGE] * bs

@@ -95,7 +95,7 @@ class FakePort:
             return gone
 
     # decode side
-    def attach_external(self, request, payloads):
+    def attach_external(self, request, payloads, num_blocks=None):
         self.attached[request.request_id] = list(payloads)
 
     def drop_staged(self, request_id):

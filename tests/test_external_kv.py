@@ -544,3 +544,66 @@ def test_hybrid_selective_counts_hits_in_every_group():
     plan = m.take_store_plan()
     assert plan is not None and len(plan.block_ids) >= 6
     m.check_invariants()
+
+
+def test_hybrid_load_of_window_blocks_only():
+    """external_window_only: a sliding group reserves only the external blocks its window sees at the load's end
+    (the P/D split's Gemma 3 transfer); its earlier positions are NULL_BLOCK, its hit blocks go back to the cache,
+    it registers nothing more of the prompt; the load ends whole or aborted."""
+    from pagedkv.types import NULL_BLOCK
+
+    def warmed():
+        m = hybrid()
+        m.allocate("w", SYS + [7])
+        m.take_copy_plan()
+        m.free("w")
+        return m
+
+    m, twin = warmed(), warmed()
+    p = prompt(1)  # 28 tokens: hit 8 (blocks 0, 1 in both groups), external 16 -> P = 24; window 8 sees 17..23
+    assert m.allocate("a", p, num_external_tokens=16, external_window_only=True) == 24
+    assert twin.allocate("a", p, num_external_tokens=16) == 24
+    ext = m.external_blocks("a")
+    full, sliding = ext.group_block_ids
+    assert len(full) == 4 and min(full) >= 0
+    assert sliding[:2] == (NULL_BLOCK, NULL_BLOCK) and min(sliding[2:]) >= 0  # blocks 4, 5 only
+    assert m.block_table("a", 1).tolist()[:4] == [NULL_BLOCK] * 4
+    assert ext.group_keys == twin.external_blocks("a").group_keys
+    # the sliding group took 2 new blocks fewer and gave its 2 hit blocks back (idle, still cached)
+    assert m.num_free_gpu_blocks == twin.num_free_gpu_blocks + 4
+    m.check_invariants()
+    before = snapshot(m)
+    with pytest.raises(InvalidArgumentError):
+        m.finish_external(failed={"a": 4})  # a part of it cannot be used: the window's earlier KV is nowhere
+    assert snapshot(m) == before
+    assert m.finish_external(done=["a"]) == {"a": 24}
+    m.check_invariants()
+    # the full group registered its blocks, the cut sliding group nothing past its (released) hit
+    assert m.lookup_prefix(p).num_cached_tokens == 8
+    m.take_copy_plan()
+    m.decode_step(["a"], [5])
+    m.check_invariants()
+    h = m.hold("a", 5.0, now=0.0)
+    assert len(h.group_block_ids[0]) == 8 and NULL_BLOCK not in h.group_block_ids[1]
+    assert len(h.group_block_ids[1]) <= 3
+    m.release_hold(h.hold_id)
+    m.take_copy_plan()
+    m.free("a")
+    m.check_invariants()
+    # aborted while loading: its reserved blocks (the NULL positions hold none) parked, then released
+    free = m.num_free_gpu_blocks
+    assert m.allocate("b", prompt(2), num_external_tokens=16, external_window_only=True) == 24
+    m.free("b")
+    assert m.parked_seq_ids == ("b",)
+    m.check_invariants()
+    assert m.finish_external(failed={"b": 0}) == {}
+    assert m.num_free_gpu_blocks == free and m.parked_seq_ids == ()
+    m.check_invariants()
+    # a load the window still sees whole is not cut: as without the flag (a part of it may fail)
+    assert m.allocate("c", prompt(3), num_external_tokens=4, external_window_only=True) == 12
+    assert NULL_BLOCK not in m.external_blocks("c").group_block_ids[1]
+    assert m.finish_external(failed={"c": 0}) == {"c": 8}
+    m.check_invariants()
+    with pytest.raises(InvalidArgumentError):
+        m.allocate("d", prompt(4), num_external_tokens=4, external_window_only=1)
+    m.check_invariants()

@@ -11,6 +11,19 @@ or layout ever loads it (:class:`pagedkv.tiers.ModelFingerprint`).
 step that computed the blocks, so a block reused later can never poison a store); :func:`write_blocks` writes
 loaded payloads into blocks (one scatter), before the forward of the step that admits the request.
 Both O(blocks x block bytes).
+
+**KV cache groups** (Gemma 3 on a :class:`pagedkv.HybridBlockManager`: one KV tensor whose block ids every group
+draws from, so a block id's payload is one group's layers, and the functions above work on any group's blocks).
+What a load of a prompt's first ``n`` blocks needs, per group, is :func:`group_block_ranges`: every block for full
+attention, and for a sliding group of window W only the blocks its window still sees at position ``P = n x
+block_size`` (the first token computed after the load): blocks ``(P - W + 1) // block_size`` on, the rule of the
+hybrid manager's hits and of ``allocate(..., num_external_tokens=, external_window_only=True)``. The payloads of a
+grouped transfer go **position by position** (:func:`group_transfer_order`: block 0 of every group that needs it,
+then block 1, ...), so a transfer cut short keeps the longest usable prefix (:func:`usable_blocks`).
+:func:`group_hold_block_ids` reads the blocks of that order from a holder's per-group tables;
+:func:`write_external_groups` writes them into a loading request's per-group tables (positions a cut sliding
+group holds as NULL_BLOCK are skipped). The storage tiers may reuse these helpers (the names of group ``g``'s
+blocks: ``pagedkv.block_hashes(..., group=g)`` keys with ``model_fingerprint(..., group=g)``).
 """
 
 from __future__ import annotations
@@ -24,7 +37,9 @@ import xxhash
 
 from ..tiers.key import ModelFingerprint
 
-__all__ = ["kv_layout", "model_fingerprint", "payload_bytes", "read_blocks", "weights_digest", "write_blocks"]
+__all__ = ["kv_layout", "model_fingerprint", "payload_bytes", "read_blocks", "weights_digest", "write_blocks",
+           "write_external", "group_block_ranges", "group_transfer_order", "usable_blocks", "group_hold_block_ids",
+           "write_external_groups"]
 
 _TORCH_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
                  torch.float64: "float64"}
@@ -136,3 +151,91 @@ def write_external(plan: Any, kv_cache: torch.Tensor, pending: dict, block_size:
         write_blocks(kv_cache, pw.block_table[j0:j1].tolist(), payloads[j0 - start:j1 - start])
         written += j1 - j0
     return written
+
+
+# ------------------------------------------------------------------------------------------ KV cache groups
+def group_block_ranges(num_blocks: int, block_size: int, windows: Sequence[int | None]) -> list[tuple[int, int]]:
+    """Per KV cache group (``windows[g]``: None for full attention, else the sliding window in tokens), the prompt
+    blocks ``[a, num_blocks)`` whose KV a load of the prompt's first ``num_blocks`` blocks needs: ``a = 0`` for
+    full attention, ``(P - W + 1) // block_size`` (at least 0) for a window W, with ``P = num_blocks x
+    block_size``. O(groups)."""
+    p = num_blocks * block_size
+    return [(0 if w is None else min(num_blocks, max(0, p - w + 1) // block_size), num_blocks) for w in windows]
+
+
+def group_transfer_order(num_blocks: int, block_size: int, windows: Sequence[int | None]) -> list[tuple[int, int]]:
+    """The ``(group, block)`` pairs of a grouped transfer of ``num_blocks`` prompt blocks, in wire order:
+    position by position, groups in index order at each position (see the module docstring).
+    O(transferred blocks)."""
+    ranges = group_block_ranges(num_blocks, block_size, windows)
+    return [(g, j) for j in range(num_blocks) for g, (a, _) in enumerate(ranges) if j >= a]
+
+
+def usable_blocks(num_blocks: int, block_size: int, windows: Sequence[int | None], received: int) -> int:
+    """The most leading prompt blocks ``m <= num_blocks`` a load can use when only the first ``received`` payloads
+    of :func:`group_transfer_order` ``(num_blocks, ...)`` arrived: every group's blocks that a load of ``m``
+    blocks needs (:func:`group_block_ranges` of ``m``) arrived. A sliding group's earlier blocks were never sent,
+    so a long prompt cut short is usually 0 (computed). O(num_blocks x groups)."""
+    if received <= 0:
+        return 0
+    order = group_transfer_order(num_blocks, block_size, windows)
+    got = order[: min(received, len(order))]
+    lo = [num_blocks] * len(windows)
+    hi = [0] * len(windows)
+    for g, j in got:  # (each group's received blocks are one contiguous run)
+        lo[g] = min(lo[g], j)
+        hi[g] = max(hi[g], j + 1)
+    for m in range(num_blocks, 0, -1):
+        ok = True
+        for g, (a, z) in enumerate(group_block_ranges(m, block_size, windows)):
+            if a < z and not (lo[g] <= a and z <= hi[g]):
+                ok = False
+                break
+        if ok:
+            return m
+    return 0
+
+
+def group_hold_block_ids(tables: Sequence[Any], num_blocks: int, block_size: int,
+                         windows: Sequence[int | None]) -> list[int] | None:
+    """The block ids (one flat list, in :func:`group_transfer_order`) that hold a grouped transfer of the first
+    ``num_blocks`` prompt blocks, read from a holder's per-group block tables (``tables[g][j]``: NULL_BLOCK, < 0,
+    where a group holds none); None when a needed block is not held (a sliding window released it).
+    O(transferred blocks)."""
+    out = []
+    for g, j in group_transfer_order(num_blocks, block_size, windows):
+        t = tables[g]
+        b = int(t[j]) if j < len(t) else -1
+        if b < 0:
+            return None
+        out.append(b)
+    return out
+
+
+def write_external_groups(plan: Any, kv_cache: torch.Tensor, pending: dict, block_size: int) -> int:
+    """:func:`write_external` for a model with KV cache groups (``pw.block_table``: one table per group):
+    ``pending`` maps a request id to ``{(group, block): payload}`` (a transfer's payloads by
+    :func:`group_transfer_order`). For each prefill with external tokens, every group's blocks of the external
+    range are written from its entry; a position the group's table holds as NULL_BLOCK (a sliding group's block
+    its window no longer sees, ``external_window_only``) is skipped. Each prefill's entry is popped. Raises
+    KeyError when a block to write has no payload (the allocation and the payloads disagree: a bug, nothing
+    written for that prefill). Returns the blocks written. O(written blocks x block bytes)."""
+    ids, payloads = [], []
+    for pw in plan.prefills:
+        entry = pending.pop(pw.request_id, None)
+        if entry is None or not pw.num_external_tokens:
+            continue
+        j0 = (pw.num_cached_tokens - pw.num_external_tokens) // block_size
+        j1 = pw.num_cached_tokens // block_size
+        mine_ids, mine = [], []
+        for g, table in enumerate(pw.block_table):
+            for j in range(j0, j1):
+                b = int(table[j])
+                if b < 0:
+                    continue
+                mine_ids.append(b)
+                mine.append(entry[(g, j)])
+        ids += mine_ids
+        payloads += mine
+    write_blocks(kv_cache, ids, payloads)
+    return len(ids)

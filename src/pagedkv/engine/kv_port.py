@@ -16,8 +16,17 @@ engine's code is unchanged:
   added it waits for KV (``wait_for_kv``) and is ready at the next step (``kv_ready`` of tokens ``[0, n * bs)``);
   the step that admits it writes the payloads into its external blocks before the forward, and computes the rest.
 
-KV cache groups (Gemma 3: ``HybridBlockManager``, whose external loads are not implemented) are refused with
-ValueError.
+**KV cache groups** (Gemma 3 on a ``HybridBlockManager``): the hold covers every group, and what is handed over
+is, per group, the blocks a load of the prompt's ``n`` whole blocks before its last token needs
+(:func:`.kv_io.group_block_ranges`: every block of a full-attention group, only the blocks a sliding group's
+window still sees at position ``n x block_size``), position by position (:func:`.kv_io.group_transfer_order`).
+The hold's ``block_ids`` stay group 0's ``n`` blocks (``remote_block_ids``, vLLM's shape: ``remote_num_tokens``
+is their tokens); ``wire_block_ids`` are the blocks served, in that order, each named by its group's chained key
+and fingerprint (:meth:`block_names`). The decode side keeps the longest usable prefix of what arrived
+(:func:`.kv_io.usable_blocks`), allocates it as external tokens with ``external_window_only`` (the scheduler:
+a sliding group reserves only its window's blocks), and writes every group's blocks
+(:func:`.kv_io.write_external_groups`). A prefill replica whose sliding window released a block the transfer
+needs (a chunk boundary on the prompt's last token) hands nothing over (the decode replica computes the prompt).
 """
 
 from __future__ import annotations
@@ -26,16 +35,18 @@ import threading
 from typing import Any, NamedTuple, Sequence
 
 from ..errors import PagedKVError
-from .kv_io import model_fingerprint, payload_bytes, read_blocks, write_external
+from .kv_io import (group_hold_block_ids, group_transfer_order, model_fingerprint, payload_bytes, read_blocks,
+                    usable_blocks, write_external, write_external_groups)
 
 __all__ = ["EngineKVPort"]
 
 
 class _Held(NamedTuple):
     hold_id: int
-    block_ids: tuple
+    block_ids: tuple  # group 0's blocks of the prompt's n whole blocks before its last token
     num_tokens: int
     expires_at: float
+    wire_block_ids: tuple | None = None  # KV cache groups: the blocks served, in group_transfer_order
 
 
 class EngineKVPort:
@@ -44,9 +55,12 @@ class EngineKVPort:
 
     def __init__(self, llm: Any, lock: Any = None) -> None:
         bm = llm.block_manager
-        if getattr(llm, "kv_cache_groups", None) is not None or not hasattr(bm, "hold"):
-            raise ValueError("a prefill/decode split needs a model with one KV cache group (KV handed over to a "
-                             "model with KV cache groups, such as Gemma 3, is not implemented)")
+        if not hasattr(bm, "hold"):
+            raise ValueError("a prefill/decode split needs a block manager with holds and external KV")
+        groups = getattr(llm, "kv_cache_groups", None)
+        #: per KV cache group its sliding window (None: full attention); None without KV cache groups
+        self.windows = tuple(g.window for g in groups) if groups is not None else None
+        self._fps: list = []  # (KV cache groups) each group's fingerprint, on first use
         self._llm = llm
         self._bm = bm
         self._kv = llm.kv_cache
@@ -60,7 +74,7 @@ class EngineKVPort:
         self._adding: dict = {}  # request id -> payloads (added, waiting for kv_ready)
         self._ready: dict = {}  # request id -> (0, payloads) (until its first prefill)
         self._inner = llm.kv_tiers  # the engine's own storage tiers (None without)
-        self.stats = {"held": 0, "blocks_read": 0, "loaded": 0, "written_blocks": 0}
+        self.stats = {"held": 0, "blocks_read": 0, "loaded": 0, "written_blocks": 0, "held_incomplete": 0}
         llm.kv_tiers = self
 
     @property
@@ -77,6 +91,28 @@ class EngineKVPort:
         if self._fingerprint is None:
             self._fingerprint = model_fingerprint(self._llm.model, self._kv)
         return self._fingerprint
+
+    def block_names(self, token_ids: Sequence[int], namespace: Any, num_blocks: int) -> list[str]:
+        """The store names of the values a transfer of the prompt's first ``num_blocks`` blocks carries, in wire
+        order: without KV cache groups block ``i``'s (as ``KVHandoff.names``); with them one per
+        :func:`.kv_io.group_transfer_order` pair ``(g, j)``: group ``g``'s fingerprint, the namespace and block
+        ``j``'s chained key in group ``g`` (``pagedkv.block_hashes(..., group=g)``). O(num_blocks x block_size x
+        groups)."""
+        from ..blocks.prefix_cache import block_hashes
+        from ..tiers import store_names
+
+        bs = self.block_size
+        toks = list(token_ids[: num_blocks * bs])
+        if self.windows is None:
+            return store_names(self.fingerprint, list(block_hashes(toks, bs, namespace)), namespace)
+        if not self._fps:
+            self._fps = [model_fingerprint(self._llm.model, self._kv, g) for g in range(len(self.windows))]
+        order = group_transfer_order(num_blocks, bs, self.windows)
+        per = {}
+        for g in sorted({g for g, _ in order}):
+            keys = block_hashes(toks, bs, namespace, g)
+            per[g] = store_names(self._fps[g], list(keys), namespace)
+        return [per[g][j] for g, j in order]
 
     def hold_on_finish(self, request: Any, lease_s: float) -> None:
         self._marked[request.request_id] = float(lease_s)
@@ -101,8 +137,23 @@ class EngineKVPort:
         with self._lock:
             return list(self._bm.expire_holds())
 
-    def attach_external(self, request: Any, payloads: Sequence) -> None:
-        self._staged[request.request_id] = list(payloads)
+    def attach_external(self, request: Any, payloads: Sequence, num_blocks: int | None = None) -> None:
+        """Stage the payloads read for a request (its prompt's leading blocks). With KV cache groups they are a
+        leading part of :func:`.kv_io.group_transfer_order` of ``num_blocks`` blocks (default: the prompt's
+        whole blocks before its last token); only the longest usable prefix is kept (:func:`.kv_io.usable_blocks`:
+        a sliding group's window blocks must have arrived)."""
+        payloads = list(payloads)
+        if self.windows is not None and payloads:
+            bs = self.block_size
+            n = (len(request.prompt_token_ids) - 1) // bs if num_blocks is None else int(num_blocks)
+            order = group_transfer_order(n, bs, self.windows)
+            m = usable_blocks(n, bs, self.windows, len(payloads))
+            need = set(group_transfer_order(m, bs, self.windows)) if m else set()
+            # (a load of m blocks needs, per group, a subset of what a load of n blocks carries)
+            got = {gj: p for gj, p in zip(order, payloads)}
+            payloads = [m, {gj: got[gj] for gj in need}] if m else []
+        if payloads:
+            self._staged[request.request_id] = payloads
 
     def drop_staged(self, request_id: Any) -> None:
         self._staged.pop(request_id, None)
@@ -120,8 +171,12 @@ class EngineKVPort:
         if self._adding:
             adding, self._adding = self._adding, {}
             for rid, payloads in adding.items():
+                if self.windows is not None:  # ([m, {(group, block): payload}]: m blocks usable)
+                    nblocks, payloads = payloads
+                else:
+                    nblocks = len(payloads)
                 try:
-                    ok = scheduler.kv_ready(rid, 0, len(payloads) * self.block_size)
+                    ok = scheduler.kv_ready(rid, 0, nblocks * self.block_size)
                 except PagedKVError:  # (a range the server's checks exclude) the prompt is computed
                     ok = scheduler.kv_ready(rid, 0, 0)
                     payloads = None
@@ -147,7 +202,14 @@ class EngineKVPort:
 
     def write_loads(self, plan: Any, kv_cache: Any) -> None:
         if self._ready:
-            self.stats["written_blocks"] += write_external(plan, kv_cache, self._ready, self.block_size)
+            if self.windows is not None:
+                ready = {rid: e[1] for rid, e in self._ready.items()
+                         if any(pw.request_id == rid for pw in plan.prefills)}
+                for rid in ready:
+                    del self._ready[rid]
+                self.stats["written_blocks"] += write_external_groups(plan, kv_cache, ready, self.block_size)
+            else:
+                self.stats["written_blocks"] += write_external(plan, kv_cache, self._ready, self.block_size)
         if self._inner:
             self._inner.write_loads(plan, kv_cache)
 
@@ -165,7 +227,17 @@ class EngineKVPort:
                     self._held[pw.request_id] = None
                     continue
                 h = self._bm.hold(pw.seq_id, lease)
-                self._held[pw.request_id] = _Held(h.hold_id, tuple(h.block_ids[:n]), n * bs, h.expires_at)
+                wire = None
+                if self.windows is not None:  # every group's blocks a load of n blocks needs, in wire order
+                    tables = [self._bm.block_table(pw.seq_id, g) for g in range(len(self.windows))]
+                    wire = group_hold_block_ids(tables, n, bs, self.windows)
+                    if wire is None:  # (a sliding window released a needed block: nothing to hand over)
+                        self._bm.release_hold(h.hold_id)
+                        self._held[pw.request_id] = None
+                        self.stats["held_incomplete"] += 1
+                        continue
+                    wire = tuple(wire)
+                self._held[pw.request_id] = _Held(h.hold_id, tuple(h.block_ids[:n]), n * bs, h.expires_at, wire)
                 self.stats["held"] += 1
         if self._inner:
             self._inner.store_computed(plan, kv_cache, by_id)

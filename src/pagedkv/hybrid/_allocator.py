@@ -369,16 +369,17 @@ class HybridAllocator:
         return plan.nhit * self.bs
 
     def allocate_external(self, seq_id: Hashable, arr: np.ndarray, la: int, gns: tuple, chunk: int | None,
-                          e: int) -> tuple:
+                          e: int, window_only: bool = False) -> tuple:
         """External KV (manager/_external.py): the hybrid hit L, then ``e`` tokens after it (cut to whole blocks
-        before the prompt's last token) whose blocks every group reserves unregistered. Returns ``(L, e')``;
-        ``e' == 0``: a plain allocation (chunked as asked). O(prompt blocks x groups)."""
+        before the prompt's last token) whose blocks every group reserves unregistered. Returns ``(L, e', cut)``;
+        ``e' == 0``: a plain allocation (chunked as asked). ``window_only``: then :meth:`cut_windows` at the
+        load's end (``cut``: whether it cut a group). O(prompt blocks x groups)."""
         bs, G = self.bs, self.G
         plan = self.plan(arr, la, gns)
         h = plan.nhit * bs
         ext = max(0, min(e, (arr.size - 1) // bs * bs - h))
         if not ext:
-            return self.allocate(seq_id, arr, la, gns, chunk) // bs, 0
+            return self.allocate(seq_id, arr, la, gns, chunk) // bs, 0, False
         if chunk is not None and h + ext + chunk < plan.n:  # the hit, the external tokens, one chunk
             n = h + ext + chunk
             nb = -(-(n + la) // bs)
@@ -393,7 +394,33 @@ class HybridAllocator:
                 for b, cpu, chain, nn in plan.groups])
         self.hold(plan)
         self.commit(seq_id, gns, plan, defer=True)
-        return plan.nhit, ext
+        cut = self.cut_windows(seq_id, plan.nhit, h + ext) if window_only else False
+        return plan.nhit, ext, cut
+
+    def cut_windows(self, seq_id: Hashable, nhit: int, p: int) -> bool:
+        """A load of window blocks only (``allocate(..., external_window_only=True)``), just committed with its
+        external range ``[nhit * bs, p)`` deferred: each sliding group of window W whose first block still seen
+        at ``p`` (``(p - W + 1) // bs``, as a hybrid hit's NULL_BLOCK positions) lies past its hit releases its
+        positions before that block (its hit blocks back to the cache's LRU, its new blocks to the free ring),
+        holds NULL_BLOCK there, and ends its chain (``ccid`` 0: that group registers nothing more of this
+        sequence, since the blocks after the cut chain through blocks it never holds). Returns whether a group
+        was cut. Nothing here can fail. O(groups + released blocks)."""
+        bs, cut_any = self.bs, False
+        for g in self.sliding:
+            t = self.tables[g]
+            row = t.row_of[seq_id]
+            cut = max(0, p - self.windows[g] + 1) // bs
+            a = int(t.nrel[row])
+            if cut <= nhit or cut <= a:  # (the window at p still sees the hit: every external block is needed)
+                continue
+            gone = t.table[row, a:cut].astype(np.int64)
+            t.table[row, a:cut] = NULL_BLOCK
+            t.nrel[row] = cut
+            t.ccid[row] = t.ckey[row] = 0
+            t.memo_ids = None
+            self.blocks.release(gone[gone >= 0][::-1])  # (tail first, as free)
+            cut_any = True
+        return cut_any
 
     def allocate_batch(self, seq_ids: list, arrs: list, gnss: list, chunks: list, la: int) -> HybridPrefillBatch:
         """A batch of validated prompts (see HybridBlockManager.allocate_batch), all or nothing."""

@@ -355,7 +355,8 @@ class HybridBlockManager:
 
     # ------------------------------------------------------------------ allocation
     def allocate(self, seq_id: Hashable, token_ids: Sequence[int], num_lookahead_slots: int = 0, *,
-                 namespace: object = None, num_new_tokens: int | None = None, num_external_tokens: int = 0) -> int:
+                 namespace: object = None, num_new_tokens: int | None = None, num_external_tokens: int = 0,
+                 external_window_only: bool = False) -> int:
         """Create the sequence's block table in every group; returns the hybrid hit (tokens cached in every group,
         a multiple of block_size, less than the prompt). See BlockManager.allocate; raises what it raises
         (PromptTooLongError counting every group) and changes nothing then. O(prompt blocks x groups).
@@ -375,16 +376,29 @@ class HybridBlockManager:
         each group reserves the blocks of the E' tokens after the hybrid hit (a sliding group too: its window
         releases those it no longer needs once the sequence runs), registers nothing past the hit until
         :meth:`finish_external`, and the sequence is LOADING until then.
+
+        ``external_window_only=True`` (with ``num_external_tokens``): a sliding group of window W reserves only
+        the external blocks its window still sees at the load's end ``P = L + E'`` (blocks ``(P - W + 1) //
+        block_size`` on, the hybrid hit's rule); its positions before them hold NULL_BLOCK in
+        ``external_blocks(seq).group_block_ids[g]`` (no KV to write there) and its hit blocks before them return
+        to the cache. Such a group then registers nothing more of this sequence (its chain would run through
+        blocks it never holds). The KV a sliding group needs before P exists nowhere in this manager, so such a
+        load completes whole (``finish_external(done=)``) or is aborted (:meth:`free`, then reported);
+        ``finish_external(failed=)`` of it raises InvalidArgumentError. A load whose external range the windows
+        still see whole is not cut and behaves as without the flag.
         """
         if num_external_tokens:
             e = self._ext.check_external(num_external_tokens)
             self._t0.check_new_id(seq_id)
             la = check_int("num_lookahead_slots", num_lookahead_slots, 0)
             k = None if num_new_tokens is None else check_int("num_new_tokens", num_new_tokens, 1)
+            if not isinstance(external_window_only, bool):
+                raise InvalidArgumentError(f"external_window_only must be a bool, got {external_window_only!r}")
             arr = as_tokens(token_ids)
-            nhit, ext = self._alloc.allocate_external(seq_id, arr, la, self._alloc.gns(namespace), k, e)
+            nhit, ext, cut = self._alloc.allocate_external(seq_id, arr, la, self._alloc.gns(namespace), k, e,
+                                                           external_window_only)
             if ext:
-                self._ext.start_load(seq_id, arr, nhit, ext, namespace)
+                self._ext.start_load(seq_id, arr, nhit, ext, namespace, cut)
             return nhit * self._bs + ext
         self._t0.check_new_id(seq_id)
         la = check_int("num_lookahead_slots", num_lookahead_slots, 0)

@@ -61,6 +61,7 @@ class _Load(NamedTuple):
     nhit: int  # hit blocks (the external range starts after them)
     next: int  # external blocks
     namespace: object
+    cut: bool = False  # a sliding group holds only its window's blocks (HybridBlockManager, external_window_only)
 
 
 def _check_lease(lease_s: object) -> float:
@@ -95,6 +96,7 @@ class External:
         self.gpu = blocks.gpu
         self.loads: dict = {}  # seq_id -> _Load of each LOADING sequence
         self.holds: dict = {}  # hold_id -> Hold
+        self.parked_tokens: dict = {}  # seq_id -> external tokens of a load aborted while LOADING (t.parked's)
         self.next_hold = 1
 
     # ------------------------------------------------------------------ loads
@@ -139,11 +141,13 @@ class External:
             self.enter_loading(seq_id, row, _Load(arr, n, nhit, ext // self.bs, namespace))
         return nhit * self.bs + ext
 
-    def start_load(self, seq_id: Hashable, arr: np.ndarray, nhit: int, ext: int, namespace) -> None:
+    def start_load(self, seq_id: Hashable, arr: np.ndarray, nhit: int, ext: int, namespace,
+                   cut: bool = False) -> None:
         """A sequence just allocated (every group) with ``ext`` external tokens after its ``nhit`` hit blocks,
-        registration deferred: it becomes LOADING. O(groups)."""
+        registration deferred: it becomes LOADING. ``cut``: a sliding group holds only the blocks its window
+        sees at the load's end (NULL_BLOCK before them; such a load ends whole or aborted). O(groups)."""
         row = self.t.row_of[seq_id]
-        self.enter_loading(seq_id, row, _Load(arr, int(self.t.ntok[row]), nhit, ext // self.bs, namespace))
+        self.enter_loading(seq_id, row, _Load(arr, int(self.t.ntok[row]), nhit, ext // self.bs, namespace, cut))
 
     def enter_loading(self, seq_id: Hashable, row: int, rec: _Load) -> None:
         for t in self.tables:  # (every group's row of the sequence: the same row)
@@ -192,7 +196,9 @@ class External:
         return walk([_as_tokens(p) for p in prompts], out_plans, rows, nhit)
 
     def external_blocks(self, seq_id: Hashable) -> ExternalLoad | None:
-        """The LOADING sequence's external range (None when it is not LOADING). O(prompt blocks) (its keys)."""
+        """The LOADING sequence's external range (None when it is not LOADING); a sliding group's positions its
+        window no longer sees at the load's end are NULL_BLOCK when the load was cut (``external_window_only``).
+        O(prompt blocks) (its keys)."""
         t = self.t
         rec = self.loads.get(seq_id) if t.loading else None
         if rec is None:
@@ -225,9 +231,15 @@ class External:
                 raise InvalidArgumentError(f"seq_id must be hashable, got {type(s).__name__}") from None
             seen.add(s)
             if s in t.loading:
-                e = self.loads[s].next * bs
+                rec = self.loads[s]
+                e = rec.next * bs
+                if rec.cut and ok is not None:
+                    raise InvalidArgumentError(
+                        f"failed[{s!r}]: this load holds only the window blocks of its sliding groups (allocate(..., "
+                        "external_window_only=True)); the KV they need before them exists nowhere here, so it "
+                        "completes whole (done) or is aborted (free, then reported)")
             elif s in t.parked:
-                e = t.parked[s].size // len(self.tables) * bs  # (every group's blocks of the range)
+                e = self.parked_tokens[s]
             elif s in t.row_of:
                 raise SequenceStateError(f"sequence {s!r} is not loading external KV (reported twice, or it never "
                                          "was)")
@@ -242,6 +254,7 @@ class External:
         for s, ok in items:
             if s in t.parked:
                 self.blocks.release(t.parked.pop(s))
+                del self.parked_tokens[s]
                 continue
             rec = self.loads.pop(s)
             got = rec.next if ok is None else int(ok) // bs
@@ -266,7 +279,8 @@ class External:
         for t in self.tables:
             row = t.loading.pop(seq_id)
             trow = t.table[row]
-            exts.append(trow[a:z].astype(np.int64))
+            x = trow[a:z].astype(np.int64)
+            exts.append(x[x >= 0])  # (a cut sliding group's NULL_BLOCK positions hold nothing)
             rest = np.concatenate([trow[t.nrel[row] : a], trow[z : t.nblk[row]]])[::-1].astype(np.int64)
             rest = rest[rest >= 0]  # (a sliding group's released positions)
             t.row_of[seq_id] = row
@@ -274,6 +288,7 @@ class External:
             t.drop_row(seq_id, row)
             self.blocks.release(rest)
         self.t.parked[seq_id] = np.concatenate(exts) if len(exts) > 1 else exts[0]  # (group 0's tables: all)
+        self.parked_tokens[seq_id] = rec.next * self.bs
 
     # ------------------------------------------------------------------ holds
     def hold(self, seq_id: Hashable, lease_s: object, now: object) -> Hold:
@@ -353,7 +368,9 @@ class External:
                     fail(f"{s!r}: a LOADING sequence registered blocks past its hit")
                 if rec.nhit + rec.next > int(tg.nblk[row]) or (rec.nhit + rec.next) * self.bs >= rec.arr.size:
                     fail(f"{s!r}: its external range is not inside its prompt")
-                ext = tg.table[row, rec.nhit : rec.nhit + rec.next]
+                ext = tg.table[row, max(rec.nhit, int(tg.nrel[row])) : rec.nhit + rec.next]
+                if int(tg.nrel[row]) > rec.nhit and (not rec.cut or tg.ccid[row] != 0):
+                    fail(f"{s!r}: a group released external positions of a load that was not cut")
                 if (ext < 0).any():
                     fail(f"{s!r}: a block of its external range is missing")
                 if cache is not None and (cache.cid[ext] != 0).any():

@@ -95,7 +95,10 @@ class Admitter(Part):
                     reason = f"{len(toks)} tokens can never fit in the pool"
                     break
                 try:
-                    hit = bm.allocate(s.seq_id, toks, **kw)
+                    if extra and getattr(bm, "num_groups", 1) > 1:
+                        hit, extra = self.allocate_loaded(bm, s.seq_id, toks, cur, extra, kw)
+                    else:
+                        hit = bm.allocate(s.seq_id, toks, **kw)
                 except OutOfBlocksError as e:
                     verdict = "NEVER" if type(e).__name__ == "PromptTooLongError" else "LATER"
                     reason = str(e)
@@ -181,6 +184,29 @@ class Admitter(Part):
             s.status = RUNNING
             q.running[g.arrival] = g
         return computed
+    def allocate_loaded(self, bm, seq_id, toks: np.ndarray, cur: int, extra: int, kw: dict) -> tuple:
+        """Allocate a prompt whose tokens ``[cur, cur + extra)`` arrived loaded, on a manager with KV cache groups
+        (docs/external-kv.md): ``allocate(..., num_external_tokens=extra, external_window_only=True)``, so that
+        a sliding group reserves only the blocks its window sees at ``cur + extra`` (the KV handed over holds only
+        those), then ``finish_external(done=)`` at once (the payloads are in memory; the engine writes them after
+        the step's copy plan, before its forward, as for any load). Returns ``(hit, extra)``. When the manager's
+        hit is not the lookup's ``cur`` (the range would not match the payloads), the load is aborted, the prompt
+        allocated plainly and ``extra`` is 0 (``stats.stale_external_loads``). Raises what allocate raises
+        (nothing changed then). O(prompt blocks x groups)."""
+        kx = dict(kw)
+        if "num_new_tokens" in kx:  # (a chunk past the external tokens)
+            kx["num_new_tokens"] = max(1, kx["num_new_tokens"] - extra)
+        got = bm.allocate(seq_id, toks, num_external_tokens=extra, external_window_only=True, **kx)
+        ext = bm.external_blocks(seq_id)
+        if ext is not None and ext.start_token == cur and ext.num_tokens == extra:
+            bm.finish_external(done=[seq_id])
+            return cur, extra
+        self.stats.stale_external_loads += 1
+        if ext is None:  # (nothing loaded: a plain allocation, its hit)
+            return int(got), 0
+        bm.free(seq_id)  # (aborted while loading: its blocks parked, released at once: nothing writes them)
+        bm.finish_external(done=[seq_id])
+        return bm.allocate(seq_id, toks, **kw), 0
 
     def work(self, g: Group, s: Seq, toks: np.ndarray, hit: int, num_samples: int,
              end: int | None = None, extra: int = 0) -> PrefillWork:

@@ -175,7 +175,7 @@ def build_app(engine: AsyncEngine, *, model_name: str, model_aliases: tuple[str,
             got = await kv.fetch(kvt, ids, req.cache_salt)
             in_background(kv.release_remote(kvt))
             if got.payloads:
-                kv.port.attach_external(request, got.payloads)
+                kv.port.attach_external(request, got.payloads, len(kvt.remote_block_ids))
         check_open()
         if kvt is not None and kvt.do_remote_decode:
             kv.expect_hold(request, ids, req.cache_salt)

@@ -59,7 +59,12 @@ class KVPort(Protocol):
     ``hold_on_finish``, ``take_hold`` and ``attach_external`` are called on the event loop and must not block
     (a dict lookup or an attribute set); ``read_blocks``, ``release_hold`` and ``expire_holds`` are called in
     worker threads and the port makes them safe against the engine's steps (held blocks are never written, so
-    reading them while a step runs is safe)."""
+    reading them while a step runs is safe).
+
+    Optional, for a port whose blocks are several values each (KV cache groups): ``block_names(token_ids,
+    namespace, num_blocks)``, the names of the values a transfer of that many prompt blocks carries, in order
+    (used instead of :meth:`KVHandoff.names`), and a hold with ``wire_block_ids``, the blocks served in that
+    order (``block_ids`` stay the prompt's blocks: ``remote_block_ids``)."""
 
     fingerprint: Any
     block_size: int
@@ -83,9 +88,11 @@ class KVPort(Protocol):
     def expire_holds(self) -> list:
         """Release every hold past its lease; their ids."""
 
-    def attach_external(self, request: Any, payloads: Sequence) -> None:
+    def attach_external(self, request: Any, payloads: Sequence, num_blocks: int | None = None) -> None:
         """Mark a prepared, not yet submitted request: its prompt's first ``len(payloads)`` blocks come with this
-        KV (the engine allocates them as external tokens and writes these bytes before computing the rest)."""
+        KV (the engine allocates them as external tokens and writes these bytes before computing the rest).
+        ``num_blocks``: the prompt blocks the transfer was for (``len(remote_block_ids)``); a port with KV cache
+        groups, whose payloads are several per block (its ``block_names``), reads them by it."""
 
     def drop_staged(self, request_id: Any) -> None:
         """Drop what :meth:`attach_external` staged for a request that will not run (its submission was
@@ -168,6 +175,9 @@ class KVHandoff:
     def names(self, token_ids: Sequence[int], namespace: Any, num_blocks: int) -> list[str]:
         """The store names of the prompt's first ``num_blocks`` blocks (model fingerprint, namespace, chained
         content keys). O(num_blocks * block_size)."""
+        names = getattr(self.port, "block_names", None)
+        if names is not None:  # (the port names its values: KV cache groups carry several per block)
+            return names(token_ids, namespace, num_blocks)
         from ..blocks.prefix_cache import block_hashes
         from ..tiers import store_names
 
@@ -191,13 +201,14 @@ class KVHandoff:
             if hold is not None:
                 self._release_port(hold.hold_id)
             return None
-        if names is None or len(names) < len(hold.block_ids):
+        served = getattr(hold, "wire_block_ids", None) or hold.block_ids  # (KV cache groups: every group's)
+        if names is None or len(names) < len(served):
             self._release_port(hold.hold_id)
-            raise RuntimeError(f"the engine held {len(hold.block_ids)} blocks for request {request_id!r}, more "
+            raise RuntimeError(f"the engine held {len(served)} blocks for request {request_id!r}, more "
                                "than its prompt's whole blocks")
         wire = secrets.token_hex(16)
-        self._holds[wire] = _Held(hold.hold_id, tuple(int(b) for b in hold.block_ids),
-                                  names[: len(hold.block_ids)], int(hold.num_tokens), self.clock() + self.lease_s)
+        self._holds[wire] = _Held(hold.hold_id, tuple(int(b) for b in served),
+                                  names[: len(served)], int(hold.num_tokens), self.clock() + self.lease_s)
         self.stats["holds"] += 1
         return answer_params(hold_id=wire, block_ids=hold.block_ids, num_tokens=hold.num_tokens,
                              engine_id=self.engine_id, host=self.host, port=self.port_number)
@@ -309,8 +320,8 @@ class KVHandoff:
         self.stats["fetches"] += 1
         if n == 0:
             return FetchResult([], 0)
-        reader = BundleReader(self.port.fingerprint.digest, self.names(token_ids, namespace, n),
-                              self.port.payload_bytes)
+        names = self.names(token_ids, namespace, n)
+        reader = BundleReader(self.port.fingerprint.digest, names, self.port.payload_bytes)
         url = f"{kvt.base_url}/v1/kv/holds/{kvt.remote_request_id}"
         error = None
         try:
@@ -329,7 +340,7 @@ class KVHandoff:
             error = f"reading the blocks failed: {type(e).__name__}"
         if error is None:
             error = reader.error
-        res = FetchResult(reader.payloads, n, error)
+        res = FetchResult(reader.payloads, len(names), error)  # (KV cache groups: values, not prompt blocks)
         self.stats["blocks_fetched"] += len(res.payloads)
         if not res.complete:
             self.stats["fetches_failed" if not res.payloads else "fetches_partial"] += 1

@@ -184,8 +184,8 @@ def check_request(kvt: KVTransferParams | None, *, role: str, available: bool, b
                        "(send do_remote_prefill to a decode replica)", "invalid_request_error", "kv_role_mismatch",
                        "kv_transfer_params.do_remote_prefill")
     if not available:
-        raise APIError(400, "this replica cannot hand KV blocks over (a model with KV cache groups, such as Gemma "
-                       "3, cannot yet); send the request without kv_transfer_params", "invalid_request_error",
+        raise APIError(400, "this replica cannot hand KV blocks over (its engine has no KV port); send the "
+                       "request without kv_transfer_params", "invalid_request_error",
                        "kv_transfer_unavailable", "kv_transfer_params")
     if n != 1:
         raise APIError(400, "'n' must be 1 with kv_transfer_params", "invalid_request_error", None, "n")

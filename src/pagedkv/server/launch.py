@@ -185,7 +185,8 @@ class Server:
 
 def engine_kv_port(llm: Any, lock: Any = None, *, required: bool = False) -> Any:
     """The engine's :class:`~pagedkv.server.kv_handoff.KVPort` (:class:`pagedkv.engine.kv_port.EngineKVPort`,
-    over the engine's step ``lock``), or None when the engine cannot hand KV over (a model with KV cache groups);
+    over the engine's step ``lock``; KV cache groups too), or None when the engine cannot hand KV over (a block
+    manager without holds);
     ValueError then when ``required``."""
     try:
         from ..engine.kv_port import EngineKVPort
