@@ -95,7 +95,7 @@ class Admitter(Part):
                     reason = f"{len(toks)} tokens can never fit in the pool"
                     break
                 try:
-                    if extra and getattr(bm, "num_groups", 1) > 1:
+                    if extra and not reserve and getattr(bm, "num_groups", 1) > 1:  # (P/D: staged, window-only)
                         hit, extra = self.allocate_loaded(bm, s.seq_id, toks, cur, extra, kw)
                     else:
                         hit = bm.allocate(s.seq_id, toks, **kw)

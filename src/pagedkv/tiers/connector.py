@@ -49,7 +49,8 @@ from .backend import PutStatus
 from .key import check_digests
 from .store import BlockStore
 
-__all__ = ["TierConnector", "LoadDone", "LookupDone", "TierCounters", "LoadLatencyHistogram", "MEDIUM_DISK", "MEDIUM_SHARED",
+__all__ = ["TierConnector", "LoadDone", "LookupDone", "TierCounters", "LoadLatencyHistogram", "MEDIUM_DISK",
+           "MEDIUM_SHARED",
            "DEFAULT_MAX_LOAD_MS_PER_BLOCK", "LATENCY_BUCKETS_S"]
 
 log = logging.getLogger("pagedkv.tiers")
