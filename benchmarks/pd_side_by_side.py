@@ -249,12 +249,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-pin", action="store_true", help="do not pin the replicas (same --threads only)")
     p.add_argument("--serve-args", default="--num-gpu-blocks 1024", help="extra pagedkv serve options (all four)")
     p.add_argument("--seed", type=int, default=100)
-    p.add_argument("--out", default=str(HERE / "results" / "pd_side_by_side"),
-                   help="path stem of the .md, .json and .png written")
+    p.add_argument("--name", default="pd_side_by_side",
+                   help="files written: benchmarks/results/NAME.md, .json and .png")
+    p.add_argument("--out", default=None, help="path stem of the .md, .json and .png written (instead of --name)")
     p.add_argument("--no-chart", action="store_true")
     a = p.parse_args(argv)
     cores = (None, None) if a.no_pin else tuple(a.cores)
-    out = Path(a.out)
+    out = Path(a.out) if a.out else HERE / "results" / a.name
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="pd-side-") as tmp:
         tmp = Path(tmp)
