@@ -193,14 +193,17 @@ class FakeEngine:
 
 def fake_server(role: str, port=None, *, block_size: int = 4, **kv):
     """``pagedkv serve``'s app over a :class:`FakeEngine`, served on 127.0.0.1 in a thread: ``(url, engine,
-    handoff, close)``."""
+    handoff, close)``. Its ``/metrics`` has the handoff's families (the engine's figures all 0)."""
     from pagedkv.server.app import build_app
     from pagedkv.server.kv_handoff import KVHandoff
     from pagedkv.server.launch import serve_in_thread
+    from pagedkv.server.metrics import ServerMetrics
 
     engine = FakeEngine(port, block_size)
     handoff = KVHandoff(role=role, port=port, **kv)
-    app = build_app(engine, model_name="fake", kv=handoff)
+    metrics = ServerMetrics(dict, "fake")
+    metrics.add_kv_handoff(handoff)
+    app = build_app(engine, model_name="fake", kv=handoff, metrics=metrics)
     server, thread, number = serve_in_thread(app, "127.0.0.1", 0, f"fake-{role}")
     handoff.port_number = number
 
@@ -209,3 +212,25 @@ def fake_server(role: str, port=None, *, block_size: int = 4, **kv):
         thread.join(10)
 
     return f"http://127.0.0.1:{number}", engine, handoff, close
+
+
+class StallingPort(FakePort):
+    """A prefill side whose block reads after the first batch announce themselves on stdout (``stalled``) and
+    never return: a process serving it can be killed mid-body, after the first blocks were sent."""
+
+    def read_blocks(self, hold_id, block_ids):
+        import time
+
+        if self.reads >= 1:
+            print("stalled", flush=True)
+            time.sleep(3600)
+        return super().read_blocks(hold_id, block_ids)
+
+
+if __name__ == "__main__":  # python kv_fakes.py: a prefill replica over a StallingPort; prints "url URL"
+    import time
+
+    url, *_ = fake_server("prefill", StallingPort(4), lease_s=600.0)
+    print(f"url {url}", flush=True)
+    while True:
+        time.sleep(60)

@@ -6,8 +6,13 @@ as the real server shapes them. Like the real server it watches its client and s
 when the client goes away. ``GET /health`` answers 200; ``GET /stats`` answers the counters (requests,
 finished, aborted) and the last ``Authorization`` header received.
 
-Run in a thread (:func:`start_in_thread`) or as a process (``python stub_replica.py PORT DELAY``, which prints
-``ready`` once it serves), so a test can ``kill -9`` it mid-stream.
+Run in a thread (:class:`ThreadReplica`) or as a process (:class:`ProcReplica`: ``python stub_replica.py PORT
+DELAY``, which prints ``ready`` once it serves), so a test can ``kill -9`` it mid-stream.
+
+The router tests' shared start-up lives here too (tests/test_router_faults.py, tests/test_pd_router.py,
+tests/test_pd_server.py, tests/engine/test_pd_engine.py): :func:`make_router` (a ``pagedkv router`` in a thread
+over replicas of any role), :class:`ByteTokenizer`, :func:`wait_for`, :func:`settled`, :func:`metric` and the
+:func:`cleanup` fixture (import it into the test module).
 
 A prefill/decode split's wire behaviour (docs/pd-split.md), without KV: a body whose ``kv_transfer_params`` asks
 for ``do_remote_decode`` is answered (after ``delay`` per token, as any request) with ``kv_transfer_params``
@@ -20,7 +25,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import select
+import signal
+import subprocess
 import sys
+import time
+from pathlib import Path
+
+import pytest
 
 
 def make_app(delay: float = 0.02):
@@ -140,6 +153,103 @@ class ThreadReplica:
     def close(self) -> None:
         self._server.should_exit = True
         self._thread.join(10)
+
+
+class ProcReplica:
+    """The stub in its own process on a free port of 127.0.0.1, so that a test can kill it with SIGKILL
+    (:meth:`kill9`, also :meth:`close`). Its start-up is bounded (30 s)."""
+
+    def __init__(self, delay: float) -> None:
+        from redis_server import free_port
+
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(port), str(delay)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        ready, _, _ = select.select([self.proc.stdout], [], [], 30)
+        if not ready or self.proc.stdout.readline().strip() != b"ready":
+            self.kill9()
+            raise RuntimeError("the stub replica did not start")
+
+    def stats(self) -> dict:
+        import httpx
+
+        return httpx.get(self.url + "/stats", timeout=5).json()
+
+    def kill9(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    close = kill9
+
+
+# ------------------------------------------------------------------------------------ the router tests' helpers
+class ByteTokenizer:
+    """One token per UTF-8 byte: the router only needs ids to hash (the stubs ignore them)."""
+
+    def encode(self, text, add_special_tokens=False):
+        return list(text.encode())
+
+    def apply_chat_template(self, messages):
+        return list("".join(m["content"] for m in messages).encode())
+
+
+def make_router(backends=(), *, prefill=(), decode=(), events=None, index=None, block_size: int = 4,
+                tokenizer=None, **kw):
+    """A ``pagedkv router`` started in a thread on 127.0.0.1 (``.url``; ``close()`` it): colocated ``backends``
+    (``events``: url -> (events endpoint, replay endpoint)), ``prefill`` and ``decode`` replicas of a split,
+    routing over ``tokenizer`` (default :class:`ByteTokenizer`). Health checks every 0.2 s, two failures mark a
+    replica down, unless ``kw`` says otherwise (the rest of ``kw`` goes to ``RouterServer``)."""
+    from pagedkv.router.app import RouterServer
+    from pagedkv.router.prompt import PromptBuilder
+    from pagedkv.router.state import Replica, RouterState
+
+    reps = [Replica(u, role="prefill") for u in prefill] + [Replica(u, role="decode") for u in decode] + \
+        [Replica(u, *((events or {}).get(u, (None, None)))) for u in backends]
+    state = RouterState(reps, index, block_size=block_size)
+    kw = {"health_interval": 0.2, "health_timeout": 3.0, "health_fails": 2, **kw}
+    return RouterServer(state, PromptBuilder(tokenizer or ByteTokenizer(), block_size), port=0,
+                        **kw).start_in_thread()
+
+
+def wait_for(cond, timeout: float = 10.0) -> bool:
+    """Poll ``cond`` every 20 ms until it is true (True) or ``timeout`` seconds passed (False)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def settled(router) -> bool:
+    """Every replica's in-flight count and load back to zero."""
+    return all(r.inflight == 0 and r.inflight_tokens == 0 for r in router.state.replicas.values())
+
+
+def metric(url_or_server, name: str, labels: str = "") -> float | None:
+    """The value of one sample of ``GET /metrics`` (``labels``: the text inside the braces, exactly as
+    exposed), None when absent."""
+    import httpx
+
+    url = getattr(url_or_server, "url", url_or_server)
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(f"{name}{labels} ") or line.startswith(f"{name}{{{labels}}} "):
+            return float(line.split()[-1])
+    return None
+
+
+@pytest.fixture
+def cleanup():
+    """A list to append replicas, routers and callables to: each is closed (or called) at the end, last first."""
+    things: list = []
+    yield things
+    for t in reversed(things):
+        try:
+            t() if callable(t) else t.close()
+        except Exception:
+            pass
 
 
 if __name__ == "__main__":

@@ -332,6 +332,15 @@ def test_routes_need_the_key_and_name_unknown_holds(pd):
     r = httpx.get(url + kvt.remote_request_id, params={"engine": kvt.remote_engine_id}, timeout=5)
     # 7 blocks of a 64-byte payload, each with the codec's 64 bytes of header and checksum
     assert r.status_code == 200 and r.headers["x-pagedkv-kv-blocks"] == "7" and len(r.content) == 7 * (64 + 64)
+    # the first K blocks only (a decode replica whose staging budget is short); K past the end: all
+    r = httpx.get(url + kvt.remote_request_id, params={"engine": kvt.remote_engine_id, "blocks": 3}, timeout=5)
+    assert r.headers["x-pagedkv-kv-blocks"] == "3" and r.content == httpx.get(
+        url + kvt.remote_request_id, timeout=5).content[: 3 * (64 + 64)]
+    r = httpx.get(url + kvt.remote_request_id, params={"blocks": 70}, timeout=5)
+    assert r.headers["x-pagedkv-kv-blocks"] == "7" and len(r.content) == 7 * (64 + 64)
+    for bad in ("0", "-1", "x", "1e3"):
+        r = httpx.get(url + kvt.remote_request_id, params={"blocks": bad}, timeout=5)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "blocks"
     assert httpx.delete(url + kvt.remote_request_id, timeout=5).status_code == 204
     assert httpx.delete(url + kvt.remote_request_id, timeout=5).status_code == 404  # twice: unknown
     # with an API key
@@ -414,3 +423,166 @@ def test_a_prefill_replica_killed_mid_body_leaves_the_whole_blocks_that_arrived(
         lst.close()
     assert len(r.payloads) == 3 and r.payloads == [block_payload(tokens[i:i + BS], 64) for i in range(0, 12, BS)]
     assert "reading the blocks failed" in r.error and dec.stats["fetches_partial"] == 1
+
+
+def test_expired_and_dropped_holds_reach_the_metrics(pd):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pagedkv.server.metrics import ServerMetrics
+
+    pre, _, pport, _, clock = pd
+    m = ServerMetrics(dict, "m")
+    m.add_kv_handoff(pre)
+
+    def ended():
+        fams = {f.name: f for f in text_string_to_metric_families(m.render().decode())}
+        return {s.labels["how"]: s.value for s in fams["pagedkv:kv_handoff_holds_ended"].samples}
+
+    hold_for(pre, pport, list(range(30)))
+    req = Req(list(range(40, 70)))
+    pre.expect_hold(req, req.prompt_token_ids, None)
+    pport.finish(req.request_id)
+    pre.forget(req.request_id)  # the request ended unanswered
+    assert ended() == {"released": 0, "expired": 0, "dropped": 1}
+    clock[0] = 31.0
+    pport.now = 31.0
+    assert len(run(pre.sweep())) == 1
+    assert ended() == {"released": 0, "expired": 1, "dropped": 1}
+
+
+# ------------------------------------------------------------------------------------------------ bounded staging
+BIG = 64 * 1024  # bytes per block's payload in these tests
+
+
+class RawPeer:
+    """A prefill replica's answer to one GET, from a body built in advance (sent from that buffer: the peer
+    allocates nothing while it sends, so what a trace of the fetch sees is the decode side's); ``?blocks=K``
+    sends the first K values of ``value_bytes`` each, as the real route does."""
+
+    def __init__(self, body: bytes, value_bytes: int) -> None:
+        import socket
+
+        self.body = body
+        self.value_bytes = value_bytes
+        self.asked = None
+        self.lst = socket.socket()
+        self.lst.bind(("127.0.0.1", 0))
+        self.lst.listen(1)
+        self.port = self.lst.getsockname()[1]
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        conn, _ = self.lst.accept()
+        try:
+            import re
+
+            head = conn.recv(65536).split(b"\r\n", 1)[0].decode()
+            self.asked = head
+            m = re.search(r"[?&]blocks=(\d+)", head)
+            body = memoryview(self.body)[: int(m.group(1)) * self.value_bytes] if m else memoryview(self.body)
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream\r\ncontent-length: "
+                         + str(len(body)).encode() + b"\r\n\r\n")
+            conn.sendall(body)
+        except OSError:
+            pass  # the reader hung up once it had what it wanted
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        self.thread.join(10)
+        self.lst.close()
+
+
+def traced_fetch(dec, kvt, tokens):
+    """The fetch's result and the most memory Python allocated during it, above what was allocated before."""
+    import gc
+    import tracemalloc
+
+    async def go():
+        try:
+            return await dec.fetch(kvt, tokens, None)
+        finally:
+            await dec.aclose()
+
+    dec._http()  # (the client, and the modules it imports, before the trace)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        res = run(go())
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    return res, peak
+
+
+def test_a_large_transfer_stays_under_the_staging_bound():
+    """300 blocks of 64 KiB (19.7 MB) offered, a 2 MiB staging budget: the decode side reads the 32 leading
+    blocks that fit, never allocates much more than the budget, counts the rest over budget (computed), and the
+    room comes back when the engine drops the payloads (here: the fake port's copy of the list). The same
+    transfer with a budget that fits it allocates the whole 19.7 MB: the measure sees a bound that does not hold."""
+    from pagedkv.server.kv_handoff import KVHandoff
+    from pagedkv.server.kv_wire import encode_blocks
+
+    limit = 2 << 20
+    dport = FakePort(BS, payload_bytes=BIG)
+    tokens = list(range(1, 1202))  # 1,201 tokens: 300 whole blocks before the last token
+    payloads = [block_payload(tokens[i:i + BS], BIG) for i in range(0, 300 * BS, BS)]
+    dec = KVHandoff(role="decode", port=dport, fetch_timeout=30.0, fetch_buffer_bytes=limit)
+    body = b"".join(encode_blocks(dport.fingerprint.digest, dec.names(tokens, None, 300), payloads))
+
+    def offer():
+        peer = RawPeer(body, BIG + 56)
+        kvt = parse_kv_transfer_params(good_params(remote_port=peer.port, remote_block_ids=list(range(300)),
+                                                   remote_num_tokens=300 * BS))
+        return peer, kvt
+
+    peer, kvt = offer()
+    try:
+        res, peak = traced_fetch(dec, kvt, tokens)
+    finally:
+        peer.close()
+    assert len(res.payloads) == limit // BIG == 32 and not res.complete and "staging buffer" in res.error
+    assert res.payloads == payloads[:32] and "blocks=32" in peer.asked  # only what fits is asked for
+    assert peak < limit + (1 << 20), peak  # the payloads, one value being parsed, a few chunks
+    assert dec.staging.used == 32 * BIG and dec.staging.peak <= limit
+    assert dec.stats["blocks_over_budget"] == 268 and dec.stats["fetches_partial"] == 1
+    # the engine keeps the payloads until the step that admits the request writes them
+    dport.attach_external(Req(tokens), res.payloads)
+    del res
+    assert dec.staging.used == 32 * BIG
+    dport.attached.clear()  # written into the blocks (or the request aborted): the room comes back
+    assert dec.staging.used == 0
+    # the budget taken by others: nothing read (no connection made), the prompt computed
+    taken = dec.staging.reserve(10**6, BIG)
+    res = run(dec.fetch(kvt, tokens, None))
+    assert res.payloads == [] and "staging buffer" in res.error and dec.stats["fetches_failed"] == 1
+    dec.staging.release(taken * BIG)
+    assert dec.staging.used == 0
+
+    # the same transfer with a budget that fits it: every block read, and all of it in memory
+    dec = KVHandoff(role="decode", port=dport, fetch_timeout=30.0, fetch_buffer_bytes=1 << 30)
+    peer, kvt = offer()
+    try:
+        res, peak = traced_fetch(dec, kvt, tokens)
+    finally:
+        peer.close()
+    assert res.complete and res.payloads == payloads and peak > 300 * BIG
+    del res
+    assert dec.staging.used == 0 and dec.staging.peak == 300 * BIG
+
+
+def test_bundle_reader_prefix_only_stops_quietly_after_the_named_blocks():
+    from pagedkv.server.kv_wire import BundleReader, encode_blocks
+    from pagedkv.tiers import ModelFingerprint, store_names
+
+    fp = ModelFingerprint("w", "float32", BS, "x")
+    names = store_names(fp, list(range(1, 6)))
+    body = b"".join(encode_blocks(fp.digest, names, [bytes([i]) * 32 for i in range(5)]))
+    r = BundleReader(fp.digest, names[:2], 32, prefix_only=True)
+    assert not r.feed(body) and r.done and r.error is None and r.payloads == [b"\0" * 32, b"\1" * 32]
+    r.finish()
+    assert r.error is None
+    strict = BundleReader(fp.digest, names[:2], 32)
+    assert not strict.feed(body) and "more than the blocks named" in strict.error

@@ -130,16 +130,9 @@ def test_gemma_without_the_gemma_extra_names_the_extra(monkeypatch, capsys):
 def test_the_router_warns_about_a_replica_serving_another_model(caplog):
     pytest.importorskip("uvicorn")
     pytest.importorskip("httpx")
-    from stub_replica import ThreadReplica
+    from stub_replica import ThreadReplica, make_router
 
-    from pagedkv.router.app import RouterServer
-    from pagedkv.router.prompt import PromptBuilder
-    from pagedkv.router.state import Replica, RouterState
     from pagedkv.server.launch import served_model_names
-
-    class ByteTokenizer:
-        def encode(self, text, add_special_tokens=False):
-            return list(text.encode())
 
     smol = ThreadReplica()
     smol.app.state.model_id = "smollm2-135m"
@@ -147,11 +140,9 @@ def test_the_router_warns_about_a_replica_serving_another_model(caplog):
     gemma.app.state.model_id = "gemma-3-270m"
     router = None
     try:
-        state = RouterState([Replica(smol.url), Replica(gemma.url)], None, block_size=16)
         name, aliases = served_model_names("gemma-3-270m")
         with caplog.at_level(logging.WARNING, logger="pagedkv.router"):
-            router = RouterServer(state, PromptBuilder(ByteTokenizer(), 16), port=0, health_interval=0.2,
-                                  model_names=(name, *aliases)).start_in_thread()
+            router = make_router([smol.url, gemma.url], block_size=16, model_names=(name, *aliases))
         # at start-up (the first health round runs before the router serves)
         assert router.health.model_mismatch == {smol.url: ("smollm2-135m",)}
         warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]

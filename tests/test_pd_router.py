@@ -11,13 +11,6 @@ decode replica left (503, the router releases the hold), the client's mistakes (
 from __future__ import annotations
 
 import json
-import os
-import select
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 
@@ -26,83 +19,9 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 
+from stub_replica import ProcReplica, cleanup, make_router, metric, settled, wait_for  # noqa: E402,F401
+
 BLOCK = 4
-STUB = str(Path(__file__).with_name("stub_replica.py"))
-
-
-class ByteTokenizer:
-    def encode(self, text, add_special_tokens=False):
-        return list(text.encode())
-
-    def apply_chat_template(self, messages):
-        return list("".join(m["content"] for m in messages).encode())
-
-
-def make_router(prefill, decode, backends=(), **kw):
-    from pagedkv.router.app import RouterServer
-    from pagedkv.router.prompt import PromptBuilder
-    from pagedkv.router.state import Replica, RouterState
-
-    reps = [Replica(u, role="prefill") for u in prefill] + [Replica(u, role="decode") for u in decode] + \
-        [Replica(u) for u in backends]
-    state = RouterState(reps, block_size=BLOCK)
-    return RouterServer(state, PromptBuilder(ByteTokenizer(), BLOCK), port=0, health_interval=0.2,
-                        health_timeout=3.0, health_fails=2, **kw).start_in_thread()
-
-
-def wait_for(cond, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
-def settled(router):
-    return all(r.inflight == 0 and r.inflight_tokens == 0 for r in router.state.replicas.values())
-
-
-def metric(router, name):
-    for line in httpx.get(router.url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[-1])
-    return None
-
-
-class ProcReplica:
-    """A stub replica in its own process (killable with SIGKILL)."""
-
-    def __init__(self, delay: float) -> None:
-        from redis_server import free_port
-
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self.proc = subprocess.Popen([sys.executable, STUB, str(port), str(delay)], stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL)
-        ready, _, _ = select.select([self.proc.stdout], [], [], 30)
-        if not ready or self.proc.stdout.readline().strip() != b"ready":
-            self.close()
-            raise RuntimeError("the stub replica did not start")
-
-    def stats(self):
-        return httpx.get(self.url + "/stats", timeout=5).json()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-
-
-@pytest.fixture
-def cleanup():
-    things = []
-    yield things
-    for t in reversed(things):
-        try:
-            t() if callable(t) else t.close()
-        except Exception:
-            pass
 
 
 def sse_texts(lines):
@@ -122,7 +41,7 @@ def test_split_end_to_end_over_the_real_server_app(cleanup):
     p_url, p_engine, p_kv, p_close = fake_server("prefill", pport)
     d_url, d_engine, d_kv, d_close = fake_server("decode", dport)
     cleanup += [p_close, d_close]
-    router = make_router([p_url], [d_url])
+    router = make_router(prefill=[p_url], decode=[d_url])
     cleanup.append(router)
     prompt = "a prompt long enough for some blocks"  # 36 bytes: 8 whole blocks before the last token
     ids = list(prompt.encode())
@@ -166,9 +85,9 @@ def test_split_end_to_end_over_the_real_server_app(cleanup):
 def test_prefill_replicas_lost_before_answering(cleanup):
     """The first prefill replica is killed while it computes: the next one takes the prompt; when none is left
     the decode replica computes the whole prompt (a recompute), never an error for the client."""
-    p1, p2, d = ProcReplica(0.3), ProcReplica(0.01), ProcReplica(0.01)
+    p1, p2, d = ProcReplica(5.0), ProcReplica(0.01), ProcReplica(0.01)
     cleanup += [p1, p2, d]
-    router = make_router([p1.url, p2.url], [d.url])
+    router = make_router(prefill=[p1.url, p2.url], decode=[d.url])
     cleanup.append(router)
     body = {"prompt": "some prompt of twenty", "max_tokens": 3}
 
@@ -179,7 +98,8 @@ def test_prefill_replicas_lost_before_answering(cleanup):
     def go():
         out["r"] = httpx.post(router.url + "/v1/completions", json=body, timeout=30)
 
-    # p1 is chosen first (the tie goes to the first replica); it sleeps 0.3 s per token: killed meanwhile
+    # p1 is chosen first (the tie goes to the first replica); it sleeps 5 s per token: killed meanwhile (a
+    # shorter delay lets a loaded machine answer before the kill)
     t = threading.Thread(target=go)
     t.start()
     assert wait_for(lambda: p1.stats()["requests"] == 1, 10)
@@ -205,7 +125,7 @@ def test_prefill_replicas_lost_before_answering(cleanup):
 def test_decode_replica_lost_mid_stream_is_an_error_event(cleanup):
     p, d = ProcReplica(0.01), ProcReplica(0.05)
     cleanup += [p, d]
-    router = make_router([p.url], [d.url])
+    router = make_router(prefill=[p.url], decode=[d.url])
     cleanup.append(router)
     with httpx.stream("POST", router.url + "/v1/completions", timeout=30,
                       json={"prompt": "a prompt of twenty b", "max_tokens": 400, "stream": True}) as s:
@@ -224,7 +144,7 @@ def test_decode_replica_lost_mid_stream_is_an_error_event(cleanup):
 def test_no_decode_replica_is_a_503_and_the_router_releases_the_hold(cleanup):
     p, d = ProcReplica(0.01), ProcReplica(0.01)
     cleanup += [p, d]
-    router = make_router([p.url], [d.url])
+    router = make_router(prefill=[p.url], decode=[d.url])
     cleanup.append(router)
     d.close()
     assert wait_for(lambda: router.state.routable(roles=("decode",)) == [])
@@ -246,3 +166,34 @@ def test_router_cli_takes_prefill_and_decode_replicas():
 
     assert main(["--prefill", "http://127.0.0.1:1"]) == 2  # a split needs both roles
     assert main([]) == 2
+
+
+def test_decode_replica_lost_before_answering_is_retried_with_the_same_params(cleanup):
+    """The decode replica is killed after it got the request and before it answered: the next decode replica
+    gets the same kv_transfer_params (the hold is still on the prefill replica), the client the whole answer."""
+    p, d1, d2 = ProcReplica(0.01), ProcReplica(5.0), ProcReplica(0.01)
+    cleanup += [p, d1, d2]
+    router = make_router(prefill=[p.url], decode=[d1.url, d2.url])
+    cleanup.append(router)
+
+    import threading
+
+    out = {}
+
+    def go():
+        out["r"] = httpx.post(router.url + "/v1/completions", json={"prompt": "a prompt of twenty b",
+                                                                    "max_tokens": 2}, timeout=30)
+
+    t = threading.Thread(target=go)
+    t.start()
+    assert wait_for(lambda: d1.stats()["requests"] == 1, 10)  # d1 first (the tie goes to the first replica)
+    sent = d1.stats()["kv_params"][-1]
+    d1.close()
+    t.join(30)
+    r = out["r"]
+    assert r.status_code == 200 and r.headers["x-pagedkv-replica"] == d2.url, r.text
+    assert r.json()["choices"][0]["text"] == " t0 t1"
+    assert d2.stats()["kv_params"] == [sent] and sent["remote_request_id"] == "h0"
+    assert p.stats()["requests"] == 1  # one prefill: the retry reuses its hold
+    assert metric(router, "pagedkv_router_retries_total") >= 1
+    assert wait_for(lambda: settled(router))

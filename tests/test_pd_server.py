@@ -14,6 +14,7 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("torch")  # (the app builds the engine's SamplingParams)
 
 from kv_fakes import FakePort, block_payload, fake_server  # noqa: E402
+from stub_replica import wait_for  # noqa: E402
 
 from pagedkv.server.kv_transfer import prefill_body  # noqa: E402
 
@@ -28,17 +29,6 @@ def replicas():
     yield (p_url, p_engine, p_kv, pport), (d_url, d_engine, d_kv, dport)
     p_close()
     d_close()
-
-
-def wait_for(cond, timeout=10.0):
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def post(url, body):
@@ -146,3 +136,116 @@ def test_serve_options_of_the_split_are_checked_before_the_model_loads():
             check(*argv)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--kv-role", "middle"])
+
+
+def samples(url):
+    """``GET /metrics`` as {(sample name, ((label, value), ...) without model_name): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for s in fam.samples:
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
+            out[(s.name, labels)] = s.value
+    return out
+
+
+def test_the_handoff_is_in_metrics_on_both_sides(replicas):
+    """Prefill side: holds taken, live, ended by a release; blocks and bytes served. Decode side: reads by
+    outcome, blocks and bytes read, the fetch-time histogram, the staging gauges."""
+    pytest.importorskip("prometheus_client")
+    (p_url, _, p_kv, pport), (d_url, _, d_kv, _) = replicas
+    body = {"prompt": "the prompt of a split request", "max_tokens": 2}  # 7 whole blocks handed over
+    kvp = post(p_url, prefill_body(body)).json()["kv_transfer_params"]
+    m = samples(p_url)
+    assert m[("pagedkv:kv_handoff_holds_active", ())] == 1 and m[("pagedkv:kv_handoff_held_blocks", ())] == 7
+    assert m[("pagedkv:kv_handoff_holds_total", ())] == 1
+    assert post(d_url, {**body, "kv_transfer_params": kvp}).status_code == 200
+    assert wait_for(lambda: p_kv.num_holds == 0)
+    m = samples(p_url)
+    assert m[("pagedkv:kv_handoff_holds_active", ())] == 0 and m[("pagedkv:kv_handoff_held_blocks", ())] == 0
+    assert m[("pagedkv:kv_handoff_holds_ended_total", (("how", "released"),))] == 1
+    assert m[("pagedkv:kv_handoff_holds_ended_total", (("how", "expired"),))] == 0
+    assert m[("pagedkv:kv_handoff_holds_served_total", ())] == 1
+    assert m[("pagedkv:kv_handoff_blocks_served_total", ())] == 7
+    assert m[("pagedkv:kv_handoff_bytes_served_total", ())] == 7 * (64 + 56)  # payload + header + checksum
+    d = samples(d_url)
+    assert d[("pagedkv:kv_handoff_fetches_total", (("outcome", "complete"),))] == 1
+    assert d[("pagedkv:kv_handoff_fetches_total", (("outcome", "failed"),))] == 0
+    assert d[("pagedkv:kv_handoff_blocks_fetched_total", ())] == 7
+    assert d[("pagedkv:kv_handoff_bytes_fetched_total", ())] == 7 * (64 + 56)
+    assert d[("pagedkv:kv_handoff_fetch_seconds_count", ())] == 1
+    assert d[("pagedkv:kv_handoff_fetch_seconds_bucket", (("le", "+Inf"),))] == 1
+    assert d[("pagedkv:kv_handoff_staged_bytes_limit", ())] == d_kv.staging.limit == 1 << 30
+    # the payloads the fake engine keeps are still staged (a real engine drops them once written)
+    assert d[("pagedkv:kv_handoff_staged_bytes", ())] == 7 * 64
+
+    # a hold gone before the read: a failed read, nothing fetched
+    kvp = post(p_url, prefill_body({**body, "prompt": "x" * 30})).json()["kv_transfer_params"]
+    assert httpx.delete(f"{p_url}/v1/kv/holds/{kvp['remote_request_id']}", timeout=5).status_code == 204
+    assert post(d_url, {**body, "prompt": "x" * 30, "kv_transfer_params": kvp}).status_code == 200
+    d = samples(d_url)
+    assert d[("pagedkv:kv_handoff_fetches_total", (("outcome", "failed"),))] == 1
+    assert d[("pagedkv:kv_handoff_blocks_fetched_total", ())] == 7
+    assert d[("pagedkv:kv_handoff_fetch_seconds_count", ())] == 2
+    assert samples(p_url)[("pagedkv:kv_handoff_holds_ended_total", (("how", "released"),))] == 2
+
+
+def test_a_replica_without_a_port_has_no_handoff_metrics():
+    from pagedkv.server.kv_handoff import KVHandoff
+    from pagedkv.server.metrics import ServerMetrics
+
+    m = ServerMetrics(dict, "m")
+    m.add_kv_handoff(KVHandoff())
+    assert b"kv_handoff" not in m.render()
+    m.add_kv_handoff(KVHandoff(role="decode", port=FakePort(BS)))
+    assert b"pagedkv:kv_handoff_fetches_total" in m.render()
+
+
+def test_a_prefill_replica_killed_mid_transfer_leaves_the_blocks_that_arrived():
+    """A prefill replica in its own process sends the first 8 blocks of 13, stalls, and is killed with SIGKILL:
+    the decode replica keeps the 8 whole blocks it read and checked, computes the rest, answers the whole
+    completion, and counts a partial read."""
+    import os
+    import select
+    import signal
+    import subprocess
+    import sys
+    import threading
+    from pathlib import Path
+
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("kv_fakes.py"))], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+
+    def line(timeout):
+        ready, _, _ = select.select([proc.stdout], [], [], timeout)
+        return proc.stdout.readline().decode().strip() if ready else ""
+
+    dport = FakePort(BS)
+    d_url, d_engine, d_kv, d_close = fake_server("decode", dport, fetch_timeout=20.0)
+    try:
+        first = line(60)
+        assert first.startswith("url "), first
+        p_url = first[4:]
+        body = {"prompt": "a prompt long enough for thirteen blocks of four bytes", "max_tokens": 3}
+        kvp = post(p_url, prefill_body(body)).json()["kv_transfer_params"]
+        assert len(kvp["remote_block_ids"]) == 13
+        out = {}
+        t = threading.Thread(target=lambda: out.update(r=post(d_url, {**body, "kv_transfer_params": kvp})))
+        t.start()
+        assert line(20) == "stalled"  # the first batch of 8 blocks is on the wire
+        os.kill(proc.pid, signal.SIGKILL)
+        t.join(30)
+        r = out["r"]
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 8 * BS  # read; the rest computed
+        ids = list(body["prompt"].encode())
+        assert dport.attached[d_engine.submitted[-1].request_id] == [block_payload(ids[i:i + BS], 64)
+                                                                     for i in range(0, 8 * BS, BS)]
+        assert d_kv.stats["fetches_partial"] == 1 and d_kv.stats["blocks_fetched"] == 8
+        assert d_kv.stats["releases_failed"] == 1  # the prefill replica is gone: its release is not confirmed
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        d_close()

@@ -15,8 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
-import select
 import signal
 import subprocess
 import sys
@@ -33,88 +31,14 @@ zmq = pytest.importorskip("zmq")
 msgspec = pytest.importorskip("msgspec")
 pytest.importorskip("prometheus_client")
 
-from stub_replica import ThreadReplica  # noqa: E402
+from stub_replica import (ProcReplica, ThreadReplica, cleanup, make_router, metric, settled,  # noqa: E402,F401
+                          wait_for)
 
 BLOCK = 4
-STUB = str(Path(__file__).with_name("stub_replica.py"))
-
-
-class ByteTokenizer:
-    """One token per UTF-8 byte: the router only needs ids to hash (the stubs ignore them)."""
-
-    def encode(self, text, add_special_tokens=False):
-        return list(text.encode())
-
-    def apply_chat_template(self, messages):
-        return list("".join(m["content"] for m in messages).encode())
-
-
-def make_router(urls, *, events=None, index=None, **kw):
-    from pagedkv.router.app import RouterServer
-    from pagedkv.router.prompt import PromptBuilder
-    from pagedkv.router.state import Replica, RouterState
-
-    reps = [Replica(u, *((events or {}).get(u, (None, None)))) for u in urls]
-    state = RouterState(reps, index, block_size=BLOCK)
-    return RouterServer(state, PromptBuilder(ByteTokenizer(), BLOCK), port=0, health_interval=0.2,
-                        health_timeout=3.0, health_fails=2, **kw).start_in_thread()
-
-
-def wait_for(cond, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
-def settled(router):
-    """Every replica's in-flight count and load back to zero."""
-    return all(r.inflight == 0 and r.inflight_tokens == 0 for r in router.state.replicas.values())
-
-
-def metric(router, name, labels=""):
-    for line in httpx.get(router.url + "/metrics").text.splitlines():
-        if line.startswith(f"{name}{labels} ") or line.startswith(f"{name}{{{labels}}} "):
-            return float(line.split()[-1])
-    return None
 
 
 def data_lines(lines):
     return [ln for ln in lines if ln.startswith("data: ")]
-
-
-class ProcReplica:
-    """The stub in its own process, so that it can be killed with SIGKILL."""
-
-    def __init__(self, delay: float) -> None:
-        from redis_server import free_port
-
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self.proc = subprocess.Popen([sys.executable, STUB, str(port), str(delay)], stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL)
-        ready, _, _ = select.select([self.proc.stdout], [], [], 30)
-        if not ready or self.proc.stdout.readline().strip() != b"ready":
-            self.kill9()
-            raise RuntimeError("the stub replica did not start")
-
-    def kill9(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-
-
-@pytest.fixture
-def cleanup():
-    things = []
-    yield things
-    for t in reversed(things):
-        try:
-            t.kill9() if isinstance(t, ProcReplica) else t.close()
-        except Exception:
-            pass
 
 
 # ------------------------------------------------------------------------------------------------ replica faults

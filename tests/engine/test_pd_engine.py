@@ -6,9 +6,9 @@ is released; a decode replica whose hold is gone computes the whole prompt, stil
 
 from __future__ import annotations
 
-import time
-
 import pytest
+from stub_replica import make_router
+from stub_replica import wait_for as _wait_for
 
 pytestmark = pytest.mark.engine
 
@@ -23,12 +23,7 @@ PROMPT = [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 953
 
 
 def wait_for(cond, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
+    return _wait_for(cond, timeout)
 
 
 @pytest.fixture(scope="module")
@@ -87,13 +82,8 @@ def test_prefill_on_one_replica_decode_on_another_gives_the_reference(engine, sp
 def test_through_the_router_as_one_streamed_answer(engine, split):
     import json
 
-    from pagedkv.router.app import RouterServer
-    from pagedkv.router.prompt import PromptBuilder
-    from pagedkv.router.state import Replica, RouterState
-
     pre, dec = split
-    state = RouterState([Replica(pre.url, role="prefill"), Replica(dec.url, role="decode")], block_size=BS)
-    router = RouterServer(state, PromptBuilder(engine.tokenizer, BS), port=0).start_in_thread()
+    router = make_router(prefill=[pre.url], decode=[dec.url], block_size=BS, tokenizer=engine.tokenizer)
     try:
         with httpx.stream("POST", router.url + "/v1/completions", json=body(stream=True, cache_salt="r"),
                           timeout=120) as s:

@@ -11,7 +11,7 @@ lease (``--kv-lease``, default 480 s, vLLM's) and :meth:`KVHandoff.answer` regis
 unguessable id (128 random bits: the id is the capability to read a tenant's KV) and returns the
 ``kv_transfer_params`` naming it. Routes (:func:`.kv_routes.add_kv_routes`; behind the API key like ``/v1``):
 
-- ``GET /v1/kv/holds/{id}?engine=ENGINE_ID``: the hold's blocks as one body of checked values
+- ``GET /v1/kv/holds/{id}?engine=ENGINE_ID[&blocks=K]``: the hold's blocks (its first K) as one body of checked values
   (:mod:`.kv_wire`), streamed a few blocks at a time; 404 ``unknown_hold`` when the id is unknown, released or
   past its lease, or the engine id is another (a replica restarted since);
 - ``DELETE /v1/kv/holds/{id}``: release the hold (the decode replica has read it, or refused the request): 204;
@@ -28,27 +28,43 @@ prompt (:func:`pagedkv.tiers.store_names`), so only blocks of this model, tenant
 that fails (the prefill replica gone, the hold expired, a read timeout, a body cut short or refused) keeps the
 good leading blocks and the engine computes the rest of the prompt: never a silent truncation, never an error
 for the client. The hold is then released (``DELETE``; a failed release is logged, the lease ends it).
-Counters: :attr:`KVHandoff.stats`.
+
+**Bounded memory on the decode side.** The payloads read wait in memory until the step that admits their request
+writes them into its blocks. A :class:`StagingBudget` (``fetch_buffer_bytes``, ``--kv-fetch-buffer-mib``) bounds
+the bytes of every payload alive at once on the replica: a fetch reserves room for its blocks before it reads
+(what is left of the budget then: never waiting), reads only the leading blocks that fit (the rest of the
+prompt is computed, counted in ``blocks_over_budget``), and each payload gives its room back when the engine
+drops it (written into its block, or its request aborted): a :class:`StagedPayload` is a ``bytes`` whose
+finalizer releases it, so no engine code is involved and no path can leak the count.
+
+Counters: :attr:`KVHandoff.stats`; the fetch times in :attr:`KVHandoff.fetch_seconds`
+(:class:`LatencyHistogram`); both exported at ``/metrics`` (:mod:`.metrics`, ``pagedkv:kv_handoff_*``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 import secrets
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol, Sequence
 
 from .kv_transfer import KVTransferParams, answer_params, max_prefill_tokens
 
-__all__ = ["KVPort", "KVHandoff", "FetchResult", "LOOPBACK_HOSTS", "DEFAULT_LEASE_S"]
+__all__ = ["KVPort", "KVHandoff", "FetchResult", "LOOPBACK_HOSTS", "DEFAULT_LEASE_S", "DEFAULT_FETCH_BUFFER_BYTES",
+           "StagingBudget", "StagedPayload", "LatencyHistogram"]
 
 log = logging.getLogger("pagedkv.server")
 
 DEFAULT_LEASE_S = 480.0  # vLLM's default (VLLM_NIXL_ABORT_REQUEST_TIMEOUT)
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
 _READ_BATCH = 8  # blocks read from the engine per worker-thread hop while serving a hold
+DEFAULT_FETCH_BUFFER_BYTES = 1 << 30  # --kv-fetch-buffer-mib 1024
+#: seconds: the buckets of the decode side's fetch-time histogram (pagedkv:kv_handoff_fetch_seconds)
+FETCH_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class KVPort(Protocol):
@@ -99,6 +115,74 @@ class KVPort(Protocol):
         refused)."""
 
 
+class StagingBudget:
+    """The bytes of fetched KV payloads alive at once on a decode replica, under ``limit``. Thread-safe (payloads
+    are dropped by the engine's thread). O(1) per call."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 0:
+            raise ValueError(f"the staging budget must be >= 0 bytes, got {limit}")
+        self.limit = int(limit)
+        self._used = 0
+        self.peak = 0  #: the most bytes ever staged at once
+        self._lock = threading.Lock()
+
+    @property
+    def used(self) -> int:
+        return self._used
+
+    def reserve(self, count: int, unit: int) -> int:
+        """Reserve room for up to ``count`` payloads of ``unit`` bytes; the number reserved (those that fit)."""
+        with self._lock:
+            k = max(0, min(count, (self.limit - self._used) // unit)) if unit > 0 else count
+            self._used += k * unit
+            self.peak = max(self.peak, self._used)
+            return k
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            self._used -= nbytes
+
+
+class StagedPayload(bytes):
+    """A fetched block's payload (``bytes``) that gives its room back to a :class:`StagingBudget` when the last
+    reference to it goes (the engine wrote it into its block, or dropped its request)."""
+
+    def __del__(self) -> None:
+        budget = self.__dict__.get("_budget")
+        if budget is not None:
+            budget.release(len(self))
+
+    @classmethod
+    def staged(cls, data: Any, budget: StagingBudget) -> "StagedPayload":
+        """A copy of ``data`` (bytes-like) counted against ``budget`` (whose room the caller reserved)."""
+        p = cls(data)
+        p._budget = budget
+        return p
+
+
+class LatencyHistogram:
+    """Cumulative-bucket histogram of seconds (Prometheus' shape): ``buckets`` upper bounds, ``counts[i]``
+    observations <= ``buckets[i]`` (the last entry: all), ``total`` their sum. Observed on the event loop."""
+
+    def __init__(self, buckets: Sequence[float] = FETCH_BUCKETS) -> None:
+        self.buckets = tuple(float(b) for b in buckets)
+        self._n = [0] * (len(self.buckets) + 1)
+        self.total = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self._n[bisect.bisect_left(self.buckets, seconds)] += 1
+        self.total += seconds
+
+    @property
+    def counts(self) -> list[int]:
+        out, acc = [], 0
+        for n in self._n:
+            acc += n
+            out.append(acc)
+        return out
+
+
 @dataclass
 class _Held:
     port_id: Any
@@ -110,15 +194,19 @@ class _Held:
 
 @dataclass(frozen=True)
 class FetchResult:
-    """What a decode replica read: the good leading blocks' ``payloads`` and, when fewer than asked, why."""
+    """What a decode replica read: the good leading blocks' ``payloads`` and, when fewer than asked, why (its
+    repr counts the payloads: asyncio's debug mode formats a finished task's result)."""
 
-    payloads: list
+    payloads: list = field(repr=False)
     asked: int
     error: str | None = None
 
     @property
     def complete(self) -> bool:
         return self.error is None and len(self.payloads) == self.asked
+
+    def __repr__(self) -> str:
+        return f"FetchResult({len(self.payloads)} of {self.asked} blocks, error={self.error!r})"
 
 
 @dataclass
@@ -127,7 +215,8 @@ class KVHandoff:
     ``kv_transfer_params`` get 400 ``kv_transfer_unavailable``; ``--kv-role prefill|decode`` refuses to start).
 
     ``host`` / ``port_number``: where decode replicas reach this one (its HTTP address). ``clock``: seconds,
-    monotonic (injectable: tests never sleep)."""
+    monotonic (injectable: tests never sleep). ``fetch_buffer_bytes``: the decode side's staging budget (the
+    module docstring)."""
 
     role: str = "both"
     port: Any = None
@@ -139,9 +228,15 @@ class KVHandoff:
     fetch_timeout: float = 30.0
     peer_api_key: str | None = None
     clock: Callable[[], float] = time.monotonic
+    fetch_buffer_bytes: int = DEFAULT_FETCH_BUFFER_BYTES
+    #: prefill side: holds (taken), holds_released (by a decode replica, before the lease ended), holds_expired
+    #: (the lease ended), holds_dropped (the request ended unanswered), holds_served, blocks_served, bytes_served;
+    #: decode side: fetches (started), fetches_partial, fetches_failed (no block), blocks_fetched, bytes_fetched
+    #: (wire bytes), blocks_over_budget (not read: the staging budget was full), releases_failed
     stats: dict = field(default_factory=lambda: dict.fromkeys((
-        "holds", "holds_released", "holds_expired", "holds_served", "blocks_served", "fetches", "fetches_partial",
-        "fetches_failed", "blocks_fetched", "releases_failed"), 0))
+        "holds", "holds_released", "holds_expired", "holds_dropped", "holds_served", "blocks_served",
+        "bytes_served", "fetches", "fetches_partial", "fetches_failed", "blocks_fetched", "bytes_fetched",
+        "blocks_over_budget", "releases_failed"), 0))
 
     def __post_init__(self) -> None:
         from .kv_transfer import KV_ROLES
@@ -157,6 +252,8 @@ class KVHandoff:
         self._pending: dict[Any, list] = {}  # request id -> the names of its blocks, until answered
         self._client = None
         self._sweep_task = None
+        self.staging = StagingBudget(self.fetch_buffer_bytes)
+        self.fetch_seconds = LatencyHistogram()
 
     def ensure_sweeper(self, every_s: float = 5.0) -> None:
         """Start :meth:`sweeper` on the running event loop unless it runs (call it from the serving loop)."""
@@ -170,6 +267,11 @@ class KVHandoff:
     @property
     def num_holds(self) -> int:
         return len(self._holds)
+
+    @property
+    def num_held_blocks(self) -> int:
+        """Blocks of the live holds (prefill side). O(holds)."""
+        return sum(len(h.block_ids) for h in self._holds.values())
 
     # ------------------------------------------------------------------------------------------ names
     def names(self, token_ids: Sequence[int], namespace: Any, num_blocks: int) -> list[str]:
@@ -219,6 +321,7 @@ class KVHandoff:
             hold = self.port.take_hold(request_id)
             if hold is not None:
                 self._release_port(hold.hold_id)
+                self.stats["holds_dropped"] += 1
 
     def _release_port(self, port_id: Any) -> bool:
         try:
@@ -273,20 +376,23 @@ class KVHandoff:
             await asyncio.to_thread(self._release_port, port_id)
         return out
 
-    async def serve_blocks(self, h: _Held):
-        """The body of a GET: the hold's values, a few blocks per worker-thread hop. A hold released or expired
-        mid-body ends the body early (the reader sees it cut short)."""
+    async def serve_blocks(self, h: _Held, count: int | None = None):
+        """The body of a GET: the values of the hold's first ``count`` blocks (all by default), a few blocks per
+        worker-thread hop. A hold released or expired mid-body ends the body early (the reader sees it cut
+        short)."""
         from .kv_wire import encode_blocks
 
         fp = self.port.fingerprint.digest
-        for i in range(0, len(h.block_ids), _READ_BATCH):
-            ids = h.block_ids[i: i + _READ_BATCH]
+        n = len(h.block_ids) if count is None else min(count, len(h.block_ids))
+        for i in range(0, n, _READ_BATCH):
+            ids = h.block_ids[i: min(i + _READ_BATCH, n)]
             try:
                 payloads = await asyncio.to_thread(lambda ids=ids: list(self.port.read_blocks(h.port_id, ids)))
             except LookupError:
                 return
             for value in encode_blocks(fp, h.names[i: i + _READ_BATCH], payloads):
                 self.stats["blocks_served"] += 1
+                self.stats["bytes_served"] += len(value)
                 yield value
 
     # ------------------------------------------------------------------------------------------ decode side
@@ -310,8 +416,10 @@ class KVHandoff:
         return {"authorization": f"Bearer {self.peer_api_key}"} if self.peer_api_key else {}
 
     async def fetch(self, kvt: KVTransferParams, token_ids: Sequence[int], namespace: Any) -> FetchResult:
-        """Read the blocks ``kvt`` names from the prefill replica (bounded by ``fetch_timeout`` as a whole);
-        never raises for the peer's faults: the result says how many leading blocks are good and why not all."""
+        """Read the blocks ``kvt`` names from the prefill replica (bounded by ``fetch_timeout`` as a whole, and by
+        the staging budget: only the leading blocks that fit it are read); never raises for the peer's faults:
+        the result says how many leading blocks are good and why not all. The payloads are
+        :class:`StagedPayload`: their room in the budget comes back when the last reference to each goes."""
         import httpx
 
         from .kv_wire import BundleReader
@@ -320,28 +428,46 @@ class KVHandoff:
         self.stats["fetches"] += 1
         if n == 0:
             return FetchResult([], 0)
-        names = self.names(token_ids, namespace, n)
-        reader = BundleReader(self.port.fingerprint.digest, names, self.port.payload_bytes)
+        names = self.names(token_ids, namespace, n)  # (KV cache groups: several values per prompt block)
+        nv = len(names)
+        pb = self.port.payload_bytes
+        k = self.staging.reserve(nv, pb)
+        over = nv - k
+        self.stats["blocks_over_budget"] += over
+        budget = self.staging
+        reader = BundleReader(self.port.fingerprint.digest, names[:k], pb,
+                              keep=lambda mv: StagedPayload.staged(mv, budget), prefix_only=over > 0)
         url = f"{kvt.base_url}/v1/kv/holds/{kvt.remote_request_id}"
         error = None
+        t0 = time.perf_counter()
         try:
-            async with asyncio.timeout(self.fetch_timeout):
-                async with self._http().stream("GET", url, params={"engine": kvt.remote_engine_id},
-                                               headers=self._headers()) as resp:
-                    if resp.status_code != 200:
-                        await resp.aread()
-                        error = f"the prefill replica answered {resp.status_code}"
-                    else:
-                        async for chunk in resp.aiter_bytes():
-                            if not reader.feed(chunk):
-                                break
-                        reader.finish()
+            if k:
+                async with asyncio.timeout(self.fetch_timeout):
+                    # (only the blocks that fit are asked for: what is in flight is never more than reserved)
+                    params = {"engine": kvt.remote_engine_id, **({"blocks": str(k)} if over else {})}
+                    async with self._http().stream("GET", url, params=params, headers=self._headers()) as resp:
+                        if resp.status_code != 200:
+                            await resp.aread()
+                            error = f"the prefill replica answered {resp.status_code}"
+                        else:
+                            async for chunk in resp.aiter_bytes():
+                                if not reader.feed(chunk):
+                                    break
+                            reader.finish()
         except (httpx.HTTPError, TimeoutError, OSError) as e:
             error = f"reading the blocks failed: {type(e).__name__}"
+        finally:
+            budget.release((k - len(reader.payloads)) * pb)  # the room of the blocks that did not arrive
+        if k:
+            self.fetch_seconds.observe(time.perf_counter() - t0)
         if error is None:
             error = reader.error
-        res = FetchResult(reader.payloads, len(names), error)  # (KV cache groups: values, not prompt blocks)
+        if error is None and over:
+            error = (f"the staging buffer (--kv-fetch-buffer-mib, {budget.limit} bytes, {budget.used} in use) took "
+                     f"{k} of {nv} values")
+        res = FetchResult(reader.payloads, nv, error)  # (KV cache groups: values, not prompt blocks)
         self.stats["blocks_fetched"] += len(res.payloads)
+        self.stats["bytes_fetched"] += reader.bytes_read
         if not res.complete:
             self.stats["fetches_failed" if not res.payloads else "fetches_partial"] += 1
             log.warning("KV from %s (hold %s): %d of %d blocks (%s); the engine computes the rest of the prompt",

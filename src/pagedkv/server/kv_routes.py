@@ -9,7 +9,8 @@ __all__ = ["add_kv_routes"]
 
 def add_kv_routes(app, handoff, check_auth) -> None:
     """``GET`` and ``DELETE /v1/kv/holds/{id}`` on a FastAPI ``app`` for ``handoff`` (a
-    :class:`~.kv_handoff.KVHandoff`); ``check_auth(request)`` raises the 401."""
+    :class:`~.kv_handoff.KVHandoff`); ``check_auth(request)`` raises the 401. ``GET ...?blocks=K`` sends only the
+    hold's first K blocks (a decode replica whose staging budget takes fewer than all)."""
     from fastapi import Request
     from fastapi.responses import Response, StreamingResponse
 
@@ -25,14 +26,18 @@ def add_kv_routes(app, handoff, check_auth) -> None:
         check_auth(request)
         if handoff.port is None:
             raise gone(wire_id)
+        first = request.query_params.get("blocks")
+        if first is not None and (not first.isascii() or not first.isdigit() or len(first) > 9 or int(first) < 1):
+            raise APIError(400, "'blocks' must be a whole number >= 1 (the leading blocks wanted)",
+                           "invalid_request_error", None, "blocks")
         h = handoff.lookup(wire_id, request.query_params.get("engine"))
         if h is None:
             raise gone(wire_id)
         handoff.stats["holds_served"] += 1
-        size = len(h.block_ids) * (handoff.port.payload_bytes + 56)
-        return StreamingResponse(handoff.serve_blocks(h), media_type=MEDIA_TYPE,
-                                 headers={"x-pagedkv-kv-blocks": str(len(h.block_ids)),
-                                          "x-pagedkv-kv-bytes": str(size)})
+        n = len(h.block_ids) if first is None else min(int(first), len(h.block_ids))
+        size = n * (handoff.port.payload_bytes + 56)
+        return StreamingResponse(handoff.serve_blocks(h, n), media_type=MEDIA_TYPE,
+                                 headers={"x-pagedkv-kv-blocks": str(n), "x-pagedkv-kv-bytes": str(size)})
 
     @app.delete("/v1/kv/holds/{wire_id}")
     async def release_hold(wire_id: str, request: Request) -> Response:

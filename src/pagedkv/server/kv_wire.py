@@ -18,7 +18,7 @@ and never raises on the bytes it is given. O(bytes) overall.
 from __future__ import annotations
 
 import struct
-from typing import Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from ..tiers import codec
 
@@ -40,17 +40,26 @@ class BundleReader:
     """Incremental parser of a bundle (see the module docstring) for the blocks named ``names``, each with a
     payload of exactly ``payload_bytes`` bytes.
 
-    Feed chunks with :meth:`feed` (False once it stopped: a bad value, or more bytes than the blocks named); call
-    :meth:`finish` at the end of the body. :attr:`payloads` holds the good leading blocks' payloads (bytes),
-    :attr:`error` says why it stopped before all of them (None when every block arrived and checked)."""
+    Feed chunks with :meth:`feed` (False once it stopped: a bad value, more bytes than the blocks named, or, with
+    ``prefix_only``, every named block arrived); call :meth:`finish` at the end of the body. :attr:`payloads` holds
+    the good leading blocks' payloads, :attr:`error` says why it stopped before all of them (None when every block
+    arrived and checked).
 
-    def __init__(self, fingerprint_digest: bytes, names: Sequence[str], payload_bytes: int) -> None:
+    ``keep``: turns a checked payload (a memoryview into the reader's buffer) into the object kept (default
+    ``bytes``: a copy); :class:`~.kv_handoff.KVHandoff` passes one that counts it against its staging budget.
+    ``prefix_only``: the body may hold more blocks than ``names`` (the caller wants only its first blocks): the
+    reader stops, without error, once the named ones arrived."""
+
+    def __init__(self, fingerprint_digest: bytes, names: Sequence[str], payload_bytes: int, *,
+                 keep: Callable[[memoryview], Any] = bytes, prefix_only: bool = False) -> None:
         if payload_bytes < 1:
             raise ValueError(f"payload_bytes must be >= 1, got {payload_bytes}")
         self._fp = fingerprint_digest
         self._names = list(names)
         self._value_bytes = payload_bytes + codec.OVERHEAD_BYTES
         self._payload_bytes = payload_bytes
+        self._keep = keep
+        self._prefix_only = prefix_only
         self._buf = bytearray()
         self.payloads: list[bytes] = []
         self.error: str | None = None
@@ -67,12 +76,15 @@ class BundleReader:
 
     def feed(self, chunk: bytes) -> bool:
         """Take the next bytes of the body; False once the reader stopped (the rest may be dropped)."""
-        if self.error is not None:
+        if self.error is not None or (self._prefix_only and self.done):
             return False
         self.bytes_read += len(chunk)
         self._buf += chunk
         while len(self._buf) >= codec.HEADER_BYTES:
             if len(self.payloads) == len(self._names):
+                if self._prefix_only:
+                    self._buf.clear()
+                    return False
                 self.error = "the body holds more than the blocks named"
                 return False
             (n,) = _LEN.unpack_from(self._buf, _LEN_AT)
@@ -88,7 +100,10 @@ class BundleReader:
             if status is not codec.Decoded.OK:
                 self.error = f"block {len(self.payloads)} refused: {status.name}"
                 return False
-            self.payloads.append(bytes(payload))
+            self.payloads.append(self._keep(payload))
+        if self._prefix_only and self.done:
+            self._buf.clear()
+            return False
         return True
 
     def finish(self) -> None:

@@ -25,7 +25,26 @@ engine's own counts); the three latency histograms are observed by the engine th
                                                      corrupt, mismatched, check_refused, read_errors
 ``pagedkv:kv_tier_load_ms_per_block{medium}``        the crossover rule's average load time per block
 ``pagedkv:kv_tier_load_seconds``                     histogram: a request's tier lookup and load
+``pagedkv:kv_handoff_holds_active``                  prefill/decode split, prefill side: live holds (gauge)
+``pagedkv:kv_handoff_held_blocks``                   blocks of the live holds (gauge)
+``pagedkv:kv_handoff_holds_total``                   holds taken for decode replicas
+``pagedkv:kv_handoff_holds_ended_total{how}``        holds ended: released (by a decode replica, before the
+                                                     lease ended), expired (the lease ended), dropped (the
+                                                     request ended unanswered)
+``pagedkv:kv_handoff_holds_served_total``            hold reads served; ``..._blocks_served_total``,
+                                                     ``..._bytes_served_total`` what they sent
+``pagedkv:kv_handoff_fetches_total{outcome}``        decode side: block reads from prefill replicas by outcome
+                                                     (complete, partial: some leading blocks, failed: none)
+``pagedkv:kv_handoff_blocks_fetched_total``          blocks read and checked; ``..._bytes_fetched_total`` the
+                                                     bytes received
+``pagedkv:kv_handoff_blocks_over_budget_total``      blocks not read (the staging budget was full): computed
+``pagedkv:kv_handoff_releases_failed_total``         hold releases the prefill replica did not confirm
+``pagedkv:kv_handoff_staged_bytes``                  fetched payloads in memory, not yet written (gauge);
+                                                     ``..._staged_bytes_limit`` its bound
+``pagedkv:kv_handoff_fetch_seconds``                 histogram: one request's block read
 ===================================================  ==========================================================
+
+The ``kv_handoff`` families are there when the replica can hand KV over (:meth:`ServerMetrics.add_kv_handoff`).
 """
 
 from __future__ import annotations
@@ -123,11 +142,78 @@ def _tier_metrics(tiers: dict, model: str):
     yield h
 
 
+#: KVHandoff.stats key -> (metric suffix, doc)
+_HANDOFF_COUNTERS = {
+    "holds": ("holds", "Holds taken: a prompt's blocks kept for a decode replica."),
+    "holds_served": ("holds_served", "Hold reads served to decode replicas."),
+    "blocks_served": ("blocks_served", "KV blocks sent to decode replicas."),
+    "bytes_served": ("bytes_served", "KV bytes sent to decode replicas (checked values)."),
+    "blocks_fetched": ("blocks_fetched", "KV blocks read from prefill replicas and checked."),
+    "bytes_fetched": ("bytes_fetched", "Bytes received from prefill replicas."),
+    "blocks_over_budget": ("blocks_over_budget", "KV blocks not read: the staging budget was full (computed)."),
+    "releases_failed": ("releases_failed", "Hold releases the prefill replica did not confirm (its lease ends it)."),
+}
+
+
+class _HandoffCollector:
+    """The ``pagedkv:kv_handoff_*`` families, read from a :class:`~.kv_handoff.KVHandoff` at scrape time (on the
+    event loop, where the handoff's counters change)."""
+
+    def __init__(self, kv, model_name: str) -> None:
+        self._kv = kv
+        self._model = model_name
+
+    def collect(self):
+        kv, m = self._kv, [self._model]
+        st = kv.stats
+        g = GaugeMetricFamily("pagedkv:kv_handoff_holds_active", "Live holds for decode replicas.",
+                              labels=["model_name"])
+        g.add_metric(m, float(kv.num_holds))
+        yield g
+        g = GaugeMetricFamily("pagedkv:kv_handoff_held_blocks", "KV blocks of the live holds.", labels=["model_name"])
+        g.add_metric(m, float(kv.num_held_blocks))
+        yield g
+        for key, (name, doc) in _HANDOFF_COUNTERS.items():
+            c = CounterMetricFamily(f"pagedkv:kv_handoff_{name}", doc, labels=["model_name"])
+            c.add_metric(m, float(st[key]))
+            yield c
+        c = CounterMetricFamily("pagedkv:kv_handoff_holds_ended", "Holds ended, by how: released by a decode "
+                                "replica before the lease ended, expired, dropped (the request ended unanswered).",
+                                labels=["model_name", "how"])
+        for how in ("released", "expired", "dropped"):
+            c.add_metric([self._model, how], float(st[f"holds_{how}"]))
+        yield c
+        c = CounterMetricFamily("pagedkv:kv_handoff_fetches", "Block reads from prefill replicas, by outcome: "
+                                "complete, partial (some leading blocks), failed (none).",
+                                labels=["model_name", "outcome"])
+        partial, failed = st["fetches_partial"], st["fetches_failed"]
+        for outcome, n in (("complete", st["fetches"] - partial - failed), ("partial", partial),
+                           ("failed", failed)):
+            c.add_metric([self._model, outcome], float(n))
+        yield c
+        g = GaugeMetricFamily("pagedkv:kv_handoff_staged_bytes", "Fetched KV payloads in memory, not yet written "
+                              "into the cache.", labels=["model_name"])
+        g.add_metric(m, float(kv.staging.used))
+        yield g
+        g = GaugeMetricFamily("pagedkv:kv_handoff_staged_bytes_limit", "The staging budget (--kv-fetch-buffer-mib).",
+                              labels=["model_name"])
+        g.add_metric(m, float(kv.staging.limit))
+        yield g
+        hist = kv.fetch_seconds
+        cum = hist.counts
+        h = HistogramMetricFamily("pagedkv:kv_handoff_fetch_seconds", "Time of one request's block read from a "
+                                  "prefill replica.", labels=["model_name"])
+        h.add_metric(m, [(repr(float(b)), float(n)) for b, n in zip(hist.buckets, cum[:-1])]
+                     + [("+Inf", float(cum[-1]))], float(hist.total))
+        yield h
+
+
 class ServerMetrics:
     """The server's registry. ``snapshot`` returns the engine's current counters (``AsyncEngine.snapshot``)."""
 
     def __init__(self, snapshot: Callable[[], dict], model_name: str) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
+        self._model = model_name
         self.registry.register(_SnapshotCollector(snapshot, model_name))
         kw = dict(labelnames=["model_name"], registry=self.registry)
         self._hist = {
@@ -138,6 +224,12 @@ class ServerMetrics:
             "e2e": Histogram("pagedkv:e2e_request_latency_seconds", "End-to-end request latency.",
                              buckets=_E2E_BUCKETS, **kw).labels(model_name),
         }
+
+    def add_kv_handoff(self, kv) -> None:
+        """Export a :class:`~.kv_handoff.KVHandoff`'s counters (``pagedkv:kv_handoff_*``) when it can hand KV over
+        (a replica without an engine port has none to show)."""
+        if kv is not None and kv.available:
+            self.registry.register(_HandoffCollector(kv, self._model))
 
     def observe(self, kind: str, seconds: float) -> None:
         """Record a latency (``kind``: "ttft", "itl" or "e2e"); thread-safe."""
