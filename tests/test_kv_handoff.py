@@ -21,6 +21,7 @@ from kv_fakes import FakePort, block_payload  # noqa: E402
 from pagedkv.server.kv_transfer import (KVTransferParams, check_request, max_prefill_tokens,  # noqa: E402
                                         parse_kv_transfer_params, prefill_body)
 from pagedkv.server.validation import APIError, parse_completion  # noqa: E402
+from pagedkv.tiers import codec  # noqa: E402
 
 BS = 4
 
@@ -330,7 +331,7 @@ def test_routes_need_the_key_and_name_unknown_holds(pd):
     assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_hold"
     assert httpx.delete(url + "nope", timeout=5).status_code == 404
     r = httpx.get(url + kvt.remote_request_id, params={"engine": kvt.remote_engine_id}, timeout=5)
-    # 7 blocks of a 64-byte payload, each with the codec's 64 bytes of header and checksum
+    # 7 blocks of a 64-byte payload, each with the codec's 64 bytes of header and checksum (codec.OVERHEAD_BYTES)
     assert r.status_code == 200 and r.headers["x-pagedkv-kv-blocks"] == "7" and len(r.content) == 7 * (64 + 64)
     # the first K blocks only (a decode replica whose staging budget is short); K past the end: all
     r = httpx.get(url + kvt.remote_request_id, params={"engine": kvt.remote_engine_id, "blocks": 3}, timeout=5)
@@ -533,7 +534,7 @@ def test_a_large_transfer_stays_under_the_staging_bound():
     body = b"".join(encode_blocks(dport.fingerprint.digest, dec.names(tokens, None, 300), payloads))
 
     def offer():
-        peer = RawPeer(body, BIG + 56)
+        peer = RawPeer(body, BIG + codec.OVERHEAD_BYTES)
         kvt = parse_kv_transfer_params(good_params(remote_port=peer.port, remote_block_ids=list(range(300)),
                                                    remote_num_tokens=300 * BS))
         return peer, kvt

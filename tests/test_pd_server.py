@@ -168,12 +168,12 @@ def test_the_handoff_is_in_metrics_on_both_sides(replicas):
     assert m[("pagedkv:kv_handoff_holds_ended_total", (("how", "expired"),))] == 0
     assert m[("pagedkv:kv_handoff_holds_served_total", ())] == 1
     assert m[("pagedkv:kv_handoff_blocks_served_total", ())] == 7
-    assert m[("pagedkv:kv_handoff_bytes_served_total", ())] == 7 * (64 + 56)  # payload + header + checksum
+    assert m[("pagedkv:kv_handoff_bytes_served_total", ())] == 7 * (64 + 64)  # payload + header + checksum (codec.OVERHEAD_BYTES)
     d = samples(d_url)
     assert d[("pagedkv:kv_handoff_fetches_total", (("outcome", "complete"),))] == 1
     assert d[("pagedkv:kv_handoff_fetches_total", (("outcome", "failed"),))] == 0
     assert d[("pagedkv:kv_handoff_blocks_fetched_total", ())] == 7
-    assert d[("pagedkv:kv_handoff_bytes_fetched_total", ())] == 7 * (64 + 56)
+    assert d[("pagedkv:kv_handoff_bytes_fetched_total", ())] == 7 * (64 + 64)
     assert d[("pagedkv:kv_handoff_fetch_seconds_count", ())] == 1
     assert d[("pagedkv:kv_handoff_fetch_seconds_bucket", (("le", "+Inf"),))] == 1
     assert d[("pagedkv:kv_handoff_staged_bytes_limit", ())] == d_kv.staging.limit == 1 << 30

@@ -21,6 +21,8 @@ pytest.importorskip("uvicorn")
 
 pytestmark = pytest.mark.engine
 
+from pagedkv.tiers import codec  # noqa: E402
+
 REFERENCE_JSON = Path(__file__).resolve().parents[1] / "data" / "gemma3_greedy.json"
 BS = 16
 GROUPS = 6  # group 0 full attention, 1..5 sliding window 512
@@ -108,7 +110,7 @@ def test_a_prompt_past_the_window_prefilled_on_one_replica_decodes_on_another_as
     assert kvp["remote_num_tokens"] == 768 and len(kvp["remote_block_ids"]) == 48
     n, size = served_blocks(pre, kvp)
     assert n == 48 + 5 * 32  # every full-attention block, each sliding group's 32 window blocks: 208, not 288
-    assert size == n * (BLOCK_BYTES + 56)
+    assert size == n * (BLOCK_BYTES + codec.OVERHEAD_BYTES)
     ext0 = dec.engine.llm.scheduler.stats.external_tokens
     w0 = dec.kv.port.stats["written_blocks"]
     r = httpx.post(dec.url + "/v1/completions", json=body(case, kv_transfer_params=kvp), timeout=600)
