@@ -31,6 +31,8 @@ a block plus up to 2c ghost keys (~100 bytes each in the dict and the FIFO).
 
 from __future__ import annotations
 
+import collections
+import itertools
 from typing import Iterator
 
 import numpy as np
@@ -94,15 +96,17 @@ class _Ghost:
         d = self.d
         over = len(d) - max(n, 0)
         h = self.head
-        while over > 0:
+        while over > 0:  # (vectorised: the live entries of a chunk of the FIFO, the first ``over`` deleted)
             e = min(self.tail, h + max(2 * over, 64))
-            for k, s in zip(self.k[h:e].tolist(), self.s[h:e].tolist()):
-                h += 1
-                if d.get(k) == s:
-                    del d[k]
-                    over -= 1
-                    if not over:
-                        break
+            ks = self.k[h:e].tolist()
+            cur = np.fromiter(map(d.get, ks, itertools.repeat(0)), dtype=np.int64, count=len(ks))
+            live = np.flatnonzero(cur == self.s[h:e])
+            if live.size >= over:
+                live = live[:over]
+                e = h + int(live[-1]) + 1
+            collections.deque(map(d.__delitem__, [ks[i] for i in live.tolist()]), maxlen=0)
+            over -= live.size
+            h = e
         self.head = h
 
     def keys(self) -> list[int]:
@@ -118,9 +122,9 @@ class ARCEvictor:
     :class:`~pagedkv.blocks.evictor.LRUEvictor`; ``hint`` is a no-op. ``t1``, ``t2``: the two LRU classes;
     ``b1``, ``b2``: the ghost lists; ``p``: the target number of T1 blocks (a float in ``[0, c]``)."""
 
-    __slots__ = ("t1", "t2", "b1", "b2", "p", "c", "hcid", "key", "cid")
+    __slots__ = ("t1", "t2", "b1", "b2", "p", "c", "hcid", "key", "cid", "sessions", "session_turn")
 
-    def __init__(self, num_blocks: int, key: np.ndarray, cid: np.ndarray) -> None:
+    def __init__(self, num_blocks: int, key: np.ndarray, cid: np.ndarray, session_turn: int = 0) -> None:
         self.t1 = LRUEvictor(num_blocks)
         self.t2 = LRUEvictor(num_blocks)
         self.b1, self.b2 = _Ghost(), _Ghost()
@@ -128,6 +132,8 @@ class ARCEvictor:
         self.c = num_blocks
         self.hcid = np.zeros(num_blocks, dtype=np.int64)
         self.key, self.cid = key, cid
+        self.session_turn = session_turn
+        self.sessions: dict = {}
 
     def __len__(self) -> int:
         return len(self.t1) + len(self.t2)
@@ -136,7 +142,16 @@ class ARCEvictor:
         return self.t1.stamp_mv[block] != 0 or self.t2.stamp_mv[block] != 0
 
     def hint(self, blocks, session) -> None:
-        return None
+        """With ``session_turn`` t > 0: the blocks of a session's t-th request or later count as hit (T2)."""
+        if not self.session_turn or session is None:
+            return
+        s = self.sessions
+        n = s.pop(session, 0) + 1
+        s[session] = n
+        if len(s) > 1 << 16:
+            del s[next(iter(s))]
+        if n >= self.session_turn:
+            self.hcid[blocks] = self.cid[blocks]
 
     def push(self, block: int) -> None:
         self.push_many(np.array([block], dtype=np.int32))
@@ -153,16 +168,21 @@ class ARCEvictor:
             if rest.size:
                 b1, b2, c = self.b1, self.b2, self.c
                 p = self.p
+                keys = self.key[blocks[rest]].tolist()
+                # which keys are in a ghost list: C-level membership tests; Python only for the ghost hits
+                in1 = np.fromiter(map(b1.d.__contains__, keys), dtype=np.bool_, count=len(keys))
+                in2 = np.fromiter(map(b2.d.__contains__, keys), dtype=np.bool_, count=len(keys))
                 ghost = []
-                for i, k in zip(rest.tolist(), self.key[blocks[rest]].tolist()):
+                for j in np.flatnonzero(in1 | in2).tolist():
+                    k = keys[j]
                     n1, n2 = len(b1.d), len(b2.d)
                     if b1.take(k):
                         p = min(c, p + max(1.0, n2 / n1))
                     elif b2.take(k):
                         p = max(0.0, p - max(1.0, n1 / n2))
-                    else:
+                    else:  # (a key twice in one push: taken already)
                         continue
-                    ghost.append(i)
+                    ghost.append(rest[j])
                 self.p = p
                 if ghost:
                     g = np.asarray(ghost, dtype=np.int64)
