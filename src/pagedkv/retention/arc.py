@@ -12,7 +12,8 @@ are in an evictor, so T1 and T2 here hold the idle blocks of each class (in a se
 block is idle between requests, that is the whole cache, as in the paper). A ``discard`` (a prefix hit took the
 block back) is ARC's hit: the block's next ``push`` files it in T2. A ``push`` of a block whose content key is in
 a ghost list is ARC's ghost hit (the content was evicted and has been cached again): ``p`` adapts, the key leaves
-the ghost list, the block goes to T2. Anything else goes to T1.
+the ghost list, the block goes to T2. Anything else goes to T1. (The paper adapts ``p`` at the miss; here the
+evictor sees a content cached again at its first release, which in a sequence replay is the same request.)
 
 The hook: a policy that needs a block's content identity reads the prefix cache's per-block ``key`` (chained
 content key) and ``cid`` (content id, never reused; 0: not cached) arrays by block id
@@ -23,8 +24,8 @@ hit while ``hcid[block] == cid[block] != 0`` (the content id it had when hit), s
 
 State: two LRUEvictors (T1, T2), ``hcid`` int64 per block, two :class:`_Ghost` lists of uint64 keys (a dict key ->
 serial and a FIFO of (key, serial) in numpy arrays, stale entries skipped). Ghost sizes: ``|T1| + |B1| <= c`` and
-``|T1| + |T2| + |B1| + |B2| <= 2c`` (``c`` = num_blocks), oldest keys dropped first. Costs: ``push_many`` one dict
-probe per block (the ghost lookup) plus a few numpy calls; ``discard`` O(1); ``pop_many`` a few numpy calls plus
+``|T1| + |T2| + |B1| + |B2| <= 2c`` (``c`` = num_blocks), oldest keys dropped first. Costs: ``push_many`` two dict
+probes per block not hit (the ghost lookups, C-level through ``map``) plus a few numpy calls; ``discard`` O(1); ``pop_many`` a few numpy calls plus
 one dict insert per evicted block (and the trims, one dict delete per key dropped, amortised O(1)); about 30 bytes
 a block plus up to 2c ghost keys (~100 bytes each in the dict and the FIFO).
 """
@@ -122,9 +123,9 @@ class ARCEvictor:
     :class:`~pagedkv.blocks.evictor.LRUEvictor`; ``hint`` is a no-op. ``t1``, ``t2``: the two LRU classes;
     ``b1``, ``b2``: the ghost lists; ``p``: the target number of T1 blocks (a float in ``[0, c]``)."""
 
-    __slots__ = ("t1", "t2", "b1", "b2", "p", "c", "hcid", "key", "cid", "sessions", "session_turn")
+    __slots__ = ("t1", "t2", "b1", "b2", "p", "c", "hcid", "key", "cid")
 
-    def __init__(self, num_blocks: int, key: np.ndarray, cid: np.ndarray, session_turn: int = 0) -> None:
+    def __init__(self, num_blocks: int, key: np.ndarray, cid: np.ndarray) -> None:
         self.t1 = LRUEvictor(num_blocks)
         self.t2 = LRUEvictor(num_blocks)
         self.b1, self.b2 = _Ghost(), _Ghost()
@@ -132,8 +133,6 @@ class ARCEvictor:
         self.c = num_blocks
         self.hcid = np.zeros(num_blocks, dtype=np.int64)
         self.key, self.cid = key, cid
-        self.session_turn = session_turn
-        self.sessions: dict = {}
 
     def __len__(self) -> int:
         return len(self.t1) + len(self.t2)
@@ -142,16 +141,7 @@ class ARCEvictor:
         return self.t1.stamp_mv[block] != 0 or self.t2.stamp_mv[block] != 0
 
     def hint(self, blocks, session) -> None:
-        """With ``session_turn`` t > 0: the blocks of a session's t-th request or later count as hit (T2)."""
-        if not self.session_turn or session is None:
-            return
-        s = self.sessions
-        n = s.pop(session, 0) + 1
-        s[session] = n
-        if len(s) > 1 << 16:
-            del s[next(iter(s))]
-        if n >= self.session_turn:
-            self.hcid[blocks] = self.cid[blocks]
+        return None
 
     def push(self, block: int) -> None:
         self.push_many(np.array([block], dtype=np.int32))
