@@ -403,7 +403,8 @@ def test_replay_groups_with_an_eviction_policy(tmp_path, policy, capsys):
     doc = json.loads(out.read_text())
     assert doc["eviction_policy"] == policy
     sfx = "" if policy == "lru" else f" {policy}"
-    names = ["one table" + sfx, "groups" + sfx, "groups, plain LRU" if policy == "lru" else f"groups, no retention{sfx}"]
+    names = ["one table" + sfx, "groups" + sfx,
+             "groups, plain LRU" if policy == "lru" else f"groups, no retention{sfx}"]
     assert [p["impl"] for p in doc["points"]] == names
     assert all(p["extra"]["eviction_policy"] == policy for p in doc["points"])
     assert tuple(p["hit_tokens"] for p in doc["points"]) == _GROUP_HITS[policy]

@@ -120,7 +120,8 @@ class BlockManager:
             num_lookahead_slots) / block_size)``.
         eviction_policy: the order in which unreferenced cached blocks are evicted (:mod:`pagedkv.retention.eviction`):
             ``"lru"`` (default), ``"slru"`` (frequency-aware), ``"session"`` or ``"density"`` (both use
-            :meth:`set_retention`'s session hint) or ``"arc"`` (adaptive replacement). Needs prefix caching for anything but ``"lru"``.
+            :meth:`set_retention`'s session hint) or ``"arc"`` (adaptive replacement). Needs prefix caching for
+            anything but ``"lru"``.
         pin_budget_blocks: the most distinct GPU blocks :meth:`pin_prefix` may hold pinned (0: no pins).
         store_policy: which blocks :meth:`take_store_plan` hands out to write to the storage tiers:
             ``"none"`` (default), ``"write_through"`` (every block once registered in the prefix cache) or
@@ -989,8 +990,8 @@ class BlockManager:
         cache = self._cache
         if not self._steered:
             policy = self._policy
-            cache.evictor = SteeredEvictor(cache.evictor, self._gpu.num_blocks, lambda n: make_evictor(policy, n, cache),
-                                           cache.cid, self._pin_budget)
+            cache.evictor = SteeredEvictor(cache.evictor, self._gpu.num_blocks,
+                                           lambda n: make_evictor(policy, n, cache), cache.cid, self._pin_budget)
             self._steered = True
         return cache.evictor
 

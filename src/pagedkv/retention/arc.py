@@ -25,9 +25,10 @@ hit while ``hcid[block] == cid[block] != 0`` (the content id it had when hit), s
 State: two LRUEvictors (T1, T2), ``hcid`` int64 per block, two :class:`_Ghost` lists of uint64 keys (a dict key ->
 serial and a FIFO of (key, serial) in numpy arrays, stale entries skipped). Ghost sizes: ``|T1| + |B1| <= c`` and
 ``|T1| + |T2| + |B1| + |B2| <= 2c`` (``c`` = num_blocks), oldest keys dropped first. Costs: ``push_many`` two dict
-probes per block not hit (the ghost lookups, C-level through ``map``) plus a few numpy calls; ``discard`` O(1); ``pop_many`` a few numpy calls plus
-one dict insert per evicted block (and the trims, one dict delete per key dropped, amortised O(1)); about 30 bytes
-a block plus up to 2c ghost keys (~100 bytes each in the dict and the FIFO).
+probes per block not hit (the ghost lookups, C-level through ``map``) plus a few numpy calls; ``discard`` O(1);
+``pop_many`` a few numpy calls plus one dict insert per evicted block (and the trims, one dict delete per key
+dropped, amortised O(1)); about 30 bytes a block plus up to 2c ghost keys (~100 bytes each in the dict and the
+FIFO).
 """
 
 from __future__ import annotations
