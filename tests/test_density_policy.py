@@ -283,29 +283,3 @@ def test_kv_content_model_with_density(monkeypatch, fast_learning):
         assert r.violations == 0, f"seed {seed}: {r.messages[:3]}"
         runs += 1
     assert runs >= 6
-
-
-def test_a_block_whose_content_changed_unseen_is_not_shared():
-    """A block leaves the policy by a discard (window retention's demotion to its spare class), is evicted from
-    there unseen, and is cached again with new content for another conversation: with the prefix cache's
-    content ids (make_evictor's cache) the policy starts it afresh; without them it would count the second
-    conversation's hint as a share of the same content (SHARED: ranked by its own hit rate)."""
-    def run(with_cid):
-        cid = np.zeros(4, dtype=np.int64)
-        ev = DensityEvictor(4, cid=cid if with_cid else None)
-        b = np.array([1], dtype=np.int64)
-        cid[1] = 5
-        ev.hint(b, "a")
-        ev.push_many(b.astype(np.int32))
-        ev.discard_many(b)  # (demoted: out of the policy)
-        cid[1] = 9  # evicted from the spare class and cached again, new content
-        ev.hint(b, "b")
-        return int(ev.shd[1])
-
-    assert run(True) == 0
-    assert run(False) == 1
-
-
-def test_make_evictor_density_reads_the_cache_content_ids():
-    bm = BlockManager(4, 2, enable_prefix_caching=True, eviction_policy="density")
-    assert bm._cache.evictor.cid is bm._cache.cid

@@ -157,9 +157,9 @@ class DensityEvictor:
     :class:`pagedkv.blocks.evictor.LRUEvictor` plus :meth:`hint`. ``est`` is its :class:`HitDensity`."""
 
     __slots__ = ("cur", "seg", "hk", "ht", "own", "shd", "born", "pend", "serial", "n", "est", "s_k", "s_t", "s_ser",
-                 "s_live", "s_h", "s_b", "logs", "free", "nslots", "order", "oi", "stale", "last", "cid", "hcid")
+                 "s_live", "s_h", "s_b", "logs", "free", "nslots", "order", "oi", "stale", "last")
 
-    def __init__(self, num_blocks: int, cid: np.ndarray | None = None, **options) -> None:
+    def __init__(self, num_blocks: int, **options) -> None:
         self.cur = np.zeros(num_blocks, dtype=np.int64)
         self.seg = np.zeros(num_blocks, dtype=np.int32)
         self.hk = np.full(num_blocks, ANONYMOUS, dtype=np.int32)  # class and clock of the block's last hint
@@ -168,10 +168,6 @@ class DensityEvictor:
         self.shd = np.zeros(num_blocks, dtype=np.int64)  # hints by another session since it was cached
         self.born = np.zeros(num_blocks, dtype=np.int64)  # clock of its first hint since it was cached
         self.pend = np.zeros(num_blocks, dtype=np.bool_)  # hinted and not pushed since
-        # the prefix cache's content ids (make_evictor's cache), when given: a block whose content changed since its
-        # last hint (evicted by a path this policy does not see: window retention's spare class) starts afresh
-        self.cid = cid
-        self.hcid = np.zeros(num_blocks, dtype=np.int64) if cid is not None else None
         self.serial = 0
         self.n = 0
         self.est = HitDensity(**options)
@@ -206,10 +202,6 @@ class DensityEvictor:
         self.ht[blocks] = c
         h = (hash(session) & 0x7FFFFFFFFFFFFFFF) | 1
         gone = self.pend[blocks]  # hinted before and never pushed since: freed uncached, new content now
-        if self.cid is not None:  # (or its content changed since its last hint)
-            c = self.cid[blocks]
-            gone |= self.hcid[blocks] != c
-            self.hcid[blocks] = c
         if gone.any():
             self.own[blocks[gone]] = 0
             self.shd[blocks[gone]] = 0

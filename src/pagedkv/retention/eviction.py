@@ -61,7 +61,7 @@ def make_evictor(policy: str, num_blocks: int, cache=None):
     if policy == "density":
         from .density import DensityEvictor
 
-        return DensityEvictor(num_blocks, cid=cache.cid if cache is not None else None)
+        return DensityEvictor(num_blocks)
     if policy == "arc":
         if cache is None:
             raise InvalidArgumentError("eviction_policy 'arc' needs the prefix cache's key and cid arrays")
