@@ -7,7 +7,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 TRACE=${TRACE:-../shared/data/mooncake/conversation_trace.jsonl}
 OUT=benchmarks/results/replay/retention
-POLICIES=${POLICIES:-lru slru session density}
+POLICIES=${POLICIES:-lru slru session density arc}
 LIMIT_S=${LIMIT_S:-1800}
 mkdir -p "$OUT"
 R="timeout $LIMIT_S nice -n 15 .venv/bin/python -m pagedkv.cli replay"

@@ -150,6 +150,7 @@ def _run_golden(policy):
     ("slru", "bdac"),      # never-hit b, d first, then the protected a, c in LRU order
     ("session", "bdac"),   # the conversation's blocks (turns 2-5 of "chat") outlive the one-offs b, d
     ("density", "bdac"),   # nothing learnt yet (no return seen before a refresh): every density 0, LRU's order
+    ("arc", "bdac"),       # T1 (b, d: never hit) while it holds more than p = 0 blocks, then T2 (a, c) in LRU order
 ])
 def test_golden_eviction_order(policy, order):
     assert _run_golden(policy) == order
@@ -222,14 +223,14 @@ def test_set_retention_errors_change_nothing():
 
 
 def test_constructor_checks():
-    with pytest.raises(InvalidArgumentError, match="lru, slru, session, density"):
-        BlockManager(4, 2, enable_prefix_caching=True, eviction_policy="arc")
+    with pytest.raises(InvalidArgumentError, match="lru, slru, session, density, arc"):
+        BlockManager(4, 2, enable_prefix_caching=True, eviction_policy="lfu")
     with pytest.raises(InvalidArgumentError):
         BlockManager(4, 2, eviction_policy="slru")  # needs prefix caching
     with pytest.raises(InvalidArgumentError):
         BlockManager(4, 2, enable_prefix_caching=True, pin_budget_blocks=-1)
     assert BlockManager(4, 2, enable_prefix_caching=True, pin_budget_blocks=2, sliding_window=4).pin_budget_blocks == 2
-    assert EVICTION_POLICIES == ("lru", "slru", "session", "density")
+    assert EVICTION_POLICIES == ("lru", "slru", "session", "density", "arc")
     assert type(BlockManager(4, 2, enable_prefix_caching=True)._cache.evictor) is LRUEvictor  # the hot path as is
     assert type(BlockManager(4, 2, enable_prefix_caching=True, eviction_policy="slru")._cache.evictor) is SLRUEvictor
     assert BlockManager(4, 2, enable_prefix_caching=True, eviction_policy="session").eviction_policy == "session"

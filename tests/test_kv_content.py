@@ -48,7 +48,7 @@ def test_every_configuration_axis_is_drawn():
     assert any(c.chunked for c in cfgs) and any(not c.chunked for c in cfgs)
     assert any(c.window and c.pin_budget for c in cfgs)  # pins with a sliding window
     hyb = [kv_model.Config.draw_hybrid(random.Random(s)) for s in range(HYBRID_SEEDS)]
-    assert {c.policy for c in hyb} == {"lru", "slru", "session"} and any(c.pin_budget for c in hyb)
+    assert {c.policy for c in hyb} == {"lru", "slru", "session", "arc"} and any(c.pin_budget for c in hyb)
     assert any(c.retention and c.pin_budget for c in hyb) and any(not c.retention and c.pin_budget for c in hyb)
 
 

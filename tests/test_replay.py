@@ -363,7 +363,7 @@ def test_conversation_ids_join_a_turn_that_repeats_the_whole_prompt():
     assert conversation_ids(trace).tolist() == [0, 1, 0, 3, 0, 1]
 
 
-@pytest.mark.parametrize("policy", ["slru", "session", "density"])
+@pytest.mark.parametrize("policy", ["slru", "session", "density", "arc"])
 def test_replay_with_an_eviction_policy(tmp_path, policy, capsys):
     out = tmp_path / "r.json"
     assert cli_main(["replay", str(SAMPLE), "--limit", "60", "--capacity", "100k", "--eviction-policy", policy,
@@ -374,3 +374,38 @@ def test_replay_with_an_eviction_policy(tmp_path, policy, capsys):
     assert p["requests"] == 60 and 0 <= p["hit_rate"] <= 1
     assert cli_main(["replay", str(SAMPLE), "--limit", "5", "--eviction-policy", policy, "--mode", "timed"]) == 2
     assert "sequence mode" in capsys.readouterr().err
+
+
+# one table, groups with window retention, groups without: the hit tokens of each policy on a shared 3-block prefix
+# hit once, then asked for again after every 3 one-off prompts of 3 blocks (2 KV cache groups, gpt-oss preset)
+_GROUP_HITS = {"lru": (1536, 1536, 1536), "slru": (9216, 1536, 9216), "session": (9216, 1536, 9216),
+               "density": (1536, 1536, 1536), "arc": (9216, 1536, 9216)}
+
+
+@pytest.mark.parametrize("policy", sorted(_GROUP_HITS))
+def test_replay_groups_with_an_eviction_policy(tmp_path, policy, capsys):
+    """``pagedkv replay --groups --eviction-policy P``: every manager (one table, the groups with and without
+    window retention) evicts in P's order. Without retention the frequency-aware and session policies keep the
+    shared prefix over the groups as over one table, LRU does not; with retention the one-offs' blocks the
+    retention keeps push it out whatever the policy (its spare blocks go first, then the policy's order)."""
+    rows, one = [[0, 1, 2, 49]], 1000
+    for r in range(6):
+        rows.append([0, 1, 2, 50 + r])
+        for _ in range(3):
+            rows.append([one, one + 1, one + 2])
+            one += 3
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": i, "input_length": 512 * len(h), "output_length": 1,
+                                         "hash_ids": h}) + "\n" for i, h in enumerate(rows)))
+    out = tmp_path / "g.json"
+    assert cli_main(["replay", str(trace), "--groups", "gpt-oss", "--capacity", "3072", "--compare-lru",
+                     "--eviction-policy", policy, "--no-progress", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["eviction_policy"] == policy
+    sfx = "" if policy == "lru" else f" {policy}"
+    names = ["one table" + sfx, "groups" + sfx,
+             "groups, plain LRU" if policy == "lru" else f"groups, no retention{sfx}"]
+    assert [p["impl"] for p in doc["points"]] == names
+    assert all(p["extra"]["eviction_policy"] == policy for p in doc["points"])
+    assert tuple(p["hit_tokens"] for p in doc["points"]) == _GROUP_HITS[policy]
+    assert f"| 3,072 | {names[1]} |" in capsys.readouterr().out

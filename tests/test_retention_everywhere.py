@@ -19,6 +19,7 @@ from pagedkv.blocks.evictor import LRUEvictor, RetentionEvictor
 from pagedkv.errors import (InvalidArgumentError, OutOfBlocksError, PinBudgetError, PromptTooLongError,
                             SequenceStateError, UnknownPinError, UnknownSequenceError)
 from pagedkv.retention import steering
+from pagedkv.retention.arc import ARCEvictor
 from pagedkv.retention.eviction import SessionEvictor, SLRUEvictor
 
 BS = 4
@@ -36,7 +37,7 @@ SYSTEM = list(range(100, 124))  # 6 blocks
 # ---------------------------------------------------------------------- policies over KV cache groups
 @pytest.mark.parametrize("retention", [True, False])
 def test_hybrid_eviction_policy_is_the_evictor_order(retention):
-    for policy, cls in (("lru", LRUEvictor), ("slru", SLRUEvictor), ("session", SessionEvictor)):
+    for policy, cls in (("lru", LRUEvictor), ("slru", SLRUEvictor), ("session", SessionEvictor), ("arc", ARCEvictor)):
         hm = hybrid(eviction_policy=policy, window_retention=retention)
         ev = hm._cache.evictor
         assert hm.eviction_policy == policy
@@ -44,8 +45,8 @@ def test_hybrid_eviction_policy_is_the_evictor_order(retention):
             assert type(ev) is RetentionEvictor and type(ev.main) is cls
         else:
             assert type(ev) is cls
-    with pytest.raises(InvalidArgumentError, match="lru, slru, session"):
-        hybrid(eviction_policy="arc")
+    with pytest.raises(InvalidArgumentError, match="lru, slru, session, density, arc"):
+        hybrid(eviction_policy="lfu")
     with pytest.raises(InvalidArgumentError):
         HybridBlockManager(8, BS, kv_cache_groups=GROUPS, eviction_policy="slru")  # needs prefix caching
 

@@ -232,7 +232,7 @@ def test_engine_tables_incremental_or_padded_give_the_reference(engine, incremen
     llm.block_manager.check_invariants()
 
 
-@pytest.mark.parametrize("policy", ["slru", "session"])
+@pytest.mark.parametrize("policy", ["slru", "session", "arc"])
 def test_priority_scheduling_eviction_policy_and_pins_give_the_reference(engine, policy):
     """scheduling_policy="priority" with per-prompt priorities under preemption, an eviction policy and a pinned
     prefix: the same tokens as the reference, and the pin survives the preemptions."""

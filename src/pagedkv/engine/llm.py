@@ -181,7 +181,8 @@ class LLM:
     (``InvalidArgumentError``). Call :meth:`close` (or use ``with LLM(...) as llm``) to finish the stores.
         scheduling_policy: ``"fcfs"`` (default) or ``"priority"`` (vLLM's: admission by (priority, arrival),
             preemption of the largest first; :meth:`generate`'s ``priority``).
-        eviction_policy: the prefix cache's eviction order, ``"lru"`` (default), ``"slru"`` or ``"session"``
+        eviction_policy: the prefix cache's eviction order, ``"lru"`` (default), ``"slru"``, ``"session"``,
+            ``"density"`` or ``"arc"``
             (:mod:`pagedkv.retention.eviction`), with one block table or KV cache groups alike.
         pin_budget_blocks: the most KV blocks (every group's, with KV cache groups) :meth:`pin_prefix` may hold
             pinned (0, the default: no pins).

@@ -786,7 +786,7 @@ class HybridBlockManager:
         ev = cache.evictor
         if not isinstance(ev, SteeredEvictor):
             policy = self._policy
-            ev = cache.evictor = SteeredEvictor(ev, self._gpu.num_blocks, lambda n: make_evictor(policy, n),
+            ev = cache.evictor = SteeredEvictor(ev, self._gpu.num_blocks, lambda n: make_evictor(policy, n, cache),
                                                 cache.cid, self._pin_budget)
             self._seqs.steer = ev
             if self._retention is not None:

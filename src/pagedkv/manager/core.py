@@ -120,7 +120,8 @@ class BlockManager:
             num_lookahead_slots) / block_size)``.
         eviction_policy: the order in which unreferenced cached blocks are evicted (:mod:`pagedkv.retention.eviction`):
             ``"lru"`` (default), ``"slru"`` (frequency-aware), ``"session"`` or ``"density"`` (both use
-            :meth:`set_retention`'s session hint). Needs prefix caching for anything but ``"lru"``.
+            :meth:`set_retention`'s session hint) or ``"arc"`` (adaptive replacement). Needs prefix caching for
+            anything but ``"lru"``.
         pin_budget_blocks: the most distinct GPU blocks :meth:`pin_prefix` may hold pinned (0: no pins).
         store_policy: which blocks :meth:`take_store_plan` hands out to write to the storage tiers:
             ``"none"`` (default), ``"write_through"`` (every block once registered in the prefix cache) or
@@ -196,7 +197,7 @@ class BlockManager:
         self._cache = PrefixCache(num_gpu_blocks, block_size) if enable_prefix_caching else None
         self._policy, self._pin_budget = eviction_policy, pin_budget_blocks
         if eviction_policy != "lru":
-            self._cache.evictor = make_evictor(eviction_policy, num_gpu_blocks)
+            self._cache.evictor = make_evictor(eviction_policy, num_gpu_blocks, self._cache)
         if self._cache is not None and enable_kv_events:
             self._cache.enable_events(max_kv_events)
         self._kv_events = bool(enable_kv_events)
@@ -991,8 +992,8 @@ class BlockManager:
         cache = self._cache
         if not self._steered:
             policy = self._policy
-            cache.evictor = SteeredEvictor(cache.evictor, self._gpu.num_blocks, lambda n: make_evictor(policy, n),
-                                           cache.cid, self._pin_budget)
+            cache.evictor = SteeredEvictor(cache.evictor, self._gpu.num_blocks,
+                                           lambda n: make_evictor(policy, n, cache), cache.cid, self._pin_budget)
             self._steered = True
         return cache.evictor
 

@@ -74,11 +74,13 @@ def _parser() -> argparse.ArgumentParser:
                          "with HybridBlockManager for preset gemma3 (1 full + 5 sliding W=512 groups) or gpt-oss "
                          "(1 full + 1 sliding W=128); sequence mode (pagedkv.replay.groups)")
     ap.add_argument("--compare-lru", action="store_true",
-                    help="with --groups: also replay the groups without window retention (plain LRU)")
+                    help="with --groups: also replay the groups without window retention (plain LRU, or the "
+                         "--eviction-policy alone)")
     ap.add_argument("--eviction-policy", choices=EVICTION_POLICIES, default="lru",
-                    help="the prefix cache's eviction policy (pagedkv.retention.eviction; sequence mode): lru, slru "
-                         "(frequency-aware), session or density (each request hints its conversation, derived from "
-                         "the prompts seen before it: pagedkv.replay.sessions)")
+                    help="the prefix cache's eviction policy (pagedkv.retention.eviction; sequence mode, also with "
+                         "--groups): lru, slru (frequency-aware), session or density (each request hints its "
+                         "conversation, derived from the prompts seen before it: pagedkv.replay.sessions), arc "
+                         "(adaptive replacement)")
     ap.add_argument("--json", metavar="OUT", help="write the results as JSON to OUT")
     ap.add_argument("--plot", metavar="DIR", help="draw hit rate against capacity into DIR (matplotlib)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -122,9 +124,9 @@ def run(args: argparse.Namespace) -> dict:
 
     pol = args.eviction_policy
     if pol != "lru" and (args.mode != "sequence" or args.replicas is not None or args.route
-                         or args.groups is not None or args.disk_capacity or args.shared_capacity):
-        raise _CliError("--eviction-policy replays one manager in sequence mode (no --mode timed, --replicas, "
-                        "--route, --groups, --disk-capacity or --shared-capacity)")
+                         or args.disk_capacity or args.shared_capacity):
+        raise _CliError("--eviction-policy replays one manager (or its KV cache groups, --groups) in sequence mode "
+                        "(no --mode timed, --replicas, --route, --disk-capacity or --shared-capacity)")
     if args.disk_capacity and (args.replicas is not None or args.route or args.groups):
         raise _CliError("--disk-capacity replays one manager (not with --replicas, --route or --groups)")
     if args.shared_capacity and args.groups:
@@ -251,7 +253,13 @@ def _run_groups(args: argparse.Namespace) -> dict:
     for c in caps:
         if c < bs:
             raise _CliError(f"--capacity {c} is less than one block of {bs} tokens")
+    pol = args.eviction_policy
     trace = load_trace(args.trace, args.limit)
+    sessions = None
+    if pol in ("session", "density"):
+        from .sessions import conversation_ids
+
+        sessions = conversation_ids(trace)
     variants = [(None, True), (groups, True)] + ([(groups, False)] if args.compare_lru else [])
     bar = progress_bar(len(trace) * len(caps) * len(variants), args.no_progress)
     tick = bar.update if bar is not None else None
@@ -262,7 +270,8 @@ def _run_groups(args: argparse.Namespace) -> dict:
     try:
         for c in caps:
             for g, ret in variants:
-                p = replay_groups(trace, c, g, block_size=bs, retention=ret, progress=tick)
+                p = replay_groups(trace, c, g, block_size=bs, retention=ret, progress=tick, eviction_policy=pol,
+                                  sessions=sessions)
                 rows.append(p.to_json())
                 say(f"  {c:>12,} tokens of KV, {p.impl:<18} hit rate {100 * p.hit_rate:5.1f}%, "
                     f"full-attention tokens held {p.extra['tokens_held']:,.0f}, {p.seconds:.1f} s")
@@ -275,7 +284,8 @@ def _run_groups(args: argparse.Namespace) -> dict:
 
     return {"kind": "replay-groups", "trace": trace.name, "requests": len(trace),
             "prompt_tokens": int(trace.prompt_tokens), "groups": args.groups,
-            "windows": [g.window for g in groups], "block_size": bs, "mode": "sequence", "points": rows,
+            "windows": [g.window for g in groups], "block_size": bs, "mode": "sequence", "eviction_policy": pol,
+            "points": rows,
             "command": "pagedkv replay " + " ".join(shlex.quote(a) for a in args.argv),
             "versions": {"python": platform.python_version(), "numpy": numpy.__version__,
                          "pagedkv": pagedkv.__version__},
@@ -288,7 +298,7 @@ def format_groups_table(doc: dict) -> str:
            f"(capacity = tokens of the one-table pool)", "",
            "| KV capacity (tokens, one table) | manager | hit rate | full-attention tokens held | x one table |",
            "|---|---|---|---|---|"]
-    base = {p["capacity_tokens"]: p for p in doc["points"] if p["impl"] == "one table"}
+    base = {p["capacity_tokens"]: p for p in doc["points"] if p["extra"]["groups"] == 1}
     for p in doc["points"]:
         b = base.get(p["capacity_tokens"])
         held = p["extra"]["tokens_held"]

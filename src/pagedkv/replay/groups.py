@@ -12,6 +12,10 @@ group, only the windows before the points where later prompts stop matching (win
 - ``groups``: ``HybridBlockManager(G x C / block_size, kv_cache_groups=preset)``: the same bytes, retention on;
 - ``groups, plain LRU``: the same without retention (``window_retention=False``), to show what it does.
 
+With ``--eviction-policy P`` (not ``lru``) every manager evicts in P's order and the names end in `` P``
+(``one table arc``, ``groups arc``, ``groups, no retention arc``); ``session`` and ``density`` get each request's
+conversation hint (:mod:`pagedkv.replay.sessions`).
+
 Each replays the trace in sequence mode (allocate then free each request, :mod:`pagedkv.replay.sequence`) and
 reports its hit rate, and every 64 requests the tokens whose full-attention KV is cached (one table: cached
 blocks x block size; groups: group 0's, the full-attention group of the presets), averaged over the second half
@@ -49,29 +53,37 @@ def preset_groups(name: str) -> list:
 
 
 def replay_groups(trace: Trace, capacity_tokens: int, groups: list | None, *, block_size: int = 16,
-                  retention: bool = True, progress=None) -> PointResult:
+                  retention: bool = True, progress=None, eviction_policy: str = "lru",
+                  sessions=None) -> PointResult:
     """One sequence-mode replay at equal KV bytes: ``groups`` None is the one-table manager of
     ``capacity_tokens // block_size`` blocks, else a HybridBlockManager of ``len(groups)`` times as many. The
     result's ``extra`` holds ``tokens_held`` (mean full-attention tokens cached over the second half) and, for
-    groups, ``sliding_blocks_held`` (mean sliding-group blocks cached, in one-table block equivalents)."""
+    groups, ``sliding_blocks_held`` (mean sliding-group blocks cached, in one-table block equivalents).
+    ``eviction_policy`` (:mod:`pagedkv.retention.eviction`) orders either manager's evictions (over the groups:
+    after window retention's spare blocks); ``sessions`` (one conversation id per request,
+    :func:`pagedkv.replay.sessions.conversation_ids`): each request's ``set_retention(session=)`` before its
+    free, as :func:`pagedkv.replay.sequence.replay_sequence` does."""
     nb = capacity_tokens // block_size
     if groups is None:
         from ..manager import BlockManager
 
-        bm = BlockManager(nb, block_size, enable_prefix_caching=True, watermark=0.0)
+        bm = BlockManager(nb, block_size, enable_prefix_caching=True, watermark=0.0,
+                          eviction_policy=eviction_policy)
         G = 1
     else:
         from ..hybrid import HybridBlockManager
 
         G = len(groups)
         bm = HybridBlockManager(G * nb, block_size, kv_cache_groups=groups, enable_prefix_caching=True,
-                                watermark=0.0, window_retention=retention)
+                                watermark=0.0, window_retention=retention, eviction_policy=eviction_policy)
         tag = np.full(G * nb, -1, dtype=np.int8)  # the group each block was last taken by
         cid = bm._cache.cid
     limit = G * nb
     need = (-(-trace.input_lengths // block_size)).tolist()
     lengths = trace.input_lengths.tolist()
     allocate, free, tokens = bm.allocate, bm.free, trace.tokens
+    hint = bm.set_retention if sessions is not None else None
+    sess = sessions.tolist() if sessions is not None else None
     hits = skipped = prompt = 0
     held: list[tuple[int, int]] = []
     t0 = time.perf_counter()
@@ -86,6 +98,8 @@ def replay_groups(trace: Trace, capacity_tokens: int, groups: list | None, *, bl
             for g in range(G):
                 t = bm.block_table(i, g)
                 tag[t[t >= 0]] = g
+        if hint is not None:
+            hint(i, session=sess[i])
         free(i)
         prompt += lengths[i]
         if not i % _SAMPLE_EVERY:
@@ -99,11 +113,13 @@ def replay_groups(trace: Trace, capacity_tokens: int, groups: list | None, *, bl
     if progress is not None and need:
         progress(len(need) - ((len(need) - 1) // 512) * 512)
     name = "one table" if groups is None else ("groups" if retention else "groups, plain LRU")
+    if eviction_policy != "lru":  # (without retention the groups' order is the policy's, not LRU)
+        name = f"{'groups, no retention' if groups is not None and not retention else name} {eviction_policy}"
     res = PointResult(name, "sequence", capacity_tokens, 0, block_size, requests=len(need) - skipped,
                       skipped=skipped, prompt_tokens=prompt, hit_tokens=hits, seconds=seconds)
     res.evictions = int(bm.stats.evictions)
     late = held[len(held) // 2:] or held
     res.extra = {"tokens_held": float(np.mean([f for f, _ in late])) * block_size if late else 0.0,
                  "sliding_blocks_held": float(np.mean([s for _, s in late])) / G if late else 0.0,
-                 "groups": G}
+                 "groups": G, "eviction_policy": eviction_policy}
     return res

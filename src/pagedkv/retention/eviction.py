@@ -19,9 +19,13 @@ the KV events and every counter stay the manager's, so a policy changes hit rate
             come back is the better bet, and keeping *some* conversations long beats keeping all of them briefly.
 ``density`` the release of least hit density first (:mod:`pagedkv.retention.density`): expected hits per block per
             unit of time given its age, learnt online per class of turn and size; unhinted blocks first, as LRU
+``arc``     adaptive replacement (:mod:`pagedkv.retention.arc`): recency (T1) and frequency (T2) classes, the
+            target size of T1 adapted by ghost lists of evicted blocks' content keys (read from the prefix
+            cache's ``key`` array by block id)
 ==========  =====================================================================================================
 
 :func:`make_evictor` builds one by name. Costs: ``slru`` as LRU (two LRU logs, a few numpy calls per batch);
+``arc`` as two LRUs plus a dict probe per block pushed and a dict insert per block evicted (its ghost lists);
 ``session`` O(1) per block plus O(levels) per release a pop reaches (push logs, one per bonus); ``density`` O(1) per
 block plus an O(R log R) sort of the R live releases after a hint (see its module).
 """
@@ -39,12 +43,15 @@ from ._logs import PushLog
 
 __all__ = ["EVICTION_POLICIES", "SLRUEvictor", "SessionEvictor", "make_evictor"]
 
-EVICTION_POLICIES = ("lru", "slru", "session", "density")
+EVICTION_POLICIES = ("lru", "slru", "session", "density", "arc")
 
 
-def make_evictor(policy: str, num_blocks: int):
-    """The evictor of ``policy`` (one of :data:`EVICTION_POLICIES`) for a pool of ``num_blocks``. Raises
-    InvalidArgumentError naming the known policies for any other name."""
+def make_evictor(policy: str, num_blocks: int, cache=None):
+    """The evictor of ``policy`` (one of :data:`EVICTION_POLICIES`) for a pool of ``num_blocks``. ``cache``: the
+    :class:`~pagedkv.blocks.prefix_cache.PrefixCache` whose blocks it orders; a policy that needs the content
+    identity of the blocks (``arc``: its ghost lists hold evicted blocks' keys) reads the cache's per-block
+    ``key`` and ``cid`` arrays by block id (never rebound); without a cache ``arc`` raises InvalidArgumentError.
+    Raises InvalidArgumentError naming the known policies for any other name."""
     if policy == "lru":
         return LRUEvictor(num_blocks)
     if policy == "slru":
@@ -55,6 +62,12 @@ def make_evictor(policy: str, num_blocks: int):
         from .density import DensityEvictor
 
         return DensityEvictor(num_blocks)
+    if policy == "arc":
+        if cache is None:
+            raise InvalidArgumentError("eviction_policy 'arc' needs the prefix cache's key and cid arrays")
+        from .arc import ARCEvictor
+
+        return ARCEvictor(num_blocks, cache.key, cache.cid)
     raise InvalidArgumentError(f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}; got {policy!r}")
 
 
