@@ -164,9 +164,14 @@ def build_app(engine: AsyncEngine, *, model_name: str, model_aliases: tuple[str,
                 params = SamplingParams(**req.sampling_kwargs(max_tokens))
                 request = engine.prepare({"prompt_token_ids": ids}, params, req.cache_salt)
                 request.priority = req.priority
+                # the conversation hint, per tenant: one salt's session ids are not another's
+                if req.session_id is not None:
+                    request.session = req.session_id if req.cache_salt is None else (req.cache_salt, req.session_id)
             except PagedKVError as e:  # (validation caught what a client can get wrong; this is a last line)
                 raise APIError(400, str(e).removeprefix("SamplingParams: "), "invalid_request_error", None,
                                None) from None
+            if req.kv_retention is not None:
+                request.retain = await admit_pin(ids, req.kv_retention, req.cache_salt)
         except APIError:
             if kvt is not None and kvt.do_remote_prefill and kvt.remote_host in kv.allow_hosts:
                 in_background(kv.release_remote(kvt))  # refused here: the prefill replica frees its hold now
@@ -192,14 +197,37 @@ def build_app(engine: AsyncEngine, *, model_name: str, model_aliases: tuple[str,
                 raise APIError(503, str(e), "server_error", "server_shutting_down") from None
             raise APIError(503, str(e), "server_error", "engine_dead") from None
 
+    async def admit_pin(ids: list, spec: dict, salt: str | None) -> tuple:
+        """A request's ``kv_retention`` checked between two steps (:mod:`pagedkv.engine.request_pins`): 400
+        ``pinning_disabled`` or for a ``pin_tokens`` longer than the prompt, 409 ``pin_budget_exceeded`` when the
+        pin does not fit the budget now. Returns what the request pins once computed."""
+        from ..engine.request_pins import KVRetention
+
+        pins_on()
+        try:
+            return await asyncio.to_thread(engine.between_steps, lambda: llm._request_pins.admit(
+                ids, KVRetention(spec["pin_tokens"], spec["ttl"]), salt))
+        except PinBudgetError as e:
+            raise APIError(409, str(e), "invalid_request_error", "pin_budget_exceeded", "kv_retention") from None
+        except PagedKVError as e:
+            raise APIError(400, str(e), "invalid_request_error", None, "kv_retention.pin_tokens") from None
+        except EngineDead as e:
+            raise APIError(503, str(e), "server_error", "engine_dead") from None
+
     async def finish(stream: RequestStream, request: Request, req: Any) -> tuple[Finished | None, dict]:
         """:func:`until_done`, and the extra fields of the answer: ``kv_transfer_params`` for a prefill for a
-        remote decode (a hold left unanswered, the request aborted or failed, is released)."""
+        remote decode (a hold left unanswered, the request aborted or failed, is released); ``kv_retention``, the
+        request's pin, when it asked for one."""
         try:
             done = await until_done(stream, request)
+            extra: dict = {}
+            if done is not None and req.kv_retention is not None:
+                res = done.result
+                pin = res.pin if res.pin is not None else Pin(0, 0, 0, req.kv_retention["ttl"])
+                extra["kv_retention"] = {**pin_json(pin), "error": res.pin_error}
             if done is None or req.kv_transfer is None or not req.kv_transfer.do_remote_decode:
-                return done, {}
-            return done, {"kv_transfer_params": kv.answer(stream.request_id)}
+                return done, extra
+            return done, {"kv_transfer_params": kv.answer(stream.request_id), **extra}
         finally:
             kv.forget(stream.request_id)
 
