@@ -5,7 +5,11 @@ one ``data: {chunk}`` per step that produced text, ending with ``data: [DONE]``)
 ``GET /health`` and ``GET /metrics`` (Prometheus text); the pins of the prefix cache (``--pin-budget-blocks``):
 ``POST /v1/pins`` (pin a prefix: ``prompt`` or ``messages``, ``ttl`` seconds, ``cache_salt``; its KV is computed
 first when it is not cached; 409 ``pin_budget_exceeded`` past the budget, 400 when pinning is off),
-``GET /v1/pins`` and ``DELETE /v1/pins/{pin_id}`` (404 ``pin_not_found``). With an API key, every ``/v1`` route needs
+``GET /v1/pins`` and ``DELETE /v1/pins/{pin_id}`` (404 ``pin_not_found``). A completion or chat request steers
+retention itself with ``session_id`` (its conversation: the eviction policy's hint, per ``cache_salt``) and
+``kv_retention`` (``{"pin_tokens": N | "prompt", "ttl": s}``: its prefix pinned once computed; 400
+``pinning_disabled``, 409 ``pin_budget_exceeded`` as for ``/v1/pins``; the non-streamed answer's
+``kv_retention`` names the pin; :mod:`pagedkv.engine.request_pins`). With an API key, every ``/v1`` route needs
 ``Authorization: Bearer KEY`` (401 otherwise); /health and /metrics stay open, as in vLLM.
 
 Status codes, all in OpenAI's error shape: 400 for a client's mistake (see :mod:`.validation`: invalid JSON,

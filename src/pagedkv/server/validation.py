@@ -6,6 +6,8 @@ A plain module (standard library only; no torch, no pydantic, no web framework a
 * :func:`check_content_type`, :func:`read_body`: the HTTP side (415, 413) before any parsing.
 * :func:`parse_completion`, :func:`parse_chat`: a raw body -> a validated :class:`CompletionRequest` /
   :class:`ChatRequest`, or :class:`APIError` (400, OpenAI's error shape, ``param`` naming the field at fault).
+* ``session_id`` and ``kv_retention`` (pagedkv's retention fields, docs/guide/serving.md#retention-per-request) are
+  checked here for type and range; the engine checks ``kv_retention`` against the prompt and the pin budget.
 * :func:`parse_pin`: a POST /v1/pins body (a prefix to pin: ``prompt`` or ``messages``, ``ttl``, ``cache_salt``)
   -> :class:`PinRequest`.
 * :func:`prompt_token_ids`: the request's prompt as token ids (tokenizing, or rendering the chat template), bounded
