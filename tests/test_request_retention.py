@@ -92,12 +92,19 @@ def test_request_pins_admit_settle_reuse_and_errors():
     assert rp.settle(system, 8, 30.0) == (pin, None) and len(bm.pins) == 1
     other = list(range(200, 208))
     _compute(bm, "b", other + [1])
-    bm.pin_prefix(other)  # the budget is now full (4 of 4)
+    admin = bm.pin_prefix(other)  # the budget is now full (4 of 4)
     assert rp.admit(system + [5, 6], KVRetention(8, 30.0)) == (8, 30.0)  # reuse: admitted
     with pytest.raises(PinBudgetError, match="other pins hold 4"):
         rp.admit(list(range(300, 310)), KVRetention(8))
-    with pytest.raises(PinBudgetError):  # same tokens, another TTL: another pin, which does not fit
-        rp.admit(system, KVRetention(8, 99.0))
+    with pytest.raises(PinBudgetError):  # pinned, but not made known: counted as new blocks (conservative)
+        rp.admit(other, KVRetention(8))
+    rp.remember(other, admin)  # (LLM.pin_prefix and POST /v1/pins do this)
+    assert rp.admit(other, KVRetention(8)) == (8, None)  # its blocks are pinned already: no room needed
+    got, err = rp.settle(other, 8, None)  # a pin of its own over the same blocks: nothing more of the budget
+    assert err is None and got.pin_id not in (0, admin.pin_id) and bm.num_pinned_blocks == 4
+    assert rp.settle(other, 8, None) == (got, None)  # and the next request reuses it
+    assert rp.admit(system, KVRetention(8, 99.0)) == (8, 99.0)  # another TTL: another pin, the same blocks
+    bm.unpin(got.pin_id)
     # taken between admission and the pin: nothing pinned, the reason returned
     third = list(range(400, 408))
     _compute(bm, "c", third + [1])

@@ -370,6 +370,11 @@ def test_kv_retention_pins_the_prompt_once_computed(engine):
         llm.generate([{"prompt_token_ids": system}], greedy(1), use_tqdm=False, kv_retention={"pin": 8})
     assert llm.scheduler.stats.prefills == before  # nothing ran
     assert not llm.scheduler.has_unfinished() and llm.pins == (out.pin,)
+    admin = llm.pin_prefix({"prompt_token_ids": system})  # the same 5 blocks, no TTL: nothing more of the budget
+    forever = llm.generate([{"prompt_token_ids": system + [9]}], greedy(1), use_tqdm=False,
+                           kv_retention={"pin_tokens": "prompt"})[0]  # admitted: its blocks are pinned already
+    assert (forever.pin.num_tokens, forever.pin.ttl, forever.pin_error) == (20, None, None)
+    assert forever.pin.pin_id not in (out.pin.pin_id, admin.pin_id) and llm.block_manager.num_pinned_blocks == 5
     with pytest.raises(InvalidArgumentError, match="pin budget"):
         make_llm(engine, num_gpu_blocks=18, block_size=4).generate(
             [{"prompt_token_ids": system}], greedy(1), use_tqdm=False, kv_retention=keep)

@@ -740,6 +740,11 @@ def test_kv_retention_pins_a_request_prefix_through_the_server(engine, server):
         r = httpx.post(srv.url + "/v1/chat/completions", json=chat, headers=h, timeout=60)
         assert r.status_code == 200, r.text
         assert r.json()["kv_retention"]["num_tokens"] == 16 and llm.block_manager.num_pinned_blocks == 4
+        # the budget is full, but a pin of the same prefix with another TTL holds no new block: admitted
+        r = httpx.post(srv.url + "/v1/completions", headers=h, timeout=60, json={
+            **body, "kv_retention": {"pin_tokens": 48, "ttl": 60}})
+        assert r.status_code == 200 and r.json()["kv_retention"]["ttl"] == 60
+        assert llm.block_manager.num_pinned_blocks == 4 and len(llm.pins) == 3
         for bad, param in (({"pin_tokens": 51}, "kv_retention.pin_tokens"), ({"pin_tokens": 0},
                            "kv_retention.pin_tokens"), ({"pin_tokens": 8, "ttl": -1}, "kv_retention.ttl"),
                            ("prompt", "kv_retention"), ({"ttl": 5}, "kv_retention.pin_tokens")):

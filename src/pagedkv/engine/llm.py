@@ -456,7 +456,9 @@ class LLM:
                                      namespace=namespace)
             for _ in self._run([req]):
                 pass
-        return bm.pin_prefix(ids, ttl=ttl, namespace=namespace)
+        pin = bm.pin_prefix(ids, ttl=ttl, namespace=namespace)
+        self._request_pins.remember(ids[: pin.num_tokens], pin, namespace)  # (requests of that prefix: no new blocks)
+        return pin
 
     def unpin(self, pin_id: int) -> None:
         """Drop a pin made by :meth:`pin_prefix` (UnknownPinError if there is none by that id, e.g. expired)."""

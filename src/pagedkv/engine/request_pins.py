@@ -15,9 +15,11 @@ Life of a request pin (:class:`RequestPins`):
    steps): refused, nothing queued, with InvalidArgumentError when pinning is off (prefix caching or
    ``pin_budget_blocks`` 0) or ``pin_tokens`` is longer than the prompt, and with PinBudgetError when the pin
    can never fit the budget, or does not fit what other pins leave of it now. That last check counts every block
-   of the pin as new (the manager does not say which of them other pins already hold), so it is conservative
-   when the prefix overlaps a *different* pin; a request whose exact prefix (same tokens, namespace and TTL) is
-   pinned already by an earlier request's ``kv_retention`` reuses that pin and needs no room.
+   of the pin as new (the manager does not say which of them other pins already hold), except when a live pin
+   holds exactly this prefix (same tokens and namespace: made by an earlier request's ``kv_retention``,
+   ``LLM.pin_prefix`` or ``POST /v1/pins``), whose blocks the new pin shares; so it is conservative only when
+   the prefix overlaps a *different* pin. A request whose exact prefix and TTL an earlier request's
+   ``kv_retention`` pinned reuses that pin.
 2. *once computed* (:meth:`RequestPins.settle`, right after the engine step that computed the prompt's last
    chunk): the prefix's full blocks are pinned (``pin_prefix``), or the earlier identical pin is reused (its TTL
    was refreshed by this request's hit). The pin shows in ``llm.pins`` / ``GET /v1/pins`` like any other. If the
@@ -94,23 +96,41 @@ def pin_blocks(kv_cache_groups: Any, num_tokens: int, block_size: int) -> int:
 
 class RequestPins:
     """The request pins of one engine: admission checks, the pin once computed, and the reuse of a live pin of the
-    same prefix (``_by_key``: (namespace, ttl, prefix tokens) -> pin id, pruned of dead pins as pins are made).
-    Not thread-safe: call it on the engine's thread, or between two steps."""
+    same prefix (``_by_key``: (namespace, ttl, prefix tokens) -> pin id of a request pin; ``_cover``: (namespace,
+    prefix tokens) -> pin id of any pin the engine made, :meth:`remember`; both pruned of dead pins as pins are
+    made). Not thread-safe: call it on the engine's thread, or between two steps."""
 
     def __init__(self, block_manager: Any, kv_cache_groups: Any = None) -> None:
         self._bm = block_manager
         self._groups = kv_cache_groups
         self._by_key: dict = {}
+        self._cover: dict = {}
 
-    def _live(self, key: tuple) -> Pin | None:
-        pid = self._by_key.get(key)
+    def _live(self, key: tuple, table: dict | None = None) -> Pin | None:
+        table = self._by_key if table is None else table
+        pid = table.get(key)
         if pid is None:
             return None
         for p in self._bm.pins:  # (expired pins dropped first)
             if p.pin_id == pid:
                 return p
-        del self._by_key[key]
+        del table[key]
         return None
+
+    def remember(self, tokens: Any, pin: Pin, namespace: Any = None, ttl: Any = False) -> None:
+        """Record ``pin`` (made by ``pin_prefix`` over exactly ``tokens``, e.g. by ``LLM.pin_prefix`` or ``POST
+        /v1/pins``) so that admission knows its blocks are pinned; with ``ttl`` (not False) it is also a request
+        pin that requests of the same prefix and TTL reuse. Prunes the records of dead pins. O(pins + prefix)."""
+        if not pin.pin_id:
+            return
+        live_ids = {p.pin_id for p in self._bm.pins}
+        for table in (self._by_key, self._cover):
+            for k in [k for k, pid in table.items() if pid not in live_ids]:
+                del table[k]
+        t = tuple(tokens)
+        self._cover[(namespace, t)] = pin.pin_id
+        if ttl is not False:
+            self._by_key[(namespace, ttl, t)] = pin.pin_id
 
     def admit(self, ids: Any, spec: KVRetention, namespace: Any = None) -> tuple[int, float | None]:
         """Check a request's ``kv_retention`` against its prompt ``ids`` and the pin budget now (see the module
@@ -130,7 +150,7 @@ class RequestPins:
         if need > bm.pin_budget_blocks:
             raise PinBudgetError(f"kv_retention: pinning {full} tokens holds {need} blocks; the pin budget is "
                                  f"{bm.pin_budget_blocks} blocks (pin_budget_blocks)")
-        if self._live((namespace, spec.ttl, tuple(ids[:full]))) is None:
+        if self._live((namespace, tuple(ids[:full])), self._cover) is None:  # (else: those blocks are pinned)
             bm.pins  # (drops expired pins first)
             held = bm.num_pinned_blocks
             if held + need > bm.pin_budget_blocks:
@@ -155,9 +175,6 @@ class RequestPins:
             return Pin(0, 0, 0, ttl), str(e)
         except PagedKVError as e:  # (not expected: admit checked the rest) the request goes on unpinned
             return Pin(0, 0, 0, ttl), f"{type(e).__name__}: {e}"
-        if pin.pin_id:
-            live_ids = {p.pin_id for p in self._bm.pins}
-            for k in [k for k, pid in self._by_key.items() if pid not in live_ids]:
-                del self._by_key[k]
-            self._by_key[key] = pin.pin_id
+        if pin.num_tokens == num_tokens:
+            self.remember(ids[:num_tokens], pin, namespace, ttl)
         return pin, None

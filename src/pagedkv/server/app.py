@@ -405,7 +405,11 @@ def build_app(engine: AsyncEngine, *, model_name: str, model_aliases: tuple[str,
         def pin(require_full: bool) -> Any:
             if require_full and bm.lookup_prefix(ids + ids[:1], namespace=pr.cache_salt).num_cached_tokens < full:
                 return None
-            return bm.pin_prefix(ids, ttl=pr.ttl, namespace=pr.cache_salt)
+            pin = bm.pin_prefix(ids, ttl=pr.ttl, namespace=pr.cache_salt)
+            rp = getattr(llm, "_request_pins", None)
+            if rp is not None:  # (requests asking to pin that prefix then need no room of the budget)
+                rp.remember(ids[: pin.num_tokens], pin, pr.cache_salt)
+            return pin
 
         try:
             got = await asyncio.to_thread(engine.between_steps, lambda: pin(True)) if full else None
