@@ -745,6 +745,14 @@ def test_kv_retention_pins_a_request_prefix_through_the_server(engine, server):
             **body, "kv_retention": {"pin_tokens": 48, "ttl": 60}})
         assert r.status_code == 200 and r.json()["kv_retention"]["ttl"] == 60
         assert llm.block_manager.num_pinned_blocks == 4 and len(llm.pins) == 3
+        # streamed: the pin in a chunk with no choices before [DONE] (here the reused request pin)
+        with httpx.stream("POST", srv.url + "/v1/completions", headers=h, timeout=60,
+                          json={**body, "stream": True}) as resp:
+            events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        last = json.loads(events[-2])
+        assert last["choices"] == [] and last["kv_retention"]["pin_id"] == pid
+        assert all("kv_retention" not in json.loads(e) for e in events[:-2])
         for bad, param in (({"pin_tokens": 51}, "kv_retention.pin_tokens"), ({"pin_tokens": 0},
                            "kv_retention.pin_tokens"), ({"pin_tokens": 8, "ttl": -1}, "kv_retention.ttl"),
                            ("prompt", "kv_retention"), ({"ttl": 5}, "kv_retention.pin_tokens")):

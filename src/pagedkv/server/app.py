@@ -8,8 +8,8 @@ first when it is not cached; 409 ``pin_budget_exceeded`` past the budget, 400 wh
 ``GET /v1/pins`` and ``DELETE /v1/pins/{pin_id}`` (404 ``pin_not_found``). A completion or chat request steers
 retention itself with ``session_id`` (its conversation: the eviction policy's hint, per ``cache_salt``) and
 ``kv_retention`` (``{"pin_tokens": N | "prompt", "ttl": s}``: its prefix pinned once computed; 400
-``pinning_disabled``, 409 ``pin_budget_exceeded`` as for ``/v1/pins``; the non-streamed answer's
-``kv_retention`` names the pin; :mod:`pagedkv.engine.request_pins`). With an API key, every ``/v1`` route needs
+``pinning_disabled``, 409 ``pin_budget_exceeded`` as for ``/v1/pins``; the answer's ``kv_retention`` (a
+stream: a chunk with no choices before ``[DONE]``) names the pin; :mod:`pagedkv.engine.request_pins`). With an API key, every ``/v1`` route needs
 ``Authorization: Bearer KEY`` (401 otherwise); /health and /metrics stay open, as in vLLM.
 
 Status codes, all in OpenAI's error shape: 400 for a client's mistake (see :mod:`.validation`: invalid JSON,
@@ -218,6 +218,11 @@ def build_app(engine: AsyncEngine, *, model_name: str, model_aliases: tuple[str,
         except EngineDead as e:
             raise APIError(503, str(e), "server_error", "engine_dead") from None
 
+    def pin_answer(res: Any, spec: dict) -> dict:
+        """The answer's ``kv_retention``: the request's pin (``pin_id`` null when nothing was pinned) and ``error``."""
+        pin = res.pin if res.pin is not None else Pin(0, 0, 0, spec["ttl"])
+        return {**pin_json(pin), "error": res.pin_error}
+
     async def finish(stream: RequestStream, request: Request, req: Any) -> tuple[Finished | None, dict]:
         """:func:`until_done`, and the extra fields of the answer: ``kv_transfer_params`` for a prefill for a
         remote decode (a hold left unanswered, the request aborted or failed, is released); ``kv_retention``, the
@@ -226,9 +231,7 @@ def build_app(engine: AsyncEngine, *, model_name: str, model_aliases: tuple[str,
             done = await until_done(stream, request)
             extra: dict = {}
             if done is not None and req.kv_retention is not None:
-                res = done.result
-                pin = res.pin if res.pin is not None else Pin(0, 0, 0, req.kv_retention["ttl"])
-                extra["kv_retention"] = {**pin_json(pin), "error": res.pin_error}
+                extra["kv_retention"] = pin_answer(done.result, req.kv_retention)
             if done is None or req.kv_transfer is None or not req.kv_transfer.do_remote_decode:
                 return done, extra
             return done, {"kv_transfer_params": kv.answer(stream.request_id), **extra}
@@ -277,9 +280,11 @@ def build_app(engine: AsyncEngine, *, model_name: str, model_aliases: tuple[str,
         return sse(body)
 
     async def stream_events(request: Request, stream: RequestStream, make_chunk, kind: str, head: ResponseHead,
-                            include_usage: bool, first: list | None) -> AsyncIterator[str]:
-        """SSE body: ``first`` chunks (chat's role deltas), then text deltas, finish reasons, usage, [DONE].
-        A client that disconnects aborts the request, which ends this iteration."""
+                            include_usage: bool, first: list | None, retention: dict | None = None
+                            ) -> AsyncIterator[str]:
+        """SSE body: ``first`` chunks (chat's role deltas), then text deltas, finish reasons, usage, the request's
+        pin (``retention``: its ``kv_retention``; a chunk with no choices, as usage's), [DONE]. A client that
+        disconnects aborts the request, which ends this iteration."""
         watcher = abort_on_disconnect(request, stream)
         try:
             for chunk in first or ():
@@ -295,6 +300,9 @@ def build_app(engine: AsyncEngine, *, model_name: str, model_aliases: tuple[str,
                 if include_usage:
                     yield sse({"id": head.id, "object": kind, "created": head.created,
                                "model": head.model, "choices": [], "usage": result_usage(res)})
+                if retention is not None:
+                    yield sse({"id": head.id, "object": kind, "created": head.created, "model": head.model,
+                               "choices": [], "kv_retention": pin_answer(res, retention)})
             if not stream.aborted:
                 yield "data: [DONE]\n\n"
         except (RequestFailed, EngineDead) as e:  # an error event, then the end of the stream
@@ -332,7 +340,8 @@ def build_app(engine: AsyncEngine, *, model_name: str, model_aliases: tuple[str,
                     "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": reason}]}
 
         if req.stream:
-            events = stream_events(request, stream, chunk, "text_completion", head, req.include_usage, None)
+            events = stream_events(request, stream, chunk, "text_completion", head, req.include_usage, None,
+                                   req.kv_retention)
             return StreamingResponse(events, media_type="text/event-stream")
         done, extra = await finish(stream, request, req)
         if done is None:
@@ -363,7 +372,8 @@ def build_app(engine: AsyncEngine, *, model_name: str, model_aliases: tuple[str,
 
         if req.stream:
             first = [chunk(i, "", None, role=True) for i in range(stream.n)]
-            events = stream_events(request, stream, chunk, "chat.completion.chunk", head, req.include_usage, first)
+            events = stream_events(request, stream, chunk, "chat.completion.chunk", head, req.include_usage, first,
+                                   req.kv_retention)
             return StreamingResponse(events, media_type="text/event-stream")
         done, extra = await finish(stream, request, req)
         if done is None:
