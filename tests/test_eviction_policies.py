@@ -18,19 +18,22 @@ from pagedkv.retention.eviction import SessionEvictor, SLRUEvictor, make_evictor
 from pagedkv.blocks.evictor import LRUEvictor
 from pagedkv.retention import steering
 
+import evictor_drive
+
 
 # ---------------------------------------------------------------------- reference models
 class RefSLRU:
     def __init__(self, n, frac=0.8):
         self.p, self.q, self.hit, self.cap = OrderedDict(), OrderedDict(), set(), max(1, int(frac * n))
 
-    def push(self, b):
-        if b in self.hit:
-            self.q[b] = None
-            while len(self.q) > self.cap:
-                self.p[self.q.popitem(last=False)[0]] = None
-        else:
-            self.p[b] = None
+    def push_many(self, blocks):
+        for b in blocks:
+            if b in self.hit:
+                self.q[b] = None
+                while len(self.q) > self.cap:
+                    self.p[self.q.popitem(last=False)[0]] = None
+            else:
+                self.p[b] = None
 
     def discard(self, b):
         (self.p if b in self.p else self.q).pop(b)
@@ -54,9 +57,11 @@ class RefSession:
         for b in blocks:
             self.bonus[b] = (self.turns[s] - 1) * self.span
 
-    def push(self, b, first=None):  # the blocks of one push_many share the key of its first serial
-        self.clock += 1
-        self.key[b] = ((self.clock if first is None else first) + self.bonus.pop(b, 0), self.clock)
+    def push_many(self, blocks):  # the blocks of one push share the key of its first serial
+        first = self.clock + 1
+        for b in blocks:
+            self.clock += 1
+            self.key[b] = (first + self.bonus.pop(b, 0), self.clock)
 
     def discard(self, b):
         del self.key[b]
@@ -70,55 +75,19 @@ class RefSession:
         return sorted(self.key, key=self.key.get)
 
 
-OPS = st.lists(st.tuples(st.sampled_from(["push", "push_many", "discard", "discard_many", "pop", "pop_many", "hint"]),
-                         st.integers(0, 1000)), min_size=1, max_size=300)
+def _session_hint(x, absent, inside):
+    """A hint for up to 3 blocks not in the evictor, one of 3 sessions."""
+    return (absent[: 1 + x % 3], x % 3) if absent else None
 
 
 @pytest.mark.parametrize("policy", ["slru", "session"])
 @settings(max_examples=120, deadline=None)
-@given(n=st.integers(1, 30), ops=OPS)
-def test_policy_matches_its_reference(policy, n, ops):
-    ev = make_evictor(policy, n)
-    ref = RefSLRU(n) if policy == "slru" else RefSession(n)
-    inside: list = []
-    for op, x in ops:
-        absent = [b for b in range(n) if b not in inside]
-        if op == "push" and absent:
-            b = absent[x % len(absent)]
-            ev.push(b), ref.push(b), inside.append(b)
-        elif op == "push_many" and absent:
-            blocks = list(dict.fromkeys(absent[(x + 7 * i) % len(absent)] for i in range(x % (len(absent) + 1))))
-            ev.push_many(np.array(blocks, dtype=np.int32))
-            first = getattr(ref, "clock", 0) + 1
-            for b in blocks:
-                ref.push(b) if policy == "slru" else ref.push(b, first)
-            inside += blocks
-        elif op == "discard" and inside:
-            b = inside.pop(x % len(inside))
-            ev.discard(b), ref.discard(b)
-        elif op == "discard_many" and inside:
-            blocks = list(dict.fromkeys(inside[(x + 3 * i) % len(inside)] for i in range(x % 4)))
-            ev.discard_many(np.array(blocks, dtype=np.int64))
-            for b in blocks:
-                ref.discard(b)
-                inside.remove(b)
-        elif op == "pop" and inside:
-            b = ev.pop()
-            assert b == ref.pop()
-            inside.remove(b)
-        elif op == "pop_many" and inside:
-            k = x % (len(inside) + 1)
-            got = ev.pop_many(k).tolist()
-            assert got == [ref.pop() for _ in range(k)]
-            for b in got:
-                inside.remove(b)
-        elif op == "hint" and absent and policy == "session":
-            blocks = absent[: 1 + x % 3]
-            ev.hint(np.array(blocks, dtype=np.int64), x % 3)
-            ref.hint(blocks, x % 3)
-        assert len(ev) == len(inside)
-        assert list(ev) == ref.order()
-        assert all((b in ev) == (b in inside) for b in range(n))
+@given(n=st.integers(1, 30), operations=evictor_drive.ops())
+def test_policy_matches_its_reference(policy, n, operations):
+    if policy == "slru":
+        evictor_drive.drive(make_evictor(policy, n), RefSLRU(n), n, operations)
+    else:
+        evictor_drive.drive(make_evictor(policy, n), RefSession(n), n, operations, _session_hint)
 
 
 # ---------------------------------------------------------------------- golden eviction orders, through the manager

@@ -298,3 +298,84 @@ def test_forked_samples_inherit_the_request_priority(engine):
     assert set(ev.classes) >= {5} and len(ev.classes[5]) == len(list(ev)) > 22 // 4
     assert len(ev.classes[0]) == 0
     llm.block_manager.check_invariants()
+
+
+@pytest.mark.parametrize("policy, kept", [("lru", [0, 2]), ("session", [2, 0])])
+def test_session_hint_through_llm_gives_the_golden_eviction_order(engine, policy, kept):
+    """LLM.generate(session=...): the scheduler hands each request's conversation to the block manager; with the
+    session policy the conversation (two requests, the second a hit) outlives a newer one-off, LRU does the
+    opposite (the manager-level golden of tests/test_eviction_policies.py, through the model)."""
+    llm = make_llm(engine, num_gpu_blocks=3, block_size=2, eviction_policy=policy)
+    for prompt, session in (([1, 2, 7], "chat"), ([1, 2, 8], "chat"), ([3, 4, 9], "one-off")):
+        llm.generate([{"prompt_token_ids": prompt}], greedy(1), use_tqdm=False, session=session)
+    llm.generate([{"prompt_token_ids": [5, 6, 11]}], greedy(1), use_tqdm=False)  # takes one cached block
+    bm = llm.block_manager
+    assert [bm.lookup_prefix([1, 2, 0]).num_cached_tokens, bm.lookup_prefix([3, 4, 0]).num_cached_tokens] == kept
+    bm.check_invariants()
+
+
+def test_session_argument_forms_and_errors(engine):
+    from pagedkv.errors import InvalidArgumentError
+
+    llm = make_llm(engine, num_gpu_blocks=16, block_size=4, eviction_policy="session")
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:2]]
+    with pytest.raises(InvalidArgumentError, match="2 prompts"):
+        llm.generate(prompts, greedy(1), use_tqdm=False, session=["a"])
+    with pytest.raises(InvalidArgumentError, match="hashable"):
+        llm.generate(prompts, greedy(1), use_tqdm=False, session=[{"a": 1}, None])
+    assert llm.scheduler.stats.prefills == 0  # refused before anything ran
+    llm.generate(prompts, greedy(1), use_tqdm=False, session=["a", None])
+    llm.generate(prompts, greedy(1), use_tqdm=False, session=7)  # one hint for both prompts
+    assert dict(llm.block_manager._cache.evictor.sessions) == {"a": 1, 7: 2}
+    llm.block_manager.check_invariants()
+
+
+def test_kv_retention_pins_the_prompt_once_computed(engine):
+    """kv_retention on generate: the first 22 tokens of a prompt (5 whole blocks) pinned once its last chunk is
+    computed (chunks of 8 tokens), the pin listed in llm.pins and kept through pressure that evicts everything
+    else; a second request asking the same reuses the pin and refreshes its TTL by its hit; every error is raised
+    before anything runs."""
+    from pagedkv.errors import InvalidArgumentError, PinBudgetError
+
+    n_new = 4
+    llm = make_llm(engine, num_gpu_blocks=18, block_size=4, pin_budget_blocks=5, max_num_batched_tokens=8)
+    system = PROMPTS[1]  # 22 tokens
+    keep = {"pin_tokens": 22, "ttl": 600}
+    out = llm.generate([{"prompt_token_ids": system + [5, 6]}], greedy(n_new), use_tqdm=False, kv_retention=keep)[0]
+    assert (out.pin.num_tokens, out.pin.num_blocks, out.pin.ttl, out.pin_error) == (20, 5, 600.0, None)
+    assert llm.pins == (out.pin,) and llm.block_manager.num_pinned_blocks == 5
+    assert ids(out) == list(engine.reference_greedy(tuple(system + [5, 6]), n_new).token_ids)
+    others = [list(range(1000 + 50 * i, 1030 + 50 * i)) for i in range(3)]  # 3 x 30 tokens through 18 blocks
+    evictions = llm.block_manager.stats.evictions
+    outs = llm.generate([{"prompt_token_ids": p} for p in others], greedy(n_new), use_tqdm=False)
+    assert llm.block_manager.stats.evictions > evictions and all(o.pin is None for o in outs)
+    ev = llm.block_manager._cache.evictor
+    deadline = ev.pins[out.pin.pin_id][2]
+    again = llm.generate([{"prompt_token_ids": system + [7]}], greedy(n_new), use_tqdm=False,
+                         kv_retention=[keep])[0]
+    assert again.num_cached_tokens == 20 and again.pin == out.pin and len(llm.pins) == 1  # reused
+    assert ev.pins[out.pin.pin_id][2] > deadline  # the hit refreshed the TTL
+    assert ids(again) == list(engine.reference_greedy(tuple(system + [7]), n_new).token_ids)
+    unpinned = llm.generate([{"prompt_token_ids": [1, 2, 3]}], greedy(1), use_tqdm=False,
+                            kv_retention={"pin_tokens": "prompt"})[0]
+    assert unpinned.pin.pin_id == 0 and unpinned.pin_error is None  # shorter than a block: nothing to pin
+    before = llm.scheduler.stats.prefills
+    with pytest.raises(PinBudgetError):  # 10 blocks: past the budget of 5
+        llm.generate([{"prompt_token_ids": PROMPTS[3]}], greedy(1), use_tqdm=False, kv_retention={"pin_tokens": 40})
+    with pytest.raises(PinBudgetError):  # 2 blocks, but the pin above holds all 5 of the budget now
+        llm.generate([{"prompt_token_ids": others[0]}], greedy(1), use_tqdm=False, kv_retention={"pin_tokens": 8})
+    with pytest.raises(InvalidArgumentError, match="longer than the prompt"):
+        llm.generate([{"prompt_token_ids": system}], greedy(1), use_tqdm=False, kv_retention={"pin_tokens": 23})
+    with pytest.raises(InvalidArgumentError):
+        llm.generate([{"prompt_token_ids": system}], greedy(1), use_tqdm=False, kv_retention={"pin": 8})
+    assert llm.scheduler.stats.prefills == before  # nothing ran
+    assert not llm.scheduler.has_unfinished() and llm.pins == (out.pin,)
+    admin = llm.pin_prefix({"prompt_token_ids": system})  # the same 5 blocks, no TTL: nothing more of the budget
+    forever = llm.generate([{"prompt_token_ids": system + [9]}], greedy(1), use_tqdm=False,
+                           kv_retention={"pin_tokens": "prompt"})[0]  # admitted: its blocks are pinned already
+    assert (forever.pin.num_tokens, forever.pin.ttl, forever.pin_error) == (20, None, None)
+    assert forever.pin.pin_id not in (out.pin.pin_id, admin.pin_id) and llm.block_manager.num_pinned_blocks == 5
+    with pytest.raises(InvalidArgumentError, match="pin budget"):
+        make_llm(engine, num_gpu_blocks=18, block_size=4).generate(
+            [{"prompt_token_ids": system}], greedy(1), use_tqdm=False, kv_retention=keep)
+    llm.block_manager.check_invariants()

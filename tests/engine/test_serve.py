@@ -658,3 +658,109 @@ def test_pins_through_the_server(engine, server):
         srv.close()
     r = httpx.post(server.url + "/v1/pins", json={"prompt": system}, headers=h, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["code"] == "pinning_disabled"
+
+
+def test_session_id_reaches_the_eviction_policy(engine):
+    """``session_id`` on completions and chat: the scheduler hands it to the session policy (per tenant with a
+    cache_salt), which keeps the conversation (two requests, the second a hit) over a newer one-off: the golden
+    order of tests/test_eviction_policies.py through HTTP (LRU, or no hints, keeps the one-off instead); a bad
+    value is a 400."""
+    from pagedkv.engine import LLM
+    from pagedkv.server.launch import make_server
+
+    llm = LLM(engine.paged, num_gpu_blocks=3, max_num_seqs=2, block_size=2, eviction_policy="session",
+              kv_cache_groups=False)
+    srv = make_server(llm, model_name=MODEL, api_key=KEY, max_waiting=8).start_in_thread()
+    h = {"Authorization": f"Bearer {KEY}"}
+    try:
+        for prompt, session in (([1, 2, 7], "chat"), ([1, 2, 8], "chat"), ([3, 4, 9], "one-off")):
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0, "session_id": session}
+            r = httpx.post(srv.url + "/v1/completions", json=body, headers=h, timeout=60)
+            assert r.status_code == 200, r.text
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": [5, 6, 11], "max_tokens": 1}, headers=h,
+                       timeout=60)
+        assert r.status_code == 200
+        wait_idle(srv)
+        bm = llm.block_manager
+
+        def kept():
+            return srv.engine.between_steps(lambda: [bm.lookup_prefix([1, 2, 0]).num_cached_tokens,
+                                                     bm.lookup_prefix([3, 4, 0]).num_cached_tokens])
+
+        assert kept() == [2, 0]
+        sessions = bm._cache.evictor.sessions
+        assert dict(sessions) == {"chat": 2, "one-off": 1}
+        body = {"prompt": [20, 21, 22], "max_tokens": 1, "session_id": "chat", "cache_salt": "tenant-b"}
+        assert httpx.post(srv.url + "/v1/completions", json=body, headers=h, timeout=60).status_code == 200
+        wait_idle(srv)
+        assert sessions[("tenant-b", "chat")] == 1 and sessions["chat"] == 2  # another tenant's "chat"
+        for bad in (7, "", "x" * 300, ["a"]):
+            r = httpx.post(srv.url + "/v1/completions", json={"prompt": [1, 2], "session_id": bad}, headers=h,
+                           timeout=30)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "session_id", (bad, r.text)
+        bm.check_invariants()
+    finally:
+        srv.close()
+
+
+def test_kv_retention_pins_a_request_prefix_through_the_server(engine, server):
+    """``kv_retention`` on a completion: the prompt's full blocks pinned once computed (the answer's
+    ``kv_retention`` names the pin, GET /v1/pins lists it); the same request again reuses the pin; a chat request
+    pins its rendered messages; past the budget a 409 and nothing runs; a pin longer than the prompt or a bad
+    field a 400; a server without a pin budget a 400 (pinning_disabled)."""
+    from pagedkv.engine import LLM
+    from pagedkv.server.launch import make_server
+
+    llm = LLM(engine.paged, num_gpu_blocks=24, max_num_seqs=4, block_size=BLOCK, pin_budget_blocks=4,
+              kv_cache_groups=False)
+    srv = make_server(llm, model_name=MODEL, api_key=KEY, max_waiting=8).start_in_thread()
+    h = {"Authorization": f"Bearer {KEY}"}
+    system = list(range(300, 350))  # 50 tokens: 3 full blocks of 16
+    body = {"model": MODEL, "prompt": system, "max_tokens": 2, "temperature": 0,
+            "kv_retention": {"pin_tokens": "prompt", "ttl": 600}}
+    try:
+        r = httpx.post(srv.url + "/v1/completions", json=body, headers=h, timeout=60)
+        assert r.status_code == 200, r.text
+        got = r.json()["kv_retention"]
+        assert (got["num_tokens"], got["num_blocks"], got["ttl"], got["error"]) == (48, 3, 600, None)
+        pid = got["pin_id"]
+        listed = httpx.get(srv.url + "/v1/pins", headers=h, timeout=30).json()
+        assert [p["pin_id"] for p in listed["data"]] == [pid] and listed["num_pinned_blocks"] == 3
+        r = httpx.post(srv.url + "/v1/completions", json=body, headers=h, timeout=60).json()
+        assert r["kv_retention"]["pin_id"] == pid and r["usage"]["prompt_tokens_details"]["cached_tokens"] == 48
+        assert len(httpx.get(srv.url + "/v1/pins", headers=h, timeout=30).json()["data"]) == 1
+        prefills = llm.scheduler.stats.prefills
+        r = httpx.post(srv.url + "/v1/completions", headers=h, timeout=60, json={
+            **body, "prompt": list(range(500, 540))})  # 2 more blocks: 5 > the budget of 4
+        assert r.status_code == 409 and r.json()["error"]["code"] == "pin_budget_exceeded"
+        assert llm.scheduler.stats.prefills == prefills and llm.block_manager.num_pinned_blocks == 3
+        # a chat request pinning its first 16 tokens (one block) fits beside the 3 pinned
+        chat = {"messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"}],
+                "max_tokens": 1, "temperature": 0, "kv_retention": {"pin_tokens": 16}}
+        r = httpx.post(srv.url + "/v1/chat/completions", json=chat, headers=h, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["kv_retention"]["num_tokens"] == 16 and llm.block_manager.num_pinned_blocks == 4
+        # the budget is full, but a pin of the same prefix with another TTL holds no new block: admitted
+        r = httpx.post(srv.url + "/v1/completions", headers=h, timeout=60, json={
+            **body, "kv_retention": {"pin_tokens": 48, "ttl": 60}})
+        assert r.status_code == 200 and r.json()["kv_retention"]["ttl"] == 60
+        assert llm.block_manager.num_pinned_blocks == 4 and len(llm.pins) == 3
+        # streamed: the pin in a chunk with no choices before [DONE] (here the reused request pin)
+        with httpx.stream("POST", srv.url + "/v1/completions", headers=h, timeout=60,
+                          json={**body, "stream": True}) as resp:
+            events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        last = json.loads(events[-2])
+        assert last["choices"] == [] and last["kv_retention"]["pin_id"] == pid
+        assert all("kv_retention" not in json.loads(e) for e in events[:-2])
+        for bad, param in (({"pin_tokens": 51}, "kv_retention.pin_tokens"), ({"pin_tokens": 0},
+                           "kv_retention.pin_tokens"), ({"pin_tokens": 8, "ttl": -1}, "kv_retention.ttl"),
+                           ("prompt", "kv_retention"), ({"ttl": 5}, "kv_retention.pin_tokens")):
+            r = httpx.post(srv.url + "/v1/completions", json={**body, "kv_retention": bad}, headers=h, timeout=30)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
+        llm.block_manager.check_invariants()
+    finally:
+        srv.close()
+    r = httpx.post(server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                   timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "pinning_disabled"

@@ -11,6 +11,7 @@ Submodules:
 * :mod:`pagedkv.engine.reference`: a simple contiguous-cache reference forward and greedy generation.
 * :mod:`pagedkv.engine.sampling` and :mod:`pagedkv.engine.llm`: ``SamplingParams``, ``LLM`` (generate / chat /
   stream through the block manager and the scheduler).
+* :mod:`pagedkv.engine.request_pins`: a request's ``kv_retention`` (pin its prompt's prefix once computed).
 * :mod:`pagedkv.engine.options`: the command-line options of every command that builds an engine (torch-free at
   import time).
 

@@ -36,10 +36,11 @@ from .model import build_attention_metadata, build_group_attention_metadata, exe
 from .registry import load_model, make_tokenizer
 from ..tiers.connector import DEFAULT_MAX_LOAD_MS_PER_BLOCK
 from .kv_tiers import EngineTiers, parse_store_policy
+from .request_pins import KVRetention, RequestPins, parse_kv_retention
 from .sampling import SamplingParams, sample, sample_batch, sample_bounded
 from .threads import ThreadPolicy
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "KVRetention", "RequestOutput", "SamplingParams"]
 
 DEFAULT_CHUNKED_BUDGET = 512  # max_num_batched_tokens with chunked prefill (prompt chunks plus decodes a step)
 DEFAULT_BUDGET = 2048  # without it (whole prompts a step)
@@ -57,13 +58,17 @@ class CompletionOutput:
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """Result of one prompt: its samples, and how many prompt tokens came from the prefix cache."""
+    """Result of one prompt: its samples, and how many prompt tokens came from the prefix cache. With
+    ``kv_retention``: ``pin``, the request's pin (``pin_id`` 0 when nothing was pinned), and ``pin_error``, why
+    not when the pin budget was taken between admission and the pin (see :mod:`pagedkv.engine.request_pins`)."""
 
     request_id: int
     prompt: str | None
     prompt_token_ids: tuple[int, ...]
     outputs: tuple[CompletionOutput, ...]
     num_cached_tokens: int
+    pin: Pin | None = None
+    pin_error: str | None = None
 
 
 @dataclass
@@ -305,6 +310,7 @@ class LLM:
         else:
             self.block_manager = BlockManager(num_gpu_blocks, block_size, sliding_window=sliding_window, **common)
         self._timed_bm = _TimedCalls(self.block_manager)
+        self._request_pins = RequestPins(self.block_manager, self.kv_cache_groups)  # generate's kv_retention
         self.scheduler = Scheduler(
             self._timed_bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             preemption_mode=preemption_mode, num_lookahead_slots=num_lookahead_slots,
@@ -375,11 +381,24 @@ class LLM:
         *,
         use_tqdm: bool = True,
         priority: int | Sequence[int] | None = None,
+        session: Any = None,
+        kv_retention: Mapping[str, Any] | KVRetention | Sequence[Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt (a string, or ``{"prompt_token_ids": [...]}``); results in prompt order.
         ``priority`` (vLLM's: one int, or one per prompt; lower is more urgent): the admission order and the
         preemption victims with ``scheduling_policy="priority"``, and the eviction class of the request's cached
-        blocks with any policy (:meth:`pagedkv.BlockManager.set_retention`)."""
+        blocks with any policy (:meth:`pagedkv.BlockManager.set_retention`).
+
+        ``session``: the conversation each prompt belongs to (any hashable: a str, an int; a list or tuple gives
+        one per prompt, None entries for none; anything else is every prompt's), the hint of the ``"session"`` and
+        ``"density"`` eviction policies (``set_retention``'s ``session``; other policies ignore it).
+
+        ``kv_retention`` (:mod:`pagedkv.engine.request_pins`): ``{"pin_tokens": N | "prompt", "ttl": seconds}``
+        (or a :class:`KVRetention`; a list or tuple: one per prompt, None entries for none) pins the first N
+        prompt tokens (whole blocks) once computed, within ``pin_budget_blocks``, TTL refreshed on every hit; the
+        pin is ``RequestOutput.pin`` and is listed in :attr:`pins`. Checked before anything runs:
+        InvalidArgumentError (pinning off, N longer than the prompt, a bad field), PinBudgetError (the pin does not
+        fit the budget now); nothing is generated then."""
         if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
         requests = self._make_requests(prompts, sampling_params)
@@ -389,6 +408,19 @@ class LLM:
                 raise InvalidArgumentError(f"priority must be an int or one int per prompt, got {priority!r}")
             for r, p in zip(requests, prios):
                 r.priority = p
+        sessions = _per_prompt(session, len(requests), "session")
+        for s in sessions:
+            try:
+                hash(s)
+            except TypeError:
+                raise InvalidArgumentError(f"session must be hashable (a str, an int), got {type(s).__name__}") \
+                    from None
+        specs = [parse_kv_retention(k) for k in _per_prompt(kv_retention, len(requests), "kv_retention",
+                                                             (Mapping, KVRetention))]
+        retain = [None if k is None else self._request_pins.admit(r.prompt_token_ids, k, r.namespace)
+                  for r, k in zip(requests, specs)]  # (checked for every request before any is changed)
+        for r, s, k in zip(requests, sessions, retain):
+            r.session, r.retain = s, k
         bar = None
         if use_tqdm and len(requests) > 1:
             from tqdm.auto import tqdm
@@ -436,7 +468,9 @@ class LLM:
                                      namespace=namespace)
             for _ in self._run([req]):
                 pass
-        return bm.pin_prefix(ids, ttl=ttl, namespace=namespace)
+        pin = bm.pin_prefix(ids, ttl=ttl, namespace=namespace)
+        self._request_pins.remember(ids[: pin.num_tokens], pin, namespace)  # (requests of that prefix: no new blocks)
+        return pin
 
     def unpin(self, pin_id: int) -> None:
         """Drop a pin made by :meth:`pin_prefix` (UnknownPinError if there is none by that id, e.g. expired)."""
@@ -453,14 +487,19 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        **retention: Any,
     ) -> list[RequestOutput]:
         """Generate a reply to one conversation (a list of ``{"role", "content"}`` dicts) or to each of several,
         using the model's own chat template. :class:`~pagedkv.errors.NoChatTemplateError` when the model's file
-        carries none (a base model: use :meth:`generate`)."""
+        carries none (a base model: use :meth:`generate`). ``priority``, ``session`` and ``kv_retention`` as in
+        :meth:`generate`."""
+        bad = set(retention) - {"priority", "session", "kv_retention"}
+        if bad:
+            raise TypeError(f"chat() got unexpected keyword argument(s) {', '.join(sorted(bad))}")
         self.tokenizer.require_chat_template()
         convs = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         prompts = [{"prompt_token_ids": self.tokenizer.apply_chat_template(c)} for c in convs]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, **retention)
 
     def stream(self, prompt: str | Mapping[str, Any], sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the text of sample 0 piece by piece as it is generated."""
@@ -533,7 +572,7 @@ class LLM:
             self.scheduler.add_request(r.request_id, r.prompt_token_ids, n=p.n, max_tokens=p.max_tokens,
                                        eos_token_id=self.tokenizer.eos_token_id, ignore_eos=p.ignore_eos,
                                        stop_token_ids=p.stop_token_ids, namespace=r.namespace, priority=r.priority,
-                                       wait_for_kv=wait)
+                                       wait_for_kv=wait, session=r.session)
         except Exception:
             if wait:
                 self.kv_tiers.forget(r.request_id)
@@ -739,9 +778,14 @@ class LLM:
         return out
 
     def _after_step(self, plan: Any, by_id: dict) -> list:
-        """Record sample 0's tokens for streaming; finish samples whose text now contains a stop string."""
+        """Pin the prompts computed in this step whose request asked for it (``kv_retention``); record sample 0's
+        tokens for streaming; finish samples whose text now contains a stop string."""
         done = []
         sched = self.scheduler
+        for pw in plan.prefills:
+            r = by_id.get(pw.request_id)
+            if r is not None and r.retain is not None and r.pin is None and pw.num_samples:  # (the last chunk)
+                r.pin, r.pin_error = self._request_pins.settle(r.prompt_token_ids, *r.retain, r.namespace)
         seq_ids = [pw.seq_id for pw in plan.prefills]
         if plan.decode is not None:
             seq_ids += plan.decode.seq_ids.tolist()
@@ -765,9 +809,19 @@ class LLM:
         return done
 
 
+def _per_prompt(value: Any, n: int, name: str, single: tuple = ()) -> list:
+    """``value`` for each of ``n`` prompts: a list or tuple (not of the ``single`` types) gives one per prompt
+    (InvalidArgumentError on a length mismatch), anything else is every prompt's."""
+    if isinstance(value, (list, tuple)) and not isinstance(value, single):
+        if len(value) != n:
+            raise InvalidArgumentError(f"{name}: {len(value)} values for {n} prompts (give one, or one per prompt)")
+        return list(value)
+    return [value] * n
+
+
 class _Request:
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "generator", "tokenizer", "result", "live",
-                 "namespace", "priority")
+                 "namespace", "priority", "session", "retain", "pin", "pin_error")
 
     def __init__(self, rid: int, prompt: str | None, ids: tuple, params: SamplingParams,
                  generator: torch.Generator, tokenizer: Any, namespace: Any = None) -> None:
@@ -781,6 +835,10 @@ class _Request:
         self.live: tuple = ()  # tokens generated so far by sample 0 (for streaming)
         self.namespace = namespace  # prefix-cache namespace (None: the shared default)
         self.priority = 0  # vLLM's request priority (lower is more urgent)
+        self.session: Any = None  # the conversation hint of the eviction policy (None: none)
+        self.retain: tuple | None = None  # kv_retention admitted: (prompt tokens to pin, ttl)
+        self.pin: Pin | None = None  # that pin, once made (Pin(0, ...): nothing pinned)
+        self.pin_error: str | None = None  # why it was not made
 
     def text(self) -> str:
         """Text of sample 0 so far (the final text once finished)."""
@@ -798,4 +856,4 @@ class _Request:
                     text, reason = text[:cut], FINISH_STOP
             outs.append(CompletionOutput(i, text, tuple(int(t) for t in toks), reason))
         self.result = RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, tuple(outs),
-                                    int(out.num_cached_tokens))
+                                    int(out.num_cached_tokens), self.pin, self.pin_error)

@@ -200,7 +200,8 @@ class DensityEvictor:
         k, c = self.est.tick(session, int(blocks.size))
         self.hk[blocks] = k
         self.ht[blocks] = c
-        h = (hash(session) & 0x7FFFFFFFFFFFFFFF) | 1
+        # (0 means "none": a session hashing to 0 takes the largest value; `| 1` would merge sessions 2k and 2k + 1)
+        h = (hash(session) & 0x7FFFFFFFFFFFFFFF) or 0x7FFFFFFFFFFFFFFF
         gone = self.pend[blocks]  # hinted before and never pushed since: freed uncached, new content now
         if gone.any():
             self.own[blocks[gone]] = 0

@@ -170,13 +170,17 @@ class Scheduler:
         namespace: Any = None,
         priority: int = 0,
         wait_for_kv: bool = False,
+        session: Hashable = None,
     ) -> None:
         """Queue a request. ``max_tokens`` counts generated tokens per sample; generation stops after EOS
         (unless ``ignore_eos``) or a token of ``stop_token_ids``; ``namespace`` isolates its prefix-cache
         entries. ``priority`` (vLLM's field, lower is more urgent): with ``scheduling_policy="priority"`` requests
         are admitted by (priority, arrival) and preempted from the largest (priority, arrival) first; with any
         policy the block manager (if it has ``set_retention``, prefix caching on) evicts the cached blocks of a
-        request of a larger value first.
+        request of a larger value first. ``session`` (any hashable; None: no hint): the conversation the request
+        belongs to, passed to the block manager's ``set_retention`` with sample 0's allocation (a forked sample's
+        blocks carry none), for the ``"session"`` and ``"density"`` eviction policies; a request readmitted after a
+        recompute preemption passes it again (its preempted run counts as one more request of the conversation).
 
         ``wait_for_kv``: the request waits in the *loading* set (not admitted, steps go on for the others) until
         :meth:`kv_ready` says its load from a storage tier finished; it then joins the waiting queue at its
@@ -184,6 +188,11 @@ class Scheduler:
         q = self._q
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"request {request_id!r}: priority must be an int, got {priority!r}")
+        try:
+            hash(session)
+        except TypeError:
+            raise ValueError(f"request {request_id!r}: session must be hashable, got {type(session).__name__}") \
+                from None
         if request_id in q.requests:
             raise ValueError(f"request {request_id!r} is already queued or running")
         prompt = np.array(prompt_token_ids, dtype=np.int64).reshape(-1)
@@ -199,6 +208,7 @@ class Scheduler:
         q.add(request_id, prompt, int(n), int(max_tokens), None if eos_token_id is None else int(eos_token_id),
               bool(ignore_eos), frozenset(int(t) for t in stop_token_ids), namespace, int(priority),
               bool(wait_for_kv))
+        q.requests[request_id].session = session
 
     def kv_ready(self, request_id: Hashable, start_token: int = 0, num_tokens: int = 0, *,
                  reserve: bool = False) -> bool:

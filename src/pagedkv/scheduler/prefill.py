@@ -103,8 +103,11 @@ class Admitter(Part):
                     verdict = "NEVER" if type(e).__name__ == "PromptTooLongError" else "LATER"
                     reason = str(e)
                     break
-                if g.priority and getattr(bm, "enable_prefix_caching", False) and hasattr(bm, "set_retention"):
-                    bm.set_retention(s.seq_id, priority=g.priority)  # its cached blocks' eviction class
+                # its cached blocks' eviction class, and the conversation hint (once per request: sample 0's)
+                session = g.session if i == 0 else None
+                if (g.priority or session is not None) and getattr(bm, "enable_prefix_caching", False) \
+                        and hasattr(bm, "set_retention"):
+                    bm.set_retention(s.seq_id, priority=g.priority, session=session)
                 if reserve:
                     fetch = bm.external_blocks(s.seq_id)  # (None: allocate kept no external token)
                     if fetch is not None:

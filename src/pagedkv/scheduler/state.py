@@ -66,7 +66,7 @@ class Group:
     __slots__ = (
         "request_id", "arrival", "prompt", "n", "max_tokens", "eos", "ignore_eos", "stop_ids",
         "namespace", "seqs", "live", "forked", "num_cached_tokens", "num_preemptions", "status", "priority",
-        "external", "reserve", "fetch",
+        "external", "reserve", "fetch", "session",
     )
 
     def __init__(self) -> None:
@@ -77,6 +77,7 @@ class Group:
         self.num_preemptions = 0
         self.status = WAITING
         self.priority = 0  # vLLM's request priority: lower is served first (scheduling_policy="priority")
+        self.session = None  # the conversation it belongs to: the eviction policy's hint (set_retention's session)
         # (start_token, num_tokens) of prompt KV loaded from a storage tier, waiting for admission (Scheduler.kv_ready)
         self.external: tuple | None = None
         self.reserve = False  # kv_ready(reserve=True): admit with allocate(num_external_tokens=) (FETCHING)

@@ -5,7 +5,11 @@ one ``data: {chunk}`` per step that produced text, ending with ``data: [DONE]``)
 ``GET /health`` and ``GET /metrics`` (Prometheus text); the pins of the prefix cache (``--pin-budget-blocks``):
 ``POST /v1/pins`` (pin a prefix: ``prompt`` or ``messages``, ``ttl`` seconds, ``cache_salt``; its KV is computed
 first when it is not cached; 409 ``pin_budget_exceeded`` past the budget, 400 when pinning is off),
-``GET /v1/pins`` and ``DELETE /v1/pins/{pin_id}`` (404 ``pin_not_found``). With an API key, every ``/v1`` route needs
+``GET /v1/pins`` and ``DELETE /v1/pins/{pin_id}`` (404 ``pin_not_found``). A completion or chat request steers
+retention itself with ``session_id`` (its conversation: the eviction policy's hint, per ``cache_salt``) and
+``kv_retention`` (``{"pin_tokens": N | "prompt", "ttl": s}``: its prefix pinned once computed; 400
+``pinning_disabled``, 409 ``pin_budget_exceeded`` as for ``/v1/pins``; the answer's ``kv_retention`` (a
+stream: a chunk with no choices before ``[DONE]``) names the pin; :mod:`pagedkv.engine.request_pins`). With an API key, every ``/v1`` route needs
 ``Authorization: Bearer KEY`` (401 otherwise); /health and /metrics stay open, as in vLLM.
 
 Status codes, all in OpenAI's error shape: 400 for a client's mistake (see :mod:`.validation`: invalid JSON,
@@ -164,9 +168,14 @@ def build_app(engine: AsyncEngine, *, model_name: str, model_aliases: tuple[str,
                 params = SamplingParams(**req.sampling_kwargs(max_tokens))
                 request = engine.prepare({"prompt_token_ids": ids}, params, req.cache_salt)
                 request.priority = req.priority
+                # the conversation hint, per tenant: one salt's session ids are not another's
+                if req.session_id is not None:
+                    request.session = req.session_id if req.cache_salt is None else (req.cache_salt, req.session_id)
             except PagedKVError as e:  # (validation caught what a client can get wrong; this is a last line)
                 raise APIError(400, str(e).removeprefix("SamplingParams: "), "invalid_request_error", None,
                                None) from None
+            if req.kv_retention is not None:
+                request.retain = await admit_pin(ids, req.kv_retention, req.cache_salt)
         except APIError:
             if kvt is not None and kvt.do_remote_prefill and kvt.remote_host in kv.allow_hosts:
                 in_background(kv.release_remote(kvt))  # refused here: the prefill replica frees its hold now
@@ -192,14 +201,40 @@ def build_app(engine: AsyncEngine, *, model_name: str, model_aliases: tuple[str,
                 raise APIError(503, str(e), "server_error", "server_shutting_down") from None
             raise APIError(503, str(e), "server_error", "engine_dead") from None
 
+    async def admit_pin(ids: list, spec: dict, salt: str | None) -> tuple:
+        """A request's ``kv_retention`` checked between two steps (:mod:`pagedkv.engine.request_pins`): 400
+        ``pinning_disabled`` or for a ``pin_tokens`` longer than the prompt, 409 ``pin_budget_exceeded`` when the
+        pin does not fit the budget now. Returns what the request pins once computed."""
+        from ..engine.request_pins import KVRetention
+
+        pins_on()
+        try:
+            return await asyncio.to_thread(engine.between_steps, lambda: llm._request_pins.admit(
+                ids, KVRetention(spec["pin_tokens"], spec["ttl"]), salt))
+        except PinBudgetError as e:
+            raise APIError(409, str(e), "invalid_request_error", "pin_budget_exceeded", "kv_retention") from None
+        except PagedKVError as e:
+            raise APIError(400, str(e), "invalid_request_error", None, "kv_retention.pin_tokens") from None
+        except EngineDead as e:
+            raise APIError(503, str(e), "server_error", "engine_dead") from None
+
+    def pin_answer(res: Any, spec: dict) -> dict:
+        """The answer's ``kv_retention``: the request's pin (``pin_id`` null when nothing was pinned) and ``error``."""
+        pin = res.pin if res.pin is not None else Pin(0, 0, 0, spec["ttl"])
+        return {**pin_json(pin), "error": res.pin_error}
+
     async def finish(stream: RequestStream, request: Request, req: Any) -> tuple[Finished | None, dict]:
         """:func:`until_done`, and the extra fields of the answer: ``kv_transfer_params`` for a prefill for a
-        remote decode (a hold left unanswered, the request aborted or failed, is released)."""
+        remote decode (a hold left unanswered, the request aborted or failed, is released); ``kv_retention``, the
+        request's pin, when it asked for one."""
         try:
             done = await until_done(stream, request)
+            extra: dict = {}
+            if done is not None and req.kv_retention is not None:
+                extra["kv_retention"] = pin_answer(done.result, req.kv_retention)
             if done is None or req.kv_transfer is None or not req.kv_transfer.do_remote_decode:
-                return done, {}
-            return done, {"kv_transfer_params": kv.answer(stream.request_id)}
+                return done, extra
+            return done, {"kv_transfer_params": kv.answer(stream.request_id), **extra}
         finally:
             kv.forget(stream.request_id)
 
@@ -245,9 +280,11 @@ def build_app(engine: AsyncEngine, *, model_name: str, model_aliases: tuple[str,
         return sse(body)
 
     async def stream_events(request: Request, stream: RequestStream, make_chunk, kind: str, head: ResponseHead,
-                            include_usage: bool, first: list | None) -> AsyncIterator[str]:
-        """SSE body: ``first`` chunks (chat's role deltas), then text deltas, finish reasons, usage, [DONE].
-        A client that disconnects aborts the request, which ends this iteration."""
+                            include_usage: bool, first: list | None, retention: dict | None = None
+                            ) -> AsyncIterator[str]:
+        """SSE body: ``first`` chunks (chat's role deltas), then text deltas, finish reasons, usage, the request's
+        pin (``retention``: its ``kv_retention``; a chunk with no choices, as usage's), [DONE]. A client that
+        disconnects aborts the request, which ends this iteration."""
         watcher = abort_on_disconnect(request, stream)
         try:
             for chunk in first or ():
@@ -263,6 +300,9 @@ def build_app(engine: AsyncEngine, *, model_name: str, model_aliases: tuple[str,
                 if include_usage:
                     yield sse({"id": head.id, "object": kind, "created": head.created,
                                "model": head.model, "choices": [], "usage": result_usage(res)})
+                if retention is not None:
+                    yield sse({"id": head.id, "object": kind, "created": head.created, "model": head.model,
+                               "choices": [], "kv_retention": pin_answer(res, retention)})
             if not stream.aborted:
                 yield "data: [DONE]\n\n"
         except (RequestFailed, EngineDead) as e:  # an error event, then the end of the stream
@@ -300,7 +340,8 @@ def build_app(engine: AsyncEngine, *, model_name: str, model_aliases: tuple[str,
                     "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": reason}]}
 
         if req.stream:
-            events = stream_events(request, stream, chunk, "text_completion", head, req.include_usage, None)
+            events = stream_events(request, stream, chunk, "text_completion", head, req.include_usage, None,
+                                   req.kv_retention)
             return StreamingResponse(events, media_type="text/event-stream")
         done, extra = await finish(stream, request, req)
         if done is None:
@@ -331,7 +372,8 @@ def build_app(engine: AsyncEngine, *, model_name: str, model_aliases: tuple[str,
 
         if req.stream:
             first = [chunk(i, "", None, role=True) for i in range(stream.n)]
-            events = stream_events(request, stream, chunk, "chat.completion.chunk", head, req.include_usage, first)
+            events = stream_events(request, stream, chunk, "chat.completion.chunk", head, req.include_usage, first,
+                                   req.kv_retention)
             return StreamingResponse(events, media_type="text/event-stream")
         done, extra = await finish(stream, request, req)
         if done is None:
@@ -373,7 +415,11 @@ def build_app(engine: AsyncEngine, *, model_name: str, model_aliases: tuple[str,
         def pin(require_full: bool) -> Any:
             if require_full and bm.lookup_prefix(ids + ids[:1], namespace=pr.cache_salt).num_cached_tokens < full:
                 return None
-            return bm.pin_prefix(ids, ttl=pr.ttl, namespace=pr.cache_salt)
+            pin = bm.pin_prefix(ids, ttl=pr.ttl, namespace=pr.cache_salt)
+            rp = getattr(llm, "_request_pins", None)
+            if rp is not None:  # (requests asking to pin that prefix then need no room of the budget)
+                rp.remember(ids[: pin.num_tokens], pin, pr.cache_salt)
+            return pin
 
         try:
             got = await asyncio.to_thread(engine.between_steps, lambda: pin(True)) if full else None

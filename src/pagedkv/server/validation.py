@@ -6,6 +6,8 @@ A plain module (standard library only; no torch, no pydantic, no web framework a
 * :func:`check_content_type`, :func:`read_body`: the HTTP side (415, 413) before any parsing.
 * :func:`parse_completion`, :func:`parse_chat`: a raw body -> a validated :class:`CompletionRequest` /
   :class:`ChatRequest`, or :class:`APIError` (400, OpenAI's error shape, ``param`` naming the field at fault).
+* ``session_id`` and ``kv_retention`` (pagedkv's retention fields, docs/guide/serving.md#retention-per-request) are
+  checked here for type and range; the engine checks ``kv_retention`` against the prompt and the pin budget.
 * :func:`parse_pin`: a POST /v1/pins body (a prefix to pin: ``prompt`` or ``messages``, ``ttl``, ``cache_salt``)
   -> :class:`PinRequest`.
 * :func:`prompt_token_ids`: the request's prompt as token ids (tokenizing, or rendering the chat template), bounded
@@ -197,10 +199,12 @@ def _int(d: dict, name: str, default: Any, lo: int, hi: int, *, nullable: bool =
     return v
 
 
-def _num(d: dict, name: str, default: float, lo: float, hi: float, *, lo_open: bool = False) -> float:
+def _num(d: dict, name: str, default: float, lo: float, hi: float, *, lo_open: bool = False,
+         path: str | None = None) -> float:
     v = d.get(name, default)
     if v is None:
         return default
+    name = path or name  # (the field as messages name it)
     if not (isinstance(v, (int, float)) and not isinstance(v, bool)):
         raise _type_error(name, "a decimal", v)
     if isinstance(v, float) and not math.isfinite(v):
@@ -282,6 +286,8 @@ _COMMON = frozenset({
     # vLLM's extensions implemented here (or accepted at their neutral value)
     "top_k", "ignore_eos", "cache_salt", "stop_token_ids", "repetition_penalty", "min_tokens", "priority",
     "kv_transfer_params",  # a prefill/decode split (pagedkv.server.kv_transfer)
+    # pagedkv's retention fields (docs/guide/serving.md#retention-per-request)
+    "session_id", "kv_retention",
 })
 _COMPLETION_KEYS = _COMMON | {"prompt", "echo", "suffix"}
 _CHAT_KEYS = _COMMON | {
@@ -312,6 +318,8 @@ class _Common:
     include_usage: bool
     priority: int  # vLLM's request priority (lower is more urgent; --scheduling-policy priority)
     kv_transfer: Any = None  # a pagedkv.server.kv_transfer.KVTransferParams, or None (no transfer)
+    session_id: str | None = None  # the conversation: the eviction policy's hint ("session", "density")
+    kv_retention: dict | None = None  # {"pin_tokens": int >= 1 | "prompt", "ttl": float | None}: pin the prefix
 
     def sampling_kwargs(self, default_max_tokens: int) -> dict:
         """Keyword arguments of ``pagedkv.engine.SamplingParams`` (a tiny temperature or top_p: greedy)."""
@@ -384,6 +392,13 @@ def _common(d: dict, limits: Limits, *, chat: bool) -> dict:
         from .kv_transfer import parse_kv_transfer_params
 
         out["kv_transfer"] = parse_kv_transfer_params(d["kv_transfer_params"])
+    sid = d.get("session_id")
+    if sid is not None:
+        _text(sid, "session_id", limits.max_cache_salt_chars)
+        if not sid:
+            raise _bad("Invalid 'session_id': expected a non-empty string.", "session_id")
+    out["session_id"] = sid
+    out["kv_retention"] = _kv_retention(d.get("kv_retention"), max_len)
     # known, not implemented: refused unless neutral
     if _num(d, "presence_penalty", 0.0, -2.0, 2.0):
         raise _unsupported("presence_penalty", "only 0 is")
@@ -404,6 +419,26 @@ def _common(d: dict, limits: Limits, *, chat: bool) -> dict:
             raise _unsupported("logit_bias")
     _opt_text(d, "user")
     return out
+
+
+def _kv_retention(v: Any, max_len: int) -> dict | None:
+    """``kv_retention``: null, or ``{"pin_tokens": int in [1, context] | "prompt", "ttl": seconds in
+    (0, MAX_PIN_TTL] | null}`` (the engine checks it against the prompt and the pin budget)."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise _type_error("kv_retention", "an object", v)
+    _check_keys(v, frozenset({"pin_tokens", "ttl"}), "kv_retention.")
+    n = v.get("pin_tokens")
+    if n is None:
+        raise _bad("Missing required parameter: 'kv_retention.pin_tokens' (an integer, or \"prompt\").",
+                   "kv_retention.pin_tokens", "missing_required_parameter")
+    if n != "prompt":
+        if not _is_int(n):
+            raise _type_error("kv_retention.pin_tokens", "an integer or \"prompt\"", n)
+        n = _int(v, "pin_tokens", None, 1, max_len, path="kv_retention.pin_tokens")
+    ttl = _num(v, "ttl", None, 0.0, MAX_PIN_TTL, lo_open=True, path="kv_retention.ttl")
+    return {"pin_tokens": n, "ttl": ttl}
 
 
 @dataclass(frozen=True)
