@@ -540,7 +540,13 @@ class PrefixCache:
                             self.pkey[block], self.nsid[block] = pkey, self._ns_index(namespace)
                 return c, key
             if self.live_parent(pcid, pkey):  # other's parent content is not the one cached: it cannot be reached
-                self._uncache(other)  # (an orphan: its parent left the cache); this block replaces it
+                if self.pool is not None and self._parked(other):
+                    # a pinned orphan stays cached (the pin holds that very block; freeing it would hand a block
+                    # lookup_prefix did not count to the allocation): the same key is the same prefix, so it is
+                    # chained under the live parent, and this block becomes its copy
+                    self.pcid_mv[other] = pcid
+                else:
+                    self._uncache(other)  # (an orphan: its parent left the cache); this block replaces it
                 return self.register(block, pcid, pkey, namespace, emit)
         return 0, 0
 
@@ -873,6 +879,11 @@ class PrefixCache:
             for i in np.flatnonzero(~free).tolist():
                 o = mp[kl[i]]
                 if self.pcid_mv[o] != pcids[i]:
+                    if self.pool is not None and self._parked(o):  # a pinned orphan: chained under the live
+                        if self.tok[o].tobytes() == self.tok[blocks[i]].tobytes():  # parent, the promoted block
+                            self.pcid_mv[o] = pcids[i]  # its copy (as register)
+                            self.note_copy(int(blocks[i]), self.cid_mv[o], kl[i], int(pcids[i]))
+                        continue
                     self._uncache(o)
                     free[i] = True
         if not free.all():
