@@ -353,6 +353,48 @@ def test_free_of_a_sequence_handed_slots_this_step_is_refused(hybrid):
     m.check_invariants()
 
 
+@pytest.mark.parametrize("hybrid", [False, True])
+@pytest.mark.parametrize("rechain", [False, True])
+def test_a_sequence_swapped_in_this_step_is_always_aborted_with_cache_false(hybrid, rechain):
+    """Issue 23, item 1.3: 'a' is swapped in in the step that 'b' cached a's prefix again, through the CPU tier
+    (a's swap-in then reuses b's blocks, whose KV this step's forward writes: 'a' counts as handed slots) or
+    anew (a's blocks come back as copies of b's, re-registered from the root by Swapper.rechain). free(a) is
+    refused in the first case (issue 23 B) and free(a, cache=False) always succeeds, withdrawing nothing of the
+    swap-in (its KV is the plan's copies); b's own abort is then free too."""
+    kw = dict(num_cpu_blocks=16, enable_prefix_caching=True, cpu_prefix_cache=not rechain, watermark=0.0)
+    if hybrid:
+        m = HybridBlockManager(16, 4, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(5)], **kw)
+    else:
+        m = BlockManager(8, 4, **kw)
+    _stepping(m)
+    p = list(range(1, 10))
+    m.allocate("a", p)
+    m.take_copy_plan()
+    m.swap_out(["a"])
+    m.take_copy_plan()
+    m.allocate("big", list(range(100, 132)))  # evicts a's idle cached blocks (into the CPU tier if on)
+    m.take_copy_plan()
+    m.free("big")
+    m.allocate("b", p)  # this step: p cached again (the tier's content ids, or new ones)
+    m.swap_in(["a"])
+    m.check_invariants()
+    shared = int(m.block_table("a")[0]) == int(m.block_table("b")[0])
+    assert shared != rechain  # reused (pending) through the tier; copies, re-registered, without it
+    if not rechain:
+        with pytest.raises(SequenceStateError):
+            m.free("a")
+        m.check_invariants()
+    cached = m.lookup_prefix(p).num_cached_tokens
+    m.free("a", cache=False)
+    m.check_invariants()
+    assert "a" not in m and m.lookup_prefix(p).num_cached_tokens == cached == 8  # b's blocks: b's to withdraw
+    m.free("b", cache=False)
+    m.take_copy_plan()
+    m.check_invariants()
+    # b's own blocks are withdrawn; through the tier they were promotions (the plan's copies write their KV)
+    assert m.lookup_prefix(p).num_cached_tokens == (0 if rechain else 8)
+
+
 def test_free_in_step_is_allowed_without_prefix_caching_and_before_the_first_plan():
     m = BlockManager(8, 4)
     _stepping(m)
