@@ -211,17 +211,19 @@ def test_a_windowed_row_swapped_in_keeps_its_window_findable():
 
 def test_a_windowed_row_swapped_in_copies_a_content_cached_again():
     """The other way a windowed row's block comes back uncached: its content was evicted while it was out and
-    cached again by another sequence (new content id, same key): the block is recorded as a copy of it, so it
-    takes that content's identity when the other block is evicted first."""
-    m = BlockManager(12, 4, sliding_window=3, num_cpu_blocks=16, enable_prefix_caching=True, watermark=0.0)
+    cached again by another sequence (new content ids, the same keys): a sliding group's block is recorded as a
+    copy of it (its hits check a window by chained key and tokens: the parent's new content id is no obstacle),
+    so it takes that content's identity when the other block is evicted first."""
+    m = HybridBlockManager(24, 4, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(3)], num_cpu_blocks=16,
+                           enable_prefix_caching=True, watermark=0.0)
     p = list(range(1, 9))
     m.allocate("a", p)
     m.take_copy_plan()
-    m.decode_step(["a"], [9])  # block 0 released
+    m.decode_step(["a"], np.array([9]))  # the sliding group releases block 0
     m.take_copy_plan()
     m.swap_out(["a"])
     m.take_copy_plan()
-    m.allocate("big", list(range(100, 148)))  # the whole pool: a's idle cached blocks are evicted
+    m.allocate("big", list(range(100, 144)))  # the whole pool: a's idle cached blocks are evicted
     m.take_copy_plan()
     m.free("big")
     m.allocate("b", p)  # p cached again: new content ids
@@ -229,10 +231,10 @@ def test_a_windowed_row_swapped_in_copies_a_content_cached_again():
     m.swap_in(["a"])
     m.take_copy_plan()
     m.check_invariants()
-    a1, b1 = int(m.block_table("a")[1]), int(m.block_table("b")[1])
+    a1, b1 = int(m.block_table("a", 1)[1]), int(m.block_table("b", 1)[1])
     assert a1 != b1 and m._cache.cid[a1] == 0 and m._cache.dupc[a1] == m._cache.cid[b1]
     m.free("b")
-    m.allocate("c", list(range(200, 236)))  # evicts b's blocks: a's copy inherits block 1's content
+    m.allocate("c", list(range(200, 236)))  # evicts b's blocks: a's copies inherit their contents
     m.take_copy_plan()
     m.check_invariants()
     assert m._cache.cid[a1] != 0

@@ -883,6 +883,8 @@ class PrefixCache:
                         if self.tok[o].tobytes() == self.tok[blocks[i]].tobytes():  # parent, the promoted block
                             self.pcid_mv[o] = pcids[i]  # its copy (as register)
                             self.note_copy(int(blocks[i]), self.cid_mv[o], kl[i], int(pcids[i]))
+                            if self.events is not None:
+                                self.pkey[blocks[i]], self.nsid[blocks[i]] = pkeys[i], nsids[i]
                         continue
                     self._uncache(o)
                     free[i] = True
@@ -904,9 +906,12 @@ class PrefixCache:
         keys = [int(self.key[b]) for b in blocks]
         for k in keys:
             del self.map[k]
-        if self.dups:  # (their copies' records go with them: a content id is never cached again)
+        if self.dups:  # (their copies' records go with them: a swapped-out copy carries no withdrawn content)
+            dupc = self.dupc_mv
             for c in self.cid[blocks].tolist():
-                self.dups.pop(c, None)
+                for d in self.dups.pop(c, ()):
+                    if dupc[d] == c:
+                        dupc[d] = 0
         self.cid[blocks] = 0
         self.succ[blocks] = -1
         if self.events is not None and keys:

@@ -20,12 +20,12 @@ class Swapper:
     (:class:`~pagedkv.manager._rows.SeqTables`) between the GPU and CPU pools of ``blocks``
     (:class:`~pagedkv.blocks._blocks.Blocks`), carrying the blocks' cache identity (``cpu_tok``, ``cpu_id``) with
     prefix caching, and records the copies in the pending copy list. Counts the blocks moved (``swapped_out``,
-    ``swapped_in``). ``windowed``: the manager has a sliding window (its hits check a window's blocks by key and
-    tokens, see :meth:`copy_taken`)."""
+    ``swapped_in``). ``by_key``: the manager is a sliding group of a HybridBlockManager, whose hits check a
+    window's blocks by chained key and tokens (see :meth:`copy_taken`; set by the hybrid manager)."""
 
-    def __init__(self, t, blocks, cache, tier, cpu_tok, cpu_id, copies: list, windowed: bool = False) -> None:
+    def __init__(self, t, blocks, cache, tier, cpu_tok, cpu_id, copies: list) -> None:
         self.t, self.blocks, self.cache, self.tier = t, blocks, cache, tier
-        self.windowed = windowed
+        self.by_key = False
         self.gpu, self.cpu = blocks.gpu, blocks.cpu
         self.cpu_tok, self.cpu_id, self.copies = cpu_tok, cpu_id, copies
         self.swapped_out = self.swapped_in = 0
@@ -127,16 +127,17 @@ class Swapper:
         """Swapped-in blocks whose key another block took while they were out (``(block, key, parent cid)``): where
         that block caches the same tokens after the same parent, the held block is recorded as its copy (it takes
         the content's identity if that block is evicted first), as registering it would
-        (:meth:`PrefixCache.register`). In a windowed manager the parent may be another content id (the prefix was
-        evicted and cached again): its hits check a window's blocks by their chained key, which covers every
-        earlier token, and tokens, never by parent, and a windowed row is not registered again from the root
-        (:meth:`rechain`: its released positions' blocks are gone), so this is what keeps its window findable.
-        O(1) a block."""
+        (:meth:`PrefixCache.register`). In a hybrid manager's sliding group the parent may be another content id (the
+        prefix was evicted and cached again): its hits check a window's blocks by their chained key, which covers
+        every earlier token, and tokens, never by parent, and a row with released blocks is not registered again
+        from the root (:meth:`rechain`: its released positions' blocks are gone), so this is what keeps its window
+        findable. (A windowed BlockManager's hits walk the chain from block 0 by content id: there a hash collision
+        must stay a miss, so the parent must match.) O(1) a block."""
         cache = self.cache
         mp, tok = cache.map, cache.tok
         for g, key, pcid in taken:
             o = mp.get(key)
-            if o is not None and (self.windowed or cache.pcid[o] == pcid) and np.array_equal(tok[o], tok[g]):
+            if o is not None and (self.by_key or cache.pcid[o] == pcid) and np.array_equal(tok[o], tok[g]):
                 cache.note_copy(g, int(cache.cid[o]), key, int(cache.pcid[o]))
                 if cache.events is not None:
                     cache.pkey[g], cache.nsid[g] = cache.pkey[o], cache.nsid[o]

@@ -250,8 +250,7 @@ class BlockManager:
                                 self._fixed_w, sliding_window)
         self._ext = External(t, blocks, reg, self._alloc, cache, bs)
         self._stores = Stores(blocks, cache, self._alloc, *self._store)
-        self._swap = Swapper(t, blocks, cache, tier, self._cpu_tok, self._cpu_id, copies,
-                             windowed=sliding_window is not None)
+        self._swap = Swapper(t, blocks, cache, tier, self._cpu_tok, self._cpu_id, copies)
 
     # ------------------------------------------------------------------ read-only state
     @property
