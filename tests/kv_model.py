@@ -714,7 +714,8 @@ class KVModel:
         row = t.row_of[sid]
         if not cache.live_parent(int(t.ccid[row]), int(t.ckey[row])):
             # its chain ends in a content that left the cache (a swapped-in row whose prefix is not cached again whole,
-            # or a windowed one: Swapper.rechain skips those): what it registers next is not found (a stated gap)
+            # or a windowed one whose registered blocks were all released: Swapper.rechain cannot walk those from the
+            # root): what it registers next is not found by a walk from the root (a stated gap)
             return False
         # (an uncached copy of a content another block caches, deduplicated at registration, inherits the content
         # when that block is evicted: prefix_cache "Copies"; no gap left there)
