@@ -446,14 +446,26 @@ class KVModel:
             self.bm.free(s)
         except SequenceStateError:
             # swap_in in this step may reuse a block cached in this step (its KV this step's forward writes): the
-            # sequence is then pending like one handed slots, and free(cache=True) is refused, changing nothing
+            # sequence is then pending like one handed slots, and free(cache=True) is refused, changing nothing;
+            # an abort (cache=False) always succeeds, and the request is recomputed all the same
             if s not in self.swapped_in:
                 self._fail(f"free({s}) refused though it was neither handed slots nor swapped in in this step")
+            if not self._abort_swapped_in(s):
+                return
             self.report.count("recompute_refused_pending")
-            return
         q = self.seqs.pop(s)
         self.waiting.append((q.toks + q.rest, q.ns))  # (mid-prefill: the whole prompt again)
         self.report.count("recomputes_mid_prefill" if q.rest else "recomputes")
+
+    def _abort_swapped_in(self, s) -> bool:
+        """free(s, cache=False) of a sequence swapped in in this step: it must succeed (nothing of the swap-in is
+        withdrawn: its KV is the plan's copies). False (a violation) if refused."""
+        try:
+            self.bm.free(s, cache=False)
+        except SequenceStateError as e:
+            self._fail(f"free({s}, cache=False) refused after a swap-in in this step: {e}")
+            return False
+        return True
 
     def op_abort(self) -> None:
         bm, rng = self.bm, self.rng
@@ -464,16 +476,19 @@ class KVModel:
             cache = rng.random() < 0.5
             try:
                 bm.free(s, cache=cache)
-            except SequenceStateError:  # its blocks are others' prefix hits in this step
-                try:
-                    bm.free(s)
-                except SequenceStateError:
-                    # swapped in in this step with blocks re-registered (their KV this step's copies write): pending
-                    # like one handed slots, so both frees are refused, changing nothing
+            except SequenceStateError:
+                if cache:
+                    # swapped in in this step on a block cached in this step (its KV this step's forward writes):
+                    # pending like one handed slots, so free(cache=True) is refused; the abort always succeeds
                     if s not in self.swapped_in:
                         self._fail(f"free({s}) refused though it was neither handed slots nor swapped in this step")
-                    self.report.count("abort_refused_pending")
-                    return
+                    if not self._abort_swapped_in(s):
+                        return
+                    self.report.count("abort_pending_swapped_in")
+                else:  # its blocks are others' prefix hits in this step (a sequence swapped in is never refused)
+                    if s in self.swapped_in:
+                        self._fail(f"free({s}, cache=False) refused for a sequence swapped in in this step")
+                    bm.free(s)
             del self.seqs[s]
             self.report.count("aborts")
             return
@@ -699,7 +714,8 @@ class KVModel:
         row = t.row_of[sid]
         if not cache.live_parent(int(t.ccid[row]), int(t.ckey[row])):
             # its chain ends in a content that left the cache (a swapped-in row whose prefix is not cached again whole,
-            # or a windowed one: Swapper.rechain skips those): what it registers next is not found (a stated gap)
+            # or a windowed one whose registered blocks were all released: Swapper.rechain cannot walk those from the
+            # root): what it registers next is not found by a walk from the root (a stated gap)
             return False
         # (an uncached copy of a content another block caches, deduplicated at registration, inherits the content
         # when that block is evicted: prefix_cache "Copies"; no gap left there)

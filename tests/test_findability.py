@@ -141,23 +141,104 @@ def test_a_copy_freed_before_the_eviction_inherits_nothing():
     assert m.lookup_prefix(p).num_cached_tokens == 0 and not m._cache.dups
 
 
-def test_a_copy_swapped_out_and_in_is_a_copy_again():
-    """Toy-engine seed 78: a sequence holding copies was swapped out (a copy's CPU block carries no identity) and
+def test_a_copy_swapped_out_and_in_comes_back_as_the_content_it_copies():
+    """Toy-engine seed 78: a sequence holding copies was swapped out (a copy's CPU block carried no identity) and
     in: its blocks came back uncached and unrecorded, so once the cached ones were freed and evicted lookup_prefix
-    found 4 of its 8 tokens. Swap-in registers such a row's blocks again: they are recorded copies."""
+    found 4 of its 8 tokens. A recorded copy now carries the content it copies to the CPU side: swapped in while
+    the cached block is still there, the sequence shares that block (no copy made); once it is gone, the copy's
+    block is cached as that content again."""
+    m, p, a1, b1 = _copy_of_a_cached_block()
+    pairs = m.swap_out(["a"])
+    m.take_copy_plan()
+    back = m.swap_in(["a"])
+    m.take_copy_plan()
+    m.check_invariants()
+    assert int(m.block_table("a")[1]) == b1  # the cached content itself: one block fewer
+    assert len(back) == len(pairs) - 2  # blocks 0 (shared already) and 1 came back without a copy
+    m.free("b")
+    m.allocate("c", list(range(100, 128)))
+    m.take_copy_plan()
+    m.check_invariants()
+    assert m.lookup_prefix(p).num_cached_tokens == 8
+
+
+def test_a_copy_swapped_out_while_its_content_is_evicted_is_cached_as_it_again():
     m, p, a1, b1 = _copy_of_a_cached_block()
     m.swap_out(["a"])
     m.take_copy_plan()
+    m.free("b")
+    m.allocate("c", list(range(100, 140)))  # the whole pool: b's cached blocks are evicted
+    m.take_copy_plan()
+    m.free("c")
+    assert m.lookup_prefix(p).num_cached_tokens == 0
     m.swap_in(["a"])
     m.take_copy_plan()
     m.check_invariants()
     a1 = int(m.block_table("a")[1])
-    assert m._cache.cid[a1] == 0 and m._cache.dupc[a1] == m._cache.cid[b1]
-    m.free("b")
-    m.allocate("c", list(range(100, 128)))  # evicts b's cached blocks
+    assert m._cache.cid[a1] != 0 and m._cache.dupc[a1] == 0
+    assert m.lookup_prefix(p).num_cached_tokens == 8
+
+
+def test_a_windowed_row_swapped_in_keeps_its_window_findable():
+    """Toy-engine seed 65 (issue 23, item 1): r11/0's sliding group (W = 3) had released block 0 when it was
+    swapped out; its block 1 was an uncached copy (s0 cached the same content first), came back uncached, and a
+    row with released blocks is not registered again from the root: once s0's blocks were evicted lookup_prefix
+    found 4 (here) or 0 (there) of the 8 tokens the sequence holds. The copy now carries its content through the
+    CPU side: the sequence shares s0's block, which stays cached while it holds it."""
+    m = HybridBlockManager(20, 4, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(3)], num_cpu_blocks=16,
+                           enable_prefix_caching=True, watermark=0.0)
+    p = list(range(1, 9))
+    m.allocate("s0", p)
+    m.take_copy_plan()
+    m.allocate("s1", p)  # hit 4: s1 fills block 1 itself, in both groups a copy of s0's
+    m.take_copy_plan()
+    m.decode_step(["s1"], np.array([9]))  # the sliding group's window moves past block 0: released
+    m.take_copy_plan()
+    assert m.block_table("s1", 1)[0] == -1
+    m.swap_out(["s1"])
+    m.take_copy_plan()
+    m.swap_in(["s1"])
     m.take_copy_plan()
     m.check_invariants()
-    assert m.lookup_prefix(p).num_cached_tokens == 8
+    assert m.block_table("s1", 1)[1] == m.block_table("s0", 1)[1]
+    m.free("s0")
+    m.allocate("big", list(range(100, 128)))  # evicts every idle cached block
+    m.take_copy_plan()
+    m.free("big")
+    m.check_invariants()
+    assert m.lookup_prefix(p + [9]).num_cached_tokens == 8  # was 4
+
+
+def test_a_windowed_row_swapped_in_copies_a_content_cached_again():
+    """The other way a windowed row's block comes back uncached: its content was evicted while it was out and
+    cached again by another sequence (new content ids, the same keys): a sliding group's block is recorded as a
+    copy of it (its hits check a window by chained key and tokens: the parent's new content id is no obstacle),
+    so it takes that content's identity when the other block is evicted first."""
+    m = HybridBlockManager(24, 4, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(3)], num_cpu_blocks=16,
+                           enable_prefix_caching=True, watermark=0.0)
+    p = list(range(1, 9))
+    m.allocate("a", p)
+    m.take_copy_plan()
+    m.decode_step(["a"], np.array([9]))  # the sliding group releases block 0
+    m.take_copy_plan()
+    m.swap_out(["a"])
+    m.take_copy_plan()
+    m.allocate("big", list(range(100, 144)))  # the whole pool: a's idle cached blocks are evicted
+    m.take_copy_plan()
+    m.free("big")
+    m.allocate("b", p)  # p cached again: new content ids
+    m.take_copy_plan()
+    m.swap_in(["a"])
+    m.take_copy_plan()
+    m.check_invariants()
+    a1, b1 = int(m.block_table("a", 1)[1]), int(m.block_table("b", 1)[1])
+    assert a1 != b1 and m._cache.cid[a1] == 0 and m._cache.dupc[a1] == m._cache.cid[b1]
+    m.free("b")
+    m.allocate("c", list(range(200, 236)))  # evicts b's blocks: a's copies inherit their contents
+    m.take_copy_plan()
+    m.check_invariants()
+    assert m._cache.cid[a1] != 0
+    assert m.lookup_prefix(p + [9]).num_cached_tokens == 8
 
 
 def test_a_swapped_in_sequence_chains_on_from_its_prefix_cached_again():
@@ -272,6 +353,48 @@ def test_free_of_a_sequence_handed_slots_this_step_is_refused(hybrid):
     m.take_copy_plan()
     m.free("c")
     m.check_invariants()
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+@pytest.mark.parametrize("rechain", [False, True])
+def test_a_sequence_swapped_in_this_step_is_always_aborted_with_cache_false(hybrid, rechain):
+    """Issue 23, item 1.3: 'a' is swapped in in the step that 'b' cached a's prefix again, through the CPU tier
+    (a's swap-in then reuses b's blocks, whose KV this step's forward writes: 'a' counts as handed slots) or
+    anew (a's blocks come back as copies of b's, re-registered from the root by Swapper.rechain). free(a) is
+    refused in the first case (issue 23 B) and free(a, cache=False) always succeeds, withdrawing nothing of the
+    swap-in (its KV is the plan's copies); b's own abort is then free too."""
+    kw = dict(num_cpu_blocks=16, enable_prefix_caching=True, cpu_prefix_cache=not rechain, watermark=0.0)
+    if hybrid:
+        m = HybridBlockManager(16, 4, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(5)], **kw)
+    else:
+        m = BlockManager(8, 4, **kw)
+    _stepping(m)
+    p = list(range(1, 10))
+    m.allocate("a", p)
+    m.take_copy_plan()
+    m.swap_out(["a"])
+    m.take_copy_plan()
+    m.allocate("big", list(range(100, 132)))  # evicts a's idle cached blocks (into the CPU tier if on)
+    m.take_copy_plan()
+    m.free("big")
+    m.allocate("b", p)  # this step: p cached again (the tier's content ids, or new ones)
+    m.swap_in(["a"])
+    m.check_invariants()
+    shared = int(m.block_table("a")[0]) == int(m.block_table("b")[0])
+    assert shared != rechain  # reused (pending) through the tier; copies, re-registered, without it
+    if not rechain:
+        with pytest.raises(SequenceStateError):
+            m.free("a")
+        m.check_invariants()
+    cached = m.lookup_prefix(p).num_cached_tokens
+    m.free("a", cache=False)
+    m.check_invariants()
+    assert "a" not in m and m.lookup_prefix(p).num_cached_tokens == cached == 8  # b's blocks: b's to withdraw
+    m.free("b", cache=False)
+    m.take_copy_plan()
+    m.check_invariants()
+    # b's own blocks are withdrawn; through the tier they were promotions (the plan's copies write their KV)
+    assert m.lookup_prefix(p).num_cached_tokens == (0 if rechain else 8)
 
 
 def test_free_in_step_is_allowed_without_prefix_caching_and_before_the_first_plan():

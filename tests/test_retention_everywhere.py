@@ -396,17 +396,16 @@ class HybridRetentionMachine(RuleBasedStateMachine):
 HybridRetentionMachine.TestCase.settings = settings(
     max_examples=80, stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-# Known gap (issue 23), reduced to test_lookup_counts_a_reused_pinned_block_as_new below: lookup_prefix predicts one
-# more new block than allocate takes from the free count when allocate reuses a pinned (parked, so not free)
-# block of a sliding group past the hit. Conservative (allocate never takes more than predicted), but the contract
-# says exact. Non-strict here (the machine finds it only on some runs); strict in the reduced test.
-TestHybridRetention = pytest.mark.xfail(strict=False, reason="lookup_prefix over-predicts num_new_blocks when "
-                                        "allocate reuses a pinned block of a sliding group (see below)")(
-    HybridRetentionMachine.TestCase)
+TestHybridRetention = HybridRetentionMachine.TestCase
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: a pinned sliding-group block reused by allocate is counted new")
-def test_lookup_counts_a_reused_pinned_block_as_new():
+def test_lookup_counts_a_pinned_orphan_the_allocation_meets():
+    """Issue 23 (the hybrid retention machine's block-count mismatch, reduced): the pin holds the sliding group's
+    blocks 1 and 2 of DOCS[1], whose block 0 there was evicted, so they are orphans a full chain walk cannot reach.
+    Allocating DOCS[1][:8] (no hit) registered its sliding group's block 1 under the pinned block's key: the orphan
+    was uncached and went to the free ring, and lookup_prefix's num_new_blocks (4) exceeded what the free count
+    lost (3). A pinned orphan now stays cached, chained under the live parent (same key: same prefix), and the new
+    block is its copy: the prediction is exact and the pinned block reachable again."""
     hm = HybridBlockManager(24, BS, kv_cache_groups=[F(), S(8)], enable_prefix_caching=True, watermark=0,
                             eviction_policy="lru", pin_budget_blocks=6, window_retention=True)
 
@@ -435,7 +434,14 @@ def test_lookup_counts_a_reused_pinned_block_as_new():
     free = hm.num_free_gpu_blocks
     assert hm.allocate(5, DOCS[1][:8]) == hit.num_cached_tokens == 0
     hm.check_invariants()
-    assert free - hm.num_free_gpu_blocks == hit.num_new_blocks  # 3 taken from the free count, 4 predicted
+    assert free - hm.num_free_gpu_blocks == hit.num_new_blocks == 4  # was 3 taken, 4 predicted
+    b1 = int(hm.block_table(5, 1)[1])
+    assert hm._cache.cid[b1] == 0 and hm._cache.dupc[b1] != 0  # a copy of the pinned block, which stays pinned
+    assert hm.num_pinned_blocks == 5
+    hm.take_copy_plan()
+    hm.free(5)
+    hm.check_invariants()
+    assert hm.lookup_prefix(DOCS[1][:12] + [0]).num_cached_tokens == 12  # the pinned prefix stays a hit
 
 
 def test_kv_events_and_stats_keep_their_meaning_with_pins_and_priorities():

@@ -173,13 +173,12 @@ STRICT = os.environ.get("PAGEDKV_TOY_STRICT", "") == "1"
 # Seed 23: r7/0 held an uncached copy of a content other sequences cached first (deduplicated), and their block was
 # evicted (test_findability.py::test_a_held_copy_inherits_the_content_when_the_cached_block_is_evicted: fixed).
 # Seeds 78, 92 and 133 (found by PAGEDKV_TOY_SEEDS=200): a sequence holding copies was swapped out and in, and its
-# blocks came back uncached and unrecorded (test_findability.py::test_a_copy_swapped_out_and_in_is_a_copy_again).
-_FINDABILITY_FORMER_MISSES = (23, 29, 53, 78, 92, 133)
-# Still open (PAGEDKV_TOY_SEEDS=200 PAGEDKV_TOY_STRICT=1): seed 65, r11/0 swapped out and in while its sliding group
-# (W=3) had released block 0: its block 1 there came back uncached, its chain's content gone, and a windowed row
-# cannot be registered again from the root (Swapper.rechain needs every block from 0; the keys of the released
-# positions are not kept): lookup_prefix finds 0 of 8 held tokens until the sequence ends.
-_FINDABILITY_OPEN = (65,)
+# blocks came back uncached and unrecorded (test_findability.py::test_a_copy_swapped_out_and_in_comes_back_as_the_
+# content_it_copies). Seed 65: r11/0 was swapped out and in after its sliding group (W=3) had released block 0; its
+# block 1 there, a copy, came back uncached, and a windowed row is not registered again from the root: lookup_prefix
+# found 0 of 8 held tokens (test_findability.py::test_a_windowed_row_swapped_in_keeps_its_window_findable: a copy
+# now carries its content through the CPU side).
+_FINDABILITY_FORMER_MISSES = (23, 29, 53, 65, 78, 92, 133)
 
 
 def _run_random(seed, strict):
@@ -222,10 +221,3 @@ def test_toy_engine_findability_former_misses(seed):
     engine, bm = _run_random(seed, strict=True)
     assert engine.counts["findable_checks"] > 30 and engine.counts["findable_misses"] == 0
     assert check_against_reference(engine) > 0 and len(bm) == 0
-
-
-@pytest.mark.xfail(strict=True, reason="a swapped-in windowed row's chain is not rebuilt (see _FINDABILITY_OPEN)")
-@pytest.mark.parametrize("seed", _FINDABILITY_OPEN)
-def test_toy_engine_findability_open_cases(seed):
-    engine, _ = _run_random(seed, strict=True)
-    assert engine.counts["findable_misses"] == 0

@@ -519,6 +519,8 @@ class PrefixCache:
                 new = self.serial
             cid[block], self.key_mv[block], self.pcid_mv[block] = new, key, pcid
             self.map[key] = block
+            if self.has_copies:  # (a recorded copy cached itself: the content it copied left, or gave way)
+                self.dupc_mv[block] = 0
             if self.fresh is not None:
                 self.fresh[block] = self.fresh_serial
             if emit and self.events is not None:
@@ -533,17 +535,28 @@ class PrefixCache:
                     elif self.batch_idle is not None and other in self.batch_idle:
                         self._hand_over_batch(other, block)
                     else:
-                        self.note_copy(block, c)
+                        self.note_copy(block, c, key, pcid)
+                        if self.events is not None:  # (its parent and namespace, as a cached block's)
+                            self.pkey[block], self.nsid[block] = pkey, self._ns_index(namespace)
                 return c, key
             if self.live_parent(pcid, pkey):  # other's parent content is not the one cached: it cannot be reached
-                self._uncache(other)  # (an orphan: its parent left the cache); this block replaces it
+                if self.pool is not None and self._parked(other):
+                    # a pinned orphan stays cached (the pin holds that very block; freeing it would hand a block
+                    # lookup_prefix did not count to the allocation): the same key is the same prefix, so it is
+                    # chained under the live parent, and this block becomes its copy
+                    self.pcid_mv[other] = pcid
+                else:
+                    self._uncache(other)  # (an orphan: its parent left the cache); this block replaces it
                 return self.register(block, pcid, pkey, namespace, emit)
         return 0, 0
 
-    def note_copy(self, block: int, c: int) -> None:
-        """Record the held, uncached ``block`` as a copy of content ``c`` (see Copies). O(1) amortised: a list
-        of copies drops its stale records when it reaches 8."""
+    def note_copy(self, block: int, c: int, key: int, pcid: int) -> None:
+        """Record the held, uncached ``block`` as a copy of content ``c`` (key ``key``, parent ``pcid``; see Copies):
+        ``key`` and ``pcid`` are kept in the block's entries (uncached, no map entry) so that the copy carries the
+        content's identity when it is swapped out. O(1) amortised: a list of copies drops its stale records when
+        it reaches 8."""
         self.dupc_mv[block] = c
+        self.key_mv[block], self.pcid_mv[block] = key, pcid
         self.has_copies = True
         got = self.dups.get(c)
         if got is None:
@@ -620,6 +633,7 @@ class PrefixCache:
         self.cid_mv[block], self.key_mv[block], self.pcid_mv[block] = self.cid_mv[other], self.key_mv[other], \
             self.pcid_mv[other]
         self.map[self.key_mv[other]] = block
+        self.dupc_mv[block] = 0
         if self.fresh is not None:  # (its KV is written by this step's forward: never demoted in this step)
             self.fresh[block] = self.fresh_serial
         if self.events is not None:
@@ -865,6 +879,13 @@ class PrefixCache:
             for i in np.flatnonzero(~free).tolist():
                 o = mp[kl[i]]
                 if self.pcid_mv[o] != pcids[i]:
+                    if self.pool is not None and self._parked(o):  # a pinned orphan: chained under the live
+                        if self.tok[o].tobytes() == self.tok[blocks[i]].tobytes():  # parent, the promoted block
+                            self.pcid_mv[o] = pcids[i]  # its copy (as register)
+                            self.note_copy(int(blocks[i]), self.cid_mv[o], kl[i], int(pcids[i]))
+                            if self.events is not None:
+                                self.pkey[blocks[i]], self.nsid[blocks[i]] = pkeys[i], nsids[i]
+                        continue
                     self._uncache(o)
                     free[i] = True
         if not free.all():
@@ -885,9 +906,12 @@ class PrefixCache:
         keys = [int(self.key[b]) for b in blocks]
         for k in keys:
             del self.map[k]
-        if self.dups:  # (their copies' records go with them: a content id is never cached again)
+        if self.dups:  # (their copies' records go with them: a swapped-out copy carries no withdrawn content)
+            dupc = self.dupc_mv
             for c in self.cid[blocks].tolist():
-                self.dups.pop(c, None)
+                for d in self.dups.pop(c, ()):
+                    if dupc[d] == c:
+                        dupc[d] = 0
         self.cid[blocks] = 0
         self.succ[blocks] = -1
         if self.events is not None and keys:

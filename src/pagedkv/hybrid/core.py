@@ -188,6 +188,8 @@ class HybridBlockManager:
             for m, s in zip(gs, self._specs):
                 if s.window is not None:
                     m._win.retention, m._win.k = self._retention, -(-s.window // bs)
+        for m, s in zip(gs, self._specs):  # (a sliding group's hits check a window's blocks by key and tokens)
+            m._swap.by_key = s.window is not None
         tables = [m._t for m in gs]
         wins = [m._win if m._window is not None else None for m in gs]
         self._t0 = tables[0]

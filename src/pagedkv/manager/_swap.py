@@ -20,10 +20,12 @@ class Swapper:
     (:class:`~pagedkv.manager._rows.SeqTables`) between the GPU and CPU pools of ``blocks``
     (:class:`~pagedkv.blocks._blocks.Blocks`), carrying the blocks' cache identity (``cpu_tok``, ``cpu_id``) with
     prefix caching, and records the copies in the pending copy list. Counts the blocks moved (``swapped_out``,
-    ``swapped_in``)."""
+    ``swapped_in``). ``by_key``: the manager is a sliding group of a HybridBlockManager, whose hits check a
+    window's blocks by chained key and tokens (see :meth:`copy_taken`; set by the hybrid manager)."""
 
     def __init__(self, t, blocks, cache, tier, cpu_tok, cpu_id, copies: list) -> None:
         self.t, self.blocks, self.cache, self.tier = t, blocks, cache, tier
+        self.by_key = False
         self.gpu, self.cpu = blocks.gpu, blocks.cpu
         self.cpu_tok, self.cpu_id, self.copies = cpu_tok, cpu_id, copies
         self.swapped_out = self.swapped_in = 0
@@ -52,6 +54,10 @@ class Swapper:
             if cache.pkey is not None:  # KV events: parent key and namespace travel too
                 ident[3, cpu_ids] = cache.pkey[uniq].view(np.int64)
                 ident[4, cpu_ids] = cache.nsid[uniq]
+            if cache.has_copies:  # a recorded copy carries the content it copies (same tokens, same parent)
+                cp = np.flatnonzero((ident[0, cpu_ids] == 0) & (cache.dupc[uniq] != 0))
+                if cp.size:
+                    ident[0, cpu_ids[cp]] = cache.dupc[uniq[cp]]
         self.t.swapped[rows] = True
         rev = uniq[::-1]  # tail blocks appear last: release them first
         self.blocks.park(rev[self.gpu.ref[rev] == 0])
@@ -96,10 +102,14 @@ class Swapper:
             cache.tok[g_new] = self.cpu_tok[c_new]
             ident = self.cpu_id
             was_cached = ident[0, c_new] != 0
+            taken = []
             for c, g in zip(c_new[was_cached].tolist(), g_new[was_cached].tolist()):
                 ns = cache.ns_list[int(ident[4, c])] if cache.events is not None else None
-                cache.adopt(g, int(ident[0, c]), int(ident[1, c]) & _U64, int(ident[2, c]), int(ident[3, c]) & _U64,
-                            ns)
+                if not cache.adopt(g, int(ident[0, c]), int(ident[1, c]) & _U64, int(ident[2, c]),
+                                   int(ident[3, c]) & _U64, ns):
+                    taken.append((g, int(ident[1, c]) & _U64, int(ident[2, c])))
+            if taken:
+                self.copy_taken(taken)
             self.rechain(rows)
         self.t.swapped[rows] = False
         freed = uniq[self.cpu.ref[uniq] == 0]
@@ -113,6 +123,25 @@ class Swapper:
             self.copies.append((1, src, dst))  # SWAP_IN
         return list(zip(src, dst))
 
+    def copy_taken(self, taken: list) -> None:
+        """Swapped-in blocks whose key another block took while they were out (``(block, key, parent cid)``): where
+        that block caches the same tokens after the same parent, the held block is recorded as its copy (it takes
+        the content's identity if that block is evicted first), as registering it would
+        (:meth:`PrefixCache.register`). In a hybrid manager's sliding group the parent may be another content id (the
+        prefix was evicted and cached again): its hits check a window's blocks by their chained key, which covers
+        every earlier token, and tokens, never by parent, and a row with released blocks is not registered again
+        from the root (:meth:`rechain`: its released positions' blocks are gone), so this is what keeps its window
+        findable. (A windowed BlockManager's hits walk the chain from block 0 by content id: there a hash collision
+        must stay a miss, so the parent must match.) O(1) a block."""
+        cache = self.cache
+        mp, tok = cache.map, cache.tok
+        for g, key, pcid in taken:
+            o = mp.get(key)
+            if o is not None and (self.by_key or cache.pcid[o] == pcid) and np.array_equal(tok[o], tok[g]):
+                cache.note_copy(g, int(cache.cid[o]), key, int(cache.pcid[o]))
+                if cache.events is not None:
+                    cache.pkey[g], cache.nsid[g] = cache.pkey[o], cache.nsid[o]
+
     def rechain(self, rows: np.ndarray) -> None:
         """A swapped-in row with a registered block that came back uncached (a copy's CPU block carries no identity
         to adopt; a block whose key another block took meanwhile), or whose chain ends in a content that left the
@@ -121,13 +150,23 @@ class Swapper:
         registered again from the root instead, as a prompt's are: each is found cached (its own identity, or it
         becomes a recorded copy of the content cached elsewhere) or is cached anew (a ``BlockStored`` event), and
         the chain continues from there. Their KV is the swap-in's copy, executed before the step's forward. A row
-        with released (windowed) blocks keeps its chain (a stated gap). O(registered blocks) per swapped-in row."""
+        with released (windowed) blocks cannot be registered from the root (the keys of its released positions are
+        not kept); its blocks came back under their own identity (a recorded copy carries the content it copies
+        through the CPU side) or as copies of the content cached again (:meth:`copy_taken`), and its chain goes on
+        from its last block's content. O(registered blocks) per swapped-in row."""
         cache, t = self.cache, self.t
         if cache.ndl:
             cache.flush()
         for r in rows.tolist():
             c = int(t.ccid[r])
-            if not c or t.nrel[r]:
+            if not c:
+                continue
+            if t.nrel[r]:  # (the chain goes on from its last block's content: its own, or the one it copies)
+                e = int(t.nreg[r]) - 1
+                if e >= t.nrel[r]:
+                    b = int(t.table[r, e])
+                    if not cache.cid[b] and cache.dupc[b] and cache.key[b] == t.ckey[r]:
+                        t.ccid[r] = cache.dupc[b]
                 continue
             blocks = t.table[r, : t.nreg[r]]
             if cache.cid[blocks].all() and cache.live_parent(c, int(t.ckey[r])):
