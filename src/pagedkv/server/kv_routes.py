@@ -35,7 +35,7 @@ def add_kv_routes(app, handoff, check_auth) -> None:
             raise gone(wire_id)
         handoff.stats["holds_served"] += 1
         n = len(h.block_ids) if first is None else min(int(first), len(h.block_ids))
-        size = n * (handoff.port.payload_bytes + 56)
+        size = n * (handoff.port.payload_bytes + OVERHEAD_BYTES)
         return StreamingResponse(handoff.serve_blocks(h, n), media_type=MEDIA_TYPE,
                                  headers={"x-pagedkv-kv-blocks": str(n), "x-pagedkv-kv-bytes": str(size)})
 
