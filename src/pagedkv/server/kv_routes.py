@@ -14,6 +14,7 @@ def add_kv_routes(app, handoff, check_auth) -> None:
     from fastapi import Request
     from fastapi.responses import Response, StreamingResponse
 
+    from ..tiers.codec import OVERHEAD_BYTES
     from .kv_wire import MEDIA_TYPE
     from .validation import APIError
 
