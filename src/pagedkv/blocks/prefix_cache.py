@@ -92,16 +92,9 @@ def _check_group(group) -> int:
     return int(group)
 
 
-def block_hashes(token_ids, block_size: int = 16, namespace: object = None, group: int = 0) -> list[int]:
-    """The prefix-cache keys of the full blocks of ``token_ids`` (``len // block_size`` of them), as a
-    BlockManager with this ``block_size`` computes them and as its KV events name the blocks: what a router
-    computes for a request it has not routed yet. Deterministic across processes. O(len(token_ids)).
-
-    ``group``: the KV cache group of a :class:`pagedkv.HybridBlockManager` whose keys to compute (its events'
-    ``group_idx``). Each group's chain starts from a root of its own, so the same tokens have different keys in
-    different groups; group 0 (the default) has the keys of a single-group BlockManager. The derivation (a
-    public contract; docs/guide/kv-groups.md): ``root_g = xxh3_64(b"pagedkv-ns:" + b"g<g>:" + enc(namespace))``
-    for g > 0 (group 0 without the ``g<g>:`` tag), ``key_i = xxh3_64(int32 bytes of block i, seed=key_{i-1})``."""
+def _full_blocks(token_ids, block_size, group) -> tuple[np.ndarray, int]:
+    """``token_ids`` as a checked 1-D int array and its count of full blocks (a chain's input: block_hashes,
+    pagedkv.tiers.check_digests). Raises InvalidArgumentError (block size, group) or InvalidTokensError."""
     if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
         raise InvalidArgumentError(f"block_size must be an int >= 1, got {block_size!r}")
     if isinstance(group, bool) or not isinstance(group, (int, np.integer)) or group < 0:
@@ -112,6 +105,20 @@ def block_hashes(token_ids, block_size: int = 16, namespace: object = None, grou
     if arr.size and (arr.min() < 0 or arr.max() > 2**31 - 1):
         raise InvalidTokensError("token_ids must lie in [0, 2**31)")
     n = arr.size // block_size
+    return arr, n
+
+
+def block_hashes(token_ids, block_size: int = 16, namespace: object = None, group: int = 0) -> list[int]:
+    """The prefix-cache keys of the full blocks of ``token_ids`` (``len // block_size`` of them), as a
+    BlockManager with this ``block_size`` computes them and as its KV events name the blocks: what a router
+    computes for a request it has not routed yet. Deterministic across processes. O(len(token_ids)).
+
+    ``group``: the KV cache group of a :class:`pagedkv.HybridBlockManager` whose keys to compute (its events'
+    ``group_idx``). Each group's chain starts from a root of its own, so the same tokens have different keys in
+    different groups; group 0 (the default) has the keys of a single-group BlockManager. The derivation (a
+    public contract; docs/guide/kv-groups.md): ``root_g = xxh3_64(b"pagedkv-ns:" + b"g<g>:" + enc(namespace))``
+    for g > 0 (group 0 without the ``g<g>:`` tag), ``key_i = xxh3_64(int32 bytes of block i, seed=key_{i-1})``."""
+    arr, n = _full_blocks(token_ids, block_size, group)
     data = arr[: n * block_size].astype(np.int32).tobytes()
     out, k = [], _root_key(namespace, int(group))
     for sl in _slices(n, 4 * block_size):

@@ -238,17 +238,7 @@ class TierConnector:
         hit) in the tiers; at most ``(len - 1) // block_size`` blocks in all (the last prompt token is always
         computed). Returns False (and starts nothing) when no block is left to ask for; else the result comes
         out of :meth:`poll` once. O(1) here; the job hashes the prompt (O(len)) and does the I/O."""
-        if self._closed:
-            raise RuntimeError("the TierConnector is closed")
-        n_max = (len(token_ids) - 1) // self.block_size
-        if hit_blocks >= n_max:
-            return False
-        if request_id in self._pending_loads:
-            raise InvalidArgumentError(f"request {request_id!r} already has a load in flight")
-        self._pending_loads.add(request_id)
-        toks = list(token_ids[: n_max * self.block_size])
-        self._pool.submit(self._load_job, request_id, toks, namespace, int(hit_blocks))
-        return True
+        return self._start(self._load_job, request_id, token_ids, namespace, hit_blocks)
 
     def request_lookup(self, request_id: Any, token_ids: Sequence[int], namespace: object,
                        hit_blocks: int) -> bool:
@@ -256,6 +246,11 @@ class TierConnector:
         hold (at most ``(len - 1) // block_size`` blocks in all), without reading them: a :class:`LookupDone`
         comes out of :meth:`poll` once. Returns False (nothing started) when no block is left to ask for.
         O(1) here; the job hashes the prompt (O(len)) and probes each tier."""
+        return self._start(self._lookup_job, request_id, token_ids, namespace, hit_blocks)
+
+    def _start(self, job, request_id: Any, token_ids: Sequence[int], namespace: object, hit_blocks: int) -> bool:
+        """Submit ``job`` for the blocks of ``token_ids`` past ``hit_blocks`` (at most ``(len - 1) // block_size``
+        in all); False when none is left to ask for. Raises on a closed connector or a load already in flight."""
         if self._closed:
             raise RuntimeError("the TierConnector is closed")
         n_max = (len(token_ids) - 1) // self.block_size
@@ -265,7 +260,7 @@ class TierConnector:
             raise InvalidArgumentError(f"request {request_id!r} already has a load in flight")
         self._pending_loads.add(request_id)
         toks = list(token_ids[: n_max * self.block_size])
-        self._pool.submit(self._lookup_job, request_id, toks, namespace, int(hit_blocks))
+        self._pool.submit(job, request_id, toks, namespace, int(hit_blocks))
         return True
 
     def request_read(self, request_id: Any, chain_keys: Sequence[int], runs: Sequence[tuple], namespace: object,

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from ..errors import InvalidArgumentError, InvalidTokensError
-from ..blocks.prefix_cache import _encode_namespace
+from ..errors import InvalidArgumentError
+from ..blocks.prefix_cache import _encode_namespace, _full_blocks
 
 __all__ = ["ModelFingerprint", "check_digests", "store_names"]
 
@@ -134,16 +134,7 @@ def check_digests(token_ids, block_size: int, namespace: object = None, group: i
     so the pair (chain key, check digest) is a 128-bit chained digest of the prefix. Deterministic across
     processes. O(len(token_ids)) (one BLAKE2b call per block, about a microsecond: nothing next to the I/O of a
     block). Raises like :func:`pagedkv.block_hashes` on bad tokens, block size or group."""
-    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
-        raise InvalidArgumentError(f"block_size must be an int >= 1, got {block_size!r}")
-    if isinstance(group, bool) or not isinstance(group, (int, np.integer)) or group < 0:
-        raise InvalidArgumentError(f"group must be an int >= 0, got {group!r}")
-    arr = np.asarray(token_ids)
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-        raise InvalidTokensError(f"token_ids must be a 1-D sequence of ints, got {arr.dtype} of shape {arr.shape}")
-    if arr.size and (arr.min() < 0 or arr.max() > 2**31 - 1):
-        raise InvalidTokensError("token_ids must lie in [0, 2**31)")
-    n = arr.size // block_size
+    arr, n = _full_blocks(token_ids, block_size, group)
     data = arr[: n * block_size].astype("<i4").tobytes()
     w = 4 * block_size
     c = _blake8(b"pagedkv-check:g%d:" % int(group) + _encode_namespace(namespace), digest_size=8).digest()
