@@ -361,11 +361,8 @@ class TierConnector:
             for i, n in runs:
                 if not n:
                     continue
-                t = self._tiers[i]
-                good, values = self._read_run(t, keys[pos:pos + n], namespace,
-                                              None if checks is None else checks[pos:pos + n])
-                payloads.extend(values)
-                by_tier.append((t.medium, good))
+                good = self._read_into(self._tiers[i], keys[pos:pos + n], namespace,
+                                       None if checks is None else checks[pos:pos + n], payloads, by_tier)
                 pos += good
                 if good < n:  # a block it said it holds did not come back checked: stop the prefix here
                     ok = False
@@ -373,6 +370,21 @@ class TierConnector:
         except Exception as e:  # noqa: BLE001
             log.warning("pagedkv tiers: read for request %r failed: %s: %s", request_id, type(e).__name__, e)
             ok = False
+        self._end_load(request_id, start_block, payloads, ok, asked, by_tier, t0)
+
+    def _read_into(self, t: _Tier, keys: list, namespace: object, checks: list | None, payloads: list,
+                   by_tier: list) -> int:
+        """One tier's run read (:meth:`_read_run`), its good payloads appended to ``payloads`` and
+        ``(medium, good)`` to ``by_tier``; returns the good blocks."""
+        good, values = self._read_run(t, keys, namespace, checks)
+        payloads.extend(values)
+        by_tier.append((t.medium, good))
+        return good
+
+    def _end_load(self, request_id: Any, start_block: int, payloads: list, ok: bool, asked: int, by_tier: list,
+                  t0: float) -> None:
+        """A load's end: the tiers' removals published, its latency observed (when it brought blocks), its
+        :class:`LoadDone` queued for :meth:`poll`."""
         self._emit_removed()
         dt = time.perf_counter() - t0
         if payloads:
@@ -432,9 +444,7 @@ class TierConnector:
                     by_tier.append((t.medium, 0))
                     continue
                 asked += n
-                good, values = self._read_run(t, keys[pos:pos + n], namespace, checks[pos:pos + n])
-                payloads.extend(values)
-                by_tier.append((t.medium, good))
+                good = self._read_into(t, keys[pos:pos + n], namespace, checks[pos:pos + n], payloads, by_tier)
                 pos += good
                 if good < n:  # a block it said it holds did not come back checked: stop the prefix here
                     ok = False
@@ -442,11 +452,7 @@ class TierConnector:
         except Exception as e:  # noqa: BLE001 - a bug in a tier must not lose the request: it computes
             log.warning("pagedkv tiers: load for request %r failed: %s: %s", request_id, type(e).__name__, e)
             ok = False
-        self._emit_removed()
-        dt = time.perf_counter() - t0
-        if payloads:
-            self.latency.observe(dt)
-        self._done.put(LoadDone(request_id, hit_blocks, tuple(payloads), ok, asked, tuple(by_tier), dt))
+        self._end_load(request_id, hit_blocks, payloads, ok, asked, by_tier, t0)
 
     # ----------------------------------------------------------------------------------------- stores
 
