@@ -159,7 +159,6 @@ class EngineTiers:
         self._loaded_keys: dict = {}
         # chain key -> check digest of the prompt blocks of the requests added (store plans name blocks by key only)
         self._checks: dict = {}
-        self._req_checks: dict = {}  # request id -> its prompt's check digests, until its read starts
         self.stats = {"loads": 0, "loads_failed": 0, "loads_timed_out": 0, "loaded_blocks": 0,
                       "written_blocks": 0, "stored_blocks": 0, "stores_failed": 0, "loads_aborted": 0,
                       "store_skipped_loaded": 0, "store_skipped_unchecked": 0}
@@ -179,7 +178,6 @@ class EngineTiers:
             del cd[next(iter(cd))]
         if not self.connector.request_lookup(request_id, token_ids, namespace, int(hit)):
             return False
-        self._req_checks[request_id] = checks
         self._lookups[request_id] = time.monotonic()
         return True
 
@@ -197,10 +195,7 @@ class EngineTiers:
                     ok = scheduler.kv_ready(r.request_id, r.start_block * bs, r.num_blocks * bs, reserve=True)
                     if ok:
                         self._runs[r.request_id] = (r.start_block, r.runs)
-                    else:
-                        self._req_checks.pop(r.request_id, None)
                 else:
-                    self._req_checks.pop(r.request_id, None)
                     ok = scheduler.kv_ready(r.request_id, 0, 0)
                 n += bool(ok)
             else:
@@ -215,9 +210,6 @@ class EngineTiers:
         if self._runs:
             for rid in [rid for rid in self._runs if not scheduler.has_request(rid)]:
                 del self._runs[rid]  # (aborted before its admission)
-        if self._req_checks:
-            for rid in [rid for rid in self._req_checks if not scheduler.has_request(rid)]:
-                del self._req_checks[rid]  # (aborted before its read started)
         return n
 
     def _read_done(self, r: Any, scheduler: Any) -> None:
@@ -249,7 +241,6 @@ class EngineTiers:
         now = time.monotonic()
         for rid in [rid for rid, t in self._lookups.items() if now - t > self.load_timeout_s]:
             del self._lookups[rid]
-            self._req_checks.pop(rid, None)
             self.connector.cancel(rid)
             self.stats["loads_timed_out"] += 1
             log.warning("pagedkv tiers: the lookup of request %r took over %.1f s: computing its prompt",
@@ -275,7 +266,12 @@ class EngineTiers:
             ext = kl.load
             start, runs = self._runs.pop(kl.request_id, (0, ()))
             skip = ext.start_token // bs - start  # (the hit may have grown since the lookup)
-            left = len(ext.block_ids)
+            # each block's check digest, remembered when the request was added (a load compares it); a block whose
+            # digest is no longer remembered (more than _MAX_CHECK_KEYS keys added since) ends the load there
+            cd = self._checks
+            checks = [cd.get(k) for k in ext.keys]
+            known = checks.index(None) if None in checks else len(checks)
+            left = min(len(ext.block_ids), known)
             clipped = []
             for i, m in runs:
                 cut = min(skip, m)
@@ -286,12 +282,8 @@ class EngineTiers:
                     left -= m
             self._reading[kl.request_id] = ext
             self._reads[kl.request_id] = time.monotonic()
-            j0 = ext.start_token // bs
-            checks = self._req_checks.pop(kl.request_id, [])[j0:j0 + len(ext.keys)]
-            if len(checks) < len(ext.keys):  # (cannot happen: the lookup was of this prompt) nothing is loaded
-                clipped = []
-                checks = [0] * len(ext.keys)
-            self.connector.request_read(kl.request_id, ext.keys, clipped, None, j0, checks)
+            checks = [0 if c is None else c for c in checks]
+            self.connector.request_read(kl.request_id, ext.keys, clipped, None, ext.start_token // bs, checks)
 
     def forget(self, request_id: Any) -> None:
         """A request was added and failed at once: drop its lookup. O(1). (A request aborted later needs
@@ -299,7 +291,6 @@ class EngineTiers:
         self.connector.cancel(request_id)
         self._lookups.pop(request_id, None)
         self._runs.pop(request_id, None)
-        self._req_checks.pop(request_id, None)
 
     def wait(self, timeout: float) -> None:
         """Nothing else to run: block until a lookup or read finishes or ``timeout`` (never past the next
