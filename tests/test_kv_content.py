@@ -104,9 +104,10 @@ def test_hybrid_swap_in_of_a_block_cached_this_step_marks_every_group():
     assert r.violations == 0, r.messages[:3]
 
 
-@pytest.mark.xfail(strict=True, reason="open bug (found by the soak at seed 120001, session 10): a hybrid manager with "
-                   "the CPU tier and pins serves wrong KV in group 0 from step 111; it appeared when the findab branch "
-                   "(idle-copy hand-over) met the retention branch in merge 15c40ee; both branches alone are clean")
 def test_hybrid_seed_120001_reads_back_its_kv():
+    """Regression (soak, hybrid seed 120001, no CPU tier, chunked prefill): a swap-in reused a GPU block another
+    sequence's chunk had cached in the same step (its KV written by that step's forward), and a swap_out of the
+    same sequence in that step copied the unwritten block to the CPU. The rows are now marked handed slots this
+    step (swap_out refused until the next step) with or without the CPU tier, as they were with it."""
     r = kv_model.run(120001, 150, check_every=1, hybrid=True)
     assert r.violations == 0, r.messages[:3]

@@ -86,10 +86,14 @@ class Swapper:
             evictor = self.cache.evictor
             for g in from_evictor:
                 evictor.discard(g)
-        if self.tier is not None and self.t.stepping:
+        if self.t.stepping:
             cache, reused = self.cache, reuse[~copy_mask]
-            if reused.size and (cache.fresh[reused] == cache.fresh_serial).any():
-                # a block cached in this step is reused: its KV may be this step's forward's to write
+            # a block cached in this step is reused: its KV may be this step's forward's to write, so the rows are
+            # marked handed slots in this step (a swap_out of them is refused until the next step). With the CPU
+            # tier each block says when it was cached; without it, a reused block another sequence holds may be
+            # that sequence's block of this step (an idle cached block was written in an earlier step)
+            if reused.size and ((cache.fresh[reused] == cache.fresh_serial).any() if self.tier is not None
+                                else (ref[reused] > 0).any()):
                 self.t.ntok0[rows] = -1
         gpu_ids = reuse.copy()
         new = self.blocks.take(n_copy)
