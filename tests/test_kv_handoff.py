@@ -400,8 +400,9 @@ def test_a_prefill_replica_killed_mid_body_leaves_the_whole_blocks_that_arrived(
     tokens = list(range(100, 130))  # 7 whole blocks handed over
     names = dec.names(tokens, None, 7)
     body = b"".join(encode_blocks(port.fingerprint.digest, names,
-                                  [block_payload(tokens[i:i + BS], 64) for i in range(0, 28, BS)]))
-    cut = 3 * 120 + 50  # inside the fourth value (each 48 + 64 + 8 bytes)
+                                  [block_payload(tokens[i:i + BS], 64) for i in range(0, 28, BS)],
+                                  dec.checks(tokens, None, 7)))
+    cut = 3 * 128 + 50  # inside the fourth value (each 56 + 64 + 8 bytes)
     lst = socket.socket()
     lst.bind(("127.0.0.1", 0))
     lst.listen(1)
@@ -531,7 +532,8 @@ def test_a_large_transfer_stays_under_the_staging_bound():
     tokens = list(range(1, 1202))  # 1,201 tokens: 300 whole blocks before the last token
     payloads = [block_payload(tokens[i:i + BS], BIG) for i in range(0, 300 * BS, BS)]
     dec = KVHandoff(role="decode", port=dport, fetch_timeout=30.0, fetch_buffer_bytes=limit)
-    body = b"".join(encode_blocks(dport.fingerprint.digest, dec.names(tokens, None, 300), payloads))
+    body = b"".join(encode_blocks(dport.fingerprint.digest, dec.names(tokens, None, 300), payloads,
+                                  dec.checks(tokens, None, 300)))
 
     def offer():
         peer = RawPeer(body, BIG + codec.OVERHEAD_BYTES)

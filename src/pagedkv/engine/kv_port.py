@@ -40,6 +40,9 @@ from .kv_io import (group_hold_block_ids, group_transfer_order, model_fingerprin
 
 __all__ = ["EngineKVPort"]
 
+#: the most chain keys remembered as held by the shared tier (the prefill side's store path; oldest dropped)
+_MAX_SHARED_KEYS = 1 << 18
+
 
 class _Held(NamedTuple):
     hold_id: int
@@ -76,6 +79,9 @@ class EngineKVPort:
         self._inner = llm.kv_tiers  # the engine's own storage tiers (None without)
         self.stats = {"held": 0, "blocks_read": 0, "loaded": 0, "written_blocks": 0, "held_incomplete": 0}
         llm.kv_tiers = self
+        self._in_shared: dict = {}  # chain keys the shared tier is known to hold (oldest first, bounded)
+        self._shared_lock = threading.Lock()
+        self._watch_shared()
 
     @property
     def inner(self) -> Any:
@@ -251,3 +257,93 @@ class EngineKVPort:
     def close(self, timeout: float = 30.0) -> None:
         if self._inner:
             self._inner.close(timeout)
+
+    # ------------------------------------------------------------------------------ through the shared store
+    # (docs/pd-split.md#through-the-shared-store: a prefill replica answers through the shared tier once its
+    # prompt's held blocks are there; a decode replica with the same tier loads them through its own tiers)
+
+    def block_checks(self, token_ids: Sequence[int], namespace: Any, num_blocks: int) -> list[int]:
+        """The check digests (:func:`pagedkv.tiers.check_digests`) of the values a transfer of the prompt's first
+        ``num_blocks`` blocks carries, in wire order (as :meth:`block_names`: with KV cache groups one per
+        :func:`.kv_io.group_transfer_order` pair ``(g, j)``, group ``g``'s digest of block ``j``).
+        O(num_blocks x block_size x groups)."""
+        from ..tiers import check_digests
+
+        bs = self.block_size
+        toks = list(token_ids[: num_blocks * bs])
+        if self.windows is None:
+            return check_digests(toks, bs, namespace)
+        order = group_transfer_order(num_blocks, bs, self.windows)
+        per = {g: check_digests(toks, bs, namespace, g) for g in sorted({g for g, _ in order})}
+        return [per[g][j] for g, j in order]
+
+    def _shared_tier(self) -> Any:
+        """The engine's shared tier (a :class:`pagedkv.tiers.BlockStore`) when the store path can use it, else
+        None: no storage tiers, none shared, or KV cache groups (their values are per group: the HTTP path)."""
+        conn = getattr(self._inner, "connector", None)
+        if self.windows is not None or conn is None:
+            return None
+        from ..tiers.connector import MEDIUM_SHARED
+
+        for medium, store in zip(conn.media, conn.stores()):
+            if medium == MEDIUM_SHARED:
+                return store
+        return None
+
+    def _watch_shared(self) -> None:
+        if self._shared_tier() is not None:
+            from ..tiers.connector import MEDIUM_SHARED
+
+            self._inner.connector.watch_held(MEDIUM_SHARED, self._mark_shared)
+
+    def _mark_shared(self, keys: list) -> None:
+        """(the connector's I/O threads) the shared tier holds these chain keys. O(len(keys))."""
+        with self._shared_lock:
+            d = self._in_shared
+            for k in keys:
+                d.pop(k, None)  # (refreshed: the oldest known are dropped first)
+                d[k] = None
+            while len(d) > _MAX_SHARED_KEYS:
+                del d[next(iter(d))]
+
+    @property
+    def shared_store(self) -> str | None:
+        """The name of the shared tier this engine reads and writes through (``kvs-`` and 16 hex digits of the
+        store's location without credentials: a directory's real path, a Redis server, db and key prefix), or
+        None when a handover cannot go through it (no shared tier, or KV cache groups). Two replicas with the
+        same name share the store."""
+        store = self._shared_tier()
+        loc = getattr(getattr(store, "backend", None), "location", None)
+        if loc is None:
+            return None
+        import xxhash
+
+        return "kvs-" + xxhash.xxh3_64_hexdigest(loc.encode())
+
+    @property
+    def stores_through(self) -> bool:
+        """Whether every computed block is written to the tiers (the store policy ``write_through``): the prefill
+        side of the store path waits for its prompt's blocks only then."""
+        return self._shared_tier() is not None and getattr(self._inner, "store_policy", None) == "write_through"
+
+    def store_keys(self, token_ids: Sequence[int], namespace: Any, num_blocks: int) -> list[int]:
+        """The chain keys (the tiers' block keys) of the prompt's first ``num_blocks`` blocks. O(num_blocks x
+        block_size)."""
+        from ..blocks.prefix_cache import block_hashes
+
+        bs = self.block_size
+        return list(block_hashes(list(token_ids[: num_blocks * bs]), bs, namespace))
+
+    def in_shared_store(self, keys: Sequence[int]) -> bool:
+        """Whether the shared tier is known to hold every one of these chain keys (a store of them finished, or a
+        read of them came back checked, since this engine started; at most the last 2**18 keys are remembered).
+        Thread-safe, never blocks on I/O. O(len(keys))."""
+        with self._shared_lock:
+            d = self._in_shared
+            return all(k in d for k in keys)
+
+    def probe_shared(self, keys: Sequence[int]) -> int:
+        """How many leading blocks of ``keys`` the shared tier holds now (one existence query; 0 without a shared
+        tier or when it cannot answer). Blocking: call it in a worker thread. O(len(keys)) plus the I/O."""
+        store = self._shared_tier()
+        return store.prefix_length(list(keys), None) if store is not None else 0

@@ -26,8 +26,10 @@ run in worker threads, never on the event loop, and only after the text was boun
 Prefill/decode split (``kv_transfer_params`` in vLLM's shape; :mod:`.kv_transfer`, :mod:`.kv_handoff`,
 docs/pd-split.md): a request with ``do_remote_decode`` is computed here and its answer carries the
 ``kv_transfer_params`` naming the blocks held for the decode replica (``GET`` / ``DELETE /v1/kv/holds/{id}``,
-:mod:`.kv_routes`); a request with ``do_remote_prefill`` first reads those blocks from the prefill replica (the
-rest of the prompt is computed here, also when the read fails), then releases the hold. Bad params, a direction
+:mod:`.kv_routes`; with both replicas on one shared store, only once those blocks are in it, and naming it in
+``remote_kv_store``); a request with ``do_remote_prefill`` first reads those blocks from the prefill replica (the
+rest of the prompt is computed here, also when the read fails), or, when the shared store it names is this
+replica's and holds every block, leaves them to the engine's tier load; then releases the hold. Bad params, a direction
 the replica's ``--kv-role`` does not take, or an engine that cannot hand KV over: 400.
 """
 
@@ -180,7 +182,9 @@ def build_app(engine: AsyncEngine, *, model_name: str, model_aliases: tuple[str,
             if kvt is not None and kvt.do_remote_prefill and kvt.remote_host in kv.allow_hosts:
                 in_background(kv.release_remote(kvt))  # refused here: the prefill replica frees its hold now
             raise
-        if kvt is not None and kvt.do_remote_prefill:  # read the KV before queueing: no step waits on it
+        if kvt is not None and kvt.do_remote_prefill and await kv.through_store(kvt, ids, req.cache_salt):
+            in_background(kv.release_remote(kvt))  # every block is in the shared store: the engine loads them
+        elif kvt is not None and kvt.do_remote_prefill:  # read the KV before queueing: no step waits on it
             got = await kv.fetch(kvt, ids, req.cache_salt)
             in_background(kv.release_remote(kvt))
             if got.payloads:
@@ -234,7 +238,7 @@ def build_app(engine: AsyncEngine, *, model_name: str, model_aliases: tuple[str,
                 extra["kv_retention"] = pin_answer(done.result, req.kv_retention)
             if done is None or req.kv_transfer is None or not req.kv_transfer.do_remote_decode:
                 return done, extra
-            return done, {"kv_transfer_params": kv.answer(stream.request_id), **extra}
+            return done, {"kv_transfer_params": await kv.answer_async(stream.request_id), **extra}
         finally:
             kv.forget(stream.request_id)
 

@@ -52,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-fetch-buffer-mib", type=float, default=1024.0,
                    help="MiB of KV blocks a decode replica holds in memory at once, read from prefill replicas and "
                         "not yet written into its cache; blocks past it are computed (default 1024)")
+    p.add_argument("--kv-store-wait", type=float, default=5.0,
+                   help="with --kv-shared and the write-through store policy: seconds a prefill replica's answer "
+                        "waits for its prompt's blocks to be in the shared store, so the decode replica loads them "
+                        "from it; past it the decode replica reads them over HTTP (0: always HTTP; default 5)")
     add_http_args(p)
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds the requests in flight get to finish before they are ended with an "
@@ -122,6 +126,8 @@ def check_options(args: argparse.Namespace) -> None:
         v = getattr(args, name)
         if not 0 < v < float("inf"):
             raise ValueError(f"--{name.replace('_', '-')} must be a finite number of seconds > 0, got {v}")
+    if not 0 <= args.kv_store_wait < float("inf"):
+        raise ValueError(f"--kv-store-wait must be a finite number of seconds >= 0, got {args.kv_store_wait}")
     if not 0 <= args.kv_fetch_buffer_mib < float("inf"):
         raise ValueError(f"--kv-fetch-buffer-mib must be a finite number >= 0, got {args.kv_fetch_buffer_mib}")
     if args.kv_role != "both" and args.host in ("0.0.0.0", "::") and not args.kv_advertise_host:
@@ -188,6 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             drain_timeout=args.drain_timeout, sock=sock, http=http_options(args), kv_role=args.kv_role,
             kv_lease=args.kv_lease, kv_peers=tuple(args.kv_peer), kv_advertise_host=args.kv_advertise_host,
             kv_fetch_timeout=args.kv_fetch_timeout, kv_fetch_buffer_bytes=int(args.kv_fetch_buffer_mib * (1 << 20)),
+            kv_store_wait=args.kv_store_wait,
         )
     except (PagedKVError, OSError, ValueError, RuntimeError, ImportError) as e:
         print(f"pagedkv serve: error: {e}", file=sys.stderr)

@@ -63,6 +63,7 @@ DEFAULT_LEASE_S = 480.0  # vLLM's default (VLLM_NIXL_ABORT_REQUEST_TIMEOUT)
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
 _READ_BATCH = 8  # blocks read from the engine per worker-thread hop while serving a hold
 DEFAULT_FETCH_BUFFER_BYTES = 1 << 30  # --kv-fetch-buffer-mib 1024
+DEFAULT_STORE_WAIT_S = 5.0  # --kv-store-wait: the most an answer waits for its blocks in the shared store
 #: seconds: the buckets of the decode side's fetch-time histogram (pagedkv:kv_handoff_fetch_seconds)
 FETCH_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -190,6 +191,8 @@ class _Held:
     names: list
     num_tokens: int
     expires_at: float  # time.monotonic() deadline (the port's own lease ends it too)
+    checks: list | None = None  # each served value's check digest (the wire carries it)
+    keys: list | None = None  # the prompt blocks' chain keys (the store path waits for them in the shared tier)
 
 
 @dataclass(frozen=True)
@@ -229,14 +232,23 @@ class KVHandoff:
     peer_api_key: str | None = None
     clock: Callable[[], float] = time.monotonic
     fetch_buffer_bytes: int = DEFAULT_FETCH_BUFFER_BYTES
+    #: prefill side: the most seconds an answer waits for its prompt's held blocks to be in the shared store
+    #: (``--kv-store-wait``; 0: never through the store)
+    store_wait_s: float = DEFAULT_STORE_WAIT_S
     #: prefill side: holds (taken), holds_released (by a decode replica, before the lease ended), holds_expired
-    #: (the lease ended), holds_dropped (the request ended unanswered), holds_served, blocks_served, bytes_served;
+    #: (the lease ended), holds_dropped (the request ended unanswered), holds_served, blocks_served, bytes_served,
+    #: store_answers (answered with the blocks in the shared store), store_waits_timed_out (answered without:
+    #: the blocks were not all stored within ``store_wait_s``);
     #: decode side: fetches (started), fetches_partial, fetches_failed (no block), blocks_fetched, bytes_fetched
-    #: (wire bytes), blocks_over_budget (not read: the staging budget was full), releases_failed
+    #: (wire bytes), blocks_over_budget (not read: the staging budget was full), releases_failed, check_refused
+    #: (a fetch stopped at a value whose check digest was not the prompt's), store_loads (requests sent to the
+    #: engine to load through its shared tier), store_misses (the shared store held fewer blocks than announced:
+    #: read from the hold instead)
     stats: dict = field(default_factory=lambda: dict.fromkeys((
         "holds", "holds_released", "holds_expired", "holds_dropped", "holds_served", "blocks_served",
         "bytes_served", "fetches", "fetches_partial", "fetches_failed", "blocks_fetched", "bytes_fetched",
-        "blocks_over_budget", "releases_failed"), 0))
+        "blocks_over_budget", "releases_failed", "check_refused", "store_answers", "store_waits_timed_out",
+        "store_loads", "store_misses"), 0))
 
     def __post_init__(self) -> None:
         from .kv_transfer import KV_ROLES
@@ -248,6 +260,8 @@ class KVHandoff:
                              "lease, external KV, block bytes); this engine has none")
         if not self.lease_s > 0:
             raise ValueError(f"--kv-lease must be > 0 seconds, got {self.lease_s}")
+        if not 0 <= self.store_wait_s < float("inf"):
+            raise ValueError(f"--kv-store-wait must be >= 0 seconds, got {self.store_wait_s}")
         self._holds: dict[str, _Held] = {}
         self._pending: dict[Any, list] = {}  # request id -> the names of its blocks, until answered
         self._client = None
@@ -287,17 +301,39 @@ class KVHandoff:
         keys = block_hashes(list(token_ids[: num_blocks * bs]), bs, namespace)
         return store_names(self.port.fingerprint, list(keys), namespace)
 
+    def checks(self, token_ids: Sequence[int], namespace: Any, num_blocks: int) -> list[int]:
+        """The check digests of the values :meth:`names` names, in the same order (the port's ``block_checks``
+        when it has one: KV cache groups; else :func:`pagedkv.tiers.check_digests` of the prompt's first
+        ``num_blocks`` blocks). O(num_blocks * block_size)."""
+        checks = getattr(self.port, "block_checks", None)
+        if checks is not None:
+            return checks(token_ids, namespace, num_blocks)
+        from ..tiers import check_digests
+
+        bs = self.port.block_size
+        return check_digests(list(token_ids[: num_blocks * bs]), bs, namespace)
+
+    @property
+    def shared_store(self) -> str | None:
+        """The name of the shared store the engine reads and writes through (its port's ``shared_store``), or
+        None: handovers go over HTTP only."""
+        return getattr(self.port, "shared_store", None) if self.port is not None else None
+
     # ------------------------------------------------------------------------------------------ prefill side
     def expect_hold(self, request: Any, token_ids: Sequence[int], namespace: Any) -> None:
         """Before submitting a ``do_remote_decode`` request: mark it, and remember its blocks' names."""
         n = max_prefill_tokens(len(token_ids), self.port.block_size) // self.port.block_size
         self.port.hold_on_finish(request, self.lease_s)
-        self._pending[request.request_id] = self.names(token_ids, namespace, n)
+        keys = None
+        if self.store_wait_s > 0 and getattr(self.port, "stores_through", False):  # (the store path may answer)
+            keys = self.port.store_keys(token_ids, namespace, n)
+        self._pending[request.request_id] = (self.names(token_ids, namespace, n),
+                                             self.checks(token_ids, namespace, n), keys)
 
     def answer(self, request_id: Any) -> dict | None:
         """After the request finished: its hold registered, and the ``kv_transfer_params`` of the answer (None
         when there is nothing to hand over). Call :meth:`forget` in any case afterwards."""
-        names = self._pending.pop(request_id, None)
+        names, checks, keys = self._pending.pop(request_id, None) or (None, None, None)
         hold = self.port.take_hold(request_id)
         if hold is None or not hold.block_ids:
             if hold is not None:
@@ -310,10 +346,39 @@ class KVHandoff:
                                "than its prompt's whole blocks")
         wire = secrets.token_hex(16)
         self._holds[wire] = _Held(hold.hold_id, tuple(int(b) for b in served),
-                                  names[: len(served)], int(hold.num_tokens), self.clock() + self.lease_s)
+                                  names[: len(served)], int(hold.num_tokens), self.clock() + self.lease_s,
+                                  checks[: len(served)], None if keys is None else keys[: len(hold.block_ids)])
         self.stats["holds"] += 1
         return answer_params(hold_id=wire, block_ids=hold.block_ids, num_tokens=hold.num_tokens,
                              engine_id=self.engine_id, host=self.host, port=self.port_number)
+
+    async def answer_async(self, request_id: Any, poll_s: float = 0.005) -> dict | None:
+        """:meth:`answer`, through the shared store where it can be: when the engine writes every computed block
+        through to a shared tier (its port's ``stores_through``), the answer waits (on the event loop, never in a
+        step) until the port knows the hold's blocks are in that store (``in_shared_store``: their write-through
+        finished), then names the store in ``remote_kv_store``; after ``store_wait_s`` seconds without them it
+        answers without (the decode replica reads the hold over HTTP). The hold is kept either way: it is the
+        decode replica's fallback when the store no longer has every block (docs/pd-split.md). O(blocks) per
+        poll, polls ``poll_s`` apart (growing to 50 ms)."""
+        params = self.answer(request_id)
+        if params is None:
+            return None
+        h = self._holds.get(params["remote_request_id"])
+        store = self.shared_store
+        if h is None or not h.keys or store is None:
+            return params
+        deadline = time.monotonic() + self.store_wait_s
+        while not self.port.in_shared_store(h.keys):
+            if time.monotonic() >= deadline:
+                self.stats["store_waits_timed_out"] += 1
+                log.warning("the shared store did not hold the %d blocks of hold %s within %.1f s "
+                            "(--kv-store-wait): the decode replica reads them over HTTP", len(h.keys),
+                            params["remote_request_id"], self.store_wait_s)
+                return params
+            await asyncio.sleep(poll_s)
+            poll_s = min(2 * poll_s, 0.05)
+        self.stats["store_answers"] += 1
+        return {**params, "remote_kv_store": store}
 
     def forget(self, request_id: Any) -> None:
         """The request ended without :meth:`answer` (its client left, it failed): release any hold it took."""
@@ -390,7 +455,8 @@ class KVHandoff:
                 payloads = await asyncio.to_thread(lambda ids=ids: list(self.port.read_blocks(h.port_id, ids)))
             except LookupError:
                 return
-            for value in encode_blocks(fp, h.names[i: i + _READ_BATCH], payloads):
+            for value in encode_blocks(fp, h.names[i: i + _READ_BATCH], payloads,
+                                       None if h.checks is None else h.checks[i: i + _READ_BATCH]):
                 self.stats["blocks_served"] += 1
                 self.stats["bytes_served"] += len(value)
                 yield value
@@ -422,6 +488,7 @@ class KVHandoff:
         :class:`StagedPayload`: their room in the budget comes back when the last reference to each goes."""
         import httpx
 
+        from ..tiers.codec import Decoded
         from .kv_wire import BundleReader
 
         n = len(kvt.remote_block_ids)
@@ -429,6 +496,7 @@ class KVHandoff:
         if n == 0:
             return FetchResult([], 0)
         names = self.names(token_ids, namespace, n)  # (KV cache groups: several values per prompt block)
+        checks = self.checks(token_ids, namespace, n)  # (the wire's check digests, from this replica's tokens)
         nv = len(names)
         pb = self.port.payload_bytes
         k = self.staging.reserve(nv, pb)
@@ -436,7 +504,8 @@ class KVHandoff:
         self.stats["blocks_over_budget"] += over
         budget = self.staging
         reader = BundleReader(self.port.fingerprint.digest, names[:k], pb,
-                              keep=lambda mv: StagedPayload.staged(mv, budget), prefix_only=over > 0)
+                              keep=lambda mv: StagedPayload.staged(mv, budget), prefix_only=over > 0,
+                              checks=checks[:k])
         url = f"{kvt.base_url}/v1/kv/holds/{kvt.remote_request_id}"
         error = None
         t0 = time.perf_counter()
@@ -462,6 +531,8 @@ class KVHandoff:
             self.fetch_seconds.observe(time.perf_counter() - t0)
         if error is None:
             error = reader.error
+        if reader.refused is Decoded.CHECK:
+            self.stats["check_refused"] += 1
         if error is None and over:
             error = (f"the staging buffer (--kv-fetch-buffer-mib, {budget.limit} bytes, {budget.used} in use) took "
                      f"{k} of {nv} values")
@@ -473,6 +544,33 @@ class KVHandoff:
             log.warning("KV from %s (hold %s): %d of %d blocks (%s); the engine computes the rest of the prompt",
                         kvt.base_url, kvt.remote_request_id, len(res.payloads), n, error)
         return res
+
+    async def through_store(self, kvt: KVTransferParams, token_ids: Sequence[int], namespace: Any) -> bool:
+        """The decode side's routing decision: True when the blocks ``kvt`` announces are all in the shared store
+        this replica's engine reads (``kvt.remote_kv_store`` names it, and one existence query, in a worker thread
+        bounded by ``fetch_timeout``, finds every block): the request is then queued plain and its engine loads
+        them through its own tiers (the tier lookup: reserved blocks, no HTTP read, no staging). False (the caller
+        reads the hold over HTTP as before): no store named, another store, or fewer blocks there than announced
+        (``store_misses``). A block lost between this query and the engine's read is computed. O(blocks)."""
+        store = kvt.remote_kv_store
+        if store is None or store != self.shared_store or not kvt.remote_block_ids:
+            return False
+        n = len(kvt.remote_block_ids)
+        keys = self.port.store_keys(token_ids, namespace, n)
+        try:
+            async with asyncio.timeout(self.fetch_timeout):
+                have = await asyncio.to_thread(self.port.probe_shared, keys)
+        except (TimeoutError, OSError) as e:
+            have, why = 0, type(e).__name__
+        else:
+            why = f"{have} of {n} blocks there"
+        if have >= n:
+            self.stats["store_loads"] += 1
+            return True
+        self.stats["store_misses"] += 1
+        log.warning("the shared store %s (hold %s): %s; reading the hold from %s", store, kvt.remote_request_id,
+                    why, kvt.base_url)
+        return False
 
     async def release_remote(self, kvt: KVTransferParams) -> bool:
         """Tell the prefill replica that its hold is no longer needed (bounded; a failure is counted and logged:

@@ -36,9 +36,10 @@ KV_ROLES = ("prefill", "decode", "both")
 
 MAX_HOLD_ID_CHARS = 128
 _KNOWN = frozenset({"do_remote_decode", "do_remote_prefill", "remote_engine_id", "remote_request_id",
-                    "remote_block_ids", "remote_host", "remote_port", "remote_num_tokens", "tp_size", "pp_size"})
+                    "remote_block_ids", "remote_host", "remote_port", "remote_num_tokens", "tp_size", "pp_size",
+                    "remote_kv_store"})
 _REMOTE = ("remote_engine_id", "remote_request_id", "remote_block_ids", "remote_host", "remote_port",
-           "remote_num_tokens")
+           "remote_num_tokens", "remote_kv_store")
 _ID = re.compile(r"^[A-Za-z0-9._:-]+$")
 _HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+|[0-9A-Fa-f:]+)$")
 _MAX_BLOCKS = 1 << 20  # a request naming more blocks than this is refused before its list is walked
@@ -64,6 +65,9 @@ class KVTransferParams:
     remote_host: str | None = None
     remote_port: int | None = None
     remote_num_tokens: int = 0
+    #: the shared store (``--kv-shared``) that holds the blocks too, by its name (``EngineKVPort.shared_store``:
+    #: ``kvs-`` and 16 hex digits); None: only the hold has them (docs/pd-split.md#through-the-shared-store)
+    remote_kv_store: str | None = None
 
     @property
     def base_url(self) -> str:
@@ -80,7 +84,8 @@ class KVTransferParams:
         return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.remote_engine_id,
                 "remote_request_id": self.remote_request_id, "remote_block_ids": list(self.remote_block_ids),
                 "remote_host": self.remote_host, "remote_port": self.remote_port,
-                "remote_num_tokens": self.remote_num_tokens, "tp_size": 1}
+                "remote_num_tokens": self.remote_num_tokens, "tp_size": 1,
+                **({} if self.remote_kv_store is None else {"remote_kv_store": self.remote_kv_store})}
 
 
 def _flag(d: dict, name: str) -> bool:
@@ -159,6 +164,7 @@ def parse_kv_transfer_params(v: Any, *, max_blocks: int = _MAX_BLOCKS) -> KVTran
         remote_host=_str(v, "remote_host", 255, _HOST),
         remote_port=_int(v, "remote_port", 1, 65535),
         remote_num_tokens=_int(v, "remote_num_tokens", 0, 2**31 - 1),
+        remote_kv_store=None if v.get("remote_kv_store") is None else _str(v, "remote_kv_store", 64, _ID),
     )
 
 
@@ -204,12 +210,15 @@ def check_request(kvt: KVTransferParams | None, *, role: str, available: bool, b
                        "remote_num_tokens")
 
 
-def answer_params(*, hold_id: str, block_ids, num_tokens: int, engine_id: str, host: str, port: int) -> dict:
+def answer_params(*, hold_id: str, block_ids, num_tokens: int, engine_id: str, host: str, port: int,
+                  kv_store: str | None = None) -> dict:
     """The ``kv_transfer_params`` a prefill replica answers for a hold (vLLM's names; ``remote_request_id`` is
-    the hold's id, ``remote_num_tokens`` the tokens its blocks hold)."""
+    the hold's id, ``remote_num_tokens`` the tokens its blocks hold; ``remote_kv_store`` only when ``kv_store``,
+    the shared store that holds them too, is given)."""
     return KVTransferParams(do_remote_prefill=True, remote_engine_id=engine_id, remote_request_id=hold_id,
                             remote_block_ids=tuple(int(b) for b in block_ids), remote_host=host,
-                            remote_port=int(port), remote_num_tokens=int(num_tokens)).to_json()
+                            remote_port=int(port), remote_num_tokens=int(num_tokens),
+                            remote_kv_store=kv_store).to_json()
 
 
 def prefill_body(body: dict) -> dict:

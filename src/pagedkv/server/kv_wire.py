@@ -8,7 +8,11 @@ the tiers' checked format (:mod:`pagedkv.tiers.codec`: header, payload, xxh3 che
 Each value is named by the block's store name (:func:`pagedkv.tiers.store_names`: the model fingerprint, the
 request's namespace and the block's chained content key), so the decode replica, which computes the same names
 from its own copy of the prompt, accepts a block only if it was computed by the same model and layout, for the
-same tenant and the same tokens, and arrived intact. :class:`BundleReader` parses such a body as it arrives,
+same tenant and the same tokens, and arrived intact. Each value also carries the block's **check digest**
+(:func:`pagedkv.tiers.check_digests`: a second, independent 64-bit digest of the block's whole token prefix, the
+codec's flag bit 0), which the decode replica computes from its own tokens too and compares: a value whose
+64-bit chain key collided with another prefix's, or that carries no check digest, is refused
+(``Decoded.CHECK``), as the storage tiers refuse it. :class:`BundleReader` parses such a body as it arrives,
 chunk by chunk, and keeps the leading blocks that check: a body cut short, a flipped bit, a block of another
 prompt or model stops it there, and the blocks before stay good (the decode replica computes the rest). It never
 buffers more than one value, refuses a value whose length is not the expected payload size before reading it,
@@ -29,11 +33,15 @@ _LEN = struct.Struct("<Q")
 _LEN_AT = codec.HEADER_BYTES - 8  # the payload length's offset in the header
 
 
-def encode_blocks(fingerprint_digest: bytes, names: Sequence[str], payloads: Iterable) -> Iterator[bytes]:
-    """The values of a hold's blocks, one per (name, payload), in order (a generator: one value in memory at a
-    time). O(total payload bytes)."""
-    for name, payload in zip(names, payloads):
-        yield codec.encode(fingerprint_digest, name, payload)
+def encode_blocks(fingerprint_digest: bytes, names: Sequence[str], payloads: Iterable,
+                  checks: Sequence[int] | None = None) -> Iterator[bytes]:
+    """The values of a hold's blocks, one per (name, payload), in order, each with its check digest from
+    ``checks`` (one per name; None: values without one, which a reader given check digests refuses). A generator:
+    one value in memory at a time. O(total payload bytes)."""
+    if checks is None:
+        checks = [None] * len(names)
+    for name, payload, check in zip(names, payloads, checks):
+        yield codec.encode(fingerprint_digest, name, payload, check)
 
 
 class BundleReader:
@@ -48,12 +56,23 @@ class BundleReader:
     ``keep``: turns a checked payload (a memoryview into the reader's buffer) into the object kept (default
     ``bytes``: a copy); :class:`~.kv_handoff.KVHandoff` passes one that counts it against its staging budget.
     ``prefix_only``: the body may hold more blocks than ``names`` (the caller wants only its first blocks): the
-    reader stops, without error, once the named ones arrived."""
+    reader stops, without error, once the named ones arrived.
+    ``checks``: the check digest each named block's value must carry (one per name, computed from the reader's own
+    tokens); a value with another one, or none, stops the reader there (:attr:`refused` ``Decoded.CHECK``). None:
+    check digests are not compared.
+
+    :attr:`refused`: the :class:`~pagedkv.tiers.codec.Decoded` status of the value that stopped the reader (None
+    when no value was refused: every block arrived, or the body ended or was cut short)."""
 
     def __init__(self, fingerprint_digest: bytes, names: Sequence[str], payload_bytes: int, *,
-                 keep: Callable[[memoryview], Any] = bytes, prefix_only: bool = False) -> None:
+                 keep: Callable[[memoryview], Any] = bytes, prefix_only: bool = False,
+                 checks: Sequence[int] | None = None) -> None:
         if payload_bytes < 1:
             raise ValueError(f"payload_bytes must be >= 1, got {payload_bytes}")
+        if checks is not None and len(checks) != len(names):
+            raise ValueError(f"{len(checks)} check digests for {len(names)} blocks")
+        self._checks = None if checks is None else [int(c) for c in checks]
+        self.refused: codec.Decoded | None = None
         self._fp = fingerprint_digest
         self._names = list(names)
         self._value_bytes = payload_bytes + codec.OVERHEAD_BYTES
@@ -96,9 +115,14 @@ class BundleReader:
                 break
             value = bytes(self._buf[: self._value_bytes])
             del self._buf[: self._value_bytes]
-            status, payload = codec.decode(value, self._fp, self._names[len(self.payloads)])
+            i = len(self.payloads)
+            status, payload = codec.decode(value, self._fp, self._names[i],
+                                           None if self._checks is None else self._checks[i])
             if status is not codec.Decoded.OK:
-                self.error = f"block {len(self.payloads)} refused: {status.name}"
+                self.refused = status
+                self.error = f"block {i} refused: {status.name}" + (
+                    " (its check digest is not the one of this prompt's prefix, or it has none)"
+                    if status is codec.Decoded.CHECK else "")
                 return False
             self.payloads.append(self._keep(payload))
         if self._prefix_only and self.done:

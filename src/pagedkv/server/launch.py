@@ -205,7 +205,8 @@ def make_server(llm: Any, *, model_name: str, host: str = "127.0.0.1", port: int
                 sock: socket.socket | None = None, model_aliases: tuple[str, ...] = (),
                 http: dict | None = None, kv_role: str = "both", kv_port: Any = None, kv_lease: float = 480.0,
                 kv_peers: tuple[str, ...] = (), kv_advertise_host: str | None = None, kv_fetch_timeout: float = 30.0,
-                kv_peer_api_key: str | None = None, kv_fetch_buffer_bytes: int | None = None) -> Server:
+                kv_peer_api_key: str | None = None, kv_fetch_buffer_bytes: int | None = None,
+                kv_store_wait: float | None = None) -> Server:
     """Wire ``llm`` into a :class:`Server`. With ``kv_events_endpoint`` the block manager's events (it needs
     ``take_events``, i.e. an ``LLM(..., enable_kv_events=True)``) are published there over ZMQ (or give an
     already bound ``publisher``). ``max_body_bytes``: the request body limit (413 beyond; default 2 MiB).
@@ -216,7 +217,9 @@ def make_server(llm: Any, *, model_name: str, host: str = "127.0.0.1", port: int
     port (default :func:`engine_kv_port`; ValueError for a role other than ``both`` without one), the hold lease,
     the hosts a decode replica reads KV from besides loopback, the address decode replicas reach this one at
     (default ``host``), the fetch bound in seconds, the key sent to prefill replicas (default ``api_key``) and the
-    decode side's staging budget in bytes (default 1 GiB). The handoff's counters join the metrics."""
+    decode side's staging budget in bytes (default 1 GiB), and the most seconds a prefill answer waits for its blocks
+    in the shared store (default 5; docs/pd-split.md#through-the-shared-store). The handoff's counters join the
+    metrics."""
     from .app import build_app
     from .async_engine import AsyncEngine
     from .metrics import ServerMetrics
@@ -249,7 +252,8 @@ def make_server(llm: Any, *, model_name: str, host: str = "127.0.0.1", port: int
         kv = KVHandoff(role=kv_role, port=kv_port, host=advertise, port_number=port, lease_s=kv_lease,
                        allow_hosts=LOOPBACK_HOSTS | frozenset(kv_peers), fetch_timeout=kv_fetch_timeout,
                        peer_api_key=kv_peer_api_key if kv_peer_api_key is not None else api_key,
-                       **({} if kv_fetch_buffer_bytes is None else {"fetch_buffer_bytes": kv_fetch_buffer_bytes}))
+                       **({} if kv_fetch_buffer_bytes is None else {"fetch_buffer_bytes": kv_fetch_buffer_bytes}),
+                       **({} if kv_store_wait is None else {"store_wait_s": kv_store_wait}))
     except ValueError:
         engine.shutdown()
         raise

@@ -39,6 +39,11 @@ engine's own counts); the three latency histograms are observed by the engine th
                                                      bytes received
 ``pagedkv:kv_handoff_blocks_over_budget_total``      blocks not read (the staging budget was full): computed
 ``pagedkv:kv_handoff_releases_failed_total``         hold releases the prefill replica did not confirm
+``pagedkv:kv_handoff_check_refused_total``           block reads stopped at a value with a wrong check digest
+``pagedkv:kv_handoff_store_answers_total``           prefill side: answers sent once the held blocks were in the
+                                                     shared store; ``..._store_waits_timed_out_total`` without
+``pagedkv:kv_handoff_store_loads_total``             decode side: requests loaded through the shared store;
+                                                     ``..._store_misses_total``: it held fewer blocks (HTTP read)
 ``pagedkv:kv_handoff_staged_bytes``                  fetched payloads in memory, not yet written (gauge);
                                                      ``..._staged_bytes_limit`` its bound
 ``pagedkv:kv_handoff_fetch_seconds``                 histogram: one request's block read
@@ -152,6 +157,13 @@ _HANDOFF_COUNTERS = {
     "bytes_fetched": ("bytes_fetched", "Bytes received from prefill replicas."),
     "blocks_over_budget": ("blocks_over_budget", "KV blocks not read: the staging budget was full (computed)."),
     "releases_failed": ("releases_failed", "Hold releases the prefill replica did not confirm (its lease ends it)."),
+    "check_refused": ("check_refused", "Block reads stopped at a value whose check digest was not the prompt's."),
+    "store_answers": ("store_answers", "Prefill answers sent once the held blocks were in the shared store."),
+    "store_waits_timed_out": ("store_waits_timed_out", "Prefill answers sent without the shared store: its "
+                              "blocks were not all stored within --kv-store-wait."),
+    "store_loads": ("store_loads", "Requests whose blocks the engine loads from the shared store (no HTTP read)."),
+    "store_misses": ("store_misses", "Requests whose shared store held fewer blocks than announced (read from the "
+                     "hold over HTTP)."),
 }
 
 

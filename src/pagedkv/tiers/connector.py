@@ -406,6 +406,8 @@ class TierConnector:
             if h < len(got.statuses):
                 break
         dt = time.perf_counter() - t1
+        if good:
+            self._notify_held(t, keys[:good])
         with self._lock:
             t.ema_ms = 0.8 * t.ema_ms + 0.2 * (1000.0 * dt / max(good, 1))
         self._count(t, hit_blocks=good, hit_bytes=sum(v.nbytes for v in values), failed_blocks=len(keys) - good)
@@ -520,6 +522,8 @@ class TierConnector:
                 for i, st in enumerate(statuses):
                     if st is PutStatus.STORED or st is PutStatus.PRESENT:
                         held[i] = True
+                self._notify_held(t, [keys[i] for i, s in enumerate(statuses)
+                                      if s is PutStatus.STORED or s is PutStatus.PRESENT])
                 new = [i for i, s in enumerate(statuses) if s is PutStatus.STORED]
                 self._count(t, stored_blocks=len(new),
                             stored_bytes=sum(memoryview(payloads[i]).nbytes for i in new),
@@ -583,6 +587,26 @@ class TierConnector:
                 t.store.close()
             except Exception:  # noqa: BLE001
                 pass
+
+    def watch_held(self, medium: str, callback: Any) -> None:
+        """Call ``callback(chain_keys)`` (a list) on an I/O thread whenever the tier ``medium`` is known to hold
+        blocks: a store of them finished there (stored now, or held already) or a read of them came back checked.
+        One watcher per connector (a later call replaces it; ``callback`` None removes it). The callback must be
+        quick and thread-safe (it runs on the I/O threads, outside the connector's lock); an exception it raises is
+        logged and dropped. The prefill side of a prefill/decode split answers through the shared store only once
+        the prompt's held blocks are there (docs/pd-split.md#through-the-shared-store). O(1)."""
+        if callback is not None and medium not in self.media:
+            raise InvalidArgumentError(f"no tier {medium!r} here (tiers: {', '.join(self.media)})")
+        self._held_watch = None if callback is None else (medium, callback)
+
+    def _notify_held(self, t: _Tier, keys: list) -> None:
+        w = getattr(self, "_held_watch", None)
+        if w is None or not keys or w[0] != t.medium:
+            return
+        try:
+            w[1](keys)
+        except Exception as e:  # noqa: BLE001 - a watcher's bug never fails a store or a read
+            log.warning("pagedkv tiers: the held-blocks watcher failed: %s: %s", type(e).__name__, e)
 
 
 def _runs(idx: list[int]) -> list[list[int]]:

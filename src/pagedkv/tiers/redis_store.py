@@ -201,3 +201,16 @@ class RedisBackend(Backend):
             self._client.close()
         except Exception:  # noqa: BLE001
             pass
+
+    @property
+    def location(self) -> str:
+        """Where the values live, without credentials: ``redis://host:port/db`` (host lowercased), or
+        ``unix://path?db=N``, plus the key prefix (two prefixes on one server are two stores). Names the store
+        to another replica (a prefill/decode split through the shared store compares it). O(1)."""
+        kw = getattr(getattr(self._client, "connection_pool", None), "connection_kwargs", {}) or {}
+        db = kw.get("db", 0)
+        if kw.get("path"):
+            where = f"unix://{kw['path']}?db={db}"
+        else:
+            where = f"redis://{str(kw.get('host', '')).lower()}:{kw.get('port', '')}/{db}"
+        return f"{where}#{self._prefix}"

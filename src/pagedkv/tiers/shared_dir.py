@@ -155,3 +155,9 @@ class SharedDirBackend(Backend):
                 pass
             total -= size
         return n
+
+    @property
+    def location(self) -> str:
+        """Where the values live: ``file://`` and the directory's real path (symbolic links resolved), naming the
+        store to another replica (a prefill/decode split through the shared store compares it). O(path)."""
+        return "file://" + os.path.realpath(self._root)
