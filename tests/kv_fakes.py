@@ -214,6 +214,36 @@ def fake_server(role: str, port=None, *, block_size: int = 4, **kv):
     return f"http://127.0.0.1:{number}", engine, handoff, close
 
 
+class StorePort(FakePort):
+    """A :class:`FakePort` whose engine writes its blocks through to a shared store (``store``: a set of chain
+    keys, shared by the ports of replicas on the same store): the store path of docs/pd-split.md. The prefill
+    side's write-through is the test's: add the keys to ``store`` (or not)."""
+
+    def __init__(self, store: set, name: str = "kvs-fake", block_size: int = 4, **kw) -> None:
+        super().__init__(block_size, **kw)
+        self.store = store
+        self.shared_store = name
+        self.stores_through = True
+        self.probes = 0
+
+    def store_keys(self, token_ids, namespace, num_blocks):
+        from pagedkv import block_hashes
+
+        return list(block_hashes(list(token_ids[: num_blocks * self.block_size]), self.block_size, namespace))
+
+    def in_shared_store(self, keys):
+        return all(k in self.store for k in keys)
+
+    def probe_shared(self, keys):
+        self.probes += 1
+        n = 0
+        for k in keys:
+            if k not in self.store:
+                break
+            n += 1
+        return n
+
+
 class StallingPort(FakePort):
     """A prefill side whose block reads after the first batch announce themselves on stdout (``stalled``) and
     never return: a process serving it can be killed mid-body, after the first blocks were sent."""

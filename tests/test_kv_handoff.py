@@ -47,6 +47,11 @@ def test_params_parse_both_directions_and_the_neutral_values():
     assert q.do_remote_prefill and q.remote_block_ids == (1, 2) and q.base_url == "http://127.0.0.1:8000"
     assert parse_kv_transfer_params(q.to_json()) == q
     assert parse_kv_transfer_params(good_params(remote_host="::1")).base_url == "http://[::1]:8000"
+    # the shared store that holds the blocks too (docs/pd-split.md#through-the-shared-store): optional, round-trips
+    assert q.remote_kv_store is None and "remote_kv_store" not in q.to_json()
+    s = parse_kv_transfer_params(good_params(remote_kv_store="kvs-0123456789abcdef"))
+    assert s.remote_kv_store == "kvs-0123456789abcdef" and parse_kv_transfer_params(s.to_json()) == s
+    assert parse_kv_transfer_params(good_params(remote_kv_store=None)) == q
 
 
 @pytest.mark.parametrize("value, param", [
@@ -70,6 +75,10 @@ def test_params_parse_both_directions_and_the_neutral_values():
     (good_params(remote_block_ids=[3, 3]), "kv_transfer_params.remote_block_ids"),
     (good_params(remote_num_tokens=-1), "kv_transfer_params.remote_num_tokens"),
     (good_params(remote_num_tokens=None), "kv_transfer_params.remote_num_tokens"),
+    (good_params(remote_kv_store="redis://a:b@host"), "kv_transfer_params.remote_kv_store"),
+    (good_params(remote_kv_store="k" * 65), "kv_transfer_params.remote_kv_store"),
+    (good_params(remote_kv_store=7), "kv_transfer_params.remote_kv_store"),
+    ({"do_remote_decode": True, "remote_kv_store": "kvs-1"}, "kv_transfer_params.remote_kv_store"),
 ])
 def test_bad_params_are_a_400_naming_the_field(value, param):
     with pytest.raises(APIError) as e:
@@ -574,6 +583,41 @@ def test_a_large_transfer_stays_under_the_staging_bound():
     assert res.complete and res.payloads == payloads and peak > 300 * BIG
     del res
     assert dec.staging.used == 0 and dec.staging.peak == 300 * BIG
+
+
+def test_bundle_reader_refuses_a_value_whose_check_digest_is_not_the_prompts():
+    """The wire's values carry each block's check digest (the independent 64-bit digest of its whole token
+    prefix); a reader given the digests of its own prompt stops at a value with another one (its chain key
+    collided: same name, another prefix) or with none, and keeps the good leading blocks."""
+    from pagedkv.server.kv_wire import BundleReader, encode_blocks
+    from pagedkv.tiers import ModelFingerprint, check_digests, codec, store_names
+
+    fp = ModelFingerprint("m", "float32", BS, "x")
+    tokens = list(range(50, 66))  # 4 blocks
+    names = store_names(fp, [21, 22, 23, 24])
+    checks = check_digests(tokens, BS)
+    payloads = [bytes([i]) * 32 for i in range(4)]
+
+    def read(body, checks=checks):
+        r = BundleReader(fp.digest, names, 32, checks=checks)
+        r.feed(body)
+        r.finish()
+        return r
+
+    good = read(b"".join(encode_blocks(fp.digest, names, payloads, checks)))
+    assert good.done and good.payloads == payloads and good.refused is None
+    wrong = list(checks)
+    wrong[2] ^= 1  # block 2 of another prefix under the same name
+    r = read(b"".join(encode_blocks(fp.digest, names, payloads, wrong)))
+    assert r.payloads == payloads[:2] and r.refused is codec.Decoded.CHECK and "block 2 refused: CHECK" in r.error
+    r = read(b"".join(encode_blocks(fp.digest, names, payloads)))  # (an old sender: no check digest at all)
+    assert r.payloads == [] and r.refused is codec.Decoded.CHECK
+    other = check_digests(tokens, BS, "another tenant")  # the digests of another namespace's prefix
+    assert read(b"".join(encode_blocks(fp.digest, names, payloads, other))).payloads == []
+    # without digests to compare (checks=None) the reader judges names and checksums only, as before
+    assert BundleReader(fp.digest, names, 32).feed(b"".join(encode_blocks(fp.digest, names, payloads, wrong)))
+    with pytest.raises(ValueError, match="check digests"):
+        BundleReader(fp.digest, names, 32, checks=checks[:3])
 
 
 def test_bundle_reader_prefix_only_stops_quietly_after_the_named_blocks():

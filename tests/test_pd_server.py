@@ -16,7 +16,7 @@ pytest.importorskip("torch")  # (the app builds the engine's SamplingParams)
 from kv_fakes import FakePort, block_payload, fake_server  # noqa: E402
 from stub_replica import wait_for  # noqa: E402
 
-from pagedkv.server.kv_transfer import prefill_body  # noqa: E402
+from pagedkv.server.kv_transfer import parse_kv_transfer_params, prefill_body  # noqa: E402
 
 BS = 4
 
@@ -243,9 +243,129 @@ def test_a_prefill_replica_killed_mid_transfer_leaves_the_blocks_that_arrived():
         assert dport.attached[d_engine.submitted[-1].request_id] == [block_payload(ids[i:i + BS], 64)
                                                                      for i in range(0, 8 * BS, BS)]
         assert d_kv.stats["fetches_partial"] == 1 and d_kv.stats["blocks_fetched"] == 8
-        assert d_kv.stats["releases_failed"] == 1  # the prefill replica is gone: its release is not confirmed
+        # the prefill replica is gone: its release (in the background) is not confirmed
+        assert wait_for(lambda: d_kv.stats["releases_failed"] == 1)
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
         d_close()
+
+
+def test_a_wrong_check_digest_on_the_wire_is_refused_and_counted():
+    """End to end over HTTP (the real prefill routes and decode fetch, a fake engine): a hold whose third value
+    carries another check digest: the decode replica keeps the two blocks before it, counts the refusal."""
+    import asyncio
+
+    from pagedkv.server.kv_handoff import KVHandoff
+
+    p_url, _engine, p_kv, p_close = fake_server("prefill", FakePort(BS), lease_s=60.0)
+    try:
+        dec = KVHandoff(role="decode", port=FakePort(BS), fetch_timeout=5.0)
+        text = "a prompt for the check digest"  # 29 bytes: 7 blocks
+        r = httpx.post(p_url + "/v1/completions", json=prefill_body({"prompt": text, "max_tokens": 2}), timeout=20)
+        kvp = r.json()["kv_transfer_params"]
+        (held,) = p_kv._holds.values()
+        assert len(held.checks) == 7
+        held.checks[2] ^= 1 << 63
+        tokens = list(text.encode())
+        res = asyncio.run(dec.fetch(parse_kv_transfer_params(kvp), tokens, None))
+        assert [bytes(p) for p in res.payloads] == [block_payload(tokens[i:i + BS], 64) for i in (0, 4)]
+        assert "CHECK" in res.error and dec.stats["check_refused"] == 1 and dec.stats["fetches_partial"] == 1
+        held.checks[2] ^= 1 << 63  # the right digests: every block
+        res = asyncio.run(dec.fetch(parse_kv_transfer_params(kvp), tokens, None))
+        assert res.complete and dec.stats["check_refused"] == 1
+    finally:
+        p_close()
+
+
+# ------------------------------------------------------------------------------------ through the shared store
+@pytest.fixture
+def store_replicas():
+    """A prefill and a decode replica whose engines share one store (tests/kv_fakes.StorePort)."""
+    from kv_fakes import StorePort
+
+    store: set = set()
+    pport, dport = StorePort(store), StorePort(store)
+    p_url, p_engine, p_kv, p_close = fake_server("prefill", pport, lease_s=60.0, store_wait_s=5.0)
+    d_url, d_engine, d_kv, d_close = fake_server("decode", dport, fetch_timeout=5.0)
+    yield store, (p_url, p_kv, pport), (d_url, d_engine, d_kv, dport)
+    p_close()
+    d_close()
+
+
+def _keys(text, n):
+    from pagedkv import block_hashes
+
+    return list(block_hashes(list(text.encode())[: n * BS], BS))
+
+
+def test_the_answer_waits_for_the_store_and_the_decode_side_loads_from_it(store_replicas):
+    """The prefill answer comes once the held blocks are in the shared store (its write-through, here a thread
+    0.3 s later), naming the store; the decode replica finds every block there and queues the request plain (its
+    engine loads them through its tiers): no HTTP read, nothing staged; the hold is released."""
+    import threading
+    import time
+
+    store, (p_url, p_kv, pport), (d_url, d_engine, d_kv, dport) = store_replicas
+    text = "the prompt of a split request"  # 7 whole blocks
+    body = {"prompt": text, "max_tokens": 5, "temperature": 0}
+    threading.Timer(0.3, lambda: store.update(_keys(text, 7))).start()
+    t0 = time.monotonic()
+    r = post(p_url, prefill_body(body))
+    assert r.status_code == 200 and time.monotonic() - t0 >= 0.3
+    kvp = r.json()["kv_transfer_params"]
+    assert kvp["remote_kv_store"] == "kvs-fake" and len(kvp["remote_block_ids"]) == 7
+    assert p_kv.stats["store_answers"] == 1 and p_kv.num_holds == 1  # (kept: the fallback)
+    r = post(d_url, {**body, "kv_transfer_params": kvp})
+    assert r.status_code == 200, r.text
+    req = d_engine.submitted[-1]
+    assert req.request_id not in dport.attached and d_kv.stats["fetches"] == 0 and pport.reads == 0
+    assert d_kv.stats["store_loads"] == 1 and dport.probes == 1
+    assert wait_for(lambda: p_kv.num_holds == 0 and pport.released == [1])
+
+
+def test_a_store_missing_blocks_or_another_store_reads_the_hold(store_replicas):
+    """The store lost a block after the answer (evicted): the decode replica reads the hold over HTTP instead
+    (store_misses), every block; a decode replica on another store never probes it."""
+    store, (p_url, p_kv, pport), (d_url, d_engine, d_kv, dport) = store_replicas
+    text = "another prompt, of some length"  # 30 bytes: 7 blocks
+    body = {"prompt": text, "max_tokens": 3}
+    store.update(_keys(text, 7))
+    kvp = post(p_url, prefill_body(body)).json()["kv_transfer_params"]
+    assert kvp["remote_kv_store"] == "kvs-fake"
+    store.discard(_keys(text, 7)[4])
+    r = post(d_url, {**body, "kv_transfer_params": kvp})
+    assert r.status_code == 200
+    ids = list(text.encode())
+    assert dport.attached[d_engine.submitted[-1].request_id] == [block_payload(ids[i:i + BS], 64)
+                                                                  for i in range(0, 28, BS)]
+    assert d_kv.stats["store_misses"] == 1 and d_kv.stats["fetches"] == 1 and d_kv.stats["store_loads"] == 0
+    assert wait_for(lambda: p_kv.num_holds == 0)
+    dport.shared_store = "kvs-another"
+    kvp = post(p_url, prefill_body({**body, "cache_salt": "s2"})).json()["kv_transfer_params"]
+    probes = dport.probes
+    r = post(d_url, {**body, "cache_salt": "s2", "kv_transfer_params": kvp})
+    assert r.status_code == 200 and dport.probes == probes and d_kv.stats["fetches"] == 2
+
+
+def test_the_store_wait_times_out_to_the_http_path(store_replicas):
+    """The held blocks never reach the store (its writes fail or lag): after --kv-store-wait the answer names no
+    store (counted), and the decode replica reads the hold over HTTP."""
+    import time
+
+    store, (p_url, p_kv, pport), (d_url, d_engine, d_kv, dport) = store_replicas
+    p_kv.store_wait_s = 0.3
+    body = {"prompt": "a prompt the store never gets", "max_tokens": 2}
+    t0 = time.monotonic()
+    kvp = post(p_url, prefill_body(body)).json()["kv_transfer_params"]
+    assert 0.3 <= time.monotonic() - t0 < 5 and "remote_kv_store" not in kvp
+    assert p_kv.stats["store_waits_timed_out"] == 1 and p_kv.stats["store_answers"] == 0
+    r = post(d_url, {**body, "kv_transfer_params": kvp})
+    assert r.status_code == 200 and d_kv.stats["fetches"] == 1 and dport.probes == 0
+    assert len(dport.attached[d_engine.submitted[-1].request_id]) == 7
+    p_kv.store_wait_s = 0.0  # 0: never through the store (no wait at all)
+    kvp = post(p_url, prefill_body({**body, "cache_salt": "x"})).json()["kv_transfer_params"]
+    assert "remote_kv_store" not in kvp and p_kv.stats["store_waits_timed_out"] == 1
+    m = httpx.get(p_url + "/metrics", timeout=10).text
+    assert "pagedkv:kv_handoff_store_waits_timed_out_total" in m and "pagedkv:kv_handoff_check_refused_total" in m
