@@ -1,0 +1,181 @@
+"""A prefill/decode split through the shared store (issue 25 item 2, docs/pd-split.md#through-the-shared-store):
+two ``pagedkv serve`` replicas (SmolLM2, blocks of 4, threads on 127.0.0.1) with the same ``--kv-shared``
+store, a shared directory and Redis. The prefill replica answers once its prompt's held blocks are written
+through to the store and names it (``remote_kv_store``); the decode replica loads them through its own tiers (no
+HTTP read). Greedy output equal to the reference on every path: through the store; a store that lost a block
+(the decode replica reads the hold over HTTP); a corrupted value in the store (refused by the tier read, the
+rest computed); the prefill replica's store wait timing out (HTTP); a wrong check digest on the HTTP wire
+(refused, counted, the rest computed)."""
+
+from __future__ import annotations
+
+import pytest
+from stub_replica import wait_for as _wait_for
+
+pytestmark = pytest.mark.engine
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+BS = 4
+N_NEW = 6
+PROMPT = [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198, 504, 3575, 282, 4649, 314,
+          30]  # 22 tokens: 5 whole blocks handed over, the last 2 tokens computed by the decode replica
+
+
+def wait_for(cond, timeout=20.0):
+    return _wait_for(cond, timeout)
+
+
+@pytest.fixture(scope="module", params=["file", "redis"])
+def split(request, engine, tmp_path_factory):
+    from pagedkv.engine.llm import LLM
+    from pagedkv.server.launch import make_server
+
+    srv = None
+    if request.param == "redis":
+        from redis_server import RedisServer
+
+        srv = RedisServer(tmp_path_factory.mktemp("redis"))
+        url = srv.url
+    else:
+        url = tmp_path_factory.mktemp("shared").as_uri()
+    servers = []
+    try:
+        for role in ("prefill", "decode"):
+            llm = LLM(engine.paged, num_gpu_blocks=96, max_num_seqs=8, block_size=BS, kv_shared=url)
+            servers.append(make_server(llm, model_name="smollm2-test", kv_role=role).start_in_thread())
+        yield tuple(servers)
+    finally:
+        for s in servers:
+            s.close()
+        if srv is not None:
+            srv.stop()
+
+
+def body(salt, **kw):
+    return {"prompt": PROMPT, "max_tokens": N_NEW, "temperature": 0, "ignore_eos": True, "cache_salt": salt, **kw}
+
+
+def want_text(engine):
+    ids = list(engine.reference_greedy(tuple(PROMPT), N_NEW).token_ids)
+    return engine.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def prefill(pre, salt):
+    from pagedkv.server.kv_transfer import prefill_body
+
+    r = httpx.post(pre.url + "/v1/completions", json=prefill_body(body(salt)), timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["kv_transfer_params"]
+
+
+def decode(dec, salt, kvp):
+    r = httpx.post(dec.url + "/v1/completions", json=body(salt, kv_transfer_params=kvp), timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def shared(server):
+    """(the engine's shared BlockStore, its connector's SHARED counters)"""
+    conn = server.engine.llm.kv_tiers.inner.connector
+    i = conn.media.index("SHARED")
+    return conn.stores()[i], conn.counters()[i]
+
+
+def snapshot(dec):
+    return dict(dec.kv.stats), dec.engine.llm.scheduler.stats.external_tokens, shared(dec)[1]
+
+
+def check_clean(pre, dec):
+    assert wait_for(lambda: not pre.engine.llm.block_manager.holds)  # released by the decode replica
+    pre.engine.llm.block_manager.check_invariants()
+    dec.engine.llm.block_manager.check_invariants()
+
+
+def test_through_the_shared_store_gives_the_reference_without_an_http_read(engine, split):
+    pre, dec = split
+    assert pre.kv.shared_store is not None and pre.kv.shared_store == dec.kv.shared_store
+    kvp = prefill(pre, "store-1")
+    assert kvp["remote_kv_store"] == pre.kv.shared_store and kvp["remote_num_tokens"] == 20
+    assert pre.kv.stats["store_answers"] >= 1
+    # the answer came once every held block was in the store: the decode side's store holds all 5
+    store, _ = shared(dec)
+    keys = dec.engine.llm.kv_tiers.store_keys(PROMPT, "store-1", 5)
+    assert store.prefix_length(keys) == 5
+    st, ext, c = snapshot(dec)
+    assert decode(dec, "store-1", kvp) == want_text(engine)
+    assert dec.kv.stats["fetches"] == st["fetches"] and dec.kv.stats["store_loads"] == st["store_loads"] + 1
+    assert pre.kv.stats["holds_served"] == 0  # no HTTP read of any hold
+    assert dec.engine.llm.scheduler.stats.external_tokens - ext == 20  # loaded, not computed
+    assert shared(dec)[1].hit_blocks - c.hit_blocks == 5  # from the shared tier
+    check_clean(pre, dec)
+
+
+def test_a_store_missing_a_block_falls_back_to_the_hold(engine, split):
+    pre, dec = split
+    kvp = prefill(pre, "store-2")
+    assert "remote_kv_store" in kvp
+    store, _ = shared(dec)
+    keys = dec.engine.llm.kv_tiers.store_keys(PROMPT, "store-2", 5)
+    store.backend.discard_many(store.names(keys[3:4]))  # (evicted between the answer and the decode request)
+    st, ext, c = snapshot(dec)
+    assert decode(dec, "store-2", kvp) == want_text(engine)
+    assert dec.kv.stats["store_misses"] == st["store_misses"] + 1 and dec.kv.stats["fetches"] == st["fetches"] + 1
+    assert dec.kv.stats["fetches_partial"] == st["fetches_partial"] and dec.kv.stats["blocks_fetched"] == \
+        st["blocks_fetched"] + 5  # every block over HTTP
+    assert dec.engine.llm.scheduler.stats.external_tokens - ext == 20
+    check_clean(pre, dec)
+
+
+def test_a_corrupted_value_in_the_store_is_refused_and_computed(engine, split):
+    from pagedkv.tiers import codec
+
+    pre, dec = split
+    kvp = prefill(pre, "store-3")
+    store, _ = shared(dec)
+    keys = dec.engine.llm.kv_tiers.store_keys(PROMPT, "store-3", 5)
+    (name,) = store.names(keys[2:3])
+    (value,) = store.backend.read_many([name])
+    bad = bytearray(value)
+    bad[codec.HEADER_BYTES + 100] ^= 0x40  # a flipped bit in block 2's payload
+    store.backend.discard_many([name])
+    store.backend.write_many([name], [bytes(bad)])
+    st, ext, c = snapshot(dec)
+    assert decode(dec, "store-3", kvp) == want_text(engine)  # blocks 0-1 loaded, the rest computed
+    assert dec.kv.stats["store_loads"] == st["store_loads"] + 1 and dec.kv.stats["fetches"] == st["fetches"]
+    assert dec.engine.llm.scheduler.stats.external_tokens - ext == 8
+    after = shared(dec)[1]
+    assert after.hit_blocks - c.hit_blocks == 2 and after.failed_blocks - c.failed_blocks == 3
+    check_clean(pre, dec)
+
+
+def test_the_store_wait_timing_out_hands_over_by_http(engine, split, monkeypatch):
+    pre, dec = split
+    port = pre.engine.llm.kv_tiers
+    monkeypatch.setattr(port, "in_shared_store", lambda keys: False)  # (the write-through never finishes)
+    monkeypatch.setattr(pre.kv, "store_wait_s", 0.2)
+    timed_out = pre.kv.stats["store_waits_timed_out"]
+    kvp = prefill(pre, "store-4")
+    assert "remote_kv_store" not in kvp and pre.kv.stats["store_waits_timed_out"] == timed_out + 1
+    st, ext, _ = snapshot(dec)
+    assert decode(dec, "store-4", kvp) == want_text(engine)
+    assert dec.kv.stats["fetches"] == st["fetches"] + 1 and dec.kv.stats["store_loads"] == st["store_loads"]
+    assert dec.engine.llm.scheduler.stats.external_tokens - ext == 20
+    check_clean(pre, dec)
+
+
+def test_a_wrong_check_digest_on_the_http_wire_is_refused(engine, split, monkeypatch):
+    pre, dec = split
+    monkeypatch.setattr(pre.kv, "store_wait_s", 0.0)  # (HTTP only)
+    kvp = prefill(pre, "store-5")
+    assert "remote_kv_store" not in kvp
+    held = pre.kv._holds[kvp["remote_request_id"]]
+    held.checks[3] ^= 1  # block 3 sent with another prefix's check digest
+    st, ext, _ = snapshot(dec)
+    assert decode(dec, "store-5", kvp) == want_text(engine)
+    assert dec.kv.stats["check_refused"] == st["check_refused"] + 1
+    assert dec.kv.stats["fetches_partial"] == st["fetches_partial"] + 1
+    assert dec.engine.llm.scheduler.stats.external_tokens - ext == 12  # blocks 0-2 read, the rest computed
+    check_clean(pre, dec)
