@@ -367,3 +367,51 @@ def test_a_store_mid_chain_needs_its_check_digests(tiers):
     c.request_load("r", toks, None, 1)
     (r,) = wait_loads(c)
     assert r.ok and len(r.payloads) == 2
+
+
+def test_watch_held_reports_the_blocks_a_tier_holds_after_stores_and_reads(tiers, tmp_path):
+    """The prefill side of a P/D split waits for its held blocks in the shared tier: the watcher hears, on an
+    I/O thread, the keys a store put there (stored now or held already) and the keys a read brought back checked,
+    for the watched medium only; never the keys a tier refused."""
+    c, disk, shared = tiers
+    seen: list = []
+    lock = threading.Lock()
+
+    def heard(keys):
+        with lock:
+            seen.extend(keys)
+
+    c.watch_held("SHARED", heard)
+    toks = tokens(4)
+    keys = pagedkv.block_hashes(toks, BS, None)
+    ch = check_digests(toks, BS, None)
+    assert c.store(keys[:2], [payload(0), payload(1)], None, checks=ch[:2])
+    assert c.flush(10)
+    assert sorted(seen) == sorted(keys[:2])  # (the disk tier stored them too: not the watched medium)
+    seen.clear()
+    assert c.store(keys[:3], [payload(0), payload(1), payload(2)], None, checks=ch[:3])  # 0-1 held already
+    assert c.flush(10) and sorted(seen) == sorted(keys[:3])
+    seen.clear()
+    for n in disk.names(keys[:3]):  # (only the shared tier holds them now: a load reads them there)
+        disk.backend.discard_many([n])
+    assert c.request_load("r", toks, None, hit_blocks=0)
+    (r,) = wait_loads(c)
+    assert r.by_tier[-1] == ("SHARED", 3) and sorted(seen) == sorted(keys[:3])
+    with pytest.raises(InvalidArgumentError, match="no tier"):
+        c.watch_held("CLOUD", heard)
+    c.watch_held("SHARED", None)
+    seen.clear()
+    assert c.store(keys[3:4], [payload(3)], None, checks=ch[3:4]) and c.flush(10) and seen == []
+
+
+def test_backends_name_their_location_without_credentials(tmp_path):
+    pytest.importorskip("redis")
+    from pagedkv.tiers import RedisBackend
+
+    link = tmp_path / "link"
+    os.symlink(tmp_path, link)
+    assert SharedDirBackend(link / "s").location == SharedDirBackend(tmp_path / "s").location == \
+        "file://" + os.path.realpath(tmp_path / "s")
+    a = RedisBackend("redis://:secret@Cache.Local:6390/2").location
+    assert a == "redis://cache.local:6390/2#pagedkv:kv:" and "secret" not in a
+    assert RedisBackend("redis://cache.local:6390/2", prefix="other:").location != a
