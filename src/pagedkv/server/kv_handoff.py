@@ -29,6 +29,20 @@ that fails (the prefill replica gone, the hold expired, a read timeout, a body c
 good leading blocks and the engine computes the rest of the prompt: never a silent truncation, never an error
 for the client. The hold is then released (``DELETE``; a failed release is logged, the lease ends it).
 
+**Check digests on the wire.** Every value served carries its block's check digest
+(:func:`pagedkv.tiers.check_digests`, computed when the request is marked); the decode side computes the ones it
+expects from its own tokens and refuses a value with another one, or none (``check_refused``), keeping the good
+leading blocks as for a bad checksum.
+
+**Through the shared store** (docs/pd-split.md#through-the-shared-store). When the engine writes every computed
+block through to a shared tier (its port's ``stores_through`` and ``shared_store``), :meth:`KVHandoff.answer_async`
+waits, on the event loop and at most ``store_wait_s`` (``--kv-store-wait``), until the port knows the held
+blocks are in that store, then names it in ``remote_kv_store`` (else answers without it: HTTP). The hold is kept
+as the fallback. A decode replica whose own shared tier has that name asks it whether it holds every announced
+block (:meth:`KVHandoff.through_store`, one existence query): if so the request is queued plain and the engine
+loads the blocks through its tiers (reserved blocks, no HTTP read, no staging), and the hold is released; if not,
+the hold is read over HTTP as below.
+
 **Bounded memory on the decode side.** The payloads read wait in memory until the step that admits their request
 writes them into its blocks. A :class:`StagingBudget` (``fetch_buffer_bytes``, ``--kv-fetch-buffer-mib``) bounds
 the bytes of every payload alive at once on the replica: a fetch reserves room for its blocks before it reads

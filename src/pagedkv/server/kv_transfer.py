@@ -8,7 +8,8 @@ bodies and answers:
    ``"kv_transfer_params": {"do_remote_decode": true}`` (:func:`prefill_body`; vLLM's proxy also sends the
    ``remote_*`` fields as null, accepted here);
 2. prefill replica -> router: its answer, with a top-level ``kv_transfer_params`` naming the held blocks and where
-   to read them (:func:`answer_params`), or null when the prompt has no whole block to hand over;
+   to read them (:func:`answer_params`; ``remote_kv_store`` when a shared store holds them too), or null when the
+   prompt has no whole block to hand over;
 3. router -> decode replica: the client's body with those ``kv_transfer_params``
    (``do_remote_prefill: true``), answered (streamed) to the client.
 
