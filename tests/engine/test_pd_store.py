@@ -179,3 +179,27 @@ def test_a_wrong_check_digest_on_the_http_wire_is_refused(engine, split, monkeyp
     assert dec.kv.stats["fetches_partial"] == st["fetches_partial"] + 1
     assert dec.engine.llm.scheduler.stats.external_tokens - ext == 12  # blocks 0-2 read, the rest computed
     check_clean(pre, dec)
+
+
+def test_through_the_router_the_store_path_carries_the_field(engine, split):
+    """``pagedkv router --prefill --decode`` validates the prefill answer's params and passes them on: the
+    decode replica loads through the store (no HTTP read), one streamed answer equal to the reference."""
+    import json
+
+    from stub_replica import make_router
+
+    pre, dec = split
+    st, ext, _ = snapshot(dec)
+    router = make_router(prefill=[pre.url], decode=[dec.url], block_size=BS, tokenizer=engine.tokenizer)
+    try:
+        with httpx.stream("POST", router.url + "/v1/completions", json=body("store-r", stream=True),
+                          timeout=120) as s:
+            assert s.status_code == 200
+            lines = list(s.iter_lines())
+        text = "".join(json.loads(ln[6:])["choices"][0]["text"] for ln in lines if ln.startswith("data: {"))
+        assert text == want_text(engine) and "data: [DONE]" in lines
+        assert dec.kv.stats["store_loads"] == st["store_loads"] + 1 and dec.kv.stats["fetches"] == st["fetches"]
+        assert dec.engine.llm.scheduler.stats.external_tokens - ext == 20
+        check_clean(pre, dec)
+    finally:
+        router.close()
