@@ -219,11 +219,14 @@ class StorePort(FakePort):
     keys, shared by the ports of replicas on the same store): the store path of docs/pd-split.md. The prefill
     side's write-through is the test's: add the keys to ``store`` (or not)."""
 
-    def __init__(self, store: set, name: str = "kvs-fake", block_size: int = 4, **kw) -> None:
+    def __init__(self, store: set, name: str = "kvs-fake", block_size: int = 4, known: set | None = None,
+                 **kw) -> None:
         super().__init__(block_size, **kw)
         self.store = store
+        self.known = store if known is None else known  # what the engine's write-through hook reported
         self.shared_store = name
         self.stores_through = True
+        self.pending = True  # a write-through in flight (False: none that could still put blocks there)
         self.probes = 0
 
     def store_keys(self, token_ids, namespace, num_blocks):
@@ -232,7 +235,10 @@ class StorePort(FakePort):
         return list(block_hashes(list(token_ids[: num_blocks * self.block_size]), self.block_size, namespace))
 
     def in_shared_store(self, keys):
-        return all(k in self.store for k in keys)
+        return all(k in self.known for k in keys)
+
+    def stores_pending(self):
+        return self.pending
 
     def probe_shared(self, keys):
         self.probes += 1

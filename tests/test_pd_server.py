@@ -369,3 +369,26 @@ def test_the_store_wait_times_out_to_the_http_path(store_replicas):
     assert "remote_kv_store" not in kvp and p_kv.stats["store_waits_timed_out"] == 1
     m = httpx.get(p_url + "/metrics", timeout=10).text
     assert "pagedkv:kv_handoff_store_waits_timed_out_total" in m and "pagedkv:kv_handoff_check_refused_total" in m
+
+
+def test_blocks_the_engine_did_not_write_are_asked_of_the_store(store_replicas):
+    """Held blocks the engine's write-through hook never reported (written before it started, or by another
+    replica; loaded from a disk tier) are asked of the store itself: once no store is in flight, one existence
+    query decides at once: all there, the answer names the store; some missing, it goes over HTTP without
+    waiting out --kv-store-wait."""
+    import time
+
+    store, (p_url, p_kv, pport), (d_url, d_engine, d_kv, dport) = store_replicas
+    pport.known = set()  # (the hook knows of nothing)
+    pport.pending = False
+    text = "blocks another replica wrote"  # 28 bytes: 6 blocks
+    store.update(_keys(text, 6))
+    t0 = time.monotonic()
+    kvp = post(p_url, prefill_body({"prompt": text, "max_tokens": 2})).json()["kv_transfer_params"]
+    assert kvp["remote_kv_store"] == "kvs-fake" and pport.probes == 1 and time.monotonic() - t0 < 4
+    store.clear()
+    t0 = time.monotonic()
+    kvp = post(p_url, prefill_body({"prompt": text, "max_tokens": 2, "cache_salt": "b"})).json()[
+        "kv_transfer_params"]
+    assert "remote_kv_store" not in kvp and pport.probes == 2 and time.monotonic() - t0 < 4
+    assert p_kv.stats["store_waits_timed_out"] == 1 and p_kv.stats["store_answers"] == 1

@@ -154,8 +154,10 @@ def test_a_corrupted_value_in_the_store_is_refused_and_computed(engine, split):
 def test_the_store_wait_timing_out_hands_over_by_http(engine, split, monkeypatch):
     pre, dec = split
     port = pre.engine.llm.kv_tiers
-    monkeypatch.setattr(port, "in_shared_store", lambda keys: False)  # (the write-through never finishes)
-    monkeypatch.setattr(pre.kv, "store_wait_s", 0.2)
+    # the write-through lags: still in flight (as the hook sees it) when --kv-store-wait ends
+    monkeypatch.setattr(port, "in_shared_store", lambda keys: False)
+    monkeypatch.setattr(port, "stores_pending", lambda: True)
+    monkeypatch.setattr(pre.kv, "store_wait_s", 0.2)  # (shorter than the half second between store queries)
     timed_out = pre.kv.stats["store_waits_timed_out"]
     kvp = prefill(pre, "store-4")
     assert "remote_kv_store" not in kvp and pre.kv.stats["store_waits_timed_out"] == timed_out + 1

@@ -342,6 +342,12 @@ class EngineKVPort:
             d = self._in_shared
             return all(k in d for k in keys)
 
+    def stores_pending(self) -> bool:
+        """Whether the engine's tiers have stores in flight (a write-through that may still put blocks in the
+        shared tier). Thread-safe, O(1)."""
+        conn = getattr(self._inner, "connector", None)
+        return conn is not None and conn.num_stores_in_flight > 0
+
     def probe_shared(self, keys: Sequence[int]) -> int:
         """How many leading blocks of ``keys`` the shared tier holds now (one existence query; 0 without a shared
         tier or when it cannot answer). Blocking: call it in a worker thread. O(len(keys)) plus the I/O."""

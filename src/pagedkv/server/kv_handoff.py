@@ -369,25 +369,45 @@ class KVHandoff:
     async def answer_async(self, request_id: Any, poll_s: float = 0.005) -> dict | None:
         """:meth:`answer`, through the shared store where it can be: when the engine writes every computed block
         through to a shared tier (its port's ``stores_through``), the answer waits (on the event loop, never in a
-        step) until the port knows the hold's blocks are in that store (``in_shared_store``: their write-through
-        finished), then names the store in ``remote_kv_store``; after ``store_wait_s`` seconds without them it
-        answers without (the decode replica reads the hold over HTTP). The hold is kept either way: it is the
-        decode replica's fallback when the store no longer has every block (docs/pd-split.md). O(blocks) per
-        poll, polls ``poll_s`` apart (growing to 50 ms)."""
+        step) until the port knows the hold's blocks are in that store (``in_shared_store``: their write-through,
+        or a checked read of them, finished), then names the store in ``remote_kv_store``. Blocks the port does
+        not know of (written before it started, or not written by this engine: loaded from its disk tier) are
+        asked of the store itself (``probe_shared``, in a worker thread) once no store of the engine is in flight
+        (``stores_pending``) or every half second; when nothing is in flight and the store lacks them, or after
+        ``store_wait_s`` seconds, it answers without the field (``store_waits_timed_out``): the decode replica
+        reads the hold over HTTP. The hold is kept either way: it is the decode replica's fallback when the store
+        no longer has every block (docs/pd-split.md). O(blocks) per poll, polls ``poll_s`` apart (growing to
+        50 ms)."""
         params = self.answer(request_id)
         if params is None:
             return None
         h = self._holds.get(params["remote_request_id"])
         store = self.shared_store
-        if h is None or not h.keys or store is None:
+        if h is None or not h.keys or store is None or not self.store_wait_s > 0:
             return params
-        deadline = time.monotonic() + self.store_wait_s
-        while not self.port.in_shared_store(h.keys):
-            if time.monotonic() >= deadline:
+        port = self.port
+        now = time.monotonic()
+        deadline, next_probe = now + self.store_wait_s, now + 0.5
+        why = f"not within {self.store_wait_s:.1f} s (--kv-store-wait)"
+        while not port.in_shared_store(h.keys):
+            now = time.monotonic()
+            idle = not port.stores_pending()  # (nothing in flight can still put them there)
+            if idle or now >= next_probe:
+                next_probe = now + 0.5
+                try:
+                    async with asyncio.timeout(max(0.1, deadline - now)):
+                        have = await asyncio.to_thread(port.probe_shared, h.keys)
+                except (TimeoutError, OSError):
+                    have = 0
+                if have >= len(h.keys):
+                    break
+                if idle:
+                    why = f"{have} of {len(h.keys)} there, no store in flight"
+                    now = deadline
+            if now >= deadline:
                 self.stats["store_waits_timed_out"] += 1
-                log.warning("the shared store did not hold the %d blocks of hold %s within %.1f s "
-                            "(--kv-store-wait): the decode replica reads them over HTTP", len(h.keys),
-                            params["remote_request_id"], self.store_wait_s)
+                log.warning("the shared store does not hold the %d blocks of hold %s (%s): the decode replica reads "
+                            "them over HTTP", len(h.keys), params["remote_request_id"], why)
                 return params
             await asyncio.sleep(poll_s)
             poll_s = min(2 * poll_s, 0.05)

@@ -599,6 +599,13 @@ class TierConnector:
             raise InvalidArgumentError(f"no tier {medium!r} here (tiers: {', '.join(self.media)})")
         self._held_watch = None if callback is None else (medium, callback)
 
+    @property
+    def num_stores_in_flight(self) -> int:
+        """Stores submitted and not finished (their watcher calls, :meth:`watch_held`, come before they finish).
+        Thread-safe. O(1)."""
+        with self._lock:
+            return self._stores_in_flight
+
     def _notify_held(self, t: _Tier, keys: list) -> None:
         w = getattr(self, "_held_watch", None)
         if w is None or not keys or w[0] != t.medium:
