@@ -190,6 +190,15 @@ def main() -> None:
             else:
                 print(line + f"prefill replica's compute {mp * 1000:8.1f} ms; texts equal", flush=True)
         if a.shared:
+            stats = httpx.get(p_url + "/metrics", timeout=30).text
+            got = {ln.split("{")[0]: float(ln.rsplit(" ", 1)[1]) for ln in stats.splitlines()
+                   if ln.startswith("pagedkv:kv_handoff_store_")}
+            n_ans = got.get("pagedkv:kv_handoff_store_answers_total", 0.0)
+            wait = got.get("pagedkv:kv_handoff_store_wait_seconds_total", 0.0)
+            print(f"prefill replica: {n_ans:.0f} answers through the store, "
+                  f"{got.get('pagedkv:kv_handoff_store_waits_timed_out_total', 0.0):.0f} timed out; their wait for "
+                  f"the write-through {1000 * wait / max(n_ans, 1):.1f} ms on average (every round, warm-up "
+                  "included)", flush=True)
             stats = httpx.get(d_url + "/metrics", timeout=30).text
             got = [ln for ln in stats.splitlines() if ln.startswith(("pagedkv:kv_handoff_store_",
                                                                        "pagedkv:kv_handoff_fetches_total"))]

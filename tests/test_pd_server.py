@@ -317,6 +317,7 @@ def test_the_answer_waits_for_the_store_and_the_decode_side_loads_from_it(store_
     kvp = r.json()["kv_transfer_params"]
     assert kvp["remote_kv_store"] == "kvs-fake" and len(kvp["remote_block_ids"]) == 7
     assert p_kv.stats["store_answers"] == 1 and p_kv.num_holds == 1  # (kept: the fallback)
+    assert 0.3 <= p_kv.stats["store_wait_seconds"] < 5
     r = post(d_url, {**body, "kv_transfer_params": kvp})
     assert r.status_code == 200, r.text
     req = d_engine.submitted[-1]

@@ -252,7 +252,8 @@ class KVHandoff:
     #: prefill side: holds (taken), holds_released (by a decode replica, before the lease ended), holds_expired
     #: (the lease ended), holds_dropped (the request ended unanswered), holds_served, blocks_served, bytes_served,
     #: store_answers (answered with the blocks in the shared store), store_waits_timed_out (answered without:
-    #: the blocks were not all stored within ``store_wait_s``);
+    #: the blocks were not all stored within ``store_wait_s``), store_wait_seconds (the answers' waits, summed: a
+    #: float);
     #: decode side: fetches (started), fetches_partial, fetches_failed (no block), blocks_fetched, bytes_fetched
     #: (wire bytes), blocks_over_budget (not read: the staging budget was full), releases_failed, check_refused
     #: (a fetch stopped at a value whose check digest was not the prompt's), store_loads (requests sent to the
@@ -262,7 +263,7 @@ class KVHandoff:
         "holds", "holds_released", "holds_expired", "holds_dropped", "holds_served", "blocks_served",
         "bytes_served", "fetches", "fetches_partial", "fetches_failed", "blocks_fetched", "bytes_fetched",
         "blocks_over_budget", "releases_failed", "check_refused", "store_answers", "store_waits_timed_out",
-        "store_loads", "store_misses"), 0))
+        "store_loads", "store_misses", "store_wait_seconds"), 0))
 
     def __post_init__(self) -> None:
         from .kv_transfer import KV_ROLES
@@ -386,7 +387,7 @@ class KVHandoff:
         if h is None or not h.keys or store is None or not self.store_wait_s > 0:
             return params
         port = self.port
-        now = time.monotonic()
+        now = t0 = time.monotonic()
         deadline, next_probe = now + self.store_wait_s, now + 0.5
         why = f"not within {self.store_wait_s:.1f} s (--kv-store-wait)"
         while not port.in_shared_store(h.keys):
@@ -405,12 +406,14 @@ class KVHandoff:
                     why = f"{have} of {len(h.keys)} there, no store in flight"
                     now = deadline
             if now >= deadline:
+                self.stats["store_wait_seconds"] += time.monotonic() - t0
                 self.stats["store_waits_timed_out"] += 1
                 log.warning("the shared store does not hold the %d blocks of hold %s (%s): the decode replica reads "
                             "them over HTTP", len(h.keys), params["remote_request_id"], why)
                 return params
             await asyncio.sleep(poll_s)
             poll_s = min(2 * poll_s, 0.05)
+        self.stats["store_wait_seconds"] += time.monotonic() - t0
         self.stats["store_answers"] += 1
         return {**params, "remote_kv_store": store}
 

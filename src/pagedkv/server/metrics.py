@@ -41,7 +41,8 @@ engine's own counts); the three latency histograms are observed by the engine th
 ``pagedkv:kv_handoff_releases_failed_total``         hold releases the prefill replica did not confirm
 ``pagedkv:kv_handoff_check_refused_total``           block reads stopped at a value with a wrong check digest
 ``pagedkv:kv_handoff_store_answers_total``           prefill side: answers sent once the held blocks were in the
-                                                     shared store; ``..._store_waits_timed_out_total`` without
+                                                     shared store; ``..._store_waits_timed_out_total`` without;
+                                                     ``..._store_wait_seconds_total`` their waits, summed
 ``pagedkv:kv_handoff_store_loads_total``             decode side: requests loaded through the shared store;
                                                      ``..._store_misses_total``: it held fewer blocks (HTTP read)
 ``pagedkv:kv_handoff_staged_bytes``                  fetched payloads in memory, not yet written (gauge);
@@ -161,6 +162,8 @@ _HANDOFF_COUNTERS = {
     "store_answers": ("store_answers", "Prefill answers sent once the held blocks were in the shared store."),
     "store_waits_timed_out": ("store_waits_timed_out", "Prefill answers sent without the shared store: its "
                               "blocks were not all stored within --kv-store-wait."),
+    "store_wait_seconds": ("store_wait_seconds", "Seconds prefill answers waited for their blocks in the shared "
+                           "store, summed."),
     "store_loads": ("store_loads", "Requests whose blocks the engine loads from the shared store (no HTTP read)."),
     "store_misses": ("store_misses", "Requests whose shared store held fewer blocks than announced (read from the "
                      "hold over HTTP)."),
