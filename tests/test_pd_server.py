@@ -13,7 +13,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("torch")  # (the app builds the engine's SamplingParams)
 
-from kv_fakes import FakePort, block_payload, fake_server  # noqa: E402
+from kv_fakes import FakePort, StorePort, block_payload, fake_server  # noqa: E402
 from stub_replica import wait_for  # noqa: E402
 
 from pagedkv.server.kv_transfer import parse_kv_transfer_params, prefill_body  # noqa: E402
@@ -302,22 +302,29 @@ def _keys(text, n):
 
 def test_the_answer_waits_for_the_store_and_the_decode_side_loads_from_it(store_replicas):
     """The prefill answer comes once the held blocks are in the shared store (its write-through, here a thread
-    0.3 s later), naming the store; the decode replica finds every block there and queues the request plain (its
-    engine loads them through its tiers): no HTTP read, nothing staged; the hold is released."""
+    that puts them there 0.3 s after the answer started waiting), naming the store; the decode replica finds
+    every block there and queues the request plain (its engine loads them through its tiers): no HTTP read,
+    nothing staged; the hold is released."""
     import threading
-    import time
 
     store, (p_url, p_kv, pport), (d_url, d_engine, d_kv, dport) = store_replicas
     text = "the prompt of a split request"  # 7 whole blocks
     body = {"prompt": text, "max_tokens": 5, "temperature": 0}
-    threading.Timer(0.3, lambda: store.update(_keys(text, 7))).start()
-    t0 = time.monotonic()
+    asked = []
+
+    def in_store(keys):
+        if not asked:  # the answer's first look: the write-through lands 0.3 s later
+            threading.Timer(0.3, lambda: store.update(_keys(text, 7))).start()
+        asked.append(len(keys))
+        return StorePort.in_shared_store(pport, keys)
+
+    pport.in_shared_store = in_store
     r = post(p_url, prefill_body(body))
-    assert r.status_code == 200 and time.monotonic() - t0 >= 0.3
+    assert r.status_code == 200 and asked[0] == 7 and len(asked) > 2  # (polled while it waited)
     kvp = r.json()["kv_transfer_params"]
     assert kvp["remote_kv_store"] == "kvs-fake" and len(kvp["remote_block_ids"]) == 7
     assert p_kv.stats["store_answers"] == 1 and p_kv.num_holds == 1  # (kept: the fallback)
-    assert 0.3 <= p_kv.stats["store_wait_seconds"] < 5
+    assert 0.25 <= p_kv.stats["store_wait_seconds"] < 5
     r = post(d_url, {**body, "kv_transfer_params": kvp})
     assert r.status_code == 200, r.text
     req = d_engine.submitted[-1]
