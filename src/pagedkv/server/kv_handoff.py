@@ -126,6 +126,7 @@ class StagingBudget:
         self._used = 0
         self.peak = 0  #: the most bytes ever staged at once
         self._lock = threading.Lock()
+        self._waiters: list = []  # (loop, asyncio.Event) of fetches waiting for room
 
     @property
     def used(self) -> int:
@@ -139,9 +140,34 @@ class StagingBudget:
             self.peak = max(self.peak, self._used)
             return k
 
+    def add(self, nbytes: int) -> None:
+        """Count ``nbytes`` more (a payload read into reserved cache blocks' way: the room was waited for with
+        :meth:`room`, so this may pass the limit by what one HTTP chunk completes). O(1)."""
+        with self._lock:
+            self._used += nbytes
+            self.peak = max(self.peak, self._used)
+
     def release(self, nbytes: int) -> None:
         with self._lock:
             self._used -= nbytes
+            waiters, self._waiters = self._waiters, []
+        for loop, ev in waiters:  # (released by the engine's thread: wake the fetches on the event loop)
+            try:
+                loop.call_soon_threadsafe(ev.set)
+            except RuntimeError:  # (its loop closed)
+                pass
+
+    async def room(self, nbytes: int) -> None:
+        """Wait (on the event loop) until ``nbytes`` more fit under the limit; returns at once when they do. The
+        caller bounds the wait (its fetch timeout); room comes back when the engine drops written payloads."""
+        loop = asyncio.get_running_loop()
+        while True:
+            ev = asyncio.Event()
+            with self._lock:
+                if self._used + nbytes <= self.limit:
+                    return
+                self._waiters.append((loop, ev))
+            await ev.wait()
 
 
 class StagedPayload(bytes):
@@ -200,13 +226,19 @@ class FetchResult:
     payloads: list = field(repr=False)
     asked: int
     error: str | None = None
+    received: int | None = None  #: a fetch into reserved blocks (a sink): the good leading values handed over
+
+    @property
+    def num_received(self) -> int:
+        """The good leading values: ``len(payloads)``, or those handed to the sink."""
+        return len(self.payloads) if self.received is None else self.received
 
     @property
     def complete(self) -> bool:
-        return self.error is None and len(self.payloads) == self.asked
+        return self.error is None and self.num_received == self.asked
 
     def __repr__(self) -> str:
-        return f"FetchResult({len(self.payloads)} of {self.asked} blocks, error={self.error!r})"
+        return f"FetchResult({self.num_received} of {self.asked} blocks, error={self.error!r})"
 
 
 @dataclass
@@ -415,20 +447,29 @@ class KVHandoff:
     def _headers(self) -> dict:
         return {"authorization": f"Bearer {self.peer_api_key}"} if self.peer_api_key else {}
 
-    async def fetch(self, kvt: KVTransferParams, token_ids: Sequence[int], namespace: Any) -> FetchResult:
+    async def fetch(self, kvt: KVTransferParams, token_ids: Sequence[int], namespace: Any,
+                    sink: Any = None) -> FetchResult:
         """Read the blocks ``kvt`` names from the prefill replica (bounded by ``fetch_timeout`` as a whole, and by
         the staging budget: only the leading blocks that fit it are read); never raises for the peer's faults:
         the result says how many leading blocks are good and why not all. The payloads are
-        :class:`StagedPayload`: their room in the budget comes back when the last reference to each goes."""
+        :class:`StagedPayload`: their room in the budget comes back when the last reference to each goes.
+
+        ``sink`` (the engine's :class:`pagedkv.engine.kv_port.ExternalFetch` of the request, queued already): the
+        blocks go into the request's reserved cache blocks as they arrive instead (see :meth:`_fetch_into`);
+        the result's ``payloads`` is then empty and ``received`` counts what the sink took."""
+        n = len(kvt.remote_block_ids)
+        self.stats["fetches"] += 1
+        if n == 0:
+            if sink is not None:
+                sink.end(0, None)
+            return FetchResult([], 0)
+        names = self.names(token_ids, namespace, n)  # (KV cache groups: several values per prompt block)
+        if sink is not None:
+            return await self._fetch_into(kvt, names, sink)
         import httpx
 
         from .kv_wire import BundleReader
 
-        n = len(kvt.remote_block_ids)
-        self.stats["fetches"] += 1
-        if n == 0:
-            return FetchResult([], 0)
-        names = self.names(token_ids, namespace, n)  # (KV cache groups: several values per prompt block)
         nv = len(names)
         pb = self.port.payload_bytes
         k = self.staging.reserve(nv, pb)
@@ -473,6 +514,93 @@ class KVHandoff:
             log.warning("KV from %s (hold %s): %d of %d blocks (%s); the engine computes the rest of the prompt",
                         kvt.base_url, kvt.remote_request_id, len(res.payloads), n, error)
         return res
+
+    async def _fetch_into(self, kvt: KVTransferParams, names: list, sink: Any) -> FetchResult:
+        """The decode side's read into reserved blocks (docs/pd-split.md#the-decode-side). First waits until the
+        engine reserved the request's blocks (``sink.reserved()``: the number of leading values it takes; 0 when
+        it needs none: the request ended, or its prefix is cached whole): the read never starts for a request
+        still queued, so a request whose blocks do not fit waits like any other and nothing is read ahead of it.
+        Then streams the body through a :class:`~.kv_wire.BundleReader`, handing each checked value to the
+        engine (``sink.put``: the step loop writes it into its reserved block and drops it) and waiting, before
+        each HTTP chunk, until the staging budget has room for one more value: the bytes read and not yet written
+        stay under ``--kv-fetch-buffer-mib`` plus what one chunk completes. Stops early when the sink is
+        cancelled (the request aborted: the engine writes nothing more). Always ends with ``sink.end(good,
+        error)`` (the engine computes the rest); never raises for the peer's faults. The read is bounded by
+        ``fetch_timeout`` from the reservation on."""
+        import httpx
+
+        from .kv_wire import BundleReader
+
+        nv = len(names)
+        pb = self.port.payload_bytes
+        budget = self.staging
+        error = None
+        reader = None
+        t0 = None
+        try:
+            want = min(nv, int(await sink.reserved()))
+            if want <= 0:  # (the request ended before its blocks were reserved, or needs none)
+                return FetchResult([], 0, None, 0)
+            if budget.limit < pb:  # not one value fits: nothing is read, the prompt is computed
+                self.stats["blocks_over_budget"] += want
+                self.stats["fetches_failed"] += 1
+                error = f"the staging buffer (--kv-fetch-buffer-mib, {budget.limit} bytes) holds no block"
+                return FetchResult([], want, error, 0)
+
+            def keep(mv: memoryview) -> None:
+                budget.add(pb)
+                sink.put(StagedPayload.staged(mv, budget))
+
+            reader = BundleReader(self.port.fingerprint.digest, names[:want], pb, keep=keep,
+                                  prefix_only=want < nv)
+            url = f"{kvt.base_url}/v1/kv/holds/{kvt.remote_request_id}"
+            params = {"engine": kvt.remote_engine_id, **({"blocks": str(want)} if want < nv else {})}
+            t0 = time.perf_counter()
+            async with asyncio.timeout(self.fetch_timeout):
+                async with self._http().stream("GET", url, params=params, headers=self._headers()) as resp:
+                    if resp.status_code != 200:
+                        await resp.aread()
+                        error = f"the prefill replica answered {resp.status_code}"
+                    else:
+                        async for chunk in resp.aiter_bytes():
+                            if sink.cancelled:
+                                error = "the request ended during the read"
+                                break
+                            await budget.room(pb)
+                            if not reader.feed(chunk):
+                                break
+                        else:
+                            reader.finish()
+        except (httpx.HTTPError, TimeoutError, OSError) as e:
+            error = f"reading the blocks failed: {type(e).__name__}"
+        finally:
+            good = len(reader.payloads) if reader is not None else 0
+            if error is None and reader is not None:
+                error = reader.error
+            sink.end(good, error)
+        if t0 is not None:
+            self.fetch_seconds.observe(time.perf_counter() - t0)
+        res = FetchResult([], want, error, good)
+        self.stats["blocks_fetched"] += good
+        self.stats["bytes_fetched"] += reader.bytes_read if reader is not None else 0
+        if not res.complete:
+            self.stats["fetches_failed" if not good else "fetches_partial"] += 1
+            log.warning("KV from %s (hold %s): %d of %d values (%s); the engine computes the rest of the prompt",
+                        kvt.base_url, kvt.remote_request_id, good, want, error)
+        return res
+
+    async def fetch_into(self, kvt: KVTransferParams, token_ids: Sequence[int], namespace: Any,
+                         sink: Any) -> FetchResult:
+        """:meth:`fetch` into the request's reserved blocks (``sink``), then the hold's release (``DELETE``);
+        run it in the background once the request is queued. Never raises but for cancellation."""
+        try:
+            return await self.fetch(kvt, token_ids, namespace, sink)
+        except Exception as e:  # noqa: BLE001 - a bug here must not leave the request waiting forever
+            log.exception("reading KV from %s failed", kvt.base_url)
+            sink.end(0, f"{type(e).__name__}: {e}")
+            return FetchResult([], 0, repr(e), 0)
+        finally:
+            await self.release_remote(kvt)
 
     async def release_remote(self, kvt: KVTransferParams) -> bool:
         """Tell the prefill replica that its hold is no longer needed (bounded; a failure is counted and logged:

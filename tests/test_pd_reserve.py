@@ -1,0 +1,238 @@
+"""The decode side of a prefill/decode split writes the arriving KV into blocks reserved for it (issue 25 item 1:
+"blocks reserved for KV that arrives from elsewhere (the sequence waits until it has arrived, and the step loop
+goes on)"; docs/pd-split.md#the-decode-side).
+
+Two real Schedulers and BlockManagers with a small torch KV cache, the engine's step reduced to its KV writes
+(each computed token's K/V set to its token id through the slot mapping), and the engine's port
+(``pagedkv.engine.kv_port.EngineKVPort``) on both sides. The prefill side serves its hold over HTTP through the
+server's routes (``KVHandoff`` + ``add_kv_routes``), slowed down; the decode side's ``KVHandoff.fetch_into`` reads
+it into the decode request's reserved blocks while a thread runs the decode engine's step loop (under a lock, as
+the server's engine thread does). Checked: the request is LOADING with its blocks reserved (counted by the
+manager) while another request keeps decoding; every block then reads back the prompt's tokens; the bytes read
+ahead of the writes stay at a few blocks for a long transfer; an abort mid-transfer stops the read, and a payload
+that arrives after the abort is never written (its blocks are reused by another request, whose KV stays
+intact)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from pagedkv import BlockManager  # noqa: E402
+from pagedkv.scheduler import Scheduler  # noqa: E402
+
+BS = 16
+L, H, D = 2, 4, 64  # one block's payload: 2 x 2 x 16 x 4 x 64 x 4 bytes = 64 KiB
+PB = L * 2 * BS * H * D * 4
+NBLK = 160
+
+
+def engine(num_blocks: int = NBLK):
+    bm = BlockManager(num_blocks, BS, enable_prefix_caching=True)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=256, enable_chunked_prefill=True,
+                      incremental_tables=True)
+    kv = torch.zeros(L, 2, num_blocks, BS, H, D)
+    return SimpleNamespace(block_manager=bm, scheduler=sched, kv_cache=kv, kv_tiers=None, kv_cache_groups=None,
+                           model=SimpleNamespace(w=torch.arange(3.0)))
+
+
+def step(llm, port, by_id):
+    """One engine step as ``LLM._step`` runs it: the port's poll, schedule, (no copies here), the reads of the
+    loads this step reserved may start, the port's writes, the forward's KV writes (token ids), the port's hook,
+    update."""
+    port.poll(llm.scheduler)
+    plan = llm.scheduler.schedule()
+    if plan.kv_loads:
+        port.start_loads(plan.kv_loads)
+    port.write_loads(plan, llm.kv_cache)
+    for pw in plan.prefills:
+        prompt = by_id[pw.request_id].prompt_token_ids
+        for pos, slot in zip(pw.positions.tolist(), np.asarray(pw.slot_mapping).tolist()):
+            llm.kv_cache[:, :, slot // BS, slot % BS] = float(prompt[pos])
+    port.store_computed(plan, llm.kv_cache, by_id)
+    sampled = [7] * len(plan.prefills) + ([7] * len(plan.decode.seq_ids) if plan.decode is not None else [])
+    done = llm.scheduler.update(plan, sampled)
+    llm.block_manager.check_invariants()
+    return plan, done
+
+
+def add(llm, port, rid, prompt, max_tokens):
+    req = SimpleNamespace(request_id=rid, prompt_token_ids=tuple(prompt))
+    wait = port.on_add(rid, prompt, None, llm.block_manager)
+    llm.scheduler.add_request(rid, prompt, max_tokens=max_tokens, wait_for_kv=wait)
+    return req
+
+
+def block_reads_back(kv, block, tokens) -> bool:
+    want = torch.tensor([float(t) for t in tokens])
+    return bool((kv[:, :, block, : len(tokens)] == want[None, None, :, None, None]).all())
+
+
+def prompt_reads_back(llm, rid, seq_id, prompt) -> list:
+    """The indices of the prompt's whole blocks whose KV is not the prompt's tokens (empty: all good)."""
+    table = llm.block_manager.block_table(seq_id)
+    bad = []
+    for i in range((len(prompt) - 1) // BS):
+        if not block_reads_back(llm.kv_cache, int(table[i]), prompt[i * BS:(i + 1) * BS]):
+            bad.append(i)
+    return bad
+
+
+# ---------------------------------------------------------------------------------------------- the prefill side
+class Prefill:
+    """A prefill replica: an engine whose port holds a prompt's blocks, served over HTTP by the server's routes.
+    ``delay``: seconds each read of a few blocks (``_READ_BATCH``) takes, so the transfer is slow."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        from fastapi import FastAPI
+
+        from pagedkv.engine.kv_port import EngineKVPort
+        from pagedkv.server.kv_handoff import KVHandoff
+        from pagedkv.server.kv_routes import add_kv_routes
+        from pagedkv.server.launch import serve_in_thread
+
+        self.llm = engine()
+        self.port = EngineKVPort(self.llm)
+        real = self.port.read_blocks
+
+        def slow(hold_id, ids):
+            time.sleep(delay)
+            return real(hold_id, ids)
+
+        self.port.read_blocks = slow
+        self.handoff = KVHandoff(role="prefill", port=self.port, lease_s=60.0)
+        app = FastAPI()
+        add_kv_routes(app, self.handoff, lambda request: None)
+        self.server, self.thread, number = serve_in_thread(app, "127.0.0.1", 0, "pd-reserve-prefill")
+        self.handoff.port_number = number
+
+    def hold(self, rid, prompt):
+        """Compute ``prompt`` here and hold its blocks: the ``kv_transfer_params`` a decode replica gets."""
+        from pagedkv.server.kv_transfer import parse_kv_transfer_params
+
+        req = SimpleNamespace(request_id=rid, prompt_token_ids=tuple(prompt))
+        wait = self.port.on_add(rid, prompt, None, self.llm.block_manager)
+        self.handoff.expect_hold(req, prompt, None)
+        self.llm.scheduler.add_request(rid, prompt, max_tokens=1, wait_for_kv=wait)
+        while self.llm.scheduler.has_unfinished():
+            step(self.llm, self.port, {rid: req})
+        return parse_kv_transfer_params(self.handoff.answer(rid))
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+class DecodeLoop:
+    """The decode engine's step loop in a thread, under ``lock`` (the server's engine thread), recording after
+    each step what the test checks."""
+
+    def __init__(self, llm, port, by_id, watch: str) -> None:
+        self.llm, self.port, self.by_id, self.watch = llm, port, by_id, watch
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.log: list = []
+        self.error = None
+        self.seq_id = None  # the watched request's sequence, once its blocks are reserved
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        sched, bm = self.llm.scheduler, self.llm.block_manager
+        try:
+            while not self.stop.is_set():
+                with self.lock:
+                    if sched.has_unfinished() or sched.num_parked:
+                        plan, _ = step(self.llm, self.port, self.by_id)
+                        fetching = sched.is_fetching(self.watch)
+                        f = self.port._fetching.get(self.watch)
+                        ext = bm.external_blocks(f[1].seq_id) if f is not None and fetching else None
+                        if f is not None:
+                            self.seq_id = f[1].seq_id
+                        self.log.append(SimpleNamespace(
+                            fetching=fetching, decoded=plan.decode is not None and len(plan.decode.seq_ids),
+                            loading=len(bm.loading_seq_ids), free=bm.num_free_gpu_blocks,
+                            reserved=len(ext.block_ids) if ext is not None else 0))
+                    idle = not (sched.num_running or sched.num_waiting)
+                if idle:
+                    self.port.wait(0.01)
+                else:
+                    time.sleep(0.003)  # (a forward's time: other threads run meanwhile)
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            self.error = e
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join(10)
+        assert self.error is None, repr(self.error)
+
+
+async def fetch(handoff, kvt, prompt, ticket):
+    try:
+        return await handoff.fetch_into(kvt, prompt, None, ticket)
+    finally:
+        await handoff.aclose()
+
+
+def decode_side(budget_bytes: int):
+    from pagedkv.engine.kv_port import EngineKVPort
+    from pagedkv.server.kv_handoff import KVHandoff
+
+    llm = engine()
+    port = EngineKVPort(llm)
+    handoff = KVHandoff(role="decode", port=port, fetch_timeout=30.0, fetch_buffer_bytes=budget_bytes)
+    return llm, port, handoff
+
+
+def test_the_request_loads_into_reserved_blocks_while_others_step_and_the_bytes_staged_stay_few():
+    pre = Prefill(delay=0.03)
+    try:
+        prompt = [1000 + (i % 500) for i in range(100 * BS + 1)]  # 100 whole blocks before the last token
+        kvt = pre.hold("p", prompt)
+        assert len(kvt.remote_block_ids) == 100
+        llm, port, handoff = decode_side(4 * PB)  # room for 4 blocks read ahead of the writes (6.4 MiB sent)
+        assert port.payload_bytes == PB
+        sched, bm = llm.scheduler, llm.block_manager
+        other = add(llm, port, "o", list(range(1, 30)), 2_000)  # a stream decoding all along
+        d = SimpleNamespace(request_id="d", prompt_token_ids=tuple(prompt))
+        ticket = port.expect_external(d, len(kvt.remote_block_ids))
+        by_id = {"o": other, "d": d}
+        with DecodeLoop(llm, port, by_id, "d") as loop:
+            with loop.lock:
+                add(llm, port, "d", prompt, 2_000)  # queued at once, waiting for its KV
+            res = asyncio.run(fetch(handoff, kvt, prompt, ticket))
+            deadline = time.monotonic() + 20
+            while port.stats["loaded"] < 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            time.sleep(0.2)  # (a few more steps: the rest of the prompt computed)
+        assert res.complete and res.num_received == 100, res
+        # the step loop went on while the request's KV arrived: steps with it FETCHING that decoded the other
+        during = [e for e in loop.log if e.fetching]
+        assert len(during) >= 5 and sum(bool(e.decoded) for e in during) >= 5
+        # the manager counted its reserved blocks meanwhile: LOADING, 100 blocks of the pool taken
+        assert all(e.loading == 1 for e in during)
+        assert all(e.reserved == 100 for e in during)
+        assert max(e.free for e in during) <= NBLK - 101  # (its 100 blocks and one for its last token)
+        # every block written as it arrived, once; the bytes read ahead of the writes stayed at a few blocks
+        assert port.stats["written_blocks"] == 100 and port.stats["fetches_reserved"] == 1
+        peak = handoff.staging.peak
+        assert peak <= 4 * PB + 2 * PB, peak  # the bound plus what one HTTP chunk completes
+        assert handoff.staging.used == 0
+        print(f"peak staged {peak} bytes ({peak / PB:.1f} blocks) for a transfer of {100 * PB} bytes")
+        with loop.lock:
+            assert sched.has_request("d") and not sched.is_fetching("d")
+            assert prompt_reads_back(llm, "d", loop.seq_id, prompt) == []
+            assert sched.stats.external_tokens == 100 * BS
+        assert ticket.ended == (100, None)
+    finally:
+        pre.close()
