@@ -172,11 +172,12 @@ class Admitter(Part):
         q = self.q
         rep, q.loaded = q.loaded, {}
         bm = self.calls.bm
-        # a window-only load (kv_ready(window_only=True)) cut short: its sliding groups' earlier blocks exist
+        # a window-only load (kv_ready(window_only=True)) that the manager cut (a sliding group reserved only its
+        # window's blocks) and that ended short: its sliding groups' earlier blocks exist
         # nowhere, so it is aborted (its blocks parked, then freed by the finish_external below) and the request
         # goes back to the waiting queue to be computed whole
-        redo = [s for s, ok in rep.items() if ok is not None and s in q.seqs
-                and q.seqs[s].group.window_only and q.seqs[s].group.fetch is not None]
+        redo = [s for s, ok in rep.items() if ok is not None and s in q.seqs and q.seqs[s].group.window_only
+                and q.seqs[s].group.fetch is not None and _cut(q.seqs[s].group.fetch)]
         for sid in redo:
             g = q.seqs[sid].group
             self.calls.free(sid, True)
@@ -281,3 +282,9 @@ class Admitter(Part):
             table_row=row,
             num_external_tokens=extra,
         )
+
+
+def _cut(load) -> bool:
+    """Whether an ExternalLoad leaves positions of a group unreserved (NULL_BLOCK: ``external_window_only`` cut
+    a sliding group to its window). O(its blocks)."""
+    return any(b < 0 for ids in load.group_block_ids for b in ids)
