@@ -236,3 +236,97 @@ def test_the_request_loads_into_reserved_blocks_while_others_step_and_the_bytes_
         assert ticket.ended == (100, None)
     finally:
         pre.close()
+
+
+def payload_of(tokens) -> bytes:
+    """The KV the forward writes for a block of ``tokens`` (every layer, K and V: each token's id)."""
+    t = torch.tensor([float(x) for x in tokens]).view(1, 1, BS, 1, 1).expand(L, 2, BS, H, D).contiguous()
+    return t.numpy().tobytes()
+
+
+def test_an_abort_while_the_blocks_arrive_never_writes_into_blocks_reused_since():
+    """The client leaves while its request is FETCHING: the manager parks its reserved blocks, the read is told to
+    stop (``cancelled``), payloads that arrive after the abort are never written, and once the read ends the
+    parked blocks are freed; another request that then takes them keeps its own KV, whatever arrives late.
+    Deterministic: the read is played by hand on the ticket, between steps."""
+    from pagedkv.engine.kv_port import EngineKVPort
+
+    llm = engine(num_blocks=24)  # small: the next request must reuse the aborted one's blocks
+    port = EngineKVPort(llm)
+    sched, bm = llm.scheduler, llm.block_manager
+    prompt = [500 + i for i in range(20 * BS + 1)]  # 20 whole blocks
+    d = SimpleNamespace(request_id="d", prompt_token_ids=tuple(prompt))
+    t = port.expect_external(d, 20)
+    add(llm, port, "d", prompt, 4)
+    plan, _ = step(llm, port, {"d": d})
+    (kl,) = plan.kv_loads
+    reserved = set(kl.load.block_ids)
+    assert len(reserved) == 20 and t._decided == 20 and sched.is_fetching("d")
+    for i in range(3):  # three blocks arrive and are written at the next step
+        t.put(payload_of(prompt[i * BS:(i + 1) * BS]))
+    step(llm, port, {"d": d})
+    assert port.stats["written_blocks"] == 3
+    assert block_reads_back(llm.kv_cache, kl.load.block_ids[2], prompt[2 * BS:3 * BS])
+    t.put(b"\xff" * PB)  # arrived, not written yet, when the client leaves
+    sched.abort_request("d")
+    assert sched.num_parked == 1 and set(bm.parked_seq_ids) == {kl.seq_id}
+    step(llm, port, {})
+    assert t.cancelled and port.stats["written_blocks"] == 3 and port.stats["fetches_aborted"] == 1
+    t.put(b"\xff" * PB)  # the read had not seen the cancel yet: dropped
+    assert not t._queue
+    # the parked blocks are not reused while the read may still write
+    x = [900 + i for i in range(12 * BS + 1)]
+    add(llm, port, "x", x, 50)
+    plan, _ = step(llm, port, {"x": SimpleNamespace(request_id="x", prompt_token_ids=tuple(x))})
+    assert not plan.prefills and sched.num_waiting == 1  # (24 blocks: 20 parked, x needs 13)
+    t.end(4, None)  # the read ends (it saw the cancel)
+    by_id = {"x": SimpleNamespace(request_id="x", prompt_token_ids=tuple(x))}
+    plan, _ = step(llm, port, by_id)  # the port reports the end: the parked blocks are freed, x admitted
+    while not plan.prefills:
+        plan, _ = step(llm, port, by_id)
+    (pw,) = plan.prefills
+    xs = set(pw.block_table.tolist()[:12])
+    assert xs & reserved  # x took blocks the aborted request had reserved
+    t.put(b"\xff" * PB)  # a payload arriving after everything: never written
+    step(llm, port, by_id)
+    assert port.stats["written_blocks"] == 3
+    assert prompt_reads_back(llm, "x", pw.seq_id, x) == []
+    assert sched.num_parked == 0 and not bm.parked_seq_ids and not port._fetching
+
+
+def test_an_abort_mid_transfer_stops_the_read_and_frees_the_blocks():
+    """Over HTTP from a slow prefill replica: the request is aborted after its first blocks were written; the
+    read stops at the next chunk (its result says so), the parked blocks are freed by the step loop, which
+    stepped on although nothing else ran, and the pool is whole again."""
+    pre = Prefill(delay=0.05)
+    try:
+        prompt = [3000 + (i % 700) for i in range(60 * BS + 1)]
+        kvt = pre.hold("p", prompt)
+        llm, port, handoff = decode_side(2 * PB)
+        sched, bm = llm.scheduler, llm.block_manager
+        free0 = bm.num_free_gpu_blocks
+        d = SimpleNamespace(request_id="d", prompt_token_ids=tuple(prompt))
+        ticket = port.expect_external(d, 60)
+        with DecodeLoop(llm, port, {"d": d}, "d") as loop:
+            with loop.lock:
+                add(llm, port, "d", prompt, 4)
+
+            async def go():
+                task = asyncio.ensure_future(fetch(handoff, kvt, prompt, ticket))
+                while port.stats["written_blocks"] < 2:
+                    await asyncio.sleep(0.01)
+                with loop.lock:
+                    sched.abort_request("d")
+                return await task
+
+            res = asyncio.run(go())
+            deadline = time.monotonic() + 10
+            while (sched.num_parked or port._fetching) and time.monotonic() < deadline:
+                time.sleep(0.02)
+        assert res.num_received < 60 and "ended" in res.error, res
+        assert ticket.cancelled and port.stats["fetches_aborted"] == 1
+        assert sched.num_parked == 0 and not bm.parked_seq_ids and not port._fetching
+        assert bm.num_free_gpu_blocks == free0 and handoff.staging.used == 0
+        bm.check_invariants()
+    finally:
+        pre.close()

@@ -445,7 +445,9 @@ class Scheduler:
             self._admitter.schedule(prefills, ignored, budget, kv_loads, used)
 
         # progress guard: nothing runs and nothing could be started although work is queued
-        if not q.running and not prefills and not swapped_in_any and not preempted and not q.fetching:
+        # (blocks parked for an aborted load come back once its transfer ends: not "never fits" meanwhile)
+        if not q.running and not prefills and not swapped_in_any and not preempted and not q.fetching \
+                and not q.parked:
             if q.swapped:  # cannot swap in even into an empty pool: recompute it instead
                 self._preemptor.recompute(heapq.heappop(q.swapped))
             elif q.waiting:  # LATER with an empty pool means never
