@@ -52,10 +52,11 @@ def step(llm, port, by_id):
     if plan.kv_loads:
         port.start_loads(plan.kv_loads)
     port.write_loads(plan, llm.kv_cache)
+    bs = llm.block_manager.block_size
     for pw in plan.prefills:
         prompt = by_id[pw.request_id].prompt_token_ids
         for pos, slot in zip(pw.positions.tolist(), np.asarray(pw.slot_mapping).tolist()):
-            llm.kv_cache[:, :, slot // BS, slot % BS] = float(prompt[pos])
+            llm.kv_cache[:, :, slot // bs, slot % bs] = float(prompt[pos])
     port.store_computed(plan, llm.kv_cache, by_id)
     sampled = [7] * len(plan.prefills) + ([7] * len(plan.decode.seq_ids) if plan.decode is not None else [])
     done = llm.scheduler.update(plan, sampled)
@@ -330,3 +331,79 @@ def test_an_abort_mid_transfer_stops_the_read_and_frees_the_blocks():
         bm.check_invariants()
     finally:
         pre.close()
+
+
+def test_a_prefill_replica_killed_mid_transfer_leaves_the_blocks_written_so_far():
+    """A prefill replica in its own process (tests/kv_fakes.py: a fake engine, 64-byte blocks of 4 tokens) sends
+    the first 8 blocks of 13, stalls, and is killed with SIGKILL while the decode engine's request is FETCHING:
+    the 8 blocks that arrived checked are in its reserved blocks, the read ends with the error, the scheduler is
+    told 8 blocks arrived and computes the rest of the prompt."""
+    import os
+    import select
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import httpx
+
+    from pagedkv.engine.kv_io import read_blocks
+    from pagedkv.engine.kv_port import EngineKVPort
+    from pagedkv.server.kv_handoff import KVHandoff
+    from pagedkv.server.kv_transfer import parse_kv_transfer_params, prefill_body
+    from kv_fakes import FakePort, block_payload
+
+    fbs = 4
+    bm = BlockManager(64, fbs, enable_prefix_caching=True)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, enable_chunked_prefill=True,
+                      incremental_tables=True)
+    llm = SimpleNamespace(block_manager=bm, scheduler=sched, kv_cache=torch.zeros(1, 2, 64, fbs, 1, 2),
+                          kv_tiers=None, kv_cache_groups=None, model=None)
+    port = EngineKVPort(llm)
+    port._fingerprint = FakePort(fbs).fingerprint  # (the fake prefill replica's model: its names check)
+    assert port.payload_bytes == 64
+    handoff = KVHandoff(role="decode", port=port, fetch_timeout=20.0)
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("kv_fakes.py"))], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+
+    def line(timeout):
+        ready, _, _ = select.select([proc.stdout], [], [], timeout)
+        return proc.stdout.readline().decode().strip() if ready else ""
+
+    try:
+        first = line(60)
+        assert first.startswith("url "), first
+        body = {"prompt": "a prompt long enough for thirteen blocks of four bytes", "max_tokens": 3}
+        kvp = httpx.post(first[4:] + "/v1/completions", json=prefill_body(body), timeout=30).json()
+        kvt = parse_kv_transfer_params(kvp["kv_transfer_params"])
+        assert len(kvt.remote_block_ids) == 13
+        prompt = list(body["prompt"].encode())
+        d = SimpleNamespace(request_id="d", prompt_token_ids=tuple(prompt))
+        ticket = port.expect_external(d, 13)
+        with DecodeLoop(llm, port, {"d": d}, "d") as loop:
+            with loop.lock:
+                add(llm, port, "d", prompt, 500)
+
+            async def go():
+                task = asyncio.ensure_future(fetch(handoff, kvt, prompt, ticket))
+                assert await asyncio.to_thread(line, 20) == "stalled"  # 8 blocks on the wire
+                os.kill(proc.pid, signal.SIGKILL)
+                return await task
+
+            res = asyncio.run(go())
+            deadline = time.monotonic() + 10
+            while sched.stats.prefills < 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            time.sleep(0.1)
+        assert res.num_received == 8 and res.error is not None, res
+        assert ticket.ended[0] == 8 and port.stats["written_blocks"] == 8 and port.stats["fetches_partial"] == 1
+        with loop.lock:
+            assert sched.stats.external_tokens == 8 * fbs and sched.stats.prefills == 1
+            table = bm.block_table(loop.seq_id).tolist()
+            got = [bytes(memoryview(p).cast("B")) for p in read_blocks(llm.kv_cache, table[:8])]
+            assert got == [block_payload(prompt[i:i + fbs], 64) for i in range(0, 8 * fbs, fbs)]
+        assert handoff.stats["fetches_partial"] == 1 and handoff.stats["releases_failed"] == 1
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
