@@ -12,9 +12,20 @@ engine's code is unchanged:
   ``block_manager.hold(seq, lease)``; :meth:`take_hold` hands the hold over, cut to the prompt's whole blocks
   before its last token. Blocks are read (:meth:`read_blocks`) and holds released or expired under the engine's
   step lock, so a hold can never be released (and its blocks reused) while its blocks are being copied out.
-- **decode side**: :meth:`attach_external` stages the payloads read from the prefill replica; when the request is
-  added it waits for KV (``wait_for_kv``) and is ready at the next step (``kv_ready`` of tokens ``[0, n * bs)``);
-  the step that admits it writes the payloads into its external blocks before the forward, and computes the rest.
+- **decode side, into reserved blocks** (what ``pagedkv serve`` uses): :meth:`expect_external` marks the request
+  and returns the :class:`ExternalFetch` the server's read drives. Added, the request waits for KV; at the next
+  step the scheduler is told its first ``n`` blocks are coming (``kv_ready(0, n * bs, reserve=True)``; with KV
+  cache groups ``window_only``); the step that admits it allocates them as external tokens (reserved, counted by
+  the manager, the sequence LOADING, the request FETCHING and out of every batch: the others keep stepping) and,
+  after its copy plan, lets the read start (:meth:`start_loads`). Every later step's :meth:`poll` writes the
+  payloads that arrived into the reserved blocks (a prefix already cached here is skipped) and, once the read
+  ended, reports what arrived good (``kv_loaded``: all, or the good leading blocks; the rest computed). A request
+  aborted meanwhile is never written again: its read is cancelled, its blocks parked by the manager until the read
+  ends. A request admitted without a load (its whole prefix cached here) cancels its read.
+- **decode side, staged** (:meth:`attach_external`, kept for callers that read first): the payloads read from
+  the prefill replica are staged; when the request is added it waits for KV (``wait_for_kv``) and is ready at
+  the next step (``kv_ready`` of tokens ``[0, n * bs)``); the step that admits it writes the payloads into its
+  external blocks before the forward, and computes the rest.
 
 **KV cache groups** (Gemma 3 on a ``HybridBlockManager``): the hold covers every group, and what is handed over
 is, per group, the blocks a load of the prompt's ``n`` whole blocks before its last token needs
@@ -25,7 +36,9 @@ is their tokens); ``wire_block_ids`` are the blocks served, in that order, each 
 and fingerprint (:meth:`block_names`). The decode side keeps the longest usable prefix of what arrived
 (:func:`.kv_io.usable_blocks`), allocates it as external tokens with ``external_window_only`` (the scheduler:
 a sliding group reserves only its window's blocks), and writes every group's blocks
-(:func:`.kv_io.write_external_groups`). A prefill replica whose sliding window released a block the transfer
+(:func:`.kv_io.write_external_groups`; into reserved blocks, each value into its group's block as it arrives).
+Reserved window-only blocks that the manager cut cannot be used in part: a read that ends short has the request
+computed whole (the scheduler frees them); a load the windows see whole keeps its usable leading positions. A prefill replica whose sliding window released a block the transfer
 needs (a chunk boundary on the prompt's last token) hands nothing over (the decode replica computes the prompt).
 """
 

@@ -20,21 +20,31 @@ unguessable id (128 random bits: the id is the capability to read a tenant's KV)
 Leases are swept every ``sweep_s`` seconds (:meth:`KVHandoff.sweep`: the port's ``expire_holds`` and the
 registry's own deadlines). A request whose client left before its answer releases its hold at once.
 
-**Decode side.** A request with ``do_remote_prefill`` is checked (:func:`.kv_transfer.check_request`), then
-:meth:`KVHandoff.fetch` reads the blocks from the prefill replica (a host of ``allow_hosts``: loopback by default,
-``--kv-peer`` adds others; 400 ``kv_peer_not_allowed`` otherwise) before the request is queued, so the engine's
-steps never wait on the network. The names the decode replica expects are computed from its own tokens of the
-prompt (:func:`pagedkv.tiers.store_names`), so only blocks of this model, tenant and prompt are accepted. A fetch
-that fails (the prefill replica gone, the hold expired, a read timeout, a body cut short or refused) keeps the
-good leading blocks and the engine computes the rest of the prompt: never a silent truncation, never an error
-for the client. The hold is then released (``DELETE``; a failed release is logged, the lease ends it).
+**Decode side.** A request with ``do_remote_prefill`` is checked (:func:`.kv_transfer.check_request`; the
+prefill replica must be a host of ``allow_hosts``: loopback by default, ``--kv-peer`` adds others; 400
+``kv_peer_not_allowed`` otherwise). With an engine port that offers reserved blocks (``expect_external``: the
+real engine's, :class:`pagedkv.engine.kv_port.EngineKVPort`) the request is **queued at once**, waiting for its
+KV: the scheduler reserves blocks for the ``remote_num_tokens`` at admission (``kv_ready(..., reserve=True)``, the
+storage tiers' path; a request whose blocks do not fit waits in the queue like any other), and only then does
+:meth:`KVHandoff.fetch_into` read the body, handing each checked block to the engine, whose step loop writes it
+into its reserved block (under the engine's lock, after the copy plan of the step that reserved them) and drops
+it; when the read ends the engine is told what arrived good (``kv_loaded``) and computes the rest. A port without
+it (the tests' fakes) gets the blocks read before the request is queued and staged with it
+(``attach_external``). The names the decode replica expects are computed from its own tokens of the prompt
+(:func:`pagedkv.tiers.store_names`), so only blocks of this model, tenant and prompt are accepted. A fetch that
+fails (the prefill replica gone, the hold expired, a read timeout, a body cut short or refused) keeps the good
+leading blocks and the engine computes the rest of the prompt: never a silent truncation, never an error for the
+client. The hold is then released (``DELETE``; a failed release is logged, the lease ends it).
 
-**Bounded memory on the decode side.** The payloads read wait in memory until the step that admits their request
-writes them into its blocks. A :class:`StagingBudget` (``fetch_buffer_bytes``, ``--kv-fetch-buffer-mib``) bounds
-the bytes of every payload alive at once on the replica: a fetch reserves room for its blocks before it reads
-(what is left of the budget then: never waiting), reads only the leading blocks that fit (the rest of the
-prompt is computed, counted in ``blocks_over_budget``), and each payload gives its room back when the engine
-drops it (written into its block, or its request aborted): a :class:`StagedPayload` is a ``bytes`` whose
+**Bounded memory on the decode side.** A :class:`StagingBudget` (``fetch_buffer_bytes``, ``--kv-fetch-buffer-mib``)
+bounds the bytes of fetched payloads alive at once on the replica. Into reserved blocks, that is the blocks read
+and not yet written: before each HTTP chunk the read waits until one more block fits (so it holds at most the
+budget plus what one chunk completes; the step loop writes what arrived at every step, so in practice a few
+blocks), and a budget smaller than one block reads nothing (the prompt is computed, counted in
+``blocks_over_budget``). Staged (a port without reserved blocks), a fetch reserves room for its blocks before it
+reads (what is left of the budget then: never waiting), reads only the leading blocks that fit (the rest of the
+prompt is computed, counted in ``blocks_over_budget``). Either way each payload gives its room back when the
+engine drops it (written into its block, or its request aborted): a :class:`StagedPayload` is a ``bytes`` whose
 finalizer releases it, so no engine code is involved and no path can leak the count.
 
 Counters: :attr:`KVHandoff.stats`; the fetch times in :attr:`KVHandoff.fetch_seconds`
@@ -111,8 +121,13 @@ class KVPort(Protocol):
         groups, whose payloads are several per block (its ``block_names``), reads them by it."""
 
     def drop_staged(self, request_id: Any) -> None:
-        """Drop what :meth:`attach_external` staged for a request that will not run (its submission was
-        refused)."""
+        """Drop what :meth:`attach_external` (or ``expect_external``) staged for a request that will not run (its
+        submission was refused)."""
+
+    # optional: def expect_external(self, request, num_blocks) -> sink. Mark a prepared, not yet submitted
+    # request whose prompt's first num_blocks blocks arrive into blocks reserved for them at its admission; the
+    # sink (pagedkv.engine.kv_port.ExternalFetch) is what KVHandoff.fetch_into drives: reserved(), put(), end().
+    # A port with it gets the reserved-block path (the module docstring), one without the staged one.
 
 
 class StagingBudget:
@@ -264,7 +279,7 @@ class KVHandoff:
     #: prefill side: holds (taken), holds_released (by a decode replica, before the lease ended), holds_expired
     #: (the lease ended), holds_dropped (the request ended unanswered), holds_served, blocks_served, bytes_served;
     #: decode side: fetches (started), fetches_partial, fetches_failed (no block), blocks_fetched, bytes_fetched
-    #: (wire bytes), blocks_over_budget (not read: the staging budget was full), releases_failed
+    #: (wire bytes), blocks_over_budget (not read: the staging budget was full, or holds no block), releases_failed
     stats: dict = field(default_factory=lambda: dict.fromkeys((
         "holds", "holds_released", "holds_expired", "holds_dropped", "holds_served", "blocks_served",
         "bytes_served", "fetches", "fetches_partial", "fetches_failed", "blocks_fetched", "bytes_fetched",
