@@ -407,3 +407,38 @@ def test_a_prefill_replica_killed_mid_transfer_leaves_the_blocks_written_so_far(
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
+
+
+def test_a_request_dropped_before_the_scheduler_saw_it_reads_nothing_and_releases_the_hold():
+    """The engine never queued the request (aborted in the same batch as its add, or the engine failed): its read
+    waits for blocks that will never be reserved until ``gone`` says its stream ended, then reads nothing and
+    releases the prefill replica's hold at once."""
+    pre = Prefill()
+    try:
+        prompt = [7000 + i for i in range(10 * BS + 1)]
+        kvt = pre.hold("p", prompt)
+        assert pre.handoff.num_holds == 1
+        llm, port, handoff = decode_side(1 << 20)
+        d = SimpleNamespace(request_id="d", prompt_token_ids=tuple(prompt))
+        ticket = port.expect_external(d, 10)
+        ended = []
+
+        async def go():
+            try:
+                return await handoff.fetch_into(kvt, prompt, None, ticket, gone=lambda: bool(ended))
+            finally:
+                await handoff.aclose()
+
+        async def main():
+            task = asyncio.ensure_future(go())
+            await asyncio.sleep(0.7)
+            assert not task.done()  # (waiting for its blocks)
+            ended.append(True)
+            return await asyncio.wait_for(task, 5)
+
+        res = asyncio.run(main())
+        assert res.num_received == 0 and res.asked == 0 and ticket.cancelled and ticket.ended == (0, None)
+        assert pre.handoff.num_holds == 0 and handoff.stats["bytes_fetched"] == 0
+        assert not port.on_add("d", prompt, None, llm.block_manager)  # (added late: computed, no wait)
+    finally:
+        pre.close()

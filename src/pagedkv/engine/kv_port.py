@@ -88,14 +88,23 @@ class ExternalFetch:
         self.taken = 0  #: values the engine took so far (written, or dropped)
 
     # ---------------------------------------------------------------- server side
-    async def reserved(self) -> int:
+    async def reserved(self, gone: Any = None, every_s: float = 0.5) -> int:
+        """Wait for the engine's answer (the values to read; 0: none). ``gone``: a callable checked every
+        ``every_s`` seconds meanwhile; once it returns True (the request's stream ended: the engine failed or
+        dropped it before the scheduler saw it) the wait ends with 0 and the transfer is cancelled."""
         loop = asyncio.get_running_loop()
         with self._lock:
             if self._decided is not None:
                 return self._decided
             fut = loop.create_future()
             self._waiter = (loop, fut)
-        return await fut
+        while True:
+            try:
+                return await asyncio.wait_for(asyncio.shield(fut), every_s if gone is not None else None)
+            except TimeoutError:
+                if gone():
+                    self.cancel()
+                    return await fut
 
     def put(self, payload: Any) -> None:
         if self.cancelled:
@@ -277,7 +286,7 @@ class EngineKVPort:
     # ------------------------------------------------------------------------------------ the step loop's calls
     def on_add(self, request_id: Any, token_ids: Any, namespace: Any, block_manager: Any) -> bool:
         t = self._expect.pop(request_id, None)
-        if t is not None:
+        if t is not None and not t.cancelled:
             self._asking[request_id] = t
             return True
         payloads = self._staged.pop(request_id, None)

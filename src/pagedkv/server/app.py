@@ -214,7 +214,7 @@ def build_app(engine: AsyncEngine, *, model_name: str, model_aliases: tuple[str,
                 raise APIError(503, str(e), "server_error", "server_shutting_down") from None
             raise APIError(503, str(e), "server_error", "engine_dead") from None
         if into is not None:
-            in_background(kv.fetch_into(kvt, ids, req.cache_salt, into))
+            in_background(kv.fetch_into(kvt, ids, req.cache_salt, into, gone=lambda: stream.finished))
         return stream
 
     async def admit_pin(ids: list, spec: dict, salt: str | None) -> tuple:

@@ -463,7 +463,7 @@ class KVHandoff:
         return {"authorization": f"Bearer {self.peer_api_key}"} if self.peer_api_key else {}
 
     async def fetch(self, kvt: KVTransferParams, token_ids: Sequence[int], namespace: Any,
-                    sink: Any = None) -> FetchResult:
+                    sink: Any = None, gone: Callable[[], bool] | None = None) -> FetchResult:
         """Read the blocks ``kvt`` names from the prefill replica (bounded by ``fetch_timeout`` as a whole, and by
         the staging budget: only the leading blocks that fit it are read); never raises for the peer's faults:
         the result says how many leading blocks are good and why not all. The payloads are
@@ -471,7 +471,8 @@ class KVHandoff:
 
         ``sink`` (the engine's :class:`pagedkv.engine.kv_port.ExternalFetch` of the request, queued already): the
         blocks go into the request's reserved cache blocks as they arrive instead (see :meth:`_fetch_into`);
-        the result's ``payloads`` is then empty and ``received`` counts what the sink took."""
+        the result's ``payloads`` is then empty and ``received`` counts what the sink took. ``gone``: see
+        :meth:`fetch_into`."""
         n = len(kvt.remote_block_ids)
         self.stats["fetches"] += 1
         if n == 0:
@@ -480,7 +481,7 @@ class KVHandoff:
             return FetchResult([], 0)
         names = self.names(token_ids, namespace, n)  # (KV cache groups: several values per prompt block)
         if sink is not None:
-            return await self._fetch_into(kvt, names, sink)
+            return await self._fetch_into(kvt, names, sink, gone)
         import httpx
 
         from .kv_wire import BundleReader
@@ -530,7 +531,7 @@ class KVHandoff:
                         kvt.base_url, kvt.remote_request_id, len(res.payloads), n, error)
         return res
 
-    async def _fetch_into(self, kvt: KVTransferParams, names: list, sink: Any) -> FetchResult:
+    async def _fetch_into(self, kvt: KVTransferParams, names: list, sink: Any, gone: Any = None) -> FetchResult:
         """The decode side's read into reserved blocks (docs/pd-split.md#the-decode-side). First waits until the
         engine reserved the request's blocks (``sink.reserved()``: the number of leading values it takes; 0 when
         it needs none: the request ended, or its prefix is cached whole): the read never starts for a request
@@ -553,7 +554,7 @@ class KVHandoff:
         reader = None
         t0 = None
         try:
-            want = min(nv, int(await sink.reserved()))
+            want = min(nv, int(await sink.reserved(gone)))
             if want <= 0:  # (the request ended before its blocks were reserved, or needs none)
                 return FetchResult([], 0, None, 0)
             if budget.limit < pb:  # not one value fits: nothing is read, the prompt is computed
@@ -605,11 +606,13 @@ class KVHandoff:
         return res
 
     async def fetch_into(self, kvt: KVTransferParams, token_ids: Sequence[int], namespace: Any,
-                         sink: Any) -> FetchResult:
+                         sink: Any, gone: Callable[[], bool] | None = None) -> FetchResult:
         """:meth:`fetch` into the request's reserved blocks (``sink``), then the hold's release (``DELETE``);
-        run it in the background once the request is queued. Never raises but for cancellation."""
+        run it in the background once the request is queued. ``gone``: checked while the request waits for its
+        blocks (twice a second); True once its stream ended (the engine failed or dropped it): the read is not
+        made. Never raises but for cancellation."""
         try:
-            return await self.fetch(kvt, token_ids, namespace, sink)
+            return await self.fetch(kvt, token_ids, namespace, sink, gone)
         except Exception as e:  # noqa: BLE001 - a bug here must not leave the request waiting forever
             log.exception("reading KV from %s failed", kvt.base_url)
             sink.end(0, f"{type(e).__name__}: {e}")
