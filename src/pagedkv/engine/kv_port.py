@@ -38,8 +38,8 @@ and fingerprint (:meth:`block_names`). The decode side keeps the longest usable 
 a sliding group reserves only its window's blocks), and writes every group's blocks
 (:func:`.kv_io.write_external_groups`; into reserved blocks, each value into its group's block as it arrives).
 Reserved window-only blocks that the manager cut cannot be used in part: a read that ends short has the request
-computed whole (the scheduler frees them); a load the windows see whole keeps its usable leading positions. A prefill replica whose sliding window released a block the transfer
-needs (a chunk boundary on the prompt's last token) hands nothing over (the decode replica computes the prompt).
+computed whole (the scheduler frees them); a load the windows see whole keeps its usable leading positions. A
+prefill replica whose sliding window released a block the transfer needs (a chunk boundary on the prompt's last token) hands nothing over (the decode replica computes the prompt).
 """
 
 from __future__ import annotations
@@ -176,7 +176,8 @@ class EngineKVPort:
         self._expect: dict = {}  # marked, not yet added
         self._asking: dict = {}  # added (waiting for KV), kv_ready(reserve=True) at the next poll
         self._queued: dict = {}  # in the waiting queue: its blocks not reserved yet
-        self._fetching: dict = {}  # request id -> [ExternalFetch, ExternalLoad]: blocks reserved, KV arriving
+        # request id -> (ExternalFetch, ExternalLoad, wire order with KV cache groups): blocks reserved, KV arriving
+        self._fetching: dict = {}
         self._wake = threading.Event()  # set when a read hands over a payload or ends (wait() returns)
         self._inner = llm.kv_tiers  # the engine's own storage tiers (None without)
         self.stats = {"held": 0, "blocks_read": 0, "loaded": 0, "written_blocks": 0, "held_incomplete": 0,
@@ -347,7 +348,7 @@ class EngineKVPort:
         blocks may be reused. O(arrived payloads x block bytes + reads in flight)."""
         bs = self.block_size
         for rid, entry in list(self._fetching.items()):
-            t, load = entry
+            t, load, order = entry
             live = scheduler.is_fetching(rid)
             if not live and not t.cancelled:
                 t.cancel()
@@ -364,8 +365,7 @@ class EngineKVPort:
                             ids.append(load.block_ids[i - sb])
                             pays.append(p)
                 else:
-                    order = group_transfer_order(t.num_blocks, bs, self.windows)[i0: i0 + len(got)]
-                    for (g, j), p in zip(order, got):
+                    for (g, j), p in zip(order[i0: i0 + len(got)], got):
                         if j >= sb:
                             b = load.group_block_ids[g][j - sb]
                             if b >= 0:  # (a cut sliding group's position before its window: nothing to write)
@@ -406,7 +406,9 @@ class EngineKVPort:
             if t is None:
                 others.append(kl)
                 continue
-            self._fetching[kl.request_id] = [t, kl.load]
+            order = None if self.windows is None else \
+                group_transfer_order(t.num_blocks, self.block_size, self.windows)  # (wire value -> group, block)
+            self._fetching[kl.request_id] = (t, kl.load, order)
             self.stats["fetches_reserved"] += 1
             t.decide(t.num_values)
         if others and self._inner is not None:
