@@ -234,7 +234,7 @@ def test_the_request_loads_into_reserved_blocks_while_others_step_and_the_bytes_
             assert sched.has_request("d") and not sched.is_fetching("d")
             assert prompt_reads_back(llm, "d", loop.seq_id, prompt) == []
             assert sched.stats.external_tokens == 100 * BS
-        assert ticket.ended == (100, None)
+        assert ticket.ended == (100, None) and pre.handoff.num_holds == 0  # the hold released
     finally:
         pre.close()
 
@@ -440,5 +440,37 @@ def test_a_request_dropped_before_the_scheduler_saw_it_reads_nothing_and_release
         assert res.num_received == 0 and res.asked == 0 and ticket.cancelled and ticket.ended == (0, None)
         assert pre.handoff.num_holds == 0 and handoff.stats["bytes_fetched"] == 0
         assert not port.on_add("d", prompt, None, llm.block_manager)  # (added late: computed, no wait)
+    finally:
+        pre.close()
+
+
+def test_a_refused_value_keeps_the_good_leading_blocks_and_the_rest_is_computed():
+    """The decode replica's prompt differs from the prefill replica's in block 3 (another prompt's block arrives
+    there: refused, MISMATCH): blocks 0-2 are kept in their reserved blocks, the read stops, the hold is
+    released, and the rest of the prompt is computed from the decode replica's own tokens: every block reads back
+    its prompt."""
+    pre = Prefill()
+    try:
+        prompt = [8000 + i for i in range(12 * BS + 1)]
+        kvt = pre.hold("p", prompt)
+        mine = prompt[:3 * BS] + [5] + prompt[3 * BS + 1:]  # block 3 differs
+        llm, port, handoff = decode_side(1 << 20)
+        sched = llm.scheduler
+        d = SimpleNamespace(request_id="d", prompt_token_ids=tuple(mine))
+        ticket = port.expect_external(d, 12)
+        with DecodeLoop(llm, port, {"d": d}, "d") as loop:
+            with loop.lock:
+                add(llm, port, "d", mine, 500)
+            res = asyncio.run(fetch(handoff, kvt, mine, ticket))
+            deadline = time.monotonic() + 10
+            while sched.stats.prefills < 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            time.sleep(0.1)
+        assert res.num_received == 3 and "block 3 refused: MISMATCH" in res.error, res
+        assert port.stats["written_blocks"] == 3 and handoff.stats["fetches_partial"] == 1
+        assert pre.handoff.num_holds == 0  # released once the read ended
+        with loop.lock:
+            assert sched.stats.external_tokens == 3 * BS
+            assert prompt_reads_back(llm, "d", loop.seq_id, mine) == []
     finally:
         pre.close()

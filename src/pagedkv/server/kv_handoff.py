@@ -532,7 +532,7 @@ class KVHandoff:
         return res
 
     async def _fetch_into(self, kvt: KVTransferParams, names: list, sink: Any, gone: Any = None) -> FetchResult:
-        """The decode side's read into reserved blocks (docs/pd-split.md#the-decode-side). First waits until the
+        """The decode side's read into reserved blocks (docs/pd-split.md#the-decode-side-kv-written-into-reserved-blocks). First waits until the
         engine reserved the request's blocks (``sink.reserved()``: the number of leading values it takes; 0 when
         it needs none: the request ended, or its prefix is cached whole): the read never starts for a request
         still queued, so a request whose blocks do not fit waits like any other and nothing is read ahead of it.
