@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import deque
 from typing import Any, NamedTuple, Sequence
 
@@ -54,6 +55,11 @@ from .kv_io import (group_hold_block_ids, group_transfer_order, model_fingerprin
                     usable_blocks, write_blocks, write_external, write_external_groups)
 
 __all__ = ["EngineKVPort", "ExternalFetch"]
+
+#: an idle engine woken by a read's value waits up to this long (seconds) for more before it steps
+_LINGER_S = 0.002
+#: ... or until this many values wait
+_LINGER_VALUES = 8
 
 
 class _Held(NamedTuple):
@@ -425,9 +431,25 @@ class EngineKVPort:
             self._inner.forget(request_id)
 
     def wait(self, timeout: float) -> None:
+        """Nothing else to run (the engine's loop): block until a read hands over a value or ends, or
+        ``timeout``. A read hands its values over as its HTTP chunks complete them: once woken, it lingers up to
+        ``_LINGER_S`` for more (until ``_LINGER_VALUES`` wait, or a read ended), so that one step writes a few
+        values rather than one step each."""
         if self._fetching or self._asking:  # a read hands over a payload or ends: wake at once
             self._wake.wait(timeout if self._inner is None else min(timeout, 0.005))
             self._wake.clear()
+            if self._fetching:
+                end = time.monotonic() + _LINGER_S
+                while True:
+                    tickets = [e[0] for e in self._fetching.values()]
+                    if any(t.ended is not None or t.cancelled for t in tickets) or \
+                            sum(len(t._queue) for t in tickets) >= _LINGER_VALUES:
+                        break
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._wake.wait(left)
+                    self._wake.clear()
             if self._inner:
                 self._inner.wait(0.0)
         elif self._inner and not self._adding:
