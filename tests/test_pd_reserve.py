@@ -474,3 +474,35 @@ def test_a_refused_value_keeps_the_good_leading_blocks_and_the_rest_is_computed(
             assert prompt_reads_back(llm, "d", loop.seq_id, mine) == []
     finally:
         pre.close()
+
+
+def test_a_request_whose_blocks_do_not_fit_waits_in_the_queue_and_nothing_is_read_for_it():
+    """Admission control: the decode request's 20 blocks do not fit beside a running request, so it waits in the
+    queue like any request, its read not started (``reserved()`` undecided); once the other request is gone its
+    blocks are reserved and the read may start."""
+    from pagedkv.engine.kv_port import EngineKVPort
+
+    llm = engine(num_blocks=24)
+    port = EngineKVPort(llm)
+    sched, bm = llm.scheduler, llm.block_manager
+    o_prompt = [100 + i for i in range(12 * BS)]
+    o = add(llm, port, "o", o_prompt, 1000)
+    step(llm, port, {"o": o})
+    prompt = [600 + i for i in range(20 * BS + 1)]
+    d = SimpleNamespace(request_id="d", prompt_token_ids=tuple(prompt))
+    t = port.expect_external(d, 20)
+    add(llm, port, "d", prompt, 4)
+    by_id = {"o": o, "d": d}
+    for _ in range(5):
+        plan, _ = step(llm, port, by_id)
+        assert not plan.kv_loads and plan.decode is not None  # o decodes; d waits
+    assert sched.num_waiting == 1 and not sched.is_fetching("d") and t._decided is None
+    assert not bm.loading_seq_ids
+    sched.abort_request("o")
+    plan, _ = step(llm, port, by_id)
+    (kl,) = plan.kv_loads
+    assert kl.request_id == "d" and len(kl.load.block_ids) == 20 and t._decided == 20
+    sched.abort_request("d")  # (the read never comes: its end frees the parked blocks)
+    t.end(0, "test over")
+    step(llm, port, by_id)
+    assert sched.num_parked == 0 and not bm.parked_seq_ids
