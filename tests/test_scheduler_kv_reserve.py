@@ -161,3 +161,65 @@ def test_the_progress_guard_waits_for_a_fetching_request_that_holds_the_pool():
     while s.has_unfinished():
         plan, _ = step(s)
         assert not plan.ignored
+
+
+def hybrid_sched(chunked: bool = True) -> Scheduler:
+    from pagedkv import FullAttentionSpec, HybridBlockManager, SlidingWindowSpec
+
+    bm = HybridBlockManager(96, BS, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(8)],
+                            enable_prefix_caching=True, watermark=0)
+    return Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, enable_chunked_prefill=chunked,
+                     incremental_tables=True)
+
+
+@pytest.mark.parametrize("ok", [None, 0, 8])
+def test_a_window_only_load_ends_whole_or_is_computed_whole(ok):
+    """``kv_ready(..., reserve=True, window_only=True)`` (the P/D split's decode side with KV cache groups): the
+    sliding group reserves only its window's blocks at the load's end (NULL_BLOCK before them). A load that
+    arrives whole is used; one that ends short (the transfer cut, the hold gone) cannot be used in part (the
+    window's earlier KV exists nowhere): its blocks are freed and the request is computed whole, in the same
+    step, state checked after every step."""
+    from pagedkv.types import NULL_BLOCK
+
+    s = hybrid_sched()
+    bm = s.bm
+    free0 = bm.num_free_gpu_blocks
+    s.add_request("a", PROMPT, max_tokens=2, wait_for_kv=True)
+    assert s.kv_ready("a", 0, 7 * BS, reserve=True, window_only=True)
+    plan, _ = step(s)
+    (kl,) = plan.kv_loads
+    full, sliding = kl.load.group_block_ids
+    assert len(full) == 7 and min(full) >= 0
+    assert NULL_BLOCK in sliding and min(b for b in sliding if b >= 0) >= 0  # cut to the window at 28
+    assert s.is_fetching("a") and bm.is_loading(kl.seq_id)
+    s.kv_loaded("a", ok)
+    plan, _ = step(s)
+    (pw,) = plan.prefills
+    if ok is None:  # whole: the last token only is computed
+        assert pw.num_external_tokens == 7 * BS and pw.positions.tolist() == [28, 29]
+        assert s.stats.stale_external_loads == 0
+    else:  # cut short: computed whole (the scheduler freed the reserved blocks and admitted it again)
+        assert pw.num_external_tokens == 0 and pw.positions[0] == 0
+        assert s.stats.stale_external_loads == 1 and not bm.parked_seq_ids
+    while s.has_unfinished():
+        step(s)
+    assert bm.num_free_gpu_blocks == free0 and s.num_parked == 0
+
+
+def test_a_window_only_load_the_window_sees_whole_keeps_its_good_leading_blocks():
+    """A window-only load short enough that the window sees it whole is not cut: a partial load keeps its good
+    leading blocks (the rest computed), as a plain load."""
+    s = hybrid_sched()
+    p = PROMPT[:10]  # 10 tokens: 2 whole blocks (8 tokens <= the window: nothing cut)
+    s.add_request("a", p, max_tokens=2, wait_for_kv=True)
+    assert s.kv_ready("a", 0, 2 * BS, reserve=True, window_only=True)
+    plan, _ = step(s)
+    (kl,) = plan.kv_loads
+    assert all(b >= 0 for ids in kl.load.group_block_ids for b in ids)
+    s.kv_loaded("a", BS)
+    plan, _ = step(s)
+    (pw,) = plan.prefills
+    assert pw.num_external_tokens == BS and pw.positions.tolist()[0] == BS
+    assert s.stats.stale_external_loads == 0
+    while s.has_unfinished():
+        step(s)

@@ -12,9 +12,20 @@ engine's code is unchanged:
   ``block_manager.hold(seq, lease)``; :meth:`take_hold` hands the hold over, cut to the prompt's whole blocks
   before its last token. Blocks are read (:meth:`read_blocks`) and holds released or expired under the engine's
   step lock, so a hold can never be released (and its blocks reused) while its blocks are being copied out.
-- **decode side**: :meth:`attach_external` stages the payloads read from the prefill replica; when the request is
-  added it waits for KV (``wait_for_kv``) and is ready at the next step (``kv_ready`` of tokens ``[0, n * bs)``);
-  the step that admits it writes the payloads into its external blocks before the forward, and computes the rest.
+- **decode side, into reserved blocks** (what ``pagedkv serve`` uses): :meth:`expect_external` marks the request
+  and returns the :class:`ExternalFetch` the server's read drives. Added, the request waits for KV; at the next
+  step the scheduler is told its first ``n`` blocks are coming (``kv_ready(0, n * bs, reserve=True)``; with KV
+  cache groups ``window_only``); the step that admits it allocates them as external tokens (reserved, counted by
+  the manager, the sequence LOADING, the request FETCHING and out of every batch: the others keep stepping) and,
+  after its copy plan, lets the read start (:meth:`start_loads`). Every later step's :meth:`poll` writes the
+  payloads that arrived into the reserved blocks (a prefix already cached here is skipped) and, once the read
+  ended, reports what arrived good (``kv_loaded``: all, or the good leading blocks; the rest computed). A request
+  aborted meanwhile is never written again: its read is cancelled, its blocks parked by the manager until the read
+  ends. A request admitted without a load (its whole prefix cached here) cancels its read.
+- **decode side, staged** (:meth:`attach_external`, kept for callers that read first): the payloads read from
+  the prefill replica are staged; when the request is added it waits for KV (``wait_for_kv``) and is ready at
+  the next step (``kv_ready`` of tokens ``[0, n * bs)``); the step that admits it writes the payloads into its
+  external blocks before the forward, and computes the rest.
 
 **KV cache groups** (Gemma 3 on a ``HybridBlockManager``): the hold covers every group, and what is handed over
 is, per group, the blocks a load of the prompt's ``n`` whole blocks before its last token needs
@@ -25,20 +36,30 @@ is their tokens); ``wire_block_ids`` are the blocks served, in that order, each 
 and fingerprint (:meth:`block_names`). The decode side keeps the longest usable prefix of what arrived
 (:func:`.kv_io.usable_blocks`), allocates it as external tokens with ``external_window_only`` (the scheduler:
 a sliding group reserves only its window's blocks), and writes every group's blocks
-(:func:`.kv_io.write_external_groups`). A prefill replica whose sliding window released a block the transfer
-needs (a chunk boundary on the prompt's last token) hands nothing over (the decode replica computes the prompt).
+(:func:`.kv_io.write_external_groups`; into reserved blocks, each value into its group's block as it arrives).
+Reserved window-only blocks that the manager cut cannot be used in part: a read that ends short has the request
+computed whole (the scheduler frees them); a load the windows see whole keeps its usable leading positions. A
+prefill replica whose sliding window released a block the transfer needs (a chunk boundary on the prompt's last token) hands nothing over (the decode replica computes the prompt).
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
+from collections import deque
 from typing import Any, NamedTuple, Sequence
 
 from ..errors import PagedKVError
 from .kv_io import (group_hold_block_ids, group_transfer_order, model_fingerprint, payload_bytes, read_blocks,
-                    usable_blocks, write_external, write_external_groups)
+                    usable_blocks, write_blocks, write_external, write_external_groups)
 
-__all__ = ["EngineKVPort"]
+__all__ = ["EngineKVPort", "ExternalFetch"]
+
+#: an idle engine woken by a read's value waits up to this long (seconds) for more before it steps
+_LINGER_S = 0.002
+#: ... or until this many values wait
+_LINGER_VALUES = 8
 
 #: the most chain keys remembered as held by the shared tier (the prefill side's store path; oldest dropped)
 _MAX_SHARED_KEYS = 1 << 18
@@ -50,6 +71,90 @@ class _Held(NamedTuple):
     num_tokens: int
     expires_at: float
     wire_block_ids: tuple | None = None  # KV cache groups: the blocks served, in group_transfer_order
+
+
+class ExternalFetch:
+    """One request's transfer into its reserved cache blocks (decode side), shared by the server's read (on the
+    event loop) and the engine's step loop (its thread). Made by :meth:`EngineKVPort.expect_external`.
+
+    Server side: ``await reserved()`` (the number of leading values the engine takes once the request's blocks
+    are reserved: all of them, or 0 when the request ended first or needs none), then ``put(payload)`` for each
+    checked value in wire order, then ``end(good, error)`` once (later calls are ignored); ``cancelled`` turns
+    True when the request ended meanwhile (the read may stop: nothing more is written). Engine side: the port
+    decides, takes the arrived payloads (:meth:`take`) and reads :attr:`ended`. Thread-safe; O(1) per call."""
+
+    def __init__(self, request_id: Any, num_blocks: int, num_values: int, wake: threading.Event) -> None:
+        self.request_id = request_id
+        self.num_blocks = int(num_blocks)  # prompt blocks handed over (remote_block_ids)
+        self.num_values = int(num_values)  # values on the wire (KV cache groups: several per block)
+        self._wake = wake
+        self._lock = threading.Lock()
+        self._decided: int | None = None
+        self._waiter: Any = None  # (loop, future) of the server's reserved()
+        self._queue: deque = deque()
+        self.ended: tuple | None = None  #: (good values, error) once the read ended
+        self.cancelled = False
+        self.taken = 0  #: values the engine took so far (written, or dropped)
+
+    # ---------------------------------------------------------------- server side
+    async def reserved(self, gone: Any = None, every_s: float = 0.5) -> int:
+        """Wait for the engine's answer (the values to read; 0: none). ``gone``: a callable checked every
+        ``every_s`` seconds meanwhile; once it returns True (the request's stream ended: the engine failed or
+        dropped it before the scheduler saw it) the wait ends with 0 and the transfer is cancelled."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if self._decided is not None:
+                return self._decided
+            fut = loop.create_future()
+            self._waiter = (loop, fut)
+        while True:
+            try:
+                return await asyncio.wait_for(asyncio.shield(fut), every_s if gone is not None else None)
+            except TimeoutError:
+                if gone():
+                    self.cancel()
+                    return await fut
+
+    def put(self, payload: Any) -> None:
+        if self.cancelled:
+            return  # (dropped at once: its room in the staging budget comes back)
+        self._queue.append(payload)
+        self._wake.set()
+
+    def end(self, good: int, error: str | None) -> None:
+        with self._lock:
+            if self.ended is not None:
+                return
+            self.ended = (int(good), error)
+        self._wake.set()
+
+    # ---------------------------------------------------------------- engine side
+    def decide(self, values: int) -> None:
+        """The engine's answer to :meth:`reserved` (once; later calls are ignored)."""
+        with self._lock:
+            if self._decided is not None:
+                return
+            self._decided = int(values)
+            w, self._waiter = self._waiter, None
+        if w is not None:
+            loop, fut = w
+            try:
+                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(int(values)))
+            except RuntimeError:  # (its loop closed)
+                pass
+
+    def cancel(self) -> None:
+        """The request ended: the read may stop, nothing more is written, queued payloads are dropped."""
+        self.cancelled = True
+        self.decide(0)
+        self._queue.clear()
+
+    def take(self) -> list:
+        out = []
+        q = self._queue
+        while q:
+            out.append(q.popleft())
+        return out
 
 
 class EngineKVPort:
@@ -76,8 +181,16 @@ class EngineKVPort:
         self._staged: dict = {}  # request id -> payloads (decode side, until the request is added)
         self._adding: dict = {}  # request id -> payloads (added, waiting for kv_ready)
         self._ready: dict = {}  # request id -> (0, payloads) (until its first prefill)
+        # decode side, into reserved blocks (expect_external): request id -> ExternalFetch, by stage
+        self._expect: dict = {}  # marked, not yet added
+        self._asking: dict = {}  # added (waiting for KV), kv_ready(reserve=True) at the next poll
+        self._queued: dict = {}  # in the waiting queue: its blocks not reserved yet
+        # request id -> (ExternalFetch, ExternalLoad, wire order with KV cache groups): blocks reserved, KV arriving
+        self._fetching: dict = {}
+        self._wake = threading.Event()  # set when a read hands over a payload or ends (wait() returns)
         self._inner = llm.kv_tiers  # the engine's own storage tiers (None without)
-        self.stats = {"held": 0, "blocks_read": 0, "loaded": 0, "written_blocks": 0, "held_incomplete": 0}
+        self.stats = {"held": 0, "blocks_read": 0, "loaded": 0, "written_blocks": 0, "held_incomplete": 0,
+                      "fetches_reserved": 0, "fetches_aborted": 0, "fetches_partial": 0}
         llm.kv_tiers = self
         self._in_shared: dict = {}  # chain keys the shared tier is known to hold (oldest first, bounded)
         self._shared_lock = threading.Lock()
@@ -161,11 +274,34 @@ class EngineKVPort:
         if payloads:
             self._staged[request.request_id] = payloads
 
+    def expect_external(self, request: Any, num_blocks: int) -> ExternalFetch:
+        """Mark a prepared, not yet submitted request: its prompt's first ``num_blocks`` blocks arrive from a
+        prefill replica into blocks reserved for them. When added it waits for KV; at the next step the scheduler
+        is told they are coming (``kv_ready(0, num_blocks x block_size, reserve=True)``; with KV cache groups
+        ``window_only``); the step that admits it (its blocks counted and reserved like any allocation: it waits
+        in the queue when they do not fit) lets the read start (:meth:`ExternalFetch.reserved`), and every later
+        step writes what arrived into the reserved blocks, under the engine's lock, after the copy plan of the
+        step that reserved them; once the read ends the scheduler is told what arrived good (``kv_loaded``) and
+        the rest of the prompt is computed. Returns the :class:`ExternalFetch` the server's read drives. Called on
+        the event loop; O(1) (KV cache groups: O(transfer order))."""
+        n = int(num_blocks)
+        nv = n if self.windows is None else len(group_transfer_order(n, self.block_size, self.windows))
+        t = ExternalFetch(request.request_id, n, nv, self._wake)
+        self._expect[request.request_id] = t
+        return t
+
     def drop_staged(self, request_id: Any) -> None:
         self._staged.pop(request_id, None)
+        t = self._expect.pop(request_id, None)
+        if t is not None:
+            t.cancel()
 
     # ------------------------------------------------------------------------------------ the step loop's calls
     def on_add(self, request_id: Any, token_ids: Any, namespace: Any, block_manager: Any) -> bool:
+        t = self._expect.pop(request_id, None)
+        if t is not None and not t.cancelled:
+            self._asking[request_id] = t
+            return True
         payloads = self._staged.pop(request_id, None)
         if payloads:
             self._adding[request_id] = payloads
@@ -194,19 +330,143 @@ class EngineKVPort:
         if self._ready:
             for rid in [rid for rid in self._ready if not scheduler.has_request(rid)]:
                 del self._ready[rid]  # (aborted before its admission)
+        if self._asking:
+            asking, self._asking = self._asking, {}
+            for rid, t in asking.items():
+                try:
+                    ok = scheduler.kv_ready(rid, 0, t.num_blocks * self.block_size, reserve=True,
+                                            window_only=self.windows is not None)
+                except PagedKVError:  # (a range the server's checks exclude) the prompt is computed
+                    ok = scheduler.kv_ready(rid, 0, 0)
+                    t.cancel()
+                    n += bool(ok)
+                    continue
+                if ok:
+                    n += 1
+                    self._queued[rid] = t
+                else:
+                    t.cancel()  # (aborted before)
+        if self._queued:
+            for rid in [rid for rid in self._queued if not scheduler.has_request(rid)]:
+                self._queued.pop(rid).cancel()  # (aborted in the queue: nothing was reserved)
+        if self._fetching:
+            self._write_arrived(scheduler)
         return n + (self._inner.poll(scheduler) if self._inner else 0)
+
+    def _write_arrived(self, scheduler: Any) -> None:
+        """Between two steps (the lock held): the payloads that arrived written into their reserved blocks, and
+        each read that ended reported (``kv_loaded``: all, or the good leading part; an aborted request's parked
+        blocks freed). A request no longer FETCHING (aborted) has its read cancelled and nothing written: its
+        blocks may be reused. O(arrived payloads x block bytes + reads in flight)."""
+        bs = self.block_size
+        for rid, entry in list(self._fetching.items()):
+            t, load, order = entry
+            live = scheduler.is_fetching(rid)
+            if not live and not t.cancelled:
+                t.cancel()
+                self.stats["fetches_aborted"] += 1
+            ended = t.ended  # (read first: every put came before the end)
+            got = t.take()
+            if got and live:
+                i0 = t.taken
+                sb = load.start_token // bs
+                ids, pays = [], []
+                if self.windows is None:
+                    for i, p in enumerate(got, i0):
+                        if sb <= i < sb + len(load.block_ids):
+                            ids.append(load.block_ids[i - sb])
+                            pays.append(p)
+                else:
+                    for (g, j), p in zip(order[i0: i0 + len(got)], got):
+                        if j >= sb:
+                            b = load.group_block_ids[g][j - sb]
+                            if b >= 0:  # (a cut sliding group's position before its window: nothing to write)
+                                ids.append(b)
+                                pays.append(p)
+                if ids:
+                    write_blocks(self._kv, ids, pays)
+                    self.stats["written_blocks"] += len(ids)
+            t.taken += len(got)
+            del got  # (their room in the staging budget comes back)
+            if ended is None:
+                continue
+            del self._fetching[rid]
+            if not live:
+                scheduler.kv_loaded(rid)  # (aborted: its parked blocks are freed)
+                continue
+            good = min(ended[0], t.taken)
+            sb = load.start_token // bs
+            if good >= t.num_values:
+                scheduler.kv_loaded(rid)
+                self.stats["loaded"] += 1
+                continue
+            m = good if self.windows is None else usable_blocks(t.num_blocks, bs, self.windows, good)
+            k = max(0, min(m, t.num_blocks) - sb)
+            self.stats["fetches_partial"] += 1
+            if k * bs >= load.num_tokens:
+                scheduler.kv_loaded(rid)
+            else:
+                scheduler.kv_loaded(rid, k * bs)  # (the rest computed; a window-only load: computed whole)
+
+    def start_loads(self, kv_loads: Any) -> None:
+        """After the copy plan of the step that admitted them: the reads of the requests whose blocks this step
+        reserved may start (their KV is written from the next step on); the other loads are the engine's own
+        tiers'. O(loads)."""
+        others = []
+        for kl in kv_loads:
+            t = self._queued.pop(kl.request_id, None)
+            if t is None:
+                others.append(kl)
+                continue
+            order = None if self.windows is None else \
+                group_transfer_order(t.num_blocks, self.block_size, self.windows)  # (wire value -> group, block)
+            self._fetching[kl.request_id] = (t, kl.load, order)
+            self.stats["fetches_reserved"] += 1
+            t.decide(t.num_values)
+        if others and self._inner is not None:
+            self._inner.start_loads(others)
 
     def forget(self, request_id: Any) -> None:
         for d in (self._staged, self._adding, self._ready, self._marked, self._held):
             d.pop(request_id, None)
+        for d in (self._expect, self._asking, self._queued):
+            t = d.pop(request_id, None)
+            if t is not None:
+                t.cancel()
         if self._inner:
             self._inner.forget(request_id)
 
     def wait(self, timeout: float) -> None:
-        if self._inner and not self._adding:
+        """Nothing else to run (the engine's loop): block until a read hands over a value or ends, or
+        ``timeout``. A read hands its values over as its HTTP chunks complete them: once woken, it lingers up to
+        ``_LINGER_S`` for more (until ``_LINGER_VALUES`` wait, or a read ended), so that one step writes a few
+        values rather than one step each."""
+        if self._fetching or self._asking:  # a read hands over a payload or ends: wake at once
+            self._wake.wait(timeout if self._inner is None else min(timeout, 0.005))
+            self._wake.clear()
+            if self._fetching:
+                end = time.monotonic() + _LINGER_S
+                while True:
+                    tickets = [e[0] for e in self._fetching.values()]
+                    if any(t.ended is not None or t.cancelled for t in tickets) or \
+                            sum(len(t._queue) for t in tickets) >= _LINGER_VALUES:
+                        break
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._wake.wait(left)
+                    self._wake.clear()
+            if self._inner:
+                self._inner.wait(0.0)
+        elif self._inner and not self._adding:
             self._inner.wait(timeout)
 
     def write_loads(self, plan: Any, kv_cache: Any) -> None:
+        if self._queued:  # admitted without a load (its prefix cached here whole): its read is not needed
+            for pw in plan.prefills:
+                t = self._queued.pop(pw.request_id, None)
+                if t is not None:
+                    t.cancel()
         if self._ready:
             if self.windows is not None:
                 ready = {rid: e[1] for rid, e in self._ready.items()

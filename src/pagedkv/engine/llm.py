@@ -353,8 +353,6 @@ class LLM:
                                         block_manager=self.block_manager, record_events=enable_kv_events)
         elif kv_disk_gib is not None:
             raise InvalidArgumentError("kv_disk_gib needs kv_disk_dir")
-        # the engine's own tiers (a KV port may wrap llm.kv_tiers later: the reads it starts stay here)
-        self._own_tiers = self.kv_tiers
 
     def close(self) -> None:
         """Finish the storage tiers' stores in flight and close them (the disk directory may then be opened by
@@ -586,7 +584,7 @@ class LLM:
     def _wait_for_loads(self, timeout: float) -> bool:
         """Nothing can run but requests wait for tier loads: block up to ``timeout`` s for one. True if any
         request is loading."""
-        if self.kv_tiers is None or not self.scheduler.num_loading:
+        if self.kv_tiers is None or not (self.scheduler.num_loading or self.scheduler.num_parked):
             return False
         self.kv_tiers.wait(timeout)
         return True
@@ -687,8 +685,8 @@ class LLM:
             self._update_tables(plan)  # first: every plan's table changes reach the engine, whatever fails later
         if len(plan.copies):  # every copy of the step, in the order the block manager handed them out
             execute_copy_plan(plan.copies, self.kv_cache, self.cpu_kv_cache)
-        if plan.kv_loads and self._own_tiers is not None:  # reserved blocks: their KV is read off the step loop
-            self._own_tiers.start_loads(plan.kv_loads)
+        if plan.kv_loads and self.kv_tiers is not None:  # reserved blocks: their KV is read off the step loop
+            self.kv_tiers.start_loads(plan.kv_loads)  # (a KV port starts its transfers, passes the tiers' on)
         if not plan.has_forward:  # a step that only moved blocks
             return []
         tiers = self.kv_tiers

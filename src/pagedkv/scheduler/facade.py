@@ -211,7 +211,7 @@ class Scheduler:
         q.requests[request_id].session = session
 
     def kv_ready(self, request_id: Hashable, start_token: int = 0, num_tokens: int = 0, *,
-                 reserve: bool = False) -> bool:
+                 reserve: bool = False, window_only: bool = False) -> bool:
         """The storage-tier load of a request added with ``wait_for_kv=True`` finished: it holds the KV of prompt
         positions ``[start_token, start_token + num_tokens)`` (block multiples; ``num_tokens`` 0: nothing was
         loaded, or the load failed at once: the prompt is computed). The request joins the waiting queue at its
@@ -225,6 +225,12 @@ class Scheduler:
         the block manager's LOADING; out of every batch) and is listed in ``StepPlan.kv_loads``; the engine
         loads the KV into ``load.block_ids`` and reports it with :meth:`kv_loaded`; the next step prefills the
         rest.
+
+        ``window_only=True`` (with ``reserve``; a manager with KV cache groups, the P/D split's decode side): the
+        allocation is ``external_window_only`` (a sliding group reserves only the blocks its window sees at the
+        run's end: docs/external-kv.md). Such a load completes whole or not at all: a :meth:`kv_loaded` of fewer
+        tokens than reserved (a transfer cut short) frees the request's blocks and puts it back in the waiting
+        queue at its arrival's place, to be computed whole.
 
         Returns False, changing nothing, for an unknown request (aborted meanwhile: a documented no-op). Raises
         ``InvalidArgumentError`` (state unchanged) for a request that is not loading, or a bad range. O(waiting)."""
@@ -245,6 +251,7 @@ class Scheduler:
         g.status = WAITING
         g.external = (int(start_token), int(num_tokens)) if num_tokens else None
         g.reserve = bool(reserve)
+        g.window_only = bool(reserve and window_only)
         q.enqueue_by_arrival(g)
         return True
 
@@ -438,7 +445,9 @@ class Scheduler:
             self._admitter.schedule(prefills, ignored, budget, kv_loads, used)
 
         # progress guard: nothing runs and nothing could be started although work is queued
-        if not q.running and not prefills and not swapped_in_any and not preempted and not q.fetching:
+        # (blocks parked for an aborted load come back once its transfer ends: not "never fits" meanwhile)
+        if not q.running and not prefills and not swapped_in_any and not preempted and not q.fetching \
+                and not q.parked:
             if q.swapped:  # cannot swap in even into an empty pool: recompute it instead
                 self._preemptor.recompute(heapq.heappop(q.swapped))
             elif q.waiting:  # LATER with an empty pool means never

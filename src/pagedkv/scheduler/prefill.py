@@ -9,7 +9,7 @@ import numpy as np
 from ..errors import OutOfBlocksError
 from .calls import status_name
 from .plan import KVLoad, PrefillWork
-from .state import FETCHING, RUNNING, Group, Seq
+from .state import FETCHING, RUNNING, WAITING, Group, Seq
 from .part import Part
 
 
@@ -86,6 +86,8 @@ class Admitter(Part):
                     if chunked:
                         kw["num_new_tokens"] = cap
                     kw["num_external_tokens"] = extra
+                    if g.window_only and getattr(bm, "num_groups", 1) > 1:
+                        kw["external_window_only"] = True
                 else:
                     if chunked:  # the hit plus one chunk, leaving a token of budget for each later sequence
                         kw["num_new_tokens"] = extra + min(cap, budget - used - (m - 1 - i))
@@ -116,6 +118,7 @@ class Admitter(Part):
                         done.append((s, toks, int(hit)))
                         continue
                     kw.pop("num_external_tokens")
+                    kw.pop("external_window_only", None)
                     extra = 0
                 end = len(toks)
                 if chunked:
@@ -168,10 +171,35 @@ class Admitter(Part):
         prefills compute. O(reported requests + their blocks)."""
         q = self.q
         rep, q.loaded = q.loaded, {}
+        bm = self.calls.bm
+        # a window-only load (kv_ready(window_only=True)) that the manager cut (a sliding group reserved only its
+        # window's blocks) and that ended short: its sliding groups' earlier blocks exist
+        # nowhere, so it is aborted (its blocks parked, then freed by the finish_external below) and the request
+        # goes back to the waiting queue to be computed whole
+        redo = [s for s, ok in rep.items() if ok is not None and s in q.seqs and q.seqs[s].group.window_only
+                and q.seqs[s].group.fetch is not None and _cut(q.seqs[s].group.fetch)]
+        for sid in redo:
+            g = q.seqs[sid].group
+            self.calls.free(sid, True)
+            rep[sid] = None  # (now parked: finish_external frees its blocks)
+            del q.fetching[g.request_id]
+            g.fetch = None
+            g.reserve = g.window_only = False
+            g.external = None
+            q.num_running_seqs -= g.n
+            for s in g.live:
+                q.row_loads.pop(s.seq_id, None)
+                s.status = WAITING
+                s.num_computed = s.num_pending = 0
+                s.prefill = None
+            g.status = WAITING
+            q.enqueue_by_arrival(g)
+            self.stats.stale_external_loads += 1
         done = [s for s, ok in rep.items() if ok is None]
         failed = {s: ok for s, ok in rep.items() if ok is not None}
-        bm = self.calls.bm
         got = bm.finish_external(done=done, failed=failed)
+        for sid in redo:
+            got.pop(sid, None)
         computed = 0
         for sid, n in got.items():
             s = q.seqs[sid]
@@ -254,3 +282,9 @@ class Admitter(Part):
             table_row=row,
             num_external_tokens=extra,
         )
+
+
+def _cut(load) -> bool:
+    """Whether an ExternalLoad leaves positions of a group unreserved (NULL_BLOCK: ``external_window_only`` cut
+    a sliding group to its window). O(its blocks)."""
+    return any(b < 0 for ids in load.group_block_ids for b in ids)

@@ -66,7 +66,7 @@ class Group:
     __slots__ = (
         "request_id", "arrival", "prompt", "n", "max_tokens", "eos", "ignore_eos", "stop_ids",
         "namespace", "seqs", "live", "forked", "num_cached_tokens", "num_preemptions", "status", "priority",
-        "external", "reserve", "fetch", "session",
+        "external", "reserve", "window_only", "fetch", "session",
     )
 
     def __init__(self) -> None:
@@ -81,6 +81,7 @@ class Group:
         # (start_token, num_tokens) of prompt KV loaded from a storage tier, waiting for admission (Scheduler.kv_ready)
         self.external: tuple | None = None
         self.reserve = False  # kv_ready(reserve=True): admit with allocate(num_external_tokens=) (FETCHING)
+        self.window_only = False  # kv_ready(window_only=True): allocate(..., external_window_only=True) (KV groups)
         self.fetch = None  # the ExternalLoad of a FETCHING request (its reserved blocks), until its load ends
 
     def __lt__(self, other: "Group") -> bool:  # heap order of the swapped queue

@@ -182,28 +182,47 @@ def build_app(engine: AsyncEngine, *, model_name: str, model_aliases: tuple[str,
             if kvt is not None and kvt.do_remote_prefill and kvt.remote_host in kv.allow_hosts:
                 in_background(kv.release_remote(kvt))  # refused here: the prefill replica frees its hold now
             raise
-        if kvt is not None and kvt.do_remote_prefill and await kv.through_store(kvt, ids, req.cache_salt):
+        into = None  # the decode side's transfer into reserved blocks (ports that offer it)
+        via_store = kvt is not None and kvt.do_remote_prefill and await kv.through_store(kvt, ids, req.cache_salt)
+        if via_store:
             in_background(kv.release_remote(kvt))  # every block is in the shared store: the engine loads them
-        elif kvt is not None and kvt.do_remote_prefill:  # read the KV before queueing: no step waits on it
-            got = await kv.fetch(kvt, ids, req.cache_salt)
-            in_background(kv.release_remote(kvt))
-            if got.payloads:
-                kv.port.attach_external(request, got.payloads, len(kvt.remote_block_ids))
-        check_open()
+        elif kvt is not None and kvt.do_remote_prefill:
+            if getattr(kv.port, "expect_external", None) is None:  # read the KV before queueing, staged
+                got = await kv.fetch(kvt, ids, req.cache_salt)
+                in_background(kv.release_remote(kvt))
+                if got.payloads:
+                    kv.port.attach_external(request, got.payloads, len(kvt.remote_block_ids))
+        reserved = (kvt is not None and kvt.do_remote_prefill and not via_store
+                    and getattr(kv.port, "expect_external", None) is not None)
+        try:
+            check_open()
+        except APIError:
+            if reserved:
+                in_background(kv.release_remote(kvt))
+            raise
+        if reserved:
+            # queued at once, waiting for its KV: its blocks are reserved at admission, the read starts then and
+            # writes into them as it arrives (docs/pd-split.md#the-decode-side)
+            into = kv.port.expect_external(request, len(kvt.remote_block_ids))
         if kvt is not None and kvt.do_remote_decode:
             kv.expect_hold(request, ids, req.cache_salt)
         try:
-            return engine.submit(request)
+            stream = engine.submit(request)
         except (EngineOverloaded, EngineDead) as e:
             if kvt is not None and kvt.do_remote_decode:
                 kv.forget(request.request_id)
             elif kvt is not None and kvt.do_remote_prefill:
                 kv.port.drop_staged(request.request_id)
+                if into is not None:
+                    in_background(kv.release_remote(kvt))
             if isinstance(e, EngineOverloaded):
                 raise APIError(503, str(e), "server_overloaded", "server_overloaded") from None
             if isinstance(e, EngineDraining):
                 raise APIError(503, str(e), "server_error", "server_shutting_down") from None
             raise APIError(503, str(e), "server_error", "engine_dead") from None
+        if into is not None:
+            in_background(kv.fetch_into(kvt, ids, req.cache_salt, into, gone=lambda: stream.finished))
+        return stream
 
     async def admit_pin(ids: list, spec: dict, salt: str | None) -> tuple:
         """A request's ``kv_retention`` checked between two steps (:mod:`pagedkv.engine.request_pins`): 400

@@ -294,7 +294,8 @@ class AsyncEngine:
         sched = self.llm.scheduler
         while True:
             with self._cond:
-                while not (self._stopping or self._adds or self._aborts or sched.has_unfinished()):
+                while not (self._stopping or self._adds or self._aborts or sched.has_unfinished()
+                           or getattr(sched, "num_parked", 0)):  # (aborted loads: freed once their reads end)
                     self._cond.wait()
                 if self._stopping:
                     break
@@ -305,7 +306,7 @@ class AsyncEngine:
                 with self._lock:
                     self._apply(adds, aborts)
                     self._in_transit = 0
-                    if sched.has_unfinished():
+                    if sched.has_unfinished() or getattr(sched, "num_parked", 0):
                         self._guarded_step()
                     self._publish_events()
             except Exception as e:  # the engine itself is broken (not one request): stop, and say so
@@ -313,8 +314,8 @@ class AsyncEngine:
                 return
             self._take_snapshot()
             wait = getattr(self.llm, "_wait_for_loads", None)
-            if wait is not None and sched.num_loading and not (sched.num_running or sched.num_waiting
-                                                                or sched.num_swapped):
+            if wait is not None and (sched.num_loading or getattr(sched, "num_parked", 0)) and not (
+                    sched.num_running or sched.num_waiting or sched.num_swapped):
                 wait(0.02)  # only requests waiting for tier loads: sleep until one finishes (bounded)
         self._fail_all("the server is shutting down", fatal=True)
 

@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default 30)")
     p.add_argument("--kv-fetch-buffer-mib", type=float, default=1024.0,
                    help="MiB of KV blocks a decode replica holds in memory at once, read from prefill replicas and "
-                        "not yet written into its cache; blocks past it are computed (default 1024)")
+                        "not yet written into the cache blocks reserved for them (a read pauses while it is full; "
+                        "under one block: nothing is read, the prompt is computed) (default 1024)")
     p.add_argument("--kv-store-wait", type=float, default=5.0,
                    help="with --kv-shared and the write-through store policy: seconds a prefill replica's answer "
                         "waits for its prompt's blocks to be in the shared store, so the decode replica loads them "

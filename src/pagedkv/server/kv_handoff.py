@@ -20,14 +20,21 @@ unguessable id (128 random bits: the id is the capability to read a tenant's KV)
 Leases are swept every ``sweep_s`` seconds (:meth:`KVHandoff.sweep`: the port's ``expire_holds`` and the
 registry's own deadlines). A request whose client left before its answer releases its hold at once.
 
-**Decode side.** A request with ``do_remote_prefill`` is checked (:func:`.kv_transfer.check_request`), then
-:meth:`KVHandoff.fetch` reads the blocks from the prefill replica (a host of ``allow_hosts``: loopback by default,
-``--kv-peer`` adds others; 400 ``kv_peer_not_allowed`` otherwise) before the request is queued, so the engine's
-steps never wait on the network. The names the decode replica expects are computed from its own tokens of the
-prompt (:func:`pagedkv.tiers.store_names`), so only blocks of this model, tenant and prompt are accepted. A fetch
-that fails (the prefill replica gone, the hold expired, a read timeout, a body cut short or refused) keeps the
-good leading blocks and the engine computes the rest of the prompt: never a silent truncation, never an error
-for the client. The hold is then released (``DELETE``; a failed release is logged, the lease ends it).
+**Decode side.** A request with ``do_remote_prefill`` is checked (:func:`.kv_transfer.check_request`; the
+prefill replica must be a host of ``allow_hosts``: loopback by default, ``--kv-peer`` adds others; 400
+``kv_peer_not_allowed`` otherwise). With an engine port that offers reserved blocks (``expect_external``: the
+real engine's, :class:`pagedkv.engine.kv_port.EngineKVPort`) the request is **queued at once**, waiting for its
+KV: the scheduler reserves blocks for the ``remote_num_tokens`` at admission (``kv_ready(..., reserve=True)``, the
+storage tiers' path; a request whose blocks do not fit waits in the queue like any other), and only then does
+:meth:`KVHandoff.fetch_into` read the body, handing each checked block to the engine, whose step loop writes it
+into its reserved block (under the engine's lock, after the copy plan of the step that reserved them) and drops
+it; when the read ends the engine is told what arrived good (``kv_loaded``) and computes the rest. A port without
+it (the tests' fakes) gets the blocks read before the request is queued and staged with it
+(``attach_external``). The names the decode replica expects are computed from its own tokens of the prompt
+(:func:`pagedkv.tiers.store_names`), so only blocks of this model, tenant and prompt are accepted. A fetch that
+fails (the prefill replica gone, the hold expired, a read timeout, a body cut short or refused) keeps the good
+leading blocks and the engine computes the rest of the prompt: never a silent truncation, never an error for the
+client. The hold is then released (``DELETE``; a failed release is logged, the lease ends it).
 
 **Check digests on the wire.** Every value served carries its block's check digest
 (:func:`pagedkv.tiers.check_digests`, computed when the request is marked); the decode side computes the ones it
@@ -43,12 +50,15 @@ block (:meth:`KVHandoff.through_store`, one existence query): if so the request 
 loads the blocks through its tiers (reserved blocks, no HTTP read, no staging), and the hold is released; if not,
 the hold is read over HTTP as below.
 
-**Bounded memory on the decode side.** The payloads read wait in memory until the step that admits their request
-writes them into its blocks. A :class:`StagingBudget` (``fetch_buffer_bytes``, ``--kv-fetch-buffer-mib``) bounds
-the bytes of every payload alive at once on the replica: a fetch reserves room for its blocks before it reads
-(what is left of the budget then: never waiting), reads only the leading blocks that fit (the rest of the
-prompt is computed, counted in ``blocks_over_budget``), and each payload gives its room back when the engine
-drops it (written into its block, or its request aborted): a :class:`StagedPayload` is a ``bytes`` whose
+**Bounded memory on the decode side.** A :class:`StagingBudget` (``fetch_buffer_bytes``, ``--kv-fetch-buffer-mib``)
+bounds the bytes of fetched payloads alive at once on the replica. Into reserved blocks, that is the blocks read
+and not yet written: before each HTTP chunk the read waits until one more block fits (so it holds at most the
+budget plus what one chunk completes; the step loop writes what arrived at every step, so in practice a few
+blocks), and a budget smaller than one block reads nothing (the prompt is computed, counted in
+``blocks_over_budget``). Staged (a port without reserved blocks), a fetch reserves room for its blocks before it
+reads (what is left of the budget then: never waiting), reads only the leading blocks that fit (the rest of the
+prompt is computed, counted in ``blocks_over_budget``). Either way each payload gives its room back when the
+engine drops it (written into its block, or its request aborted): a :class:`StagedPayload` is a ``bytes`` whose
 finalizer releases it, so no engine code is involved and no path can leak the count.
 
 Counters: :attr:`KVHandoff.stats`; the fetch times in :attr:`KVHandoff.fetch_seconds`
@@ -126,8 +136,13 @@ class KVPort(Protocol):
         groups, whose payloads are several per block (its ``block_names``), reads them by it."""
 
     def drop_staged(self, request_id: Any) -> None:
-        """Drop what :meth:`attach_external` staged for a request that will not run (its submission was
-        refused)."""
+        """Drop what :meth:`attach_external` (or ``expect_external``) staged for a request that will not run (its
+        submission was refused)."""
+
+    # optional: def expect_external(self, request, num_blocks) -> sink. Mark a prepared, not yet submitted
+    # request whose prompt's first num_blocks blocks arrive into blocks reserved for them at its admission; the
+    # sink (pagedkv.engine.kv_port.ExternalFetch) is what KVHandoff.fetch_into drives: reserved(), put(), end().
+    # A port with it gets the reserved-block path (the module docstring), one without the staged one.
 
 
 class StagingBudget:
@@ -141,6 +156,7 @@ class StagingBudget:
         self._used = 0
         self.peak = 0  #: the most bytes ever staged at once
         self._lock = threading.Lock()
+        self._waiters: list = []  # (loop, asyncio.Event) of fetches waiting for room
 
     @property
     def used(self) -> int:
@@ -154,9 +170,34 @@ class StagingBudget:
             self.peak = max(self.peak, self._used)
             return k
 
+    def add(self, nbytes: int) -> None:
+        """Count ``nbytes`` more (a payload read into reserved cache blocks' way: the room was waited for with
+        :meth:`room`, so this may pass the limit by what one HTTP chunk completes). O(1)."""
+        with self._lock:
+            self._used += nbytes
+            self.peak = max(self.peak, self._used)
+
     def release(self, nbytes: int) -> None:
         with self._lock:
             self._used -= nbytes
+            waiters, self._waiters = self._waiters, []
+        for loop, ev in waiters:  # (released by the engine's thread: wake the fetches on the event loop)
+            try:
+                loop.call_soon_threadsafe(ev.set)
+            except RuntimeError:  # (its loop closed)
+                pass
+
+    async def room(self, nbytes: int) -> None:
+        """Wait (on the event loop) until ``nbytes`` more fit under the limit; returns at once when they do. The
+        caller bounds the wait (its fetch timeout); room comes back when the engine drops written payloads."""
+        loop = asyncio.get_running_loop()
+        while True:
+            ev = asyncio.Event()
+            with self._lock:
+                if self._used + nbytes <= self.limit:
+                    return
+                self._waiters.append((loop, ev))
+            await ev.wait()
 
 
 class StagedPayload(bytes):
@@ -217,13 +258,19 @@ class FetchResult:
     payloads: list = field(repr=False)
     asked: int
     error: str | None = None
+    received: int | None = None  #: a fetch into reserved blocks (a sink): the good leading values handed over
+
+    @property
+    def num_received(self) -> int:
+        """The good leading values: ``len(payloads)``, or those handed to the sink."""
+        return len(self.payloads) if self.received is None else self.received
 
     @property
     def complete(self) -> bool:
-        return self.error is None and len(self.payloads) == self.asked
+        return self.error is None and self.num_received == self.asked
 
     def __repr__(self) -> str:
-        return f"FetchResult({len(self.payloads)} of {self.asked} blocks, error={self.error!r})"
+        return f"FetchResult({self.num_received} of {self.asked} blocks, error={self.error!r})"
 
 
 @dataclass
@@ -255,10 +302,10 @@ class KVHandoff:
     #: the blocks were not all stored within ``store_wait_s``), store_wait_seconds (the answers' waits, summed: a
     #: float);
     #: decode side: fetches (started), fetches_partial, fetches_failed (no block), blocks_fetched, bytes_fetched
-    #: (wire bytes), blocks_over_budget (not read: the staging budget was full), releases_failed, check_refused
-    #: (a fetch stopped at a value whose check digest was not the prompt's), store_loads (requests sent to the
-    #: engine to load through its shared tier), store_misses (the shared store held fewer blocks than announced:
-    #: read from the hold instead)
+    #: (wire bytes), blocks_over_budget (not read: the staging budget was full, or holds no block), releases_failed,
+    #: check_refused (a fetch stopped at a value whose check digest was not the prompt's), store_loads (requests
+    #: sent to the engine to load through its shared tier), store_misses (the shared store held fewer blocks than
+    #: announced: read from the hold instead)
     stats: dict = field(default_factory=lambda: dict.fromkeys((
         "holds", "holds_released", "holds_expired", "holds_dropped", "holds_served", "blocks_served",
         "bytes_served", "fetches", "fetches_partial", "fetches_failed", "blocks_fetched", "bytes_fetched",
@@ -518,22 +565,32 @@ class KVHandoff:
     def _headers(self) -> dict:
         return {"authorization": f"Bearer {self.peer_api_key}"} if self.peer_api_key else {}
 
-    async def fetch(self, kvt: KVTransferParams, token_ids: Sequence[int], namespace: Any) -> FetchResult:
+    async def fetch(self, kvt: KVTransferParams, token_ids: Sequence[int], namespace: Any,
+                    sink: Any = None, gone: Callable[[], bool] | None = None) -> FetchResult:
         """Read the blocks ``kvt`` names from the prefill replica (bounded by ``fetch_timeout`` as a whole, and by
         the staging budget: only the leading blocks that fit it are read); never raises for the peer's faults:
         the result says how many leading blocks are good and why not all. The payloads are
-        :class:`StagedPayload`: their room in the budget comes back when the last reference to each goes."""
+        :class:`StagedPayload`: their room in the budget comes back when the last reference to each goes.
+
+        ``sink`` (the engine's :class:`pagedkv.engine.kv_port.ExternalFetch` of the request, queued already): the
+        blocks go into the request's reserved cache blocks as they arrive instead (see :meth:`_fetch_into`);
+        the result's ``payloads`` is then empty and ``received`` counts what the sink took. ``gone``: see
+        :meth:`fetch_into`."""
+        n = len(kvt.remote_block_ids)
+        self.stats["fetches"] += 1
+        if n == 0:
+            if sink is not None:
+                sink.end(0, None)
+            return FetchResult([], 0)
+        names = self.names(token_ids, namespace, n)  # (KV cache groups: several values per prompt block)
+        checks = self.checks(token_ids, namespace, n)  # (the wire's check digests, from this replica's tokens)
+        if sink is not None:
+            return await self._fetch_into(kvt, names, checks, sink, gone)
         import httpx
 
         from ..tiers.codec import Decoded
         from .kv_wire import BundleReader
 
-        n = len(kvt.remote_block_ids)
-        self.stats["fetches"] += 1
-        if n == 0:
-            return FetchResult([], 0)
-        names = self.names(token_ids, namespace, n)  # (KV cache groups: several values per prompt block)
-        checks = self.checks(token_ids, namespace, n)  # (the wire's check digests, from this replica's tokens)
         nv = len(names)
         pb = self.port.payload_bytes
         k = self.staging.reserve(nv, pb)
@@ -608,6 +665,99 @@ class KVHandoff:
         log.warning("the shared store %s (hold %s): %s; reading the hold from %s", store, kvt.remote_request_id,
                     why, kvt.base_url)
         return False
+
+    async def _fetch_into(self, kvt: KVTransferParams, names: list, checks: list, sink: Any,
+                          gone: Any = None) -> FetchResult:
+        """The decode side's read into reserved blocks (docs/pd-split.md#the-decode-side-kv-written-into-reserved-blocks). First waits until the
+        engine reserved the request's blocks (``sink.reserved()``: the number of leading values it takes; 0 when
+        it needs none: the request ended, or its prefix is cached whole): the read never starts for a request
+        still queued, so a request whose blocks do not fit waits like any other and nothing is read ahead of it.
+        Then streams the body through a :class:`~.kv_wire.BundleReader`, handing each checked value to the
+        engine (``sink.put``: the step loop writes it into its reserved block and drops it) and waiting, before
+        each HTTP chunk, until the staging budget has room for one more value: the bytes read and not yet written
+        stay under ``--kv-fetch-buffer-mib`` plus what one chunk completes. Stops early when the sink is
+        cancelled (the request aborted: the engine writes nothing more). Always ends with ``sink.end(good,
+        error)`` (the engine computes the rest); never raises for the peer's faults. The read is bounded by
+        ``fetch_timeout`` from the reservation on."""
+        import httpx
+
+        from ..tiers.codec import Decoded
+        from .kv_wire import BundleReader
+
+        nv = len(names)
+        pb = self.port.payload_bytes
+        budget = self.staging
+        error = None
+        reader = None
+        t0 = None
+        try:
+            want = min(nv, int(await sink.reserved(gone)))
+            if want <= 0:  # (the request ended before its blocks were reserved, or needs none)
+                return FetchResult([], 0, None, 0)
+            if budget.limit < pb:  # not one value fits: nothing is read, the prompt is computed
+                self.stats["blocks_over_budget"] += want
+                self.stats["fetches_failed"] += 1
+                error = f"the staging buffer (--kv-fetch-buffer-mib, {budget.limit} bytes) holds no block"
+                return FetchResult([], want, error, 0)
+
+            def keep(mv: memoryview) -> None:
+                budget.add(pb)
+                sink.put(StagedPayload.staged(mv, budget))
+
+            reader = BundleReader(self.port.fingerprint.digest, names[:want], pb, keep=keep,
+                                  prefix_only=want < nv, checks=checks[:want])
+            url = f"{kvt.base_url}/v1/kv/holds/{kvt.remote_request_id}"
+            params = {"engine": kvt.remote_engine_id, **({"blocks": str(want)} if want < nv else {})}
+            t0 = time.perf_counter()
+            async with asyncio.timeout(self.fetch_timeout):
+                async with self._http().stream("GET", url, params=params, headers=self._headers()) as resp:
+                    if resp.status_code != 200:
+                        await resp.aread()
+                        error = f"the prefill replica answered {resp.status_code}"
+                    else:
+                        async for chunk in resp.aiter_bytes():
+                            if sink.cancelled:
+                                error = "the request ended during the read"
+                                break
+                            await budget.room(pb)
+                            if not reader.feed(chunk):
+                                break
+                        else:
+                            reader.finish()
+        except (httpx.HTTPError, TimeoutError, OSError) as e:
+            error = f"reading the blocks failed: {type(e).__name__}"
+        finally:
+            good = len(reader.payloads) if reader is not None else 0
+            if error is None and reader is not None:
+                error = reader.error
+            if reader is not None and reader.refused is Decoded.CHECK:
+                self.stats["check_refused"] += 1
+            sink.end(good, error)
+        if t0 is not None:
+            self.fetch_seconds.observe(time.perf_counter() - t0)
+        res = FetchResult([], want, error, good)
+        self.stats["blocks_fetched"] += good
+        self.stats["bytes_fetched"] += reader.bytes_read if reader is not None else 0
+        if not res.complete:
+            self.stats["fetches_failed" if not good else "fetches_partial"] += 1
+            log.warning("KV from %s (hold %s): %d of %d values (%s); the engine computes the rest of the prompt",
+                        kvt.base_url, kvt.remote_request_id, good, want, error)
+        return res
+
+    async def fetch_into(self, kvt: KVTransferParams, token_ids: Sequence[int], namespace: Any,
+                         sink: Any, gone: Callable[[], bool] | None = None) -> FetchResult:
+        """:meth:`fetch` into the request's reserved blocks (``sink``), then the hold's release (``DELETE``);
+        run it in the background once the request is queued. ``gone``: checked while the request waits for its
+        blocks (twice a second); True once its stream ended (the engine failed or dropped it): the read is not
+        made. Never raises but for cancellation."""
+        try:
+            return await self.fetch(kvt, token_ids, namespace, sink, gone)
+        except Exception as e:  # noqa: BLE001 - a bug here must not leave the request waiting forever
+            log.exception("reading KV from %s failed", kvt.base_url)
+            sink.end(0, f"{type(e).__name__}: {e}")
+            return FetchResult([], 0, repr(e), 0)
+        finally:
+            await self.release_remote(kvt)
 
     async def release_remote(self, kvt: KVTransferParams) -> bool:
         """Tell the prefill replica that its hold is no longer needed (bounded; a failure is counted and logged:

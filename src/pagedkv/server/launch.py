@@ -217,7 +217,8 @@ def make_server(llm: Any, *, model_name: str, host: str = "127.0.0.1", port: int
     port (default :func:`engine_kv_port`; ValueError for a role other than ``both`` without one), the hold lease,
     the hosts a decode replica reads KV from besides loopback, the address decode replicas reach this one at
     (default ``host``), the fetch bound in seconds, the key sent to prefill replicas (default ``api_key``) and the
-    decode side's staging budget in bytes (default 1 GiB), and the most seconds a prefill answer waits for its blocks
+    decode side's staging budget in bytes (the blocks read and not yet written into their reserved cache
+    blocks; default 1 GiB), and the most seconds a prefill answer waits for its blocks
     in the shared store (default 5; docs/pd-split.md#through-the-shared-store). The handoff's counters join the
     metrics."""
     from .app import build_app
