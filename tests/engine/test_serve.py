@@ -13,6 +13,7 @@ import re
 import time
 
 import pytest
+from engine_helpers import fail_sampling_of_seed
 
 pytestmark = pytest.mark.engine
 
@@ -507,34 +508,10 @@ def test_a_failed_forward_fails_its_requests_and_the_engine_goes_on(engine):
 def test_a_sampler_fault_fails_only_its_request(engine, offline, monkeypatch):
     """Sampling that raises for one request (its logits, its parameters) fails that request alone: the request
     next to it in the same steps gets exactly the offline engine's output."""
-    import pagedkv.engine.llm as llm_mod
     from pagedkv.engine import LLM
     from pagedkv.server.launch import make_server
 
-    real = llm_mod.sample
-
-    def picky(logits, params, num, generator):
-        if params.seed == 666:
-            raise FloatingPointError("injected: probabilities are not finite")
-        return real(logits, params, num, generator)
-
-    real_batch = llm_mod.sample_batch
-
-    def picky_batch(logits, params, nums, generators):  # the batched sampler sees the same fault
-        if any(p.seed == 666 for p in params):
-            raise FloatingPointError("injected: probabilities are not finite")
-        return real_batch(logits, params, nums, generators)
-
-    real_bounded = llm_mod.sample_bounded
-
-    def picky_bounded(head, hidden, params, nums, generators):  # the fast LM head's sampler too (the default)
-        if any(p.seed == 666 for p in params):
-            raise FloatingPointError("injected: probabilities are not finite")
-        return real_bounded(head, hidden, params, nums, generators)
-
-    monkeypatch.setattr(llm_mod, "sample", picky)
-    monkeypatch.setattr(llm_mod, "sample_batch", picky_batch)
-    monkeypatch.setattr(llm_mod, "sample_bounded", picky_bounded)
+    fail_sampling_of_seed(monkeypatch, "injected: probabilities are not finite")  # every sampler raises for seed 666
     llm = LLM(engine.paged, num_gpu_blocks=32, max_num_seqs=4, block_size=BLOCK)
     srv = make_server(llm, model_name=MODEL).start_in_thread()
     prompt = "The capital of France is"

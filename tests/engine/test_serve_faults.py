@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from engine_helpers import fail_sampling_of_seed
 from hostile_inputs import HOSTILE
 
 pytestmark = pytest.mark.engine
@@ -205,33 +206,9 @@ def test_drain_lets_requests_in_flight_finish_and_refuses_new_ones(engine):
 def test_offline_generate_raises_a_sampler_fault_and_stays_usable(engine, monkeypatch):
     """``LLM.generate`` with a request whose sampling raises: a RuntimeError naming it, every request of the call
     aborted (no block held, nothing left in the scheduler), and the next call works."""
-    import pagedkv.engine.llm as llm_mod
     from pagedkv.engine import LLM, SamplingParams
 
-    real = llm_mod.sample
-
-    def picky(logits, params, num, generator):
-        if params.seed == 666:
-            raise FloatingPointError("injected")
-        return real(logits, params, num, generator)
-
-    real_batch = llm_mod.sample_batch
-
-    def picky_batch(logits, params, nums, generators):  # the batched sampler sees the same fault
-        if any(p.seed == 666 for p in params):
-            raise FloatingPointError("injected")
-        return real_batch(logits, params, nums, generators)
-
-    real_bounded = llm_mod.sample_bounded
-
-    def picky_bounded(head, hidden, params, nums, generators):  # the fast LM head's sampler too (the default)
-        if any(p.seed == 666 for p in params):
-            raise FloatingPointError("injected")
-        return real_bounded(head, hidden, params, nums, generators)
-
-    monkeypatch.setattr(llm_mod, "sample", picky)
-    monkeypatch.setattr(llm_mod, "sample_batch", picky_batch)
-    monkeypatch.setattr(llm_mod, "sample_bounded", picky_bounded)
+    fail_sampling_of_seed(monkeypatch, "injected")  # every sampler raises for seed 666
     llm = LLM(engine.paged, num_gpu_blocks=32, max_num_seqs=4, block_size=16)
     with pytest.raises(RuntimeError, match="sampling failed"):
         llm.generate(["Hello", "World"], [SamplingParams(max_tokens=4, temperature=0),

@@ -54,14 +54,14 @@ from typing import Hashable, Iterable, Sequence
 
 import numpy as np
 
-from .._checks import as_tokens, batch_tokens, check_int, flat_tokens, new_token_counts
+from .._checks import as_tokens, batch_args, batch_tokens, check_int, flat_tokens, new_token_counts
 from ._allocator import HybridAllocator
 from ._seqs import HybridSeqs
 from ._step import HybridStepper
 from ._swap import HybridSwapper
 from ._types import HybridPrefillBatch, HybridStepDelta, HybridStepResult
 from ._retention import WindowRetention, _SlidingGroup
-from ..errors import (DuplicateSequenceError, InvalidArgumentError, InvalidTokensError, OutOfBlocksError,
+from ..errors import (InvalidArgumentError, InvalidTokensError, OutOfBlocksError,
                       SequenceStateError, UnknownPinError)
 from ..blocks.evictor import RetentionEvictor
 from ..kv_groups import FullAttentionSpec, SlidingWindowSpec
@@ -367,62 +367,27 @@ class HybridBlockManager(PoolState, ExternalKV):
 
         ``num_new_tokens`` (chunked prefill): None, or one chunk size (>= 1) per prompt, as for :meth:`allocate`;
         the metadata then covers each sequence's hit plus its chunk (``seq_lens``: the tokens held)."""
-        if num_external_tokens is not None:
-            return self._allocate_batch_external(seq_ids, token_ids, num_lookahead_slots, namespaces,
-                                                 num_new_tokens, num_external_tokens)
-        seq_ids = list(seq_ids)
-        prompts = list(token_ids) if not isinstance(token_ids, np.ndarray) or token_ids.ndim == 2 else None
-        if prompts is None or len(prompts) != len(seq_ids):
-            raise InvalidTokensError(f"token_ids must hold one prompt per sequence ({len(seq_ids)})")
+        seq_ids, prompts, namespaces, chunks = batch_args(seq_ids, token_ids, namespaces, num_new_tokens)
         la = check_int("num_lookahead_slots", num_lookahead_slots, 0)
-        if namespaces is None:
-            namespaces = [None] * len(seq_ids)
-        else:
-            if isinstance(namespaces, (str, bytes, int)):
-                raise InvalidArgumentError("namespaces must be a sequence of one namespace per prompt")
-            namespaces = list(namespaces)
-            if len(namespaces) != len(seq_ids):
-                raise InvalidArgumentError(f"got {len(namespaces)} namespaces for {len(seq_ids)} prompts")
-        if num_new_tokens is None:
+        if chunks is None:
             chunks = [None] * len(seq_ids)
-        else:
-            if isinstance(num_new_tokens, (int, np.integer, str, bytes)) or len(num_new_tokens) != len(seq_ids):
-                raise InvalidArgumentError("num_new_tokens must be None or one chunk size per prompt")
-            chunks = [check_int(f"num_new_tokens[{i}]", c, 1) for i, c in enumerate(num_new_tokens)]
-        seen: set = set()
-        for s in seq_ids:
-            self._t0.check_new_id(s)
-            if s in seen:
-                raise DuplicateSequenceError(f"sequence {s!r} appears twice in one batch")
-            seen.add(s)
+        if num_external_tokens is not None:
+            return self._allocate_batch_external(seq_ids, prompts, la, namespaces, chunks, num_external_tokens)
+        self._t0.check_new_ids(seq_ids)
         gnss = [self._alloc.gns(ns) for ns in namespaces]
         arrs = [as_tokens(p, f"token_ids[{i}]") for i, p in enumerate(prompts)]
         return self._alloc.allocate_batch(seq_ids, arrs, gnss, chunks, la)
 
-    def _allocate_batch_external(self, seq_ids, token_ids, la, namespaces, chunks, exts) -> HybridPrefillBatch:
-        """allocate_batch with ``num_external_tokens``: checked as a whole (ids, prompts, and the blocks of every
-        prompt counted without its hit against the free ones), then consecutive :meth:`allocate` calls: all or
-        nothing. O(total prompt blocks x groups)."""
-        seq_ids = list(seq_ids)
+    def _allocate_batch_external(self, seq_ids: list, prompts: list, la: int, namespaces: list, chunks: list,
+                                 exts: object) -> HybridPrefillBatch:
+        """allocate_batch with ``num_external_tokens`` (the other arguments checked by allocate_batch): checked as
+        a whole (ids, prompts, and the blocks of every prompt counted without its hit against the free ones),
+        then consecutive :meth:`allocate` calls: all or nothing. O(total prompt blocks x groups)."""
         b = len(seq_ids)
         if isinstance(exts, (int, np.integer)) or len(exts) != b:
             raise InvalidArgumentError("num_external_tokens must be None or one count per prompt")
         exts = [self._ext.check_external(e) for e in exts]
-        prompts = list(token_ids) if not isinstance(token_ids, np.ndarray) or token_ids.ndim == 2 else None
-        if prompts is None or len(prompts) != b:
-            raise InvalidTokensError(f"token_ids must hold one prompt per sequence ({b})")
-        la = check_int("num_lookahead_slots", la, 0)
-        namespaces = [None] * b if namespaces is None else list(namespaces)
-        chunks = [None] * b if chunks is None else [check_int(f"num_new_tokens[{i}]", c, 1)
-                                                    for i, c in enumerate(chunks)]
-        if len(namespaces) != b or len(chunks) != b:
-            raise InvalidArgumentError("namespaces and num_new_tokens must hold one entry per prompt")
-        seen: set = set()
-        for s in seq_ids:
-            self._t0.check_new_id(s)
-            if s in seen:
-                raise DuplicateSequenceError(f"sequence {s!r} appears twice in one batch")
-            seen.add(s)
+        self._t0.check_new_ids(seq_ids)
         arrs = [as_tokens(p, f"token_ids[{i}]") for i, p in enumerate(prompts)]
         plans = [self._alloc.plan(a, la, self._alloc.gns(ns)) for a, ns in zip(arrs, namespaces)]
         # admitted against the blocks every prompt needs without any hit (an earlier prompt may evict or demote a

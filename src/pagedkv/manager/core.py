@@ -58,8 +58,8 @@ from typing import Hashable, Iterable, Sequence
 
 import numpy as np
 
-from .._checks import (as_tokens as _as_tokens, batch_tokens, check_int as _check_int, flat_tokens, new_token_counts,
-                      token_count)
+from .._checks import (as_tokens as _as_tokens, batch_args, batch_tokens, check_int as _check_int, flat_tokens,
+                      new_token_counts, token_count)
 from . import _invariants
 from ._alloc import Allocator
 from ..blocks._blocks import Blocks
@@ -583,27 +583,8 @@ class BlockManager(PoolState, ExternalKV):
         batch as those calls share), and each LOADING sequence's metadata starts at its ``H + E'`` (its prefill
         waits for :meth:`finish_external`).
         """
-        seq_ids = list(seq_ids)
-        prompts = list(token_ids) if not isinstance(token_ids, np.ndarray) or token_ids.ndim == 2 else None
-        if prompts is None or len(prompts) != len(seq_ids):
-            raise InvalidTokensError(
-                f"token_ids must hold one prompt per sequence ({len(seq_ids)}), got "
-                f"{'an array of shape ' + str(token_ids.shape) if prompts is None else len(prompts)}"
-            )
+        seq_ids, prompts, namespaces, chunks = batch_args(seq_ids, token_ids, namespaces, num_new_tokens)
         la = _check_int("num_lookahead_slots", num_lookahead_slots, 0)
-        if namespaces is None:
-            namespaces = [None] * len(seq_ids)
-        else:
-            if isinstance(namespaces, (str, bytes, int)):
-                raise InvalidArgumentError("namespaces must be a sequence of one namespace per prompt")
-            namespaces = list(namespaces)
-            if len(namespaces) != len(seq_ids):
-                raise InvalidArgumentError(f"got {len(namespaces)} namespaces for {len(seq_ids)} prompts")
-        chunks = None
-        if num_new_tokens is not None:
-            if isinstance(num_new_tokens, (int, np.integer)) or len(num_new_tokens) != len(seq_ids):
-                raise InvalidArgumentError("num_new_tokens must be None or one chunk size per prompt")
-            chunks = [_check_int(f"num_new_tokens[{i}]", c, 1) for i, c in enumerate(num_new_tokens)]
         if num_external_tokens is not None:
             if isinstance(num_external_tokens, (int, np.integer)) or len(num_external_tokens) != len(seq_ids):
                 raise InvalidArgumentError("num_external_tokens must be None or one count per prompt")
