@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,25 @@ class Engine:
         return self._memo[key]
 
 
+def _model_path(find, not_found: type) -> Any:
+    """``find()``, the model file's path; the test is skipped (with the reason) when it is not installed."""
+    try:
+        return find()
+    except not_found as exc:
+        pytest.skip(str(exc))
+
+
+@contextmanager
+def _test_threads(torch: Any) -> Iterator[None]:
+    """Torch on ``PAGEDKV_TEST_THREADS`` threads (default 1) inside the block, its count before restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(int(os.environ.get("PAGEDKV_TEST_THREADS", "1")))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def engine() -> Iterator[Engine]:
     """The model, loaded once. Torch runs on one thread here (``PAGEDKV_TEST_THREADS`` overrides):
@@ -57,13 +77,8 @@ def engine() -> Iterator[Engine]:
     from pagedkv.engine.reference import ReferenceLlama
     from pagedkv.engine.tokenizer import GGUFTokenizer
 
-    try:
-        path = find_default_model()
-    except ModelNotFoundError as exc:
-        pytest.skip(str(exc))
-    threads_before = torch.get_num_threads()
-    torch.set_num_threads(int(os.environ.get("PAGEDKV_TEST_THREADS", "1")))
-    try:
+    path = _model_path(find_default_model, ModelNotFoundError)
+    with _test_threads(torch):
         config, weights, tok_meta = load_gguf(path)
         yield Engine(
             config=config,
@@ -75,8 +90,6 @@ def engine() -> Iterator[Engine]:
             paged=PagedLlama(config, weights, tokenizer_metadata=tok_meta,
                              quantized=load_blocks(path, llama_row_convert(config))),
         )
-    finally:
-        torch.set_num_threads(threads_before)
 
 
 @pytest.fixture(scope="session")
@@ -97,13 +110,6 @@ def gemma():
     from pagedkv.engine.gguf_loader import ModelNotFoundError
     from pagedkv.engine.registry import find_gemma3_model
 
-    try:
-        path = find_gemma3_model()
-    except ModelNotFoundError as exc:
-        pytest.skip(str(exc))
-    before = torch.get_num_threads()
-    torch.set_num_threads(int(os.environ.get("PAGEDKV_TEST_THREADS", "1")))
-    try:
+    path = _model_path(find_gemma3_model, ModelNotFoundError)
+    with _test_threads(torch):
         yield PagedGemma3.from_gguf(path)
-    finally:
-        torch.set_num_threads(before)

@@ -95,3 +95,33 @@ def fail_sampling_of_seed(monkeypatch, message: str, seed: int = 666) -> None:
     monkeypatch.setattr(llm_mod, "sample", picky)
     monkeypatch.setattr(llm_mod, "sample_batch", picky_batch)
     monkeypatch.setattr(llm_mod, "sample_bounded", picky_bounded)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (bound and released)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(proc: Any, url: str, timeout: float = 120.0) -> None:
+    """Poll ``url``/health until it answers 200; AssertionError ("the server did not come up", with the end of its
+    output when it is piped) once the server process ``proc`` has exited or ``timeout`` seconds have passed."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            out = proc.stdout.read() if proc.stdout is not None else ""
+            out = out.decode(errors="replace") if isinstance(out, bytes) else out
+            raise AssertionError(f"the server did not come up: it exited with {proc.returncode}\n{out[-2000:]}")
+        assert time.monotonic() < deadline, "the server did not come up"
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.3)

@@ -13,7 +13,7 @@ import re
 import time
 
 import pytest
-from engine_helpers import fail_sampling_of_seed
+from engine_helpers import fail_sampling_of_seed, free_port, wait_healthy
 
 pytestmark = pytest.mark.engine
 
@@ -351,11 +351,6 @@ def test_serve_command_in_a_subprocess(tmp_path):
     import subprocess
     import sys
 
-    def free_port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-
     port, ev_port, replay_port = free_port(), free_port(), free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     proc = subprocess.Popen([sys.executable, "-m", "pagedkv.cli", "serve", "--port", str(port), "--num-gpu-blocks",
@@ -365,14 +360,7 @@ def test_serve_command_in_a_subprocess(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.3)
+        wait_healthy(proc, url, 120)
         c = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0, timeout=60)
         r = c.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
         assert r.usage.completion_tokens <= 3 and r.choices[0].message.content
