@@ -109,7 +109,7 @@ def test_the_checker_finds_a_private_read(tmp_path):
     assert _private_reads(bad) == ["bad.py:4 self.t._ntok", "bad.py:4 t._nblk"]
 
 
-def test_the_facade_has_no_mixins_and_wires_its_own_parts():
+def test_the_facades_only_bases_are_the_stateless_shared_surface_and_it_wires_its_own_parts():
     # the only bases: the surface both facades share, stateless (empty __slots__, no __init__, no class data)
     assert BlockManager.__bases__ == HybridBlockManager.__bases__ == (PoolState, ExternalKV)
     for base in (PoolState, ExternalKV):
