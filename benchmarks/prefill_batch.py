@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
 from pagedkv import BlockManager
+
+sys.path.insert(0, str(Path(__file__).parent))
+from ab_step import run as run_step  # noqa: E402 (the same tight step loop)
 
 
 def _prompts(b: int, seed: int) -> list[list[int]]:
@@ -58,19 +62,8 @@ def time_prefill(b: int, hows: tuple, rounds: int) -> dict:
 
 
 def time_step(batch: int, caching: bool, steps: int = 300) -> float:
-    rng = np.random.default_rng(0)
-    bm = BlockManager(batch * 40 + 64, 16, enable_prefix_caching=caching)
-    ids = list(range(batch))
-    for i in ids:
-        bm.allocate(i, rng.integers(0, 32000, int(rng.integers(200, 300))).tolist())
-    toks = rng.integers(0, 32000, (steps, batch))
-    ts = []
-    for s in range(steps):
-        t = time.perf_counter()
-        bm.decode_step(ids, toks[s])
-        ts.append(time.perf_counter() - t)
-    kept = sorted(ts[10:])[: -len(ts) // 50]
-    return float(np.mean(kept)) * 1e6
+    """Mean us per decode step at ``batch`` (:func:`ab_step.run`'s loop, seed 0)."""
+    return run_step(batch, caching, steps)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import sys
 
 import numpy as np
 import pytest
+from no_torch import NO_TORCH as _NO_TORCH
 
 import pagedkv
 from pagedkv import NULL_BLOCK, AllocStatus, BlockManager
@@ -119,14 +120,6 @@ def test_properties_are_read_only_and_results_immutable():
         res.cow = None
     with pytest.raises(AttributeError):
         bm.stats.evictions = 3
-
-
-_NO_TORCH = ("import sys\n"
-             "class _NoTorch:\n"
-             "    def find_spec(self, name, path=None, target=None):\n"
-             "        if name == 'torch' or name.startswith('torch.'):\n"
-             "            raise AssertionError('torch imported')\n"
-             "sys.meta_path.insert(0, _NoTorch())\n")  # fails whether or not torch is installed
 
 
 def test_core_does_not_import_torch():

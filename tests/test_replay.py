@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from no_torch import NO_TORCH as _NO_TORCH
 from hypothesis import example, given, settings, strategies as st
 
 from pagedkv import BlockManager, InvalidArgumentError
@@ -308,14 +309,6 @@ def test_command_cpu_capacity(capsys):
         assert rc == 0
     else:
         assert rc == 2 and "CPU tier of the prefix cache is not available" in capsys.readouterr().err
-
-
-_NO_TORCH = ("import sys\n"
-             "class _NoTorch:\n"
-             "    def find_spec(self, name, path=None, target=None):\n"
-             "        if name == 'torch' or name.startswith('torch.'):\n"
-             "            raise AssertionError('torch imported')\n"
-             "sys.meta_path.insert(0, _NoTorch())\n")  # fails whether or not torch is installed
 
 
 def test_replay_never_imports_torch():

@@ -5,6 +5,7 @@ messages (resync through the replay socket), a replica restart (numbering from 0
 import time
 
 import pytest
+from stub_replica import wait_for
 
 pytest.importorskip("zmq")
 pytest.importorskip("msgspec")
@@ -35,15 +36,6 @@ def cached_keys(bm):
 
 def index_keys(ix, replica):
     return set(ix._members[replica][("GPU", 0)]) if replica in ix._members else set()
-
-
-def wait_for(cond, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 @pytest.fixture

@@ -12,23 +12,9 @@ import pytest
 from pagedkv import BlockManager
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.scheduler import Scheduler
+from sched_steps import BS, make, step
 
-BS = 4
 PROMPT = list(range(100, 130))  # 30 tokens: 7 full blocks, a tier can serve 7 (the last token is computed)
-
-
-def make(chunked: bool = True, budget: int = 64, blocks: int = 64) -> Scheduler:
-    bm = BlockManager(blocks, BS, enable_prefix_caching=True)
-    return Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
-                     incremental_tables=True)
-
-
-def step(s: Scheduler):
-    plan = s.schedule()
-    sampled = [7] * len(plan.prefills) + ([7] * len(plan.decode.seq_ids) if plan.decode is not None else [])
-    done = s.update(plan, sampled)
-    s.bm.check_invariants()
-    return plan, done
 
 
 @pytest.mark.parametrize("chunked", [True, False])

@@ -12,22 +12,7 @@ import pytest
 from pagedkv import BlockManager
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.scheduler import Scheduler
-
-BS = 4
-
-
-def make(chunked: bool = True, budget: int = 64) -> Scheduler:
-    bm = BlockManager(64, BS, enable_prefix_caching=True)
-    return Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
-                     incremental_tables=True)
-
-
-def step(s: Scheduler):
-    plan = s.schedule()
-    sampled = [7] * len(plan.prefills) + ([7] * len(plan.decode.seq_ids) if plan.decode is not None else [])
-    done = s.update(plan, sampled)
-    s.bm.check_invariants()
-    return plan, done
+from sched_steps import BS, make, step
 
 
 @pytest.mark.parametrize("chunked", [True, False])

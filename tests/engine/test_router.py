@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+from stub_replica import wait_for as _wait_for
 
 pytestmark = pytest.mark.engine
 
@@ -76,12 +77,7 @@ def complete(url, prompt, max_tokens=4, **kw):
 
 
 def wait_for(cond, timeout=15.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
+    return _wait_for(cond, timeout)
 
 
 def wait_events(router, replica_url, prompt_ids, timeout=15.0):

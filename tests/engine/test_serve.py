@@ -13,6 +13,7 @@ import re
 import time
 
 import pytest
+from engine_helpers import fail_sampling_of_seed, free_port, wait_healthy
 
 pytestmark = pytest.mark.engine
 
@@ -350,11 +351,6 @@ def test_serve_command_in_a_subprocess(tmp_path):
     import subprocess
     import sys
 
-    def free_port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-
     port, ev_port, replay_port = free_port(), free_port(), free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     proc = subprocess.Popen([sys.executable, "-m", "pagedkv.cli", "serve", "--port", str(port), "--num-gpu-blocks",
@@ -364,14 +360,7 @@ def test_serve_command_in_a_subprocess(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.3)
+        wait_healthy(proc, url, 120)
         c = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0, timeout=60)
         r = c.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
         assert r.usage.completion_tokens <= 3 and r.choices[0].message.content
@@ -507,34 +496,10 @@ def test_a_failed_forward_fails_its_requests_and_the_engine_goes_on(engine):
 def test_a_sampler_fault_fails_only_its_request(engine, offline, monkeypatch):
     """Sampling that raises for one request (its logits, its parameters) fails that request alone: the request
     next to it in the same steps gets exactly the offline engine's output."""
-    import pagedkv.engine.llm as llm_mod
     from pagedkv.engine import LLM
     from pagedkv.server.launch import make_server
 
-    real = llm_mod.sample
-
-    def picky(logits, params, num, generator):
-        if params.seed == 666:
-            raise FloatingPointError("injected: probabilities are not finite")
-        return real(logits, params, num, generator)
-
-    real_batch = llm_mod.sample_batch
-
-    def picky_batch(logits, params, nums, generators):  # the batched sampler sees the same fault
-        if any(p.seed == 666 for p in params):
-            raise FloatingPointError("injected: probabilities are not finite")
-        return real_batch(logits, params, nums, generators)
-
-    real_bounded = llm_mod.sample_bounded
-
-    def picky_bounded(head, hidden, params, nums, generators):  # the fast LM head's sampler too (the default)
-        if any(p.seed == 666 for p in params):
-            raise FloatingPointError("injected: probabilities are not finite")
-        return real_bounded(head, hidden, params, nums, generators)
-
-    monkeypatch.setattr(llm_mod, "sample", picky)
-    monkeypatch.setattr(llm_mod, "sample_batch", picky_batch)
-    monkeypatch.setattr(llm_mod, "sample_bounded", picky_bounded)
+    fail_sampling_of_seed(monkeypatch, "injected: probabilities are not finite")  # every sampler raises for seed 666
     llm = LLM(engine.paged, num_gpu_blocks=32, max_num_seqs=4, block_size=BLOCK)
     srv = make_server(llm, model_name=MODEL).start_in_thread()
     prompt = "The capital of France is"

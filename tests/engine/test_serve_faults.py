@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from engine_helpers import fail_sampling_of_seed, free_port, wait_healthy
 from hostile_inputs import HOSTILE
 
 pytestmark = pytest.mark.engine
@@ -73,12 +74,6 @@ def test_hostile_requests_get_4xx_and_leave_the_server_healthy(server):
     assert not [a for a in answers if a[1] >= 500]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve(*args: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     return subprocess.Popen([sys.executable, "-m", "pagedkv.cli", "serve", *args], stdout=subprocess.PIPE,
@@ -95,7 +90,7 @@ def test_bad_options_exit_2_with_one_line_before_the_model_loads():
         "port in use": (["--port", taken], "cannot listen"),
         "malformed endpoint": (["--port", "0", "--kv-events-endpoint", "tcp//nowhere"], "--kv-events-endpoint"),
         "endpoint in use": (["--port", "0", "--kv-events-endpoint", f"tcp://127.0.0.1:{taken}",
-                             "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{_free_port()}"], "KV-event"),
+                             "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{free_port()}"], "KV-event"),
         "missing model file": (["--port", "0", "--model", "/nonexistent/model.gguf"], "no such file"),
         "bad block size": (["--port", "0", "--block-size", "0"], "--block-size"),
         "a split role on 0.0.0.0 without an address": (["--port", "0", "--kv-role", "decode", "--host", "0.0.0.0"],
@@ -120,18 +115,11 @@ def test_bad_options_exit_2_with_one_line_before_the_model_loads():
 def test_sigterm_mid_stream_drains_and_exits_0():
     """A stream still generating when SIGTERM arrives: /health and new requests answer 503 at once, the stream
     ends with an error event and [DONE] once the drain timeout passes, and the process exits 0."""
-    port = _free_port()
+    port = free_port()
     proc = _serve("--port", str(port), "--num-gpu-blocks", "64", "--max-num-seqs", "4", "--drain-timeout", "2")
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.3)
+        wait_healthy(proc, url, 120)
         body = {"prompt": "Count to a thousand:", "max_tokens": 900, "ignore_eos": True, "stream": True}
         events = []
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
@@ -205,33 +193,9 @@ def test_drain_lets_requests_in_flight_finish_and_refuses_new_ones(engine):
 def test_offline_generate_raises_a_sampler_fault_and_stays_usable(engine, monkeypatch):
     """``LLM.generate`` with a request whose sampling raises: a RuntimeError naming it, every request of the call
     aborted (no block held, nothing left in the scheduler), and the next call works."""
-    import pagedkv.engine.llm as llm_mod
     from pagedkv.engine import LLM, SamplingParams
 
-    real = llm_mod.sample
-
-    def picky(logits, params, num, generator):
-        if params.seed == 666:
-            raise FloatingPointError("injected")
-        return real(logits, params, num, generator)
-
-    real_batch = llm_mod.sample_batch
-
-    def picky_batch(logits, params, nums, generators):  # the batched sampler sees the same fault
-        if any(p.seed == 666 for p in params):
-            raise FloatingPointError("injected")
-        return real_batch(logits, params, nums, generators)
-
-    real_bounded = llm_mod.sample_bounded
-
-    def picky_bounded(head, hidden, params, nums, generators):  # the fast LM head's sampler too (the default)
-        if any(p.seed == 666 for p in params):
-            raise FloatingPointError("injected")
-        return real_bounded(head, hidden, params, nums, generators)
-
-    monkeypatch.setattr(llm_mod, "sample", picky)
-    monkeypatch.setattr(llm_mod, "sample_batch", picky_batch)
-    monkeypatch.setattr(llm_mod, "sample_bounded", picky_bounded)
+    fail_sampling_of_seed(monkeypatch, "injected")  # every sampler raises for seed 666
     llm = LLM(engine.paged, num_gpu_blocks=32, max_num_seqs=4, block_size=16)
     with pytest.raises(RuntimeError, match="sampling failed"):
         llm.generate(["Hello", "World"], [SamplingParams(max_tokens=4, temperature=0),

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .gguf_loader import ArchMetadata, TokenizerMetadata, check_shapes, inv_freq, load_tensors, open_gguf
+from .gguf_loader import ArchMetadata, HeadShapes, TokenizerMetadata, check_shapes, inv_freq, load_tensors, open_gguf
 from .gguf_loader import _read_tokenizer_metadata
 from .lm_head import LMHead
 from .model import AttentionMetadata, PagedDecoder, _rotate_half
@@ -54,7 +54,7 @@ ARCHITECTURE = "gemma3"
 
 
 @dataclass(frozen=True)
-class Gemma3Config:
+class Gemma3Config(HeadShapes):
     """Hyper-parameters of a Gemma 3 text model, read from GGUF metadata (defaults: Gemma 3's published ones for
     keys a GGUF may omit: local RoPE base 10,000, pattern 6, query_pre_attn_scalar = head_dim, no soft-capping).
 
@@ -93,17 +93,6 @@ class Gemma3Config:
     def rope_dim(self) -> int:
         return self.head_dim
 
-    @property
-    def n_group(self) -> int:
-        return self.n_head // self.n_head_kv
-
-    @property
-    def q_size(self) -> int:
-        return self.n_head * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.n_head_kv * self.head_dim
 
 
 def read_gemma3_config(reader: Any) -> Gemma3Config:

@@ -53,6 +53,7 @@ __all__ = [
     "ModelNotFoundError",
     "TokenizerMetadata",
     "ArchMetadata",
+    "HeadShapes",
     "check_shapes",
     "find_default_model",
     "inv_freq",
@@ -75,8 +76,28 @@ class ModelNotFoundError(FileNotFoundError):
     """The default GGUF model file is not installed."""
 
 
+class HeadShapes:
+    """The attention shapes a model config derives from its ``n_head``, ``n_head_kv`` and ``head_dim`` (a base of
+    :class:`ModelConfig` and of Gemma 3's config)."""
+
+    __slots__ = ()
+
+    @property
+    def n_group(self) -> int:
+        """Query heads per KV head (grouped-query attention)."""
+        return self.n_head // self.n_head_kv
+
+    @property
+    def q_size(self) -> int:
+        return self.n_head * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.n_head_kv * self.head_dim
+
+
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(HeadShapes):
     """Hyper-parameters of a Llama-architecture model, read from GGUF metadata."""
 
     arch: str
@@ -97,19 +118,6 @@ class ModelConfig:
     sliding_window: int | None = None
     tied_embeddings: bool = False
     file_type: int | None = None
-
-    @property
-    def n_group(self) -> int:
-        """Query heads per KV head (grouped-query attention)."""
-        return self.n_head // self.n_head_kv
-
-    @property
-    def q_size(self) -> int:
-        return self.n_head * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.n_head_kv * self.head_dim
 
 
 @dataclass

@@ -54,21 +54,22 @@ from typing import Hashable, Iterable, Sequence
 
 import numpy as np
 
-from .._checks import as_tokens, batch_tokens, check_int, flat_tokens, new_token_counts
+from .._checks import as_tokens, batch_args, batch_tokens, check_int, flat_tokens, new_token_counts
 from ._allocator import HybridAllocator
 from ._seqs import HybridSeqs
 from ._step import HybridStepper
 from ._swap import HybridSwapper
 from ._types import HybridPrefillBatch, HybridStepDelta, HybridStepResult
 from ._retention import WindowRetention, _SlidingGroup
-from ..errors import (DuplicateSequenceError, InvalidArgumentError, InvalidTokensError, OutOfBlocksError,
+from ..errors import (InvalidArgumentError, InvalidTokensError, OutOfBlocksError,
                       SequenceStateError, UnknownPinError)
 from ..blocks.evictor import RetentionEvictor
 from ..kv_groups import FullAttentionSpec, SlidingWindowSpec
 from ..manager import BlockManager
 from ..manager import _invariants
 from ..manager._external import External, Hold
-from ..manager._stores import STORE_POLICIES, StorePlan, Stores
+from ..manager._surface import ExternalKV, PoolState
+from ..manager._stores import STORE_POLICIES, Stores
 from ..retention.eviction import make_evictor
 from ..retention.steering import Pin, SteeredEvictor
 from ..types import AllocStatus, CopyPlan, PrefixHit, Stats
@@ -89,7 +90,7 @@ def _check_groups(groups: object) -> tuple:
     return out
 
 
-class HybridBlockManager:
+class HybridBlockManager(PoolState, ExternalKV):
     """Paged KV-cache block manager for hybrid models: one block table per KV cache group, one shared pool (see
     the module docstring).
 
@@ -176,7 +177,8 @@ class HybridBlockManager:
         gs, m0 = self._g, self._m0
         self._bs = bs = m0._bs
         self._gpu, self._cpu, self._cache, self._tier = m0._gpu, m0._cpu, m0._cache, m0._tier
-        blocks = m0._blocks
+        self._blocks = blocks = m0._blocks
+        self._kv_events, self._watermark_blocks = m0._kv_events, m0._watermark_blocks  # (read by PoolState)
         for m in gs:  # every group's blocks stay in the prefix cache's map (see pagedkv.hybrid._hit)
             m._reg.use_runs = False
         # window retention (pagedkv.hybrid._retention): spare sliding blocks are evicted first
@@ -215,59 +217,6 @@ class HybridBlockManager:
     @property
     def num_groups(self) -> int:
         return len(self._specs)
-
-    @property
-    def block_size(self) -> int:
-        return self._bs
-
-    @property
-    def num_gpu_blocks(self) -> int:
-        return self._gpu.num_blocks
-
-    @property
-    def num_cpu_blocks(self) -> int:
-        return self._cpu.num_blocks
-
-    @property
-    def enable_prefix_caching(self) -> bool:
-        return self._cache is not None
-
-    @property
-    def cpu_prefix_cache(self) -> bool:
-        return self._tier is not None
-
-    @property
-    def enable_kv_events(self) -> bool:
-        return self._m0.enable_kv_events
-
-    @property
-    def watermark_blocks(self) -> int:
-        return self._m0.watermark_blocks
-
-    @property
-    def num_free_gpu_blocks(self) -> int:
-        """Plain free GPU blocks plus unreferenced cached ones, all groups (one pool)."""
-        return self._m0.num_free_gpu_blocks
-
-    @property
-    def num_free_cpu_blocks(self) -> int:
-        return self._m0.num_free_cpu_blocks
-
-    @property
-    def num_cached_blocks(self) -> int:
-        return self._m0.num_cached_blocks
-
-    @property
-    def num_cpu_cached_blocks(self) -> int:
-        return self._m0.num_cpu_cached_blocks
-
-    @property
-    def gpu_usage(self) -> float:
-        return self._m0.gpu_usage
-
-    @property
-    def kv_event_overflows(self) -> int:
-        return self._m0.kv_event_overflows
 
     @property
     def stats(self) -> Stats:
@@ -337,10 +286,6 @@ class HybridBlockManager:
     def take_copies(self):
         """Deprecated, as BlockManager.take_copies: :meth:`take_copy_plan` narrowed to the CPU tier's copies."""
         return self._seqs.take_copies()
-
-    def take_events(self) -> list:
-        """KV events since the last call, every group's, in order (each carrying its group). O(events)."""
-        return self._m0.take_events()
 
     def check_invariants(self) -> None:
         """Every invariant of every group and of the shared parts (refcounts summed over the groups' tables), and
@@ -422,62 +367,27 @@ class HybridBlockManager:
 
         ``num_new_tokens`` (chunked prefill): None, or one chunk size (>= 1) per prompt, as for :meth:`allocate`;
         the metadata then covers each sequence's hit plus its chunk (``seq_lens``: the tokens held)."""
-        if num_external_tokens is not None:
-            return self._allocate_batch_external(seq_ids, token_ids, num_lookahead_slots, namespaces,
-                                                 num_new_tokens, num_external_tokens)
-        seq_ids = list(seq_ids)
-        prompts = list(token_ids) if not isinstance(token_ids, np.ndarray) or token_ids.ndim == 2 else None
-        if prompts is None or len(prompts) != len(seq_ids):
-            raise InvalidTokensError(f"token_ids must hold one prompt per sequence ({len(seq_ids)})")
+        seq_ids, prompts, namespaces, chunks = batch_args(seq_ids, token_ids, namespaces, num_new_tokens)
         la = check_int("num_lookahead_slots", num_lookahead_slots, 0)
-        if namespaces is None:
-            namespaces = [None] * len(seq_ids)
-        else:
-            if isinstance(namespaces, (str, bytes, int)):
-                raise InvalidArgumentError("namespaces must be a sequence of one namespace per prompt")
-            namespaces = list(namespaces)
-            if len(namespaces) != len(seq_ids):
-                raise InvalidArgumentError(f"got {len(namespaces)} namespaces for {len(seq_ids)} prompts")
-        if num_new_tokens is None:
+        if chunks is None:
             chunks = [None] * len(seq_ids)
-        else:
-            if isinstance(num_new_tokens, (int, np.integer, str, bytes)) or len(num_new_tokens) != len(seq_ids):
-                raise InvalidArgumentError("num_new_tokens must be None or one chunk size per prompt")
-            chunks = [check_int(f"num_new_tokens[{i}]", c, 1) for i, c in enumerate(num_new_tokens)]
-        seen: set = set()
-        for s in seq_ids:
-            self._t0.check_new_id(s)
-            if s in seen:
-                raise DuplicateSequenceError(f"sequence {s!r} appears twice in one batch")
-            seen.add(s)
+        if num_external_tokens is not None:
+            return self._allocate_batch_external(seq_ids, prompts, la, namespaces, chunks, num_external_tokens)
+        self._t0.check_new_ids(seq_ids)
         gnss = [self._alloc.gns(ns) for ns in namespaces]
         arrs = [as_tokens(p, f"token_ids[{i}]") for i, p in enumerate(prompts)]
         return self._alloc.allocate_batch(seq_ids, arrs, gnss, chunks, la)
 
-    def _allocate_batch_external(self, seq_ids, token_ids, la, namespaces, chunks, exts) -> HybridPrefillBatch:
-        """allocate_batch with ``num_external_tokens``: checked as a whole (ids, prompts, and the blocks of every
-        prompt counted without its hit against the free ones), then consecutive :meth:`allocate` calls: all or
-        nothing. O(total prompt blocks x groups)."""
-        seq_ids = list(seq_ids)
+    def _allocate_batch_external(self, seq_ids: list, prompts: list, la: int, namespaces: list, chunks: list,
+                                 exts: object) -> HybridPrefillBatch:
+        """allocate_batch with ``num_external_tokens`` (the other arguments checked by allocate_batch): checked as
+        a whole (ids, prompts, and the blocks of every prompt counted without its hit against the free ones),
+        then consecutive :meth:`allocate` calls: all or nothing. O(total prompt blocks x groups)."""
         b = len(seq_ids)
         if isinstance(exts, (int, np.integer)) or len(exts) != b:
             raise InvalidArgumentError("num_external_tokens must be None or one count per prompt")
         exts = [self._ext.check_external(e) for e in exts]
-        prompts = list(token_ids) if not isinstance(token_ids, np.ndarray) or token_ids.ndim == 2 else None
-        if prompts is None or len(prompts) != b:
-            raise InvalidTokensError(f"token_ids must hold one prompt per sequence ({b})")
-        la = check_int("num_lookahead_slots", la, 0)
-        namespaces = [None] * b if namespaces is None else list(namespaces)
-        chunks = [None] * b if chunks is None else [check_int(f"num_new_tokens[{i}]", c, 1)
-                                                    for i, c in enumerate(chunks)]
-        if len(namespaces) != b or len(chunks) != b:
-            raise InvalidArgumentError("namespaces and num_new_tokens must hold one entry per prompt")
-        seen: set = set()
-        for s in seq_ids:
-            self._t0.check_new_id(s)
-            if s in seen:
-                raise DuplicateSequenceError(f"sequence {s!r} appears twice in one batch")
-            seen.add(s)
+        self._t0.check_new_ids(seq_ids)
         arrs = [as_tokens(p, f"token_ids[{i}]") for i, p in enumerate(prompts)]
         plans = [self._alloc.plan(a, la, self._alloc.gns(ns)) for a, ns in zip(arrs, namespaces)]
         # admitted against the blocks every prompt needs without any hit (an earlier prompt may evict or demote a
@@ -541,20 +451,9 @@ class HybridBlockManager:
         changes). ``hold_for``: :meth:`hold` first, all or nothing (see BlockManager.free). O(table length x
         groups)."""
         if hold_for is not None:
-            if not cache:
-                raise InvalidArgumentError("free(..., hold_for=) holds KV for a reader; with cache=False that KV "
-                                           "was never written")
-            h = self._ext.hold(seq_id, hold_for, now)
-            try:
-                self._seqs.free(seq_id, cache)
-            except BaseException:
-                self._ext.undo_hold(h.hold_id)
-                raise
-            return h
-        if not cache and self._ext.holds and self._ext.held(seq_id):
-            raise SequenceStateError(
-                f"free({seq_id!r}, cache=False): a hold of it covers KV that is then never written; release its "
-                "holds first (their reader must drop them)")
+            return self._hold_and_free(seq_id, hold_for, now, cache)
+        if not cache:
+            self._check_unheld(seq_id)
         try:
             self._seqs.free(seq_id, cache)
         except SequenceStateError:
@@ -563,67 +462,6 @@ class HybridBlockManager:
                 return None
             raise
         return None
-
-    # ------------------------------------------------------------------ external KV (docs/external-kv.md)
-    def external_blocks(self, seq_id: Hashable):
-        """See BlockManager.external_blocks: ``group_block_ids[g]`` and ``group_keys[g]`` are group g's blocks
-        and keys of the external range (``block_ids`` / ``keys``: group 0's)."""
-        return self._ext.external_blocks(seq_id)
-
-    def finish_external(self, done: Iterable[Hashable] = (), failed: dict | None = None) -> dict:
-        """See BlockManager.finish_external: every group registers its arrived blocks."""
-        return self._ext.finish(done, failed)
-
-    @property
-    def loading_seq_ids(self) -> tuple:
-        return tuple(self._t0.loading)
-
-    def is_loading(self, seq_id: Hashable) -> bool:
-        self._t0.any_row(seq_id)
-        return seq_id in self._t0.loading
-
-    @property
-    def parked_seq_ids(self) -> tuple:
-        return tuple(self._t0.parked)
-
-    def hold(self, seq_id: Hashable, lease_s: float, *, now: float | None = None) -> Hold:
-        """BlockManager.hold over every group: the blocks each group's table holds for the sequence's tokens (a
-        sliding group: only those its window still holds, NULL_BLOCK positions left out); ``Hold.block_ids`` are
-        group 0's, ``Hold.group_block_ids`` every group's. O(table length x groups)."""
-        return self._ext.hold(seq_id, lease_s, now)
-
-    def release_hold(self, hold_id: int) -> None:
-        """See BlockManager.release_hold."""
-        self._ext.release_hold(hold_id)
-
-    def renew_hold(self, hold_id: int, lease_s: float, *, now: float | None = None) -> Hold:
-        """See BlockManager.renew_hold."""
-        return self._ext.renew_hold(hold_id, lease_s, now)
-
-    def expire_holds(self, now: float | None = None) -> list[int]:
-        """See BlockManager.expire_holds."""
-        return self._ext.expire_holds(now)
-
-    @property
-    def holds(self) -> tuple:
-        return tuple(self._ext.holds.values())
-
-    @property
-    def store_policy(self) -> str:
-        return self._store[0]
-
-    def take_store_plan(self) -> StorePlan | None:
-        """See BlockManager.take_store_plan: blocks of every group (a key names its group: each group's chain
-        starts from a root of its own); a sliding group's registered blocks are the ones it still held."""
-        return self._stores.take_store_plan()
-
-    def complete_store(self, store_id: int, success: bool = True) -> None:
-        """See BlockManager.complete_store."""
-        self._stores.complete_store(store_id, success)
-
-    @property
-    def pending_stores(self) -> tuple:
-        return tuple(self._stores.plans)
 
     # ------------------------------------------------------------------ appending
     def decode_step(self, seq_ids: Sequence[Hashable], token_ids: object, num_lookahead_slots: int = 0, *,
@@ -700,28 +538,6 @@ class HybridBlockManager:
         return self._swap.swap_in(list(seq_ids))
 
     # ------------------------------------------------------------------ retention (priority, session, pins)
-    @property
-    def eviction_policy(self) -> str:
-        """The eviction policy's name (:mod:`pagedkv.retention.eviction`)."""
-        return self._policy
-
-    @property
-    def pin_budget_blocks(self) -> int:
-        """The most distinct GPU blocks (all groups together) pins may hold."""
-        return self._pin_budget
-
-    @property
-    def num_pinned_blocks(self) -> int:
-        """Distinct GPU blocks held by pins, every group's (what the pin budget counts)."""
-        ev = self._cache.evictor if self._cache is not None else None
-        return ev.num_pinned if isinstance(ev, SteeredEvictor) else 0
-
-    @property
-    def pins(self) -> tuple:
-        """The live pins (expired ones dropped first)."""
-        ev = self._cache.evictor if self._cache is not None else None
-        return ev.pin_list() if isinstance(ev, SteeredEvictor) else ()
-
     def set_retention(self, seq_id: Hashable, *, priority: int = 0, session: Hashable = None) -> None:
         """How the sequence's blocks, in every group, are kept once they are released (see
         BlockManager.set_retention): ``priority`` tags every group's blocks at :meth:`free`, and, with window

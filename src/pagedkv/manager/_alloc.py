@@ -21,7 +21,7 @@ import numpy as np
 import xxhash
 
 from .._checks import as_tokens as _as_tokens, token_count
-from ..errors import DuplicateSequenceError, OutOfBlocksError, PromptTooLongError, TableWidthError
+from ..errors import OutOfBlocksError, PromptTooLongError, TableWidthError
 from ..blocks.prefix_cache import _encode_namespace
 from ..types import PrefillBatch
 
@@ -220,12 +220,7 @@ class Allocator:
         self.reg.keys_memo = None  # (a failed allocate's: its prompt may have changed since)
         if self.cache is not None and self.cache.ndl:
             self.cache.flush()  # (the batch walk reads the map directly)
-        seen: set = set()
-        for s in seq_ids:
-            self.t.check_new_id(s)
-            if s in seen:
-                raise DuplicateSequenceError(f"sequence {s!r} appears twice in one batch")
-            seen.add(s)
+        self.t.check_new_ids(seq_ids)
         roots = self.batch_roots(namespaces)
         arrs = [_as_tokens(p, f"token_ids[{i}]") for i, p in enumerate(prompts)]
         walk = self.cache is not None and len(arrs) > 1  # sharing inside the batch: walked below instead

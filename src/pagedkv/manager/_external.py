@@ -22,7 +22,7 @@ from typing import Hashable, NamedTuple
 import numpy as np
 
 from .._checks import as_tokens as _as_tokens
-from ..errors import (DuplicateSequenceError, InvalidArgumentError, OutOfBlocksError, SequenceStateError,
+from ..errors import (InvalidArgumentError, OutOfBlocksError, SequenceStateError,
                       UnknownHoldError, UnknownSequenceError)
 from ..blocks.prefix_cache import block_hashes
 
@@ -164,12 +164,7 @@ class External:
         then consecutive allocations, so it is all or nothing. ``walk(arrs, plans, rows, nhit)`` builds the
         PrefillBatch. O(total prompt blocks)."""
         t = self.t
-        seen: set = set()
-        for s in seq_ids:
-            t.check_new_id(s)
-            if s in seen:
-                raise DuplicateSequenceError(f"sequence {s!r} appears twice in one batch")
-            seen.add(s)
+        t.check_new_ids(seq_ids)
         if chunks is None:
             chunks = [None] * len(seq_ids)
         plans = [self.plan(p, la, ns, c, e)[0] for p, ns, c, e in zip(prompts, namespaces, chunks, exts)]

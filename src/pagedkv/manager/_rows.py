@@ -91,6 +91,15 @@ class SeqTables:
             raise DuplicateSequenceError(f"sequence {seq_id!r} is loading external KV, or was aborted while loading "
                                          "and finish_external has not reported it yet")
 
+    def check_new_ids(self, seq_ids: list) -> None:
+        """:meth:`check_new_id` of every id of a batch, and DuplicateSequenceError for an id it gives twice. O(B)."""
+        seen: set = set()
+        for s in seq_ids:
+            self.check_new_id(s)
+            if s in seen:
+                raise DuplicateSequenceError(f"sequence {s!r} appears twice in one batch")
+            seen.add(s)
+
     def any_row(self, seq_id: Hashable) -> int:
         """The row of a live sequence, LOADING ones included (the read-only queries); UnknownSequenceError."""
         try:

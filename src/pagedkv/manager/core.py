@@ -27,6 +27,8 @@ objects it works on (no part reaches another's private state; dependencies point
     _blocks.py      Blocks      take / release GPU and CPU blocks (free ring, then LRU eviction)
     _invariants.py  check       the O(n) audit behind check_invariants
     _external.py    External    external KV: loads (LOADING, parked), holds with leases
+    _surface.py     PoolState, ExternalKV   the read-only state and the external-KV calls, shared with
+                                HybridBlockManager (their contracts written once)
     _stores.py      Stores      store plans by write policy (pinned until complete_store)
     pool.py, prefix_cache.py, evictor.py, cpu_tier.py   per-block flat arrays (refcounts, free ring; keys,
                                 tokens, LRU; the CPU tier)
@@ -56,8 +58,8 @@ from typing import Hashable, Iterable, Sequence
 
 import numpy as np
 
-from .._checks import (as_tokens as _as_tokens, batch_tokens, check_int as _check_int, flat_tokens, new_token_counts,
-                      token_count)
+from .._checks import (as_tokens as _as_tokens, batch_args, batch_tokens, check_int as _check_int, flat_tokens,
+                      new_token_counts, token_count)
 from . import _invariants
 from ._alloc import Allocator
 from ..blocks._blocks import Blocks
@@ -67,11 +69,11 @@ from ._small import SMALL_BATCH, Small
 from ._step import _NO_UPDATES, TABLES_DELTA, Stepper
 from ._swap import Swapper
 from ._window import Window
-from ._external import External, ExternalLoad, Hold
-from ._stores import STORE_POLICIES, StorePlan, Stores
+from ._external import External, Hold
+from ._surface import ExternalKV, PoolState
+from ._stores import STORE_POLICIES, Stores
 from ..errors import InvalidArgumentError, InvalidTokensError, OutOfBlocksError, SequenceStateError
 from ..tiers.cpu import CpuTier
-from ..events import KVCacheEvent
 from ..kv_groups import FullAttentionSpec, SlidingWindowSpec
 from ..retention.eviction import EVICTION_POLICIES, make_evictor
 from ..retention.steering import Pin, SteeredEvictor
@@ -95,7 +97,7 @@ _NO_PAIRS = np.zeros((0, 2), dtype=np.int64)
 _NO_PAIRS.flags.writeable = False
 
 
-class BlockManager:
+class BlockManager(PoolState, ExternalKV):
     """Paged KV-cache block manager (see module docstring).
 
     Args:
@@ -257,22 +259,6 @@ class BlockManager:
 
     # ------------------------------------------------------------------ read-only state
     @property
-    def block_size(self) -> int:
-        return self._bs
-
-    @property
-    def num_gpu_blocks(self) -> int:
-        return self._gpu.num_blocks
-
-    @property
-    def num_cpu_blocks(self) -> int:
-        return self._cpu.num_blocks
-
-    @property
-    def enable_prefix_caching(self) -> bool:
-        return self._cache is not None
-
-    @property
     def sliding_window(self) -> int | None:
         return self._window
 
@@ -293,30 +279,6 @@ class BlockManager:
     def _check_group(self, group: object) -> None:
         if _check_int("group", group, 0) != 0:
             raise InvalidArgumentError(f"group must be < 1 (a BlockManager has one KV cache group), got {group}")
-
-    @property
-    def watermark_blocks(self) -> int:
-        """Blocks that admission keeps free."""
-        return self._watermark_blocks
-
-    @property
-    def num_free_gpu_blocks(self) -> int:
-        """Plain free GPU blocks plus unreferenced cached ones (which are evicted on demand)."""
-        return self._blocks.num_free
-
-    @property
-    def num_free_cpu_blocks(self) -> int:
-        """Plain free CPU blocks plus the CPU tier's evictable cached ones (swap evicts them on demand)."""
-        return self._blocks.num_free_cpu
-
-    @property
-    def cpu_prefix_cache(self) -> bool:
-        return self._tier is not None
-
-    @property
-    def num_cpu_cached_blocks(self) -> int:
-        """CPU blocks whose content is in the CPU tier of the prefix cache."""
-        return len(self._tier) if self._tier is not None else 0
 
     def take_copy_plan(self) -> CopyPlan:
         """Every KV block copy of the step, in the order to execute them, and end the step. O(copies + rows).
@@ -361,16 +323,6 @@ class BlockManager:
         dem = [p for t, s, d in parts if t == DEMOTE for p in zip(s, d)]
         pro = [p for t, s, d in parts if t == PROMOTE for p in zip(s, d)]
         return CacheCopies(np.array(dem, dtype=np.int64).reshape(-1, 2), np.array(pro, dtype=np.int64).reshape(-1, 2))
-
-    @property
-    def num_cached_blocks(self) -> int:
-        """GPU blocks whose content is in the prefix cache (referenced or not)."""
-        return len(self._cache) if self._cache is not None else 0
-
-    @property
-    def gpu_usage(self) -> float:
-        """Fraction of GPU blocks held by sequences."""
-        return 1.0 - self.num_free_gpu_blocks / self._gpu.num_blocks
 
     @property
     def stats(self) -> Stats:
@@ -493,22 +445,6 @@ class BlockManager:
         pos = ntok[:, None] + np.arange(k, dtype=np.int64)
         blocks = t.table[rows[:, None], pos // bs].astype(np.int64)
         return (blocks * bs + pos % bs).reshape(-1)
-
-    @property
-    def enable_kv_events(self) -> bool:
-        return self._kv_events
-
-    def take_events(self) -> list[KVCacheEvent]:
-        """The KV events since the last call, in order, and clear them (:mod:`pagedkv.events`). Empty when
-        events are off (or prefix caching is). After an overflow (more than ``max_kv_events`` untaken events)
-        the list is a full resynchronisation: ``AllBlocksCleared`` then one ``BlockStored`` per cached block,
-        parents first. O(events), or O(cached blocks) after an overflow."""
-        return self._cache.take_events() if self._cache is not None and self._kv_events else []
-
-    @property
-    def kv_event_overflows(self) -> int:
-        """How many times the event buffer overflowed (each answered by a resynchronisation)."""
-        return self._cache.event_overflows if self._cache is not None and self._kv_events else 0
 
     # ------------------------------------------------------------------ admission and allocation
     def can_allocate(self, token_ids: Sequence[int], num_lookahead_slots: int = 0, *, namespace: object = None,
@@ -647,27 +583,8 @@ class BlockManager:
         batch as those calls share), and each LOADING sequence's metadata starts at its ``H + E'`` (its prefill
         waits for :meth:`finish_external`).
         """
-        seq_ids = list(seq_ids)
-        prompts = list(token_ids) if not isinstance(token_ids, np.ndarray) or token_ids.ndim == 2 else None
-        if prompts is None or len(prompts) != len(seq_ids):
-            raise InvalidTokensError(
-                f"token_ids must hold one prompt per sequence ({len(seq_ids)}), got "
-                f"{'an array of shape ' + str(token_ids.shape) if prompts is None else len(prompts)}"
-            )
+        seq_ids, prompts, namespaces, chunks = batch_args(seq_ids, token_ids, namespaces, num_new_tokens)
         la = _check_int("num_lookahead_slots", num_lookahead_slots, 0)
-        if namespaces is None:
-            namespaces = [None] * len(seq_ids)
-        else:
-            if isinstance(namespaces, (str, bytes, int)):
-                raise InvalidArgumentError("namespaces must be a sequence of one namespace per prompt")
-            namespaces = list(namespaces)
-            if len(namespaces) != len(seq_ids):
-                raise InvalidArgumentError(f"got {len(namespaces)} namespaces for {len(seq_ids)} prompts")
-        chunks = None
-        if num_new_tokens is not None:
-            if isinstance(num_new_tokens, (int, np.integer)) or len(num_new_tokens) != len(seq_ids):
-                raise InvalidArgumentError("num_new_tokens must be None or one chunk size per prompt")
-            chunks = [_check_int(f"num_new_tokens[{i}]", c, 1) for i, c in enumerate(num_new_tokens)]
         if num_external_tokens is not None:
             if isinstance(num_external_tokens, (int, np.integer)) or len(num_external_tokens) != len(seq_ids):
                 raise InvalidArgumentError("num_external_tokens must be None or one count per prompt")
@@ -780,16 +697,7 @@ class BlockManager:
         transfer may still write, which stay PARKED until :meth:`finish_external` reports the sequence
         (docs/external-kv.md)."""
         if hold_for is not None:
-            if not cache:
-                raise InvalidArgumentError("free(..., hold_for=) holds KV for a reader; with cache=False that KV "
-                                           "was never written")
-            h = self._ext.hold(seq_id, hold_for, now)
-            try:
-                self.free(seq_id, cache=cache)
-            except BaseException:
-                self._ext.undo_hold(h.hold_id)
-                raise
-            return h
+            return self._hold_and_free(seq_id, hold_for, now, cache)
         t = self._t
         try:
             row = t.row(seq_id)
@@ -799,10 +707,8 @@ class BlockManager:
                 self._ext.abort(seq_id)
                 return None
             raise
-        if not cache and self._ext.holds and self._ext.held(seq_id):
-            raise SequenceStateError(
-                f"free({seq_id!r}, cache=False): a hold of it covers KV that is then never written; release its "
-                "holds first (their reader must drop them)")
+        if not cache:
+            self._check_unheld(seq_id)
         if self._cache is not None and not t.swapped[row]:
             if not cache:
                 self._reg.withdraw_pending(seq_id, row)  # may raise; changes nothing then
@@ -824,112 +730,7 @@ class BlockManager:
         t.drop_row(seq_id, row)
         return None
 
-    # ------------------------------------------------------------------ external KV (docs/external-kv.md)
-    def external_blocks(self, seq_id: Hashable) -> ExternalLoad | None:
-        """The blocks a LOADING sequence's external KV goes into: :class:`ExternalLoad` (``start_token`` = the
-        hit allocate found, ``block_ids``, their chained content ``keys``), or None when the sequence is not
-        LOADING. UnknownSequenceError for an unknown id. O(prompt blocks)."""
-        return self._ext.external_blocks(seq_id)
-
-    def finish_external(self, done: Iterable[Hashable] = (), failed: dict | None = None) -> dict:
-        """Report ended transfers: ``done`` (every external token arrived) and ``failed`` ``{seq: ok}`` (the
-        first ``ok`` external tokens arrived intact; a multiple of block_size below E'). The engine guarantees
-        that no transfer writes those blocks any more. Each live sequence becomes RUNNING, its arrived blocks
-        and held prompt blocks are registered as :meth:`allocate` would have registered them, and it counts as
-        handed slots in this step: prefill its tokens from the returned count to ``num_tokens(seq)`` in this
-        step. A sequence aborted while LOADING (``free``) has its parked blocks freed and is left out of the
-        result. Returns ``{seq: tokens computed}``. Everything is checked first (UnknownSequenceError,
-        SequenceStateError for a sequence not loading, e.g. reported twice; InvalidArgumentError for a bad
-        ``ok`` or an id reported twice in the call); nothing changes then. O(reported blocks)."""
-        return self._ext.finish(done, failed)
-
-    @property
-    def loading_seq_ids(self) -> tuple:
-        """The LOADING sequences (external KV still arriving), in allocation order."""
-        return tuple(self._t.loading)
-
-    def is_loading(self, seq_id: Hashable) -> bool:
-        """Whether the sequence is LOADING (UnknownSequenceError for an unknown id). O(1)."""
-        self._t.any_row(seq_id)
-        return seq_id in self._t.loading
-
-    @property
-    def parked_seq_ids(self) -> tuple:
-        """Sequences freed while LOADING whose blocks wait for :meth:`finish_external` to report them."""
-        return tuple(self._t.parked)
-
-    def hold(self, seq_id: Hashable, lease_s: float, *, now: float | None = None) -> Hold:
-        """Keep the blocks covering the sequence's tokens for a reader outside (a decode replica reading a
-        prefill's KV, a store in flight): one more reference each until :meth:`release_hold` or
-        :meth:`expire_holds` past ``now + lease_s`` (``now``: ``time.monotonic()`` by default). Held blocks are
-        never evicted, reused or written (a write copies on write); full ones stay findable. Raises
-        SequenceStateError (LOADING, swapped out), InvalidArgumentError (lease), UnknownSequenceError.
-        O(table length)."""
-        return self._ext.hold(seq_id, lease_s, now)
-
-    def release_hold(self, hold_id: int) -> None:
-        """Release a hold's blocks (tail first, as :meth:`free`). UnknownHoldError for an unknown, released or
-        expired id, changing nothing. O(its blocks)."""
-        self._ext.release_hold(hold_id)
-
-    def renew_hold(self, hold_id: int, lease_s: float, *, now: float | None = None) -> Hold:
-        """A new lease for a hold: it expires at ``now + lease_s``; returns the renewed Hold.
-        UnknownHoldError, InvalidArgumentError, changing nothing. O(1)."""
-        return self._ext.renew_hold(hold_id, lease_s, now)
-
-    def expire_holds(self, now: float | None = None) -> list[int]:
-        """Release every hold whose lease ended (``expires_at <= now``); returns their ids. The manager never
-        expires a hold by itself. O(holds + released blocks)."""
-        return self._ext.expire_holds(now)
-
-    @property
-    def holds(self) -> tuple:
-        """The live holds, oldest first."""
-        return tuple(self._ext.holds.values())
-
-    @property
-    def store_policy(self) -> str:
-        return self._store[0]
-
-    def take_store_plan(self) -> StorePlan | None:
-        """The blocks to write to the storage tiers since the last call, by the store policy (None when there
-        are none, always with ``"none"``), each pinned (a reference) until :meth:`complete_store`: a store never
-        reads a block that was evicted and reused. A content stored successfully is not planned again.
-        write_through plans the blocks registered before the last :meth:`take_copy_plan` (their KV is written by
-        that step's forward): execute a plan's stores after that forward.
-        write_through: O(num_gpu_blocks) vectorised compare plus O(planned blocks); selective: O(planned)."""
-        return self._stores.take_store_plan()
-
-    def complete_store(self, store_id: int, success: bool = True) -> None:
-        """Unpin a store plan's blocks; ``success`` marks their contents stored. UnknownStoreError for an unknown
-        or completed id, changing nothing. O(its blocks)."""
-        self._stores.complete_store(store_id, success)
-
-    @property
-    def pending_stores(self) -> tuple:
-        """Store ids taken and not completed."""
-        return tuple(self._stores.plans)
-
     # ------------------------------------------------------------------ retention (priority, session, pins)
-    @property
-    def eviction_policy(self) -> str:
-        """The eviction policy's name (:mod:`pagedkv.retention.eviction`)."""
-        return self._policy
-
-    @property
-    def pin_budget_blocks(self) -> int:
-        return self._pin_budget
-
-    @property
-    def num_pinned_blocks(self) -> int:
-        """Distinct GPU blocks held by pins (what the pin budget counts)."""
-        return self._cache.evictor.num_pinned if self._steered else 0
-
-    @property
-    def pins(self) -> tuple[Pin, ...]:
-        """The live pins (expired ones dropped first)."""
-        return self._cache.evictor.pin_list() if self._steered else ()
-
     def set_retention(self, seq_id: Hashable, *, priority: int = 0, session: Hashable = None) -> None:
         """How the sequence's blocks are kept once :meth:`free` releases them. ``priority`` (vLLM's request
         field: a lower value is a higher priority, default 0): unreferenced blocks of a larger value are evicted

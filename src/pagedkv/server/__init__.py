@@ -3,7 +3,8 @@
 Modules, each with one job (dependencies point one way: app -> async_engine -> engine -> scheduler -> manager):
 
 * :mod:`~pagedkv.server.validation`: request validation at the edge (types, ranges, sizes, OpenAI-shaped errors);
-  a plain module the router shares.
+  a plain module the router shares. Its parts: :mod:`~pagedkv.server.http_body` (content type, body size, JSON)
+  and :mod:`~pagedkv.server.fields` (one field's type and range, OpenAI's messages).
 * :mod:`~pagedkv.server.protocol`: response shapes (and the parsing functions under their former names).
 * :mod:`~pagedkv.server.async_engine`: the engine's step loop in one background thread; per-request streams,
   aborts between steps, a bounded waiting queue, counters for the metrics.

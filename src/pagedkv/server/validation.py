@@ -3,7 +3,9 @@
 A plain module (standard library only; no torch, no pydantic, no web framework at import time). Its API:
 
 * :class:`Limits`: the bounds a server enforces (body size, context, vocabulary, stop strings, cache_salt ...).
-* :func:`check_content_type`, :func:`read_body`: the HTTP side (415, 413) before any parsing.
+* :func:`check_content_type`, :func:`read_body`, :func:`load_json`: the HTTP side (415, 413, 400) before any field
+  is read (their home: :mod:`pagedkv.server.http_body`; the field checks behind the parsers:
+  :mod:`pagedkv.server.fields`).
 * :func:`parse_completion`, :func:`parse_chat`: a raw body -> a validated :class:`CompletionRequest` /
   :class:`ChatRequest`, or :class:`APIError` (400, OpenAI's error shape, ``param`` naming the field at fault).
 * ``session_id`` and ``kv_retention`` (pagedkv's retention fields, docs/guide/serving.md#retention-per-request) are
@@ -28,12 +30,13 @@ Parsing costs O(body size) and never more: lengths are checked before elements, 
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from .api_error import APIError, _printable, error_body  # noqa: F401 (their home; re-exported here)
+from .fields import (_bad, _bool, _check_keys, _int, _is_int, _num, _opt_text, _show, _text, _type_error,
+                     _unsupported)
+from .http_body import check_content_type, load_json, read_body  # noqa: F401 (their home; re-exported here)
 
 __all__ = [
     "APIError",
@@ -57,10 +60,6 @@ __all__ = [
 GREEDY_TEMPERATURE = 1e-5
 
 _INT64_MIN, _UINT64_MAX, _INT32_MAX = -(2**63), 2**64 - 1, 2**31 - 1
-
-
-def _bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, "invalid_request_error", code, param)
 
 
 @dataclass(frozen=True)
@@ -91,169 +90,6 @@ class Limits:
 DEFAULT_LIMITS = Limits()
 
 
-# ---------------------------------------------------------------------------------------------- HTTP side
-def check_content_type(value: str | None) -> None:
-    """415 unless the body is declared JSON (``application/json``, ``application/*+json``) or not declared."""
-    if not value:
-        return
-    mime = value.split(";", 1)[0].strip().lower()
-    if mime == "application/json" or (mime.startswith("application/") and mime.endswith("+json")):
-        return
-    raise APIError(415, f"Unsupported Content-Type {mime[:80]!r}: send the request body as application/json",
-                   "invalid_request_error", "unsupported_media_type")
-
-
-def _too_large(limit: int) -> APIError:
-    return APIError(413, f"The request body is larger than the limit of {limit} bytes", "invalid_request_error",
-                    "request_too_large")
-
-
-async def read_body(request: Any, limit: int) -> bytes:
-    """The body of a Starlette ``request``, reading at most ``limit`` bytes: 413 as soon as the declared
-    ``Content-Length`` or the bytes received exceed it (the rest is never read)."""
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        if not declared.isdigit():
-            raise _bad("Invalid Content-Length header", code="invalid_request")
-        if int(declared) > limit:
-            raise _too_large(limit)
-    parts, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        parts.append(chunk)
-    return b"".join(parts)
-
-
-# ---------------------------------------------------------------------------------------------- JSON
-def _nonfinite(token: str) -> float:
-    return float("nan") if token == "NaN" else float(token.replace("Infinity", "inf"))
-
-
-def load_json(body: bytes | str) -> dict:
-    """The body as a JSON object; 400 for invalid UTF-8, invalid JSON, nesting deeper than the parser's recursion
-    limit, or a top level that is not an object. ``NaN``/``Infinity`` parse (as non-finite floats) so that the
-    field checks can name the field."""
-    try:
-        data = json.loads(body, parse_constant=_nonfinite)
-    except UnicodeDecodeError:
-        raise _bad("The request body is not valid UTF-8", code="invalid_json") from None
-    except RecursionError:
-        raise _bad("The request body is nested too deeply", code="invalid_json") from None
-    except ValueError as e:
-        why = "a number has too many digits" if "integer string conversion" in str(e) else str(e)[:200]
-        raise _bad(f"We could not parse the JSON body of your request: {why}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise _bad("The request body must be a JSON object", code="invalid_json")
-    return data
-
-
-# ---------------------------------------------------------------------------------------------- field checks
-def _kind(v: Any) -> str:
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "a boolean"
-    if isinstance(v, int):
-        return "an integer"
-    if isinstance(v, float):
-        return "a decimal"
-    if isinstance(v, str):
-        return "a string"
-    if isinstance(v, list):
-        return "an array"
-    return "an object"
-
-
-def _show(v: Any) -> str:
-    if isinstance(v, float) and not math.isfinite(v):
-        return "NaN" if v != v else ("Infinity" if v > 0 else "-Infinity")
-    if isinstance(v, int) and not isinstance(v, bool) and abs(v) > 10**30:
-        return f"an integer of {len(str(abs(v)))} digits"
-    return repr(v)
-
-
-def _type_error(name: str, expected: str, v: Any) -> APIError:
-    return _bad(f"Invalid type for '{name}': expected {expected}, but got {_kind(v)} instead.", name)
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _int(d: dict, name: str, default: Any, lo: int, hi: int, *, nullable: bool = True,
-         path: str | None = None) -> Any:
-    v = d.get(name, default)
-    if v is None and nullable:
-        return default
-    p = path or name
-    if not _is_int(v):
-        raise _type_error(p, "an integer", v)
-    if v < lo:
-        raise _bad(f"Invalid '{p}': integer below minimum value. Expected a value >= {lo}, but got {_show(v)} "
-                   "instead.", p)
-    if v > hi:
-        raise _bad(f"Invalid '{p}': integer above maximum value. Expected a value <= {hi}, but got {_show(v)} "
-                   "instead.", p)
-    return v
-
-
-def _num(d: dict, name: str, default: float, lo: float, hi: float, *, lo_open: bool = False,
-         path: str | None = None) -> float:
-    v = d.get(name, default)
-    if v is None:
-        return default
-    name = path or name  # (the field as messages name it)
-    if not (isinstance(v, (int, float)) and not isinstance(v, bool)):
-        raise _type_error(name, "a decimal", v)
-    if isinstance(v, float) and not math.isfinite(v):
-        raise _bad(f"Invalid '{name}': expected a finite number, but got {_show(v)} instead.", name)
-    if v < lo or (lo_open and v == lo):
-        rel = ">" if lo_open else ">="
-        raise _bad(f"Invalid '{name}': decimal below minimum value. Expected a value {rel} {lo}, but got "
-                   f"{_show(v)} instead.", name)
-    if v > hi:
-        raise _bad(f"Invalid '{name}': decimal above maximum value. Expected a value <= {hi}, but got {_show(v)} "
-                   "instead.", name)
-    return float(v)
-
-
-def _bool(d: dict, name: str, default: bool = False) -> bool:
-    v = d.get(name, default)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise _type_error(name, "a boolean", v)
-    return v
-
-
-def _text(v: Any, path: str, max_chars: int | None = None) -> str:
-    """``v`` as a string of valid Unicode (no lone surrogates: they cannot be encoded as UTF-8)."""
-    if not isinstance(v, str):
-        raise _type_error(path, "a string", v)
-    if max_chars is not None and len(v) > max_chars:
-        raise _bad(f"Invalid '{path}': string too long. Expected a string with maximum length {max_chars}, but got "
-                   f"a string with length {len(v)} instead.", path, "string_above_max_length")
-    if not v.isascii():
-        try:
-            v.encode("utf-8")
-        except UnicodeEncodeError:
-            raise _bad(f"Invalid '{path}': the string is not valid Unicode (it contains a lone surrogate).",
-                       path) from None
-    return v
-
-
-def _opt_text(d: dict, name: str, max_chars: int | None = 4096) -> str | None:
-    v = d.get(name)
-    return None if v is None else _text(v, name, max_chars)
-
-
-def _unsupported(name: str, what: str | None = None) -> APIError:
-    return _bad(f"'{name}' is not supported by this server{': ' + what if what else ''}.", name,
-                "unsupported_parameter")
-
-
 def _token_ids(v: Any, path: str, limits: Limits, max_len: int | None, what: str) -> list[int]:
     """A list of token ids: its length first (``max_len``), then each id's type and range."""
     if not isinstance(v, list):
@@ -270,13 +106,6 @@ def _token_ids(v: Any, path: str, limits: Limits, max_len: int | None, what: str
         if t < 0 or t > hi:
             raise _bad(f"Invalid '{path}.[{i}]': token id {_show(t)} is out of range [0, {hi}].", path)
     return v
-
-
-def _check_keys(d: dict, known: frozenset, prefix: str = "") -> None:
-    for k in d:
-        if k not in known:
-            name = f"{prefix}{k}"[:200]
-            raise _bad(f"Unrecognized request argument supplied: {name}", name, "unknown_parameter")
 
 
 # ---------------------------------------------------------------------------------------------- requests
