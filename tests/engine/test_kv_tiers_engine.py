@@ -220,3 +220,29 @@ def test_server_restarted_over_its_disk_tier_loads_and_counts(engine, tmp_path):
             assert hits > 0 and llm.scheduler.stats.external_tokens > 0
             assert re.search(r'^pagedkv:kv_tier_load_seconds_count\{[^}]*\} 1\.0$', m, re.M)
     assert texts[0] == texts[1]
+
+
+def test_decode_filled_blocks_are_stored_and_a_next_turn_loads_them_after_a_restart(engine, tmp_path):
+    """Issue 24 (tiers' gaps, item 1): the blocks a decode fills are stored with their check digests (chained from
+    the prompt's), so a conversation's next turn, whose prompt continues the first answer, loads the answer's
+    blocks from the disk tier after a restart; greedy output equal to the reference; nothing skipped unchecked."""
+    from pagedkv.engine.sampling import SamplingParams
+
+    p1, n1 = PROMPTS[1], 12  # 22 prompt tokens (5 full blocks) + 11 generated tokens fed back: 8 full blocks
+    sp = SamplingParams(temperature=0, max_tokens=n1, ignore_eos=True)
+    with make(engine, kv_disk_dir=tmp_path, kv_disk_gib=0.05) as a:
+        (o1,) = a.generate([{"prompt_token_ids": p1}], sp, use_tqdm=False)
+        answer = list(o1.outputs[0].token_ids)
+        assert answer == list(engine.reference_greedy(tuple(p1), n1).token_ids)
+        a.kv_tiers.connector.flush(30)
+        fed = len(p1) + n1 - 1  # (the last sampled token is never fed: its block is not full in the cache)
+        assert a.kv_tiers.stats["store_skipped_unchecked"] == 0
+        assert a.kv_tiers.stats["stored_blocks"] == fed // BS
+    turn2 = p1 + answer + [198, 1, 520]
+    with make(engine, kv_disk_dir=tmp_path, kv_disk_gib=0.05) as b:  # a restart: a fresh GPU pool
+        (o2,) = run(b, [turn2])
+        assert list(o2.outputs[0].token_ids) == list(engine.reference_greedy(tuple(turn2), N_NEW).token_ids)
+        assert o2.num_cached_tokens == BS * (fed // BS) > BS * (len(p1) // BS)  # the answer's blocks too
+        assert b.scheduler.stats.external_tokens == BS * (fed // BS)
+        b.kv_tiers.connector.flush(30)
+        assert b.kv_tiers.stats["store_skipped_unchecked"] == 0

@@ -32,9 +32,12 @@ import time
 from typing import Any
 from urllib.parse import urlparse
 
+import numpy as np
+
 from ..errors import InvalidArgumentError
 from ..blocks.prefix_cache import block_hashes
 from ..tiers import BlockStore, DiskBackend, RedisBackend, SharedDirBackend, check_digests
+from ..tiers.key import chain_next, chain_roots
 from ..tiers.connector import MEDIUM_DISK, MEDIUM_SHARED, LookupDone, TierConnector
 from .kv_io import model_fingerprint, payload_bytes, read_blocks, write_blocks
 
@@ -45,6 +48,9 @@ _MAX_LOADED_KEYS = 1 << 16
 #: the most chain keys whose check digests (pagedkv.tiers.check_digests) are remembered for store plans (oldest
 #: dropped; a planned block whose digest is not known is not stored: a load would refuse it without one)
 _MAX_CHECK_KEYS = 1 << 18
+#: the most sequences (and requests) whose last full block's chain key is remembered, so that the next block a
+#: decode fills chains from it in O(1) (oldest dropped: a sequence that lost its entry rebuilds its chain once)
+_MAX_TAILS = 1 << 16
 _ABSENT = object()
 
 log = logging.getLogger("pagedkv.tiers")
@@ -159,6 +165,10 @@ class EngineTiers:
         self._loaded_keys: dict = {}
         # chain key -> check digest of the prompt blocks of the requests added (store plans name blocks by key only)
         self._checks: dict = {}
+        # sequence id -> (index, chain key) of the last block it filled; request id -> the same for its prompt's
+        # last full block (on_blocks_filled chains the next block from there), each bounded by _MAX_TAILS
+        self._tails: dict = {}
+        self._prompt_tails: dict = {}
         self.stats = {"loads": 0, "loads_failed": 0, "loads_timed_out": 0, "loaded_blocks": 0,
                       "written_blocks": 0, "stored_blocks": 0, "stores_failed": 0, "loads_aborted": 0,
                       "store_skipped_loaded": 0, "store_skipped_unchecked": 0}
@@ -173,9 +183,12 @@ class EngineTiers:
         full = list(token_ids[: len(token_ids) // bs * bs])
         checks = check_digests(full, bs, namespace)  # (O(prompt): a BLAKE2b call per block, ~1 us)
         cd = self._checks
-        cd.update(zip(block_hashes(full, bs, namespace), checks))
+        keys = block_hashes(full, bs, namespace)
+        cd.update(zip(keys, checks))
         while len(cd) > _MAX_CHECK_KEYS:
             del cd[next(iter(cd))]
+        if keys:
+            _remember(self._prompt_tails, request_id, (len(keys) - 1, keys[-1]))
         if not self.connector.request_lookup(request_id, token_ids, namespace, int(hit)):
             return False
         self._lookups[request_id] = time.monotonic()
@@ -303,6 +316,66 @@ class EngineTiers:
 
     # ----------------------------------------------------------------------------------------- a step
 
+    def on_blocks_filled(self, plan: Any, scheduler: Any, by_id: dict) -> None:
+        """Before a step's store plan is taken: the check digest of every block a sequence fills in this step past
+        its prompt's full blocks (a decode's block, or a recomputed sequence's generated tokens), chained from its
+        parent's (:func:`~pagedkv.tiers.key.chain_next`) and remembered with the prompts' digests, so that a store
+        plan stores decode-filled blocks too. O(1) per filled block (the block's tokens, one xxh3 and one BLAKE2b
+        call) plus a vectorised pass over the decode's positions; a sequence whose parent is not remembered
+        (more than ``_MAX_TAILS`` sequences since) rebuilds its chain once, O(its tokens)."""
+        if self._bm is None or self.store_policy == "none":
+            return
+        bs = self.block_size
+        fills = []  # (seq_id, block index)
+        d = plan.decode
+        if d is not None:
+            pos = d.positions
+            ends = (pos + 1) % bs == 0
+            if ends.any():
+                owners = np.repeat(d.seq_ids, d.query_lens)
+                fills += zip(owners[ends].tolist(), ((pos[ends] + 1) // bs - 1).tolist())
+        for pw in plan.prefills:  # (a recomputed sequence's prefill runs over its generated tokens too)
+            r = by_id.get(pw.request_id)
+            if r is None or pw.seq_len <= len(r.prompt_token_ids):
+                continue
+            start = int(pw.positions[0]) if pw.positions.size else pw.seq_len
+            first = max(len(r.prompt_token_ids) // bs, -(-(start + 1) // bs) - 1)
+            fills += [(pw.seq_id, j) for j in range(first, pw.seq_len // bs)]
+        for sid, j in fills:
+            view = scheduler.sequence(sid)
+            r = by_id.get(view.request_id)
+            if r is not None and j >= view.prompt_len // bs:  # (a prompt's full blocks are known since on_add)
+                self._fill(sid, j, r, view.output)
+
+    def _fill(self, sid: Any, j: int, r: Any, output: tuple) -> None:
+        bs, cd = self.block_size, self._checks
+        prompt = r.prompt_token_ids
+        plen = len(prompt)
+
+        def tokens(a: int, z: int) -> list:
+            return list(prompt[a:z]) + list(output[max(a - plen, 0):z - plen]) if z > plen else list(prompt[a:z])
+
+        parent = None
+        if j == 0:
+            parent = chain_roots(r.namespace)
+        else:
+            for tail in (self._tails.get(sid), self._prompt_tails.get(r.request_id)):
+                if tail is not None and tail[0] == j - 1:
+                    c = cd.get(tail[1])
+                    if c is not None:
+                        parent = (tail[1], c)
+                        break
+        if parent is None:  # (its parent is no longer remembered: the chain rebuilt from its tokens, once)
+            head = tokens(0, j * bs)
+            keys, checks = block_hashes(head, bs, r.namespace), check_digests(head, bs, r.namespace)
+            cd.update(zip(keys, checks))
+            parent = (keys[-1], checks[-1])
+        key, c = chain_next(parent[0], parent[1], tokens(j * bs, (j + 1) * bs))
+        cd[key] = c
+        while len(cd) > _MAX_CHECK_KEYS:
+            del cd[next(iter(cd))]
+        _remember(self._tails, sid, (j, key))
+
     def write_loads(self, plan: Any, kv_cache: Any) -> None:
         """Nothing to do: a tier load is written into its reserved blocks when it arrives (:meth:`poll`). (Kept
         for the engine's KV port, which writes its own staged loads here.)"""
@@ -361,3 +434,11 @@ class EngineTiers:
         if self._bm is not None and self.store_policy != "none":
             for sid, ok in self.connector.poll_stores():
                 self._bm.complete_store(sid, ok)
+
+
+def _remember(d: dict, k: Any, v: Any) -> None:
+    """``d[k] = v`` as its newest entry, the oldest dropped past ``_MAX_TAILS``. O(1)."""
+    d.pop(k, None)
+    d[k] = v
+    if len(d) > _MAX_TAILS:
+        del d[next(iter(d))]

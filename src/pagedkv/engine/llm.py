@@ -694,6 +694,8 @@ class LLM:
         tiers = self.kv_tiers
         if tiers is not None:  # KV loaded from the disk / shared tiers, into its blocks before the forward
             tiers.write_loads(plan, self.kv_cache)
+        if self._own_tiers is not None:  # the check digests of the blocks decodes fill (their stores need them)
+            self._own_tiers.on_blocks_filled(plan, self.scheduler, by_id)
         new_tokens, computed, slots, owners = [], [], [], []
         G = len(self.kv_cache_groups) if self.kv_cache_groups is not None else 0
         tables = [[] for _ in range(max(G, 1))]  # each group's tables (one group without KV cache groups)
