@@ -230,7 +230,7 @@ def test_decode_filled_blocks_are_stored_and_a_next_turn_loads_them_after_a_rest
 
     p1, n1 = PROMPTS[1], 12  # 22 prompt tokens (5 full blocks) + 11 generated tokens fed back: 8 full blocks
     sp = SamplingParams(temperature=0, max_tokens=n1, ignore_eos=True)
-    with make(engine, kv_disk_dir=tmp_path, kv_disk_gib=0.05) as a:
+    with make(engine, kv_disk_dir=tmp_path, kv_disk_gib=0.05, enable_kv_events=True) as a:
         (o1,) = a.generate([{"prompt_token_ids": p1}], sp, use_tqdm=False)
         answer = list(o1.outputs[0].token_ids)
         assert answer == list(engine.reference_greedy(tuple(p1), n1).token_ids)
@@ -238,6 +238,18 @@ def test_decode_filled_blocks_are_stored_and_a_next_turn_loads_them_after_a_rest
         fed = len(p1) + n1 - 1  # (the last sampled token is never fed: its block is not full in the cache)
         assert a.kv_tiers.stats["store_skipped_unchecked"] == 0
         assert a.kv_tiers.stats["stored_blocks"] == fed // BS
+        # the store plans' BlockStored events (medium DISK) carry each run's parent key and tokens (vLLM's fields)
+        seq = p1 + answer
+        keys = pagedkv.block_hashes(seq[:fed], BS)
+        got = []
+        for e in a.kv_tiers.take_events():
+            assert e.medium == "DISK"
+            i0 = keys.index(e.block_hashes[0])
+            n = len(e.block_hashes)
+            assert e.block_hashes == keys[i0:i0 + n] and e.parent_block_hash == (keys[i0 - 1] if i0 else None)
+            assert e.token_ids == seq[i0 * BS:(i0 + n) * BS]
+            got += e.block_hashes
+        assert sorted(got) == sorted(keys)
     turn2 = p1 + answer + [198, 1, 520]
     with make(engine, kv_disk_dir=tmp_path, kv_disk_gib=0.05) as b:  # a restart: a fresh GPU pool
         (o2,) = run(b, [turn2])

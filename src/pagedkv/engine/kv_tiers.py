@@ -118,12 +118,15 @@ class EngineTiers:
             did not arrive).
         record_events: keep the tiers' KV events (medium DISK / SHARED) for :meth:`take_events`.
         fingerprint: the blocks' :class:`~pagedkv.tiers.ModelFingerprint` (None: from ``model`` and the cache).
+        cpu_kv_cache: the engine's CPU KV cache (with a CPU tier under ``store_policy="write_back"`` the store
+            plans name CPU blocks: the blocks next to leave the CPU pool).
     """
 
     def __init__(self, model: Any, kv_cache: Any, block_size: int, *, disk_dir: Any = None,
                  disk_gib: float | None = None, shared: str | None = None,
                  max_load_ms_per_block: float | None, block_manager: Any = None, io_threads: int = 2,
-                 load_timeout_s: float = 30.0, record_events: bool = True, fingerprint: Any = None) -> None:
+                 load_timeout_s: float = 30.0, record_events: bool = True, fingerprint: Any = None,
+                 cpu_kv_cache: Any = None) -> None:
         fp = fingerprint if fingerprint is not None else model_fingerprint(model, kv_cache)
         nbytes = payload_bytes(kv_cache)
         tiers = []
@@ -147,6 +150,8 @@ class EngineTiers:
         self.fingerprint = fp
         self.block_size = int(block_size)
         self._kv = kv_cache
+        #: the CPU KV cache (write-back over the CPU tier copies its store plans' blocks out of it), or None
+        self.cpu_kv_cache = cpu_kv_cache
         self._bm = block_manager
         policy = getattr(block_manager, "store_policy", "none") if block_manager is not None else "none"
         #: the block manager's store policy ("none": loads only)
@@ -394,23 +399,27 @@ class EngineTiers:
         if sp is None:
             return
         ids, keys = sp.block_ids, sp.keys
+        parents, toks = getattr(sp, "parent_keys", None), getattr(sp, "token_ids", None)
+        sel = range(len(keys))  # the plan's entries stored
         lk = self._loaded_keys
         if lk:  # blocks this engine just loaded from the tiers are there already: not copied, not written again
-            keep = [i for i, k in enumerate(keys) if lk.pop(k, _ABSENT) is _ABSENT]
-            if len(keep) < len(keys):
-                self.stats["store_skipped_loaded"] += len(keys) - len(keep)
-                ids, keys = [ids[i] for i in keep], [keys[i] for i in keep]
+            sel = [i for i in sel if lk.pop(keys[i], _ABSENT) is _ABSENT]
+            self.stats["store_skipped_loaded"] += len(keys) - len(sel)
         cd = self._checks
-        checks = [cd.get(k) for k in keys]
-        if None in checks:  # blocks of no added prompt (a decode's): their check digests are unknown, not stored
-            keep = [i for i, c in enumerate(checks) if c is not None]
-            self.stats["store_skipped_unchecked"] += len(keys) - len(keep)
-            ids, keys, checks = [ids[i] for i in keep], [keys[i] for i in keep], [checks[i] for i in keep]
-        if not keys:
+        checks = [cd.get(keys[i]) for i in sel]
+        if None in checks:  # a block whose check digest is no longer remembered: not stored (a load needs it)
+            n = len(sel)
+            sel, checks = [i for i, c in zip(sel, checks) if c is not None], [c for c in checks if c is not None]
+            self.stats["store_skipped_unchecked"] += n - len(sel)
+        if not sel:
             bm.complete_store(sp.store_id, True)
             return
-        payloads = read_blocks(kv_cache, list(ids))
-        if self.connector.store(keys, payloads, None, store_id=sp.store_id, chained=False, checks=checks):
+        # (write-back over the CPU tier: the blocks about to leave the CPU pool, copied out of the CPU KV)
+        src = self.cpu_kv_cache if getattr(sp, "medium", "GPU") == "CPU" else kv_cache
+        payloads = read_blocks(src, [ids[i] for i in sel])
+        if self.connector.store([keys[i] for i in sel], payloads, None, store_id=sp.store_id, chained=False,
+                                checks=checks, token_ids=None if toks is None else toks[list(sel)].reshape(-1).tolist(),
+                                parents=None if parents is None else [parents[i] for i in sel]):
             self.stats["stored_blocks"] += len(keys)
         else:  # (closed) the plan ends at once, its blocks unpinned
             bm.complete_store(sp.store_id, False)

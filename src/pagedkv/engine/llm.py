@@ -350,7 +350,8 @@ class LLM:
             self.kv_tiers = EngineTiers(self.model, self.kv_cache, block_size, disk_dir=kv_disk_dir,
                                         disk_gib=kv_disk_gib, shared=kv_shared,
                                         max_load_ms_per_block=kv_load_max_ms_per_block,
-                                        block_manager=self.block_manager, record_events=enable_kv_events)
+                                        block_manager=self.block_manager, record_events=enable_kv_events,
+                                        cpu_kv_cache=self.cpu_kv_cache)
         elif kv_disk_gib is not None:
             raise InvalidArgumentError("kv_disk_gib needs kv_disk_dir")
         # the engine's own tiers (a KV port may wrap llm.kv_tiers later: the reads it starts stay here)
