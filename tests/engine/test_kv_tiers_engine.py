@@ -258,3 +258,35 @@ def test_decode_filled_blocks_are_stored_and_a_next_turn_loads_them_after_a_rest
         assert b.scheduler.stats.external_tokens == BS * (fed // BS)
         b.kv_tiers.connector.flush(30)
         assert b.kv_tiers.stats["store_skipped_unchecked"] == 0
+
+
+def test_write_back_with_the_cpu_tier_stores_what_the_cpu_pool_drops(engine, tmp_path, monkeypatch):
+    """Issue 24 (tiers' gaps, item 2): kv_store="back" with a CPU tier: a GPU eviction is a demotion, and the
+    blocks the CPU pool drops are stored first (copied out of the CPU KV cache): every block the CPU tier evicts
+    is on disk, only demoted blocks are stored, and a restart loads them (greedy output equal)."""
+    qs = [list(range(1000 * i + 200, 1000 * i + 241)) for i in range(1, 5)]  # 10 full blocks each (+ decode)
+    kw = dict(kv_disk_dir=tmp_path, kv_disk_gib=0.05, kv_store="back", num_gpu_blocks=16, num_cpu_blocks=16,
+              cpu_prefix_cache=True)
+    with make(engine, enable_kv_events=True, **kw) as a:
+        assert a.block_manager.store_policy == "write_back"
+        bm, media = a.kv_tiers._bm, []
+        take = bm.take_store_plan
+        monkeypatch.setattr(bm, "take_store_plan", lambda: (lambda p: media.append(p and p.medium) or p)(take()))
+        demoted, dropped = set(), set()
+        for q in qs:  # one at a time: each pushes the previous ones' blocks GPU -> CPU -> out
+            (o,) = run(a, [q])
+            assert list(o.outputs[0].token_ids) == expected(engine, [q])[0]
+            for e in a.block_manager.take_events():
+                if getattr(e, "medium", None) == "CPU":
+                    (demoted if type(e).__name__ == "BlockStored" else dropped).update(e.block_hashes)
+        a.kv_tiers.connector.flush(30)
+        a.kv_tiers.poll(a.scheduler)
+        stored = {k for e in a.kv_tiers.take_events() if type(e).__name__ == "BlockStored" for k in e.block_hashes}
+        assert dropped and dropped <= stored <= demoted  # what left the CPU pool was stored first; nothing else
+        assert set(media) - {None} == {"CPU"}  # every plan read CPU blocks (copied out of the CPU KV cache)
+        assert a.kv_tiers.stats["store_skipped_unchecked"] == 0
+        assert set(pagedkv.block_hashes(qs[0], BS)) <= dropped  # the first prompt's blocks left the node ...
+    with make(engine, **kw) as b:  # ... and a restart loads them from disk
+        (o,) = run(b, [qs[0]])
+        assert list(o.outputs[0].token_ids) == expected(engine, [qs[0]])[0]
+        assert o.num_cached_tokens == b.scheduler.stats.external_tokens == BS * full_blocks(qs[0])
