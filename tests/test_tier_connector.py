@@ -393,3 +393,35 @@ def test_a_store_plan_is_published_as_chains_with_parents_and_tokens(tiers):
     assert shared_ev == [([ka[0], ka[1], ka[2], ka[3]], None, a), ([kb[0], kb[1]], None, b)]
     with pytest.raises(InvalidArgumentError):
         c.store(ka[:2], [payload(0), payload(1)], None, chained=False, checks=ca[:2], parents=[None])
+
+
+def test_a_restarted_disk_tier_publishes_what_it_found_once_in_batches(tmp_path, monkeypatch):
+    """At start, with events on, the blocks the disk tier's rebuilt index found are published as BlockStored
+    (medium DISK), RESTORED_BATCH keys per event, oldest first, once; the shared tier (no index) publishes none."""
+    import pagedkv.tiers.connector as conn
+
+    monkeypatch.setattr(conn, "RESTORED_BATCH", 2)
+    toks = tokens(5)
+    keys, ck = pagedkv.block_hashes(toks, BS), check_digests(toks, BS)
+
+    def open_tiers():
+        return [("DISK", BlockStore(DiskBackend(tmp_path / "disk", 1 << 20), FP, PB)),
+                ("SHARED", BlockStore(SharedDirBackend(tmp_path / "shared"), FP, PB))]
+
+    c = TierConnector(open_tiers(), BS)
+    assert c.take_events() == []  # nothing found
+    for i in range(5):
+        c.store([keys[i]], [payload(i)], None, store_id=i, chained=False, checks=ck[i:i + 1])
+        assert c.flush(10)
+        time.sleep(0.01)  # (distinct modification times: the restart's order)
+    c.take_events()
+    c.close()
+    c = TierConnector(open_tiers(), BS)  # a restart
+    ev = c.take_events()
+    assert [(e.block_hashes, e.medium, e.parent_block_hash, e.token_ids) for e in ev] == \
+        [(keys[0:2], "DISK", None, []), (keys[2:4], "DISK", None, []), (keys[4:5], "DISK", None, [])]
+    assert c.take_events() == []  # once
+    c.close()
+    c = TierConnector(open_tiers(), BS, record_events=False)  # without events nothing is kept
+    assert c.take_events() == []
+    c.close()

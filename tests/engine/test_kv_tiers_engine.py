@@ -223,9 +223,11 @@ def test_server_restarted_over_its_disk_tier_loads_and_counts(engine, tmp_path):
 
 
 def test_decode_filled_blocks_are_stored_and_a_next_turn_loads_them_after_a_restart(engine, tmp_path):
-    """Issue 24 (tiers' gaps, item 1): the blocks a decode fills are stored with their check digests (chained from
-    the prompt's), so a conversation's next turn, whose prompt continues the first answer, loads the answer's
-    blocks from the disk tier after a restart; greedy output equal to the reference; nothing skipped unchecked."""
+    """Issue 24 (tiers' gaps, items 1 and 3): the blocks a decode fills are stored with their check digests
+    (chained from the prompt's), so a conversation's next turn, whose prompt continues the first answer, loads the
+    answer's blocks from the disk tier after a restart; greedy output equal to the reference; nothing skipped
+    unchecked. The store plans' events carry parents and tokens; the restarted engine publishes what its disk
+    index found, and a router's index learns it."""
     from pagedkv.engine.sampling import SamplingParams
 
     p1, n1 = PROMPTS[1], 12  # 22 prompt tokens (5 full blocks) + 11 generated tokens fed back: 8 full blocks
@@ -251,7 +253,17 @@ def test_decode_filled_blocks_are_stored_and_a_next_turn_loads_them_after_a_rest
             got += e.block_hashes
         assert sorted(got) == sorted(keys)
     turn2 = p1 + answer + [198, 1, 520]
-    with make(engine, kv_disk_dir=tmp_path, kv_disk_gib=0.05) as b:  # a restart: a fresh GPU pool
+    with make(engine, kv_disk_dir=tmp_path, kv_disk_gib=0.05, enable_kv_events=True) as b:  # a restart
+        # the blocks the disk index found are published once as stored (medium DISK): a router learns them
+        from pagedkv.cluster import MemoryIndex
+
+        found = b.kv_tiers.take_events()
+        assert {(e.medium, type(e).__name__) for e in found} == {("DISK", "BlockStored")}
+        assert sorted(k for e in found for k in e.block_hashes) == sorted(keys)
+        ix = MemoryIndex()
+        ix.apply_all("b", found)
+        assert ix.longest_prefix(pagedkv.block_hashes(turn2, BS), "DISK") == {"b": fed // BS}
+        assert ix.longest_prefix(pagedkv.block_hashes(turn2, BS), "GPU") == {}
         (o2,) = run(b, [turn2])
         assert list(o2.outputs[0].token_ids) == list(engine.reference_greedy(tuple(turn2), N_NEW).token_ids)
         assert o2.num_cached_tokens == BS * (fed // BS) > BS * (len(p1) // BS)  # the answer's blocks too

@@ -16,8 +16,9 @@ collects what finished::
     request_load(rid, tokens, ns, hit) ---------> both in one job (lookup, then read): one LoadDone
     store(keys, payloads, ns, store_id=) -------> put_many on every tier; KV events (medium)
     poll_stores() <-- (store_id, success) of the stores that finished (the engine completes the manager's plan)
-    take_events() <-- BlockStored(medium="DISK" | "SHARED") of the blocks each tier newly stored, BlockRemoved
-                      (medium "DISK") of the blocks the disk tier evicted or dropped
+    take_events() <-- BlockStored(medium="DISK" | "SHARED") of the blocks each tier newly stored (at start: of
+                      the blocks the disk tier found, in batches), BlockRemoved (medium "DISK") of the blocks the
+                      disk tier evicted or dropped
 
 A load is **done** when every block the tiers said they hold came back checked; **failed** when a block they
 said they hold did not (corrupt, cut short, another fingerprint, the store down between the probe and the read):
@@ -49,7 +50,7 @@ from .backend import PutStatus
 from .key import check_digests
 from .store import BlockStore
 
-__all__ = ["TierConnector", "LoadDone", "LookupDone", "TierCounters", "LoadLatencyHistogram", "MEDIUM_DISK",
+__all__ = ["TierConnector", "LoadDone", "LookupDone", "TierCounters", "LoadLatencyHistogram", "MEDIUM_DISK", "RESTORED_BATCH",
            "MEDIUM_SHARED",
            "DEFAULT_MAX_LOAD_MS_PER_BLOCK", "LATENCY_BUCKETS_S"]
 
@@ -61,6 +62,9 @@ MEDIUM_SHARED = "SHARED"
 #: the prefill time of one 16-token block of SmolLM2-135M measured by benchmarks/tier_crossover.py on this
 #: machine (683 ms; Gemma 3 270M: 802 ms): a tier whose loads take longer per block than this is not read
 DEFAULT_MAX_LOAD_MS_PER_BLOCK = 683.0
+
+#: blocks per BlockStored event when a restarted tier publishes what it found (TierConnector start)
+RESTORED_BATCH = 1024
 
 #: the load-latency histogram's upper bounds in seconds (Prometheus ``le`` labels), +Inf implied
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -211,6 +215,19 @@ class TierConnector:
         self.latency = LoadLatencyHistogram()
         self._closed = False
         self._warned_unchecked = False
+        if self.record_events:
+            self._publish_restored()
+
+    def _publish_restored(self) -> None:
+        """Once, at start: the blocks each tier found when it opened (the disk tier's rebuilt index:
+        ``BlockStore.restored_keys``) as ``BlockStored`` of its medium, ``RESTORED_BATCH`` blocks per event
+        (oldest first; no parent, no tokens: the tier keeps chain keys only), so that a router learns what a
+        restarted replica holds. O(blocks found)."""
+        for t in self._tiers:
+            keys = t.store.restored_keys()
+            for a in range(0, len(keys), RESTORED_BATCH):
+                self._events.append(BlockStored(block_hashes=keys[a:a + RESTORED_BATCH], parent_block_hash=None,
+                                                token_ids=[], block_size=self.block_size, medium=t.medium))
 
     # ------------------------------------------------------------------------------------------ state
 
