@@ -302,3 +302,22 @@ def test_write_back_with_the_cpu_tier_stores_what_the_cpu_pool_drops(engine, tmp
         (o,) = run(b, [qs[0]])
         assert list(o.outputs[0].token_ids) == expected(engine, [qs[0]])[0]
         assert o.num_cached_tokens == b.scheduler.stats.external_tokens == BS * full_blocks(qs[0])
+
+
+def test_identical_prompts_admitted_while_one_loads_load_once(engine, tmp_path):
+    """Issue 24 (tiers' gaps, item 4): two identical prompts (and one that continues them) added at once after a
+    restart: the first one's run is loaded, the others wait for that load to end and hit its blocks; every block
+    is read once; greedy output equal."""
+    p = PROMPTS[2]  # 41 tokens: 10 full blocks
+    with make(engine, kv_disk_dir=tmp_path, kv_disk_gib=0.05) as a:
+        run(a, [p])
+    longer = p + [7, 8, 9, 10, 11]
+    prompts = [p, p, longer]
+    with make(engine, kv_disk_dir=tmp_path, kv_disk_gib=0.05) as b:
+        outs = run(b, prompts)
+        assert [list(o.outputs[0].token_ids) for o in outs] == expected(engine, prompts)
+        assert [o.num_cached_tokens for o in outs] == [BS * full_blocks(p)] * 3  # (p's blocks: what disk holds)
+        assert b.scheduler.stats.external_tokens == BS * full_blocks(p)  # read once, not three times
+        (d,) = b.kv_tiers.connector.counters()
+        assert d.hit_blocks == full_blocks(p) and d.lookups == 3
+        assert b.kv_tiers.stats["loads_deferred"] == 2 and b.kv_tiers.stats["loads"] == 1

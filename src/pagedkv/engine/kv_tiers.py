@@ -9,7 +9,9 @@ One object per engine, used by the step loop only::
     every step       poll (before the schedule):
                        lookups done   -> Scheduler.kv_ready(rid, start, n, reserve=True): at admission the
                                          scheduler allocates with num_external_tokens (the blocks reserved,
-                                         counted by the manager; the sequence LOADING, out of every batch)
+                                         counted by the manager; the sequence LOADING, out of every batch);
+                                         a run whose first block another request's pending load reads waits
+                                         for that load to end, then is made ready (it hits those blocks)
                        reads done     -> the payloads written into the reserved blocks (external_blocks), then
                                          Scheduler.kv_loaded (all, or the good leading blocks: the rest computed);
                                          the next schedule calls finish_external and prefills the rest
@@ -174,9 +176,16 @@ class EngineTiers:
         # last full block (on_blocks_filled chains the next block from there), each bounded by _MAX_TAILS
         self._tails: dict = {}
         self._prompt_tails: dict = {}
+        # duplicate loads: request id -> its prompt's chain keys until its lookup is done; chain key -> the request
+        # whose reserved run loads it (until that load ends); that request -> the lookups (LookupDone) that wait
+        # for it, whose first block it loads (they are made ready once it ends: they then hit its blocks)
+        self._keys_of: dict = {}
+        self._loading_keys: dict = {}
+        self._loading: dict = {}  # request id -> the chain keys of its pending load's run
+        self._waiters: dict = {}
         self.stats = {"loads": 0, "loads_failed": 0, "loads_timed_out": 0, "loaded_blocks": 0,
                       "written_blocks": 0, "stored_blocks": 0, "stores_failed": 0, "loads_aborted": 0,
-                      "store_skipped_loaded": 0, "store_skipped_unchecked": 0}
+                      "store_skipped_loaded": 0, "store_skipped_unchecked": 0, "loads_deferred": 0}
 
     # --------------------------------------------------------------------------------------- requests
 
@@ -196,6 +205,7 @@ class EngineTiers:
             _remember(self._prompt_tails, request_id, (len(keys) - 1, keys[-1]))
         if not self.connector.request_lookup(request_id, token_ids, namespace, int(hit)):
             return False
+        self._keys_of[request_id] = keys
         self._lookups[request_id] = time.monotonic()
         return True
 
@@ -209,17 +219,16 @@ class EngineTiers:
         for r in self.connector.poll():
             if isinstance(r, LookupDone):
                 self._lookups.pop(r.request_id, None)
-                if r.num_blocks:
-                    ok = scheduler.kv_ready(r.request_id, r.start_block * bs, r.num_blocks * bs, reserve=True)
-                    if ok:
-                        self._runs[r.request_id] = (r.start_block, r.runs)
-                else:
-                    ok = scheduler.kv_ready(r.request_id, 0, 0)
-                n += bool(ok)
+                n += self._ready(r, scheduler)
             else:
                 self._read_done(r, scheduler)
         if self._lookups or self._reads:
             self._expire(scheduler)
+        if self._loading:
+            n += self._release(scheduler)
+        if self._keys_of:
+            for rid in [rid for rid in self._keys_of if not scheduler.has_request(rid)]:
+                del self._keys_of[rid]  # (aborted before its lookup ended)
         if self._bm is not None and self.store_policy != "none":
             for sid, ok in self.connector.poll_stores():
                 if not ok:
@@ -228,6 +237,50 @@ class EngineTiers:
         if self._runs:
             for rid in [rid for rid in self._runs if not scheduler.has_request(rid)]:
                 del self._runs[rid]  # (aborted before its admission)
+        return n
+
+    def _ready(self, r: Any, scheduler: Any) -> int:
+        """A finished lookup: the request joins the waiting queue with the run the tiers hold (reserve), unless
+        another request's pending load reads the first block of that run: then it waits for that load to end
+        (:meth:`_release`) and is admitted on its blocks instead of loading them twice. O(run)."""
+        rid = r.request_id
+        keys = self._keys_of.pop(rid, None)
+        if not r.num_blocks:
+            return int(bool(scheduler.kv_ready(rid, 0, 0)))
+        run = keys[r.start_block:r.start_block + r.num_blocks] if keys is not None else []
+        owner = self._loading_keys.get(run[0]) if run else None
+        if owner is not None and owner != rid:
+            self._waiters.setdefault(owner, []).append(r)
+            self.stats["loads_deferred"] += 1
+            return 0
+        ok = scheduler.kv_ready(rid, r.start_block * self.block_size, r.num_blocks * self.block_size, reserve=True)
+        if ok:
+            self._runs[rid] = (r.start_block, r.runs)
+            if run:
+                self._loading[rid] = run
+                for k in run:
+                    self._loading_keys.setdefault(k, rid)
+        return int(bool(ok))
+
+    def _release(self, scheduler: Any) -> int:
+        """The requests whose load ended (its read reported, or it was admitted without one, or it left): their
+        keys stop being pending, and the lookups that waited for them are made ready (they find its blocks
+        cached now, or load what is still missing). O(pending loads' keys) when one ends, else O(owners)."""
+        ended = [o for o in self._loading if o not in self._reading and not scheduler.is_fetching(o)
+                 and not scheduler.is_waiting(o)]
+        n = 0
+        bs = self.block_size
+        for o in ended:
+            lk = self._loading_keys
+            for k in self._loading.pop(o):
+                if lk.get(k) == o:
+                    del lk[k]
+            for r in self._waiters.pop(o, ()):
+                if scheduler.has_request(r.request_id):  # (its run as looked up: admission finds the hit again)
+                    ok = scheduler.kv_ready(r.request_id, r.start_block * bs, r.num_blocks * bs, reserve=True)
+                    if ok:
+                        self._runs[r.request_id] = (r.start_block, r.runs)
+                    n += int(bool(ok))
         return n
 
     def _read_done(self, r: Any, scheduler: Any) -> None:
@@ -309,6 +362,7 @@ class EngineTiers:
         self.connector.cancel(request_id)
         self._lookups.pop(request_id, None)
         self._runs.pop(request_id, None)
+        self._keys_of.pop(request_id, None)
 
     def wait(self, timeout: float) -> None:
         """Nothing else to run: block until a lookup or read finishes or ``timeout`` (never past the next
