@@ -212,10 +212,10 @@ class EngineTiers:
     def poll(self, scheduler: Any) -> int:
         """Between two steps: finished lookups join the waiting queue (``kv_ready(..., reserve=True)``), finished
         reads are written into their reserved blocks and reported (``kv_loaded``), finished stores complete the
-        manager's plans, and lookups or reads past their timeout are given up. Returns how many requests
+        manager's plans, and lookups or reads past their timeout are given up; a lookup whose run another
+        request's pending load reads waits for that load to end (:meth:`_ready`). Returns how many requests
         became ready. O(finished + in flight) plus the written blocks' bytes."""
         n = 0
-        bs = self.block_size
         for r in self.connector.poll():
             if isinstance(r, LookupDone):
                 self._lookups.pop(r.request_id, None)
