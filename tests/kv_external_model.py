@@ -65,7 +65,10 @@ class ExternalModel:
         ncpu = rng.choice([0, 16, 48])
         tier = prefix and ncpu > 0 and rng.random() < 0.6
         kw = dict(enable_prefix_caching=prefix, num_cpu_blocks=ncpu, cpu_prefix_cache=tier, watermark=0.0,
-                  store_policy=policy if prefix else "none", store_min_hits=rng.randint(1, 3))
+                  store_policy=policy if prefix else "none", store_min_hits=rng.randint(1, 3),
+                  # (its own draw: the main stream, and so every seed's run, stays as it was) with KV events the
+                  # store plans carry each block's parent key, checked against its content
+                  enable_kv_events=random.Random(seed * 7 + 1).random() < 0.5)
         if hybrid:  # KV cache groups: full attention and sliding windows over one pool
             specs = [FullAttentionSpec()] + [SlidingWindowSpec(rng.choice([self.bs, 2 * self.bs, 3 * self.bs + 1]))
                                              for _ in range(rng.randint(1, 2))]
@@ -329,6 +332,8 @@ class ExternalModel:
             return
         self.stores.append([self.step_no + self.rng.randint(0, 3), plan])
         self.report.count("stores_planned", len(plan.block_ids))
+        if plan.medium == "CPU":
+            self.report.count("stores_planned_cpu", len(plan.block_ids))
 
     def complete_stores(self) -> None:
         bs = self.bs
@@ -337,17 +342,25 @@ class ExternalModel:
             if at > self.step_no:
                 keep.append([at, plan])
                 continue
-            for b, key in zip(plan.block_ids, plan.keys):  # the store reads its blocks now
-                v = int(self.gpu[b * bs + bs - 1])
+            # the store reads its blocks now: GPU blocks, or CPU blocks (write-back over the CPU tier: the
+            # blocks next to leave the CPU pool, kept in the tier until stored)
+            mem = self.cpu if plan.medium == "CPU" else self.gpu
+            for i, (b, key) in enumerate(zip(plan.block_ids, plan.keys)):
+                v = int(mem[b * bs + bs - 1])
                 if v <= 0:
-                    self.fail(f"store {plan.store_id}: block {b} holds no KV ({v})")
+                    self.fail(f"store {plan.store_id}: {plan.medium} block {b} holds no KV ({v})")
                 last, g = divmod(v, self.G)
                 toks = self.ident_toks[last]
-                if len(toks) % bs or block_hashes(list(toks), bs, group=g)[-1] != key:
+                chain = block_hashes(list(toks), bs, group=g) if len(toks) % bs == 0 else []
+                if not chain or chain[-1] != key:
                     self.fail(f"store {plan.store_id}: block {b} holds content other than its key names")
                 want = [i * self.G + g for i in self.identities(list(toks))[-bs:]]
-                if self.gpu[b * bs : b * bs + bs].tolist() != want:
+                if mem[b * bs : b * bs + bs].tolist() != want:
                     self.fail(f"store {plan.store_id}: block {b} is not the KV of its content")
+                if plan.token_ids[i].tolist() != list(toks[-bs:]):  # (what the tiers' events publish)
+                    self.fail(f"store {plan.store_id}: block {b}'s planned tokens are not its content's")
+                if plan.parent_keys is not None and plan.parent_keys[i] != (chain[-2] if len(chain) > 1 else None):
+                    self.fail(f"store {plan.store_id}: block {b}'s planned parent key is not its content's")
             self.bm.complete_store(plan.store_id, success=self.rng.random() < 0.9)
             self.report.count("stores_done")
         self.stores = keep
@@ -432,6 +445,7 @@ class ExternalModel:
         """Transfers, the copy plan, the forward, holds and stores, then the checks."""
         self.transfers_step()
         plan = self.bm.take_copy_plan()
+        self.bm.take_events()  # (KV events on or off: nothing kept)
         stores = {0: (self.gpu, self.cpu), 1: (self.cpu, self.gpu), 2: (self.gpu, self.gpu)}
         bs = self.bs
         for kind, src, dst in plan.batches():  # gather every source of a batch, then scatter

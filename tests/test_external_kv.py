@@ -442,6 +442,49 @@ def test_write_back_plans_the_next_victims_and_pins_them_until_stored():
     m.check_invariants()
 
 
+def test_write_back_with_the_cpu_tier_stores_what_leaves_the_cpu_pool_first():
+    """write_back over the CPU tier (golden): a GPU eviction is a demotion, so nothing is planned from the GPU;
+    the plans take the CPU tier's next victims (tail first, as demoted), with their parents and tokens, keep them
+    in the tier until stored (a demotion meanwhile is dropped rather than evict them), then give them a second
+    chance; a failed store plans them again; reset_prefix_cache while pending returns them to the free ring."""
+    m = mgr(num_gpu_blocks=8, num_cpu_blocks=8, cpu_prefix_cache=True, watermark=0, store_policy="write_back",
+            enable_kv_events=True)
+    a, b, c = list(range(100, 120)), list(range(200, 232)), list(range(300, 332))  # 5, 8 and 8 full blocks
+    ka, kb = block_hashes(a, BS), block_hashes(b, BS)
+    m.allocate("a", a)
+    m.take_copy_plan()
+    m.free("a")
+    assert m.take_store_plan() is None  # a's idle GPU blocks: an eviction would demote them, not lose them
+    m.allocate("b", b)  # evicts a's 5 blocks: demoted, tail first
+    m.take_copy_plan()
+    p = m.take_store_plan()
+    assert p.medium == "CPU" and p.keys == tuple(reversed(ka)) and p.block_ids == (0, 1, 2, 3, 4)
+    assert p.parent_keys == (ka[3], ka[2], ka[1], ka[0], None)
+    assert p.token_ids.tolist() == [a[i * BS:(i + 1) * BS] for i in reversed(range(5))]
+    assert m.take_store_plan() is None and m.pending_stores == (p.store_id,)
+    m.check_invariants()
+    m.free("b")
+    m.allocate("c", c)  # evicts b's 8 blocks: 3 CPU blocks are free, a's 5 are kept until stored
+    plan = m.take_copy_plan()
+    assert len(plan) == 3
+    assert m.lookup_prefix(a + [1]).num_cpu_blocks == 5  # still in the tier
+    m.check_invariants()
+    m.complete_store(p.store_id, True)
+    m.check_invariants()
+    p2 = m.take_store_plan()  # b's 3 demoted blocks; a's are stored: never planned again
+    assert p2.medium == "CPU" and p2.keys == (kb[7], kb[6], kb[5])
+    assert p2.parent_keys == (kb[6], kb[5], kb[4])
+    m.complete_store(p2.store_id, False)  # failed: planned again
+    p3 = m.take_store_plan()
+    assert p3.keys == p2.keys
+    m.reset_prefix_cache()  # (c still runs) every tier block forgotten; the pending ones wait for their store
+    m.check_invariants()
+    m.complete_store(p3.store_id, True)
+    m.check_invariants()
+    m.free("c")
+    assert m.num_free_cpu_blocks == 8 and m.take_store_plan() is None
+
+
 def test_complete_store_bad_input():
     m = mgr(store_policy="write_through")
     m.allocate("a", prompt(1))

@@ -8,7 +8,8 @@ import pytest
 import kv_external_model
 
 COUNTED = ("loads", "loads_done", "loads_failed", "aborted_loading", "holds", "held_on_free", "holds_read",
-           "swapped_out", "swapped_in", "holds_expired", "stores_planned", "stores_done", "admitted")
+           "swapped_out", "swapped_in", "holds_expired", "stores_planned", "stores_done", "admitted",
+           "stores_planned_cpu")
 
 
 @pytest.mark.parametrize("hybrid", [False, True], ids=["manager", "hybrid"])

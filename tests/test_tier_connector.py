@@ -415,3 +415,61 @@ def test_backends_name_their_location_without_credentials(tmp_path):
     a = RedisBackend("redis://:secret@Cache.Local:6390/2").location
     assert a == "redis://cache.local:6390/2#pagedkv:kv:" and "secret" not in a
     assert RedisBackend("redis://cache.local:6390/2", prefix="other:").location != a
+
+
+def test_a_store_plan_is_published_as_chains_with_parents_and_tokens(tiers):
+    """A store plan's blocks (of any chains, in any order) with their parent keys and tokens: one BlockStored
+    per run of a parent followed by its child, parents first, with the parent key and the run's tokens (vLLM's
+    fields); a block stored already is left out of the events and a run restarts after it."""
+    c, disk, shared = tiers
+    a, b = tokens(4, 0)[:16], tokens(2, 500)[:8]  # two chains: a (4 blocks) and b (2 blocks)
+    ka, kb = pagedkv.block_hashes(a, BS), pagedkv.block_hashes(b, BS)
+    ca, cb = check_digests(a, BS), check_digests(b, BS)
+    disk.put_many([ka[2]], [payload(2)], None, [ca[2]])  # a's third block on disk already
+    order = [3, 0, 5, 1, 4, 2]  # a plan's order: block ids, not chain order (4, 5: b's blocks)
+    keys, checks, blocks = ka + kb, ca + cb, [a[i * BS:(i + 1) * BS] for i in range(4)] + \
+        [b[i * BS:(i + 1) * BS] for i in range(2)]
+    parents = [None, ka[0], ka[1], ka[2], None, kb[0]]
+    assert c.store([keys[i] for i in order], [payload(i) for i in order], None, store_id=1, chained=False,
+                   checks=[checks[i] for i in order], parents=[parents[i] for i in order],
+                   token_ids=[t for i in order for t in blocks[i]])
+    assert c.flush(10)
+    ev = c.take_events()
+    disk_ev = [(e.block_hashes, e.parent_block_hash, e.token_ids) for e in ev if e.medium == "DISK"]
+    assert disk_ev == [([ka[3]], ka[2], a[12:16]), ([ka[0], ka[1]], None, a[:8]), ([kb[0], kb[1]], None, b)]
+    shared_ev = [(e.block_hashes, e.parent_block_hash, e.token_ids) for e in ev if e.medium == "SHARED"]
+    assert shared_ev == [([ka[0], ka[1], ka[2], ka[3]], None, a), ([kb[0], kb[1]], None, b)]
+    with pytest.raises(InvalidArgumentError):
+        c.store(ka[:2], [payload(0), payload(1)], None, chained=False, checks=ca[:2], parents=[None])
+
+
+def test_a_restarted_disk_tier_publishes_what_it_found_once_in_batches(tmp_path, monkeypatch):
+    """At start, with events on, the blocks the disk tier's rebuilt index found are published as BlockStored
+    (medium DISK), RESTORED_BATCH keys per event, oldest first, once; the shared tier (no index) publishes none."""
+    import pagedkv.tiers.connector as conn
+
+    monkeypatch.setattr(conn, "RESTORED_BATCH", 2)
+    toks = tokens(5)
+    keys, ck = pagedkv.block_hashes(toks, BS), check_digests(toks, BS)
+
+    def open_tiers():
+        return [("DISK", BlockStore(DiskBackend(tmp_path / "disk", 1 << 20), FP, PB)),
+                ("SHARED", BlockStore(SharedDirBackend(tmp_path / "shared"), FP, PB))]
+
+    c = TierConnector(open_tiers(), BS)
+    assert c.take_events() == []  # nothing found
+    for i in range(5):
+        c.store([keys[i]], [payload(i)], None, store_id=i, chained=False, checks=ck[i:i + 1])
+        assert c.flush(10)
+        time.sleep(0.01)  # (distinct modification times: the restart's order)
+    c.take_events()
+    c.close()
+    c = TierConnector(open_tiers(), BS)  # a restart
+    ev = c.take_events()
+    assert [(e.block_hashes, e.medium, e.parent_block_hash, e.token_ids) for e in ev] == \
+        [(keys[0:2], "DISK", None, []), (keys[2:4], "DISK", None, []), (keys[4:5], "DISK", None, [])]
+    assert c.take_events() == []  # once
+    c.close()
+    c = TierConnector(open_tiers(), BS, record_events=False)  # without events nothing is kept
+    assert c.take_events() == []
+    c.close()

@@ -380,3 +380,33 @@ def test_a_closed_backend_answers_failed(tmp_path):
     b2 = DiskBackend(tmp_path, 10 * VB)  # the next owner finds the value
     check_hits(BlockStore(b2, FP), k)
     b2.close()
+
+
+def test_chain_keys_of_the_values_found_at_a_restart(tmp_path):
+    """A BlockStore tags each value it stores with its chain key (the tag log); a restart gives back the chain
+    keys of the values found (what the engine publishes as stored, medium DISK), not those evicted meanwhile; the
+    log is compacted to the values found; a record cut by a crash is ignored; and with track_removals a value
+    found at start and evicted after it is published as removed by chain key."""
+    b = DiskBackend(tmp_path, 4 * VB)
+    s = BlockStore(b, FP, payload_bytes=PB)
+    ks = keys(6)
+    assert s.restored_keys() == []
+    for k in ks[:5]:  # one at a time: distinct modification times, the restart's order
+        s.put_many([k], [payload(k)])
+        time.sleep(0.01)
+    assert b.num_values == 4  # ks[0] evicted
+    b.close()
+    log = tmp_path / "tags.log"
+    with open(log, "ab") as f:
+        f.write(b"\x01" * 10)  # a record cut short by a crash
+    b2 = DiskBackend(tmp_path, 4 * VB)
+    s2 = BlockStore(b2, FP, payload_bytes=PB, track_removals=True)
+    assert s2.restored_keys() == ks[1:5]
+    assert log.stat().st_size == 4 * 24  # compacted: the values found, nothing else
+    s2.put_many([ks[5]], [payload(ks[5])])  # evicts the oldest value found at start
+    assert s2.take_removed() == [ks[1]]
+    b2.close()
+    b3 = DiskBackend(tmp_path, 4 * VB)
+    assert BlockStore(b3, FP).restored_keys() == ks[2:6]
+    b3.check_invariants()
+    b3.close()

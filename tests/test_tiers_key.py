@@ -320,3 +320,18 @@ def test_the_tiers_are_torch_free_and_import_redis_only_when_used():
             "assert 'torch' not in sys.modules and 'redis' not in sys.modules, sorted(sys.modules)\n") % src
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("namespace", [None, "tenant-a", 7])
+def test_chain_next_extends_both_chains_one_block_at_a_time(namespace):
+    """chain_roots + chain_next step by step give block_hashes' and check_digests' entries (what the engine uses
+    for a block a decode fills: O(block) from its parent's pair, not O(prefix))."""
+    from pagedkv.tiers.key import chain_next, chain_roots
+
+    toks = [(i * 7919) % 50000 for i in range(16 * 5 + 3)]
+    keys, checks = pagedkv.block_hashes(toks, 16, namespace), check_digests(toks, 16, namespace)
+    k, c = chain_roots(namespace)
+    for i in range(5):
+        k, c = chain_next(k, c, toks[16 * i:16 * (i + 1)])
+        assert (k, c) == (keys[i], checks[i])
+    assert chain_next(k, c, toks[:16]) != chain_next(k ^ 1, c, toks[:16])

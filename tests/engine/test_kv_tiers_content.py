@@ -65,20 +65,21 @@ def test_tier_loads_and_stores_read_back_in_the_data(tmp_path, seed):
     rng = random.Random(seed)
     cpu = rng.random() < 0.5
     bm = BlockManager(24, BS, enable_prefix_caching=True, num_cpu_blocks=16, cpu_prefix_cache=cpu,
-                      store_policy=rng.choice(["write_through", "selective"]))
+                      store_policy=rng.choice(["write_through", "selective", "write_back"]))
     sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=16, enable_chunked_prefill=True,
                       preemption_mode=rng.choice(["recompute", "swap"]))
     kv = torch.zeros((1, 2, 24, BS, 1, 1), dtype=torch.float64)
     cpu_kv = torch.zeros((1, 2, 16, BS, 1, 1), dtype=torch.float64)
     fp = ModelFingerprint("content-model", "float64", BS, "L1,2,B4,H1,D1")
     tiers = EngineTiers(None, kv, BS, disk_dir=tmp_path / f"d{seed}", disk_gib=0.001, max_load_ms_per_block=None,
-                        fingerprint=fp, block_manager=bm)
+                        fingerprint=fp, block_manager=bm, cpu_kv_cache=cpu_kv)
     ids = _Ids()
     by_id: dict = {}
     base = [rng.randrange(50) for _ in range(40)]
     heads = [base[:n] for n in (6, 13, 24, 40)] + [[rng.randrange(50) for _ in range(12)]]  # nested prefixes
     next_id = 0
     checked = loaded_used = 0
+    turns: list = []  # (prompt + sample 0's answer, namespace) of finished requests: next turns continue them
     try:
         for step in range(160):
             if rng.random() < 0.4 and len(by_id) < 8:  # new requests: a shared head and a tail, a namespace
@@ -87,6 +88,9 @@ def test_tier_loads_and_stores_read_back_in_the_data(tmp_path, seed):
                     if prompt is None or rng.random() < 0.6:
                         prompt = rng.choice(heads) + [rng.randrange(50) for _ in range(rng.randrange(1, 10))]
                         ns = rng.choice([None, None, "t1"])
+                        if turns and rng.random() < 0.3:  # a next turn: an earlier prompt, its answer, more
+                            prev, ns = rng.choice(turns)
+                            prompt = list(prev) + [rng.randrange(50) for _ in range(rng.randrange(1, 6))]
                     r = _Req(next_id, prompt, ns)
                     next_id += 1
                     by_id[r.request_id] = r
@@ -105,6 +109,7 @@ def test_tier_loads_and_stores_read_back_in_the_data(tmp_path, seed):
                 execute_copy_plan(plan.copies, kv, cpu_kv)
             tiers.start_loads(plan.kv_loads)  # (reserved blocks: read off the loop, written at a later poll)
             if plan.has_forward:
+                tiers.on_blocks_filled(plan, sched, by_id)  # (as the engine: decode-filled blocks are stored too)
                 for pw in plan.prefills:  # the forward: each computed token's identity at its slot
                     r = by_id[pw.request_id]
                     loaded_used += pw.num_external_tokens
@@ -142,7 +147,9 @@ def test_tier_loads_and_stores_read_back_in_the_data(tmp_path, seed):
             if plan.decode is not None:
                 sampled += [rng.randrange(50) for _ in plan.decode.seq_ids]
             for out in sched.update(plan, sampled):
-                by_id.pop(out.request_id, None)
+                done_req = by_id.pop(out.request_id, None)
+                if done_req is not None and out.outputs and len(turns) < 64:
+                    turns.append((tuple(out.prompt_token_ids) + tuple(out.outputs[0]), done_req.namespace))
             bm.check_invariants()
             if not sched.has_unfinished() and not by_id:
                 continue
@@ -157,12 +164,16 @@ def test_tier_loads_and_stores_read_back_in_the_data(tmp_path, seed):
                 execute_copy_plan(plan.copies, kv, cpu_kv)
             tiers.start_loads(plan.kv_loads)
             if plan.has_forward:
+                tiers.on_blocks_filled(plan, sched, by_id)
                 tiers.store_computed(plan, kv, by_id)
             n = len(plan.prefills) + (len(plan.decode.seq_ids) if plan.decode is not None else 0)
             for out in sched.update(plan, [0] * n):
                 by_id.pop(out.request_id, None)
         assert checked > 50
         assert loaded_used > 0 and tiers.stats["written_blocks"] > 0  # the tiers really served blocks
+        assert tiers.stats["store_skipped_unchecked"] == 0  # decode-filled blocks stored with their digests
+        (disk,) = tiers.connector.stores()
+        assert disk.stats.check_refused == 0  # every stored check digest is the one a later load computes
         tiers.connector.flush(30)
         tiers.poll(sched)  # the last stores complete their plans
         assert not bm.pending_stores and not bm.parked_seq_ids and not bm.loading_seq_ids

@@ -220,3 +220,104 @@ def test_server_restarted_over_its_disk_tier_loads_and_counts(engine, tmp_path):
             assert hits > 0 and llm.scheduler.stats.external_tokens > 0
             assert re.search(r'^pagedkv:kv_tier_load_seconds_count\{[^}]*\} 1\.0$', m, re.M)
     assert texts[0] == texts[1]
+
+
+def test_decode_filled_blocks_are_stored_and_a_next_turn_loads_them_after_a_restart(engine, tmp_path):
+    """Issue 24 (tiers' gaps, items 1 and 3): the blocks a decode fills are stored with their check digests
+    (chained from the prompt's), so a conversation's next turn, whose prompt continues the first answer, loads the
+    answer's blocks from the disk tier after a restart; greedy output equal to the reference; nothing skipped
+    unchecked. The store plans' events carry parents and tokens; the restarted engine publishes what its disk
+    index found, and a router's index learns it."""
+    from pagedkv.engine.sampling import SamplingParams
+
+    p1, n1 = PROMPTS[1], 12  # 22 prompt tokens (5 full blocks) + 11 generated tokens fed back: 8 full blocks
+    sp = SamplingParams(temperature=0, max_tokens=n1, ignore_eos=True)
+    with make(engine, kv_disk_dir=tmp_path, kv_disk_gib=0.05, enable_kv_events=True) as a:
+        (o1,) = a.generate([{"prompt_token_ids": p1}], sp, use_tqdm=False)
+        answer = list(o1.outputs[0].token_ids)
+        assert answer == list(engine.reference_greedy(tuple(p1), n1).token_ids)
+        a.kv_tiers.connector.flush(30)
+        fed = len(p1) + n1 - 1  # (the last sampled token is never fed: its block is not full in the cache)
+        assert a.kv_tiers.stats["store_skipped_unchecked"] == 0
+        assert a.kv_tiers.stats["stored_blocks"] == fed // BS
+        # the store plans' BlockStored events (medium DISK) carry each run's parent key and tokens (vLLM's fields)
+        seq = p1 + answer
+        keys = pagedkv.block_hashes(seq[:fed], BS)
+        got = []
+        for e in a.kv_tiers.take_events():
+            assert e.medium == "DISK"
+            i0 = keys.index(e.block_hashes[0])
+            n = len(e.block_hashes)
+            assert e.block_hashes == keys[i0:i0 + n] and e.parent_block_hash == (keys[i0 - 1] if i0 else None)
+            assert e.token_ids == seq[i0 * BS:(i0 + n) * BS]
+            got += e.block_hashes
+        assert sorted(got) == sorted(keys)
+    turn2 = p1 + answer + [198, 1, 520]
+    with make(engine, kv_disk_dir=tmp_path, kv_disk_gib=0.05, enable_kv_events=True) as b:  # a restart
+        # the blocks the disk index found are published once as stored (medium DISK): a router learns them
+        from pagedkv.cluster import MemoryIndex
+
+        found = b.kv_tiers.take_events()
+        assert {(e.medium, type(e).__name__) for e in found} == {("DISK", "BlockStored")}
+        assert sorted(k for e in found for k in e.block_hashes) == sorted(keys)
+        ix = MemoryIndex()
+        ix.apply_all("b", found)
+        assert ix.longest_prefix(pagedkv.block_hashes(turn2, BS), "DISK") == {"b": fed // BS}
+        assert ix.longest_prefix(pagedkv.block_hashes(turn2, BS), "GPU") == {}
+        (o2,) = run(b, [turn2])
+        assert list(o2.outputs[0].token_ids) == list(engine.reference_greedy(tuple(turn2), N_NEW).token_ids)
+        assert o2.num_cached_tokens == BS * (fed // BS) > BS * (len(p1) // BS)  # the answer's blocks too
+        assert b.scheduler.stats.external_tokens == BS * (fed // BS)
+        b.kv_tiers.connector.flush(30)
+        assert b.kv_tiers.stats["store_skipped_unchecked"] == 0
+
+
+def test_write_back_with_the_cpu_tier_stores_what_the_cpu_pool_drops(engine, tmp_path, monkeypatch):
+    """Issue 24 (tiers' gaps, item 2): kv_store="back" with a CPU tier: a GPU eviction is a demotion, and the
+    blocks the CPU pool drops are stored first (copied out of the CPU KV cache): every block the CPU tier evicts
+    is on disk, only demoted blocks are stored, and a restart loads them (greedy output equal)."""
+    qs = [list(range(1000 * i + 200, 1000 * i + 241)) for i in range(1, 5)]  # 10 full blocks each (+ decode)
+    kw = dict(kv_disk_dir=tmp_path, kv_disk_gib=0.05, kv_store="back", num_gpu_blocks=16, num_cpu_blocks=16,
+              cpu_prefix_cache=True)
+    with make(engine, enable_kv_events=True, **kw) as a:
+        assert a.block_manager.store_policy == "write_back"
+        bm, media = a.kv_tiers._bm, []
+        take = bm.take_store_plan
+        monkeypatch.setattr(bm, "take_store_plan", lambda: (lambda p: media.append(p and p.medium) or p)(take()))
+        demoted, dropped = set(), set()
+        for q in qs:  # one at a time: each pushes the previous ones' blocks GPU -> CPU -> out
+            (o,) = run(a, [q])
+            assert list(o.outputs[0].token_ids) == expected(engine, [q])[0]
+            for e in a.block_manager.take_events():
+                if getattr(e, "medium", None) == "CPU":
+                    (demoted if type(e).__name__ == "BlockStored" else dropped).update(e.block_hashes)
+        a.kv_tiers.connector.flush(30)
+        a.kv_tiers.poll(a.scheduler)
+        stored = {k for e in a.kv_tiers.take_events() if type(e).__name__ == "BlockStored" for k in e.block_hashes}
+        assert dropped and dropped <= stored <= demoted  # what left the CPU pool was stored first; nothing else
+        assert set(media) - {None} == {"CPU"}  # every plan read CPU blocks (copied out of the CPU KV cache)
+        assert a.kv_tiers.stats["store_skipped_unchecked"] == 0
+        assert set(pagedkv.block_hashes(qs[0], BS)) <= dropped  # the first prompt's blocks left the node ...
+    with make(engine, **kw) as b:  # ... and a restart loads them from disk
+        (o,) = run(b, [qs[0]])
+        assert list(o.outputs[0].token_ids) == expected(engine, [qs[0]])[0]
+        assert o.num_cached_tokens == b.scheduler.stats.external_tokens == BS * full_blocks(qs[0])
+
+
+def test_identical_prompts_admitted_while_one_loads_load_once(engine, tmp_path):
+    """Issue 24 (tiers' gaps, item 4): two identical prompts (and one that continues them) added at once after a
+    restart: the first one's run is loaded, the others wait for that load to end and hit its blocks; every block
+    is read once; greedy output equal."""
+    p = PROMPTS[2]  # 41 tokens: 10 full blocks
+    with make(engine, kv_disk_dir=tmp_path, kv_disk_gib=0.05) as a:
+        run(a, [p])
+    longer = p + [7, 8, 9, 10, 11]
+    prompts = [p, p, longer]
+    with make(engine, kv_disk_dir=tmp_path, kv_disk_gib=0.05) as b:
+        outs = run(b, prompts)
+        assert [list(o.outputs[0].token_ids) for o in outs] == expected(engine, prompts)
+        assert [o.num_cached_tokens for o in outs] == [BS * full_blocks(p)] * 3  # (p's blocks: what disk holds)
+        assert b.scheduler.stats.external_tokens == BS * full_blocks(p)  # read once, not three times
+        (d,) = b.kv_tiers.connector.counters()
+        assert d.hit_blocks == full_blocks(p) and d.lookups == 3
+        assert b.kv_tiers.stats["loads_deferred"] == 2 and b.kv_tiers.stats["loads"] == 1

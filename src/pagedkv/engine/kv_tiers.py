@@ -9,7 +9,9 @@ One object per engine, used by the step loop only::
     every step       poll (before the schedule):
                        lookups done   -> Scheduler.kv_ready(rid, start, n, reserve=True): at admission the
                                          scheduler allocates with num_external_tokens (the blocks reserved,
-                                         counted by the manager; the sequence LOADING, out of every batch)
+                                         counted by the manager; the sequence LOADING, out of every batch);
+                                         a run whose first block another request's pending load reads waits
+                                         for that load to end, then is made ready (it hits those blocks)
                        reads done     -> the payloads written into the reserved blocks (external_blocks), then
                                          Scheduler.kv_loaded (all, or the good leading blocks: the rest computed);
                                          the next schedule calls finish_external and prefills the rest
@@ -32,9 +34,12 @@ import time
 from typing import Any
 from urllib.parse import urlparse
 
+import numpy as np
+
 from ..errors import InvalidArgumentError
 from ..blocks.prefix_cache import block_hashes
 from ..tiers import BlockStore, DiskBackend, RedisBackend, SharedDirBackend, check_digests
+from ..tiers.key import chain_next, chain_roots
 from ..tiers.connector import MEDIUM_DISK, MEDIUM_SHARED, LookupDone, TierConnector
 from .kv_io import model_fingerprint, payload_bytes, read_blocks, write_blocks
 
@@ -45,6 +50,9 @@ _MAX_LOADED_KEYS = 1 << 16
 #: the most chain keys whose check digests (pagedkv.tiers.check_digests) are remembered for store plans (oldest
 #: dropped; a planned block whose digest is not known is not stored: a load would refuse it without one)
 _MAX_CHECK_KEYS = 1 << 18
+#: the most sequences (and requests) whose last full block's chain key is remembered, so that the next block a
+#: decode fills chains from it in O(1) (oldest dropped: a sequence that lost its entry rebuilds its chain once)
+_MAX_TAILS = 1 << 16
 _ABSENT = object()
 
 log = logging.getLogger("pagedkv.tiers")
@@ -112,12 +120,15 @@ class EngineTiers:
             did not arrive).
         record_events: keep the tiers' KV events (medium DISK / SHARED) for :meth:`take_events`.
         fingerprint: the blocks' :class:`~pagedkv.tiers.ModelFingerprint` (None: from ``model`` and the cache).
+        cpu_kv_cache: the engine's CPU KV cache (with a CPU tier under ``store_policy="write_back"`` the store
+            plans name CPU blocks: the blocks next to leave the CPU pool).
     """
 
     def __init__(self, model: Any, kv_cache: Any, block_size: int, *, disk_dir: Any = None,
                  disk_gib: float | None = None, shared: str | None = None,
                  max_load_ms_per_block: float | None, block_manager: Any = None, io_threads: int = 2,
-                 load_timeout_s: float = 30.0, record_events: bool = True, fingerprint: Any = None) -> None:
+                 load_timeout_s: float = 30.0, record_events: bool = True, fingerprint: Any = None,
+                 cpu_kv_cache: Any = None) -> None:
         fp = fingerprint if fingerprint is not None else model_fingerprint(model, kv_cache)
         nbytes = payload_bytes(kv_cache)
         tiers = []
@@ -141,6 +152,8 @@ class EngineTiers:
         self.fingerprint = fp
         self.block_size = int(block_size)
         self._kv = kv_cache
+        #: the CPU KV cache (write-back over the CPU tier copies its store plans' blocks out of it), or None
+        self.cpu_kv_cache = cpu_kv_cache
         self._bm = block_manager
         policy = getattr(block_manager, "store_policy", "none") if block_manager is not None else "none"
         #: the block manager's store policy ("none": loads only)
@@ -159,9 +172,20 @@ class EngineTiers:
         self._loaded_keys: dict = {}
         # chain key -> check digest of the prompt blocks of the requests added (store plans name blocks by key only)
         self._checks: dict = {}
+        # sequence id -> (index, chain key) of the last block it filled; request id -> the same for its prompt's
+        # last full block (on_blocks_filled chains the next block from there), each bounded by _MAX_TAILS
+        self._tails: dict = {}
+        self._prompt_tails: dict = {}
+        # duplicate loads: request id -> its prompt's chain keys until its lookup is done; chain key -> the request
+        # whose reserved run loads it (until that load ends); that request -> the lookups (LookupDone) that wait
+        # for it, whose first block it loads (they are made ready once it ends: they then hit its blocks)
+        self._keys_of: dict = {}
+        self._loading_keys: dict = {}
+        self._loading: dict = {}  # request id -> the chain keys of its pending load's run
+        self._waiters: dict = {}
         self.stats = {"loads": 0, "loads_failed": 0, "loads_timed_out": 0, "loaded_blocks": 0,
                       "written_blocks": 0, "stored_blocks": 0, "stores_failed": 0, "loads_aborted": 0,
-                      "store_skipped_loaded": 0, "store_skipped_unchecked": 0}
+                      "store_skipped_loaded": 0, "store_skipped_unchecked": 0, "loads_deferred": 0}
 
     # --------------------------------------------------------------------------------------- requests
 
@@ -173,35 +197,38 @@ class EngineTiers:
         full = list(token_ids[: len(token_ids) // bs * bs])
         checks = check_digests(full, bs, namespace)  # (O(prompt): a BLAKE2b call per block, ~1 us)
         cd = self._checks
-        cd.update(zip(block_hashes(full, bs, namespace), checks))
+        keys = block_hashes(full, bs, namespace)
+        cd.update(zip(keys, checks))
         while len(cd) > _MAX_CHECK_KEYS:
             del cd[next(iter(cd))]
+        if keys:
+            _remember(self._prompt_tails, request_id, (len(keys) - 1, keys[-1]))
         if not self.connector.request_lookup(request_id, token_ids, namespace, int(hit)):
             return False
+        self._keys_of[request_id] = keys
         self._lookups[request_id] = time.monotonic()
         return True
 
     def poll(self, scheduler: Any) -> int:
         """Between two steps: finished lookups join the waiting queue (``kv_ready(..., reserve=True)``), finished
         reads are written into their reserved blocks and reported (``kv_loaded``), finished stores complete the
-        manager's plans, and lookups or reads past their timeout are given up. Returns how many requests
+        manager's plans, and lookups or reads past their timeout are given up; a lookup whose run another
+        request's pending load reads waits for that load to end (:meth:`_ready`). Returns how many requests
         became ready. O(finished + in flight) plus the written blocks' bytes."""
         n = 0
-        bs = self.block_size
         for r in self.connector.poll():
             if isinstance(r, LookupDone):
                 self._lookups.pop(r.request_id, None)
-                if r.num_blocks:
-                    ok = scheduler.kv_ready(r.request_id, r.start_block * bs, r.num_blocks * bs, reserve=True)
-                    if ok:
-                        self._runs[r.request_id] = (r.start_block, r.runs)
-                else:
-                    ok = scheduler.kv_ready(r.request_id, 0, 0)
-                n += bool(ok)
+                n += self._ready(r, scheduler)
             else:
                 self._read_done(r, scheduler)
         if self._lookups or self._reads:
             self._expire(scheduler)
+        if self._loading:
+            n += self._release(scheduler)
+        if self._keys_of:
+            for rid in [rid for rid in self._keys_of if not scheduler.has_request(rid)]:
+                del self._keys_of[rid]  # (aborted before its lookup ended)
         if self._bm is not None and self.store_policy != "none":
             for sid, ok in self.connector.poll_stores():
                 if not ok:
@@ -210,6 +237,50 @@ class EngineTiers:
         if self._runs:
             for rid in [rid for rid in self._runs if not scheduler.has_request(rid)]:
                 del self._runs[rid]  # (aborted before its admission)
+        return n
+
+    def _ready(self, r: Any, scheduler: Any) -> int:
+        """A finished lookup: the request joins the waiting queue with the run the tiers hold (reserve), unless
+        another request's pending load reads the first block of that run: then it waits for that load to end
+        (:meth:`_release`) and is admitted on its blocks instead of loading them twice. O(run)."""
+        rid = r.request_id
+        keys = self._keys_of.pop(rid, None)
+        if not r.num_blocks:
+            return int(bool(scheduler.kv_ready(rid, 0, 0)))
+        run = keys[r.start_block:r.start_block + r.num_blocks] if keys is not None else []
+        owner = self._loading_keys.get(run[0]) if run else None
+        if owner is not None and owner != rid:
+            self._waiters.setdefault(owner, []).append(r)
+            self.stats["loads_deferred"] += 1
+            return 0
+        ok = scheduler.kv_ready(rid, r.start_block * self.block_size, r.num_blocks * self.block_size, reserve=True)
+        if ok:
+            self._runs[rid] = (r.start_block, r.runs)
+            if run:
+                self._loading[rid] = run
+                for k in run:
+                    self._loading_keys.setdefault(k, rid)
+        return int(bool(ok))
+
+    def _release(self, scheduler: Any) -> int:
+        """The requests whose load ended (its read reported, or it was admitted without one, or it left): their
+        keys stop being pending, and the lookups that waited for them are made ready (they find its blocks
+        cached now, or load what is still missing). O(pending loads' keys) when one ends, else O(owners)."""
+        ended = [o for o in self._loading if o not in self._reading and not scheduler.is_fetching(o)
+                 and not scheduler.is_waiting(o)]
+        n = 0
+        bs = self.block_size
+        for o in ended:
+            lk = self._loading_keys
+            for k in self._loading.pop(o):
+                if lk.get(k) == o:
+                    del lk[k]
+            for r in self._waiters.pop(o, ()):
+                if scheduler.has_request(r.request_id):  # (its run as looked up: admission finds the hit again)
+                    ok = scheduler.kv_ready(r.request_id, r.start_block * bs, r.num_blocks * bs, reserve=True)
+                    if ok:
+                        self._runs[r.request_id] = (r.start_block, r.runs)
+                    n += int(bool(ok))
         return n
 
     def _read_done(self, r: Any, scheduler: Any) -> None:
@@ -291,6 +362,7 @@ class EngineTiers:
         self.connector.cancel(request_id)
         self._lookups.pop(request_id, None)
         self._runs.pop(request_id, None)
+        self._keys_of.pop(request_id, None)
 
     def wait(self, timeout: float) -> None:
         """Nothing else to run: block until a lookup or read finishes or ``timeout`` (never past the next
@@ -302,6 +374,66 @@ class EngineTiers:
         self.connector.wait(timeout)
 
     # ----------------------------------------------------------------------------------------- a step
+
+    def on_blocks_filled(self, plan: Any, scheduler: Any, by_id: dict) -> None:
+        """Before a step's store plan is taken: the check digest of every block a sequence fills in this step past
+        its prompt's full blocks (a decode's block, or a recomputed sequence's generated tokens), chained from its
+        parent's (:func:`~pagedkv.tiers.key.chain_next`) and remembered with the prompts' digests, so that a store
+        plan stores decode-filled blocks too. O(1) per filled block (the block's tokens, one xxh3 and one BLAKE2b
+        call) plus a vectorised pass over the decode's positions; a sequence whose parent is not remembered
+        (more than ``_MAX_TAILS`` sequences since) rebuilds its chain once, O(its tokens)."""
+        if self._bm is None or self.store_policy == "none":
+            return
+        bs = self.block_size
+        fills = []  # (seq_id, block index)
+        d = plan.decode
+        if d is not None:
+            pos = d.positions
+            ends = (pos + 1) % bs == 0
+            if ends.any():
+                owners = np.repeat(d.seq_ids, d.query_lens)
+                fills += zip(owners[ends].tolist(), ((pos[ends] + 1) // bs - 1).tolist())
+        for pw in plan.prefills:  # (a recomputed sequence's prefill runs over its generated tokens too)
+            r = by_id.get(pw.request_id)
+            if r is None or pw.seq_len <= len(r.prompt_token_ids):
+                continue
+            start = int(pw.positions[0]) if pw.positions.size else pw.seq_len
+            first = max(len(r.prompt_token_ids) // bs, -(-(start + 1) // bs) - 1)
+            fills += [(pw.seq_id, j) for j in range(first, pw.seq_len // bs)]
+        for sid, j in fills:
+            view = scheduler.sequence(sid)
+            r = by_id.get(view.request_id)
+            if r is not None and j >= view.prompt_len // bs:  # (a prompt's full blocks are known since on_add)
+                self._fill(sid, j, r, view.output)
+
+    def _fill(self, sid: Any, j: int, r: Any, output: tuple) -> None:
+        bs, cd = self.block_size, self._checks
+        prompt = r.prompt_token_ids
+        plen = len(prompt)
+
+        def tokens(a: int, z: int) -> list:
+            return list(prompt[a:z]) + list(output[max(a - plen, 0):z - plen]) if z > plen else list(prompt[a:z])
+
+        parent = None
+        if j == 0:
+            parent = chain_roots(r.namespace)
+        else:
+            for tail in (self._tails.get(sid), self._prompt_tails.get(r.request_id)):
+                if tail is not None and tail[0] == j - 1:
+                    c = cd.get(tail[1])
+                    if c is not None:
+                        parent = (tail[1], c)
+                        break
+        if parent is None:  # (its parent is no longer remembered: the chain rebuilt from its tokens, once)
+            head = tokens(0, j * bs)
+            keys, checks = block_hashes(head, bs, r.namespace), check_digests(head, bs, r.namespace)
+            cd.update(zip(keys, checks))
+            parent = (keys[-1], checks[-1])
+        key, c = chain_next(parent[0], parent[1], tokens(j * bs, (j + 1) * bs))
+        cd[key] = c
+        while len(cd) > _MAX_CHECK_KEYS:
+            del cd[next(iter(cd))]
+        _remember(self._tails, sid, (j, key))
 
     def write_loads(self, plan: Any, kv_cache: Any) -> None:
         """Nothing to do: a tier load is written into its reserved blocks when it arrives (:meth:`poll`). (Kept
@@ -321,23 +453,27 @@ class EngineTiers:
         if sp is None:
             return
         ids, keys = sp.block_ids, sp.keys
+        parents, toks = getattr(sp, "parent_keys", None), getattr(sp, "token_ids", None)
+        sel = range(len(keys))  # the plan's entries stored
         lk = self._loaded_keys
         if lk:  # blocks this engine just loaded from the tiers are there already: not copied, not written again
-            keep = [i for i, k in enumerate(keys) if lk.pop(k, _ABSENT) is _ABSENT]
-            if len(keep) < len(keys):
-                self.stats["store_skipped_loaded"] += len(keys) - len(keep)
-                ids, keys = [ids[i] for i in keep], [keys[i] for i in keep]
+            sel = [i for i in sel if lk.pop(keys[i], _ABSENT) is _ABSENT]
+            self.stats["store_skipped_loaded"] += len(keys) - len(sel)
         cd = self._checks
-        checks = [cd.get(k) for k in keys]
-        if None in checks:  # blocks of no added prompt (a decode's): their check digests are unknown, not stored
-            keep = [i for i, c in enumerate(checks) if c is not None]
-            self.stats["store_skipped_unchecked"] += len(keys) - len(keep)
-            ids, keys, checks = [ids[i] for i in keep], [keys[i] for i in keep], [checks[i] for i in keep]
-        if not keys:
+        checks = [cd.get(keys[i]) for i in sel]
+        if None in checks:  # a block whose check digest is no longer remembered: not stored (a load needs it)
+            n = len(sel)
+            sel, checks = [i for i, c in zip(sel, checks) if c is not None], [c for c in checks if c is not None]
+            self.stats["store_skipped_unchecked"] += n - len(sel)
+        if not sel:
             bm.complete_store(sp.store_id, True)
             return
-        payloads = read_blocks(kv_cache, list(ids))
-        if self.connector.store(keys, payloads, None, store_id=sp.store_id, chained=False, checks=checks):
+        # (write-back over the CPU tier: the blocks about to leave the CPU pool, copied out of the CPU KV)
+        src = self.cpu_kv_cache if getattr(sp, "medium", "GPU") == "CPU" else kv_cache
+        payloads = read_blocks(src, [ids[i] for i in sel])
+        if self.connector.store([keys[i] for i in sel], payloads, None, store_id=sp.store_id, chained=False,
+                                checks=checks, token_ids=None if toks is None else toks[list(sel)].reshape(-1).tolist(),
+                                parents=None if parents is None else [parents[i] for i in sel]):
             self.stats["stored_blocks"] += len(keys)
         else:  # (closed) the plan ends at once, its blocks unpinned
             bm.complete_store(sp.store_id, False)
@@ -361,3 +497,11 @@ class EngineTiers:
         if self._bm is not None and self.store_policy != "none":
             for sid, ok in self.connector.poll_stores():
                 self._bm.complete_store(sid, ok)
+
+
+def _remember(d: dict, k: Any, v: Any) -> None:
+    """``d[k] = v`` as its newest entry, the oldest dropped past ``_MAX_TAILS``. O(1)."""
+    d.pop(k, None)
+    d[k] = v
+    if len(d) > _MAX_TAILS:
+        del d[next(iter(d))]

@@ -350,7 +350,8 @@ class LLM:
             self.kv_tiers = EngineTiers(self.model, self.kv_cache, block_size, disk_dir=kv_disk_dir,
                                         disk_gib=kv_disk_gib, shared=kv_shared,
                                         max_load_ms_per_block=kv_load_max_ms_per_block,
-                                        block_manager=self.block_manager, record_events=enable_kv_events)
+                                        block_manager=self.block_manager, record_events=enable_kv_events,
+                                        cpu_kv_cache=self.cpu_kv_cache)
         elif kv_disk_gib is not None:
             raise InvalidArgumentError("kv_disk_gib needs kv_disk_dir")
 
@@ -692,6 +693,8 @@ class LLM:
         tiers = self.kv_tiers
         if tiers is not None:  # KV loaded from the disk / shared tiers, into its blocks before the forward
             tiers.write_loads(plan, self.kv_cache)
+        if self._own_tiers is not None:  # the check digests of the blocks decodes fill (their stores need them)
+            self._own_tiers.on_blocks_filled(plan, self.scheduler, by_id)
         new_tokens, computed, slots, owners = [], [], [], []
         G = len(self.kv_cache_groups) if self.kv_cache_groups is not None else 0
         tables = [[] for _ in range(max(G, 1))]  # each group's tables (one group without KV cache groups)

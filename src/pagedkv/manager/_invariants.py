@@ -48,7 +48,7 @@ def check(blocks, tier, bs: int, groups, extra=()) -> None:
             fail(f"{name} free ring holds a referenced block")
         used = int((pool.ref > 0).sum())
         if swapped:  # the CPU tier's blocks (cached or pinned) are neither free nor referenced
-            cached_free = 0 if tier is None else len(set(tier.map.values()) | set(tier.pinned))
+            cached_free = 0 if tier is None else len(tier.held())
         else:
             cached_free = len(cache.evictor) + getattr(cache.evictor, "num_parked", 0) if cache is not None else 0
         if free.size + cached_free + used != pool.num_blocks:

@@ -9,10 +9,16 @@ reference) until its store completes, so that a store never reads a block that w
     write_back      the unreferenced cached blocks next in the evictor's order (the next to be evicted) whose
                     content is not stored yet, at most ``lookahead`` pinned at once: a block about to leave the
                     GPU prefix cache is written first (its eviction deferred until the store completes, after
-                    which it re-enters the evictor at its most recently used end: a second chance)
+                    which it re-enters the evictor at its most recently used end: a second chance).
+                    **With the CPU tier** a GPU eviction is a demotion, not a loss: the plans take the CPU
+                    tier's next victims instead (``StorePlan.medium == "CPU"``: CPU block ids, copied out of the
+                    CPU KV), each kept out of the tier's evictor until its store completes
+                    (:meth:`~pagedkv.tiers.cpu.CpuTier.pin_for_store`); the lookahead is the CPU pool's
 
-Per-block state in flat arrays by block id: the content id a successful store wrote from the block
-(``stored``), the content id a pending store reads (``pinned``), and (selective) the hit counts.
+Per-block state in flat arrays by block id (of the pool the plans read: the CPU pool's with write-back over the
+CPU tier): the content id a successful store wrote from the block (``stored``), the content id a pending store
+reads (``pinned``), and (selective) the hit counts. Each plan carries its blocks' tokens and, when the manager keeps
+parent keys (KV events on), each block's parent key, for the tiers' ``BlockStored`` events.
 """
 
 from __future__ import annotations
@@ -34,6 +40,14 @@ class StorePlan(NamedTuple):
     store_id: int
     block_ids: tuple
     keys: tuple
+    #: the pool ``block_ids`` index: ``"GPU"``, or ``"CPU"`` (write-back over the CPU tier: copy them out of the
+    #: CPU KV cache)
+    medium: str = "GPU"
+    #: each block's parent chain key (None for a namespace's first block); None when the manager keeps no parent
+    #: keys (KV events off)
+    parent_keys: tuple | None = None
+    #: each block's token ids, an int32 array of shape (len(block_ids), block_size)
+    token_ids: np.ndarray | None = None
 
 
 class Stores:
@@ -46,7 +60,9 @@ class Stores:
         self.policy, self.min_hits = store_policy, store_min_hits
         self.plans: dict = {}  # store_id -> (blocks int64, their content ids at plan time)
         self.next_store = 1
-        n = self.gpu.num_blocks
+        # write-back over the CPU tier: the plans read the tier's CPU blocks (a GPU eviction is a demotion)
+        self.tier = getattr(cache, "tier", None) if store_policy == "write_back" else None
+        n = self.gpu.num_blocks if self.tier is None else blocks.cpu.num_blocks
         if store_policy != "none":
             self.stored = np.zeros(n, np.int64)  # content id a successful store wrote from the block (0: none)
             self.pinned = np.zeros(n, np.int64)  # content id a pending store reads from the block (0: none)
@@ -84,6 +100,8 @@ class Stores:
     def take_store_plan(self) -> StorePlan | None:
         if self.policy == "none":
             return None
+        if self.tier is not None:
+            return self._take_cpu_plan()
         cache = self.cache
         cid = cache.cid
         if self.policy == "write_through":
@@ -113,7 +131,39 @@ class Stores:
         self.plans[sid] = (b, c)
         if self.policy == "write_back":
             self.npinned += b.size
-        return StorePlan(sid, tuple(b.tolist()), tuple(cache.key[b].tolist()))
+        parents = None
+        if cache.pkey is not None:
+            pk = cache.pkey[b].tolist()
+            parents = tuple(None if p < 0 else k for p, k in zip(cache.pcid[b].tolist(), pk))
+        return StorePlan(sid, tuple(b.tolist()), tuple(cache.key[b].tolist()), "GPU", parents, cache.tok[b].copy())
+
+    def _take_cpu_plan(self) -> StorePlan | None:
+        """write_back over the CPU tier: its next victims whose content is not stored, pinned in the tier.
+        O(lookahead)."""
+        room = self.lookahead - self.npinned
+        if room <= 0:
+            return None
+        tier = self.tier
+        b = tier.next_victims(4 * self.lookahead)
+        ident = tier.cpu_id
+        if b.size:
+            c = ident[0, b]
+            b = b[(c != 0) & (self.stored[b] != c)][:room]
+        if not b.size:
+            return None
+        c = ident[0, b].copy()
+        tier.pin_for_store(b)
+        self.pinned[b] = c
+        sid = self.next_store
+        self.next_store += 1
+        self.plans[sid] = (b, c)
+        self.npinned += b.size
+        keys = ident[1, b].view(np.uint64)
+        parents = None
+        if self.cache.pkey is not None:
+            pk = ident[3, b].view(np.uint64).tolist()
+            parents = tuple(None if p < 0 else k for p, k in zip(ident[2, b].tolist(), pk))
+        return StorePlan(sid, tuple(b.tolist()), tuple(keys.tolist()), "CPU", parents, tier._tok[b].copy())
 
     def complete_store(self, store_id: object, success: object) -> None:
         if not isinstance(success, (bool, np.bool_)):
@@ -129,7 +179,10 @@ class Stores:
             self.stored[b] = c
         elif self.policy == "selective":
             self.hits[b] = 0  # (counted again from zero: planned again once hit min_hits more times)
-        self.blocks.release(b)
+        if self.tier is not None:
+            self.tier.unpin_stored(b)
+        else:
+            self.blocks.release(b)
 
     def _next_victims(self) -> np.ndarray:
         """write_back: up to ``lookahead`` minus the blocks pinned now of the evictor's next victims whose content
@@ -152,8 +205,9 @@ class Stores:
 
     # ------------------------------------------------------------------ audit
     def extra_refs(self) -> list:
-        """The blocks pending stores pin (one reference each)."""
-        return [b for b, _ in self.plans.values()]
+        """The GPU blocks pending stores pin (one reference each; a CPU-tier plan's blocks are pinned in the
+        tier, not referenced)."""
+        return [] if self.tier is not None else [b for b, _ in self.plans.values()]
 
     def check(self, fail) -> None:
         """This part's invariants (the refcounts are checked with the tables'). O(pinned blocks)."""
@@ -166,3 +220,5 @@ class Stores:
                 fail("a block is pinned by two stores, or pinned by none")
             if self.policy == "write_back" and not 0 <= self.npinned == pending.size <= self.lookahead:
                 fail("write_back: the pinned count is wrong or past its lookahead")
+            if self.tier is not None and set(pending.tolist()) != set(self.tier.store_pins):
+                fail("write_back over the CPU tier: the tier's store pins are not the pending plans' blocks")

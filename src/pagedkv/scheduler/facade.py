@@ -296,6 +296,11 @@ class Scheduler:
         g = self._q.fetching.get(request_id)
         return g is not None and g.live[0].seq_id not in self._q.loaded
 
+    def is_waiting(self, request_id: Hashable) -> bool:
+        """Whether the request waits in the queue for its admission (not loading, not yet allocated). O(1)."""
+        g = self._q.requests.get(request_id)
+        return g is not None and g.status == WAITING
+
     @property
     def num_loading(self) -> int:
         """Requests waiting for their KV from a storage tier: looked up (``add_request(..., wait_for_kv=True)``)

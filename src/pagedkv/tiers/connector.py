@@ -16,8 +16,9 @@ collects what finished::
     request_load(rid, tokens, ns, hit) ---------> both in one job (lookup, then read): one LoadDone
     store(keys, payloads, ns, store_id=) -------> put_many on every tier; KV events (medium)
     poll_stores() <-- (store_id, success) of the stores that finished (the engine completes the manager's plan)
-    take_events() <-- BlockStored(medium="DISK" | "SHARED") of the blocks each tier newly stored, BlockRemoved
-                      (medium "DISK") of the blocks the disk tier evicted or dropped
+    take_events() <-- BlockStored(medium="DISK" | "SHARED") of the blocks each tier newly stored (at start: of
+                      the blocks the disk tier found, in batches), BlockRemoved (medium "DISK") of the blocks the
+                      disk tier evicted or dropped
 
 A load is **done** when every block the tiers said they hold came back checked; **failed** when a block they
 said they hold did not (corrupt, cut short, another fingerprint, the store down between the probe and the read):
@@ -49,7 +50,7 @@ from .backend import PutStatus
 from .key import check_digests
 from .store import BlockStore
 
-__all__ = ["TierConnector", "LoadDone", "LookupDone", "TierCounters", "LoadLatencyHistogram", "MEDIUM_DISK",
+__all__ = ["TierConnector", "LoadDone", "LookupDone", "TierCounters", "LoadLatencyHistogram", "MEDIUM_DISK", "RESTORED_BATCH",
            "MEDIUM_SHARED",
            "DEFAULT_MAX_LOAD_MS_PER_BLOCK", "LATENCY_BUCKETS_S"]
 
@@ -61,6 +62,9 @@ MEDIUM_SHARED = "SHARED"
 #: the prefill time of one 16-token block of SmolLM2-135M measured by benchmarks/tier_crossover.py on this
 #: machine (683 ms; Gemma 3 270M: 802 ms): a tier whose loads take longer per block than this is not read
 DEFAULT_MAX_LOAD_MS_PER_BLOCK = 683.0
+
+#: blocks per BlockStored event when a restarted tier publishes what it found (TierConnector start)
+RESTORED_BATCH = 1024
 
 #: the load-latency histogram's upper bounds in seconds (Prometheus ``le`` labels), +Inf implied
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -211,6 +215,19 @@ class TierConnector:
         self.latency = LoadLatencyHistogram()
         self._closed = False
         self._warned_unchecked = False
+        if self.record_events:
+            self._publish_restored()
+
+    def _publish_restored(self) -> None:
+        """Once, at start: the blocks each tier found when it opened (the disk tier's rebuilt index:
+        ``BlockStore.restored_keys``) as ``BlockStored`` of its medium, ``RESTORED_BATCH`` blocks per event
+        (oldest first; no parent, no tokens: the tier keeps chain keys only), so that a router learns what a
+        restarted replica holds. O(blocks found)."""
+        for t in self._tiers:
+            keys = t.store.restored_keys()
+            for a in range(0, len(keys), RESTORED_BATCH):
+                self._events.append(BlockStored(block_hashes=keys[a:a + RESTORED_BATCH], parent_block_hash=None,
+                                                token_ids=[], block_size=self.block_size, medium=t.medium))
 
     # ------------------------------------------------------------------------------------------ state
 
@@ -460,12 +477,16 @@ class TierConnector:
 
     def store(self, chain_keys: Sequence[int], payloads: Sequence, namespace: object,
               token_ids: Sequence[int] | None = None, parent_key: int | None = None,
-              checks: Sequence[int] | None = None, *, store_id: Any = None, chained: bool = True) -> bool:
+              checks: Sequence[int] | None = None, *, store_id: Any = None, chained: bool = True,
+              parents: Sequence | None = None) -> bool:
         """Write these blocks (their chained keys, one payload each, owned by the connector from now on) to every
         tier, on an I/O thread; a tier that already holds a block keeps it. ``token_ids`` (the blocks' tokens)
         go into the KV events. ``chained``: the blocks are a chain in order (``parent_key`` the first one's
-        parent), published as such; False: blocks of any chains (a store plan), published as one
-        ``BlockStored`` without parent. ``store_id``: when the job ends, ``(store_id, success)`` comes out of
+        parent), published as such; False: blocks of any chains (a store plan): with ``parents`` (each block's
+        parent chain key, None for a namespace's first block) and ``token_ids`` (the blocks' tokens, block after
+        block) the blocks a tier newly stored are published as chains, one ``BlockStored`` per run of a parent
+        followed by its child, with its parent key and tokens, parents first (as vLLM's ``BlockStored``);
+        without ``parents``, as one ``BlockStored`` without parent or tokens. ``store_id``: when the job ends, ``(store_id, success)`` comes out of
         :meth:`poll_stores` (success: every block is held by at least one tier, stored now or before).
         ``checks``: the blocks' check digests (:func:`~pagedkv.tiers.check_digests` of the whole prompt, sliced
         like the keys); None: computed from ``token_ids`` when the blocks start the chain (``parent_key`` None,
@@ -490,9 +511,11 @@ class TierConnector:
             return False
         with self._lock:
             self._stores_in_flight += 1
+        if parents is not None and len(parents) != len(chain_keys):
+            raise InvalidArgumentError(f"{len(chain_keys)} chain keys but {len(parents)} parent keys")
         self._pool.submit(self._store_job, list(chain_keys), list(payloads), namespace,
                           None if token_ids is None else list(token_ids), parent_key, store_id, chained,
-                          [int(c) for c in checks])
+                          [int(c) for c in checks], None if parents is None else list(parents))
         return True
 
     def poll_stores(self) -> list:
@@ -503,7 +526,8 @@ class TierConnector:
         return out
 
     def _store_job(self, keys: list, payloads: list, namespace: object, toks: list | None,
-                   parent: int | None, store_id: Any = None, chained: bool = True, checks: list | None = None) -> None:
+                   parent: int | None, store_id: Any = None, chained: bool = True, checks: list | None = None,
+                   parents: list | None = None) -> None:
         held = [False] * len(keys)
         if self.chain_names:
             namespace = None
@@ -529,11 +553,20 @@ class TierConnector:
                             stored_bytes=sum(memoryview(payloads[i]).nbytes for i in new),
                             store_full=sum(1 for s in statuses if s is PutStatus.FULL),
                             store_errors=sum(1 for s in statuses if s in (PutStatus.ERROR, PutStatus.TOO_LARGE)))
-                if new and self.record_events and not chained:
+                if new and self.record_events and not chained and parents is None:
                     ev = BlockStored(block_hashes=[keys[i] for i in new], parent_block_hash=None, token_ids=[],
                                      block_size=self.block_size, medium=t.medium, namespace=None)
                     with self._lock:
                         self._events.append(ev)
+                elif new and self.record_events and not chained:
+                    bs = self.block_size
+                    evs = [BlockStored(block_hashes=[keys[i] for i in run], parent_block_hash=parents[run[0]],
+                                       token_ids=[] if toks is None else
+                                       [x for i in run for x in toks[i * bs:(i + 1) * bs]],
+                                       block_size=bs, medium=t.medium, namespace=None)
+                           for run in _chains(keys, parents, new)]
+                    with self._lock:
+                        self._events.extend(evs)
                 elif new and self.record_events:
                     bs = self.block_size
                     for run in _runs(new):  # one event per run of consecutive blocks (a chain)
@@ -624,4 +657,32 @@ def _runs(idx: list[int]) -> list[list[int]]:
             runs[-1].append(i)
         else:
             runs.append([i])
+    return runs
+
+
+def _chains(keys: list, parents: list, idx: list[int]) -> list[list[int]]:
+    """The blocks ``idx`` (indices into ``keys`` / ``parents``) as chains: runs in which each block's parent is the
+    block before it, a run's first block's parent not in the run (another run's block, or outside ``idx``), every
+    run after the run holding its parent (parents first). O(len(idx))."""
+    pos = {keys[i]: i for i in idx}
+    kids: dict = {}
+    todo = []
+    for i in idx:
+        j = pos.get(parents[i], -1) if parents[i] is not None else -1
+        if j >= 0 and j != i:
+            kids.setdefault(j, []).append(i)
+        else:
+            todo.append(i)
+    runs = []
+    k = 0
+    while k < len(todo):
+        run = [todo[k]]
+        k += 1
+        while True:
+            ks = kids.get(run[-1])
+            if not ks:
+                break
+            run.append(ks[0])
+            todo.extend(ks[1:])
+        runs.append(run)
     return runs

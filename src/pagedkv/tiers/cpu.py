@@ -11,6 +11,12 @@ The CPU pool is shared with swap. A CPU block is free (in the pool's ring), held
 blocks, least recently used first, when the ring is short; the tier itself evicts its LRU block to make room
 for a demotion and drops the demotion when every CPU block is held.
 
+**Write-back** (``store_policy="write_back"`` with the tier on): a GPU eviction is a demotion here, so the blocks
+that leave the node are the tier's own victims. The manager's store plans take the tier's next victims whose
+content is not stored yet (:meth:`pin_for_store`: out of the evictor, in ``store_pins``) until their store
+completes (:meth:`unpin_stored`: back at the evictor's most recently used end, a second chance, or to the free ring
+if uncached meanwhile), so a block leaves the CPU pool only once it is stored (or its store failed).
+
 Per CPU block, the tier uses the manager's CPU-side arrays: ``cpu_tok`` (token ids) and ``cpu_id`` rows
 (content id, key, parent content id, parent key, namespace index), plus the ``key -> CPU block`` dict, an
 :class:`~pagedkv.blocks.prefix_cache.LRUEvictor` over the unpinned tier blocks and a GPU-sized int32 array ``fresh``.
@@ -76,12 +82,18 @@ class CpuTier:
         self.map: dict[int, int] = {}  # key -> CPU block
         self.evictor = LRUEvictor(pool.num_blocks)
         self.pinned: dict[int, None] = {}  # CPU blocks read or written by pending copies, in pinning order
+        self.store_pins: dict[int, None] = {}  # CPU blocks a pending store plan reads (write-back), in pinning order
         self._plan = plan  # the manager's pending copy plan: (tag, src, dst) parts in call order
         cache.fresh = np.zeros(cache.cid.size, dtype=np.int32)  # step serial at which a GPU block was cached
         cache.fresh_serial = 1
         cache.tier = self
         self.demotions = self.promotions = self.evictions = self.dropped = 0
         self.hit_tokens = self.hit_blocks = 0
+
+    def held(self) -> set:
+        """The CPU blocks the tier holds: cached, or pinned by a pending copy or store (neither free nor
+        referenced). O(blocks held)."""
+        return set(self.map.values()) | set(self.pinned) | set(self.store_pins)
 
     def __len__(self) -> int:
         """Cached CPU blocks (pinned or not)."""
@@ -182,6 +194,31 @@ class CpuTier:
         if n > 0:
             self._pool.give(self._forget(self.evictor.pop_many(n)))
 
+    # ------------------------------------------------------------------ write-back
+    def next_victims(self, n: int) -> np.ndarray:
+        """The tier's next ``n`` victims, least recently used first (without changing anything). O(n)."""
+        return np.array(self.evictor.head(n), dtype=np.int64)
+
+    def pin_for_store(self, cs: np.ndarray) -> None:
+        """Keep the evictable cached blocks ``cs`` (distinct) out of the evictor until :meth:`unpin_stored`: a
+        store plan copies them out, and a write-back block leaves the pool only once stored. O(len(cs))."""
+        self.evictor.discard_many(cs)
+        self.store_pins.update(dict.fromkeys(cs.tolist()))
+
+    def unpin_stored(self, cs: np.ndarray) -> None:
+        """A store plan of ``cs`` ended: each still cached and not pinned by a pending copy re-enters the evictor at
+        its most recently used end (a second chance, as a GPU write-back block); one uncached meanwhile
+        (reset_prefix_cache, a withdrawal) returns to the free ring; a copy-pinned one is left to :meth:`end_step`.
+        O(len(cs))."""
+        sp, pinned = self.store_pins, self.pinned
+        for c in cs.tolist():
+            del sp[c]
+        loose = np.array([c for c in cs.tolist() if c not in pinned], dtype=np.int64)
+        if loose.size:
+            cached = self.cpu_id[0, loose] != 0
+            self.evictor.push_many(loose[cached])
+            self._pool.give(loose[~cached].astype(np.int32))
+
     # ------------------------------------------------------------------ the step's copies
     def end_step(self, dem: list[tuple[int, int]], pro: list[tuple[int, int]]) -> None:
         """The step's copies were taken (``dem``: its demotions, ``pro``: its promotions, in order): the pinned CPU
@@ -193,6 +230,8 @@ class CpuTier:
             order = dict.fromkeys(c for _, c in dem)
             order.update(dict.fromkeys(c for c, _ in reversed(pro)))
             order.update(self.pinned)
+            if self.store_pins:  # (a pending store keeps them: unpin_stored places them)
+                order = {c: None for c in order if c not in self.store_pins}
             pinned = np.fromiter(order, dtype=np.int64, count=len(order))
             cached = self.cpu_id[0, pinned] != 0
             self.evictor.push_many(pinned[cached])  # in pinning order: the most recently used last
@@ -236,9 +275,10 @@ class CpuTier:
         cached = set(self.map.values())
         if len(cached) != len(self.map):
             fail("CPU tier: a block under two keys")
-        if set(ev) | set(self.pinned) != cached | {c for c in self.pinned if not ident[0, c]}:
+        held = set(self.pinned) | set(self.store_pins)
+        if set(ev) | held != cached | {c for c in held if not ident[0, c]}:
             fail("CPU tier: cached blocks are not exactly the evictable plus the pinned ones")
-        if set(ev) & set(self.pinned):
+        if set(ev) & held:
             fail("CPU tier: a pinned block is evictable")
         for key, c in self.map.items():
             if pool.ref[c] != 0:
@@ -249,5 +289,5 @@ class CpuTier:
                     _xxh3(self._tok[c].tobytes(), seed=int(ident[3, c]) & _U64) != key:
                 fail(f"CPU tier: block {c}'s key is not the hash of its tokens after its parent")
         free = set(pool.free_ids().tolist())
-        if free & (cached | set(self.pinned)):
+        if free & (cached | held):
             fail("CPU tier: a cached or pinned block is in the free ring")

@@ -15,6 +15,12 @@ One process owns the directory (an exclusive ``flock`` on ``<root>/.lock``; a se
 - **disk full** (ENOSPC / EDQUOT): the write is dropped (FULL), one warning is logged, and no write is tried for
   ``full_retry_s`` seconds (each refused one counted in ``disk_full_events``); reads go on.
 - a value file deleted behind the index's back reads as a miss (and leaves the index).
+- **tags** (:meth:`DiskBackend.record_tags`): a caller may attach an 8-byte tag to each value it stored (a
+  :class:`~pagedkv.tiers.BlockStore` attaches the block's chain key, which its store name hides): appended to
+  ``<root>/tags.log`` (24-byte records: the name's 16 bytes, the tag), not fsynced (a record lost in a crash only
+  loses that value's tag). At restart the values found that have a tag are :meth:`restored_tags` (oldest first),
+  and the log is rewritten with their records alone (atomic rename), so it holds at most one record per value
+  stored since the last start plus one per value found then. O(records) at start, O(1) per tag.
 - after :meth:`DiskBackend.close` (the lock released: another backend may own the directory) every call answers
   as failed.
 
@@ -34,6 +40,9 @@ from . import _files
 from .backend import FAILED, Backend, PutStatus
 
 __all__ = ["DiskBackend", "TierInUseError"]
+
+_TAGS = "tags.log"
+_TAG_RECORD = 24  # the name's 16 bytes, the tag's 8 (little-endian)
 
 
 class TierInUseError(PagedKVError, RuntimeError):
@@ -80,7 +89,10 @@ class DiskBackend(Backend):
         #: publishes a tier's removals; off by default so that nothing accumulates)
         self.track_removed = False
         self._removed: list[str] = []
+        self._tags_fd = -1
+        self._restored: list[tuple[str, int]] = []
         self._rebuild()
+        self._load_tags()
 
     # -- restart ------------------------------------------------------------------------------------------------
     def _rebuild(self) -> None:
@@ -106,6 +118,48 @@ class DiskBackend(Backend):
             self._used += size
         victims = self._evict_locked(0)
         self._unlink(victims)
+
+    def _load_tags(self) -> None:
+        """Read the tag log: the tags of the values found (:meth:`restored_tags`); rewrite it with those alone."""
+        path = os.path.join(self._root, _TAGS)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            data = b""
+        except OSError:
+            data = b""
+        tags = {}
+        for i in range(len(data) // _TAG_RECORD):  # (a record cut by a crash, at the end, is ignored)
+            rec = data[i * _TAG_RECORD:(i + 1) * _TAG_RECORD]
+            tags[rec[:16].hex()] = int.from_bytes(rec[16:], "little")
+        self._restored = [(n, tags[n]) for n in self._index if n in tags]
+        try:
+            tmp = path + _files.TMP_SUFFIX
+            with open(tmp, "wb") as f:
+                f.write(b"".join(bytes.fromhex(n) + t.to_bytes(8, "little") for n, t in self._restored))
+            os.replace(tmp, path)
+            self._tags_fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        except OSError:  # (a read-only or full directory: no tags; the values still work)
+            self._tags_fd = -1
+
+    def restored_tags(self) -> list[tuple[str, int]]:
+        """``(name, tag)`` of the values found at start that had a tag (:meth:`record_tags`), oldest first (the
+        index's order then; some may have been evicted since). O(values)."""
+        return list(self._restored)
+
+    def record_tags(self, names: Sequence[str], tags: Sequence[int]) -> None:
+        """Attach ``tags[i]`` (an int in [0, 2**64)) to the stored value ``names[i]``: given back by
+        :meth:`restored_tags` after a restart while the value is still there. One append; never raises for the
+        state of the disk (a tag that cannot be written is lost). O(len(names))."""
+        if self._closed or self._tags_fd < 0 or not len(names):
+            return
+        rec = b"".join(bytes.fromhex(n) + int(t).to_bytes(8, "little") for n, t in zip(names, tags, strict=True))
+        with self._lock:
+            try:
+                os.write(self._tags_fd, rec)
+            except OSError:
+                pass
 
     # -- properties ---------------------------------------------------------------------------------------------
     @property
@@ -261,6 +315,10 @@ class DiskBackend(Backend):
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            if self._tags_fd >= 0:
+                with self._lock:
+                    os.close(self._tags_fd)
+                    self._tags_fd = -1
             try:
                 fcntl.flock(self._lockfd, fcntl.LOCK_UN)
             finally:

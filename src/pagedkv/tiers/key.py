@@ -35,9 +35,9 @@ import numpy as np
 import xxhash
 
 from ..errors import InvalidArgumentError
-from ..blocks.prefix_cache import _encode_namespace, _full_blocks
+from ..blocks.prefix_cache import _encode_namespace, _full_blocks, _root_key
 
-__all__ = ["ModelFingerprint", "check_digests", "store_names"]
+__all__ = ["ModelFingerprint", "check_digests", "chain_roots", "chain_next", "store_names"]
 
 _DTYPES = frozenset({"float32", "float16", "bfloat16", "float64", "int8", "uint8", "fp8_e4m3", "fp8_e5m2"})
 
@@ -143,3 +143,21 @@ def check_digests(token_ids, block_size: int, namespace: object = None, group: i
         c = _blake8(c + data[i * w:(i + 1) * w], digest_size=8).digest()
         out.append(int.from_bytes(c, "little"))
     return out
+
+
+def chain_roots(namespace: object = None, group: int = 0) -> tuple[int, int]:
+    """The roots ``(key_0, c_0)`` of a namespace's two chains (the prefix cache's chain key and the check
+    digest): what :func:`chain_next` extends for a prompt's first block. O(1)."""
+    g = int(group)
+    c = _blake8(b"pagedkv-check:g%d:" % g + _encode_namespace(namespace), digest_size=8).digest()
+    return _root_key(namespace, g), int.from_bytes(c, "little")
+
+
+def chain_next(key: int, check: int, block_tokens) -> tuple[int, int]:
+    """The chain key and check digest of a block of tokens ``block_tokens`` (one block's ids, ints in [0, 2**31))
+    whose parent has chain key ``key`` and check digest ``check``: one step of :func:`pagedkv.block_hashes` and of
+    :func:`check_digests`, so that a block a decode step fills costs O(block), not O(prefix). Equal to those
+    functions' i-th entries when ``(key, check)`` are their (i-1)-th (or :func:`chain_roots` for i = 0)."""
+    data = np.asarray(block_tokens, dtype="<i4").tobytes()
+    c = _blake8(int(check).to_bytes(8, "little") + data, digest_size=8).digest()
+    return xxhash.xxh3_64_intdigest(data, seed=int(key)), int.from_bytes(c, "little")

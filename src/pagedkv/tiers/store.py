@@ -116,7 +116,9 @@ class BlockStore:
         if track_removals:
             if hasattr(backend, "track_removed"):
                 backend.track_removed = True
-            self._keys = {}
+            # (the blocks a tagging backend found at start are known by chain key too: their removals are
+            # published after a restart)
+            self._keys = dict(self._restored())
 
     @property
     def fingerprint(self) -> ModelFingerprint:
@@ -149,6 +151,20 @@ class BlockStore:
             self._warned_errors = True
             log.warning("pagedkv tier %s: %s raised %s: %s (answered as failed; counted in stats)",
                         self.medium, what, type(e).__name__, e)
+
+    def _restored(self) -> list:
+        got = getattr(self._backend, "restored_tags", None)
+        try:
+            return list(got()) if got is not None else []
+        except Exception:  # noqa: BLE001
+            return []
+
+    def restored_keys(self) -> list[int]:
+        """The chain keys of the blocks the backend found when it opened (a backend that keeps tags: the
+        :class:`~pagedkv.tiers.DiskBackend` rebuilds its index from the directory), oldest first; [] for one that
+        does not (Redis, a shared directory). What a restarted engine publishes as stored (medium DISK).
+        O(blocks)."""
+        return [k for _, k in self._restored()]
 
     def take_removed(self) -> list[int]:
         """The chain keys of the blocks that left this store since the last call (evicted by the backend, found
@@ -282,6 +298,13 @@ class BlockStore:
         self._count(puts=len(names), bytes_written=nbytes, **c)
         if self._keys is not None:
             self._remember(names, chain_keys, [s is PutStatus.STORED or s is PutStatus.PRESENT for s in out])
+        tag = getattr(self._backend, "record_tags", None)
+        if tag is not None and c["stored"]:  # (the chain key of each value, found again after a restart)
+            new = [i for i, s in enumerate(out) if s is PutStatus.STORED]
+            try:
+                tag([names[i] for i in new], [int(chain_keys[i]) for i in new])
+            except Exception as e:  # noqa: BLE001
+                self._backend_failed("record_tags", e)
         return tuple(out)
 
     def contains_many(self, chain_keys, namespace: object = None) -> tuple:
