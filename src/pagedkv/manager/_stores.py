@@ -163,7 +163,7 @@ class Stores:
         if self.cache.pkey is not None:
             pk = ident[3, b].view(np.uint64).tolist()
             parents = tuple(None if p < 0 else k for p, k in zip(ident[2, b].tolist(), pk))
-        return StorePlan(sid, tuple(b.tolist()), tuple(keys.tolist()), "CPU", parents, tier._tok[b].copy())
+        return StorePlan(sid, tuple(b.tolist()), tuple(keys.tolist()), "CPU", parents, tier.tokens_of(b))
 
     def complete_store(self, store_id: object, success: object) -> None:
         if not isinstance(success, (bool, np.bool_)):

@@ -199,6 +199,10 @@ class CpuTier:
         """The tier's next ``n`` victims, least recently used first (without changing anything). O(n)."""
         return np.array(self.evictor.head(n), dtype=np.int64)
 
+    def tokens_of(self, cs: np.ndarray) -> np.ndarray:
+        """The token ids of CPU blocks ``cs`` (a copy, one row per block). O(len(cs) x block_size)."""
+        return self._tok[cs].copy()
+
     def pin_for_store(self, cs: np.ndarray) -> None:
         """Keep the evictable cached blocks ``cs`` (distinct) out of the evictor until :meth:`unpin_stored`: a
         store plan copies them out, and a write-back block leaves the pool only once stored. O(len(cs))."""
