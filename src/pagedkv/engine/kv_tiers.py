@@ -35,8 +35,8 @@ from urllib.parse import urlparse
 from ..errors import InvalidArgumentError
 from ..blocks.prefix_cache import block_hashes
 from ..tiers import BlockStore, DiskBackend, RedisBackend, SharedDirBackend, check_digests
-from ..tiers.connector import MEDIUM_DISK, MEDIUM_SHARED, LookupDone, TierConnector
-from .kv_io import model_fingerprint, payload_bytes, read_blocks, write_blocks
+from ..tiers.connector import MEDIUM_DISK, MEDIUM_SHARED, LookupDone, TierConnector, group_block_ranges
+from .kv_io import model_fingerprint, payload_bytes, read_blocks, write_blocks, write_external_groups
 
 __all__ = ["EngineTiers", "open_shared_backend", "parse_store_policy"]
 
@@ -112,14 +112,21 @@ class EngineTiers:
             did not arrive).
         record_events: keep the tiers' KV events (medium DISK / SHARED) for :meth:`take_events`.
         fingerprint: the blocks' :class:`~pagedkv.tiers.ModelFingerprint` (None: from ``model`` and the cache).
+        windows: KV cache groups (a :class:`pagedkv.HybridBlockManager`): per group its sliding window in tokens,
+            None for full attention; each tier then holds one store per group, on one backend, under group
+            ``g``'s fingerprint (``fingerprint.for_group(g)``). None: one table (every layer per block).
     """
 
     def __init__(self, model: Any, kv_cache: Any, block_size: int, *, disk_dir: Any = None,
                  disk_gib: float | None = None, shared: str | None = None,
                  max_load_ms_per_block: float | None, block_manager: Any = None, io_threads: int = 2,
-                 load_timeout_s: float = 30.0, record_events: bool = True, fingerprint: Any = None) -> None:
+                 load_timeout_s: float = 30.0, record_events: bool = True, fingerprint: Any = None,
+                 windows: Any = None) -> None:
         fp = fingerprint if fingerprint is not None else model_fingerprint(model, kv_cache)
         nbytes = payload_bytes(kv_cache)
+        #: per KV cache group its sliding window (None: full attention); None without KV cache groups
+        self.windows = None if windows is None else tuple(windows)
+        fps = [fp] if windows is None else [fp.for_group(g) for g in range(len(self.windows))]
         tiers = []
         try:
             if disk_dir is not None:
@@ -130,13 +137,15 @@ class EngineTiers:
                 cap = int(disk_gib * 2**30)
                 if cap < nbytes:
                     raise InvalidArgumentError(f"kv_disk_gib={disk_gib} holds no block of {nbytes} bytes")
-                tiers.append((MEDIUM_DISK, BlockStore(DiskBackend(disk_dir, cap), fp, nbytes,
-                                                      track_removals=record_events)))
+                disk = DiskBackend(disk_dir, cap)
+                tiers.append((MEDIUM_DISK, tuple(BlockStore(disk, f, nbytes, track_removals=record_events)
+                                                 for f in fps)))
             if shared is not None:
-                tiers.append((MEDIUM_SHARED, BlockStore(open_shared_backend(shared), fp, nbytes)))
+                be = open_shared_backend(shared)
+                tiers.append((MEDIUM_SHARED, tuple(BlockStore(be, f, nbytes) for f in fps)))
         except BaseException:
             for _, st in tiers:
-                st.close()
+                st[0].close()  # (the backend, once)
             raise
         self.fingerprint = fp
         self.block_size = int(block_size)
@@ -155,10 +164,18 @@ class EngineTiers:
         self._lookups: dict = {}  # request id -> when its lookup was asked (the timeout)
         self._reads: dict = {}  # request id -> when its read was asked (the timeout)
         self._given_up: set = set()  # reads past their timeout: their result is dropped when it comes
+        # (KV cache groups) request id -> (start block, {(group, block): payload}) of a short read cut to the
+        # windows, queued again by the scheduler: written when the request is admitted again (write_loads)
+        self._staged: dict = {}
         # chain keys this engine loaded from the tiers (not written back by a store plan), oldest first, bounded
         self._loaded_keys: dict = {}
-        # chain key -> check digest of the prompt blocks of the requests added (store plans name blocks by key only)
+        # chain key -> check digest of the prompt blocks of the requests added (store plans name blocks by key only;
+        # with KV cache groups every group's keys: they differ, each group's chain starting from a root of its own)
         self._checks: dict = {}
+        # (KV cache groups) chain key -> its group, for the same keys (a store plan names blocks of every group)
+        self._check_group: dict = {}
+        #: (KV cache groups) blocks loaded from the tiers into each group
+        self.group_loaded_blocks = [0] * (1 if self.windows is None else len(self.windows))
         self.stats = {"loads": 0, "loads_failed": 0, "loads_timed_out": 0, "loaded_blocks": 0,
                       "written_blocks": 0, "stored_blocks": 0, "stores_failed": 0, "loads_aborted": 0,
                       "store_skipped_loaded": 0, "store_skipped_unchecked": 0}
@@ -166,17 +183,29 @@ class EngineTiers:
     # --------------------------------------------------------------------------------------- requests
 
     def on_add(self, request_id: Any, token_ids: Any, namespace: Any, block_manager: Any) -> bool:
-        """Start the tier lookup of a new request; True when it must wait for it (``wait_for_kv``)."""
+        """Start the tier lookup of a new request; True when it must wait for it (``wait_for_kv``). The prompt's
+        chain keys and check digests (every group's, with KV cache groups) are computed here once: remembered
+        for the store plans and handed to the lookup. O(prompt x groups) (a BLAKE2b call per block, ~1 us)."""
         kw = {} if namespace is None else {"namespace": namespace}
         hit = block_manager.lookup_prefix(token_ids, **kw).num_cached_blocks
         bs = self.block_size
         full = list(token_ids[: len(token_ids) // bs * bs])
-        checks = check_digests(full, bs, namespace)  # (O(prompt): a BLAKE2b call per block, ~1 us)
         cd = self._checks
-        cd.update(zip(block_hashes(full, bs, namespace), checks))
-        while len(cd) > _MAX_CHECK_KEYS:
+        if self.windows is None:
+            keys = block_hashes(full, bs, namespace)
+            cd.update(zip(keys, check_digests(full, bs, namespace)))
+        else:
+            keys = [block_hashes(full, bs, namespace, g) for g in range(len(self.windows))]
+            cg = self._check_group
+            for g, kg in enumerate(keys):
+                cd.update(zip(kg, check_digests(full, bs, namespace, group=g)))
+                cg.update(dict.fromkeys(kg, g))
+            while len(cg) > _MAX_CHECK_KEYS * len(self.windows):
+                del cg[next(iter(cg))]
+        while len(cd) > _MAX_CHECK_KEYS * len(self.group_loaded_blocks):
             del cd[next(iter(cd))]
-        if not self.connector.request_lookup(request_id, token_ids, namespace, int(hit)):
+        if not self.connector.request_lookup(request_id, token_ids, namespace, int(hit), keys=keys,
+                                             windows=self.windows):
             return False
         self._lookups[request_id] = time.monotonic()
         return True
@@ -194,7 +223,8 @@ class EngineTiers:
                 if r.num_blocks:
                     ok = scheduler.kv_ready(r.request_id, r.start_block * bs, r.num_blocks * bs, reserve=True)
                     if ok:
-                        self._runs[r.request_id] = (r.start_block, r.runs)
+                        self._runs[r.request_id] = (r.start_block, r.runs if r.group_tiers is None
+                                                    else r.group_tiers)
                 else:
                     ok = scheduler.kv_ready(r.request_id, 0, 0)
                 n += bool(ok)
@@ -207,9 +237,9 @@ class EngineTiers:
                 if not ok:
                     self.stats["stores_failed"] += 1
                 self._bm.complete_store(sid, ok)
-        if self._runs:
-            for rid in [rid for rid in self._runs if not scheduler.has_request(rid)]:
-                del self._runs[rid]  # (aborted before its admission)
+        for d in (self._runs, self._staged):
+            for rid in [rid for rid in d if not scheduler.has_request(rid)]:
+                del d[rid]  # (aborted before its admission)
         return n
 
     def _read_done(self, r: Any, scheduler: Any) -> None:
@@ -224,18 +254,68 @@ class EngineTiers:
             self.stats["loads_aborted"] += 1
             scheduler.kv_loaded(rid)
             return
+        if r.group_payloads is not None:
+            self._group_read_done(r, load, scheduler)
+            return
         k = min(len(r.payloads), len(load.block_ids))
         if k:
             write_blocks(self._kv, load.block_ids[:k], r.payloads[:k])
-            lk = self._loaded_keys
-            lk.update(dict.fromkeys(load.keys[:k]))
-            while len(lk) > _MAX_LOADED_KEYS:
-                del lk[next(iter(lk))]
+            self._remember_loaded(load.keys[:k])
+            self.group_loaded_blocks[0] += k
             self.stats["written_blocks"] += k
             self.stats["loaded_blocks"] += k
         if k < len(load.block_ids):
             self.stats["loads_failed"] += 1
         scheduler.kv_loaded(rid, None if k == len(load.block_ids) else k * self.block_size)
+
+    def _group_read_done(self, r: Any, load: Any, scheduler: Any) -> None:
+        """A grouped read arrived (each group's good leading payloads of the blocks its reservation holds). Whole:
+        every group's blocks written, the load done. Short: the longest usable end ``m`` (every group holds what
+        a load ending at ``m`` needs, :func:`group_block_ranges`); a load whose reservation holds every position
+        writes those blocks and reports ``m``; a load cut to the windows cannot end partly in the manager, so its
+        usable payloads are staged and the scheduler queues the request again with them (``requeue_cut``),
+        its reservation freed. O(blocks x groups) plus the written bytes."""
+        bs = self.block_size
+        s = load.start_token // bs
+        n = s + load.num_tokens // bs
+        got = r.group_payloads
+        have = {}  # (group, block) -> payload of every block that arrived checked
+        for g, ids in enumerate(load.group_block_ids):
+            pos = [s + i for i, b in enumerate(ids) if b >= 0]
+            have.update(zip(((g, j) for j in pos), got[g]))
+        m = n
+        if not r.ok:
+            m = s
+            for e in range(n - 1, s, -1):  # the longest usable end (a shorter one needs no block past it)
+                if all((g, j) in have for g, (a, z) in enumerate(group_block_ranges(e, bs, self.windows))
+                       for j in range(max(a, s), z)):
+                    m = e
+                    break
+            self.stats["loads_failed"] += 1
+        need = [(g, j) for g, (a, z) in enumerate(group_block_ranges(m, bs, self.windows)) for j in range(max(a, s), z)]
+        cut = any(b < 0 for ids in load.group_block_ids for b in ids)
+        if m < n and cut:  # (queued again by the scheduler: the blocks written when admitted, write_loads)
+            if m > s:
+                self._staged[r.request_id] = {gj: have[gj] for gj in need}
+            scheduler.kv_loaded(r.request_id, (m - s) * bs)
+            return
+        ids, payloads = [], []
+        for g, j in need:
+            ids.append(load.group_block_ids[g][j - s])
+            payloads.append(have[(g, j)])
+            self.group_loaded_blocks[g] += 1
+        if ids:
+            write_blocks(self._kv, ids, payloads)
+            self._remember_loaded([load.group_keys[g][j - s] for g, j in need])
+            self.stats["written_blocks"] += len(ids)
+            self.stats["loaded_blocks"] += len(ids)
+        scheduler.kv_loaded(r.request_id, None if m == n else (m - s) * bs)
+
+    def _remember_loaded(self, keys: Any) -> None:
+        lk = self._loaded_keys
+        lk.update(dict.fromkeys(keys))
+        while len(lk) > _MAX_LOADED_KEYS:
+            del lk[next(iter(lk))]
 
     def _expire(self, scheduler: Any) -> None:
         now = time.monotonic()
@@ -263,6 +343,9 @@ class EngineTiers:
         each from the tiers its lookup found, from its reserved range's first block on. O(loads) here."""
         bs = self.block_size
         for kl in kv_loads:
+            if self.windows is not None:
+                self._start_group_read(kl)
+                continue
             ext = kl.load
             start, runs = self._runs.pop(kl.request_id, (0, ()))
             skip = ext.start_token // bs - start  # (the hit may have grown since the lookup)
@@ -285,6 +368,33 @@ class EngineTiers:
             checks = [0 if c is None else c for c in checks]
             self.connector.request_read(kl.request_id, ext.keys, clipped, None, ext.start_token // bs, checks)
 
+    def _start_group_read(self, kl: Any) -> None:
+        """:meth:`start_loads` of one request with KV cache groups: each group's reserved positions (NULL_BLOCK
+        where a sliding group's window no longer sees them) read from the tier its lookup found, with the
+        check digests remembered at its add (a block without one, or that no tier holds, ends its group's
+        read there). O(blocks x groups)."""
+        ext = kl.load
+        bs = self.block_size
+        s = ext.start_token // bs
+        _, gt = self._runs.pop(kl.request_id, (0, None))
+        cd = self._checks
+        items = []
+        for g, ids in enumerate(ext.group_block_ids):
+            first, tiers = gt[g] if gt is not None else (0, ())
+            mine = []
+            for i, b in enumerate(ids):
+                if b < 0:
+                    continue
+                j = s + i
+                key = ext.group_keys[g][i]
+                c = cd.get(key)
+                t = tiers[j - first] if first <= j < first + len(tiers) and c is not None else -1
+                mine.append((key, 0 if c is None else c, t))
+            items.append(mine)
+        self._reading[kl.request_id] = ext
+        self._reads[kl.request_id] = time.monotonic()
+        self.connector.request_read_groups(kl.request_id, items, s)
+
     def forget(self, request_id: Any) -> None:
         """A request was added and failed at once: drop its lookup. O(1). (A request aborted later needs
         nothing: its lookup's or read's result is dropped or reported for its parked blocks.)"""
@@ -304,8 +414,27 @@ class EngineTiers:
     # ----------------------------------------------------------------------------------------- a step
 
     def write_loads(self, plan: Any, kv_cache: Any) -> None:
-        """Nothing to do: a tier load is written into its reserved blocks when it arrives (:meth:`poll`). (Kept
-        for the engine's KV port, which writes its own staged loads here.)"""
+        """After the step's copy plan, before its forward: the payloads of a short grouped read queued again
+        (:meth:`_group_read_done`) written into the blocks its new admission allocated (window-only, finished at
+        once by the scheduler: ``PrefillWork.num_external_tokens``). Every other tier load is written into its
+        reserved blocks when it arrives (:meth:`poll`). O(written blocks x block bytes)."""
+        if not self._staged:
+            return
+        ready = {}
+        for pw in plan.prefills:
+            e = self._staged.pop(pw.request_id, None)
+            if e is not None and pw.num_external_tokens:
+                ready[pw.request_id] = e
+        if ready:
+            bs = self.block_size
+            for pw in plan.prefills:  # (each group's blocks written: its table's non-NULL external positions)
+                if pw.request_id in ready:
+                    j0, j1 = (pw.num_cached_tokens - pw.num_external_tokens) // bs, pw.num_cached_tokens // bs
+                    for g, table in enumerate(pw.block_table):
+                        self.group_loaded_blocks[g] += int((table[j0:j1] >= 0).sum())
+            n = write_external_groups(plan, kv_cache, ready, bs)
+            self.stats["written_blocks"] += n
+            self.stats["loaded_blocks"] += n
 
     def store_computed(self, plan: Any, kv_cache: Any, by_id: dict) -> None:
         """After the forward (the engine calls it after sampling, so that no first token waits for it): the block
@@ -329,15 +458,23 @@ class EngineTiers:
                 ids, keys = [ids[i] for i in keep], [keys[i] for i in keep]
         cd = self._checks
         checks = [cd.get(k) for k in keys]
+        groups = None
+        if self.windows is not None:  # (KV cache groups) each key names its group: stored under its fingerprint
+            cg = self._check_group
+            groups = [cg.get(k) for k in keys]
+            checks = [None if g is None else c for c, g in zip(checks, groups)]
         if None in checks:  # blocks of no added prompt (a decode's): their check digests are unknown, not stored
             keep = [i for i, c in enumerate(checks) if c is not None]
             self.stats["store_skipped_unchecked"] += len(keys) - len(keep)
             ids, keys, checks = [ids[i] for i in keep], [keys[i] for i in keep], [checks[i] for i in keep]
+            if groups is not None:
+                groups = [groups[i] for i in keep]
         if not keys:
             bm.complete_store(sp.store_id, True)
             return
         payloads = read_blocks(kv_cache, list(ids))
-        if self.connector.store(keys, payloads, None, store_id=sp.store_id, chained=False, checks=checks):
+        if self.connector.store(keys, payloads, None, store_id=sp.store_id, chained=False, checks=checks,
+                                groups=groups):
             self.stats["stored_blocks"] += len(keys)
         else:  # (closed) the plan ends at once, its blocks unpinned
             bm.complete_store(sp.store_id, False)
@@ -348,8 +485,9 @@ class EngineTiers:
         """Counters for metrics: per tier (``TierCounters`` plus its ``BlockStore.stats``), the load-latency
         histogram, and the engine's own counts."""
         c = self.connector
-        return {"tiers": c.counters(), "store_stats": tuple(s.stats for s in c.stores()),
-                "latency": (c.latency.buckets,) + c.latency.snapshot(), "engine": dict(self.stats)}
+        return {"tiers": c.counters(), "store_stats": tuple(_sum_stats(g) for g in c.group_stores()),
+                "latency": (c.latency.buckets,) + c.latency.snapshot(), "engine": dict(self.stats),
+                "group_loaded_blocks": tuple(self.group_loaded_blocks)}
 
     def take_events(self) -> list:
         return self.connector.take_events()
@@ -361,3 +499,11 @@ class EngineTiers:
         if self._bm is not None and self.store_policy != "none":
             for sid, ok in self.connector.poll_stores():
                 self._bm.complete_store(sid, ok)
+
+
+def _sum_stats(stores: Any) -> Any:
+    """One tier's ``TierStats``: its stores' (one per KV cache group) summed field by field."""
+    st = [s.stats for s in stores]
+    if len(st) == 1:
+        return st[0]
+    return type(st[0])(*(sum(x) for x in zip(*st)))

@@ -86,6 +86,8 @@ class Admitter(Part):
                     if chunked:
                         kw["num_new_tokens"] = cap
                     kw["num_external_tokens"] = extra
+                    if getattr(bm, "num_groups", 1) > 1:  # a sliding group reserves only its window's blocks
+                        kw["external_window_only"] = True
                 else:
                     if chunked:  # the hit plus one chunk, leaving a token of budget for each later sequence
                         kw["num_new_tokens"] = extra + min(cap, budget - used - (m - 1 - i))
@@ -171,7 +173,13 @@ class Admitter(Part):
         done = [s for s, ok in rep.items() if ok is None]
         failed = {s: ok for s, ok in rep.items() if ok is not None}
         bm = self.calls.bm
+        cut = [s for s in failed if s in q.seqs and _is_cut(q.seqs[s].group.fetch)]
+        for s in cut:  # (KV cache groups) a short load cut to the windows cannot end partly: queued again
+            self.requeue_cut(s, failed.pop(s))
+            done.append(s)  # (freed while LOADING: its parked blocks are released by this report)
         got = bm.finish_external(done=done, failed=failed)
+        for s in cut:
+            got.pop(s, None)
         computed = 0
         for sid, n in got.items():
             s = q.seqs[sid]
@@ -187,6 +195,27 @@ class Admitter(Part):
             s.status = RUNNING
             q.running[g.arrival] = g
         return computed
+    def requeue_cut(self, sid: int, tokens: int) -> None:
+        """A FETCHING request whose reserved load was cut to the sliding windows (``external_window_only``: a
+        sliding group holds only the blocks its window sees at the load's end) and arrived short: the manager
+        cannot end such a load partly (the windows of an earlier end need blocks never reserved), so its
+        sequence is freed (its blocks parked until this step's ``finish_external`` report) and the request
+        queued again at the front with the ``tokens`` of its external range that did arrive usable (the
+        engine keeps their payloads) as loaded KV: at admission they are allocated window-only and written
+        as a staged load (:meth:`allocate_loaded`), the rest computed. O(prompt blocks x groups)."""
+        q = self.q
+        s = q.seqs[sid]
+        g = s.group
+        start = g.fetch.start_token
+        del q.fetching[g.request_id]
+        g.fetch = None
+        q.num_running_seqs -= g.n
+        self.calls.free(sid, True)
+        q.to_waiting_front(g)
+        g.external = (start, int(tokens)) if tokens else None
+        g.reserve = False
+        self.stats.requeued_window_loads += 1
+
     def allocate_loaded(self, bm, seq_id, toks: np.ndarray, cur: int, extra: int, kw: dict) -> tuple:
         """Allocate a prompt whose tokens ``[cur, cur + extra)`` arrived loaded, on a manager with KV cache groups
         (docs/external-kv.md): ``allocate(..., num_external_tokens=extra, external_window_only=True)``, so that
@@ -254,3 +283,8 @@ class Admitter(Part):
             table_row=row,
             num_external_tokens=extra,
         )
+
+
+def _is_cut(fetch) -> bool:
+    """Whether a reserved load holds NULL_BLOCK positions in a group (cut to a sliding window). O(blocks)."""
+    return fetch is not None and any(b < 0 for ids in fetch.group_block_ids[1:] for b in ids)
