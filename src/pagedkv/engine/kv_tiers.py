@@ -36,7 +36,7 @@ from ..errors import InvalidArgumentError
 from ..blocks.prefix_cache import block_hashes
 from ..tiers import BlockStore, DiskBackend, RedisBackend, SharedDirBackend, check_digests
 from ..tiers.connector import MEDIUM_DISK, MEDIUM_SHARED, LookupDone, TierConnector, group_block_ranges
-from .kv_io import model_fingerprint, payload_bytes, read_blocks, write_blocks, write_external_groups
+from .kv_io import model_fingerprint, payload_bytes, read_blocks, write_blocks
 
 __all__ = ["EngineTiers", "open_shared_backend", "parse_store_policy"]
 
@@ -164,9 +164,6 @@ class EngineTiers:
         self._lookups: dict = {}  # request id -> when its lookup was asked (the timeout)
         self._reads: dict = {}  # request id -> when its read was asked (the timeout)
         self._given_up: set = set()  # reads past their timeout: their result is dropped when it comes
-        # (KV cache groups) request id -> (start block, {(group, block): payload}) of a short read cut to the
-        # windows, queued again by the scheduler: written when the request is admitted again (write_loads)
-        self._staged: dict = {}
         # chain keys this engine loaded from the tiers (not written back by a store plan), oldest first, bounded
         self._loaded_keys: dict = {}
         # chain key -> check digest of the prompt blocks of the requests added (store plans name blocks by key only;
@@ -237,9 +234,9 @@ class EngineTiers:
                 if not ok:
                     self.stats["stores_failed"] += 1
                 self._bm.complete_store(sid, ok)
-        for d in (self._runs, self._staged):
-            for rid in [rid for rid in d if not scheduler.has_request(rid)]:
-                del d[rid]  # (aborted before its admission)
+        if self._runs:
+            for rid in [rid for rid in self._runs if not scheduler.has_request(rid)]:
+                del self._runs[rid]  # (aborted before its admission)
         return n
 
     def _read_done(self, r: Any, scheduler: Any) -> None:
@@ -270,43 +267,33 @@ class EngineTiers:
 
     def _group_read_done(self, r: Any, load: Any, scheduler: Any) -> None:
         """A grouped read arrived (each group's good leading payloads of the blocks its reservation holds). Whole:
-        every group's blocks written, the load done. Short: the longest usable end ``m`` (every group holds what
-        a load ending at ``m`` needs, :func:`group_block_ranges`); a load whose reservation holds every position
-        writes those blocks and reports ``m``; a load cut to the windows cannot end partly in the manager, so its
-        usable payloads are staged and the scheduler queues the request again with them (``requeue_cut``),
-        its reservation freed. O(blocks x groups) plus the written bytes."""
+        every group's blocks written, the load done. Short, when the reservation holds every position (no
+        window cut it: a prompt shorter than the windows): the blocks every group got, up to the first missing
+        one, written and reported. Short and cut to the windows (``external_window_only``): nothing is usable
+        (a load ending at ``m < n`` needs window blocks before the first one read, since a window's first
+        block grows by one with each block: ``kv_io.usable_blocks``), so nothing is written and ``kv_loaded(rid,
+        0)`` lets the scheduler free the reservation and compute the prompt (``requeued_window_loads``).
+        O(blocks x groups) plus the written bytes."""
         bs = self.block_size
         s = load.start_token // bs
         n = s + load.num_tokens // bs
         got = r.group_payloads
-        have = {}  # (group, block) -> payload of every block that arrived checked
-        for g, ids in enumerate(load.group_block_ids):
-            pos = [s + i for i, b in enumerate(ids) if b >= 0]
-            have.update(zip(((g, j) for j in pos), got[g]))
         m = n
         if not r.ok:
-            m = s
-            for e in range(n - 1, s, -1):  # the longest usable end (a shorter one needs no block past it)
-                if all((g, j) in have for g, (a, z) in enumerate(group_block_ranges(e, bs, self.windows))
-                       for j in range(max(a, s), z)):
-                    m = e
-                    break
             self.stats["loads_failed"] += 1
-        need = [(g, j) for g, (a, z) in enumerate(group_block_ranges(m, bs, self.windows)) for j in range(max(a, s), z)]
-        cut = any(b < 0 for ids in load.group_block_ids for b in ids)
-        if m < n and cut:  # (queued again by the scheduler: the blocks written when admitted, write_loads)
-            if m > s:
-                self._staged[r.request_id] = {gj: have[gj] for gj in need}
-            scheduler.kv_loaded(r.request_id, (m - s) * bs)
-            return
-        ids, payloads = [], []
-        for g, j in need:
-            ids.append(load.group_block_ids[g][j - s])
-            payloads.append(have[(g, j)])
-            self.group_loaded_blocks[g] += 1
+            cut = any(b < 0 for ids in load.group_block_ids for b in ids)
+            m = s if cut else s + min(len(p) for p in got)
+        ids, payloads, keys = [], [], []
+        if m > s:
+            for g, (gids, gkeys) in enumerate(zip(load.group_block_ids, load.group_keys)):
+                pos = [i for i, b in enumerate(gids) if b >= 0 and s + i < m]
+                ids += [gids[i] for i in pos]
+                keys += [gkeys[i] for i in pos]
+                payloads += got[g][: len(pos)]
+                self.group_loaded_blocks[g] += len(pos)
         if ids:
             write_blocks(self._kv, ids, payloads)
-            self._remember_loaded([load.group_keys[g][j - s] for g, j in need])
+            self._remember_loaded(keys)
             self.stats["written_blocks"] += len(ids)
             self.stats["loaded_blocks"] += len(ids)
         scheduler.kv_loaded(r.request_id, None if m == n else (m - s) * bs)
@@ -414,27 +401,8 @@ class EngineTiers:
     # ----------------------------------------------------------------------------------------- a step
 
     def write_loads(self, plan: Any, kv_cache: Any) -> None:
-        """After the step's copy plan, before its forward: the payloads of a short grouped read queued again
-        (:meth:`_group_read_done`) written into the blocks its new admission allocated (window-only, finished at
-        once by the scheduler: ``PrefillWork.num_external_tokens``). Every other tier load is written into its
-        reserved blocks when it arrives (:meth:`poll`). O(written blocks x block bytes)."""
-        if not self._staged:
-            return
-        ready = {}
-        for pw in plan.prefills:
-            e = self._staged.pop(pw.request_id, None)
-            if e is not None and pw.num_external_tokens:
-                ready[pw.request_id] = e
-        if ready:
-            bs = self.block_size
-            for pw in plan.prefills:  # (each group's blocks written: its table's non-NULL external positions)
-                if pw.request_id in ready:
-                    j0, j1 = (pw.num_cached_tokens - pw.num_external_tokens) // bs, pw.num_cached_tokens // bs
-                    for g, table in enumerate(pw.block_table):
-                        self.group_loaded_blocks[g] += int((table[j0:j1] >= 0).sum())
-            n = write_external_groups(plan, kv_cache, ready, bs)
-            self.stats["written_blocks"] += n
-            self.stats["loaded_blocks"] += n
+        """Nothing to do: a tier load is written into its reserved blocks when it arrives (:meth:`poll`). (Kept
+        for the engine's KV port, which writes its own staged loads here.)"""
 
     def store_computed(self, plan: Any, kv_cache: Any, by_id: dict) -> None:
         """After the forward (the engine calls it after sampling, so that no first token waits for it): the block

@@ -175,7 +175,8 @@ class Admitter(Part):
         bm = self.calls.bm
         cut = [s for s in failed if s in q.seqs and _is_cut(q.seqs[s].group.fetch)]
         for s in cut:  # (KV cache groups) a short load cut to the windows cannot end partly: queued again
-            self.requeue_cut(s, failed.pop(s))
+            del failed[s]
+            self.requeue_cut(s)
             done.append(s)  # (freed while LOADING: its parked blocks are released by this report)
         got = bm.finish_external(done=done, failed=failed)
         for s in cut:
@@ -195,24 +196,20 @@ class Admitter(Part):
             s.status = RUNNING
             q.running[g.arrival] = g
         return computed
-    def requeue_cut(self, sid: int, tokens: int) -> None:
+    def requeue_cut(self, sid: int) -> None:
         """A FETCHING request whose reserved load was cut to the sliding windows (``external_window_only``: a
-        sliding group holds only the blocks its window sees at the load's end) and arrived short: the manager
-        cannot end such a load partly (the windows of an earlier end need blocks never reserved), so its
-        sequence is freed (its blocks parked until this step's ``finish_external`` report) and the request
-        queued again at the front with the ``tokens`` of its external range that did arrive usable (the
-        engine keeps their payloads) as loaded KV: at admission they are allocated window-only and written
-        as a staged load (:meth:`allocate_loaded`), the rest computed. O(prompt blocks x groups)."""
+        sliding group holds only the blocks its window sees at the load's end) and arrived short: no shorter
+        end is usable (its windows would need blocks before the first one reserved), and the manager cannot end
+        such a load partly, so the sequence is freed (its blocks parked until this step's ``finish_external``
+        report) and the request queued again at the front, to be computed from its prefix-cache hit. O(prompt
+        blocks x groups)."""
         q = self.q
-        s = q.seqs[sid]
-        g = s.group
-        start = g.fetch.start_token
+        g = q.seqs[sid].group
         del q.fetching[g.request_id]
         g.fetch = None
         q.num_running_seqs -= g.n
         self.calls.free(sid, True)
         q.to_waiting_front(g)
-        g.external = (start, int(tokens)) if tokens else None
         g.reserve = False
         self.stats.requeued_window_loads += 1
 
