@@ -658,6 +658,35 @@ def test_redis_tier_between_replicas_with_kv_cache_groups(gemma, reference, redi
         assert b.kv_tiers.group_loaded_blocks[1] == 32
 
 
+def test_server_restarted_over_its_disk_tier_with_kv_cache_groups(gemma, reference, tmp_path):
+    """``pagedkv serve``'s server over Gemma 3 on its KV cache groups with a disk tier: it answers case 4's prompt
+    (token ids) with the reference tokens, stops; a new server over the same directory answers it again from
+    every group's loaded blocks, the same text."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from pagedkv.server.launch import make_server
+
+    c = reference["cases"][4]
+    texts = []
+    for i in range(2):
+        llm = make_llm(gemma, num_gpu_blocks=400, kv_disk_dir=tmp_path, kv_disk_gib=0.1)
+        srv = make_server(llm, model_name="m", max_waiting=8).start_in_thread()
+        try:
+            r = httpx.post(srv.url + "/v1/completions", json={"model": "m", "prompt": c["prompt_ids"], "max_tokens": 8,
+                                                              "temperature": 0, "ignore_eos": True}, timeout=300)
+            assert r.status_code == 200, r.text
+            texts.append(r.json()["choices"][0]["text"])
+        finally:
+            srv.close()
+            llm.close()
+        tiers = getattr(llm.kv_tiers, "inner", None) or llm.kv_tiers  # (the server wraps them in its KV port)
+        loaded = llm.scheduler.stats.external_tokens
+        assert loaded == (_loadable(c) * BLOCK if i else 0)
+        assert tiers.group_loaded_blocks == ([_loadable(c)] * len(llm.kv_cache_groups) if i
+                                             else [0] * len(llm.kv_cache_groups))
+    assert texts[0] == texts[1] and texts[0]
+
+
 def test_retention_with_kv_cache_groups_pins_priorities_and_a_policy(gemma, reference):
     """Gemma 3 on KV cache groups with an eviction policy, priority scheduling and a pin (issue 23 item 4): the pin
     (through LLM.pin_prefix) holds the full-attention group's blocks and each sliding group's last window of the
