@@ -20,6 +20,13 @@ One object per engine, used by the step loop only::
                      pinned blocks copied out (the snapshot) and handed to the connector, which writes them to
                      every tier; the plan completes when the connector reports the write
 
+**KV cache groups** (Gemma 3 on a HybridBlockManager, ``windows=``; docs/tiers.md#kv-cache-groups): each tier holds
+one store per group (group ``g``'s fingerprint and check digests, its layers' bytes); on_add hashes every group's
+chain keys once (remembered with their group and check digest for the store plans, handed to the lookup); the
+lookup finds the longest run every group can serve (a sliding group only its window's blocks); the scheduler
+reserves window-only (``external_window_only``) and each group's read fills its reserved blocks. A short read of
+a load cut to the windows has no usable part: it is reported with nothing arrived and the scheduler computes it.
+
 Nothing here waits on I/O: the connector's threads do the lookups, reads and writes; the step loop copies bytes
 between host buffers and the KV cache only. A load's blocks are written only after the copy plan of the step that
 reserved them has run (poll comes before the next step's schedule): docs/external-kv.md's rule.
@@ -35,7 +42,7 @@ from urllib.parse import urlparse
 from ..errors import InvalidArgumentError
 from ..blocks.prefix_cache import block_hashes
 from ..tiers import BlockStore, DiskBackend, RedisBackend, SharedDirBackend, check_digests
-from ..tiers.connector import MEDIUM_DISK, MEDIUM_SHARED, LookupDone, TierConnector, group_block_ranges
+from ..tiers.connector import MEDIUM_DISK, MEDIUM_SHARED, LookupDone, TierConnector
 from .kv_io import model_fingerprint, payload_bytes, read_blocks, write_blocks
 
 __all__ = ["EngineTiers", "open_shared_backend", "parse_store_policy"]
