@@ -388,14 +388,16 @@ def test_kv_cache_groups_lookup_read_and_store_per_group(tmp_path):
         keys = [pagedkv.block_hashes(toks[:8 * BS], BS, None, g) for g in range(2)]
         ck = [check_digests(toks[:8 * BS], BS, None, group=g) for g in range(2)]
         assert keys[0][0] != keys[1][0]  # each group's chain has a root of its own
-        # a store plan naming blocks of both groups: group 0's 0-7 and group 1's 6 go to the disk
+        # a store plan naming blocks of both groups: group 0's 0-7 and group 1's 6 go to both tiers
         ks = list(keys[0]) + [keys[1][6]]
         assert c.store(ks, [payload(i) for i in range(8)] + [payload(16)], None, store_id=1, chained=False,
                        checks=list(ck[0]) + [ck[1][6]], groups=[0] * 8 + [1])
         assert c.flush(10) and c.poll_stores() == [(1, True)]
+        ev = [(e.medium, e.group_idx, len(e.block_hashes)) for e in c.take_events()]
+        assert ev == [("DISK", 0, 8), ("DISK", 1, 1), ("SHARED", 0, 8), ("SHARED", 1, 1)]  # (every tier)
         assert disk[0].prefix_length(keys[0]) == 8 and disk[1].contains_many(keys[1]) == (False,) * 6 + (True, False)
         assert not any(disk[0].contains_many(keys[1]))  # (group 1's blocks are not group 0's)
-        shared[1].put_many([keys[1][5]], [payload(15)], None, [ck[1][5]])  # group 1's block 5 in the shared tier
+        shared[1].put_many([keys[1][5]], [payload(15)], None, [ck[1][5]])  # group 1's block 5: the shared tier only
         with pytest.raises(InvalidArgumentError):
             c.request_lookup("r", toks, None, 0)  # a grouped connector needs windows= and keys=
         assert c.request_lookup("r", toks, None, 0, keys=keys, windows=win)

@@ -22,8 +22,10 @@ grouped transfer go **position by position** (:func:`group_transfer_order`: bloc
 then block 1, ...), so a transfer cut short keeps the longest usable prefix (:func:`usable_blocks`).
 :func:`group_hold_block_ids` reads the blocks of that order from a holder's per-group tables;
 :func:`write_external_groups` writes them into a loading request's per-group tables (positions a cut sliding
-group holds as NULL_BLOCK are skipped). The storage tiers may reuse these helpers (the names of group ``g``'s
-blocks: ``pagedkv.block_hashes(..., group=g)`` keys with ``model_fingerprint(..., group=g)``).
+group holds as NULL_BLOCK are skipped). The storage tiers store group ``g``'s blocks under
+``pagedkv.block_hashes(..., group=g)`` keys with ``model_fingerprint(...).for_group(g)`` and load only what
+:func:`group_block_ranges` (defined torch-free in :mod:`pagedkv.tiers.connector`, re-exported here) says
+(:mod:`pagedkv.engine.kv_tiers`).
 """
 
 from __future__ import annotations

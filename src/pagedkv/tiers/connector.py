@@ -19,6 +19,16 @@ collects what finished::
     take_events() <-- BlockStored(medium="DISK" | "SHARED") of the blocks each tier newly stored, BlockRemoved
                       (medium "DISK") of the blocks the disk tier evicted or dropped
 
+**KV cache groups** (a hybrid model: each tier holds one ``BlockStore`` per group on one backend, group ``g``'s
+fingerprint; docs/tiers.md#kv-cache-groups)::
+
+    request_lookup(rid, tokens, ns, hit, keys=, windows=) -> LookupDone(..., group_tiers): the longest run every
+                                                  group can serve (a sliding group: its window's blocks only),
+                                                  the tier of each block
+    request_read_groups(rid, items, start) -----> each group's blocks read on its own
+    poll() <-- LoadDone(..., group_payloads)      each group's good leading payloads
+    store(keys, payloads, ns, groups=) ---------> each block to its group's store (one BlockStored per group)
+
 A load is **done** when every block the tiers said they hold came back checked; **failed** when a block they
 said they hold did not (corrupt, cut short, another fingerprint, the store down between the probe and the read):
 ``payloads`` then holds the good leading blocks only and the request computes the rest. A tier that is down
