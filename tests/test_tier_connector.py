@@ -420,6 +420,10 @@ def test_kv_cache_groups_lookup_read_and_store_per_group(tmp_path):
         assert not ld.ok and [len(p) for p in ld.group_payloads] == [7, 0]
         with pytest.raises(InvalidArgumentError):
             c.request_read_groups("x", items[:1], 0)  # one list per group
+        with pytest.raises(InvalidArgumentError):
+            c.request_read("x", keys[0][:2], ((0, 2),), None)  # the one-table calls are refused
+        with pytest.raises(InvalidArgumentError):
+            c.request_load("x", toks, None, 0)
         with pytest.raises(InvalidArgumentError):  # a tier's stores must be its groups', on one backend
             TierConnector([("DISK", (disk[1], disk[0]))], BS)
     finally:

@@ -272,6 +272,9 @@ class TierConnector:
         hit) in the tiers; at most ``(len - 1) // block_size`` blocks in all (the last prompt token is always
         computed). Returns False (and starts nothing) when no block is left to ask for; else the result comes
         out of :meth:`poll` once. O(1) here; the job hashes the prompt (O(len)) and does the I/O."""
+        if self.num_groups > 1:
+            raise InvalidArgumentError("a connector with KV cache groups loads with request_lookup(..., windows=) "
+                                       "and request_read_groups")
         return self._start(self._load_job, request_id, token_ids, namespace, hit_blocks)
 
     def request_lookup(self, request_id: Any, token_ids: Sequence[int], namespace: object,
@@ -327,6 +330,8 @@ class TierConnector:
         (a chain-key collision) or that has none is refused like a corrupt one. O(1) here."""
         if self._closed:
             raise RuntimeError("the TierConnector is closed")
+        if self.num_groups > 1:
+            raise InvalidArgumentError("a connector with KV cache groups reads with request_read_groups")
         if request_id in self._pending_loads:
             raise InvalidArgumentError(f"request {request_id!r} already has a load in flight")
         runs = tuple((int(i), int(n)) for i, n in runs)
