@@ -178,7 +178,8 @@ def test_tier_loads_and_stores_with_kv_cache_groups_read_back_in_the_data(tmp_pa
     carries its group, each group's blocks are stored under its own fingerprint, a load fills every group's
     reserved blocks (the sliding group only its window's), and after every forward each sequence reads back its
     own identities through each group's table: every position for the full group, the positions its last query
-    sees for the sliding one."""
+    sees for the sliding one. Odd seeds cut a third of the reads short (a load the window sees whole keeps what
+    every group got; one cut to the window is queued again and computed)."""
     from pagedkv import FullAttentionSpec, HybridBlockManager, SlidingWindowSpec
     from pagedkv.engine.kv_tiers import EngineTiers
     from pagedkv.engine.model import execute_copy_plan
@@ -200,6 +201,18 @@ def test_tier_loads_and_stores_with_kv_cache_groups_read_back_in_the_data(tmp_pa
     heads = [base[:n] for n in (6, 13, 24, 40)] + [[rng.randrange(50) for _ in range(12)]]
     next_id = 0
     checked = loaded_used = 0
+    if seed % 2:  # faults: a third of the tier reads come back short (a value refused or gone mid-run)
+        frng = random.Random(seed)
+        real = tiers.connector._read_run
+
+        def short(t, keys, ns, checks, group=0):
+            good, values = real(t, keys, ns, checks, group)
+            if good and frng.random() < 0.33:
+                good = frng.randrange(good)
+                values = values[:good]
+            return good, values
+
+        tiers.connector._read_run = short
 
     def forward(plan):
         nonlocal checked, loaded_used
@@ -287,6 +300,8 @@ def test_tier_loads_and_stores_with_kv_cache_groups_read_back_in_the_data(tmp_pa
             bm.check_invariants()
         assert checked > 50
         assert loaded_used > 0 and tiers.group_loaded_blocks[0] > 0 and tiers.group_loaded_blocks[1] > 0
+        if seed % 2:
+            assert tiers.stats["loads_failed"] > 0  # (short reads: computed, the output read back right)
         tiers.connector.flush(30)
         tiers.poll(sched)
         assert not bm.pending_stores and not bm.parked_seq_ids and not bm.loading_seq_ids
