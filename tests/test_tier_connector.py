@@ -428,3 +428,50 @@ def test_kv_cache_groups_lookup_read_and_store_per_group(tmp_path):
             TierConnector([("DISK", (disk[1], disk[0]))], BS)
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_kv_cache_groups_lookup_is_the_longest_load_every_group_can_serve(seed):
+    """Random holdings of two tiers x three groups (full, windows of 2 and 3 blocks + 1 token), random hits: the
+    grouped lookup's n is the largest one (brute force) whose every group holds, in some tier, each block past the
+    hit that group_block_ranges says a load of n needs, and each block's tier is the first tier holding it."""
+    import random
+
+    from pagedkv.tiers.connector import group_block_ranges
+
+    rng = random.Random(seed)
+    win = (None, 2 * BS, 3 * BS + 1)
+    mems = [_Memory(), _Memory()]
+    stores = [tuple(BlockStore(m, FP.for_group(g), PB) for g in range(3)) for m in mems]
+    c = TierConnector([("DISK", stores[0]), ("SHARED", stores[1])], BS, chain_names=True)
+    try:
+        for trial in range(25):
+            nb = rng.randrange(1, 12)
+            toks = tokens(nb, seed=1000 * trial)
+            keys = [pagedkv.block_hashes(toks[:nb * BS], BS, None, g) for g in range(3)]
+            held = {}  # (tier, group, block)
+            for t in range(2):
+                for g in range(3):
+                    for j in range(nb):
+                        if rng.random() < 0.75:
+                            held[(t, g, j)] = True
+                            stores[t][g].put_many([keys[g][j]], [payload(j)], None, [0])
+            hit = rng.randrange(nb)
+            assert c.request_lookup(("r", trial), toks, None, hit, keys=keys, windows=win)
+            (lk,) = wait_loads(c)
+
+            def servable(n):
+                return all(any((t, g, j) in held for t in range(2))
+                           for g, (a, z) in enumerate(group_block_ranges(n, BS, win)) for j in range(max(a, hit), z))
+
+            want = max(n for n in range(hit, nb + 1) if servable(n))
+            assert lk.start_block + lk.num_blocks == want, (trial, hit, nb)
+            if want > hit:
+                for g, (first, tiers) in enumerate(lk.group_tiers):
+                    a, z = group_block_ranges(want, BS, win)[g]
+                    assert first == max(a, hit) and len(tiers) == z - first
+                    assert list(tiers) == [0 if (0, g, j) in held else 1 for j in range(first, z)]
+            for m in mems:
+                m.d.clear()
+    finally:
+        c.close()
