@@ -6,7 +6,9 @@ CI runs a representative subset of the reference cases (:data:`CI_CASES`: the ca
 more than 512 tokens back, which only the full-attention layers can see, and a multiplication table longer than the
 window; :data:`CI_PREEMPTION_CASES` for the preemption tests; chunked prefill with its budget, a rerun and a
 preemption in the middle of a prefill, by recompute in CI, by swap too with ``PAGEDKV_GEMMA3_FULL=1``); ``PAGEDKV_GEMMA3_FULL=1`` runs every case in every configuration (a few minutes on 2 cores), and the CLI
-with ``--model gemma-3-270m``.
+with ``--model gemma-3-270m``. The storage tiers on the KV cache groups (:data:`TIER_CASES`): the disk tier after an
+LLM restart and after a server restart, a shared directory and Redis between two replicas, corrupt values refused and
+computed; each counts the blocks every group loaded (a sliding group only its window's).
 """
 
 from __future__ import annotations
