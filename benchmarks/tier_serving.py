@@ -74,9 +74,13 @@ def run(args) -> dict:
             s = _Server(model, args.block_size, kv_disk_dir=disk, kv_disk_gib=args.disk_gib)
             row["disk_first_s"], t1, _ = s.ttft(prompt)
             s.close()
+            d0 = s.connector.counters()[0]
+            row["disk_stored_blocks"], row["disk_stored_bytes"] = d0.stored_blocks, d0.stored_bytes
             s = _Server(model, args.block_size, kv_disk_dir=disk, kv_disk_gib=args.disk_gib)
             row["disk_restart_s"], t2, row["disk_loaded_tokens"] = s.ttft(prompt)
-            row["disk_load_ms_per_block"] = s.connector.counters()[0].load_ms_per_block
+            d1 = s.connector.counters()[0]
+            row["disk_load_ms_per_block"] = d1.load_ms_per_block
+            row["disk_loaded_blocks"], row["disk_loaded_bytes"] = d1.hit_blocks, d1.hit_bytes
             s.close()
             prompt_b = rng.integers(100, vocab, args.prompt_len).tolist()
             s = _Server(model, args.block_size)
@@ -88,6 +92,7 @@ def run(args) -> dict:
                 row["replica_a_s"], ta, _ = a.ttft(prompt_b)
                 a.connector.flush(300)
                 row["replica_b_s"], tb, row["replica_b_loaded_tokens"] = b.ttft(prompt_b)
+                row["replica_b_loaded_bytes"] = b.connector.counters()[0].hit_bytes
             finally:
                 a.close()
                 b.close()
@@ -128,6 +133,11 @@ def show(res: dict) -> None:
           f"{m['replica_a_s'] / m['recompute_b_s']:.2f} |")
     print(f"| **replica B, prompt from the shared store** | {m['replica_b_s']:.2f} | **{m['shared_ratio']:.3f}** |")
     print("same greedy text everywhere:", all(r["same_text"] for r in res["repeats"]))
+    r0 = res["repeats"][0]
+    if "disk_stored_bytes" in r0:  # (result files since the KV cache groups' tiers)
+        print(f"bytes per prompt (repeat 0): stored to disk {r0['disk_stored_bytes'] / 2**20:.1f} MiB in "
+              f"{r0['disk_stored_blocks']} values; loaded from disk {r0['disk_loaded_bytes'] / 2**20:.1f} MiB in "
+              f"{r0['disk_loaded_blocks']} values; replica B loaded {r0['replica_b_loaded_bytes'] / 2**20:.1f} MiB")
 
 
 def main(argv=None) -> int:

@@ -186,7 +186,7 @@ def test_a_window_only_load_ends_whole_or_is_computed_whole(ok):
         assert s.stats.stale_external_loads == 0
     else:  # cut short: computed whole (the scheduler freed the reserved blocks and admitted it again)
         assert pw.num_external_tokens == 0 and pw.positions[0] == 0
-        assert s.stats.stale_external_loads == 1 and not bm.parked_seq_ids
+        assert s.stats.requeued_window_loads == 1 and not bm.parked_seq_ids
     while s.has_unfinished():
         step(s)
     assert bm.num_free_gpu_blocks == free0 and s.num_parked == 0
@@ -209,3 +209,46 @@ def test_a_window_only_load_the_window_sees_whole_keeps_its_good_leading_blocks(
     assert s.stats.stale_external_loads == 0
     while s.has_unfinished():
         step(s)
+def _hybrid_step(s: Scheduler):
+    plan = s.schedule()
+    n = len(plan.prefills) + (len(plan.decode.seq_ids) if plan.decode is not None else 0)
+    done = s.update(plan, [7] * n)
+    s.bm.check_invariants()
+    return plan, done
+
+
+@pytest.mark.parametrize("loaded", [None, 0])
+def test_kv_cache_groups_reserve_window_only_and_a_short_cut_load_is_queued_again(loaded):
+    """KV cache groups (a HybridBlockManager, docs/tiers.md#kv-cache-groups): a reserved load is cut to the sliding
+    windows (``external_window_only``: the sliding group reserves only the blocks its window sees at the load's
+    end, NULL_BLOCK before). Whole, it is used; short (``kv_loaded(rid, 0)``: no shorter end of a cut load is
+    usable), the reservation is freed and the request queued again and computed from its hit
+    (``requeued_window_loads``), the invariants holding at every step."""
+    from pagedkv import FullAttentionSpec, HybridBlockManager, SlidingWindowSpec
+
+    bm = HybridBlockManager(64, BS, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(window=2 * BS)],
+                            enable_prefix_caching=True)
+    s = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, enable_chunked_prefill=True,
+                  incremental_tables=True)
+    s.add_request("a", PROMPT, max_tokens=2, wait_for_kv=True)
+    assert s.kv_ready("a", 0, 28, reserve=True)  # the tiers hold blocks 0-6
+    plan, _ = _hybrid_step(s)
+    (kl,) = plan.kv_loads
+    full, sliding = kl.load.group_block_ids
+    assert len(full) == 7 and min(full) >= 0
+    # the window of 8 tokens at position 28 sees tokens 21-27: blocks 5 and 6; blocks 0-4 are not reserved
+    assert [b >= 0 for b in sliding] == [False] * 5 + [True] * 2
+    assert s.kv_loaded("a", loaded)
+    plan, _ = _hybrid_step(s)
+    if loaded is None:
+        (pw,) = plan.prefills
+        assert pw.num_external_tokens == 28 and pw.positions.tolist() == [28, 29]
+        assert s.stats.requeued_window_loads == 0 and s.stats.external_tokens == 28
+    else:
+        assert s.stats.requeued_window_loads == 1 and not s.is_fetching("a") and not plan.kv_loads
+        (pw,) = plan.prefills  # queued again at the front and computed from position 0, in this very step
+        assert pw.request_id == "a" and pw.num_external_tokens == 0 and pw.positions.tolist()[0] == 0
+        assert s.stats.external_tokens == 0 and s.num_running_seqs == 1
+    while s.has_unfinished():
+        _hybrid_step(s)
+    assert bm.num_free_gpu_blocks == 64

@@ -473,3 +473,111 @@ def test_a_restarted_disk_tier_publishes_what_it_found_once_in_batches(tmp_path,
     c = TierConnector(open_tiers(), BS, record_events=False)  # without events nothing is kept
     assert c.take_events() == []
     c.close()
+
+
+# ------------------------------------------------------------------------------------------ KV cache groups
+def test_kv_cache_groups_lookup_read_and_store_per_group(tmp_path):
+    """KV cache groups (docs/tiers.md#kv-cache-groups): each tier holds one store per group on one backend (group
+    g's fingerprint); a store sends each block to its group's store; the lookup answers the longest load every
+    group can serve (the full group's leading run; a sliding group only the blocks its window sees at the load's
+    end), naming each block's tier; the grouped read fills each group on its own, and a block that does not come
+    back checked ends that group's read."""
+    from pagedkv.tiers.connector import group_block_ranges
+
+    win = (None, 2 * BS)  # group 1: a window of 2 blocks: a load ending at block n needs its blocks n-2 and n-1
+    dbe, sbe = DiskBackend(tmp_path / "disk", 1 << 20), SharedDirBackend(tmp_path / "shared")
+    disk = tuple(BlockStore(dbe, FP.for_group(g), PB) for g in range(2))
+    shared = tuple(BlockStore(sbe, FP.for_group(g), PB) for g in range(2))
+    c = TierConnector([("DISK", disk), ("SHARED", shared)], BS, chain_names=True)
+    try:
+        toks = tokens(8)  # 8 loadable blocks
+        keys = [pagedkv.block_hashes(toks[:8 * BS], BS, None, g) for g in range(2)]
+        ck = [check_digests(toks[:8 * BS], BS, None, group=g) for g in range(2)]
+        assert keys[0][0] != keys[1][0]  # each group's chain has a root of its own
+        # a store plan naming blocks of both groups: group 0's 0-7 and group 1's 6 go to both tiers
+        ks = list(keys[0]) + [keys[1][6]]
+        assert c.store(ks, [payload(i) for i in range(8)] + [payload(16)], None, store_id=1, chained=False,
+                       checks=list(ck[0]) + [ck[1][6]], groups=[0] * 8 + [1])
+        assert c.flush(10) and c.poll_stores() == [(1, True)]
+        ev = [(e.medium, e.group_idx, len(e.block_hashes)) for e in c.take_events()]
+        assert ev == [("DISK", 0, 8), ("DISK", 1, 1), ("SHARED", 0, 8), ("SHARED", 1, 1)]  # (every tier)
+        assert disk[0].prefix_length(keys[0]) == 8 and disk[1].contains_many(keys[1]) == (False,) * 6 + (True, False)
+        assert not any(disk[0].contains_many(keys[1]))  # (group 1's blocks are not group 0's)
+        shared[1].put_many([keys[1][5]], [payload(15)], None, [ck[1][5]])  # group 1's block 5: the shared tier only
+        with pytest.raises(InvalidArgumentError):
+            c.request_lookup("r", toks, None, 0)  # a grouped connector needs windows= and keys=
+        assert c.request_lookup("r", toks, None, 0, keys=keys, windows=win)
+        (lk,) = wait_loads(c)
+        # n = 8 needs group 1's block 7 (held nowhere): n = 7 needs its blocks 5 (shared) and 6 (disk)
+        assert (lk.start_block, lk.num_blocks, lk.runs) == (0, 7, ())
+        assert group_block_ranges(7, BS, win) == [(0, 7), (5, 7)]
+        assert lk.group_tiers == ((0, (0,) * 7), (5, (1, 0)))
+        items = [[(keys[0][j], ck[0][j], 0) for j in range(7)],
+                 [(keys[1][5], ck[1][5], 1), (keys[1][6], ck[1][6], 0)]]
+        c.request_read_groups("r", items, 0)
+        (ld,) = wait_loads(c)
+        assert ld.ok and ld.payloads == () and ld.num_asked == 9
+        assert [[int(np.frombuffer(v, np.float32)[0]) for v in p] for p in ld.group_payloads] == \
+            [list(range(7)), [15, 16]]
+        assert ld.by_tier == (("DISK", 8), ("SHARED", 1))
+        bad = [list(items[0]), [(keys[1][5], ck[1][5] ^ 1, 1), items[1][1]]]  # another prefix's check digest
+        c.request_read_groups("r2", bad, 0)
+        (ld,) = wait_loads(c)
+        assert not ld.ok and [len(p) for p in ld.group_payloads] == [7, 0]
+        with pytest.raises(InvalidArgumentError):
+            c.request_read_groups("x", items[:1], 0)  # one list per group
+        with pytest.raises(InvalidArgumentError):
+            c.request_read("x", keys[0][:2], ((0, 2),), None)  # the one-table calls are refused
+        with pytest.raises(InvalidArgumentError):
+            c.request_load("x", toks, None, 0)
+        with pytest.raises(InvalidArgumentError):  # a tier's stores must be its groups', on one backend
+            TierConnector([("DISK", (disk[1], disk[0]))], BS)
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_kv_cache_groups_lookup_is_the_longest_load_every_group_can_serve(seed):
+    """Random holdings of two tiers x three groups (full, windows of 2 and 3 blocks + 1 token), random hits: the
+    grouped lookup's n is the largest one (brute force) whose every group holds, in some tier, each block past the
+    hit that group_block_ranges says a load of n needs, and each block's tier is the first tier holding it."""
+    import random
+
+    from pagedkv.tiers.connector import group_block_ranges
+
+    rng = random.Random(seed)
+    win = (None, 2 * BS, 3 * BS + 1)
+    mems = [_Memory(), _Memory()]
+    stores = [tuple(BlockStore(m, FP.for_group(g), PB) for g in range(3)) for m in mems]
+    c = TierConnector([("DISK", stores[0]), ("SHARED", stores[1])], BS, chain_names=True)
+    try:
+        for trial in range(25):
+            nb = rng.randrange(1, 12)
+            toks = tokens(nb, seed=1000 * trial)
+            keys = [pagedkv.block_hashes(toks[:nb * BS], BS, None, g) for g in range(3)]
+            held = {}  # (tier, group, block)
+            for t in range(2):
+                for g in range(3):
+                    for j in range(nb):
+                        if rng.random() < 0.75:
+                            held[(t, g, j)] = True
+                            stores[t][g].put_many([keys[g][j]], [payload(j)], None, [0])
+            hit = rng.randrange(nb)
+            assert c.request_lookup(("r", trial), toks, None, hit, keys=keys, windows=win)
+            (lk,) = wait_loads(c)
+
+            def servable(n):
+                return all(any((t, g, j) in held for t in range(2))
+                           for g, (a, z) in enumerate(group_block_ranges(n, BS, win)) for j in range(max(a, hit), z))
+
+            want = max(n for n in range(hit, nb + 1) if servable(n))
+            assert lk.start_block + lk.num_blocks == want, (trial, hit, nb)
+            if want > hit:
+                for g, (first, tiers) in enumerate(lk.group_tiers):
+                    a, z = group_block_ranges(want, BS, win)[g]
+                    assert first == max(a, hit) and len(tiers) == z - first
+                    assert list(tiers) == [0 if (0, g, j) in held else 1 for j in range(first, z)]
+            for m in mems:
+                m.d.clear()
+    finally:
+        c.close()

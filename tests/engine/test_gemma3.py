@@ -6,7 +6,9 @@ CI runs a representative subset of the reference cases (:data:`CI_CASES`: the ca
 more than 512 tokens back, which only the full-attention layers can see, and a multiplication table longer than the
 window; :data:`CI_PREEMPTION_CASES` for the preemption tests; chunked prefill with its budget, a rerun and a
 preemption in the middle of a prefill, by recompute in CI, by swap too with ``PAGEDKV_GEMMA3_FULL=1``); ``PAGEDKV_GEMMA3_FULL=1`` runs every case in every configuration (a few minutes on 2 cores), and the CLI
-with ``--model gemma-3-270m``.
+with ``--model gemma-3-270m``. The storage tiers on the KV cache groups (:data:`TIER_CASES`): the disk tier after an
+LLM restart and after a server restart, a shared directory and Redis between two replicas, corrupt values refused and
+computed; each counts the blocks every group loaded (a sliding group only its window's).
 """
 
 from __future__ import annotations
@@ -508,24 +510,162 @@ def test_gguf_layout_facts_decide_the_reference(gemma, reference):
     assert first_token(permuted) != c["gen_ids"][0]
 
 
-def test_disk_tier_after_a_restart_one_table_and_groups_refused(gemma, cases, tmp_path):
-    """The disk KV tier (docs/tiers.md): with one block table (every layer's KV in a block's payload) a restarted
-    LLM over the same directory loads every full prompt block and still gives the reference; with KV cache groups
-    the tiers are refused with a clear error (a sliding group's window-only blocks are not there yet)."""
-    from pagedkv.errors import InvalidArgumentError
+#: the storage-tier tests: case 4 (423 tokens, inside the 512-token window: a load reserves every position) and case
+#: 5 (783 tokens: a load of its 48 blocks is cut to the windows, each sliding group reading blocks 16-47 only)
+TIER_CASES = (4, 5)
 
-    with pytest.raises(InvalidArgumentError, match="KV cache groups"):
-        make_llm(gemma, num_gpu_blocks=64, kv_disk_dir=tmp_path / "g", kv_disk_gib=0.1)
-    n = sum(blocks(len(c["prompt_ids"]) + c["max_tokens"]) for c in cases) * 2
+
+def _tier_cases(reference):
+    return [reference["cases"][i] for i in TIER_CASES]
+
+
+def _loadable(c):
+    return (len(c["prompt_ids"]) - 1) // BLOCK  # what a tier can serve: the last token is always computed
+
+
+def _group_loads(llm, cases):
+    """Per KV cache group, the blocks a load of each case's loadable blocks reads (group_block_ranges)."""
+    from pagedkv.tiers.connector import group_block_ranges
+
+    windows = [getattr(g, "window", None) for g in llm.kv_cache_groups]
+    out = [0] * len(windows)
+    for c in cases:
+        for g, (a, z) in enumerate(group_block_ranges(_loadable(c), BLOCK, windows)):
+            out[g] += z - a
+    return out
+
+
+def _assert_all_loaded(llm, outs, cases):
+    """The reference tokens, every loadable block loaded (nothing computed for it), and each group read exactly
+    what group_block_ranges says (a sliding group only its window's blocks)."""
+    assert gen(outs) == [c["gen_ids"] for c in cases]
+    full = [_loadable(c) * BLOCK for c in cases]
+    assert [o.num_cached_tokens for o in outs] == full
+    st = llm.scheduler.stats
+    assert st.external_tokens == sum(full) and st.cached_tokens == 0
+    assert st.computed_prefill_tokens == sum(len(c["prompt_ids"]) for c in cases) - sum(full)
+    want = _group_loads(llm, cases)
+    assert llm.kv_tiers.group_loaded_blocks == want
+    assert want[0] == sum(_loadable(c) for c in cases) and all(0 < w < want[0] for w in want[1:])
+    assert llm.kv_tiers.stats["loads_failed"] == 0
+    llm.block_manager.check_invariants()
+
+
+def test_disk_tier_after_a_restart_with_kv_cache_groups(gemma, reference, tmp_path):
+    """The disk KV tier (docs/tiers.md#kv-cache-groups): Gemma 3 on its KV cache groups stores each group's blocks
+    under its own fingerprint; a restarted LLM over the same directory loads, per group, the blocks a load needs
+    (case 5: the full-attention group its 48 blocks, each sliding group the 32 its window sees), computes only
+    the last token's block, and gives the reference. With one block table (every layer's KV per block) too."""
+    cases = _tier_cases(reference)
+    n = sum(blocks(len(c["prompt_ids"]) + c["max_tokens"]) for c in cases) * 8
+    for restart in (False, True):
+        with make_llm(gemma, num_gpu_blocks=n, kv_disk_dir=tmp_path / "g", kv_disk_gib=0.2) as llm:
+            assert llm.kv_cache_groups is not None
+            outs = run(llm, cases)
+            if not restart:
+                assert gen(outs) == [c["gen_ids"] for c in cases]
+                llm.kv_tiers.connector.flush(60)
+                puts = [s.stats.puts for s in llm.kv_tiers.connector.group_stores()[0]]
+                assert all(p >= sum(_loadable(c) for c in cases) for p in puts)  # every group stored
+            else:
+                _assert_all_loaded(llm, outs, cases)
     for restart in (False, True):
         with make_llm(gemma, kv_cache_groups=False, num_gpu_blocks=n, kv_disk_dir=tmp_path / "d",
                       kv_disk_gib=0.2) as llm:
             outs = run(llm, cases)
             assert gen(outs) == [c["gen_ids"] for c in cases]
-            full = [(len(c["prompt_ids"]) - 1) // BLOCK * BLOCK for c in cases]
+            full = [_loadable(c) * BLOCK for c in cases]
             assert [o.num_cached_tokens for o in outs] == (full if restart else [0] * len(cases))
             assert llm.scheduler.stats.external_tokens == (sum(full) if restart else 0)
             llm.block_manager.check_invariants()
+
+
+def _flip(root, name, at=1000):
+    from pagedkv.tiers import _files
+
+    with open(_files.value_path(str(root), name), "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def test_shared_tier_between_replicas_with_kv_cache_groups_and_a_corrupt_value(gemma, reference, tmp_path):
+    """A shared directory tier (``kv_shared="file:///..."``) written by replica A, read by replica B (both open at
+    once): B loads every group's needed blocks and gives the reference. Then one byte flipped in two values: case
+    4's full-attention block 10 (a load that reserves every position: the first 10 blocks are used, the rest
+    computed) and case 5's sliding group 2 block 20 (a load cut to the windows: no shorter end is usable, so the
+    request is queued again and computed, ``requeued_window_loads``): both refused and counted as corrupt, the
+    output of replica C still the reference."""
+    import pagedkv
+
+    cases = _tier_cases(reference)
+    root = tmp_path / "shared"
+    url = f"file://{root}"
+    n = sum(blocks(len(c["prompt_ids"]) + c["max_tokens"]) for c in cases) * 8
+    with make_llm(gemma, num_gpu_blocks=n, kv_shared=url) as a, make_llm(gemma, num_gpu_blocks=n, kv_shared=url) as b:
+        assert gen(run(a, cases)) == [c["gen_ids"] for c in cases]
+        a.kv_tiers.connector.flush(60)
+        _assert_all_loaded(b, run(b, cases), cases)
+        assert [c.medium for c in b.kv_tiers.connector.counters()] == ["SHARED"]
+        stores = b.kv_tiers.connector.group_stores()[0]
+    c4, c5 = cases
+    _flip(root, stores[0].names(pagedkv.block_hashes(c4["prompt_ids"][:11 * BLOCK], BLOCK))[10])
+    _flip(root, stores[2].names(pagedkv.block_hashes(c5["prompt_ids"][:21 * BLOCK], BLOCK, None, 2))[20])
+    with make_llm(gemma, num_gpu_blocks=n, kv_shared=url) as c:
+        outs = run(c, cases)
+        assert gen(outs) == [x["gen_ids"] for x in cases]  # never served: computed
+        assert [o.num_cached_tokens for o in outs] == [10 * BLOCK, 0]
+        st = c.scheduler.stats
+        assert st.external_tokens == 10 * BLOCK and st.requeued_window_loads == 1
+        assert c.kv_tiers.stats["loads_failed"] == 2
+        assert sum(s.stats.corrupt for s in c.kv_tiers.connector.group_stores()[0]) == 2
+        assert c.kv_tiers.group_loaded_blocks == [10] + [10] * (len(c.kv_cache_groups) - 1)
+        c.block_manager.check_invariants()
+
+
+def test_redis_tier_between_replicas_with_kv_cache_groups(gemma, reference, redis_url):
+    """The shared tier on Redis: case 5 computed by replica A, loaded by replica B (a sliding group only its
+    window's 32 blocks), the reference tokens."""
+    cases = [reference["cases"][5]]
+    n = blocks(len(cases[0]["prompt_ids"]) + 24) * 8
+    with make_llm(gemma, num_gpu_blocks=n, kv_shared=redis_url) as a:
+        assert gen(run(a, cases)) == [c["gen_ids"] for c in cases]
+        a.kv_tiers.connector.flush(60)
+    with make_llm(gemma, num_gpu_blocks=n, kv_shared=redis_url) as b:
+        _assert_all_loaded(b, run(b, cases), cases)
+        assert b.kv_tiers.group_loaded_blocks[1] == 32
+
+
+def test_server_restarted_over_its_disk_tier_with_kv_cache_groups(gemma, reference, tmp_path):
+    """``pagedkv serve``'s server over Gemma 3 on its KV cache groups with a disk tier: it answers case 4's prompt
+    (token ids) with the reference tokens, stops; a new server over the same directory answers it again from
+    every group's loaded blocks, the same text."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from pagedkv.server.launch import make_server
+
+    c = reference["cases"][4]
+    texts = []
+    for i in range(2):
+        llm = make_llm(gemma, num_gpu_blocks=400, kv_disk_dir=tmp_path, kv_disk_gib=0.1)
+        srv = make_server(llm, model_name="m", max_waiting=8).start_in_thread()
+        try:
+            r = httpx.post(srv.url + "/v1/completions", json={"model": "m", "prompt": c["prompt_ids"], "max_tokens": 8,
+                                                              "temperature": 0, "ignore_eos": True}, timeout=300)
+            assert r.status_code == 200, r.text
+            texts.append(r.json()["choices"][0]["text"])
+        finally:
+            srv.close()
+            llm.close()
+        tiers = getattr(llm.kv_tiers, "inner", None) or llm.kv_tiers  # (the server wraps them in its KV port)
+        loaded = llm.scheduler.stats.external_tokens
+        assert loaded == (_loadable(c) * BLOCK if i else 0)
+        assert tiers.group_loaded_blocks == ([_loadable(c)] * len(llm.kv_cache_groups) if i
+                                             else [0] * len(llm.kv_cache_groups))
+    assert texts[0] == texts[1] and texts[0]
+
+
 def test_retention_with_kv_cache_groups_pins_priorities_and_a_policy(gemma, reference):
     """Gemma 3 on KV cache groups with an eviction policy, priority scheduling and a pin (issue 23 item 4): the pin
     (through LLM.pin_prefix) holds the full-attention group's blocks and each sliding group's last window of the

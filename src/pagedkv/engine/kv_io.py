@@ -22,8 +22,10 @@ grouped transfer go **position by position** (:func:`group_transfer_order`: bloc
 then block 1, ...), so a transfer cut short keeps the longest usable prefix (:func:`usable_blocks`).
 :func:`group_hold_block_ids` reads the blocks of that order from a holder's per-group tables;
 :func:`write_external_groups` writes them into a loading request's per-group tables (positions a cut sliding
-group holds as NULL_BLOCK are skipped). The storage tiers may reuse these helpers (the names of group ``g``'s
-blocks: ``pagedkv.block_hashes(..., group=g)`` keys with ``model_fingerprint(..., group=g)``).
+group holds as NULL_BLOCK are skipped). The storage tiers store group ``g``'s blocks under
+``pagedkv.block_hashes(..., group=g)`` keys with ``model_fingerprint(...).for_group(g)`` and load only what
+:func:`group_block_ranges` (defined torch-free in :mod:`pagedkv.tiers.connector`, re-exported here) says
+(:mod:`pagedkv.engine.kv_tiers`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import numpy as np
 import torch
 import xxhash
 
+from ..tiers.connector import group_block_ranges
 from ..tiers.key import ModelFingerprint
 
 __all__ = ["kv_layout", "model_fingerprint", "payload_bytes", "read_blocks", "weights_digest", "write_blocks",
@@ -154,15 +157,6 @@ def write_external(plan: Any, kv_cache: torch.Tensor, pending: dict, block_size:
 
 
 # ------------------------------------------------------------------------------------------ KV cache groups
-def group_block_ranges(num_blocks: int, block_size: int, windows: Sequence[int | None]) -> list[tuple[int, int]]:
-    """Per KV cache group (``windows[g]``: None for full attention, else the sliding window in tokens), the prompt
-    blocks ``[a, num_blocks)`` whose KV a load of the prompt's first ``num_blocks`` blocks needs: ``a = 0`` for
-    full attention, ``(P - W + 1) // block_size`` (at least 0) for a window W, with ``P = num_blocks x
-    block_size``. O(groups)."""
-    p = num_blocks * block_size
-    return [(0 if w is None else min(num_blocks, max(0, p - w + 1) // block_size), num_blocks) for w in windows]
-
-
 def group_transfer_order(num_blocks: int, block_size: int, windows: Sequence[int | None]) -> list[tuple[int, int]]:
     """The ``(group, block)`` pairs of a grouped transfer of ``num_blocks`` prompt blocks, in wire order:
     position by position, groups in index order at each position (see the module docstring).

@@ -22,6 +22,13 @@ One object per engine, used by the step loop only::
                      pinned blocks copied out (the snapshot) and handed to the connector, which writes them to
                      every tier; the plan completes when the connector reports the write
 
+**KV cache groups** (Gemma 3 on a HybridBlockManager, ``windows=``; docs/tiers.md#kv-cache-groups): each tier holds
+one store per group (group ``g``'s fingerprint and check digests, its layers' bytes); on_add hashes every group's
+chain keys once (remembered with their group and check digest for the store plans, handed to the lookup); the
+lookup finds the longest run every group can serve (a sliding group only its window's blocks); the scheduler
+reserves window-only (``external_window_only``) and each group's read fills its reserved blocks. A short read of
+a load cut to the windows has no usable part: it is reported with nothing arrived and the scheduler computes it.
+
 Nothing here waits on I/O: the connector's threads do the lookups, reads and writes; the step loop copies bytes
 between host buffers and the KV cache only. A load's blocks are written only after the copy plan of the step that
 reserved them has run (poll comes before the next step's schedule): docs/external-kv.md's rule.
@@ -122,15 +129,21 @@ class EngineTiers:
         fingerprint: the blocks' :class:`~pagedkv.tiers.ModelFingerprint` (None: from ``model`` and the cache).
         cpu_kv_cache: the engine's CPU KV cache (with a CPU tier under ``store_policy="write_back"`` the store
             plans name CPU blocks: the blocks next to leave the CPU pool).
+        windows: KV cache groups (a :class:`pagedkv.HybridBlockManager`): per group its sliding window in tokens,
+            None for full attention; each tier then holds one store per group, on one backend, under group
+            ``g``'s fingerprint (``fingerprint.for_group(g)``). None: one table (every layer per block).
     """
 
     def __init__(self, model: Any, kv_cache: Any, block_size: int, *, disk_dir: Any = None,
                  disk_gib: float | None = None, shared: str | None = None,
                  max_load_ms_per_block: float | None, block_manager: Any = None, io_threads: int = 2,
                  load_timeout_s: float = 30.0, record_events: bool = True, fingerprint: Any = None,
-                 cpu_kv_cache: Any = None) -> None:
+                 cpu_kv_cache: Any = None, windows: Any = None) -> None:
         fp = fingerprint if fingerprint is not None else model_fingerprint(model, kv_cache)
         nbytes = payload_bytes(kv_cache)
+        #: per KV cache group its sliding window (None: full attention); None without KV cache groups
+        self.windows = None if windows is None else tuple(windows)
+        fps = [fp] if windows is None else [fp.for_group(g) for g in range(len(self.windows))]
         tiers = []
         try:
             if disk_dir is not None:
@@ -141,13 +154,15 @@ class EngineTiers:
                 cap = int(disk_gib * 2**30)
                 if cap < nbytes:
                     raise InvalidArgumentError(f"kv_disk_gib={disk_gib} holds no block of {nbytes} bytes")
-                tiers.append((MEDIUM_DISK, BlockStore(DiskBackend(disk_dir, cap), fp, nbytes,
-                                                      track_removals=record_events)))
+                disk = DiskBackend(disk_dir, cap)
+                tiers.append((MEDIUM_DISK, tuple(BlockStore(disk, f, nbytes, track_removals=record_events)
+                                                 for f in fps)))
             if shared is not None:
-                tiers.append((MEDIUM_SHARED, BlockStore(open_shared_backend(shared), fp, nbytes)))
+                be = open_shared_backend(shared)
+                tiers.append((MEDIUM_SHARED, tuple(BlockStore(be, f, nbytes) for f in fps)))
         except BaseException:
             for _, st in tiers:
-                st.close()
+                st[0].close()  # (the backend, once)
             raise
         self.fingerprint = fp
         self.block_size = int(block_size)
@@ -170,7 +185,8 @@ class EngineTiers:
         self._given_up: set = set()  # reads past their timeout: their result is dropped when it comes
         # chain keys this engine loaded from the tiers (not written back by a store plan), oldest first, bounded
         self._loaded_keys: dict = {}
-        # chain key -> check digest of the prompt blocks of the requests added (store plans name blocks by key only)
+        # chain key -> check digest of the prompt blocks of the requests added (store plans name blocks by key only;
+        # with KV cache groups every group's keys: they differ, each group's chain starting from a root of its own)
         self._checks: dict = {}
         # sequence id -> (index, chain key) of the last block it filled; request id -> the same for its prompt's
         # last full block (on_blocks_filled chains the next block from there), each bounded by _MAX_TAILS
@@ -183,6 +199,10 @@ class EngineTiers:
         self._loading_keys: dict = {}
         self._loading: dict = {}  # request id -> the chain keys of its pending load's run
         self._waiters: dict = {}
+        # (KV cache groups) chain key -> its group, for the same keys (a store plan names blocks of every group)
+        self._check_group: dict = {}
+        #: (KV cache groups) blocks loaded from the tiers into each group
+        self.group_loaded_blocks = [0] * (1 if self.windows is None else len(self.windows))
         self.stats = {"loads": 0, "loads_failed": 0, "loads_timed_out": 0, "loaded_blocks": 0,
                       "written_blocks": 0, "stored_blocks": 0, "stores_failed": 0, "loads_aborted": 0,
                       "store_skipped_loaded": 0, "store_skipped_unchecked": 0, "loads_deferred": 0}
@@ -190,20 +210,32 @@ class EngineTiers:
     # --------------------------------------------------------------------------------------- requests
 
     def on_add(self, request_id: Any, token_ids: Any, namespace: Any, block_manager: Any) -> bool:
-        """Start the tier lookup of a new request; True when it must wait for it (``wait_for_kv``)."""
+        """Start the tier lookup of a new request; True when it must wait for it (``wait_for_kv``). The prompt's
+        chain keys and check digests (every group's, with KV cache groups) are computed here once: remembered
+        for the store plans and handed to the lookup. O(prompt x groups) (a BLAKE2b call per block, ~1 us)."""
         kw = {} if namespace is None else {"namespace": namespace}
         hit = block_manager.lookup_prefix(token_ids, **kw).num_cached_blocks
         bs = self.block_size
         full = list(token_ids[: len(token_ids) // bs * bs])
-        checks = check_digests(full, bs, namespace)  # (O(prompt): a BLAKE2b call per block, ~1 us)
         cd = self._checks
-        keys = block_hashes(full, bs, namespace)
-        cd.update(zip(keys, checks))
-        while len(cd) > _MAX_CHECK_KEYS:
+        if self.windows is None:
+            keys = block_hashes(full, bs, namespace)
+            cd.update(zip(keys, check_digests(full, bs, namespace)))
+        else:
+            keys = [block_hashes(full, bs, namespace, g) for g in range(len(self.windows))]
+            cg = self._check_group
+            for g, kg in enumerate(keys):
+                cd.update(zip(kg, check_digests(full, bs, namespace, group=g)))
+                cg.update(dict.fromkeys(kg, g))
+            while len(cg) > _MAX_CHECK_KEYS * len(self.windows):
+                del cg[next(iter(cg))]
+        while len(cd) > _MAX_CHECK_KEYS * len(self.group_loaded_blocks):
             del cd[next(iter(cd))]
-        if keys:
-            _remember(self._prompt_tails, request_id, (len(keys) - 1, keys[-1]))
-        if not self.connector.request_lookup(request_id, token_ids, namespace, int(hit)):
+        k0 = keys if self.windows is None else keys[0]  # (group 0's chain: full attention)
+        if k0:
+            _remember(self._prompt_tails, request_id, (len(k0) - 1, k0[-1]))
+        if not self.connector.request_lookup(request_id, token_ids, namespace, int(hit), keys=keys,
+                                             windows=self.windows):
             return False
         self._keys_of[request_id] = keys
         self._lookups[request_id] = time.monotonic()
@@ -247,6 +279,8 @@ class EngineTiers:
         keys = self._keys_of.pop(rid, None)
         if not r.num_blocks:
             return int(bool(scheduler.kv_ready(rid, 0, 0)))
+        if keys is not None and self.windows is not None:
+            keys = keys[0]  # (KV cache groups: group 0's chain names the run)
         run = keys[r.start_block:r.start_block + r.num_blocks] if keys is not None else []
         owner = self._loading_keys.get(run[0]) if run else None
         if owner is not None and owner != rid:
@@ -255,7 +289,7 @@ class EngineTiers:
             return 0
         ok = scheduler.kv_ready(rid, r.start_block * self.block_size, r.num_blocks * self.block_size, reserve=True)
         if ok:
-            self._runs[rid] = (r.start_block, r.runs)
+            self._runs[rid] = (r.start_block, _runs_of(r))
             if run:
                 self._loading[rid] = run
                 for k in run:
@@ -279,7 +313,7 @@ class EngineTiers:
                 if scheduler.has_request(r.request_id):  # (its run as looked up: admission finds the hit again)
                     ok = scheduler.kv_ready(r.request_id, r.start_block * bs, r.num_blocks * bs, reserve=True)
                     if ok:
-                        self._runs[r.request_id] = (r.start_block, r.runs)
+                        self._runs[r.request_id] = (r.start_block, _runs_of(r))
                     n += int(bool(ok))
         return n
 
@@ -295,18 +329,58 @@ class EngineTiers:
             self.stats["loads_aborted"] += 1
             scheduler.kv_loaded(rid)
             return
+        if r.group_payloads is not None:
+            self._group_read_done(r, load, scheduler)
+            return
         k = min(len(r.payloads), len(load.block_ids))
         if k:
             write_blocks(self._kv, load.block_ids[:k], r.payloads[:k])
-            lk = self._loaded_keys
-            lk.update(dict.fromkeys(load.keys[:k]))
-            while len(lk) > _MAX_LOADED_KEYS:
-                del lk[next(iter(lk))]
+            self._remember_loaded(load.keys[:k])
+            self.group_loaded_blocks[0] += k
             self.stats["written_blocks"] += k
             self.stats["loaded_blocks"] += k
         if k < len(load.block_ids):
             self.stats["loads_failed"] += 1
         scheduler.kv_loaded(rid, None if k == len(load.block_ids) else k * self.block_size)
+
+    def _group_read_done(self, r: Any, load: Any, scheduler: Any) -> None:
+        """A grouped read arrived (each group's good leading payloads of the blocks its reservation holds). Whole:
+        every group's blocks written, the load done. Short, when the reservation holds every position (no
+        window cut it: a prompt shorter than the windows): the blocks every group got, up to the first missing
+        one, written and reported. Short and cut to the windows (``external_window_only``): nothing is usable
+        (a load ending at ``m < n`` needs window blocks before the first one read, since a window's first
+        block grows by one with each block: ``kv_io.usable_blocks``), so nothing is written and ``kv_loaded(rid,
+        0)`` lets the scheduler free the reservation and compute the prompt (``requeued_window_loads``).
+        O(blocks x groups) plus the written bytes."""
+        bs = self.block_size
+        s = load.start_token // bs
+        n = s + load.num_tokens // bs
+        got = r.group_payloads
+        m = n
+        if not r.ok:
+            self.stats["loads_failed"] += 1
+            cut = any(b < 0 for ids in load.group_block_ids for b in ids)
+            m = s if cut else s + min(len(p) for p in got)
+        ids, payloads, keys = [], [], []
+        if m > s:
+            for g, (gids, gkeys) in enumerate(zip(load.group_block_ids, load.group_keys)):
+                pos = [i for i, b in enumerate(gids) if b >= 0 and s + i < m]
+                ids += [gids[i] for i in pos]
+                keys += [gkeys[i] for i in pos]
+                payloads += got[g][: len(pos)]
+                self.group_loaded_blocks[g] += len(pos)
+        if ids:
+            write_blocks(self._kv, ids, payloads)
+            self._remember_loaded(keys)
+            self.stats["written_blocks"] += len(ids)
+            self.stats["loaded_blocks"] += len(ids)
+        scheduler.kv_loaded(r.request_id, None if m == n else (m - s) * bs)
+
+    def _remember_loaded(self, keys: Any) -> None:
+        lk = self._loaded_keys
+        lk.update(dict.fromkeys(keys))
+        while len(lk) > _MAX_LOADED_KEYS:
+            del lk[next(iter(lk))]
 
     def _expire(self, scheduler: Any) -> None:
         now = time.monotonic()
@@ -334,6 +408,9 @@ class EngineTiers:
         each from the tiers its lookup found, from its reserved range's first block on. O(loads) here."""
         bs = self.block_size
         for kl in kv_loads:
+            if self.windows is not None:
+                self._start_group_read(kl)
+                continue
             ext = kl.load
             start, runs = self._runs.pop(kl.request_id, (0, ()))
             skip = ext.start_token // bs - start  # (the hit may have grown since the lookup)
@@ -355,6 +432,33 @@ class EngineTiers:
             self._reads[kl.request_id] = time.monotonic()
             checks = [0 if c is None else c for c in checks]
             self.connector.request_read(kl.request_id, ext.keys, clipped, None, ext.start_token // bs, checks)
+
+    def _start_group_read(self, kl: Any) -> None:
+        """:meth:`start_loads` of one request with KV cache groups: each group's reserved positions (NULL_BLOCK
+        where a sliding group's window no longer sees them) read from the tier its lookup found, with the
+        check digests remembered at its add (a block without one, or that no tier holds, ends its group's
+        read there). O(blocks x groups)."""
+        ext = kl.load
+        bs = self.block_size
+        s = ext.start_token // bs
+        _, gt = self._runs.pop(kl.request_id, (0, None))
+        cd = self._checks
+        items = []
+        for g, ids in enumerate(ext.group_block_ids):
+            first, tiers = gt[g] if gt is not None else (0, ())
+            mine = []
+            for i, b in enumerate(ids):
+                if b < 0:
+                    continue
+                j = s + i
+                key = ext.group_keys[g][i]
+                c = cd.get(key)
+                t = tiers[j - first] if first <= j < first + len(tiers) and c is not None else -1
+                mine.append((key, 0 if c is None else c, t))
+            items.append(mine)
+        self._reading[kl.request_id] = ext
+        self._reads[kl.request_id] = time.monotonic()
+        self.connector.request_read_groups(kl.request_id, items, s)
 
     def forget(self, request_id: Any) -> None:
         """A request was added and failed at once: drop its lookup. O(1). (A request aborted later needs
@@ -382,8 +486,8 @@ class EngineTiers:
         plan stores decode-filled blocks too. O(1) per filled block (the block's tokens, one xxh3 and one BLAKE2b
         call) plus a vectorised pass over the decode's positions; a sequence whose parent is not remembered
         (more than ``_MAX_TAILS`` sequences since) rebuilds its chain once, O(its tokens)."""
-        if self._bm is None or self.store_policy == "none":
-            return
+        if self._bm is None or self.store_policy == "none" or self.windows is not None:
+            return  # (KV cache groups: each group's decode-filled blocks are not chained yet: not stored)
         bs = self.block_size
         fills = []  # (seq_id, block index)
         d = plan.decode
@@ -461,9 +565,18 @@ class EngineTiers:
             self.stats["store_skipped_loaded"] += len(keys) - len(sel)
         cd = self._checks
         checks = [cd.get(keys[i]) for i in sel]
-        if None in checks:  # a block whose check digest is no longer remembered: not stored (a load needs it)
+        groups = None
+        if self.windows is not None:  # (KV cache groups) each key names its group: stored under its fingerprint
+            cg = self._check_group
+            groups = [cg.get(keys[i]) for i in sel]
+            checks = [None if g is None else c for c, g in zip(checks, groups)]
+        if None in checks:  # a block whose check digest is not known (no longer remembered, or a decode-filled
+            # block with KV cache groups): not stored (a load needs it)
             n = len(sel)
-            sel, checks = [i for i, c in zip(sel, checks) if c is not None], [c for c in checks if c is not None]
+            keep = [x for x, c in enumerate(checks) if c is not None]
+            sel, checks = [sel[x] for x in keep], [checks[x] for x in keep]
+            if groups is not None:
+                groups = [groups[x] for x in keep]
             self.stats["store_skipped_unchecked"] += n - len(sel)
         if not sel:
             bm.complete_store(sp.store_id, True)
@@ -473,7 +586,7 @@ class EngineTiers:
         payloads = read_blocks(src, [ids[i] for i in sel])
         if self.connector.store([keys[i] for i in sel], payloads, None, store_id=sp.store_id, chained=False,
                                 checks=checks, token_ids=None if toks is None else toks[list(sel)].reshape(-1).tolist(),
-                                parents=None if parents is None else [parents[i] for i in sel]):
+                                parents=None if parents is None else [parents[i] for i in sel], groups=groups):
             self.stats["stored_blocks"] += len(keys)
         else:  # (closed) the plan ends at once, its blocks unpinned
             bm.complete_store(sp.store_id, False)
@@ -484,8 +597,9 @@ class EngineTiers:
         """Counters for metrics: per tier (``TierCounters`` plus its ``BlockStore.stats``), the load-latency
         histogram, and the engine's own counts."""
         c = self.connector
-        return {"tiers": c.counters(), "store_stats": tuple(s.stats for s in c.stores()),
-                "latency": (c.latency.buckets,) + c.latency.snapshot(), "engine": dict(self.stats)}
+        return {"tiers": c.counters(), "store_stats": tuple(_sum_stats(g) for g in c.group_stores()),
+                "latency": (c.latency.buckets,) + c.latency.snapshot(), "engine": dict(self.stats),
+                "group_loaded_blocks": tuple(self.group_loaded_blocks)}
 
     def take_events(self) -> list:
         return self.connector.take_events()
@@ -499,9 +613,22 @@ class EngineTiers:
                 self._bm.complete_store(sid, ok)
 
 
+def _runs_of(r: Any) -> Any:
+    """A lookup's runs as its read takes them: per tier, or per group and tier with KV cache groups."""
+    return r.runs if getattr(r, "group_tiers", None) is None else r.group_tiers
+
+
 def _remember(d: dict, k: Any, v: Any) -> None:
     """``d[k] = v`` as its newest entry, the oldest dropped past ``_MAX_TAILS``. O(1)."""
     d.pop(k, None)
     d[k] = v
     if len(d) > _MAX_TAILS:
         del d[next(iter(d))]
+
+
+def _sum_stats(stores: Any) -> Any:
+    """One tier's ``TierStats``: its stores' (one per KV cache group) summed field by field."""
+    st = [s.stats for s in stores]
+    if len(st) == 1:
+        return st[0]
+    return type(st[0])(*(sum(x) for x in zip(*st)))

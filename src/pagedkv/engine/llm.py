@@ -181,9 +181,10 @@ class LLM:
     how many blocks they hold (an I/O thread), is then admitted with GPU blocks reserved for them
     (``allocate(..., num_external_tokens=)``; out of every batch while they are read on an I/O thread and
     written in), and its prefill computes the rest (``PrefillWork.num_external_tokens``: the loaded tokens); a
-    failed, corrupt or timed-out load computes what did not arrive. Models with
-    KV cache groups (Gemma 3 with ``kv_cache_groups=True``) and ``sliding_window`` refuse tiers
-    (``InvalidArgumentError``). Call :meth:`close` (or use ``with LLM(...) as llm``) to finish the stores.
+    failed, corrupt or timed-out load computes what did not arrive. With KV cache groups (Gemma 3's default) each
+    group's blocks are stored under its own fingerprint, and a sliding group stores and loads only the blocks
+    its window still sees (docs/tiers.md#kv-cache-groups). ``sliding_window`` (one table whose window releases
+    blocks) refuses tiers (``InvalidArgumentError``). Call :meth:`close` (or use ``with LLM(...) as llm``) to finish the stores.
         scheduling_policy: ``"fcfs"`` (default) or ``"priority"`` (vLLM's: admission by (priority, arrival),
             preemption of the largest first; :meth:`generate`'s ``priority``).
         eviction_policy: the prefix cache's eviction order, ``"lru"`` (default), ``"slru"``, ``"session"``,
@@ -302,7 +303,7 @@ class LLM:
         common.update(eviction_policy=eviction_policy, pin_budget_blocks=pin_budget_blocks)
         store_policy, store_min_hits = parse_store_policy(kv_store)
         tiered = kv_disk_dir is not None or kv_shared is not None
-        if tiered and not grouped and enable_prefix_caching and store_policy != "none":
+        if tiered and enable_prefix_caching and store_policy != "none" and (grouped or sliding_window is None):
             common.update(store_policy=store_policy, store_min_hits=store_min_hits)
         if grouped:
             self.block_manager = HybridBlockManager(num_gpu_blocks, block_size, kv_cache_groups=self.kv_cache_groups,
@@ -339,10 +340,6 @@ class LLM:
         #: the storage tiers (kv_disk_dir, kv_shared), or None
         self.kv_tiers: EngineTiers | None = None
         if kv_disk_dir is not None or kv_shared is not None:
-            if grouped:
-                raise InvalidArgumentError(
-                    "the disk and shared KV tiers are not available with KV cache groups yet (Gemma 3's "
-                    "HybridBlockManager): pass kv_cache_groups=False (one block table; every layer's KV stored)")
             if not enable_prefix_caching:
                 raise InvalidArgumentError("the disk and shared KV tiers need enable_prefix_caching=True")
             if sliding_window is not None:
@@ -351,9 +348,14 @@ class LLM:
                                         disk_gib=kv_disk_gib, shared=kv_shared,
                                         max_load_ms_per_block=kv_load_max_ms_per_block,
                                         block_manager=self.block_manager, record_events=enable_kv_events,
-                                        cpu_kv_cache=self.cpu_kv_cache)
+                                        cpu_kv_cache=self.cpu_kv_cache,
+                                        windows=None if not grouped else
+                                        tuple(getattr(g, "window", None) for g in self.kv_cache_groups))
         elif kv_disk_gib is not None:
             raise InvalidArgumentError("kv_disk_gib needs kv_disk_dir")
+        # the engine's own tiers (a KV port may wrap llm.kv_tiers later; the decode-filled blocks' check digests
+        # go to these)
+        self._own_tiers = self.kv_tiers
 
     def close(self) -> None:
         """Finish the storage tiers' stores in flight and close them (the disk directory may then be opened by

@@ -63,9 +63,10 @@ the KV off the step loop, writes it into the reserved blocks after that step's c
 charged to the step's budget (a failed load's missing blocks and the chunk held since admission may exceed what
 is left of it). ``abort_request`` while FETCHING frees the sequence: the manager parks the arriving blocks until
 the engine reports the transfer ended (``kv_loaded`` of the aborted request); meanwhile a request that does not
-fit waits for them (it is not ignored as never fitting). ``kv_ready(..., reserve=True, window_only=True)`` (the
-P/D split's decode side with KV cache groups) allocates with ``external_window_only``: a load the manager cut to
-the sliding windows completes whole, or, reported short, has its blocks freed and its request computed whole.
+fit waits for them (it is not ignored as never fitting). With KV cache groups every reserved load
+(``kv_ready(..., reserve=True)``: the tiers' and the P/D split's decode side) allocates with
+``external_window_only``: a load the manager cut to the sliding windows completes whole, or, reported short, has
+its blocks freed and its request queued again at the front, computed from its hit.
 
 Sequence ids are ints handed out by the scheduler: a request with ``n`` samples owns the consecutive ids
 ``base .. base + n - 1`` (sample ``i`` is ``base + i``, sample 0 is the parent). A fresh request is prefilled once,

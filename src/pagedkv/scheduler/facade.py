@@ -226,11 +226,13 @@ class Scheduler:
         loads the KV into ``load.block_ids`` and reports it with :meth:`kv_loaded`; the next step prefills the
         rest.
 
-        ``window_only=True`` (with ``reserve``; a manager with KV cache groups, the P/D split's decode side): the
-        allocation is ``external_window_only`` (a sliding group reserves only the blocks its window sees at the
-        run's end: docs/external-kv.md). Such a load completes whole or not at all: a :meth:`kv_loaded` of fewer
-        tokens than reserved (a transfer cut short) frees the request's blocks and puts it back in the waiting
-        queue at its arrival's place, to be computed whole.
+        With KV cache groups (a manager with ``num_groups > 1``) every reserved load is ``external_window_only`` (a
+        sliding group reserves only the blocks its window sees at the run's end: docs/external-kv.md);
+        ``window_only=True`` says so explicitly and changes nothing else (kept for the P/D split's callers). A load
+        cut that way completes whole or not at all: a :meth:`kv_loaded` of fewer tokens than reserved (a transfer
+        cut short) frees the request's blocks and puts it back at the front of the waiting queue, to be computed
+        from its prefix-cache hit (``stats.requeued_window_loads``). A load the windows see whole keeps its good
+        leading blocks, as a plain load.
 
         Returns False, changing nothing, for an unknown request (aborted meanwhile: a documented no-op). Raises
         ``InvalidArgumentError`` (state unchanged) for a request that is not loading, or a bad range. O(waiting)."""

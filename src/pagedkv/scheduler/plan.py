@@ -177,6 +177,9 @@ class SchedulerStats:
     cached_tokens: int = 0  # prefix-cache hits returned by allocate
     external_tokens: int = 0  # prompt tokens past the hit whose KV came from a storage tier (not computed)
     stale_external_loads: int = 0  # loads not used: the hit they continued was evicted before admission
+    # KV cache groups: reserved loads cut to the sliding windows that arrived short: their reservation freed, the
+    # request queued again and computed (no shorter end of such a load is usable; Admitter.requeue_cut)
+    requeued_window_loads: int = 0
     computed_prefill_tokens: int = 0
     prefill_chunks: int = 0  # chunked prefill: chunks scheduled (a prompt prefilled in one step counts one)
     decode_tokens: int = 0

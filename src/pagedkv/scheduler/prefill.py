@@ -86,7 +86,7 @@ class Admitter(Part):
                     if chunked:
                         kw["num_new_tokens"] = cap
                     kw["num_external_tokens"] = extra
-                    if g.window_only and getattr(bm, "num_groups", 1) > 1:
+                    if getattr(bm, "num_groups", 1) > 1:  # a sliding group reserves only its window's blocks
                         kw["external_window_only"] = True
                 else:
                     if chunked:  # the hit plus one chunk, leaving a token of budget for each later sequence
@@ -171,35 +171,17 @@ class Admitter(Part):
         prefills compute. O(reported requests + their blocks)."""
         q = self.q
         rep, q.loaded = q.loaded, {}
-        bm = self.calls.bm
-        # a window-only load (kv_ready(window_only=True)) that the manager cut (a sliding group reserved only its
-        # window's blocks) and that ended short: its sliding groups' earlier blocks exist
-        # nowhere, so it is aborted (its blocks parked, then freed by the finish_external below) and the request
-        # goes back to the waiting queue to be computed whole
-        redo = [s for s, ok in rep.items() if ok is not None and s in q.seqs and q.seqs[s].group.window_only
-                and q.seqs[s].group.fetch is not None and _cut(q.seqs[s].group.fetch)]
-        for sid in redo:
-            g = q.seqs[sid].group
-            self.calls.free(sid, True)
-            rep[sid] = None  # (now parked: finish_external frees its blocks)
-            del q.fetching[g.request_id]
-            g.fetch = None
-            g.reserve = g.window_only = False
-            g.external = None
-            q.num_running_seqs -= g.n
-            for s in g.live:
-                q.row_loads.pop(s.seq_id, None)
-                s.status = WAITING
-                s.num_computed = s.num_pending = 0
-                s.prefill = None
-            g.status = WAITING
-            q.enqueue_by_arrival(g)
-            self.stats.stale_external_loads += 1
         done = [s for s, ok in rep.items() if ok is None]
         failed = {s: ok for s, ok in rep.items() if ok is not None}
+        bm = self.calls.bm
+        cut = [s for s in failed if s in q.seqs and _is_cut(q.seqs[s].group.fetch)]
+        for s in cut:  # (KV cache groups) a short load cut to the windows cannot end partly: queued again
+            del failed[s]
+            self.requeue_cut(s)
+            done.append(s)  # (freed while LOADING: its parked blocks are released by this report)
         got = bm.finish_external(done=done, failed=failed)
-        for sid in redo:
-            got.pop(sid, None)
+        for s in cut:
+            got.pop(s, None)
         computed = 0
         for sid, n in got.items():
             s = q.seqs[sid]
@@ -215,6 +197,24 @@ class Admitter(Part):
             s.status = RUNNING
             q.running[g.arrival] = g
         return computed
+
+    def requeue_cut(self, sid: int) -> None:
+        """A FETCHING request whose reserved load was cut to the sliding windows (``external_window_only``: a
+        sliding group holds only the blocks its window sees at the load's end) and arrived short: no shorter
+        end is usable (its windows would need blocks before the first one reserved), and the manager cannot end
+        such a load partly, so the sequence is freed (its blocks parked until this step's ``finish_external``
+        report) and the request queued again at the front, to be computed from its prefix-cache hit. O(prompt
+        blocks x groups)."""
+        q = self.q
+        g = q.seqs[sid].group
+        del q.fetching[g.request_id]
+        g.fetch = None
+        q.num_running_seqs -= g.n
+        self.calls.free(sid, True)
+        q.to_waiting_front(g)
+        g.reserve = False
+        self.stats.requeued_window_loads += 1
+
     def allocate_loaded(self, bm, seq_id, toks: np.ndarray, cur: int, extra: int, kw: dict) -> tuple:
         """Allocate a prompt whose tokens ``[cur, cur + extra)`` arrived loaded, on a manager with KV cache groups
         (docs/external-kv.md): ``allocate(..., num_external_tokens=extra, external_window_only=True)``, so that
@@ -284,7 +284,6 @@ class Admitter(Part):
         )
 
 
-def _cut(load) -> bool:
-    """Whether an ExternalLoad leaves positions of a group unreserved (NULL_BLOCK: ``external_window_only`` cut
-    a sliding group to its window). O(its blocks)."""
-    return any(b < 0 for ids in load.group_block_ids for b in ids)
+def _is_cut(fetch) -> bool:
+    """Whether a reserved load holds NULL_BLOCK positions in a group (cut to a sliding window). O(blocks)."""
+    return fetch is not None and any(b < 0 for ids in fetch.group_block_ids[1:] for b in ids)

@@ -20,6 +20,16 @@ collects what finished::
                       the blocks the disk tier found, in batches), BlockRemoved (medium "DISK") of the blocks the
                       disk tier evicted or dropped
 
+**KV cache groups** (a hybrid model: each tier holds one ``BlockStore`` per group on one backend, group ``g``'s
+fingerprint; docs/tiers.md#kv-cache-groups)::
+
+    request_lookup(rid, tokens, ns, hit, keys=, windows=) -> LookupDone(..., group_tiers): the longest run every
+                                                  group can serve (a sliding group: its window's blocks only),
+                                                  the tier of each block
+    request_read_groups(rid, items, start) -----> each group's blocks read on its own
+    poll() <-- LoadDone(..., group_payloads)      each group's good leading payloads
+    store(keys, payloads, ns, groups=) ---------> each block to its group's store (one BlockStored per group)
+
 A load is **done** when every block the tiers said they hold came back checked; **failed** when a block they
 said they hold did not (corrupt, cut short, another fingerprint, the store down between the probe and the read):
 ``payloads`` then holds the good leading blocks only and the request computes the rest. A tier that is down
@@ -50,9 +60,9 @@ from .backend import PutStatus
 from .key import check_digests
 from .store import BlockStore
 
-__all__ = ["TierConnector", "LoadDone", "LookupDone", "TierCounters", "LoadLatencyHistogram", "MEDIUM_DISK", "RESTORED_BATCH",
-           "MEDIUM_SHARED",
-           "DEFAULT_MAX_LOAD_MS_PER_BLOCK", "LATENCY_BUCKETS_S"]
+__all__ = ["TierConnector", "LoadDone", "LookupDone", "TierCounters", "LoadLatencyHistogram", "MEDIUM_DISK",
+           "RESTORED_BATCH", "MEDIUM_SHARED",
+           "group_block_ranges", "DEFAULT_MAX_LOAD_MS_PER_BLOCK", "LATENCY_BUCKETS_S"]
 
 log = logging.getLogger("pagedkv.tiers")
 
@@ -80,6 +90,9 @@ class LoadDone(NamedTuple):
     num_asked: int  # blocks the tiers said they hold (len(payloads) <= num_asked; == when ok)
     by_tier: tuple  # (medium, blocks loaded from it) per tier, in lookup order
     seconds: float  # wall time of the lookup and the reads
+    #: KV cache groups (:meth:`TierConnector.request_read_groups`): per group, the good leading payloads of the
+    #: blocks it was asked for (``payloads`` is then empty); None without groups
+    group_payloads: tuple | None = None
 
 
 class LookupDone(NamedTuple):
@@ -92,6 +105,10 @@ class LookupDone(NamedTuple):
     num_blocks: int
     runs: tuple
     seconds: float
+    #: KV cache groups (:meth:`TierConnector.request_lookup` with ``windows``): per group ``(first, tiers)``,
+    #: the blocks ``[first, start_block + num_blocks)`` a load needs from the tiers in that group and, for each,
+    #: the index of the first tier holding it (``runs`` is then empty); None without groups
+    group_tiers: tuple | None = None
 
 
 class TierCounters(NamedTuple):
@@ -139,11 +156,12 @@ class LoadLatencyHistogram:
 
 
 class _Tier:
-    __slots__ = ("medium", "store", "c", "ema_ms", "n_lookups")
+    __slots__ = ("medium", "store", "groups", "c", "ema_ms", "n_lookups")
 
-    def __init__(self, medium: str, store: BlockStore, initial_ms: float) -> None:
+    def __init__(self, medium: str, stores: tuple, initial_ms: float) -> None:
         self.medium = medium
-        self.store = store
+        self.store = stores[0]
+        self.groups = stores  # one BlockStore per KV cache group (one backend, group g's fingerprint)
         self.c = dict.fromkeys(TierCounters._fields[1:-1], 0)
         self.ema_ms = float(initial_ms)
         self.n_lookups = 0
@@ -179,15 +197,24 @@ class TierConnector:
         if not tiers:
             raise InvalidArgumentError("a TierConnector needs at least one tier")
         seen = set()
+        per_tier = []
         for medium, st in tiers:
-            if not isinstance(st, BlockStore):
-                raise InvalidArgumentError(f"tier {medium!r}: a BlockStore is needed, got {type(st).__name__}")
-            if st.fingerprint.block_size != block_size:
-                raise InvalidArgumentError(f"tier {medium!r}: its fingerprint's block size "
-                                           f"{st.fingerprint.block_size} is not {block_size}")
+            stores = tuple(st) if isinstance(st, (tuple, list)) else (st,)
+            for gi, x in enumerate(stores):
+                if not isinstance(x, BlockStore):
+                    raise InvalidArgumentError(f"tier {medium!r}: a BlockStore is needed, got {type(x).__name__}")
+                if x.fingerprint.block_size != block_size:
+                    raise InvalidArgumentError(f"tier {medium!r}: its fingerprint's block size "
+                                               f"{x.fingerprint.block_size} is not {block_size}")
+                if x.fingerprint.kv_cache_group != gi or x.backend is not stores[0].backend:
+                    raise InvalidArgumentError(f"tier {medium!r}: store {gi} must be group {gi}'s, on the same "
+                                               "backend as group 0's")
+            if not stores or (per_tier and len(stores) != len(per_tier[0][1])):
+                raise InvalidArgumentError(f"tier {medium!r}: every tier needs one store per KV cache group")
             if medium in seen:
                 raise InvalidArgumentError(f"two tiers named {medium!r}")
             seen.add(medium)
+            per_tier.append((medium, stores))
         if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
             raise InvalidArgumentError(f"io_threads must be an int >= 1, got {io_threads!r}")
         if max_load_ms_per_block is not None and not max_load_ms_per_block > 0:
@@ -202,7 +229,9 @@ class TierConnector:
                 or max_blocks_per_call < 1:
             raise InvalidArgumentError(f"max_blocks_per_call must be an int >= 1, got {max_blocks_per_call!r}")
         self.max_blocks_per_call = max_blocks_per_call
-        self._tiers = [_Tier(m, st, initial_load_ms) for m, st in tiers]
+        self._tiers = [_Tier(m, st, initial_load_ms) for m, st in per_tier]
+        #: KV cache groups (each tier holds one BlockStore per group; 1 for a model without groups)
+        self.num_groups = len(per_tier[0][1])
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="pagedkv-tier-io")
         self._done: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
@@ -224,10 +253,13 @@ class TierConnector:
         (oldest first; no parent, no tokens: the tier keeps chain keys only), so that a router learns what a
         restarted replica holds. O(blocks found)."""
         for t in self._tiers:
-            keys = t.store.restored_keys()
-            for a in range(0, len(keys), RESTORED_BATCH):
-                self._events.append(BlockStored(block_hashes=keys[a:a + RESTORED_BATCH], parent_block_hash=None,
-                                                token_ids=[], block_size=self.block_size, medium=t.medium))
+            for g, st in enumerate(t.groups):  # (KV cache groups: each group's blocks, with its group_idx)
+                keys = st.restored_keys()
+                gi = None if len(t.groups) == 1 else g
+                for a in range(0, len(keys), RESTORED_BATCH):
+                    self._events.append(BlockStored(block_hashes=keys[a:a + RESTORED_BATCH], parent_block_hash=None,
+                                                    token_ids=[], block_size=self.block_size, medium=t.medium,
+                                                    group_idx=gi))
 
     # ------------------------------------------------------------------------------------------ state
 
@@ -245,8 +277,13 @@ class TierConnector:
             return tuple(TierCounters(t.medium, **t.c, load_ms_per_block=t.ema_ms) for t in self._tiers)
 
     def stores(self) -> tuple:
-        """The ``BlockStore`` of each tier, in lookup order (their own ``stats`` count what the backends did)."""
+        """The ``BlockStore`` of each tier, in lookup order (their own ``stats`` count what the backends did);
+        with KV cache groups group 0's (:meth:`group_stores` for every group's)."""
         return tuple(t.store for t in self._tiers)
+
+    def group_stores(self) -> tuple:
+        """Per tier, in lookup order, its ``BlockStore`` of each KV cache group (one backend)."""
+        return tuple(t.groups for t in self._tiers)
 
     # ------------------------------------------------------------------------------------------ loads
 
@@ -255,17 +292,37 @@ class TierConnector:
         hit) in the tiers; at most ``(len - 1) // block_size`` blocks in all (the last prompt token is always
         computed). Returns False (and starts nothing) when no block is left to ask for; else the result comes
         out of :meth:`poll` once. O(1) here; the job hashes the prompt (O(len)) and does the I/O."""
+        if self.num_groups > 1:
+            raise InvalidArgumentError("a connector with KV cache groups loads with request_lookup(..., windows=) "
+                                       "and request_read_groups")
         return self._start(self._load_job, request_id, token_ids, namespace, hit_blocks)
 
     def request_lookup(self, request_id: Any, token_ids: Sequence[int], namespace: object,
-                       hit_blocks: int) -> bool:
+                       hit_blocks: int, *, keys: Sequence | None = None,
+                       windows: Sequence[int | None] | None = None) -> bool:
         """Start asking the tiers how many leading blocks of ``token_ids`` past its first ``hit_blocks`` they
         hold (at most ``(len - 1) // block_size`` blocks in all), without reading them: a :class:`LookupDone`
         comes out of :meth:`poll` once. Returns False (nothing started) when no block is left to ask for.
-        O(1) here; the job hashes the prompt (O(len)) and probes each tier."""
-        return self._start(self._lookup_job, request_id, token_ids, namespace, hit_blocks)
+        ``keys``: the chain keys of the prompt's full blocks, hashed by the caller (None: the job hashes them);
+        with KV cache groups one sequence per group (``pagedkv.block_hashes(..., group=g)``).
 
-    def _start(self, job, request_id: Any, token_ids: Sequence[int], namespace: object, hit_blocks: int) -> bool:
+        ``windows`` (KV cache groups: per group its sliding window in tokens, None for full attention; needs
+        ``keys``): the answer is the longest ``n`` such that every group holds, in some tier, every block past
+        the hit that a load of the prompt's first ``hit_blocks + n`` blocks needs (``group_block_ranges``: every
+        block of a full-attention group, the window's blocks before position ``(hit_blocks + n) x block_size``
+        of a sliding one), and ``LookupDone.group_tiers`` says which tier holds each. O(1) here; the job probes
+        each tier (O(blocks x groups) probes at most)."""
+        if windows is not None:
+            if keys is None or len(keys) != len(windows) or len(windows) != self.num_groups:
+                raise InvalidArgumentError(f"windows need one key sequence per KV cache group ({self.num_groups})")
+            return self._start(self._group_lookup_job, request_id, token_ids, namespace, hit_blocks,
+                               (list(keys), tuple(windows)))
+        if self.num_groups > 1:
+            raise InvalidArgumentError("a connector with KV cache groups needs windows= (and keys=)")
+        return self._start(self._lookup_job, request_id, token_ids, namespace, hit_blocks, keys)
+
+    def _start(self, job, request_id: Any, token_ids: Sequence[int], namespace: object, hit_blocks: int,
+               extra: Any = None) -> bool:
         """Submit ``job`` for the blocks of ``token_ids`` past ``hit_blocks`` (at most ``(len - 1) // block_size``
         in all); False when none is left to ask for. Raises on a closed connector or a load already in flight."""
         if self._closed:
@@ -277,7 +334,10 @@ class TierConnector:
             raise InvalidArgumentError(f"request {request_id!r} already has a load in flight")
         self._pending_loads.add(request_id)
         toks = list(token_ids[: n_max * self.block_size])
-        self._pool.submit(job, request_id, toks, namespace, int(hit_blocks))
+        if extra is None:
+            self._pool.submit(job, request_id, toks, namespace, int(hit_blocks))
+        else:
+            self._pool.submit(job, request_id, toks, namespace, int(hit_blocks), extra)
         return True
 
     def request_read(self, request_id: Any, chain_keys: Sequence[int], runs: Sequence[tuple], namespace: object,
@@ -290,6 +350,8 @@ class TierConnector:
         (a chain-key collision) or that has none is refused like a corrupt one. O(1) here."""
         if self._closed:
             raise RuntimeError("the TierConnector is closed")
+        if self.num_groups > 1:
+            raise InvalidArgumentError("a connector with KV cache groups reads with request_read_groups")
         if request_id in self._pending_loads:
             raise InvalidArgumentError(f"request {request_id!r} already has a load in flight")
         runs = tuple((int(i), int(n)) for i, n in runs)
@@ -344,12 +406,14 @@ class TierConnector:
             return True
         return False
 
-    def _lookup_job(self, request_id: Any, toks: list, namespace: object, hit_blocks: int) -> None:
+    def _lookup_job(self, request_id: Any, toks: list, namespace: object, hit_blocks: int,
+                    keys: Sequence | None = None) -> None:
         t0 = time.perf_counter()
         runs: list = []
         pos = hit_blocks
         try:
-            keys = block_hashes(toks, self.block_size, namespace)
+            n_max = len(toks) // self.block_size
+            keys = block_hashes(toks, self.block_size, namespace) if keys is None else list(keys[:n_max])
             for i, t in enumerate(self._tiers):
                 if pos >= len(keys):
                     break
@@ -408,15 +472,18 @@ class TierConnector:
             self.latency.observe(dt)
         self._done.put(LoadDone(request_id, start_block, tuple(payloads), ok, asked, tuple(by_tier), dt))
 
-    def _read_run(self, t: _Tier, keys: list, namespace: object, checks: list | None) -> tuple[int, list]:
-        """get_many of one tier's run in bounded calls, up to its first block that does not come back checked;
-        the moving average and the counters updated. (good blocks, their payloads)."""
+    def _read_run(self, t: _Tier, keys: list, namespace: object, checks: list | None,
+                  group: int = 0) -> tuple[int, list]:
+        """get_many of one tier's run (of KV cache group ``group``) in bounded calls, up to its first block that
+        does not come back checked; the moving average and the counters updated. (good blocks, their
+        payloads)."""
         t1 = time.perf_counter()
         good, values = 0, []
         ns = None if self.chain_names else namespace
+        st = t.groups[group]
         for a in range(0, len(keys), self.max_blocks_per_call):  # bounded calls (a store's timeouts)
             b = a + self.max_blocks_per_call
-            got = t.store.get_many(keys[a:b], ns, None if checks is None else checks[a:b])
+            got = st.get_many(keys[a:b], ns, None if checks is None else checks[a:b])
             h = got.hit_prefix
             good += h
             values.extend(got.values[:h])
@@ -430,16 +497,144 @@ class TierConnector:
         self._count(t, hit_blocks=good, hit_bytes=sum(v.nbytes for v in values), failed_blocks=len(keys) - good)
         return good, values
 
+    # ---------------------------------------------------------------------------------- KV cache groups
+
+    def _group_lookup_job(self, request_id: Any, toks: list, namespace: object, hit: int, extra: tuple) -> None:
+        """The lookup of a model with KV cache groups (see :meth:`request_lookup`): the full-attention groups'
+        leading run from the hit caps ``n``; then while a sliding group misses a block of the window a load of
+        ``n`` needs, ``n`` drops to that block (a load ending at or before it does not need it). Each block is
+        probed at most once per tier, tiers in order (the first holding it is read)."""
+        t0 = time.perf_counter()
+        keys, windows = extra
+        bs = self.block_size
+        n_max = len(toks) // bs
+        ns = None if self.chain_names else namespace
+        avail = [dict() for _ in windows]  # per group: block -> first tier holding it
+        probed = [set() for _ in windows]
+        n = hit
+        try:
+            tiers = [(i, t) for i, t in enumerate(self._tiers) if not self._skip(t)]
+            for _, t in tiers:
+                self._count(t, lookups=1)
+
+            def probe(g: int, a: int, z: int) -> None:
+                todo = [j for j in range(a, z) if j not in probed[g]]
+                probed[g].update(todo)
+                for i, t in tiers:
+                    if not todo:
+                        break
+                    held = t.groups[g].contains_many([keys[g][j] for j in todo], ns)
+                    rest = []
+                    for j, h in zip(todo, held):
+                        if h:
+                            avail[g][j] = i
+                        else:
+                            rest.append(j)
+                    todo = rest
+
+            n = n_max
+            for g, w in enumerate(windows):  # full attention: every block past the hit
+                if w is None and n > hit:
+                    probe(g, hit, n)
+                    k = hit
+                    while k < n and k in avail[g]:
+                        k += 1
+                    n = k
+            while n > hit:  # sliding windows: the blocks the window at n sees past the hit
+                miss = -1
+                for g, (a, z) in enumerate(group_block_ranges(n, bs, windows)):
+                    if windows[g] is None:
+                        continue
+                    a = max(a, hit)
+                    probe(g, a, z)
+                    for j in range(z - 1, a - 1, -1):
+                        if j not in avail[g]:
+                            miss = max(miss, j)
+                            break
+                if miss < 0:
+                    break
+                n = max(hit, miss)
+        except Exception as e:  # noqa: BLE001 - a bug in a tier must not lose the request: it computes
+            log.warning("pagedkv tiers: lookup for request %r failed: %s: %s", request_id, type(e).__name__, e)
+            n = hit
+        gt = None
+        if n > hit:
+            gt = tuple((max(a, hit), tuple(avail[g].get(j, -1) for j in range(max(a, hit), z)))
+                       for g, (a, z) in enumerate(group_block_ranges(n, bs, windows)))
+        self._done.put(LookupDone(request_id, hit, n - hit, (), time.perf_counter() - t0, gt))
+
+    def request_read_groups(self, request_id: Any, items: Sequence[Sequence[tuple]], start_block: int) -> None:
+        """Start reading the blocks of a load with KV cache groups: ``items[g]`` lists group ``g``'s blocks to
+        read in block order, each ``(chain key, check digest, tier index)`` (the tier a :class:`LookupDone`'s
+        ``group_tiers`` named; -1: none: the group's read ends there). Each group is read on its own, up to its
+        first block that does not come back checked: a :class:`LoadDone` (``group_payloads``: each group's
+        good leading payloads; ``ok``: every block came back) comes out of :meth:`poll` once. O(1) here."""
+        if self._closed:
+            raise RuntimeError("the TierConnector is closed")
+        if request_id in self._pending_loads:
+            raise InvalidArgumentError(f"request {request_id!r} already has a load in flight")
+        if len(items) != self.num_groups:
+            raise InvalidArgumentError(f"{len(items)} groups of blocks for a connector of {self.num_groups}")
+        items = [[(int(k), int(c), int(i)) for k, c, i in it] for it in items]
+        if any(not -1 <= i < len(self._tiers) for it in items for _, _, i in it):
+            raise InvalidArgumentError(f"a tier index outside [-1, {len(self._tiers)})")
+        self._pending_loads.add(request_id)
+        self._pool.submit(self._group_read_job, request_id, items, int(start_block))
+
+    def _group_read_job(self, request_id: Any, items: list, start_block: int) -> None:
+        t0 = time.perf_counter()
+        out: list = []
+        got_by_tier = [0] * len(self._tiers)
+        asked = sum(len(it) for it in items)
+        ok = True
+        try:
+            for g, it in enumerate(items):
+                vals: list = []
+                out.append(vals)
+                pos = 0
+                while pos < len(it):  # one run per tier, in block order
+                    i = it[pos][2]
+                    end = pos
+                    while end < len(it) and it[end][2] == i:
+                        end += 1
+                    if i < 0:
+                        break
+                    run = it[pos:end]
+                    good, values = self._read_run(self._tiers[i], [k for k, _, _ in run], None,
+                                                  [c for _, c, _ in run], g)
+                    vals.extend(values)
+                    got_by_tier[i] += good
+                    pos += good
+                    if good < len(run):
+                        break
+                if pos < len(it):
+                    ok = False
+        except Exception as e:  # noqa: BLE001
+            log.warning("pagedkv tiers: read for request %r failed: %s: %s", request_id, type(e).__name__, e)
+            ok = False
+        while len(out) < len(items):
+            out.append([])
+        self._emit_removed()
+        dt = time.perf_counter() - t0
+        if any(out):
+            self.latency.observe(dt)
+        by_tier = tuple((t.medium, n) for t, n in zip(self._tiers, got_by_tier))
+        self._done.put(LoadDone(request_id, start_block, (), ok, asked, by_tier, dt,
+                                tuple(tuple(v) for v in out)))
+
     def _emit_removed(self) -> None:
         """BlockRemoved (the tier's medium) for the blocks each tier that tracks them evicted or dropped."""
         if not self.record_events:
             return
         for t in self._tiers:
-            take = getattr(t.store, "take_removed", None)
-            gone = take() if take is not None else None
-            if gone:
-                with self._lock:
-                    self._events.append(BlockRemoved(list(gone), t.medium))
+            for g, st in enumerate(t.groups):
+                take = getattr(st, "take_removed", None)
+                gone = take() if take is not None else None
+                if gone:
+                    ev = BlockRemoved(list(gone), t.medium) if len(t.groups) == 1 else \
+                        BlockRemoved(list(gone), t.medium, g)
+                    with self._lock:
+                        self._events.append(ev)
 
     def _load_job(self, request_id: Any, toks: list, namespace: object, hit_blocks: int) -> None:
         t0 = time.perf_counter()
@@ -478,7 +673,7 @@ class TierConnector:
     def store(self, chain_keys: Sequence[int], payloads: Sequence, namespace: object,
               token_ids: Sequence[int] | None = None, parent_key: int | None = None,
               checks: Sequence[int] | None = None, *, store_id: Any = None, chained: bool = True,
-              parents: Sequence | None = None) -> bool:
+              parents: Sequence | None = None, groups: Sequence[int] | None = None) -> bool:
         """Write these blocks (their chained keys, one payload each, owned by the connector from now on) to every
         tier, on an I/O thread; a tier that already holds a block keeps it. ``token_ids`` (the blocks' tokens)
         go into the KV events. ``chained``: the blocks are a chain in order (``parent_key`` the first one's
@@ -492,9 +687,16 @@ class TierConnector:
         like the keys); None: computed from ``token_ids`` when the blocks start the chain (``parent_key`` None,
         ``chained``), else the blocks are not stored (a load would refuse a value without its check digest; one
         warning, counted in ``store_errors``; a ``store_id`` then completes as failed).
+        ``groups`` (KV cache groups, with ``chained=False``): each block's group, whose store (fingerprint) it
+        goes to; None: group 0.
         Returns False when nothing was submitted (write-through off, closed, no block). O(1) here."""
         if self._closed or not self.write_through or not len(chain_keys):
             return False
+        if groups is not None:
+            groups = [int(g) for g in groups]
+            if chained or len(groups) != len(chain_keys) or any(not 0 <= g < self.num_groups for g in groups):
+                raise InvalidArgumentError(f"groups must name one KV cache group in [0, {self.num_groups}) per "
+                                           "block, with chained=False")
         if len(chain_keys) != len(payloads):
             raise InvalidArgumentError(f"{len(chain_keys)} chain keys but {len(payloads)} payloads")
         if checks is None and chained and parent_key is None and token_ids is not None \
@@ -515,7 +717,7 @@ class TierConnector:
             raise InvalidArgumentError(f"{len(chain_keys)} chain keys but {len(parents)} parent keys")
         self._pool.submit(self._store_job, list(chain_keys), list(payloads), namespace,
                           None if token_ids is None else list(token_ids), parent_key, store_id, chained,
-                          [int(c) for c in checks], None if parents is None else list(parents))
+                          [int(c) for c in checks], None if parents is None else list(parents), groups)
         return True
 
     def poll_stores(self) -> list:
@@ -527,18 +729,25 @@ class TierConnector:
 
     def _store_job(self, keys: list, payloads: list, namespace: object, toks: list | None,
                    parent: int | None, store_id: Any = None, chained: bool = True, checks: list | None = None,
-                   parents: list | None = None) -> None:
+                   parents: list | None = None, groups: list | None = None) -> None:
         held = [False] * len(keys)
         if self.chain_names:
             namespace = None
+        by_group: dict = {}  # group -> its blocks' indices (each group's blocks go to its own store)
+        for i, g in enumerate(groups if groups is not None else [0] * len(keys)):
+            by_group.setdefault(g, []).append(i)
         try:
             for t in self._tiers:
                 try:
                     m = self.max_blocks_per_call
-                    statuses = []
-                    for a in range(0, len(keys), m):  # bounded calls (a store's timeouts)
-                        statuses.extend(t.store.put_many(keys[a:a + m], payloads[a:a + m], namespace,
-                                                         checks[a:a + m]))
+                    statuses = [None] * len(keys)
+                    for g, idx in by_group.items():
+                        for a in range(0, len(idx), m):  # bounded calls (a store's timeouts)
+                            sub = idx[a:a + m]
+                            got = t.groups[g].put_many([keys[i] for i in sub], [payloads[i] for i in sub],
+                                                       namespace, [checks[i] for i in sub])
+                            for i, st in zip(sub, got):
+                                statuses[i] = st
                 except Exception as e:  # noqa: BLE001 (bad payload size: a bug; counted, never raised here)
                     log.warning("pagedkv tier %s: store failed: %s: %s", t.medium, type(e).__name__, e)
                     self._count(t, store_errors=len(keys))
@@ -553,20 +762,26 @@ class TierConnector:
                             stored_bytes=sum(memoryview(payloads[i]).nbytes for i in new),
                             store_full=sum(1 for s in statuses if s is PutStatus.FULL),
                             store_errors=sum(1 for s in statuses if s in (PutStatus.ERROR, PutStatus.TOO_LARGE)))
-                if new and self.record_events and not chained and parents is None:
-                    ev = BlockStored(block_hashes=[keys[i] for i in new], parent_block_hash=None, token_ids=[],
-                                     block_size=self.block_size, medium=t.medium, namespace=None)
-                    with self._lock:
-                        self._events.append(ev)
-                elif new and self.record_events and not chained:
+                if new and self.record_events and not chained:
                     bs = self.block_size
-                    evs = [BlockStored(block_hashes=[keys[i] for i in run], parent_block_hash=parents[run[0]],
-                                       token_ids=[] if toks is None else
-                                       [x for i in run for x in toks[i * bs:(i + 1) * bs]],
-                                       block_size=bs, medium=t.medium, namespace=None)
-                           for run in _chains(keys, parents, new)]
-                    with self._lock:
-                        self._events.extend(evs)
+                    for g, idx in by_group.items():  # (one event per group and chain; group_idx with groups)
+                        mine = [i for i in idx if statuses[i] is PutStatus.STORED]
+                        if not mine:
+                            continue
+                        gi = None if groups is None else g
+                        if parents is None:
+                            evs = [BlockStored(block_hashes=[keys[i] for i in mine], parent_block_hash=None,
+                                               token_ids=[], block_size=bs, medium=t.medium, namespace=None,
+                                               group_idx=gi)]
+                        else:
+                            evs = [BlockStored(block_hashes=[keys[i] for i in run],
+                                               parent_block_hash=parents[run[0]],
+                                               token_ids=[] if toks is None else
+                                               [x for i in run for x in toks[i * bs:(i + 1) * bs]],
+                                               block_size=bs, medium=t.medium, namespace=None, group_idx=gi)
+                                   for run in _chains(keys, parents, mine)]
+                        with self._lock:
+                            self._events.extend(evs)
                 elif new and self.record_events:
                     bs = self.block_size
                     for run in _runs(new):  # one event per run of consecutive blocks (a chain)
@@ -647,6 +862,15 @@ class TierConnector:
             w[1](keys)
         except Exception as e:  # noqa: BLE001 - a watcher's bug never fails a store or a read
             log.warning("pagedkv tiers: the held-blocks watcher failed: %s: %s", type(e).__name__, e)
+
+
+def group_block_ranges(num_blocks: int, block_size: int, windows: Sequence[int | None]) -> list[tuple[int, int]]:
+    """Per KV cache group (``windows[g]``: None for full attention, else the sliding window in tokens), the prompt
+    blocks ``[a, num_blocks)`` whose KV a load of the prompt's first ``num_blocks`` blocks needs: ``a = 0`` for
+    full attention, ``(P - W + 1) // block_size`` (at least 0) for a window W, with ``P = num_blocks x
+    block_size`` (the hybrid manager's hit rule, and ``allocate(..., external_window_only=True)``'s). O(groups)."""
+    p = num_blocks * block_size
+    return [(0 if w is None else min(num_blocks, max(0, p - w + 1) // block_size), num_blocks) for w in windows]
 
 
 def _runs(idx: list[int]) -> list[list[int]]:

@@ -162,9 +162,14 @@ class BlockStore:
     def restored_keys(self) -> list[int]:
         """The chain keys of the blocks the backend found when it opened (a backend that keeps tags: the
         :class:`~pagedkv.tiers.DiskBackend` rebuilds its index from the directory), oldest first; [] for one that
-        does not (Redis, a shared directory). What a restarted engine publishes as stored (medium DISK).
-        O(blocks)."""
-        return [k for _, k in self._restored()]
+        does not (Redis, a shared directory). What a restarted engine publishes as stored (medium DISK). Only the
+        blocks stored under this store's fingerprint (with KV cache groups several stores share one backend: each
+        names its own group's blocks). O(blocks)."""
+        got = self._restored()
+        if not got:
+            return []
+        mine = self.names([k for _, k in got])
+        return [k for (n, k), m in zip(got, mine) if n == m]
 
     def take_removed(self) -> list[int]:
         """The chain keys of the blocks that left this store since the last call (evicted by the backend, found
