@@ -84,7 +84,9 @@ def test_a_slow_load_goes_into_reserved_blocks_while_the_others_step(engine, gat
                     gated.set()  # the other request finished while this one loaded: let the read go on
             bm.check_invariants()
         assert finished.index(other.request_id) < finished.index(slow.request_id)
-        assert fetched_steps >= 8  # the other request's prefill and decodes ran meanwhile
+        # the other request's 7 decode steps ran meanwhile (its prefill too, unless the slow one's lookup ended
+        # after the first step: timing-dependent on a loaded machine)
+        assert fetched_steps >= 7
         assert list(slow.result.outputs[0].token_ids) == ref(engine, LONG)
         assert list(other.result.outputs[0].token_ids) == ref(engine, SHORT, 8)
         assert slow.result.num_cached_tokens == 40 and b.scheduler.stats.external_tokens == 40
