@@ -520,7 +520,8 @@ class EngineKVPort:
 
     # ------------------------------------------------------------------------------ through the shared store
     # (docs/pd-split.md#through-the-shared-store: a prefill replica answers through the shared tier once its
-    # prompt's held blocks are there; a decode replica with the same tier loads them through its own tiers)
+    # prompt's held blocks are there; a decode replica with the same tier loads them through its own tiers; with
+    # KV cache groups every group's blocks a load needs, as (group, chain key) pairs, each in its group's store)
 
     def block_checks(self, token_ids: Sequence[int], namespace: Any, num_blocks: int) -> list[int]:
         """The check digests (:func:`pagedkv.tiers.check_digests`) of the values a transfer of the prompt's first

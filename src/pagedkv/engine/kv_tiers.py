@@ -24,7 +24,8 @@ One object per engine, used by the step loop only::
 
 **KV cache groups** (Gemma 3 on a HybridBlockManager, ``windows=``; docs/tiers.md#kv-cache-groups): each tier holds
 one store per group (group ``g``'s fingerprint and check digests, its layers' bytes); on_add hashes every group's
-chain keys once (remembered with their group and check digest for the store plans, handed to the lookup); the
+chain keys once (remembered with their group and check digest for the store plans, handed to the lookup;
+on_blocks_filled chains every group's decode-filled blocks the same way); the
 lookup finds the longest run every group can serve (a sliding group only its window's blocks); the scheduler
 reserves window-only (``external_window_only``) and each group's read fills its reserved blocks. A short read of
 a load cut to the windows has no usable part: it is reported with nothing arrived and the scheduler computes it.
@@ -595,8 +596,8 @@ class EngineTiers:
             cg = self._check_group
             groups = [cg.get(keys[i]) for i in sel]
             checks = [None if g is None else c for c, g in zip(checks, groups)]
-        if None in checks:  # a block whose check digest is not known (no longer remembered, or a decode-filled
-            # block with KV cache groups): not stored (a load needs it)
+        if None in checks:  # a block whose check digest is not known (no longer remembered): not stored (a load
+            # needs it)
             n = len(sel)
             keep = [x for x, c in enumerate(checks) if c is not None]
             sel, checks = [sel[x] for x in keep], [checks[x] for x in keep]
