@@ -580,6 +580,44 @@ def test_disk_tier_after_a_restart_with_kv_cache_groups(gemma, reference, tmp_pa
             llm.block_manager.check_invariants()
 
 
+def test_decode_filled_blocks_with_kv_cache_groups_load_after_a_restart(gemma, reference, tmp_path):
+    """Issue 24 with KV cache groups: the blocks a decode fills are chained in every group (each group's key and
+    check digest from its own root) and stored under that group's fingerprint, so a next turn continuing the
+    first answer loads the answer's blocks from the disk tier after a restart: case 5 (783 tokens) and its 24
+    generated tokens fill 50 blocks (48 and 49 by decode); the next turn (810 tokens) loads all 50 in the
+    full-attention group and the window's 32 (blocks 18..49) in each sliding group, greedy equal to a run
+    without tiers, nothing skipped unchecked."""
+    import pagedkv
+    from pagedkv.engine.sampling import SamplingParams
+    from pagedkv.tiers.connector import group_block_ranges
+
+    c = reference["cases"][5]
+    p, answer = list(c["prompt_ids"]), list(c["gen_ids"])
+    fed = len(p) + len(answer) - 1  # (the last sampled token is never fed)
+    turn2 = p + answer + [236761, 108, 818]
+    n = blocks(len(turn2) + 8) * 8
+    with make_llm(gemma, num_gpu_blocks=n, kv_disk_dir=tmp_path, kv_disk_gib=0.3) as a:
+        assert gen(run(a, [c])) == [answer]
+        a.kv_tiers.connector.flush(60)
+        assert a.kv_tiers.stats["store_skipped_unchecked"] == 0
+        for g, st in enumerate(a.kv_tiers.connector.group_stores()[0]):  # every group holds the answer's blocks
+            keys = pagedkv.block_hashes(p + answer[:fed - len(p)], BLOCK, None, g)
+            assert len(keys) == fed // BLOCK == 50 and st.contains_many(keys[48:]) == (True, True)
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with make_llm(gemma, num_gpu_blocks=n) as ref:
+        (want,) = ref.generate([{"prompt_token_ids": turn2}], sp, use_tqdm=False)
+    with make_llm(gemma, num_gpu_blocks=n, kv_disk_dir=tmp_path, kv_disk_gib=0.3) as b:  # a restart
+        (o,) = b.generate([{"prompt_token_ids": turn2}], sp, use_tqdm=False)
+        assert list(o.outputs[0].token_ids) == list(want.outputs[0].token_ids)
+        assert o.num_cached_tokens == b.scheduler.stats.external_tokens == 50 * BLOCK  # the answer's blocks too
+        windows = [getattr(g, "window", None) for g in b.kv_cache_groups]
+        assert b.kv_tiers.group_loaded_blocks == [z - a for a, z in group_block_ranges(50, BLOCK, windows)] \
+            == [50] + [32] * 5
+        b.kv_tiers.connector.flush(60)
+        assert b.kv_tiers.stats["store_skipped_unchecked"] == 0 and b.kv_tiers.stats["loads_failed"] == 0
+        b.block_manager.check_invariants()
+
+
 def _flip(root, name, at=1000):
     from pagedkv.tiers import _files
 

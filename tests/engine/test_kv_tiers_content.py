@@ -285,6 +285,7 @@ def test_tier_loads_and_stores_with_kv_cache_groups_read_back_in_the_data(tmp_pa
                 execute_copy_plan(plan.copies, kv, None)
             tiers.start_loads(plan.kv_loads)
             if plan.has_forward:
+                tiers.on_blocks_filled(plan, sched, by_id)  # (every group's decode-filled blocks chained, stored)
                 forward(plan)
                 tiers.store_computed(plan, kv, by_id)
             sampled = [rng.randrange(50) for _ in plan.prefills]
@@ -303,6 +304,7 @@ def test_tier_loads_and_stores_with_kv_cache_groups_read_back_in_the_data(tmp_pa
                 execute_copy_plan(plan.copies, kv, None)
             tiers.start_loads(plan.kv_loads)
             if plan.has_forward:
+                tiers.on_blocks_filled(plan, sched, by_id)  # (every group's decode-filled blocks chained, stored)
                 forward(plan)
                 tiers.store_computed(plan, kv, by_id)
             n = len(plan.prefills) + (len(plan.decode.seq_ids) if plan.decode is not None else 0)
@@ -314,6 +316,10 @@ def test_tier_loads_and_stores_with_kv_cache_groups_read_back_in_the_data(tmp_pa
         if seed % 2:
             assert tiers.stats["loads_failed"] > 0  # (short reads: computed, the output read back right)
         tiers.connector.flush(30)
+        # every group's decode-filled blocks stored with their group's check digests, each the one a load computes
+        assert tiers.stats["store_skipped_unchecked"] == 0
+        stores = tiers.connector.group_stores()[0]
+        assert all(st.stats.puts > 0 for st in stores) and sum(st.stats.check_refused for st in stores) == 0
         tiers.poll(sched)
         assert not bm.pending_stores and not bm.parked_seq_ids and not bm.loading_seq_ids
         bm.check_invariants()

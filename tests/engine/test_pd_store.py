@@ -205,3 +205,60 @@ def test_through_the_router_the_store_path_carries_the_field(engine, split):
         check_clean(pre, dec)
     finally:
         router.close()
+
+
+def test_gemma3_with_kv_cache_groups_through_the_shared_store(gemma, tmp_path):
+    """Gemma 3 (KV cache groups: 1 full-attention group, 5 sliding groups of window 512) split over two replicas
+    with the same shared directory: the prefill replica answers once every group's held blocks a load needs are
+    in the store (a sliding group only its window's), the decode replica's existence query finds each group's
+    keys in its group's store, and its engine loads them per group from SHARED through its tier lookup: no HTTP
+    read, the reference text."""
+    import json
+    from pathlib import Path
+
+    from pagedkv.engine.llm import LLM
+    from pagedkv.server.kv_transfer import prefill_body
+    from pagedkv.server.launch import make_server
+
+    gbs = 16
+    case = json.loads((Path(__file__).resolve().parents[1] / "data" / "gemma3_greedy.json").read_text())["cases"][5]
+    url = (tmp_path / "shared").as_uri()
+    servers = []
+    try:
+        for role in ("prefill", "decode"):
+            llm = LLM(gemma, block_size=gbs, max_num_seqs=4, max_num_batched_tokens=4096, kv_cache_gib=0.1,
+                      kv_shared=url)
+            assert llm.kv_cache_groups is not None and len(llm.kv_cache_groups) == 6
+            servers.append(make_server(llm, model_name="gemma-test", kv_role=role).start_in_thread())
+        pre, dec = servers
+        assert pre.kv.shared_store is not None and pre.kv.shared_store == dec.kv.shared_store
+        b = {"prompt": case["prompt_ids"], "max_tokens": case["max_tokens"], "temperature": 0, "ignore_eos": True,
+             "cache_salt": "gemma"}
+        r = httpx.post(pre.url + "/v1/completions", json=prefill_body(b), timeout=600)
+        assert r.status_code == 200, r.text
+        kvp = r.json()["kv_transfer_params"]
+        # 783 tokens: 48 whole blocks; the window at token 768 sees blocks 16..47 of each sliding group
+        assert kvp["remote_kv_store"] == pre.kv.shared_store and kvp["remote_num_tokens"] == 768
+        assert pre.kv.stats["store_answers"] == 1 and pre.kv.stats["store_waits_timed_out"] == 0
+        port = dec.engine.llm.kv_tiers
+        keys = port.store_keys(case["prompt_ids"], "gemma", 48)
+        assert len(keys) == 48 + 5 * 32 and {g for g, _ in keys} == set(range(6))
+        assert port.probe_shared(keys) == len(keys)  # every group's keys, each in its group's store
+        assert port.probe_shared([(1, k) if g == 0 else (g, k) for g, k in keys]) == 0  # (group 1 has none)
+        inner = port.inner
+        ext0, loaded0 = dec.engine.llm.scheduler.stats.external_tokens, list(inner.group_loaded_blocks)
+        r = httpx.post(dec.url + "/v1/completions", json={**b, "kv_transfer_params": kvp}, timeout=600)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == case["text"]
+        assert dec.kv.stats["store_loads"] == 1 and dec.kv.stats["fetches"] == 0 and dec.kv.stats["store_misses"] == 0
+        assert pre.kv.stats["holds_served"] == 0  # no HTTP read of the hold
+        assert dec.engine.llm.scheduler.stats.external_tokens - ext0 == 768  # loaded, not computed
+        # per group from the shared tier: the full-attention group its 48 blocks, each sliding group its 32
+        assert [a - b0 for a, b0 in zip(inner.group_loaded_blocks, loaded0)] == [48] + [32] * 5
+        assert [c.medium for c in inner.connector.counters()] == ["SHARED"]
+        assert wait_for(lambda: not pre.engine.llm.block_manager.holds, 30)  # released by the decode replica
+        for s in servers:
+            s.engine.llm.block_manager.check_invariants()
+    finally:
+        for s in servers:
+            s.close()

@@ -520,7 +520,8 @@ class EngineKVPort:
 
     # ------------------------------------------------------------------------------ through the shared store
     # (docs/pd-split.md#through-the-shared-store: a prefill replica answers through the shared tier once its
-    # prompt's held blocks are there; a decode replica with the same tier loads them through its own tiers)
+    # prompt's held blocks are there; a decode replica with the same tier loads them through its own tiers; with
+    # KV cache groups every group's blocks a load needs, as (group, chain key) pairs, each in its group's store)
 
     def block_checks(self, token_ids: Sequence[int], namespace: Any, num_blocks: int) -> list[int]:
         """The check digests (:func:`pagedkv.tiers.check_digests`) of the values a transfer of the prompt's first
@@ -538,17 +539,23 @@ class EngineKVPort:
         return [per[g][j] for g, j in order]
 
     def _shared_tier(self) -> Any:
-        """The engine's shared tier (a :class:`pagedkv.tiers.BlockStore`) when the store path can use it, else
-        None: no storage tiers, none shared, or KV cache groups (their values are per group: the HTTP path)."""
+        """The engine's shared tier (a :class:`pagedkv.tiers.BlockStore`; with KV cache groups group 0's) when the
+        store path can use it, else None: no storage tiers, or none shared."""
+        stores = self._shared_stores()
+        return stores[0] if stores else None
+
+    def _shared_stores(self) -> tuple:
+        """The shared tier's ``BlockStore`` of each KV cache group (one without groups; all on one backend), or
+        () when there is no shared tier."""
         conn = getattr(self._inner, "connector", None)
-        if self.windows is not None or conn is None:
-            return None
+        if conn is None:
+            return ()
         from ..tiers.connector import MEDIUM_SHARED
 
-        for medium, store in zip(conn.media, conn.stores()):
+        for medium, stores in zip(conn.media, conn.group_stores()):
             if medium == MEDIUM_SHARED:
-                return store
-        return None
+                return tuple(stores)
+        return ()
 
     def _watch_shared(self) -> None:
         if self._shared_tier() is not None:
@@ -570,8 +577,8 @@ class EngineKVPort:
     def shared_store(self) -> str | None:
         """The name of the shared tier this engine reads and writes through (``kvs-`` and 16 hex digits of the
         store's location without credentials: a directory's real path, a Redis server, db and key prefix), or
-        None when a handover cannot go through it (no shared tier, or KV cache groups). Two replicas with the
-        same name share the store."""
+        None when a handover cannot go through it (no shared tier). Two replicas with the same name share the
+        store (with KV cache groups each group's blocks are there under its group's fingerprint)."""
         store = self._shared_tier()
         loc = getattr(getattr(store, "backend", None), "location", None)
         if loc is None:
@@ -586,21 +593,33 @@ class EngineKVPort:
         side of the store path waits for its prompt's blocks only then."""
         return self._shared_tier() is not None and getattr(self._inner, "store_policy", None) == "write_through"
 
-    def store_keys(self, token_ids: Sequence[int], namespace: Any, num_blocks: int) -> list[int]:
-        """The chain keys (the tiers' block keys) of the prompt's first ``num_blocks`` blocks. O(num_blocks x
-        block_size)."""
+    def store_keys(self, token_ids: Sequence[int], namespace: Any, num_blocks: int) -> list:
+        """The tiers' keys of the blocks a handover of the prompt's first ``num_blocks`` blocks through the shared
+        store needs, in wire order: without KV cache groups their chain keys; with them one ``(group, chain
+        key)`` pair per :func:`.kv_io.group_transfer_order` pair ``(g, j)`` (every block of a full-attention
+        group, only the blocks a sliding group's window sees at position ``num_blocks x block_size``; group
+        ``g``'s key of block ``j``, ``pagedkv.block_hashes(..., group=g)``). O(num_blocks x block_size x
+        groups)."""
         from ..blocks.prefix_cache import block_hashes
 
         bs = self.block_size
-        return list(block_hashes(list(token_ids[: num_blocks * bs]), bs, namespace))
+        toks = list(token_ids[: num_blocks * bs])
+        if self.windows is None:
+            return list(block_hashes(toks, bs, namespace))
+        order = group_transfer_order(num_blocks, bs, self.windows)
+        per = {g: block_hashes(toks, bs, namespace, g) for g in sorted({g for g, _ in order})}
+        return [(g, int(per[g][j])) for g, j in order]
 
-    def in_shared_store(self, keys: Sequence[int]) -> bool:
-        """Whether the shared tier is known to hold every one of these chain keys (a store of them finished, or a
-        read of them came back checked, since this engine started; at most the last 2**18 keys are remembered).
-        Thread-safe, never blocks on I/O. O(len(keys))."""
+    def in_shared_store(self, keys: Sequence) -> bool:
+        """Whether the shared tier is known to hold every one of these keys (:meth:`store_keys`' chain keys, or
+        ``(group, chain key)`` pairs with KV cache groups: a group's chain starts from a root of its own, so its
+        keys are its own) (a store of them finished, or a read of them came back checked, since this engine
+        started; at most the last 2**18 keys are remembered). Thread-safe, never blocks on I/O. O(len(keys))."""
         with self._shared_lock:
             d = self._in_shared
-            return all(k in d for k in keys)
+            if self.windows is None:
+                return all(k in d for k in keys)
+            return all(k in d for _, k in keys)
 
     def stores_pending(self) -> bool:
         """Whether the engine's tiers have stores in flight (a write-through that may still put blocks in the
@@ -608,8 +627,24 @@ class EngineKVPort:
         conn = getattr(self._inner, "connector", None)
         return conn is not None and conn.num_stores_in_flight > 0
 
-    def probe_shared(self, keys: Sequence[int]) -> int:
-        """How many leading blocks of ``keys`` the shared tier holds now (one existence query; 0 without a shared
-        tier or when it cannot answer). Blocking: call it in a worker thread. O(len(keys)) plus the I/O."""
-        store = self._shared_tier()
-        return store.prefix_length(list(keys), None) if store is not None else 0
+    def probe_shared(self, keys: Sequence) -> int:
+        """How many leading entries of ``keys`` (:meth:`store_keys`) the shared tier holds now (one existence
+        query; with KV cache groups one per group, each ``(group, chain key)`` asked of its group's store); 0
+        without a shared tier or when it cannot answer. Blocking: call it in a worker thread. O(len(keys)) plus
+        the I/O."""
+        stores = self._shared_stores()
+        if not stores:
+            return 0
+        if self.windows is None:
+            return stores[0].prefix_length(list(keys), None)
+        by_group: dict = {}  # group -> indices of its keys
+        for i, (g, _) in enumerate(keys):
+            by_group.setdefault(g, []).append(i)
+        held = [False] * len(keys)
+        for g, idx in by_group.items():
+            for i, h in zip(idx, stores[g].contains_many([keys[i][1] for i in idx], None)):
+                held[i] = h
+        n = 0
+        while n < len(held) and held[n]:
+            n += 1
+        return n

@@ -24,7 +24,8 @@ One object per engine, used by the step loop only::
 
 **KV cache groups** (Gemma 3 on a HybridBlockManager, ``windows=``; docs/tiers.md#kv-cache-groups): each tier holds
 one store per group (group ``g``'s fingerprint and check digests, its layers' bytes); on_add hashes every group's
-chain keys once (remembered with their group and check digest for the store plans, handed to the lookup); the
+chain keys once (remembered with their group and check digest for the store plans, handed to the lookup;
+on_blocks_filled chains every group's decode-filled blocks the same way); the
 lookup finds the longest run every group can serve (a sliding group only its window's blocks); the scheduler
 reserves window-only (``external_window_only``) and each group's read fills its reserved blocks. A short read of
 a load cut to the windows has no usable part: it is reported with nothing arrived and the scheduler computes it.
@@ -231,9 +232,11 @@ class EngineTiers:
                 del cg[next(iter(cg))]
         while len(cd) > _MAX_CHECK_KEYS * len(self.group_loaded_blocks):
             del cd[next(iter(cd))]
-        k0 = keys if self.windows is None else keys[0]  # (group 0's chain: full attention)
-        if k0:
-            _remember(self._prompt_tails, request_id, (len(k0) - 1, k0[-1]))
+        if self.windows is None:
+            if keys:
+                _remember(self._prompt_tails, request_id, (len(keys) - 1, keys[-1]))
+        elif keys[0]:  # (KV cache groups: every group's last key, one chain per group)
+            _remember(self._prompt_tails, request_id, (len(keys[0]) - 1, tuple(kg[-1] for kg in keys)))
         if not self.connector.request_lookup(request_id, token_ids, namespace, int(hit), keys=keys,
                                              windows=self.windows):
             return False
@@ -485,9 +488,12 @@ class EngineTiers:
         parent's (:func:`~pagedkv.tiers.key.chain_next`) and remembered with the prompts' digests, so that a store
         plan stores decode-filled blocks too. O(1) per filled block (the block's tokens, one xxh3 and one BLAKE2b
         call) plus a vectorised pass over the decode's positions; a sequence whose parent is not remembered
-        (more than ``_MAX_TAILS`` sequences since) rebuilds its chain once, O(its tokens)."""
-        if self._bm is None or self.store_policy == "none" or self.windows is not None:
-            return  # (KV cache groups: each group's decode-filled blocks are not chained yet: not stored)
+        (more than ``_MAX_TAILS`` sequences since) rebuilds its chain once, O(its tokens). With KV cache groups
+        every group's chain is extended (each from its own root, :func:`~pagedkv.tiers.key.chain_roots` with its
+        group) and each key remembered with its group, so that a store plan stores every group's decode-filled
+        blocks under its group's fingerprint: O(groups) per filled block."""
+        if self._bm is None or self.store_policy == "none":
+            return
         bs = self.block_size
         fills = []  # (seq_id, block index)
         d = plan.decode
@@ -511,33 +517,53 @@ class EngineTiers:
                 self._fill(sid, j, r, view.output)
 
     def _fill(self, sid: Any, j: int, r: Any, output: tuple) -> None:
+        """Chain block ``j`` of sequence ``sid`` (every group's key and check digest with KV cache groups) from its
+        parent's, remembered for the store plans; ``_tails[sid]`` then holds ``(j, key)`` (with groups ``(j,
+        keys)``, one per group)."""
         bs, cd = self.block_size, self._checks
         prompt = r.prompt_token_ids
         plen = len(prompt)
+        ng = None if self.windows is None else len(self.windows)
 
         def tokens(a: int, z: int) -> list:
             return list(prompt[a:z]) + list(output[max(a - plen, 0):z - plen]) if z > plen else list(prompt[a:z])
 
-        parent = None
+        gs = [0] if ng is None else range(ng)
+        parents = None  # per group (key, check) of block j - 1
         if j == 0:
-            parent = chain_roots(r.namespace)
+            parents = [chain_roots(r.namespace, g) for g in gs]
         else:
             for tail in (self._tails.get(sid), self._prompt_tails.get(r.request_id)):
                 if tail is not None and tail[0] == j - 1:
-                    c = cd.get(tail[1])
-                    if c is not None:
-                        parent = (tail[1], c)
+                    ks = (tail[1],) if ng is None else tail[1]
+                    cs = [cd.get(k) for k in ks]
+                    if None not in cs and len(ks) == len(gs):
+                        parents = list(zip(ks, cs))
                         break
-        if parent is None:  # (its parent is no longer remembered: the chain rebuilt from its tokens, once)
+        if parents is None:  # (its parent is no longer remembered: the chain rebuilt from its tokens, once)
             head = tokens(0, j * bs)
-            keys, checks = block_hashes(head, bs, r.namespace), check_digests(head, bs, r.namespace)
-            cd.update(zip(keys, checks))
-            parent = (keys[-1], checks[-1])
-        key, c = chain_next(parent[0], parent[1], tokens(j * bs, (j + 1) * bs))
-        cd[key] = c
-        while len(cd) > _MAX_CHECK_KEYS:
+            parents = []
+            for g in gs:
+                keys, checks = block_hashes(head, bs, r.namespace, g), check_digests(head, bs, r.namespace, g)
+                cd.update(zip(keys, checks))
+                if ng is not None:
+                    self._check_group.update(dict.fromkeys(keys, g))
+                parents.append((keys[-1], checks[-1]))
+        block = tokens(j * bs, (j + 1) * bs)
+        made = []
+        for g, (pk, pc) in zip(gs, parents):
+            key, c = chain_next(pk, pc, block)
+            cd[key] = c
+            if ng is not None:
+                self._check_group[key] = g
+            made.append(key)
+        while len(cd) > _MAX_CHECK_KEYS * len(made):
             del cd[next(iter(cd))]
-        _remember(self._tails, sid, (j, key))
+        if ng is not None:
+            cg = self._check_group
+            while len(cg) > _MAX_CHECK_KEYS * ng:
+                del cg[next(iter(cg))]
+        _remember(self._tails, sid, (j, made[0] if ng is None else tuple(made)))
 
     def write_loads(self, plan: Any, kv_cache: Any) -> None:
         """Nothing to do: a tier load is written into its reserved blocks when it arrives (:meth:`poll`). (Kept
@@ -570,8 +596,8 @@ class EngineTiers:
             cg = self._check_group
             groups = [cg.get(keys[i]) for i in sel]
             checks = [None if g is None else c for c, g in zip(checks, groups)]
-        if None in checks:  # a block whose check digest is not known (no longer remembered, or a decode-filled
-            # block with KV cache groups): not stored (a load needs it)
+        if None in checks:  # a block whose check digest is not known (no longer remembered): not stored (a load
+            # needs it)
             n = len(sel)
             keep = [x for x, c in enumerate(checks) if c is not None]
             sel, checks = [sel[x] for x in keep], [checks[x] for x in keep]

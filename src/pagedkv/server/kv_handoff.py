@@ -409,7 +409,7 @@ class KVHandoff:
         wire = secrets.token_hex(16)
         self._holds[wire] = _Held(hold.hold_id, tuple(int(b) for b in served),
                                   names[: len(served)], int(hold.num_tokens), self.clock() + self.lease_s,
-                                  checks[: len(served)], None if keys is None else keys[: len(hold.block_ids)])
+                                  checks[: len(served)], None if keys is None else keys[: len(served)])
         self.stats["holds"] += 1
         return answer_params(hold_id=wire, block_ids=hold.block_ids, num_tokens=hold.num_tokens,
                              engine_id=self.engine_id, host=self.host, port=self.port_number)
@@ -649,8 +649,8 @@ class KVHandoff:
         store = kvt.remote_kv_store
         if store is None or store != self.shared_store or not kvt.remote_block_ids:
             return False
-        n = len(kvt.remote_block_ids)
-        keys = self.port.store_keys(token_ids, namespace, n)
+        keys = self.port.store_keys(token_ids, namespace, len(kvt.remote_block_ids))
+        n = len(keys)  # (KV cache groups: every group's blocks the load needs, a sliding group's window only)
         try:
             async with asyncio.timeout(self.fetch_timeout):
                 have = await asyncio.to_thread(self.port.probe_shared, keys)
