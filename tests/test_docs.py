@@ -189,3 +189,16 @@ def test_result_files_named_in_the_docs_are_in_the_repository(page):
         if not list(ROOT.glob(pattern)):
             missing.append(pattern)
     assert not missing, f"{page.relative_to(ROOT)} names result files that are not in benchmarks/results: {missing}"
+
+
+def test_readme_stays_a_newcomers_page():
+    """README is for a newcomer: at most 16 KB, no table cell over 300 characters, at most 8 headline figures
+    (the full record of figures lives in docs/benchmarks/headline.md, the history in CHANGELOG.md)."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.encode()) <= 16 * 1024, len(text.encode())
+    cells = [c.strip() for ln in text.splitlines() if ln.startswith("|") for c in ln.strip("|").split("|")]
+    assert max(map(len, cells)) <= 300, max(cells, key=len)
+    headline = text.split("## Headline figures", 1)[1].split("\n## ", 1)[0]
+    rows = [ln for ln in headline.splitlines() if ln.startswith("|") and not ln.startswith(("| what", "|---"))]
+    assert 0 < len(rows) <= 8, rows
+    assert (ROOT / "CHANGELOG.md").is_file() and (DOCS / "benchmarks" / "headline.md").is_file()
