@@ -106,6 +106,20 @@ class External:
                 f"num_external_tokens must be an int >= 0 and a multiple of block_size {self.bs}, got {e!r}")
         return int(e)
 
+    def check_lookup(self, e: object, window: int | None) -> int:
+        """``num_external_tokens`` of lookup_prefix / can_allocate, checked as allocate checks it."""
+        if type(e) is int and e == 0:
+            return 0
+        e = self.check_external(e)
+        if e and window is not None:
+            raise InvalidArgumentError("num_external_tokens is not available with a sliding window")
+        return e
+
+    def kept(self, n: int, h: int, e: int) -> int:
+        """E': the external tokens allocate keeps after a hit of ``h`` tokens in a prompt of ``n`` (see
+        :meth:`plan`)."""
+        return max(0, min(e, (n - 1) // self.bs * self.bs - h)) if e else 0
+
     def plan(self, token_ids, la: int, namespace, k: int | None, e: int) -> tuple:
         """The allocation of a prompt with ``e`` external tokens after its hit, without changing anything:
         ``(plan, e')`` with ``plan`` as :meth:`Allocator.plan`'s (``n``, ``nblocks`` and ``need`` of the tokens
