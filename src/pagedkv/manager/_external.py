@@ -30,7 +30,9 @@ class ExternalLoad(NamedTuple):
     """The blocks that receive a LOADING sequence's external KV: ``block_ids[i]`` takes the KV of tokens
     ``[start_token + i * block_size, start_token + (i + 1) * block_size)``, whose chained content key (the prefix
     cache's, :func:`pagedkv.block_hashes`) is ``keys[i]``. ``group_block_ids``: the same per KV cache group (one
-    tuple per group; a BlockManager has one) and ``group_keys``."""
+    tuple per group; a BlockManager has one) and ``group_keys``. ``cut``: a sliding group reserved only the blocks
+    its window sees at the load's end (``external_window_only``): its other positions hold NULL_BLOCK (nothing to
+    write there), and the load ends whole (``finish_external(done=)``) or aborted, never as a partial failure."""
 
     seq_id: Hashable
     start_token: int
@@ -40,6 +42,7 @@ class ExternalLoad(NamedTuple):
     namespace: object
     group_block_ids: tuple
     group_keys: tuple  # the keys per group (``pagedkv.block_hashes(..., group=g)``: each group's chain)
+    cut: bool = False
 
 
 class Hold(NamedTuple):
@@ -218,7 +221,8 @@ class External:
         ids = tuple(tuple(tg.table[row, rec.nhit : rec.nhit + rec.next].tolist()) for tg in self.tables)
         keys = tuple(tuple(block_hashes(rec.arr[: (rec.nhit + rec.next) * bs], bs, rec.namespace, g)[rec.nhit :])
                      for g in range(len(self.tables)))
-        return ExternalLoad(seq_id, rec.nhit * bs, rec.next * bs, ids[0], keys[0], rec.namespace, ids, keys)
+        return ExternalLoad(seq_id, rec.nhit * bs, rec.next * bs, ids[0], keys[0], rec.namespace, ids, keys,
+                            bool(rec.cut))
 
     def finish(self, done, failed) -> dict:
         """``finish_external``: validate every report, then end each load (see docs/external-kv.md).
