@@ -14,12 +14,17 @@ def _step(m):
     m.take_copy_plan()  # (the engine executes the plan, then the step's forward)
 
 
-def test_a_swap_in_shares_content_another_sequence_cached_while_it_was_out():
+@pytest.mark.parametrize("window", [None, 8, 64])
+def test_a_swap_in_shares_content_another_sequence_cached_while_it_was_out(window):
     """docs/design.md: a swapped-out sequence's cached blocks may be evicted while it is out; at swap-in it shares
     the block still caching that content. B caches P's first three blocks again (new content ids) while A is out:
     A's swap-in shares them, and A's later blocks chain after them, so all of A's 20 cached tokens stay findable,
-    while A lives and after both are freed."""
-    bm = BlockManager(12, 4, num_cpu_blocks=12, enable_prefix_caching=True)
+    while A lives and after both are freed (also with KV cache groups: a full and a sliding one)."""
+    if window is None:
+        bm = BlockManager(12, 4, num_cpu_blocks=12, enable_prefix_caching=True)
+    else:
+        bm = HybridBlockManager(24, 4, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(window)],
+                                num_cpu_blocks=24, enable_prefix_caching=True, watermark=0)
     P = list(range(1, 22))
     bm.allocate("A", P)
     _step(bm)
@@ -36,7 +41,8 @@ def test_a_swap_in_shares_content_another_sequence_cached_while_it_was_out():
     bm.check_invariants()
     b_blocks = bm.block_table("B")[:3].tolist()
     assert bm.block_table("A")[:3].tolist() == b_blocks  # shared, not copied
-    assert len(pairs) == 3 and not {d for _, d in pairs} & set(b_blocks)  # only A's own three blocks come back
+    # only A's own blocks come back (three a group)
+    assert len(pairs) == 3 * bm.num_groups and not {d for _, d in pairs} & set(b_blocks)
     assert bm.lookup_prefix(P).num_cached_tokens == 20
     bm.free("B")
     bm.free("A")

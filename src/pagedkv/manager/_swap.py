@@ -236,6 +236,8 @@ class Swapper:
                 continue
             pcid, pkey = cache.root(t.ns_of[r], intern=False)
             for c in t.table[r, : t.nreg[r]].tolist():
+                if c < 0:  # (a position this group's row never held)
+                    break
                 i = index[c]
                 g = int(reuse[i])
                 if g < 0:
