@@ -47,8 +47,8 @@ keeps them, and a decode step after an allocation pays the inserts the allocatio
 
 Copies. A sequence that fills a block whose content another block caches already (held or idle) keeps its block
 uncached (one block a key) and chains on from the cached content: an abort of the step (``free(cache=False)``)
-then withdraws only contents its call cached anew, never one another sequence's chain runs through. It records the copy: ``dupc[b]``
-is the content id and ``dups`` lists the copies of each content id. When the cached block is evicted, a copy that
+then withdraws only contents its call cached anew, never one another sequence's chain runs through. It records
+the copy: ``dupc[b]`` is the content id and ``dups`` lists the copies of each content id. When the cached block is evicted, a copy that
 is still held takes its cache identity (same key, content id and parent: no KV event, no demotion) and the
 evicted block leaves as usual, so the content stays findable while a sequence holds it. A record is valid only
 while ``dupc[b]`` still names the content: an uncached block that returns to the free ring clears it
