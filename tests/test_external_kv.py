@@ -612,6 +612,7 @@ def test_hybrid_load_of_window_blocks_only():
     assert sliding[:2] == (NULL_BLOCK, NULL_BLOCK) and min(sliding[2:]) >= 0  # blocks 4, 5 only
     assert m.block_table("a", 1).tolist()[:4] == [NULL_BLOCK] * 4
     assert ext.group_keys == twin.external_blocks("a").group_keys
+    assert ext.cut and not twin.external_blocks("a").cut  # said, not found by scanning for NULL_BLOCK
     # the sliding group took 2 new blocks fewer and gave its 2 hit blocks back (idle, still cached)
     assert m.num_free_gpu_blocks == twin.num_free_gpu_blocks + 4
     m.check_invariants()
@@ -644,7 +645,7 @@ def test_hybrid_load_of_window_blocks_only():
     m.check_invariants()
     # a load the window still sees whole is not cut: as without the flag (a part of it may fail)
     assert m.allocate("c", prompt(3), num_external_tokens=4, external_window_only=True) == 12
-    assert NULL_BLOCK not in m.external_blocks("c").group_block_ids[1]
+    assert NULL_BLOCK not in m.external_blocks("c").group_block_ids[1] and not m.external_blocks("c").cut
     assert m.finish_external(failed={"c": 0}) == {"c": 8}
     m.check_invariants()
     with pytest.raises(InvalidArgumentError):

@@ -45,9 +45,10 @@ goes on without it) into the dict. Every method that reads the dict as the whole
 registration, eviction and the manager's lookup walk work with runs, so a workload of prompts allocated and freed
 keeps them, and a decode step after an allocation pays the inserts the allocation saved.
 
-Copies. A sequence that fills a block whose content another block caches already, while that block is held,
-keeps its block uncached (one block a key) and chains on from the cached content. It records the copy: ``dupc[b]``
-is the content id and ``dups`` lists the copies of each content id. When the cached block is evicted, a copy that
+Copies. A sequence that fills a block whose content another block caches already (held or idle) keeps its block
+uncached (one block a key) and chains on from the cached content: an abort of the step (``free(cache=False)``)
+then withdraws only contents its call cached anew, never one another sequence's chain runs through. It records
+the copy: ``dupc[b]`` is the content id and ``dups`` lists the copies of each content id. When the cached block is evicted, a copy that
 is still held takes its cache identity (same key, content id and parent: no KV event, no demotion) and the
 evicted block leaves as usual, so the content stays findable while a sequence holds it. A record is valid only
 while ``dupc[b]`` still names the content: an uncached block that returns to the free ring clears it
@@ -255,7 +256,7 @@ class PrefixCache:
     __slots__ = ("map", "tok", "key", "cid", "pcid", "evictor", "roots", "serial", "evictions", "_width",
                  "cid_mv", "tok_mv", "key_mv", "pcid_mv", "tier", "fresh", "fresh_serial", "events", "event_overflows", "_ev_max", "_ev_lost", "pkey", "nsid", "_ns_ids", "ns_list", "block_size",
                  "_root_serial", "_ns_free", "sweep_at", "grouped", "void", "dl", "succ", "ndl", "_runs",
-                 "_runs_keep", "succ_mv", "dl_mv", "pool", "batch_idle", "batch_moved", "dupc", "dupc_mv",
+                 "_runs_keep", "succ_mv", "dl_mv", "pool", "dupc", "dupc_mv",
                  "dups", "has_copies")
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
@@ -291,14 +292,10 @@ class PrefixCache:
         # the CPU tier (cpu_tier.CpuTier) when on: evicted blocks spill into it; ``fresh`` stamps each block with
         # the step serial at which it was cached (a block cached in the current step is never demoted)
         self.tier = None
-        # the GPU pool whose blocks these are (set by the manager's Blocks): registration hands an idle block's
-        # content over to a held one and frees the idle block (None: never)
+        # the GPU pool whose blocks these are (set by the manager's Blocks): registration records a held block
+        # whose content another block caches as its copy, and eviction hands the content to a held copy (None:
+        # neither)
         self.pool = None
-        # during allocate_batch: the cached blocks idle before the batch that only the batch's later prompts hit
-        # (held by those hits already; the consecutive calls would hand them over like idle ones), and the
-        # hand-overs made of them (idle block -> held block) for the later prompts' hits to follow. None: no batch
-        self.batch_idle: dict | None = None
-        self.batch_moved: dict | None = None
         self.fresh = None
         self.fresh_serial = 0
         # KV events (enable_events): None when off, so that every emission point costs one test
@@ -537,14 +534,9 @@ class PrefixCache:
             if self.pcid_mv[other] == pcid:  # same content cached by another block: share its identity
                 c = cid[other]
                 if self.pool is not None:
-                    if self.pool.ref_mv[other] == 0 and not self._parked(other):
-                        self._hand_over(other, block)  # (an idle copy could be evicted while this one is held)
-                    elif self.batch_idle is not None and other in self.batch_idle:
-                        self._hand_over_batch(other, block)
-                    else:
-                        self.note_copy(block, c, key, pcid)
-                        if self.events is not None:  # (its parent and namespace, as a cached block's)
-                            self.pkey[block], self.nsid[block] = pkey, self._ns_index(namespace)
+                    self.note_copy(block, c, key, pcid)
+                    if self.events is not None:  # (its parent and namespace, as a cached block's)
+                        self.pkey[block], self.nsid[block] = pkey, self._ns_index(namespace)
                 return c, key
             if self.live_parent(pcid, pkey):  # other's parent content is not the one cached: it cannot be reached
                 if self.pool is not None and self._parked(other):
@@ -618,7 +610,7 @@ class PrefixCache:
             self.cid_mv[d], self.key_mv[d], self.pcid_mv[d] = int(cids[i]), k, self.pcid_mv[b]
             self.succ_mv[d] = -1
             self.dupc_mv[d] = 0
-            if self.fresh is not None:  # (as _hand_over)
+            if self.fresh is not None:  # (its KV is written by this step's forward: never demoted in this step)
                 self.fresh[d] = self.fresh_serial
             if self.events is not None:
                 self.pkey[d], self.nsid[d] = self.pkey[b], self.nsid[b]
@@ -627,49 +619,9 @@ class PrefixCache:
 
     def _parked(self, block: int) -> bool:
         """Whether the idle ``block`` is parked by a pin (steering.SteeredEvictor): it cannot be evicted, so its
-        content stays cached, and the pin holds that very block; it is never handed over. O(1)."""
+        content stays cached, and the pin holds that very block. O(1)."""
         parked = getattr(self.evictor, "parked", None)
         return parked is not None and bool(parked[block])
-
-    def _hand_over(self, other: int, block: int) -> None:
-        """Move the cache identity of the unreferenced cached block ``other`` to ``block`` (uncached, same
-        tokens and parent), which a sequence holds, and put ``other`` on the free ring: a content cached by an
-        idle block while a held block has the same KV would leave the cache at the idle block's eviction (by
-        the very call that registered the held one, e.g. a later KV cache group's take) though a sequence still
-        holds it. Same content id and key: chains through it stay whole, no KV event. O(1)."""
-        self.cid_mv[block], self.key_mv[block], self.pcid_mv[block] = self.cid_mv[other], self.key_mv[other], \
-            self.pcid_mv[other]
-        self.map[self.key_mv[other]] = block
-        self.dupc_mv[block] = 0
-        if self.fresh is not None:  # (its KV is written by this step's forward: never demoted in this step)
-            self.fresh[block] = self.fresh_serial
-        if self.events is not None:
-            self.pkey[block], self.nsid[block] = self.pkey[other], self.nsid[other]
-        self.cid_mv[other] = 0
-        self.succ_mv[other] = -1
-        self.evictor.discard(other)
-        self.pool.give(np.array([other], dtype=np.int32))
-
-    def _hand_over_batch(self, other: int, block: int) -> None:
-        """:meth:`_hand_over` inside ``allocate_batch`` of a block idle before the batch that only the batch's later
-        prompts hit (they hold their references already; it left the evictor then): those references move to
-        ``block``, which the later prompts then hit instead (``batch_moved``), as the consecutive allocate calls
-        would have found it. O(1)."""
-        ref = self.pool.ref_mv
-        ref[block] += ref[other]
-        ref[other] = 0
-        del self.batch_idle[other]
-        self.batch_moved[other] = block
-        self.cid_mv[block], self.key_mv[block], self.pcid_mv[block] = self.cid_mv[other], self.key_mv[other], \
-            self.pcid_mv[other]
-        self.map[self.key_mv[other]] = block
-        if self.fresh is not None:  # (as _hand_over)
-            self.fresh[block] = self.fresh_serial
-        if self.events is not None:
-            self.pkey[block], self.nsid[block] = self.pkey[other], self.nsid[other]
-        self.cid_mv[other] = 0
-        self.succ_mv[other] = -1
-        self.pool.give(np.array([other], dtype=np.int32))
 
     def live_parent(self, pcid: int, pkey: int) -> bool:
         """Whether the content ``pcid`` (key ``pkey``) is the one a lookup reaches under ``pkey``: a namespace root,

@@ -242,10 +242,10 @@ class HybridAllocator:
             groups.append((gpu, cpu, chain, nnull))
         return _Plan(arr, n, nblocks, L, groups, need, ncpu)
 
-    def can_allocate(self, arr: np.ndarray, la: int, gns: tuple, chunk: int | None) -> AllocStatus:
+    def can_allocate(self, arr: np.ndarray, la: int, gns: tuple, chunk: int | None, e: int = 0) -> AllocStatus:
         """NEVER / LATER / OK (see HybridBlockManager.can_allocate)."""
         try:
-            plan = self.plan(arr, la, gns, chunk=chunk)
+            plan = self.external_plan(arr, la, gns, chunk, e)[0] if e else self.plan(arr, la, gns, chunk=chunk)
         except (PromptTooLongError, TableWidthError):
             return AllocStatus.NEVER
         if self.blocks.num_free - plan.need >= self.watermark:
@@ -375,15 +375,10 @@ class HybridAllocator:
         ``e' == 0``: a plain allocation (chunked as asked). ``window_only``: then :meth:`cut_windows` at the
         load's end (``cut``: whether it cut a group). O(prompt blocks x groups)."""
         bs, G = self.bs, self.G
-        plan = self.plan(arr, la, gns)
+        plan, ext = self.external_plan(arr, la, gns, chunk, e)
         h = plan.nhit * bs
-        ext = max(0, min(e, (arr.size - 1) // bs * bs - h))
         if not ext:
             return self.allocate(seq_id, arr, la, gns, chunk) // bs, 0, False
-        if chunk is not None and h + ext + chunk < plan.n:  # the hit, the external tokens, one chunk
-            n = h + ext + chunk
-            nb = -(-(n + la) // bs)
-            plan = plan._replace(n=n, nblocks=nb, need=plan.need - G * (plan.nblocks - nb))
         free = self.blocks.num_free
         if plan.need > free:
             raise OutOfBlocksError(f"prompt of {plan.n} tokens needs {plan.need} new blocks in {G} KV cache groups; "
@@ -396,6 +391,23 @@ class HybridAllocator:
         self.commit(seq_id, gns, plan, defer=True)
         cut = self.cut_windows(seq_id, plan.nhit, h + ext) if window_only else False
         return plan.nhit, ext, cut
+
+    def external_plan(self, arr: np.ndarray, la: int, gns: tuple, chunk: int | None, e: int,
+                      check: bool = True) -> tuple:
+        """``(plan, e')``: the plan of a prompt with ``e`` external tokens after its hybrid hit L (``e'`` of them
+        kept: whole blocks before the prompt's last token), holding the hit, the ``e'`` tokens and one chunk with
+        ``chunk``; with ``e' == 0`` the plain (chunked) plan. Changes nothing. O(prompt blocks x groups)."""
+        bs, G = self.bs, self.G
+        plan = self.plan(arr, la, gns, check=check)
+        h = plan.nhit * bs
+        ext = max(0, min(e, (arr.size - 1) // bs * bs - h))
+        if not ext:
+            return (plan if chunk is None else self.plan(arr, la, gns, check=check, chunk=chunk)), 0
+        if chunk is not None and h + ext + chunk < plan.n:  # the hit, the external tokens, one chunk
+            n = h + ext + chunk
+            nb = -(-(n + la) // bs)
+            plan = plan._replace(n=n, nblocks=nb, need=plan.need - G * (plan.nblocks - nb))
+        return plan, ext
 
     def cut_windows(self, seq_id: Hashable, nhit: int, p: int) -> bool:
         """A load of window blocks only (``allocate(..., external_window_only=True)``), just committed with its

@@ -57,7 +57,7 @@ class HybridSwapper:
         bs = self.bs
         for t, s in zip(self.tables, self.swaps):
             uniq = t.unique_blocks(rows)
-            reuse = s.reuse(uniq)
+            reuse = s.reuse(uniq, rows)
             extra = int(np.maximum(-(-(t.ntok[rows] + la) // bs) - t.nblk[rows], 0).sum())
             most += uniq.size + extra
             need += uniq.size + extra - sum(1 for g in reuse.tolist() if g >= 0 and ref[g] > 0)

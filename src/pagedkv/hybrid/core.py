@@ -414,28 +414,35 @@ class HybridBlockManager(PoolState, ExternalKV):
         return self._alloc.result(seq_ids, arrs, shapes, nhit)
 
     def lookup_prefix(self, token_ids: Sequence[int], num_lookahead_slots: int = 0, *,
-                      namespace: object = None, num_new_tokens: int | None = None) -> PrefixHit:
+                      namespace: object = None, num_new_tokens: int | None = None,
+                      num_external_tokens: int = 0) -> PrefixHit:
         """What :meth:`allocate` would find cached now (the hybrid hit), changing nothing: cached tokens and
         blocks (per group), CPU-tier promotions (all groups) and the free GPU blocks the allocation would consume
         (all groups; with ``num_new_tokens``, those of the hit plus that chunk, as ``allocate(...,
-        num_new_tokens=)`` takes them). O(prompt blocks x groups)."""
+        num_new_tokens=)`` takes them; with ``num_external_tokens`` too, the hit, the external tokens allocate
+        keeps and one chunk, without ``external_window_only``'s cut). O(prompt blocks x groups)."""
         la = check_int("num_lookahead_slots", num_lookahead_slots, 0)
         k = None if num_new_tokens is None else check_int("num_new_tokens", num_new_tokens, 1)
+        e = self._ext.check_external(num_external_tokens)
         arr = as_tokens(token_ids)
-        plan = self._alloc.plan(arr, la, self._alloc.gns(namespace), check=False, chunk=k)
+        gns = self._alloc.gns(namespace)
+        plan = self._alloc.external_plan(arr, la, gns, k, e, check=False)[0] if e else \
+            self._alloc.plan(arr, la, gns, check=False, chunk=k)
         return PrefixHit(plan.nhit * self._bs, plan.nhit, plan.ncpu, plan.need)
 
     def can_allocate(self, token_ids: Sequence[int], num_lookahead_slots: int = 0, *,
-                     namespace: object = None, num_new_tokens: int | None = None) -> AllocStatus:
+                     namespace: object = None, num_new_tokens: int | None = None,
+                     num_external_tokens: int = 0) -> AllocStatus:
         """NEVER if the prompt's blocks in every group exceed the pool less the watermark (the whole prompt in a
         full-attention group; with ``num_new_tokens``, a sliding-window group counts at most its window plus one
         chunk, all it ever holds while the prompt is appended chunk by chunk), LATER if the blocks the allocation
         would consume (every group, hits counted; with ``num_new_tokens``, only the hit plus that chunk) do not fit
-        now, else OK. O(prompt blocks x groups)."""
+        now, else OK; ``num_external_tokens`` as in :meth:`lookup_prefix`. O(prompt blocks x groups)."""
         la = check_int("num_lookahead_slots", num_lookahead_slots, 0)
         k = None if num_new_tokens is None else check_int("num_new_tokens", num_new_tokens, 1)
+        e = self._ext.check_external(num_external_tokens)
         arr = as_tokens(token_ids)
-        return self._alloc.can_allocate(arr, la, self._alloc.gns(namespace), k)
+        return self._alloc.can_allocate(arr, la, self._alloc.gns(namespace), k, e)
 
     def fork(self, parent_seq_id: Hashable, child_seq_id: Hashable) -> None:
         """Create ``child_seq_id`` sharing every block of the parent in every group (see BlockManager.fork). A

@@ -255,37 +255,12 @@ class Allocator:
             if pins:
                 self.tier.pin_many(list(dict.fromkeys(pins)))
         rows: list[int] = []
-        firsts = None
-        if self.cache is not None and reused and len(plans) > 1:
-            # a block idle before the batch that a later prompt hits: the consecutive calls would hand its identity
-            # over to an earlier prompt's new block of the same content (PrefixCache._hand_over), so registration
-            # may do that here too (until the first prompt hitting it is committed); later hits follow the move
-            first: dict[int, int] = {}
-            for i, p in enumerate(plans):
-                for h in p[3]:
-                    if h in reused and h not in first:
-                        first[h] = i
-            firsts = sorted((i, h) for h, i in first.items())
-            self.cache.batch_idle, self.cache.batch_moved = first, {}
-        try:
-            k = 0
-            for i, (s, ns, (arr, n, nblocks, hits, cpu_hits, chain, _)) in enumerate(zip(seq_ids, namespaces, plans)):
-                if firsts is not None:
-                    idle = self.cache.batch_idle
-                    while k < len(firsts) and firsts[k][0] <= i:  # held by this prompt from now on, as in the calls
-                        idle.pop(firsts[k][1], None)
-                        k += 1
-                    moved = self.cache.batch_moved
-                    if moved:
-                        hits = [moved.get(h, h) for h in hits]
-                if hits and min(hits) < 0:
-                    hits, chain = self.resolve(hits, cpu_hits, chain, rows)
-                rows.append(self.commit(s, ns, arr, n, nblocks, hits, cpu_hits, chain, referenced=True))
-                if n < arrs[len(rows) - 1].size:  # a chunk: fork waits for the rest of the prompt
-                    self.t.partial[s] = arrs[len(rows) - 1].size
-        finally:
-            if firsts is not None:
-                self.cache.batch_idle = self.cache.batch_moved = None
+        for s, ns, (arr, n, nblocks, hits, cpu_hits, chain, _) in zip(seq_ids, namespaces, plans):
+            if hits and min(hits) < 0:
+                hits, chain = self.resolve(hits, cpu_hits, chain, rows)
+            rows.append(self.commit(s, ns, arr, n, nblocks, hits, cpu_hits, chain, referenced=True))
+            if n < arrs[len(rows) - 1].size:  # a chunk: fork waits for the rest of the prompt
+                self.t.partial[s] = arrs[len(rows) - 1].size
         nhit = [len(p[3]) + (len(p[4]) if p[4] else 0) for p in plans]
         return self.prefill_result(tuple(seq_ids), arrs, plans, rows, nhit)
 

@@ -30,7 +30,9 @@ class ExternalLoad(NamedTuple):
     """The blocks that receive a LOADING sequence's external KV: ``block_ids[i]`` takes the KV of tokens
     ``[start_token + i * block_size, start_token + (i + 1) * block_size)``, whose chained content key (the prefix
     cache's, :func:`pagedkv.block_hashes`) is ``keys[i]``. ``group_block_ids``: the same per KV cache group (one
-    tuple per group; a BlockManager has one) and ``group_keys``."""
+    tuple per group; a BlockManager has one) and ``group_keys``. ``cut``: a sliding group reserved only the blocks
+    its window sees at the load's end (``external_window_only``): its other positions hold NULL_BLOCK (nothing to
+    write there), and the load ends whole (``finish_external(done=)``) or aborted, never as a partial failure."""
 
     seq_id: Hashable
     start_token: int
@@ -40,6 +42,7 @@ class ExternalLoad(NamedTuple):
     namespace: object
     group_block_ids: tuple
     group_keys: tuple  # the keys per group (``pagedkv.block_hashes(..., group=g)``: each group's chain)
+    cut: bool = False
 
 
 class Hold(NamedTuple):
@@ -105,6 +108,20 @@ class External:
             raise InvalidArgumentError(
                 f"num_external_tokens must be an int >= 0 and a multiple of block_size {self.bs}, got {e!r}")
         return int(e)
+
+    def check_lookup(self, e: object, window: int | None) -> int:
+        """``num_external_tokens`` of lookup_prefix / can_allocate, checked as allocate checks it."""
+        if type(e) is int and e == 0:
+            return 0
+        e = self.check_external(e)
+        if e and window is not None:
+            raise InvalidArgumentError("num_external_tokens is not available with a sliding window")
+        return e
+
+    def kept(self, n: int, h: int, e: int) -> int:
+        """E': the external tokens allocate keeps after a hit of ``h`` tokens in a prompt of ``n`` (see
+        :meth:`plan`)."""
+        return max(0, min(e, (n - 1) // self.bs * self.bs - h)) if e else 0
 
     def plan(self, token_ids, la: int, namespace, k: int | None, e: int) -> tuple:
         """The allocation of a prompt with ``e`` external tokens after its hit, without changing anything:
@@ -204,7 +221,8 @@ class External:
         ids = tuple(tuple(tg.table[row, rec.nhit : rec.nhit + rec.next].tolist()) for tg in self.tables)
         keys = tuple(tuple(block_hashes(rec.arr[: (rec.nhit + rec.next) * bs], bs, rec.namespace, g)[rec.nhit :])
                      for g in range(len(self.tables)))
-        return ExternalLoad(seq_id, rec.nhit * bs, rec.next * bs, ids[0], keys[0], rec.namespace, ids, keys)
+        return ExternalLoad(seq_id, rec.nhit * bs, rec.next * bs, ids[0], keys[0], rec.namespace, ids, keys,
+                            bool(rec.cut))
 
     def finish(self, done, failed) -> dict:
         """``finish_external``: validate every report, then end each load (see docs/external-kv.md).

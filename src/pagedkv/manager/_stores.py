@@ -17,7 +17,11 @@ reference) until its store completes, so that a store never reads a block that w
 
 Per-block state in flat arrays by block id (of the pool the plans read: the CPU pool's with write-back over the
 CPU tier): the content id a successful store wrote from the block (``stored``), the content id a pending store
-reads (``pinned``), and (selective) the hit counts. Each plan carries its blocks' tokens and, when the manager keeps
+reads (``pinned``), and (selective) the hit counts. A content is known by its chained key across evictions
+(evicted and computed again it gets a new content id): ``done`` remembers the keys successful stores wrote, one
+slot per ``key % len(done)`` (direct-mapped, 8 slots per block of the pool, at least 4096: a later key may take an
+older one's slot, whose content may then be planned once more), and a content whose key is there is not planned
+again. Each plan carries its blocks' tokens and, when the manager keeps
 parent keys (KV events on), each block's parent key, for the tiers' ``BlockStored`` events.
 """
 
@@ -69,6 +73,7 @@ class Stores:
             # write_through: contents registered after last_serial and before the last step's end (step_serial,
             # taken by take_copy_plan: their KV is written by that step's forward) are candidates
             self.last_serial = self.step_serial = cache.serial
+            self.done = np.zeros(1 << max(12, (8 * n - 1).bit_length()), np.uint64)  # keys stored (see above)
         if store_policy == "write_back":
             # how many blocks may wait for a write-back at once (pinned, so not evictable meanwhile): 1/32 of the
             # pool, at least 16 (a step rarely evicts more before the next plan)
@@ -116,7 +121,7 @@ class Stores:
                 b = b[(cid[b] != 0) & (self.hits_cid[b] == cid[b])]  # the content that was hit is still there
         if b.size:
             c = cid[b]
-            b = b[(c != 0) & (self.stored[b] != c) & (self.pinned[b] != c)]
+            b = b[(c != 0) & (self.stored[b] != c) & (self.pinned[b] != c) & self.unstored(cache.key[b])]
         if not b.size:
             return None
         ref = self.gpu.ref
@@ -128,7 +133,7 @@ class Stores:
         self.pinned[b] = c
         sid = self.next_store
         self.next_store += 1
-        self.plans[sid] = (b, c)
+        self.plans[sid] = (b, c, cache.key[b])
         if self.policy == "write_back":
             self.npinned += b.size
         parents = None
@@ -148,7 +153,7 @@ class Stores:
         ident = tier.cpu_id
         if b.size:
             c = ident[0, b]
-            b = b[(c != 0) & (self.stored[b] != c)][:room]
+            b = b[(c != 0) & (self.stored[b] != c) & self.unstored(ident[1, b].view(np.uint64))][:room]
         if not b.size:
             return None
         c = ident[0, b].copy()
@@ -156,9 +161,9 @@ class Stores:
         self.pinned[b] = c
         sid = self.next_store
         self.next_store += 1
-        self.plans[sid] = (b, c)
-        self.npinned += b.size
         keys = ident[1, b].view(np.uint64)
+        self.plans[sid] = (b, c, keys)
+        self.npinned += b.size
         parents = None
         if self.cache.pkey is not None:
             pk = ident[3, b].view(np.uint64).tolist()
@@ -169,7 +174,7 @@ class Stores:
         if not isinstance(success, (bool, np.bool_)):
             raise InvalidArgumentError(f"success must be a bool, got {success!r}")
         try:
-            b, c = self.plans.pop(store_id)
+            b, c, keys = self.plans.pop(store_id)
         except (KeyError, TypeError):
             raise UnknownStoreError(f"no pending store {store_id!r} (completed already, or never planned)") from None
         self.pinned[b] = 0
@@ -177,6 +182,7 @@ class Stores:
             self.npinned -= b.size
         if success:
             self.stored[b] = c
+            self.done[keys % np.uint64(self.done.size)] = keys
         elif self.policy == "selective":
             self.hits[b] = 0  # (counted again from zero: planned again once hit min_hits more times)
         if self.tier is not None:
@@ -200,22 +206,26 @@ class Stores:
             b = np.fromiter((x for _, x in zip(range(window), it)), dtype=np.int64)
         if b.size:
             c = self.cache.cid[b]
-            b = b[(c != 0) & (self.stored[b] != c)][:room]
+            b = b[(c != 0) & (self.stored[b] != c) & self.unstored(self.cache.key[b])][:room]
         return b
+
+    def unstored(self, keys: np.ndarray) -> np.ndarray:
+        """Mask of ``keys`` (uint64) no successful store wrote, as far as ``done`` remembers. O(len(keys))."""
+        return self.done[keys % np.uint64(self.done.size)] != keys
 
     # ------------------------------------------------------------------ audit
     def extra_refs(self) -> list:
         """The GPU blocks pending stores pin (one reference each; a CPU-tier plan's blocks are pinned in the
         tier, not referenced)."""
-        return [] if self.tier is not None else [b for b, _ in self.plans.values()]
+        return [] if self.tier is not None else [b for b, _, _ in self.plans.values()]
 
     def check(self, fail) -> None:
         """This part's invariants (the refcounts are checked with the tables'). O(pinned blocks)."""
-        for sid, (b, c) in self.plans.items():
+        for sid, (b, c, _) in self.plans.items():
             if sid >= self.next_store or (self.pinned[b] != c).any():
                 fail(f"store {sid}: its pins are not recorded")
         if self.policy != "none":
-            pending = np.concatenate([b for b, _ in self.plans.values()]) if self.plans else np.zeros(0, np.int64)
+            pending = np.concatenate([b for b, _, _ in self.plans.values()]) if self.plans else np.zeros(0, np.int64)
             if np.count_nonzero(self.pinned) != pending.size or np.unique(pending).size != pending.size:
                 fail("a block is pinned by two stores, or pinned by none")
             if self.policy == "write_back" and not 0 <= self.npinned == pending.size <= self.lookahead:

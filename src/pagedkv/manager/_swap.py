@@ -72,7 +72,7 @@ class Swapper:
         seq_ids = list(seq_ids)
         rows = self.t.rows_where(seq_ids, swapped=True)
         uniq = self.t.unique_blocks(rows)
-        reuse = self.reuse(uniq)
+        reuse = self.reuse(uniq, rows)
         ref = self.gpu.ref
         copy_mask = reuse < 0
         n_copy = int(copy_mask.sum())
@@ -89,11 +89,9 @@ class Swapper:
         if self.t.stepping:
             cache, reused = self.cache, reuse[~copy_mask]
             # a block cached in this step is reused: its KV may be this step's forward's to write, so the rows are
-            # marked handed slots in this step (a swap_out of them is refused until the next step). With the CPU
-            # tier each block says when it was cached; without it, a reused block another sequence holds may be
-            # that sequence's block of this step (an idle cached block was written in an earlier step)
-            if reused.size and ((cache.fresh[reused] == cache.fresh_serial).any() if self.tier is not None
-                                else (ref[reused] > 0).any()):
+            # marked handed slots in this step (a swap_out of them is refused until the next step). Each GPU
+            # block says in which step it was cached (``fresh``: kept with a CPU pool, see BlockManager)
+            if reused.size and (cache.fresh[reused] == cache.fresh_serial).any():
                 self.t.ntok0[rows] = -1
         gpu_ids = reuse.copy()
         new = self.blocks.take(n_copy)
@@ -106,12 +104,19 @@ class Swapper:
             cache.tok[g_new] = self.cpu_tok[c_new]
             ident = self.cpu_id
             was_cached = ident[0, c_new] != 0
+            # a content shared under another content id (cached again while this one was out): what chains
+            # after it chains after that id
+            c_re, g_re = uniq[~copy_mask], reuse[~copy_mask]
+            moved = (ident[0, c_re] != cache.cid[g_re]) & (ident[0, c_re] != 0)
+            renamed = dict(zip(ident[0, c_re[moved]].tolist(), cache.cid[g_re[moved]].tolist())) if moved.any() \
+                else {}
             taken = []
             for c, g in zip(c_new[was_cached].tolist(), g_new[was_cached].tolist()):
                 ns = cache.ns_list[int(ident[4, c])] if cache.events is not None else None
-                if not cache.adopt(g, int(ident[0, c]), int(ident[1, c]) & _U64, int(ident[2, c]),
-                                   int(ident[3, c]) & _U64, ns):
-                    taken.append((g, int(ident[1, c]) & _U64, int(ident[2, c])))
+                pcid = int(ident[2, c])
+                pcid = renamed.get(pcid, pcid)
+                if not cache.adopt(g, int(ident[0, c]), int(ident[1, c]) & _U64, pcid, int(ident[3, c]) & _U64, ns):
+                    taken.append((g, int(ident[1, c]) & _U64, pcid))
             if taken:
                 self.copy_taken(taken)
             self.rechain(rows)
@@ -208,14 +213,38 @@ class Swapper:
             src_ref[old] -= 1
             dst_ref[new] += 1
 
-    def reuse(self, cpu_blocks: np.ndarray) -> np.ndarray:
-        """For each CPU block: the GPU block still caching the same content (reuse instead of copy), or -1."""
+    def reuse(self, cpu_blocks: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """For each CPU block (``unique_blocks(rows)``): the GPU block caching the same content (reuse instead of
+        copy), or -1. First by the block's own content id; then, for a row with no released blocks, by walking its
+        registered blocks from the root as a prompt's lookup does (key, tokens and parent content): a content
+        another sequence cached again while this one was out (under new content ids) is shared, not copied.
+        O(distinct blocks) plus O(registered blocks) per row with a block not found by its content id."""
         reuse = np.full(cpu_blocks.size, -1, dtype=np.int64)
-        if self.cache is None:
+        cache = self.cache
+        if cache is None:
             return reuse
         ident = self.cpu_id
         for i, c in enumerate(cpu_blocks.tolist()):
             if ident[0, c]:
-                reuse[i] = self.cache.lookup(int(ident[0, c]), int(ident[1, c]) & _U64)
+                reuse[i] = cache.lookup(int(ident[0, c]), int(ident[1, c]) & _U64)
+        if (reuse >= 0).all():
+            return reuse
+        t, tok = self.t, self.cpu_tok
+        index = {c: i for i, c in enumerate(cpu_blocks.tolist())}
+        for r in rows.tolist():
+            if t.nrel[r] or not t.nreg[r]:
+                continue
+            pcid, pkey = cache.root(t.ns_of[r], intern=False)
+            for c in t.table[r, : t.nreg[r]].tolist():
+                if c < 0:  # (a position this group's row never held)
+                    break
+                i = index[c]
+                g = int(reuse[i])
+                if g < 0:
+                    g, _ = cache.find(pcid, pkey, tok[c].tobytes())
+                    if g < 0:
+                        break
+                    reuse[i] = g
+                pcid, pkey = int(cache.cid[g]), int(cache.key[g])
         return reuse
 

@@ -211,6 +211,11 @@ class BlockManager(PoolState, ExternalKV):
         self._copies: list = []
         self._tier = CpuTier(self._cpu, self._cpu_tok, self._cpu_id, self._cache, self._copies) \
             if cpu_prefix_cache else None
+        if self._cache is not None and num_cpu_blocks and self._tier is None:
+            # each GPU block says in which step it was cached (the CPU tier keeps this too): a swap-in that gets
+            # one back in its step marks its rows (Swapper.swap_in). One int32 write a registered block
+            self._cache.fresh = np.zeros(num_gpu_blocks, np.int32)
+            self._cache.fresh_serial = 1
         self._watermark_blocks = int(watermark * num_gpu_blocks)
         self._fixed_w = block_table_width or 0  # fixed width of batch block tables (0: the batch's longest)
         self._blocks = Blocks(self._gpu, self._cpu, self._cache, self._cpu_id, self._tier)
@@ -303,6 +308,8 @@ class BlockManager(PoolState, ExternalKV):
             dem = [p for t, s, d in parts if t == DEMOTE for p in zip(s, d)]
             pro = [p for t, s, d in parts if t == PROMOTE for p in zip(s, d)]
             tier.end_step(dem, pro)
+        elif self._cache is not None and self._cache.fresh is not None:
+            self._cache.fresh_serial += 1
         if parts:
             plan = CopyPlan.build([(_KIND_OF_TAG[t], s, d) for t, s, d in parts])
             parts.clear()
@@ -448,7 +455,7 @@ class BlockManager(PoolState, ExternalKV):
 
     # ------------------------------------------------------------------ admission and allocation
     def can_allocate(self, token_ids: Sequence[int], num_lookahead_slots: int = 0, *, namespace: object = None,
-                     num_new_tokens: int | None = None) -> AllocStatus:
+                     num_new_tokens: int | None = None, num_external_tokens: int = 0) -> AllocStatus:
         """Whether a new prompt fits: NEVER if its blocks (plus lookahead) exceed the pool minus the watermark,
         LATER if they do not fit now, else OK. With prefix caching, full blocks it would share with live
         sequences are not counted. ``num_new_tokens`` (chunked prefill): LATER / OK count only the blocks of
@@ -457,24 +464,27 @@ class BlockManager(PoolState, ExternalKV):
         ``num_new_tokens``, NEVER looks at the most blocks the prompt holds at once in chunks of that size (the
         window's ``W - 1`` tokens plus a chunk: the window releases blocks as the chunks go), so a prompt longer
         than the pool is admitted; the hit is then cut where it and the first chunk would not fit in the pool.
-        O(prompt blocks)."""
+        ``num_external_tokens=E`` (with ``num_new_tokens``): the hit, the E' external tokens ``allocate`` would
+        keep and one chunk, as it takes them (docs/external-kv.md). O(prompt blocks)."""
         arr = _as_tokens(token_ids)
         la = _check_int("num_lookahead_slots", num_lookahead_slots, 0)
         k = None if num_new_tokens is None else _check_int("num_new_tokens", num_new_tokens, 1)
+        e = self._ext.check_lookup(num_external_tokens, self._window)
         needed = -(-(arr.size + la) // self._bs)
         if self._alloc.peak(arr.size, la, k) > self._gpu.num_blocks - self._watermark_blocks:
             return AllocStatus.NEVER
         if self._cache is None:
             _encode_namespace(namespace)  # validate it all the same
             if k is not None and k < arr.size:
-                needed = -(-(k + la) // self._bs)
+                needed = -(-(min(arr.size, self._ext.kept(arr.size, 0, e) + k) + la) // self._bs)
         else:
             root = self._cache.root(namespace, intern=False)
             hits, chain = self._reg.lookup(arr, root)
             if self._window is not None and k is not None:
                 hits, _ = self._alloc.fit_hit(hits, chain, root, arr.size, la, k)
             if k is not None and len(hits) * self._bs + k < arr.size:
-                needed = -(-(len(hits) * self._bs + k + la) // self._bs)
+                h = len(hits) * self._bs
+                needed = -(-(min(arr.size, h + self._ext.kept(arr.size, h, e) + k) + la) // self._bs)
             ref = self._gpu.ref
             needed -= sum(1 for b in hits if b >= 0 and ref[b] > 0)  # (a CPU-tier hit needs a GPU block)
             if self._steered and self._cache.evictor.num_parked:  # pinned idle hits: not in the free count
@@ -599,7 +609,8 @@ class BlockManager(PoolState, ExternalKV):
         return self._alloc.allocate_batch(seq_ids, prompts, la, namespaces, chunks)
 
     def lookup_prefix(self, token_ids: Sequence[int], num_lookahead_slots: int = 0, *,
-                      namespace: object = None, num_new_tokens: int | None = None) -> PrefixHit:
+                      namespace: object = None, num_new_tokens: int | None = None,
+                      num_external_tokens: int = 0) -> PrefixHit:
         """What :meth:`allocate` would find cached for this prompt if called now, without changing anything (no
         LRU touch, no stats, no KV events, no pinning): :class:`PrefixHit` (cached tokens and blocks, how many of
         them come from the CPU tier, how many free GPU blocks the allocation would consume). Both tiers and
@@ -608,13 +619,17 @@ class BlockManager(PoolState, ExternalKV):
         (``len(token_ids) - num_cached_tokens``). Inside one :meth:`allocate_batch` a prompt may also hit the
         blocks of the batch's earlier prompts, which this lookup cannot know. ``num_new_tokens`` (chunked
         prefill): ``num_new_blocks`` counts the blocks of the hit plus that many further tokens, as
-        ``allocate(..., num_new_tokens=)`` would take them. O(prompt blocks)."""
+        ``allocate(..., num_new_tokens=)`` would take them; with ``num_external_tokens=E`` too, the blocks of the
+        hit H, of the E' external tokens allocate would keep (E cut to whole blocks before the prompt's last
+        token) and of one chunk, as ``allocate(..., num_new_tokens=, num_external_tokens=)`` takes them
+        (``num_cached_tokens`` stays H: the external tokens are not cached here). O(prompt blocks)."""
         la = _check_int("num_lookahead_slots", num_lookahead_slots, 0)
         k = None if num_new_tokens is None else _check_int("num_new_tokens", num_new_tokens, 1)
+        e = self._ext.check_lookup(num_external_tokens, self._window)
         if self._cache is None:
             n = _as_tokens(token_ids).size
             _encode_namespace(namespace)  # validate it all the same
-            nb = -(-((n if k is None else min(n, k)) + la) // self._bs)
+            nb = -(-((n if k is None else min(n, self._ext.kept(n, 0, e) + k)) + la) // self._bs)
             return PrefixHit(0, 0, 0, nb)
         arr = _as_tokens(token_ids)
         root = self._cache.root(namespace, intern=False)
@@ -626,9 +641,10 @@ class BlockManager(PoolState, ExternalKV):
         if self._steered and self._cache.evictor.num_parked:  # pinned idle hits: not in the free count
             held += sum(1 for b in hits if b >= 0 and self._cache.evictor.parked[b])
         ncpu = sum(1 for b in hits if b < 0)
-        n = arr.size if k is None else min(arr.size, len(hits) * self._bs + k)
+        h = len(hits) * self._bs
+        n = arr.size if k is None else min(arr.size, h + self._ext.kept(arr.size, h, e) + k)
         nb = -(-(n + la) // self._bs)
-        return PrefixHit(len(hits) * self._bs, len(hits), ncpu, nb - held)
+        return PrefixHit(h, len(hits), ncpu, nb - held)
 
     def fork(self, parent_seq_id: Hashable, child_seq_id: Hashable) -> None:
         """Create ``child_seq_id`` sharing every block of the parent (refcounts + 1); a later write into a shared
@@ -953,7 +969,7 @@ class BlockManager(PoolState, ExternalKV):
         rows = self._t.rows_where(list(seq_ids), swapped=True)
         la = _check_int("num_lookahead_slots", num_lookahead_slots, 0)
         uniq = self._t.unique_blocks(rows)
-        reuse = self._swap.reuse(uniq)
+        reuse = self._swap.reuse(uniq, rows)
         extra = np.maximum(-(-(self._t.ntok[rows] + la) // self._bs) - self._t.nblk[rows], 0).sum()
         need = int(uniq.size + extra)
         if need > self._gpu.num_blocks - self._watermark_blocks:
