@@ -67,8 +67,8 @@ def test_a_chat_renders_the_template_without_special_tokens_by_default():
                                    "add_special_tokens": True}).encode(), LIMITS)
     assert tokenize(r, tok, 64)["tokens"] == [256, *text.encode()]
     # continue_final_message: the rendering stops right after the final message's text (its trailing spaces too)
-    r = parse_tokenize(json.dumps({"messages": msgs, "continue_final_message": True}).encode(), LIMITS)
-    assert not r.add_generation_prompt
+    r = parse_tokenize(json.dumps({"messages": msgs, "continue_final_message": True,
+                                   "add_generation_prompt": False}).encode(), LIMITS)
     assert tok.decode(tokenize(r, tok, 64)["tokens"]) == "<user>hi</end>\n<assistant>Hello there  "
     # neutral values of the fields not implemented are accepted
     r = parse_tokenize(json.dumps({"messages": msgs, "tools": [], "chat_template_kwargs": {},
@@ -83,7 +83,7 @@ def test_a_template_that_does_not_render_the_final_text_cannot_be_continued():
                                        add_generation_prompt=add_generation_prompt)
 
     r = parse_tokenize(json.dumps({"messages": [{"role": "user", "content": "go on"}],
-                                   "continue_final_message": True}).encode(), LIMITS)
+                                   "continue_final_message": True, "add_generation_prompt": False}).encode(), LIMITS)
     with pytest.raises(APIError) as info:
         tokenize(r, Upper(), 64)
     assert info.value.status == 400 and info.value.param == "messages"
@@ -104,6 +104,7 @@ def test_a_template_that_does_not_render_the_final_text_cannot_be_continued():
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages.[0].role"),
     ({"messages": [{"role": "user", "content": "x"}], "continue_final_message": True,
       "add_generation_prompt": True}, "continue_final_message"),
+    ({"messages": [{"role": "user", "content": "x"}], "continue_final_message": True}, "continue_final_message"),
     ({"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ messages }}"}, "chat_template"),
     ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"enable_thinking": False}},
      "chat_template_kwargs"),

@@ -85,7 +85,7 @@ def test_tokenize_answers_the_ids_the_generation_routes_compute(server, offline)
     assert chat["tokens"][: bare["count"]] == bare["tokens"] and bare["count"] < chat["count"]
     # continue_final_message: the assistant's own text is where the rendering stops
     cont = post(server.url, "/tokenize", {"messages": CONV + [{"role": "assistant", "content": "It is"}],
-                                          "continue_final_message": True}).json()
+                                          "continue_final_message": True, "add_generation_prompt": False}).json()
     text = post(server.url, "/detokenize", {"tokens": cont["tokens"]}).json()["prompt"]
     assert text.endswith("assistant\nIt is") and text.startswith(
         post(server.url, "/detokenize", {"tokens": chat["tokens"]}).json()["prompt"])

@@ -7,9 +7,9 @@ A plain module (standard library only at import; the tokenizer is passed in). Fi
 * a completion: ``prompt`` (a string), ``add_special_tokens`` (default true: BOS where the model adds it),
   ``return_token_strs`` (default false), ``model``;
 * a chat: ``messages`` (as ``/v1/chat/completions`` takes them), ``add_generation_prompt`` (default true),
-  ``continue_final_message`` (default false; not with ``add_generation_prompt``: the rendering stops right after
-  the final message's text, for the model to go on with it), ``add_special_tokens`` (default false: the template
-  has them), ``return_token_strs``, ``model``; ``chat_template``, ``chat_template_kwargs``, ``tools``,
+  ``continue_final_message`` (default false; only with ``add_generation_prompt`` false, as in vLLM: the rendering
+  stops right after the final message's text, for the model to go on with it), ``add_special_tokens`` (default
+  false: the template has them), ``return_token_strs``, ``model``; ``chat_template``, ``chat_template_kwargs``, ``tools``,
   ``media_io_kwargs`` and ``mm_processor_kwargs`` only empty or null (400 ``unsupported_parameter`` otherwise:
   the model's own template renders text messages, as on the chat route);
 * ``/detokenize``: ``tokens`` (ids in the vocabulary) and ``model``; special tokens are kept in the text.
@@ -87,11 +87,10 @@ def parse_tokenize(body: bytes | dict, limits: Limits = DEFAULT_LIMITS) -> Token
         return TokenizeRequest(model, _text(d["prompt"], "prompt"), None, _bool(d, "add_special_tokens", True),
                                False, False, strs)
     _check_keys(d, _CHAT_KEYS)
-    cont = _bool(d, "continue_final_message")
-    gen = _bool(d, "add_generation_prompt", not cont)  # (continue_final_message alone turns it off)
-    if cont and gen:
-        raise _bad("Cannot set both 'continue_final_message' and 'add_generation_prompt' to true.",
-                   "continue_final_message")
+    cont, gen = _bool(d, "continue_final_message"), _bool(d, "add_generation_prompt", True)
+    if cont and gen:  # (as in vLLM, whose template call refuses the pair: the default true counts)
+        raise _bad("Cannot set both 'continue_final_message' and 'add_generation_prompt' to true (send "
+                   "'add_generation_prompt': false with 'continue_final_message').", "continue_final_message")
     if d.get("chat_template") is not None:
         _text(d["chat_template"], "chat_template")
         raise _unsupported("chat_template", "the model's own chat template is used")
