@@ -15,7 +15,7 @@ from ...errors import PagedKVError, PinBudgetError, UnknownPinError
 from ...retention.steering import Pin
 from ..async_engine import EngineDead, EngineOverloaded
 from ..validation import APIError, parse_pin, prompt_token_ids
-from .generation import until_done
+from .openai import until_done
 from .retention import pin_json, pins_on
 from .state import ServerState, server_state
 
