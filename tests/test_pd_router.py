@@ -74,10 +74,14 @@ def test_split_end_to_end_over_the_real_server_app(cleanup):
     r = httpx.post(router.url + "/v1/completions", timeout=30,
                    json={"prompt": prompt, "kv_transfer_params": {"do_remote_prefill": "yes"}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params.do_remote_prefill"
-    # n > 1 is refused by the prefill step: its 400 reaches the client as it is
+    # n > 1 skips the split (a hold hands one sequence's blocks to one decode request): computed whole on the
+    # decode replica, never sent to a prefill replica (which refuses n > 1 with kv_transfer_params)
     r = httpx.post(router.url + "/v1/completions", json={"prompt": prompt, "n": 2, "max_tokens": 2}, timeout=30)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
-    assert len(p_engine.submitted) == n and metric(router, "pagedkv_router_pd_client_errors_total") == 1
+    assert r.status_code == 200 and r.headers["x-pagedkv-replica"] == d_url
+    assert "x-pagedkv-prefill-replica" not in r.headers and "kv_transfer_params" not in r.json()
+    dec = d_engine.submitted[-1]
+    assert dec.params.n == 2 and dec.params.max_tokens == 2 and dec.request_id not in dport.attached
+    assert len(p_engine.submitted) == n and not metric(router, "pagedkv_router_pd_client_errors_total")
     assert wait_for(lambda: settled(router))
 
 

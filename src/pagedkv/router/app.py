@@ -9,8 +9,9 @@ back unchanged with two extra headers, ``x-pagedkv-replica`` and ``x-pagedkv-pre
 With an API key every ``/v1`` route needs ``Authorization: Bearer KEY`` (401 otherwise); ``/health`` and
 ``/metrics`` stay open, as on the replicas.
 
-``GET /v1/models`` is answered by a healthy replica; ``GET /metrics`` is the router's own (:mod:`.metrics`);
-``GET /health`` is 200 while a replica is routable (503 otherwise) with a JSON body::
+``GET /v1/models``, and vLLM's ``POST /tokenize`` and ``POST /detokenize`` (validated here first; open without
+the key, as on the replicas), are answered by a healthy replica; ``GET /metrics`` is the router's own
+(:mod:`.metrics`); ``GET /health`` is 200 while a replica is routable (503 otherwise) with a JSON body::
 
     {"status": "ok" | "degraded" | "unavailable",
      "replicas": {"healthy": 2, "total": 3},
@@ -68,7 +69,8 @@ def build_app(state, builder, metrics, proxy=None, *, api_key: str | None = None
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     from ..server.protocol import APIError
-    from ..server.validation import check_content_type, read_body
+    from ..server.tokenization import parse_detokenize, parse_tokenize
+    from ..server.validation import Limits, check_content_type, read_body
     from .proxy import Proxy
 
     if proxy is None:
@@ -112,19 +114,41 @@ def build_app(state, builder, metrics, proxy=None, *, api_key: str | None = None
     async def chat(request: Request) -> Response:
         return await route("chat", "/v1/chat/completions", request)
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
+    async def any_replica(method: str, path: str, headers: dict, body: bytes | None = None) -> Response:
+        """The answer of the first healthy replica that answers at all, relayed as it is (503 when none)."""
         import httpx
 
-        check_auth(request)
-        headers = {k: v for k, v in proxy.upstream_headers(request.headers).items() if k == "authorization"}
         for url in state.routable():
             try:
-                r = await proxy.client(url).get(url + "/v1/models", headers=headers)
+                r = await proxy.client(url).request(method, url + path, content=body, headers=headers)
             except httpx.HTTPError:
                 continue
             return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
         return _error(503, "no replica is available", "server_overloaded", "no_replica")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        check_auth(request)
+        headers = {k: v for k, v in proxy.upstream_headers(request.headers).items() if k == "authorization"}
+        return await any_replica("GET", "/v1/models", headers)
+
+    # (the replicas' vocabulary is the router's tokenizer's: a bad token id gets the replica's own 400 here)
+    tok_limits = Limits(max_body_bytes=max_body_bytes, vocab_size=getattr(builder.tokenizer, "vocab_size", None))
+
+    async def tokenizer_route(path: str, parse, request: Request) -> Response:
+        # (open without the key, as on the replicas and in vLLM; a bad body is refused here, as a replica would)
+        check_content_type(request.headers.get("content-type"))
+        body = await read_body(request, max_body_bytes)
+        await asyncio.to_thread(parse, body, tok_limits)
+        return await any_replica("POST", path, proxy.upstream_headers(request.headers), body)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await tokenizer_route("/tokenize", parse_tokenize, request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await tokenizer_route("/detokenize", parse_detokenize, request)
 
     @app.get("/health")
     async def health() -> Response:

@@ -463,10 +463,14 @@ class Proxy:
 
     def respond(self, path: str, body: bytes, request_headers, prompt) -> _Exchange:
         """The response of a validated request (``prompt``: its :class:`~.prompt.RoutedPrompt`): through the
-        prefill/decode split when the router has both roles (:class:`_SplitExchange`), else to one replica."""
+        prefill/decode split when the router has both roles (:class:`_SplitExchange`), else to one replica. A
+        request with ``n`` > 1 skips the split (a hold hands one sequence's blocks to one decode request): it is
+        computed whole on a colocated replica, or a decode replica when there is none (docs/pd-split.md)."""
         headers = self.upstream_headers(request_headers)
         if self.state.split:
             from ..server.validation import load_json
 
-            return _SplitExchange(self, path, body, headers, prompt, load_json(body))
+            doc = load_json(body)
+            if doc.get("n") in (None, 1):
+                return _SplitExchange(self, path, body, headers, prompt, doc)
         return _Exchange(self, path, body, headers, prompt)

@@ -10,7 +10,11 @@ Modules, each with one job (dependencies point one way: app -> async_engine -> e
   aborts between steps, a bounded waiting queue, counters for the metrics.
 * :mod:`~pagedkv.server.metrics`: the Prometheus registry (``pagedkv:`` names, vLLM style).
 * :mod:`~pagedkv.server.kv_events`: KV-cache events over ZMQ in vLLM's wire layout, with a replay socket.
-* :mod:`~pagedkv.server.app`: the FastAPI routes.
+* :mod:`~pagedkv.server.tokenization`: vLLM's ``/tokenize`` and ``/detokenize`` bodies and answers (plain, as
+  :mod:`~pagedkv.server.validation`; the router shares it).
+* :mod:`~pagedkv.server.routes`: the FastAPI routes, one ``APIRouter`` module per job (OpenAI's routes, pins,
+  tokenizer routes, the KV handoff's holds, health and metrics) over one shared state object.
+* :mod:`~pagedkv.server.app`: ``build_app``, the assembly of those routes.
 * :mod:`~pagedkv.server.launch`: wires an ``LLM`` into the above and runs it (foreground, or a thread for tests).
 * :mod:`~pagedkv.server.cli`: ``pagedkv serve``; :mod:`~pagedkv.server.bench`: ``pagedkv bench serve``.
 

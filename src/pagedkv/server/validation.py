@@ -166,11 +166,8 @@ def _common(d: dict, limits: Limits, *, chat: bool) -> dict:
     out: dict[str, Any] = {}
     out["model"] = _opt_text(d, "model", 256)
     out["max_tokens"] = _int(d, "max_tokens", None, 1, max_len)
-    if chat and d.get("max_completion_tokens") is not None:
-        mct = _int(d, "max_completion_tokens", None, 1, max_len)
-        if out["max_tokens"] is not None and out["max_tokens"] != mct:
-            raise _bad("'max_tokens' and 'max_completion_tokens' disagree; send one of them", "max_completion_tokens")
-        out["max_tokens"] = mct
+    if chat and d.get("max_completion_tokens") is not None:  # it wins over max_tokens, as in vLLM and OpenAI
+        out["max_tokens"] = _int(d, "max_completion_tokens", None, 1, max_len)
     out["temperature"] = _num(d, "temperature", 1.0, 0.0, 2.0)
     out["top_p"] = _num(d, "top_p", 1.0, 0.0, 1.0, lo_open=True)
     out["top_k"] = _int(d, "top_k", -1, -1, _INT32_MAX)
