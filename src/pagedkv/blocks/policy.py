@@ -18,7 +18,8 @@ session level; a density release). Each entry is ``(block, serial, key)``: seria
 an entry is live iff ``stamp[block] == serial`` and a discard only zeroes ``stamp[block]`` (O(1), the entry goes
 stale wherever it is). Keys must not decrease along a segment; the default ``choose`` then merges the segments by
 ``(key, serial)``. A log compacts itself when full (live entries to the front, doubled when still more than half
-live): O(1) amortised per push, no per-block objects, 8 bytes of ``stamp`` per block plus ~20 per log entry.
+live): O(1) amortised per push, no per-block objects; 16 bytes per block (``stamp``, ``seg``) plus 12 per log
+entry (20 for a policy that reads keys), at most about twice the blocks held.
 
 Policies register by name in :data:`POLICIES` (``class MyPolicy(EvictionPolicy, name="mine")``);
 :func:`make_policy` builds one from a name, a class or an instance's class. Costs of the plumbing: ``push`` /
@@ -42,12 +43,14 @@ _EMPTY = np.empty(0, dtype=np.int32)
 
 
 class _Log:
-    """One segment: entries ``[head, tail)`` of ``b`` (int32 block), ``c`` (int64 serial), ``k`` (int64 key);
-    ``live``: its live entries (blocks filed here and still evictable)."""
+    """One segment: entries ``[head, tail)`` of ``b`` (int32 block), ``c`` (int64 serial) and, for a policy
+    that reads keys, ``k`` (int64 key; else None); ``live``: its live entries (blocks filed here and still
+    evictable; not kept for a plain policy's segment)."""
 
-    __slots__ = ("b", "c", "k", "bm", "cm", "km", "head", "tail", "live")
+    __slots__ = ("b", "c", "k", "bm", "cm", "km", "head", "tail", "live", "keyed")
 
-    def __init__(self, capacity: int = 64) -> None:
+    def __init__(self, keyed: bool, capacity: int = 64) -> None:
+        self.keyed = keyed
         self._alloc(capacity)
         self.head = self.tail = 0
         self.live = 0
@@ -55,20 +58,24 @@ class _Log:
     def _alloc(self, size: int) -> None:
         self.b = np.empty(size, dtype=np.int32)
         self.c = np.empty(size, dtype=np.int64)
-        self.k = np.empty(size, dtype=np.int64)
-        self.bm, self.cm, self.km = memoryview(self.b), memoryview(self.c), memoryview(self.k)
+        self.bm, self.cm = memoryview(self.b), memoryview(self.c)
+        self.k = np.empty(size, dtype=np.int64) if self.keyed else None
+        self.km = memoryview(self.k) if self.keyed else None
 
     def room(self, n: int, stamp: np.ndarray) -> None:
         """Make room for ``n`` more entries: drop the stale ones (and reallocate to twice what stays)."""
         h, z = self.head, self.tail
-        lb, lc, lk = self.b[h:z], self.c[h:z], self.k[h:z]
+        lb, lc = self.b[h:z], self.c[h:z]
         keep = stamp[lb] == lc
-        lb, lc, lk = lb[keep], lc[keep], lk[keep]  # (copies)
+        lb, lc = lb[keep], lc[keep]  # (copies)
+        lk = self.k[h:z][keep] if self.keyed else None
         m = lb.size
         size = max(64, 2 * (m + n))
         if size != self.b.size:
             self._alloc(size)
-        self.b[:m], self.c[:m], self.k[:m] = lb, lc, lk
+        self.b[:m], self.c[:m] = lb, lc
+        if self.keyed:
+            self.k[:m] = lk
         self.head, self.tail = 0, m
 
     def first(self, smv) -> int:
@@ -161,8 +168,7 @@ class _Segment:
 
     def blocks(self) -> np.ndarray:
         """Its blocks, oldest first (a fresh int32 array)."""
-        log = self._ev._logs.get(self._s)
-        return _EMPTY if log is None else log.blocks(self._ev.stamp)
+        return self._ev.segment_blocks(self._s)
 
 
 class EvictionPolicy:
@@ -190,20 +196,30 @@ class EvictionPolicy:
     __slots__ = ("stamp", "stamp_mv", "seg", "seg_mv", "_logs", "_serial", "_n", "_log0")
 
     name: str | None = None
-    _plain, _merge, _hit_hook, _empty_hook = True, True, False, False  # (set per subclass: which hooks it has)
+    # (set per subclass: which hooks it has)
+    _plain, _merge, _hit_hook, _empty_hook, _keyed = True, True, False, False, False
 
     def __init_subclass__(cls, name: str | None = None, **kw) -> None:
         super().__init_subclass__(**kw)
-        cls._hit_hook = cls.on_hit is not EvictionPolicy.on_hit
-        cls._empty_hook = cls.emptied is not EvictionPolicy.emptied
-        cls._merge = cls.choose is EvictionPolicy.choose
+        base = EvictionPolicy
+        hit, empty = cls.on_hit is not base.on_hit, cls.emptied is not base.emptied
+        merge = cls.choose is base.choose
         # plain: no hook but (maybe) hint, so one segment and LRU order: push, discard and pop take fast paths
-        cls._plain = (cls.place is EvictionPolicy.place and cls.place_one is EvictionPolicy.place_one and cls._merge
-                      and cls.choose_one is EvictionPolicy.choose_one and not (cls._hit_hook or cls._empty_hook))
-        form = "plain" if cls._plain else "hooked"
+        plain = (cls.place is base.place and cls.place_one is base.place_one and merge
+                 and cls.choose_one is base.choose_one and not (hit or empty))
+        keyed = (merge or cls.order is base.order) and not plain  # (whether anything reads the keys)
+        for flag, value in (("_hit_hook", hit), ("_empty_hook", empty), ("_merge", merge), ("_plain", plain),
+                            ("_keyed", keyed)):
+            setattr(cls, flag, value)
+        form = "plain" if plain else "hooked"
         for call in ("push", "push_many", "discard", "pop", "pop_many"):
             if call not in cls.__dict__:
-                setattr(cls, call, getattr(EvictionPolicy, f"_{call}_{form}"))
+                setattr(cls, call, getattr(base, f"_{call}_{form}"))
+        if not plain:  # (one call less: push and pop are the hooks themselves)
+            if "push" not in cls.__dict__:
+                setattr(cls, "push", cls.place_one)
+            if "pop" not in cls.__dict__:
+                setattr(cls, "pop", cls.choose_one)
         if name is not None:
             cls.name = name
             POLICIES[name] = cls
@@ -211,9 +227,9 @@ class EvictionPolicy:
     def __init__(self, num_blocks: int) -> None:
         self.stamp = np.zeros(num_blocks, dtype=np.int64)
         self.stamp_mv = memoryview(self.stamp)
-        self.seg = np.zeros(num_blocks, dtype=np.int64)  # the segment a block in the evictor is filed in
+        self.seg = np.zeros(num_blocks, dtype=np.int64)  # the segment a block in the evictor is filed in (any int)
         self.seg_mv = memoryview(self.seg)
-        self._log0 = _Log()
+        self._log0 = _Log(self._keyed)
         self._logs = {0: self._log0}  # segment -> _Log (segment 0 always present)
         self._serial = 0
         self._n = 0
@@ -229,7 +245,8 @@ class EvictionPolicy:
         self.append(0, blocks)
 
     def choose(self, n: int) -> np.ndarray:
-        """Hook: remove and return ``n`` victims (default: smallest ``(key, serial)`` first over the segments)."""
+        """Hook: remove and return ``n`` victims (default: smallest ``(key, serial)`` first over the segments; keys
+        are kept unless a policy overrides both ``choose`` and ``order``)."""
         logs = self._logs
         if len(logs) == 1 or self._log0.live == self._n:
             return self.take(0, n)
@@ -300,13 +317,14 @@ class EvictionPolicy:
             serials = self.new_serials(n)
         log = self._logs.get(segment)
         if log is None:
-            log = self._logs[segment] = _Log()
+            log = self._logs[segment] = _Log(self._keyed)
         if log.tail + n > log.b.size:
             log.room(n, self.stamp)
         z = log.tail
         log.b[z : z + n] = blocks
         log.c[z : z + n] = serials
-        log.k[z : z + n] = key
+        if self._keyed:
+            log.k[z : z + n] = key
         log.tail = z + n
         log.live += n
         self.stamp[blocks] = serials
@@ -329,7 +347,7 @@ class EvictionPolicy:
         """:meth:`append` of one block (memoryview writes: the fast form for :meth:`place_one`)."""
         log = self._logs.get(segment)
         if log is None:
-            log = self._logs[segment] = _Log()
+            log = self._logs[segment] = _Log(self._keyed)
         z = log.tail
         if z == len(log.b):
             log.room(1, self.stamp)
@@ -337,7 +355,8 @@ class EvictionPolicy:
         s = self._serial = self._serial + 1
         log.bm[z] = block
         log.cm[z] = s
-        log.km[z] = key
+        if self._keyed:
+            log.km[z] = key
         log.tail = z + 1
         log.live += 1
         self.stamp_mv[block] = s
@@ -368,6 +387,11 @@ class EvictionPolicy:
             return self._n if segment == 0 else 0
         log = self._logs.get(segment)
         return 0 if log is None else log.live
+
+    def segment_blocks(self, segment: int) -> np.ndarray:
+        """The blocks of ``segment``, oldest first (a fresh int32 array)."""
+        log = self._logs.get(segment)
+        return _EMPTY if log is None else log.blocks(self.stamp)
 
     def segment(self, segment: int) -> _Segment:
         """A read-only view of ``segment`` (``len``, iteration oldest first)."""
@@ -512,8 +536,8 @@ class EvictionPolicy:
             b = log.blocks(st)
             assert b.size == self.count(s), f"segment {s}: {b.size} live entries, counted {self.count(s)}"
             assert (self.seg[b] == s).all(), f"segment {s} holds blocks filed elsewhere"
-            k = log.k[log.head : log.tail]
-            assert self._plain or not self._merge or (np.diff(k) >= 0).all(), f"segment {s}: keys decrease"
+            if self._keyed and self._merge:
+                assert (np.diff(log.k[log.head : log.tail]) >= 0).all(), f"segment {s}: keys decrease"
             total += b.size
             seen.append(b)
         assert total == self._n == int(np.count_nonzero(st)), "evictable count is wrong"

@@ -189,6 +189,26 @@ class ARCEvictor(EvictionPolicy, name="arc"):
         if len(self.b1) or len(self.b2):
             self._trim()
 
+    def place_one(self, block: int) -> None:
+        """:meth:`place` of one block, in scalar steps."""
+        c = int(self.cid[block])
+        two = c != 0 and int(self.hcid[block]) == c
+        b1, b2 = self.b1, self.b2
+        if not two and (b1.d or b2.d):
+            k = int(self.key[block])
+            n1, n2 = len(b1.d), len(b2.d)
+            if b1.take(k):
+                self.p = min(self.c, self.p + max(1.0, n2 / n1))
+                two = True
+            elif b2.take(k):
+                self.p = max(0.0, self.p - max(1.0, n1 / n2))
+                two = True
+            if two:
+                self.hcid[block] = c
+        self.append_one(1 if two else 0, block)
+        if b1.d or b2.d:
+            self._trim()
+
     def _trim(self) -> None:
         """Drop the oldest ghost keys past ``|T1| + |B1| <= c`` and ``|T1| + |T2| + |B1| + |B2| <= 2c``."""
         c, n1 = self.c, self.count(0)
