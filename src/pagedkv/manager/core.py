@@ -431,7 +431,7 @@ class BlockManager(PoolState, ExternalKV):
             return _EMPTY_I64
         if rows.size * k <= 32:  # a few slots: plain Python over the row arrays (numpy's fixed costs dominate)
             mv = t.views()
-            ntok_mv, nblk_mv, flat, width = mv[0], mv[1], mv[10], mv[11]
+            ntok_mv, nblk_mv, flat, width = mv.ntok, mv.nblk, mv.flat, mv.cols
             out = []
             for i, r in enumerate(rows.tolist()):
                 n = ntok_mv[r]
@@ -601,7 +601,7 @@ class BlockManager(PoolState, ExternalKV):
                 ids = tuple(seq_ids)
                 return self._ext.allocate_batch(
                     seq_ids, prompts, la, namespaces, chunks, exts,
-                    lambda arrs, plans, rows, nhit: self._alloc.prefill_result(ids, arrs, plans, rows, nhit))
+                    lambda arrs, ntoks, rows, nhit: self._alloc.prefill_result(ids, arrs, ntoks, rows, nhit))
         return self._alloc.allocate_batch(seq_ids, prompts, la, namespaces, chunks)
 
     def lookup_prefix(self, token_ids: Sequence[int], num_lookahead_slots: int = 0, *,
