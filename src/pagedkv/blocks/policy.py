@@ -47,7 +47,7 @@ class _Log:
     that reads keys, ``k`` (int64 key; else None); ``live``: its live entries (blocks filed here and still
     evictable; not kept for a plain policy's segment)."""
 
-    __slots__ = ("b", "c", "k", "bm", "cm", "km", "head", "tail", "live", "keyed")
+    __slots__ = ("b", "c", "k", "bm", "cm", "km", "head", "tail", "live", "keyed", "cap")
 
     def __init__(self, keyed: bool, capacity: int = 64) -> None:
         self.keyed = keyed
@@ -56,6 +56,7 @@ class _Log:
         self.live = 0
 
     def _alloc(self, size: int) -> None:
+        self.cap = size
         self.b = np.empty(size, dtype=np.int32)
         self.c = np.empty(size, dtype=np.int64)
         self.bm, self.cm = memoryview(self.b), memoryview(self.c)
@@ -71,7 +72,7 @@ class _Log:
         lk = self.k[h:z][keep] if self.keyed else None
         m = lb.size
         size = max(64, 2 * (m + n))
-        if size != self.b.size:
+        if size != self.cap:
             self._alloc(size)
         self.b[:m], self.c[:m] = lb, lc
         if self.keyed:
@@ -318,7 +319,7 @@ class EvictionPolicy:
         log = self._logs.get(segment)
         if log is None:
             log = self._logs[segment] = _Log(self._keyed)
-        if log.tail + n > log.b.size:
+        if log.tail + n > log.cap:
             log.room(n, self.stamp)
         z = log.tail
         log.b[z : z + n] = blocks
@@ -349,7 +350,7 @@ class EvictionPolicy:
         if log is None:
             log = self._logs[segment] = _Log(self._keyed)
         z = log.tail
-        if z == len(log.b):
+        if z == log.cap:
             log.room(1, self.stamp)
             z = log.tail
         s = self._serial = self._serial + 1
@@ -411,7 +412,7 @@ class EvictionPolicy:
         """``block`` (not in the evictor) became evictable."""
         log = self._log0
         z = log.tail
-        if z == len(log.b):
+        if z == log.cap:
             log.room(1, self.stamp)
             z = log.tail
         s = self._serial = self._serial + 1
@@ -431,7 +432,7 @@ class EvictionPolicy:
         if n == 0:
             return
         log = self._log0
-        if log.tail + n > len(log.b):
+        if log.tail + n > log.cap:
             log.room(n, self.stamp)
         s, z = self._serial, log.tail
         serials = np.arange(s + 1, s + n + 1, dtype=np.int64)

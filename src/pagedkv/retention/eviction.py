@@ -100,7 +100,10 @@ class SLRUEvictor(EvictionPolicy, name="slru"):
             self.append(0, self.take(1, over))
 
     def on_hit(self, blocks) -> None:
-        self.hit[blocks] = True
+        if type(blocks) is int:
+            self.hit_mv[blocks] = True
+        else:
+            self.hit[blocks] = True
 
     def choose(self, n: int) -> np.ndarray:
         k = min(n, self.count(0))
