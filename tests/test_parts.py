@@ -159,3 +159,40 @@ def test_the_coordinator_parts_work_on_the_group_managers_parts():
     m.free("a")
     assert [int(t.ntok[t.row_of["b"]]) for t in tables] == [19, 19, 19]
     m.check_invariants()
+
+
+def _views_reads(path: Path) -> list[str]:
+    """Reads of a SeqTables' memoryviews (``X.views()``, ``X.mvs``, ``X.mvs or X.views()``) that are not by name:
+    an index, a slice or an unpacking (RowViews is a slotted object: each would fail when it runs)."""
+
+    def is_views(node) -> bool:
+        if isinstance(node, ast.BoolOp):
+            return all(is_views(v) for v in node.values)
+        if isinstance(node, ast.Call):
+            node = node.func
+            return isinstance(node, ast.Attribute) and node.attr == "views"
+        return isinstance(node, ast.Attribute) and node.attr == "mvs"
+
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Subscript) and is_views(node.value):
+            out.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+        elif isinstance(node, ast.Assign) and is_views(node.value) and isinstance(node.targets[0], ast.Tuple):
+            out.append(f"{path.name}:{node.lineno} unpacks {ast.unparse(node.targets[0])}")
+    return out
+
+
+@pytest.mark.parametrize("module", CORE_MODULES)
+def test_row_views_are_read_by_name(module):
+    """SeqTables.views() is a RowViews, read by field name (``v.table``), never by position."""
+    assert _views_reads(SRC / f"{module}.py") == []
+
+
+def test_the_views_check_catches_positional_reads(tmp_path):
+    from pagedkv.manager._rows import RowViews
+
+    assert not isinstance(RowViews.__new__(RowViews), tuple) and not hasattr(RowViews, "__iter__")
+    bad = tmp_path / "bad.py"
+    bad.write_text("a = t.views()[2]\nb, c = (t.mvs or t.views())[:2]\nntok, table, *_ = t.mvs\n"
+                   "v = t.mvs or t.views()\nntok, table = v.ntok, v.table\n")
+    assert sorted(r.split()[0] for r in _views_reads(bad)) == ["bad.py:1", "bad.py:2", "bad.py:3"]

@@ -23,7 +23,7 @@ from . import events
 from .manager import (NULL_BLOCK, AllocStatus, BlockManager, CopyKind, CopyPlan, ExternalLoad, Hold, PrefillBatch,
                       PrefixHit, Stats, StepDelta, StepResult, StorePlan, TableUpdates)
 from .blocks.prefix_cache import block_hashes
-from .retention.eviction import EVICTION_POLICIES
+from .retention.eviction import EVICTION_POLICIES, EvictionPolicy
 from .retention.steering import Pin
 from .kv_groups import FullAttentionSpec, SlidingWindowSpec
 from .hybrid import HybridBlockManager, HybridPrefillBatch, HybridStepDelta, HybridStepResult
@@ -68,5 +68,6 @@ __all__ = [
     "Hold",
     "StorePlan",
     "EVICTION_POLICIES",
+    "EvictionPolicy",
     "Pin",
 ]

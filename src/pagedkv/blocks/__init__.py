@@ -4,6 +4,7 @@
 
     pool          BlockPool: refcounts and the free ring of one pool (GPU or CPU)
     prefix_cache  chained content keys, the cache map key -> block, its KV events
+    policy        EvictionPolicy, the base class of the eviction policies (segments of push logs), POLICIES
     evictor       the eviction order of unreferenced cached blocks (LRU; RetentionEvictor)
     _blocks       Blocks: taking and releasing blocks over the pools and the evictor
 

@@ -25,7 +25,7 @@ from typing import Hashable, NamedTuple
 
 import numpy as np
 
-from ._hit import commit_all, find_hit
+from ._hit import HitMemo, commit_all, find_hit
 from ._types import HybridPrefillBatch, frozen
 from ..errors import OutOfBlocksError, PromptTooLongError, TableWidthError
 from ..blocks.prefix_cache import _GroupNS, _chain, _encode_namespace, _slices
@@ -46,8 +46,7 @@ class _Plan(NamedTuple):
     groups: list  # per group: (gpu hits with nnull leading NULL_BLOCKs, cpu_hits or None, chain, nnull)
     need: int  # free GPU blocks the allocation consumes, all groups
     ncpu: int  # CPU-tier hits, all groups (each a promotion)
-    memo: tuple | None = None  # (token bytes of the full blocks, keys per group, roots, the first block whose
-    #                            sibling keys are not recorded yet): for the registration and the sibling keys
+    memo: HitMemo | None = None  # for the registration and the sibling keys
     held: np.ndarray | None = None  # every group's GPU hits (int64, distinct), when ``memo``: then each group's
     #                                 first item is an int64 array of its hits without the leading NULL_BLOCKs
 
@@ -152,7 +151,7 @@ class HybridAllocator:
             held = None
             groups = [(blks[g], None, roots[g], 0) for g in range(G)]
             need = G * nblocks
-        return _Plan(arr, n, nblocks, L, groups, need, 0, (datas, keys, roots, fresh), held)
+        return _Plan(arr, n, nblocks, L, groups, need, 0, HitMemo(datas, keys, roots, fresh), held)
 
     def plan_walk(self, arr: np.ndarray, n: int, nblocks: int, la: int, roots: list, chunk: int | None) -> _Plan:
         """:meth:`plan`'s hit found block by block (with the CPU tier, and for prompts of fewer than four full
@@ -289,7 +288,7 @@ class HybridAllocator:
         memo = plan.memo
         if memo is not None:  # a plan of pagedkv.hybrid._hit: every group at once, with the plan's keys
             if not commit_all(self, seq_id, gns, plan) and self.sib is not None:
-                self.record_siblings(seq_id, memo[3])
+                self.record_siblings(seq_id, memo.fresh)
         else:
             for g, (al, (gpu, cpu, chain, nnull)) in enumerate(zip(self.allocs, plan.groups)):
                 if cache is not None and plan.nhit == 0:
@@ -450,7 +449,7 @@ class HybridAllocator:
             pins = [c for p in plans for _, cpu, _, _ in p.groups if cpu for _, c in cpu]
             if pins:
                 self.tier.pin_many(list(dict.fromkeys(pins)))
-        nhit, shapes = [], []
+        nhit, ntoks = [], []
         G = self.G
         for i, (s, gns) in enumerate(zip(seq_ids, gnss)):
             plan = plans[i]
@@ -465,15 +464,15 @@ class HybridAllocator:
             self.hold(plan)
             self.commit(s, gns, plan)
             nhit.append(plan.nhit)
-            shapes.append((None, plan.n))
+            ntoks.append(plan.n)
         self.unhold(held)
-        return self.result(seq_ids, arrs, shapes, nhit)
+        return self.result(seq_ids, arrs, ntoks, nhit)
 
-    def result(self, seq_ids: list, arrs: list, shapes: list, nhit: list) -> HybridPrefillBatch:
+    def result(self, seq_ids: list, arrs: list, ntoks: list, nhit: list) -> HybridPrefillBatch:
         """The prefill metadata of committed prompts, per group (LOADING ones included: their tokens to compute
         start after the external range, ``nhit`` counting it). O(tokens x groups)."""
         sids = tuple(seq_ids)
-        res = [al.prefill_result(sids, arrs, shapes, [t.row_of[s] if s in t.row_of else t.loading[s]
+        res = [al.prefill_result(sids, arrs, ntoks, [t.row_of[s] if s in t.row_of else t.loading[s]
                                                        for s in seq_ids], nhit)
                for al, t in zip(self.allocs, self.tables)]
         r0 = res[0]

@@ -39,11 +39,21 @@ one pass over every sliding group's last window together, and O(1) numpy calls a
 from __future__ import annotations
 
 from itertools import repeat
+from typing import NamedTuple
 
 import numpy as np
 
 from ..blocks.prefix_cache import _chain, _extend_chain
 from ..types import NULL_BLOCK
+
+
+class HitMemo(NamedTuple):
+    """What :func:`find_hit` computed that the allocation reuses (a plan's ``memo``): no block is hashed twice."""
+
+    datas: list  #: token bytes of the prompt's full blocks
+    keys: list  #: chained keys per group (sliding groups: padded before the blocks a hit reads)
+    roots: list  #: each group's namespace root ``(cid, key)``
+    fresh: int  #: the first block whose sibling keys are not recorded yet
 
 __all__ = ["commit_all", "find_hit"]
 
@@ -122,25 +132,25 @@ def find_hit(ha, arr: np.ndarray, roots: list):
         # from the last recorded one otherwise
         fs = [max(0, L * bs - specs[g].window + 1) // bs for g in sliding]
         known = min(fs)
-        sib = ha.sib
-        if sib is not None:
+        if ha.sib is not None:
+            sib_cid, sib_key = ha.sib
             b0 = blocks[ha.full[0]]
             seg = b0[known:L]
-            v = sib[0][seg] == cid[seg]
+            v = sib_cid[seg] == cid[seg]
             if v.all():
                 p = L - 1
             else:
                 j0 = known + int(v.argmin())
-                vv = np.flatnonzero(sib[0][b0[:j0]] == cid[b0[:j0]])
+                vv = np.flatnonzero(sib_cid[b0[:j0]] == cid[b0[:j0]])
                 p = int(vv[-1]) if vv.size else -1
             known, fresh = min(known, p + 1), p + 1
-            sk = sib[1][b0[known : p + 1]].T if p >= known else None
+            sk = sib_key[b0[known : p + 1]].T if p >= known else None
             for i, g in enumerate(sliding):
                 kl = [0] * known
                 if sk is not None:
                     kl += sk[i].tolist()
                 if p < L - 1:
-                    kl += _chain(datas[p + 1 : L], int(sib[1][b0[p], i]) if p >= 0 else roots[g][1])
+                    kl += _chain(datas[p + 1 : L], int(sib_key[b0[p], i]) if p >= 0 else roots[g][1])
                 keys[g] = kl
         else:
             known = 0
@@ -244,7 +254,7 @@ def commit_all(ha, seq_id, gns: tuple, plan) -> bool:
         return False
     for g in range(G):
         tables[g].table[rows[g], L:nblocks] = new[g]
-    if not _fill(ha, plan, range(G), new, chains, rows, h, k, rest) or ha.sib is None or plan.memo[3] < L:
+    if not _fill(ha, plan, range(G), new, chains, rows, h, k, rest) or ha.sib is None or plan.memo.fresh < L:
         return False
     # the sibling keys of the new full blocks: the sliding groups' blocks at the same positions, just registered
     a = new[ha.full[0], :k]
@@ -258,7 +268,7 @@ def _fill(ha, plan, gs, new: np.ndarray, chains: list, rows: list, h: int, k: in
     """Write the prompt's tokens into the new blocks ``new`` (one row per group of ``gs``) and register their
     full ones: one ``register_chains`` call with the plan's keys (True), else block by block per group."""
     arr, L, bs = plan.arr, plan.nhit, ha.bs
-    datas, keys, roots, _ = plan.memo
+    datas, keys, roots = plan.memo.datas, plan.memo.keys, plan.memo.roots
     cache, G = ha.cache, len(gs)
     if k:
         tok = arr[h : h + k * bs].reshape(k, bs)
@@ -286,8 +296,9 @@ def _fill(ha, plan, gs, new: np.ndarray, chains: list, rows: list, h: int, k: in
         for g, row in zip(gs, rows):
             ha.regs[g].register(row)
         return False
+    last_cid, last_key = got  # (each chain's last block's content id and key)
     for i, (g, row) in enumerate(zip(gs, rows)):
         t = ha.tables[g]
-        t.ccid[row], t.ckey[row] = got[0][i], got[1][i]
+        t.ccid[row], t.ckey[row] = last_cid[i], last_key[i]
         t.nreg[row] = L + k
     return True

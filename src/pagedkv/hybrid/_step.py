@@ -118,13 +118,14 @@ class HybridStepper:
         t0 = self.t0
         ids = seq_ids if type(seq_ids) is list else list(seq_ids)
         memo = t0.memo_small
-        if memo is not None and memo[0] is t0.memo_ids and ids == memo[0]:
-            rows = memo[1]
+        if memo is not None and memo.ids is t0.memo_ids and ids == memo.ids:
+            rows = memo.rows
         else:
             rows = t0.small_rows(ids)
             if rows is None:
                 return None
-        ntok, nblk = (t0.mvs or t0.views())[:2]
+        v0 = t0.mvs or t0.views()
+        ntok, nblk = v0.ntok, v0.nblk
         bs, fw = self.bs, self.fixed_w
         grow = 0
         for r in rows:
@@ -136,7 +137,7 @@ class HybridStepper:
         need = grow * self.G
         ref = self.gpu.ref_mv
         for t in self.tables:
-            table = (t.mvs or t.views())[2]
+            table = (t.mvs or t.views()).table
             for r in rows:
                 j = ntok[r] // bs
                 if j < nblk[r] and ref[table[r, j]] > 1:

@@ -402,16 +402,16 @@ class HybridBlockManager(PoolState, ExternalKV):
         held = list(dict.fromkeys(x for p in plans for x in self._alloc.hold_list(p)))
         if held and self._cache is not None:
             self._alloc.hold_blocks(held)
-        nhit, shapes = [], []
+        nhit, ntoks = [], []
         try:
             for s, a, ns, c, e in zip(seq_ids, arrs, namespaces, chunks, exts):
                 cached = self.allocate(s, a, la, namespace=ns, num_new_tokens=c, num_external_tokens=e)
                 nhit.append(cached // self._bs)
-                shapes.append((None, self.num_tokens(s)))
+                ntoks.append(self.num_tokens(s))
         finally:
             if held and self._cache is not None:
                 self._alloc.unhold(held)
-        return self._alloc.result(seq_ids, arrs, shapes, nhit)
+        return self._alloc.result(seq_ids, arrs, ntoks, nhit)
 
     def lookup_prefix(self, token_ids: Sequence[int], num_lookahead_slots: int = 0, *,
                       namespace: object = None, num_new_tokens: int | None = None,

@@ -25,6 +25,7 @@ from .._checks import as_tokens as _as_tokens
 from ..errors import (InvalidArgumentError, OutOfBlocksError, SequenceStateError,
                       UnknownHoldError, UnknownSequenceError)
 from ..blocks.prefix_cache import block_hashes
+from ._alloc import AllocPlan
 
 class ExternalLoad(NamedTuple):
     """The blocks that receive a LOADING sequence's external KV: ``block_ids[i]`` takes the KV of tokens
@@ -178,34 +179,35 @@ class External:
         """``allocate_batch(..., num_external_tokens=exts)``: checked and counted as a whole first (every plan;
         the batch's new blocks at most the free ones), every planned GPU hit held (so that no prompt of the batch
         evicts a later one's hit: each prompt's need is then an upper bound once earlier prompts are committed),
-        then consecutive allocations, so it is all or nothing. ``walk(arrs, plans, rows, nhit)`` builds the
+        then consecutive allocations, so it is all or nothing. ``walk(arrs, ntoks, rows, nhit)`` builds the
         PrefillBatch. O(total prompt blocks)."""
         t = self.t
         t.check_new_ids(seq_ids)
         if chunks is None:
             chunks = [None] * len(seq_ids)
-        plans = [self.plan(p, la, ns, c, e)[0] for p, ns, c, e in zip(prompts, namespaces, chunks, exts)]
-        need = sum(p[6] for p in plans)
+        plans = [AllocPlan._make(self.plan(p, la, ns, c, e)[0])
+                 for p, ns, c, e in zip(prompts, namespaces, chunks, exts)]
+        need = sum(p.need for p in plans)
         if need > self.blocks.num_free:
             raise OutOfBlocksError(
                 f"the batch of {len(plans)} prompts needs up to {need} new blocks; {self.blocks.num_free} are free")
-        held = np.array(sorted({b for p in plans for b in p[3] if b >= 0}), dtype=np.int64)
+        held = np.array(sorted({b for p in plans for b in p.hits if b >= 0}), dtype=np.int64)
         if held.size:
             ref = self.gpu.ref
             self.cache.evictor.discard_many(held[ref[held] == 0])
             ref[held] += 1
-        rows, out_plans, nhit = [], [], []
+        rows, ntoks, nhit = [], [], []
         try:
             for s, p, ns, c, e in zip(seq_ids, prompts, namespaces, chunks, exts):
                 cached = self.allocate(s, p, la, ns, c, e)
                 row = t.loading[s] if s in t.loading else t.row_of[s]
                 rows.append(row)
-                out_plans.append((_as_tokens(p), int(t.ntok[row])))
+                ntoks.append(int(t.ntok[row]))
                 nhit.append(cached // self.bs)
         finally:
             if held.size:
                 self.blocks.release(held)
-        return walk([_as_tokens(p) for p in prompts], out_plans, rows, nhit)
+        return walk([_as_tokens(p) for p in prompts], ntoks, rows, nhit)
 
     def external_blocks(self, seq_id: Hashable) -> ExternalLoad | None:
         """The LOADING sequence's external range (None when it is not LOADING); a sliding group's positions its

@@ -66,6 +66,9 @@ def _check_cache(blocks, tier, tables: list, fail) -> None:
     ev_arr = np.asarray(ev, dtype=np.int64)
     if (ref[ev_arr] != 0).any() or (cid[ev_arr] == 0).any():
         fail("the evictor holds a block that is referenced or uncached")
+    verify = getattr(cache.evictor, "verify", None)  # the policy's own bookkeeping (pagedkv.blocks.policy)
+    if verify is not None:
+        verify()
     check_steering = getattr(cache.evictor, "check", None)  # priority classes and pins (pagedkv.retention.steering)
     if check_steering is not None:
         check_steering(ref, fail)

@@ -38,7 +38,7 @@ class Registry:
         # and the chained keys computed so far, reused by the registration of the same allocation (fill_prompt)
         # instead of hashing the prompt twice. Set only by Allocator.plan's lookup, taken (cleared) by
         # fill_prompt, cleared by a batch.
-        self.keys_memo: tuple | None = None
+        self.keys_memo: tuple | None = None  # (a plain tuple, unpacked by name: made on every allocate)
         # whether a prompt's new blocks may be registered as a run (dict-less but its first; PrefixCache.register_run).
         # A HybridBlockManager's groups say no: its lookup probes every group's keys in the map at once.
         self.use_runs = True
@@ -83,7 +83,7 @@ class Registry:
     def register1(self, r: int, w: int, j: int) -> None:
         """:meth:`register` of the one block ``w`` (column ``j``) a small step filled, through memoryviews."""
         mvs = self.t.mvs
-        nreg, ccid, ckey = mvs[5], mvs[8], mvs[9]
+        nreg, ccid, ckey = mvs.nreg, mvs.ccid, mvs.ckey
         if nreg[r] != j:  # not the plain case (a chain to catch up): the general form
             self.register(r)
             return
@@ -116,8 +116,9 @@ class Registry:
         memo, self.keys_memo = self.keys_memo, None
         if k >= 4:  # one chain of k blocks in one batch call
             keys = None
-            if memo is not None and memo[0] is arr:  # the lookup's keys (this allocation's own prompt)
-                _, datas, keys, rkey = memo
+            marr, datas, mkeys, rkey = memo if memo is not None else (None, None, None, None)
+            if memo is not None and marr is arr:  # the lookup's keys (this allocation's own prompt)
+                keys = mkeys
                 _extend_chain(keys, datas, nhit + k, rkey)  # the rest of the chain, in one C-level pass
                 # (the chain continues from the last hit's key; a stand-in chain, e.g. a batch's, hashes anew)
                 parent = keys[nhit - 1] if nhit else rkey
@@ -138,7 +139,8 @@ class Registry:
             if got is None:
                 self.register(row)
             else:
-                self.t.ccid[row], self.t.ckey[row] = got[0][0], got[1][0]
+                last_cid, last_key = got  # (the chain's last block's content id and key)
+                self.t.ccid[row], self.t.ckey[row] = last_cid[0], last_key[0]
                 self.t.nreg[row] = nhit + k
         elif k:
             self.register(row)

@@ -18,7 +18,7 @@ other part of the manager reads and writes rows through this object; it depends 
 
 from __future__ import annotations
 
-from typing import Hashable, Sequence
+from typing import Hashable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -29,6 +29,35 @@ _EMPTY_I64 = np.zeros(0, dtype=np.int64)
 _EMPTY_I64.flags.writeable = False  # (shared: empty results and the empty batch's rows)
 
 _ARRAYS = ("ntok", "ntok0", "nblk", "nrel", "nreg", "pend", "swapped", "ccid", "ckey")
+
+
+class SmallMemo(NamedTuple):
+    """The plain-Python paths' batch memo (:meth:`SeqTables.small_rows`), made when the batch changes."""
+
+    ids: list  #: the very list object that is ``memo_ids``
+    rows: list  #: its validated rows
+
+
+class RowViews:
+    """Memoryviews of one manager's row arrays (:meth:`SeqTables.views`) for the plain-Python paths, read by name
+    (``v.table``). A slotted object, not a tuple: an attribute read costs what a tuple's unpacking did (a
+    NamedTuple's unpacking takes the generic path, 3x slower), and no caller depends on the order."""
+
+    __slots__ = ("ntok", "nblk", "table", "swapped", "ref", "nreg", "pend", "nrel", "ccid", "ckey", "flat", "cols")
+
+    def __init__(self, t: "SeqTables") -> None:
+        self.ntok = memoryview(t.ntok)  # tokens appended, per row
+        self.nblk = memoryview(t.nblk)  # table length
+        self.table = memoryview(t.table)  # the block-table matrix (rows, width), int32
+        self.swapped = memoryview(t.swapped)  # the row's blocks are CPU block ids
+        self.ref = t.ref_mv  # the GPU pool's refcounts (BlockPool.ref_mv)
+        self.nreg = memoryview(t.nreg)  # leading blocks offered to the prefix cache
+        self.pend = memoryview(t.pend)  # blocks pend..nreg-1 cached by the row's last call
+        self.nrel = memoryview(t.nrel)  # leading blocks released by the sliding window
+        self.ccid = memoryview(t.ccid)  # chain: content id of block nreg-1
+        self.ckey = memoryview(t.ckey)  # chain: its key
+        self.flat = memoryview(t.table.reshape(-1))  # the table, flat (rows * width)
+        self.cols: int = t.table.shape[1]  # the table's width
 
 
 class SeqTables:
@@ -42,7 +71,7 @@ class SeqTables:
     def __init__(self, ref_mv: memoryview, width: int = 4) -> None:
         self.ref_mv = ref_mv  # the GPU pool's refcounts (a view of BlockPool.ref), for views()
         self.stepping = False  # take_copy_plan has been called: steps are known, the same-step checks are on
-        self.snap = None  # memoryviews (ntok0, ntok) for end_step's snapshot
+        self.snap = None  # (ntok0 view, ntok view, the ntok array they view) for end_step's snapshot
         self.row_of: dict[Hashable, int] = {}
         self.seq_of: list[Hashable | None] = []
         self.ns_of: list[object] = []  # namespace of each row (for KV events)
@@ -66,8 +95,8 @@ class SeqTables:
         # one-entry memo of the last batch: seq_ids list -> validated rows (memo_small: the same list, rows list)
         self.memo_ids: list | None = None
         self.memo_rows = _EMPTY_I64
-        self.memo_small: tuple | None = None
-        self.mvs: tuple | None = None
+        self.memo_small: SmallMemo | None = None
+        self.mvs: RowViews | None = None
 
     def row(self, seq_id: Hashable) -> int:
         try:
@@ -147,7 +176,7 @@ class SeqTables:
             return None
         if len(set(rows)) != len(rows):
             return None
-        swapped = self.views()[3]
+        swapped = self.views().swapped
         for r in rows:
             if swapped[r]:
                 return None
@@ -155,7 +184,7 @@ class SeqTables:
         memo_rows = np.array(rows, dtype=np.int64)
         memo_rows.flags.writeable = False  # (handed out as StepDelta.table_rows)
         self.memo_ids, self.memo_rows = ids, memo_rows
-        self.memo_small = (ids, rows)
+        self.memo_small = SmallMemo(ids, rows)
         return rows
 
     def rows_where(self, seq_ids: list, swapped: bool) -> np.ndarray:
@@ -169,18 +198,12 @@ class SeqTables:
             raise SequenceStateError(f"sequence {s!r} is {'not ' if swapped else 'already '}swapped out")
         return rows
 
-    def views(self) -> tuple:
-        """Memoryviews of the row arrays (and of the GPU refcounts, ``views()[4]``)::
-
-            (ntok, nblk, table, swapped, ref, nreg, pend, nrel, ccid, ckey, flat table, table width)
-
-        Rebuilt after the row arrays or the table are reallocated (``mvs`` is reset to None then)."""
+    def views(self) -> RowViews:
+        """Memoryviews of the row arrays (and of the GPU refcounts): :class:`RowViews`. Rebuilt after the row
+        arrays or the table are reallocated (``mvs`` is reset to None then)."""
         mvs = self.mvs
         if mvs is None:
-            mvs = self.mvs = (memoryview(self.ntok), memoryview(self.nblk), memoryview(self.table),
-                              memoryview(self.swapped), self.ref_mv, memoryview(self.nreg),
-                              memoryview(self.pend), memoryview(self.nrel), memoryview(self.ccid),
-                              memoryview(self.ckey), memoryview(self.table.reshape(-1)), self.table.shape[1])
+            mvs = self.mvs = RowViews(self)
         return mvs
 
     def new_row(self, seq_id: Hashable) -> int:
@@ -194,8 +217,9 @@ class SeqTables:
         return row
 
     def drop_row(self, seq_id: Hashable, row: int) -> None:
-        ntok, nblk, table, swapped, _, nreg, pend, nrel, ccid, ckey = self.views()[:10]
-        nb = nblk[row]
+        v = self.views()
+        table, swapped, nrel, ccid = v.table, v.swapped, v.nrel, v.ccid
+        nb = v.nblk[row]
         if nb <= 4:
             for c in range(nb):
                 table[row, c] = NULL_BLOCK
@@ -243,8 +267,8 @@ class SeqTables:
 
     def end_step(self) -> None:
         """The rows' side of ending a step: snapshot the token counts, switch the same-step checks on."""
-        snap = self.snap
-        if snap is None or snap[2] is not self.ntok:  # (the row arrays were reallocated)
-            snap = self.snap = (memoryview(self.ntok0), memoryview(self.ntok), self.ntok)
-        snap[0][:] = snap[1]  # the token counts at the step's end (a C-level copy)
+        dst, src, arr = self.snap or (None, None, None)
+        if arr is not self.ntok:  # (the row arrays were reallocated)
+            dst, src, arr = self.snap = (memoryview(self.ntok0), memoryview(self.ntok), self.ntok)
+        dst[:] = src  # the token counts at the step's end (a C-level copy)
         self.stepping = True

@@ -101,9 +101,10 @@ class Small:
             r = tb.row_of[seq_id]
         except (KeyError, TypeError):
             return None
-        ntok, nblk, table, swapped, ref, nreg, pend, _, _, _, _, cols = tb.mvs or tb.views()
-        if swapped[r]:
+        v = tb.mvs or tb.views()
+        if v.swapped[r]:
             return None
+        ntok, nblk, table, ref, nreg, pend = v.ntok, v.nblk, v.table, v.ref, v.nreg, v.pend
         bs = self.bs
         n = ntok[r]
         j = n // bs
@@ -118,9 +119,9 @@ class Small:
                 return None
             # ---- mutation: nothing below can fail
             w = self.take_one()
-            if j >= cols:
+            if j >= v.cols:
                 tb.ensure_cols(j + 1)
-                table = tb.views()[2]  # (_ensure_cols dropped the old views)
+                table = tb.views().table  # (_ensure_cols dropped the old views)
             table[r, j] = w
             nblk[r] = j + 1
         else:
@@ -185,13 +186,14 @@ class Small:
             seq_ids = list(seq_ids)
         tb = self.t
         memo = tb.memo_small
-        if memo is not None and memo[0] is tb.memo_ids and seq_ids == memo[0]:
-            rows = memo[1]  # (validated: live, distinct, GPU-resident)
+        if memo is not None and memo.ids is tb.memo_ids and seq_ids == memo.ids:
+            rows = memo.rows  # (validated: live, distinct, GPU-resident)
         else:
             rows = tb.small_rows(seq_ids)
             if rows is None:
                 return None
-        ntok, nblk, table, swapped, ref, nreg, pend = tb.views()[:7]
+        v = tb.views()
+        ntok, nblk, table, ref, nreg, pend = v.ntok, v.nblk, v.table, v.ref, v.nreg, v.pend
         bs = self.bs
         written = []  # block each row writes (-1: a new block), before copy-on-write
         n_grow = 0
@@ -244,7 +246,7 @@ class Small:
             need = max([nblk[r] for r in rows]) + 1
             if need > tb.table.shape[1]:
                 tb.ensure_cols(need)
-                table = tb.views()[2]  # (_ensure_cols dropped the old views)
+                table = tb.views().table  # (_ensure_cols dropped the old views)
             for i, r in enumerate(rows):
                 if written[i] < 0:
                     j = ntok[r] // bs
@@ -297,7 +299,8 @@ class Small:
         tb.row_of[child] = crow
         tb.seq_of[crow] = child
         # (the batch memo stays valid: it maps live ids only, and a new id was in no memoised batch)
-        ntok, nblk, table, swapped, ref, nreg, pend, nrel, ccid, ckey, flat, cols = tb.mvs or tb.views()
+        v = tb.mvs or tb.views()
+        ntok, nblk, swapped, nrel = v.ntok, v.nblk, v.swapped, v.nrel
         ntok[crow] = ntok[prow]
         nblk[crow] = nb = nblk[prow]
         a = nrel[prow]
@@ -307,11 +310,13 @@ class Small:
         if sw:
             swapped[crow] = True
         if self.cache is not None:  # (without a cache the chain fields stay 0)
+            nreg, ccid, ckey = v.nreg, v.ccid, v.ckey
             nreg[crow], ccid[crow], ckey[crow] = nreg[prow], ccid[prow], ckey[prow]
-            pend[prow] = pend[crow] = nreg[prow]  # the parent's KV is written (it is forked)
+            v.pend[prow] = v.pend[crow] = nreg[prow]  # the parent's KV is written (it is forked)
             tb.ns_of[crow] = tb.ns_of[prow]
         if nb <= SMALL_TABLE and not sw:
-            p0, c0 = prow * cols, crow * cols
+            ref, flat = v.ref, v.flat
+            p0, c0 = prow * v.cols, crow * v.cols
             flat[c0 : c0 + nb] = flat[p0 : p0 + nb]  # one C-level copy of the table row
             for b in flat[p0 + a : p0 + nb].tolist():
                 ref[b] += 1
@@ -325,11 +330,12 @@ class Small:
         tail first (as :meth:`Blocks.release`) and drop the row (as :meth:`SeqTables.drop_row`). False (nothing done)
         for any other row."""
         tb = self.t
-        ntok, nblk, table, swapped, ref, nreg, pend, nrel, ccid, ckey, flat, cols = tb.mvs or tb.views()
-        a, z = nrel[row], nblk[row]
-        if z > SMALL_TABLE or swapped[row]:
+        v = tb.mvs or tb.views()
+        a, z = v.nrel[row], v.nblk[row]
+        if z > SMALL_TABLE or v.swapped[row]:
             return False
-        r0 = row * cols
+        ref, flat = v.ref, v.flat
+        r0 = row * v.cols
         cache, pool = self.cache, self.gpu
         cid = cache.cid_mv if cache is not None else None
         ring, size = pool.ring_mv, pool.num_blocks
@@ -347,7 +353,7 @@ class Small:
                     ring[(pool.head + pool.nfree) % size] = b
                     pool.nfree += 1
         flat[r0 : r0 + z] = _NULLS[:z]  # NULL_BLOCK, one C-level copy
-        nrel[row] = ccid[row] = 0  # the fields allocate does not set (fork sets them all)
+        v.nrel[row] = v.ccid[row] = 0  # the fields allocate does not set (fork sets them all)
         del tb.row_of[seq_id]
         tb.seq_of[row] = tb.ns_of[row] = None
         tb.free_rows.append(row)

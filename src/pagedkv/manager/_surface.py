@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Hashable, Iterable
 
 from ..events import KVCacheEvent
+from ..retention.eviction import policy_class
 from ..retention.steering import Pin, SteeredEvictor
 from ..errors import InvalidArgumentError, SequenceStateError
 from ._external import ExternalLoad, Hold
@@ -103,8 +104,13 @@ class PoolState:
 
     @property
     def eviction_policy(self) -> str:
-        """The eviction policy's name (:mod:`pagedkv.retention.eviction`)."""
-        return self._policy
+        """The eviction policy's name (:mod:`pagedkv.retention.eviction`; a policy class's ``name``, else its class
+        name)."""
+        p = self._policy
+        if isinstance(p, str):
+            return p
+        cls = policy_class(p)
+        return cls.name or cls.__name__
 
     @property
     def pin_budget_blocks(self) -> int:

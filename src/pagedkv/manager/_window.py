@@ -64,7 +64,8 @@ class Window:
         """:meth:`plan` and :meth:`release` of a few rows about to append one token each, in
         plain Python (the small-batch step of KV cache groups; rows in batch order, each tail first).
         ``changed``: a list that receives the (row, col) of each entry that held a block."""
-        ntok, _, table, _, ref, _, _, nrel = (self.t.mvs or self.t.views())[:8]
+        v = self.t.mvs or self.t.views()
+        ntok, table, ref, nrel = v.ntok, v.table, v.ref, v.nrel
         w, bs = self.window, self.bs
         cache, pool = self.cache, self.gpu
         cid = cache.cid_mv if cache is not None else None

@@ -75,7 +75,7 @@ from ._stores import STORE_POLICIES, Stores
 from ..errors import InvalidArgumentError, InvalidTokensError, OutOfBlocksError, SequenceStateError
 from ..tiers.cpu import CpuTier
 from ..kv_groups import FullAttentionSpec, SlidingWindowSpec
-from ..retention.eviction import EVICTION_POLICIES, make_evictor
+from ..retention.eviction import EvictionPolicy, make_evictor, policy_class
 from ..retention.steering import Pin, SteeredEvictor
 from ..blocks.pool import BlockPool
 from ..blocks.prefix_cache import PrefixCache, _encode_namespace
@@ -122,8 +122,10 @@ class BlockManager(PoolState, ExternalKV):
             num_lookahead_slots) / block_size)``.
         eviction_policy: the order in which unreferenced cached blocks are evicted (:mod:`pagedkv.retention.eviction`):
             ``"lru"`` (default), ``"slru"`` (frequency-aware), ``"session"`` or ``"density"`` (both use
-            :meth:`set_retention`'s session hint) or ``"arc"`` (adaptive replacement). Needs prefix caching for
-            anything but ``"lru"``.
+            :meth:`set_retention`'s session hint) or ``"arc"`` (adaptive replacement), any name registered in
+            ``POLICIES``, an :class:`~pagedkv.EvictionPolicy` subclass, or a new instance of one made for
+            ``num_gpu_blocks`` (priority classes get new ones of its class). Needs prefix caching for anything
+            but ``"lru"``.
         pin_budget_blocks: the most distinct GPU blocks :meth:`pin_prefix` may hold pinned (0: no pins).
         store_policy: which blocks :meth:`take_store_plan` hands out to write to the storage tiers:
             ``"none"`` (default), ``"write_through"`` (every block once registered in the prefix cache) or
@@ -178,8 +180,7 @@ class BlockManager(PoolState, ExternalKV):
         self._store = (store_policy, store_min_hits)
         self._write_through = store_policy == "write_through"
         pin_budget_blocks = _check_int("pin_budget_blocks", pin_budget_blocks, 0)
-        if eviction_policy not in EVICTION_POLICIES:
-            make_evictor(eviction_policy, 1)  # raises, naming the policies
+        policy_class(eviction_policy)  # (raises InvalidArgumentError naming the policies)
         if (eviction_policy != "lru" or pin_budget_blocks) and not enable_prefix_caching:
             raise InvalidArgumentError("eviction_policy and pin_budget_blocks need enable_prefix_caching=True")
         block_size = _check_int("block_size", block_size, 1)
@@ -198,7 +199,12 @@ class BlockManager(PoolState, ExternalKV):
         self._cpu = BlockPool(num_cpu_blocks)
         self._cache = PrefixCache(num_gpu_blocks, block_size) if enable_prefix_caching else None
         self._policy, self._pin_budget = eviction_policy, pin_budget_blocks
-        if eviction_policy != "lru":
+        if isinstance(eviction_policy, EvictionPolicy):  # (a user's instance: made for this pool)
+            if eviction_policy.stamp.size != num_gpu_blocks or len(eviction_policy):
+                raise InvalidArgumentError(f"an eviction_policy instance must be new and made for num_gpu_blocks="
+                                           f"{num_gpu_blocks} blocks; got one for {eviction_policy.stamp.size}")
+            self._cache.evictor = eviction_policy
+        elif eviction_policy != "lru":
             self._cache.evictor = make_evictor(eviction_policy, num_gpu_blocks, self._cache)
         if self._cache is not None and enable_kv_events:
             self._cache.enable_events(max_kv_events)
@@ -432,7 +438,7 @@ class BlockManager(PoolState, ExternalKV):
             return _EMPTY_I64
         if rows.size * k <= 32:  # a few slots: plain Python over the row arrays (numpy's fixed costs dominate)
             mv = t.views()
-            ntok_mv, nblk_mv, flat, width = mv[0], mv[1], mv[10], mv[11]
+            ntok_mv, nblk_mv, flat, width = mv.ntok, mv.nblk, mv.flat, mv.cols
             out = []
             for i, r in enumerate(rows.tolist()):
                 n = ntok_mv[r]
@@ -605,7 +611,7 @@ class BlockManager(PoolState, ExternalKV):
                 ids = tuple(seq_ids)
                 return self._ext.allocate_batch(
                     seq_ids, prompts, la, namespaces, chunks, exts,
-                    lambda arrs, plans, rows, nhit: self._alloc.prefill_result(ids, arrs, plans, rows, nhit))
+                    lambda arrs, ntoks, rows, nhit: self._alloc.prefill_result(ids, arrs, ntoks, rows, nhit))
         return self._alloc.allocate_batch(seq_ids, prompts, la, namespaces, chunks)
 
     def lookup_prefix(self, token_ids: Sequence[int], num_lookahead_slots: int = 0, *,

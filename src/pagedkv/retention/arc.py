@@ -7,7 +7,7 @@ a content cached again while its key is in B1 (T1 was too small) raises ``p`` by
 in B2 lowers it by ``max(1, |B1| / |B2|)``. An eviction takes T1's least recent block while T1 holds more than
 ``p`` blocks (or T2 is empty), else T2's. Scan resistance: a burst of one-off prompts fills T1 and leaves T2.
 
-Mapping onto the evictor API (:class:`pagedkv.blocks.evictor.LRUEvictor`'s methods): only unreferenced blocks
+Mapping onto the evictor API (:class:`pagedkv.blocks.policy.EvictionPolicy`'s hooks): only unreferenced blocks
 are in an evictor, so T1 and T2 here hold the idle blocks of each class (in a sequence replay, where every cached
 block is idle between requests, that is the whole cache, as in the paper). A ``discard`` (a prefix hit took the
 block back) is ARC's hit: the block's next ``push`` files it in T2. A ``push`` of a block whose content key is in
@@ -22,7 +22,7 @@ when ``pop`` returns it (the cache clears its ``cid`` after), so no call of the 
 hit while ``hcid[block] == cid[block] != 0`` (the content id it had when hit), so a block whose content changed
 (evicted, reset, handed over) is never mistaken for a hit one, with no clean-up call.
 
-State: two LRUEvictors (T1, T2), ``hcid`` int64 per block, two :class:`_Ghost` lists of uint64 keys (a dict key ->
+State: the base class's two segments (T1, T2), ``hcid`` int64 per block, two :class:`_Ghost` lists of uint64 keys (a dict key ->
 serial and a FIFO of (key, serial) in numpy arrays, stale entries skipped). Ghost sizes: ``|T1| + |B1| <= c`` and
 ``|T1| + |T2| + |B1| + |B2| <= 2c`` (``c`` = num_blocks), oldest keys dropped first. Costs: ``push_many`` two dict
 probes per block not hit (the ghost lookups, C-level through ``map``) plus a few numpy calls; ``discard`` O(1);
@@ -35,11 +35,11 @@ from __future__ import annotations
 
 import collections
 import itertools
-from typing import Iterator
 
 import numpy as np
 
-from ..blocks.evictor import LRUEvictor
+from ..blocks.policy import EvictionPolicy
+from ..errors import InvalidArgumentError
 
 __all__ = ["ARCEvictor"]
 
@@ -118,40 +118,40 @@ class _Ghost:
                 if d.get(k) == s]
 
 
-class ARCEvictor:
+class ARCEvictor(EvictionPolicy, name="arc"):
     """Adaptive replacement (see the module docstring) over the blocks of a prefix cache whose per-block content
-    ``key`` (uint64) and ``cid`` (int64) arrays it reads. The evictor methods of
-    :class:`~pagedkv.blocks.evictor.LRUEvictor`; ``hint`` is a no-op. ``t1``, ``t2``: the two LRU classes;
+    ``key`` (uint64) and ``cid`` (int64) arrays it reads: an :class:`~pagedkv.blocks.policy.EvictionPolicy` with
+    segments 0 (T1) and 1 (T2) and the hooks ``place`` (T1 or T2, ghost hits adapting ``p``), ``on_hit``,
+    ``choose`` (ARC's replace) and ``order``. ``t1``, ``t2``: views of the two classes (``len``, iteration);
     ``b1``, ``b2``: the ghost lists; ``p``: the target number of T1 blocks (a float in ``[0, c]``)."""
 
-    __slots__ = ("t1", "t2", "b1", "b2", "p", "c", "hcid", "key", "cid")
+    __slots__ = ("b1", "b2", "p", "c", "hcid", "key", "cid")
 
     def __init__(self, num_blocks: int, key: np.ndarray, cid: np.ndarray) -> None:
-        self.t1 = LRUEvictor(num_blocks)
-        self.t2 = LRUEvictor(num_blocks)
+        super().__init__(num_blocks)
         self.b1, self.b2 = _Ghost(), _Ghost()
         self.p = 0.0
         self.c = num_blocks
         self.hcid = np.zeros(num_blocks, dtype=np.int64)
         self.key, self.cid = key, cid
 
-    def __len__(self) -> int:
-        return len(self.t1) + len(self.t2)
+    @classmethod
+    def build(cls, num_blocks: int, cache=None) -> "ARCEvictor":
+        if cache is None:
+            raise InvalidArgumentError("eviction_policy 'arc' needs the prefix cache's key and cid arrays")
+        return cls(num_blocks, cache.key, cache.cid)
 
-    def __contains__(self, block: int) -> bool:
-        return self.t1.stamp_mv[block] != 0 or self.t2.stamp_mv[block] != 0
+    @property
+    def t1(self):
+        return self.segment(0)
 
-    def hint(self, blocks, session) -> None:
-        return None
+    @property
+    def t2(self):
+        return self.segment(1)
 
-    def push(self, block: int) -> None:
-        self.push_many(np.array([block], dtype=np.int32))
-
-    def push_many(self, blocks: np.ndarray) -> None:
+    def place(self, blocks: np.ndarray) -> None:
         """File each block in T2 if it was hit while cached or its key is in a ghost list (adapting ``p`` per ghost
         hit, in order), else in T1; the order of ``blocks`` is kept within each class."""
-        if blocks.size == 0:
-            return
         cid = self.cid[blocks]
         freq = (self.hcid[blocks] == cid) & (cid != 0)
         if len(self.b1) or len(self.b2):
@@ -180,58 +180,63 @@ class ARCEvictor:
                     freq[g] = True
                     self.hcid[blocks[g]] = cid[g]
         if freq.all():
-            self.t2.push_many(blocks)
+            self.append(1, blocks)
         elif not freq.any():
-            self.t1.push_many(blocks)
+            self.append(0, blocks)
         else:
-            self.t1.push_many(blocks[~freq])
-            self.t2.push_many(blocks[freq])
+            self.append(0, blocks[~freq])
+            self.append(1, blocks[freq])
         if len(self.b1) or len(self.b2):
+            self._trim()
+
+    def place_one(self, block: int) -> None:
+        """:meth:`place` of one block, in scalar steps."""
+        c = int(self.cid[block])
+        two = c != 0 and int(self.hcid[block]) == c
+        b1, b2 = self.b1, self.b2
+        if not two and (b1.d or b2.d):
+            k = int(self.key[block])
+            n1, n2 = len(b1.d), len(b2.d)
+            if b1.take(k):
+                self.p = min(self.c, self.p + max(1.0, n2 / n1))
+                two = True
+            elif b2.take(k):
+                self.p = max(0.0, self.p - max(1.0, n1 / n2))
+                two = True
+            if two:
+                self.hcid[block] = c
+        self.append_one(1 if two else 0, block)
+        if b1.d or b2.d:
             self._trim()
 
     def _trim(self) -> None:
         """Drop the oldest ghost keys past ``|T1| + |B1| <= c`` and ``|T1| + |T2| + |B1| + |B2| <= 2c``."""
-        c, n1 = self.c, len(self.t1)
+        c, n1 = self.c, self.count(0)
         if n1 + len(self.b1.d) > c:
             self.b1.trim(c - n1)
-        over = 2 * c - n1 - len(self.t2) - len(self.b1.d)
+        over = 2 * c - n1 - self.count(1) - len(self.b1.d)
         if len(self.b2.d) > over:
             self.b2.trim(over)
 
-    def discard(self, block: int) -> None:
-        """A hit took ``block`` back: remove it; its next push files it in T2."""
-        if self.t1.stamp_mv[block]:
-            self.t1.discard(block)
-        else:
-            self.t2.discard(block)
-        self.hcid[block] = self.cid[block]
-
-    def discard_many(self, blocks: np.ndarray) -> None:
-        if blocks.size == 0:
-            return
-        in1 = self.t1.stamp[blocks] != 0
-        self.t1.discard_many(blocks[in1])
-        self.t2.discard_many(blocks[~in1])
+    def on_hit(self, blocks) -> None:
+        """A hit took ``blocks`` back: their next push files them in T2."""
         self.hcid[blocks] = self.cid[blocks]
 
     def _split(self, n: int) -> int:
         """How many of the next ``n`` evictions come from T1 (ARC's replace: T1 while it holds more than ``p``
         blocks, then T2, then T1 again once T2 is empty)."""
-        n1, n2 = len(self.t1), len(self.t2)
+        n1, n2 = self.count(0), self.count(1)
         k = min(n, max(0, n1 - int(self.p)))
         if n - k > n2:
             k = n - n2
         return k
 
-    def pop(self) -> int:
-        return int(self.pop_many(1)[0])
-
-    def pop_many(self, n: int) -> np.ndarray:
+    def choose(self, n: int) -> np.ndarray:
         """Evict ``n`` blocks (``n <= len(self)``), in ARC's order; their keys go to B1 (from T1) or B2 (from
         T2), and the ghost lists are trimmed to their bounds."""
         k = self._split(n)
-        a = self.t1.pop_many(k) if k else None
-        b = self.t2.pop_many(n - k) if n - k else None
+        a = self.take(0, k) if k else None
+        b = self.take(1, n - k) if n - k else None
         key = self.key
         if a is not None:
             self.b1.add_many(key[a])
@@ -244,16 +249,16 @@ class ARCEvictor:
             return a
         return np.concatenate((a, b))
 
-    def __iter__(self) -> Iterator[int]:
+    def order(self) -> np.ndarray:
         """Eviction order (as successive pops would take them with ``p`` unchanged)."""
-        o1, o2 = list(self.t1), list(self.t2)
-        k = min(len(o1), max(0, len(o1) - int(self.p)))
-        return iter(o1[:k] + o2 + o1[k:])
+        o1, o2 = self.segment(0).blocks(), self.segment(1).blocks()
+        k = min(o1.size, max(0, o1.size - int(self.p)))
+        return np.concatenate((o1[:k], o2, o1[k:]))
 
     def check_ghosts(self) -> None:
         """Assert ``p``'s range, the ghost bounds and that T1 and T2 are disjoint (tests). O(num_blocks)."""
         c = self.c
         assert 0.0 <= self.p <= c
-        assert not np.any((self.t1.stamp != 0) & (self.t2.stamp != 0))
+        self.verify()
         assert len(self.t1) + len(self.b1) <= c
         assert len(self) + len(self.b1) + len(self.b2) <= 2 * c

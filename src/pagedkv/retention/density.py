@@ -32,10 +32,10 @@ release tail first (as pushed): a partly evicted conversation keeps its prefix, 
   brought it back last. What is known of a block is forgotten when it is evicted, or hinted again without having
   been pushed since (freed uncached: new content).
 
-Data: per block ``cur`` (int64 push serial, 0: not in the evictor), ``seg`` (int32 release slot), the class and
-clock of the last hint (int32, int64), the last hinting session's hash, shared hits, first hint (int64) and a
-pending flag; per release slot its class, clock, creation serial, live count and a
-:class:`~pagedkv.retention._logs.PushLog`. A release is one push (a freed sequence's blocks) or several pushes
+Data: per block the base class's ``stamp`` (push serial, 0: not in the evictor) and ``seg`` (release slot), the
+class and clock of the last hint (int32, int64), the last hinting session's hash, shared hits, first hint (int64)
+and a pending flag; per release slot its class, clock and creation serial, and the base class's segment (its
+blocks in push order, their live count). A release is one push (a freed sequence's blocks) or several pushes
 between two hints with the same class and clock; never one object per block. Costs: push, discard O(1) amortised
 (batch forms a few numpy calls); a pop computes the order of the live releases when a hint or a push changed it
 (O(R log R) numpy for R live releases, a few hundred on the trace) and then takes blocks in O(1) amortised each;
@@ -45,11 +45,11 @@ between two hints with the same class and clock; never one object per block. Cos
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Hashable, Iterator
+from typing import Hashable
 
 import numpy as np
 
-from ._logs import PushLog
+from ..blocks.policy import EvictionPolicy
 
 __all__ = ["DensityEvictor", "HitDensity"]
 
@@ -152,45 +152,36 @@ class HitDensity:
         return self.table[klass, age]
 
 
-class DensityEvictor:
-    """The ``density`` policy (see the module docstring): the evictor methods of
-    :class:`pagedkv.blocks.evictor.LRUEvictor` plus :meth:`hint`. ``est`` is its :class:`HitDensity`."""
+class DensityEvictor(EvictionPolicy, name="density"):
+    """The ``density`` policy (see the module docstring): an :class:`~pagedkv.blocks.policy.EvictionPolicy`
+    whose segments are the releases (slots, reused), with the hooks ``place`` (a push joins the newest release or
+    opens one), ``choose`` and ``order`` (releases by density), ``emptied`` (a release's slot is freed) and
+    :meth:`hint`. ``est`` is its :class:`HitDensity`."""
 
-    __slots__ = ("cur", "seg", "hk", "ht", "own", "shd", "born", "pend", "serial", "n", "est", "s_k", "s_t", "s_ser",
-                 "s_live", "s_h", "s_b", "logs", "free", "nslots", "order", "oi", "stale", "last")
+    __slots__ = ("hk", "ht", "own", "shd", "born", "pend", "est", "s_k", "s_t", "s_ser", "s_h", "s_b", "free",
+                 "nslots", "rank", "oi", "stale", "last")
 
     def __init__(self, num_blocks: int, **options) -> None:
-        self.cur = np.zeros(num_blocks, dtype=np.int64)
-        self.seg = np.zeros(num_blocks, dtype=np.int32)
+        super().__init__(num_blocks)
         self.hk = np.full(num_blocks, ANONYMOUS, dtype=np.int32)  # class and clock of the block's last hint
         self.ht = np.zeros(num_blocks, dtype=np.int64)
         self.own = np.zeros(num_blocks, dtype=np.int64)  # the session (a hash, 0: none) that last hinted the block
         self.shd = np.zeros(num_blocks, dtype=np.int64)  # hints by another session since it was cached
         self.born = np.zeros(num_blocks, dtype=np.int64)  # clock of its first hint since it was cached
         self.pend = np.zeros(num_blocks, dtype=np.bool_)  # hinted and not pushed since
-        self.serial = 0
-        self.n = 0
         self.est = HitDensity(**options)
         cap = 16
-        self.s_k = np.zeros(cap, dtype=np.int64)  # per release slot: class, clock, creation serial, live blocks
+        self.s_k = np.zeros(cap, dtype=np.int64)  # per release slot (segment): class, clock, creation serial
         self.s_t = np.zeros(cap, dtype=np.int64)
         self.s_ser = np.zeros(cap, dtype=np.int64)
-        self.s_live = np.zeros(cap, dtype=np.int64)
         self.s_h = np.zeros(cap, dtype=np.int64)  # shared releases: fewest shared hits, latest first hint
         self.s_b = np.zeros(cap, dtype=np.int64)
-        self.logs: list = [None] * cap
-        self.free: list = list(range(cap - 1, -1, -1))
-        self.nslots = 0  # slots ever used (the order looks at [0, nslots))
-        self.order = np.empty(0, dtype=np.int64)  # live slots in eviction order (valid while not stale)
+        self.free: list = list(range(cap - 1, 0, -1))  # free slots (segment 0 is not used: it never goes away)
+        self.nslots = 1  # slots ever used (the order looks at [1, nslots))
+        self.rank = np.empty(0, dtype=np.int64)  # live slots in eviction order (valid while not stale)
         self.oi = 0
         self.stale = False
         self.last = -1  # the newest release slot (a push with its class and clock joins it)
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __contains__(self, block: int) -> bool:
-        return self.cur[block] != 0
 
     def hint(self, blocks: np.ndarray, session: Hashable) -> None:
         """One request of ``session`` ends: its ``blocks`` (the sequence's table, head first) are about to be
@@ -216,39 +207,26 @@ class DensityEvictor:
     # ------------------------------------------------------------------ releases
     def _slot(self, k: int, t: int, blocks: np.ndarray, serials: np.ndarray) -> None:
         s = self.last
-        if s < 0 or self.logs[s] is None or self.s_k[s] != k or self.s_t[s] != t or k == SHARED:
+        if s < 0 or not self.count(s) or self.s_k[s] != k or self.s_t[s] != t or k == SHARED:
             if not self.free:
                 cap = self.s_k.size
-                for name in ("s_k", "s_t", "s_ser", "s_live", "s_h", "s_b"):
+                for name in ("s_k", "s_t", "s_ser", "s_h", "s_b"):
                     a = getattr(self, name)
                     b = np.zeros(2 * cap, dtype=a.dtype)
                     b[:cap] = a
                     setattr(self, name, b)
-                self.logs.extend([None] * cap)
                 self.free = list(range(2 * cap - 1, cap - 1, -1))
             s = self.free.pop()
             self.nslots = max(self.nslots, s + 1)
-            self.s_k[s], self.s_t[s], self.s_ser[s], self.s_live[s] = k, t, int(serials[0]), 0
+            self.s_k[s], self.s_t[s], self.s_ser[s] = k, t, int(serials[0])
             if k == SHARED:
                 self.s_h[s], self.s_b[s] = int(self.shd[blocks].min()), int(self.born[blocks].max())
-            self.logs[s] = PushLog()
             self.last = s
             self.stale = True
-        self.logs[s].append(blocks, serials, self.cur)
-        self.seg[blocks] = s
-        self.s_live[s] += blocks.size
+        self.append(s, blocks, 0, serials)
 
-    def push(self, block: int) -> None:
-        self.push_many(np.array([block], dtype=np.int32))
-
-    def push_many(self, blocks: np.ndarray) -> None:
-        n = blocks.size
-        if n == 0:
-            return
-        s0 = self.serial
-        serials = np.arange(s0 + 1, s0 + n + 1, dtype=np.int64)
-        self.serial = s0 + n
-        self.cur[blocks] = serials
+    def place(self, blocks: np.ndarray) -> None:
+        serials = self.new_serials(blocks.size)
         now = self.est.clock
         hk = self.hk[blocks]
         k = np.where(self.ht[blocks] == now, hk, ANONYMOUS)  # a hint counts until the next one
@@ -262,80 +240,49 @@ class DensityEvictor:
             for v in dict.fromkeys(k.tolist()):
                 m = k == v
                 self._slot(v, now, blocks[m], serials[m])
-        self.n += n
 
-    def _kill(self, s: int) -> None:
-        self.logs[s] = None
-        self.free.append(s)
-        if self.last == s:
+    def emptied(self, segment: int) -> None:
+        self.free.append(segment)
+        if self.last == segment:
             self.last = -1
 
-    def discard(self, block: int) -> None:
-        s = int(self.seg[block])
-        self.cur[block] = 0
-        self.n -= 1
-        self.s_live[s] -= 1
-        if not self.s_live[s]:
-            self._kill(s)
-
-    def discard_many(self, blocks: np.ndarray) -> None:
-        if blocks.size == 0:
-            return
-        self.cur[blocks] = 0
-        self.n -= blocks.size
-        u, cnt = np.unique(self.seg[blocks], return_counts=True)
-        self.s_live[u] -= cnt
-        for s in u[self.s_live[u] == 0].tolist():
-            self._kill(s)
-
     # ------------------------------------------------------------------ eviction order
-    def _order(self) -> np.ndarray:
+    def _rank(self) -> np.ndarray:
         if self.stale:
-            live = np.flatnonzero(self.s_live[: self.nslots] > 0)
+            live = np.fromiter((s for s, log in self._logs.items() if log.live), dtype=np.int64)
             k = self.s_k[live]
             sh = k == SHARED
             d = self.est.density(np.where(sh, ANONYMOUS, k), self.s_t[live])
             if sh.any():  # hits per tick since first hinted, the density's unit
                 d[sh] = self.s_h[live[sh]] / (self.est.clock - self.s_b[live[sh]] + 1.0)
-            self.order = live[np.lexsort((self.s_ser[live], d))]
+            self.rank = live[np.lexsort((self.s_ser[live], d))]
             self.oi = 0
             self.stale = False
-        return self.order
+        return self.rank
 
-    def pop(self) -> int:
-        return int(self.pop_many(1)[0])
-
-    def pop_many(self, n: int) -> np.ndarray:
-        if n == 0:
-            return np.empty(0, dtype=np.int32)
-        order = self._order()
+    def choose(self, n: int) -> np.ndarray:
+        rank = self._rank()
         out = []
         want = n
         i = self.oi
         while want:
-            s = int(order[i])
-            log = self.logs[s]
-            if log is None:  # gone since the order was made (a slot is only reused after a push restales it)
+            s = int(rank[i])
+            if not self.count(s):  # gone since the order was made (a slot is only reused after a push restales it)
                 i += 1
                 continue
-            got = log.take(want, self.cur)
+            got = self.take(s, want)
             out.append(got)
             want -= got.size
-            self.s_live[s] -= got.size
-            if not self.s_live[s]:
-                self._kill(s)
+            if not self.count(s):
                 i += 1
         self.oi = i
-        self.n -= n
-        got = out[0].astype(np.int32, copy=False) if len(out) == 1 else np.concatenate(out).astype(np.int32)
+        got = out[0] if len(out) == 1 else np.concatenate(out)
         self.own[got] = 0  # the content leaves: its sessions and shared hits with it
         self.shd[got] = 0
         return got
 
-    def __iter__(self) -> Iterator[int]:
+    def order(self) -> np.ndarray:
         """Eviction order: releases by density (then age), each tail first (as pushed)."""
-        order = self._order()
-        for s in order[self.oi :].tolist():
-            log = self.logs[s]
-            if log is not None:
-                yield from log.live(self.cur).tolist()
+        rank = self._rank()
+        parts = [self.segment(s).blocks() for s in rank[self.oi :].tolist() if self.count(s)]
+        return np.concatenate(parts) if parts else np.empty(0, dtype=np.int32)

@@ -321,6 +321,13 @@ class SteeredEvictor:
         self._deadline = math.inf
         return out
 
+    def verify(self) -> None:
+        """Assert every class's (and the spare LRU's) bookkeeping (tests). O(entries)."""
+        for c in self.classes.values():
+            c.verify()
+        if self.spare is not None:
+            self.spare.verify()
+
     def check(self, ref: np.ndarray, fail) -> None:
         """Invariants: parked blocks are unreferenced, cached, pinned for their content and in no class; the
         pinned count is the budget's count; every class holds only blocks filed under it."""
