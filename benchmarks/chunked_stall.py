@@ -19,14 +19,16 @@ import time
 
 
 def one_run(model, chunked: bool, args) -> dict:
+    from pagedkv.engine.config import engine_configs
     from pagedkv.engine.llm import LLM
     from pagedkv.engine.sampling import SamplingParams
 
     kw = {} if args.budget is None else {"max_num_batched_tokens": args.budget}
     if not chunked:
         kw["max_num_batched_tokens"] = max(args.prompt_len, 2048)
-    llm = LLM(model, enable_chunked_prefill=chunked, enable_prefix_caching=False, max_num_seqs=8, threads=args.threads,
-              num_gpu_blocks=-(-(args.prompt_len + 128) // 16) + args.streams * 260, **kw)
+    llm = LLM(model, **engine_configs(enable_chunked_prefill=chunked, enable_prefix_caching=False, max_num_seqs=8,
+                                      threads=args.threads,
+                                      num_gpu_blocks=-(-(args.prompt_len + 128) // 16) + args.streams * 260, **kw))
     rng = random.Random(args.seed)
     by_id = {}
 

@@ -17,6 +17,7 @@ import argparse
 import json
 import statistics
 import time
+from pagedkv.engine.config import ModelRunConfig
 
 
 def main() -> int:
@@ -51,7 +52,8 @@ def main() -> int:
             prompts = [{"prompt_token_ids": rng.integers(100, vocab, n_in).tolist()} for _ in range(bsz)]
             res = {}
             for fast in ((True, False) if rnd % 2 == 0 else (False, True)):
-                llm = LLM(model, max_num_seqs=max(32, bsz), fast_lm_head=fast, threads=a.threads)
+                llm = LLM(model, max_num_seqs=max(32, bsz), run_config=ModelRunConfig(fast_lm_head=fast,
+                          threads=a.threads))
                 llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(max_tokens=2), use_tqdm=False)
                 before = dict(model.head.stats)
                 t = time.perf_counter()

@@ -128,7 +128,9 @@ def _store_policy(args: argparse.Namespace) -> str:
 
 
 def make_llm(args: argparse.Namespace, **over):
-    """An ``LLM`` from the options of :func:`add_engine_args`; keywords in ``over`` take precedence."""
+    """An ``LLM`` from the options of :func:`add_engine_args`; keywords in ``over`` (engine option names, see
+    :func:`pagedkv.engine.config.engine_configs`) take precedence."""
+    from .config import engine_configs
     from .llm import LLM
 
     kw = dict(
@@ -151,9 +153,9 @@ def make_llm(args: argparse.Namespace, **over):
         kw.update(kv_disk_dir=args.kv_disk_dir, kv_disk_gib=args.kv_disk_gib, kv_shared=args.kv_shared,
                   kv_load_max_ms_per_block=ms if ms else None, kv_store=_store_policy(args))
     elif getattr(args, "kv_disk_gib", None) is not None:
-        kw["kv_disk_gib"] = args.kv_disk_gib  # (LLM refuses it without a directory)
+        kw["kv_disk_gib"] = args.kv_disk_gib  # (refused without a directory)
     kw.update(over)
-    return LLM(args.model, **kw)
+    return LLM(args.model, **engine_configs(**kw))
 
 
 def make_params(args: argparse.Namespace, **over):

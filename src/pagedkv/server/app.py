@@ -232,7 +232,7 @@ def build_app(engine: AsyncEngine, *, model_name: str, model_aliases: tuple[str,
 
         pins_on()
         try:
-            return await asyncio.to_thread(engine.between_steps, lambda: llm._request_pins.admit(
+            return await asyncio.to_thread(engine.between_steps, lambda: engine.core.request_pins.admit(
                 ids, KVRetention(spec["pin_tokens"], spec["ttl"]), salt))
         except PinBudgetError as e:
             raise APIError(409, str(e), "invalid_request_error", "pin_budget_exceeded", "kv_retention") from None
@@ -439,7 +439,7 @@ def build_app(engine: AsyncEngine, *, model_name: str, model_aliases: tuple[str,
             if require_full and bm.lookup_prefix(ids + ids[:1], namespace=pr.cache_salt).num_cached_tokens < full:
                 return None
             pin = bm.pin_prefix(ids, ttl=pr.ttl, namespace=pr.cache_salt)
-            rp = getattr(llm, "_request_pins", None)
+            rp = engine.core.request_pins
             if rp is not None:  # (requests asking to pin that prefix then need no room of the budget)
                 rp.remember(ids[: pin.num_tokens], pin, pr.cache_salt)
             return pin
