@@ -1,6 +1,8 @@
 """The engine's configuration, declared once: four frozen dataclasses, each field with its default, its check
 (in ``__post_init__``: a bad value raises :class:`~pagedkv.errors.InvalidArgumentError` when the config is made)
-and its one-line help (``metadata["help"]``, which the command-line options are derived from).
+and its help (``metadata["help"]``): the command-line options of every command that builds an engine are derived
+from these fields (:func:`pagedkv.engine.options.add_engine_args`; ``metadata["cli"]`` False: no option,
+``"negated"`` / ``"policy"``: spelled by hand there).
 
 * :class:`CacheConfig`: the KV cache and the block manager (block size and counts, prefix caching, CPU blocks,
   eviction, pins, KV events, sliding window, KV cache groups).
@@ -77,23 +79,25 @@ class CacheConfig:
     :class:`pagedkv.HybridBlockManager` for a model with KV cache groups)."""
 
     block_size: int = _opt(16, "tokens per KV-cache block")
-    num_gpu_blocks: int | None = _opt(None, "KV-cache blocks (default: --kv-cache-gib worth, capped at what "
-                                            "max_num_seqs full-context sequences can use)")
-    kv_cache_gib: float = _opt(1.0, "the KV cache's size in GiB when num_gpu_blocks is not given", metavar="GIB")
+    num_gpu_blocks: int | None = _opt(None, "KV-cache blocks (default: 1 GiB worth, capped at what max_num_seqs "
+                                            "full-context sequences can use)")
+    kv_cache_gib: float = _opt(1.0, "the KV cache's size in GiB when num_gpu_blocks is not given", metavar="GIB",
+                               cli=False)
     num_cpu_blocks: int = _opt(0, "CPU blocks for swap preemption and the CPU tier of the prefix cache")
-    swap_space: float | None = _opt(None, "the CPU blocks given in GiB, as vLLM's swap_space (instead of "
-                                          "num_cpu_blocks, which must then be 0)", metavar="GIB")
-    enable_prefix_caching: bool = _opt(True, "the prefix cache (vLLM's name)")
+    swap_space: float | None = _opt(None, "the CPU blocks given in GiB, as vLLM's --swap-space (instead of "
+                                          "--num-cpu-blocks, which must then be 0)", metavar="GIB")
+    enable_prefix_caching: bool = _opt(True, "the prefix cache (on by default; vLLM's name)", cli="negated")
     cpu_prefix_cache: bool = _opt(False, "demote evicted prefix-cache blocks to the CPU blocks and promote them "
                                          "back on a hit")
     sliding_window: int | None = _opt(None, "attend to the last TOKENS tokens only, releasing older blocks "
                                             "(default: full attention)", metavar="TOKENS")
     kv_cache_groups: bool = _opt(True, "a model with KV cache groups (Gemma 3) gets a block table per group, so "
-                                       "a sliding layer keeps only its window's blocks; False: one table")
+                                       "a sliding layer keeps only its window's blocks; False: one table",
+                                 cli=False)
     eviction_policy: str = _opt("lru", "the prefix cache's eviction order (pagedkv.retention.eviction)",
                                 choices=EVICTION_POLICIES)
     pin_budget_blocks: int = _opt(0, "most KV blocks pinned prefixes may hold (0: no pins)", metavar="BLOCKS")
-    enable_kv_events: bool = _opt(False, "record the block manager's KV events (take_events)")
+    enable_kv_events: bool = _opt(False, "record the block manager's KV events (take_events)", cli=False)
 
     def __post_init__(self) -> None:
         _int("block_size", self.block_size, 1)
@@ -129,7 +133,8 @@ class SchedulerConfig:
                                                 "one step (0: no cap besides the budget)", metavar="TOKENS")
     preemption_mode: str = _opt("recompute", "what a preempted request gives up: its KV (recompute) or its GPU "
                                              "blocks (swap to the CPU blocks)", choices=("recompute", "swap"))
-    num_lookahead_slots: int = _opt(0, "slots reserved past each decode's token (speculative decoding)")
+    num_lookahead_slots: int = _opt(0, "slots reserved past each decode's token (speculative decoding)",
+                                    cli=False)
     scheduling_policy: str = _opt("fcfs", "priority: admit by each request's priority then arrival, preempt the "
                                           "largest first (vLLM's; a lower value is more urgent)",
                                   choices=("fcfs", "priority"))
@@ -162,14 +167,17 @@ class ModelRunConfig:
     dtype: Any = _opt(None, "weights and KV dtype (a torch.dtype; default float32)", cli=False)
     fast_lm_head: bool = _opt(True, "the exact fast LM head: bf16 logits with a rigorous error bound, the entries "
                                     "the bound cannot decide rescored in float32 (same tokens as float32 logits; "
-                                    "docs/engine-speed.md)")
+                                    "docs/engine-speed.md); --no-fast-lm-head computes every row's logits in "
+                                    "float32")
     quant_kernels: bool = _opt(True, "decode steps of up to 32 sequences read the GGUF file's quantized weights "
-                                     "with float32 activations, each weight rebuilt exactly (docs/engine-speed.md)")
+                                     "with float32 activations, each weight rebuilt exactly (the float32 model's "
+                                     "products up to summation order; docs/engine-speed.md); --no-quant-kernels "
+                                     "uses the dense float32 weights only")
     max_model_len: int | None = _opt(None, "the longest sequence (prompt + output) a request may have (default: "
                                            "the model's context)", metavar="TOKENS")
     threads: int | None = _opt(None, "CPU threads of the model's products (default: OMP_NUM_THREADS when set, "
-                                     "else the cores other processes leave free, re-checked while running)",
-                               metavar="N")
+                                     "else the cores other processes leave free, re-checked while running; "
+                                     "docs/engine-speed.md)", metavar="N")
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str):
@@ -189,16 +197,22 @@ class TierConfig:
     """The disk and shared KV tiers under the prefix cache (docs/tiers.md); none by default."""
 
     kv_disk_dir: str | os.PathLike | None = _opt(
-        None, "a disk tier under the prefix cache in DIR (one process at a time; survives restarts); needs "
-              "kv_disk_gib (LMCache's local_disk)", metavar="DIR")
+        None, "a disk tier under the prefix cache in DIR (one process at a time; survives restarts: a restarted "
+              "engine loads the KV stored there); needs --kv-disk-gib (LMCache's local_disk)", metavar="DIR")
     kv_disk_gib: float | None = _opt(None, "the disk tier's bound in GiB, least recently used blocks evicted "
                                            "(LMCache's max_local_disk_size)", metavar="GIB")
-    kv_shared: str | None = _opt(None, "a KV tier every replica shares: redis://HOST:PORT (Redis or Valkey) or "
-                                       "file:///DIR (a shared directory)", metavar="URL")
+    kv_shared: str | None = _opt(None, "a KV tier every replica shares: redis://HOST:PORT (Redis or Valkey; "
+                                       "LMCache's remote_url) or file:///DIR (a shared directory)", metavar="URL")
     kv_load_max_ms_per_block: float | None = _opt(
         DEFAULT_MAX_LOAD_MS_PER_BLOCK, "the crossover: a tier whose measured load time per block is above MS is not "
-                                       "read and the prompt is computed (None: always load)", metavar="MS")
-    kv_store: bool | str = _opt(True, "the tiers' write policy: through (True), selective[:N], back, off (False)")
+                                       "read and the prompt is computed (default 683: this machine's SmolLM2 "
+                                       "prefill time per 16-token block; 0 on the command line, None here: always "
+                                       "load)", metavar="MS")
+    kv_store: bool | str = _opt(True, "what the engine writes to the tiers, off the step loop (SGLang's "
+                                      "--hicache-write-policy): through (True, the default: every full block once "
+                                      "computed or loaded), selective:N (a block once prefix hits took it N "
+                                      "times), back (a cached block about to be evicted), off (False: load only)",
+                                cli="policy", metavar="POLICY")
 
     def __post_init__(self) -> None:
         if self.kv_disk_gib is not None and self.kv_disk_dir is None:
@@ -216,7 +230,7 @@ class TierConfig:
 
 
 def parse_store_policy(policy: Any) -> tuple[str, int]:
-    """``LLM(kv_store=)`` / ``pagedkv serve --kv-store-policy`` to the block manager's ``(store_policy,
+    """``TierConfig(kv_store=)`` / ``pagedkv serve --kv-store-policy`` to the block manager's ``(store_policy,
     store_min_hits)``: ``"through"`` (or True, or SGLang's ``"write_through"``): every full block once computed
     or loaded; ``"selective:N"`` (or ``"selective"``, N = 1; SGLang's ``"write_through_selective"``): a block
     once prefix hits have taken it N times; ``"back"`` (SGLang's ``"write_back"``): a cached block when it is

@@ -265,6 +265,11 @@ class EngineCore:
         return self._thread_policy.threads
 
     @property
+    def thread_policy(self) -> ThreadPolicy:
+        """How the thread count is chosen (its ``source``, its re-``checks``: the benchmarks' record)."""
+        return self._thread_policy
+
+    @property
     def block_manager_seconds(self) -> float:
         """Wall time spent inside the block manager's methods since the core was built."""
         return self._timed_bm.seconds

@@ -39,8 +39,9 @@ class LLM:
         model: a model name (``"smollm2-135m"``, the default, or ``"gemma-3-270m"``; see
             :mod:`pagedkv.engine.registry`), the path of a GGUF file (its ``general.architecture`` picks the model
             class), or an already loaded model (``PagedLlama``, ``PagedGemma3``) to share its weights.
-        block_size, num_gpu_blocks, enable_prefix_caching: the :class:`~pagedkv.engine.config.CacheConfig`
-            fields of these names (None: the config's).
+        block_size: the :class:`~pagedkv.engine.config.CacheConfig` field (None: the config's).
+        num_gpu_blocks: the :class:`~pagedkv.engine.config.CacheConfig` field (None: the config's).
+        enable_prefix_caching: the :class:`~pagedkv.engine.config.CacheConfig` field (None: the config's).
         max_num_seqs: the :class:`~pagedkv.engine.config.SchedulerConfig` field (None: the config's).
         device: the :class:`~pagedkv.engine.config.ModelRunConfig` field, ``"cpu"`` or ``"cuda"`` (None: the
             config's).
