@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from typing import Any, Mapping
 
@@ -35,15 +34,14 @@ import numpy as np
 import torch
 
 from ..errors import InvalidArgumentError, PromptTooLongError
-from ..hybrid import HybridBlockManager
-from ..manager import NULL_BLOCK, AllocStatus, BlockManager
+from ..manager import NULL_BLOCK, AllocStatus
 from ..retention.steering import Pin
 from ..scheduler import FINISH_STOP, Scheduler
-from .config import CacheConfig, ModelRunConfig, SchedulerConfig, TierConfig, parse_store_policy
+from .build import build_cache, load_model_parts
+from .config import CacheConfig, ModelRunConfig, SchedulerConfig, TierConfig
 from .kv_tiers import EngineTiers
 from .model import build_attention_metadata, build_group_attention_metadata, execute_copy_plan
 from .outputs import CompletionOutput, EngineTimes, RequestOutput, StepOutput
-from .registry import load_model, make_tokenizer
 from .request_pins import RequestPins
 from .sampling import SamplingParams, sample, sample_batch, sample_bounded
 from .threads import ThreadPolicy
@@ -146,10 +144,22 @@ class EngineCore:
             raise InvalidArgumentError("the disk and shared KV tiers need enable_prefix_caching=True")
         if tiers.enabled and cache.sliding_window is not None:
             raise InvalidArgumentError("the disk and shared KV tiers are not available with sliding_window")
-        self._load_model(model, cache, run)
+        m = load_model_parts(model, cache, run)
+        self.model, self.device, self.tokenizer, self.max_model_len = m.model, m.device, m.tokenizer, m.max_model_len
+        #: whether decode steps read the file's quantized weights (``quant_kernels`` and kernels that built)
+        self.quant_kernels = m.quant_kernels
+        #: whether the exact fast LM head is in use (``fast_lm_head`` and a model that supports it)
+        self.fast_lm_head = m.fast_lm_head
         self._thread_policy = policy
         torch.set_num_threads(policy.initial())  # (automatic: the cores left free while the model loaded)
-        num_gpu_blocks, num_cpu_blocks = self._build_cache(cache, sched, tiers)
+        c = build_cache(self.model, self.max_model_len, cache, sched, tiers)
+        #: the KV cache groups in use (a HybridBlockManager), or None (one block table for all layers)
+        self.kv_cache_groups = c.kv_cache_groups
+        self.block_manager, self.kv_cache, self.cpu_kv_cache = c.block_manager, c.kv_cache, c.cpu_kv_cache
+        self.sliding_window = cache.sliding_window
+        self._timed_bm = _TimedCalls(self.block_manager)
+        #: a request's ``kv_retention`` (admitted before it is added, settled once its prompt is computed)
+        self.request_pins = RequestPins(self.block_manager, self.kv_cache_groups)
         self.scheduler = Scheduler(
             self._timed_bm, max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.token_budget,
             preemption_mode=sched.preemption_mode, num_lookahead_slots=sched.num_lookahead_slots,
@@ -185,78 +195,6 @@ class EngineCore:
         # the engine's own tiers (a KV port may wrap kv_tiers later; the decode-filled blocks' check digests go
         # to these)
         self._own_tiers = self.kv_tiers
-
-    def _load_model(self, model: Any, cache: CacheConfig, run: ModelRunConfig) -> None:
-        """The model (loaded, or shared), its tokenizer, LM head and context."""
-        self.device = torch.device(run.device)
-        if model is not None and not isinstance(model, (str, os.PathLike)):  # share already loaded weights
-            if not run.quant_kernels and getattr(model, "quant_kernels", False):
-                raise InvalidArgumentError(
-                    "quant_kernels=False, but this model was loaded with the quantized kernels: load it with "
-                    "from_gguf(..., quant_kernels=False), or pass its name or path")
-            self.model = model
-            self.device = model.device
-        else:
-            self.model = load_model(model, device=self.device, dtype=run.dtype or torch.float32,
-                                    quant_kernels=run.quant_kernels)
-        #: whether decode steps read the file's quantized weights (``quant_kernels`` and kernels that built)
-        self.quant_kernels = bool(getattr(self.model, "quant_kernels", False))
-        if cache.sliding_window is not None and getattr(self.model, "layer_windows", None) is not None:
-            raise InvalidArgumentError(
-                "this model has per-layer sliding windows (its full-attention layers need every block): "
-                "sliding_window must be None"
-            )
-        head = getattr(self.model, "head", None)
-        #: whether the exact fast LM head is in use (``fast_lm_head`` and a model that supports it)
-        self.fast_lm_head = bool(run.fast_lm_head and head is not None and head.supports_approx
-                                 and hasattr(self.model, "hidden"))
-        if self.fast_lm_head:
-            head.prepare()  # the low-precision copies, once per model (shared by engines sharing the model)
-        self.tokenizer = make_tokenizer(self.model.tokenizer_metadata)
-        self.max_model_len = int(self.model.config.context_length)
-        if run.max_model_len is not None:
-            if not 1 <= run.max_model_len <= self.max_model_len:
-                raise InvalidArgumentError(f"max_model_len must be an int in [1, {self.max_model_len}] (the "
-                                           f"model's context), got {run.max_model_len!r}")
-            self.max_model_len = run.max_model_len
-
-    def _build_cache(self, cache: CacheConfig, sched: SchedulerConfig, tiers: TierConfig) -> tuple[int, int]:
-        """The block manager (one table, or one per KV cache group) and the KV caches. Returns the GPU and CPU
-        block counts."""
-        groups = getattr(self.model, "kv_cache_groups", None) if cache.kv_cache_groups else None
-        #: the KV cache groups in use (a HybridBlockManager), or None (one block table for all layers)
-        self.kv_cache_groups = tuple(groups) if groups else None
-        grouped = self.kv_cache_groups is not None
-        kv_kw = {"grouped": True} if grouped else {}
-        bs = cache.block_size
-        num_gpu_blocks, num_cpu_blocks = cache.num_gpu_blocks, cache.num_cpu_blocks
-        if num_gpu_blocks is None:
-            per_block = self.model.kv_cache_bytes_per_block(bs, **kv_kw)
-            n_groups = len(self.kv_cache_groups) if grouped else 1
-            cap = n_groups * sched.max_num_seqs * -(-self.max_model_len // bs)
-            num_gpu_blocks = max(1, min(cap, int(cache.kv_cache_gib * 2**30) // per_block))
-        if cache.swap_space is not None:
-            num_cpu_blocks = int(cache.swap_space * 2**30) // self.model.kv_cache_bytes_per_block(bs, **kv_kw)
-        common = dict(num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=cache.enable_prefix_caching,
-                      enable_kv_events=cache.enable_kv_events, cpu_prefix_cache=cache.cpu_prefix_cache,
-                      eviction_policy=cache.eviction_policy, pin_budget_blocks=cache.pin_budget_blocks)
-        store_policy, store_min_hits = parse_store_policy(tiers.kv_store)
-        if tiers.enabled and cache.enable_prefix_caching and store_policy != "none" \
-                and (grouped or cache.sliding_window is None):
-            common.update(store_policy=store_policy, store_min_hits=store_min_hits)
-        if grouped:
-            self.block_manager = HybridBlockManager(num_gpu_blocks, bs, kv_cache_groups=self.kv_cache_groups,
-                                                    **common)
-        else:
-            self.block_manager = BlockManager(num_gpu_blocks, bs, sliding_window=cache.sliding_window, **common)
-        self._timed_bm = _TimedCalls(self.block_manager)
-        #: a request's ``kv_retention`` (admitted before it is added, settled once its prompt is computed)
-        self.request_pins = RequestPins(self.block_manager, self.kv_cache_groups)
-        self.sliding_window = cache.sliding_window
-        self.kv_cache = self.model.allocate_kv_cache(num_gpu_blocks, bs, **kv_kw)
-        self.cpu_kv_cache = self.model.allocate_kv_cache(num_cpu_blocks, bs, device="cpu", **kv_kw) \
-            if num_cpu_blocks else None
-        return num_gpu_blocks, num_cpu_blocks
 
     # ------------------------------------------------------------------ read-only views
     @property
