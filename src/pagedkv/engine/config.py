@@ -84,19 +84,23 @@ class CacheConfig:
     kv_cache_gib: float = _opt(1.0, "the KV cache's size in GiB when num_gpu_blocks is not given", metavar="GIB",
                                cli=False)
     num_cpu_blocks: int = _opt(0, "CPU blocks for swap preemption and the CPU tier of the prefix cache")
-    swap_space: float | None = _opt(None, "the CPU blocks given in GiB, as vLLM's --swap-space (instead of "
-                                          "--num-cpu-blocks, which must then be 0)", metavar="GIB")
+    swap_space: float | None = _opt(None, "the CPU blocks given in GiB, as vLLM's --swap-space: as many blocks as "
+                                          "fit (instead of --num-cpu-blocks, which must then be 0; "
+                                          "llm.block_manager.num_cpu_blocks says how many)", metavar="GIB")
     enable_prefix_caching: bool = _opt(True, "the prefix cache (on by default; vLLM's name)", cli="negated")
     cpu_prefix_cache: bool = _opt(False, "demote evicted prefix-cache blocks to the CPU blocks and promote them "
                                          "back on a hit")
     sliding_window: int | None = _opt(None, "attend to the last TOKENS tokens only, releasing older blocks "
                                             "(default: full attention)", metavar="TOKENS")
     kv_cache_groups: bool = _opt(True, "a model with KV cache groups (Gemma 3) gets a block table per group, so "
-                                       "a sliding layer keeps only its window's blocks; False: one table",
-                                 cli=False)
-    eviction_policy: str = _opt("lru", "the prefix cache's eviction order (pagedkv.retention.eviction)",
+                                       "a sliding layer keeps only its window's blocks (a HybridBlockManager); "
+                                       "False: one BlockManager table for all layers; models without groups "
+                                       "(SmolLM2) always use one table", cli=False)
+    eviction_policy: str = _opt("lru", "the prefix cache's eviction order: lru, slru, session, density or arc "
+                                       "(pagedkv.retention.eviction), with one block table or KV cache groups",
                                 choices=EVICTION_POLICIES)
-    pin_budget_blocks: int = _opt(0, "most KV blocks pinned prefixes may hold (0: no pins)", metavar="BLOCKS")
+    pin_budget_blocks: int = _opt(0, "most KV blocks (every group's, with KV cache groups) pinned prefixes may "
+                                     "hold: LLM.pin_prefix, a request's kv_retention (0: no pins)", metavar="BLOCKS")
     enable_kv_events: bool = _opt(False, "record the block manager's KV events (take_events)", cli=False)
 
     def __post_init__(self) -> None:
@@ -135,8 +139,9 @@ class SchedulerConfig:
                                              "blocks (swap to the CPU blocks)", choices=("recompute", "swap"))
     num_lookahead_slots: int = _opt(0, "slots reserved past each decode's token (speculative decoding)",
                                     cli=False)
-    scheduling_policy: str = _opt("fcfs", "priority: admit by each request's priority then arrival, preempt the "
-                                          "largest first (vLLM's; a lower value is more urgent)",
+    scheduling_policy: str = _opt("fcfs", "priority: admit by each request's priority (LLM.generate's priority=, "
+                                          "the server's priority field) then arrival, preempt the largest first "
+                                          "(vLLM's; a lower value is more urgent)",
                                   choices=("fcfs", "priority"))
 
     def __post_init__(self) -> None:
@@ -167,17 +172,20 @@ class ModelRunConfig:
     dtype: Any = _opt(None, "weights and KV dtype (a torch.dtype; default float32)", cli=False)
     fast_lm_head: bool = _opt(True, "the exact fast LM head: bf16 logits with a rigorous error bound, the entries "
                                     "the bound cannot decide rescored in float32 (same tokens as float32 logits; "
-                                    "docs/engine-speed.md); --no-fast-lm-head computes every row's logits in "
-                                    "float32")
+                                    "docs/engine-speed.md; float32 weights on the CPU only; costs the bf16 "
+                                    "copy's memory: Gemma 3 270M +335 MB, SmolLM2-135M +57 MB); --no-fast-lm-head "
+                                    "computes every row's logits in float32")
     quant_kernels: bool = _opt(True, "decode steps of up to 32 sequences read the GGUF file's quantized weights "
                                      "with float32 activations, each weight rebuilt exactly (the float32 model's "
                                      "products up to summation order; docs/engine-speed.md); --no-quant-kernels "
-                                     "uses the dense float32 weights only")
+                                     "uses the dense float32 weights only (with an already loaded model: must "
+                                     "match how it was loaded)")
     max_model_len: int | None = _opt(None, "the longest sequence (prompt + output) a request may have (default: "
                                            "the model's context)", metavar="TOKENS")
     threads: int | None = _opt(None, "CPU threads of the model's products (default: OMP_NUM_THREADS when set, "
-                                     "else the cores other processes leave free, re-checked while running; "
-                                     "docs/engine-speed.md)", metavar="N")
+                                     "else the cores other processes leave free, re-checked every half second of "
+                                     "steps; process-wide: torch.set_num_threads; docs/engine-speed.md)",
+                               metavar="N")
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str):
@@ -198,7 +206,8 @@ class TierConfig:
 
     kv_disk_dir: str | os.PathLike | None = _opt(
         None, "a disk tier under the prefix cache in DIR (one process at a time; survives restarts: a restarted "
-              "engine loads the KV stored there); needs --kv-disk-gib (LMCache's local_disk)", metavar="DIR")
+              "engine loads the KV stored there; a second opener gets TierInUseError); needs --kv-disk-gib "
+              "(LMCache's local_disk)", metavar="DIR")
     kv_disk_gib: float | None = _opt(None, "the disk tier's bound in GiB, least recently used blocks evicted "
                                            "(LMCache's max_local_disk_size)", metavar="GIB")
     kv_shared: str | None = _opt(None, "a KV tier every replica shares: redis://HOST:PORT (Redis or Valkey; "
