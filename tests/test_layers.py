@@ -236,9 +236,10 @@ def _private(name: str) -> bool:
 
 
 def _defined_privates(folder: Path) -> set[str]:
-    """The private names a package defines: methods and functions, class attributes and ``self._x = ...``."""
+    """The private names a package (or one module) defines: methods and functions, class attributes and
+    ``self._x = ...``."""
     out: set[str] = set()
-    for path in folder.rglob("*.py"):
+    for path in (folder.rglob("*.py") if folder.is_dir() else [folder]):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and _private(node.name):
                 out.add(node.name)
@@ -321,3 +322,12 @@ def test_server_and_router_use_only_the_engine_public_api():
             bad += [f"{path.relative_to(ROOT)}:{b}" for b in private_engine_uses(path.read_text(), engine_privates,
                                                                                   own, module)]
     assert not bad, "the server or router uses an engine object's private attribute:\n" + "\n".join(bad)
+
+
+def test_llm_drives_the_engine_core_through_its_public_api():
+    # the LLM facade is a client of the core like the server: no ``self.core._x``, no core private by name
+    llm = SRC / "pagedkv" / "engine" / "llm.py"
+    core = _defined_privates(SRC / "pagedkv" / "engine" / "core.py")
+    assert {"_execute", "_requests", "_sample_faults"} <= core
+    bad = private_engine_uses(llm.read_text(), core, _defined_privates(llm), "pagedkv.engine.llm")
+    assert not bad, "LLM uses the engine core's private attributes:\n" + "\n".join(bad)
