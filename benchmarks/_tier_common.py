@@ -84,10 +84,10 @@ class TierServer:
     streamed request."""
 
     def __init__(self, model, block_size: int, **llm_kw) -> None:
-        from pagedkv.engine import LLM
+        from pagedkv.engine import LLM, engine_configs
         from pagedkv.server.launch import make_server
 
-        self.llm = LLM(model, block_size=block_size, max_num_seqs=4, **llm_kw)
+        self.llm = LLM(model, block_size=block_size, max_num_seqs=4, **engine_configs(**llm_kw))
         self.srv = make_server(self.llm, model_name="m", max_waiting=8).start_in_thread()
 
     def ttft(self, prompt: list[int]) -> tuple[float, str, int]:

@@ -19,22 +19,22 @@ import time
 
 
 def one_run(model, chunked: bool, args) -> dict:
+    from pagedkv.engine.config import engine_configs
     from pagedkv.engine.llm import LLM
     from pagedkv.engine.sampling import SamplingParams
 
     kw = {} if args.budget is None else {"max_num_batched_tokens": args.budget}
     if not chunked:
         kw["max_num_batched_tokens"] = max(args.prompt_len, 2048)
-    llm = LLM(model, enable_chunked_prefill=chunked, enable_prefix_caching=False, max_num_seqs=8, threads=args.threads,
-              num_gpu_blocks=-(-(args.prompt_len + 128) // 16) + args.streams * 260, **kw)
+    llm = LLM(model, **engine_configs(enable_chunked_prefill=chunked, enable_prefix_caching=False, max_num_seqs=8,
+                                      threads=args.threads,
+                                      num_gpu_blocks=-(-(args.prompt_len + 128) // 16) + args.streams * 260, **kw))
     rng = random.Random(args.seed)
-    by_id = {}
 
     def add(n_tokens: int, max_tokens: int):
-        r = llm._make_request({"prompt_token_ids": [rng.randrange(1000, 20000) for _ in range(n_tokens)]},
-                              SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
-        by_id[r.request_id] = r
-        llm._add(r)
+        r = llm.core.make_request({"prompt_token_ids": [rng.randrange(1000, 20000) for _ in range(n_tokens)]},
+                                  SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+        llm.core.add_request(r)
         return r
 
     for _ in range(args.streams):
@@ -44,7 +44,7 @@ def one_run(model, chunked: bool, args) -> dict:
     step = 0
     while True:
         t, c = time.perf_counter(), time.process_time()
-        llm._step(by_id)
+        llm.core.step()
         dt, dc = time.perf_counter() - t, time.process_time() - c
         step += 1
         if long_req is None:

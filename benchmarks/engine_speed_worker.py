@@ -30,6 +30,7 @@ import sys
 import time
 
 import numpy as np
+from pagedkv.engine.config import ModelRunConfig
 
 
 def make_prompts(batch: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
@@ -54,7 +55,7 @@ class PagedKV:
         from pagedkv.engine.llm import LLM
         from pagedkv.engine.throughput import run_throughput
 
-        llm = LLM(self.model, max_num_seqs=max(32, batch), threads=self.threads)
+        llm = LLM(self.model, max_num_seqs=max(32, batch), run_config=ModelRunConfig(threads=self.threads))
         r = run_throughput(llm, input_len=input_len, output_len=output_len, num_prompts=batch, seed=seed,
                            use_tqdm=False)
         return {"elapsed_s": r["elapsed_s"], "threads": r["torch_threads"], "split": {k: r[k] for k in (

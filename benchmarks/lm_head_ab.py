@@ -3,13 +3,12 @@
     PYTHONPATH=src .venv/bin/python benchmarks/lm_head_ab.py [--model gemma-3-270m] [--batches 1,4,16,32]
         [--len 32,32] [--rounds 2] [--greedy]
 
-One model loaded once; per round and batch size, ``LLM(model, fast_lm_head=True)`` and ``fast_lm_head=False`` run
-the same random prompts (``--len`` input,output tokens each, end-of-sequence ignored, temperature 1 over the whole
-vocabulary, or greedy with ``--greedy``) back to back, so a slow spell of a shared machine hits both alike.
-Prints tokens/s (prompt + output) of both, the ratio fast / float32 per pair (median and range over rounds) and
-the LM head's counters (bf16 products, float32 fallbacks, rescored entries, rejections); ``--out`` writes JSON.
-With ``--greedy`` the two heads' tokens are also compared (they must be equal).
-"""
+One model loaded once; per round and batch size, ``LLM(model, run_config=ModelRunConfig(fast_lm_head=True))`` and
+``False`` run the same random prompts (``--len`` input,output tokens each, end-of-sequence ignored, temperature 1 over
+the whole vocabulary, or greedy with ``--greedy``) back to back, so a slow spell of a shared machine hits both alike.
+Prints tokens/s (prompt + output) of both, the ratio fast / float32 per pair (median and range over rounds) and the LM
+head's counters (bf16 products, float32 fallbacks, rescored entries, rejections); ``--out`` writes JSON. With
+``--greedy`` the two heads' tokens are also compared (they must be equal). """
 
 from __future__ import annotations
 
@@ -17,6 +16,7 @@ import argparse
 import json
 import statistics
 import time
+from pagedkv.engine.config import ModelRunConfig
 
 
 def main() -> int:
@@ -51,7 +51,8 @@ def main() -> int:
             prompts = [{"prompt_token_ids": rng.integers(100, vocab, n_in).tolist()} for _ in range(bsz)]
             res = {}
             for fast in ((True, False) if rnd % 2 == 0 else (False, True)):
-                llm = LLM(model, max_num_seqs=max(32, bsz), fast_lm_head=fast, threads=a.threads)
+                llm = LLM(model, max_num_seqs=max(32, bsz), run_config=ModelRunConfig(fast_lm_head=fast,
+                          threads=a.threads))
                 llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(max_tokens=2), use_tqdm=False)
                 before = dict(model.head.stats)
                 t = time.perf_counter()

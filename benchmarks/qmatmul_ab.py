@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pagedkv.engine.config import ModelRunConfig
 
 
 def main() -> int:
@@ -118,7 +119,7 @@ def main() -> int:
         outs: dict[str, list] = {}
         for _ in range(a.rounds):
             for name, model in (("fast", fast), ("dense", dense)):
-                llm = LLM(model, max_num_seqs=max(32, batch), threads=a.threads)
+                llm = LLM(model, max_num_seqs=max(32, batch), run_config=ModelRunConfig(threads=a.threads))
                 t = time.perf_counter()
                 res = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
                 rates[name].append(batch * (s_in + s_out) / (time.perf_counter() - t))

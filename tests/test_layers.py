@@ -106,7 +106,7 @@ def test_the_graph_is_read():
     assert "pagedkv.manager" in GRAPH["pagedkv"]
     assert "pagedkv.engine.options" in GRAPH["pagedkv.cli"]
     assert {"pagedkv.cluster.index", "pagedkv.replay.trace"} <= GRAPH["pagedkv.replay.cluster"]
-    assert "pagedkv.scheduler" in GRAPH["pagedkv.engine.llm"]  # an import inside a function counts
+    assert "pagedkv.scheduler" in GRAPH["pagedkv.engine.core"]  # an import inside a function counts
     assert _layer_of("pagedkv.manager._step") == "core" and _layer_of("pagedkv.bench.anchors._base") == "pagedkv.bench"
     assert not _allowed("pagedkv.manager", "pagedkv.engine.llm")
     assert _allowed("pagedkv.replay.__main__", "pagedkv.bench.anchors")
@@ -224,3 +224,110 @@ def test_the_core_table_is_strict():
     assert _core_allowed("pagedkv.hybrid._seqs", "pagedkv.manager._invariants")
     for layer in CORE_TABLE:
         assert layer == "vocabulary" or layer in MODS, f"design.md names {layer}, which is not a module"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The server and the router drive the engine through its public API only (pagedkv.engine.core.EngineCore and
+# LLM's public attributes): no call or read of an engine object's ``_private`` attribute, no import of an engine
+# module's private name. The server's own privates (``self._lock``, ``stream._push``) are its business.
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _defined_privates(folder: Path) -> set[str]:
+    """The private names a package (or one module) defines: methods and functions, class attributes and
+    ``self._x = ...``."""
+    out: set[str] = set()
+    for path in (folder.rglob("*.py") if folder.is_dir() else [folder]):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and _private(node.name):
+                out.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and _private(node.attr):
+                out.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) and _private(node.id):
+                out.add(node.id)
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and _private(node.target.id):
+                out.add(node.target.id)
+    return out
+
+
+ENGINE_NAMES = ("llm", "core", "engine_core")  # what the server calls its engine objects (``self.llm``, ``core``)
+
+
+def _engine_receiver(node: ast.expr) -> bool:
+    """Whether an expression names an engine object: ``llm``, ``self.llm``, ``engine.core``, ``self.core``..."""
+    if isinstance(node, ast.Name):
+        return node.id in ENGINE_NAMES
+    return isinstance(node, ast.Attribute) and node.attr in ENGINE_NAMES
+
+
+def _own(node: ast.expr) -> bool:
+    """``self`` / ``cls`` / ``super()``: the class's own attribute."""
+    return (isinstance(node, ast.Name) and node.id in ("self", "cls")) or (
+        isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "super")
+
+
+def private_engine_uses(source: str, engine_privates: set[str], own_privates: set[str],
+                        module: str = "pagedkv.server.x") -> list[str]:
+    """``line: what`` for every use of an engine object's private attribute in ``source`` (a server or router
+    module): ``X._name`` or ``getattr(X, "_name")`` where X names an engine object (see :func:`_engine_receiver`),
+    or whose name is private to the engine and not defined by the server or the router themselves, and
+    ``from <engine module> import _name``."""
+    bad = []
+    for node in ast.walk(ast.parse(source)):
+        target = attr = None
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            target, attr = node.value, node.attr
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in (
+                "getattr", "hasattr", "setattr") and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) \
+                and isinstance(node.args[1].value, str) and _private(node.args[1].value):
+            target, attr = node.args[0], node.args[1].value
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".")[: -node.level]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if mod == "pagedkv.engine" or mod.startswith("pagedkv.engine."):
+                bad += [(node.lineno, f"from {mod} import {a.name}") for a in node.names if _private(a.name)]
+            continue
+        if target is None or _own(target):
+            continue
+        if _engine_receiver(target) or (attr in engine_privates and attr not in own_privates):
+            bad.append((node.lineno, f"{ast.unparse(target)}.{attr}"))
+    return [f"{line}: {what}" for line, what in sorted(bad)]
+
+
+def test_the_private_use_finder_finds_them_and_only_them():
+    engine_privates, own = {"_execute", "_add", "_lock", "_request_pins"}, {"_lock", "_push"}
+    src = ("self.llm._execute(plan)\nllm._add(r)\nengine.core._tables\nx = getattr(self.llm, '_wait_for_loads', None)\n"
+           "stream._request_pins.admit()\nfrom ..engine.llm import _Request\n"
+           # not flagged: the server's own privates, a public call, another object's private of the server's
+           "self._lock\nengine._lock\nlive.stream._push(item)\nself.core.step()\nsuper()._run(send)\nos._exit(1)\n")
+    got = private_engine_uses(src, engine_privates, own, "pagedkv.server.async_engine")
+    assert got == ["1: self.llm._execute", "2: llm._add", "3: engine.core._tables",
+                   "4: self.llm._wait_for_loads", "5: stream._request_pins",
+                   "6: from pagedkv.engine.llm import _Request"], got
+
+
+def test_server_and_router_use_only_the_engine_public_api():
+    engine_privates = _defined_privates(SRC / "pagedkv" / "engine")
+    own = _defined_privates(SRC / "pagedkv" / "server") | _defined_privates(SRC / "pagedkv" / "router")
+    assert {"_execute", "_thread_policy", "_sample_faults"} <= engine_privates  # (the finder reads the engine)
+    bad = []
+    for pkg in ("server", "router"):
+        for path in sorted((SRC / "pagedkv" / pkg).rglob("*.py")):
+            module = ".".join(path.relative_to(SRC).with_suffix("").parts)
+            bad += [f"{path.relative_to(ROOT)}:{b}" for b in private_engine_uses(path.read_text(), engine_privates,
+                                                                                  own, module)]
+    assert not bad, "the server or router uses an engine object's private attribute:\n" + "\n".join(bad)
+
+
+def test_llm_drives_the_engine_core_through_its_public_api():
+    # the LLM facade is a client of the core like the server: no ``self.core._x``, no core private by name
+    llm = SRC / "pagedkv" / "engine" / "llm.py"
+    core = _defined_privates(SRC / "pagedkv" / "engine" / "core.py")
+    assert {"_execute", "_requests", "_sample_faults"} <= core
+    bad = private_engine_uses(llm.read_text(), core, _defined_privates(llm), "pagedkv.engine.llm")
+    assert not bad, "LLM uses the engine core's private attributes:\n" + "\n".join(bad)

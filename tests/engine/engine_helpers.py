@@ -73,7 +73,7 @@ def fail_sampling_of_seed(monkeypatch, message: str, seed: int = 666) -> None:
     """Make sampling raise ``FloatingPointError(message)`` for every request of ``SamplingParams(seed=seed)``, in
     each of the engine's samplers (``sample``, the batched ``sample_batch`` and the fast LM head's
     ``sample_bounded``, the default), and sample every other request as before."""
-    import pagedkv.engine.llm as llm_mod
+    import pagedkv.engine.core as llm_mod  # (the engine core samples)
 
     real, real_batch, real_bounded = llm_mod.sample, llm_mod.sample_batch, llm_mod.sample_bounded
 

@@ -25,9 +25,10 @@ def greedy(max_tokens):
 
 def recording_llm(engine, **kw):
     """An LLM whose scheduler records, per step, the partly prefilled requests before it and its plan."""
+    from pagedkv.engine.config import engine_configs
     from pagedkv.engine.llm import LLM
 
-    llm = LLM(engine.paged, max_num_seqs=8, enable_chunked_prefill=True, **kw)
+    llm = LLM(engine.paged, **engine_configs(max_num_seqs=8, enable_chunked_prefill=True, **kw))
     sched = llm.scheduler
     llm.steps = []
     schedule = sched.schedule

@@ -5,6 +5,7 @@ the HF reference (tests/data/smollm2_greedy.json) token for token."""
 from __future__ import annotations
 
 import pytest
+from pagedkv.engine.config import CacheConfig, SchedulerConfig
 
 pytestmark = pytest.mark.engine
 
@@ -19,8 +20,9 @@ def test_greedy_equals_hf_with_cpu_tier_swap_and_a_small_pool(engine, reference_
     cases = [(0, 24), (8, 16), (4, 20), (0, 12), (12, 14), (8, 12), (0, 20), (16, 10), (4, 12), (12, 8)]
     # (18 blocks: since a swapped-out copy comes back as the block caching its content (issue 23 item 1), 20 gave
     # no step with both a swap and a tier copy; 18 gives one, 376 swapped blocks, 2 demotions)
-    llm = LLM(engine.paged, block_size=4, num_gpu_blocks=18, num_cpu_blocks=96, cpu_prefix_cache=True,
-              preemption_mode="swap", max_num_seqs=4)
+    llm = LLM(engine.paged, block_size=4, num_gpu_blocks=18, max_num_seqs=4,
+              cache_config=CacheConfig(num_cpu_blocks=96, cpu_prefix_cache=True),
+              scheduler_config=SchedulerConfig(preemption_mode="swap"))
     plans = []
     schedule = llm.scheduler.schedule
 

@@ -52,11 +52,12 @@ def preemption_cases(reference) -> list[dict]:
 
 
 def make_llm(model, **kw):
+    from pagedkv.engine.config import engine_configs
     from pagedkv.engine.llm import LLM
 
     kw.setdefault("max_num_seqs", 8)
     kw.setdefault("max_num_batched_tokens", 4096)
-    return LLM(model, block_size=BLOCK, **kw)
+    return LLM(model, block_size=BLOCK, **engine_configs(**kw))
 
 
 def run(llm, cases):
@@ -381,9 +382,9 @@ def test_reference_cases_complete_in_a_40_mib_kv_cache_through_llm(gemma, refere
     1,540-token case is admitted (one table for all 18 layers can never hold it) and completes greedy equal to HF.
     CI runs the two longest cases (1,540 and 1,341 tokens, together more than the pool: preemption);
     PAGEDKV_GEMMA3_FULL=1 all six."""
-    from pagedkv.engine.llm import LLM
+    from pagedkv.engine.llm import LLM, CacheConfig
 
-    llm = LLM(gemma, block_size=BLOCK, kv_cache_gib=40 / 1024, max_num_seqs=8)
+    llm = LLM(gemma, block_size=BLOCK, max_num_seqs=8, cache_config=CacheConfig(kv_cache_gib=40 / 1024))
     assert llm.kv_cache_groups is not None and llm.enable_chunked_prefill
     assert llm.block_manager.num_gpu_blocks == 426
     cases = reference["cases"] if FULL else sorted(reference["cases"], key=lambda c: -len(c["prompt_ids"]))[:2]

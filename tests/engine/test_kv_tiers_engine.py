@@ -35,11 +35,12 @@ def greedy():
 
 
 def make(engine, **kw):
+    from pagedkv.engine.config import engine_configs
     from pagedkv.engine.llm import LLM
 
     kw.setdefault("max_num_seqs", 8)
     kw.setdefault("num_gpu_blocks", 96)
-    return LLM(engine.paged, block_size=BS, **kw)
+    return LLM(engine.paged, block_size=BS, **engine_configs(**kw))
 
 
 def run(llm, prompts=PROMPTS):

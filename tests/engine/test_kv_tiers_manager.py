@@ -28,11 +28,12 @@ def greedy(n=N_NEW):
 
 
 def make(engine, **kw):
+    from pagedkv.engine.config import engine_configs
     from pagedkv.engine.llm import LLM
 
     kw.setdefault("max_num_seqs", 8)
     kw.setdefault("num_gpu_blocks", 96)
-    return LLM(engine.paged, block_size=BS, **kw)
+    return LLM(engine.paged, block_size=BS, **engine_configs(**kw))
 
 
 def ref(engine, p, n=N_NEW):
@@ -69,8 +70,8 @@ def test_a_slow_load_goes_into_reserved_blocks_while_the_others_step(engine, gat
     gated.clear()  # the store is slow now: reads wait
     with make(engine, kv_shared="file:///unused") as b:
         bm = b.block_manager
-        slow = b._make_request({"prompt_token_ids": LONG}, greedy())
-        other = b._make_request({"prompt_token_ids": SHORT}, greedy(8))
+        slow = b.core.make_request({"prompt_token_ids": LONG}, greedy())
+        other = b.core.make_request({"prompt_token_ids": SHORT}, greedy(8))
         free0 = bm.num_free_gpu_blocks
         fetched_steps = 0
         finished = []
@@ -119,23 +120,22 @@ def test_abort_mid_load_parks_the_blocks_until_the_read_ends(engine, gated):
     with make(engine, kv_shared="file:///unused") as b:
         bm, sched = b.block_manager, b.scheduler
         free0 = bm.num_free_gpu_blocks
-        r = b._make_request({"prompt_token_ids": LONG}, greedy())
-        by_id = {r.request_id: r}
-        b._add(r)
+        r = b.core.make_request({"prompt_token_ids": LONG}, greedy())
+        b.core.add_request(r)
         for _ in range(200):
-            b._step(by_id)
+            b.core.step()
             if sched.is_fetching(r.request_id):
                 break
             b.kv_tiers.wait(0.05)
         assert sched.is_fetching(r.request_id)
         sched.abort_request(r.request_id)
         assert bm.parked_seq_ids and sched.num_parked == 1  # the read may still deliver: blocks kept
-        b._step(by_id)
+        b.core.step()
         assert bm.parked_seq_ids
         gated.set()
         for _ in range(200):
             b.kv_tiers.wait(0.05)
-            b._step(by_id)
+            b.core.step()
             if not bm.parked_seq_ids:
                 break
         assert not bm.parked_seq_ids and bm.num_free_gpu_blocks == free0 and sched.num_parked == 0

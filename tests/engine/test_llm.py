@@ -18,10 +18,11 @@ def greedy(max_tokens, n=1):
 
 
 def make_llm(engine, **kw):
+    from pagedkv.engine.config import engine_configs
     from pagedkv.engine.llm import LLM
 
     kw.setdefault("max_num_seqs", 8)
-    return LLM(engine.paged, **kw)
+    return LLM(engine.paged, **engine_configs(**kw))
 
 
 def ids(out, i=0):

@@ -162,7 +162,7 @@ def test_serve_with_a_model_name_serves_that_name(tmp_path):
 
 # ------------------------------------------------------------------ vLLM-named options
 def test_max_model_len_and_swap_space(engine):
-    from pagedkv.engine import LLM, SamplingParams
+    from pagedkv.engine import LLM, SamplingParams, engine_configs
     from pagedkv.engine.options import add_engine_args, make_llm
     import argparse
 
@@ -184,4 +184,4 @@ def test_max_model_len_and_swap_space(engine):
     for kw in ({"max_model_len": 0}, {"max_model_len": 10**9}, {"swap_space": 1, "num_cpu_blocks": 4},
                {"swap_space": -1.0}):
         with pytest.raises(InvalidArgumentError):
-            LLM(engine.paged, num_gpu_blocks=8, **kw)
+            LLM(engine.paged, num_gpu_blocks=8, **engine_configs(**kw))

@@ -21,6 +21,7 @@ pytest.importorskip("uvicorn")
 pytestmark = pytest.mark.engine
 
 from pagedkv.tiers import codec  # noqa: E402
+from pagedkv.engine.config import CacheConfig, SchedulerConfig
 
 REFERENCE_JSON = Path(__file__).resolve().parents[1] / "data" / "gemma3_greedy.json"
 BS = 16
@@ -45,7 +46,9 @@ def split(gemma):
     servers = []
     try:
         for role in ("prefill", "decode"):
-            llm = LLM(gemma, block_size=BS, max_num_seqs=4, max_num_batched_tokens=4096, kv_cache_gib=0.1)
+            llm = LLM(gemma, block_size=BS, max_num_seqs=4,
+                      scheduler_config=SchedulerConfig(max_num_batched_tokens=4096),
+                      cache_config=CacheConfig(kv_cache_gib=0.1))
             assert llm.kv_cache_groups is not None and len(llm.kv_cache_groups) == GROUPS
             servers.append(make_server(llm, model_name="gemma-test", kv_role=role).start_in_thread())
         yield tuple(servers)

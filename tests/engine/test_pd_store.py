@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 from stub_replica import wait_for as _wait_for
+from pagedkv.engine.config import CacheConfig, SchedulerConfig, TierConfig
 
 pytestmark = pytest.mark.engine
 
@@ -44,7 +45,8 @@ def split(request, engine, tmp_path_factory):
     servers = []
     try:
         for role in ("prefill", "decode"):
-            llm = LLM(engine.paged, num_gpu_blocks=96, max_num_seqs=8, block_size=BS, kv_shared=url)
+            llm = LLM(engine.paged, num_gpu_blocks=96, max_num_seqs=8, block_size=BS,
+                      tier_config=TierConfig(kv_shared=url))
             servers.append(make_server(llm, model_name="smollm2-test", kv_role=role).start_in_thread())
         yield tuple(servers)
     finally:
@@ -226,8 +228,9 @@ def test_gemma3_with_kv_cache_groups_through_the_shared_store(gemma, tmp_path):
     servers = []
     try:
         for role in ("prefill", "decode"):
-            llm = LLM(gemma, block_size=gbs, max_num_seqs=4, max_num_batched_tokens=4096, kv_cache_gib=0.1,
-                      kv_shared=url)
+            llm = LLM(gemma, block_size=gbs, max_num_seqs=4,
+                      scheduler_config=SchedulerConfig(max_num_batched_tokens=4096),
+                      cache_config=CacheConfig(kv_cache_gib=0.1), tier_config=TierConfig(kv_shared=url))
             assert llm.kv_cache_groups is not None and len(llm.kv_cache_groups) == 6
             servers.append(make_server(llm, model_name="gemma-test", kv_role=role).start_in_thread())
         pre, dec = servers

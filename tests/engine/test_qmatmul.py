@@ -17,6 +17,7 @@ from gguf.quants import dequantize, quantize  # noqa: E402
 
 from pagedkv.engine import qmatmul  # noqa: E402
 from pagedkv.engine.qmatmul import QuantBlocks, QuantLinear, build_kernels, split_blocks  # noqa: E402
+from pagedkv.engine.config import ModelRunConfig
 
 KINDS = ("Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K")
 
@@ -256,11 +257,11 @@ def test_the_switch_from_the_command_line_to_the_model(engine):
     assert p.parse_args(["--no-quant-kernels"]).quant_kernels is False
 
     with pytest.raises(InvalidArgumentError, match="quant_kernels=False"):
-        LLM(engine.paged, quant_kernels=False, num_gpu_blocks=8)
+        LLM(engine.paged, num_gpu_blocks=8, run_config=ModelRunConfig(quant_kernels=False))
     dense = PagedLlama.from_gguf(find_default_model(), quant_kernels=False)
     assert not dense.quant_kernels and dense.head.quantized is None
     fast = LLM(engine.paged, num_gpu_blocks=16)
-    slow = LLM(dense, quant_kernels=False, num_gpu_blocks=16)
+    slow = LLM(dense, num_gpu_blocks=16, run_config=ModelRunConfig(quant_kernels=False))
     assert fast.quant_kernels is (qmatmul.kernels() is not None) and slow.quant_kernels is False
     sp = SamplingParams(temperature=0.0, max_tokens=12)
     prompt = {"prompt_token_ids": [1, 504, 3458, 282, 4077, 30, 216]}

@@ -12,6 +12,7 @@ import time
 
 import pytest
 from stub_replica import wait_for as _wait_for
+from pagedkv.engine.config import CacheConfig
 
 pytestmark = pytest.mark.engine
 
@@ -31,7 +32,8 @@ def make_replica(engine, blocks=64):
     from pagedkv.engine import LLM
     from pagedkv.server.launch import make_server
 
-    llm = LLM(engine.paged, num_gpu_blocks=blocks, max_num_seqs=8, block_size=BLOCK, enable_kv_events=True)
+    llm = LLM(engine.paged, num_gpu_blocks=blocks, max_num_seqs=8, block_size=BLOCK,
+              cache_config=CacheConfig(enable_kv_events=True))
     return make_server(llm, model_name=MODEL, kv_events_endpoint="tcp://127.0.0.1:*",
                        kv_events_replay_endpoint="tcp://127.0.0.1:*").start_in_thread()
 

@@ -14,6 +14,7 @@ import time
 
 import pytest
 from engine_helpers import fail_sampling_of_seed, free_port, wait_healthy
+from pagedkv.engine.config import CacheConfig, SchedulerConfig
 
 pytestmark = pytest.mark.engine
 
@@ -399,7 +400,8 @@ def test_kv_events_rebuild_the_cached_key_set(engine):
     from pagedkv.server.kv_events import END_SEQ, decode_payload
     from pagedkv.server.launch import make_server
 
-    llm = LLM(engine.paged, num_gpu_blocks=12, max_num_seqs=4, block_size=BLOCK, enable_kv_events=True)
+    llm = LLM(engine.paged, num_gpu_blocks=12, max_num_seqs=4, block_size=BLOCK,
+              cache_config=CacheConfig(enable_kv_events=True))
     srv = make_server(llm, model_name=MODEL, kv_events_endpoint="tcp://127.0.0.1:*",
                       kv_events_replay_endpoint="tcp://127.0.0.1:*").start_in_thread()
     ctx = zmq.Context.instance()
@@ -467,12 +469,12 @@ def test_a_failed_forward_fails_its_requests_and_the_engine_goes_on(engine):
     from pagedkv.server.launch import make_server
 
     llm = LLM(engine.paged, num_gpu_blocks=16, max_num_seqs=2, block_size=BLOCK)
-    real = llm._execute
+    real = llm.core._execute
 
     def broken(*_a, **_k):
         raise RuntimeError("injected")
 
-    llm._execute = broken
+    llm.core._execute = broken
     srv = make_server(llm, model_name=MODEL).start_in_thread()
     try:
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
@@ -483,7 +485,7 @@ def test_a_failed_forward_fails_its_requests_and_the_engine_goes_on(engine):
             lines = [ln for ln in r.iter_lines() if ln]
         assert r.status_code == 200 and json.loads(lines[-2][6:])["error"]["code"] == "internal_error"
         assert lines[-1] == "data: [DONE]"
-        llm._execute = real
+        llm.core._execute = real
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
         wait_idle(srv)
@@ -553,8 +555,9 @@ def test_priority_field_reaches_the_block_manager(engine):
     from pagedkv.engine import LLM
     from pagedkv.server.launch import make_server
 
-    llm = LLM(engine.paged, num_gpu_blocks=64, max_num_seqs=4, block_size=BLOCK, scheduling_policy="priority",
-              eviction_policy="slru", kv_cache_groups=False)
+    llm = LLM(engine.paged, num_gpu_blocks=64, max_num_seqs=4, block_size=BLOCK,
+              scheduler_config=SchedulerConfig(scheduling_policy="priority"),
+              cache_config=CacheConfig(eviction_policy="slru", kv_cache_groups=False))
     srv = make_server(llm, model_name=MODEL, api_key=KEY, max_waiting=8).start_in_thread()
     try:
         h = {"Authorization": f"Bearer {KEY}"}
@@ -578,8 +581,8 @@ def test_pins_through_the_server(engine, server):
     from pagedkv.engine import LLM
     from pagedkv.server.launch import make_server
 
-    llm = LLM(engine.paged, num_gpu_blocks=20, max_num_seqs=4, block_size=BLOCK, pin_budget_blocks=4,
-              kv_cache_groups=False)
+    llm = LLM(engine.paged, num_gpu_blocks=20, max_num_seqs=4, block_size=BLOCK,
+              cache_config=CacheConfig(pin_budget_blocks=4, kv_cache_groups=False))
     srv = make_server(llm, model_name=MODEL, api_key=KEY, max_waiting=8).start_in_thread()
     h = {"Authorization": f"Bearer {KEY}"}
     system = list(range(300, 350))  # 50 tokens: 3 full blocks of 16
@@ -633,8 +636,8 @@ def test_session_id_reaches_the_eviction_policy(engine):
     from pagedkv.engine import LLM
     from pagedkv.server.launch import make_server
 
-    llm = LLM(engine.paged, num_gpu_blocks=3, max_num_seqs=2, block_size=2, eviction_policy="session",
-              kv_cache_groups=False)
+    llm = LLM(engine.paged, num_gpu_blocks=3, max_num_seqs=2, block_size=2,
+              cache_config=CacheConfig(eviction_policy="session", kv_cache_groups=False))
     srv = make_server(llm, model_name=MODEL, api_key=KEY, max_waiting=8).start_in_thread()
     h = {"Authorization": f"Bearer {KEY}"}
     try:
@@ -676,8 +679,8 @@ def test_kv_retention_pins_a_request_prefix_through_the_server(engine, server):
     from pagedkv.engine import LLM
     from pagedkv.server.launch import make_server
 
-    llm = LLM(engine.paged, num_gpu_blocks=24, max_num_seqs=4, block_size=BLOCK, pin_budget_blocks=4,
-              kv_cache_groups=False)
+    llm = LLM(engine.paged, num_gpu_blocks=24, max_num_seqs=4, block_size=BLOCK,
+              cache_config=CacheConfig(pin_budget_blocks=4, kv_cache_groups=False))
     srv = make_server(llm, model_name=MODEL, api_key=KEY, max_waiting=8).start_in_thread()
     h = {"Authorization": f"Bearer {KEY}"}
     system = list(range(300, 350))  # 50 tokens: 3 full blocks of 16

@@ -200,7 +200,7 @@ def test_offline_generate_raises_a_sampler_fault_and_stays_usable(engine, monkey
     with pytest.raises(RuntimeError, match="sampling failed"):
         llm.generate(["Hello", "World"], [SamplingParams(max_tokens=4, temperature=0),
                                           SamplingParams(max_tokens=4, seed=666)], use_tqdm=False)
-    assert not llm.scheduler.has_unfinished() and llm.block_manager.gpu_usage == 0.0 and not llm._sample_faults
+    assert not llm.scheduler.has_unfinished() and llm.block_manager.gpu_usage == 0.0 and not llm.core._sample_faults
     llm.block_manager.check_invariants()
     out = llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4

@@ -10,6 +10,7 @@ import math
 import time
 
 import pytest
+from pagedkv.engine.config import SchedulerConfig
 
 pytestmark = pytest.mark.engine
 
@@ -25,8 +26,9 @@ def server(engine, request):
     from pagedkv.server.launch import make_server
 
     chunked = request.param
-    llm = LLM(engine.paged, num_gpu_blocks=96, max_num_seqs=8, block_size=16, enable_chunked_prefill=chunked,
-              max_num_batched_tokens=64 if chunked else 2048)
+    llm = LLM(engine.paged, num_gpu_blocks=96, max_num_seqs=8, block_size=16,
+              scheduler_config=SchedulerConfig(enable_chunked_prefill=chunked,
+              max_num_batched_tokens=64 if chunked else 2048))
     srv = make_server(llm, model_name="smollm2-test", max_waiting=16).start_in_thread()
     srv.chunked = chunked
     yield srv

@@ -7,6 +7,7 @@ import pytest
 
 from pagedkv.engine import threads as th
 from pagedkv.errors import InvalidArgumentError
+from pagedkv.engine.config import ModelRunConfig
 
 STAT = "cpu  100 50 30 800 20 0 0 0 0 0\ncpu0 50 25 15 400 10 0 0 0 0 0\n"
 SELF = "1234 (python (a) b) R 1 2 3 4 5 6 7 8 9 10 17 4 0 0 20 0 3 0 100\n"
@@ -164,18 +165,18 @@ def test_llm_threads(engine, monkeypatch):
 
     before = torch.get_num_threads()
     try:
-        llm = LLM(engine.paged, threads=1, num_gpu_blocks=16)
-        assert llm.threads == 1 and torch.get_num_threads() == 1 and llm._thread_policy.source == "argument"
+        llm = LLM(engine.paged, num_gpu_blocks=16, run_config=ModelRunConfig(threads=1))
+        assert llm.threads == 1 and torch.get_num_threads() == 1 and llm.core._thread_policy.source == "argument"
         out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], use_tqdm=False)
         assert torch.get_num_threads() == 1 and len(out[0].outputs[0].token_ids) > 0
         monkeypatch.setenv("OMP_NUM_THREADS", "1")
-        assert LLM(engine.paged, num_gpu_blocks=16)._thread_policy.source == "OMP_NUM_THREADS"
+        assert LLM(engine.paged, num_gpu_blocks=16).core._thread_policy.source == "OMP_NUM_THREADS"
         monkeypatch.delenv("OMP_NUM_THREADS")
         auto = LLM(engine.paged, num_gpu_blocks=16)
-        assert auto._thread_policy.adaptive and 1 <= auto.threads == torch.get_num_threads() <= th.usable_cores()
+        assert auto.core._thread_policy.adaptive and 1 <= auto.threads == torch.get_num_threads() <= th.usable_cores()
         for bad in (0, "2", True):
             with pytest.raises(InvalidArgumentError, match="threads"):
-                LLM(engine.paged, threads=bad, num_gpu_blocks=16)
+                LLM(engine.paged, num_gpu_blocks=16, run_config=ModelRunConfig(threads=bad))
     finally:
         torch.set_num_threads(before)
 
@@ -217,7 +218,7 @@ def test_threads_flag_reaches_the_llm():
         make_llm(p.parse_args(["--threads", "3"]))
     finally:
         llm_mod.LLM = real
-    assert seen["threads"] == 3
+    assert seen["run_config"].threads == 3
 
 
 def test_one_openmp_runtime(engine):

@@ -9,8 +9,12 @@ Submodules:
 * :mod:`pagedkv.engine.spm_tokenizer`: SentencePiece tokenizer from GGUF metadata (Gemma's).
 * :mod:`pagedkv.engine.registry`: model names (``"gemma-3-270m"``), architecture -> model class, tokenizer choice.
 * :mod:`pagedkv.engine.reference`: a simple contiguous-cache reference forward and greedy generation.
+* :mod:`pagedkv.engine.config`: the engine's options, declared once (``CacheConfig``, ``SchedulerConfig``,
+  ``ModelRunConfig``, ``TierConfig``).
+* :mod:`pagedkv.engine.core`: ``EngineCore``, the one engine API (``make_request`` / ``add_request`` / ``abort`` /
+  ``step``) that ``LLM`` and the server drive; :mod:`pagedkv.engine.outputs`: what it hands back.
 * :mod:`pagedkv.engine.sampling` and :mod:`pagedkv.engine.llm`: ``SamplingParams``, ``LLM`` (generate / chat /
-  stream through the block manager and the scheduler).
+  stream over the engine core).
 * :mod:`pagedkv.engine.request_pins`: a request's ``kv_retention`` (pin its prompt's prefix once computed).
 * :mod:`pagedkv.engine.options`: the command-line options of every command that builds an engine (torch-free at
   import time).
@@ -48,8 +52,14 @@ _EXPORTS = {
     "load_model": "registry",
     "resolve_model_path": "registry",
     "LLM": "llm",
-    "CompletionOutput": "llm",
-    "RequestOutput": "llm",
+    "CompletionOutput": "outputs",
+    "RequestOutput": "outputs",
+    "EngineCore": "core",
+    "CacheConfig": "config",
+    "SchedulerConfig": "config",
+    "ModelRunConfig": "config",
+    "TierConfig": "config",
+    "engine_configs": "config",
     "SamplingParams": "sampling",
 }
 

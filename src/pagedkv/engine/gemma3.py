@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from .gguf_loader import ArchMetadata, HeadShapes, TokenizerMetadata, check_shapes, inv_freq, load_tensors, open_gguf
-from .gguf_loader import _read_tokenizer_metadata
+from .gguf_loader import read_tokenizer_metadata
 from .lm_head import LMHead
 from .model import AttentionMetadata, PagedDecoder, _rotate_half
 from .qmatmul import QuantBlocks, head_linear, load_blocks
@@ -131,7 +131,7 @@ def load_gemma3(
             raise ValueError("load_gemma3 needs a path or a reader")
         reader = open_gguf(path)
     config = read_gemma3_config(reader)
-    tok_meta = _read_tokenizer_metadata(reader)
+    tok_meta = read_tokenizer_metadata(reader)
 
     def convert(name: str, arr: np.ndarray) -> np.ndarray:
         if name.endswith("norm.weight"):

@@ -58,6 +58,7 @@ __all__ = [
     "find_default_model",
     "inv_freq",
     "load_gguf",
+    "read_tokenizer_metadata",
     "llama_row_convert",
     "load_tensors",
     "open_gguf",
@@ -306,7 +307,7 @@ def _read_config(reader: Any) -> ModelConfig:
     )
 
 
-def _read_tokenizer_metadata(reader: Any) -> TokenizerMetadata:
+def read_tokenizer_metadata(reader: Any) -> TokenizerMetadata:
     def get(key: str, default: Any = None) -> Any:
         return _field_value(reader, f"tokenizer.ggml.{key}", default)
 
@@ -447,7 +448,7 @@ def load_gguf(
     if reader is None:
         reader = open_gguf(path if path is not None else find_default_model())
     config = _read_config(reader)
-    tok_meta = _read_tokenizer_metadata(reader)
+    tok_meta = read_tokenizer_metadata(reader)
     weights = load_tensors(reader, llama_row_convert(config), dtype=dtype, num_threads=num_threads)
     check_shapes(config, weights)
     return config, weights, tok_meta

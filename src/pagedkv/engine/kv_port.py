@@ -162,6 +162,7 @@ class EngineKVPort:
     steps the engine; the port takes it to read held blocks and to release or expire holds."""
 
     def __init__(self, llm: Any, lock: Any = None) -> None:
+        llm = getattr(llm, "core", llm)  # (an LLM: its engine core, whose kv_tiers the port takes over)
         bm = llm.block_manager
         if not hasattr(bm, "hold"):
             raise ValueError("a prefill/decode split needs a block manager with holds and external KV")

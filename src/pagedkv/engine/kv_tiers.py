@@ -49,6 +49,7 @@ from ..blocks.prefix_cache import block_hashes
 from ..tiers import BlockStore, DiskBackend, RedisBackend, SharedDirBackend, check_digests
 from ..tiers.key import chain_next, chain_roots
 from ..tiers.connector import MEDIUM_DISK, MEDIUM_SHARED, LookupDone, TierConnector
+from .config import parse_store_policy  # (re-exported: declared with the tier options)
 from .kv_io import model_fingerprint, payload_bytes, read_blocks, write_blocks
 
 __all__ = ["EngineTiers", "open_shared_backend", "parse_store_policy"]
@@ -80,34 +81,6 @@ def open_shared_backend(url: str) -> Any:
             raise InvalidArgumentError(f"kv_shared: a file URL is file:///absolute/dir, got {url!r}")
         return SharedDirBackend(u.path)
     raise InvalidArgumentError(f"kv_shared must be a redis://, rediss://, unix:// or file:/// URL, got {url!r}")
-
-
-def parse_store_policy(policy: Any) -> tuple[str, int]:
-    """``LLM(kv_store=)`` / ``pagedkv serve --kv-store-policy`` to the block manager's ``(store_policy,
-    store_min_hits)``: ``"through"`` (or True, or SGLang's ``"write_through"``): every full block once computed
-    or loaded; ``"selective:N"`` (or ``"selective"``, N = 1; SGLang's ``"write_through_selective"``): a block
-    once prefix hits have taken it N times; ``"back"`` (SGLang's ``"write_back"``): a cached block when it is
-    about to be evicted; ``"off"`` (or False): loads only. Anything else: InvalidArgumentError."""
-    if policy is True:
-        return "write_through", 1
-    if policy is False or policy is None:
-        return "none", 1
-    if not isinstance(policy, str):
-        raise InvalidArgumentError(f"kv_store must be through, selective[:N], back or off, got {policy!r}")
-    p = policy.strip().lower()
-    if p in ("through", "write_through", "on"):
-        return "write_through", 1
-    if p in ("off", "none"):
-        return "none", 1
-    if p in ("back", "write_back"):
-        return "write_back", 1
-    head, _, n = p.partition(":")
-    if head in ("selective", "write_through_selective"):
-        if not n:
-            return "selective", 1
-        if n.isdigit() and int(n) >= 1:
-            return "selective", int(n)
-    raise InvalidArgumentError(f"kv_store must be through, selective[:N] (N >= 1 hits), back or off, got {policy!r}")
 
 
 class EngineTiers:

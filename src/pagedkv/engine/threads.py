@@ -27,8 +27,8 @@ The policy (what :class:`ThreadPolicy` does with no explicit setting):
   62.8 / 247.0 / 242.4.
   It is called when ``pagedkv.engine`` is imported; if torch was imported first, the runtime already read its
   settings and only the thread count adapts (:func:`prepare_runtime` returns ``False``).
-* **An explicit setting always wins**: ``LLM(threads=N)`` / ``--threads N``, else ``OMP_NUM_THREADS`` from the
-  environment: that count, fixed, never re-checked.
+* **An explicit setting always wins**: ``ModelRunConfig(threads=N)`` / ``--threads N``, else ``OMP_NUM_THREADS``
+  from the environment: that count, fixed, never re-checked.
 
 Torch-free: the caller applies the count (``torch.set_num_threads``). The /proc readings are injected
 (``reader``, ``clock``) so the logic is tested deterministically.
@@ -158,8 +158,8 @@ def usable_cores() -> int:
 
 
 def validate_threads(threads: object) -> int | None:
-    """``threads`` as given to ``LLM(threads=)``: ``None`` (automatic) or an int >= 1; ``InvalidArgumentError``
-    otherwise."""
+    """``threads`` as given to ``ModelRunConfig(threads=)``: ``None`` (automatic) or an int >= 1;
+    ``InvalidArgumentError`` otherwise."""
     if threads is None:
         return None
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:

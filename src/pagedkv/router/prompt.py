@@ -26,12 +26,12 @@ def load_tokenizer(model: str | Path | None = None):
     the default model), from its GGUF metadata only."""
     from gguf import GGUFReader
 
-    from ..engine.gguf_loader import _read_tokenizer_metadata
+    from ..engine.gguf_loader import read_tokenizer_metadata
     from ..engine.registry import make_tokenizer, resolve_model_path
 
     path = resolve_model_path(model)
     reader = GGUFReader(str(path), "r")
-    meta = _read_tokenizer_metadata(reader)
+    meta = read_tokenizer_metadata(reader)
     del reader
     return make_tokenizer(meta)
 

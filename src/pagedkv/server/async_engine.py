@@ -14,13 +14,16 @@ Contract:
   final text of a sample is exactly ``LLM.generate``'s (stop strings cut, special tokens skipped).
 * Fault isolation. An error that one request causes fails that request alone: its stream ends with
   :class:`RequestFailed`, it is aborted (its blocks freed) and the engine goes on. That covers a request the
-  scheduler refuses when it is added, a sampler that raises for one request (``LLM._sample_faults``), and text
-  decoding of one request. A forward pass that raises cannot be pinned on one request: the step is completed with
+  scheduler refuses when it is added, a sampler that raises for one request (the engine core's
+  ``StepOutput.faults``), and text decoding of one request. A forward pass that raises cannot be pinned on one
+  request: the step is completed with
   placeholder tokens and every request of the step fails, the others go on. After any fault the block manager's
   invariants are checked. Only a fault that leaves the engine unusable (the scheduler itself raising, a failed
   invariant, a failed recovery) stops it: every request in flight fails, :attr:`alive` turns False (/health
   answers 503), new requests are refused, and ``on_fatal(message)`` is called (``pagedkv serve`` exits non-zero
   so that a supervisor restarts it).
+* The engine is driven through its core's public API only (:class:`pagedkv.engine.core.EngineCore`:
+  ``make_request``, ``add_request``, ``abort``, ``step``, ``has_unfinished``, ``wait_for_loads``).
 * :meth:`between_steps` runs a caller's function with the engine between two steps (``pagedkv serve``'s pins).
 * :meth:`drain` (SIGTERM): new requests are refused (:class:`EngineDraining`), the requests in flight run to
   their end for up to ``timeout`` seconds, the rest then fail with a clean error.
@@ -147,7 +150,7 @@ class RequestStream:
 class _Live:
     """Engine-thread state of one request."""
 
-    req: Any  # pagedkv.engine.llm._Request
+    req: Any  # pagedkv.engine.core.Request
     stream: RequestStream
     arrival: float
     sent_text: list = field(default_factory=list)  # per sample: text already pushed
@@ -157,7 +160,8 @@ class _Live:
 
 
 class AsyncEngine:
-    """Runs ``llm`` (a :class:`pagedkv.engine.LLM`) in a background thread; see the module docstring.
+    """Runs ``llm`` (a :class:`pagedkv.engine.LLM`, or its :class:`~pagedkv.engine.core.EngineCore`) in a
+    background thread; see the module docstring.
 
     Args:
         llm: the engine; nothing else may call its generate/chat/stream while this runs.
@@ -173,16 +177,17 @@ class AsyncEngine:
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
         self.llm = llm
+        #: the engine core this drives (``llm.core``, or ``llm`` itself when it is one)
+        self.core = getattr(llm, "core", llm)
         self.max_waiting = int(max_waiting)
         self._observer = observer
         self._event_sink = event_sink
-        self._take_events = getattr(llm.block_manager, "take_events", None) if event_sink is not None else None
+        self._take_events = getattr(self.core.block_manager, "take_events", None) if event_sink is not None else None
         self._lock = threading.Lock()  # held by the engine thread while it touches the scheduler
         self._cond = threading.Condition()
         self._adds: list[_Live] = []
         self._aborts: list[Any] = []
         self._live: dict[Any, _Live] = {}
-        self._by_id: dict[Any, Any] = {}
         self._in_transit = 0  # requests taken from _adds and not yet in _live
         self._stopping = False
         self._draining = False
@@ -223,8 +228,8 @@ class AsyncEngine:
         ``pagedkv.errors.PagedKVError`` for a request that can never run: besides ``LLM``'s checks, one whose
         prompt plus ``max_tokens`` would not fit in the whole KV cache (it would be preempted forever). Changes
         no engine state, and reads only the pool's fixed sizes, so it runs while a step does."""
-        req = self.llm._make_request(prompt, params, namespace=namespace, check_fit=False)
-        bm = self.llm.block_manager
+        req = self.core.make_request(prompt, params, namespace=namespace, check_fit=False)
+        bm = self.core.block_manager
         usable = bm.num_gpu_blocks - bm.watermark_blocks
         need = -(-(len(req.prompt_token_ids) + params.max_tokens) // bm.block_size)
         if need > usable:
@@ -243,7 +248,7 @@ class AsyncEngine:
                 raise EngineDraining("the server is shutting down; retry on another replica")
             if not self.alive:
                 raise EngineDead(self._error or "the engine is stopped")
-            sched = self.llm.scheduler
+            sched = self.core.scheduler
             if len(self._adds) + self._in_transit + sched.num_waiting + sched.num_loading >= self.max_waiting:
                 raise EngineOverloaded(f"{self.max_waiting} requests are already waiting; retry later")
             n = request.params.n
@@ -291,11 +296,12 @@ class AsyncEngine:
 
     # ---------------------------------------------------------------------------------------- engine thread
     def _loop(self) -> None:
-        sched = self.llm.scheduler
+        core = self.core
+        sched = core.scheduler
         while True:
             with self._cond:
-                while not (self._stopping or self._adds or self._aborts or sched.has_unfinished()
-                           or getattr(sched, "num_parked", 0)):  # (aborted loads: freed once their reads end)
+                # (has_unfinished: aborted loads too, freed once their reads end)
+                while not (self._stopping or self._adds or self._aborts or core.has_unfinished()):
                     self._cond.wait()
                 if self._stopping:
                     break
@@ -306,17 +312,16 @@ class AsyncEngine:
                 with self._lock:
                     self._apply(adds, aborts)
                     self._in_transit = 0
-                    if sched.has_unfinished() or getattr(sched, "num_parked", 0):
+                    if core.has_unfinished():
                         self._guarded_step()
                     self._publish_events()
             except Exception as e:  # the engine itself is broken (not one request): stop, and say so
                 self._die(f"engine error: {e!r}", adds)
                 return
             self._take_snapshot()
-            wait = getattr(self.llm, "_wait_for_loads", None)
-            if wait is not None and (sched.num_loading or getattr(sched, "num_parked", 0)) and not (
+            if (sched.num_loading or getattr(sched, "num_parked", 0)) and not (
                     sched.num_running or sched.num_waiting or sched.num_swapped):
-                wait(0.02)  # only requests waiting for tier loads: sleep until one finishes (bounded)
+                core.wait_for_loads(0.02)  # only requests waiting for tier loads: sleep until one ends (bounded)
         self._fail_all("the server is shutting down", fatal=True)
 
     def _die(self, message: str, adds: list) -> None:
@@ -335,69 +340,31 @@ class AsyncEngine:
 
     def _guarded_step(self) -> None:
         """One step with fault isolation (see the module docstring). Raises only when the engine is unusable."""
-        llm, sched = self.llm, self.llm.scheduler
-        poll = getattr(llm, "_poll_tiers", None)
-        if poll is not None:
-            poll()  # finished tier loads: their requests join the waiting queue
-        plan = sched.schedule()
-        faults: dict = {}
-        forward_failed = False
-        try:
-            sampled = llm._execute(plan, self._by_id) if not plan.is_empty else []
-        except Exception as e:  # the forward (or its KV copies) raised: the whole step's requests fail
-            forward_failed = True
-            log.exception("a forward pass failed; the requests of its step fail, the engine goes on")
-            sampled = [[0] * pw.num_samples if pw.num_samples > 1 else 0 for pw in plan.prefills]
-            if plan.decode is not None:
-                sampled += [0] * len(plan.decode.seq_ids)
-            faults = dict.fromkeys(self._plan_requests(plan), e)
-        if llm._sample_faults:
-            faults.update(llm._sample_faults)
-            llm._sample_faults = {}
-        done = sched.update(plan, sampled)
-        try:
-            done += llm._after_step(plan, self._by_id)
-        except Exception as e:  # (stop strings: text decoding) pin it on no one: the step's requests fail
-            log.exception("stop-string checks failed; the requests of the step fail, the engine goes on")
-            faults.update(dict.fromkeys(self._plan_requests(plan) | {out.request_id for out in done}, e))
-        if faults:
-            done = [out for out in done if out.request_id not in faults]
-        self._emit(plan, done, faults)
+        out = self.core.step()  # (the core aborts the requests it reports in out.faults)
+        if out.forward_error is not None:
+            log.error("a forward pass failed; the requests of its step fail, the engine goes on: %r",
+                      out.forward_error)
+        faults = dict(out.faults)
+        self._emit(out.plan, list(out.finished), faults)
         if faults:
             self._fail_requests(faults)
-        if forward_failed:  # blocks cached in this step may hold KV nobody wrote: nobody may hit them
-            n = self.llm.block_manager.reset_prefix_cache()
-            log.warning("the prefix cache was reset after a failed forward (%d blocks freed)", n)
-            self.llm.block_manager.check_invariants()
-
-    def _plan_requests(self, plan: Any) -> set:
-        """Ids of the requests a step plan computes for. O(plan)."""
-        rids = {pw.request_id for pw in plan.prefills}
-        if plan.decode is not None:
-            seq = self.llm.scheduler.sequence
-            for sid in plan.decode.seq_ids.tolist():
-                try:
-                    rids.add(seq(sid).request_id)
-                except KeyError:  # finished (and freed) by the step's update
-                    pass
-        return rids
+        if out.forward_error is not None:  # (the core reset the prefix cache: nobody may hit unwritten KV)
+            self.core.block_manager.check_invariants()
 
     def _fail_requests(self, faults: dict) -> None:
         """Abort each faulty request, free its blocks, fail its stream; then check the block manager."""
-        sched = self.llm.scheduler
         for rid, e in faults.items():
             live = self._live.pop(rid, None)
-            self._by_id.pop(rid, None)
-            sched.abort_request(rid)
+            self.core.abort(rid)  # (idempotent: the core aborted its step's faults already)
             self._faults += 1
             self._finished["error"] = self._finished.get("error", 0) + 1
             log.error("request %r failed in the engine: %r (the engine goes on)", rid, e)
             if live is not None:
                 live.stream._push(Failed(f"internal error while generating: {type(e).__name__}", fatal=False))
-        self.llm.block_manager.check_invariants()  # raises (the engine then stops) if the fault broke state
+        self.core.block_manager.check_invariants()  # raises (the engine then stops) if the fault broke state
 
     def _apply(self, adds: list[_Live], aborts: list) -> None:
-        sched = self.llm.scheduler
+        core = self.core
         dropped = set(aborts)
         failed: dict = {}
         for live in adds:
@@ -405,26 +372,24 @@ class AsyncEngine:
             if rid in dropped:
                 continue
             try:
-                self.llm._add(live.req)
+                core.add_request(live.req)
             except Exception as e:  # refused by the scheduler: this request alone fails
                 failed[rid] = e
                 self._live[rid] = live
                 continue
             self._live[rid] = live
-            self._by_id[rid] = live.req
         if failed:
             self._fail_requests(failed)
         for rid in aborts:
             self._live.pop(rid, None)
-            self._by_id.pop(rid, None)
-            if sched.abort_request(rid) is not None:
+            if core.abort(rid) is not None:
                 self._finished[FINISH_ABORT] = self._finished.get(FINISH_ABORT, 0) + 1
 
     def _emit(self, plan: Any, done: list, faults: dict) -> None:
         """Push the step's new text of every touched sample, then finish the requests of ``done``. A request whose
         text fails to decode is added to ``faults`` (and sends nothing more)."""
         now = time.perf_counter()
-        sched = self.llm.scheduler
+        sched = self.core.scheduler
         finished_ids = {out.request_id for out in done}
         seq_ids = [pw.seq_id for pw in plan.prefills]
         if plan.decode is not None:
@@ -464,7 +429,6 @@ class AsyncEngine:
                 continue
             live = self._live.get(out.request_id)
             if live is None:
-                self._by_id.pop(out.request_id, None)
                 continue
             req = live.req
             try:
@@ -473,7 +437,6 @@ class AsyncEngine:
                 faults[out.request_id] = e
                 continue
             self._live.pop(out.request_id, None)
-            self._by_id.pop(out.request_id, None)
             self._timing(live, now)
             deltas = []
             for c in req.result.outputs:
@@ -517,7 +480,7 @@ class AsyncEngine:
     def _publish_events(self) -> None:
         if self._take_events is not None:
             events = self._take_events()
-            tiers = getattr(self.llm, "kv_tiers", None)
+            tiers = self.core.kv_tiers
             if tiers is not None:  # blocks the disk / shared tiers stored (medium DISK / SHARED)
                 events = events + tiers.take_events()
             if events:
@@ -527,12 +490,11 @@ class AsyncEngine:
         with self._lock:
             for rid, live in list(self._live.items()):
                 try:
-                    self.llm.scheduler.abort_request(rid)
+                    self.core.abort(rid)
                 except Exception:  # keep failing the others
                     log.exception("abort of %r failed", rid)
                 live.stream._push(Failed(message, fatal))
             self._live.clear()
-            self._by_id.clear()
         with self._cond:
             adds, self._adds = self._adds, []
         for live in adds:
@@ -541,7 +503,7 @@ class AsyncEngine:
             self._error = message
 
     def _take_snapshot(self) -> None:
-        sched, bm = self.llm.scheduler, self.llm.block_manager
+        sched, bm = self.core.scheduler, self.core.block_manager
         st = bm.stats
         with self._cond:
             queued = len(self._adds)
@@ -557,6 +519,6 @@ class AsyncEngine:
             "generation_tokens": self._generation_tokens,
             "request_success": dict(self._finished),
         }
-        tiers = getattr(self.llm, "kv_tiers", None)
+        tiers = self.core.kv_tiers
         if tiers is not None:
             self.snapshot["kv_tiers"] = tiers.snapshot()

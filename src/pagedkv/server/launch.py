@@ -208,7 +208,7 @@ def make_server(llm: Any, *, model_name: str, host: str = "127.0.0.1", port: int
                 kv_peer_api_key: str | None = None, kv_fetch_buffer_bytes: int | None = None,
                 kv_store_wait: float | None = None) -> Server:
     """Wire ``llm`` into a :class:`Server`. With ``kv_events_endpoint`` the block manager's events (it needs
-    ``take_events``, i.e. an ``LLM(..., enable_kv_events=True)``) are published there over ZMQ (or give an
+    ``take_events``, i.e. an ``CacheConfig(enable_kv_events=True)``) are published there over ZMQ (or give an
     already bound ``publisher``). ``max_body_bytes``: the request body limit (413 beyond; default 2 MiB).
     ``model_aliases``: other model ids a request may name (answered as ``model_name``). ``http``: the header and
     body read deadlines and the connection cap (keywords of :func:`~pagedkv.server.http_guard.uvicorn_config`:

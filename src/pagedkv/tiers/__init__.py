@@ -6,7 +6,7 @@ state, three backends (:class:`DiskBackend`, :class:`SharedDirBackend`, :class:`
 (:class:`ModelFingerprint`, :func:`store_names`) and check digest (:func:`check_digests`), the checked value format
 (:mod:`pagedkv.tiers.codec`) and :class:`BlockStore`, which ties them together;
 :class:`~pagedkv.tiers.connector.TierConnector` loads and stores blocks on I/O threads for the engine
-(``LLM(kv_disk_dir=, kv_shared=)``, docs/tiers.md).
+(``TierConfig(kv_disk_dir=, kv_shared=)``, docs/tiers.md).
 Torch-free; the Redis backend imports ``redis`` when created.
 """
 

@@ -42,7 +42,7 @@ async def pin_prefix(request: Request, st: ServerState = Depends(server_state)) 
         if require_full and bm.lookup_prefix(ids + ids[:1], namespace=pr.cache_salt).num_cached_tokens < full:
             return None
         pin = bm.pin_prefix(ids, ttl=pr.ttl, namespace=pr.cache_salt)
-        rp = getattr(llm, "_request_pins", None)
+        rp = st.engine.core.request_pins
         if rp is not None:  # (requests asking to pin that prefix then need no room of the budget)
             rp.remember(ids[: pin.num_tokens], pin, pr.cache_salt)
         return pin

@@ -35,9 +35,8 @@ async def admit_pin(st: ServerState, ids: list, spec: dict, salt: str | None) ->
     from ...engine.request_pins import KVRetention
 
     pins_on(st)
-    llm = st.llm
     try:
-        return await asyncio.to_thread(st.engine.between_steps, lambda: llm._request_pins.admit(
+        return await asyncio.to_thread(st.engine.between_steps, lambda: st.engine.core.request_pins.admit(
             ids, KVRetention(spec["pin_tokens"], spec["ttl"]), salt))
     except PinBudgetError as e:
         raise APIError(409, str(e), "invalid_request_error", "pin_budget_exceeded", "kv_retention") from None
