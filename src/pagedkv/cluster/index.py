@@ -6,9 +6,10 @@ prompt, so "replica r holds blocks h0 .. h(k-1) of a prompt" is "r holds the fir
 
 Contract shared by :class:`MemoryIndex` and :class:`RedisIndex` (the :class:`KVIndex` protocol):
 
-- ``apply(replica, event)`` takes one event, either a :mod:`pagedkv.events` tuple or the wire struct of
-  :mod:`pagedkv.server.kv_events` (dispatch on the class name: ``BlockStored``, ``BlockRemoved``,
-  ``AllBlocksCleared``; ``medium`` None reads as ``"GPU"``, see :mod:`pagedkv.events`). Storing a block already
+- ``apply(replica, event)`` takes one event, a :mod:`pagedkv.events` tuple, a wire struct of either layout of
+  :mod:`pagedkv.server.kv_events`, or vLLM's own event object (dispatch on the class name: ``BlockStored``,
+  ``BlockRemoved``, ``AllBlocksCleared``; ``medium`` None reads as ``"GPU"``, see :mod:`pagedkv.events`; block
+  hashes sent as vLLM's digest bytes are keyed by vLLM's int form of them, :func:`.vllm_hash.external_key`). Storing a block already
   present and removing one that is absent are no-ops, so applying a stream twice gives the same index.
   ``AllBlocksCleared`` forgets every block of that replica's own tiers (the replica stays known; the shared store
   is not emptied). Cost: O(blocks in the event).
@@ -70,6 +71,7 @@ from ..errors import PagedKVError
 from collections import OrderedDict
 
 from ..events import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_GPU, MEDIUM_SHARED, medium_of
+from .vllm_hash import external_key
 
 __all__ = ["KVIndex", "MemoryIndex", "RedisIndex", "IndexUnavailableError", "open_index", "event_kind",
            "hybrid_match"]
@@ -216,6 +218,15 @@ def _medium(event: object) -> str:
     return medium_of(event)
 
 
+def _keys(event: object) -> list:
+    """The event's block hashes as ints: vLLM's digests sent as bytes become vLLM's int form of them (the
+    keys :mod:`pagedkv.cluster.vllm_hash` computes); ints as they are. O(1) for ints, O(blocks) otherwise."""
+    hs = event.block_hashes
+    if hs and not isinstance(hs[0], int):
+        return [external_key(h) for h in hs]
+    return hs
+
+
 @runtime_checkable
 class KVIndex(Protocol):
     """What a router needs of a prefix index (see the module docstring for the contract)."""
@@ -328,7 +339,7 @@ class MemoryIndex:
         else:
             masks, keys = self._masks[m], self._members[replica][(m, 0)]
         bit = self._bit[replica]
-        hashes = event.block_hashes
+        hashes = _keys(event)
         if kind == "BlockStored":
             spec = _spec(event)
             if spec is not None:
@@ -364,7 +375,7 @@ class MemoryIndex:
             if cap == 0:
                 return
             move = d.move_to_end
-            for h in reversed(event.block_hashes):  # children first: the chain's parent ends the most recent
+            for h in reversed(_keys(event)):  # children first: the chain's parent ends the most recent
                 if h in d:
                     move(h)
                 else:
@@ -373,7 +384,7 @@ class MemoryIndex:
                 while len(d) > cap:
                     d.popitem(last=False)
         else:
-            for h in event.block_hashes:
+            for h in _keys(event):
                 d.pop(h, None)
 
     def apply_all(self, replica: Hashable, events: Iterable[object]) -> None:
@@ -640,7 +651,7 @@ class RedisIndex:
             return
         m = _medium(event)
         g = _group(event)
-        hashes = [int(h) for h in event.block_hashes]
+        hashes = [int(h) for h in _keys(event)]
         clock = 0
         if m == MEDIUM_SHARED and kind == "BlockStored" and hashes:
             clock = int(self.r.incrby(f"{self.p}:shared_clock", len(hashes)))
