@@ -190,7 +190,7 @@ def cmd_stub(port: int, pub_ep: str, replay_ep: str, block_size: int, algo: str,
                 self._send(200, {"object": "list", "data": [{"id": model, "object": "model"}]})
             elif self.path == "/stub/stats":
                 with lock:
-                    self._send(200, stats)
+                    self._send(200, {**stats, "blocks": len(cached)})
             else:
                 self._send(404, {"error": "not found"})
 
