@@ -151,7 +151,7 @@ def test_event_arrays_match_vllm_field_order():
         publisher.flush()
         ((_, payload),) = replay(zmq.Context.instance(), publisher.replay_endpoint, 0, "array")
         raw = msgspec.msgpack.decode(payload)
-        # (lora_name, nil, after the medium: vLLM 0.15 to 0.22 require it, earlier versions ignore it)
+        # (lora_name, nil, after the medium: vLLM 0.14 to 0.23 require it, earlier versions ignore it)
         assert raw[1] == [["BlockStored", [7, 8], 6, [1, 2, 3, 4], 2, None, "GPU", None],
                           ["BlockRemoved", [5], "GPU"]]
     finally:

@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-events-topic", default="kv-events", help="ZMQ topic of the KV-event messages")
     p.add_argument("--kv-events-layout", choices=("map", "array"), default="map",
                    help="KV-event wire layout: map, vLLM 0.33's (events as maps tagged 'type'; replay answers "
-                        "framed with the topic), or array, vLLM 0.9 to 0.22's (docs/compat.md; default map)")
+                        "framed with the topic), or array, vLLM 0.9 to 0.23's (docs/compat.md; default map)")
     p.add_argument("--max-body-bytes", type=int, default=2 * 2**20,
                    help="largest request body accepted; larger ones get 413 (default: 2097152, 2 MiB)")
     p.add_argument("--kv-role", choices=("prefill", "decode", "both"), default="both",

@@ -22,9 +22,9 @@ Wire layout, by default vLLM 0.33's (``--kv-events-layout map``; what a consumer
   must resynchronise from scratch.
 
 ``--kv-events-layout array`` sends the older layout instead (:mod:`.kv_events_array`: events as arrays led by
-their type name, vLLM 0.9 to 0.22's, ``data_parallel_rank`` nil) and frames replay answers as those versions
-did: ``[b"", seq, payload]``, end ``[b"", END, b""]``. (vLLM 0.23 to 0.25 sent maps with that older replay
-framing; vLLM 0.30 frames replays as 0.33 does.)
+their type name, vLLM 0.9 to 0.23's, ``data_parallel_rank`` nil) and frames replay answers as those versions
+did: ``[b"", seq, payload]``, end ``[b"", END, b""]``. (vLLM 0.25 sent maps with that older replay framing;
+vLLM 0.28 frames replays as 0.33 does.)
 
 Block hashes are pagedkv's prefix-cache keys (unsigned 64-bit ints; :func:`pagedkv.block_hashes` computes them
 from tokens), not vLLM's digests. ``medium`` is sent as the event holds it: ``"GPU"``, ``"CPU"``, ``"DISK"`` or
@@ -63,7 +63,7 @@ __all__ = [
 ]
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-#: the wire layouts: "map" (vLLM 0.33's, the default), "array" (vLLM 0.9 to 0.22's)
+#: the wire layouts: "map" (vLLM 0.33's, the default), "array" (vLLM 0.9 to 0.23's)
 LAYOUTS = ("map", "array")
 _Hash = Union[int, bytes]  # vLLM sends its digests as bytes when VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0
 

@@ -1,4 +1,4 @@
-"""The older, array layout of KV events (``pagedkv serve --kv-events-layout array``): vLLM 0.9 to 0.22's.
+"""The older, array layout of KV events (``pagedkv serve --kv-events-layout array``): vLLM 0.9 to 0.23's.
 
 Each event is a msgpack array led by its type name: ``["BlockStored", block_hashes, parent_block_hash,
 token_ids, block_size, lora_id, medium, lora_name]``, ``["BlockRemoved", block_hashes, medium]``,
@@ -6,7 +6,7 @@ token_ids, block_size, lora_id, medium, lora_name]``, ``["BlockRemoved", block_h
 (``... medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window]`` and
 ``["BlockRemoved", block_hashes, medium, group_idx]``). The batch is ``[ts, events, data_parallel_rank]`` (rank
 None). vLLM's array decoders ignore trailing elements they have no field for, and require every field without
-a default: ``medium`` since 0.10.2, ``lora_name`` since 0.15 (read from their sources), so these arrays decode
+a default: ``medium`` since 0.10.2, ``lora_name`` since 0.14 (read from their sources), so these arrays decode
 in all of them. The class names are the event kinds (:func:`pagedkv.cluster.index.event_kind` dispatches on
 them); :mod:`.kv_events` holds the default (map) layout and the publisher.
 """
@@ -47,7 +47,7 @@ class BlockRemoved(_Event, tag="BlockRemoved"):
 
 
 class _ShortBlockStored(_Event, tag="BlockStored"):
-    """What a single-group BlockStored is sent as (the short layout, through ``lora_name``: vLLM 0.15 to 0.22
+    """What a single-group BlockStored is sent as (the short layout, through ``lora_name``: vLLM 0.14 to 0.23
     require it, and the earlier versions' decoders ignore the trailing fields they lack; :class:`BlockStored`
     decodes it)."""
 
