@@ -26,7 +26,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 
-TIMEOUT_MS = 10000
+TIMEOUT_MS = 30000  # (a loaded 2-core machine)
 
 
 def _dealer_replay(ctx, endpoint: str, start: int = 0) -> list:
@@ -82,9 +82,10 @@ def cmd_replay(endpoint: str, topic: str) -> dict:
     try:
         for b in batches:
             pub.publish(b)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while len(pub._buffer) < len(batches) and time.monotonic() < deadline:
             time.sleep(0.01)
+        assert len(pub._buffer) == len(batches), f"vLLM's publisher sent {len(pub._buffer)} of {len(batches)}"
         theirs = _dealer_replay(ctx, f"tcp://127.0.0.1:{port}")
     finally:
         pub.shutdown()
