@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv-vllm: vLLM 0.33.0 installed without its CUDA dependencies, for the compatibility suite
 # (tests/compat/, docs/compat.md), which runs vLLM's own code in it: its KV-event classes and ZmqEventPublisher
-# (vllm.distributed.kv_events) and its prefix-cache hashing (vllm.v1.core.kv_cache_utils, vllm.utils.hashing).
+# (vllm.distributed.kv_events), its prefix-cache hashing (vllm.v1.core.kv_cache_utils, vllm.utils.hashing) and
+# `vllm bench serve`.
 #
 # usage: bash scripts/setup_vllm_compat.sh
 #   FORCE=1   delete and recreate the virtualenv
@@ -27,9 +28,12 @@ BASE=(numpy==2.4.6 xxhash==4.1.0 torch==2.13.0+cpu msgspec==0.23.0 pydantic==2.1
 CONFIG=(transformers==5.25.0 aiohttp==3.14.5 openai-harmony==0.0.8 openai==3.63.0 pillow==13.0.0 pybase64==1.5.1
         cachetools==8.0.3 fastapi==0.165.0 partial-json-parser==0.2.1.1.post7 llguidance==1.9.1
         apache-tvm-ffi==0.1.15.post2)
+# `vllm bench serve` (the vllm command imports its server entry points) and the tokenizer it needs, written from
+# the GGUF file's metadata by transformers (gguf)
+BENCH=(einops==0.8.2 uvicorn==0.55.0 watchfiles==1.3.0 orjson==3.13.0 gguf==0.19.0)
 NODEPS=(xgrammar==0.2.9 vllm==0.33.0)
 # the modules the suite runs; their import is the readiness check (about 15-25 s)
-CHECK='import vllm.distributed.kv_events, vllm.v1.core.kv_cache_utils, vllm.utils.hashing, pagedkv; print("vllm", vllm.__version__)'
+CHECK='import vllm.distributed.kv_events, vllm.v1.core.kv_cache_utils, vllm.utils.hashing, vllm.benchmarks.serve, pagedkv; print("vllm", vllm.__version__)'
 
 say() { printf '[setup_vllm_compat] %s\n' "$*"; }
 
@@ -72,9 +76,20 @@ no_cuda() {
     "$VENV/bin/python" -c 'import torch, sys; sys.exit(0 if torch.version.cuda is None else "torch is a CUDA build")'
 }
 
-imports_ok() { (cd / && "$VENV/bin/python" -c "$CHECK") 2>&1; }
+imports_ok() {  # prints the version line, or the import's error output and fails
+    local err out rc=0
+    err=$(mktemp)
+    out=$(cd / && "$VENV/bin/python" -c "$CHECK" 2>"$err") || rc=$?
+    if [[ $rc != 0 ]]; then
+        cat "$err"
+        rm -f "$err"
+        return "$rc"
+    fi
+    rm -f "$err"
+    printf '%s\n' "$out" | tail -n 1
+}
 
-PINS=("${BASE[@]}" "${CONFIG[@]}" "${NODEPS[@]}")
+PINS=("${BASE[@]}" "${CONFIG[@]}" "${BENCH[@]}" "${NODEPS[@]}")
 start=$SECONDS
 if [[ ${FORCE:-0} == 1 && -d $VENV ]]; then
     say "FORCE=1, removing $VENV"
@@ -90,8 +105,8 @@ else
     say "creating $VENV with $($PYTHON --version 2>&1)"
     "$PYTHON" -m venv "$VENV"
 fi
-say "installing ${#BASE[@]} + ${#CONFIG[@]} pinned packages"
-pip_q "${BASE[@]}" "${CONFIG[@]}"
+say "installing ${#BASE[@]} + ${#CONFIG[@]} + ${#BENCH[@]} pinned packages"
+pip_q "${BASE[@]}" "${CONFIG[@]}" "${BENCH[@]}"
 say "installing ${NODEPS[*]} with --no-deps"
 pip_q --no-deps "${NODEPS[@]}"
 say "installing pagedkv from $ROOT (editable, --no-deps)"

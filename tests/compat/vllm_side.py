@@ -9,6 +9,8 @@ virtualenv, and uses vLLM 0.33's own code only (its KV-event classes, ZmqEventPu
     python vllm_side.py hashes                         < JSON cases > JSON
         vLLM's block hashes of each case {tokens, block_size, algo, seed, cache_salt, lora, mm}: its own request
         block hasher (get_request_block_hasher) over a request object carrying those fields.
+    python vllm_side.py tokenizer GGUF_FILE OUT_DIR
+        writes the GGUF model's tokenizer as a Hugging Face tokenizer directory (for vllm bench serve).
     python vllm_side.py stub PORT PUB_ENDPOINT REPLAY_ENDPOINT BLOCK_SIZE ALGO MODEL
         a vLLM replica stub on 127.0.0.1:PORT: /health, /v1/models, /v1/completions (token-id prompts); each
         completion's prefix-cache hit is computed with vLLM's hashing against the blocks it holds, then its full
@@ -210,10 +212,22 @@ def cmd_stub(port: int, pub_ep: str, replay_ep: str, block_size: int, algo: str,
         pub.shutdown()
 
 
+def cmd_tokenizer(gguf_path: str, out_dir: str) -> dict:
+    """A Hugging Face tokenizer directory (tokenizer.json, its config, the chat template) written by transformers
+    from the GGUF file's metadata: what ``vllm bench serve --tokenizer`` loads."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
+    tok.save_pretrained(out_dir)
+    return {"vocab": len(tok), "hello": tok("Hello world")["input_ids"]}
+
+
 if __name__ == "__main__":
     cmd = sys.argv[1]
     if cmd == "replay":
         print(json.dumps(cmd_replay(sys.argv[2], sys.argv[3])))
+    elif cmd == "tokenizer":
+        print(json.dumps(cmd_tokenizer(sys.argv[2], sys.argv[3])))
     elif cmd == "hashes":
         print(json.dumps(cmd_hashes(json.load(sys.stdin))))
     elif cmd == "stub":
