@@ -31,6 +31,9 @@ if ! command -v redis-server >/dev/null 2>&1; then
     echo "setup: redis-server not found and not root: apt-get install redis-server for the Redis-index tests" >&2
   fi
 fi
+# The vLLM compatibility suite (tests/compat/): vLLM 0.33 in its own virtualenv, .venv-vllm, without CUDA
+bash scripts/setup_vllm_compat.sh \
+  || echo "setup: scripts/setup_vllm_compat.sh failed (the tests in tests/compat/ will fail until it succeeds)" >&2
 # The documentation (the [docs] extra: mkdocs, mkdocstrings), which tests/test_docs.py builds with --strict
 .venv/bin/python -c "import mkdocs, mkdocstrings_handlers.python" 2>/dev/null || pip_q -e ".[docs]"
 .venv/bin/python -c "import pagedkv, torch; from pagedkv.engine import find_default_model as f; print('pagedkv', pagedkv.__version__, '| torch', torch.__version__, '| model', f())"

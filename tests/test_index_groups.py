@@ -222,7 +222,8 @@ def test_wire_layout_reads_vllm_group_events_and_keeps_the_short_single_group_on
     from pagedkv.server.kv_events import decode_payload, to_wire
 
     enc = msgspec.msgpack.Encoder()
-    # vLLM 0.33's arrays: every field, in its order (lora_name, extra_keys, group fields, locality, ...)
+    # the array layout, with every field vLLM has added since, in its order (lora_name, extra_keys, group
+    # fields, locality, ...)
     payload = enc.encode([1.0, [
         ["BlockStored", [5, 6], None, list(range(8)), BS, None, "GPU", None, None, 1, "sliding_window", W,
          "LOCAL", None, None, None],
@@ -237,9 +238,13 @@ def test_wire_layout_reads_vllm_group_events_and_keeps_the_short_single_group_on
     ix.apply_all("v", batch.events)
     assert ix.layout("v") == {0: None, 1: 2}
     assert ix._members["v"][("GPU", 1)] == {6} and ix._members["v"][("GPU", 0)] == {5, 6, 7}
-    # a single-group event still goes out in the short layout
+    # a single-group event still goes out in the short array layout (--kv-events-layout array)
+    assert msgspec.msgpack.decode(enc.encode(to_wire(Stored([1], None, [1, 2, 3, 4], BS), "array"))) == \
+        ["BlockStored", [1], None, [1, 2, 3, 4], BS, None, "GPU", None]
+    # and in vLLM 0.33's map layout (the default) without the group fields
     assert msgspec.msgpack.decode(enc.encode(to_wire(Stored([1], None, [1, 2, 3, 4], BS)))) == \
-        ["BlockStored", [1], None, [1, 2, 3, 4], BS, None, "GPU"]
+        {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [1, 2, 3, 4],
+         "block_size": BS, "lora_id": None, "medium": "GPU", "lora_name": None}
 
 
 @pytest.mark.parametrize("retention", [True, False])

@@ -329,7 +329,7 @@ def test_non_finite_and_huge_numbers_get_the_servers_answer(cleanup):
 def _batch(ts, events):
     from pagedkv.server.kv_events import KVEventBatch
 
-    return msgspec.msgpack.encode(KVEventBatch(ts, events))
+    return msgspec.msgpack.encode(KVEventBatch(ts, events, 0))
 
 
 def test_malformed_zmq_payloads_are_dropped_counted_and_the_subscriber_goes_on(cleanup):
@@ -360,10 +360,10 @@ def test_malformed_zmq_payloads_are_dropped_counted_and_the_subscriber_goes_on(c
 
     def good(hashes):
         send(b"kv-events", next(seq).to_bytes(8, "big"), _batch(now, [BlockStored(hashes, None, [], BLOCK, None,
-                                                                                    None)]))
+                                                                                    None, None)]))
 
     first = (b"kv-events", next(seq).to_bytes(8, "big"), _batch(now, [BlockStored([1, 2], None, [], BLOCK, None,
-                                                                             None)]))
+                                                                             None, None)]))
     for _ in range(50):  # until the SUB socket has joined (a message sent before is lost; a repeat is a duplicate)
         send(*first)
         if wait_for(lambda: router.state.index.num_blocks(rep.url) == 2, 0.2):
@@ -374,9 +374,9 @@ def test_malformed_zmq_payloads_are_dropped_counted_and_the_subscriber_goes_on(c
         (b"kv-events", b"\x00\x01", _batch(now, [])),  # sequence number not 8 bytes
         (b"kv-events", (1).to_bytes(8, "big"), b"\xc1 not msgpack"),
         (b"kv-events", (1).to_bytes(8, "big"), msgspec.msgpack.encode({"ts": 1})),  # wrong shape
-        (b"kv-events", (1).to_bytes(8, "big"), _batch(now, [BlockStored([3], None, [], BLOCK, None, "XPU")])),
+        (b"kv-events", (1).to_bytes(8, "big"), _batch(now, [BlockStored([3], None, [], BLOCK, None, "XPU", None)])),
         (b"kv-events", (1).to_bytes(8, "big"), _batch(math.nan, [])),
-        (b"kv-events", (1).to_bytes(8, "big"), _batch(now, [BlockStored([-5], None, [], BLOCK, None, None)])),
+        (b"kv-events", (1).to_bytes(8, "big"), _batch(now, [BlockStored([-5], None, [], BLOCK, None, None, None)])),
         (b"kv-events", (1).to_bytes(8, "big"), msgspec.msgpack.encode([now, [["Nope", 1]], None])),
     ]
     for frames in bad:

@@ -32,13 +32,40 @@ def test_medium_of_reads_none_and_absent_as_gpu_and_refuses_unknown_ones():
     for bad in ("gpu", "TAPE", ""):
         with pytest.raises(ValueError):
             medium_of(BlockRemoved([1], bad))
+    assert medium_of(BlockRemoved([1], "STORAGE")) == "DISK"  # vLLM's offloading tier of that replica
 
 
 @pytest.mark.parametrize("medium", [*MEDIA, None])
 @pytest.mark.parametrize("group", [None, 2])
-def test_every_medium_round_trips_in_vllms_layout(medium, group):
+def test_every_medium_round_trips_in_vllms_array_layout(medium, group):
     """Encoded as the publisher sends them and decoded as a router reads them: the medium keeps vLLM's position
     (7th field of BlockStored, 3rd of BlockRemoved) and type (a string, or nil), in the short and the group layout."""
+    msgspec = pytest.importorskip("msgspec")
+    from pagedkv.server.kv_events import decode_payload, to_wire
+    from pagedkv.server.kv_events_array import KVEventBatch
+
+    kw = {} if group is None else {"group_idx": group, "kv_cache_spec_kind": "sliding_window",
+                                   "kv_cache_spec_sliding_window": 64}
+    events = [BlockStored([5, 2**64 - 1], 4, list(range(32)), 16, None, medium, None, **kw),
+              BlockRemoved([5], medium, group)]
+    payload = msgspec.msgpack.Encoder().encode(KVEventBatch(1.5, [to_wire(e, "array") for e in events]))
+    raw = msgspec.msgpack.decode(payload)
+    assert raw[1][0][0] == "BlockStored" and raw[1][0][6] == medium
+    assert raw[1][1][0] == "BlockRemoved" and raw[1][1][2] == medium
+    assert len(raw[1][0]) == (8 if group is None else 12) and len(raw[1][1]) == (3 if group is None else 4)
+    back = decode_payload(payload).events
+    assert [type(e).__name__ for e in back] == ["BlockStored", "BlockRemoved"]
+    assert back[0].block_hashes == [5, 2**64 - 1] and back[1].block_hashes == [5]
+    assert [e.medium for e in back] == [medium, medium]
+    assert [medium_of(e) for e in back] == [medium or "GPU"] * 2
+    assert [e.group_idx for e in back] == [group, group]
+
+
+@pytest.mark.parametrize("medium", [*MEDIA, None])
+@pytest.mark.parametrize("group", [None, 2])
+def test_every_medium_round_trips_in_vllm_0_33_map_layout(medium, group):
+    """The default layout: the medium is the map's "medium" entry (a string, or nil), always there; the group
+    fields only when set."""
     msgspec = pytest.importorskip("msgspec")
     from pagedkv.server.kv_events import KVEventBatch, decode_payload, to_wire
 
@@ -46,13 +73,12 @@ def test_every_medium_round_trips_in_vllms_layout(medium, group):
                                    "kv_cache_spec_sliding_window": 64}
     events = [BlockStored([5, 2**64 - 1], 4, list(range(32)), 16, None, medium, None, **kw),
               BlockRemoved([5], medium, group)]
-    payload = msgspec.msgpack.Encoder().encode(KVEventBatch(1.5, [to_wire(e) for e in events]))
+    payload = msgspec.msgpack.Encoder().encode(KVEventBatch(1.5, [to_wire(e) for e in events], 0))
     raw = msgspec.msgpack.decode(payload)
-    assert raw[1][0][0] == "BlockStored" and raw[1][0][6] == medium
-    assert raw[1][1][0] == "BlockRemoved" and raw[1][1][2] == medium
-    assert len(raw[1][0]) == (7 if group is None else 12) and len(raw[1][1]) == (3 if group is None else 4)
+    assert raw[1][0]["type"] == "BlockStored" and raw[1][0]["medium"] == medium
+    assert raw[1][1]["type"] == "BlockRemoved" and raw[1][1]["medium"] == medium
+    assert ("group_idx" in raw[1][0]) == (group is not None) and raw[1][1].get("group_idx") == group
     back = decode_payload(payload).events
-    assert [type(e).__name__ for e in back] == ["BlockStored", "BlockRemoved"]
     assert back[0].block_hashes == [5, 2**64 - 1] and back[1].block_hashes == [5]
     assert [e.medium for e in back] == [medium, medium]
     assert [medium_of(e) for e in back] == [medium or "GPU"] * 2

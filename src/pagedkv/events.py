@@ -54,7 +54,7 @@ from __future__ import annotations
 from typing import NamedTuple, Union
 
 __all__ = ["BlockStored", "BlockRemoved", "AllBlocksCleared", "KVCacheEvent", "MEDIUM_GPU", "MEDIUM_CPU",
-           "MEDIUM_DISK", "MEDIUM_SHARED", "MEDIA", "medium_of"]
+           "MEDIUM_DISK", "MEDIUM_SHARED", "MEDIA", "MEDIUM_ALIASES", "medium_of"]
 
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
@@ -87,13 +87,21 @@ class BlockRemoved(NamedTuple):
     group_idx: int | None = None
 
 
+#: media other producers name, read as one of :data:`MEDIA`: vLLM's ``"STORAGE"`` (a KV-offloading connector's
+#: storage tier of that replica) as ``"DISK"``
+MEDIUM_ALIASES = {"STORAGE": MEDIUM_DISK}
+
+
 def medium_of(event: object) -> str:
-    """The event's medium: its ``medium`` field, None or absent read as ``"GPU"``; ValueError for a string
-    that is not one of :data:`MEDIA` (vLLM spells them in capitals, as here). O(1)."""
+    """The event's medium: its ``medium`` field, None or absent read as ``"GPU"``, an alias of
+    :data:`MEDIUM_ALIASES` as its medium; ValueError for a string that is none of these (vLLM spells them in
+    capitals, as here). O(1)."""
     m = getattr(event, "medium", None)
     if m is None:
         return MEDIUM_GPU
     if m not in MEDIA:
+        if m in MEDIUM_ALIASES:
+            return MEDIUM_ALIASES[m]
         raise ValueError(f"unknown medium {m!r} (expected one of {', '.join(MEDIA)})")
     return m
 

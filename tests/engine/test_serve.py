@@ -376,7 +376,7 @@ def test_serve_command_in_a_subprocess(tmp_path):
         dealer.send_multipart([b"", (0).to_bytes(8, "big")])
         names = []
         while True:
-            _, seq, payload = dealer.recv_multipart()
+            *_, seq, payload = dealer.recv_multipart()  # ([b"", topic, seq, payload]: vLLM 0.33's framing)
             if seq == END_SEQ:
                 break
             names += [type(e).__name__ for e in decode_payload(payload).events]
@@ -430,7 +430,8 @@ def test_kv_events_rebuild_the_cached_key_set(engine):
         dealer.connect(srv.publisher.replay_endpoint)
         dealer.send_multipart([b"", (0).to_bytes(8, "big")])
         while True:
-            _, seq, payload = dealer.recv_multipart()
+            empty, topic, seq, payload = dealer.recv_multipart()  # vLLM 0.33's framing
+            assert empty == b"" and topic == (b"" if seq == END_SEQ else b"kv-events")
             if seq == END_SEQ:
                 break
             live.setdefault(int.from_bytes(seq, "big"), payload)

@@ -49,6 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "file whose tokenizer the replicas use (metadata only); a replica "
                                                  "whose /v1/models lists another model gets a warning at start-up")
     p.add_argument("--block-size", type=int, default=16, help="the replicas' KV block size (default 16)")
+    p.add_argument("--hash-scheme", choices=("pagedkv", "vllm"), default="pagedkv",
+                   help="the block hashes the replicas' KV events name blocks by: pagedkv (pagedkv serve) or vllm "
+                        "(vLLM replicas: the router computes vLLM's hashes, docs/compat.md; default pagedkv)")
+    p.add_argument("--vllm-hash-algo", choices=("sha256", "sha256_cbor", "xxhash", "xxhash_cbor"), default="sha256",
+                   help="with --hash-scheme vllm: the replicas' --prefix-caching-hash-algo (default sha256)")
+    p.add_argument("--vllm-hash-seed", default=None, metavar="SEED",
+                   help="with --hash-scheme vllm: the replicas' PYTHONHASHSEED (default: unset, vLLM's fixed seed "
+                        "for sha256 / sha256_cbor; the xxhash algorithms need it)")
     p.add_argument("--balance-slack", type=float, default=0.2,
                    help="prefix routes skip a replica whose load (prompt tokens still to compute for its requests "
                         "in flight) would exceed (1 + slack) x the mean + --balance-abs (default 0.2)")
@@ -141,7 +149,14 @@ def make_router(args: argparse.Namespace):
                         balance_abs=args.balance_abs, block_size=args.block_size,
                         approx_capacity_blocks=args.approx_capacity_blocks, min_match=args.min_match,
                         weights={"CPU": args.cpu_weight, "DISK": args.disk_weight, "SHARED": args.shared_weight})
-    builder = PromptBuilder(load_tokenizer(args.model), args.block_size)
+    hasher = None
+    if args.hash_scheme == "vllm":
+        from ..cluster.vllm_hash import VLLMHasher
+
+        hasher = VLLMHasher(args.vllm_hash_algo, args.vllm_hash_seed, args.block_size)
+    elif args.vllm_hash_seed is not None or args.vllm_hash_algo != "sha256":
+        raise ValueError("--vllm-hash-algo and --vllm-hash-seed need --hash-scheme vllm")
+    builder = PromptBuilder(load_tokenizer(args.model), args.block_size, hasher)
     from ..server.launch import served_model_names
 
     name, aliases = served_model_names(args.model)

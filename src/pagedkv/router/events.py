@@ -6,7 +6,8 @@ that message:
 
 - the next message (``seq + 1``) is applied;
 - a jump (``seq + k``, k > 1: messages lost, or a subscriber that joined late) is a *gap*: the missing range is
-  asked from the replica's replay socket (DEALER ``[b"", start]``, answers until the end marker), applied in
+  asked from the replica's replay socket (DEALER ``[b"", start]``, answers until the end marker, framed as vLLM
+  0.33 frames them, ``[b"", topic, seq, payload]``, or as older versions did, ``[b"", seq, payload]``), applied in
   order, then the live stream goes on and duplicates (``<= seq``) are dropped. If the replay cannot go back far
   enough (the replica's buffer no longer holds ``start``), the replica's blocks are cleared from the index and
   what the replay returned is applied: the index then under-reports that replica (a missed hit, never a wrong
@@ -22,8 +23,10 @@ that message:
 
 Faults (the thread never ends on one; see docs/router-reliability.md):
 
-- *malformed messages* (not three frames, a sequence number that is not 8 bytes, a payload that is not the
-  msgpack layout, an event with a medium other than None, GPU, CPU, DISK or SHARED, a negative hash or a non-finite timestamp) are dropped and
+- *malformed messages* (not three frames, a sequence number that is not 8 bytes, a payload in neither msgpack
+  layout of :mod:`pagedkv.server.kv_events` (vLLM 0.33's maps, the older arrays), an event with a medium other
+  than None, GPU, CPU, DISK, SHARED or vLLM's STORAGE (read as DISK), a negative hash or a non-finite
+  timestamp) are dropped and
   counted in :attr:`Feed.bad_payloads`; the numbering steps over it when it is the very next number (or it comes
   from the replay socket), otherwise it is left alone (a stray message proves nothing; a real one missing is a
   gap that the next good message reveals);
@@ -46,12 +49,12 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..cluster.index import IndexUnavailableError
-from ..events import MEDIA
+from ..events import MEDIA, MEDIUM_ALIASES
 
 __all__ = ["EventSubscriber", "Feed", "IndexHealth", "replay_endpoint_for"]
 
 END = -1
-_MEDIA = (None, *MEDIA)  # (None reads as GPU)
+_MEDIA = (None, *MEDIA, *MEDIUM_ALIASES)  # (None reads as GPU; vLLM's STORAGE as DISK)
 log = logging.getLogger("pagedkv.router")
 
 

@@ -8,7 +8,9 @@ tests/test_router_torch_free.py checks it). A completion's string prompt is enco
 ``LLM.generate``), token ids are taken as given, and a chat's messages go through the model's chat template (as
 the server's chat route). The prefix-cache namespace is the request's ``cache_salt`` (as the server passes it).
 The hashes are a :class:`pagedkv.blocks.prefix_cache.PromptKeys`: the prompt's group-0 keys, which also give its keys in
-the other KV cache groups when the index scores a replica of a hybrid model.
+the other KV cache groups when the index scores a replica of a hybrid model. In front of vLLM replicas
+(``--hash-scheme vllm``) they are vLLM's block hashes instead (:class:`pagedkv.cluster.vllm_hash.VLLMHasher`, the
+request's ``cache_salt`` as vLLM's extra key), the keys vLLM's KV events name its blocks by.
 """
 
 from __future__ import annotations
@@ -48,11 +50,20 @@ class RoutedPrompt:
 
 
 class PromptBuilder:
-    """Builds :class:`RoutedPrompt` from a request body. ``tokenizer`` as :func:`load_tokenizer` returns it."""
+    """Builds :class:`RoutedPrompt` from a request body. ``tokenizer`` as :func:`load_tokenizer` returns it.
+    ``hasher``: a :class:`pagedkv.cluster.vllm_hash.VLLMHasher` for vLLM replicas (its block size is used), or
+    None for pagedkv's keys."""
 
-    def __init__(self, tokenizer, block_size: int = 16) -> None:
+    def __init__(self, tokenizer, block_size: int = 16, hasher=None) -> None:
         self.tokenizer = tokenizer
-        self.block_size = block_size
+        self.block_size = block_size if hasher is None else hasher.block_size
+        self.hasher = hasher
+
+    def keys(self, ids: list[int], namespace: str | None) -> list:
+        """The prompt's block keys in the replicas' scheme (pagedkv's PromptKeys, or vLLM's hashes)."""
+        if self.hasher is not None:
+            return self.hasher.keys(ids, cache_salt=namespace)
+        return PromptKeys(ids, self.block_size, namespace)
 
     def build(self, kind: str, body: bytes) -> RoutedPrompt:
         """``kind``: ``"completions"`` or ``"chat"``. Raises the server's ``APIError`` (400) on a bad body."""
@@ -73,7 +84,7 @@ class PromptBuilder:
         ns = req.cache_salt
         try:
             # group 0's keys, and every other KV cache group's on demand (a hybrid replica's hit needs them)
-            hashes = PromptKeys(ids, self.block_size, ns) if ids else []
+            hashes = self.keys(ids, ns) if ids else []
         except Exception as e:  # token ids out of range: the replica will say so; route without a prefix
             del e
             hashes = []

@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-events-replay-endpoint", default=None,
                    help="ZMQ ROUTER address for replays (default: the events port + 1)")
     p.add_argument("--kv-events-topic", default="kv-events", help="ZMQ topic of the KV-event messages")
+    p.add_argument("--kv-events-layout", choices=("map", "array"), default="map",
+                   help="KV-event wire layout: map, vLLM 0.33's (events as maps tagged 'type'; replay answers "
+                        "framed with the topic), or array, vLLM 0.9 to 0.23's (docs/compat.md; default map)")
     p.add_argument("--max-body-bytes", type=int, default=2 * 2**20,
                    help="largest request body accepted; larger ones get 413 (default: 2097152, 2 MiB)")
     p.add_argument("--kv-role", choices=("prefill", "decode", "both"), default="both",
@@ -175,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 replay = _replay_default(args.kv_events_endpoint)
             try:
                 publisher = KVEventPublisher(args.kv_events_endpoint, replay_endpoint=replay,
-                                             topic=args.kv_events_topic)
+                                             topic=args.kv_events_topic, layout=args.kv_events_layout)
             except zmq.ZMQError as e:
                 raise ValueError(f"cannot bind the KV-event sockets {args.kv_events_endpoint} / {replay}: {e}") \
                     from None
