@@ -6,6 +6,13 @@ ONE process, alternating A, B, A, B ..., reporting the median of the per-round r
     PYTHONPATH=src python scripts/bench_step_paths.py --baseline /tmp/base/src/pagedkv
     PYTHONPATH=src python scripts/bench_step_paths.py --paths
 
+``--paths`` variants (each disabled on its own, on managers of the package on PYTHONPATH): ``-step_one`` (the
+plain-Python step of a batch of one), ``-step_small`` (that of 2..SMALL_BATCH sequences), ``-Small`` (both: the
+switch, ``_small_batch = 0``), ``-step1`` (main's one-token numpy fast path ``Stepper.step1`` and the hybrid
+``fast_ok``, gone on this branch: run ``--paths`` with PYTHONPATH at a main checkout's src to measure it) and
+``-all fast``. The first measurement (main, 2026-12-07): ``-Small`` 6.8-7x at a batch of one and 1.9-2.1x at eight,
+5x / 1.6x on the hybrid step; ``-step1`` 1.2-2.4x at batches of 64-1000, 1.46x on the hybrid step at 64.
+
 Cases: ``decode_step`` at batch 1, 8, 64, 256, 1000 with prefix caching off and on (one token each, full tables and
 ``block_tables=False``), with lookahead (2 slots) and ragged (1-3 tokens, flat with ``num_new_tokens``), and the
 Gemma-3-like hybrid step (1 full + 5 sliding groups of W = 512) at 1k- and 16k-token contexts. ``--only`` keeps the

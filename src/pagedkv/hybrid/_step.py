@@ -22,7 +22,8 @@ from __future__ import annotations
 import numpy as np
 
 from ._types import HybridStepDelta, HybridStepResult, frozen
-from ..manager._small import SMALL_BATCH, small_tokens
+from ..manager import _small as small_path
+from ..manager._small import small_tokens
 from ..manager._step import _NO_UPDATES, TABLES_DELTA, table_updates
 from ..errors import InvalidTokensError, OutOfBlocksError, TableWidthError
 
@@ -43,7 +44,7 @@ class HybridStepper:
                  fixed_w: int) -> None:
         self.tables, self.t0, self.steps, self.smalls, self.wins = tables, tables[0], steps, smalls, wins
         self.blocks, self.gpu, self.bs, self.fixed_w = blocks, gpu, bs, fixed_w
-        self.small_batch = SMALL_BATCH
+        self.small_batch = small_path.SMALL_BATCH  # (0: never; see pagedkv.manager._small)
         self.G = len(tables)
 
     def plans(self, rows: np.ndarray, counts: np.ndarray | None, la: int) -> list:

@@ -1,15 +1,17 @@
-"""The append (decode_step / append_slots): :class:`Stepper`, planning, the one-token fast path and the general
-path.
+"""The append (decode_step / append_slots / can_append_slots, and every group of a hybrid step): :class:`Stepper`,
+one algorithm in two parts::
 
-::
+    plan    (changes nothing)  -> StepPlan: blocks needed and available, copy-on-write (rows, cols, sources),
+                                  the window's releases, each row's table length afterwards
+    commit  (cannot fail)      -> releases, copy-on-write destinations, new blocks, slots, registration
 
-    decode_step ─┬─ one token each, no lookahead ─> step1  (a dozen numpy operations; None if it needs CoW
-                 │                                           or the pool looks short)
-                 └─ anything else, or step1 declined ─> plan (blocks needed, CoW pairs, window releases)
-                                                        └─> append (all or nothing)
+A caller checks the plan in between (one manager: :meth:`Stepper.check`; KV cache groups: the sum over the groups,
+:class:`pagedkv.hybrid._step.HybridStepper`). One token per sequence without lookahead (the decode step) takes the
+same two parts with one written block per row, read once (no per-token arrays). The only other path is the
+plain-Python step of small batches (:mod:`pagedkv.manager._small`), behind its switch (``SMALL_BATCH``).
 
-Both paths register in the prefix cache the blocks that the step fills (burst sharing: findable as soon as
-the call returns, through the :class:`~pagedkv.manager._registry.Registry`) and release what the sliding window lets
+The step registers in the prefix cache the blocks that it fills (burst sharing: findable as soon as
+the call returns, through the :class:`~pagedkv.manager._registry.Registry`) and releases what the sliding window lets
 go before writing (through the :class:`~pagedkv.manager._window.Window`). The step's state is the tables'
 (:class:`~pagedkv.manager._rows.SeqTables`); the Stepper itself holds only its copy-on-write counter.
 

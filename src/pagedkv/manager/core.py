@@ -65,7 +65,8 @@ from ._alloc import Allocator
 from ..blocks._blocks import Blocks
 from ._registry import Registry
 from ._rows import _EMPTY_I64, SeqTables
-from ._small import SMALL_BATCH, Small
+from . import _small as small_path
+from ._small import Small
 from ._step import _NO_UPDATES, TABLES_DELTA, Stepper
 from ._swap import Swapper
 from ._window import Window
@@ -244,7 +245,9 @@ class BlockManager(PoolState, ExternalKV):
         """
         self._window = sliding_window
         self._hints: dict = {}  # seq_id -> (priority, session) given by set_retention, used by free
-        self._small_batch = SMALL_BATCH  # batches up to this size take the plain-Python step (0: never)
+        # the one fast path (manager/_small.py): batches up to this size take the plain-Python step; 0: never (the
+        # switch: small_path.SMALL_BATCH = 0 before building a manager, or _small_batch = 0 on one)
+        self._small_batch = small_path.SMALL_BATCH
         bs, blocks, cache, tier, copies = self._bs, self._blocks, self._cache, self._tier, self._copies
         t = self._t = SeqTables(self._gpu.ref_mv, max(4, self._fixed_w))
         win = self._win = self._Window(t, blocks, sliding_window, bs)
