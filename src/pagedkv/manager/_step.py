@@ -33,6 +33,12 @@ import numpy as np
 from ..errors import InvalidTokensError, OutOfBlocksError, TableWidthError
 from ..types import NULL_BLOCK, StepDelta, StepResult, TableUpdates
 
+try:  # count_nonzero without its Python-level dispatcher (a quarter of a microsecond per call on the hot path)
+    from numpy._core.multiarray import count_nonzero as _count_nonzero
+except ImportError:  # pragma: no cover - numpy < 2
+    _count_nonzero = np.count_nonzero
+_max = np.maximum.reduce  # (ndarray.max without its Python-level wrapper)
+
 _NO_COW = np.zeros((0, 2), dtype=np.int64)
 _NO_COW.flags.writeable = False
 
@@ -138,14 +144,10 @@ class Stepper:
         row ``rows[i]``, without changing anything. ``exact``: count the blocks the window frees even when the
         free ones suffice. O(B) numpy work (O(B x written blocks) with several tokens or lookahead)."""
         t = self.t
-        bs = self.bs
         ntok = t.ntok[rows]
-        ref = self.gpu.ref
         release = self.win.plan(rows, ntok)
-        rel = None if release is None else False  # False: not computed yet (only copy-on-write and a short pool need it)
-        cow = None
         if counts is None and la == 0:  # one written block per row: the column of the token
-            j, off = np.divmod(ntok, bs)
+            j, off = np.divmod(ntok, self.bs)
             try:  # (columns [nrel, nblk) hold blocks, the rest NULL_BLOCK, and nrel <= j <= nblk)
                 written = t.table[rows, j]
             except IndexError:  # j == nblk == the table's width for some row (its column is NULL_BLOCK)
@@ -153,58 +155,70 @@ class Stepper:
                 written = np.full(rows.size, NULL_BLOCK, dtype=t.table.dtype)
                 written[inside] = t.table[rows[inside], j[inside]]
             grow = written < 0  # j == nblk: a new block is needed
-            n_new = int(np.count_nonzero(grow))
-            need = t.nblk[rows] + grow if n_new else None
-            ref_w = ref[written]  # (a growing row's NULL_BLOCK reads the last block's count: masked below)
+            needed = int(_count_nonzero(grow))
+            need = t.nblk[rows] + grow if needed else None
+            ref_w = self.gpu.ref[written]  # (a growing row's NULL_BLOCK reads the last block's count: masked below)
+            cow = self.shared_one(rows, j, written, grow, ref_w, release) if _max(ref_w) > 1 else None
             one = (j, off, written, grow)
-            if ref_w.max() > 1:
-                shared = (ref_w > 1) & ~grow
-                if shared.any():
-                    if rel is False:
-                        rel = self.released(release)
-                    if rel is not None:
-                        shared &= self.holders(written, rel) > 1
-                    if shared.any():
-                        cow = (rows[shared], j[shared], written[shared].astype(np.int64))
         else:
+            need, cow = self.shared_many(rows, ntok, counts, la, release)
+            needed = int(need.sum() - t.nblk[rows].sum())
             one = None
-            nb = t.nblk[rows]
-            end = ntok + (1 if counts is None else counts)
-            need = np.maximum((end + la + bs - 1) // bs, nb)
-            n_new = int(need.sum() - nb.sum())
-            # copy-on-write: existing blocks that receive one of the new tokens, or hold one of the reserved
-            # lookahead slots (the engine writes draft KV there), and are still shared once the window has released
-            # what it releases (a fork shares the parent's lookahead-only blocks too)
-            first = ntok // bs
-            last = np.minimum((end + la - 1) // bs, nb - 1)
-            span = int((last - first).max()) if last.size else -1
-            bi, cs, ss = [], [], []
-            for d in range(span + 1):
-                col = first + d
-                ok = np.flatnonzero(col <= last)
-                src = t.table[rows[ok], col[ok]]
-                shared = ref[src] > 1
-                if not shared.any():
-                    continue
-                if rel is False:
-                    rel = self.released(release)
-                if rel is not None:
-                    shared &= self.holders(src, rel) > 1
-                bi.append(ok[shared]); cs.append(col[ok][shared]); ss.append(src[shared].astype(np.int64))
-            if bi:
-                bi, cs, ss = np.concatenate(bi), np.concatenate(cs), np.concatenate(ss)
-                if bi.size:
-                    order = np.lexsort((cs, bi))  # batch order, then column: the order the writes happen in
-                    cow = (rows[bi[order]], cs[order], ss[order])
         if cow is not None:
-            cow = self.last_writer_keeps(cow, rel or None)
-        needed = n_new + (0 if cow is None else cow[0].size)
+            needed += cow[0].size
         available = self.blocks.num_free
-        if rel is not None and (exact or needed > available):
+        if release is not None and (exact or needed > available):
+            available += self.freed(self.released(release))
+        return _new_plan(StepPlan, (needed, available, need, cow, release, ntok, one))
+
+    def shared_one(self, rows: np.ndarray, j: np.ndarray, written: np.ndarray, grow: np.ndarray, ref_w: np.ndarray,
+                   release: tuple | None) -> tuple | None:
+        """Copy-on-write of a one-token step: (rows, cols, src) of the rows whose written block is still shared once
+        the window has released what it releases, less the last writer of a block every holder writes; or None."""
+        shared = (ref_w > 1) & ~grow
+        if not shared.any():
+            return None
+        rel = self.released(release)
+        if rel is not None:
+            shared &= self.holders(written, rel) > 1
+            if not shared.any():
+                return None
+        return self.last_writer_keeps((rows[shared], j[shared], written[shared].astype(np.int64)), rel)
+
+    def shared_many(self, rows: np.ndarray, ntok: np.ndarray, counts: np.ndarray | None, la: int,
+                    release: tuple | None) -> tuple:
+        """(need, cow) of a step of several tokens or lookahead slots: each row's table length afterwards, and the
+        copy-on-write (rows, cols, src), or None: existing blocks that receive one of the new tokens, or hold one
+        of the reserved lookahead slots (the engine writes draft KV there), and are still shared once the window
+        has released what it releases (a fork shares the parent's lookahead-only blocks too)."""
+        t, bs, ref = self.t, self.bs, self.gpu.ref
+        nb = t.nblk[rows]
+        end = ntok + (1 if counts is None else counts)
+        need = np.maximum((end + la + bs - 1) // bs, nb)
+        first = ntok // bs
+        last = np.minimum((end + la - 1) // bs, nb - 1)
+        span = int((last - first).max()) if last.size else -1
+        rel = False  # (False: not computed yet; only a shared written block needs it)
+        bi, cs, ss = [], [], []
+        for d in range(span + 1):
+            col = first + d
+            ok = np.flatnonzero(col <= last)
+            src = t.table[rows[ok], col[ok]]
+            shared = ref[src] > 1
+            if not shared.any():
+                continue
             if rel is False:
                 rel = self.released(release)
-            available += self.freed(rel)
-        return _new_plan(StepPlan, (needed, available, need, cow, release, ntok, one))
+            if rel is not None:
+                shared &= self.holders(src, rel) > 1
+            bi.append(ok[shared]); cs.append(col[ok][shared]); ss.append(src[shared].astype(np.int64))
+        if not bi:
+            return need, None
+        bi, cs, ss = np.concatenate(bi), np.concatenate(cs), np.concatenate(ss)
+        if not bi.size:
+            return need, None
+        order = np.lexsort((cs, bi))  # batch order, then column: the order the writes happen in
+        return need, self.last_writer_keeps((rows[bi[order]], cs[order], ss[order]), rel)
 
     def holders(self, blocks: np.ndarray, rel: tuple | None) -> np.ndarray:
         """Refcounts of ``blocks`` less the references the window releases in this step (``rel``)."""
@@ -267,61 +281,41 @@ class Stepper:
         write order), new blocks, the tokens' slots, and the registration of the blocks the step fills. Nothing
         here can fail. O(B) numpy work plus O(1) per block taken, released or registered."""
         t = self.t
-        bs = self.bs
-        _, _, need, cow, release, ntok, one = plan
+        n_grow, _, need, cow, release, ntok, one = plan
         delta = tables == TABLES_DELTA
-        released = [] if delta else None
-        changed = []  # (rows, cols, blocks) that received a block, for StepDelta
+        released = changed = None  # (rows, cols) released and (rows, cols, blocks) set, for StepDelta
+        if delta:
+            released, changed = [], []
         if release is not None:
             self.win.release(release, released)
-        if cow is not None:
-            c_rows, c_cols, c_src = cow
-            dst = self.blocks.take(c_rows.size)
-            t.table[c_rows, c_cols] = dst
-            if self.cache is not None:
-                self.cache.tok[dst] = self.cache.tok[c_src]
-            np.subtract.at(self.gpu.ref, c_src, 1)  # a source may be copied by several writers
-            cow_pairs = np.stack((c_src, dst.astype(np.int64)), axis=1)
-            self.cow_copies += c_rows.size
-            self.copies.append((2, c_src, dst))  # COW (the plan's copy-on-write part)
-            if delta:
-                changed.append((c_rows, c_cols, dst))
-        else:
+        if cow is None:
             cow_pairs = _NO_COW
-        n_grow = plan.needed - (0 if cow is None else cow[0].size)
+        else:
+            cow_pairs = self.copy_on_write(cow, changed)
+            n_grow -= cow_pairs.shape[0]
+        bs = self.bs
         if one is not None:  # one token each: one written block per row
             j, off, written, grow = one
             if n_grow:
-                ids = self.blocks.take(n_grow)
                 g_rows, g_cols = rows[grow], j[grow]
-                t.ensure_cols(int(g_cols.max()) + 1)
-                t.table[g_rows, g_cols] = ids
+                ids = self.grow(g_rows, g_cols, n_grow, changed)
                 t.nblk[g_rows] = g_cols + 1
-                if delta:
-                    changed.append((g_rows, g_cols, ids))
-            if cow is None:
-                if n_grow:
+                if cow is None:
                     written[grow] = ids
-                slots = written * np.int64(bs) + off  # int64
-            else:
-                slots = t.table[rows, j] * np.int64(bs) + off
+            slots = (written if cow is None else t.table[rows, j]) * np.int64(bs) + off  # int64
             end = ntok + 1
         else:
             if n_grow:
                 nb = t.nblk[rows]
                 grow = need - nb
-                t.ensure_cols(int(need.max()))
-                ids = self.blocks.take(n_grow)
                 if (grow <= 1).all():  # at most one new block per row (n_grow == grow.size is not enough: [2, 0])
                     g = grow > 0
                     g_rows, g_cols = rows[g], nb[g]
                 else:
                     g_rows = np.repeat(rows, grow)
                     g_cols = np.repeat(nb - (np.cumsum(grow) - grow), grow) + np.arange(n_grow)
-                t.table[g_rows, g_cols] = ids
+                self.grow(g_rows, g_cols, n_grow, changed)
                 t.nblk[rows] = need
-                if delta:
-                    changed.append((g_rows, g_cols, ids))
             if counts is None or counts.size == flat.size:  # one token each (with lookahead)
                 end = ntok + 1
                 tok_rows, pos = rows, ntok
@@ -339,7 +333,7 @@ class Stepper:
             # blocks this call filled: cache them now (burst sharing; nreg == ntok // bs before the call)
             if one is not None:
                 reg = off == bs - 1
-                if np.count_nonzero(reg):
+                if _count_nonzero(reg):
                     self.reg.register_rows(rows[reg], nreg[reg], j[reg] + 1)
             else:
                 full = end // bs
@@ -351,5 +345,31 @@ class Stepper:
                              table_updates(released, changed))
         if not tables:
             return StepResult(slots, None, None, cow_pairs)
-        width = self.fixed_w or int((t.nblk[rows] if need is None else need).max())
+        width = self.fixed_w or int(_max(t.nblk[rows] if need is None else need))
         return StepResult(slots, t.table[rows, :width], end.astype(np.int32), cow_pairs)
+
+    def copy_on_write(self, cow: tuple, changed: list | None) -> np.ndarray:
+        """Give each (row, col) of ``cow`` a copy of its source block (taken in write order); returns the (src, dst)
+        pairs and adds them to the pending copy plan."""
+        t = self.t
+        c_rows, c_cols, c_src = cow
+        dst = self.blocks.take(c_rows.size)
+        t.table[c_rows, c_cols] = dst
+        if self.cache is not None:
+            self.cache.tok[dst] = self.cache.tok[c_src]
+        np.subtract.at(self.gpu.ref, c_src, 1)  # a source may be copied by several writers
+        self.cow_copies += c_rows.size
+        self.copies.append((2, c_src, dst))  # COW (the plan's copy-on-write part)
+        if changed is not None:
+            changed.append((c_rows, c_cols, dst))
+        return np.stack((c_src, dst.astype(np.int64)), axis=1)
+
+    def grow(self, g_rows: np.ndarray, g_cols: np.ndarray, n: int, changed: list | None) -> np.ndarray:
+        """Take ``n`` new blocks into the table entries (g_rows, g_cols); returns them (the caller sets ``nblk``)."""
+        t = self.t
+        t.ensure_cols(int(g_cols.max()) + 1)
+        ids = self.blocks.take(n)
+        t.table[g_rows, g_cols] = ids
+        if changed is not None:
+            changed.append((g_rows, g_cols, ids))
+        return ids
