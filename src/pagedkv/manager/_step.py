@@ -161,8 +161,7 @@ class Stepper:
             cow = self.shared_one(rows, j, written, grow, ref_w, release) if _max(ref_w) > 1 else None
             one = (j, off, written, grow)
         else:
-            need, cow = self.shared_many(rows, ntok, counts, la, release)
-            needed = int(need.sum() - t.nblk[rows].sum())
+            needed, need, cow = self.shared_many(rows, ntok, counts, la, release)
             one = None
         if cow is not None:
             needed += cow[0].size
@@ -187,14 +186,15 @@ class Stepper:
 
     def shared_many(self, rows: np.ndarray, ntok: np.ndarray, counts: np.ndarray | None, la: int,
                     release: tuple | None) -> tuple:
-        """(need, cow) of a step of several tokens or lookahead slots: each row's table length afterwards, and the
-        copy-on-write (rows, cols, src), or None: existing blocks that receive one of the new tokens, or hold one
+        """(new blocks, need, cow) of a step of several tokens or lookahead slots: the blocks the tables grow by,
+        each row's table length afterwards, and the copy-on-write (rows, cols, src), or None: existing blocks that receive one of the new tokens, or hold one
         of the reserved lookahead slots (the engine writes draft KV there), and are still shared once the window
         has released what it releases (a fork shares the parent's lookahead-only blocks too)."""
         t, bs, ref = self.t, self.bs, self.gpu.ref
         nb = t.nblk[rows]
         end = ntok + (1 if counts is None else counts)
         need = np.maximum((end + la + bs - 1) // bs, nb)
+        n_new = int(need.sum() - nb.sum())
         first = ntok // bs
         last = np.minimum((end + la - 1) // bs, nb - 1)
         span = int((last - first).max()) if last.size else -1
@@ -205,7 +205,7 @@ class Stepper:
             ok = np.flatnonzero(col <= last)
             src = t.table[rows[ok], col[ok]]
             shared = ref[src] > 1
-            if not shared.any():
+            if not _count_nonzero(shared):
                 continue
             if rel is False:
                 rel = self.released(release)
@@ -213,12 +213,12 @@ class Stepper:
                 shared &= self.holders(src, rel) > 1
             bi.append(ok[shared]); cs.append(col[ok][shared]); ss.append(src[shared].astype(np.int64))
         if not bi:
-            return need, None
+            return n_new, need, None
         bi, cs, ss = np.concatenate(bi), np.concatenate(cs), np.concatenate(ss)
         if not bi.size:
-            return need, None
+            return n_new, need, None
         order = np.lexsort((cs, bi))  # batch order, then column: the order the writes happen in
-        return need, self.last_writer_keeps((rows[bi[order]], cs[order], ss[order]), rel)
+        return n_new, need, self.last_writer_keeps((rows[bi[order]], cs[order], ss[order]), rel)
 
     def holders(self, blocks: np.ndarray, rel: tuple | None) -> np.ndarray:
         """Refcounts of ``blocks`` less the references the window releases in this step (``rel``)."""
