@@ -7,7 +7,8 @@ ONE process, alternating A, B, A, B ..., reporting the median of the per-round r
     PYTHONPATH=src python scripts/bench_step_paths.py --paths
 
 ``--paths`` variants (each disabled on its own, on managers of the package on PYTHONPATH): ``-step_one`` (the
-plain-Python step of a batch of one), ``-step_small`` (that of 2..SMALL_BATCH sequences), ``-Small`` (both: the
+plain-Python step of a batch of one), ``one->small`` (a batch of one through the step of 2..SMALL_BATCH
+sequences instead), ``-step_small`` (that of 2..SMALL_BATCH sequences), ``-Small`` (both: the
 switch, ``_small_batch = 0``), ``-step1`` (main's one-token numpy fast path ``Stepper.step1`` and the hybrid
 ``fast_ok``, gone on this branch: run ``--paths`` with PYTHONPATH at a main checkout's src to measure it) and
 ``-all fast``. The first measurement (main, 2026-12-07): ``-Small`` 6.8-7x at a batch of one and 1.9-2.1x at eight,
@@ -161,6 +162,9 @@ def _variants(mod) -> dict:
             m._small_batch = 0
         else:
             m._step.small_batch = 0
+    def small_one_as_many(m):  # a batch of one through step_small (decode_step only: step_small has no append_slots form)
+        sm = m._small
+        sm.step_one = lambda s, toks, mode: sm.step_small([s], toks, 1, mode)
     def off_small_many(m):
         m._small.step_small = lambda *a, **k: None
     def off_step1(m):
@@ -171,7 +175,7 @@ def _variants(mod) -> dict:
     def off_all(m):
         off_small_batch(m)
         off_step1(m)
-    return {"-step_one": off_small_one, "-step_small": off_small_many, "-Small": off_small_batch,
+    return {"-step_one": off_small_one, "one->small": small_one_as_many, "-step_small": off_small_many, "-Small": off_small_batch,
             "-step1": off_step1, "-all fast": off_all}
 
 
@@ -210,7 +214,7 @@ def main(argv=None) -> int:
         for name, fn in todo:
             cells, base_t = [], []
             for n in names:
-                if isinstance(fn, Hybrid) and n in ("-step_one", "-step_small"):
+                if isinstance(fn, Hybrid) and n in ("-step_one", "one->small", "-step_small"):
                     cells.append(float("nan"))
                     continue
                 ta, tb, r = ab(name, fn, (pagedkv, None), (pagedkv, variants[n]), args.rounds)
