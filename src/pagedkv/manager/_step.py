@@ -261,18 +261,17 @@ class Stepper:
                 f"{self.fixed_w}"
             )
 
-    def append(self, rows: np.ndarray, counts: np.ndarray | None, flat: np.ndarray, la: int, tables: int,
-               plan: StepPlan | None = None) -> StepResult | StepDelta:
-        """The append (all or nothing): :meth:`plan`, checked against the free blocks and the table width, then
-        :meth:`commit`. ``counts`` None: one token each. ``tables``: TABLES_FULL (StepResult with the padded
-        tables), TABLES_DELTA (StepDelta) or TABLES_NONE (StepResult with only the slots and copy-on-write pairs).
-        ``plan``: this append's plan, already made and checked by a coordinator (KV cache groups)."""
+    def append(self, rows: np.ndarray, counts: np.ndarray | None, flat: np.ndarray, la: int,
+               tables: int) -> StepResult | StepDelta:
+        """The append of one manager (all or nothing): :meth:`plan`, :meth:`check`, :meth:`commit`. ``counts``
+        None: one token each. ``tables``: TABLES_FULL (StepResult with the padded tables), TABLES_DELTA (StepDelta)
+        or TABLES_NONE (StepResult with only the slots and copy-on-write pairs). (KV cache groups check the sum of
+        every group's plan, then commit each: :class:`pagedkv.hybrid._step.HybridStepper`.)"""
         if flat.size != (rows.size if counts is None else counts.sum()):
             raise InvalidTokensError(f"got {flat.size} tokens for counts summing to "
                                      f"{rows.size if counts is None else counts.sum()}")
-        if plan is None:
-            plan = self.plan(rows, counts, la)
-            self.check(rows, plan)
+        plan = self.plan(rows, counts, la)
+        self.check(rows, plan)
         return self.commit(rows, counts, flat, plan, tables)
 
     def commit(self, rows: np.ndarray, counts: np.ndarray | None, flat: np.ndarray, plan: StepPlan,
