@@ -11,6 +11,9 @@ groups: full attention and sliding windows) instead; ``--hybrid both`` alternate
 
     PYTHONPATH=src python scripts/soak_kv.py --seconds 600 --hybrid yes
 
+``--small-path off`` builds every manager with the append's fast path off (``pagedkv.manager._small.SMALL_BATCH
+= 0``: the vectorised plan and commit take every step).
+
 ``--external`` runs the external-KV model instead (tests/kv_external_model.py: loads into reserved blocks that
 complete late, reordered, failing or after an abort; holds read by a second party; stores reading their blocks
 late; docs/external-kv.md; ``--hybrid`` as above):
@@ -43,9 +46,16 @@ def main(argv=None) -> int:
                     help="HybridBlockManager configurations (KV cache groups); both: every other manager")
     ap.add_argument("--external", action="store_true",
                     help="the external-KV model (loads, holds, stores) on BlockManagers")
+    ap.add_argument("--small-path", choices=("on", "off"), default="on",
+                    help="the append's fast path (the plain-Python step of small batches, manager/_small.py); off: "
+                         "every manager built with SMALL_BATCH = 0 (the vectorised plan and commit only)")
     args = ap.parse_args(argv)
     if not args.steps and not args.seconds:
         ap.error("give --steps or --seconds")
+    if args.small_path == "off":
+        from pagedkv.manager import _small
+
+        _small.SMALL_BATCH = 0
     t0 = time.perf_counter()
     steps = violations = managers = 0
     counts: dict = {}

@@ -996,23 +996,41 @@ def _machine(prefix: bool, window: bool, max_events: int = 100_000, small: bool 
     return cls
 
 
-TestNoCacheFull = _machine(False, False).TestCase
-TestNoCacheWindow = _machine(False, True).TestCase
-TestCacheFull = _machine(True, False).TestCase
-TestCacheWindow = _machine(True, True).TestCase
-TestCacheEventOverflow = _machine(True, False, max_events=3).TestCase  # overflows often: resyncs keep the index exact
-# the same operation sequences through the vectorised step only (the machines above take the plain-Python step
-# for small batches without a window)
-TestNoCacheFullVectorised = _machine(False, False, small=False).TestCase
-TestCacheFullVectorised = _machine(True, False, small=False).TestCase
-# the CPU tier of the prefix cache, with swap, forks, windows and event overflows
-TestCpuTierFull = _machine(True, False, tier=True).TestCase
-TestCpuTierWindow = _machine(True, True, tier=True).TestCase
-TestCpuTierOverflow = _machine(True, False, max_events=3, tier=True).TestCase
-# every eviction policy, request priorities, session hints and pinned prefixes (pagedkv.retention.eviction, pagedkv.retention.steering)
-TestRetentionFull = _machine(True, False, retain=True).TestCase
-TestRetentionWindow = _machine(True, True, retain=True).TestCase
-TestRetentionCpuTier = _machine(True, False, tier=True, retain=True).TestCase
+_MACHINES = {  # name: _machine's arguments
+    "NoCacheFull": dict(prefix=False, window=False),
+    "NoCacheWindow": dict(prefix=False, window=True),
+    "CacheFull": dict(prefix=True, window=False),
+    "CacheWindow": dict(prefix=True, window=True),
+    "CacheEventOverflow": dict(prefix=True, window=False, max_events=3),  # overflows often: resyncs keep the index exact
+    # the CPU tier of the prefix cache, with swap, forks, windows and event overflows
+    "CpuTierFull": dict(prefix=True, window=False, tier=True),
+    "CpuTierWindow": dict(prefix=True, window=True, tier=True),
+    "CpuTierOverflow": dict(prefix=True, window=False, max_events=3, tier=True),
+    # every eviction policy, request priorities, session hints and pinned prefixes (pagedkv.retention.eviction,
+    # pagedkv.retention.steering)
+    "RetentionFull": dict(prefix=True, window=False, retain=True),
+    "RetentionWindow": dict(prefix=True, window=True, retain=True),
+    "RetentionCpuTier": dict(prefix=True, window=False, tier=True, retain=True),
+}
+# Every machine runs with the append's one fast path (the plain-Python small-batch step, manager/_small.py) on, and
+# each one without a window again with it off (Test...Vectorised: _small_batch = 0, the vectorised plan and commit
+# only); with a window the small step is never taken, so the switch changes nothing there.
+for _name, _kw in _MACHINES.items():
+    globals()[f"Test{_name}"] = _machine(**_kw).TestCase
+    if not _kw["window"]:
+        globals()[f"Test{_name}Vectorised"] = _machine(**_kw, small=False).TestCase
+
+
+def test_the_fast_path_switch_reaches_the_machines():
+    """A machine built with ``small=False`` takes no plain-Python step: its manager's small-batch bound is 0; the
+    others keep SMALL_BATCH."""
+    from pagedkv.manager._small import SMALL_BATCH
+
+    for small, want in ((True, SMALL_BATCH), (False, 0)):
+        m = _machine(True, False, small=small)()
+        m.setup(bs=2, gpu=8, cpu=0, window=1, watermark=0.0)
+        assert m.bm._small_batch == want
+        m.teardown()
 
 
 # ---------------------------------------------------------------------- regressions found by the machine above

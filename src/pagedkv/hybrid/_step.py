@@ -7,9 +7,8 @@ coordinator's step decides, before any group changes, that every group's step su
 
     decode_step ─┬─ up to small_batch sequences, one token each: step_small (plain Python; declines, changing
                  │  nothing, unless every group's new blocks and copy-on-write copies are free together)
-                 ├─ one token each, no lookahead: fast_ok ── every group's Stepper.step1 (numpy, one pass a group)
                  └─ otherwise: plans (every group's Stepper.plan; the SUM against the free blocks) ──
-                    commit_order ── every group's Stepper.append, in that order
+                    commit_order ── every group's Stepper.commit, in that order
 
 The groups hold the same sequences in the same rows (every call reaches every group in the same order), so one
 row lookup (group 0's tables) serves every group. Results are stacked per group (:mod:`pagedkv.hybrid._types`).
@@ -23,7 +22,8 @@ from __future__ import annotations
 import numpy as np
 
 from ._types import HybridStepDelta, HybridStepResult, frozen
-from ..manager._small import SMALL_BATCH, small_tokens
+from ..manager import _small as small_path
+from ..manager._small import small_tokens
 from ..manager._step import _NO_UPDATES, TABLES_DELTA, table_updates
 from ..errors import InvalidTokensError, OutOfBlocksError, TableWidthError
 
@@ -44,46 +44,25 @@ class HybridStepper:
                  fixed_w: int) -> None:
         self.tables, self.t0, self.steps, self.smalls, self.wins = tables, tables[0], steps, smalls, wins
         self.blocks, self.gpu, self.bs, self.fixed_w = blocks, gpu, bs, fixed_w
-        self.small_batch = SMALL_BATCH
+        self.small_batch = small_path.SMALL_BATCH  # (0: never; see pagedkv.manager._small)
         self.G = len(tables)
 
-    def fast_ok(self, rows: np.ndarray) -> bool:
-        """Whether every group's one-token fast path (Stepper.step1) succeeds for these rows: no shared written
-        block in any group, every group's new blocks free together, no table past the fixed width. O(B x G)."""
-        t0, bs = self.t0, self.bs
-        ntok = t0.ntok[rows]
-        j = ntok // bs
-        grow = j >= t0.nblk[rows]
-        n_grow = int(np.count_nonzero(grow))
-        if n_grow * self.G > self.blocks.num_free:
-            return False
-        if n_grow and self.fixed_w and int(j[grow].max()) >= self.fixed_w:
-            return False
-        ref = self.gpu.ref
-        col = j - grow
-        for t in self.tables:
-            ref_w = ref[t.table[rows, col]]
-            if ref_w.max() > 1 and (ref_w[~grow] > 1).any():
-                return False
-        return True
-
-    def plans(self, rows: np.ndarray, counts: np.ndarray, la: int) -> list:
-        """Every group's append plan; raises OutOfBlocksError / TableWidthError (changing nothing) when the sum
-        of the groups' new blocks exceeds the free ones (plus what the windows release). O(B x G)."""
-        plans = [s.plan(rows, counts, la) for s in self.steps]
+    def plans(self, rows: np.ndarray, counts: np.ndarray | None, la: int) -> list:
+        """Every group's :class:`~pagedkv.manager._step.StepPlan` (``counts`` None: one token each); raises
+        OutOfBlocksError / TableWidthError (changing nothing) when the sum of the groups' new blocks exceeds the
+        free ones (plus what the windows release). O(B x G)."""
+        steps = self.steps
+        plans = [s.plan(rows, counts, la) for s in steps]
         free = self.blocks.num_free
-        needed = sum(p[0] for p in plans)
-        available = free + sum(p[1] - free for p in plans)
-        if needed > available:
-            raise OutOfBlocksError(f"the step needs {needed} new blocks in {len(plans)} KV cache groups; "
-                                   f"{available} are free")
-        fw = self.fixed_w
-        if fw:
-            need = plans[0][2]
-            if int(need.max()) > fw:
-                i = int(np.argmax(need))
-                raise TableWidthError(f"sequence {self.t0.seq_of[int(rows[i])]!r} would need {int(need[i])} "
-                                      f"blocks; block_table_width is {fw}")
+        needed = sum([p.needed for p in plans])
+        if needed > free:  # (each plan counts the blocks its window frees only when it alone is short)
+            plans = [s.plan(rows, counts, la, exact=True) for s in steps]
+            available = free + sum([p.available - free for p in plans])
+            if needed > available:
+                raise OutOfBlocksError(f"the step needs {needed} new blocks in {len(plans)} KV cache groups; "
+                                       f"{available} are free")
+        if self.fixed_w:
+            steps[0].check_width(rows, plans[0].need)
         return plans
 
     def fits(self, rows: np.ndarray, counts: np.ndarray, la: int) -> bool:
@@ -99,7 +78,7 @@ class HybridStepper:
         its turn, else the groups whose windows release more than they take first (the total fits, so each then
         does). O(G)."""
         free = self.blocks.num_free
-        net = [p[0] - (p[1] - free) for p in plans]  # blocks taken less blocks the window releases
+        net = [p.needed - (p.available - free) for p in plans]  # blocks taken less blocks the window releases
         acc = 0
         for x in net:
             acc += x
@@ -173,8 +152,8 @@ class HybridStepper:
 
     def step(self, rows: np.ndarray, arr: np.ndarray, counts: np.ndarray | None, la: int,
              delta: bool) -> HybridStepResult | HybridStepDelta:
-        """The vectorised step of validated rows and tokens (``counts`` None: one token each): the fast path
-        when :meth:`fast_ok`, else every group's plan, checked together, committed in :meth:`commit_order`.
+        """The vectorised step of validated rows and tokens (``counts`` None: one token each): every group's
+        plan, checked together, committed in :meth:`commit_order`.
         All or nothing. O(B x G) numpy work plus O(1) per block filled, released or evicted."""
         G = self.G
         b = rows.size
@@ -184,22 +163,16 @@ class HybridStepper:
                                        frozen(np.zeros(0, np.int64)), tuple(_NO_UPDATES for _ in range(G)))
             return HybridStepResult(np.zeros((G, 0), np.int64), tuple(np.zeros((0, 0), np.int32) for _ in range(G)),
                                     np.zeros(0, np.int32), np.zeros((0, 2), np.int64))
-        if counts is None and la == 0 and self.fast_ok(rows):
-            res = [s.step1(rows, arr, delta) for s in self.steps]
-            order = None
-        else:
-            if counts is None:
-                counts = np.ones(b, dtype=np.int64)
-            if arr.size != counts.sum():
-                raise InvalidTokensError(f"got {arr.size} tokens for counts summing to {counts.sum()}")
-            plans = self.plans(rows, counts, la)
-            res = [None] * len(plans)
-            order = self.commit_order(plans)
-            mode = TABLES_DELTA if delta else True
-            steps = self.steps
-            for g in order:
-                res[g] = steps[g].append(rows, counts, arr, la, mode, plans[g])
-        cows = [res[g].cow for g in (order or range(G)) if res[g].cow.size]  # (in the order they were made)
+        if arr.size != (b if counts is None else counts.sum()):
+            raise InvalidTokensError(f"got {arr.size} tokens for counts summing to {b if counts is None else counts.sum()}")
+        plans = self.plans(rows, counts, la)
+        res = [None] * G
+        order = self.commit_order(plans)
+        mode = TABLES_DELTA if delta else True
+        steps = self.steps
+        for g in order:
+            res[g] = steps[g].commit(rows, counts, arr, plans[g], mode)
+        cows = [res[g].cow for g in order if res[g].cow.size]  # (in the order they were made)
         cow = np.concatenate(cows) if len(cows) > 1 else cows[0] if cows else res[0].cow
         slots = np.stack([r.slot_mapping for r in res])
         if delta:

@@ -1,4 +1,4 @@
-"""The per-step append and the single-sequence calls in plain Python, for small batches.
+"""The append's one fast path: the per-step append and the single-sequence calls in plain Python, for small batches.
 
 numpy costs about a microsecond per call whatever the size of the arrays, so the vectorised step
 (:mod:`pagedkv.manager._step`) has a floor of about ten microseconds that a batch of one sequence pays in full. Below
@@ -28,7 +28,12 @@ from ..types import StepDelta, StepResult
 
 SMALL_BATCH = 24
 """Batches of at most this many sequences take the plain-Python step (the measured crossover with the vectorised
-step: about 24 sequences with prefix caching off, 30 with it on; docs/benchmarks/speed-round3.md)."""
+step: about 24 sequences with prefix caching off, 30 with it on; docs/benchmarks/speed-round3.md).
+
+The switch of the append's one fast path: managers built while it is 0 always take the vectorised plan and commit
+(:mod:`pagedkv.manager._step`); ``BlockManager._small_batch`` / ``HybridStepper.small_batch`` hold one manager's
+copy. The stateful tests and the KV-content soak (``scripts/soak_kv.py --small-path off``) run both ways; what it
+buys is measured by ``scripts/bench_step_paths.py --paths`` (about 7x at a batch of one, 2x at eight)."""
 SMALL_TABLE = 16
 """Tables of at most this many blocks are forked and released element by element."""
 

@@ -1,15 +1,17 @@
-"""The append (decode_step / append_slots): :class:`Stepper`, planning, the one-token fast path and the general
-path.
+"""The append (decode_step / append_slots / can_append_slots, and every group of a hybrid step): :class:`Stepper`,
+one algorithm in two parts::
 
-::
+    plan    (changes nothing)  -> StepPlan: blocks needed and available, copy-on-write (rows, cols, sources),
+                                  the window's releases, each row's table length afterwards
+    commit  (cannot fail)      -> releases, copy-on-write destinations, new blocks, slots, registration
 
-    decode_step ─┬─ one token each, no lookahead ─> step1  (a dozen numpy operations; None if it needs CoW
-                 │                                           or the pool looks short)
-                 └─ anything else, or step1 declined ─> plan (blocks needed, CoW pairs, window releases)
-                                                        └─> append (all or nothing)
+A caller checks the plan in between (one manager: :meth:`Stepper.check`; KV cache groups: the sum over the groups,
+:class:`pagedkv.hybrid._step.HybridStepper`). One token per sequence without lookahead (the decode step) takes the
+same two parts with one written block per row, read once (no per-token arrays). The only other path is the
+plain-Python step of small batches (:mod:`pagedkv.manager._small`), behind its switch (``SMALL_BATCH``).
 
-Both paths register in the prefix cache the blocks that the step fills (burst sharing: findable as soon as
-the call returns, through the :class:`~pagedkv.manager._registry.Registry`) and release what the sliding window lets
+The step registers in the prefix cache the blocks that it fills (burst sharing: findable as soon as
+the call returns, through the :class:`~pagedkv.manager._registry.Registry`) and releases what the sliding window lets
 go before writing (through the :class:`~pagedkv.manager._window.Window`). The step's state is the tables'
 (:class:`~pagedkv.manager._rows.SeqTables`); the Stepper itself holds only its copy-on-write counter.
 
@@ -24,10 +26,18 @@ What the step hands back about the block tables (``tables``): the batch's tables
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from ..errors import InvalidTokensError, OutOfBlocksError, TableWidthError
 from ..types import NULL_BLOCK, StepDelta, StepResult, TableUpdates
+
+try:  # count_nonzero without its Python-level dispatcher (a quarter of a microsecond per call on the hot path)
+    from numpy._core.multiarray import count_nonzero as _count_nonzero
+except ImportError:  # pragma: no cover - numpy < 2
+    _count_nonzero = np.count_nonzero
+_max = np.maximum.reduce  # (ndarray.max without its Python-level wrapper)
 
 _NO_COW = np.zeros((0, 2), dtype=np.int64)
 _NO_COW.flags.writeable = False
@@ -68,11 +78,40 @@ def _frozen_rows(rows: np.ndarray) -> np.ndarray:
     return rows
 
 
+class StepPlan(NamedTuple):
+    """What an append needs, decided before anything changes (:meth:`Stepper.plan`)."""
+
+    needed: int
+    """Blocks the step takes: new blocks plus copy-on-write destinations."""
+    available: int
+    """Free blocks, plus those the window frees before writing. A lower bound, exact when it is less than
+    ``needed`` or when the plan was made with ``exact=True``."""
+    need: np.ndarray | None
+    """Each row's table length afterwards (int64); None when no table grows (one token each)."""
+    cow: tuple | None
+    """(rows, cols, src) of the shared blocks the step writes, in write order (batch order, then column), or None."""
+    release: tuple | None
+    """(rows, first, stop) of the table ranges the window releases first, or None."""
+    ntok: np.ndarray
+    """Each row's token count before the step."""
+    one: tuple | None
+    """One token each and no lookahead: (j, off, written, grow): each row's written column and offset, the block
+    it writes (before copy-on-write; a growing row's entry is replaced by its new block) and whether it takes a
+    new block. None otherwise."""
+
+
+_new_plan = tuple.__new__  # (StepPlan's fields, without the keyword-argument handling of StepPlan(...))
+
+
 class Stepper:
     """The vectorised append of one manager over its parts: ``t`` (:class:`~pagedkv.manager._rows.SeqTables`), ``blocks``
     (:class:`~pagedkv.blocks._blocks.Blocks`), ``win`` (:class:`~pagedkv.manager._window.Window`), ``reg``
     (:class:`~pagedkv.manager._registry.Registry`), the prefix cache and the pending copy list. Counts its copy-on-write
-    copies (``cow_copies``)."""
+    copies (``cow_copies``).
+
+    One algorithm for every batch shape: :meth:`plan` (blocks needed, copy-on-write, releases; changes nothing)
+    then :meth:`commit` (all of it; nothing there can fail). One token each without lookahead takes the same steps
+    with per-row scalars (one written block per row) instead of per-token arrays."""
 
     def __init__(self, t, blocks, win, reg, cache, copies: list, bs: int, fixed_w: int) -> None:
         self.t, self.blocks, self.win, self.reg, self.cache = t, blocks, win, reg, cache
@@ -80,62 +119,106 @@ class Stepper:
         self.copies, self.bs, self.fixed_w = copies, bs, fixed_w
         self.cow_copies = 0
 
-    def plan(self, rows: np.ndarray, counts: np.ndarray, la: int) -> tuple:
-        """Blocks an append needs and can get, without changing anything.
+    def released(self, release: tuple | None) -> tuple | None:
+        """(blocks, counts): the references the window drops in this step (``release``), before anything is
+        written; None when it releases nothing."""
+        if release is None:
+            return None
+        blk = np.concatenate([self.t.table[r, a:z] for r, a, z in zip(*release)])
+        return np.unique(blk[blk >= 0], return_counts=True)
 
-        Returns (blocks_needed, blocks_available, need, cow, release), where ``need`` is each row's table length
-        afterwards, ``cow`` is (rows, cols, src) of shared blocks that will be written, and ``release`` is
-        (rows, first, stop) of table ranges the sliding window releases (or None)."""
+    def freed(self, rel: tuple | None) -> int:
+        """Blocks the window's releases ``rel`` return to the pool: those whose every holder releases them in this
+        step (forks advancing in lockstep), unless a pin holds them (pagedkv.retention.steering: parked, neither
+        free nor evictable)."""
+        if rel is None:
+            return 0
+        freed = rel[0][self.gpu.ref[rel[0]] == rel[1]]
+        ev = self.cache.evictor if self.cache is not None else None
+        if freed.size and getattr(ev, "num_pinned", 0):
+            return freed.size - int(np.count_nonzero(ev.held(freed)))
+        return freed.size
+
+    def plan(self, rows: np.ndarray, counts: np.ndarray | None, la: int, exact: bool = False) -> StepPlan:
+        """The :class:`StepPlan` of appending ``counts[i]`` tokens (None: one each) and ``la`` lookahead slots to
+        row ``rows[i]``, without changing anything. ``exact``: count the blocks the window frees even when the
+        free ones suffice. O(B) numpy work (O(B x written blocks) with several tokens or lookahead)."""
         t = self.t
-        bs = self.bs
         ntok = t.ntok[rows]
-        end = ntok + counts
+        release = self.win.plan(rows, ntok)
+        if counts is None and la == 0:  # one written block per row: the column of the token
+            j, off = np.divmod(ntok, self.bs)
+            try:  # (columns [nrel, nblk) hold blocks, the rest NULL_BLOCK, and nrel <= j <= nblk)
+                written = t.table[rows, j]
+            except IndexError:  # j == nblk == the table's width for some row (its column is NULL_BLOCK)
+                inside = j < t.table.shape[1]
+                written = np.full(rows.size, NULL_BLOCK, dtype=t.table.dtype)
+                written[inside] = t.table[rows[inside], j[inside]]
+            grow = written < 0  # j == nblk: a new block is needed
+            needed = int(_count_nonzero(grow))
+            need = t.nblk[rows] + grow if needed else None
+            ref_w = self.gpu.ref[written]  # (a growing row's NULL_BLOCK reads the last block's count: masked below)
+            cow = self.shared_one(rows, j, written, grow, ref_w, release) if _max(ref_w) > 1 else None
+            one = (j, off, written, grow)
+        else:
+            needed, need, cow = self.shared_many(rows, ntok, counts, la, release)
+            one = None
+        if cow is not None:
+            needed += cow[0].size
+        available = self.blocks.num_free
+        if release is not None and (exact or needed > available):
+            available += self.freed(self.released(release))
+        return _new_plan(StepPlan, (needed, available, need, cow, release, ntok, one))
+
+    def shared_one(self, rows: np.ndarray, j: np.ndarray, written: np.ndarray, grow: np.ndarray, ref_w: np.ndarray,
+                   release: tuple | None) -> tuple | None:
+        """Copy-on-write of a one-token step: (rows, cols, src) of the rows whose written block is still shared once
+        the window has released what it releases, less the last writer of a block every holder writes; or None."""
+        shared = (ref_w > 1) & ~grow
+        if not shared.any():
+            return None
+        rel = self.released(release)
+        if rel is not None:
+            shared &= self.holders(written, rel) > 1
+            if not shared.any():
+                return None
+        return self.last_writer_keeps((rows[shared], j[shared], written[shared].astype(np.int64)), rel)
+
+    def shared_many(self, rows: np.ndarray, ntok: np.ndarray, counts: np.ndarray | None, la: int,
+                    release: tuple | None) -> tuple:
+        """(new blocks, need, cow) of a step of several tokens or lookahead slots: the blocks the tables grow by,
+        each row's table length afterwards, and the copy-on-write (rows, cols, src), or None: existing blocks that receive one of the new tokens, or hold one
+        of the reserved lookahead slots (the engine writes draft KV there), and are still shared once the window
+        has released what it releases (a fork shares the parent's lookahead-only blocks too)."""
+        t, bs, ref = self.t, self.bs, self.gpu.ref
         nb = t.nblk[rows]
+        end = ntok + (1 if counts is None else counts)
         need = np.maximum((end + la + bs - 1) // bs, nb)
         n_new = int(need.sum() - nb.sum())
-        ref = self.gpu.ref
-        available = self.blocks.num_free
-        release = self.win.plan(rows, ntok)
-        rel = None  # (blocks, counts): references the window drops in this step, before anything is written
-        if release is not None:
-            blk = np.concatenate([t.table[r, a:z] for r, a, z in zip(*release)])
-            rel = np.unique(blk[blk >= 0], return_counts=True)
-            # a block is freed when every holder releases it in this step (forks advancing in lockstep), unless a
-            # pin holds it (pagedkv.retention.steering: it is parked, neither free nor evictable)
-            freed = rel[0][ref[rel[0]] == rel[1]]
-            available += freed.size
-            ev = self.cache.evictor if self.cache is not None else None
-            if freed.size and getattr(ev, "num_pinned", 0):
-                available -= int(np.count_nonzero(ev.held(freed)))
-        # copy-on-write: existing blocks that receive one of the new tokens, or hold one of the reserved lookahead
-        # slots (the engine writes draft KV there), and are still shared once the window has released what it
-        # releases (a fork shares the parent's lookahead-only blocks too)
         first = ntok // bs
         last = np.minimum((end + la - 1) // bs, nb - 1)
         span = int((last - first).max()) if last.size else -1
-        cow = None
-        if span == 0 and last.size:  # one written block per row (the common case)
-            hit = first <= last
-            src = t.table[rows, np.minimum(first, nb - 1)]
-            shared = hit & (self.holders(src, rel) > 1)
-            if shared.any():
-                cow = (rows[shared], first[shared], src[shared].astype(np.int64))
-        elif span > 0:
-            bi, cs, ss = [], [], []
-            for d in range(span + 1):
-                col = first + d
-                ok = np.flatnonzero(col <= last)
-                src = t.table[rows[ok], col[ok]]
-                shared = self.holders(src, rel) > 1
-                bi.append(ok[shared]); cs.append(col[ok][shared]); ss.append(src[shared].astype(np.int64))
-            bi, cs, ss = np.concatenate(bi), np.concatenate(cs), np.concatenate(ss)
-            if bi.size:
-                order = np.lexsort((cs, bi))  # batch order, then column: the order the writes happen in
-                cow = (rows[bi[order]], cs[order], ss[order])
-        if cow is not None:
-            cow = self.last_writer_keeps(cow, rel)
-        n_cow = 0 if cow is None else cow[0].size
-        return n_new + n_cow, available, need, cow, release
+        rel = False  # (False: not computed yet; only a shared written block needs it)
+        bi, cs, ss = [], [], []
+        for d in range(span + 1):
+            col = first + d
+            ok = np.flatnonzero(col <= last)
+            src = t.table[rows[ok], col[ok]]
+            shared = ref[src] > 1
+            if not _count_nonzero(shared):
+                continue
+            if rel is False:
+                rel = self.released(release)
+            if rel is not None:
+                shared &= self.holders(src, rel) > 1
+            bi.append(ok[shared]); cs.append(col[ok][shared]); ss.append(src[shared].astype(np.int64))
+        if not bi:
+            return n_new, need, None
+        bi, cs, ss = np.concatenate(bi), np.concatenate(cs), np.concatenate(ss)
+        if not bi.size:
+            return n_new, need, None
+        order = np.lexsort((cs, bi))  # batch order, then column: the order the writes happen in
+        return n_new, need, self.last_writer_keeps((rows[bi[order]], cs[order], ss[order]), rel)
 
     def holders(self, blocks: np.ndarray, rel: tuple | None) -> np.ndarray:
         """Refcounts of ``blocks`` less the references the window releases in this step (``rel``)."""
@@ -163,130 +246,129 @@ class Stepper:
             return None
         return c_rows[keep], c_cols[keep], c_src[keep]
 
-    def step1(self, rows: np.ndarray, tokens: np.ndarray, delta: bool = False) -> StepResult | StepDelta | None:
-        """Fast path of decode_step for one token per sequence and no lookahead: about a dozen numpy
-        operations. Returns None (having changed nothing) when the step needs copy-on-write or more blocks than
-        are free; the general path then handles or reports it. ``delta``: return :class:`StepDelta`."""
-        t = self.t
-        bs = self.bs
-        ntok = t.ntok[rows]
-        j, off = np.divmod(ntok, bs)  # the new token goes to table position j, offset off
-        nb = t.nblk[rows]
-        grow = j >= nb  # a new block is needed
-        written = t.table[rows, j - grow]  # j <= nb: a growing row's last block stands in (it is replaced)
-        ref_w = self.gpu.ref[written]
-        if ref_w.max() > 1 and (ref_w[~grow] > 1).any():
-            return None  # a shared block would be written: copy-on-write
-        n_grow = int(np.count_nonzero(grow))
-        release = self.win.plan(rows, ntok)
-        if n_grow > self.blocks.num_free:
-            return None  # (the general path also counts the blocks the window releases)
-        if n_grow and self.fixed_w and int(j[grow].max()) >= self.fixed_w:
-            return None  # past block_table_width: the general path reports it
-        # ---- mutation: nothing below can fail
-        released = [] if delta else None
-        if release is not None:
-            self.win.release(release, released)
-        width = int(nb.max())
-        if n_grow:
-            ids = self.blocks.take(n_grow)
-            g_rows, g_j = rows[grow], j[grow]
-            width = max(width, int(g_j.max()) + 1)
-            t.ensure_cols(width)
-            t.table[g_rows, g_j] = ids
-            t.nblk[g_rows] = g_j + 1
-            written[grow] = ids
-        end = ntok + 1
-        t.ntok[rows] = end
-        slots = written * np.int64(bs) + off  # int64
-        if self.cache is not None:
-            self.cache.tok.reshape(-1)[slots] = tokens
-            nreg = t.nreg[rows]
-            t.pend[rows] = nreg  # this call confirms the rows' earlier KV
-            reg = off == bs - 1  # the new token fills its block: cache it now (burst sharing)
-            if np.count_nonzero(reg):
-                self.reg.register_rows(rows[reg], nreg[reg], j[reg] + 1)
-        if delta:
-            upd = table_updates(released, [(g_rows, g_j, ids)] if n_grow else [])
-            return StepDelta(slots, end.astype(np.int32), _NO_COW, _frozen_rows(rows), upd)
-        return StepResult(slots, t.table[rows, : self.fixed_w or width], end.astype(np.int32), _NO_COW)
+    def check(self, rows: np.ndarray, plan: StepPlan) -> None:
+        """Raise OutOfBlocksError / TableWidthError (nothing changed) unless ``plan`` fits this manager alone."""
+        if plan.needed > plan.available:
+            raise OutOfBlocksError(f"the step needs {plan.needed} new blocks; {plan.available} are free")
+        self.check_width(rows, plan.need)
 
-    def append(self, rows: np.ndarray, counts: np.ndarray, flat: np.ndarray, la: int, tables: int,
-                plan: tuple | None = None) -> StepResult | StepDelta:
-        """The general append (all or nothing). ``tables``: TABLES_FULL (StepResult with the padded tables),
-        TABLES_DELTA (StepDelta) or TABLES_NONE (StepResult with only the slots and copy-on-write pairs).
-        ``plan``: this append's :meth:`plan`, already made and checked against the free blocks by a coordinator
-        (KV cache groups)."""
-        t = self.t
-        if flat.size != counts.sum():
-            raise InvalidTokensError(f"got {flat.size} tokens for counts summing to {counts.sum()}")
-        needed, available, need, cow, release = plan or self.plan(rows, counts, la)
-        if needed > available and plan is None:
-            raise OutOfBlocksError(f"the step needs {needed} new blocks; {available} are free")
-        if self.fixed_w and int(need.max()) > self.fixed_w:
+    def check_width(self, rows: np.ndarray, need: np.ndarray) -> None:
+        """Raise TableWidthError (nothing changed) when a row would need more than ``block_table_width`` blocks."""
+        if self.fixed_w and need is not None and int(need.max()) > self.fixed_w:
             i = int(np.argmax(need))
             raise TableWidthError(
-                f"sequence {t.seq_of[int(rows[i])]!r} would need {int(need[i])} blocks; block_table_width is "
+                f"sequence {self.t.seq_of[int(rows[i])]!r} would need {int(need[i])} blocks; block_table_width is "
                 f"{self.fixed_w}"
             )
-        # ---- mutation: nothing below can fail
-        bs = self.bs
-        ntok = t.ntok[rows]
+
+    def append(self, rows: np.ndarray, counts: np.ndarray | None, flat: np.ndarray, la: int,
+               tables: int) -> StepResult | StepDelta:
+        """The append of one manager (all or nothing): :meth:`plan`, :meth:`check`, :meth:`commit`. ``counts``
+        None: one token each. ``tables``: TABLES_FULL (StepResult with the padded tables), TABLES_DELTA (StepDelta)
+        or TABLES_NONE (StepResult with only the slots and copy-on-write pairs). (KV cache groups check the sum of
+        every group's plan, then commit each: :class:`pagedkv.hybrid._step.HybridStepper`.)"""
+        if flat.size != (rows.size if counts is None else counts.sum()):
+            raise InvalidTokensError(f"got {flat.size} tokens for counts summing to "
+                                     f"{rows.size if counts is None else counts.sum()}")
+        plan = self.plan(rows, counts, la)
+        self.check(rows, plan)
+        return self.commit(rows, counts, flat, plan, tables)
+
+    def commit(self, rows: np.ndarray, counts: np.ndarray | None, flat: np.ndarray, plan: StepPlan,
+               tables: int) -> StepResult | StepDelta:
+        """Carry out a checked :meth:`plan`: the window's releases, copy-on-write (destinations taken first, in
+        write order), new blocks, the tokens' slots, and the registration of the blocks the step fills. Nothing
+        here can fail. O(B) numpy work plus O(1) per block taken, released or registered."""
+        t = self.t
+        n_grow, _, need, cow, release, ntok, one = plan
         delta = tables == TABLES_DELTA
-        released = [] if delta else None
-        changed = []  # (rows, cols, blocks) that received a block, for StepDelta
+        released = changed = None  # (rows, cols) released and (rows, cols, blocks) set, for StepDelta
+        if delta:
+            released, changed = [], []
         if release is not None:
             self.win.release(release, released)
-        if cow is not None:
-            c_rows, c_cols, c_src = cow
-            dst = self.blocks.take(c_rows.size)
-            t.table[c_rows, c_cols] = dst
-            if self.cache is not None:
-                self.cache.tok[dst] = self.cache.tok[c_src]
-            np.subtract.at(self.gpu.ref, c_src, 1)  # a source may be copied by several writers
-            cow_pairs = np.stack((c_src, dst.astype(np.int64)), axis=1)
-            self.cow_copies += c_rows.size
-            self.copies.append((2, c_src, dst))  # COW (the plan's copy-on-write part)
-            if delta:
-                changed.append((c_rows, c_cols, dst))
+        if cow is None:
+            cow_pairs = _NO_COW
         else:
-            cow_pairs = np.zeros((0, 2), dtype=np.int64)
-        nb = t.nblk[rows]
-        grow = need - nb
-        n_grow = int(grow.sum())
-        if n_grow:
-            t.ensure_cols(int(need.max()))
-            ids = self.blocks.take(n_grow)
-            if (grow <= 1).all():  # at most one new block per row (n_grow == grow.size is not enough: [2, 0])
-                g = grow > 0
-                g_rows, g_cols = rows[g], nb[g]
+            cow_pairs = self.copy_on_write(cow, changed)
+            n_grow -= cow_pairs.shape[0]
+        bs = self.bs
+        if one is not None:  # one token each: one written block per row
+            j, off, written, grow = one
+            if n_grow:
+                g_rows, g_cols = rows[grow], j[grow]
+                ids = self.grow(g_rows, g_cols, n_grow, changed)
+                t.nblk[g_rows] = g_cols + 1
+                if cow is None:
+                    written[grow] = ids
+            slots = (written if cow is None else t.table[rows, j]) * np.int64(bs) + off  # int64
+            end = ntok + 1
+        else:
+            if n_grow:
+                nb = t.nblk[rows]
+                grow = need - nb
+                if (grow <= 1).all():  # at most one new block per row (n_grow == grow.size is not enough: [2, 0])
+                    g = grow > 0
+                    g_rows, g_cols = rows[g], nb[g]
+                else:
+                    g_rows = np.repeat(rows, grow)
+                    g_cols = np.repeat(nb - (np.cumsum(grow) - grow), grow) + np.arange(n_grow)
+                self.grow(g_rows, g_cols, n_grow, changed)
+                t.nblk[rows] = need
+            if counts is None or counts.size == flat.size:  # one token each (with lookahead)
+                end = ntok + 1
+                tok_rows, pos = rows, ntok
             else:
-                g_rows = np.repeat(rows, grow)
-                g_cols = np.repeat(nb - (np.cumsum(grow) - grow), grow) + np.arange(n_grow)
-            t.table[g_rows, g_cols] = ids
-            t.nblk[rows] = need
-            if delta:
-                changed.append((g_rows, g_cols, ids))
-        end = ntok + counts
-        if counts.size == flat.size:  # one token per sequence
-            tok_rows, pos = rows, ntok
-        else:
-            tok_rows = np.repeat(rows, counts)
-            pos = np.repeat(ntok - (np.cumsum(counts) - counts), counts) + np.arange(flat.size)
+                end = ntok + counts
+                tok_rows = np.repeat(rows, counts)
+                pos = np.repeat(ntok - (np.cumsum(counts) - counts), counts) + np.arange(flat.size)
+            blk, off = np.divmod(pos, bs)
+            slots = t.table[tok_rows, blk] * np.int64(bs) + off
         t.ntok[rows] = end
-        blk, off = np.divmod(pos, bs)
-        slots = t.table[tok_rows, blk] * np.int64(bs) + off
         if self.cache is not None:
             self.cache.tok.reshape(-1)[slots] = flat
-            full, nreg = end // bs, t.nreg[rows]
+            nreg = t.nreg[rows]
             t.pend[rows] = nreg  # this call confirms the rows' earlier KV
-            reg = full > nreg  # blocks this call filled: cache them now (burst sharing)
-            if reg.any():
-                self.reg.register_rows(rows[reg], nreg[reg], full[reg])
+            # blocks this call filled: cache them now (burst sharing; nreg == ntok // bs before the call)
+            if one is not None:
+                reg = off == bs - 1
+                if _count_nonzero(reg):
+                    self.reg.register_rows(rows[reg], nreg[reg], j[reg] + 1)
+            else:
+                full = end // bs
+                reg = full > nreg
+                if reg.any():
+                    self.reg.register_rows(rows[reg], nreg[reg], full[reg])
         if delta:
             return StepDelta(slots, end.astype(np.int32), cow_pairs, _frozen_rows(rows),
                              table_updates(released, changed))
         if not tables:
             return StepResult(slots, None, None, cow_pairs)
-        width = self.fixed_w or int(need.max())
+        width = self.fixed_w or int(_max(t.nblk[rows] if need is None else need))
         return StepResult(slots, t.table[rows, :width], end.astype(np.int32), cow_pairs)
+
+    def copy_on_write(self, cow: tuple, changed: list | None) -> np.ndarray:
+        """Give each (row, col) of ``cow`` a copy of its source block (taken in write order); returns the (src, dst)
+        pairs and adds them to the pending copy plan."""
+        t = self.t
+        c_rows, c_cols, c_src = cow
+        dst = self.blocks.take(c_rows.size)
+        t.table[c_rows, c_cols] = dst
+        if self.cache is not None:
+            self.cache.tok[dst] = self.cache.tok[c_src]
+        np.subtract.at(self.gpu.ref, c_src, 1)  # a source may be copied by several writers
+        self.cow_copies += c_rows.size
+        self.copies.append((2, c_src, dst))  # COW (the plan's copy-on-write part)
+        if changed is not None:
+            changed.append((c_rows, c_cols, dst))
+        return np.stack((c_src, dst.astype(np.int64)), axis=1)
+
+    def grow(self, g_rows: np.ndarray, g_cols: np.ndarray, n: int, changed: list | None) -> np.ndarray:
+        """Take ``n`` new blocks into the table entries (g_rows, g_cols); returns them (the caller sets ``nblk``)."""
+        t = self.t
+        t.ensure_cols(int(g_cols.max()) + 1)
+        ids = self.blocks.take(n)
+        t.table[g_rows, g_cols] = ids
+        if changed is not None:
+            changed.append((g_rows, g_cols, ids))
+        return ids

@@ -18,7 +18,7 @@ does the work. The parts are objects with their own state, built by :meth:`Block
 objects it works on (no part reaches another's private state; dependencies point down only)::
 
     _alloc.py       Allocator   allocate / allocate_batch / lookup_prefix: plan, then commit
-    _step.py        Stepper     the vectorised append: planning, the one-token fast path, the general path
+    _step.py        Stepper     the vectorised append: plan (blocks, copy-on-write, releases), then commit
     _small.py       Small       the same append in plain Python for small batches; fork; free of short tables
     _swap.py        Swapper     swap_out / swap_in
     _registry.py    Registry    prefix-cache registration (burst sharing), lookup, promotion, withdrawal
@@ -65,7 +65,8 @@ from ._alloc import Allocator
 from ..blocks._blocks import Blocks
 from ._registry import Registry
 from ._rows import _EMPTY_I64, SeqTables
-from ._small import SMALL_BATCH, Small
+from . import _small as small_path
+from ._small import Small
 from ._step import _NO_UPDATES, TABLES_DELTA, Stepper
 from ._swap import Swapper
 from ._window import Window
@@ -255,7 +256,9 @@ class BlockManager(PoolState, ExternalKV):
         """
         self._window = sliding_window
         self._hints: dict = {}  # seq_id -> (priority, session) given by set_retention, used by free
-        self._small_batch = SMALL_BATCH  # batches up to this size take the plain-Python step (0: never)
+        # the one fast path (manager/_small.py): batches up to this size take the plain-Python step; 0: never (the
+        # switch: small_path.SMALL_BATCH = 0 before building a manager, or _small_batch = 0 on one)
+        self._small_batch = small_path.SMALL_BATCH
         bs, blocks, cache, tier, copies = self._bs, self._blocks, self._cache, self._tier, self._copies
         t = self._t = SeqTables(self._gpu.ref_mv, max(4, self._fixed_w))
         win = self._win = self._Window(t, blocks, sliding_window, bs)
@@ -853,7 +856,7 @@ class BlockManager(PoolState, ExternalKV):
         if rows.size == 0:
             return True
         plan = self._step.plan(rows, counts, la)
-        return plan[0] <= plan[1]
+        return plan.needed <= plan.available
 
     def append_slots(self, seq_id: Hashable, token_ids: Sequence[int], num_lookahead_slots: int = 0) -> list[tuple[int, int]]:
         """Append ``token_ids`` (whose KV the engine is about to write) to one sequence and reserve
@@ -948,13 +951,13 @@ class BlockManager(PoolState, ExternalKV):
                 return StepDelta(_EMPTY_I64, np.zeros(0, np.int32), np.zeros((0, 2), np.int64), _EMPTY_I64,
                                  _NO_UPDATES)
             return StepResult(_EMPTY_I64, np.zeros((0, 0), np.int32), np.zeros(0, np.int32), np.zeros((0, 2), np.int64))
-        if counts is None:
-            if la == 0:
-                res = self._step.step1(rows, arr, mode == TABLES_DELTA)
-                if res is not None:
-                    return res
-            counts = np.ones(b, dtype=np.int64)
-        return self._step.append(rows, counts, arr, la, tables=mode)
+        step = self._step
+        if counts is None and la == 0:  # one token each (validated above): plan, check, commit
+            plan = step.plan(rows, None, 0)
+            if plan.needed > plan.available or step.fixed_w:
+                step.check(rows, plan)
+            return step.commit(rows, None, arr, plan, mode)
+        return step.append(rows, counts, arr, la, mode)
 
     # ------------------------------------------------------------------ swapping
     def can_swap_out(self, seq_ids: Iterable[Hashable]) -> bool:
