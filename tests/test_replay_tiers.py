@@ -123,8 +123,8 @@ def test_lru_tier_matches_a_disk_backend(tmp_path_factory, cap, ops):
                     assert got == sum(v is not None for v in disk.read_many(names))
             tier.check_invariants()
             if cap:
-                assert sorted(tier.keys()) == sorted(int(n, 16) for n in disk._index)  # noqa: SLF001
-                assert tier.keys() == [int(n, 16) for n in disk._index]  # the same LRU order
+                assert sorted(tier.keys()) == sorted(int(n, 16) for n in disk.eviction_order())
+                assert tier.keys() == [int(n, 16) for n in disk.eviction_order()]  # the same LRU order
             else:
                 assert len(tier) == 0
     finally:

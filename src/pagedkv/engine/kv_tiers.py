@@ -189,6 +189,9 @@ class EngineTiers:
         # chain key -> check digest of the prompt blocks of the requests added (store plans name blocks by key only;
         # with KV cache groups every group's keys: they differ, each group's chain starting from a root of its own)
         self._checks: dict = {}
+        # chain key -> its parent's chain key, for the same blocks (the store plans carry parents only with KV
+        # events on; the tiers evict a chain's tail before its head with them), bounded like _checks
+        self._parent_keys: dict = {}
         # sequence id -> (index, chain key) of the last block it filled; request id -> the same for its prompt's
         # last full block (on_blocks_filled chains the next block from there), each bounded by _MAX_TAILS
         self._tails: dict = {}
@@ -219,19 +222,24 @@ class EngineTiers:
         bs = self.block_size
         full = list(token_ids[: len(token_ids) // bs * bs])
         cd = self._checks
+        pk = self._parent_keys
         if self.windows is None:
             keys = block_hashes(full, bs, namespace)
             cd.update(zip(keys, check_digests(full, bs, namespace)))
+            pk.update(zip(keys[1:], keys[:-1]))
         else:
             keys = [block_hashes(full, bs, namespace, g) for g in range(len(self.windows))]
             cg = self._check_group
             for g, kg in enumerate(keys):
                 cd.update(zip(kg, check_digests(full, bs, namespace, group=g)))
                 cg.update(dict.fromkeys(kg, g))
+                pk.update(zip(kg[1:], kg[:-1]))
             while len(cg) > _MAX_CHECK_KEYS * len(self.windows):
                 del cg[next(iter(cg))]
         while len(cd) > _MAX_CHECK_KEYS * len(self.group_loaded_blocks):
             del cd[next(iter(cd))]
+        while len(pk) > _MAX_CHECK_KEYS * len(self.group_loaded_blocks):
+            del pk[next(iter(pk))]
         if self.windows is None:
             if keys:
                 _remember(self._prompt_tails, request_id, (len(keys) - 1, keys[-1]))
@@ -554,11 +562,15 @@ class EngineTiers:
         for g, (pk, pc) in zip(gs, parents):
             key, c = chain_next(pk, pc, block)
             cd[key] = c
+            self._parent_keys[key] = None if j == 0 else pk
             if ng is not None:
                 self._check_group[key] = g
             made.append(key)
         while len(cd) > _MAX_CHECK_KEYS * len(made):
             del cd[next(iter(cd))]
+        pkd = self._parent_keys
+        while len(pkd) > _MAX_CHECK_KEYS * len(made):
+            del pkd[next(iter(pkd))]
         if ng is not None:
             cg = self._check_group
             while len(cg) > _MAX_CHECK_KEYS * ng:
@@ -584,6 +596,8 @@ class EngineTiers:
             return
         ids, keys = sp.block_ids, sp.keys
         parents, toks = getattr(sp, "parent_keys", None), getattr(sp, "token_ids", None)
+        if parents is None:  # (KV events off: the parents remembered when the blocks' chains were hashed)
+            parents = [self._parent_keys.get(k) for k in keys]
         sel = range(len(keys))  # the plan's entries stored
         lk = self._loaded_keys
         if lk:  # blocks this engine just loaded from the tiers are there already: not copied, not written again

@@ -733,6 +733,10 @@ class TierConnector:
         held = [False] * len(keys)
         if self.chain_names:
             namespace = None
+        # each block's parent chain key (the tiers evict a chain's tail first): the block before it in a chain,
+        # the plan's parents otherwise (None: a root, or not known)
+        pk = ([keys[i - 1] if i else parent for i in range(len(keys))] if chained else
+              parents if parents is not None else [None] * len(keys))
         by_group: dict = {}  # group -> its blocks' indices (each group's blocks go to its own store)
         for i, g in enumerate(groups if groups is not None else [0] * len(keys)):
             by_group.setdefault(g, []).append(i)
@@ -745,7 +749,8 @@ class TierConnector:
                         for a in range(0, len(idx), m):  # bounded calls (a store's timeouts)
                             sub = idx[a:a + m]
                             got = t.groups[g].put_many([keys[i] for i in sub], [payloads[i] for i in sub],
-                                                       namespace, [checks[i] for i in sub])
+                                                       namespace, [checks[i] for i in sub],
+                                                       [pk[i] for i in sub])
                             for i, st in zip(sub, got):
                                 statuses[i] = st
                 except Exception as e:  # noqa: BLE001 (bad payload size: a bug; counted, never raised here)
