@@ -644,6 +644,12 @@ class EngineTiers:
     def take_events(self) -> list:
         return self.connector.take_events()
 
+    def stores_pending(self) -> bool:
+        """Stores in flight or finished and not yet completed by :meth:`poll` (the server's idle loop polls until
+        none is left: the tier counters and the blocks pinned for the stores settle without another request).
+        Thread-safe. O(1)."""
+        return self.store_policy != "none" and self.connector.stores_unsettled
+
     def close(self, timeout: float = 30.0) -> None:
         """Finish the stores in flight (at most ``timeout`` s) and close the tiers (the disk directory's lock is
         released: another engine may open it). Stores that finish then complete their plans."""

@@ -96,11 +96,21 @@ class _Exchange(Response):
         self.answered_by: str | None = None  # the replica whose answer was relayed (or began to be)
 
     async def __call__(self, scope, receive, send) -> None:
-        work = asyncio.ensure_future(self._run(send))
+        ended = False  # the answer's last byte was handed to the server
+
+        async def sending(message) -> None:
+            nonlocal ended
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                ended = True
+
+        work = asyncio.ensure_future(self._run(sending))
         watch = asyncio.ensure_future(self._until_disconnect(receive))
         try:
             done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if work not in done:  # the client hung up first: stop the exchange (closes the upstream)
+            if work not in done and ended:  # (the server reports a disconnect once the answer is complete: the
+                await work  # exchange finishes its bookkeeping; not a hang-up)
+            elif work not in done:  # the client hung up first: stop the exchange (closes the upstream)
                 self.proxy.metrics.client_disconnects += 1
                 work.cancel()
                 try:

@@ -88,6 +88,7 @@ class Failed:
 
 
 _ABORTED = object()  # wakes a consumer waiting on an aborted stream
+_SETTLE_S = 0.05  # idle with tier writes in flight: how often they are accounted
 
 
 class RequestStream:
@@ -293,15 +294,25 @@ class AsyncEngine:
     def _loop(self) -> None:
         sched = self.llm.scheduler
         while True:
+            idle = False
             with self._cond:
                 while not (self._stopping or self._adds or self._aborts or sched.has_unfinished()
                            or getattr(sched, "num_parked", 0)):  # (aborted loads: freed once their reads end)
+                    if self._tier_stores_pending():  # idle, tier writes in flight: account them as they finish
+                        self._cond.wait(_SETTLE_S)
+                        idle = not (self._stopping or self._adds or self._aborts or sched.has_unfinished()
+                                    or getattr(sched, "num_parked", 0))
+                        break
                     self._cond.wait()
                 if self._stopping:
                     break
-                adds, self._adds = self._adds, []
-                aborts, self._aborts = self._aborts, []
-                self._in_transit = len(adds)
+                if not idle:
+                    adds, self._adds = self._adds, []
+                    aborts, self._aborts = self._aborts, []
+                    self._in_transit = len(adds)
+            if idle:
+                self._settle_tiers()
+                continue
             try:
                 with self._lock:
                     self._apply(adds, aborts)
@@ -318,6 +329,25 @@ class AsyncEngine:
                     sched.num_running or sched.num_waiting or sched.num_swapped):
                 wait(0.02)  # only requests waiting for tier loads: sleep until one finishes (bounded)
         self._fail_all("the server is shutting down", fatal=True)
+
+    def _tier_stores_pending(self) -> bool:
+        t = getattr(self.llm, "kv_tiers", None)
+        t = getattr(t, "inner", t)  # (a KV port wraps the engine's own tiers)
+        pending = getattr(t, "stores_pending", None)
+        return bool(pending is not None and pending())
+
+    def _settle_tiers(self) -> None:
+        """Idle with tier writes in flight: complete the finished ones (their pinned blocks released, their
+        counters in the metrics) without a step, then refresh the metrics snapshot."""
+        try:
+            with self._lock:
+                poll = getattr(self.llm, "_poll_tiers", None)
+                if poll is not None:
+                    poll()
+                self._publish_events()
+        except Exception:  # (the next step's poll meets the same fault and handles it)
+            log.exception("settling the tier writes failed")
+        self._take_snapshot()
 
     def _die(self, message: str, adds: list) -> None:
         log.exception("the engine is unusable and stops: %s", message)

@@ -859,6 +859,14 @@ class TierConnector:
         with self._lock:
             return self._stores_in_flight
 
+    @property
+    def stores_unsettled(self) -> bool:
+        """Stores in flight, or finished and not yet taken by :meth:`poll_stores` (an idle engine polls until
+        none is left, so that its counters and pinned blocks are settled without a next request). Thread-safe.
+        O(1)."""
+        with self._lock:
+            return bool(self._stores_in_flight or self._stores_done)
+
     def _notify_held(self, t: _Tier, keys: list) -> None:
         w = getattr(self, "_held_watch", None)
         if w is None or not keys or w[0] != t.medium:
