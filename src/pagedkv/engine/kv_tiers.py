@@ -40,7 +40,7 @@ from __future__ import annotations
 import logging
 import time
 from typing import Any
-from urllib.parse import urlparse
+from urllib.parse import parse_qs, urlparse
 
 import numpy as np
 
@@ -68,7 +68,8 @@ log = logging.getLogger("pagedkv.tiers")
 
 def open_shared_backend(url: str) -> Any:
     """The shared tier's backend for ``url``: ``redis://host:port[/db]`` (or ``rediss://``, ``unix://``) ->
-    :class:`~pagedkv.tiers.RedisBackend`; ``file:///dir`` -> :class:`~pagedkv.tiers.SharedDirBackend`.
+    :class:`~pagedkv.tiers.RedisBackend`; ``file:///dir`` -> :class:`~pagedkv.tiers.SharedDirBackend`
+    (``file:///dir?max_gib=G``: bounded to G GiB, ``pagedkv serve --kv-shared-gib``).
     Anything else: :class:`pagedkv.InvalidArgumentError`."""
     if not isinstance(url, str) or not url:
         raise InvalidArgumentError(f"kv_shared must be a redis:// or file:// URL, got {url!r}")
@@ -78,7 +79,19 @@ def open_shared_backend(url: str) -> Any:
     if u.scheme == "file":
         if u.netloc not in ("", "localhost") or not u.path:
             raise InvalidArgumentError(f"kv_shared: a file URL is file:///absolute/dir, got {url!r}")
-        return SharedDirBackend(u.path)
+        q = parse_qs(u.query)
+        if set(q) - {"max_gib"} or len(q.get("max_gib", ())) > 1:
+            raise InvalidArgumentError(f"kv_shared: a file URL takes ?max_gib=GIB only, got {url!r}")
+        cap = None
+        if "max_gib" in q:
+            try:
+                gib = float(q["max_gib"][0])
+            except ValueError:
+                gib = -1.0
+            if not 0 < gib < float("inf"):
+                raise InvalidArgumentError(f"kv_shared: max_gib must be a number of GiB > 0, got {url!r}")
+            cap = max(1, int(gib * 2**30))
+        return SharedDirBackend(u.path, max_bytes=cap)
     raise InvalidArgumentError(f"kv_shared must be a redis://, rediss://, unix:// or file:/// URL, got {url!r}")
 
 
@@ -154,7 +167,9 @@ class EngineTiers:
                                                f"got {disk_gib!r}")
                 cap = int(disk_gib * 2**30)
                 if cap < nbytes:
-                    raise InvalidArgumentError(f"kv_disk_gib={disk_gib} holds no block of {nbytes} bytes")
+                    raise InvalidArgumentError(
+                        f"the disk tier's bound (kv_disk_gib, --kv-disk-gib) {disk_gib:g} GiB holds no KV block of "
+                        f"this model ({nbytes} bytes); give at least {nbytes / 2**30:.6f} GiB, e.g. --kv-disk-gib 1")
                 disk = DiskBackend(disk_dir, cap)
                 tiers.append((MEDIUM_DISK, tuple(BlockStore(disk, f, nbytes, track_removals=record_events)
                                                  for f in fps)))

@@ -59,10 +59,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--shared-capacity", type=parse_tokens, default=0, metavar="TOKENS",
                     help="a shared tier below the disk tier, in tokens, written through; 0: none (with "
                          "--replicas: one store every replica reads and writes, pagedkv.replay.cluster)")
-    ap.add_argument("--tier-order", choices=("chain", "lru"), default="chain",
+    ap.add_argument("--tier-order", choices=("chain", "lru", "lru-engine"), default="chain",
                     help="eviction order of the --disk-capacity / --shared-capacity tiers: chain (the disk tier's: "
-                         "blocks whose parent left first, then a chain's tail before its head, LRU among them) or "
-                         "lru (plain LRU, as before issue 34) (default chain)")
+                         "blocks whose parent left first, then a chain's tail before its head, LRU among them), "
+                         "lru (plain LRU fed children first, as this replay did before issue 34) or lru-engine "
+                         "(plain LRU fed parents first, as the engine writes: the disk tier before issue 34) "
+                         "(default chain)")
     ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block (a divisor of 512)")
     ap.add_argument("--mode", choices=("sequence", "timed"), default="sequence",
                     help="sequence: allocate then free each request in order (the paper's Fig. 9); "

@@ -222,11 +222,16 @@ def replay_tiered(trace: Trace, capacity_tokens: int, *, block_size: int = 16, c
     ``gpu_hit_rate`` is the rest. ``extra`` holds each lower tier's stores, evictions and final size.
     ``check_every`` > 0: check the manager's and the tiers' invariants every that many requests (tests).
     ``manager_cls`` must record KV events (``enable_kv_events``); default :class:`pagedkv.BlockManager`.
-    ``tier_order``: ``"chain"`` (:class:`ChainTier`) or ``"lru"`` (:class:`LruTier`); ``extra`` then also holds
+    ``tier_order``: ``"chain"`` (:class:`ChainTier`), ``"lru"`` (:class:`LruTier`, fed children first) or
+    ``"lru-engine"`` (:class:`LruTier` fed as the engine writes: parents first, the disk tier before issue 34);
+    ``extra`` then also holds
     each chain tier's blocks held past a missing parent (``*_orphans_held``: blocks no load can reach) and puts
     refused."""
-    if tier_order not in ("chain", "lru"):
-        raise InvalidArgumentError(f"tier_order must be chain or lru, got {tier_order!r}")
+    if tier_order not in ("chain", "lru", "lru-engine"):
+        raise InvalidArgumentError(f"tier_order must be chain, lru or lru-engine, got {tier_order!r}")
+    # lru-engine: plain LRU fed in the engine's order (a chain written parents first, loads read head first),
+    # which is how the DiskBackend held blocks before issue 34 (a prompt's first blocks the oldest)
+    rev = -1 if tier_order == "lru" else 1
     for name, v in (("disk_capacity_tokens", disk_capacity_tokens), ("shared_capacity_tokens",
                                                                      shared_capacity_tokens)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -275,8 +280,8 @@ def replay_tiered(trace: Trace, capacity_tokens: int, *, block_size: int = 16, c
                     break
                 k += 1
             # the loads touch each tier children first: a parent stays at least as recent as its children
-            disk_hits += disk.read_many(from_disk[::-1])
-            shared_hits += shared.read_many(from_shared[::-1])
+            disk_hits += disk.read_many(from_disk[::rev])
+            shared_hits += shared.read_many(from_shared[::rev])
         hits += k
         if step is not None:
             step()
@@ -297,7 +302,7 @@ def replay_tiered(trace: Trace, capacity_tokens: int, *, block_size: int = 16, c
                         parent_of.update(zip(hs, ps))
                         shared.put_many(hs, parents=ps)  # (parents first, as the engine writes through)
                     else:
-                        shared.put_many(hs[::-1])
+                        shared.put_many(hs[::rev])
             elif t is AllBlocksCleared:  # pragma: no cover - an overflow: the figures would be wrong
                 raise RuntimeError("tiered replay: the manager's KV event buffer overflowed")
         prompt += n
