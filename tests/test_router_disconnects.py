@@ -48,3 +48,13 @@ def test_a_client_that_hangs_up_mid_stream_counts_one(cleanup):
     assert r.status_code == 200
     assert wait_for(lambda: settled(router))
     assert router.metrics.client_disconnects == 1
+
+
+def test_the_no_prefill_log_says_where_the_prompt_goes():
+    # issue 34: a split with its prefill replica killed logged "computed whole on a colocated replica" although
+    # the split has none: the decode replica computed it
+    from pagedkv.router.proxy import _no_prefill_message
+
+    split_only = _no_prefill_message(1, ("both", "decode"))
+    assert "decode replica" in split_only and "colocated replica (" not in split_only and "1 tried" in split_only
+    assert "colocated replica (--kv-role both)" in _no_prefill_message(2, ("both",))

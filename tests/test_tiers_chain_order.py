@@ -176,3 +176,23 @@ def test_chain_order_against_a_brute_force_model(ops):
         o.check_invariants()
         assert o.victim() == m.victim()
         assert len(o) == len(m.parent)
+
+
+def test_a_bounded_shared_dir_sweeps_tails_first(tmp_path):
+    # --kv-shared file:///DIR --kv-shared-gib: past the bound the writing replica sweeps to 90% of it, a chain's
+    # tail before its head (before: unbounded; sweep() deleted the oldest values, a prompt's first blocks)
+    from pagedkv.tiers import SharedDirBackend
+
+    a, b_ = chain(15, 0), chain(15, 10_000)
+    be = SharedDirBackend(tmp_path, fsync=False, max_bytes=20 * VB)
+    s = BlockStore(be, FP, PB)
+    put_chain(s, a)
+    put_chain(s, b_)
+    assert be.swept > 0
+    held_a, held_b = s.prefix_length(a), s.prefix_length(b_)
+    assert held_b == 15 and 0 < held_a < 15
+    reachable_only(None, s, [a, b_])
+    assert sum(s.contains_many(a + b_)) <= 20
+    # another replica over the same directory, bounded too, finds the directory over its bound at open: swept
+    other = SharedDirBackend(tmp_path, fsync=False, max_bytes=10 * VB)
+    assert sum(s.contains_many(a + b_)) <= 10 and other.swept > 0

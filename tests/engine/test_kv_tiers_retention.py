@@ -60,3 +60,21 @@ def test_a_small_disk_tier_keeps_both_prompts_heads_across_a_restart(engine, tmp
             held = disk.contains_many(ks)
             n = disk.prefix_length(ks)
             assert n > 0 and not any(held[n:])
+
+
+def test_generate_reports_the_cached_prompt_tokens(engine, tmp_path):
+    # issue 34: `pagedkv generate` said nothing of the cache; now one stderr line (pagedkv.cli._cache_line)
+    from pagedkv.cli import _cache_counts, _cache_line
+    from pagedkv.engine.sampling import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    lines = []
+    for _ in range(2):  # two runs of the command over one disk tier: the second loads the prompt's blocks
+        with make(engine, kv_disk_dir=tmp_path, kv_disk_gib=0.05) as llm:
+            before = _cache_counts(llm)
+            "".join(llm.stream({"prompt_token_ids": A}, sp))
+            lines.append(_cache_line(llm, before))
+            llm.kv_tiers.connector.flush(30)
+    assert lines[0] == f"pagedkv: 0 of {len(A)} prompt tokens from cache (0 loaded from the KV tiers)"
+    n = BS * ((len(A) - 1) // BS)
+    assert lines[1] == f"pagedkv: {n} of {len(A)} prompt tokens from cache ({n} loaded from the KV tiers)"

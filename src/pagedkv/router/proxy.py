@@ -79,6 +79,14 @@ def _last_event(data: bytes) -> bytes:
     return data.rstrip(b"\r\n").rsplit(b"\n\n", 1)[-1].strip()
 
 
+def _no_prefill_message(tried: int, roles: tuple) -> str:
+    """The log line of a split request no prefill replica answered: what happened and where it goes instead."""
+    where = ("a colocated replica (--kv-role both)" if roles == ("both",) else
+             "a decode replica (no colocated replica is up): it computes the prompt itself")
+    return (f"no prefill replica answered ({tried} tried: down, failed or refused the request): the prompt is "
+            f"computed whole on {where}")
+
+
 def _ends_stream(event: bytes) -> bool:
     return event == b"data: [DONE]" or event.startswith(b'data: {"error"')
 
@@ -350,8 +358,7 @@ class _SplitExchange(_Exchange):
             choice = await self._choose(tried)
             if choice is None:
                 if tried:
-                    log.warning("no prefill replica answered (tried %d): the request is computed whole on a "
-                                "colocated replica", len(tried))
+                    log.warning("%s", _no_prefill_message(len(tried), state.plain_roles))
                 return None
             url, _, load = choice
             tried.add(url)

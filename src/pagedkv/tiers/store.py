@@ -243,6 +243,11 @@ class BlockStore:
                     corrupt += 1
                 else:
                     mismatched += 1
+        if corrupt or mismatched or refused:  # one line per refused value (counted in stats too)
+            for name, st in zip(names, statuses):
+                if st in _REFUSED:
+                    log.warning("pagedkv tier %s: refused the stored KV block %s (%s); it is computed instead",
+                                self.medium, name, _REFUSED[st])
         if drop:
             try:
                 self._backend.discard_many(drop)
@@ -350,6 +355,11 @@ class BlockStore:
 
     def close(self) -> None:
         self._backend.close()
+
+
+_REFUSED = {GetStatus.CORRUPT: "corrupt or cut short: dropped",
+            GetStatus.MISMATCH: "written for another model, block size or format version: dropped",
+            GetStatus.CHECK: "its check digest is another prefix's, or it has none"}
 
 
 def _checks(checks, n: int):
