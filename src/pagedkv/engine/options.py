@@ -70,10 +70,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="most KV blocks pinned prefixes may hold (BlockManager.pin_prefix; one block table only)")
     p.add_argument("--kv-disk-dir", default=None, metavar="DIR",
                    help="a disk tier under the prefix cache in DIR (one process at a time; survives restarts: "
-                        "a restarted engine loads the KV stored there); needs --kv-disk-gib (LMCache's local_disk)")
+                        "a restarted engine loads the KV stored there; a directory that cannot be written is "
+                        "served read-only by pagedkv serve) (LMCache's local_disk)")
     p.add_argument("--kv-disk-gib", type=float, default=None, metavar="GIB",
-                   help="the disk tier's bound in GiB, least recently used blocks evicted (LMCache's "
-                        "max_local_disk_size)")
+                   help="the disk tier's bound in GiB; past it a chain's tail is evicted before its head, least "
+                        "recently used first (default with pagedkv serve: 10, or half the free space when less; "
+                        "LMCache's max_local_disk_size)")
     p.add_argument("--kv-shared", default=None, metavar="URL",
                    help="a KV tier every replica shares: redis://HOST:PORT (Redis or Valkey; LMCache's remote_url) "
                         "or file:///DIR (a shared directory)")

@@ -220,8 +220,7 @@ def run(args: argparse.Namespace) -> dict:
                    f"{100 * p.disk_hit_rate:.1f}%, shared {100 * p.shared_hit_rate:.1f}%)" if tiered else "")
                 + (f", bound {100 * p.bound:.1f}%" if p.bound is not None else "")
                 + "".join(f", {t} holds {p.extra[t + '_blocks_held']} blocks ({p.extra[t + '_detached_held']} past a "
-                          f"block it lacks, {p.extra[t + '_orphans_held']} whose parent left)"
-                          for t in ("disk", "shared") if t + "_detached_held" in p.extra)
+                          f"block it lacks)" for t in ("disk", "shared") if t + "_detached_held" in p.extra)
                 + f", {p.evictions if p.evictions is not None else '-'} evictions, {p.skipped} skipped, "
                   f"{p.seconds:.2f} s")
     finally:

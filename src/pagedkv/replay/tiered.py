@@ -225,8 +225,8 @@ def replay_tiered(trace: Trace, capacity_tokens: int, *, block_size: int = 16, c
     ``tier_order``: ``"chain"`` (:class:`ChainTier`), ``"lru"`` (:class:`LruTier`, fed children first) or
     ``"lru-engine"`` (:class:`LruTier` fed as the engine writes: parents first, the disk tier before issue 34);
     ``extra`` then also holds
-    each chain tier's blocks held past a missing parent (``*_orphans_held``: blocks no load can reach) and puts
-    refused."""
+    each tier's blocks held past a block it lacks (``*_detached_held``: no load from it reaches them) and, with
+    chain tiers, the blocks whose parent left (``*_orphans_held``) and the puts refused."""
     if tier_order not in ("chain", "lru", "lru-engine"):
         raise InvalidArgumentError(f"tier_order must be chain, lru or lru-engine, got {tier_order!r}")
     # lru-engine: plain LRU fed in the engine's order (a chain written parents first, loads read head first),
@@ -247,7 +247,7 @@ def replay_tiered(trace: Trace, capacity_tokens: int, *, block_size: int = 16, c
     disk = tier_cls(disk_capacity_tokens // bs)
     shared = tier_cls(shared_capacity_tokens // bs)
     chains = tier_order == "chain"
-    parent_of: dict = {}  # chain key -> its parent's (from the BlockStored events), for the chain tiers
+    parent_of: dict = {}  # chain key -> its parent's (from the BlockStored events): the chain tiers' parents
     demote_from = MEDIUM_CPU if has_cpu else MEDIUM_GPU
     limit = num_blocks - int(getattr(bm, "watermark_blocks", 0) or 0)
     need = (-(-trace.input_lengths // bs)).tolist()
@@ -297,9 +297,9 @@ def replay_tiered(trace: Trace, capacity_tokens: int, *, block_size: int = 16, c
             elif t is BlockStored:
                 if ev.medium == MEDIUM_GPU:  # a chain, parent first: stored children first (see above)
                     hs = ev.block_hashes
+                    ps = [ev.parent_block_hash] + hs[:-1]
+                    parent_of.update(zip(hs, ps))
                     if chains:
-                        ps = [ev.parent_block_hash] + hs[:-1]
-                        parent_of.update(zip(hs, ps))
                         shared.put_many(hs, parents=ps)  # (parents first, as the engine writes through)
                     else:
                         shared.put_many(hs[::rev])
@@ -326,7 +326,9 @@ def replay_tiered(trace: Trace, capacity_tokens: int, *, block_size: int = 16, c
         if tier.capacity:
             res.extra.update({f"{name}_stored": tier.stored, f"{name}_evictions": tier.evictions,
                               f"{name}_blocks_held": len(tier)})
+            held = set(tier.keys())  # blocks held past a block the tier lacks (no load from it reaches them)
+            res.extra[f"{name}_detached_held"] = sum(1 for k in held if parent_of.get(k) is not None
+                                                     and parent_of[k] not in held)
             if chains:
-                res.extra.update({f"{name}_orphans_held": tier.num_orphans, f"{name}_refused": tier.refused,
-                                  f"{name}_detached_held": tier.detached()})
+                res.extra.update({f"{name}_orphans_held": tier.num_orphans, f"{name}_refused": tier.refused})
     return res
