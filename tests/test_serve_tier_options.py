@@ -116,6 +116,14 @@ def test_shared_url_forms_and_bounds(tmp_path, capsys):
     assert "--kv-shared" in serve_error(capsys, "--kv-shared", "http://x")
     assert "--kv-shared-gib" in serve_error(capsys, "--kv-shared", f"file://{tmp_path}", "--kv-shared-gib", "0")
     assert "--kv-shared-gib" in serve_error(capsys, "--kv-shared-gib", "3")
+    from pagedkv.engine.kv_tiers import open_shared_backend
+    from pagedkv.server.tier_checks import shared_url
+
+    a = args_of("--kv-shared", "redis://127.0.0.1:1/0", "--kv-shared-gib", "2")
+    assert shared_url(a) == "redis://127.0.0.1:1/0?max_gib=2"
+    b = open_shared_backend(shared_url(a))  # (a bound of our own; nothing connects until used)
+    assert b.max_bytes == 2 * 2**30 and b.location == "redis://127.0.0.1:1/0#pagedkv:kv:"
+    b.close()
     f = tmp_path / "f"
     f.write_text("x")
     assert "--kv-shared" in serve_error(capsys, "--kv-shared", f"file://{f}")

@@ -4,6 +4,8 @@ ChainOrder checked against a brute-force model."""
 
 from __future__ import annotations
 
+import os
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -196,3 +198,37 @@ def test_a_bounded_shared_dir_sweeps_tails_first(tmp_path):
     # another replica over the same directory, bounded too, finds the directory over its bound at open: swept
     other = SharedDirBackend(tmp_path, fsync=False, max_bytes=10 * VB)
     assert sum(s.contains_many(a + b_)) <= 10 and other.swept > 0
+
+
+def test_redis_with_a_bound_of_our_own_evicts_tails_first(tmp_path):
+    # RedisBackend(max_bytes=): before, only the server's maxmemory + allkeys-lru (a prompt's first blocks
+    # were the least recently used: evicted first)
+    import shutil
+
+    if shutil.which("redis-server") is None and os.environ.get("CI") != "true":
+        import pytest
+
+        pytest.skip("no redis-server")
+    from redis_server import RedisServer
+
+    from pagedkv.tiers import RedisBackend
+
+    srv = RedisServer(tmp_path)
+    try:
+        be = RedisBackend(srv.url, prefix="b:", max_bytes=20 * VB)
+        s = BlockStore(be, FP, PB)
+        a, b_ = chain(15, 0), chain(15, 10_000)
+        put_chain(s, a)
+        put_chain(s, b_)
+        assert be.evictions > 0
+        assert s.prefix_length(b_) == 15 and 0 < s.prefix_length(a) < 15
+        reachable_only(None, s, [a, b_])
+        assert sum(s.contains_many(a + b_)) <= 20
+        assert s.prefix_length(a) == 3  # (20 values past the bound: down to 18)
+        s.get_many(a[:2])  # a read makes A's head recent: past A's tail leaf, the next evictions take B's tail
+        put_chain(s, chain(3, 20_000))  # 21 values: 3 go, A's last block then B's last two
+        assert s.prefix_length(a) == 2 and s.prefix_length(b_) == 13
+        reachable_only(None, s, [a, b_])
+        be.close()
+    finally:
+        srv.stop()

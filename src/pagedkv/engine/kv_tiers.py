@@ -40,7 +40,7 @@ from __future__ import annotations
 import logging
 import time
 from typing import Any
-from urllib.parse import parse_qs, urlparse
+from urllib.parse import parse_qsl, urlencode, urlparse, urlunparse
 
 import numpy as np
 
@@ -69,28 +69,29 @@ log = logging.getLogger("pagedkv.tiers")
 def open_shared_backend(url: str) -> Any:
     """The shared tier's backend for ``url``: ``redis://host:port[/db]`` (or ``rediss://``, ``unix://``) ->
     :class:`~pagedkv.tiers.RedisBackend`; ``file:///dir`` -> :class:`~pagedkv.tiers.SharedDirBackend`
-    (``file:///dir?max_gib=G``: bounded to G GiB, ``pagedkv serve --kv-shared-gib``).
+    (``?max_gib=G`` on either: bounded to G GiB by the backend itself, ``pagedkv serve --kv-shared-gib``; a
+    Redis URL without it is bounded by the server's ``maxmemory``).
     Anything else: :class:`pagedkv.InvalidArgumentError`."""
     if not isinstance(url, str) or not url:
         raise InvalidArgumentError(f"kv_shared must be a redis:// or file:// URL, got {url!r}")
     u = urlparse(url)
+    pairs = parse_qsl(u.query, keep_blank_values=True)
+    gibs = [v for k, v in pairs if k == "max_gib"]
+    cap = None
+    if gibs:
+        try:
+            gib = float(gibs[-1])
+        except ValueError:
+            gib = -1.0
+        if len(gibs) > 1 or not 0 < gib < float("inf"):
+            raise InvalidArgumentError(f"kv_shared: max_gib must be one number of GiB > 0, got {url!r}")
+        cap = max(1, int(gib * 2**30))
+        u = u._replace(query=urlencode([(k, v) for k, v in pairs if k != "max_gib"]))
     if u.scheme in ("redis", "rediss", "unix"):
-        return RedisBackend(url)
+        return RedisBackend(urlunparse(u), max_bytes=cap)
     if u.scheme == "file":
-        if u.netloc not in ("", "localhost") or not u.path:
-            raise InvalidArgumentError(f"kv_shared: a file URL is file:///absolute/dir, got {url!r}")
-        q = parse_qs(u.query)
-        if set(q) - {"max_gib"} or len(q.get("max_gib", ())) > 1:
-            raise InvalidArgumentError(f"kv_shared: a file URL takes ?max_gib=GIB only, got {url!r}")
-        cap = None
-        if "max_gib" in q:
-            try:
-                gib = float(q["max_gib"][0])
-            except ValueError:
-                gib = -1.0
-            if not 0 < gib < float("inf"):
-                raise InvalidArgumentError(f"kv_shared: max_gib must be a number of GiB > 0, got {url!r}")
-            cap = max(1, int(gib * 2**30))
+        if u.netloc not in ("", "localhost") or not u.path or u.query:
+            raise InvalidArgumentError(f"kv_shared: a file URL is file:///absolute/dir[?max_gib=GIB], got {url!r}")
         return SharedDirBackend(u.path, max_bytes=cap)
     raise InvalidArgumentError(f"kv_shared must be a redis://, rediss://, unix:// or file:/// URL, got {url!r}")
 

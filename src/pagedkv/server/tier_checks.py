@@ -11,7 +11,8 @@ Each error is one line naming the flag and the fix; nothing is created or writte
 - ``--kv-disk-gib``: default :data:`DEFAULT_DISK_GIB` GiB, or half the filesystem's free space when that is
   less; below :data:`MIN_DISK_GIB` (no model's block fits): an error; above the free space: a warning.
 - ``--kv-shared``: the URL's form; ``file:///DIR`` as a disk directory (it must be writable), bounded by
-  ``--kv-shared-gib`` (default :data:`DEFAULT_SHARED_GIB`); ``redis://`` probed with one PING (a short timeout):
+  ``--kv-shared-gib`` (default :data:`DEFAULT_SHARED_GIB`; for Redis no default: the server's ``maxmemory``);
+  ``redis://`` probed with one PING (a short timeout):
   a store that does not answer is reported with a warning line and served around (blocks are computed; the tier
   retries every second and is used as soon as it answers).
 
@@ -45,9 +46,9 @@ MIN_DISK_GIB = 1 / 1024
 def add_tier_args(p: argparse.ArgumentParser) -> None:
     """The serve-only tier options (the engine's own are in :func:`pagedkv.engine.options.add_engine_args`)."""
     p.add_argument("--kv-shared-gib", type=float, default=None, metavar="GIB",
-                   help=f"the bound of a --kv-shared file:///DIR tier in GiB: past it the replica that writes "
-                        f"deletes values, a chain's tail before its head (default {DEFAULT_SHARED_GIB:g}; a Redis "
-                        "store is bounded by its own maxmemory)")
+                   help=f"the bound of the --kv-shared tier in GiB: past it the replica that writes deletes "
+                        f"values, a chain's tail before its head (file:///DIR: default {DEFAULT_SHARED_GIB:g}; "
+                        "redis://: default none, the server's maxmemory and its LRU)")
 
 
 def _values_in(d: str) -> int:
@@ -147,9 +148,8 @@ def _check_shared(args: argparse.Namespace) -> None:
         _check_gib("--kv-shared-gib", gib)
         args.kv_shared_gib = gib
         return
-    if gib is not None:
-        raise ValueError("--kv-shared-gib bounds a --kv-shared file:///DIR tier; a Redis store is bounded by its "
-                         "maxmemory (redis-server --maxmemory 2gb --maxmemory-policy allkeys-lru)")
+    if gib is not None:  # (a Redis store: a bound of our own besides its maxmemory)
+        _check_gib("--kv-shared-gib", gib)
     _probe_redis(url)
 
 
@@ -200,9 +200,9 @@ def shared_url(args: argparse.Namespace) -> str | None:
     """The ``kv_shared`` URL handed to the engine: a ``file://`` one carries its bound (``?max_gib=``)."""
     url = getattr(args, "kv_shared", None)
     gib = getattr(args, "kv_shared_gib", None)
-    if url is None or gib is None or urlparse(url).scheme != "file":
+    if url is None or gib is None:
         return url
-    return f"{url}?max_gib={gib:g}"
+    return f"{url}{'&' if urlparse(url).query else '?'}max_gib={gib:g}"
 
 
 def tier_settings_line(args: argparse.Namespace) -> str:
