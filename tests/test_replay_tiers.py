@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 from pagedkv import InvalidArgumentError
 from pagedkv.cli import main as cli_main
 from pagedkv.replay import parse_trace_lines, replay_sequence
-from pagedkv.replay.tiered import LruTier, replay_tiered
+from pagedkv.replay.tiered import ChainTier, LruTier, replay_tiered
 from pagedkv.tiers import DiskBackend
 
 SAMPLE = Path(__file__).parent / "data" / "mooncake_conversation_sample.jsonl"
@@ -123,8 +123,8 @@ def test_lru_tier_matches_a_disk_backend(tmp_path_factory, cap, ops):
                     assert got == sum(v is not None for v in disk.read_many(names))
             tier.check_invariants()
             if cap:
-                assert sorted(tier.keys()) == sorted(int(n, 16) for n in disk._index)  # noqa: SLF001
-                assert tier.keys() == [int(n, 16) for n in disk._index]  # the same LRU order
+                assert sorted(tier.keys()) == sorted(int(n, 16) for n in disk.eviction_order())
+                assert tier.keys() == [int(n, 16) for n in disk.eviction_order()]  # the same LRU order
             else:
                 assert len(tier) == 0
     finally:
@@ -160,3 +160,31 @@ def test_decimal_token_counts():
     assert parse_tokens("33.3M") == 33_300_000 and parse_tokens("2.5k") == 2_500
     with pytest.raises(Exception, match="not a token count"):
         parse_tokens("1.00001k")
+
+
+@settings(max_examples=60, deadline=None)
+@given(cap=st.integers(1, 5),
+       ops=st.lists(st.tuples(st.sampled_from(["put", "get"]), st.lists(st.integers(0, 9), min_size=1, max_size=4)),
+                    max_size=30))
+def test_chain_tier_matches_a_disk_backend_given_parents(tmp_path_factory, cap, ops):
+    # the replay's chain tier (issue 34) against a real DiskBackend given the same parents: block k's parent is
+    # k - 1 (k = 0, 5: roots), two chains of five
+    value = b"x" * 10
+    tier = ChainTier(cap)
+    disk = DiskBackend(tmp_path_factory.mktemp("d"), capacity_bytes=cap * len(value), fsync=False)
+    par = {k: (None if k % 5 == 0 else k - 1) for k in range(10)}
+    name = "{:032x}".format
+    try:
+        for op, keys in ops:
+            if op == "put":
+                tier.put_many(keys, parents=[par[k] for k in keys])
+                disk.write_many([name(k) for k in keys], [value] * len(keys),
+                                [None if par[k] is None else name(par[k]) for k in keys])
+            else:
+                assert tier.read_many(keys) == sum(v is not None for v in disk.read_many([name(k) for k in keys]))
+            tier.check_invariants()
+            disk.check_invariants()
+            assert tier.keys() == [int(n, 16) for n in disk.eviction_order()]  # the same eviction order
+            assert tier.refused == disk.refused_orphans
+    finally:
+        disk.close()

@@ -410,3 +410,19 @@ def test_chain_keys_of_the_values_found_at_a_restart(tmp_path):
     assert BlockStore(b3, FP).restored_keys() == ks[2:6]
     b3.check_invariants()
     b3.close()
+
+
+def test_each_refused_value_is_logged(tmp_path, caplog):
+    # issue 34: corrupt values were counted but never logged; now one warning line per refused value, naming it
+    caplog.set_level(logging.WARNING, logger="pagedkv.tiers")
+    b = DiskBackend(tmp_path, 100 * VB)
+    s = BlockStore(b, FP)
+    ks = keys(3)
+    s.put_many(ks, [payload(k) for k in ks])
+    names = s.names(ks)
+    for n in names[1:]:
+        Path(_files.value_path(b.path, n)).write_bytes(b"garbage")
+    assert s.get_many(ks).statuses == (GetStatus.HIT, GetStatus.CORRUPT, GetStatus.CORRUPT)
+    lines = [r.getMessage() for r in caplog.records if "refused the stored KV block" in r.getMessage()]
+    assert len(lines) == 2 and all(n in ln and "corrupt" in ln for n, ln in zip(names[1:], lines))
+    b.close()

@@ -45,10 +45,26 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         source: object = prompt
     else:
         source = {"prompt_token_ids": llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])}
+    before = _cache_counts(llm)
     for piece in llm.stream(source, _params(args)):
         print(piece, end="", flush=True)
     print()
+    print(_cache_line(llm, before), file=sys.stderr)
     return 0
+
+
+def _cache_counts(llm) -> tuple[int, int, int]:
+    """(prompt tokens, prefix-cache hit tokens, tokens loaded from the KV tiers) so far."""
+    bm, st = llm.block_manager.stats, llm.scheduler.stats
+    return (int(getattr(bm, "prefix_query_tokens", 0)), int(getattr(bm, "prefix_hit_tokens", 0)),
+            int(getattr(st, "external_tokens", 0)))
+
+
+def _cache_line(llm, before: tuple[int, int, int]) -> str:
+    """How many prompt tokens of the last request came from cache (the GPU prefix cache, the KV tiers)."""
+    q, hit, ext = (a - b for a, b in zip(_cache_counts(llm), before))
+    tiers = f" ({ext} loaded from the KV tiers)" if llm.kv_tiers is not None else ""
+    return f"pagedkv: {hit + ext} of {q} prompt tokens from cache{tiers}"
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:

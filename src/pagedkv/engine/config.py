@@ -206,10 +206,12 @@ class TierConfig:
 
     kv_disk_dir: str | os.PathLike | None = _opt(
         None, "a disk tier under the prefix cache in DIR (one process at a time; survives restarts: a restarted "
-              "engine loads the KV stored there; a second opener gets TierInUseError); needs --kv-disk-gib "
-              "(LMCache's local_disk)", metavar="DIR")
-    kv_disk_gib: float | None = _opt(None, "the disk tier's bound in GiB, least recently used blocks evicted "
-                                           "(LMCache's max_local_disk_size)", metavar="GIB")
+              "engine loads the KV stored there; a directory that cannot be written is served read-only by "
+              "pagedkv serve) (LMCache's local_disk)", metavar="DIR")
+    kv_disk_gib: float | None = _opt(None, "the disk tier's bound in GiB; past it a chain's tail is evicted before "
+                                           "its head, least recently used first (default with pagedkv serve: 10, "
+                                           "or half the free space when less; LMCache's max_local_disk_size)",
+                                     metavar="GIB")
     kv_shared: str | None = _opt(None, "a KV tier every replica shares: redis://HOST:PORT (Redis or Valkey; "
                                        "LMCache's remote_url) or file:///DIR (a shared directory)", metavar="URL")
     kv_load_max_ms_per_block: float | None = _opt(

@@ -284,6 +284,18 @@ class EngineCore:
         self._requests.pop(request_id, None)
         return self.scheduler.abort_request(request_id)
 
+    def poll_tiers(self) -> None:
+        """Account the finished tier loads and stores without a step (an idle server's metrics stay right): loads
+        let their requests join the waiting queue, stores release their pinned blocks. O(finished transfers)."""
+        if self.kv_tiers is not None:
+            self.kv_tiers.poll(self.scheduler)
+
+    def tier_stores_pending(self) -> bool:
+        """Whether tier writes are in flight (a KV port wraps the engine's own tiers: its inner ones are asked)."""
+        t = getattr(self.kv_tiers, "inner", self.kv_tiers)
+        pending = getattr(t, "stores_pending", None)
+        return bool(pending is not None and pending())
+
     def wait_for_loads(self, timeout: float) -> bool:
         """Nothing can run but requests wait for tier loads: block up to ``timeout`` s for one. True if any
         request is loading."""
@@ -299,8 +311,7 @@ class EngineCore:
         scheduler itself fails (the engine is then unusable); a request's fault is in the output."""
         sched = self.scheduler
         t0 = time.perf_counter()
-        if self.kv_tiers is not None:  # finished tier loads let their requests join the waiting queue
-            self.kv_tiers.poll(sched)
+        self.poll_tiers()  # finished tier loads let their requests join the waiting queue
         plan = sched.schedule()
         t1 = time.perf_counter()
         self._sampling_s = 0.0

@@ -40,7 +40,7 @@ from __future__ import annotations
 import logging
 import time
 from typing import Any
-from urllib.parse import urlparse
+from urllib.parse import parse_qsl, urlencode, urlparse, urlunparse
 
 import numpy as np
 
@@ -69,17 +69,31 @@ log = logging.getLogger("pagedkv.tiers")
 
 def open_shared_backend(url: str) -> Any:
     """The shared tier's backend for ``url``: ``redis://host:port[/db]`` (or ``rediss://``, ``unix://``) ->
-    :class:`~pagedkv.tiers.RedisBackend`; ``file:///dir`` -> :class:`~pagedkv.tiers.SharedDirBackend`.
+    :class:`~pagedkv.tiers.RedisBackend`; ``file:///dir`` -> :class:`~pagedkv.tiers.SharedDirBackend`
+    (``?max_gib=G`` on either: bounded to G GiB by the backend itself, ``pagedkv serve --kv-shared-gib``; a
+    Redis URL without it is bounded by the server's ``maxmemory``).
     Anything else: :class:`pagedkv.InvalidArgumentError`."""
     if not isinstance(url, str) or not url:
         raise InvalidArgumentError(f"kv_shared must be a redis:// or file:// URL, got {url!r}")
     u = urlparse(url)
+    pairs = parse_qsl(u.query, keep_blank_values=True)
+    gibs = [v for k, v in pairs if k == "max_gib"]
+    cap = None
+    if gibs:
+        try:
+            gib = float(gibs[-1])
+        except ValueError:
+            gib = -1.0
+        if len(gibs) > 1 or not 0 < gib < float("inf"):
+            raise InvalidArgumentError(f"kv_shared: max_gib must be one number of GiB > 0, got {url!r}")
+        cap = max(1, int(gib * 2**30))
+        u = u._replace(query=urlencode([(k, v) for k, v in pairs if k != "max_gib"]))
     if u.scheme in ("redis", "rediss", "unix"):
-        return RedisBackend(url)
+        return RedisBackend(urlunparse(u), max_bytes=cap)
     if u.scheme == "file":
-        if u.netloc not in ("", "localhost") or not u.path:
-            raise InvalidArgumentError(f"kv_shared: a file URL is file:///absolute/dir, got {url!r}")
-        return SharedDirBackend(u.path)
+        if u.netloc not in ("", "localhost") or not u.path or u.query:
+            raise InvalidArgumentError(f"kv_shared: a file URL is file:///absolute/dir[?max_gib=GIB], got {url!r}")
+        return SharedDirBackend(u.path, max_bytes=cap)
     raise InvalidArgumentError(f"kv_shared must be a redis://, rediss://, unix:// or file:/// URL, got {url!r}")
 
 
@@ -127,7 +141,9 @@ class EngineTiers:
                                                f"got {disk_gib!r}")
                 cap = int(disk_gib * 2**30)
                 if cap < nbytes:
-                    raise InvalidArgumentError(f"kv_disk_gib={disk_gib} holds no block of {nbytes} bytes")
+                    raise InvalidArgumentError(
+                        f"the disk tier's bound (kv_disk_gib, --kv-disk-gib) {disk_gib:g} GiB holds no KV block of "
+                        f"this model ({nbytes} bytes); give at least {nbytes / 2**30:.6f} GiB, e.g. --kv-disk-gib 1")
                 disk = DiskBackend(disk_dir, cap)
                 tiers.append((MEDIUM_DISK, tuple(BlockStore(disk, f, nbytes, track_removals=record_events)
                                                  for f in fps)))
@@ -162,6 +178,9 @@ class EngineTiers:
         # chain key -> check digest of the prompt blocks of the requests added (store plans name blocks by key only;
         # with KV cache groups every group's keys: they differ, each group's chain starting from a root of its own)
         self._checks: dict = {}
+        # chain key -> its parent's chain key, for the same blocks (the store plans carry parents only with KV
+        # events on; the tiers evict a chain's tail before its head with them), bounded like _checks
+        self._parent_keys: dict = {}
         # sequence id -> (index, chain key) of the last block it filled; request id -> the same for its prompt's
         # last full block (on_blocks_filled chains the next block from there), each bounded by _MAX_TAILS
         self._tails: dict = {}
@@ -192,19 +211,24 @@ class EngineTiers:
         bs = self.block_size
         full = list(token_ids[: len(token_ids) // bs * bs])
         cd = self._checks
+        pk = self._parent_keys
         if self.windows is None:
             keys = block_hashes(full, bs, namespace)
             cd.update(zip(keys, check_digests(full, bs, namespace)))
+            pk.update(zip(keys[1:], keys[:-1]))
         else:
             keys = [block_hashes(full, bs, namespace, g) for g in range(len(self.windows))]
             cg = self._check_group
             for g, kg in enumerate(keys):
                 cd.update(zip(kg, check_digests(full, bs, namespace, group=g)))
                 cg.update(dict.fromkeys(kg, g))
+                pk.update(zip(kg[1:], kg[:-1]))
             while len(cg) > _MAX_CHECK_KEYS * len(self.windows):
                 del cg[next(iter(cg))]
         while len(cd) > _MAX_CHECK_KEYS * len(self.group_loaded_blocks):
             del cd[next(iter(cd))]
+        while len(pk) > _MAX_CHECK_KEYS * len(self.group_loaded_blocks):
+            del pk[next(iter(pk))]
         if self.windows is None:
             if keys:
                 _remember(self._prompt_tails, request_id, (len(keys) - 1, keys[-1]))
@@ -527,11 +551,15 @@ class EngineTiers:
         for g, (pk, pc) in zip(gs, parents):
             key, c = chain_next(pk, pc, block)
             cd[key] = c
+            self._parent_keys[key] = None if j == 0 else pk
             if ng is not None:
                 self._check_group[key] = g
             made.append(key)
         while len(cd) > _MAX_CHECK_KEYS * len(made):
             del cd[next(iter(cd))]
+        pkd = self._parent_keys
+        while len(pkd) > _MAX_CHECK_KEYS * len(made):
+            del pkd[next(iter(pkd))]
         if ng is not None:
             cg = self._check_group
             while len(cg) > _MAX_CHECK_KEYS * ng:
@@ -557,6 +585,8 @@ class EngineTiers:
             return
         ids, keys = sp.block_ids, sp.keys
         parents, toks = getattr(sp, "parent_keys", None), getattr(sp, "token_ids", None)
+        if parents is None:  # (KV events off: the parents remembered when the blocks' chains were hashed)
+            parents = [self._parent_keys.get(k) for k in keys]
         sel = range(len(keys))  # the plan's entries stored
         lk = self._loaded_keys
         if lk:  # blocks this engine just loaded from the tiers are there already: not copied, not written again
@@ -602,6 +632,12 @@ class EngineTiers:
 
     def take_events(self) -> list:
         return self.connector.take_events()
+
+    def stores_pending(self) -> bool:
+        """Stores in flight or finished and not yet completed by :meth:`poll` (the server's idle loop polls until
+        none is left: the tier counters and the blocks pinned for the stores settle without another request).
+        Thread-safe. O(1)."""
+        return self.store_policy != "none" and self.connector.stores_unsettled
 
     def close(self, timeout: float = 30.0) -> None:
         """Finish the stores in flight (at most ``timeout`` s) and close the tiers (the disk directory's lock is

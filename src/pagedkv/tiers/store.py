@@ -243,6 +243,11 @@ class BlockStore:
                     corrupt += 1
                 else:
                     mismatched += 1
+        if corrupt or mismatched or refused:  # one line per refused value (counted in stats too)
+            for name, st in zip(names, statuses):
+                if st in _REFUSED:
+                    log.warning("pagedkv tier %s: refused the stored KV block %s (%s); it is computed instead",
+                                self.medium, name, _REFUSED[st])
         if drop:
             try:
                 self._backend.discard_many(drop)
@@ -261,13 +266,24 @@ class BlockStore:
                     check_refused=refused, read_errors=errors, bytes_read=nbytes)
         return GetResult(tuple(statuses), tuple(values))
 
-    def put_many(self, chain_keys, payloads: Sequence, namespace: object = None, checks=None) -> tuple:
+    def put_many(self, chain_keys, payloads: Sequence, namespace: object = None, checks=None,
+                 parents=None) -> tuple:
         """Store ``payloads[i]`` (bytes-like) as the block with chained key ``chain_keys[i]`` of ``namespace``
         and check digest ``checks[i]`` (:func:`~pagedkv.tiers.check_digests`; None: stored without one, and a
         load that passes check digests refuses it): one :class:`~pagedkv.tiers.PutStatus` per block. A block
-        already stored is not rewritten (PRESENT). Raises only on bad arguments (before any I/O).
-        O(blocks + payload bytes)."""
+        already stored is not rewritten (PRESENT). ``parents``: each block's parent chain key (None: a
+        namespace's first block, or not known), handed to a backend that orders its evictions by chain
+        (``accepts_parents``: :class:`~pagedkv.tiers.DiskBackend` evicts a chain's tail before its head).
+        Raises only on bad arguments (before any I/O). O(blocks + payload bytes)."""
         names = self.names(chain_keys, namespace)
+        pnames = None
+        if parents is not None and getattr(self._backend, "accepts_parents", False):
+            if len(parents) != len(names):
+                raise InvalidArgumentError(f"{len(names)} chain keys but {len(parents)} parent keys")
+            known = [i for i, k in enumerate(parents) if k is not None]
+            pnames = [None] * len(names)
+            for i, n in zip(known, self.names([int(parents[i]) for i in known], namespace)):
+                pnames[i] = n
         checks = _checks(checks, len(names))
         if len(payloads) != len(names):
             raise InvalidArgumentError(f"{len(names)} chain keys but {len(payloads)} payloads")
@@ -286,7 +302,9 @@ class BlockStore:
         values = [codec.encode(self._digest, n, mv, None if checks is None else checks[i])
                   for i, (n, mv) in enumerate(zip(names, views))]
         try:
-            out = [PutStatus(s) for s in self._backend.write_many(names, values)]
+            got = self._backend.write_many(names, values) if pnames is None else \
+                self._backend.write_many(names, values, pnames)
+            out = [PutStatus(s) for s in got]
             if len(out) != len(names):
                 raise RuntimeError(f"write_many answered {len(out)} statuses for {len(names)} values")
         except Exception as e:  # noqa: BLE001 - fail soft, counted
@@ -337,6 +355,11 @@ class BlockStore:
 
     def close(self) -> None:
         self._backend.close()
+
+
+_REFUSED = {GetStatus.CORRUPT: "corrupt or cut short: dropped",
+            GetStatus.MISMATCH: "written for another model, block size or format version: dropped",
+            GetStatus.CHECK: "its check digest is another prefix's, or it has none"}
 
 
 def _checks(checks, n: int):
