@@ -36,8 +36,10 @@ def test_idle_metrics_settle_when_the_tier_writes_finish(engine, tmp_path, monke
         return real(*a, **kw)
 
     monkeypatch.setattr(_files, "write_atomic", slow)
-    llm = LLM(engine.paged, block_size=BS, max_num_seqs=4, num_gpu_blocks=96, kv_disk_dir=tmp_path,
-              kv_disk_gib=0.05)
+    from pagedkv.engine.config import engine_configs
+
+    llm = LLM(engine.paged, block_size=BS, max_num_seqs=4, num_gpu_blocks=96,
+              **engine_configs(kv_disk_dir=tmp_path, kv_disk_gib=0.05))
     srv = make_server(llm, model_name="m", max_waiting=8).start_in_thread()
     try:
         r = httpx.post(srv.url + "/v1/completions", json={"model": "m", "prompt": list(range(300, 330)),

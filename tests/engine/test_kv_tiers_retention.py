@@ -18,9 +18,10 @@ B = list(range(300, 341))
 
 
 def make(engine, **kw):
+    from pagedkv.engine.config import engine_configs
     from pagedkv.engine.llm import LLM
 
-    return LLM(engine.paged, block_size=BS, max_num_seqs=4, num_gpu_blocks=96, **kw)
+    return LLM(engine.paged, block_size=BS, max_num_seqs=4, num_gpu_blocks=96, **engine_configs(**kw))
 
 
 def gen(llm, prompt):

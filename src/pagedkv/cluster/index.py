@@ -73,7 +73,7 @@ from collections import OrderedDict
 from ..events import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_GPU, MEDIUM_SHARED, medium_of
 from .vllm_hash import external_key
 
-__all__ = ["KVIndex", "MemoryIndex", "RedisIndex", "IndexUnavailableError", "open_index", "event_kind",
+__all__ = ["KVIndex", "MemoryIndex", "IndexUnavailableError", "event_kind",
            "hybrid_match"]
 
 
@@ -530,21 +530,8 @@ def _bits(bits: int):
         bits ^= low
 
 
-def open_index(spec: str | None, *, shared_capacity_blocks: int | None = None) -> "MemoryIndex | RedisIndex":
-    """``None`` or ``"memory"``: a :class:`MemoryIndex`; ``"redis://HOST:PORT[/DB]"``: a :class:`RedisIndex`
-    (ValueError for anything else). ``shared_capacity_blocks``: the bound on the shared blocks it keeps."""
-    if spec in (None, "", "memory"):
-        return MemoryIndex(shared_capacity_blocks=shared_capacity_blocks)
-    if spec.startswith(("redis://", "rediss://", "unix://")):
-        return RedisIndex(spec, shared_capacity_blocks=shared_capacity_blocks)
-    raise ValueError(f"--index must be 'memory' or redis://HOST:PORT, got {spec!r}")
-
-
 def predicted_tokens(matched_blocks: int, num_tokens: int, block_size: int) -> int:
     """Tokens a prefix-cache hit of ``matched_blocks`` saves on a ``num_tokens`` prompt: the engine always
     computes at least one token, so at most ``(num_tokens - 1) // block_size`` blocks count."""
     return min(matched_blocks, max(num_tokens - 1, 0) // block_size) * block_size
 
-
-# (at the end: redis_index imports this module's helpers)
-from .redis_index import RedisIndex  # noqa: E402

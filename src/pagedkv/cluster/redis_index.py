@@ -9,7 +9,7 @@ from ..events import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_GPU, MEDIUM_SHARED
 from .index import (_MEDIA, IndexUnavailableError, MemoryIndex, _group, _guard, _is_hybrid, _keys,
                     _medium, _spec, event_kind, hybrid_match, media_set)
 
-__all__ = ["RedisIndex"]
+__all__ = ["RedisIndex", "open_index"]
 
 
 class RedisIndex:
@@ -373,3 +373,13 @@ class RedisIndex:
     @_guard
     def set_seq(self, replica, seq: int) -> None:
         self.r.set(f"{self.p}:seq:{replica}", int(seq))
+
+
+def open_index(spec: str | None, *, shared_capacity_blocks: int | None = None) -> "MemoryIndex | RedisIndex":
+    """``None`` or ``"memory"``: a :class:`MemoryIndex`; ``"redis://HOST:PORT[/DB]"``: a :class:`RedisIndex`
+    (ValueError for anything else). ``shared_capacity_blocks``: the bound on the shared blocks it keeps."""
+    if spec in (None, "", "memory"):
+        return MemoryIndex(shared_capacity_blocks=shared_capacity_blocks)
+    if spec.startswith(("redis://", "rediss://", "unix://")):
+        return RedisIndex(spec, shared_capacity_blocks=shared_capacity_blocks)
+    raise ValueError(f"--index must be 'memory' or redis://HOST:PORT, got {spec!r}")

@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
 def make_router(args: argparse.Namespace):
     """A :class:`~pagedkv.router.app.RouterServer` from parsed options (ValueError / FileNotFoundError on bad
     ones)."""
-    from ..cluster.index import RedisIndex, open_index
+    from ..cluster.redis_index import RedisIndex, open_index
     from ..server.http_options import check_http_args, http_options
     from .app import RouterServer
     from .prompt import PromptBuilder, load_tokenizer
