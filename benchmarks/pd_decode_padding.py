@@ -21,7 +21,8 @@ import time
 import torch
 
 from pagedkv.engine.model import build_attention_metadata
-from pagedkv.engine.paged_attention import AttentionWorkspace, paged_attention, plan_paged_attention
+from pagedkv.engine.paged_attention import (ATTENTION_MODES, AttentionWorkspace, paged_attention, plan_paged_attention,
+                                            set_attention_mode)
 
 BS, N_KV, N_HEAD, D, LAYERS = 16, 3, 9, 64, 30
 
@@ -57,7 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long", type=int, default=2049, help="the long sequence's context (a 2,048-token prompt + 1)")
     p.add_argument("--stream", type=int, default=480, help="each stream's context")
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--mode", default="padded", choices=ATTENTION_MODES,
+                   help="attention mode (padded: the path measured in docs/pd-split.md; ragged: issue 36's default)")
     a = p.parse_args(argv)
+    set_attention_mode(a.mode)
     torch.set_num_threads(1)
     blocks = 6 * -(-max(a.long, a.stream) // BS) + 8
     kv = torch.randn(2, blocks, BS, N_KV, D, generator=torch.Generator().manual_seed(1))

@@ -142,14 +142,17 @@ def test_sliding_window_semantics_match_hf(window):
 
 
 def test_sliding_window_skips_blocks_before_the_window():
-    """A decode at position 1039 with W = 512 sees keys 528..1039: the blocks before block 33 are not gathered."""
+    """A decode at position 1039 with W = 512 sees keys 528..1039: the blocks before block 33 are not gathered (the
+    gathering path: mode "bucketed"; the "ragged" kernel reads each key range as it is, tested in
+    test_ragged_attention.py)."""
     from pagedkv.engine.paged_attention import plan_paged_attention
 
     table = list(range(100, 100 + blocks(1040)))
-    (g,) = plan_paged_attention(_meta([1], [1040], [table]), BLOCK, sliding_window=512).groups
+    (g,) = plan_paged_attention(_meta([1], [1040], [table]), BLOCK, sliding_window=512, mode="bucketed").groups
     assert g.block_ids.tolist() == table[33:]
     assert g.num_keys == 512 and bool((g.mask == 0).all())  # block 33 starts at key 528: exactly the window
-    (g,) = plan_paged_attention(_meta([1], [1041], [table + [200]]), BLOCK, sliding_window=512).groups
+    (g,) = plan_paged_attention(_meta([1], [1041], [table + [200]]), BLOCK, sliding_window=512,
+                                mode="bucketed").groups
     assert g.block_ids.tolist() == table[33:] + [200]  # position 1040 sees 529..1040: key 528 is masked
     assert torch.isfinite(g.mask[0, 0, 0]).tolist() == [False] + [True] * 512 + [False] * 15
 

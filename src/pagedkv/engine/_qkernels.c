@@ -25,7 +25,9 @@
  * x is float32 (B, K) row-major with row stride ldx, y float32 (B, ldy) row-major; only columns [n0, n1) of y are
  * written. Rows of w are independent: callers split [0, N) across threads.
  */
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define PKV_W 16
@@ -274,3 +276,136 @@ PKV_ENTRY(pkv_q4_1_mm, PKV_Q4_1)
 PKV_ENTRY(pkv_q5_0_mm, PKV_Q5_0)
 PKV_ENTRY(pkv_q8_0_mm, PKV_Q8_0)
 PKV_ENTRY(pkv_q8_16_mm, PKV_Q8_16)
+
+/* ------------------------------------------------------------------------ paged attention over each sequence's own
+ * blocks (pagedkv.engine.paged_attention, the "ragged" path).
+ *
+ * For each sequence s < S, seqs[4 s ..] = (table row, first query row in the flat batch, q_len, context): its query
+ * row i (position p = context - q_len + i) attends the keys at positions max(0, p - window + 1) .. p (window <= 0:
+ * from 0), read through its row of block ids (tables + row * ldt), each key at kv[0, block, pos % bs, h, :] and its
+ * value at kv[1, ...]: kv is (2, num_blocks, bs, n_kv, d) float32, contiguous. Query head hq (n_head = n_kv * ng,
+ * grouped queries: KV head hq / ng) of row r is q[r * ldq + hq * d ..]; out row r gets the heads one after another
+ * (ldo floats apart). Softmax in float32 over the exact key range: no padding, no mask, nothing gathered.
+ * Work: O(sum over rows of keys x n_head x d); OpenMP over sequences (or (sequence, KV head) when there are fewer
+ * sequences than threads). Returns the
+ * number of keys read through block ids that were NULL (< 0) or >= num_blocks (those keys are skipped; the caller
+ * raises), -1 for head counts it does not take (n_head not a multiple of n_kv, or over PKV_MAX_HEADS). */
+#define PKV_MAX_HEADS 256
+PKV_INLINE float pkv_dot(const float *a, const float *b, const int64_t n) {
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* The query rows of one sequence for KV heads [h0, h1) (their ng query heads each): per row, the scores of every
+ * key (each key's heads read together: one contiguous run of the cache), the softmax, the weighted values. D is a
+ * constant where inlined for d = 64 (unrolled loops), else the run-time d. sc: (h1 - h0) * ng * (keys of the
+ * longest row) floats; acc: (h1 - h0) * ng * D. */
+PKV_INLINE int64_t attn_seq(const int64_t D, const float *q, int64_t ldq, const float *kv, int64_t num_blocks,
+                            int64_t bs, int64_t n_kv, int64_t ng, const int32_t *table, int64_t row0, int64_t qlen,
+                            int64_t ctx, int64_t window, float scale, int64_t h0, int64_t h1, float *out,
+                            int64_t ldo, float *sc, float *acc) {
+    const float *vbase = kv + num_blocks * bs * n_kv * D;
+    const int64_t nh = (h1 - h0) * ng; /* query heads handled here, from query head h0 * ng on */
+    int64_t bad = 0;
+    float mx[PKV_MAX_HEADS];
+    for (int64_t i = 0; i < qlen; i++) {
+        const int64_t r = row0 + i, pos = ctx - qlen + i;
+        const int64_t lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0, n = pos - lo + 1;
+        const float *qr = q + r * ldq + h0 * ng * D;
+        for (int64_t j = 0; j < nh; j++) mx[j] = -INFINITY;
+        for (int64_t p = lo; p <= pos;) { /* scores, block by block */
+            const int64_t blk = table[p / bs], end = (p / bs + 1) * bs <= pos + 1 ? (p / bs + 1) * bs : pos + 1;
+            if (blk < 0 || blk >= num_blocks) {
+                bad += end - p;
+                for (; p < end; p++)
+                    for (int64_t j = 0; j < nh; j++) sc[j * n + p - lo] = -INFINITY;
+                continue;
+            }
+            for (; p < end; p++) {
+                const float *kp = kv + ((blk * bs + p % bs) * n_kv + h0) * D;
+                for (int64_t j = 0; j < nh; j++) {
+                    const float x = pkv_dot(qr + j * D, kp + (j / ng) * D, D) * scale;
+                    sc[j * n + p - lo] = x;
+                    if (x > mx[j]) mx[j] = x;
+                }
+            }
+        }
+        for (int64_t j = 0; j < nh; j++) {
+            float *sj = sc + j * n, m = mx[j], t = 0.f;
+            for (int64_t x = 0; x < n; x++) t += sj[x] = expf(sj[x] - m);
+            mx[j] = 1.f / t; /* from here on: the normalizer */
+        }
+        for (int64_t x = 0; x < nh * D; x++) acc[x] = 0.f;
+        for (int64_t p = lo; p <= pos;) { /* the values, weighted */
+            const int64_t blk = table[p / bs], end = (p / bs + 1) * bs <= pos + 1 ? (p / bs + 1) * bs : pos + 1;
+            if (blk < 0 || blk >= num_blocks) {
+                p = end;
+                continue;
+            }
+            for (; p < end; p++) {
+                const float *vp = vbase + ((blk * bs + p % bs) * n_kv + h0) * D;
+                for (int64_t j = 0; j < nh; j++) {
+                    const float w = sc[j * n + p - lo], *vj = vp + (j / ng) * D;
+                    float *a = acc + j * D;
+#pragma omp simd
+                    for (int64_t x = 0; x < D; x++) a[x] += w * vj[x];
+                }
+            }
+        }
+        for (int64_t j = 0; j < nh; j++) {
+            float *o = out + r * ldo + (h0 * ng + j) * D;
+            for (int64_t x = 0; x < D; x++) o[x] = acc[j * D + x] * mx[j];
+        }
+    }
+    return bad;
+}
+
+static int64_t attn_seq_any(int64_t d, const float *q, int64_t ldq, const float *kv, int64_t num_blocks, int64_t bs,
+                            int64_t n_kv, int64_t ng, const int32_t *table, int64_t row0, int64_t qlen, int64_t ctx,
+                            int64_t window, float scale, int64_t h0, int64_t h1, float *out, int64_t ldo, float *sc,
+                            float *acc) {
+#define PKV_ATTN_D(DC)                                                                                         \
+    if (d == (DC))                                                                                             \
+        return attn_seq((DC), q, ldq, kv, num_blocks, bs, n_kv, ng, table, row0, qlen, ctx, window, scale, h0, h1, \
+                        out, ldo, sc, acc);
+    PKV_ATTN_D(64) PKV_ATTN_D(128) PKV_ATTN_D(256) /* SmolLM2, many others, Gemma 3: loops unrolled */
+    return attn_seq(d, q, ldq, kv, num_blocks, bs, n_kv, ng, table, row0, qlen, ctx, window, scale, h0, h1, out, ldo,
+                    sc, acc);
+}
+
+int64_t pkv_paged_attn(const float *q, int64_t ldq, const float *kv, int64_t num_blocks, int64_t bs, int64_t n_kv,
+                       int64_t d, int64_t n_head, const int32_t *tables, int64_t ldt, const int64_t *seqs, int64_t S,
+                       int64_t window, float scale, float *out, int64_t ldo, int nthreads) {
+    const int64_t ng = n_kv > 0 ? n_head / n_kv : 0;
+    int64_t most = 0, bad = 0; /* the longest key range of a row: the scratch of one task */
+    if (ng < 1 || ng * n_kv != n_head || n_head > PKV_MAX_HEADS) return -1;
+    for (int64_t s = 0; s < S; s++) {
+        const int64_t ctx = seqs[4 * s + 3];
+        const int64_t n = window > 0 && window < ctx ? window : ctx;
+        if (n > most) most = n;
+    }
+    int nt = nthreads < 1 ? 1 : nthreads;
+    /* one task per sequence (all its heads: each key one contiguous read) when there are enough for the threads,
+     * else one per (sequence, KV head) */
+    const int64_t split = S >= nt ? 1 : n_kv, tasks = S * split, hs = n_kv / split;
+    if (nt > tasks) nt = (int)(tasks > 0 ? tasks : 1);
+#pragma omp parallel num_threads(nt) if (nt > 1) reduction(+ : bad)
+    {
+        float *acc = (float *)malloc(sizeof(float) * (size_t)(hs * ng * (most + d) + 1)); /* acc, then scores */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < tasks; t++) {
+            const int64_t s = t / split, h0 = (t % split) * hs;
+            const int64_t *e = seqs + 4 * s;
+            if (acc == NULL) {
+                bad += 1;
+                continue;
+            }
+            bad += attn_seq_any(d, q, ldq, kv, num_blocks, bs, n_kv, ng, tables + e[0] * ldt, e[1], e[2], e[3], window,
+                                scale, h0, h0 + hs, out, ldo, acc + hs * ng * d, acc);
+        }
+        free(acc);
+    }
+    return bad;
+}

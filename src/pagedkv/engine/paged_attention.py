@@ -10,20 +10,32 @@ window)::
         ...
         out = paged_attention(q, k, v, kv_cache[i], plans[layer_windows[i]], scale=..., workspace=ws)
 
-The plan (built once per step, shared by all layers with that window) sorts the step's sequences into groups
-of equal query length and picks, per group, one of two paths:
+The plan (built once per step, shared by all layers with that window) sorts the step's sequences by query length
+and, in the default mode ``"ragged"`` (:data:`ATTENTION_MODES`; ``PAGEDKV_ATTENTION`` or
+:func:`set_attention_mode` pick another), sends each to one of three paths:
 
 * **fresh prompts** (no token of the sequence is cached yet: ``context_len == q_len``): the keys are exactly the
-  new tokens, so the group attends its own ``k``/``v`` directly with a causal (or causal band) mask; the cache is
-  written but never read back, no gather at all;
-* **everything else** (decodes, prefill chunks, prompts after a prefix-cache hit): the group's blocks are gathered
-  from the layer's cache into a workspace buffer that is reused by every layer and step (a fresh buffer per layer
-  costs a page fault per 4 KiB: measured 2-3x the copy itself), then one ``scaled_dot_product_attention`` over
-  the group; the mask (additive, built once per step) is left out when every sequence of the group has the same
-  context and no window cuts it: the keys are then sliced to that length.
+  new tokens, so sequences of one query length attend their own ``k``/``v`` directly with a causal (or causal
+  band) mask; the cache is written but never read back, no gather at all;
+* **decodes and short queries** (up to :data:`KERNEL_MAX_QUERY_LEN` new tokens after cached ones: decode steps,
+  short chunks, prompts after a prefix-cache hit): the C kernel ``pkv_paged_attn`` (``_qkernels.c``, built with the
+  quantized kernels) reads each sequence's own keys and values through its block table, exactly its context (its
+  window on sliding layers): no gather, no padding to the batch's longest, no mask; one call per layer for all of
+  them, OpenMP over (sequence, KV head);
+* **longer chunks** (and everything not fresh when the kernel is off): split into groups of similar context
+  (:func:`_buckets`: a sequence is padded by at most :data:`BUCKET_SLACK_KEYS` keys or a quarter of its group's
+  span), each group's blocks gathered from the layer's cache into a workspace buffer reused by every layer and
+  step (a fresh buffer per layer costs a page fault per 4 KiB: measured 2-3x the copy itself), then one
+  ``scaled_dot_product_attention`` over the group; the mask (additive, built once per step) is left out when every
+  sequence of a decode group has the same context and no window cuts it: the keys are then sliced to that length.
 
-Cost per layer: fresh prompts O(sum q_len^2) attention and no copy; other groups O(G * M * block_size) bytes
-copied (``M`` blocks of the group's longest context, fewer with a window) plus the attention.
+``"bucketed"`` is the last path for everything not fresh (what runs without the kernels, or for a cache the kernel
+cannot read: not float32, not contiguous); ``"padded"`` is the former plan, one group per query length gathered up
+to its longest context, kept for A/B runs (``benchmarks/ragged_attention_ab.py``, ``benchmarks/mixed_lengths.py``).
+
+Cost per layer: fresh prompts O(sum q_len^2) attention and no copy; the kernel O(sum over query rows of keys x
+n_head x d), reading each needed key once per query row; gathered groups O(G * M * block_size) bytes copied (``M``
+blocks of the group's longest context, fewer with a window) plus the attention.
 
 ::
 
@@ -35,7 +47,10 @@ copied (``M`` blocks of the group's longest context, fewer with a window) plus t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import ctypes
+import os
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -49,7 +64,67 @@ except ImportError:  # pragma: no cover - core not importable
 # grouped-query attention support in scaled_dot_product_attention (torch >= 2.5)
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
-__all__ = ["AttentionPlan", "AttentionWorkspace", "paged_attention", "plan_paged_attention"]
+__all__ = ["ATTENTION_MODES", "AttentionPlan", "AttentionWorkspace", "attention_mode", "paged_attention",
+           "plan_paged_attention", "set_attention_mode"]
+
+#: ``"ragged"``: non-fresh sequences with a query of up to :data:`KERNEL_MAX_QUERY_LEN` tokens go through the C
+#: kernel, each over its own keys; the rest as ``"bucketed"`` (the same when the kernels are not built).
+#: ``"bucketed"``: groups of equal query length split further by context (:func:`_buckets`), each gathered and
+#: attended by SDPA. ``"padded"``: the former path, one group per query length gathered up to its longest context.
+ATTENTION_MODES = ("ragged", "bucketed", "padded")
+#: query tokens per sequence up to which the kernel attends it (decodes, short chunks); longer ones go to SDPA
+KERNEL_MAX_QUERY_LEN = 4
+#: padding (keys) a sequence may take to share a gathered group (about the cost of one more group per layer)
+BUCKET_SLACK_KEYS = 128
+_NULL_MSG = ("a key inside the attention window lies in a NULL_BLOCK table entry (the block was released too "
+             "early or the block table is too short)")
+
+
+def _check_mode(mode: str) -> str:
+    if mode not in ATTENTION_MODES:
+        raise ValueError(f"attention mode must be one of {', '.join(ATTENTION_MODES)}, not {mode!r}")
+    return mode
+
+
+_MODE = _check_mode(os.environ.get("PAGEDKV_ATTENTION", "ragged"))
+
+
+def attention_mode() -> str:
+    """The mode plans take by default: ``PAGEDKV_ATTENTION`` at import (default ``"ragged"``), or
+    :func:`set_attention_mode`'s."""
+    return _MODE
+
+
+def set_attention_mode(mode: str) -> str:
+    """Make ``mode`` (one of :data:`ATTENTION_MODES`) the default of later plans, process-wide (for A/B runs);
+    returns the previous one. ``ValueError`` for another name."""
+    global _MODE
+    prev, _MODE = _MODE, _check_mode(mode)
+    return prev
+
+
+_KERNEL: list = []
+
+
+def _kernel() -> Any:
+    """The C entry point ``pkv_paged_attn`` (``_qkernels.c``, built by :func:`pagedkv.engine.qmatmul.kernels`), or
+    ``None`` when the kernels are not built or disabled (``PAGEDKV_QKERNELS=0``)."""
+    if not _KERNEL:
+        from .qmatmul import kernels
+
+        dll = kernels()
+        _KERNEL.append(None if dll is None else bind_kernel(dll))
+    return _KERNEL[0]
+
+
+def bind_kernel(dll: ctypes.CDLL) -> Any:
+    """``dll.pkv_paged_attn`` with its signature set (``dll``: a :func:`pagedkv.engine.qmatmul.build_kernels`
+    build; tests bind the AVX2 and plain-C variants this way)."""
+    fn = dll.pkv_paged_attn
+    i64, vp = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [vp, i64, vp, i64, i64, i64, i64, i64, vp, i64, vp, i64, i64, ctypes.c_float, vp, i64, ctypes.c_int]
+    fn.restype = i64
+    return fn
 
 
 @dataclass(frozen=True)
@@ -67,6 +142,18 @@ class _Group:
 
 
 @dataclass(frozen=True)
+class _Ragged:
+    """Sequences of one step attended by the C kernel, each over exactly its own keys (no gather, no mask)."""
+
+    seqs: torch.Tensor  # (S, 4) int64: table row, first row in the flat batch, q_len, context
+    tables: torch.Tensor  # (B, M) int32, contiguous: the step's block tables
+    window: int  # 0: none
+    seq_list: tuple[int, ...]  # the same sequences (batch indices), for the torch fallback
+    meta: Any  # the step's metadata, for the torch fallback
+    fallback: dict = field(default_factory=dict, compare=False)  # built on demand: dtype -> groups
+
+
+@dataclass(frozen=True)
 class AttentionPlan:
     """What :func:`paged_attention` needs for one step and one sliding-window setting (see the module doc).
 
@@ -78,6 +165,8 @@ class AttentionPlan:
     num_tokens: int
     block_size: int
     sliding_window: int | None
+    ragged: _Ragged | None = None  # the kernel's sequences (mode "ragged"), None when there are none
+    mode: str = "padded"
 
 
 class AttentionWorkspace:
@@ -99,15 +188,17 @@ class AttentionWorkspace:
 
 
 def plan_paged_attention(meta, block_size: int, *, sliding_window: int | None | str = "meta",
-                         dtype: torch.dtype = torch.float32) -> AttentionPlan:
+                         dtype: torch.dtype = torch.float32, mode: str | None = None) -> AttentionPlan:
     """Plan one step's attention for a window setting (default: ``meta.sliding_window``).
 
     ``meta`` is an :class:`~pagedkv.engine.model.AttentionMetadata`; ``dtype`` is the dtype of the queries (the
-    masks are built in it). Raises ``RuntimeError`` when a key some query needs lies in a ``NULL_BLOCK`` table
-    entry. Cost: O(B) host work plus O(G * q_len * M * block_size) for the masks of the groups that need one.
+    masks are built in it); ``mode``: ``"ragged"``, ``"bucketed"`` or ``"padded"`` (default: :func:`attention_mode`;
+    the module doc). Raises ``RuntimeError`` when a key some query needs lies in a ``NULL_BLOCK`` table entry.
+    Cost: O(B log B) host work, plus O(S * M) for the NULL check of the kernel's ``S`` sequences (``M`` table
+    columns) and O(G * q_len * keys) for the masks of the gathered groups that need one.
     """
     window = meta.sliding_window if sliding_window == "meta" else sliding_window
-    dev = meta.input_ids.device
+    mode = _MODE if mode is None else _check_mode(mode)
     q_lens = meta.query_lens
     ctx = meta.context_lens_host
     by_len: dict[int, list[int]] = {}
@@ -115,52 +206,119 @@ def plan_paged_attention(meta, block_size: int, *, sliding_window: int | None | 
         by_len.setdefault(q, []).append(b)
     starts = np.zeros(len(q_lens) + 1, dtype=np.int64)
     np.cumsum(q_lens, out=starts[1:])
-    groups: list[_Group] = []
+    use_kernel = (mode == "ragged" and dtype == torch.float32 and meta.input_ids.device.type == "cpu"
+                  and _kernel() is not None)
+    parts: list[tuple[int, list[int], bool]] = []  # (q_len, sequences, fresh)
+    ragged: list[int] = []
     for q_len, seqs in by_len.items():
-        seq_idx = np.asarray(seqs, dtype=np.int64)
-        if len(by_len) == 1:
-            token_idx = None  # every row of the batch, already in order
-        else:
-            rows = (starts[seq_idx][:, None] + np.arange(q_len)[None, :]).reshape(-1)
-            token_idx = torch.from_numpy(rows).to(dev)
-        g_ctx = [ctx[b] for b in seqs]
-        if all(c == q_len for c in g_ctx):  # whole new prompts: keys are the new tokens themselves
-            mask = None
-            if window is not None and window < q_len:
-                pos = torch.arange(q_len, device=dev)
-                band = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
-                mask = _additive(band[None, None], dtype)
-            groups.append(_Group(q_len, token_idx, len(seqs), True, None, q_len, mask, mask is None and q_len > 1))
+        if mode == "padded":  # one group per query length, gathered up to its longest context
+            parts.append((q_len, seqs, all(ctx[b] == q_len for b in seqs)))
             continue
-        last_block = -(-max(g_ctx) // block_size)  # blocks needed by the longest context
-        first_block = 0
-        if window is not None:
-            # keys older than every query's window are never read: skip their blocks entirely
-            lowest_key = min(c - q_len for c in g_ctx) - window + 1
-            first_block = max(0, lowest_key) // block_size
-        sel = torch.from_numpy(seq_idx).to(dev)
-        bt = meta.block_tables.index_select(0, sel)[:, first_block:last_block].long()
-        key_pos = torch.arange(first_block * block_size, last_block * block_size, device=dev)
-        g_ctx_t = meta.context_lens.index_select(0, sel)
-        q_pos = g_ctx_t[:, None] - q_len + torch.arange(q_len, device=dev)[None, :]  # (G, q_len)
-        allowed = key_pos[None, None, :] <= q_pos[:, :, None]  # causal
-        if window is not None:
-            allowed &= key_pos[None, None, :] > (q_pos[:, :, None] - window)
-        # every key a query needs must be in a real block; NULL_BLOCK entries are only legal where
-        # no query looks (padding, blocks released by the sliding window)
-        released = (bt == NULL_BLOCK).repeat_interleave(block_size, dim=1)  # (G, keys)
-        if bool((allowed & released[:, None, :]).any()):
-            raise RuntimeError(
-                "a key inside the attention window lies in a NULL_BLOCK table entry (the block was released "
-                "too early or the block table is too short)"
-            )
-        if q_len == 1 and len(set(g_ctx)) == 1 and (window is None or window >= g_ctx[0]):
-            # one decode token per sequence, all at the same context: every key up to it and nothing else
-            num_keys, mask = g_ctx[0], None
+        fresh = [b for b in seqs if ctx[b] == q_len]
+        rest = [b for b in seqs if ctx[b] != q_len]
+        if fresh:
+            parts.append((q_len, fresh, True))
+        if use_kernel and q_len <= KERNEL_MAX_QUERY_LEN:
+            ragged += rest
         else:
-            num_keys, mask = (last_block - first_block) * block_size, _additive(allowed[:, None], dtype)
-        groups.append(_Group(q_len, token_idx, len(seqs), False, bt.clamp_min(0).reshape(-1), num_keys, mask, False))
-    return AttentionPlan(tuple(groups), meta.slot_mapping, meta.num_tokens, block_size, window)
+            parts += [(q_len, bucket, False) for bucket in _buckets(rest, q_len, ctx, block_size, window)]
+    in_order = len(parts) == 1 and not ragged and parts[0][1] == list(range(len(q_lens)))
+    groups = tuple(_plan_group(meta, q_len, seqs, fresh, None if in_order else starts, block_size, window, dtype)
+                   for q_len, seqs, fresh in parts)
+    rag = _plan_ragged(meta, ragged, starts, block_size, window) if ragged else None
+    return AttentionPlan(groups, meta.slot_mapping, meta.num_tokens, block_size, window, rag, mode)
+
+
+def _buckets(seqs: list[int], q_len: int, ctx, block_size: int, window: int | None) -> list[list[int]]:
+    """``seqs`` (same ``q_len``, none fresh) split into groups whose gathered block spans pad no sequence by more
+    than :data:`BUCKET_SLACK_KEYS` keys or a quarter of the span, whichever is more (longest contexts first;
+    each group then costs one gather and one SDPA per layer). O(n log n)."""
+    if len(seqs) <= 1:
+        return [seqs] if seqs else []
+    spans = []
+    for b in seqs:
+        hi = -(-ctx[b] // block_size)
+        lo = 0 if window is None else max(0, ctx[b] - q_len - window + 1) // block_size
+        spans.append((hi, lo, b))
+    spans.sort(key=lambda s: (-s[0], s[2]))  # longest first; batch order among equals
+    out: list[list[int]] = []
+    cur: list[int] = []
+    cur_hi = cur_lo = narrow = 0
+    for hi, lo, b in spans:
+        if cur:
+            u_lo, n = min(cur_lo, lo), min(narrow, hi - lo)
+            width = cur_hi - u_lo
+            if (width - n) * block_size <= max(BUCKET_SLACK_KEYS, width * block_size // 4):
+                cur.append(b)
+                cur_lo, narrow = u_lo, n
+                continue
+            out.append(cur)
+        cur, cur_hi, cur_lo, narrow = [b], hi, lo, hi - lo
+    out.append(cur)
+    return out
+
+
+def _plan_group(meta, q_len: int, seqs: list[int], fresh: bool, starts: np.ndarray | None, block_size: int,
+                window: int | None, dtype: torch.dtype) -> _Group:
+    """One dense group: ``seqs`` (same ``q_len``) attended by one SDPA; ``starts`` ``None``: every row, in order."""
+    dev = meta.input_ids.device
+    ctx = meta.context_lens_host
+    seq_idx = np.asarray(seqs, dtype=np.int64)
+    token_idx = None
+    if starts is not None:
+        rows = (starts[seq_idx][:, None] + np.arange(q_len)[None, :]).reshape(-1)
+        token_idx = torch.from_numpy(rows).to(dev)
+    g_ctx = [ctx[b] for b in seqs]
+    if fresh:  # whole new prompts: keys are the new tokens themselves
+        mask = None
+        if window is not None and window < q_len:
+            pos = torch.arange(q_len, device=dev)
+            band = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+            mask = _additive(band[None, None], dtype)
+        return _Group(q_len, token_idx, len(seqs), True, None, q_len, mask, mask is None and q_len > 1)
+    last_block = -(-max(g_ctx) // block_size)  # blocks needed by the longest context
+    first_block = 0
+    if window is not None:
+        # keys older than every query's window are never read: skip their blocks entirely
+        lowest_key = min(c - q_len for c in g_ctx) - window + 1
+        first_block = max(0, lowest_key) // block_size
+    sel = torch.from_numpy(seq_idx).to(dev)
+    bt = meta.block_tables.index_select(0, sel)[:, first_block:last_block].long()
+    key_pos = torch.arange(first_block * block_size, last_block * block_size, device=dev)
+    g_ctx_t = meta.context_lens.index_select(0, sel)
+    q_pos = g_ctx_t[:, None] - q_len + torch.arange(q_len, device=dev)[None, :]  # (G, q_len)
+    allowed = key_pos[None, None, :] <= q_pos[:, :, None]  # causal
+    if window is not None:
+        allowed &= key_pos[None, None, :] > (q_pos[:, :, None] - window)
+    # every key a query needs must be in a real block; NULL_BLOCK entries are only legal where
+    # no query looks (padding, blocks released by the sliding window)
+    released = (bt == NULL_BLOCK).repeat_interleave(block_size, dim=1)  # (G, keys)
+    if bool((allowed & released[:, None, :]).any()):
+        raise RuntimeError(_NULL_MSG)
+    if q_len == 1 and len(set(g_ctx)) == 1 and (window is None or window >= g_ctx[0]):
+        # one decode token per sequence, all at the same context: every key up to it and nothing else
+        num_keys, mask = g_ctx[0], None
+    else:
+        num_keys, mask = (last_block - first_block) * block_size, _additive(allowed[:, None], dtype)
+    return _Group(q_len, token_idx, len(seqs), False, bt.clamp_min(0).reshape(-1), num_keys, mask, False)
+
+
+def _plan_ragged(meta, seqs: list[int], starts: np.ndarray, block_size: int, window: int | None) -> _Ragged:
+    """The kernel's part of the step: ``seqs`` as ``(table row, first row, q_len, context)``, after checking that
+    no key a query needs lies in a ``NULL_BLOCK`` entry (O(S * M) numpy on the host's table)."""
+    sel = np.asarray(seqs, dtype=np.int64)
+    ctx = np.asarray(meta.context_lens_host, dtype=np.int64)[sel]
+    q_len = np.asarray(meta.query_lens, dtype=np.int64)[sel]
+    tables = meta.block_tables
+    if tables.dtype != torch.int32 or not tables.is_contiguous():
+        tables = tables.to(torch.int32).contiguous()
+    first_key = np.zeros_like(ctx) if window is None else np.maximum(ctx - q_len - window + 1, 0)
+    cols = np.arange(tables.shape[1])
+    need = (cols[None, :] >= (first_key // block_size)[:, None]) & (cols[None, :] <= ((ctx - 1) // block_size)[:, None])
+    if bool((need & (tables.numpy()[sel] == NULL_BLOCK)).any()):
+        raise RuntimeError(_NULL_MSG)
+    desc = torch.from_numpy(np.stack([sel, starts[sel], q_len, ctx], axis=1).astype(np.int64, copy=False))
+    return _Ragged(desc.contiguous(), tables, 0 if window is None else int(window), tuple(seqs), meta)
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -178,19 +336,62 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer:
     queries). ``workspace``: reuse one across layers and steps (a new one is made when ``None``).
     """
     n_tok, n_head, d = q.shape
-    n_kv = k.shape[1]
     kv_layer[0].flatten(0, 1).index_copy_(0, plan.slot_mapping, k.to(kv_layer.dtype))
     kv_layer[1].flatten(0, 1).index_copy_(0, plan.slot_mapping, v.to(kv_layer.dtype))
     ws = workspace if workspace is not None else AttentionWorkspace()
-    groups = plan.groups
-    if len(groups) == 1 and groups[0].token_idx is None:
+    groups, rag = plan.groups, plan.ragged
+    if rag is not None and not _kernel_fits(q, kv_layer):
+        groups = groups + _fallback_groups(rag, plan, q.dtype)
+        rag = None
+    if rag is None and len(groups) == 1 and groups[0].token_idx is None:
         return _attend_group(groups[0], q, k, v, kv_layer, scale, ws)
     out = q.new_empty(n_tok, n_head * d)
+    if rag is not None:
+        _attend_ragged(rag, q, kv_layer, scale, out)
     for g in groups:
         idx = g.token_idx
         out.index_copy_(0, idx, _attend_group(g, q.index_select(0, idx), k.index_select(0, idx),
                                               v.index_select(0, idx), kv_layer, scale, ws))
     return out
+
+
+def _kernel_fits(q: torch.Tensor, kv_layer: torch.Tensor) -> bool:
+    """Whether the kernel reads these tensors as they are: float32 on the CPU, a contiguous cache layer, and
+    queries whose heads lie one after another (a view of a fused projection is fine)."""
+    return (q.dtype == torch.float32 and kv_layer.dtype == torch.float32 and q.device.type == "cpu"
+            and kv_layer.device.type == "cpu" and kv_layer.is_contiguous() and q.stride(2) == 1
+            and q.stride(1) == q.shape[2])
+
+
+def _fallback_groups(rag: _Ragged, plan: AttentionPlan, dtype: torch.dtype) -> tuple[_Group, ...]:
+    """The kernel's sequences as bucketed SDPA groups (a cache or queries the kernel cannot read); built once per
+    plan and dtype."""
+    got = rag.fallback.get(dtype)
+    if got is None:
+        meta, bs, w = rag.meta, plan.block_size, plan.sliding_window
+        starts = np.zeros(len(meta.query_lens) + 1, dtype=np.int64)
+        np.cumsum(meta.query_lens, out=starts[1:])
+        by_len: dict[int, list[int]] = {}
+        for b in rag.seq_list:
+            by_len.setdefault(meta.query_lens[b], []).append(b)
+        got = rag.fallback[dtype] = tuple(_plan_group(meta, q_len, bucket, False, starts, bs, w, dtype)
+                                          for q_len, seqs in by_len.items()
+                                          for bucket in _buckets(seqs, q_len, meta.context_lens_host, bs, w))
+    return got
+
+
+def _attend_ragged(rag: _Ragged, q: torch.Tensor, kv_layer: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    """The C kernel over the plan's ragged sequences: writes their rows of ``out`` (contiguous ``(T, H * d)``)."""
+    _, n_head, d = q.shape
+    _, num_blocks, bs, n_kv, _ = kv_layer.shape
+    bad = _kernel()(q.data_ptr(), q.stride(0), kv_layer.data_ptr(), num_blocks, bs, n_kv, d, n_head,
+                    rag.tables.data_ptr(), rag.tables.shape[1], rag.seqs.data_ptr(), rag.seqs.shape[0], rag.window,
+                    scale, out.data_ptr(), out.stride(0), torch.get_num_threads())
+    if bad < 0:
+        raise ValueError(f"the attention kernel takes n_head a multiple of n_kv, at most 256 (got {n_head}, {n_kv})")
+    if bad:
+        raise RuntimeError(f"paged attention read {bad} keys through a NULL_BLOCK or out-of-range block id (or ran "
+                           "out of memory for its scratch)")
 
 
 def _sdpa(qh, kh, vh, mask, causal, scale, n_group):
