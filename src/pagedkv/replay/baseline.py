@@ -12,8 +12,8 @@ equal prefixes) instead of tokens, so it needs no hashing, no token synthesis, n
       pin     the hit nodes leave the cache (in use)
       take    nb - hit blocks: plain free ones first, then evict the least recently released cached ones
       cache   the full blocks after the hit; a node still cached elsewhere (the last block when n % bs == 0,
-              which the lookup does not reach) is computed again: this block takes the idle copy's place in
-              the cache (the copy is freed), so the node is released with this request
+              which the lookup does not reach) is computed again into a copy: the idle block keeps its place
+              in the LRU order, and the copy is freed plainly with this request
       free    tail first: cached blocks become the most recently released, the others plain free blocks
 
 Hits, evictions and skipped requests equal the manager's, to the block (``tests/test_replay.py`` checks it;
@@ -88,9 +88,8 @@ def lru_replay(trace: Trace, capacity_tokens: int, *, block_size: int = 16) -> L
         released = 0
         for x in reversed(ns):
             if x in cache:
-                # (only the block the lookup did not reach: the manager computed it again and its held block took
-                # the idle copy's identity, freeing the copy: the content is released now, with this request)
-                cache.move_to_end(x)
+                # (only the block the lookup did not reach: the manager computed it again into a copy of the idle
+                # block's content; the idle block keeps its place in the LRU order and the copy is freed plainly)
                 continue
             cache[x] = None
             released += 1
