@@ -64,3 +64,34 @@ def test_vllm_bench_serve_completes_against_pagedkv_serve_and_agrees_with_its_me
         assert metric_sum(url, "pagedkv:time_to_first_token_seconds_count") == res["completed"]
     finally:
         procs.close()
+
+
+@pytest.mark.engine
+def test_tokenizer_routes_answer_vllms_own_request_and_response_classes(tmp_path):
+    """vLLM's tokenizer-route classes build the requests and parse the answers of ``pagedkv serve``: every answer
+    has exactly the response class's fields, the prompt's ids are the engine's own, and detokenizing them gives
+    the prompt back."""
+    from pagedkv.router.prompt import load_tokenizer
+
+    procs = Procs(tmp_path)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), *sys.path]), OMP_NUM_THREADS="1")
+    try:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        srv = procs.start("serve", [sys.executable, "-m", "pagedkv.cli", "serve", "--port", str(port),
+                                    "--num-gpu-blocks", "64"], env)
+        wait_http(url + "/health", srv, 300)
+        got = run_side("tokenize", url, MODEL)
+    finally:
+        procs.close()
+    for name in ("prompt", "strs", "chat", "detok"):
+        r = got[name]
+        assert r["status"] == 200 and r["keys"] == r["fields"], (name, r)
+    ids = load_tokenizer().encode("The capital of France is")
+    assert got["prompt"]["parsed"]["tokens"] == list(ids)
+    assert got["prompt"]["parsed"]["count"] == len(ids) and got["prompt"]["parsed"]["max_model_len"] > len(ids)
+    assert got["prompt"]["parsed"]["token_strs"] is None
+    strs = got["strs"]["parsed"]
+    assert len(strs["token_strs"]) == strs["count"] == len(strs["tokens"]) > 0
+    assert got["chat"]["parsed"]["count"] > 3  # the chat template's turn markers around "Hi!"
+    assert got["detok"]["parsed"]["prompt"] == "The capital of France is"

@@ -11,6 +11,9 @@ virtualenv, and uses vLLM 0.33's own code only (its KV-event classes, ZmqEventPu
         block hasher (get_request_block_hasher) over a request object carrying those fields.
     python vllm_side.py tokenizer GGUF_FILE OUT_DIR
         writes the GGUF model's tokenizer as a Hugging Face tokenizer directory (for vllm bench serve).
+    python vllm_side.py tokenize URL MODEL
+        POST /tokenize (a prompt, with token strings, chat messages) and /detokenize to a server at URL, each request
+        built with vLLM's own request class and each answer parsed with its response class.
     python vllm_side.py stub PORT PUB_ENDPOINT REPLAY_ENDPOINT BLOCK_SIZE ALGO MODEL
         a vLLM replica stub on 127.0.0.1:PORT: /health, /v1/models, /v1/completions (token-id prompts); each
         completion's prefix-cache hit is computed with vLLM's hashing against the blocks it holds, then its full
@@ -222,12 +225,46 @@ def cmd_tokenizer(gguf_path: str, out_dir: str) -> dict:
     return {"vocab": len(tok), "hello": tok("Hello world")["input_ids"]}
 
 
+def cmd_tokenize(url: str, model: str) -> dict:
+    """Requests built with vLLM's own tokenizer-route request classes, sent to ``url``; each answer parsed with
+    vLLM's response class, its keys compared with the class's fields."""
+    import urllib.error
+    import urllib.request
+
+    from vllm.entrypoints.serve.tokenize.protocol import (DetokenizeRequest, DetokenizeResponse,
+                                                          TokenizeChatRequest, TokenizeCompletionRequest,
+                                                          TokenizeResponse)
+
+    def post(route: str, req, resp_cls) -> dict:
+        data = json.dumps(req.model_dump(exclude_unset=True)).encode()
+        q = urllib.request.Request(url + route, data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(q, timeout=60) as r:
+                status, body = r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            status, body = e.code, json.loads(e.read() or b"{}")
+        parsed = resp_cls.model_validate(body).model_dump() if status == 200 else None
+        return {"status": status, "keys": sorted(body), "fields": sorted(resp_cls.model_fields), "parsed": parsed}
+
+    prompt = post("/tokenize", TokenizeCompletionRequest(model=model, prompt="The capital of France is"),
+                  TokenizeResponse)
+    strs = post("/tokenize", TokenizeCompletionRequest(model=model, prompt="Hello there", return_token_strs=True),
+                TokenizeResponse)
+    chat = post("/tokenize", TokenizeChatRequest(model=model, messages=[{"role": "user", "content": "Hi!"}]),
+                TokenizeResponse)
+    detok = post("/detokenize", DetokenizeRequest(model=model, tokens=prompt["parsed"]["tokens"]),
+                 DetokenizeResponse)
+    return {"prompt": prompt, "strs": strs, "chat": chat, "detok": detok}
+
+
 if __name__ == "__main__":
     cmd = sys.argv[1]
     if cmd == "replay":
         print(json.dumps(cmd_replay(sys.argv[2], sys.argv[3])))
     elif cmd == "tokenizer":
         print(json.dumps(cmd_tokenizer(sys.argv[2], sys.argv[3])))
+    elif cmd == "tokenize":
+        print(json.dumps(cmd_tokenize(sys.argv[2], sys.argv[3])))
     elif cmd == "hashes":
         print(json.dumps(cmd_hashes(json.load(sys.stdin))))
     elif cmd == "stub":
