@@ -15,6 +15,8 @@
 # repository in editable mode (--no-deps). Idempotent: a virtualenv whose pins are in place and whose vLLM
 # modules import is left as it is. Takes a few minutes on a fresh machine (wheels from the package index).
 set -euo pipefail
+# this virtualenv has pins of its own: scripts/setup.sh's constraints (exported for the main .venv) do not apply
+unset PIP_CONSTRAINT
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PYTHON=${PYTHON:-python3.11}
