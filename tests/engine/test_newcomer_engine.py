@@ -10,6 +10,8 @@ Each test failed before its fix; every server binds 127.0.0.1 and every wait is 
 
 from __future__ import annotations
 
+import re
+
 import dataclasses
 import os
 import socket
@@ -58,7 +60,9 @@ def test_generate_on_a_base_model_defaults_to_plain_completion_and_refuses_chat(
     assert cli.main(["generate", "--max-tokens", "6", prompt]) == 0
     out, err = capsys.readouterr()
     assert out == want + "\n"  # the plain completion, not a chat
-    assert len(err.strip().splitlines()) == 1 and "no chat template" in err and "plain completion" in err
+    note, cached = err.strip().splitlines()  # the base-model note, then the cache report every generate ends with
+    assert "no chat template" in note and "plain completion" in note
+    assert re.fullmatch(r"pagedkv: \d+ of \d+ prompt tokens from cache.*", cached), cached
     assert cli.main(["generate", "--chat", "--max-tokens", "6", prompt]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.startswith("pagedkv: error:") and "no chat template" in err
