@@ -15,25 +15,15 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
 _clock = time.thread_time
 
 
-def load_baseline(path: str):
-    path = Path(path).resolve()
-    spec = importlib.util.spec_from_file_location("pagedkv_base", path / "__init__.py",
-                                                  submodule_search_locations=[str(path)])
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["pagedkv_base"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+from bench_groups import decode_case as _groups_decode, load_baseline  # noqa: E402 - (scripts/ is on a script's path)
 
 
 def _workload(n_req: int, n_docs: int = 160, doc_len: int = 128, tail: int = 20):
@@ -62,23 +52,9 @@ def churn_case(mod, policy: str, reps: int = 3) -> float:
 
 
 def decode_case(mod, batch: int, steps: int = 0, ctx: int = 100, reps: int = 3) -> float:
-    """Seconds per decode_step of ``batch`` sequences (one token each): the best of ``reps`` runs."""
-    bs = 16
-    steps = steps or max(32, 2048 // batch)
-    per_seq = (ctx + steps * reps) // bs + 2
-    m = mod.BlockManager(batch * per_seq + 16, bs, enable_prefix_caching=True, watermark=0)
-    rng = np.random.default_rng(0)
-    ids = list(range(batch))
-    for s in ids:
-        m.allocate(s, rng.integers(0, 30000, ctx).tolist())
-    toks = np.ones(batch, dtype=np.int64)
-    best = float("inf")
-    for _ in range(reps):
-        t0 = _clock()
-        for _ in range(steps):
-            m.decode_step(ids, toks)
-        best = min(best, (_clock() - t0) / steps)
-    return best
+    """Seconds per decode_step of ``batch`` sequences (one token each), prefix caching on: the best of ``reps``
+    runs (scripts/bench_groups.py's case)."""
+    return _groups_decode(mod, batch, True, steps or max(32, 2048 // batch), ctx, reps)
 
 
 def fork_case(mod, n: int = 200, reps: int = 3) -> float:

@@ -25,25 +25,16 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
 _clock = time.thread_time
 
 
-def load_baseline(path: str):
-    path = Path(path).resolve()
-    spec = importlib.util.spec_from_file_location("pagedkv_base", path / "__init__.py",
-                                                  submodule_search_locations=[str(path)])
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["pagedkv_base"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+from bench_groups import load_baseline  # noqa: E402 - (scripts/ is on the path of a script run)
 
 
 class Decode:

@@ -5,6 +5,7 @@ is the model's, written from the GGUF file's metadata by transformers in the sam
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -18,6 +19,22 @@ pytest.importorskip("torch")
 from test_vllm_compat import ROOT, Procs, free_port, run_side, side_env, vllm_python, wait_http  # noqa: E402
 
 MODEL = "smollm2-135m"
+
+
+@contextlib.contextmanager
+def pagedkv_serve(tmp_path, num_gpu_blocks: int):
+    """``pagedkv serve`` (SmolLM2, one thread) on a free 127.0.0.1 port, healthy: its base URL."""
+    procs = Procs(tmp_path)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), *sys.path]), OMP_NUM_THREADS="1")
+    try:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        srv = procs.start("serve", [sys.executable, "-m", "pagedkv.cli", "serve", "--port", str(port),
+                                    "--num-gpu-blocks", str(num_gpu_blocks)], env)
+        wait_http(url + "/health", srv, 300)
+        yield url
+    finally:
+        procs.close()
 
 
 def metric_sum(url: str, name: str) -> float:
@@ -36,14 +53,7 @@ def test_vllm_bench_serve_completes_against_pagedkv_serve_and_agrees_with_its_me
     tok_dir = tmp_path / "tokenizer"
     info = run_side("tokenizer", str(find_default_model()), str(tok_dir))
     assert info["vocab"] > 1000
-    procs = Procs(tmp_path)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), *sys.path]), OMP_NUM_THREADS="1")
-    try:
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        srv = procs.start("serve", [sys.executable, "-m", "pagedkv.cli", "serve", "--port", str(port),
-                                    "--num-gpu-blocks", "128"], env)
-        wait_http(url + "/health", srv, 300)
+    with pagedkv_serve(tmp_path, 128) as url:
         vllm = os.path.join(os.path.dirname(vllm_python()), "vllm")
         r = subprocess.run([vllm, "bench", "serve", "--backend", "openai", "--base-url", url,
                             "--endpoint", "/v1/completions", "--model", MODEL, "--tokenizer", str(tok_dir),
@@ -62,8 +72,6 @@ def test_vllm_bench_serve_completes_against_pagedkv_serve_and_agrees_with_its_me
         assert metric_sum(url, "pagedkv:prompt_tokens_total") == res["total_input_tokens"]
         assert metric_sum(url, "pagedkv:generation_tokens_total") == res["total_output_tokens"]
         assert metric_sum(url, "pagedkv:time_to_first_token_seconds_count") == res["completed"]
-    finally:
-        procs.close()
 
 
 @pytest.mark.engine
@@ -73,17 +81,8 @@ def test_tokenizer_routes_answer_vllms_own_request_and_response_classes(tmp_path
     the prompt back."""
     from pagedkv.router.prompt import load_tokenizer
 
-    procs = Procs(tmp_path)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), *sys.path]), OMP_NUM_THREADS="1")
-    try:
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        srv = procs.start("serve", [sys.executable, "-m", "pagedkv.cli", "serve", "--port", str(port),
-                                    "--num-gpu-blocks", "64"], env)
-        wait_http(url + "/health", srv, 300)
+    with pagedkv_serve(tmp_path, 64) as url:
         got = run_side("tokenize", url, MODEL)
-    finally:
-        procs.close()
     for name in ("prompt", "strs", "chat", "detok"):
         r = got[name]
         assert r["status"] == 200 and r["keys"] == r["fields"], (name, r)
