@@ -53,23 +53,7 @@ pip_q() {
 # true when every "name==version" of the arguments is installed in the venv
 pins_ok() {
     local venv=$1; shift
-    "$venv/bin/python" - "$@" <<'EOF'
-import sys
-from importlib.metadata import version, PackageNotFoundError
-bad = []
-for spec in sys.argv[1:]:
-    name, _, want = spec.partition("==")
-    try:
-        have = version(name)
-    except PackageNotFoundError:
-        bad.append(f"{name} missing")
-        continue
-    if have != want:
-        bad.append(f"{name} {have} != {want}")
-if bad:
-    print("; ".join(bad))
-    sys.exit(1)
-EOF
+    "$venv/bin/python" "$ROOT/scripts/check_pins.py" "$@"
 }
 
 anchor_ok() {  # the anchor loads and pagedkv is the one of this checkout

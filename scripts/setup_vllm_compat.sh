@@ -51,23 +51,7 @@ pip_q() {
 }
 
 pins_ok() {  # every name==version installed: prints what is not and fails
-    "$VENV/bin/python" - "$@" <<'EOF'
-import sys
-from importlib.metadata import version, PackageNotFoundError
-bad = []
-for spec in sys.argv[1:]:
-    name, _, want = spec.partition("==")
-    try:
-        have = version(name)
-    except PackageNotFoundError:
-        bad.append(f"{name} missing")
-        continue
-    if have != want:
-        bad.append(f"{name} {have} != {want}")
-if bad:
-    print("; ".join(bad))
-    sys.exit(1)
-EOF
+    "$VENV/bin/python" "$ROOT/scripts/check_pins.py" "$@"
 }
 
 no_cuda() {
