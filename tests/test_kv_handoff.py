@@ -181,7 +181,7 @@ def prefill_app(handoff, api_key=None):
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse
 
-    from pagedkv.server.kv_routes import add_kv_routes
+    from pagedkv.server.routes.kv import add_kv_routes
 
     app = FastAPI()
 

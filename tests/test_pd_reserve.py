@@ -96,7 +96,7 @@ class Prefill:
 
         from pagedkv.engine.kv_port import EngineKVPort
         from pagedkv.server.kv_handoff import KVHandoff
-        from pagedkv.server.kv_routes import add_kv_routes
+        from pagedkv.server.routes.kv import add_kv_routes
         from pagedkv.server.launch import serve_in_thread
 
         self.llm = engine()

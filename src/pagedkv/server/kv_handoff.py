@@ -9,7 +9,7 @@ the block manager or the KV tensors itself; everything engine-side goes through 
 queued; when it finishes, the engine keeps its prompt's whole blocks before the last prompt token held with a
 lease (``--kv-lease``, default 480 s, vLLM's) and :meth:`KVHandoff.answer` registers the hold under a fresh
 unguessable id (128 random bits: the id is the capability to read a tenant's KV) and returns the
-``kv_transfer_params`` naming it. Routes (:func:`.kv_routes.add_kv_routes`; behind the API key like ``/v1``):
+``kv_transfer_params`` naming it. Routes (:func:`.routes.kv.add_kv_routes`; behind the API key like ``/v1``):
 
 - ``GET /v1/kv/holds/{id}?engine=ENGINE_ID[&blocks=K]``: the hold's blocks (its first K) as one body of checked values
   (:mod:`.kv_wire`), streamed a few blocks at a time; 404 ``unknown_hold`` when the id is unknown, released or
