@@ -1,5 +1,6 @@
 """The prefix index in Redis (:class:`RedisIndex`), shared by several routers: the :class:`~.index.KVIndex`
-contract of :mod:`pagedkv.cluster.index`, which re-exports it (``pagedkv.cluster.index.RedisIndex``)."""
+contract of :mod:`pagedkv.cluster.index`; and :func:`open_index`, which opens either index from a ``--index`` value.
+Both are exported by :mod:`pagedkv.cluster`."""
 
 from __future__ import annotations
 

@@ -49,10 +49,9 @@ from ..blocks.prefix_cache import block_hashes
 from ..tiers import BlockStore, DiskBackend, RedisBackend, SharedDirBackend, check_digests
 from ..tiers.key import chain_next, chain_roots
 from ..tiers.connector import MEDIUM_DISK, MEDIUM_SHARED, LookupDone, TierConnector
-from .config import parse_store_policy  # (re-exported: declared with the tier options)
 from .kv_io import model_fingerprint, payload_bytes, read_blocks, write_blocks
 
-__all__ = ["EngineTiers", "open_shared_backend", "parse_store_policy"]
+__all__ = ["EngineTiers", "open_shared_backend"]
 
 #: the most chain keys of loaded blocks remembered so that a store plan does not write them back (oldest dropped)
 _MAX_LOADED_KEYS = 1 << 16
