@@ -8,6 +8,7 @@ import re
 import sys
 from typing import Any, Sequence
 
+from .._cli_config import ServiceConfig, add_config_args, config_from_args
 from ..engine.options import add_engine_args, make_llm
 from ..engine.registry import MODEL_NAMES
 from .http_options import add_http_args, check_http_args, http_options
@@ -22,9 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pagedkv serve", description=plain(__doc__), formatter_class=HelpFormatter)
     add_engine_args(p)
     add_tier_args(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    add_config_args(p, ServiceConfig)  # --host --port --api-key --max-body-bytes --kv-events-topic, as pagedkv router
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: the model name given to --model, e.g. gemma-3-270m; for a "
                         "GGUF path, the file's stem, with the registry name as an alias when the file is a "
                         "registry model's)")
@@ -34,12 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="publish KV-cache events on this ZMQ PUB address, e.g. tcp://127.0.0.1:5557 (default: none)")
     p.add_argument("--kv-events-replay-endpoint", default=None,
                    help="ZMQ ROUTER address for replays (default: the events port + 1)")
-    p.add_argument("--kv-events-topic", default="kv-events", help="ZMQ topic of the KV-event messages")
     p.add_argument("--kv-events-layout", choices=("map", "array"), default="map",
                    help="KV-event wire layout: map, vLLM 0.33's (events as maps tagged 'type'; replay answers "
                         "framed with the topic), or array, vLLM 0.9 to 0.23's (docs/compat.md; default map)")
-    p.add_argument("--max-body-bytes", type=int, default=2 * 2**20,
-                   help="largest request body accepted; larger ones get 413 (default: 2097152, 2 MiB)")
     p.add_argument("--kv-role", choices=("prefill", "decode", "both"), default="both",
                    help="prefill/decode split (docs/pd-split.md): prefill computes prompts and holds their KV "
                         "blocks for a decode replica, decode generates after reading them, both does either and "
@@ -79,13 +75,12 @@ def check_options(args: argparse.Namespace) -> None:
         if v is not None and (v < 0 if zero else v < 1):
             raise ValueError(f"--{name} must be {'>= 0' if zero else '>= 1'}, got {v}")
 
-    if not 0 <= args.port <= 65535:
-        raise ValueError(f"--port must lie in [0, 65535], got {args.port}")
+    config_from_args(ServiceConfig, args)  # --host --port --api-key --max-body-bytes --kv-events-topic
     if args.model is not None and args.model not in MODEL_NAMES and not os.path.isfile(args.model):
         raise FileNotFoundError(f"--model: no such file: {args.model} (known model names: "
                                 f"{', '.join(sorted(MODEL_NAMES))})")
     for name in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens", "sliding_window",
-                 "max_waiting", "max_body_bytes"):
+                 "max_waiting"):
         positive(name.replace("_", "-"), getattr(args, name, None))
     positive("num-cpu-blocks", args.num_cpu_blocks, zero=True)
     positive("max-model-len", getattr(args, "max_model_len", None))
@@ -109,8 +104,6 @@ def check_options(args: argparse.Namespace) -> None:
     ms = getattr(args, "kv_load_max_ms_per_block", None)
     if ms is not None and not 0 <= ms < float("inf"):
         raise ValueError(f"--kv-load-max-ms-per-block must be a finite number >= 0, got {ms}")
-    if args.api_key is not None and not args.api_key:
-        raise ValueError("--api-key must not be empty")
     for opt in ("kv_events_endpoint", "kv_events_replay_endpoint"):
         v = getattr(args, opt)
         if v is not None:
