@@ -129,16 +129,7 @@ def run(args: argparse.Namespace) -> dict:
     from .trace import TRACE_BLOCK, load_trace
 
     pol = args.eviction_policy
-    if pol != "lru" and (args.mode != "sequence" or args.replicas is not None or args.route
-                         or args.disk_capacity or args.shared_capacity):
-        raise _CliError("--eviction-policy replays one manager (or its KV cache groups, --groups) in sequence mode "
-                        "(no --mode timed, --replicas, --route, --disk-capacity or --shared-capacity)")
-    if args.disk_capacity and (args.replicas is not None or args.route or args.groups):
-        raise _CliError("--disk-capacity replays one manager (not with --replicas, --route or --groups)")
-    if args.shared_capacity and args.groups:
-        raise _CliError("--shared-capacity does not combine with --groups")
-    if args.shared_weight is not None and args.replicas is None and not args.route:
-        raise _CliError("--shared-weight needs --replicas")
+    _check_combinations(args)
     if args.replicas is not None or args.route:
         from .cluster_cli import run_cluster
 
@@ -215,29 +206,54 @@ def run(args: argparse.Namespace) -> dict:
                 hit, _ = belady(nt, total // bb, progress=tick)
                 p.bound = hit / trace.prompt_tokens
             points.append(p)
-            say(f"  {c:>12,} tokens: hit rate {100 * p.hit_rate:.1f}%"
-                + (f" (gpu {100 * p.gpu_hit_rate:.1f}%, cpu {100 * p.cpu_hit_rate:.1f}%, disk "
-                   f"{100 * p.disk_hit_rate:.1f}%, shared {100 * p.shared_hit_rate:.1f}%)" if tiered else "")
-                + (f", bound {100 * p.bound:.1f}%" if p.bound is not None else "")
-                + "".join(f", {t} holds {p.extra[t + '_blocks_held']} blocks ({p.extra[t + '_detached_held']} past a "
-                          f"block it lacks)" for t in ("disk", "shared") if t + "_detached_held" in p.extra)
-                + f", {p.evictions if p.evictions is not None else '-'} evictions, {p.skipped} skipped, "
-                  f"{p.seconds:.2f} s")
+            say(_point_line(p, c, tiered))
     finally:
         if bar is not None:
             bar.close()
-    import numpy
-
-    import pagedkv
-
-    meta = {"command": "pagedkv replay " + " ".join(shlex.quote(a) for a in args.argv),
-            "versions": {"python": platform.python_version(), "numpy": numpy.__version__,
-                         "pagedkv": pagedkv.__version__, "impl": impl},
-            "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine()}}
+    meta = _run_meta(args, impl)
     if pol != "lru":
         impl = f"{impl} {pol}"
     return build_doc(trace.name, n, trace.prompt_tokens, ceil, points, impl=impl, mode=args.mode, block_size=bs,
                      bound_block_size=bb if args.bound else None, eviction_policy=pol, **meta)
+
+
+def _check_combinations(args: argparse.Namespace) -> None:
+    """_CliError for options that do not combine (before anything is loaded)."""
+    pol = args.eviction_policy
+    if pol != "lru" and (args.mode != "sequence" or args.replicas is not None or args.route
+                         or args.disk_capacity or args.shared_capacity):
+        raise _CliError("--eviction-policy replays one manager (or its KV cache groups, --groups) in sequence mode "
+                        "(no --mode timed, --replicas, --route, --disk-capacity or --shared-capacity)")
+    if args.disk_capacity and (args.replicas is not None or args.route or args.groups):
+        raise _CliError("--disk-capacity replays one manager (not with --replicas, --route or --groups)")
+    if args.shared_capacity and args.groups:
+        raise _CliError("--shared-capacity does not combine with --groups")
+    if args.shared_weight is not None and args.replicas is None and not args.route:
+        raise _CliError("--shared-weight needs --replicas")
+
+
+def _point_line(p, capacity: int, tiered: bool) -> str:
+    """The line printed for one capacity's replay point."""
+    return (f"  {capacity:>12,} tokens: hit rate {100 * p.hit_rate:.1f}%"
+            + (f" (gpu {100 * p.gpu_hit_rate:.1f}%, cpu {100 * p.cpu_hit_rate:.1f}%, disk "
+               f"{100 * p.disk_hit_rate:.1f}%, shared {100 * p.shared_hit_rate:.1f}%)" if tiered else "")
+            + (f", bound {100 * p.bound:.1f}%" if p.bound is not None else "")
+            + "".join(f", {t} holds {p.extra[t + '_blocks_held']} blocks ({p.extra[t + '_detached_held']} past a "
+                      f"block it lacks)" for t in ("disk", "shared") if t + "_detached_held" in p.extra)
+            + f", {p.evictions if p.evictions is not None else '-'} evictions, {p.skipped} skipped, "
+              f"{p.seconds:.2f} s")
+
+
+def _run_meta(args: argparse.Namespace, impl: str) -> dict:
+    """The command, versions and machine of a replay document."""
+    import numpy
+
+    import pagedkv
+
+    return {"command": "pagedkv replay " + " ".join(shlex.quote(a) for a in args.argv),
+            "versions": {"python": platform.python_version(), "numpy": numpy.__version__,
+                         "pagedkv": pagedkv.__version__, "impl": impl},
+            "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine()}}
 
 
 class _CliError(Exception):
