@@ -126,16 +126,7 @@ def replay_cluster(trace: Trace, capacity_tokens: int, replicas: int, route: str
             for e in events:
                 index.apply(r, e)
         if shared is not None:
-            if loaded and feeds_index:  # a load refreshes the store's LRU: reported as stored again
-                index.apply(r, BlockStored(loaded, None, [], block_size, None, MEDIUM_SHARED))
-            for e in events:
-                if type(e) is BlockStored and e.medium == MEDIUM_GPU:
-                    gone: list = []
-                    shared.put_many(e.block_hashes[::-1], gone)
-                    if feeds_index:
-                        index.apply(r, BlockStored(e.block_hashes, None, [], block_size, None, MEDIUM_SHARED))
-                        if gone:
-                            index.apply(r, BlockRemoved(gone, MEDIUM_SHARED))
+            _write_through(shared, events, loaded, index if feeds_index else None, r, block_size)
         if check_every and not (i + 1) % check_every:
             bm.check_invariants()
             if shared is not None:
@@ -156,9 +147,7 @@ def replay_cluster(trace: Trace, capacity_tokens: int, replicas: int, route: str
                        balance_slack=balance_slack if route in ("prefix", "prefix-approx") else None,
                        load_imbalance=max(loads.values()) / mean if mean else 1.0, predicted_hit_tokens=predicted,
                        index_blocks=(index if feeds_index else getattr(policy, "index", index)).num_blocks())
-    res.per_replica = [{"requests": reqs[r], "prompt_tokens": loads[r], "hit_tokens": hits[r] + shared_hits[r],
-                        "hit_rate": (hits[r] + shared_hits[r]) / loads[r] if loads[r] else 0.0,
-                        "gpu_hit_tokens": hits[r], "shared_hit_tokens": shared_hits[r]} for r in range(replicas)]
+    res.per_replica = _per_replica(reqs, loads, hits, shared_hits)
     if route == "prefix":
         res.weights = dict(policy.weights)
     if shared is not None:
@@ -166,6 +155,29 @@ def replay_cluster(trace: Trace, capacity_tokens: int, replicas: int, route: str
                           "shared_blocks_held": len(shared)})
     res.evictions = sum(int(bm.stats.evictions) for bm in bms) if hasattr(bms[0].stats, "evictions") else None
     return res
+
+
+def _write_through(shared, events: list, loaded: list, index: MemoryIndex | None, r: int, block_size: int) -> None:
+    """The shared tier after replica ``r``'s request: the blocks it stored on its GPU written through (the store's
+    evictions reported to ``index`` as removed), and ``loaded`` (read from the tier) reported stored again, since a
+    load refreshes the store's LRU. ``index`` None: the route reads no index. O(blocks stored + loaded)."""
+    if loaded and index is not None:
+        index.apply(r, BlockStored(loaded, None, [], block_size, None, MEDIUM_SHARED))
+    for e in events:
+        if type(e) is BlockStored and e.medium == MEDIUM_GPU:
+            gone: list = []
+            shared.put_many(e.block_hashes[::-1], gone)
+            if index is not None:
+                index.apply(r, BlockStored(e.block_hashes, None, [], block_size, None, MEDIUM_SHARED))
+                if gone:
+                    index.apply(r, BlockRemoved(gone, MEDIUM_SHARED))
+
+
+def _per_replica(reqs: list, loads: dict, hits: list, shared_hits: list) -> list[dict]:
+    """The per-replica figures of a cluster replay."""
+    return [{"requests": reqs[r], "prompt_tokens": loads[r], "hit_tokens": hits[r] + shared_hits[r],
+             "hit_rate": (hits[r] + shared_hits[r]) / loads[r] if loads[r] else 0.0,
+             "gpu_hit_tokens": hits[r], "shared_hit_tokens": shared_hits[r]} for r in range(len(reqs))]
 
 
 def replay_pooled(trace: Trace, capacity_tokens: int, replicas: int, *, block_size: int = 16,
