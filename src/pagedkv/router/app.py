@@ -30,9 +30,11 @@ import hmac
 import logging
 from typing import Any
 
+from .._cli_config import ServiceConfig
+
 __all__ = ["build_app", "RouterServer", "DEFAULT_MAX_BODY_BYTES"]
 
-DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024  # the server's default too (pagedkv.server.validation.Limits)
+DEFAULT_MAX_BODY_BYTES = ServiceConfig.max_body_bytes  # --max-body-bytes' default, pagedkv serve's too
 log = logging.getLogger("pagedkv.router")
 
 
