@@ -13,6 +13,6 @@
     _types       the result types (one slot-mapping row and block table per group)
 """
 
-from .core import HybridBlockManager, HybridPrefillBatch, HybridStepDelta, HybridStepResult
+from .core import GroupedManager, HybridBlockManager, HybridPrefillBatch, HybridStepDelta, HybridStepResult
 
-__all__ = ["HybridBlockManager", "HybridPrefillBatch", "HybridStepDelta", "HybridStepResult"]
+__all__ = ["GroupedManager", "HybridBlockManager", "HybridPrefillBatch", "HybridStepDelta", "HybridStepResult"]

@@ -50,6 +50,7 @@ per sliding group (hashing only past the last recorded sibling key) and O(1) num
 
 from __future__ import annotations
 
+import warnings
 from typing import Hashable, Iterable, Sequence
 
 import numpy as np
@@ -66,31 +67,19 @@ from ..errors import (InvalidArgumentError, InvalidTokensError, OutOfBlocksError
 from ..blocks.evictor import RetentionEvictor
 from ..kv_groups import FullAttentionSpec, SlidingWindowSpec
 from ..manager import BlockManager
+from ..manager.core import set_grouped_class
 from ..manager import _invariants
 from ..manager._external import External, Hold
-from ..manager._surface import ExternalKV, PoolState
+from ..manager.parts import Events, ExternalKV, ManagerConfig, Retention, check_groups, init_signature
 from ..manager._stores import STORE_POLICIES, Stores
 from ..retention.eviction import make_evictor
 from ..retention.steering import Pin, SteeredEvictor
 from ..types import AllocStatus, CopyPlan, PrefixHit, Stats
 
-__all__ = ["HybridBlockManager", "HybridPrefillBatch", "HybridStepDelta", "HybridStepResult"]
+__all__ = ["GroupedManager", "HybridBlockManager", "HybridPrefillBatch", "HybridStepDelta", "HybridStepResult"]
 
 
-def _check_groups(groups: object) -> tuple:
-    if isinstance(groups, (str, bytes)) or not hasattr(groups, "__iter__"):
-        raise InvalidArgumentError("kv_cache_groups must be a sequence of FullAttentionSpec / SlidingWindowSpec")
-    out = tuple(groups)
-    if not out:
-        raise InvalidArgumentError("kv_cache_groups must hold at least one group")
-    for i, s in enumerate(out):
-        if not isinstance(s, (FullAttentionSpec, SlidingWindowSpec)):
-            raise InvalidArgumentError(
-                f"kv_cache_groups[{i}] must be a FullAttentionSpec or SlidingWindowSpec, got {type(s).__name__}")
-    return out
-
-
-class HybridBlockManager(PoolState, ExternalKV):
+class GroupedManager(BlockManager):
     """Paged KV-cache block manager for hybrid models: one block table per KV cache group, one shared pool (see
     the module docstring).
 
@@ -115,17 +104,12 @@ class HybridBlockManager(PoolState, ExternalKV):
     before a sliding group's window at the hit point.
     """
 
-    atomic_append = True
-    grouped_results = True
-    """The results' plain names are per group (``slot_mapping`` (G, T), ``block_tables`` G matrices, ...), as their
-    grouped names are on every manager (see BlockManager.grouped_results)."""
-
     def __init__(
         self,
         num_gpu_blocks: int,
         block_size: int = 16,
         *,
-        kv_cache_groups: Sequence[object],
+        kv_cache_groups: Sequence[object] | None = None,
         num_cpu_blocks: int = 0,
         enable_prefix_caching: bool = False,
         watermark: float = 0.01,
@@ -139,8 +123,18 @@ class HybridBlockManager(PoolState, ExternalKV):
         store_min_hits: int = 1,
         eviction_policy: str = "lru",
         pin_budget_blocks: int = 0,
+        sliding_window: int | None = None,
+        grouped_results: bool | None = None,
     ) -> None:
-        specs = _check_groups(kv_cache_groups)
+        if kv_cache_groups is None:  # (grouped_results=True over the one group of the shorthand)
+            kv_cache_groups = (FullAttentionSpec(),) if sliding_window is None else \
+                (SlidingWindowSpec(check_int("sliding_window", sliding_window, 1)),)
+        elif sliding_window is not None:
+            raise InvalidArgumentError("sliding_window is the one-group shorthand; with kv_cache_groups give "
+                                       "each group's SlidingWindowSpec")
+        if grouped_results is False:
+            raise InvalidArgumentError("grouped_results=False needs one KV cache group")
+        specs = check_groups(kv_cache_groups)
         if store_policy not in STORE_POLICIES:
             raise InvalidArgumentError(f"store_policy must be one of {STORE_POLICIES}, got {store_policy!r}")
         store_min_hits = check_int("store_min_hits", store_min_hits, 1)
@@ -164,6 +158,16 @@ class HybridBlockManager(PoolState, ExternalKV):
                              for s in specs[1:]]
         self._m0 = first
         self._wire(retain, retention_interval)
+        c = first._config
+        self._config = ManagerConfig(c.num_gpu_blocks, c.block_size, c.num_cpu_blocks, specs, None,
+                                     c.enable_prefix_caching, c.watermark, c.watermark_blocks, c.enable_kv_events,
+                                     c.max_kv_events, c.cpu_prefix_cache, c.block_table_width, c.eviction_policy,
+                                     c.pin_budget_blocks, store_policy, store_min_hits, bool(window_retention),
+                                     retention_interval, True)
+        self._parts = (ExternalKV(self._ext, self._stores),
+                       Retention(self._set_retention, self._pin_prefix, self._unpin, self._cache,
+                                 self._config.eviction_policy),
+                       Events(self._cache, self._kv_events))
 
     def _wire(self, retain: bool, retention_interval: int) -> None:
         """Build the coordinator's parts over the group managers' parts and the shared ones (the only place that
@@ -203,21 +207,13 @@ class HybridBlockManager(PoolState, ExternalKV):
         self._swap = HybridSwapper(tables, [m._swap for m in gs], blocks, self._gpu, bs, m0._watermark_blocks)
         self._seqs = HybridSeqs(gs, tables, [m._reg for m in gs], wins, [m._window for m in gs], self._retention,
                                 blocks, self._gpu, self._cache, self._tier, bs, self._hints)
+        self._seqs.take_copies0 = m0._take_copies  # (the deprecated take_copies)
         # holds and store plans over every group (external loads: not on the hybrid manager yet)
         self._ext = External(self._t0, blocks, m0._reg, self._alloc, self._cache, bs, tables=tables,
                              regs=[m._reg for m in gs])
         self._stores = Stores(blocks, self._cache, self._alloc, *self._store)
 
     # ------------------------------------------------------------------ read-only state
-    @property
-    def kv_cache_groups(self) -> tuple:
-        """The group specs, in group index order."""
-        return self._specs
-
-    @property
-    def num_groups(self) -> int:
-        return len(self._specs)
-
     @property
     def stats(self) -> Stats:
         """Prefix-hit counters of the hybrid hit (counted once, not per group); evictions, copy-on-write copies and
@@ -283,8 +279,8 @@ class HybridBlockManager(PoolState, ExternalKV):
             self._stores.end_step()
         return plan
 
-    def take_copies(self):
-        """Deprecated, as BlockManager.take_copies: :meth:`take_copy_plan` narrowed to the CPU tier's copies."""
+    def _take_copies(self):
+        """Deprecated ``take_copies``: :meth:`take_copy_plan` narrowed to the CPU tier's copies."""
         return self._seqs.take_copies()
 
     def check_invariants(self) -> None:
@@ -545,13 +541,8 @@ class HybridBlockManager(PoolState, ExternalKV):
         return self._swap.swap_in(list(seq_ids))
 
     # ------------------------------------------------------------------ retention (priority, session, pins)
-    def set_retention(self, seq_id: Hashable, *, priority: int = 0, session: Hashable = None) -> None:
-        """How the sequence's blocks, in every group, are kept once they are released (see
-        BlockManager.set_retention): ``priority`` tags every group's blocks at :meth:`free`, and, with window
-        retention, a sliding group's blocks its window releases while the sequence runs; ``session`` is one
-        hint for every group's blocks (one request of the conversation). A :meth:`fork` child takes the
-        priority. Raises UnknownSequenceError or InvalidArgumentError (needs prefix caching), changing nothing.
-        O(1)."""
+    def _set_retention(self, seq_id: Hashable, priority: object, session: Hashable) -> None:
+        """``retention.set_retention`` over every group (:class:`pagedkv.manager.parts.Retention`). O(1)."""
         row = self._t0.row(seq_id)
         if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
             raise InvalidArgumentError(f"priority must be an int, got {priority!r}")
@@ -564,14 +555,9 @@ class HybridBlockManager(PoolState, ExternalKV):
         if self._retention is not None:
             self._retention.set_priority(row, int(priority))
 
-    def pin_prefix(self, token_ids: Sequence[int], *, ttl: float | None = None, namespace: object = None) -> Pin:
-        """Pin the cached GPU blocks that a hybrid hit at this prefix's length needs, in every group: a
-        full-attention group's blocks ``[0, L)``, a sliding group's last window before L (the blocks covering
-        ``(L - W, L)``), where L is the longest hybrid hit of the prefix's full blocks with every needed block on
-        the GPU (CPU-tier blocks are not pinned: L stops before them). ``Pin.num_tokens`` is ``L * block_size``,
-        ``Pin.num_blocks`` the blocks of every group; nothing found: ``Pin(0, 0, 0, ttl)``, nothing pinned.
-        Budget, TTL (refreshed when a hit takes the pin's last full-attention block back or it is released),
-        parking and errors as BlockManager.pin_prefix. O(prompt blocks x groups)."""
+    def _pin_prefix(self, token_ids: Sequence[int], ttl: float | None, namespace: object) -> Pin:
+        """``retention.pin_prefix`` over every group (:class:`pagedkv.manager.parts.Retention`). O(prompt blocks x
+        groups)."""
         if self._cache is None or not self._pin_budget:
             raise InvalidArgumentError("pin_prefix needs enable_prefix_caching=True and pin_budget_blocks > 0")
         if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0):
@@ -597,8 +583,8 @@ class HybridBlockManager(PoolState, ExternalKV):
         blocks = np.array([b for g in order for b in parts[g]], dtype=np.int64)
         return self._steering().pin(blocks, L * bs, ttl)
 
-    def unpin(self, pin_id: int) -> None:
-        """Drop a pin (UnknownPinError if there is none by that id); see BlockManager.unpin. O(its blocks)."""
+    def _unpin(self, pin_id: int) -> None:
+        """``retention.unpin``. O(its blocks)."""
         ev = self._cache.evictor if self._cache is not None else None
         if not isinstance(ev, SteeredEvictor):
             raise UnknownPinError(f"no pin {pin_id!r} (unpinned already, expired, or never made)")
@@ -618,3 +604,18 @@ class HybridBlockManager(PoolState, ExternalKV):
                 self._retention.steer = ev
         return ev
 
+
+
+set_grouped_class(GroupedManager)  # (BlockManager(kv_cache_groups=[...several]) builds one)
+GroupedManager.__signature__ = init_signature(GroupedManager)
+
+
+class HybridBlockManager(GroupedManager):
+    """Deprecated alias: ``BlockManager(..., kv_cache_groups=[...], grouped_results=True)`` builds the same manager
+    (a DeprecationWarning on construction). ``isinstance(x, HybridBlockManager)`` holds only for managers built
+    through the alias: ``bm.config.grouped_results`` says which form the results take."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        warnings.warn("HybridBlockManager is deprecated: use BlockManager(..., kv_cache_groups=[...]) (one class "
+                      "for every model)", DeprecationWarning, stacklevel=2)
+        super().__init__(*args, **kwargs)

@@ -27,8 +27,9 @@ objects it works on (no part reaches another's private state; dependencies point
     _blocks.py      Blocks      take / release GPU and CPU blocks (free ring, then LRU eviction)
     _invariants.py  check       the O(n) audit behind check_invariants
     _external.py    External    external KV: loads (LOADING, parked), holds with leases
-    _surface.py     PoolState, ExternalKV   the read-only state and the external-KV calls, shared with
-                                HybridBlockManager (their contracts written once)
+    parts.py        Surface, ManagerConfig, ExternalKV, Retention, Events   the named parts (bm.config, .external,
+                                .retention, .events) and the deprecated old names; shared with the
+                                many-group manager (pagedkv.hybrid.GroupedManager, a subclass)
     _stores.py      Stores      store plans by write policy (pinned until complete_store)
     pool.py, prefix_cache.py, evictor.py, cpu_tier.py   per-block flat arrays (refcounts, free ring; keys,
                                 tokens, LRU; the CPU tier)
@@ -71,7 +72,7 @@ from ._step import _NO_UPDATES, TABLES_DELTA, Stepper
 from ._swap import Swapper
 from ._window import Window
 from ._external import External, Hold
-from ._surface import ExternalKV, PoolState
+from .parts import ManagerConfig, ExternalKV, Events, Retention, Surface, check_groups, init_signature, policy_name
 from ._stores import STORE_POLICIES, Stores
 from ..errors import InvalidArgumentError, InvalidTokensError, OutOfBlocksError, SequenceStateError
 from ..tiers.cpu import CpuTier
@@ -98,7 +99,15 @@ _NO_PAIRS = np.zeros((0, 2), dtype=np.int64)
 _NO_PAIRS.flags.writeable = False
 
 
-class BlockManager(PoolState, ExternalKV):
+_GROUPED: list = []  # the many-group manager class (pagedkv.hybrid's GroupedManager, set when it is imported)
+
+
+def set_grouped_class(cls: type) -> None:
+    """Set the class ``BlockManager(..., kv_cache_groups=[several])`` builds (pagedkv.hybrid does, on import)."""
+    _GROUPED[:] = [cls]
+
+
+class BlockManager(Surface):
     """Paged KV-cache block manager (see module docstring).
 
     Args:
@@ -135,7 +144,20 @@ class BlockManager(PoolState, ExternalKV):
             ``max(16, num_gpu_blocks // 32)`` pinned at once: written before they leave the GPU). Needs prefix
             caching for anything but ``"none"`` (docs/external-kv.md).
         store_min_hits: the selective policy's hit count (>= 1).
+        kv_cache_groups: one spec per KV cache group (:class:`~pagedkv.FullAttentionSpec`,
+            :class:`~pagedkv.SlidingWindowSpec`), in group index order; None: one full-attention group (or one
+            sliding group with ``sliding_window``). One group is this class; several build the many-group
+            manager, a subclass with the same calls (docs/guide/kv-groups.md): one block table per group over the
+            one pool, results with a slot-mapping row and a block table per group.
+        window_retention: (several groups, prefix caching) released sliding-group blocks outside the windows before
+            useful points are evicted before any other cached block (:mod:`pagedkv.hybrid._retention`).
+        retention_interval: window retention's spacing of useful points in tokens (None: 16 windows of the
+            widest group; 0: none).
+        grouped_results: whether the results' plain names are per group (``slot_mapping`` (G, T), G tables);
+            None (default): with several groups. True builds the many-group manager for one group too.
 
+    The surface: the per-step calls and read-only views here; the settings, external KV, retention and KV events
+    as named parts (``bm.config``, ``bm.external``, ``bm.retention``, ``bm.events``: :mod:`pagedkv.manager.parts`).
     Sequences are keyed by any hashable ``seq_id`` chosen by the caller. Every method either completes or raises
     a :mod:`pagedkv.errors` exception and leaves the manager exactly as it was.
     """
@@ -144,15 +166,14 @@ class BlockManager(PoolState, ExternalKV):
     _store = ("none", 1)  # (store policy, min hits); a KV cache group's manager (_sharing) stores nothing itself
     _write_through = False  # (take_copy_plan's one test)
 
-    atomic_append = True
-    """decode_step / append_slots are all-or-nothing for the whole batch: a scheduler may call them without asking
-    can_append_slots first and preempt when they raise OutOfBlocksError."""
-
-    grouped_results = False
-    """Whether the results' plain names are per KV cache group (HybridBlockManager: True): here ``slot_mapping``
-    is (T,), ``block_tables`` one matrix, ``table_updates`` one TableUpdates. The grouped names
-    (``group_slot_mapping`` (1, T), ...) are per group on every manager; this flag is for generic code, such as a
-    scheduler behind a wrapper, that reads the plain ones."""
+    def __new__(cls, *args: object, kv_cache_groups: Sequence[object] | None = None,
+                grouped_results: bool | None = None, **kwargs: object) -> "BlockManager":
+        # One class for every model: several KV cache groups (or grouped_results=True) build the grouped manager, a
+        # subclass (isinstance(x, BlockManager) holds); construction only, nothing on the per-step path.
+        if cls is BlockManager and (grouped_results or (kv_cache_groups is not None and grouped_results is None
+                                                        and len(check_groups(kv_cache_groups)) > 1)):
+            cls = _GROUPED[0]
+        return object.__new__(cls)
 
     def __init__(
         self,
@@ -171,7 +192,18 @@ class BlockManager(PoolState, ExternalKV):
         pin_budget_blocks: int = 0,
         store_policy: str = "none",
         store_min_hits: int = 1,
+        kv_cache_groups: Sequence[object] | None = None,
+        window_retention: bool = True,
+        retention_interval: int | None = None,
+        grouped_results: bool | None = None,
     ) -> None:
+        if kv_cache_groups is not None:  # (one group here; several: the grouped manager, see __new__)
+            (spec,) = check_groups(kv_cache_groups, one=True)
+            if spec.window is not None:
+                if sliding_window is not None and sliding_window != spec.window:
+                    raise InvalidArgumentError(f"sliding_window={sliding_window!r} and kv_cache_groups="
+                                               f"[SlidingWindowSpec({spec.window})] disagree; give one of them")
+                sliding_window = spec.window
         num_gpu_blocks = _check_int("num_gpu_blocks", num_gpu_blocks, 1)
         if store_policy not in STORE_POLICIES:
             raise InvalidArgumentError(f"store_policy must be one of {STORE_POLICIES}, got {store_policy!r}")
@@ -227,6 +259,16 @@ class BlockManager(PoolState, ExternalKV):
         self._fixed_w = block_table_width or 0  # fixed width of batch block tables (0: the batch's longest)
         self._blocks = Blocks(self._gpu, self._cpu, self._cache, self._cpu_id, self._tier)
         self._wire(sliding_window)
+        self._config = ManagerConfig(
+            num_gpu_blocks, block_size, num_cpu_blocks,
+            (FullAttentionSpec(),) if sliding_window is None else (SlidingWindowSpec(sliding_window),),
+            sliding_window, bool(enable_prefix_caching), watermark, self._watermark_blocks, bool(enable_kv_events),
+            max_kv_events, bool(cpu_prefix_cache), block_table_width, policy_name(eviction_policy),
+            pin_budget_blocks, store_policy, store_min_hits, bool(window_retention), retention_interval, False)
+        self._parts = (ExternalKV(self._ext, self._stores),
+                       Retention(self._set_retention, self._pin_prefix, self._unpin, self._cache,
+                                 self._config.eviction_policy),
+                       Events(self._cache, self._kv_events))
 
     @classmethod
     def _sharing(cls, parts: "BlockManager", sliding_window: int | None) -> "BlockManager":
@@ -272,24 +314,6 @@ class BlockManager(PoolState, ExternalKV):
         self._swap = Swapper(t, blocks, cache, tier, self._cpu_tok, self._cpu_id, copies)
 
     # ------------------------------------------------------------------ read-only state
-    @property
-    def sliding_window(self) -> int | None:
-        return self._window
-
-    @property
-    def kv_cache_groups(self) -> tuple:
-        """One spec, the single-table model as one KV cache group: ``(FullAttentionSpec(),)``, or
-        ``(SlidingWindowSpec(sliding_window),)`` with a window; what :attr:`HybridBlockManager.kv_cache_groups`
-        answers for G groups. O(1)."""
-        return (FullAttentionSpec(),) if self._window is None else (SlidingWindowSpec(self._window),)
-
-    @property
-    def num_groups(self) -> int:
-        """1: a BlockManager is the one-group case of :class:`pagedkv.HybridBlockManager` (every result also
-        answers the grouped names, ``group_slot_mapping`` (1, T), ``group_block_tables`` and
-        ``group_table_updates`` one-tuples)."""
-        return 1
-
     def _check_group(self, group: object) -> None:
         if _check_int("group", group, 0) != 0:
             raise InvalidArgumentError(f"group must be < 1 (a BlockManager has one KV cache group), got {group}")
@@ -329,7 +353,7 @@ class BlockManager(PoolState, ExternalKV):
             self._stores.end_step()
         return plan
 
-    def take_copies(self) -> CacheCopies:
+    def _take_copies(self) -> CacheCopies:
         """Deprecated: :meth:`take_copy_plan` (it ends the step the same way) narrowed to the CPU tier's copies,
         ``demotions`` (gpu, cpu) and ``promotions`` (cpu, gpu) pairs; the step's swap and copy-on-write copies
         are then only in the calls' return values. Executing these lists kind after kind is not safe when a step
@@ -342,6 +366,7 @@ class BlockManager(PoolState, ExternalKV):
 
     @property
     def stats(self) -> Stats:
+        """The counters since construction and the pools' readings now (:class:`pagedkv.Stats`). O(1)."""
         return Stats(
             (a := self._alloc).query_tokens,
             a.hit_tokens,
@@ -352,7 +377,11 @@ class BlockManager(PoolState, ExternalKV):
             self._swap.swapped_out,
             self._swap.swapped_in,
             *((t.hit_tokens, t.hit_blocks, t.demotions, t.promotions, t.evictions, t.dropped)
-              if (t := self._tier) is not None else ()),
+              if (t := self._tier) is not None else (0, 0, 0, 0, 0, 0)),
+            len(self._cache) if self._cache is not None else 0,
+            len(t) if t is not None else 0,
+            (b := self._blocks).num_free_cpu,
+            1.0 - b.num_free / self._gpu.num_blocks,
         )
 
     def __len__(self) -> int:
@@ -756,16 +785,8 @@ class BlockManager(PoolState, ExternalKV):
         return None
 
     # ------------------------------------------------------------------ retention (priority, session, pins)
-    def set_retention(self, seq_id: Hashable, *, priority: int = 0, session: Hashable = None) -> None:
-        """How the sequence's blocks are kept once :meth:`free` releases them. ``priority`` (vLLM's request
-        field: a lower value is a higher priority, default 0): unreferenced blocks of a larger value are evicted
-        before any block of a smaller one (:mod:`pagedkv.retention.steering`). ``session`` (a conversation id, any
-        hashable): a hint for the ``"session"`` eviction policy, which keeps the blocks of a conversation longer
-        the more requests it has had, and for ``"density"``, which learns how likely a conversation is to come
-        back; other policies ignore it. Set it any time before the free; the last call wins. A :meth:`fork` child
-        takes its parent's priority (the session hint stays the parent's). Raises UnknownSequenceError or
-        InvalidArgumentError (needs prefix caching), changing nothing. O(1); the first non-default priority switches
-        on the priority classes (:class:`SteeredEvictor`)."""
+    def _set_retention(self, seq_id: Hashable, priority: object, session: Hashable) -> None:
+        """``retention.set_retention`` (the contract: :class:`pagedkv.manager.parts.Retention`). O(1)."""
         self._t.any_row(seq_id)  # (a LOADING sequence too: free applies the hint)
         if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
             raise InvalidArgumentError(f"priority must be an int, got {priority!r}")
@@ -776,17 +797,8 @@ class BlockManager(PoolState, ExternalKV):
             self._steering()
         self._hints[seq_id] = (int(priority), session)
 
-    def pin_prefix(self, token_ids: Sequence[int], *, ttl: float | None = None, namespace: object = None) -> Pin:
-        """Pin the cached GPU blocks of this prefix (a system prompt, a tool list: allocate it first): they are
-        never evicted while pinned. Pins up to the first full block not cached on the GPU; ``Pin.num_tokens``
-        says how many tokens that is (0, with ``pin_id`` 0: nothing cached, and nothing pinned). ``ttl`` (seconds, None: until
-        :meth:`unpin`) is refreshed each time a hit takes the pin's last block back or it is released. The
-        distinct pinned blocks of all pins stay within ``pin_budget_blocks``: past it PinBudgetError, nothing
-        pinned. With a sliding window a pin holds the same blocks, every full block of the prefix: a hit at the
-        pin's length needs them all (the lookup walks the chain from the first block), even those that no query
-        of a live sequence sees any more; the step does not count a pinned block its window releases as free.
-        Raises InvalidArgumentError (no prefix caching, no budget, bad ttl), InvalidTokensError.
-        O(prompt blocks)."""
+    def _pin_prefix(self, token_ids: Sequence[int], ttl: float | None, namespace: object) -> Pin:
+        """``retention.pin_prefix`` (the contract: :class:`pagedkv.manager.parts.Retention`). O(prompt blocks)."""
         if self._cache is None or not self._pin_budget:
             raise InvalidArgumentError("pin_prefix needs enable_prefix_caching=True and pin_budget_blocks > 0")
         if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0):
@@ -804,9 +816,8 @@ class BlockManager(PoolState, ExternalKV):
         ev = self._steering()
         return ev.pin(np.array(gpu, dtype=np.int64), len(gpu) * self._bs, ttl)
 
-    def unpin(self, pin_id: int) -> None:
-        """Drop a pin (UnknownPinError if there is none by that id); its blocks that no other pin holds become
-        evictable, idle ones at the most recent end of their class. O(its blocks)."""
+    def _unpin(self, pin_id: int) -> None:
+        """``retention.unpin``. O(its blocks)."""
         if not self._steered:
             from ..errors import UnknownPinError
 
@@ -963,7 +974,7 @@ class BlockManager(PoolState, ExternalKV):
     def can_swap_out(self, seq_ids: Iterable[Hashable]) -> bool:
         """Whether the CPU pool has room for the sequences' blocks (each shared block counted once)."""
         rows = self._t.rows_where(list(seq_ids), swapped=False)
-        return self._t.unique_blocks(rows).size <= self.num_free_cpu_blocks
+        return self._t.unique_blocks(rows).size <= self._blocks.num_free_cpu
 
     def swap_out(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
         """Move the sequences' blocks to the CPU pool; returns (gpu_block, cpu_block) pairs to copy. A block
@@ -1024,3 +1035,6 @@ class BlockManager(PoolState, ExternalKV):
                           self._ext.extra_refs() + self._stores.extra_refs())
         self._ext.check(_invariants.fail)
         self._stores.check(_invariants.fail)
+
+
+BlockManager.__signature__ = init_signature(BlockManager)  # (not __new__'s: inspect, the docs)
