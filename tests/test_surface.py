@@ -82,6 +82,7 @@ def test_config_is_read_only_and_holds_the_settings():
     with pytest.raises(AttributeError):  # the old names stay read-only
         bm.num_gpu_blocks = 1
     assert bm.config.num_gpu_blocks == 32
+    assert "num_gpu_blocks" not in dir(bm) and "config" in dir(bm)
 
 
 def test_named_parts():
@@ -119,8 +120,8 @@ def test_every_old_name_warns_naming_the_new_spelling_and_answers_the_same(many)
         want = bm
         for part in new.split("."):
             want = getattr(want, part)
-        if callable(want):  # a method: the same bound method of the same part
-            assert got == want
+        if callable(want):  # a method: the same function of the same kind of part
+            assert got.__func__ is want.__func__ and type(got.__self__) is type(want.__self__), old
         else:
             assert got == want, old
     with warnings.catch_warnings():
@@ -202,3 +203,12 @@ def test_the_codemod_rewrites_old_uses_and_its_check_lists_what_is_left(tmp_path
     assert check.returncode == 1 and "bm.take_copies" in check.stdout and "1 old uses left" in check.stdout
     f.write_text("bm.events.take()\n")
     assert run("--check").returncode == 0
+
+
+@pytest.mark.parametrize("kw", [{}, {"sliding_window": 8, "enable_prefix_caching": True, "num_cpu_blocks": 4,
+                                     "cpu_prefix_cache": True, "store_policy": "write_through"}])
+def test_a_managers_instance_dict_stays_within_cpythons_shared_keys_size(kw):
+    """CPython keeps a class's instances' attribute reads specialised while their dict shares its keys, at most 30
+    of them; past that every ``self._x`` of the per-step path is slower (decode_step at batch 1 measured 1.02-1.08x
+    with 30 attributes; ``benchmarks/ab_inproc.py``). The named parts share one attribute for this reason."""
+    assert len(vars(BlockManager(16, 4, **kw))) <= 29

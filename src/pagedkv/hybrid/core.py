@@ -70,7 +70,7 @@ from ..manager import BlockManager
 from ..manager.core import set_grouped_class
 from ..manager import _invariants
 from ..manager._external import External, Hold
-from ..manager.parts import Events, ExternalKV, ManagerConfig, Retention, check_groups, init_signature
+from ..manager.parts import Events, ExternalKV, ManagerConfig, check_groups, init_signature
 from ..manager._stores import STORE_POLICIES, Stores
 from ..retention.eviction import make_evictor
 from ..retention.steering import Pin, SteeredEvictor
@@ -158,16 +158,13 @@ class GroupedManager(BlockManager):
                              for s in specs[1:]]
         self._m0 = first
         self._wire(retain, retention_interval)
-        c = first._config
-        self._config = ManagerConfig(c.num_gpu_blocks, c.block_size, c.num_cpu_blocks, specs, None,
+        c = first.config
+        config = ManagerConfig(c.num_gpu_blocks, c.block_size, c.num_cpu_blocks, specs, None,
                                      c.enable_prefix_caching, c.watermark, c.watermark_blocks, c.enable_kv_events,
                                      c.max_kv_events, c.cpu_prefix_cache, c.block_table_width, c.eviction_policy,
                                      c.pin_budget_blocks, store_policy, store_min_hits, bool(window_retention),
                                      retention_interval, True)
-        self._parts = (ExternalKV(self._ext, self._stores),
-                       Retention(self._set_retention, self._pin_prefix, self._unpin, self._cache,
-                                 self._config.eviction_policy),
-                       Events(self._cache, self._kv_events))
+        self._parts = (config, ExternalKV(self._ext, self._stores), Events(self._cache, self._kv_events))
 
     def _wire(self, retain: bool, retention_interval: int) -> None:
         """Build the coordinator's parts over the group managers' parts and the shared ones (the only place that

@@ -72,7 +72,7 @@ from ._step import _NO_UPDATES, TABLES_DELTA, Stepper
 from ._swap import Swapper
 from ._window import Window
 from ._external import External, Hold
-from .parts import ManagerConfig, ExternalKV, Events, Retention, Surface, check_groups, init_signature, policy_name
+from .parts import ManagerConfig, ExternalKV, Events, Surface, check_groups, init_signature, policy_name
 from ._stores import STORE_POLICIES, Stores
 from ..errors import InvalidArgumentError, InvalidTokensError, OutOfBlocksError, SequenceStateError
 from ..tiers.cpu import CpuTier
@@ -259,16 +259,15 @@ class BlockManager(Surface):
         self._fixed_w = block_table_width or 0  # fixed width of batch block tables (0: the batch's longest)
         self._blocks = Blocks(self._gpu, self._cpu, self._cache, self._cpu_id, self._tier)
         self._wire(sliding_window)
-        self._config = ManagerConfig(
+        config = ManagerConfig(
             num_gpu_blocks, block_size, num_cpu_blocks,
             (FullAttentionSpec(),) if sliding_window is None else (SlidingWindowSpec(sliding_window),),
             sliding_window, bool(enable_prefix_caching), watermark, self._watermark_blocks, bool(enable_kv_events),
             max_kv_events, bool(cpu_prefix_cache), block_table_width, policy_name(eviction_policy),
             pin_budget_blocks, store_policy, store_min_hits, bool(window_retention), retention_interval, False)
-        self._parts = (ExternalKV(self._ext, self._stores),
-                       Retention(self._set_retention, self._pin_prefix, self._unpin, self._cache,
-                                 self._config.eviction_policy),
-                       Events(self._cache, self._kv_events))
+        # (one attribute for the three: a manager's instance dict stays within CPython's shared-keys size, which
+        # keeps the per-step path's attribute reads specialised)
+        self._parts = (config, ExternalKV(self._ext, self._stores), Events(self._cache, self._kv_events))
 
     @classmethod
     def _sharing(cls, parts: "BlockManager", sliding_window: int | None) -> "BlockManager":

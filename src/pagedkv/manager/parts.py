@@ -11,9 +11,9 @@ group and many); the rest is reached through four attributes, each a small objec
 
 Counters that are not per step (``num_cached_blocks``, ``num_free_cpu_blocks``, ``gpu_usage``, ...) are fields of
 ``bm.stats`` (:class:`pagedkv.Stats`). The names these replaced still answer, deprecated (:data:`DEPRECATED`: a
-``DeprecationWarning`` naming the new spelling; ``scripts/migrate_surface.py`` rewrites call sites); the fallback
-is the class's ``__getattr__``, which Python calls only when normal lookup fails, so it costs nothing on the
-per-step path.
+``DeprecationWarning`` naming the new spelling; ``scripts/migrate_surface.py`` rewrites call sites): read-only
+properties of :class:`Surface` that ``dir()`` leaves out. Extra entries in a class's dict cost no lookup of
+another name; a ``__getattr__`` fallback would (CPython does not specialise attribute access on such a class).
 
 None of this is on the per-step path: each part's call is one call into the part that does the work.
 """
@@ -265,7 +265,7 @@ class Events:
         return self._cache is not None
 
 
-#: old name -> its new spelling (a dotted path from the manager), what ``BlockManager.__getattr__`` answers with a
+#: old name -> its new spelling (a dotted path from the manager), what the old name's property answers with a
 #: DeprecationWarning, and the table of ``scripts/migrate_surface.py``. ``atomic_append`` (always True: decode_step
 #: is all or nothing) and ``take_copies`` (use ``take_copy_plan``) have none (None).
 DEPRECATED: dict = {}
@@ -285,11 +285,20 @@ DEPRECATED.update(take_events="events.take", kv_event_overflows="events.overflow
 del _part, _names, _n
 
 
-class Surface:
+class _SurfaceType(type):
+    """The manager classes' type: ``dir(BlockManager)`` leaves the old names out (they stay, deprecated)."""
+
+    def __dir__(cls) -> list[str]:
+        return [n for n in type.__dir__(cls) if n not in DEPRECATED]
+
+
+class Surface(metaclass=_SurfaceType):
     """What every manager class shares beyond its per-step calls (stateless: no ``__init__``, empty slots): the
-    named parts' attributes, the deprecated names' fallback, and ``free``'s external-KV parts. What a manager must
-    set: ``_bs``, ``_blocks``, ``_config``, ``_parts`` (ExternalKV, Retention, Events over it), ``_ext``, and the
-    attributes its parts read (``_cache``, ``_kv_events``, ``_stores``)."""
+    named parts' attributes, the deprecated old names (read-only properties that warn, left out of ``dir()``;
+    :data:`DEPRECATED`), and ``free``'s external-KV parts. What a manager must
+    set: ``_bs``, ``_blocks``, ``_parts`` (its ManagerConfig, ExternalKV and Events), ``_ext``, ``_cache``, and the
+    retention calls ``_set_retention``, ``_pin_prefix``, ``_unpin``. No part holds the manager (no reference
+    cycle: a manager is freed as soon as it is dropped)."""
 
     __slots__ = ()
 
@@ -306,46 +315,28 @@ class Surface:
     @property
     def config(self) -> ManagerConfig:
         """The construction settings (:class:`~pagedkv.manager.parts.ManagerConfig`, frozen)."""
-        return self._config
+        return self._parts[0]
 
     @property
     def external(self) -> ExternalKV:
         """External KV: loads, holds, store plans (:class:`~pagedkv.manager.parts.ExternalKV`)."""
-        return self._parts[0]
+        return self._parts[1]
 
     @property
     def retention(self) -> Retention:
-        """Priorities, sessions, pins (:class:`~pagedkv.manager.parts.Retention`)."""
-        return self._parts[1]
+        """Priorities, sessions, pins (:class:`~pagedkv.manager.parts.Retention`; a new view on each read: it
+        holds the manager's own calls, and a manager holding it would be a reference cycle, freed only by the
+        garbage collector)."""
+        return Retention(self._set_retention, self._pin_prefix, self._unpin, self._cache,
+                         self._parts[0].eviction_policy)
 
     @property
     def events(self) -> Events:
         """The prefix cache's KV events (:class:`~pagedkv.manager.parts.Events`)."""
         return self._parts[2]
 
-    def __getattr__(self, name: str) -> object:
-        # (only when normal lookup fails: a name of the old surface, answered deprecated, or an AttributeError)
-        entry = DEPRECATED.get(name, False)
-        if entry is False:
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        if entry is not None:
-            value = self
-            for part in entry.split("."):
-                value = getattr(value, part)
-            hint = f"use .{entry}"
-        elif name == "atomic_append":  # (decode_step and append_slots are all or nothing)
-            value, hint = True, "decode_step is always all or nothing"
-        else:
-            value, hint = self._take_copies, "use take_copy_plan()"
-        warnings.warn(f"BlockManager.{name} is deprecated: {hint} (scripts/migrate_surface.py rewrites it)",
-                      DeprecationWarning, stacklevel=2)
-        return value
-
-    def __setattr__(self, name: str, value: object) -> None:
-        # the old surface's names stay read-only (they were properties and methods); construction only
-        if name in DEPRECATED:
-            raise AttributeError(f"{name!r} is read-only (the old name of .{DEPRECATED[name]})")
-        object.__setattr__(self, name, value)
+    def __dir__(self) -> list[str]:
+        return [n for n in object.__dir__(self) if n not in DEPRECATED]  # (the old names are not listed)
 
     def _hold_and_free(self, seq_id: Hashable, hold_for: float, now: float | None, cache: bool) -> Hold:
         """``free(seq_id, hold_for=)``: a hold, then ``free``, all or nothing (the hold undone if the free
@@ -399,3 +390,30 @@ def policy_name(policy: object) -> str:
         return policy
     cls = policy_class(policy)
     return cls.name or cls.__name__
+
+
+def _deprecated(name: str, new: str | None) -> property:
+    """The old name ``name`` as a read-only property: a DeprecationWarning naming ``new``, then its value. A
+    property (not a ``__getattr__`` fallback: a class with ``__getattr__`` loses CPython's specialised attribute
+    access on every ``self._x`` of the per-step path, 8-10% of a one-sequence decode_step)."""
+
+    def get(self: Surface) -> object:
+        if new is not None:
+            value = self
+            for part in new.split("."):
+                value = getattr(value, part)
+            hint = f"use .{new}"
+        elif name == "atomic_append":  # (decode_step and append_slots are all or nothing)
+            value, hint = True, "decode_step is always all or nothing"
+        else:
+            value, hint = self._take_copies, "use take_copy_plan()"
+        warnings.warn(f"BlockManager.{name} is deprecated: {hint} (scripts/migrate_surface.py rewrites it)",
+                      DeprecationWarning, stacklevel=2)
+        return value
+
+    return property(get, doc=f"Deprecated: {'``.' + new + '``' if new else name}.")
+
+
+for _n, _new in DEPRECATED.items():
+    setattr(Surface, _n, _deprecated(_n, _new))
+del _n, _new
