@@ -1,6 +1,6 @@
 """BlockManager and HybridBlockManager are compositions of parts with explicit state (docs/design.md, "The manager
-in parts"): the one facade's only base is the stateless surface class (``manager/parts.py``'s ``Surface``:
-properties, the named parts and the deprecated names' fallback, no state), the many-group manager is its subclass, each part holds the objects it works on, and no part reads another
+in parts"): the one facade's only bases are stateless (``manager/parts.py``'s ``Surface``: properties, the named parts and
+the deprecated old names; ``manager/_offstep.py``'s ``OffStep``: the calls off a plain request's path), the many-group manager is its subclass, each part holds the objects it works on, and no part reads another
 part's private (underscore) state. Checked statically on the part modules (ast, no imports) and on live
 managers. A stricter rule holds for every core module (the parts, the coordinator's parts ``_hybrid_*.py`` and the
 leaf structures: BlockPool, PrefixCache, CpuTier, the evictors): it reads no underscore attribute of any object
@@ -16,6 +16,7 @@ import pytest
 
 from pagedkv import BlockManager, FullAttentionSpec, HybridBlockManager, SlidingWindowSpec
 from pagedkv.manager.parts import Surface
+from pagedkv.manager._offstep import OffStep
 from pagedkv.hybrid import GroupedManager
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "pagedkv"
@@ -113,8 +114,8 @@ def test_the_checker_finds_a_private_read(tmp_path):
 def test_the_facades_only_bases_are_the_stateless_shared_surface_and_it_wires_its_own_parts():
     # the only base: the surface, stateless (empty __slots__, no __init__, no class data); the many-group manager
     # is the one class's subclass
-    assert BlockManager.__bases__ == (Surface,) and GroupedManager.__bases__ == (BlockManager,)
-    for base in (Surface,):
+    assert BlockManager.__bases__ == (Surface, OffStep) and GroupedManager.__bases__ == (BlockManager,)
+    for base in (Surface, OffStep):
         assert base.__bases__ == (object,) and base.__slots__ == () and "__init__" not in vars(base)
         assert all(callable(v) or isinstance(v, property) for k, v in vars(base).items() if not k.startswith("__"))
     a = BlockManager(64, 4, enable_prefix_caching=True, sliding_window=8)

@@ -1,4 +1,5 @@
-"""HybridBlockManager: KV cache groups (full attention, sliding window) over ONE shared pool of block ids.
+"""GroupedManager: KV cache groups (full attention, sliding window) over ONE shared pool of block ids; what
+``BlockManager(..., kv_cache_groups=[...])`` builds with several groups (a subclass of it).
 
 A hybrid model's layers fall into *groups* of equal size (Gemma 3 270M: 18 layers, 3 full-attention and 15
 sliding-window ones of W = 512 -> 6 groups of 3 layers: group 0 full, groups 1..5 sliding). Every sequence has
@@ -14,7 +15,7 @@ block_size, heads, head_dim)``; layer L of group g at index j uses slot j with g
 
 **The composition** (explicit parts; no part reads another's private state)::
 
-    HybridBlockManager   facade: every call's contract, argument checks, a call into a coordinator part
+    GroupedManager       facade: every call's contract, argument checks, a call into a coordinator part
       ├── coordinator parts (each given, at construction, the per-group parts and the shared ones it works on)
       │     HybridAllocator (_allocator.py, _hit.py)   allocate*, lookup_prefix, can_allocate
       │     HybridStepper   (_step.py)     decode_step / append_slots / can_append_slots
@@ -50,7 +51,6 @@ per sliding group (hashing only past the last recorded sibling key) and O(1) num
 
 from __future__ import annotations
 
-import warnings
 from typing import Hashable, Iterable, Sequence
 
 import numpy as np
@@ -76,7 +76,7 @@ from ..retention.eviction import make_evictor
 from ..retention.steering import Pin, SteeredEvictor
 from ..types import AllocStatus, CopyPlan, PrefixHit, Stats
 
-__all__ = ["GroupedManager", "HybridBlockManager", "HybridPrefillBatch", "HybridStepDelta", "HybridStepResult"]
+__all__ = ["GroupedManager", "HybridPrefillBatch", "HybridStepDelta", "HybridStepResult"]
 
 
 class GroupedManager(BlockManager):
@@ -90,8 +90,8 @@ class GroupedManager(BlockManager):
     by default 16 windows of the widest group, 0 for none) are evicted before any other cached block, so hybrid
     prefix hits survive memory pressure (:mod:`pagedkv.hybrid._retention`); ``eviction_policy`` and
     ``pin_budget_blocks`` as BlockManager's (the policy orders the cached blocks that window retention does not
-    make spare; spare blocks go first whatever their priority), with :meth:`set_retention`, :meth:`pin_prefix`
-    and :meth:`unpin` over every group's blocks.
+    make spare; spare blocks go first whatever their priority), with ``retention.set_retention``, ``retention.pin_prefix``
+    and ``retention.unpin`` over every group's blocks.
 
     Same method names and semantics as :class:`pagedkv.BlockManager`; per-group results (``decode_step`` ->
     :class:`HybridStepResult`, ``allocate_batch`` -> :class:`HybridPrefillBatch`), and ``block_table`` /
@@ -126,15 +126,9 @@ class GroupedManager(BlockManager):
         sliding_window: int | None = None,
         grouped_results: bool | None = None,
     ) -> None:
-        if kv_cache_groups is None:  # (grouped_results=True over the one group of the shorthand)
-            kv_cache_groups = (FullAttentionSpec(),) if sliding_window is None else \
-                (SlidingWindowSpec(check_int("sliding_window", sliding_window, 1)),)
-        elif sliding_window is not None:
-            raise InvalidArgumentError("sliding_window is the one-group shorthand; with kv_cache_groups give "
-                                       "each group's SlidingWindowSpec")
         if grouped_results is False:
             raise InvalidArgumentError("grouped_results=False needs one KV cache group")
-        specs = check_groups(kv_cache_groups)
+        specs = check_groups(kv_cache_groups, sliding_window=sliding_window)  # (None: the shorthand's one group)
         if store_policy not in STORE_POLICIES:
             raise InvalidArgumentError(f"store_policy must be one of {STORE_POLICIES}, got {store_policy!r}")
         store_min_hits = check_int("store_min_hits", store_min_hits, 1)
@@ -315,7 +309,7 @@ class GroupedManager(BlockManager):
         ``num_external_tokens=E`` (external KV, docs/external-kv.md): as BlockManager.allocate's, in every group:
         each group reserves the blocks of the E' tokens after the hybrid hit (a sliding group too: its window
         releases those it no longer needs once the sequence runs), registers nothing past the hit until
-        :meth:`finish_external`, and the sequence is LOADING until then.
+        ``external.finish_external``, and the sequence is LOADING until then.
 
         ``external_window_only=True`` (with ``num_external_tokens``): a sliding group of window W reserves only
         the external blocks its window still sees at the load's end ``P = L + E'`` (blocks ``(P - W + 1) //
@@ -448,7 +442,7 @@ class GroupedManager(BlockManager):
              now: float | None = None) -> Hold | None:
         """Release the sequence's blocks in every group (see BlockManager.free; with ``cache=False`` every group's
         blocks of the last call are withdrawn, or, if another sequence holds one, SequenceStateError and nothing
-        changes). ``hold_for``: :meth:`hold` first, all or nothing (see BlockManager.free). O(table length x
+        changes). ``hold_for``: ``external.hold`` first, all or nothing (see BlockManager.free). O(table length x
         groups)."""
         if hold_for is not None:
             return self._hold_and_free(seq_id, hold_for, now, cache)
@@ -602,17 +596,5 @@ class GroupedManager(BlockManager):
         return ev
 
 
-
 set_grouped_class(GroupedManager)  # (BlockManager(kv_cache_groups=[...several]) builds one)
 GroupedManager.__signature__ = init_signature(GroupedManager)
-
-
-class HybridBlockManager(GroupedManager):
-    """Deprecated alias: ``BlockManager(..., kv_cache_groups=[...], grouped_results=True)`` builds the same manager
-    (a DeprecationWarning on construction). ``isinstance(x, HybridBlockManager)`` holds only for managers built
-    through the alias: ``bm.config.grouped_results`` says which form the results take."""
-
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        warnings.warn("HybridBlockManager is deprecated: use BlockManager(..., kv_cache_groups=[...]) (one class "
-                      "for every model)", DeprecationWarning, stacklevel=2)
-        super().__init__(*args, **kwargs)

@@ -28,10 +28,11 @@ from typing import Hashable, Iterable, Sequence
 from ..events import KVCacheEvent
 from ..kv_groups import FullAttentionSpec, SlidingWindowSpec
 from ..retention.eviction import policy_class
+from .._checks import check_int as _check_int
 from ..errors import InvalidArgumentError, SequenceStateError
 from ..retention.steering import Pin, SteeredEvictor
 from ._external import ExternalLoad, Hold
-from ._stores import StorePlan
+from ._stores import STORE_POLICIES, StorePlan
 
 __all__ = ["DEPRECATED", "Events", "ExternalKV", "ManagerConfig", "Retention", "Surface", "check_groups", "policy_name"]
 
@@ -361,6 +362,50 @@ class Surface(metaclass=_SurfaceType):
                 "holds first (their reader must drop them)")
 
 
+def settings(num_gpu_blocks: object, block_size: object, num_cpu_blocks: object, enable_prefix_caching: object,
+             sliding_window: object, watermark: object, enable_kv_events: object, max_kv_events: object,
+             cpu_prefix_cache: object, block_table_width: object, eviction_policy: object, pin_budget_blocks: object,
+             store_policy: object, store_min_hits: object, kv_cache_groups: object, window_retention: object,
+             retention_interval: object) -> ManagerConfig:
+    """A one-group manager's settings, checked (InvalidArgumentError naming the first bad one), as its
+    :class:`ManagerConfig`. O(1)."""
+    if kv_cache_groups is not None:  # (one group here; several: the grouped manager, see BlockManager.__new__)
+        (spec,) = check_groups(kv_cache_groups, one=True)
+        if spec.window is not None:
+            if sliding_window is not None and sliding_window != spec.window:
+                raise InvalidArgumentError(f"sliding_window={sliding_window!r} and kv_cache_groups="
+                                           f"[SlidingWindowSpec({spec.window})] disagree; give one of them")
+            sliding_window = spec.window
+    num_gpu_blocks = _check_int("num_gpu_blocks", num_gpu_blocks, 1)
+    if store_policy not in STORE_POLICIES:
+        raise InvalidArgumentError(f"store_policy must be one of {STORE_POLICIES}, got {store_policy!r}")
+    store_min_hits = _check_int("store_min_hits", store_min_hits, 1)
+    if store_policy != "none" and not enable_prefix_caching:
+        raise InvalidArgumentError("store_policy needs enable_prefix_caching=True")
+    pin_budget_blocks = _check_int("pin_budget_blocks", pin_budget_blocks, 0)
+    policy_class(eviction_policy)  # (raises InvalidArgumentError naming the policies)
+    if (eviction_policy != "lru" or pin_budget_blocks) and not enable_prefix_caching:
+        raise InvalidArgumentError("eviction_policy and pin_budget_blocks need enable_prefix_caching=True")
+    block_size = _check_int("block_size", block_size, 1)
+    num_cpu_blocks = _check_int("num_cpu_blocks", num_cpu_blocks, 0)
+    max_kv_events = _check_int("max_kv_events", max_kv_events, 1)
+    if sliding_window is not None:
+        sliding_window = _check_int("sliding_window", sliding_window, 1)
+    if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) or not 0 <= watermark < 1:
+        raise InvalidArgumentError(f"watermark must be a number in [0, 1), got {watermark!r}")
+    if block_table_width is not None:
+        block_table_width = _check_int("block_table_width", block_table_width, 1)
+    if cpu_prefix_cache and not (enable_prefix_caching and num_cpu_blocks > 0):
+        raise InvalidArgumentError("cpu_prefix_cache needs enable_prefix_caching=True and num_cpu_blocks > 0")
+    return ManagerConfig(
+        num_gpu_blocks, block_size, num_cpu_blocks,
+        (FullAttentionSpec(),) if sliding_window is None else (SlidingWindowSpec(sliding_window),),
+        sliding_window, bool(enable_prefix_caching), watermark, int(watermark * num_gpu_blocks),
+        bool(enable_kv_events), max_kv_events, bool(cpu_prefix_cache), block_table_width,
+        policy_name(eviction_policy), pin_budget_blocks, store_policy, store_min_hits, bool(window_retention),
+        retention_interval, False)
+
+
 def init_signature(cls: type) -> inspect.Signature:
     """``cls``'s signature as its ``__init__`` reads (without ``self``): what ``inspect.signature(cls)`` should
     answer, not ``BlockManager.__new__``'s ``*args, **kwargs``. O(parameters)."""
@@ -368,8 +413,15 @@ def init_signature(cls: type) -> inspect.Signature:
     return sig.replace(parameters=list(sig.parameters.values())[1:], return_annotation=inspect.Signature.empty)
 
 
-def check_groups(groups: object, one: bool = False) -> tuple:
-    """``kv_cache_groups`` as a tuple of specs (InvalidArgumentError otherwise); ``one``: exactly one. O(groups)."""
+def check_groups(groups: object, one: bool = False, sliding_window: object = None) -> tuple:
+    """``kv_cache_groups`` as a tuple of specs (InvalidArgumentError otherwise); ``one``: exactly one. With
+    ``sliding_window`` (the one-group shorthand) ``groups`` must be None; None: the shorthand's one group.
+    O(groups)."""
+    if groups is None:
+        return (FullAttentionSpec(),) if sliding_window is None else (SlidingWindowSpec(sliding_window),)
+    if sliding_window is not None:
+        raise InvalidArgumentError("sliding_window is the one-group shorthand; with kv_cache_groups give each "
+                                   "group's SlidingWindowSpec")
     if isinstance(groups, (str, bytes)) or not hasattr(groups, "__iter__"):
         raise InvalidArgumentError("kv_cache_groups must be a sequence of FullAttentionSpec / SlidingWindowSpec")
     out = tuple(groups)
