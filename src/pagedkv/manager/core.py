@@ -281,6 +281,16 @@ class BlockManager(Surface, OffStep):
         self._swap = Swapper(t, blocks, cache, tier, self._cpu_tok, self._cpu_id, copies)
 
     # ------------------------------------------------------------------ read-only state
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+        return self._bs
+
+    @property
+    def num_free_gpu_blocks(self) -> int:
+        """Plain free GPU blocks plus unreferenced cached ones (which are evicted on demand), every group's."""
+        return self._blocks.num_free
+
     def _check_group(self, group: object) -> None:
         if _check_int("group", group, 0) != 0:
             raise InvalidArgumentError(f"group must be < 1 (a BlockManager has one KV cache group), got {group}")
@@ -422,14 +432,15 @@ class BlockManager(Surface, OffStep):
         arr = _as_tokens(token_ids)
         la = _check_int("num_lookahead_slots", num_lookahead_slots, 0)
         k = None if num_new_tokens is None else _check_int("num_new_tokens", num_new_tokens, 1)
-        e = self._ext.check_lookup(num_external_tokens, self._window)
+        e = 0 if type(num_external_tokens) is int and num_external_tokens == 0 else \
+            self._ext.check_lookup(num_external_tokens, self._window)  # (a plain request stays out of _external)
         needed = -(-(arr.size + la) // self._bs)
         if self._alloc.peak(arr.size, la, k) > self._gpu.num_blocks - self._watermark_blocks:
             return AllocStatus.NEVER
         if self._cache is None:
             _encode_namespace(namespace)  # validate it all the same
             if k is not None and k < arr.size:
-                needed = -(-(min(arr.size, self._ext.kept(arr.size, 0, e) + k) + la) // self._bs)
+                needed = -(-(min(arr.size, (e and self._ext.kept(arr.size, 0, e)) + k) + la) // self._bs)
         else:
             root = self._cache.root(namespace, intern=False)
             hits, chain = self._reg.lookup(arr, root)
@@ -437,7 +448,7 @@ class BlockManager(Surface, OffStep):
                 hits, _ = self._alloc.fit_hit(hits, chain, root, arr.size, la, k)
             if k is not None and len(hits) * self._bs + k < arr.size:
                 h = len(hits) * self._bs
-                needed = -(-(min(arr.size, h + self._ext.kept(arr.size, h, e) + k) + la) // self._bs)
+                needed = -(-(min(arr.size, h + (e and self._ext.kept(arr.size, h, e)) + k) + la) // self._bs)
             ref = self._gpu.ref
             needed -= sum(1 for b in hits if b >= 0 and ref[b] > 0)  # (a CPU-tier hit needs a GPU block)
             if self._steered and self._cache.evictor.num_parked:  # pinned idle hits: not in the free count
@@ -578,11 +589,12 @@ class BlockManager(Surface, OffStep):
         (``num_cached_tokens`` stays H: the external tokens are not cached here). O(prompt blocks)."""
         la = _check_int("num_lookahead_slots", num_lookahead_slots, 0)
         k = None if num_new_tokens is None else _check_int("num_new_tokens", num_new_tokens, 1)
-        e = self._ext.check_lookup(num_external_tokens, self._window)
+        e = 0 if type(num_external_tokens) is int and num_external_tokens == 0 else \
+            self._ext.check_lookup(num_external_tokens, self._window)  # (a plain request stays out of _external)
         if self._cache is None:
             n = _as_tokens(token_ids).size
             _encode_namespace(namespace)  # validate it all the same
-            nb = -(-((n if k is None else min(n, self._ext.kept(n, 0, e) + k)) + la) // self._bs)
+            nb = -(-((n if k is None else min(n, (e and self._ext.kept(n, 0, e)) + k)) + la) // self._bs)
             return PrefixHit(0, 0, 0, nb)
         arr = _as_tokens(token_ids)
         root = self._cache.root(namespace, intern=False)
@@ -595,7 +607,7 @@ class BlockManager(Surface, OffStep):
             held += sum(1 for b in hits if b >= 0 and self._cache.evictor.parked[b])
         ncpu = sum(1 for b in hits if b < 0)
         h = len(hits) * self._bs
-        n = arr.size if k is None else min(arr.size, h + self._ext.kept(arr.size, h, e) + k)
+        n = arr.size if k is None else min(arr.size, h + (e and self._ext.kept(arr.size, h, e)) + k)
         nb = -(-(n + la) // self._bs)
         return PrefixHit(h, len(hits), ncpu, nb - held)
 

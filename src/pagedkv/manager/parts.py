@@ -297,21 +297,11 @@ class Surface(metaclass=_SurfaceType):
     """What every manager class shares beyond its per-step calls (stateless: no ``__init__``, empty slots): the
     named parts' attributes, the deprecated old names (read-only properties that warn, left out of ``dir()``;
     :data:`DEPRECATED`), and ``free``'s external-KV parts. What a manager must
-    set: ``_bs``, ``_blocks``, ``_parts`` (its ManagerConfig, ExternalKV and Events), ``_ext``, ``_cache``, and the
+    set: ``_parts`` (its ManagerConfig, ExternalKV and Events), ``_ext``, ``_cache``, and the
     retention calls ``_set_retention``, ``_pin_prefix``, ``_unpin``. No part holds the manager (no reference
     cycle: a manager is freed as soon as it is dropped)."""
 
     __slots__ = ()
-
-    @property
-    def block_size(self) -> int:
-        """Tokens per block."""
-        return self._bs
-
-    @property
-    def num_free_gpu_blocks(self) -> int:
-        """Plain free GPU blocks plus unreferenced cached ones (which are evicted on demand), every group's."""
-        return self._blocks.num_free
 
     @property
     def config(self) -> ManagerConfig:
