@@ -143,11 +143,11 @@ def check_fork_swap(Anchor, block_size: int = 16) -> str:
     n_distinct = len(set(t1) | set(t2))
     assert n_distinct <= len(out) <= len(t1) + len(t2), (out, t1, t2)
     assert {g for g, _ in out} == set(t1) | set(t2)
-    assert bm.num_free_gpu_blocks == 64 and bm.num_free_cpu_blocks == 64 - len({c for _, c in out})
+    assert bm.num_free_gpu_blocks == 64 and bm.stats.num_free_cpu_blocks == 64 - len({c for _, c in out})
     assert bm.can_swap_in([1, 2]) is AllocStatus.OK
     back = bm.swap_in([1, 2])
     assert sorted({c for c, _ in back}) == sorted({c for _, c in out})
-    assert bm.num_free_cpu_blocks == 64 and bm.num_free_gpu_blocks == 64 - len({g for _, g in back})
+    assert bm.stats.num_free_cpu_blocks == 64 and bm.num_free_gpu_blocks == 64 - len({g for _, g in back})
     for s in range(block_size + 1):  # both keep decoding and cross a block boundary
         bm.prepare_step([1, 2], [30 + s, 60 + s])
         step = bm.decode_step([1, 2], [30 + s, 60 + s])
@@ -155,7 +155,7 @@ def check_fork_swap(Anchor, block_size: int = 16) -> str:
     assert bm.num_tokens(1) == bm.num_tokens(2) == len(prompt) + 2 + block_size + 1
     bm.free(1)
     bm.free(2)
-    assert bm.num_free_gpu_blocks == 64 and bm.num_free_cpu_blocks == 64
+    assert bm.num_free_gpu_blocks == 64 and bm.stats.num_free_cpu_blocks == 64
     return (f"fork + CoW {(src, dst)} + swap out/in: {n_distinct} distinct GPU blocks -> {len(out)} CPU blocks "
             f"-> {len({g for _, g in back})} GPU blocks")
 

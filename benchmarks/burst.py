@@ -29,7 +29,7 @@ def main() -> None:
     for i in range(a.requests):
         hits += bm.allocate(i, system + rng.integers(0, 32000, a.own).tolist())
     total = a.requests * (a.system + a.own)
-    used = bm.num_gpu_blocks - bm.num_free_gpu_blocks
+    used = bm.config.num_gpu_blocks - bm.num_free_gpu_blocks
     print(f"{a.requests} requests x ({a.system} shared + {a.own} own) tokens, admitted in one step: "
           f"{hits:,} of {total:,} prompt tokens from the cache ({100 * hits / total:.1f}%), "
           f"{total - hits:,} to compute; {used:,} GPU blocks held")

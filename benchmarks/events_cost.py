@@ -25,14 +25,14 @@ def run(batch: int, steps: int, events: bool, seed: int) -> float:
     ids = list(range(batch))
     for i in ids:
         bm.allocate(i, rng.integers(0, 32000, int(rng.integers(200, 300))).tolist())
-    bm.take_events()
+    bm.events.take()
     toks = rng.integers(0, 32000, (steps, batch))
     times = []
     for s in range(steps):
         t0 = time.perf_counter()
         bm.decode_step(ids, toks[s])
         if events:
-            bm.take_events()
+            bm.events.take()
         times.append(time.perf_counter() - t0)
     kept = sorted(times[8:])[: -len(times) // 50]
     return float(np.mean(kept)) * 1e6

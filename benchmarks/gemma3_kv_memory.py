@@ -65,7 +65,7 @@ def main() -> int:
     rows.append(("one table for all 18 layers", one_bytes, one, count(one, a.tokens, bs)))
     grp_bytes = LAYERS // GROUPS * bs * per_token_layer
     specs = [FullAttentionSpec()] + [SlidingWindowSpec(WINDOW)] * (GROUPS - 1)
-    hyb = HybridBlockManager(budget // grp_bytes, bs, kv_cache_groups=specs, watermark=0.0)
+    hyb = BlockManager(budget // grp_bytes, bs, kv_cache_groups=specs, watermark=0.0, grouped_results=True)
     rows.append(("KV cache groups (1 full + 5 sliding W=512)", grp_bytes, hyb, count(hyb, a.tokens, bs)))
     hyb.check_invariants()
     print(f"Gemma 3 270M, {a.tokens}-token sequences, {a.gib:g} GiB of KV ({a.dtype_bytes}-byte elements), "
@@ -75,8 +75,8 @@ def main() -> int:
           "KV per sequence (MiB) |")
     print("|---|---|---|---|---|---|")
     for name, per_block, m, n in rows:
-        used = (m.num_gpu_blocks - m.num_free_gpu_blocks) / n if n else float("nan")
-        print(f"| {name} | {per_block:,} | {m.num_gpu_blocks:,} | {n} | {used:.0f} | {used * per_block / 2**20:.1f} |")
+        used = (m.config.num_gpu_blocks - m.num_free_gpu_blocks) / n if n else float("nan")
+        print(f"| {name} | {per_block:,} | {m.config.num_gpu_blocks:,} | {n} | {used:.0f} | {used * per_block / 2**20:.1f} |")
     print()
     print(f"groups / one table: {rows[1][3] / rows[0][3]:.2f}x the sequences per GiB")
     return 0

@@ -62,7 +62,7 @@ def _managers(context: int, steps: int, caching: bool, seed: int = 0, groups: tu
     out = []
     for _ in range(2):
         if groups:
-            bm = HybridBlockManager(blocks, BLOCK, kv_cache_groups=groups, enable_prefix_caching=caching)
+            bm = BlockManager(blocks, BLOCK, kv_cache_groups=groups, enable_prefix_caching=caching, grouped_results=True)
         else:
             bm = BlockManager(blocks, BLOCK, enable_prefix_caching=caching)
         if groups:  # one at a time, each followed by one step of its own (the window's releases)

@@ -96,7 +96,7 @@ def part2() -> None:
             for i in ids:
                 m.allocate(i, rng.integers(0, 32000, int(rng.integers(200, 300))).tolist())
             m.decode_step(ids, np.zeros(batch, np.int64), k)
-            G = m.num_groups
+            G = m.config.num_groups
             batch_form = lambda: m.lookahead_slots(ids, k)  # noqa: E731
             per_seq = lambda: [m.slot_mapping(s, n, n + k, g) for g in range(G)  # noqa: E731
                                for s, n in zip(ids, [m.num_tokens(s) for s in ids])]

@@ -29,8 +29,8 @@ def main() -> None:
         rng = np.random.default_rng(length)
         firsts = [rng.integers(0, 32000, length).tolist() for _ in range(n)]
         seconds = [f + rng.integers(0, 32000, TURN).tolist() for f in firsts]
-        managers = [pagedkv.HybridBlockManager(6 * (length // 16 + 20) * (n + 2), 16, kv_cache_groups=gemma3_groups(),
-                                               enable_prefix_caching=True) for _ in range(2)]
+        managers = [pagedkv.BlockManager(6 * (length // 16 + 20) * (n + 2), 16, kv_cache_groups=gemma3_groups(),
+                                               enable_prefix_caching=True, grouped_results=True) for _ in range(2)]
 
         def admit(bm, as_array: bool):
             def one(i: int) -> dict:

@@ -131,7 +131,7 @@ def simulate(args) -> None:
             url, _, load = st.choose(h, len(p))
             hit += bms[url].allocate(i, p)
             bms[url].free(i)
-            st.apply_events(url, bms[url].take_events())
+            st.apply_events(url, bms[url].events.take())
             st.done(url, load, h)
             total += len(p)
         print(f"simulated {route}: hit rate {100 * hit / total:.1f}% of {total:,} prompt tokens, decisions "

@@ -84,9 +84,9 @@ def namespaces(tenants: int) -> None:
                 bm.allocate(i, prompt, namespace=f"tenant-{i}")
                 bm.free(i)
                 if i % 5000 == 0:
-                    bm.take_events()
+                    bm.events.take()
             dt = time.perf_counter() - t
-            bm.take_events()
+            bm.events.take()
             c = bm._cache
             size = sum(sys.getsizeof(r) for r in (c.roots, c._ns_ids, c.ns_list))
             size += sum(sys.getsizeof(k) for k in c.roots) + sum(sys.getsizeof(k) for k in c._ns_ids)

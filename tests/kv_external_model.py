@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pagedkv import BlockManager, FullAttentionSpec, HybridBlockManager, SlidingWindowSpec, block_hashes
+from pagedkv import BlockManager, FullAttentionSpec, SlidingWindowSpec, block_hashes
 from pagedkv.errors import OutOfBlocksError, SequenceStateError
 
 GARBAGE = -2
@@ -74,10 +74,10 @@ class ExternalModel:
                                              for _ in range(rng.randint(1, 2))]
             rng.shuffle(specs)
             self.nblocks *= len(specs)
-            self.bm = HybridBlockManager(self.nblocks, self.bs, kv_cache_groups=specs, **kw)
+            self.bm = BlockManager(self.nblocks, self.bs, kv_cache_groups=specs, **kw, grouped_results=True)
         else:
             self.bm = BlockManager(self.nblocks, self.bs, **kw)
-        self.G = self.bm.num_groups
+        self.G = self.bm.config.num_groups
         self.gpu = np.full(self.nblocks * self.bs, UNWRITTEN, np.int64)
         self.cpu = np.full(max(ncpu, 1) * self.bs, UNWRITTEN, np.int64)
         self.swapped: set = set()
@@ -150,7 +150,7 @@ class ExternalModel:
         for s, p, c in zip(seqs, prompts, cached):
             ids = self.identities(p)
             self.toks[s] = list(p)
-            ext = bm.external_blocks(s)
+            ext = bm.external.external_blocks(s)
             if ext is None:
                 self.seqs[s] = ids
                 self.writes.append(self.put(s, c, len(p), ids[c:]))
@@ -164,7 +164,7 @@ class ExternalModel:
                     self.fail(f"{s}: the load's keys of group {g} are not the prompt's")
             cut = False
             h0 = ext.start_token // bs
-            for g, spec in enumerate(bm.kv_cache_groups):  # a cut group: NULL_BLOCK exactly before its window
+            for g, spec in enumerate(bm.config.kv_cache_groups):  # a cut group: NULL_BLOCK exactly before its window
                 first = max(0, c - spec.window + 1) // bs if wo and spec.window is not None else 0
                 first = first if first > h0 else 0
                 nulls = [h0 + i < first for i in range(len(ext.group_block_ids[g]))]
@@ -217,8 +217,8 @@ class ExternalModel:
         fresh = s in self.stepped
         if fresh:
             # handed slots in this step: an abort (cache=False); its holds are dropped first (their reader is told)
-            for hid in [h.hold_id for h in self.bm.holds if h.seq_id == s]:
-                self.bm.release_hold(hid)
+            for hid in [h.hold_id for h in self.bm.external.holds if h.seq_id == s]:
+                self.bm.external.release_hold(hid)
                 del self.holds[hid]
             try:
                 bm.free(s, cache=False)
@@ -243,7 +243,7 @@ class ExternalModel:
     def swap(self) -> None:
         """Preemption by swap: a running sequence out (not one handed slots in this step), or one back in."""
         bm, rng = self.bm, self.rng
-        if not bm.num_cpu_blocks:
+        if not bm.config.num_cpu_blocks:
             return
         if self.swapped and rng.random() < 0.5:
             s = rng.choice(sorted(self.swapped))
@@ -273,7 +273,7 @@ class ExternalModel:
         if s in self.swapped:
             return
         where = self.hold_positions(s)
-        h = self.bm.hold(s, self.rng.choice([1.0, 3.0]), now=float(self.step_no))
+        h = self.bm.external.hold(s, self.rng.choice([1.0, 3.0]), now=float(self.step_no))
         self.holds[h.hold_id] = self.hold_record(h, where, list(self.seqs[s]))
         self.report.count("holds")
 
@@ -282,17 +282,17 @@ class ExternalModel:
         for hid in list(self.holds):
             if self.rng.random() < 0.2:
                 self.read_hold(hid)
-                bm.release_hold(hid)
+                bm.external.release_hold(hid)
         if self.rng.random() < 0.2 and self.holds:
             hid = self.rng.choice(list(self.holds))
-            bm.renew_hold(hid, 2.0, now=float(self.step_no))
+            bm.external.renew_hold(hid, 2.0, now=float(self.step_no))
         gone_before = set(self.holds)
         # the reader reads every hold about to expire before the manager releases it
-        live = {h.hold_id: h for h in bm.holds}
+        live = {h.hold_id: h for h in bm.external.holds}
         for hid in list(self.holds):
             if live[hid].expires_at <= float(self.step_no):
                 self.read_hold(hid)
-        expired = bm.expire_holds(now=float(self.step_no))
+        expired = bm.external.expire_holds(now=float(self.step_no))
         for hid in expired:
             if hid not in gone_before:
                 self.fail(f"hold {hid} expired but was not live")
@@ -327,7 +327,7 @@ class ExternalModel:
         self.report.count("holds_read")
 
     def take_store(self) -> None:
-        plan = self.bm.take_store_plan()
+        plan = self.bm.external.take_store_plan()
         if plan is None:
             return
         self.stores.append([self.step_no + self.rng.randint(0, 3), plan])
@@ -361,7 +361,7 @@ class ExternalModel:
                     self.fail(f"store {plan.store_id}: block {b}'s planned tokens are not its content's")
                 if plan.parent_keys is not None and plan.parent_keys[i] != (chain[-2] if len(chain) > 1 else None):
                     self.fail(f"store {plan.store_id}: block {b}'s planned parent key is not its content's")
-            self.bm.complete_store(plan.store_id, success=self.rng.random() < 0.9)
+            self.bm.external.complete_store(plan.store_id, success=self.rng.random() < 0.9)
             self.report.count("stores_done")
         self.stores = keep
 
@@ -394,7 +394,7 @@ class ExternalModel:
             return
         done = [tr[1] for tr in due if tr[3] is None]
         failed = {tr[1]: tr[3] for tr in due if tr[3] is not None}
-        got = self.bm.finish_external(done=done, failed=failed)
+        got = self.bm.external.finish_external(done=done, failed=failed)
         for tr in due:
             self.transfers.remove(tr)
             s = tr[1]
@@ -445,7 +445,7 @@ class ExternalModel:
         """Transfers, the copy plan, the forward, holds and stores, then the checks."""
         self.transfers_step()
         plan = self.bm.take_copy_plan()
-        self.bm.take_events()  # (KV events on or off: nothing kept)
+        self.bm.events.take()  # (KV events on or off: nothing kept)
         stores = {0: (self.gpu, self.cpu), 1: (self.cpu, self.gpu), 2: (self.gpu, self.gpu)}
         bs = self.bs
         for kind, src, dst in plan.batches():  # gather every source of a batch, then scatter
@@ -466,7 +466,7 @@ class ExternalModel:
         bm, bs = self.bm, self.bs
         if set(bm.seq_ids) != set(self.seqs) | set(self.loading):
             self.fail("the manager's sequences differ from the model's")
-        if set(bm.loading_seq_ids) != set(self.loading):
+        if set(bm.external.loading_seq_ids) != set(self.loading):
             self.fail("the manager's LOADING sequences differ from the model's")
         G = self.G
         for s, ids in self.seqs.items():
@@ -494,9 +494,9 @@ class ExternalModel:
         self.step(calls=False)  # (and are reported)
         for hid in list(self.holds):
             self.read_hold(hid)
-            self.bm.release_hold(hid)
+            self.bm.external.release_hold(hid)
         self.bm.check_invariants()
-        if self.transfers or self.bm.parked_seq_ids or self.bm.pending_stores or self.bm.holds:
+        if self.transfers or self.bm.external.parked_seq_ids or self.bm.external.pending_stores or self.bm.external.holds:
             self.fail("something is left in flight after draining")
 
 

@@ -120,12 +120,12 @@ class Config:
 
     def manager(self):
         if self.groups is not None:
-            hm = HybridBlockManager(
+            hm = BlockManager(
                 self.num_gpu_blocks, self.block_size, num_cpu_blocks=self.num_cpu_blocks,
                 kv_cache_groups=[FullAttentionSpec() if w is None else SlidingWindowSpec(w) for w in self.groups],
                 enable_prefix_caching=self.prefix, cpu_prefix_cache=self.tier, watermark=0,
                 enable_kv_events=self.events, max_kv_events=self.max_events, window_retention=self.retention,
-                eviction_policy=self.policy, pin_budget_blocks=self.pin_budget,
+                eviction_policy=self.policy, pin_budget_blocks=self.pin_budget, grouped_results=True
             )
             if self.vectorised:
                 hm._step.small_batch = 0
@@ -532,7 +532,7 @@ class KVModel:
         self.report.count("resets")
 
     def op_events(self) -> None:
-        self.bm.take_events()
+        self.bm.events.take()
 
     OPS = (("decode", 3.0), ("admit", 2.5), ("prefill", 2.0), ("swap_out", 1.5), ("swap_in", 1.5), ("recompute", 0.4),
            ("abort", 1.0), ("reset", 0.03), ("events", 0.3), ("retain", 0.5), ("pin", 0.2), ("unpin", 0.1))
@@ -542,7 +542,7 @@ class KVModel:
         if not self.cfg.prefix or not self.seqs:
             return
         s = self.rng.choice(list(self.seqs))
-        self.bm.set_retention(s, priority=self.rng.randint(-2, 2), session=self.rng.randrange(3))
+        self.bm.retention.set_retention(s, priority=self.rng.randint(-2, 2), session=self.rng.randrange(3))
         self.report.count("retention_hints")
 
     def op_pin(self) -> None:
@@ -550,11 +550,11 @@ class KVModel:
         if not self.cfg.pin_budget:
             return
         doc = self.rng.choice(self.docs)
-        before = (self.bm.num_pinned_blocks, self.bm.pins, self.bm.num_free_gpu_blocks)
+        before = (self.bm.retention.num_pinned_blocks, self.bm.retention.pins, self.bm.num_free_gpu_blocks)
         try:
-            pin = self.bm.pin_prefix(doc[: self.rng.randint(1, len(doc))])
+            pin = self.bm.retention.pin_prefix(doc[: self.rng.randint(1, len(doc))])
         except PinBudgetError:
-            if (self.bm.num_pinned_blocks, self.bm.pins, self.bm.num_free_gpu_blocks) != before:
+            if (self.bm.retention.num_pinned_blocks, self.bm.retention.pins, self.bm.num_free_gpu_blocks) != before:
                 self._fail("a refused pin changed the manager")
             self.report.count("pins_refused")
             return
@@ -562,16 +562,16 @@ class KVModel:
             self.report.count("pins")
 
     def op_unpin(self) -> None:
-        if not self.cfg.pin_budget or not self.bm.pins:
+        if not self.cfg.pin_budget or not self.bm.retention.pins:
             return
-        self.bm.unpin(self.rng.choice(self.bm.pins).pin_id)
+        self.bm.retention.unpin(self.rng.choice(self.bm.retention.pins).pin_id)
 
     # ------------------------------------------------------------------ copies, forward, check
     def _execute_plan(self) -> None:
         bm = self.bm
         if self.order == "documented":
             legacy = self.legacy
-            if bm.cpu_prefix_cache:
+            if bm.config.cpu_prefix_cache:
                 dem, pro = bm.take_copies()
                 self._copy(self.gpu, self.cpu, dem)
                 self._copy(self.cpu, self.gpu, pro)
@@ -594,7 +594,7 @@ class KVModel:
         legacy = self.legacy  # the per-call return values hold the same copies as the plan
         pairs = {k: [(a, b) for a, b, kk in zip(plan.src.tolist(), plan.dst.tolist(), plan.kind.tolist()) if kk == k]
                  for k in (0, 1, 2)}
-        if pairs[2] != legacy["cow"] or (not bm.cpu_prefix_cache and (pairs[0] != legacy["swap_out"]
+        if pairs[2] != legacy["cow"] or (not bm.config.cpu_prefix_cache and (pairs[0] != legacy["swap_out"]
                                                                       or pairs[1] != legacy["swap_in"])):
             self._fail("the plan's copies differ from those the calls returned")
 
@@ -761,5 +761,5 @@ def run(seed: int, steps: int, order: str = "plan", check_every: int = 1, cfg: C
     model = KVModel(cfg, seed, order=order, check_every=check_every)
     for _ in range(steps):
         model.step()
-    model.report.count("event_overflows", model.bm.kv_event_overflows)
+    model.report.count("event_overflows", model.bm.events.overflows)
     return model.report

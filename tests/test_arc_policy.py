@@ -161,7 +161,7 @@ def test_make_evictor_arc_needs_the_cache():
     bm = BlockManager(4, 2, enable_prefix_caching=True, eviction_policy="arc")
     ev = bm._cache.evictor
     assert type(ev) is ARCEvictor and ev.key is bm._cache.key and ev.cid is bm._cache.cid
-    assert bm.eviction_policy == "arc"
+    assert bm.config.eviction_policy == "arc"
 
 
 def _adapt(policy):
@@ -196,8 +196,8 @@ def test_arc_over_kv_cache_groups():
     nothing."""
     def run(policy, groups, retention):
         G = len(groups)
-        hm = HybridBlockManager(G * 4, 2, kv_cache_groups=groups, enable_prefix_caching=True,
-                                eviction_policy=policy, watermark=0, window_retention=retention)
+        hm = BlockManager(G * 4, 2, kv_cache_groups=groups, enable_prefix_caching=True,
+                                eviction_policy=policy, watermark=0, window_retention=retention, grouped_results=True)
         X, Y, Z = [1, 2], [3, 4], [5, 6, 7, 8]
         for s, p in (("x", X + [0]), ("x2", X + [9]), ("y", Y + [0]), ("z", Z + [0]), ("y2", Y + [1])):
             hm.allocate(s, p)

@@ -101,7 +101,7 @@ def test_fork_waits_for_the_whole_prompt():
     bm.allocate("a", p, num_new_tokens=4)
     bm.take_copy_plan()
     check_raises(bm, SequenceStateError, bm.fork, "a", "b", must_mention=("4 of its 13",))
-    bm.swap_out(["a"]) if bm.num_cpu_blocks else None
+    bm.swap_out(["a"]) if bm.config.num_cpu_blocks else None
     bm.decode_step(["a"], np.asarray(p[4:12]), num_new_tokens=[8])
     bm.take_copy_plan()
     check_raises(bm, SequenceStateError, bm.fork, "a", "b")
@@ -162,7 +162,7 @@ def test_allocate_batch_with_chunks_equals_consecutive_allocates(seed, tier):
     hits = [b.allocate(s, p, la, namespace=ns, num_new_tokens=c) for s, p, ns, c in zip(ids, prompts, nss, chunks)]
     assert res.num_cached_tokens.tolist() == hits
     assert snapshot(a) == snapshot(b)
-    assert a.take_events() == b.take_events()
+    assert a.events.take() == b.events.take()
     a.check_invariants()
     qsl = res.query_start_loc
     for i, (s, p, c) in enumerate(zip(ids, prompts, chunks)):

@@ -90,12 +90,12 @@ def test_index_fed_by_events_predicts_every_hit_of_a_real_manager():
         while running and (len(running) > 3 or rng.random() < 0.5):
             rr, seq = running.pop(rng.randrange(len(running)))
             bms[rr].free(seq)
-            ix.apply_all(rr, bms[rr].take_events())
+            ix.apply_all(rr, bms[rr].events.take())
         want = ix.longest_prefix(block_hashes(prompt, bs)).get(r, 0)
         if bms[r].can_allocate(prompt).name != "OK":
             continue
         assert bms[r].allocate(i, prompt) == predicted_tokens(want, len(prompt), bs), (i, r)
-        ix.apply_all(r, bms[r].take_events())
+        ix.apply_all(r, bms[r].events.take())
         running.append((r, i))
     for r, bm in enumerate(bms):
         assert ix.num_blocks(r) == len(bm._cache) > 0

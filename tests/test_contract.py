@@ -79,7 +79,7 @@ def test_lookup_prefix_predicts_allocate_and_changes_nothing(seed, tier):
     live: list = []
     for step in range(12):
         _history(bm, rng, 2, live)
-        bm.take_events()
+        bm.events.take()
         p = _prompts(rng, 1, bm.block_size)[0]
         ns = rng.choice([None, "t1", 7])
         la = rng.randrange(3)
@@ -87,7 +87,7 @@ def test_lookup_prefix_predicts_allocate_and_changes_nothing(seed, tier):
         lru_cpu = list(bm._tier.evictor) if tier else None
         hit = bm.lookup_prefix(p, la, namespace=ns)
         assert snapshot(bm) == before  # no LRU touch, no stats, no new namespace root
-        assert bm.take_events() == []
+        assert bm.events.take() == []
         if tier:
             assert list(bm._tier.evictor) == lru_cpu
         assert isinstance(hit, PrefixHit)
@@ -155,7 +155,7 @@ def test_allocate_lookahead_blocks_are_never_cached_and_fill_in_place():
     bm = BlockManager(32, 4, enable_prefix_caching=True)
     bm.allocate("a", [1, 2, 3, 4, 5, 6], 5)  # 11 slots: 3 blocks, the last lookahead-only
     t = bm.block_table("a").tolist()
-    assert len(t) == 3 and bm.num_cached_blocks == 1
+    assert len(t) == 3 and bm.stats.num_cached_blocks == 1
     r = bm.decode_step(["a"], np.array([7]), 5)
     assert r.slot_mapping.tolist() == [t[1] * 4 + 2] and r.block_tables[0].tolist() == t  # no new block
     check_raises(bm, PromptTooLongError, bm.allocate, "b", [1] * 100, 40, must_mention=("lookahead",))
@@ -184,7 +184,7 @@ def _batch_vs_sequential(seed: int, tier: bool, blocks: int, demote: bool = Fals
             for s in reversed(junk):
                 bm.free(s, cache=False)  # withdrawn: their blocks go back to the free ring, uncached
         bm.take_copies()
-    a.take_events(), b.take_events()
+    a.events.take(), b.events.take()
     prompts = _prompts(rng, rng.randrange(1, 7), a.block_size)
     nss = [rng.choice([None, "t1", "t2"]) for _ in prompts]
     la = rng.randrange(3)
@@ -203,7 +203,7 @@ def test_allocate_batch_equals_consecutive_allocates(seed, tier):
     hits = [b.allocate(s, p, la, namespace=ns) for s, p, ns in zip(ids, prompts, nss)]
     assert res.num_cached_tokens.tolist() == hits
     assert snapshot(a) == snapshot(b)
-    assert a.take_events() == b.take_events()
+    assert a.events.take() == b.events.take()
     assert a.take_copies().promotions.tolist() == b.take_copies().promotions.tolist()
     a.check_invariants()
     # the flat metadata is what slot_mapping / block_table give sequence by sequence
@@ -338,7 +338,7 @@ def test_allocate_batch_takes_an_idle_hit_like_consecutive_allocates():
         bm.allocate("old", [0, 2, 7])
         bm.free("old")  # its block [0, 2] stays cached, idle
         bm.take_copies()
-        bm.take_events()
+        bm.events.take()
     a, b = managers
     idle = a.lookup_prefix([0, 2, 5]).num_cached_tokens
     assert idle == 2
@@ -348,7 +348,7 @@ def test_allocate_batch_takes_an_idle_hit_like_consecutive_allocates():
     assert res.num_cached_tokens.tolist() == hits == [0, 2]
     assert a.block_table("q")[0] != a.block_table("p")[0]  # the idle block, not the new one (a copy)
     assert snapshot(a) == snapshot(b)
-    assert a.take_events() == b.take_events()
+    assert a.events.take() == b.events.take()
     a.check_invariants()
     for s, p in zip(["p", "q"], prompts):
         _own_tokens_ok(a, s, p)

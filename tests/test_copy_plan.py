@@ -47,7 +47,7 @@ class Blocks:
                 a, b = {0: (self.gpu, self.cpu), 1: (self.cpu, self.gpu), 2: (self.gpu, self.gpu)}[k]
                 b[d] = a.get(s)
         else:
-            dem, pro = self.bm.take_copies() if self.bm.cpu_prefix_cache else ([], [])
+            dem, pro = self.bm.take_copies() if self.bm.config.cpu_prefix_cache else ([], [])
             for pairs, a, b in ((dem, self.gpu, self.cpu), (pro, self.cpu, self.gpu),
                                 (self.lists["out"], self.gpu, self.cpu), (self.lists["in"], self.cpu, self.gpu),
                                 (self.lists["cow"], self.gpu, self.gpu)):
@@ -81,7 +81,7 @@ def case1(order: str) -> Blocks:
     kv.step([kv.allocate("x", X)], order)
     kv.bm.free("x")  # x's two full blocks stay cached
     kv.step([kv.allocate("a", A)], order)  # evicts them: demoted to the CPU tier
-    assert kv.bm.num_cpu_cached_blocks == 2
+    assert kv.bm.stats.num_cpu_cached_blocks == 2
     kv.swap_out(["a"])  # A's 4 GPU blocks are cached: they wait in the evictor
     hit = kv.allocate("b", X)  # x's blocks come back from the CPU tier into blocks A's swap-out frees
     assert hit[1] == 8 and kv.bm.stats.promotions == 2

@@ -23,7 +23,7 @@ def test_demote_on_eviction_then_promote_on_a_hit_exact_copies():
     bm.allocate("b", list(range(100, 116)))  # 4 new blocks: free block 3, then evicts 2, 1, 0 (LRU, tail first)
     dem, pro = bm.take_copies()
     assert dem.tolist() == [[2, 0], [1, 1], [0, 2]] and pro.size == 0  # a's tail first, into CPU 0, 1, 2
-    assert bm.num_cpu_cached_blocks == 3
+    assert bm.stats.num_cpu_cached_blocks == 3
     bm.free("b")
     bm.take_copies()
     assert bm.allocate("c", list(range(13))) == 12  # all three from the CPU tier
@@ -59,7 +59,7 @@ def test_a_block_cached_in_the_current_step_is_not_demoted():
     bm.free("a")  # aborted but the step runs; blocks stay cached (their KV will be written)
     bm.allocate("b", list(range(100, 116)))  # evicts them in the same step: their KV is not there yet
     dem, pro = bm.take_copies()
-    assert dem.size == 0 and bm.num_cpu_cached_blocks == 0
+    assert dem.size == 0 and bm.stats.num_cpu_cached_blocks == 0
     bm.check_invariants()
 
 
@@ -70,11 +70,11 @@ def test_swap_comes_first_and_evicts_the_tier_lru():
     bm.take_copies()
     bm.allocate("b", list(range(100, 116)))  # demotes a's 4 blocks: the CPU pool is all tier
     bm.take_copies()
-    assert bm.num_cpu_cached_blocks == 4 and bm.num_free_cpu_blocks == 4  # evictable counts as free
+    assert bm.stats.num_cpu_cached_blocks == 4 and bm.stats.num_free_cpu_blocks == 4  # evictable counts as free
     assert bm.can_swap_out(["b"])
     ev0 = bm.stats.cpu_evictions
     pairs = bm.swap_out(["b"])  # needs 4 CPU blocks: evicts every tier block, LRU first
-    assert len(pairs) == 4 and bm.stats.cpu_evictions - ev0 == 4 and bm.num_cpu_cached_blocks == 0
+    assert len(pairs) == 4 and bm.stats.cpu_evictions - ev0 == 4 and bm.stats.num_cpu_cached_blocks == 0
     bm.check_invariants()
     bm.swap_in(["b"])
     bm.check_invariants()
@@ -103,20 +103,20 @@ def test_namespaces_stay_apart_in_the_cpu_tier_and_reset_clears_it():
     bm.take_copies()
     bm.allocate("b", list(range(100, 116)))
     bm.take_copies()
-    assert bm.num_cpu_cached_blocks == 2
+    assert bm.stats.num_cpu_cached_blocks == 2
     bm.free("b")
     assert bm.allocate("c", list(range(9))) == 0  # another namespace: no hit in either tier
     bm.take_copies()
     bm.free("c")
     assert bm.allocate("d", list(range(9)), namespace="t1") == 8
     bm.take_copies()
-    ev = bm.take_events()
+    ev = bm.events.take()
     cpu_stored = [e for e in ev if isinstance(e, BlockStored) and e.medium == "CPU"]
     assert {e.namespace for e in cpu_stored} >= {"t1"}
     bm.free("d")
     bm.reset_prefix_cache()
-    assert bm.num_cpu_cached_blocks == 0 and bm.num_cached_blocks == 0
-    assert bm.num_free_cpu_blocks == 8
+    assert bm.stats.num_cpu_cached_blocks == 0 and bm.stats.num_cached_blocks == 0
+    assert bm.stats.num_free_cpu_blocks == 8
     bm.check_invariants()
 
 
@@ -127,4 +127,4 @@ def test_cpu_tier_needs_caching_and_a_cpu_pool():
         BlockManager(4, 4, enable_prefix_caching=True, cpu_prefix_cache=True)
     bm = BlockManager(4, 4, enable_prefix_caching=True)
     copies = bm.take_copies()
-    assert copies.demotions.shape == (0, 2) and copies.promotions.shape == (0, 2) and not bm.cpu_prefix_cache
+    assert copies.demotions.shape == (0, 2) and copies.promotions.shape == (0, 2) and not bm.config.cpu_prefix_cache

@@ -178,7 +178,7 @@ def _chats(policy, rounds=400, pool=6):
         got = bm.allocate(sid, prompt)
         if i % 2 and i >= rounds - 100:
             hits += got
-        bm.set_retention(sid, session=session)
+        bm.retention.set_retention(sid, session=session)
         bm.free(sid)
         if i % 50 == 0:
             bm.check_invariants()

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from pagedkv import BlockManager, FullAttentionSpec, HybridBlockManager, SlidingWindowSpec, block_hashes
+from pagedkv import BlockManager, FullAttentionSpec, SlidingWindowSpec, block_hashes
 
 
 def _step(m):
@@ -23,8 +23,8 @@ def test_a_swap_in_shares_content_another_sequence_cached_while_it_was_out(windo
     if window is None:
         bm = BlockManager(12, 4, num_cpu_blocks=12, enable_prefix_caching=True)
     else:
-        bm = HybridBlockManager(24, 4, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(window)],
-                                num_cpu_blocks=24, enable_prefix_caching=True, watermark=0)
+        bm = BlockManager(24, 4, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(window)],
+                                num_cpu_blocks=24, enable_prefix_caching=True, watermark=0, grouped_results=True)
     P = list(range(1, 22))
     bm.allocate("A", P)
     _step(bm)
@@ -42,7 +42,7 @@ def test_a_swap_in_shares_content_another_sequence_cached_while_it_was_out(windo
     b_blocks = bm.block_table("B")[:3].tolist()
     assert bm.block_table("A")[:3].tolist() == b_blocks  # shared, not copied
     # only A's own blocks come back (three a group)
-    assert len(pairs) == 3 * bm.num_groups and not {d for _, d in pairs} & set(b_blocks)
+    assert len(pairs) == 3 * bm.config.num_groups and not {d for _, d in pairs} & set(b_blocks)
     assert bm.lookup_prefix(P).num_cached_tokens == 20
     bm.free("B")
     bm.free("A")
@@ -59,9 +59,9 @@ def test_stored_content_is_never_planned_again_after_eviction_and_recompute(poli
     planned = Counter()
 
     def drain():
-        while (plan := m.take_store_plan()) is not None:
+        while (plan := m.external.take_store_plan()) is not None:
             planned.update(plan.keys)
-            m.complete_store(plan.store_id, True)
+            m.external.complete_store(plan.store_id, True)
 
     for rnd in range(3):
         m.allocate("p", P)
@@ -142,8 +142,8 @@ def test_an_abort_does_not_reach_a_live_sequences_findability():
     """docs/engine-contract.md: free(seq, cache=False) withdraws what the sequence's last call cached, and
     docs/design.md: findability covers the hit points whose blocks a live sequence holds. A chunked admission S
     sharing live L's first 17 tokens, aborted in its step, leaves L's 44 findable tokens findable."""
-    m = HybridBlockManager(64, 2, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(9), SlidingWindowSpec(9)],
-                           enable_prefix_caching=True, watermark=0.0)
+    m = BlockManager(64, 2, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(9), SlidingWindowSpec(9)],
+                           enable_prefix_caching=True, watermark=0.0, grouped_results=True)
     _step(m)
     m.allocate("L", _P, num_new_tokens=29)
     _step(m)
@@ -172,8 +172,8 @@ def test_lookup_prefix_with_external_tokens_counts_the_blocks_allocate_takes(hyb
     with ``num_new_tokens=k`` counts exactly what allocate takes, and E + k stays an upper bound."""
     P = list(range(1, 29))
     if hybrid:
-        m = HybridBlockManager(96, 2, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(8)],
-                               enable_prefix_caching=True, watermark=0)
+        m = BlockManager(96, 2, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(8)],
+                               enable_prefix_caching=True, watermark=0, grouped_results=True)
         m.allocate("warm", P[:9])  # a hit of 4 blocks in both groups
         _step(m)
     else:

@@ -561,7 +561,7 @@ def test_good_namespaces_do_not_share(bm):
         hits.append(bm.allocate(f"ns{i}", toks, namespace=ns))
         bm.free(f"ns{i}", cache=False)
     assert hits == [0, 0, 0, 0]
-    assert bm.allocate("again", toks) == (8 if bm.enable_prefix_caching else 0)
+    assert bm.allocate("again", toks) == (8 if bm.config.enable_prefix_caching else 0)
 
 
 def test_failed_allocate_in_a_new_namespace(bm):

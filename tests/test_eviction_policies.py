@@ -99,16 +99,16 @@ def _run_golden(policy):
     prompts = {s: [10 * i + 1, 10 * i + 2, 10 * i + 3, 10 * i + 4] for i, s in enumerate("abcd")}
     for s, p in prompts.items():
         bm.allocate(s, p + [99])
-        bm.set_retention(s, session="chat" if s in "ac" else s)
+        bm.retention.set_retention(s, session="chat" if s in "ac" else s)
         bm.free(s)
     for k, s in enumerate(("a", "c", "c")):  # hits: a block back from the evictor, then released again
         assert bm.allocate(f"{s}{k}", prompts[s] + [98]) == 4
-        bm.set_retention(f"{s}{k}", session="chat")
+        bm.retention.set_retention(f"{s}{k}", session="chat")
         bm.free(f"{s}{k}")
     bm.check_invariants()
-    bm.take_events()
+    bm.events.take()
     bm.allocate("big", list(range(500, 524)))
-    removed = [k for e in bm.take_events() if isinstance(e, pagedkv.events.BlockRemoved) for k in e.block_hashes]
+    removed = [k for e in bm.events.take() if isinstance(e, pagedkv.events.BlockRemoved) for k in e.block_hashes]
     name = {pagedkv.block_hashes(p, 4)[0]: s for s, p in prompts.items()}
     bm.check_invariants()
     return "".join(name[k] for k in removed)
@@ -130,9 +130,9 @@ def test_golden_orders_where_policies_differ():
     one-off; LRU evicts by release order alone."""
     def run(policy):
         bm = BlockManager(3, 2, enable_prefix_caching=True, eviction_policy=policy, watermark=0)
-        bm.allocate("x", [1, 2, 7]); bm.set_retention("x", session="chat"); bm.free("x")
-        bm.allocate("x2", [1, 2, 8]); bm.set_retention("x2", session="chat"); bm.free("x2")  # a hit on [1, 2]
-        bm.allocate("y", [3, 4, 9]); bm.set_retention("y", session="one-off"); bm.free("y")
+        bm.allocate("x", [1, 2, 7]); bm.retention.set_retention("x", session="chat"); bm.free("x")
+        bm.allocate("x2", [1, 2, 8]); bm.retention.set_retention("x2", session="chat"); bm.free("x2")  # a hit on [1, 2]
+        bm.allocate("y", [3, 4, 9]); bm.retention.set_retention("y", session="one-off"); bm.free("y")
         bm.allocate("z", [5, 6, 0])  # needs 2 blocks: one free, one evicted
         return [bm.lookup_prefix([1, 2, 0]).num_cached_tokens, bm.lookup_prefix([3, 4, 0]).num_cached_tokens]
 
@@ -148,7 +148,7 @@ def test_priority_orders_eviction_and_ties_by_recency():
     for s, prio in (("hi", -1), ("lo", 5), ("mid", 0), ("mid2", 0)):
         base = 10 * len(s) + prio * 100 + 1000
         bm.allocate(s, [base, base + 1, 0])
-        bm.set_retention(s, priority=prio)
+        bm.retention.set_retention(s, priority=prio)
         bm.free(s)
     bm.check_invariants()
     ev = bm._cache.evictor
@@ -166,7 +166,7 @@ def test_priority_of_a_shared_block_is_its_last_releaser():
     bm = BlockManager(4, 2, enable_prefix_caching=True, watermark=0)
     bm.allocate("a", [1, 2, 3])
     bm.fork("a", "b")
-    bm.set_retention("a", priority=9)
+    bm.retention.set_retention("a", priority=9)
     bm.free("a")  # still held by b
     bm.free("b")  # untagged: priority 0
     ev = bm._cache.evictor
@@ -179,11 +179,11 @@ def test_set_retention_errors_change_nothing():
     bm = BlockManager(4, 2, enable_prefix_caching=True)
     bm.allocate("a", [1, 2, 3])
     with pytest.raises(UnknownSequenceError):
-        bm.set_retention("nope", priority=1)
+        bm.retention.set_retention("nope", priority=1)
     with pytest.raises(InvalidArgumentError):
-        bm.set_retention("a", priority=1.5)
+        bm.retention.set_retention("a", priority=1.5)
     with pytest.raises(TypeError):
-        bm.set_retention("a", session=["unhashable"])
+        bm.retention.set_retention("a", session=["unhashable"])
     assert not bm._hints and not bm._steered
     nc = BlockManager(4, 2)  # no prefix caching: the call refuses
     nc.allocate("a", [1])
@@ -220,9 +220,9 @@ def _pinned_manager(policy="lru", budget=2, n=6):
 @pytest.mark.parametrize("policy", EVICTION_POLICIES)
 def test_a_pinned_prefix_survives_any_pressure(policy):
     bm = _pinned_manager(policy)
-    pin = bm.pin_prefix(SYSTEM)
-    assert (pin.num_tokens, pin.num_blocks, pin.ttl) == (8, 2, None) and bm.pins == (pin,)
-    assert bm.num_pinned_blocks == 2 and bm.num_free_gpu_blocks == 4  # parked: neither free nor evictable
+    pin = bm.retention.pin_prefix(SYSTEM)
+    assert (pin.num_tokens, pin.num_blocks, pin.ttl) == (8, 2, None) and bm.retention.pins == (pin,)
+    assert bm.retention.num_pinned_blocks == 2 and bm.num_free_gpu_blocks == 4  # parked: neither free nor evictable
     bm.check_invariants()
     for i in range(20):  # every other block churns
         bm.allocate(i, [1000 + 10 * i + j for j in range(16)])
@@ -234,11 +234,11 @@ def test_a_pinned_prefix_survives_any_pressure(policy):
     assert bm.num_free_gpu_blocks == 3
     bm.free("user")  # ... and a release parks them again
     assert bm.num_free_gpu_blocks == 4
-    bm.unpin(pin.pin_id)
-    assert bm.num_free_gpu_blocks == 6 and bm.num_pinned_blocks == 0 and bm.pins == ()
+    bm.retention.unpin(pin.pin_id)
+    assert bm.num_free_gpu_blocks == 6 and bm.retention.num_pinned_blocks == 0 and bm.retention.pins == ()
     bm.check_invariants()
     with pytest.raises(UnknownPinError):
-        bm.unpin(pin.pin_id)
+        bm.retention.unpin(pin.pin_id)
     for i in range(3):
         bm.allocate(f"u{i}", [2000 + 10 * i + j for j in range(8)])
     assert bm.lookup_prefix(SYSTEM + [5]).num_cached_tokens == 0  # unpinned, it is evicted as usual
@@ -248,15 +248,15 @@ def test_pin_budget_refusal_changes_nothing():
     bm = _pinned_manager(budget=3)
     bm.allocate("doc", [200 + j for j in range(8)] + [1])
     bm.free("doc")
-    p1 = bm.pin_prefix(SYSTEM)
-    before = (bm.num_pinned_blocks, bm.pins, bm.num_free_gpu_blocks, list(bm._cache.evictor))
+    p1 = bm.retention.pin_prefix(SYSTEM)
+    before = (bm.retention.num_pinned_blocks, bm.retention.pins, bm.num_free_gpu_blocks, list(bm._cache.evictor))
     with pytest.raises(PinBudgetError, match="budget is 3"):
-        bm.pin_prefix([200 + j for j in range(8)])
-    assert (bm.num_pinned_blocks, bm.pins, bm.num_free_gpu_blocks, list(bm._cache.evictor)) == before
-    p2 = bm.pin_prefix(SYSTEM[:4])  # nested: its block is pinned already, no budget spent
-    assert bm.num_pinned_blocks == 2 and p2.num_blocks == 1
-    bm.unpin(p1.pin_id)
-    assert bm.num_pinned_blocks == 1  # the first block is still held by p2
+        bm.retention.pin_prefix([200 + j for j in range(8)])
+    assert (bm.retention.num_pinned_blocks, bm.retention.pins, bm.num_free_gpu_blocks, list(bm._cache.evictor)) == before
+    p2 = bm.retention.pin_prefix(SYSTEM[:4])  # nested: its block is pinned already, no budget spent
+    assert bm.retention.num_pinned_blocks == 2 and p2.num_blocks == 1
+    bm.retention.unpin(p1.pin_id)
+    assert bm.retention.num_pinned_blocks == 1  # the first block is still held by p2
     bm.check_invariants()
 
 
@@ -265,36 +265,36 @@ def test_pin_errors():
         BlockManager(4, 2, enable_prefix_caching=True).pin_prefix([1, 2])  # no budget
     bm = _pinned_manager()
     with pytest.raises(InvalidArgumentError):
-        bm.pin_prefix(SYSTEM, ttl=0)
+        bm.retention.pin_prefix(SYSTEM, ttl=0)
     with pytest.raises(pagedkv.InvalidTokensError):
-        bm.pin_prefix([])
-    assert bm.pin_prefix([7, 7, 7, 7]) == pagedkv.Pin(0, 0, 0, None)  # nothing cached: nothing pinned
-    assert bm.num_pinned_blocks == 0
+        bm.retention.pin_prefix([])
+    assert bm.retention.pin_prefix([7, 7, 7, 7]) == pagedkv.Pin(0, 0, 0, None)  # nothing cached: nothing pinned
+    assert bm.retention.num_pinned_blocks == 0
     with pytest.raises(UnknownPinError):
-        bm.unpin(3)
+        bm.retention.unpin(3)
 
 
 def test_pin_ttl_expires_and_is_refreshed_on_hit(monkeypatch):
     now = [100.0]
     monkeypatch.setattr(steering, "_now", lambda: now[0])
     bm = _pinned_manager()
-    pin = bm.pin_prefix(SYSTEM, ttl=10)
+    pin = bm.retention.pin_prefix(SYSTEM, ttl=10)
     now[0] = 108
     bm.allocate("hit", SYSTEM + [3])  # a hit on the whole pin refreshes it
     bm.free("hit")
     now[0] = 115
-    assert bm.num_free_gpu_blocks == 4 and bm.pins == (pin,)  # 7 s since the refresh: still pinned
+    assert bm.num_free_gpu_blocks == 4 and bm.retention.pins == (pin,)  # 7 s since the refresh: still pinned
     now[0] = 118.5
     assert bm.num_free_gpu_blocks == 6  # expired at 118: dropped by the next count
-    assert bm.pins == () and bm.num_pinned_blocks == 0
+    assert bm.retention.pins == () and bm.retention.num_pinned_blocks == 0
     bm.check_invariants()
 
 
 def test_reset_drops_pins_and_frees_parked_blocks():
     bm = _pinned_manager()
-    bm.pin_prefix(SYSTEM)
+    bm.retention.pin_prefix(SYSTEM)
     assert bm.reset_prefix_cache() == 2
-    assert bm.num_free_gpu_blocks == 6 and bm.pins == () and bm.num_pinned_blocks == 0
+    assert bm.num_free_gpu_blocks == 6 and bm.retention.pins == () and bm.retention.num_pinned_blocks == 0
     bm.check_invariants()
 
 
@@ -302,9 +302,9 @@ def test_withdrawn_content_is_not_held_by_its_pin():
     """A pin made on blocks whose KV was never written (aborted: free(cache=False)) holds nothing."""
     bm = BlockManager(6, 4, enable_prefix_caching=True, pin_budget_blocks=2, watermark=0)
     bm.allocate("s", SYSTEM + [1])
-    bm.pin_prefix(SYSTEM)
+    bm.retention.pin_prefix(SYSTEM)
     bm.free("s", cache=False)  # the blocks are withdrawn from the cache, and go back to the free ring
-    assert bm.num_free_gpu_blocks == 6 and bm.num_pinned_blocks == 2  # the budget still counts the pin
+    assert bm.num_free_gpu_blocks == 6 and bm.retention.num_pinned_blocks == 2  # the budget still counts the pin
     bm.check_invariants()
     bm.allocate("t", SYSTEM + [1])  # the same blocks may come back with new content: not parked on release
     bm.free("t")

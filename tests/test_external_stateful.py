@@ -28,8 +28,8 @@ SEEDS = st.integers(0, 2**32 - 1)
 
 
 def state(bm) -> tuple:
-    return (bm.num_free_gpu_blocks, bm.num_cached_blocks, bm.seq_ids, bm.loading_seq_ids, bm.parked_seq_ids,
-            bm.holds, bm.pending_stores, {s: bm.block_table(s).tolist() for s in bm.seq_ids})
+    return (bm.num_free_gpu_blocks, bm.stats.num_cached_blocks, bm.seq_ids, bm.external.loading_seq_ids, bm.external.parked_seq_ids,
+            bm.external.holds, bm.external.pending_stores, {s: bm.block_table(s).tolist() for s in bm.seq_ids})
 
 
 class ExternalMachine(RuleBasedStateMachine):
@@ -76,26 +76,26 @@ class ExternalMachine(RuleBasedStateMachine):
         """Bad reports and ids: a typed error, nothing changed."""
         bm = self.m.bm
         before = state(bm)
-        live = [s for s in bm.seq_ids if s not in bm.loading_seq_ids]
+        live = [s for s in bm.seq_ids if s not in bm.external.loading_seq_ids]
         choices = [("finish", "nope"), ("hold", 10**9), ("store", 10**9)]
         if live:
             choices.append(("finish", data.draw(st.sampled_from(live))))
-        for s in bm.loading_seq_ids:
+        for s in bm.external.loading_seq_ids:
             choices.append(("fail_bad", s))
             choices.append(("step", s))
         kind, x = data.draw(st.sampled_from(choices))
         if kind == "finish":
             with pytest.raises((UnknownSequenceError, SequenceStateError)):
-                bm.finish_external(done=[x])
+                bm.external.finish_external(done=[x])
         elif kind == "hold":
             with pytest.raises(UnknownHoldError):
-                bm.release_hold(x)
+                bm.external.release_hold(x)
         elif kind == "store":
             with pytest.raises(UnknownStoreError):
-                bm.complete_store(x)
+                bm.external.complete_store(x)
         elif kind == "fail_bad":
             with pytest.raises(InvalidArgumentError):
-                bm.finish_external(failed={x: bm.external_blocks(x).num_tokens})
+                bm.external.finish_external(failed={x: bm.external.external_blocks(x).num_tokens})
         else:
             with pytest.raises(SequenceStateError):
                 bm.decode_step([x], [1])

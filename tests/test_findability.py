@@ -13,7 +13,7 @@ import pytest
 
 import pagedkv
 
-from pagedkv import AllocStatus, BlockManager, FullAttentionSpec, HybridBlockManager, SlidingWindowSpec
+from pagedkv import AllocStatus, BlockManager, FullAttentionSpec, SlidingWindowSpec
 from pagedkv.cluster.index import MemoryIndex
 from pagedkv.errors import PromptTooLongError, SequenceStateError
 from pagedkv.blocks.prefix_cache import PromptKeys
@@ -25,8 +25,8 @@ def test_hybrid_registration_is_not_lost_to_the_same_calls_eviction():
     """Issue 23 A, first case: group 0's new blocks duplicate s0's idle cached blocks, and taking group 1's blocks
     in the same call evicted those: the prompt was not findable (0 where 12 is expected), even after s4's free.
     The held block now takes the idle block's cache identity (the idle one goes to the free ring)."""
-    m = HybridBlockManager(8, 4, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(5)],
-                           enable_prefix_caching=True)
+    m = BlockManager(8, 4, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(5)],
+                           enable_prefix_caching=True, grouped_results=True)
     m.allocate("s0", list(range(1, 14)))
     m.take_copy_plan()
     m.decode_step(["s0"], np.array([[7, 8]]))
@@ -73,8 +73,8 @@ def test_a_window_the_sequence_moved_past_is_not_promised():
     group's block 1 (positions 6, 7), which nobody holds any more, so lookup_prefix finds 0: no block 'a' holds is
     lost. Findability promises the hit points whose blocks the sequence itself holds in every group
     (tests/toy_engine.py's ``_held_hit``); a window it moved past is an eviction candidate like any idle block."""
-    m = HybridBlockManager(10, 4, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(3)],
-                           enable_prefix_caching=True, watermark=0.0)
+    m = BlockManager(10, 4, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(3)],
+                           enable_prefix_caching=True, watermark=0.0, grouped_results=True)
     p = list(range(1, 13))
     m.allocate("a", p, num_new_tokens=10)
     m.allocate("b", list(range(50, 58)))
@@ -114,13 +114,13 @@ def test_a_held_copy_inherits_the_content_when_the_cached_block_is_evicted():
     holds. Now the held copy takes the evicted block's cache identity: same key and content id, no KV event."""
     m, p, a1, b1 = _copy_of_a_cached_block(events=True)
     m.free("b")
-    m.take_events()
+    m.events.take()
     m.allocate("c", list(range(100, 128)))  # 7 blocks: the 5 free ones, then b's blocks 3 and 2 (LRU) evicted
     m.take_copy_plan()
     m.check_invariants()
     assert b1 in m.block_table("c").tolist()  # the cached block went
     assert m.lookup_prefix(p).num_cached_tokens == 8  # was 4: the content stayed, in a's block
-    removed = [k for e in m.take_events() if type(e).__name__ == "BlockRemoved" for k in e.block_hashes]
+    removed = [k for e in m.events.take() if type(e).__name__ == "BlockRemoved" for k in e.block_hashes]
     assert pagedkv.block_hashes(p, 4)[1] not in removed and len(removed) == 1  # only block 2's content left
     assert m.stats.evictions == 1
     m.free("c")
@@ -185,8 +185,8 @@ def test_a_windowed_row_swapped_in_keeps_its_window_findable():
     row with released blocks is not registered again from the root: once s0's blocks were evicted lookup_prefix
     found 4 (here) or 0 (there) of the 8 tokens the sequence holds. The copy now carries its content through the
     CPU side: the sequence shares s0's block, which stays cached while it holds it."""
-    m = HybridBlockManager(20, 4, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(3)], num_cpu_blocks=16,
-                           enable_prefix_caching=True, watermark=0.0)
+    m = BlockManager(20, 4, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(3)], num_cpu_blocks=16,
+                           enable_prefix_caching=True, watermark=0.0, grouped_results=True)
     p = list(range(1, 9))
     m.allocate("s0", p)
     m.take_copy_plan()
@@ -214,8 +214,8 @@ def test_a_windowed_row_swapped_in_copies_a_content_cached_again():
     cached again by another sequence (new content ids, the same keys): a sliding group's block is recorded as a
     copy of it (its hits check a window by chained key and tokens: the parent's new content id is no obstacle),
     so it takes that content's identity when the other block is evicted first."""
-    m = HybridBlockManager(24, 4, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(3)], num_cpu_blocks=16,
-                           enable_prefix_caching=True, watermark=0.0)
+    m = BlockManager(24, 4, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(3)], num_cpu_blocks=16,
+                           enable_prefix_caching=True, watermark=0.0, grouped_results=True)
     p = list(range(1, 9))
     m.allocate("a", p)
     m.take_copy_plan()
@@ -280,8 +280,8 @@ def _findability_walk(seed: int, hybrid: bool) -> int:
     rng = random.Random(seed)
     bs, nb, w = rng.choice([1, 2, 4]), rng.randint(4, 12), rng.randint(1, 9)
     if hybrid:
-        m = HybridBlockManager(nb, bs, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(w)],
-                               enable_prefix_caching=True)
+        m = BlockManager(nb, bs, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(w)],
+                               enable_prefix_caching=True, grouped_results=True)
     else:
         m = BlockManager(nb, bs, sliding_window=rng.choice([None, w]), enable_prefix_caching=True)
     live, checks = {}, 0
@@ -327,8 +327,8 @@ def _stepping(m):
 
 @pytest.mark.parametrize("hybrid", [False, True])
 def test_free_of_a_sequence_handed_slots_this_step_is_refused(hybrid):
-    m = HybridBlockManager(16, 4, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(6)],
-                           enable_prefix_caching=True) if hybrid else BlockManager(16, 4, enable_prefix_caching=True)
+    m = BlockManager(16, 4, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(6)],
+                           enable_prefix_caching=True, grouped_results=True) if hybrid else BlockManager(16, 4, enable_prefix_caching=True)
     _stepping(m)
     p = list(range(1, 10))
     m.allocate("a", p)
@@ -367,7 +367,7 @@ def test_a_sequence_swapped_in_this_step_is_always_aborted_with_cache_false(hybr
     slots in both cases."""
     kw = dict(num_cpu_blocks=16, enable_prefix_caching=True, cpu_prefix_cache=not rechain, watermark=0.0)
     if hybrid:
-        m = HybridBlockManager(16, 4, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(5)], **kw)
+        m = BlockManager(16, 4, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(5)], **kw, grouped_results=True)
     else:
         m = BlockManager(8, 4, **kw)
     _stepping(m)
@@ -413,7 +413,7 @@ def test_free_in_step_is_allowed_without_prefix_caching_and_before_the_first_pla
 @pytest.mark.parametrize("caching", [False, True])
 def test_windowed_manager_admits_a_chunked_prompt_longer_than_its_pool(caching):
     p = list(range(1, 81))
-    hyb = HybridBlockManager(10, 4, kv_cache_groups=[SlidingWindowSpec(4)], enable_prefix_caching=caching)
+    hyb = BlockManager(10, 4, kv_cache_groups=[SlidingWindowSpec(4)], enable_prefix_caching=caching, grouped_results=True)
     m = BlockManager(10, 4, sliding_window=4, enable_prefix_caching=caching)
     assert hyb.can_allocate(p, num_new_tokens=8) == m.can_allocate(p, num_new_tokens=8) == AllocStatus.OK
     assert m.can_allocate(p) == AllocStatus.NEVER  # whole, it never fits
@@ -475,7 +475,7 @@ def test_windowed_chunked_hit_is_cut_in_allocate_batch_as_in_allocate():
     assert res.num_cached_tokens.tolist() == hits == [16, 0]
     for s in ("b", "x"):
         assert a.block_table(s).tolist() == b.block_table(s).tolist() and a.num_tokens(s) == b.num_tokens(s)
-    assert a.num_tokens("b") == 24 and a.take_events() == b.take_events()
+    assert a.num_tokens("b") == 24 and a.events.take() == b.events.take()
     a.check_invariants()
     a.take_copy_plan()
     a.decode_step(["b"], np.array(p[24:]), num_new_tokens=[6])
@@ -486,8 +486,8 @@ def test_windowed_chunked_hit_is_cut_in_allocate_batch_as_in_allocate():
 def test_hybrid_hit_needs_the_w_minus_1_positions_the_first_query_reads():
     """W % block_size == 1 (W = 5, block_size 4): the first query at L = 12 reads positions 8..11, block 2 only;
     the old rule asked for [7, 12), blocks 1 and 2, and lost the hit when block 1 was gone."""
-    m = HybridBlockManager(12, 4, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(5)],
-                           enable_prefix_caching=True)
+    m = BlockManager(12, 4, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(5)],
+                           enable_prefix_caching=True, grouped_results=True)
     p = list(range(1, 14))
     m.allocate("a", p)
     m.take_copy_plan()
@@ -508,8 +508,8 @@ def test_hybrid_hit_needs_the_w_minus_1_positions_the_first_query_reads():
 
 
 def test_hybrid_window_of_one_token_needs_no_cached_block():
-    m = HybridBlockManager(16, 2, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(1)],
-                           enable_prefix_caching=True)
+    m = BlockManager(16, 2, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(1)],
+                           enable_prefix_caching=True, grouped_results=True)
     p = list(range(1, 10))
     m.allocate("a", p)
     m.take_copy_plan()
@@ -525,8 +525,8 @@ def test_hybrid_window_of_one_token_needs_no_cached_block():
 
 def test_router_index_scores_the_same_window_rule():
     """The router's hybrid match (cluster.index) needs ceil((W - 1) / block_size) blocks before L, as the engine."""
-    m = HybridBlockManager(12, 4, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(5)],
-                           enable_prefix_caching=True, enable_kv_events=True)
+    m = BlockManager(12, 4, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(5)],
+                           enable_prefix_caching=True, enable_kv_events=True, grouped_results=True)
     p = list(range(1, 14))
     m.allocate("a", p)
     m.take_copy_plan()
@@ -536,7 +536,7 @@ def test_router_index_scores_the_same_window_rule():
     m.take_copy_plan()
     m.free("b")
     idx = MemoryIndex()
-    idx.apply_all("r0", m.take_events())
+    idx.apply_all("r0", m.events.take())
     keys = PromptKeys(p, 4)
     assert m.lookup_prefix(p).num_cached_tokens == 12
     assert idx.longest_prefix(keys) == {"r0": 3}
@@ -551,7 +551,7 @@ def test_a_pinned_idle_block_is_never_handed_over():
     bm.allocate("a", [1, 0, 5])
     bm.take_copies()
     bm.free("a")
-    pin = bm.pin_prefix([1, 0])
+    pin = bm.retention.pin_prefix([1, 0])
     assert pin.num_blocks == 1
     free = bm.num_free_gpu_blocks
     assert bm.lookup_prefix([1, 0]).num_new_blocks == 1
@@ -561,5 +561,5 @@ def test_a_pinned_idle_block_is_never_handed_over():
     bm.check_invariants()
     bm.free("b")
     bm.check_invariants()
-    assert bm.num_pinned_blocks == 1 and bm.num_free_gpu_blocks == free  # the pinned block is not free
+    assert bm.retention.num_pinned_blocks == 1 and bm.num_free_gpu_blocks == free  # the pinned block is not free
     assert bm.lookup_prefix([1, 0, 3]).num_cached_tokens == 2

@@ -44,7 +44,7 @@ def test_lru_eviction_order_tail_first_and_plain_free_blocks_first():
     assert table(bm, "a") == [0, 1, 2, 3]
     bm.free("a")  # full blocks 0..2 enter the cache; released 3, 2, 1, 0
     assert list(bm._cache.evictor) == [2, 1, 0]  # LRU first: the tail goes first
-    assert bm.num_free_gpu_blocks == 6 and bm.num_cached_blocks == 3
+    assert bm.num_free_gpu_blocks == 6 and bm.stats.num_cached_blocks == 3
     bm.allocate("b", range(100, 116))  # 4 new blocks: free ring 4, 5, 3 first, then evicts 2
     assert table(bm, "b") == [4, 5, 3, 2]
     assert bm.stats.evictions == 1
@@ -117,7 +117,7 @@ def test_swap_out_and_in_pairs_and_sharing():
     bm.allocate("o", [7])  # [3]
     assert bm.swap_out(["p", "c"]) == [(0, 0), (1, 1), (2, 2)]  # shared block 0 moves once
     assert table(bm, "p") == [0, 1] and table(bm, "c") == [0, 2]  # CPU ids now
-    assert bm.num_free_gpu_blocks == 7 and bm.num_free_cpu_blocks == 5
+    assert bm.num_free_gpu_blocks == 7 and bm.stats.num_free_cpu_blocks == 5
     bm.check_invariants()
     # GPU ring now: 4 5 6 7 2 1 0 (released tail first per sequence order of first appearance reversed)
     assert bm.swap_in(["c", "p"]) == [(0, 4), (2, 5), (1, 6)]
@@ -169,7 +169,7 @@ def test_burst_sharing_block_ids_and_eviction_order():
     res = bm.decode_step(["a", "b"], np.array([5, 6]))  # both fill their own partial block 3 / 4
     assert res.cow.shape == (0, 2) and res.slot_mapping.tolist() == [3 * 4 + 2, 4 * 4 + 2]
     res = bm.decode_step(["a", "b"], np.array([7, 7]))  # blocks 3 and 4 are full now: 3 cached, 4 differs
-    assert bm.num_cached_blocks == 5
+    assert bm.stats.num_cached_blocks == 5
     bm.free("b")  # released tail first: 4, then 2 1 0 stay held by a
     bm.free("a")  # 3, 2, 1, 0
     assert list(bm._cache.evictor) == [4, 3, 2, 1, 0]

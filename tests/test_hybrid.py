@@ -17,7 +17,7 @@ F, S = FullAttentionSpec, SlidingWindowSpec
 
 
 def tables(m, seq):
-    return [m.block_table(seq, g).tolist() for g in range(m.num_groups)]
+    return [m.block_table(seq, g).tolist() for g in range(m.config.num_groups)]
 
 
 def test_specs():
@@ -28,16 +28,16 @@ def test_specs():
         with pytest.raises(InvalidArgumentError):
             S(bad)
     with pytest.raises(InvalidArgumentError):
-        HybridBlockManager(8, 4, kv_cache_groups=[])
+        BlockManager(8, 4, kv_cache_groups=[], grouped_results=True)
     with pytest.raises(InvalidArgumentError):
-        HybridBlockManager(8, 4, kv_cache_groups=[F(), "sliding"])
+        BlockManager(8, 4, kv_cache_groups=[F(), "sliding"], grouped_results=True)
     assert pagedkv.HybridBlockManager is HybridBlockManager
 
 
 def test_golden_tables_and_slots_per_group():
     """Exact block ids: the groups draw from one FIFO ring in group order; the sliding group releases the blocks
     its window no longer sees (to the ring's tail) and its table holds NULL_BLOCK there."""
-    m = HybridBlockManager(16, 4, kv_cache_groups=[F(), S(8)], watermark=0)
+    m = BlockManager(16, 4, kv_cache_groups=[F(), S(8)], watermark=0, grouped_results=True)
     assert m.allocate("a", list(range(10))) == 0
     assert tables(m, "a") == [[0, 1, 2], [3, 4, 5]]
     got = []
@@ -67,11 +67,11 @@ def test_golden_tables_and_slots_per_group():
 def test_eviction_order_across_groups_and_events_carry_the_group():
     """One LRU for every group: a freed sequence's blocks are released group by group, tail first; a later
     allocation evicts the least recently used first whatever its group, and the events name each block's group."""
-    m = HybridBlockManager(12, 4, kv_cache_groups=[F(), S(4)], watermark=0, enable_prefix_caching=True,
-                           enable_kv_events=True)
+    m = BlockManager(12, 4, kv_cache_groups=[F(), S(4)], watermark=0, enable_prefix_caching=True,
+                           enable_kv_events=True, grouped_results=True)
     m.allocate("a", list(range(9)))
     assert tables(m, "a") == [[0, 1, 2], [3, 4, 5]]
-    ev = m.take_events()
+    ev = m.events.take()
     assert [(type(e).__name__, e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) for e in ev] == [
         ("BlockStored", 0, "full_attention", None), ("BlockStored", 1, "sliding_window", 4)]
     # group 0's keys are those of a single-group manager (block_hashes); group 1's differ
@@ -81,7 +81,7 @@ def test_eviction_order_across_groups_and_events_carry_the_group():
     assert list(m._cache.evictor) == [1, 0, 4, 3]  # group 0 tail first, then group 1 tail first
     m.allocate("b", [50 + i for i in range(17)])
     assert tables(m, "b") == [[6, 7, 8, 9, 10], [11, 2, 5, 1, 0]]
-    ev = m.take_events()
+    ev = m.events.take()
     assert [(type(e).__name__, e.group_idx) for e in ev] == [("BlockStored", 0), ("BlockRemoved", 0),
                                                             ("BlockStored", 1)]
     assert ev[1].block_hashes == block_hashes(list(range(9)), 4)[::-1]  # blocks 1 then 0
@@ -93,7 +93,7 @@ def test_single_group_events_keep_their_defaults():
     m.allocate("a", list(range(9)))
     m.reset_prefix_cache()
     m.allocate("b", list(range(9)))
-    (st,) = [e for e in m.take_events() if isinstance(e, BlockStored)]
+    (st,) = [e for e in m.events.take() if isinstance(e, BlockStored)]
     assert (st.group_idx, st.kv_cache_spec_kind, st.kv_cache_spec_sliding_window) == (None, None, None)
     assert BlockRemoved([1]).group_idx is None
 
@@ -102,8 +102,8 @@ def _window_scenario():
     """Sequence a holds P (17 tokens) and decodes 3 tokens: the window group (W = 4) releases its blocks 0..3 to
     the LRU; pressure then evicts two of them (blocks 1 and 2 of P in that group)."""
     # (plain LRU: window retention, on by default, would evict the window group's blocks 0 and 1 first)
-    m = HybridBlockManager(20, 4, kv_cache_groups=[F(), S(4)], watermark=0, enable_prefix_caching=True,
-                           window_retention=False)
+    m = BlockManager(20, 4, kv_cache_groups=[F(), S(4)], watermark=0, enable_prefix_caching=True,
+                           window_retention=False, grouped_results=True)
     P = list(range(1, 18))
     m.allocate("a", P)
     for t in (1, 2, 3):
@@ -135,7 +135,7 @@ def test_hybrid_hit_needs_the_window_only():
 
 def test_decode_is_all_or_nothing_across_groups():
     """Group 0 alone would fit; both groups together do not: nothing changes."""
-    m = HybridBlockManager(8, 4, kv_cache_groups=[F(), F()], watermark=0)
+    m = BlockManager(8, 4, kv_cache_groups=[F(), F()], watermark=0, grouped_results=True)
     m.allocate("a", [1, 2, 3, 4])
     m.allocate("b", [1, 2, 3, 4])
     m.allocate("c", [1, 2, 3, 4])
@@ -153,7 +153,7 @@ def test_decode_is_all_or_nothing_across_groups():
 
 
 def test_allocate_is_all_or_nothing_and_admission_counts_every_group():
-    m = HybridBlockManager(10, 4, kv_cache_groups=[F(), S(4), S(4)], watermark=0)
+    m = BlockManager(10, 4, kv_cache_groups=[F(), S(4), S(4)], watermark=0, grouped_results=True)
     with pytest.raises(PromptTooLongError):
         m.allocate("x", list(range(13)))  # 4 blocks x 3 groups > 10
     assert m.can_allocate(list(range(13))) == pagedkv.AllocStatus.NEVER
@@ -181,8 +181,8 @@ def test_allocate_batch_matches_allocate_calls():
     the batch included), per group."""
     prompts = [list(range(1, 14)), list(range(1, 14)), list(range(1, 9)) + [40, 41], [7] * 5]
     kw = dict(kv_cache_groups=[F(), S(6), F()], enable_prefix_caching=True, watermark=0)
-    a = HybridBlockManager(64, 4, **kw)
-    b = HybridBlockManager(64, 4, **kw)
+    a = BlockManager(64, 4, **kw, grouped_results=True)
+    b = BlockManager(64, 4, **kw, grouped_results=True)
     pb = a.allocate_batch(list("wxyz"), prompts, namespaces=[None, None, None, "t"])
     hits = [b.allocate(s, p, namespace=ns) for s, p, ns in zip("wxyz", prompts, [None, None, None, "t"])]
     assert pb.num_cached_tokens.tolist() == hits == [0, 12, 8, 0]
@@ -197,7 +197,7 @@ def test_allocate_batch_matches_allocate_calls():
 
 
 def test_fork_cow_and_swap_per_group():
-    m = HybridBlockManager(32, 4, kv_cache_groups=[F(), S(4)], num_cpu_blocks=32, watermark=0)
+    m = BlockManager(32, 4, kv_cache_groups=[F(), S(4)], num_cpu_blocks=32, watermark=0, grouped_results=True)
     m.allocate("a", [1, 2, 3, 4, 5, 6])
     m.take_copy_plan()
     m.fork("a", "b")
@@ -216,52 +216,52 @@ def test_fork_cow_and_swap_per_group():
     m.check_invariants()
     m.free("a")
     m.free("b")
-    assert m.num_free_gpu_blocks == 32 and m.num_free_cpu_blocks == 32
+    assert m.num_free_gpu_blocks == 32 and m.stats.num_free_cpu_blocks == 32
     m.check_invariants()
 
 
 def test_swap_out_is_all_or_nothing():
-    m = HybridBlockManager(32, 4, kv_cache_groups=[F(), F()], num_cpu_blocks=3, watermark=0)
+    m = BlockManager(32, 4, kv_cache_groups=[F(), F()], num_cpu_blocks=3, watermark=0, grouped_results=True)
     m.allocate("a", [1, 2, 3, 4, 5])  # 2 blocks per group: 4 CPU blocks needed
     m.take_copy_plan()
     assert not m.can_swap_out(["a"])
     with pytest.raises(OutOfBlocksError):
         m.swap_out(["a"])
-    assert not m.is_swapped("a") and m.num_free_cpu_blocks == 3 and len(m.take_copy_plan()) == 0
+    assert not m.is_swapped("a") and m.stats.num_free_cpu_blocks == 3 and len(m.take_copy_plan()) == 0
     m.check_invariants()
 
 
 def test_free_cache_false_withdraws_every_group_or_refuses():
-    m = HybridBlockManager(32, 4, kv_cache_groups=[F(), S(4)], enable_prefix_caching=True, watermark=0)
+    m = BlockManager(32, 4, kv_cache_groups=[F(), S(4)], enable_prefix_caching=True, watermark=0, grouped_results=True)
     m.allocate("a", list(range(9)))
-    assert m.num_cached_blocks == 4
+    assert m.stats.num_cached_blocks == 4
     m.allocate("b", list(range(9)))  # hits a's blocks in the same step
     with pytest.raises(SequenceStateError):
         m.free("a", cache=False)
-    assert m.num_cached_blocks == 4 and "a" in m
+    assert m.stats.num_cached_blocks == 4 and "a" in m
     m.free("b", cache=False)  # b cached nothing of its own
     m.free("a", cache=False)
-    assert m.num_cached_blocks == 0 and m.num_free_gpu_blocks == 32
+    assert m.stats.num_cached_blocks == 0 and m.num_free_gpu_blocks == 32
     m.check_invariants()
 
 
 def test_reset_prefix_cache_and_lookahead_and_stats():
-    m = HybridBlockManager(64, 4, kv_cache_groups=[F(), S(8)], enable_prefix_caching=True, watermark=0)
+    m = BlockManager(64, 4, kv_cache_groups=[F(), S(8)], enable_prefix_caching=True, watermark=0, grouped_results=True)
     m.allocate("a", list(range(9)), 3)
     assert [len(t) for t in tables(m, "a")] == [3, 3]
     r = m.decode_step(["a"], [[1, 2]], 3)  # two tokens plus 3 lookahead slots: 14 slots -> 4 blocks
     assert r.slot_mapping.shape == (2, 2) and [t.shape[1] for t in r.block_tables] == [4, 4]
-    assert m.reset_prefix_cache() == 0 and m.num_cached_blocks == 0
+    assert m.reset_prefix_cache() == 0 and m.stats.num_cached_blocks == 0
     m.decode_step(["a"], [[1, 2, 3]])  # a's chains are broken: nothing more is cached
-    assert m.num_cached_blocks == 0
+    assert m.stats.num_cached_blocks == 0
     m.allocate("b", list(range(9)))
     assert m.stats.prefix_query_tokens == 18 and m.stats.prefix_hit_tokens == 0
     m.check_invariants()
 
 
 def test_cpu_tier_hits_in_every_group():
-    m = HybridBlockManager(12, 4, kv_cache_groups=[F(), S(4)], num_cpu_blocks=16, enable_prefix_caching=True,
-                           cpu_prefix_cache=True, watermark=0)
+    m = BlockManager(12, 4, kv_cache_groups=[F(), S(4)], num_cpu_blocks=16, enable_prefix_caching=True,
+                           cpu_prefix_cache=True, watermark=0, grouped_results=True)
     P = list(range(1, 14))  # 3 full blocks
     m.allocate("a", P)
     m.free("a")
@@ -280,11 +280,11 @@ def test_cpu_tier_hits_in_every_group():
 
 
 def test_block_hashes_of_each_group_are_the_events_keys():
-    m = HybridBlockManager(64, 4, kv_cache_groups=[F(), S(4), F()], enable_prefix_caching=True,
-                           enable_kv_events=True)
+    m = BlockManager(64, 4, kv_cache_groups=[F(), S(4), F()], enable_prefix_caching=True,
+                           enable_kv_events=True, grouped_results=True)
     toks = list(range(1, 18))
     m.allocate("a", toks, namespace="t")
-    ev = m.take_events()
+    ev = m.events.take()
     assert [e.group_idx for e in ev] == [0, 1, 2]
     for e in ev:
         assert e.namespace == "t"
@@ -296,7 +296,7 @@ def test_block_hashes_of_each_group_are_the_events_keys():
 
 def test_fixed_table_width_per_group():
     from pagedkv.errors import TableWidthError
-    m = HybridBlockManager(64, 4, kv_cache_groups=[F(), S(4)], block_table_width=3, watermark=0)
+    m = BlockManager(64, 4, kv_cache_groups=[F(), S(4)], block_table_width=3, watermark=0, grouped_results=True)
     pb = m.allocate_batch(["a"], [[1, 2, 3, 4, 5]])
     assert [t.shape for t in pb.block_tables] == [(1, 3), (1, 3)]
     with pytest.raises(TableWidthError):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pagedkv import FullAttentionSpec as F, HybridBlockManager, SlidingWindowSpec as S, block_hashes
+from pagedkv import FullAttentionSpec as F, BlockManager, HybridBlockManager, SlidingWindowSpec as S, block_hashes
 from pagedkv._checks import as_tokens
 from pagedkv.errors import SequenceStateError
 from pagedkv.types import NULL_BLOCK
@@ -52,8 +52,8 @@ def assert_same(m, prompt, namespace=None) -> bool:
 @pytest.mark.parametrize("seed", range(6))
 def test_vectorised_hit_equals_the_walk(groups, seed):
     rng = np.random.default_rng([seed, len(groups)])
-    m = HybridBlockManager(int(rng.integers(60, 140)), BS, kv_cache_groups=groups, enable_prefix_caching=True,
-                           watermark=0, enable_kv_events=bool(seed % 2))
+    m = BlockManager(int(rng.integers(60, 140)), BS, kv_cache_groups=groups, enable_prefix_caching=True,
+                           watermark=0, enable_kv_events=bool(seed % 2), grouped_results=True)
     bases = [rng.integers(0, 3, size=int(rng.integers(8, 60))).tolist() for _ in range(4)]
     live: list = []
     fast_seen = 0
@@ -99,7 +99,7 @@ def test_vectorised_hit_equals_the_walk(groups, seed):
 def test_allocate_after_lookup_prefix_is_the_walks_hit():
     """A conversation: each turn hits the previous one's full group and last windows; lookup_prefix, allocate
     and the walk agree at every turn (sibling keys in play from the second turn on)."""
-    m = HybridBlockManager(400, BS, kv_cache_groups=[F(), S(8), S(8)], enable_prefix_caching=True, watermark=0)
+    m = BlockManager(400, BS, kv_cache_groups=[F(), S(8), S(8)], enable_prefix_caching=True, watermark=0, grouped_results=True)
     rng = np.random.default_rng(5)
     prompt = rng.integers(0, 50, size=30).tolist()
     for turn in range(6):
@@ -119,7 +119,7 @@ def test_allocate_after_lookup_prefix_is_the_walks_hit():
 
 def test_sibling_keys_are_each_groups_block_hashes():
     groups = [F(), S(8), S(12)]
-    m = HybridBlockManager(200, BS, kv_cache_groups=groups, enable_prefix_caching=True, watermark=0)
+    m = BlockManager(200, BS, kv_cache_groups=groups, enable_prefix_caching=True, watermark=0, grouped_results=True)
     prompt = list(range(40))
     m.allocate("a", prompt)
     m.free("a")
@@ -143,7 +143,7 @@ def test_a_key_naming_other_tokens_is_a_miss(group, pos, want):
     """A cached block whose tokens are not the prompt's under the prompt's key (what a 64-bit collision looks
     like) ends the hit before it: the full group's chain stops there, a sliding group's window cannot cover it
     (a block outside the last window does not matter: (2, 6, 10))."""
-    m = HybridBlockManager(200, BS, kv_cache_groups=[F(), S(8), S(12)], enable_prefix_caching=True, watermark=0)
+    m = BlockManager(200, BS, kv_cache_groups=[F(), S(8), S(12)], enable_prefix_caching=True, watermark=0, grouped_results=True)
     prompt = list(range(1, 45))
     m.allocate("a", prompt)
     m.free("a")
@@ -169,8 +169,8 @@ def test_group_keys_follow_the_documented_derivation():
             k = xxhash.xxh3_64_intdigest(toks[4 * i : 4 * i + 4].tobytes(), seed=k)
             want.append(k)
         assert block_hashes(toks, BS, namespace=ns, group=g) == want
-    m = HybridBlockManager(100, BS, kv_cache_groups=[F(), S(8), S(8), S(8), S(8)], enable_prefix_caching=True,
-                           enable_kv_events=True, watermark=0)
+    m = BlockManager(100, BS, kv_cache_groups=[F(), S(8), S(8), S(8), S(8)], enable_prefix_caching=True,
+                           enable_kv_events=True, watermark=0, grouped_results=True)
     m.allocate("a", toks.tolist(), namespace="t")
-    stored = {e.group_idx: list(e.block_hashes) for e in m.take_events() if type(e).__name__ == "BlockStored"}
+    stored = {e.group_idx: list(e.block_hashes) for e in m.events.take() if type(e).__name__ == "BlockStored"}
     assert stored == {g: block_hashes(toks, BS, namespace="t", group=g) for g in range(5)}

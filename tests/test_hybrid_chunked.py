@@ -12,7 +12,7 @@ import random
 import numpy as np
 import pytest
 
-from pagedkv import NULL_BLOCK, AllocStatus, FullAttentionSpec, HybridBlockManager, SlidingWindowSpec
+from pagedkv import NULL_BLOCK, AllocStatus, FullAttentionSpec, BlockManager, HybridBlockManager, SlidingWindowSpec
 from pagedkv.errors import (InvalidArgumentError, OutOfBlocksError, PromptTooLongError, SequenceStateError,
                             TableWidthError)
 
@@ -20,12 +20,12 @@ F, S = FullAttentionSpec, SlidingWindowSpec
 
 
 def tables(m, seq):
-    return [m.block_table(seq, g).tolist() for g in range(m.num_groups)]
+    return [m.block_table(seq, g).tolist() for g in range(m.config.num_groups)]
 
 
 def snap(m):
     """Everything a refused call could change, in every group."""
-    return (m.num_free_gpu_blocks, m.num_free_cpu_blocks, m.num_cached_blocks, m._gpu.ref.tolist(),
+    return (m.num_free_gpu_blocks, m.stats.num_free_cpu_blocks, m.stats.num_cached_blocks, m._gpu.ref.tolist(),
             {s: (m.num_tokens(s), m.is_swapped(s), tables(m, s)) for s in m.seq_ids},
             [dict(g._t.partial) for g in m._g])
 
@@ -45,7 +45,7 @@ def chunks(m, sid, prompt, k):
     while (n := m.num_tokens(sid)) < len(prompt):
         c = min(k, len(prompt) - n)
         r = m.decode_step([sid], np.asarray(prompt[n : n + c]), num_new_tokens=[c])
-        for g in range(m.num_groups):
+        for g in range(m.config.num_groups):
             assert r.slot_mapping[g].tolist() == m.slot_mapping(sid, n, n + c, g).tolist()
         assert r.seq_lens.tolist() == [n + c]
         m.take_copy_plan()
@@ -55,7 +55,7 @@ def chunks(m, sid, prompt, k):
 def test_chunks_mid_block_and_on_block_edges_and_the_window_releases_between_chunks():
     """Golden tables: 4-token chunks end on block edges, the sliding group (W = 4) lets a block go as soon as the
     next chunk's first query no longer sees it; 3-token chunks end mid-block."""
-    m = HybridBlockManager(32, 4, kv_cache_groups=[F(), S(4)], watermark=0, enable_prefix_caching=True)
+    m = BlockManager(32, 4, kv_cache_groups=[F(), S(4)], watermark=0, enable_prefix_caching=True, grouped_results=True)
     p = list(range(1, 21))
     assert m.allocate("a", p, num_new_tokens=4) == 0
     assert m.num_tokens("a") == 4 and tables(m, "a") == [[0], [1]]
@@ -77,7 +77,7 @@ def test_chunks_mid_block_and_on_block_edges_and_the_window_releases_between_chu
     assert all(g._t.partial == {} for g in m._g)
     m.check_invariants()
 
-    m2 = HybridBlockManager(32, 4, kv_cache_groups=[S(6), F()], watermark=0)
+    m2 = BlockManager(32, 4, kv_cache_groups=[S(6), F()], watermark=0, grouped_results=True)
     q = list(range(14))
     m2.allocate("b", q, num_new_tokens=3)
     assert m2.num_tokens("b") == 3 and [len(t) for t in tables(m2, "b")] == [1, 1]
@@ -90,7 +90,7 @@ def test_chunks_mid_block_and_on_block_edges_and_the_window_releases_between_chu
 
 
 def test_hits_with_chunks_use_the_whole_prompt():
-    m = HybridBlockManager(64, 4, kv_cache_groups=[F(), S(4)], watermark=0, enable_prefix_caching=True)
+    m = BlockManager(64, 4, kv_cache_groups=[F(), S(4)], watermark=0, enable_prefix_caching=True, grouped_results=True)
     p = list(range(1, 23))  # 22 tokens: 5 full blocks + 2
     assert m.allocate("a", p) == 0
     m.take_copy_plan()
@@ -116,7 +116,7 @@ def test_hits_with_chunks_use_the_whole_prompt():
 
 
 def test_admission_counts_the_chunk_and_never_looks_at_the_whole_prompt():
-    m = HybridBlockManager(20, 4, kv_cache_groups=[F(), S(8)], watermark=0.0)
+    m = BlockManager(20, 4, kv_cache_groups=[F(), S(8)], watermark=0.0, grouped_results=True)
     m.allocate("x", [1] * 24)  # 6 blocks in each group: 8 free
     long = list(range(36))  # 9 blocks per group: fits the pool (18 <= 20), not the free blocks
     assert m.can_allocate(long) is AllocStatus.LATER
@@ -151,13 +151,13 @@ def test_admission_counts_the_chunk_and_never_looks_at_the_whole_prompt():
     m.free("x")
     chunks(m, "y", long, 7)
     assert m.num_tokens("y") == 36
-    w = HybridBlockManager(40, 4, kv_cache_groups=[F(), S(4)], block_table_width=4)
+    w = BlockManager(40, 4, kv_cache_groups=[F(), S(4)], block_table_width=4, grouped_results=True)
     assert "block_table_width" in refused(w, TableWidthError, w.allocate, "t", list(range(17)), num_new_tokens=2)
 
 
 def test_fork_is_refused_in_every_group_until_the_whole_prompt_is_appended():
-    m = HybridBlockManager(40, 4, kv_cache_groups=[F(), S(4), F()], num_cpu_blocks=30, watermark=0,
-                           enable_prefix_caching=True)
+    m = BlockManager(40, 4, kv_cache_groups=[F(), S(4), F()], num_cpu_blocks=30, watermark=0,
+                           enable_prefix_caching=True, grouped_results=True)
     p = list(range(13))
     m.allocate("a", p, num_new_tokens=4)
     m.take_copy_plan()
@@ -186,7 +186,7 @@ def test_fork_is_refused_in_every_group_until_the_whole_prompt_is_appended():
 
 
 def test_abort_mid_prefill_withdraws_the_last_chunk_in_every_group():
-    m = HybridBlockManager(40, 4, kv_cache_groups=[F(), S(8)], watermark=0, enable_prefix_caching=True)
+    m = BlockManager(40, 4, kv_cache_groups=[F(), S(8)], watermark=0, enable_prefix_caching=True, grouped_results=True)
     p = list(range(24))
     m.allocate("a", p, num_new_tokens=8)  # blocks 0, 1 of each group
     m.take_copy_plan()
@@ -208,8 +208,8 @@ def test_abort_mid_prefill_withdraws_the_last_chunk_in_every_group():
 
 
 def test_swap_and_recompute_in_the_middle_of_a_prefill():
-    m = HybridBlockManager(24, 4, kv_cache_groups=[F(), S(4)], num_cpu_blocks=24, watermark=0,
-                           enable_prefix_caching=True)
+    m = BlockManager(24, 4, kv_cache_groups=[F(), S(4)], num_cpu_blocks=24, watermark=0,
+                           enable_prefix_caching=True, grouped_results=True)
     p = list(range(30))
     m.allocate("a", p, num_new_tokens=9)
     m.take_copy_plan()
@@ -234,8 +234,8 @@ def test_swap_and_recompute_in_the_middle_of_a_prefill():
 def test_allocate_batch_with_chunks_equals_consecutive_allocates(seed):
     rng = random.Random(seed)
     groups = [F(), S(rng.choice([3, 4, 8, 12]))] + ([F()] if rng.random() < 0.5 else [S(6)])
-    ms = [HybridBlockManager(200, 4, kv_cache_groups=groups, num_cpu_blocks=0, watermark=0,
-                             enable_prefix_caching=True) for _ in range(2)]
+    ms = [BlockManager(200, 4, kv_cache_groups=groups, num_cpu_blocks=0, watermark=0,
+                             enable_prefix_caching=True, grouped_results=True) for _ in range(2)]
     base = [rng.randrange(3) for _ in range(30)]
     old = base[: rng.randint(5, 30)]
     for m in ms:  # the same history: some cached blocks
@@ -264,7 +264,7 @@ def test_allocate_batch_with_chunks_equals_consecutive_allocates(seed):
 
 
 def test_without_prefix_caching_a_chunk_is_the_first_k_tokens():
-    m = HybridBlockManager(30, 4, kv_cache_groups=[S(4), F()], watermark=0)
+    m = BlockManager(30, 4, kv_cache_groups=[S(4), F()], watermark=0, grouped_results=True)
     p = list(range(18))
     assert m.lookup_prefix(p, num_new_tokens=5) == (0, 0, 0, 4)
     assert m.allocate("a", p, num_new_tokens=5) == 0 and m.num_tokens("a") == 5
@@ -294,10 +294,10 @@ def test_a_prompt_too_long_for_every_group_at_once_fits_in_chunks():
     """A sliding-window group never holds more than its window and one chunk, so with ``num_new_tokens`` a prompt
     whose blocks in every group exceed the pool is admitted (NEVER only without chunks), and appended chunk by
     chunk it completes while the sliding group releases what its window left behind."""
-    from pagedkv import AllocStatus, FullAttentionSpec, HybridBlockManager, SlidingWindowSpec
+    from pagedkv import AllocStatus, FullAttentionSpec, BlockManager, HybridBlockManager, SlidingWindowSpec
     from pagedkv.errors import PromptTooLongError
 
-    bm = HybridBlockManager(16, 4, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(8)], watermark=0)
+    bm = BlockManager(16, 4, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(8)], watermark=0, grouped_results=True)
     prompt = list(range(40))  # 10 blocks per group: 20 > 16
     assert bm.can_allocate(prompt) is AllocStatus.NEVER
     with pytest.raises(PromptTooLongError):

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from pagedkv import NULL_BLOCK, AllocStatus, FullAttentionSpec, HybridBlockManager, SlidingWindowSpec
+from pagedkv import NULL_BLOCK, AllocStatus, FullAttentionSpec, BlockManager, HybridBlockManager, SlidingWindowSpec
 from pagedkv.errors import (DuplicateSequenceError, OutOfBlocksError, PromptTooLongError, SequenceStateError,
                             UnknownSequenceError)
 
@@ -46,10 +46,10 @@ class HybridMachine(RuleBasedStateMachine):
         self.windows = groups
         self.G = len(groups)
         tier = tier and self.cache and cpu > 0
-        self.m = HybridBlockManager(
+        self.m = BlockManager(
             pool, BS, kv_cache_groups=[FullAttentionSpec() if w is None else SlidingWindowSpec(w) for w in groups],
             num_cpu_blocks=cpu, enable_prefix_caching=self.cache, cpu_prefix_cache=tier, watermark=0,
-            enable_kv_events=self.cache)
+            enable_kv_events=self.cache, grouped_results=True)
         if not small:
             self.m._step.small_batch = 0  # every batch takes the numpy step
         self.seqs: dict = {}  # seq -> [tokens, table length, swapped]
@@ -61,7 +61,7 @@ class HybridMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------------ helpers
     def snap(self):
         m = self.m
-        return (m.num_free_gpu_blocks, m.num_free_cpu_blocks, m.num_cached_blocks,
+        return (m.num_free_gpu_blocks, m.stats.num_free_cpu_blocks, m.stats.num_cached_blocks,
                 {s: (m.num_tokens(s), m.is_swapped(s), [m.block_table(s, g).tolist() for g in range(self.G)])
                  for s in m.seq_ids}, [dict(g._t.partial) for g in m._g])
 
@@ -85,7 +85,7 @@ class HybridMachine(RuleBasedStateMachine):
         try:
             got = m.allocate(seq, toks, la, namespace=ns, num_new_tokens=chunk)
         except PromptTooLongError:
-            assert self.G * cdiv(len(toks) + la, BS) > m.num_gpu_blocks and status == AllocStatus.NEVER
+            assert self.G * cdiv(len(toks) + la, BS) > m.config.num_gpu_blocks and status == AllocStatus.NEVER
             assert self.snap() == before
             return
         except OutOfBlocksError:
@@ -102,7 +102,7 @@ class HybridMachine(RuleBasedStateMachine):
             assert len(t) == cdiv(held + la, BS)
             nnull = 0 if w is None or not got else max(0, got - w + 1) // BS  # (the window (L - W, L) only)
             assert (t[:nnull] == NULL_BLOCK).all() and (t[nnull:] >= 0).all()
-        if m.enable_prefix_caching:  # findability: every full block the call holds is found (issue 23 A)
+        if m.config.enable_prefix_caching:  # findability: every full block the call holds is found (issue 23 A)
             want = min(held // BS, (len(toks) - 1) // BS) * BS
             assert m.lookup_prefix(toks, namespace=ns).num_cached_tokens >= want
         self._new(seq, toks[:held], la)
@@ -216,10 +216,10 @@ class HybridMachine(RuleBasedStateMachine):
             self.m.free(s, cache=cache)
         except SequenceStateError:
             # cache=False: others hold its unwritten blocks; cache=True: it was handed slots in this step (issue 23 B)
-            assert (not cache or (self.m.enable_prefix_caching and self.stepping and s in self.touched)) \
+            assert (not cache or (self.m.config.enable_prefix_caching and self.stepping and s in self.touched)) \
                 and self.snap() == before
             return
-        if cache and self.m.enable_prefix_caching:
+        if cache and self.m.config.enable_prefix_caching:
             assert not (self.stepping and s in self.touched), "free of a sequence handed slots in this step passed"
         del self.seqs[s]
         self.rest.pop(s, None)
@@ -258,7 +258,7 @@ class HybridMachine(RuleBasedStateMachine):
     @rule()
     def step(self):
         self.m.take_copy_plan()
-        self.m.take_events()
+        self.m.events.take()
         self.touched.clear()
         self.stepping = True
 
@@ -266,7 +266,7 @@ class HybridMachine(RuleBasedStateMachine):
     @rule()
     def reset(self):
         self.m.reset_prefix_cache()
-        assert self.m.num_cached_blocks == 0
+        assert self.m.stats.num_cached_blocks == 0
 
     @rule()
     def duplicate(self):

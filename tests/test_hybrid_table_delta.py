@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from pagedkv import (NULL_BLOCK, FullAttentionSpec, HybridBlockManager, HybridStepDelta, HybridStepResult,
+from pagedkv import (NULL_BLOCK, FullAttentionSpec, BlockManager, HybridBlockManager, HybridStepDelta, HybridStepResult,
                      SlidingWindowSpec)
 from pagedkv.errors import InvalidArgumentError
 from test_table_delta import SEQS, TOKENS, DeltaMachine, _EngineTables
@@ -58,8 +58,8 @@ class HybridDeltaMachine(DeltaMachine):
     def __init__(self) -> None:
         RuleBasedStateMachine.__init__(self)
         kw = dict(kv_cache_groups=self.groups, num_cpu_blocks=40, enable_prefix_caching=self.cache)
-        self.full = HybridBlockManager(40, 4, **kw)
-        self.inc = HybridBlockManager(40, 4, **kw)
+        self.full = BlockManager(40, 4, **kw, grouped_results=True)
+        self.inc = BlockManager(40, 4, **kw, grouped_results=True)
         if not self.small:
             for bm in (self.full, self.inc):
                 bm._step.small_batch = 0
@@ -125,7 +125,7 @@ TestHybridDeltaVectorised = _machine((F, W5), True, small=False).TestCase
 
 
 def test_hybrid_delta_names_each_groups_appends_and_window_releases():
-    bm = HybridBlockManager(32, 2, kv_cache_groups=[F, SlidingWindowSpec(3)])
+    bm = BlockManager(32, 2, kv_cache_groups=[F, SlidingWindowSpec(3)], grouped_results=True)
     bm.allocate("a", [1, 2, 3])  # blocks [x, y] in both groups; position 3 goes into block 1
     (ra,) = bm.table_rows(["a"]).tolist()
     d = bm.decode_step(["a"], [4], block_tables=False)  # (the small-batch path)
@@ -146,7 +146,7 @@ def test_hybrid_delta_names_each_groups_appends_and_window_releases():
 
 
 def test_hybrid_delta_empty_batch_and_bad_flag():
-    bm = HybridBlockManager(8, 2, kv_cache_groups=[F, W5])
+    bm = BlockManager(8, 2, kv_cache_groups=[F, W5], grouped_results=True)
     d = bm.decode_step([], np.zeros(0, np.int64), block_tables=False)
     assert isinstance(d, HybridStepDelta) and d.table_rows.size == 0 and len(d.table_updates) == 2
     bm.allocate("a", [1])

@@ -252,7 +252,7 @@ def test_index_fed_by_hybrid_events_predicts_every_hit_of_real_hybrid_managers(r
     """Random prompts sharing prefixes over 3 small HybridBlockManagers (1 full + 2 sliding groups), some requests
     decoding a few steps: after every call the events go to the index (and over the wire layout), and the
     index's hybrid match for a PromptKeys, capped as the engine caps it, is exactly the manager's hit."""
-    from pagedkv import FullAttentionSpec, HybridBlockManager, SlidingWindowSpec
+    from pagedkv import FullAttentionSpec, BlockManager, SlidingWindowSpec
     from pagedkv.cluster import predicted_tokens
     from pagedkv.server.kv_events import KVEventBatch, decode_payload, to_wire
 
@@ -260,8 +260,8 @@ def test_index_fed_by_hybrid_events_predicts_every_hit_of_real_hybrid_managers(r
     enc = msgspec.msgpack.Encoder()
     rng = random.Random(11)
     groups = [FullAttentionSpec(), SlidingWindowSpec(8), SlidingWindowSpec(12)]
-    bms = [HybridBlockManager(90, BS, kv_cache_groups=groups, enable_prefix_caching=True, watermark=0.0,
-                              enable_kv_events=True, window_retention=retention) for _ in range(3)]
+    bms = [BlockManager(90, BS, kv_cache_groups=groups, enable_prefix_caching=True, watermark=0.0,
+                              enable_kv_events=True, window_retention=retention, grouped_results=True) for _ in range(3)]
     indexes = [MemoryIndex()]
     if redis_url_or_none is not None:
         from pagedkv.cluster import RedisIndex
@@ -269,7 +269,7 @@ def test_index_fed_by_hybrid_events_predicts_every_hit_of_real_hybrid_managers(r
         indexes.append(RedisIndex(redis_url_or_none, prefix=f"groups-real-{retention}"))
 
     def feed(r):
-        evs = bms[r].take_events()
+        evs = bms[r].events.take()
         wire = decode_payload(enc.encode(KVEventBatch(0.0, [to_wire(e) for e in evs]))).events if evs else []
         for ix in indexes:
             ix.apply_all(r, wire)

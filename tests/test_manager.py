@@ -77,7 +77,7 @@ class KVStore:
     def verify(self):
         bm = self.bm
         bs = bm.block_size
-        w = bm.sliding_window
+        w = bm.config.sliding_window
         for seq, toks in self.tokens.items():
             if bm.is_swapped(seq):
                 continue
@@ -99,7 +99,7 @@ def test_allocate_and_read_back():
     assert bm.slot_mapping("s", 0, 5).tolist() == [0, 1, 2, 3, 4]
     assert "s" in bm and len(bm) == 1 and bm.seq_ids == ("s",)
     assert bm.num_free_gpu_blocks == 8
-    assert bm.gpu_usage == pytest.approx(0.2)
+    assert bm.stats.gpu_usage == pytest.approx(0.2)
     bm.free("s")
     assert bm.num_free_gpu_blocks == 10 and "s" not in bm
     bm.check_invariants()
@@ -166,7 +166,7 @@ def test_flat_tokens_with_counts_equal_the_ragged_form(caching):
     a = ragged_bm.decode_step(list(range(5)), [[7]] * 5)
     b = flat_bm.decode_step(list(range(5)), np.full(5, 7), num_new_tokens=[1] * 5)
     np.testing.assert_array_equal(a.slot_mapping, b.slot_mapping)
-    assert ragged_bm.num_cached_blocks == flat_bm.num_cached_blocks
+    assert ragged_bm.stats.num_cached_blocks == flat_bm.stats.num_cached_blocks
 
 
 def test_decode_step_memo_follows_changes_of_the_batch():
@@ -200,7 +200,7 @@ def test_lookahead_slots_are_reserved_and_never_cached():
     assert bm.block_table("s").tolist() == before
     bm.free("s")
     # only block 0 (4 real tokens, written) was cached; block 1 held lookahead slots when the sequence ended
-    assert bm.num_cached_blocks == 1
+    assert bm.stats.num_cached_blocks == 1
 
 
 def test_prefix_hit_is_block_aligned_and_leaves_a_token_to_compute():
@@ -254,14 +254,14 @@ def test_free_without_cache_withdraws_the_blocks_of_the_last_call():
     bm = BlockManager(32, 4, enable_prefix_caching=True, watermark=0)
     bm.allocate("a", range(9))
     bm.free("a", cache=False)  # aborted before its prefill ran: nothing of it stays cached
-    assert bm.num_cached_blocks == 0
+    assert bm.stats.num_cached_blocks == 0
     assert bm.allocate("b", range(9)) == 0
     bm.decode_step(["b"], np.array([1]))  # the step ran: b's prompt blocks are confirmed
     bm.decode_step(["b"], np.array([2]))
     bm.decode_step(["b"], np.array([3]))  # fills block 2, not yet written
-    assert bm.num_cached_blocks == 3
+    assert bm.stats.num_cached_blocks == 3
     bm.free("b", cache=False)
-    assert bm.num_cached_blocks == 2  # only the block of the last call is withdrawn
+    assert bm.stats.num_cached_blocks == 2  # only the block of the last call is withdrawn
     assert bm.allocate("c", list(range(9)) + [1, 2, 3, 4]) == 8
     bm.check_invariants()
 
@@ -277,7 +277,7 @@ def test_free_without_cache_refuses_to_strand_a_dependent_sequence():
     assert_unchanged(bm, before, "free(cache=False) with a dependent")
     bm.free("b", cache=False)  # reverse order of allocation always works
     bm.free("a", cache=False)
-    assert bm.num_cached_blocks == 0 and bm.num_free_gpu_blocks == 32
+    assert bm.stats.num_cached_blocks == 0 and bm.num_free_gpu_blocks == 32
     bm.check_invariants()
     # once a later call touched "a", its prompt's KV counts as written and b may depend on it
     bm.allocate("a", p)
@@ -285,7 +285,7 @@ def test_free_without_cache_refuses_to_strand_a_dependent_sequence():
     assert bm.allocate("b", p) == 8
     bm.free("a", cache=False)
     bm.free("a2", cache=False)
-    assert bm.num_cached_blocks == 2
+    assert bm.stats.num_cached_blocks == 2
     bm.check_invariants()
 
 
@@ -317,7 +317,7 @@ def test_hash_collisions_never_hand_out_another_sequences_kv(monkeypatch):
     kv = KVStore(bm)
     kv.allocate("a", [1, 2, 3, 4, 5])
     kv.step(["a"], np.array([6]))
-    assert bm.num_cached_blocks == 1  # only the first full block got the single key
+    assert bm.stats.num_cached_blocks == 1  # only the first full block got the single key
     assert kv.allocate("b", [3, 4, 1, 2, 5]) == 0  # same key, other content: miss
     assert kv.allocate("c", [9, 9, 3, 4, 5]) == 0
     assert kv.allocate("d", [1, 2, 3, 4, 7]) == 2  # genuine hit on block 0 only
@@ -327,7 +327,7 @@ def test_hash_collisions_never_hand_out_another_sequences_kv(monkeypatch):
 
 def test_can_allocate_watermark_and_shared_blocks():
     bm = BlockManager(100, 4, enable_prefix_caching=True, watermark=0.1)
-    assert bm.watermark_blocks == 10
+    assert bm.config.watermark_blocks == 10
     assert bm.can_allocate(range(4 * 90)) is AllocStatus.OK
     assert bm.can_allocate(range(4 * 91)) is AllocStatus.NEVER
     assert bm.can_allocate(range(4 * 88), num_lookahead_slots=9) is AllocStatus.NEVER
@@ -376,16 +376,16 @@ def test_reset_prefix_cache():
     bm.free("a")
     bm.allocate("b", range(100, 109))
     bm.decode_step(["b"], np.array([1]))
-    assert bm.num_cached_blocks == 4
+    assert bm.stats.num_cached_blocks == 4
     assert bm.reset_prefix_cache() == 2
-    assert bm.num_cached_blocks == 0 and bm.num_free_gpu_blocks == 13
+    assert bm.stats.num_cached_blocks == 0 and bm.num_free_gpu_blocks == 13
     assert bm.allocate("c", range(9)) == 0
     # b lived through the reset: its blocks are never cached again; c, allocated after it, caches as usual
     bm.decode_step(["b", "c"], np.array([2, 3]))
     bm.decode_step(["b", "c"], np.array([4, 5]))
-    assert bm.num_cached_blocks == 2  # c's two full prompt blocks
+    assert bm.stats.num_cached_blocks == 2  # c's two full prompt blocks
     bm.free("b")
-    assert bm.num_cached_blocks == 2
+    assert bm.stats.num_cached_blocks == 2
     assert bm.allocate("d", [*range(100, 109), 1, 2, 4, 9]) == 0
     bm.check_invariants()
     assert BlockManager(4, 4).reset_prefix_cache() == 0
@@ -397,12 +397,12 @@ def test_swap_round_trip_with_prefix_cache_reuses_still_cached_blocks():
     kv.allocate("a", list(range(10)))
     kv.step(["a"], np.array([10]))
     kv.swap_out(["a"])
-    assert bm.is_swapped("a") and bm.num_cached_blocks == 2
+    assert bm.is_swapped("a") and bm.stats.num_cached_blocks == 2
     assert bm.can_swap_in(["a"]) is AllocStatus.OK
     before = bm.stats.swapped_in_blocks
     kv.swap_in(["a"])
     assert bm.stats.swapped_in_blocks - before == 3
-    assert bm.num_free_cpu_blocks == 16
+    assert bm.stats.num_free_cpu_blocks == 16
     kv.verify()
     kv.step(["a"], np.array([11]))
     kv.verify()
@@ -466,4 +466,4 @@ def test_combinations_keep_every_sequence_consistent(caching, window, lookahead,
     for s in list(kv.tokens):
         kv.free(s)
     bm.check_invariants()
-    assert bm.num_free_gpu_blocks == 400 and bm.num_free_cpu_blocks == 400
+    assert bm.num_free_gpu_blocks == 400 and bm.stats.num_free_cpu_blocks == 400

@@ -32,7 +32,7 @@ def test_100k_distinct_namespaces_leave_memory_flat():
     cache = bm._cache
 
     def footprint() -> tuple:
-        bm.take_events()  # (a server's publisher drains them every step)
+        bm.events.take()  # (a server's publisher drains them every step)
         gc.collect()
         regs = (cache.roots, cache._ns_ids, cache.ns_list, cache._ns_free)
         return max(len(r) for r in regs), sum(sys.getsizeof(r) for r in regs), len(gc.get_objects())
@@ -41,7 +41,7 @@ def test_100k_distinct_namespaces_leave_memory_flat():
     for i in range(100_000):
         _roundtrip(bm, i, f"tenant-{i}")
         if i % 5000 == 0:
-            bm.take_events()
+            bm.events.take()
         if i in (20_000 - 1, 100_000 - 1):
             seen.append(footprint())
     (n20, bytes20, objs20), (n100, bytes100, objs100) = seen
@@ -64,13 +64,13 @@ def test_namespaces_in_use_keep_their_hits_and_released_ones_come_back_cold():
     bm.free("live")
     # reset: every namespace becomes unused; the next sweep releases them; a released one comes back cold
     bm.reset_prefix_cache()
-    bm.take_events()
+    bm.events.take()
     for i in range(1500, 3000):
         _roundtrip(bm, i, f"t{i}")
     assert b"s:t0" not in cache.roots
     assert _roundtrip(bm, -3, "t0") == 0  # cold again
     assert _roundtrip(bm, -4, "t0") == 8 and _roundtrip(bm, -5, "t1") == 0  # isolated as before
-    stored = [e for e in bm.take_events() if type(e).__name__ == "BlockStored"]
+    stored = [e for e in bm.events.take() if type(e).__name__ == "BlockStored"]
     assert stored and stored[-1].namespace == "t1"  # events still name the namespace (a reused slot)
     bm.check_invariants()
     # root content ids are never reused: every root in the registry has its own

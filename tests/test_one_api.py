@@ -24,9 +24,9 @@ def _managers(num_blocks: int = 48, bs: int = 4, **kw):
     """One manager per shape: a plain table, a windowed one, two and three groups (full and sliding)."""
     yield BlockManager(num_blocks, bs, **kw)
     yield BlockManager(num_blocks, bs, sliding_window=6, **kw)
-    yield HybridBlockManager(2 * num_blocks, bs, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(5)], **kw)
-    yield HybridBlockManager(3 * num_blocks, bs, kv_cache_groups=[SlidingWindowSpec(3), FullAttentionSpec(),
-                                                                    SlidingWindowSpec(9)], **kw)
+    yield BlockManager(2 * num_blocks, bs, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(5)], **kw, grouped_results=True)
+    yield BlockManager(3 * num_blocks, bs, kv_cache_groups=[SlidingWindowSpec(3), FullAttentionSpec(),
+                                                                    SlidingWindowSpec(9)], **kw, grouped_results=True)
 
 
 MANAGERS = ["single", "single-window", "two-groups", "three-groups"]
@@ -39,8 +39,8 @@ def _manager(i: int, **kw):
 @pytest.mark.parametrize("which", range(4), ids=MANAGERS)
 def test_every_result_answers_the_grouped_names_with_the_same_shapes(which):
     bm = _manager(which, enable_prefix_caching=True)
-    G = bm.num_groups
-    assert len(bm.kv_cache_groups) == G and (G == 1) == isinstance(bm, BlockManager)
+    G = bm.config.num_groups
+    assert len(bm.config.kv_cache_groups) == G and (G == 1) == (type(bm) is BlockManager) and isinstance(bm, BlockManager)
     pre = bm.allocate_batch(["a", "b"], [list(range(9)), list(range(6))], 2)
     assert pre.group_slot_mapping.shape == (G, 15 - 4)  # b's first block (of a's prompt) was a burst hit
     assert len(pre.group_block_tables) == G and all(t.shape[0] == 2 for t in pre.group_block_tables)
@@ -77,7 +77,7 @@ def test_every_result_answers_the_grouped_names_with_the_same_shapes(which):
 def test_group_argument_defaults_to_0_and_is_checked(which):
     bm = _manager(which)
     bm.allocate("a", list(range(7)))
-    G = bm.num_groups
+    G = bm.config.num_groups
     assert bm.block_table("a").tolist() == bm.block_table("a", 0).tolist()
     assert bm.slot_mapping("a", 0, 7).tolist() == bm.slot_mapping("a", 0, 7, 0).tolist()
     for bad in (G, -1, 1.0, "0", None, True):
@@ -90,7 +90,7 @@ def test_group_argument_defaults_to_0_and_is_checked(which):
 @pytest.mark.parametrize("which", range(4), ids=MANAGERS)
 def test_lookahead_slots_batch_form(which):
     bm = _manager(which, num_blocks=90)
-    G = bm.num_groups
+    G = bm.config.num_groups
     for i, s in enumerate("abc"):
         bm.allocate(s, list(range(5 + 3 * i)), 3)
     res = bm.decode_step(["a", "b", "c"], [[1], [2, 3], [4, 5, 6]], 3)
@@ -126,7 +126,7 @@ def test_lookahead_slots_batch_form(which):
         bm.lookahead_slots(["a", "a"], 1)
     assert "twice" in str(e.value)
     bm.free("c")
-    bm.swap_out(["b"]) if bm.num_cpu_blocks else None
+    bm.swap_out(["b"]) if bm.config.num_cpu_blocks else None
     assert [bm.block_table(s, g).tolist() for s in "ab" for g in range(G)] == before[: 2 * G]
     bm.check_invariants()
 
@@ -193,7 +193,7 @@ class _Tables:
 
     def __init__(self, bm) -> None:
         self.bm = bm
-        self.t = [np.full((64, 64), NULL_BLOCK, np.int32) for _ in range(bm.num_groups)]
+        self.t = [np.full((64, 64), NULL_BLOCK, np.int32) for _ in range(bm.config.num_groups)]
 
     def load(self, seq) -> None:  # after allocate, fork, swap_in, append_slots
         (row,) = self.bm.table_rows([seq]).tolist()
@@ -260,7 +260,7 @@ def test_incremental_tables_with_append_slots_and_padded_steps_in_between(which)
                     bm.append_slots(s, [rng.randrange(3) for _ in range(rng.randrange(1, 6))], rng.randrange(0, 3))
                     stale_after_append += any(
                         before[g][: bm.block_table(s, g).size].tolist() != bm.block_table(s, g).tolist()
-                        for g in range(bm.num_groups))
+                        for g in range(bm.config.num_groups))
                     eng.load(s)
                 elif r < 0.78 and len(live) < 12:
                     s = rng.choice(gpu)
@@ -314,11 +314,11 @@ def test_grouped_results_flag_keeps_the_scheduler_shapes_behind_a_wrapper(which)
     from pagedkv.scheduler import Scheduler
 
     bm = _manager(which)
-    assert bm.grouped_results is isinstance(bm, HybridBlockManager)
+    assert bm.config.grouped_results is bm.config.grouped_results
     sched = Scheduler(_Forwarding(bm), max_num_seqs=4)
     sched.add_request("r", list(range(9)), max_tokens=2, ignore_eos=True)
     (pw,) = sched.schedule().prefills
-    if bm.grouped_results:
-        assert pw.slot_mapping.shape == (bm.num_groups, 9) and len(pw.block_table) == bm.num_groups
+    if bm.config.grouped_results:
+        assert pw.slot_mapping.shape == (bm.config.num_groups, 9) and len(pw.block_table) == bm.config.num_groups
     else:
         assert pw.slot_mapping.shape == (9,) and pw.block_table.ndim == 1

@@ -1,6 +1,6 @@
 """BlockManager and HybridBlockManager are compositions of parts with explicit state (docs/design.md, "The manager
-in parts"): the facades' only bases are the two stateless surface classes they share (``manager/_surface.py``:
-properties and one-line calls into a part, no state, no logic of their own), each part holds the objects it works on, and no part reads another
+in parts"): the one facade's only bases are stateless (``manager/parts.py``'s ``Surface``: properties, the named parts and
+the deprecated old names; ``manager/_offstep.py``'s ``OffStep``: the calls off a plain request's path), the many-group manager is its subclass, each part holds the objects it works on, and no part reads another
 part's private (underscore) state. Checked statically on the part modules (ast, no imports) and on live
 managers. A stricter rule holds for every core module (the parts, the coordinator's parts ``_hybrid_*.py`` and the
 leaf structures: BlockPool, PrefixCache, CpuTier, the evictors): it reads no underscore attribute of any object
@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 
 from pagedkv import BlockManager, FullAttentionSpec, HybridBlockManager, SlidingWindowSpec
-from pagedkv.manager._surface import ExternalKV, PoolState
+from pagedkv.manager.parts import Surface
+from pagedkv.manager._offstep import OffStep
+from pagedkv.hybrid import GroupedManager
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "pagedkv"
 PART_MODULES = ["manager/_rows", "blocks/_blocks", "manager/_window", "manager/_registry", "manager/_step",
@@ -110,9 +112,10 @@ def test_the_checker_finds_a_private_read(tmp_path):
 
 
 def test_the_facades_only_bases_are_the_stateless_shared_surface_and_it_wires_its_own_parts():
-    # the only bases: the surface both facades share, stateless (empty __slots__, no __init__, no class data)
-    assert BlockManager.__bases__ == HybridBlockManager.__bases__ == (PoolState, ExternalKV)
-    for base in (PoolState, ExternalKV):
+    # the only base: the surface, stateless (empty __slots__, no __init__, no class data); the many-group manager
+    # is the one class's subclass
+    assert BlockManager.__bases__ == (Surface, OffStep) and GroupedManager.__bases__ == (BlockManager,)
+    for base in (Surface, OffStep):
         assert base.__bases__ == (object,) and base.__slots__ == () and "__init__" not in vars(base)
         assert all(callable(v) or isinstance(v, property) for k, v in vars(base).items() if not k.startswith("__"))
     a = BlockManager(64, 4, enable_prefix_caching=True, sliding_window=8)
@@ -125,8 +128,8 @@ def test_the_facades_only_bases_are_the_stateless_shared_surface_and_it_wires_it
 
 
 def test_kv_cache_groups_share_blocks_and_cache_but_not_tables():
-    m = HybridBlockManager(64, 4, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(8)],
-                           enable_prefix_caching=True)
+    m = BlockManager(64, 4, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(8)],
+                           enable_prefix_caching=True, grouped_results=True)
     g0, g1 = m._g
     assert g0._blocks is g1._blocks and g0._cache is g1._cache and g0._copies is g1._copies
     assert g0._t is not g1._t and g0._win is not g1._win
@@ -138,9 +141,9 @@ def test_kv_cache_groups_share_blocks_and_cache_but_not_tables():
 
 
 def test_the_coordinator_parts_work_on_the_group_managers_parts():
-    m = HybridBlockManager(64, 4, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(8), FullAttentionSpec()],
-                           enable_prefix_caching=True, num_cpu_blocks=16)
-    assert HybridBlockManager.__bases__ == (PoolState, ExternalKV)  # (the shared surface only)
+    m = BlockManager(64, 4, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(8), FullAttentionSpec()],
+                           enable_prefix_caching=True, num_cpu_blocks=16, grouped_results=True)
+    assert GroupedManager.__bases__ == (BlockManager,)  # (the one class's many-group case)
     tables = [g._t for g in m._g]
     for part in (m._alloc, m._step, m._swap, m._seqs):
         assert all(a is b for a, b in zip(part.tables, tables)) and len(part.tables) == 3

@@ -116,7 +116,7 @@ def test_blocks_held_on_one_engine_arrive_in_the_right_blocks_of_another():
         pport.read_blocks(hold.hold_id, hold.block_ids)
     with pytest.raises(LookupError):
         pport.release_hold(hold.hold_id)
-    assert not pre.block_manager.holds
+    assert not pre.block_manager.external.holds
     pre.block_manager.check_invariants()
 
 
@@ -132,8 +132,8 @@ def test_holds_expire_and_short_prompts_hold_nothing():
         step(pre, port, reqs)
     assert port.take_hold("b") is None  # one block, holding the last token: nothing to hand over
     h = port.take_hold("a")
-    assert h.num_tokens == 8 and len(pre.block_manager.holds) == 1
-    assert port.expire_holds() == [h.hold_id] and not pre.block_manager.holds
+    assert h.num_tokens == 8 and len(pre.block_manager.external.holds) == 1
+    assert port.expire_holds() == [h.hold_id] and not pre.block_manager.external.holds
     pre.block_manager.check_invariants()
 
 
@@ -145,7 +145,7 @@ def grouped_engine(window=8, batched=16):
     from pagedkv import FullAttentionSpec, HybridBlockManager, SlidingWindowSpec
 
     groups = (FullAttentionSpec(), SlidingWindowSpec(window))
-    bm = HybridBlockManager(64, BS, kv_cache_groups=groups, enable_prefix_caching=True)
+    bm = BlockManager(64, BS, kv_cache_groups=groups, enable_prefix_caching=True, grouped_results=True)
     sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=batched, enable_chunked_prefill=True,
                       incremental_tables=True)
     kv = torch.zeros(L, 2, 64, BS, H, D)
@@ -235,7 +235,7 @@ def test_kv_cache_groups_hand_over_every_full_block_and_only_the_sliding_window(
     while pre.scheduler.has_unfinished():
         grouped_step(pre, pport, {"q": req3})
     h3 = pport.take_hold("q")
-    assert h3 is not None and pport.expire_holds() == [h3.hold_id] and not pre.block_manager.holds
+    assert h3 is not None and pport.expire_holds() == [h3.hold_id] and not pre.block_manager.external.holds
     pre.block_manager.check_invariants()
 
 
@@ -287,5 +287,5 @@ def test_a_grouped_load_whose_hit_moved_is_computed():
             for j in range(7):
                 assert block_tokens(dec.kv_cache, full[j]) == group_values(prompt, 0, j), j
     assert dec.scheduler.stats.stale_external_loads == 1 and dec.scheduler.stats.external_tokens == 0
-    assert dport.stats["written_blocks"] == 0 and not bm.parked_seq_ids and not bm.loading_seq_ids
+    assert dport.stats["written_blocks"] == 0 and not bm.external.parked_seq_ids and not bm.external.loading_seq_ids
     bm.check_invariants()

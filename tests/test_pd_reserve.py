@@ -153,12 +153,12 @@ class DecodeLoop:
                         plan, _ = step(self.llm, self.port, self.by_id)
                         fetching = sched.is_fetching(self.watch)
                         f = self.port._fetching.get(self.watch)
-                        ext = bm.external_blocks(f[1].seq_id) if f is not None and fetching else None
+                        ext = bm.external.external_blocks(f[1].seq_id) if f is not None and fetching else None
                         if f is not None:
                             self.seq_id = f[1].seq_id
                         self.log.append(SimpleNamespace(
                             fetching=fetching, decoded=plan.decode is not None and len(plan.decode.seq_ids),
-                            loading=len(bm.loading_seq_ids), free=bm.num_free_gpu_blocks,
+                            loading=len(bm.external.loading_seq_ids), free=bm.num_free_gpu_blocks,
                             reserved=len(ext.block_ids) if ext is not None else 0))
                     idle = not (sched.num_running or sched.num_waiting)
                 if idle:
@@ -270,7 +270,7 @@ def test_an_abort_while_the_blocks_arrive_never_writes_into_blocks_reused_since(
     assert block_reads_back(llm.kv_cache, kl.load.block_ids[2], prompt[2 * BS:3 * BS])
     t.put(b"\xff" * PB)  # arrived, not written yet, when the client leaves
     sched.abort_request("d")
-    assert sched.num_parked == 1 and set(bm.parked_seq_ids) == {kl.seq_id}
+    assert sched.num_parked == 1 and set(bm.external.parked_seq_ids) == {kl.seq_id}
     step(llm, port, {})
     assert t.cancelled and port.stats["written_blocks"] == 3 and port.stats["fetches_aborted"] == 1
     t.put(b"\xff" * PB)  # the read had not seen the cancel yet: dropped
@@ -292,7 +292,7 @@ def test_an_abort_while_the_blocks_arrive_never_writes_into_blocks_reused_since(
     step(llm, port, by_id)
     assert port.stats["written_blocks"] == 3
     assert prompt_reads_back(llm, "x", pw.seq_id, x) == []
-    assert sched.num_parked == 0 and not bm.parked_seq_ids and not port._fetching
+    assert sched.num_parked == 0 and not bm.external.parked_seq_ids and not port._fetching
 
 
 def test_an_abort_mid_transfer_stops_the_read_and_frees_the_blocks():
@@ -326,7 +326,7 @@ def test_an_abort_mid_transfer_stops_the_read_and_frees_the_blocks():
                 time.sleep(0.02)
         assert res.num_received < 60 and "ended" in res.error, res
         assert ticket.cancelled and port.stats["fetches_aborted"] == 1
-        assert sched.num_parked == 0 and not bm.parked_seq_ids and not port._fetching
+        assert sched.num_parked == 0 and not bm.external.parked_seq_ids and not port._fetching
         assert bm.num_free_gpu_blocks == free0 and handoff.staging.used == 0
         bm.check_invariants()
     finally:
@@ -497,7 +497,7 @@ def test_a_request_whose_blocks_do_not_fit_waits_in_the_queue_and_nothing_is_rea
         plan, _ = step(llm, port, by_id)
         assert not plan.kv_loads and plan.decode is not None  # o decodes; d waits
     assert sched.num_waiting == 1 and not sched.is_fetching("d") and t._decided is None
-    assert not bm.loading_seq_ids
+    assert not bm.external.loading_seq_ids
     sched.abort_request("o")
     plan, _ = step(llm, port, by_id)
     (kl,) = plan.kv_loads
@@ -505,4 +505,4 @@ def test_a_request_whose_blocks_do_not_fit_waits_in_the_queue_and_nothing_is_rea
     sched.abort_request("d")  # (the read never comes: its end frees the parked blocks)
     t.end(0, "test over")
     step(llm, port, by_id)
-    assert sched.num_parked == 0 and not bm.parked_seq_ids
+    assert sched.num_parked == 0 and not bm.external.parked_seq_ids

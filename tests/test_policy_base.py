@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pagedkv
-from pagedkv import EVICTION_POLICIES, BlockManager, EvictionPolicy, HybridBlockManager
+from pagedkv import EVICTION_POLICIES, BlockManager, EvictionPolicy
 from pagedkv import FullAttentionSpec, SlidingWindowSpec
 from pagedkv.blocks.evictor import LRUEvictor
 from pagedkv.blocks.policy import POLICIES, make_policy
@@ -88,10 +88,10 @@ def _churn(policy, n_blocks=10):
     docs = [[100 * d + i for i in range(9)] for d in range(6)]
     for i, d in enumerate([0, 1, 2, 0, 3, 4, 0, 5, 1, 2, 3, 0, 4, 5, 2]):
         bm.allocate(i, docs[d] + [i])
-        bm.set_retention(i, session=d % 3)
+        bm.retention.set_retention(i, session=d % 3)
         bm.free(i)
         bm.check_invariants()
-    removed = [e for e in bm.take_events() if type(e).__name__ == "BlockRemoved"]
+    removed = [e for e in bm.events.take() if type(e).__name__ == "BlockRemoved"]
     return bm, removed
 
 
@@ -119,18 +119,18 @@ def test_an_instance_must_be_new_and_sized_for_the_pool():
 
 def test_an_unnamed_policy_class_reports_its_class_name_and_works_with_priorities_and_groups():
     bm = BlockManager(24, 4, enable_prefix_caching=True, eviction_policy=Oldest, pin_budget_blocks=4)
-    assert bm.eviction_policy == "Oldest"
+    assert bm.config.eviction_policy == "Oldest"
     bm.allocate("a", list(range(9)))
-    bm.set_retention("a", priority=5)  # a priority class: a new Oldest made for it
+    bm.retention.set_retention("a", priority=5)  # a priority class: a new Oldest made for it
     bm.free("a")
     bm.check_invariants()
-    hm = HybridBlockManager(40, 4, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(8)],
-                            enable_prefix_caching=True, eviction_policy=Oldest)
+    hm = BlockManager(40, 4, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(8)],
+                            enable_prefix_caching=True, eviction_policy=Oldest, grouped_results=True)
     for i in range(12):
         hm.allocate(i, [7] * 4 + list(range(10 * i, 10 * i + 9)))
         hm.free(i)
         hm.check_invariants()
-    assert hm.eviction_policy == "Oldest"
+    assert hm.config.eviction_policy == "Oldest"
 
 
 def test_verify_catches_broken_bookkeeping():

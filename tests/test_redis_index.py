@@ -60,7 +60,7 @@ def test_two_routers_share_one_index_and_a_new_one_sees_it_at_once(index, redis_
     for i, pr in enumerate(prompts):
         bm.allocate(i, pr)
         bm.free(i)
-    index.apply_all("r", bm.take_events())
+    index.apply_all("r", bm.events.take())
     other = RedisIndex(redis_url, prefix=index.p)
     for pr in prompts:
         assert other.longest_prefix(block_hashes(pr, 4)) == {"r": 375}

@@ -171,7 +171,7 @@ def test_lru_below_belady_below_ceiling(reqs, cap_blocks):
 def test_cpu_capacity_needs_the_tier():
     if HAS_CPU_TIER:
         bm = make_manager(BlockManager, 8, 16, 8)
-        assert bm.num_cpu_blocks == 8
+        assert bm.config.num_cpu_blocks == 8
     else:
         with pytest.raises(CpuTierUnavailable, match="not available in this build"):
             make_manager(BlockManager, 8, 16, 8)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pagedkv import BlockManager, HybridBlockManager
+from pagedkv import BlockManager
 from pagedkv.engine.request_pins import KVRetention, RequestPins, parse_kv_retention, pin_blocks
 from pagedkv.errors import InvalidArgumentError, PinBudgetError
 from pagedkv.kv_groups import FullAttentionSpec, SlidingWindowSpec
@@ -87,12 +87,12 @@ def test_request_pins_admit_settle_reuse_and_errors():
         rp.admit(list(range(30)), KVRetention("prompt"))  # 7 blocks > the budget of 4
     _compute(bm, "a", system + [1])
     pin, err = rp.settle(system, 8, 30.0)
-    assert err is None and (pin.num_tokens, pin.num_blocks, pin.ttl) == (8, 2, 30.0) and bm.pins == (pin,)
+    assert err is None and (pin.num_tokens, pin.num_blocks, pin.ttl) == (8, 2, 30.0) and bm.retention.pins == (pin,)
     # the same prefix again: the live pin is reused, no budget needed even when the rest is taken
-    assert rp.settle(system, 8, 30.0) == (pin, None) and len(bm.pins) == 1
+    assert rp.settle(system, 8, 30.0) == (pin, None) and len(bm.retention.pins) == 1
     other = list(range(200, 208))
     _compute(bm, "b", other + [1])
-    admin = bm.pin_prefix(other)  # the budget is now full (4 of 4)
+    admin = bm.retention.pin_prefix(other)  # the budget is now full (4 of 4)
     assert rp.admit(system + [5, 6], KVRetention(8, 30.0)) == (8, 30.0)  # reuse: admitted
     with pytest.raises(PinBudgetError, match="other pins hold 4"):
         rp.admit(list(range(300, 310)), KVRetention(8))
@@ -101,16 +101,16 @@ def test_request_pins_admit_settle_reuse_and_errors():
     rp.remember(other, admin)  # (LLM.pin_prefix and POST /v1/pins do this)
     assert rp.admit(other, KVRetention(8)) == (8, None)  # its blocks are pinned already: no room needed
     got, err = rp.settle(other, 8, None)  # a pin of its own over the same blocks: nothing more of the budget
-    assert err is None and got.pin_id not in (0, admin.pin_id) and bm.num_pinned_blocks == 4
+    assert err is None and got.pin_id not in (0, admin.pin_id) and bm.retention.num_pinned_blocks == 4
     assert rp.settle(other, 8, None) == (got, None)  # and the next request reuses it
     assert rp.admit(system, KVRetention(8, 99.0)) == (8, 99.0)  # another TTL: another pin, the same blocks
-    bm.unpin(got.pin_id)
+    bm.retention.unpin(got.pin_id)
     # taken between admission and the pin: nothing pinned, the reason returned
     third = list(range(400, 408))
     _compute(bm, "c", third + [1])
     got, err = rp.settle(third, 8, None)
-    assert got.pin_id == 0 and "pin budget" in err and bm.num_pinned_blocks == 4
-    bm.unpin(pin.pin_id)  # the reused pin gone: the next request pins anew
+    assert got.pin_id == 0 and "pin budget" in err and bm.retention.num_pinned_blocks == 4
+    bm.retention.unpin(pin.pin_id)  # the reused pin gone: the next request pins anew
     pin2, err = rp.settle(system, 8, 30.0)
     assert err is None and pin2.pin_id not in (0, pin.pin_id)
     bm.check_invariants()
@@ -124,12 +124,12 @@ def test_request_pins_admit_settle_reuse_and_errors():
 def test_pin_blocks_is_what_a_hybrid_pin_holds(bs, window):
     groups = [FullAttentionSpec(), SlidingWindowSpec(window), SlidingWindowSpec(window + 2)]
     for nb in (1, 3, 10):
-        bm = HybridBlockManager(400, bs, kv_cache_groups=groups, enable_prefix_caching=True, pin_budget_blocks=400)
+        bm = BlockManager(400, bs, kv_cache_groups=groups, enable_prefix_caching=True, pin_budget_blocks=400, grouped_results=True)
         prompt = list(range(1, nb * bs + 2))
         bm.allocate("a", prompt)
         bm.take_copy_plan()
         bm.free("a")
-        pin = bm.pin_prefix(prompt[: nb * bs])
+        pin = bm.retention.pin_prefix(prompt[: nb * bs])
         assert pin.num_tokens == nb * bs and pin.num_blocks == pin_blocks(groups, nb * bs, bs)
     assert pin_blocks(None, 40, 4) == 10 and pin_blocks(groups, 0, bs) == 0
 

@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from pagedkv import FullAttentionSpec, HybridBlockManager, SlidingWindowSpec
+from pagedkv import FullAttentionSpec, BlockManager, HybridBlockManager, SlidingWindowSpec
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.blocks.evictor import RetentionEvictor
 
@@ -36,8 +36,8 @@ def test_retention_evictor_evicts_spare_blocks_first_each_class_in_lru_order():
 def _conversation(retention: bool, others: int, interval=None) -> int:
     """Turn 1 of a conversation (30 blocks) is cached, ``others`` unrelated prompts pass through a small pool,
     then turn 2 (turn 1 + 20 tokens) arrives: its hybrid hit in tokens."""
-    bm = HybridBlockManager(4 * 60, BS, kv_cache_groups=GROUPS, enable_prefix_caching=True, watermark=0,
-                            window_retention=retention, retention_interval=interval)
+    bm = BlockManager(4 * 60, BS, kv_cache_groups=GROUPS, enable_prefix_caching=True, watermark=0,
+                            window_retention=retention, retention_interval=interval, grouped_results=True)
     rng = np.random.default_rng(1)
     first = rng.integers(0, 1000, 120)
     bm.allocate(0, first)
@@ -62,8 +62,8 @@ def test_retention_keeps_a_conversation_hit_that_plain_lru_loses():
 
 
 def test_window_released_during_decode_is_kept_only_before_useful_points():
-    bm = HybridBlockManager(400, BS, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(8)],
-                            enable_prefix_caching=True)  # k = 2
+    bm = BlockManager(400, BS, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(8)],
+                            enable_prefix_caching=True, grouped_results=True)  # k = 2
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, 1000, 40)  # 10 blocks: kept during steps: positions 7, 8, 9 (windows at 10 and 9)
     bm.allocate(0, prompt)
@@ -87,8 +87,8 @@ def test_interval_points_keep_windows_inside_a_prompt():
     """A prefix shared up to an arbitrary point (a document) hits at the last multiple of the interval before
     the point where the prompts differ, once pressure evicted the spare blocks."""
     def run(interval):
-        bm = HybridBlockManager(4 * 70, BS, kv_cache_groups=GROUPS, enable_prefix_caching=True, watermark=0,
-                                retention_interval=interval)
+        bm = BlockManager(4 * 70, BS, kv_cache_groups=GROUPS, enable_prefix_caching=True, watermark=0,
+                                retention_interval=interval, grouped_results=True)
         rng = np.random.default_rng(2)
         doc = rng.integers(0, 1000, 120)
         bm.allocate(0, np.concatenate([doc, rng.integers(0, 1000, 40)]))
@@ -102,14 +102,14 @@ def test_interval_points_keep_windows_inside_a_prompt():
     assert run(0) == 0 and run(None) == 0  # none, and the default (16 windows = 256 tokens: past this prompt)
     assert run(64) == 64  # 120 shared tokens: the window at 64 tokens survived (and the full prefix)
     with pytest.raises(InvalidArgumentError):
-        HybridBlockManager(40, BS, kv_cache_groups=GROUPS, enable_prefix_caching=True, retention_interval=-1)
+        BlockManager(40, BS, kv_cache_groups=GROUPS, enable_prefix_caching=True, retention_interval=-1, grouped_results=True)
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_random_calls_keep_the_invariants_with_retention(seed):
     rng = random.Random(seed)
-    bm = HybridBlockManager(160, BS, kv_cache_groups=GROUPS, enable_prefix_caching=True, watermark=0,
-                            retention_interval=rng.choice([None, 16, 32]))
+    bm = BlockManager(160, BS, kv_cache_groups=GROUPS, enable_prefix_caching=True, watermark=0,
+                            retention_interval=rng.choice([None, 16, 32]), grouped_results=True)
     prompts = [[rng.randrange(50) for _ in range(rng.randint(4, 48))] for _ in range(6)]
     live, nid = [], 0
     for _ in range(300):

@@ -28,7 +28,7 @@ GROUPS = [F(), S(8), S(8)]  # a window of 8 tokens: a hit needs the 2 blocks bef
 
 def hybrid(n=60, groups=GROUPS, **kw):
     kw.setdefault("watermark", 0)
-    return HybridBlockManager(n, BS, kv_cache_groups=groups, enable_prefix_caching=True, **kw)
+    return BlockManager(n, BS, kv_cache_groups=groups, enable_prefix_caching=True, **kw, grouped_results=True)
 
 
 SYSTEM = list(range(100, 124))  # 6 blocks
@@ -40,7 +40,7 @@ def test_hybrid_eviction_policy_is_the_evictor_order(retention):
     for policy, cls in (("lru", LRUEvictor), ("slru", SLRUEvictor), ("session", SessionEvictor), ("arc", ARCEvictor)):
         hm = hybrid(eviction_policy=policy, window_retention=retention)
         ev = hm._cache.evictor
-        assert hm.eviction_policy == policy
+        assert hm.config.eviction_policy == policy
         if retention:  # window retention's spare blocks first, then the policy's order
             assert type(ev) is RetentionEvictor and type(ev.main) is cls
         else:
@@ -48,7 +48,7 @@ def test_hybrid_eviction_policy_is_the_evictor_order(retention):
     with pytest.raises(InvalidArgumentError, match="lru, slru, session, density, arc"):
         hybrid(eviction_policy="lfu")
     with pytest.raises(InvalidArgumentError):
-        HybridBlockManager(8, BS, kv_cache_groups=GROUPS, eviction_policy="slru")  # needs prefix caching
+        BlockManager(8, BS, kv_cache_groups=GROUPS, eviction_policy="slru", grouped_results=True)  # needs prefix caching
 
 
 def test_hybrid_slru_protects_a_hit_prefix_over_a_newer_one():
@@ -72,7 +72,7 @@ def test_hybrid_slru_protects_a_hit_prefix_over_a_newer_one():
 def test_hybrid_session_hint_counts_one_request_for_every_group():
     hm = hybrid(eviction_policy="session", window_retention=False)
     hm.allocate("a", SYSTEM + [1])
-    hm.set_retention("a", session="chat")
+    hm.retention.set_retention("a", session="chat")
     hm.free("a")
     assert hm._cache.evictor.sessions == {"chat": 1}  # one hint for the three groups' blocks
     hm.check_invariants()
@@ -84,7 +84,7 @@ def test_hybrid_priority_orders_every_groups_blocks_and_spare_blocks_go_first():
     for s, prio in (("hi", -1), ("lo", 5), ("mid", 0)):
         base = 1000 + 100 * len(s) + 10 * prio
         hm.allocate(s, list(range(base, base + 24)) + [1])
-        hm.set_retention(s, priority=prio)
+        hm.retention.set_retention(s, priority=prio)
         for _ in range(12):  # past the windows: the sliding groups release (and demote) blocks while decoding
             hm.decode_step([s], np.array([7]))
         hm.free(s)
@@ -105,7 +105,7 @@ def test_hybrid_priority_orders_every_groups_blocks_and_spare_blocks_go_first():
 def test_hybrid_window_releases_take_the_sequence_priority_with_retention():
     hm = hybrid(n=90)
     hm.allocate("s", SYSTEM + [1])
-    hm.set_retention("s", priority=3)
+    hm.retention.set_retention("s", priority=3)
     for _ in range(10):
         hm.decode_step(["s"], np.array([7]))
     ev = hm._cache.evictor
@@ -118,13 +118,13 @@ def test_hybrid_set_retention_checks_and_fork_inherits_the_priority():
     hm = hybrid()
     hm.allocate("p", SYSTEM + [1])
     with pytest.raises(UnknownSequenceError):
-        hm.set_retention("nope", priority=1)
+        hm.retention.set_retention("nope", priority=1)
     with pytest.raises(InvalidArgumentError):
-        hm.set_retention("p", priority="high")
+        hm.retention.set_retention("p", priority="high")
     with pytest.raises(TypeError):
-        hm.set_retention("p", session=[1])
+        hm.retention.set_retention("p", session=[1])
     assert not hm._hints and not isinstance(hm._cache.evictor, steering.SteeredEvictor)
-    hm.set_retention("p", priority=7, session="c")
+    hm.retention.set_retention("p", priority=7, session="c")
     hm.fork("p", "c")
     assert hm._hints["c"] == (7, None)  # the priority, not the session hint
     hm.free("p")
@@ -133,7 +133,7 @@ def test_hybrid_set_retention_checks_and_fork_inherits_the_priority():
     ev = hm._cache.evictor
     assert {int(ev.where[b]) for b in ev if b not in set(ev.spare)} == {7}
     hm.check_invariants()
-    nc = HybridBlockManager(8, BS, kv_cache_groups=GROUPS)
+    nc = BlockManager(8, BS, kv_cache_groups=GROUPS, grouped_results=True)
     nc.allocate("a", [1])
     with pytest.raises(InvalidArgumentError):
         nc.set_retention("a", priority=1)
@@ -142,7 +142,7 @@ def test_hybrid_set_retention_checks_and_fork_inherits_the_priority():
 def test_block_manager_fork_inherits_the_priority():
     bm = BlockManager(8, BS, enable_prefix_caching=True, watermark=0)
     bm.allocate("p", list(range(9)))
-    bm.set_retention("p", priority=4, session="s")
+    bm.retention.set_retention("p", priority=4, session="s")
     bm.fork("p", "c")
     assert bm._hints["c"] == (4, None)
     bm.free("p")
@@ -155,7 +155,7 @@ def test_block_manager_fork_inherits_the_priority():
 def test_a_refused_free_in_the_step_changes_no_retention_state():
     hm = hybrid()
     hm.allocate("a", SYSTEM + [1])
-    hm.set_retention("a", priority=2)
+    hm.retention.set_retention("a", priority=2)
     hm.take_copy_plan()
     hm.decode_step(["a"], np.array([5]))
     with pytest.raises(SequenceStateError):
@@ -171,15 +171,15 @@ def test_hybrid_pin_holds_what_a_hit_needs_through_any_pressure(policy, retentio
     hm = hybrid(n=50, eviction_policy=policy, pin_budget_blocks=10, window_retention=retention)
     hm.allocate("sys", SYSTEM + [1])
     hm.free("sys")
-    pin = hm.pin_prefix(SYSTEM, ttl=60)
+    pin = hm.retention.pin_prefix(SYSTEM, ttl=60)
     # the full group's 6 blocks and each sliding group's last window before 24 tokens (positions 17-23: 2 blocks)
-    assert (pin.num_tokens, pin.num_blocks, pin.ttl) == (24, 10, 60) and hm.pins == (pin,)
-    assert hm.num_pinned_blocks == 10 and hm.num_free_gpu_blocks == 40
+    assert (pin.num_tokens, pin.num_blocks, pin.ttl) == (24, 10, 60) and hm.retention.pins == (pin,)
+    assert hm.retention.num_pinned_blocks == 10 and hm.num_free_gpu_blocks == 40
     hm.check_invariants()
     rng = np.random.default_rng(0)
     for i in range(12):  # every other block churns
         hm.allocate(i, rng.integers(0, 1000, 30))
-        hm.set_retention(i, priority=int(rng.integers(-3, 3)))
+        hm.retention.set_retention(i, priority=int(rng.integers(-3, 3)))
         for _ in range(4):
             hm.decode_step([i], np.array([9]))
         hm.free(i)
@@ -191,10 +191,10 @@ def test_hybrid_pin_holds_what_a_hit_needs_through_any_pressure(policy, retentio
     assert hm.allocate("user", SYSTEM + [5]) == 24
     assert free - hm.num_free_gpu_blocks == hit.num_new_blocks == 3  # the pinned hits take no free block
     hm.free("user")
-    hm.unpin(pin.pin_id)
-    assert hm.num_pinned_blocks == 0 and hm.pins == ()
+    hm.retention.unpin(pin.pin_id)
+    assert hm.retention.num_pinned_blocks == 0 and hm.retention.pins == ()
     with pytest.raises(UnknownPinError):
-        hm.unpin(pin.pin_id)
+        hm.retention.unpin(pin.pin_id)
     hm.check_invariants()
 
 
@@ -203,23 +203,23 @@ def test_hybrid_pin_budget_errors_and_reset():
     hm.allocate("sys", SYSTEM + [1]); hm.free("sys")
     doc = list(range(300, 316))  # 4 full blocks: a pin holds them and 2 x 2 window blocks
     hm.allocate("doc", doc + [1]); hm.free("doc")
-    p1 = hm.pin_prefix(SYSTEM)
-    before = (hm.num_pinned_blocks, hm.pins, hm.num_free_gpu_blocks, list(hm._cache.evictor))
+    p1 = hm.retention.pin_prefix(SYSTEM)
+    before = (hm.retention.num_pinned_blocks, hm.retention.pins, hm.num_free_gpu_blocks, list(hm._cache.evictor))
     with pytest.raises(PinBudgetError, match="budget is 14"):  # 10 + 8 blocks
-        hm.pin_prefix(doc)
-    assert (hm.num_pinned_blocks, hm.pins, hm.num_free_gpu_blocks, list(hm._cache.evictor)) == before
+        hm.retention.pin_prefix(doc)
+    assert (hm.retention.num_pinned_blocks, hm.retention.pins, hm.num_free_gpu_blocks, list(hm._cache.evictor)) == before
     # nested: its full group's blocks are pinned already, not the sliding groups' windows before 16 tokens
-    p2 = hm.pin_prefix(SYSTEM[:16])
-    assert (p2.num_tokens, p2.num_blocks) == (16, 8) and hm.num_pinned_blocks == 14
-    hm.unpin(p1.pin_id)
-    assert hm.num_pinned_blocks == 8
-    assert hm.pin_prefix([7, 7, 7, 7, 7]) == pagedkv.Pin(0, 0, 0, None)  # nothing cached
+    p2 = hm.retention.pin_prefix(SYSTEM[:16])
+    assert (p2.num_tokens, p2.num_blocks) == (16, 8) and hm.retention.num_pinned_blocks == 14
+    hm.retention.unpin(p1.pin_id)
+    assert hm.retention.num_pinned_blocks == 8
+    assert hm.retention.pin_prefix([7, 7, 7, 7, 7]) == pagedkv.Pin(0, 0, 0, None)  # nothing cached
     with pytest.raises(InvalidArgumentError):
-        hm.pin_prefix(SYSTEM, ttl=-1)
+        hm.retention.pin_prefix(SYSTEM, ttl=-1)
     with pytest.raises(InvalidArgumentError):
         hybrid().pin_prefix(SYSTEM)  # no budget
     assert hm.reset_prefix_cache() > 0
-    assert hm.pins == () and hm.num_pinned_blocks == 0
+    assert hm.retention.pins == () and hm.retention.num_pinned_blocks == 0
     hm.check_invariants()
 
 
@@ -228,22 +228,22 @@ def test_hybrid_pin_ttl_expires(monkeypatch):
     monkeypatch.setattr(steering, "_now", lambda: now[0])
     hm = hybrid(pin_budget_blocks=10)
     hm.allocate("sys", SYSTEM + [1]); hm.free("sys")
-    hm.pin_prefix(SYSTEM, ttl=5)
+    hm.retention.pin_prefix(SYSTEM, ttl=5)
     now[0] = 14
     assert hm.allocate("hit", SYSTEM + [2]) == 24  # a hit on the pin's last block refreshes it
     hm.free("hit")
     now[0] = 18
-    assert hm.num_pinned_blocks == 10
+    assert hm.retention.num_pinned_blocks == 10
     now[0] = 19.5
-    assert hm.num_free_gpu_blocks == 60 and hm.pins == ()
+    assert hm.num_free_gpu_blocks == 60 and hm.retention.pins == ()
     hm.check_invariants()
 
 
 def test_hybrid_pin_stops_before_cpu_tier_blocks():
     """With a CPU tier a pin holds GPU blocks only: it stops at the first hit point whose blocks are not all on the
     GPU."""
-    hm = HybridBlockManager(30, BS, kv_cache_groups=[F(), S(4)], enable_prefix_caching=True, watermark=0,
-                            num_cpu_blocks=40, cpu_prefix_cache=True, pin_budget_blocks=20, window_retention=False)
+    hm = BlockManager(30, BS, kv_cache_groups=[F(), S(4)], enable_prefix_caching=True, watermark=0,
+                            num_cpu_blocks=40, cpu_prefix_cache=True, pin_budget_blocks=20, window_retention=False, grouped_results=True)
     hm.allocate("sys", SYSTEM + [1])
     hm.take_copy_plan()  # (its KV written: its blocks may be demoted from now on)
     hm.free("sys")
@@ -251,7 +251,7 @@ def test_hybrid_pin_stops_before_cpu_tier_blocks():
     hm.allocate("y", list(range(3000, 3012)))  # 6 blocks: 4 of the system prompt's evicted (group 0's tail first)
     hm.take_copy_plan()  # (the demotions to the CPU tier)
     hit = hm.lookup_prefix(SYSTEM + [1])
-    pin = hm.pin_prefix(SYSTEM)
+    pin = hm.retention.pin_prefix(SYSTEM)
     assert hit.num_cpu_blocks > 0 and pin.num_tokens < hit.num_cached_tokens
     hm.check_invariants()
 
@@ -264,7 +264,7 @@ def test_sliding_window_pin_survives_and_a_step_does_not_count_a_pinned_release_
     bm = BlockManager(4, BS, enable_prefix_caching=True, sliding_window=5, pin_budget_blocks=2, watermark=0)
     system = list(range(100, 108))
     bm.allocate("s", system + [1, 2, 3, 4])  # 3 full blocks
-    assert bm.pin_prefix(system).num_blocks == 2
+    assert bm.retention.pin_prefix(system).num_blocks == 2
     bm.allocate("x", [7, 7, 7])  # the last free block
     assert not bm.can_append_slots(["s"])
     with pytest.raises(OutOfBlocksError):
@@ -296,15 +296,15 @@ class HybridRetentionMachine(RuleBasedStateMachine):
                 n=st.integers(24, 60), budget=st.sampled_from([0, 6, 14, 30]))
     def setup(self, policy, retention, groups, n, budget):
         specs = [F() if w is None else S(w) for w in groups]
-        self.hm = HybridBlockManager(n, BS, kv_cache_groups=specs, enable_prefix_caching=True, watermark=0,
-                                     eviction_policy=policy, pin_budget_blocks=budget, window_retention=retention)
+        self.hm = BlockManager(n, BS, kv_cache_groups=specs, enable_prefix_caching=True, watermark=0,
+                                     eviction_policy=policy, pin_budget_blocks=budget, window_retention=retention, grouped_results=True)
         self.live: list = []
         self.nid = 0
         self.pins: dict = {}  # pin id -> (tokens, tokens pinned)
 
     def state(self):
         hm = self.hm
-        return (hm.num_free_gpu_blocks, hm.num_pinned_blocks, hm.pins, len(hm), hm.num_cached_blocks)
+        return (hm.num_free_gpu_blocks, hm.retention.num_pinned_blocks, hm.retention.pins, len(hm), hm.stats.num_cached_blocks)
 
     @rule(doc=st.integers(0, 2), cut=st.integers(0, 40), extra=st.integers(0, 9), prio=st.integers(-2, 2),
           session=st.sampled_from([None, "a", "b"]))
@@ -328,7 +328,7 @@ class HybridRetentionMachine(RuleBasedStateMachine):
         self.nid += 1
         self.live.append(sid)
         if prio or session:
-            self.hm.set_retention(sid, priority=prio, session=session)
+            self.hm.retention.set_retention(sid, priority=prio, session=session)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
@@ -361,26 +361,26 @@ class HybridRetentionMachine(RuleBasedStateMachine):
     @rule(doc=st.integers(0, 2), cut=st.integers(1, 40))
     def pin(self, doc, cut):
         toks = DOCS[doc][:cut]
-        if not self.hm.pin_budget_blocks:
+        if not self.hm.config.pin_budget_blocks:
             with pytest.raises(InvalidArgumentError):
-                self.hm.pin_prefix(toks)
+                self.hm.retention.pin_prefix(toks)
             return
         before = self.state()
         try:
-            p = self.hm.pin_prefix(toks)
+            p = self.hm.retention.pin_prefix(toks)
         except PinBudgetError:
             assert self.state() == before
             return
         if p.pin_id:
             assert 0 < p.num_tokens <= len(toks) // BS * BS and p.num_tokens % BS == 0
             self.pins[p.pin_id] = (toks, p.num_tokens)
-        assert self.hm.num_pinned_blocks <= self.hm.pin_budget_blocks
+        assert self.hm.retention.num_pinned_blocks <= self.hm.config.pin_budget_blocks
 
     @precondition(lambda self: self.pins)
     @rule(data=st.data())
     def unpin(self, data):
         pid = data.draw(st.sampled_from(sorted(self.pins)))
-        self.hm.unpin(pid)
+        self.hm.retention.unpin(pid)
         del self.pins[pid]
 
     @invariant()
@@ -406,8 +406,8 @@ def test_lookup_counts_a_pinned_orphan_the_allocation_meets():
     was uncached and went to the free ring, and lookup_prefix's num_new_blocks (4) exceeded what the free count
     lost (3). A pinned orphan now stays cached, chained under the live parent (same key: same prefix), and the new
     block is its copy: the prediction is exact and the pinned block reachable again."""
-    hm = HybridBlockManager(24, BS, kv_cache_groups=[F(), S(8)], enable_prefix_caching=True, watermark=0,
-                            eviction_policy="lru", pin_budget_blocks=6, window_retention=True)
+    hm = BlockManager(24, BS, kv_cache_groups=[F(), S(8)], enable_prefix_caching=True, watermark=0,
+                            eviction_policy="lru", pin_budget_blocks=6, window_retention=True, grouped_results=True)
 
     def step():
         hm.take_copy_plan()
@@ -424,7 +424,7 @@ def test_lookup_counts_a_pinned_orphan_the_allocation_meets():
     hm.allocate(3, DOCS[0][:7] + [7030 + j for j in range(9)])
     step()
     hm.free(3)
-    assert hm.pin_prefix(DOCS[1][:12]).num_blocks == 5
+    assert hm.retention.pin_prefix(DOCS[1][:12]).num_blocks == 5
     hm.allocate(4, [1])
     step()
     for _ in range(4):
@@ -437,7 +437,7 @@ def test_lookup_counts_a_pinned_orphan_the_allocation_meets():
     assert free - hm.num_free_gpu_blocks == hit.num_new_blocks == 4  # was 3 taken, 4 predicted
     b1 = int(hm.block_table(5, 1)[1])
     assert hm._cache.cid[b1] == 0 and hm._cache.dupc[b1] != 0  # a copy of the pinned block, which stays pinned
-    assert hm.num_pinned_blocks == 5
+    assert hm.retention.num_pinned_blocks == 5
     hm.take_copy_plan()
     hm.free(5)
     hm.check_invariants()
@@ -450,19 +450,19 @@ def test_kv_events_and_stats_keep_their_meaning_with_pins_and_priorities():
     is the cache's key set."""
     hm = hybrid(n=40, pin_budget_blocks=10, eviction_policy="slru", enable_kv_events=True)
     hm.allocate("sys", SYSTEM + [1]); hm.free("sys")
-    pin = hm.pin_prefix(SYSTEM)
+    pin = hm.retention.pin_prefix(SYSTEM)
     pinned_keys = {int(hm._cache.key[b]) for b in hm._cache.evictor.pins[pin.pin_id][0]}
     index: set = set()
-    for e in hm.take_events():
+    for e in hm.events.take():
         if isinstance(e, pagedkv.events.BlockStored):
             index |= set(e.block_hashes)
     ev0, removed = hm.stats.evictions, 0
     rng = np.random.default_rng(1)
     for i in range(10):
         hm.allocate(i, rng.integers(0, 1000, 28))
-        hm.set_retention(i, priority=i % 3)
+        hm.retention.set_retention(i, priority=i % 3)
         hm.free(i)
-        for e in hm.take_events():
+        for e in hm.events.take():
             if isinstance(e, pagedkv.events.BlockStored):
                 index |= set(e.block_hashes)
             elif isinstance(e, pagedkv.events.BlockRemoved):

@@ -26,7 +26,7 @@ def run(bm, pub, seq_id, prompt):
     """One request: allocate, free, and publish its events as one message."""
     bm.allocate(seq_id, prompt)
     bm.free(seq_id)
-    pub.publish(bm.take_events())
+    pub.publish(bm.events.take())
     pub.flush()
 
 

@@ -428,7 +428,7 @@ def test_redis_killed_and_restarted_under_a_router(cleanup, tmp_path, caplog):
     def run(seq_id, prompt):
         bm.allocate(seq_id, prompt)
         bm.free(seq_id)
-        pub.publish(bm.take_events())
+        pub.publish(bm.events.take())
         pub.flush()
 
     p1, p2 = list(range(100, 113)), list(range(200, 213))

@@ -111,7 +111,7 @@ def check_plan(bm: BlockManager, sched: Scheduler, plan: StepPlan, tables: Engin
     assert plan.is_empty == (not plan.has_forward and not copies and not plan.preempted and not plan.ignored)
     if len(plan.swap_in) and len(plan.swap_out):
         assert not set(plan.swap_in[:, 1].tolist()) & set(plan.swap_out[:, 0].tolist())
-    if not bm.cpu_prefix_cache:  # the copy plan holds exactly the step's swaps and copy-on-writes
+    if not bm.config.cpu_prefix_cache:  # the copy plan holds exactly the step's swaps and copy-on-writes
         c = plan.copies
         assert len(c) == copies
         for kind, pairs in ((CopyKind.GPU_TO_CPU, plan.swap_out), (CopyKind.CPU_TO_GPU, plan.swap_in),

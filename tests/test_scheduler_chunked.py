@@ -38,7 +38,7 @@ def _requests(seed: int) -> list:
 
 
 def _stores(bm: BlockManager) -> tuple:
-    return KVStore(MODEL, bm.num_gpu_blocks, BS), KVStore(MODEL, max(bm.num_cpu_blocks, 1), BS)
+    return KVStore(MODEL, bm.config.num_gpu_blocks, BS), KVStore(MODEL, max(bm.config.num_cpu_blocks, 1), BS)
 
 
 def _run(sched: Scheduler, bm: BlockManager, reqs: list, stores: tuple, *, check=None, base: int = 0) -> dict:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pagedkv import NULL_BLOCK, FullAttentionSpec, HybridBlockManager, SlidingWindowSpec
+from pagedkv import NULL_BLOCK, FullAttentionSpec, BlockManager, HybridBlockManager, SlidingWindowSpec
 from pagedkv.scheduler import Scheduler
 from test_scheduler import EngineTables, FakeModel, make_requests, outputs, run
 
@@ -43,7 +43,7 @@ class GroupTables:
 
 
 def check_hybrid_plan(bm: HybridBlockManager, plan, tables: GroupTables | None = None) -> None:
-    G = bm.num_groups
+    G = bm.config.num_groups
     if tables is not None:
         tables.apply(plan)
     for pw in plan.prefills:
@@ -74,8 +74,8 @@ def check_hybrid_plan(bm: HybridBlockManager, plan, tables: GroupTables | None =
 
 def run_hybrid(reqs, *, num_gpu_blocks, num_cpu_blocks=0, mode="recompute", prefix_caching=False,
                max_num_batched_tokens=64, incremental=False):
-    bm = HybridBlockManager(num_gpu_blocks, BS, kv_cache_groups=SPECS, num_cpu_blocks=num_cpu_blocks,
-                            enable_prefix_caching=prefix_caching)
+    bm = BlockManager(num_gpu_blocks, BS, kv_cache_groups=SPECS, num_cpu_blocks=num_cpu_blocks,
+                            enable_prefix_caching=prefix_caching, grouped_results=True)
     sched = Scheduler(bm, max_num_seqs=64, max_num_batched_tokens=max_num_batched_tokens, preemption_mode=mode,
                       incremental_tables=incremental)
     tables = GroupTables(len(SPECS)) if incremental else None

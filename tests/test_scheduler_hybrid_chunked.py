@@ -13,7 +13,7 @@ import random
 import numpy as np
 import pytest
 
-from pagedkv import FullAttentionSpec, HybridBlockManager, SlidingWindowSpec
+from pagedkv import FullAttentionSpec, BlockManager, HybridBlockManager, SlidingWindowSpec
 from pagedkv.scheduler import Scheduler
 from toy_engine import run_copies
 
@@ -134,8 +134,8 @@ REF = _reference(REQS)
     (9, 40, "swap"),
 ])
 def test_scheduler_drives_a_hybrid_manager_with_chunked_prefill(budget, blocks, mode):
-    bm = HybridBlockManager(blocks, BS, kv_cache_groups=GROUPS, num_cpu_blocks=120, enable_prefix_caching=True,
-                            watermark=0.0)
+    bm = BlockManager(blocks, BS, kv_cache_groups=GROUPS, num_cpu_blocks=120, enable_prefix_caching=True,
+                            watermark=0.0, grouped_results=True)
     sched = Scheduler(bm, max_num_seqs=6, max_num_batched_tokens=budget, preemption_mode=mode,
                       enable_chunked_prefill=True)
     gpu, cpu = _Store(blocks), _Store(120)

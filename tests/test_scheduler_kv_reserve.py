@@ -30,7 +30,7 @@ def test_reserved_blocks_are_counted_while_the_others_step_then_the_rest_is_pref
     plan, _ = step(s)
     assert not plan.prefills and plan.decode is not None  # b decodes; a is admitted FETCHING, no prefill
     (kl,) = plan.kv_loads
-    assert kl.request_id == "a" and bm.is_loading(kl.seq_id)
+    assert kl.request_id == "a" and bm.external.is_loading(kl.seq_id)
     assert (kl.load.start_token, kl.load.num_tokens, len(kl.load.block_ids)) == (0, 24, 6)
     assert bm.num_free_gpu_blocks <= free - 8  # its blocks are reserved (the 6 external ones and the rest)
     assert s.num_loading == 1 and s.is_fetching("a") and s.num_running_seqs == 2
@@ -97,13 +97,13 @@ def test_abort_while_fetching_parks_the_blocks_until_the_transfer_ends():
     (kl,) = plan.kv_loads
     out = s.abort_request("a")
     assert out.finish_reason == "abort" and s.num_loading == 0 and s.num_parked == 1
-    assert bm.parked_seq_ids == (kl.seq_id,) and bm.num_free_gpu_blocks == free0 - 6  # a transfer may write them
+    assert bm.external.parked_seq_ids == (kl.seq_id,) and bm.num_free_gpu_blocks == free0 - 6  # a transfer may write them
     assert not s.is_fetching("a") and s.num_running_seqs == 0
     step(s)
-    assert bm.parked_seq_ids == (kl.seq_id,)  # still: the transfer has not been reported ended
+    assert bm.external.parked_seq_ids == (kl.seq_id,)  # still: the transfer has not been reported ended
     assert s.kv_loaded("a") is False  # the transfer ended: the parked blocks are freed at the next step
     step(s)
-    assert bm.parked_seq_ids == () and bm.num_free_gpu_blocks == free0 and s.num_parked == 0
+    assert bm.external.parked_seq_ids == () and bm.num_free_gpu_blocks == free0 and s.num_parked == 0
     assert s.kv_loaded("a") is False  # unknown now: a no-op
     # a load reported, then the request aborted before the next step: the blocks are freed at that step
     s.add_request("b", PROMPT, max_tokens=1, wait_for_kv=True)
@@ -113,7 +113,7 @@ def test_abort_while_fetching_parks_the_blocks_until_the_transfer_ends():
     s.abort_request("b")
     assert s.num_parked == 0
     step(s)
-    assert bm.parked_seq_ids == () and bm.num_free_gpu_blocks == free0 and not s.has_unfinished()
+    assert bm.external.parked_seq_ids == () and bm.num_free_gpu_blocks == free0 and not s.has_unfinished()
 
 
 def test_bad_kv_loaded_calls_change_nothing():
@@ -152,8 +152,8 @@ def test_the_progress_guard_waits_for_a_fetching_request_that_holds_the_pool():
 def hybrid_sched(chunked: bool = True) -> Scheduler:
     from pagedkv import FullAttentionSpec, HybridBlockManager, SlidingWindowSpec
 
-    bm = HybridBlockManager(96, BS, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(8)],
-                            enable_prefix_caching=True, watermark=0)
+    bm = BlockManager(96, BS, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(8)],
+                            enable_prefix_caching=True, watermark=0, grouped_results=True)
     return Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, enable_chunked_prefill=chunked,
                      incremental_tables=True)
 
@@ -177,7 +177,7 @@ def test_a_window_only_load_ends_whole_or_is_computed_whole(ok):
     full, sliding = kl.load.group_block_ids
     assert len(full) == 7 and min(full) >= 0
     assert NULL_BLOCK in sliding and min(b for b in sliding if b >= 0) >= 0  # cut to the window at 28
-    assert s.is_fetching("a") and bm.is_loading(kl.seq_id)
+    assert s.is_fetching("a") and bm.external.is_loading(kl.seq_id)
     s.kv_loaded("a", ok)
     plan, _ = step(s)
     (pw,) = plan.prefills
@@ -186,7 +186,7 @@ def test_a_window_only_load_ends_whole_or_is_computed_whole(ok):
         assert s.stats.stale_external_loads == 0
     else:  # cut short: computed whole (the scheduler freed the reserved blocks and admitted it again)
         assert pw.num_external_tokens == 0 and pw.positions[0] == 0
-        assert s.stats.requeued_window_loads == 1 and not bm.parked_seq_ids
+        assert s.stats.requeued_window_loads == 1 and not bm.external.parked_seq_ids
     while s.has_unfinished():
         step(s)
     assert bm.num_free_gpu_blocks == free0 and s.num_parked == 0
@@ -226,8 +226,8 @@ def test_kv_cache_groups_reserve_window_only_and_a_short_cut_load_is_queued_agai
     (``requeued_window_loads``), the invariants holding at every step."""
     from pagedkv import FullAttentionSpec, HybridBlockManager, SlidingWindowSpec
 
-    bm = HybridBlockManager(64, BS, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(window=2 * BS)],
-                            enable_prefix_caching=True)
+    bm = BlockManager(64, BS, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(window=2 * BS)],
+                            enable_prefix_caching=True, grouped_results=True)
     s = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, enable_chunked_prefill=True,
                   incremental_tables=True)
     s.add_request("a", PROMPT, max_tokens=2, wait_for_kv=True)

@@ -30,7 +30,7 @@ BAD_ONE = [[1.0], np.array([1.5]), [True], np.array([True]), np.array([1], dtype
 def _state(bm: BlockManager) -> tuple:
     seqs = sorted(bm.seq_ids, key=repr)
     return (tuple((s, bm.num_tokens(s), bm.is_swapped(s), tuple(bm.block_table(s).tolist())) for s in seqs),
-            bm.num_free_gpu_blocks, bm.num_cached_blocks, bm.stats)
+            bm.num_free_gpu_blocks, bm.stats.num_cached_blocks, bm.stats)
 
 
 def _call(bm: BlockManager, name: str, *args, **kw):

@@ -806,7 +806,7 @@ class PagedKVMachine(RuleBasedStateMachine):
         if not self.RETAIN or not self.seqs:
             return
         sid = data.draw(st.sampled_from(list(self.seqs)), label="seq")
-        self.bm.set_retention(sid, priority=priority, session=session)
+        self.bm.retention.set_retention(sid, priority=priority, session=session)
 
     @rule(data=st.data(), cut=st.integers(1, 40))
     def pin_prefix(self, data, cut):
@@ -814,7 +814,7 @@ class PagedKVMachine(RuleBasedStateMachine):
             return
         ns, toks = data.draw(st.sampled_from(self.written), label="written")
         toks = toks[:cut]
-        before = (self.bm.num_pinned_blocks, self.bm.pins)
+        before = (self.bm.retention.num_pinned_blocks, self.bm.retention.pins)
         mapping = self.bm._cache.mapping()
         keys = block_hashes(toks, self.bs, ns)
         cached = []
@@ -824,33 +824,33 @@ class PagedKVMachine(RuleBasedStateMachine):
             cached.append(mapping[k])
         pinned = {b for *_, blocks, _ in self.pins.values() for b in blocks}
         new = len(set(cached) - pinned)
-        if not self.bm.pin_budget_blocks:
-            self.expect_failure(InvalidArgumentError, self.bm.pin_prefix, toks, namespace=ns)
+        if not self.bm.config.pin_budget_blocks:
+            self.expect_failure(InvalidArgumentError, self.bm.retention.pin_prefix, toks, namespace=ns)
             return
-        if cached and len(pinned) + new > self.bm.pin_budget_blocks:
+        if cached and len(pinned) + new > self.bm.config.pin_budget_blocks:
             event("pin_prefix: past the budget, refused")
-            self.expect_failure(PinBudgetError, self.bm.pin_prefix, toks, namespace=ns)
-            assert (self.bm.num_pinned_blocks, self.bm.pins) == before
+            self.expect_failure(PinBudgetError, self.bm.retention.pin_prefix, toks, namespace=ns)
+            assert (self.bm.retention.num_pinned_blocks, self.bm.retention.pins) == before
             return
-        pin = self.bm.pin_prefix(toks, namespace=ns)
+        pin = self.bm.retention.pin_prefix(toks, namespace=ns)
         assert pin.num_blocks == len(cached) and pin.num_tokens == len(cached) * self.bs
         if cached:
             event("pin_prefix: pinned")
             self.pins[pin.pin_id] = (ns, toks, pin.num_tokens, cached, set())
-        assert self.bm.num_pinned_blocks == len(pinned | set(cached))
+        assert self.bm.retention.num_pinned_blocks == len(pinned | set(cached))
 
     @rule(data=st.data())
     def unpin(self, data):
         if not self.RETAIN:
             return
         if not self.pins:
-            if self.bm.pin_budget_blocks:
-                self.expect_failure(UnknownPinError, self.bm.unpin, 12345)
+            if self.bm.config.pin_budget_blocks:
+                self.expect_failure(UnknownPinError, self.bm.retention.unpin, 12345)
             return
         pid = data.draw(st.sampled_from(list(self.pins)), label="pin")
-        self.bm.unpin(pid)
+        self.bm.retention.unpin(pid)
         del self.pins[pid]
-        self.expect_failure(UnknownPinError, self.bm.unpin, pid)
+        self.expect_failure(UnknownPinError, self.bm.retention.unpin, pid)
 
     @rule()
     def reset_prefix_cache(self):
@@ -899,7 +899,7 @@ class PagedKVMachine(RuleBasedStateMachine):
         """The engine's part of a step with the CPU tier: its demotions (GPU -> CPU), then its promotions
         (CPU -> GPU), before anything else of the step is copied or written."""
         dem, pro = self.bm.take_copies()
-        if not self.bm.cpu_prefix_cache:
+        if not self.bm.config.cpu_prefix_cache:
             assert dem.size == 0 and pro.size == 0
             return
         if dem.size or pro.size:
@@ -911,7 +911,7 @@ class PagedKVMachine(RuleBasedStateMachine):
 
     def drain_events(self) -> None:
         """Apply the manager's KV events to the router's index, as a KV-aware router would."""
-        for e in self.bm.take_events():
+        for e in self.bm.events.take():
             if isinstance(e, BlockStored):
                 assert e.block_size == self.bs and len(e.token_ids) == self.bs * len(e.block_hashes)
                 (self.index if e.medium == "GPU" else self.cpu_index).update(e.block_hashes)
@@ -944,7 +944,7 @@ class PagedKVMachine(RuleBasedStateMachine):
         if self.PREFIX:
             self.drain_events()
             assert self.index == set(bm._cache.mapping()), "the events' index differs from the cache's keys"
-            assert self.cpu_index == (set(bm._tier.map) if bm.cpu_prefix_cache else set())
+            assert self.cpu_index == (set(bm._tier.map) if bm.config.cpu_prefix_cache else set())
         assert len(bm) == len(self.seqs)
         assert bm.seq_ids == tuple(self.seqs)  # allocation order
         for sid, s in self.seqs.items():
@@ -960,8 +960,8 @@ class PagedKVMachine(RuleBasedStateMachine):
             for L in s.blocks:
                 assert L is None or L.gpu == (not s.swapped)
         assert bm.num_free_gpu_blocks == self.free_gpu()
-        assert bm.num_free_cpu_blocks == self.free_cpu()
-        assert bm.gpu_usage == pytest.approx(1 - self.free_gpu() / self.G)
+        assert bm.stats.num_free_cpu_blocks == self.free_cpu()
+        assert bm.stats.gpu_usage == pytest.approx(1 - self.free_gpu() / self.G)
         st_ = bm.stats
         assert st_.cow_copies == self.stats["cow"]
         assert st_.swapped_out_blocks == self.stats["out"]
@@ -1093,16 +1093,16 @@ def test_regression_free_without_cache_spares_a_sequence_that_deduplicated_again
     bm.append_slots(1, [0, 0])  # 1 writes [0, 0] itself: registration chains its next block after 4's content
     t1, t4 = bm.block_table(1).tolist(), bm.block_table(4).tolist()
     assert t4[1] not in t1  # 1 holds none of 4's unwritten blocks: it does not depend on them
-    bm.take_events()
+    bm.events.take()
     bm.free(4, cache=False)  # used to raise SequenceStateError naming 1
-    removed = [h for e in bm.take_events() if isinstance(e, BlockRemoved) for h in e.block_hashes]
+    removed = [h for e in bm.events.take() if isinstance(e, BlockRemoved) for h in e.block_hashes]
     hashes = block_hashes([0, 0, 0], 1)
     assert sorted(removed) == sorted(hashes[1:])  # 4's block and 1's block chained after it are withdrawn
     assert bm.block_table(1).tolist() == t1  # 1 keeps its blocks (uncached)
     bm.check_invariants()
     assert bm.lookup_prefix([0, 0, 0, 0]).num_cached_tokens == 1  # nothing beyond the withdrawn content
     bm.append_slots(1, [0])  # 1's chain is broken: its new full block is not cached (it could not be reached)
-    assert bm.take_events() == []
+    assert bm.events.take() == []
     bm.check_invariants()
 
 

@@ -4,7 +4,7 @@ the one-token step reads each row's written column directly, including a row who
 import numpy as np
 import pytest
 
-from pagedkv import BlockManager, FullAttentionSpec, HybridBlockManager, SlidingWindowSpec
+from pagedkv import BlockManager, FullAttentionSpec, SlidingWindowSpec
 from pagedkv.types import NULL_BLOCK
 
 
@@ -60,7 +60,7 @@ def test_plan_changes_nothing_and_commit_matches_it(counts, la):
 def test_hybrid_step_short_in_sum_only_counts_window_releases():
     """Every group alone fits in the free blocks but not all together: the coordinator re-plans counting what the
     windows free (each group's plan counts it only when that group alone is short), and the step fits."""
-    hm = HybridBlockManager(20, 2, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(2)], watermark=0)
+    hm = BlockManager(20, 2, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(2)], watermark=0, grouped_results=True)
     hm._step.small_batch = 0
     hm.allocate("a", list(range(1, 10)))
     hm.allocate("b", list(range(20, 29)))

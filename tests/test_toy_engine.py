@@ -74,7 +74,7 @@ def _manager(windows: tuple, bs: int, blocks_per_group: int, *, hybrid: bool, cp
         (w,) = windows
         return BlockManager(blocks_per_group, bs, sliding_window=w, **kw)
     specs = [FullAttentionSpec() if w is None else SlidingWindowSpec(w) for w in windows]
-    return HybridBlockManager(blocks_per_group * len(windows), bs, kv_cache_groups=specs, **kw)
+    return BlockManager(blocks_per_group * len(windows), bs, kv_cache_groups=specs, **kw, grouped_results=True)
 
 
 def _grouped_workload(engine: ToyEngine, seed: int, n_requests: int, samples=(1, 1, 2), namespaces=(None,)):

@@ -181,7 +181,7 @@ class Request:
 class ToyEngine:
     """Continuous batching over a block manager, written once against the grouped API (docs/engine-contract.md,
     "One API for one group or many"): the same code drives a ``BlockManager`` (one group) and a
-    ``HybridBlockManager`` (G groups), reading ``bm.kv_cache_groups``, ``res.group_slot_mapping``,
+    ``HybridBlockManager`` (G groups), reading ``bm.config.kv_cache_groups``, ``res.group_slot_mapping``,
     ``res.group_block_tables`` / ``res.group_table_updates``, ``bm.block_table(seq, g)`` and
     ``bm.lookahead_slots``; no branch on the manager's type.
 
@@ -204,13 +204,13 @@ class ToyEngine:
                  p_draft: float = 0.6, seed: int = 0, chunk: int | None = None, incremental: bool = False,
                  p_abort: float = 0.0, strict_findable: bool = False) -> None:
         self.m, self.bm, self.k, self.swap, self.budget = model, bm, lookahead, swap, token_budget
-        self.G = bm.num_groups
-        windows = tuple(spec.window for spec in bm.kv_cache_groups)
+        self.G = bm.config.num_groups
+        windows = tuple(spec.window for spec in bm.config.kv_cache_groups)
         assert windows == model.windows, f"the model's groups {model.windows} are not the manager's {windows}"
         self.bs = bm.block_size
         self.chunk, self.incremental, self.p_abort, self.strict_findable = chunk, incremental, p_abort, strict_findable
-        self.gpu = KVStore(model, bm.num_gpu_blocks, bm.block_size)
-        self.cpu = KVStore(model, bm.num_cpu_blocks, bm.block_size)
+        self.gpu = KVStore(model, bm.config.num_gpu_blocks, bm.block_size)
+        self.cpu = KVStore(model, bm.config.num_cpu_blocks, bm.block_size)
         self.tables = [np.full((8, 8), NULL_BLOCK, np.int32) for _ in range(self.G)]  # incremental: per group
         self.rng = random.Random(seed)
         self.p_draft = p_draft
@@ -287,7 +287,7 @@ class ToyEngine:
     # -------------------------------------------------------------- findability
     def _check_findable(self, s: Seq) -> None:
         """After an allocation or a prompt chunk: the prompt's full blocks held so far are found."""
-        if not self.bm.enable_prefix_caching:
+        if not self.bm.config.enable_prefix_caching:
             return
         if s.sid in self._unfindable:
             self.counts["findable_skipped"] += 1
@@ -314,7 +314,7 @@ class ToyEngine:
         tables = [self.bm.block_table(sid, g) for g in range(self.G)]
         for L in range(top, 0, -1):
             ok = True
-            for spec, t in zip(self.bm.kv_cache_groups, tables):
+            for spec, t in zip(self.bm.config.kv_cache_groups, tables):
                 w = spec.window
                 a = 0 if w is None else max(0, L * bs - w + 1) // bs
                 if t.size < L or (t[a:L] == NULL_BLOCK).any():
@@ -429,7 +429,7 @@ class ToyEngine:
             self.counts["window_nulls"] += sum(int((t[:nb] == NULL_BLOCK).sum()) for t in tables)
             entries.append((s, kind, len(drafts), np.array(toks + drafts), np.arange(start, start + q + len(drafts)),
                             slots, tables))
-            if kind == "chunk" and (self.G > 1 or bm.kv_cache_groups[0].window is None):
+            if kind == "chunk" and (self.G > 1 or bm.config.kv_cache_groups[0].window is None):
                 # (one windowed table: its lookup needs the chain from block 0, which the chunks released)
                 self._check_findable(s)
         return entries, preempted

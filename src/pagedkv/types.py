@@ -234,8 +234,9 @@ _EMPTY_PLAN = _empty_plan()
 
 
 class Stats(NamedTuple):
-    """Counters since construction (a snapshot; ``BlockManager.stats`` builds a new one on each read). Block
-    counts are in blocks of ``block_size`` tokens; nothing here is reset except by building a new manager."""
+    """Counters since construction, and the pools' readings at the time (a snapshot; ``BlockManager.stats``
+    builds a new one on each read). Block counts are in blocks of ``block_size`` tokens; no counter is reset
+    except by building a new manager."""
 
     prefix_query_tokens: int
     """Prompt tokens passed to allocate() (and allocate_batch()) with prefix caching on; 0 without it."""
@@ -268,6 +269,15 @@ class Stats(NamedTuple):
     dropped_demotions: int = 0
     """Evicted GPU blocks not demoted because every CPU block was held by swapped sequences or pinned by the
     step's pending copies (blocks cached in the current step are never demoted and are not counted here)."""
+    num_cached_blocks: int = 0
+    """GPU blocks whose content is in the prefix cache (referenced or not), every group's (a reading, not a
+    counter)."""
+    num_cpu_cached_blocks: int = 0
+    """CPU blocks whose content is in the CPU tier of the prefix cache."""
+    num_free_cpu_blocks: int = 0
+    """Plain free CPU blocks plus the CPU tier's evictable cached ones (swap evicts them on demand)."""
+    gpu_usage: float = 0.0
+    """Fraction of GPU blocks held by sequences (``1 - num_free_gpu_blocks / num_gpu_blocks``)."""
 
     @property
     def hit_rate(self) -> float:

@@ -30,7 +30,7 @@ import pytest
 zmq = pytest.importorskip("zmq")
 httpx = pytest.importorskip("httpx")
 
-from pagedkv import BlockManager, FullAttentionSpec, HybridBlockManager, SlidingWindowSpec  # noqa: E402
+from pagedkv import BlockManager, FullAttentionSpec, SlidingWindowSpec  # noqa: E402
 from pagedkv import events as ev  # noqa: E402
 from pagedkv.cluster.vllm_hash import ALGOS, VLLMHasher  # noqa: E402
 from pagedkv.server.kv_events import KVEventPublisher, to_wire  # noqa: E402
@@ -95,16 +95,16 @@ def workload_batches() -> list:
         if i == 30:
             bm.reset_prefix_cache()
         bm.take_copies()  # (the engine's step: demotions to the CPU tier done)
-        got = bm.take_events()
+        got = bm.events.take()
         if got:
             batches.append(got)
-    hm = HybridBlockManager(60, 4, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(8)],
-                            enable_prefix_caching=True, watermark=0.0, enable_kv_events=True)
+    hm = BlockManager(60, 4, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(8)],
+                            enable_prefix_caching=True, watermark=0.0, enable_kv_events=True, grouped_results=True)
     for j in range(6):
         hm.allocate(f"h{j}", stems[j % 4] + list(range(j * 7, j * 7 + 9)), namespace="t" if j % 2 else None)
         if j % 3 == 2:
             hm.free(f"h{j - 1}", cache=False)
-        got = hm.take_events()
+        got = hm.events.take()
         if got:
             batches.append(got)
     batches.append([ev.BlockStored([7, 2**64 - 1], None, [1, 2, 3, 4, 5, 6, 7, 8], 4, None, "DISK"),

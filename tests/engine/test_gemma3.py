@@ -389,7 +389,7 @@ def test_reference_cases_complete_in_a_40_mib_kv_cache_through_llm(gemma, refere
 
     llm = LLM(gemma, block_size=BLOCK, max_num_seqs=8, cache_config=CacheConfig(kv_cache_gib=40 / 1024))
     assert llm.kv_cache_groups is not None and llm.enable_chunked_prefill
-    assert llm.block_manager.num_gpu_blocks == 426
+    assert llm.block_manager.config.num_gpu_blocks == 426
     cases = reference["cases"] if FULL else sorted(reference["cases"], key=lambda c: -len(c["prompt_ids"]))[:2]
     outs = run(llm, cases)
     assert gen(outs) == [c["gen_ids"] for c in cases]
@@ -414,7 +414,7 @@ def test_reference_cases_complete_in_a_40_mib_kv_cache_with_groups(gemma, refere
     longest = max(reference["cases"], key=lambda c: len(c["prompt_ids"]))
     one_table = BlockManager(budget // gemma.kv_cache_bytes_per_block(BLOCK), BLOCK)
     assert one_table.can_allocate(longest["prompt_ids"]) is AllocStatus.NEVER
-    bm = HybridBlockManager(num_blocks, BLOCK, kv_cache_groups=gemma.kv_cache_groups)
+    bm = BlockManager(num_blocks, BLOCK, kv_cache_groups=gemma.kv_cache_groups, grouped_results=True)
     kv = gemma.allocate_kv_cache(num_blocks, BLOCK, grouped=True)
     n_groups = len(gemma.kv_cache_groups)
     chunk = 256
@@ -614,7 +614,7 @@ def test_decode_filled_blocks_with_kv_cache_groups_load_after_a_restart(gemma, r
         (o,) = b.generate([{"prompt_token_ids": turn2}], sp, use_tqdm=False)
         assert list(o.outputs[0].token_ids) == list(want.outputs[0].token_ids)
         assert o.num_cached_tokens == b.scheduler.stats.external_tokens == 50 * BLOCK  # the answer's blocks too
-        windows = [getattr(g, "window", None) for g in b.kv_cache_groups]
+        windows = [getattr(g, "window", None) for g in b.config.kv_cache_groups]
         assert b.kv_tiers.group_loaded_blocks == [z - a for a, z in group_block_ranges(50, BLOCK, windows)] \
             == [50] + [32] * 5
         b.kv_tiers.connector.flush(60)
@@ -720,7 +720,7 @@ def test_retention_with_kv_cache_groups_pins_priorities_and_a_policy(gemma, refe
     # room for case 3 (945 tokens: 6 x 60 blocks) beside the pin; cases 3 and 4 together need more than is left
     llm = make_llm(gemma, num_gpu_blocks=budget + 420, eviction_policy="slru", pin_budget_blocks=budget,
                    scheduling_policy="priority", max_num_batched_tokens=1024)
-    assert llm.kv_cache_groups is not None and llm.block_manager.eviction_policy == "slru"
+    assert llm.kv_cache_groups is not None and llm.block_manager.config.eviction_policy == "slru"
     pin = llm.pin_prefix({"prompt_token_ids": c5["prompt_ids"]})
     assert pin.num_tokens == n5 // BLOCK * BLOCK and n5 // BLOCK < pin.num_blocks <= budget
     evictions = llm.block_manager.stats.evictions

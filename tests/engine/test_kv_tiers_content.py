@@ -176,7 +176,7 @@ def test_tier_loads_and_stores_read_back_in_the_data(tmp_path, seed):
         assert disk.stats.check_refused == 0  # every stored check digest is the one a later load computes
         tiers.connector.flush(30)
         tiers.poll(sched)  # the last stores complete their plans
-        assert not bm.pending_stores and not bm.parked_seq_ids and not bm.loading_seq_ids
+        assert not bm.external.pending_stores and not bm.external.parked_seq_ids and not bm.external.loading_seq_ids
         bm.check_invariants()
     finally:
         tiers.close()
@@ -198,8 +198,8 @@ def test_tier_loads_and_stores_with_kv_cache_groups_read_back_in_the_data(tmp_pa
     W = 2 * BS
     rng = random.Random(1000 + seed)
     nb = 48
-    bm = HybridBlockManager(nb, BS, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(window=W)],
-                            enable_prefix_caching=True, store_policy=rng.choice(["write_through", "selective"]))
+    bm = BlockManager(nb, BS, kv_cache_groups=[FullAttentionSpec(), SlidingWindowSpec(window=W)],
+                            enable_prefix_caching=True, store_policy=rng.choice(["write_through", "selective"]), grouped_results=True)
     sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=16, enable_chunked_prefill=True,
                       incremental_tables=False)
     kv = torch.zeros((1, 2, nb, BS, 1, 1), dtype=torch.float64)
@@ -321,7 +321,7 @@ def test_tier_loads_and_stores_with_kv_cache_groups_read_back_in_the_data(tmp_pa
         stores = tiers.connector.group_stores()[0]
         assert all(st.stats.puts > 0 for st in stores) and sum(st.stats.check_refused for st in stores) == 0
         tiers.poll(sched)
-        assert not bm.pending_stores and not bm.parked_seq_ids and not bm.loading_seq_ids
+        assert not bm.external.pending_stores and not bm.external.parked_seq_ids and not bm.external.loading_seq_ids
         bm.check_invariants()
     finally:
         tiers.close()

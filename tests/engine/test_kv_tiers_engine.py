@@ -281,15 +281,15 @@ def test_write_back_with_the_cpu_tier_stores_what_the_cpu_pool_drops(engine, tmp
     kw = dict(kv_disk_dir=tmp_path, kv_disk_gib=0.05, kv_store="back", num_gpu_blocks=16, num_cpu_blocks=16,
               cpu_prefix_cache=True)
     with make(engine, enable_kv_events=True, **kw) as a:
-        assert a.block_manager.store_policy == "write_back"
+        assert a.block_manager.config.store_policy == "write_back"
         bm, media = a.kv_tiers._bm, []
-        take = bm.take_store_plan
+        take = bm.external.take_store_plan
         monkeypatch.setattr(bm, "take_store_plan", lambda: (lambda p: media.append(p and p.medium) or p)(take()))
         demoted, dropped = set(), set()
         for q in qs:  # one at a time: each pushes the previous ones' blocks GPU -> CPU -> out
             (o,) = run(a, [q])
             assert list(o.outputs[0].token_ids) == expected(engine, [q])[0]
-            for e in a.block_manager.take_events():
+            for e in a.block_manager.events.take():
                 if getattr(e, "medium", None) == "CPU":
                     (demoted if type(e).__name__ == "BlockStored" else dropped).update(e.block_hashes)
         a.kv_tiers.connector.flush(30)

@@ -66,7 +66,7 @@ def test_a_slow_load_goes_into_reserved_blocks_while_the_others_step(engine, gat
             == ref(engine, LONG)
         a.kv_tiers.connector.flush(30)
         a.kv_tiers.poll(a.scheduler)  # (the store plans complete)
-        assert not a.block_manager.pending_stores
+        assert not a.block_manager.external.pending_stores
     gated.clear()  # the store is slow now: reads wait
     with make(engine, kv_shared="file:///unused") as b:
         bm = b.block_manager
@@ -80,7 +80,7 @@ def test_a_slow_load_goes_into_reserved_blocks_while_the_others_step(engine, gat
             if b.scheduler.is_fetching(slow.request_id):
                 fetched_steps += 1
                 # reserved: the manager counts the blocks of the loading sequence, which is in no batch
-                assert bm.loading_seq_ids and bm.num_free_gpu_blocks <= free0 - 10
+                assert bm.external.loading_seq_ids and bm.num_free_gpu_blocks <= free0 - 10
                 if other.request_id in finished:
                     gated.set()  # the other request finished while this one loaded: let the read go on
             bm.check_invariants()
@@ -91,7 +91,7 @@ def test_a_slow_load_goes_into_reserved_blocks_while_the_others_step(engine, gat
         assert list(slow.result.outputs[0].token_ids) == ref(engine, LONG)
         assert list(other.result.outputs[0].token_ids) == ref(engine, SHORT, 8)
         assert slow.result.num_cached_tokens == 40 and b.scheduler.stats.external_tokens == 40
-        assert b.kv_tiers.stats["written_blocks"] == 10 and not bm.loading_seq_ids
+        assert b.kv_tiers.stats["written_blocks"] == 10 and not bm.external.loading_seq_ids
         # write-through plans the loaded blocks once registered: they came from the tier, nothing is rewritten
         assert b.kv_tiers.stats["store_skipped_loaded"] == 10
 
@@ -105,7 +105,7 @@ def test_a_read_that_never_answers_is_given_up_and_computed(engine, gated):
         out = b.generate([{"prompt_token_ids": LONG}], greedy(), use_tqdm=False)[0]
         assert list(out.outputs[0].token_ids) == ref(engine, LONG)
         assert b.kv_tiers.stats["loads_timed_out"] == 1 and b.scheduler.stats.external_tokens == 0
-        assert not b.block_manager.loading_seq_ids and not b.block_manager.parked_seq_ids
+        assert not b.block_manager.external.loading_seq_ids and not b.block_manager.external.parked_seq_ids
         gated.set()
         b.kv_tiers.connector.wait(10)
         b.kv_tiers.poll(b.scheduler)  # the late result is dropped
@@ -129,16 +129,16 @@ def test_abort_mid_load_parks_the_blocks_until_the_read_ends(engine, gated):
             b.kv_tiers.wait(0.05)
         assert sched.is_fetching(r.request_id)
         sched.abort_request(r.request_id)
-        assert bm.parked_seq_ids and sched.num_parked == 1  # the read may still deliver: blocks kept
+        assert bm.external.parked_seq_ids and sched.num_parked == 1  # the read may still deliver: blocks kept
         b.core.step()
-        assert bm.parked_seq_ids
+        assert bm.external.parked_seq_ids
         gated.set()
         for _ in range(200):
             b.kv_tiers.wait(0.05)
             b.core.step()
-            if not bm.parked_seq_ids:
+            if not bm.external.parked_seq_ids:
                 break
-        assert not bm.parked_seq_ids and bm.num_free_gpu_blocks == free0 and sched.num_parked == 0
+        assert not bm.external.parked_seq_ids and bm.num_free_gpu_blocks == free0 and sched.num_parked == 0
         assert b.kv_tiers.stats["loads_aborted"] == 1 and b.kv_tiers.stats["written_blocks"] == 0
         bm.check_invariants()
         out = b.generate([{"prompt_token_ids": LONG}], greedy(), use_tqdm=False)[0]  # the engine goes on
@@ -161,7 +161,7 @@ def test_each_write_policy_stores_what_it_says(engine, tmp_path, policy):
         kw["num_gpu_blocks"] = 24  # a small pool: blocks are evicted, and written back before they go
     with make(engine, **kw) as a:
         bm = a.block_manager
-        assert bm.store_policy == {"through": "write_through", "selective:2": "selective", "back": "write_back",
+        assert bm.config.store_policy == {"through": "write_through", "selective:2": "selective", "back": "write_back",
                                    "off": "none"}[policy]
         outs = [a.generate([{"prompt_token_ids": LONG}], greedy(), use_tqdm=False)[0]]
         first = _disk_keys(a)
@@ -172,7 +172,7 @@ def test_each_write_policy_stores_what_it_says(engine, tmp_path, policy):
             a.generate([{"prompt_token_ids": [300 + 50 * j + t for t in range(41)]}], greedy(), use_tqdm=False)
         last = _disk_keys(a)
         assert all(list(o.outputs[0].token_ids) == want for o in outs)
-        assert not bm.pending_stores
+        assert not bm.external.pending_stores
         bm.check_invariants()
     if policy == "through":
         assert first >= n_full  # every full block once computed

@@ -242,7 +242,7 @@ def test_priority_scheduling_eviction_policy_and_pins_give_the_reference(engine,
     llm = make_llm(engine, num_gpu_blocks=20, block_size=4, scheduling_policy="priority", eviction_policy=policy,
                    pin_budget_blocks=4)
     llm.generate([{"prompt_token_ids": PROMPTS[1]}], greedy(1), use_tqdm=False)
-    pin = llm.block_manager.pin_prefix(PROMPTS[1][:16])
+    pin = llm.block_manager.retention.pin_prefix(PROMPTS[1][:16])
     assert pin.num_tokens == 16
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy(n_new), use_tqdm=False,
                         priority=[3, 0, 2, 1])
@@ -263,11 +263,11 @@ def test_llm_pin_prefix_computes_pins_and_survives_pressure(engine):
     system = PROMPTS[1]  # 22 tokens: 5 full blocks
     pin = llm.pin_prefix({"prompt_token_ids": system}, ttl=3600)
     assert (pin.num_tokens, pin.num_blocks, pin.ttl) == (20, 5, 3600) and llm.pins == (pin,)
-    assert llm.block_manager.num_pinned_blocks == 5
+    assert llm.block_manager.retention.num_pinned_blocks == 5
     assert llm.pin_prefix(system).num_blocks == 5  # pinned again: nested, no budget spent
     with pytest.raises(PinBudgetError):  # a prefix whose blocks would pass the budget: nothing pinned
         llm.pin_prefix(PROMPTS[3])
-    assert llm.block_manager.num_pinned_blocks == 5 and len(llm.pins) == 2
+    assert llm.block_manager.retention.num_pinned_blocks == 5 and len(llm.pins) == 2
     evictions = llm.block_manager.stats.evictions
     others = [list(range(1000 + 50 * i, 1030 + 50 * i)) for i in range(4)]  # 4 x 30 tokens through 18 blocks
     llm.generate([{"prompt_token_ids": p} for p in others], greedy(n_new), use_tqdm=False)
@@ -277,7 +277,7 @@ def test_llm_pin_prefix_computes_pins_and_survives_pressure(engine):
     assert ids(again) == list(engine.reference_greedy(tuple(system + [5, 6]), n_new).token_ids)
     for p in llm.pins:
         llm.unpin(p.pin_id)
-    assert llm.pins == () and llm.block_manager.num_pinned_blocks == 0
+    assert llm.pins == () and llm.block_manager.retention.num_pinned_blocks == 0
     with pytest.raises(UnknownPinError):
         llm.unpin(pin.pin_id)
     assert llm.pin_prefix([1, 2, 3]).pin_id == 0  # shorter than a block: nothing to pin
@@ -344,7 +344,7 @@ def test_kv_retention_pins_the_prompt_once_computed(engine):
     keep = {"pin_tokens": 22, "ttl": 600}
     out = llm.generate([{"prompt_token_ids": system + [5, 6]}], greedy(n_new), use_tqdm=False, kv_retention=keep)[0]
     assert (out.pin.num_tokens, out.pin.num_blocks, out.pin.ttl, out.pin_error) == (20, 5, 600.0, None)
-    assert llm.pins == (out.pin,) and llm.block_manager.num_pinned_blocks == 5
+    assert llm.pins == (out.pin,) and llm.block_manager.retention.num_pinned_blocks == 5
     assert ids(out) == list(engine.reference_greedy(tuple(system + [5, 6]), n_new).token_ids)
     others = [list(range(1000 + 50 * i, 1030 + 50 * i)) for i in range(3)]  # 3 x 30 tokens through 18 blocks
     evictions = llm.block_manager.stats.evictions
@@ -375,7 +375,7 @@ def test_kv_retention_pins_the_prompt_once_computed(engine):
     forever = llm.generate([{"prompt_token_ids": system + [9]}], greedy(1), use_tqdm=False,
                            kv_retention={"pin_tokens": "prompt"})[0]  # admitted: its blocks are pinned already
     assert (forever.pin.num_tokens, forever.pin.ttl, forever.pin_error) == (20, None, None)
-    assert forever.pin.pin_id not in (out.pin.pin_id, admin.pin_id) and llm.block_manager.num_pinned_blocks == 5
+    assert forever.pin.pin_id not in (out.pin.pin_id, admin.pin_id) and llm.block_manager.retention.num_pinned_blocks == 5
     with pytest.raises(InvalidArgumentError, match="pin budget"):
         make_llm(engine, num_gpu_blocks=18, block_size=4).generate(
             [{"prompt_token_ids": system}], greedy(1), use_tqdm=False, kv_retention=keep)

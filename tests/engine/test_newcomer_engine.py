@@ -180,7 +180,7 @@ def test_max_model_len_and_swap_space(engine):
     llm = make_llm(args)
     per_block = engine.paged.kv_cache_bytes_per_block(16)
     assert llm.max_model_len == 64
-    assert llm.block_manager.num_cpu_blocks == int(0.01 * 2**30) // per_block > 0
+    assert llm.block_manager.config.num_cpu_blocks == int(0.01 * 2**30) // per_block > 0
     with pytest.raises(PromptTooLongError, match="context of 64 tokens"):
         llm.generate({"prompt_token_ids": [1] * 60}, SamplingParams(max_tokens=8), use_tqdm=False)
     assert llm.generate({"prompt_token_ids": [1] * 50}, SamplingParams(max_tokens=8, temperature=0),

@@ -59,13 +59,13 @@ def test_prefill_on_one_replica_decode_on_another_gives_the_reference(engine, sp
     assert r.status_code == 200, r.text
     kvp = r.json()["kv_transfer_params"]
     assert kvp["remote_num_tokens"] == 20 and len(kvp["remote_block_ids"]) == 5
-    assert len(pre.engine.llm.block_manager.holds) == 1
+    assert len(pre.engine.llm.block_manager.external.holds) == 1
     ext_before = dec.engine.llm.scheduler.stats.external_tokens
     r = httpx.post(dec.url + "/v1/completions", json=body(kv_transfer_params=kvp), timeout=120)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == want_text(engine)
     assert dec.engine.llm.scheduler.stats.external_tokens - ext_before == 20  # read, not computed
-    assert wait_for(lambda: not pre.engine.llm.block_manager.holds)  # released by the decode replica
+    assert wait_for(lambda: not pre.engine.llm.block_manager.external.holds)  # released by the decode replica
     pre.engine.llm.block_manager.check_invariants()
     dec.engine.llm.block_manager.check_invariants()
 
@@ -91,6 +91,6 @@ def test_through_the_router_as_one_streamed_answer(engine, split):
             lines = list(s.iter_lines())
         text = "".join(json.loads(ln[6:])["choices"][0]["text"] for ln in lines if ln.startswith("data: {"))
         assert text == want_text(engine) and "data: [DONE]" in lines
-        assert wait_for(lambda: not pre.engine.llm.block_manager.holds)
+        assert wait_for(lambda: not pre.engine.llm.block_manager.external.holds)
     finally:
         router.close()

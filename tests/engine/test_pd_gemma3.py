@@ -94,7 +94,7 @@ def test_a_prompt_past_the_window_prefilled_on_one_replica_decodes_on_another_as
     assert r.json()["choices"][0]["text"] == case["text"]
     assert dec.engine.llm.scheduler.stats.external_tokens - ext0 == 768  # read, not computed
     assert dec.kv.port.stats["written_blocks"] - w0 == 208
-    assert wait_for(lambda: not pre.engine.llm.block_manager.holds)  # released by the decode replica
+    assert wait_for(lambda: not pre.engine.llm.block_manager.external.holds)  # released by the decode replica
     check(pre, dec)
 
 
@@ -108,7 +108,7 @@ def test_faults_a_lease_that_ended_and_a_transfer_cut_short(cases, split):
     # the lease ends before the decode replica reads: 404, the whole prompt computed, the same text
     r = httpx.post(pre.url + "/v1/completions", json=prefill_body(body(case, cache_salt="lease")), timeout=600)
     kvp = r.json()["kv_transfer_params"]
-    assert len(kvp["remote_block_ids"]) == 26 and pre.engine.llm.block_manager.holds
+    assert len(kvp["remote_block_ids"]) == 26 and pre.engine.llm.block_manager.external.holds
     clock = pre.kv.clock
     pre.kv.clock = lambda: clock() + 1e6  # (past every lease: the registry refuses it; the sweeper releases it)
     try:
@@ -117,7 +117,7 @@ def test_faults_a_lease_that_ended_and_a_transfer_cut_short(cases, split):
                        timeout=600)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == case["text"]
         assert sched.stats.external_tokens == ext0 and dec.kv.stats["fetches_failed"] == f0 + 1
-        assert wait_for(lambda: not pre.engine.llm.block_manager.holds)  # the sweeper released it
+        assert wait_for(lambda: not pre.engine.llm.block_manager.external.holds)  # the sweeper released it
     finally:
         pre.kv.clock = clock
 
@@ -143,7 +143,7 @@ def test_faults_a_lease_that_ended_and_a_transfer_cut_short(cases, split):
         assert sched.stats.external_tokens - ext0 == 2 * BS and dec.kv.stats["fetches_partial"] == p0 + 1
     finally:
         port.read_blocks = read
-    assert wait_for(lambda: not pre.engine.llm.block_manager.holds)
+    assert wait_for(lambda: not pre.engine.llm.block_manager.external.holds)
     check(pre, dec)
 
 
@@ -165,7 +165,7 @@ def test_through_the_router_as_one_streamed_answer(cases, split):
         text = "".join(json.loads(ln[6:])["choices"][0]["text"] for ln in lines if ln.startswith("data: {"))
         assert text == case["text"] and "data: [DONE]" in lines
         assert dec.engine.llm.scheduler.stats.external_tokens - ext0 == 416  # 26 blocks read, not computed
-        assert wait_for(lambda: not pre.engine.llm.block_manager.holds)
+        assert wait_for(lambda: not pre.engine.llm.block_manager.external.holds)
     finally:
         router.close()
     check(pre, dec)

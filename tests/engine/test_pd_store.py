@@ -91,7 +91,7 @@ def snapshot(dec):
 
 
 def check_clean(pre, dec):
-    assert wait_for(lambda: not pre.engine.llm.block_manager.holds)  # released by the decode replica
+    assert wait_for(lambda: not pre.engine.llm.block_manager.external.holds)  # released by the decode replica
     pre.engine.llm.block_manager.check_invariants()
     dec.engine.llm.block_manager.check_invariants()
 
@@ -259,7 +259,7 @@ def test_gemma3_with_kv_cache_groups_through_the_shared_store(gemma, tmp_path):
         # per group from the shared tier: the full-attention group its 48 blocks, each sliding group its 32
         assert [a - b0 for a, b0 in zip(inner.group_loaded_blocks, loaded0)] == [48] + [32] * 5
         assert [c.medium for c in inner.connector.counters()] == ["SHARED"]
-        assert wait_for(lambda: not pre.engine.llm.block_manager.holds, 30)  # released by the decode replica
+        assert wait_for(lambda: not pre.engine.llm.block_manager.external.holds, 30)  # released by the decode replica
         for s in servers:
             s.engine.llm.block_manager.check_invariants()
     finally:

@@ -179,7 +179,7 @@ BAD_REQUESTS = [
 
 def test_bad_requests_get_openai_errors_and_change_nothing(server):
     bm = server.engine.llm.block_manager
-    before = (bm.num_free_gpu_blocks, bm.num_cached_blocks, server.engine.llm.scheduler.stats.finished)
+    before = (bm.num_free_gpu_blocks, bm.stats.num_cached_blocks, server.engine.llm.scheduler.stats.finished)
     h = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
     for body, status in BAD_REQUESTS:
         r = httpx.post(server.url + "/v1/completions", content=body, headers=h, timeout=10)
@@ -194,7 +194,7 @@ def test_bad_requests_get_openai_errors_and_change_nothing(server):
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
     r = httpx.get(server.url + "/v1/nowhere", headers=h, timeout=10)
     assert r.status_code == 404 and "error" in r.json()
-    assert (bm.num_free_gpu_blocks, bm.num_cached_blocks, server.engine.llm.scheduler.stats.finished) == before
+    assert (bm.num_free_gpu_blocks, bm.stats.num_cached_blocks, server.engine.llm.scheduler.stats.finished) == before
     assert not server.engine.num_unfinished
     bm.check_invariants()
 
@@ -222,7 +222,7 @@ def test_a_non_streaming_client_that_hangs_up_aborts_its_request(server):
                    timeout=httpx.Timeout(10, read=0.5))
     wait_idle(server, timeout=10)  # 500 tokens would take far longer than this
     assert metric(server, "pagedkv:request_success_total", 'finished_reason="abort"') == aborted + 1
-    assert server.engine.llm.block_manager.gpu_usage == 0.0
+    assert server.engine.llm.block_manager.stats.gpu_usage == 0.0
 
 
 def test_cache_salt_isolates_prefix_cache_tenants(server):
@@ -312,7 +312,7 @@ def test_load_with_disconnects_and_bad_requests(server, offline):
     wait_idle(server)
     bm = server.engine.llm.block_manager
     bm.check_invariants()
-    assert bm.gpu_usage == 0.0 and metric(server, "pagedkv:kv_cache_usage_perc") == 0.0
+    assert bm.stats.gpu_usage == 0.0 and metric(server, "pagedkv:kv_cache_usage_perc") == 0.0
     assert metric(server, "pagedkv:num_requests_running") == 0 and metric(server, "pagedkv:num_requests_waiting") == 0
     ok = [i for i in range(n_clients) if role[i] == "ok"]
     want = offline.generate([prompts[i] for i in ok], greedy(max_tokens, ignore_eos=True), use_tqdm=False)
@@ -490,7 +490,7 @@ def test_a_failed_forward_fails_its_requests_and_the_engine_goes_on(engine):
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
         wait_idle(srv)
-        assert llm.block_manager.gpu_usage == 0.0 and srv.engine.faults == 2 and srv.engine.alive
+        assert llm.block_manager.stats.gpu_usage == 0.0 and srv.engine.faults == 2 and srv.engine.alive
         llm.block_manager.check_invariants()
     finally:
         srv.close()
@@ -520,7 +520,7 @@ def test_a_sampler_fault_fails_only_its_request(engine, offline, monkeypatch):
         assert bad.status_code == 500 and bad.json()["error"]["code"] == "internal_error"
         assert good.status_code == 200 and good.json()["choices"][0]["text"] == want
         wait_idle(srv)
-        assert llm.block_manager.gpu_usage == 0.0 and srv.engine.faults == 1 and srv.engine.alive
+        assert llm.block_manager.stats.gpu_usage == 0.0 and srv.engine.faults == 1 and srv.engine.alive
         llm.block_manager.check_invariants()
     finally:
         srv.close()
@@ -594,7 +594,7 @@ def test_pins_through_the_server(engine, server):
         got = r.json()
         assert (got["num_tokens"], got["num_blocks"], got["ttl"], got["prompt_tokens"]) == (48, 3, 600, 50)
         pid = got["pin_id"]
-        assert pid and llm.block_manager.num_pinned_blocks == 3
+        assert pid and llm.block_manager.retention.num_pinned_blocks == 3
         listed = httpx.get(srv.url + "/v1/pins", headers=h, timeout=30).json()
         assert [p["pin_id"] for p in listed["data"]] == [pid] and listed["num_pinned_blocks"] == 3
         assert listed["pin_budget_blocks"] == 4
@@ -610,7 +610,7 @@ def test_pins_through_the_server(engine, server):
         # past the budget: 409, nothing pinned
         r = httpx.post(srv.url + "/v1/pins", json={"prompt": list(range(500, 540))}, headers=h, timeout=60)
         assert r.status_code == 409 and r.json()["error"]["code"] == "pin_budget_exceeded"
-        assert llm.block_manager.num_pinned_blocks == 3
+        assert llm.block_manager.retention.num_pinned_blocks == 3
         for bad in ({"prompt": system, "ttl": 0}, {"prompt": system, "ttl": "long"}, {},
                     {"prompt": system, "messages": [{"role": "user", "content": "x"}]}, {"prompt": system, "x": 1},
                     {"prompt": [-1, 2]}):
@@ -618,7 +618,7 @@ def test_pins_through_the_server(engine, server):
             assert r.status_code == 400, (bad, r.text)
         assert httpx.post(srv.url + "/v1/pins", json={"prompt": system}, timeout=30).status_code == 401
         assert httpx.delete(srv.url + f"/v1/pins/{pid}", headers=h, timeout=30).json()["deleted"] is True
-        assert llm.block_manager.num_pinned_blocks == 0
+        assert llm.block_manager.retention.num_pinned_blocks == 0
         for gone in (str(pid), "abc", "-1"):
             r = httpx.delete(srv.url + f"/v1/pins/{gone}", headers=h, timeout=30)
             assert r.status_code == 404 and r.json()["error"]["code"] == "pin_not_found"
@@ -702,18 +702,18 @@ def test_kv_retention_pins_a_request_prefix_through_the_server(engine, server):
         r = httpx.post(srv.url + "/v1/completions", headers=h, timeout=60, json={
             **body, "prompt": list(range(500, 540))})  # 2 more blocks: 5 > the budget of 4
         assert r.status_code == 409 and r.json()["error"]["code"] == "pin_budget_exceeded"
-        assert llm.scheduler.stats.prefills == prefills and llm.block_manager.num_pinned_blocks == 3
+        assert llm.scheduler.stats.prefills == prefills and llm.block_manager.retention.num_pinned_blocks == 3
         # a chat request pinning its first 16 tokens (one block) fits beside the 3 pinned
         chat = {"messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"}],
                 "max_tokens": 1, "temperature": 0, "kv_retention": {"pin_tokens": 16}}
         r = httpx.post(srv.url + "/v1/chat/completions", json=chat, headers=h, timeout=60)
         assert r.status_code == 200, r.text
-        assert r.json()["kv_retention"]["num_tokens"] == 16 and llm.block_manager.num_pinned_blocks == 4
+        assert r.json()["kv_retention"]["num_tokens"] == 16 and llm.block_manager.retention.num_pinned_blocks == 4
         # the budget is full, but a pin of the same prefix with another TTL holds no new block: admitted
         r = httpx.post(srv.url + "/v1/completions", headers=h, timeout=60, json={
             **body, "kv_retention": {"pin_tokens": 48, "ttl": 60}})
         assert r.status_code == 200 and r.json()["kv_retention"]["ttl"] == 60
-        assert llm.block_manager.num_pinned_blocks == 4 and len(llm.pins) == 3
+        assert llm.block_manager.retention.num_pinned_blocks == 4 and len(llm.pins) == 3
         # streamed: the pin in a chunk with no choices before [DONE] (here the reused request pin)
         with httpx.stream("POST", srv.url + "/v1/completions", headers=h, timeout=60,
                           json={**body, "stream": True}) as resp:

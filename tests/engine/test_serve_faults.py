@@ -67,7 +67,7 @@ def test_hostile_requests_get_4xx_and_leave_the_server_healthy(server):
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
         assert http.get("/health").status_code == 200
         wait_idle(server)
-        assert bm.gpu_usage == 0.0 and server.engine.faults == 0 and server.engine.alive
+        assert bm.stats.gpu_usage == 0.0 and server.engine.faults == 0 and server.engine.alive
         bm.check_invariants()
         r = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
@@ -185,7 +185,7 @@ def test_drain_lets_requests_in_flight_finish_and_refuses_new_ones(engine):
         d.join(60)
         assert clean == {"ok": True}
         assert result["r"].status_code == 200 and result["r"].json()["usage"]["completion_tokens"] == 24
-        assert llm.block_manager.gpu_usage == 0.0
+        assert llm.block_manager.stats.gpu_usage == 0.0
     finally:
         srv.close()
 
@@ -200,7 +200,7 @@ def test_offline_generate_raises_a_sampler_fault_and_stays_usable(engine, monkey
     with pytest.raises(RuntimeError, match="sampling failed"):
         llm.generate(["Hello", "World"], [SamplingParams(max_tokens=4, temperature=0),
                                           SamplingParams(max_tokens=4, seed=666)], use_tqdm=False)
-    assert not llm.scheduler.has_unfinished() and llm.block_manager.gpu_usage == 0.0 and not llm.core._sample_faults
+    assert not llm.scheduler.has_unfinished() and llm.block_manager.stats.gpu_usage == 0.0 and not llm.core._sample_faults
     llm.block_manager.check_invariants()
     out = llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
@@ -282,7 +282,7 @@ def test_a_text_decoding_fault_fails_only_its_request(engine, monkeypatch):
         assert good[-1] == "data: [DONE]" and "error" not in good[-2]
         assert json.loads(bad[-2][6:])["error"]["code"] == "internal_error" and bad[-1] == "data: [DONE]"
         wait_idle(srv)
-        assert llm.block_manager.gpu_usage == 0.0 and srv.engine.faults == 1
+        assert llm.block_manager.stats.gpu_usage == 0.0 and srv.engine.faults == 1
         llm.block_manager.check_invariants()
     finally:
         srv.close()

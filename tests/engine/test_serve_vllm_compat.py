@@ -122,7 +122,7 @@ BAD = [
 
 def _state(server):
     bm = server.engine.llm.block_manager
-    return server.engine.num_unfinished, bm.num_free_gpu_blocks, bm.num_cached_blocks
+    return server.engine.num_unfinished, bm.num_free_gpu_blocks, bm.stats.num_cached_blocks
 
 
 def test_bad_bodies_get_a_4xx_and_change_nothing(server):

@@ -6,7 +6,7 @@ needs its virtualenv: ``.venv-anchor-v1/bin/python -m pagedkv.bench hybrid --imp
 
 Configuration (both managers): a Gemma-3-like model, one full-attention group and five sliding-window groups
 of window 512 (Gemma 3 270M's 18 layers as 6 groups of 3), block size 16, all groups over ONE shared pool
-(pagedkv: ``HybridBlockManager(kv_cache_groups=GEMMA3_GROUPS)``; V1: a ``KVCacheConfig`` with six
+(pagedkv: ``BlockManager(kv_cache_groups=GEMMA3_GROUPS)``; V1: a ``KVCacheConfig`` with six
 ``KVCacheGroupSpec`` of equal page size, for which ``KVCacheManager`` picks ``HybridKVCacheCoordinator``,
 see :mod:`pagedkv.bench.anchors.vllm_v1`).
 
@@ -110,11 +110,11 @@ def _resolve(name: str, groups: list) -> _Impl:
     if name == "pagedkv":
         try:
             import pagedkv
-            from pagedkv import HybridBlockManager  # type: ignore[attr-defined]
+            from pagedkv import BlockManager
         except ImportError as exc:
-            return _Impl(name, None, "", f"pagedkv has no HybridBlockManager here: {exc}")
-        return _Impl(name, lambda n, c: HybridBlockManager(n, BLOCK_SIZE, kv_cache_groups=groups,
-                                                             enable_prefix_caching=c),
+            return _Impl(name, None, "", f"pagedkv has no BlockManager here: {exc}")
+        return _Impl(name, lambda n, c: BlockManager(n, BLOCK_SIZE, kv_cache_groups=groups,
+                                                     enable_prefix_caching=c, grouped_results=True),
                      f"pagedkv {pagedkv.__version__}")
     if name in ("vllm_v1", "v1", "vllm-v1"):
         from .anchors import AnchorUnavailable, load_anchor

@@ -38,7 +38,7 @@ class HybridSeqs:
     ``gpu`` (the GPU pool), ``cache`` (the prefix cache or None), ``tier`` (the CPU tier or None) and ``bs``."""
 
     __slots__ = ("groups", "tables", "t0", "regs", "wins", "windows", "retention", "blocks", "gpu", "cache",
-                 "tier", "bs", "hints", "steer")
+                 "tier", "bs", "hints", "steer", "take_copies0")
 
     def __init__(self, groups: list, tables: list, regs: list, wins: list, windows: list, retention, blocks,
                  gpu, cache, tier, bs: int, hints: dict | None = None) -> None:
@@ -47,6 +47,7 @@ class HybridSeqs:
         self.blocks, self.gpu, self.cache, self.tier, self.bs = blocks, gpu, cache, tier, bs
         self.hints = hints if hints is not None else {}  # the coordinator's set_retention hints (seq_id -> (p, s))
         self.steer = None  # the SteeredEvictor once installed (priority classes and pins)
+        self.take_copies0 = None  # group 0's deprecated take_copies (set by the coordinator's _wire)
 
     def fork(self, parent: Hashable, child: Hashable) -> None:
         """Every group's fork (group 0 first: it raises, changing nothing, before any group changes); the child
@@ -118,7 +119,7 @@ class HybridSeqs:
 
     def take_copies(self):
         """Group 0's deprecated ``take_copies`` (shared copy list); every group's step ends."""
-        got = self.groups[0].take_copies()
+        got = self.take_copies0()  # (group 0's, handed over by the coordinator's _wire)
         for t in self.tables[1:]:
             t.end_step()
         return got

@@ -1,4 +1,5 @@
-"""HybridBlockManager: KV cache groups (full attention, sliding window) over ONE shared pool of block ids.
+"""GroupedManager: KV cache groups (full attention, sliding window) over ONE shared pool of block ids; what
+``BlockManager(..., kv_cache_groups=[...])`` builds with several groups (a subclass of it).
 
 A hybrid model's layers fall into *groups* of equal size (Gemma 3 270M: 18 layers, 3 full-attention and 15
 sliding-window ones of W = 512 -> 6 groups of 3 layers: group 0 full, groups 1..5 sliding). Every sequence has
@@ -14,7 +15,7 @@ block_size, heads, head_dim)``; layer L of group g at index j uses slot j with g
 
 **The composition** (explicit parts; no part reads another's private state)::
 
-    HybridBlockManager   facade: every call's contract, argument checks, a call into a coordinator part
+    GroupedManager       facade: every call's contract, argument checks, a call into a coordinator part
       ├── coordinator parts (each given, at construction, the per-group parts and the shared ones it works on)
       │     HybridAllocator (_allocator.py, _hit.py)   allocate*, lookup_prefix, can_allocate
       │     HybridStepper   (_step.py)     decode_step / append_slots / can_append_slots
@@ -66,31 +67,19 @@ from ..errors import (InvalidArgumentError, InvalidTokensError, OutOfBlocksError
 from ..blocks.evictor import RetentionEvictor
 from ..kv_groups import FullAttentionSpec, SlidingWindowSpec
 from ..manager import BlockManager
+from ..manager.core import set_grouped_class
 from ..manager import _invariants
 from ..manager._external import External, Hold
-from ..manager._surface import ExternalKV, PoolState
+from ..manager.parts import Events, ExternalKV, ManagerConfig, check_groups, init_signature
 from ..manager._stores import STORE_POLICIES, Stores
 from ..retention.eviction import make_evictor
 from ..retention.steering import Pin, SteeredEvictor
 from ..types import AllocStatus, CopyPlan, PrefixHit, Stats
 
-__all__ = ["HybridBlockManager", "HybridPrefillBatch", "HybridStepDelta", "HybridStepResult"]
+__all__ = ["GroupedManager", "HybridPrefillBatch", "HybridStepDelta", "HybridStepResult"]
 
 
-def _check_groups(groups: object) -> tuple:
-    if isinstance(groups, (str, bytes)) or not hasattr(groups, "__iter__"):
-        raise InvalidArgumentError("kv_cache_groups must be a sequence of FullAttentionSpec / SlidingWindowSpec")
-    out = tuple(groups)
-    if not out:
-        raise InvalidArgumentError("kv_cache_groups must hold at least one group")
-    for i, s in enumerate(out):
-        if not isinstance(s, (FullAttentionSpec, SlidingWindowSpec)):
-            raise InvalidArgumentError(
-                f"kv_cache_groups[{i}] must be a FullAttentionSpec or SlidingWindowSpec, got {type(s).__name__}")
-    return out
-
-
-class HybridBlockManager(PoolState, ExternalKV):
+class GroupedManager(BlockManager):
     """Paged KV-cache block manager for hybrid models: one block table per KV cache group, one shared pool (see
     the module docstring).
 
@@ -101,8 +90,8 @@ class HybridBlockManager(PoolState, ExternalKV):
     by default 16 windows of the widest group, 0 for none) are evicted before any other cached block, so hybrid
     prefix hits survive memory pressure (:mod:`pagedkv.hybrid._retention`); ``eviction_policy`` and
     ``pin_budget_blocks`` as BlockManager's (the policy orders the cached blocks that window retention does not
-    make spare; spare blocks go first whatever their priority), with :meth:`set_retention`, :meth:`pin_prefix`
-    and :meth:`unpin` over every group's blocks.
+    make spare; spare blocks go first whatever their priority), with ``retention.set_retention``, ``retention.pin_prefix``
+    and ``retention.unpin`` over every group's blocks.
 
     Same method names and semantics as :class:`pagedkv.BlockManager`; per-group results (``decode_step`` ->
     :class:`HybridStepResult`, ``allocate_batch`` -> :class:`HybridPrefillBatch`), and ``block_table`` /
@@ -115,17 +104,12 @@ class HybridBlockManager(PoolState, ExternalKV):
     before a sliding group's window at the hit point.
     """
 
-    atomic_append = True
-    grouped_results = True
-    """The results' plain names are per group (``slot_mapping`` (G, T), ``block_tables`` G matrices, ...), as their
-    grouped names are on every manager (see BlockManager.grouped_results)."""
-
     def __init__(
         self,
         num_gpu_blocks: int,
         block_size: int = 16,
         *,
-        kv_cache_groups: Sequence[object],
+        kv_cache_groups: Sequence[object] | None = None,
         num_cpu_blocks: int = 0,
         enable_prefix_caching: bool = False,
         watermark: float = 0.01,
@@ -139,8 +123,12 @@ class HybridBlockManager(PoolState, ExternalKV):
         store_min_hits: int = 1,
         eviction_policy: str = "lru",
         pin_budget_blocks: int = 0,
+        sliding_window: int | None = None,
+        grouped_results: bool | None = None,
     ) -> None:
-        specs = _check_groups(kv_cache_groups)
+        if grouped_results is False:
+            raise InvalidArgumentError("grouped_results=False needs one KV cache group")
+        specs = check_groups(kv_cache_groups, sliding_window=sliding_window)  # (None: the shorthand's one group)
         if store_policy not in STORE_POLICIES:
             raise InvalidArgumentError(f"store_policy must be one of {STORE_POLICIES}, got {store_policy!r}")
         store_min_hits = check_int("store_min_hits", store_min_hits, 1)
@@ -164,6 +152,13 @@ class HybridBlockManager(PoolState, ExternalKV):
                              for s in specs[1:]]
         self._m0 = first
         self._wire(retain, retention_interval)
+        c = first.config
+        config = ManagerConfig(c.num_gpu_blocks, c.block_size, c.num_cpu_blocks, specs, None,
+                                     c.enable_prefix_caching, c.watermark, c.watermark_blocks, c.enable_kv_events,
+                                     c.max_kv_events, c.cpu_prefix_cache, c.block_table_width, c.eviction_policy,
+                                     c.pin_budget_blocks, store_policy, store_min_hits, bool(window_retention),
+                                     retention_interval, True)
+        self._parts = (config, ExternalKV(self._ext, self._stores), Events(self._cache, self._kv_events))
 
     def _wire(self, retain: bool, retention_interval: int) -> None:
         """Build the coordinator's parts over the group managers' parts and the shared ones (the only place that
@@ -203,21 +198,13 @@ class HybridBlockManager(PoolState, ExternalKV):
         self._swap = HybridSwapper(tables, [m._swap for m in gs], blocks, self._gpu, bs, m0._watermark_blocks)
         self._seqs = HybridSeqs(gs, tables, [m._reg for m in gs], wins, [m._window for m in gs], self._retention,
                                 blocks, self._gpu, self._cache, self._tier, bs, self._hints)
+        self._seqs.take_copies0 = m0._take_copies  # (the deprecated take_copies)
         # holds and store plans over every group (external loads: not on the hybrid manager yet)
         self._ext = External(self._t0, blocks, m0._reg, self._alloc, self._cache, bs, tables=tables,
                              regs=[m._reg for m in gs])
         self._stores = Stores(blocks, self._cache, self._alloc, *self._store)
 
     # ------------------------------------------------------------------ read-only state
-    @property
-    def kv_cache_groups(self) -> tuple:
-        """The group specs, in group index order."""
-        return self._specs
-
-    @property
-    def num_groups(self) -> int:
-        return len(self._specs)
-
     @property
     def stats(self) -> Stats:
         """Prefix-hit counters of the hybrid hit (counted once, not per group); evictions, copy-on-write copies and
@@ -283,8 +270,8 @@ class HybridBlockManager(PoolState, ExternalKV):
             self._stores.end_step()
         return plan
 
-    def take_copies(self):
-        """Deprecated, as BlockManager.take_copies: :meth:`take_copy_plan` narrowed to the CPU tier's copies."""
+    def _take_copies(self):
+        """Deprecated ``take_copies``: :meth:`take_copy_plan` narrowed to the CPU tier's copies."""
         return self._seqs.take_copies()
 
     def check_invariants(self) -> None:
@@ -322,7 +309,7 @@ class HybridBlockManager(PoolState, ExternalKV):
         ``num_external_tokens=E`` (external KV, docs/external-kv.md): as BlockManager.allocate's, in every group:
         each group reserves the blocks of the E' tokens after the hybrid hit (a sliding group too: its window
         releases those it no longer needs once the sequence runs), registers nothing past the hit until
-        :meth:`finish_external`, and the sequence is LOADING until then.
+        ``external.finish_external``, and the sequence is LOADING until then.
 
         ``external_window_only=True`` (with ``num_external_tokens``): a sliding group of window W reserves only
         the external blocks its window still sees at the load's end ``P = L + E'`` (blocks ``(P - W + 1) //
@@ -455,7 +442,7 @@ class HybridBlockManager(PoolState, ExternalKV):
              now: float | None = None) -> Hold | None:
         """Release the sequence's blocks in every group (see BlockManager.free; with ``cache=False`` every group's
         blocks of the last call are withdrawn, or, if another sequence holds one, SequenceStateError and nothing
-        changes). ``hold_for``: :meth:`hold` first, all or nothing (see BlockManager.free). O(table length x
+        changes). ``hold_for``: ``external.hold`` first, all or nothing (see BlockManager.free). O(table length x
         groups)."""
         if hold_for is not None:
             return self._hold_and_free(seq_id, hold_for, now, cache)
@@ -545,13 +532,8 @@ class HybridBlockManager(PoolState, ExternalKV):
         return self._swap.swap_in(list(seq_ids))
 
     # ------------------------------------------------------------------ retention (priority, session, pins)
-    def set_retention(self, seq_id: Hashable, *, priority: int = 0, session: Hashable = None) -> None:
-        """How the sequence's blocks, in every group, are kept once they are released (see
-        BlockManager.set_retention): ``priority`` tags every group's blocks at :meth:`free`, and, with window
-        retention, a sliding group's blocks its window releases while the sequence runs; ``session`` is one
-        hint for every group's blocks (one request of the conversation). A :meth:`fork` child takes the
-        priority. Raises UnknownSequenceError or InvalidArgumentError (needs prefix caching), changing nothing.
-        O(1)."""
+    def _set_retention(self, seq_id: Hashable, priority: object, session: Hashable) -> None:
+        """``retention.set_retention`` over every group (:class:`pagedkv.manager.parts.Retention`). O(1)."""
         row = self._t0.row(seq_id)
         if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
             raise InvalidArgumentError(f"priority must be an int, got {priority!r}")
@@ -564,14 +546,9 @@ class HybridBlockManager(PoolState, ExternalKV):
         if self._retention is not None:
             self._retention.set_priority(row, int(priority))
 
-    def pin_prefix(self, token_ids: Sequence[int], *, ttl: float | None = None, namespace: object = None) -> Pin:
-        """Pin the cached GPU blocks that a hybrid hit at this prefix's length needs, in every group: a
-        full-attention group's blocks ``[0, L)``, a sliding group's last window before L (the blocks covering
-        ``(L - W, L)``), where L is the longest hybrid hit of the prefix's full blocks with every needed block on
-        the GPU (CPU-tier blocks are not pinned: L stops before them). ``Pin.num_tokens`` is ``L * block_size``,
-        ``Pin.num_blocks`` the blocks of every group; nothing found: ``Pin(0, 0, 0, ttl)``, nothing pinned.
-        Budget, TTL (refreshed when a hit takes the pin's last full-attention block back or it is released),
-        parking and errors as BlockManager.pin_prefix. O(prompt blocks x groups)."""
+    def _pin_prefix(self, token_ids: Sequence[int], ttl: float | None, namespace: object) -> Pin:
+        """``retention.pin_prefix`` over every group (:class:`pagedkv.manager.parts.Retention`). O(prompt blocks x
+        groups)."""
         if self._cache is None or not self._pin_budget:
             raise InvalidArgumentError("pin_prefix needs enable_prefix_caching=True and pin_budget_blocks > 0")
         if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0):
@@ -597,8 +574,8 @@ class HybridBlockManager(PoolState, ExternalKV):
         blocks = np.array([b for g in order for b in parts[g]], dtype=np.int64)
         return self._steering().pin(blocks, L * bs, ttl)
 
-    def unpin(self, pin_id: int) -> None:
-        """Drop a pin (UnknownPinError if there is none by that id); see BlockManager.unpin. O(its blocks)."""
+    def _unpin(self, pin_id: int) -> None:
+        """``retention.unpin``. O(its blocks)."""
         ev = self._cache.evictor if self._cache is not None else None
         if not isinstance(ev, SteeredEvictor):
             raise UnknownPinError(f"no pin {pin_id!r} (unpinned already, expired, or never made)")
@@ -618,3 +595,6 @@ class HybridBlockManager(PoolState, ExternalKV):
                 self._retention.steer = ev
         return ev
 
+
+set_grouped_class(GroupedManager)  # (BlockManager(kv_cache_groups=[...several]) builds one)
+GroupedManager.__signature__ = init_signature(GroupedManager)

@@ -12,7 +12,8 @@
     _rows        SeqTables: one row per live sequence in flat arrays and the block-table matrix
     _invariants  the O(n) audit of every invariant (check_invariants)
     _external    external KV: loads into reserved blocks (LOADING), holds with leases
-    _surface     the read-only state and the external-KV calls BlockManager and HybridBlockManager share
+    parts        the named parts (config, external, retention, events), the shared Surface and the old names
+    _offstep     BlockManager's calls off a plain request's path: swaps, retention, lookahead slots, audit
     _stores      store plans by write policy (write_through, selective), pinned until complete_store
 
 The parts work over the per-block leaves of :mod:`pagedkv.blocks` and the CPU tier of :mod:`pagedkv.tiers`.

@@ -27,8 +27,9 @@ objects it works on (no part reaches another's private state; dependencies point
     _blocks.py      Blocks      take / release GPU and CPU blocks (free ring, then LRU eviction)
     _invariants.py  check       the O(n) audit behind check_invariants
     _external.py    External    external KV: loads (LOADING, parked), holds with leases
-    _surface.py     PoolState, ExternalKV   the read-only state and the external-KV calls, shared with
-                                HybridBlockManager (their contracts written once)
+    parts.py        Surface, ManagerConfig, ExternalKV, Retention, Events   the named parts (bm.config, .external,
+                                .retention, .events) and the deprecated old names; shared with the
+                                many-group manager (pagedkv.hybrid.GroupedManager, a subclass)
     _stores.py      Stores      store plans by write policy (pinned until complete_store)
     pool.py, prefix_cache.py, evictor.py, cpu_tier.py   per-block flat arrays (refcounts, free ring; keys,
                                 tokens, LRU; the CPU tier)
@@ -40,16 +41,10 @@ sequence lives in block ``table[p // block_size]`` at offset ``p % block_size``.
 engine builder's guide: the prefill and decode metadata, which token a decode step takes, what ``seq_lens``
 counts, lookahead slots, fixed-width tables and the order of a step's copies.
 
-**The engine contract** (docs/engine-contract.md): once per step, after the step's calls, the engine takes
-:meth:`BlockManager.take_copy_plan` (every KV block copy the calls handed out: swap-out, swap-in, copy-on-write,
-the CPU tier's demotions and promotions) and executes it in order, then the step's forward. Why that order is
-safe: :mod:`pagedkv.tiers.cpu`. Burst sharing relies on the forward's part of it: an engine writes the KV of every token scheduled in a step
-before any attention of that step reads it (in each layer, the whole batch's K/V are written through the slot
-mapping, then attention runs, as paged-attention engines do), and it runs every scheduled step in full. A block
-full of known tokens is then findable in the prefix cache from the moment the call that hands it out returns
-(``allocate`` for prompt blocks, ``decode_step`` / ``append_slots`` for the blocks they fill; never a block
-holding lookahead slots), so a prompt admitted in the same step as an identical one shares its blocks and its
-KV is computed once.
+**The engine contract** (docs/engine-contract.md): once per step, after the step's calls, the engine executes
+:meth:`BlockManager.take_copy_plan` in order, then the step's forward, which writes the KV of every token of the
+step before any attention of it reads it; a block full of known tokens is findable from the moment the call that
+hands it out returns (burst sharing: a prompt admitted in the same step as an identical one shares its blocks).
 """
 
 from __future__ import annotations
@@ -71,7 +66,8 @@ from ._step import _NO_UPDATES, TABLES_DELTA, Stepper
 from ._swap import Swapper
 from ._window import Window
 from ._external import External, Hold
-from ._surface import ExternalKV, PoolState
+from .parts import ExternalKV, Events, Surface, check_groups, init_signature, settings
+from ._offstep import OffStep
 from ._stores import STORE_POLICIES, Stores
 from ..errors import InvalidArgumentError, InvalidTokensError, OutOfBlocksError, SequenceStateError
 from ..tiers.cpu import CpuTier
@@ -98,7 +94,15 @@ _NO_PAIRS = np.zeros((0, 2), dtype=np.int64)
 _NO_PAIRS.flags.writeable = False
 
 
-class BlockManager(PoolState, ExternalKV):
+_GROUPED: list = []  # the many-group manager class (pagedkv.hybrid's GroupedManager, set when it is imported)
+
+
+def set_grouped_class(cls: type) -> None:
+    """Set the class ``BlockManager(..., kv_cache_groups=[several])`` builds (pagedkv.hybrid does, on import)."""
+    _GROUPED[:] = [cls]
+
+
+class BlockManager(Surface, OffStep):
     """Paged KV-cache block manager (see module docstring).
 
     Args:
@@ -110,11 +114,11 @@ class BlockManager(PoolState, ExternalKV):
             before every future query's window are released. None disables it.
         watermark: fraction of GPU blocks that admission (can_allocate / can_swap_in) keeps free for running
             sequences, in [0, 1).
-        enable_kv_events: record the prefix cache's KV events (:mod:`pagedkv.events`) for :meth:`take_events`.
+        enable_kv_events: record the prefix cache's KV events (:mod:`pagedkv.events`) for ``events.take()``.
         cpu_prefix_cache: a CPU tier of the prefix cache in the CPU pool (:mod:`pagedkv.tiers.cpu`): evicted GPU
             blocks are demoted to it and prompts get them back as hits; the engine then makes the copies that
             :meth:`take_copy_plan` returns once per step. Needs prefix caching and ``num_cpu_blocks``.
-        max_kv_events: events kept until taken; past it the buffer is dropped and the next :meth:`take_events`
+        max_kv_events: events kept until taken; past it the buffer is dropped and the next ``events.take()``
             returns a full resynchronisation (``AllBlocksCleared`` then a ``BlockStored`` per cached block).
         block_table_width: give every batch block table (``StepResult.block_tables``,
             ``PrefillBatch.block_tables``) exactly this many columns, NULL_BLOCK padded (CUDA graphs want fixed
@@ -123,19 +127,32 @@ class BlockManager(PoolState, ExternalKV):
             num_lookahead_slots) / block_size)``.
         eviction_policy: the order in which unreferenced cached blocks are evicted (:mod:`pagedkv.retention.eviction`):
             ``"lru"`` (default), ``"slru"`` (frequency-aware), ``"session"`` or ``"density"`` (both use
-            :meth:`set_retention`'s session hint) or ``"arc"`` (adaptive replacement), any name registered in
+            ``retention.set_retention``'s session hint) or ``"arc"`` (adaptive replacement), any name registered in
             ``POLICIES``, an :class:`~pagedkv.EvictionPolicy` subclass, or a new instance of one made for
             ``num_gpu_blocks`` (priority classes get new ones of its class). Needs prefix caching for anything
             but ``"lru"``.
-        pin_budget_blocks: the most distinct GPU blocks :meth:`pin_prefix` may hold pinned (0: no pins).
-        store_policy: which blocks :meth:`take_store_plan` hands out to write to the storage tiers:
+        pin_budget_blocks: the most distinct GPU blocks ``retention.pin_prefix`` may hold pinned (0: no pins).
+        store_policy: which blocks ``external.take_store_plan`` hands out to write to the storage tiers:
             ``"none"`` (default), ``"write_through"`` (every block once registered in the prefix cache) or
             ``"selective"`` (a cached block once prefix hits took it ``store_min_hits`` times) or ``"write_back"``
             (the unreferenced cached blocks next to be evicted whose content is not stored yet, at most
             ``max(16, num_gpu_blocks // 32)`` pinned at once: written before they leave the GPU). Needs prefix
             caching for anything but ``"none"`` (docs/external-kv.md).
         store_min_hits: the selective policy's hit count (>= 1).
+        kv_cache_groups: one spec per KV cache group (:class:`~pagedkv.FullAttentionSpec`,
+            :class:`~pagedkv.SlidingWindowSpec`), in group index order; None: one full-attention group (or one
+            sliding group with ``sliding_window``). One group is this class; several build the many-group
+            manager, a subclass with the same calls (docs/guide/kv-groups.md): one block table per group over the
+            one pool, results with a slot-mapping row and a block table per group.
+        window_retention: (several groups, prefix caching) released sliding-group blocks outside the windows before
+            useful points are evicted before any other cached block (:mod:`pagedkv.hybrid._retention`).
+        retention_interval: window retention's spacing of useful points in tokens (None: 16 windows of the
+            widest group; 0: none).
+        grouped_results: whether the results' plain names are per group (``slot_mapping`` (G, T), G tables);
+            None (default): with several groups. True builds the many-group manager for one group too.
 
+    The surface: the per-step calls and read-only views here; the settings, external KV, retention and KV events
+    as named parts (``bm.config``, ``bm.external``, ``bm.retention``, ``bm.events``: :mod:`pagedkv.manager.parts`).
     Sequences are keyed by any hashable ``seq_id`` chosen by the caller. Every method either completes or raises
     a :mod:`pagedkv.errors` exception and leaves the manager exactly as it was.
     """
@@ -144,15 +161,14 @@ class BlockManager(PoolState, ExternalKV):
     _store = ("none", 1)  # (store policy, min hits); a KV cache group's manager (_sharing) stores nothing itself
     _write_through = False  # (take_copy_plan's one test)
 
-    atomic_append = True
-    """decode_step / append_slots are all-or-nothing for the whole batch: a scheduler may call them without asking
-    can_append_slots first and preempt when they raise OutOfBlocksError."""
-
-    grouped_results = False
-    """Whether the results' plain names are per KV cache group (HybridBlockManager: True): here ``slot_mapping``
-    is (T,), ``block_tables`` one matrix, ``table_updates`` one TableUpdates. The grouped names
-    (``group_slot_mapping`` (1, T), ...) are per group on every manager; this flag is for generic code, such as a
-    scheduler behind a wrapper, that reads the plain ones."""
+    def __new__(cls, *args: object, kv_cache_groups: Sequence[object] | None = None,
+                grouped_results: bool | None = None, **kwargs: object) -> "BlockManager":
+        # One class for every model: several KV cache groups (or grouped_results=True) build the grouped manager, a
+        # subclass (isinstance(x, BlockManager) holds); construction only, nothing on the per-step path.
+        if cls is BlockManager and (grouped_results or (kv_cache_groups is not None and grouped_results is None
+                                                        and len(check_groups(kv_cache_groups)) > 1)):
+            cls = _GROUPED[0]
+        return object.__new__(cls)
 
     def __init__(
         self,
@@ -171,30 +187,20 @@ class BlockManager(PoolState, ExternalKV):
         pin_budget_blocks: int = 0,
         store_policy: str = "none",
         store_min_hits: int = 1,
+        kv_cache_groups: Sequence[object] | None = None,
+        window_retention: bool = True,
+        retention_interval: int | None = None,
+        grouped_results: bool | None = None,
     ) -> None:
-        num_gpu_blocks = _check_int("num_gpu_blocks", num_gpu_blocks, 1)
-        if store_policy not in STORE_POLICIES:
-            raise InvalidArgumentError(f"store_policy must be one of {STORE_POLICIES}, got {store_policy!r}")
-        store_min_hits = _check_int("store_min_hits", store_min_hits, 1)
-        if store_policy != "none" and not enable_prefix_caching:
-            raise InvalidArgumentError("store_policy needs enable_prefix_caching=True")
-        self._store = (store_policy, store_min_hits)
-        self._write_through = store_policy == "write_through"
-        pin_budget_blocks = _check_int("pin_budget_blocks", pin_budget_blocks, 0)
-        policy_class(eviction_policy)  # (raises InvalidArgumentError naming the policies)
-        if (eviction_policy != "lru" or pin_budget_blocks) and not enable_prefix_caching:
-            raise InvalidArgumentError("eviction_policy and pin_budget_blocks need enable_prefix_caching=True")
-        block_size = _check_int("block_size", block_size, 1)
-        num_cpu_blocks = _check_int("num_cpu_blocks", num_cpu_blocks, 0)
-        max_kv_events = _check_int("max_kv_events", max_kv_events, 1)
-        if sliding_window is not None:
-            sliding_window = _check_int("sliding_window", sliding_window, 1)
-        if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) or not 0 <= watermark < 1:
-            raise InvalidArgumentError(f"watermark must be a number in [0, 1), got {watermark!r}")
-        if block_table_width is not None:
-            block_table_width = _check_int("block_table_width", block_table_width, 1)
-        if cpu_prefix_cache and not (enable_prefix_caching and num_cpu_blocks > 0):
-            raise InvalidArgumentError("cpu_prefix_cache needs enable_prefix_caching=True and num_cpu_blocks > 0")
+        c = settings(num_gpu_blocks, block_size, num_cpu_blocks, enable_prefix_caching, sliding_window, watermark,
+                     enable_kv_events, max_kv_events, cpu_prefix_cache, block_table_width, eviction_policy,
+                     pin_budget_blocks, store_policy, store_min_hits, kv_cache_groups, window_retention,
+                     retention_interval)  # (checked; InvalidArgumentError, nothing built)
+        num_gpu_blocks, block_size, num_cpu_blocks, sliding_window = (c.num_gpu_blocks, c.block_size,
+                                                                      c.num_cpu_blocks, c.sliding_window)
+        max_kv_events, block_table_width, pin_budget_blocks = c.max_kv_events, c.block_table_width, c.pin_budget_blocks
+        self._store = (c.store_policy, c.store_min_hits)
+        self._write_through = c.store_policy == "write_through"
         self._bs = block_size
         self._gpu = BlockPool(num_gpu_blocks)
         self._cpu = BlockPool(num_cpu_blocks)
@@ -223,10 +229,13 @@ class BlockManager(PoolState, ExternalKV):
             # one back in its step marks its rows (Swapper.swap_in). One int32 write a registered block
             self._cache.fresh = np.zeros(num_gpu_blocks, np.int32)
             self._cache.fresh_serial = 1
-        self._watermark_blocks = int(watermark * num_gpu_blocks)
+        self._watermark_blocks = c.watermark_blocks
         self._fixed_w = block_table_width or 0  # fixed width of batch block tables (0: the batch's longest)
         self._blocks = Blocks(self._gpu, self._cpu, self._cache, self._cpu_id, self._tier)
         self._wire(sliding_window)
+        # (one attribute for the three: a manager's instance dict stays within CPython's shared-keys size, which
+        # keeps the per-step path's attribute reads specialised)
+        self._parts = (c, ExternalKV(self._ext, self._stores), Events(self._cache, self._kv_events))
 
     @classmethod
     def _sharing(cls, parts: "BlockManager", sliding_window: int | None) -> "BlockManager":
@@ -273,22 +282,14 @@ class BlockManager(PoolState, ExternalKV):
 
     # ------------------------------------------------------------------ read-only state
     @property
-    def sliding_window(self) -> int | None:
-        return self._window
+    def block_size(self) -> int:
+        """Tokens per block."""
+        return self._bs
 
     @property
-    def kv_cache_groups(self) -> tuple:
-        """One spec, the single-table model as one KV cache group: ``(FullAttentionSpec(),)``, or
-        ``(SlidingWindowSpec(sliding_window),)`` with a window; what :attr:`HybridBlockManager.kv_cache_groups`
-        answers for G groups. O(1)."""
-        return (FullAttentionSpec(),) if self._window is None else (SlidingWindowSpec(self._window),)
-
-    @property
-    def num_groups(self) -> int:
-        """1: a BlockManager is the one-group case of :class:`pagedkv.HybridBlockManager` (every result also
-        answers the grouped names, ``group_slot_mapping`` (1, T), ``group_block_tables`` and
-        ``group_table_updates`` one-tuples)."""
-        return 1
+    def num_free_gpu_blocks(self) -> int:
+        """Plain free GPU blocks plus unreferenced cached ones (which are evicted on demand), every group's."""
+        return self._blocks.num_free
 
     def _check_group(self, group: object) -> None:
         if _check_int("group", group, 0) != 0:
@@ -329,19 +330,9 @@ class BlockManager(PoolState, ExternalKV):
             self._stores.end_step()
         return plan
 
-    def take_copies(self) -> CacheCopies:
-        """Deprecated: :meth:`take_copy_plan` (it ends the step the same way) narrowed to the CPU tier's copies,
-        ``demotions`` (gpu, cpu) and ``promotions`` (cpu, gpu) pairs; the step's swap and copy-on-write copies
-        are then only in the calls' return values. Executing these lists kind after kind is not safe when a step
-        mixes swaps with tier copies (see :meth:`take_copy_plan`). O(copies + rows)."""
-        parts = [(t, s, d) for t, s, d in self._copies if t in (DEMOTE, PROMOTE)]
-        self.take_copy_plan()
-        dem = [p for t, s, d in parts if t == DEMOTE for p in zip(s, d)]
-        pro = [p for t, s, d in parts if t == PROMOTE for p in zip(s, d)]
-        return CacheCopies(np.array(dem, dtype=np.int64).reshape(-1, 2), np.array(pro, dtype=np.int64).reshape(-1, 2))
-
     @property
     def stats(self) -> Stats:
+        """The counters since construction and the pools' readings now (:class:`pagedkv.Stats`). O(1)."""
         return Stats(
             (a := self._alloc).query_tokens,
             a.hit_tokens,
@@ -352,7 +343,11 @@ class BlockManager(PoolState, ExternalKV):
             self._swap.swapped_out,
             self._swap.swapped_in,
             *((t.hit_tokens, t.hit_blocks, t.demotions, t.promotions, t.evictions, t.dropped)
-              if (t := self._tier) is not None else ()),
+              if (t := self._tier) is not None else (0, 0, 0, 0, 0, 0)),
+            len(self._cache) if self._cache is not None else 0,
+            len(t) if t is not None else 0,
+            (b := self._blocks).num_free_cpu,
+            1.0 - b.num_free / self._gpu.num_blocks,
         )
 
     def __len__(self) -> int:
@@ -421,47 +416,6 @@ class BlockManager(PoolState, ExternalKV):
             raise SequenceStateError(f"positions [{start}, {end}) of {seq_id!r} include blocks released by the window")
         return blocks * self._bs + pos % self._bs
 
-    def lookahead_slots(self, seq_ids: Sequence[Hashable], num_lookahead_slots: int) -> np.ndarray:
-        """The batch form of ``slot_mapping(seq, n, n + k)`` for the reserved lookahead slots: int64
-        ``(1, B * k)`` (one row per KV cache group, as :meth:`HybridBlockManager.lookahead_slots`), the slots of
-        positions ``num_tokens(seq) .. num_tokens(seq) + k - 1`` of each sequence, sequence 0's first: where the
-        engine writes the drafts' K/V in the forward of the step that reserved them (``decode_step(...,
-        num_lookahead_slots=k)``). Every sequence must be live, on the GPU and distinct (as for decode_step) and
-        hold at least ``k`` reserved slots (InvalidArgumentError otherwise). Changes nothing. O(B x k): plain Python
-        up to 32 slots, a few numpy calls past that."""
-        ids = seq_ids if type(seq_ids) is list else list(seq_ids)
-        rows = self._t.rows(ids)
-        k = _check_int("num_lookahead_slots", num_lookahead_slots, 0)
-        return self._lookahead(rows, k, ids)[None]
-
-    def _lookahead(self, rows: np.ndarray, k: int, ids: list) -> np.ndarray:
-        """:meth:`lookahead_slots` of validated rows, flat (B * k,) (internal; the hybrid stacks its groups')."""
-        t, bs = self._t, self._bs
-        if k == 0 or rows.size == 0:
-            return _EMPTY_I64
-        if rows.size * k <= 32:  # a few slots: plain Python over the row arrays (numpy's fixed costs dominate)
-            mv = t.views()
-            ntok_mv, nblk_mv, flat, width = mv.ntok, mv.nblk, mv.flat, mv.cols
-            out = []
-            for i, r in enumerate(rows.tolist()):
-                n = ntok_mv[r]
-                if nblk_mv[r] * bs - n < k:
-                    raise InvalidArgumentError(f"sequence {ids[i]!r} has {nblk_mv[r] * bs - n} reserved slots after "
-                                               f"its {n} tokens, fewer than num_lookahead_slots={k}")
-                base = r * width
-                out += [flat[base + p // bs] * bs + p % bs for p in range(n, n + k)]
-            return np.array(out, dtype=np.int64)
-        ntok = t.ntok[rows].astype(np.int64)
-        room = t.nblk[rows].astype(np.int64) * bs - ntok
-        short = np.flatnonzero(room < k)
-        if short.size:
-            i = int(short[0])
-            raise InvalidArgumentError(f"sequence {ids[i]!r} has {int(room[i])} reserved slots after its "
-                                       f"{int(ntok[i])} tokens, fewer than num_lookahead_slots={k}")
-        pos = ntok[:, None] + np.arange(k, dtype=np.int64)
-        blocks = t.table[rows[:, None], pos // bs].astype(np.int64)
-        return (blocks * bs + pos % bs).reshape(-1)
-
     # ------------------------------------------------------------------ admission and allocation
     def can_allocate(self, token_ids: Sequence[int], num_lookahead_slots: int = 0, *, namespace: object = None,
                      num_new_tokens: int | None = None, num_external_tokens: int = 0) -> AllocStatus:
@@ -478,14 +432,15 @@ class BlockManager(PoolState, ExternalKV):
         arr = _as_tokens(token_ids)
         la = _check_int("num_lookahead_slots", num_lookahead_slots, 0)
         k = None if num_new_tokens is None else _check_int("num_new_tokens", num_new_tokens, 1)
-        e = self._ext.check_lookup(num_external_tokens, self._window)
+        e = 0 if type(num_external_tokens) is int and num_external_tokens == 0 else \
+            self._ext.check_lookup(num_external_tokens, self._window)  # (a plain request stays out of _external)
         needed = -(-(arr.size + la) // self._bs)
         if self._alloc.peak(arr.size, la, k) > self._gpu.num_blocks - self._watermark_blocks:
             return AllocStatus.NEVER
         if self._cache is None:
             _encode_namespace(namespace)  # validate it all the same
             if k is not None and k < arr.size:
-                needed = -(-(min(arr.size, self._ext.kept(arr.size, 0, e) + k) + la) // self._bs)
+                needed = -(-(min(arr.size, (e and self._ext.kept(arr.size, 0, e)) + k) + la) // self._bs)
         else:
             root = self._cache.root(namespace, intern=False)
             hits, chain = self._reg.lookup(arr, root)
@@ -493,7 +448,7 @@ class BlockManager(PoolState, ExternalKV):
                 hits, _ = self._alloc.fit_hit(hits, chain, root, arr.size, la, k)
             if k is not None and len(hits) * self._bs + k < arr.size:
                 h = len(hits) * self._bs
-                needed = -(-(min(arr.size, h + self._ext.kept(arr.size, h, e) + k) + la) // self._bs)
+                needed = -(-(min(arr.size, h + (e and self._ext.kept(arr.size, h, e)) + k) + la) // self._bs)
             ref = self._gpu.ref
             needed -= sum(1 for b in hits if b >= 0 and ref[b] > 0)  # (a CPU-tier hit needs a GPU block)
             if self._steered and self._cache.evictor.num_parked:  # pinned idle hits: not in the free count
@@ -539,8 +494,8 @@ class BlockManager(PoolState, ExternalKV):
         **External KV** (``num_external_tokens=E``, a multiple of block_size; docs/external-kv.md): the E tokens
         after the hit H (cut to whole blocks before the prompt's last token) arrive from outside (a storage tier,
         a prefill replica) instead of being computed. Returns ``H + E'`` (E' the tokens kept); with E' > 0 the
-        sequence is LOADING: :meth:`external_blocks` names the blocks to fill, nothing past the hit is
-        registered, and its prefill waits for :meth:`finish_external`. With ``num_new_tokens=k`` it holds the
+        sequence is LOADING: ``external.external_blocks`` names the blocks to fill, nothing past the hit is
+        registered, and its prefill waits for ``external.finish_external``. With ``num_new_tokens=k`` it holds the
         hit, the E' tokens and one chunk of k. Not with a sliding window (InvalidArgumentError).
         """
         if num_external_tokens:
@@ -600,7 +555,7 @@ class BlockManager(PoolState, ExternalKV):
         ``num_external_tokens``: None, or one count per prompt (as :meth:`allocate`'s); with any count > 0 the
         batch is checked as a whole, then allocated as consecutive :meth:`allocate` calls (sharing inside the
         batch as those calls share), and each LOADING sequence's metadata starts at its ``H + E'`` (its prefill
-        waits for :meth:`finish_external`).
+        waits for ``external.finish_external``).
         """
         seq_ids, prompts, namespaces, chunks = batch_args(seq_ids, token_ids, namespaces, num_new_tokens)
         la = _check_int("num_lookahead_slots", num_lookahead_slots, 0)
@@ -634,11 +589,12 @@ class BlockManager(PoolState, ExternalKV):
         (``num_cached_tokens`` stays H: the external tokens are not cached here). O(prompt blocks)."""
         la = _check_int("num_lookahead_slots", num_lookahead_slots, 0)
         k = None if num_new_tokens is None else _check_int("num_new_tokens", num_new_tokens, 1)
-        e = self._ext.check_lookup(num_external_tokens, self._window)
+        e = 0 if type(num_external_tokens) is int and num_external_tokens == 0 else \
+            self._ext.check_lookup(num_external_tokens, self._window)  # (a plain request stays out of _external)
         if self._cache is None:
             n = _as_tokens(token_ids).size
             _encode_namespace(namespace)  # validate it all the same
-            nb = -(-((n if k is None else min(n, self._ext.kept(n, 0, e) + k)) + la) // self._bs)
+            nb = -(-((n if k is None else min(n, (e and self._ext.kept(n, 0, e)) + k)) + la) // self._bs)
             return PrefixHit(0, 0, 0, nb)
         arr = _as_tokens(token_ids)
         root = self._cache.root(namespace, intern=False)
@@ -651,7 +607,7 @@ class BlockManager(PoolState, ExternalKV):
             held += sum(1 for b in hits if b >= 0 and self._cache.evictor.parked[b])
         ncpu = sum(1 for b in hits if b < 0)
         h = len(hits) * self._bs
-        n = arr.size if k is None else min(arr.size, h + self._ext.kept(arr.size, h, e) + k)
+        n = arr.size if k is None else min(arr.size, h + (e and self._ext.kept(arr.size, h, e)) + k)
         nb = -(-(n + la) // self._bs)
         return PrefixHit(h, len(hits), ncpu, nb - held)
 
@@ -715,11 +671,11 @@ class BlockManager(PoolState, ExternalKV):
         ``decode_step`` or ``append_slots``) raises SequenceStateError and changes nothing: its
         blocks would become prefix hits before anybody wrote their KV.
 
-        ``hold_for=s`` (seconds): :meth:`hold` the sequence's blocks for a reader outside with a lease of ``s``
+        ``hold_for=s`` (seconds): ``external.hold`` the sequence's blocks for a reader outside with a lease of ``s``
         (clock ``now``), then free it, all or nothing; returns the :class:`Hold` (None without ``hold_for``).
 
         A LOADING sequence (external KV still arriving) is aborted: its blocks are released except those a
-        transfer may still write, which stay PARKED until :meth:`finish_external` reports the sequence
+        transfer may still write, which stay PARKED until ``external.finish_external`` reports the sequence
         (docs/external-kv.md)."""
         if hold_for is not None:
             return self._hold_and_free(seq_id, hold_for, now, cache)
@@ -754,94 +710,6 @@ class BlockManager(PoolState, ExternalKV):
             self._blocks.release(t.table[row, t.nrel[row] : t.nblk[row]][::-1].copy())
         t.drop_row(seq_id, row)
         return None
-
-    # ------------------------------------------------------------------ retention (priority, session, pins)
-    def set_retention(self, seq_id: Hashable, *, priority: int = 0, session: Hashable = None) -> None:
-        """How the sequence's blocks are kept once :meth:`free` releases them. ``priority`` (vLLM's request
-        field: a lower value is a higher priority, default 0): unreferenced blocks of a larger value are evicted
-        before any block of a smaller one (:mod:`pagedkv.retention.steering`). ``session`` (a conversation id, any
-        hashable): a hint for the ``"session"`` eviction policy, which keeps the blocks of a conversation longer
-        the more requests it has had, and for ``"density"``, which learns how likely a conversation is to come
-        back; other policies ignore it. Set it any time before the free; the last call wins. A :meth:`fork` child
-        takes its parent's priority (the session hint stays the parent's). Raises UnknownSequenceError or
-        InvalidArgumentError (needs prefix caching), changing nothing. O(1); the first non-default priority switches
-        on the priority classes (:class:`SteeredEvictor`)."""
-        self._t.any_row(seq_id)  # (a LOADING sequence too: free applies the hint)
-        if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
-            raise InvalidArgumentError(f"priority must be an int, got {priority!r}")
-        if self._cache is None:
-            raise InvalidArgumentError("set_retention needs enable_prefix_caching=True")
-        hash(session)
-        if priority:
-            self._steering()
-        self._hints[seq_id] = (int(priority), session)
-
-    def pin_prefix(self, token_ids: Sequence[int], *, ttl: float | None = None, namespace: object = None) -> Pin:
-        """Pin the cached GPU blocks of this prefix (a system prompt, a tool list: allocate it first): they are
-        never evicted while pinned. Pins up to the first full block not cached on the GPU; ``Pin.num_tokens``
-        says how many tokens that is (0, with ``pin_id`` 0: nothing cached, and nothing pinned). ``ttl`` (seconds, None: until
-        :meth:`unpin`) is refreshed each time a hit takes the pin's last block back or it is released. The
-        distinct pinned blocks of all pins stay within ``pin_budget_blocks``: past it PinBudgetError, nothing
-        pinned. With a sliding window a pin holds the same blocks, every full block of the prefix: a hit at the
-        pin's length needs them all (the lookup walks the chain from the first block), even those that no query
-        of a live sequence sees any more; the step does not count a pinned block its window releases as free.
-        Raises InvalidArgumentError (no prefix caching, no budget, bad ttl), InvalidTokensError.
-        O(prompt blocks)."""
-        if self._cache is None or not self._pin_budget:
-            raise InvalidArgumentError("pin_prefix needs enable_prefix_caching=True and pin_budget_blocks > 0")
-        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0):
-            raise InvalidArgumentError(f"ttl must be a positive number of seconds or None, got {ttl!r}")
-        arr = _as_tokens(token_ids)
-        # (one token more: a lookup leaves the last block to compute; a pin holds every full block)
-        hits, _ = self._reg.lookup(np.append(arr, arr[:1]), self._cache.root(namespace, intern=False))
-        gpu = []
-        for b in hits:
-            if b < 0:
-                break
-            gpu.append(b)
-        if not gpu:
-            return Pin(0, 0, 0, ttl)
-        ev = self._steering()
-        return ev.pin(np.array(gpu, dtype=np.int64), len(gpu) * self._bs, ttl)
-
-    def unpin(self, pin_id: int) -> None:
-        """Drop a pin (UnknownPinError if there is none by that id); its blocks that no other pin holds become
-        evictable, idle ones at the most recent end of their class. O(its blocks)."""
-        if not self._steered:
-            from ..errors import UnknownPinError
-
-            raise UnknownPinError(f"no pin {pin_id!r} (unpinned already, expired, or never made)")
-        self._cache.evictor.unpin(pin_id)
-
-    def _steering(self) -> SteeredEvictor:
-        """The prefix cache's evictor as a SteeredEvictor (installed over the current policy evictor once)."""
-        cache = self._cache
-        if not self._steered:
-            policy = self._policy
-            cache.evictor = SteeredEvictor(cache.evictor, self._gpu.num_blocks,
-                                           lambda n: make_evictor(policy, n, cache), cache.cid, self._pin_budget)
-            self._steered = True
-        return cache.evictor
-
-    def _inherit(self, parent: Hashable, child: Hashable) -> None:
-        """A forked child takes its parent's retention priority (not its session hint: the session policy counts
-        one request per hint). O(1)."""
-        h = self._hints.get(parent)
-        if h is not None and h[0]:
-            self._hints[child] = (h[0], None)
-
-    def _retain(self, seq_id: Hashable, row: int) -> None:
-        """Tag the sequence's GPU blocks with its retention hint just before free releases them."""
-        prio, session = self._hints.pop(seq_id, (0, None))
-        t = self._t
-        if t.swapped[row] or self._cache is None:
-            return
-        blocks = t.table[row, t.nrel[row] : t.nblk[row]].astype(np.int64)
-        ev = self._cache.evictor
-        if self._steered:
-            ev.tag(blocks, prio)
-        if session is not None:
-            ev.hint(blocks, session)
 
     # ------------------------------------------------------------------ appending (the per-step path)
     def can_append_slots(self, seq_ids: Iterable[Hashable], num_lookahead_slots: int = 0, *,
@@ -959,68 +827,5 @@ class BlockManager(PoolState, ExternalKV):
             return step.commit(rows, None, arr, plan, mode)
         return step.append(rows, counts, arr, la, mode)
 
-    # ------------------------------------------------------------------ swapping
-    def can_swap_out(self, seq_ids: Iterable[Hashable]) -> bool:
-        """Whether the CPU pool has room for the sequences' blocks (each shared block counted once)."""
-        rows = self._t.rows_where(list(seq_ids), swapped=False)
-        return self._t.unique_blocks(rows).size <= self.num_free_cpu_blocks
 
-    def swap_out(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
-        """Move the sequences' blocks to the CPU pool; returns (gpu_block, cpu_block) pairs to copy. A block
-        shared by several of these sequences moves once; one also held by a sequence left on the GPU is copied
-        and stays there for it. Raises OutOfBlocksError (changing nothing) if the CPU pool is too small.
-        O(total table length)."""
-        return self._swap.swap_out(list(seq_ids))
-
-    def can_swap_in(self, seq_ids: Iterable[Hashable], num_lookahead_slots: int = 0) -> AllocStatus:
-        """Whether swapped-out sequences fit back on the GPU (with the watermark and ``num_lookahead_slots``
-        extra slots each): NEVER, LATER or OK, as for can_allocate."""
-        rows = self._t.rows_where(list(seq_ids), swapped=True)
-        la = _check_int("num_lookahead_slots", num_lookahead_slots, 0)
-        uniq = self._t.unique_blocks(rows)
-        reuse = self._swap.reuse(uniq, rows)
-        extra = np.maximum(-(-(self._t.ntok[rows] + la) // self._bs) - self._t.nblk[rows], 0).sum()
-        need = int(uniq.size + extra)
-        if need > self._gpu.num_blocks - self._watermark_blocks:
-            return AllocStatus.NEVER
-        ref = self._gpu.ref
-        need -= sum(1 for g in reuse if g >= 0 and ref[g] > 0)
-        return AllocStatus.OK if self.num_free_gpu_blocks - need >= self._watermark_blocks else AllocStatus.LATER
-
-    def swap_in(self, seq_ids: Iterable[Hashable]) -> list[tuple[int, int]]:
-        """Bring swapped-out sequences back; returns (cpu_block, gpu_block) pairs to copy. With prefix caching a
-        full block whose content is still cached on the GPU is reused instead of copied. Raises OutOfBlocksError
-        (changing nothing) if the GPU pool is too small. O(total table length)."""
-        return self._swap.swap_in(list(seq_ids))
-
-    # ------------------------------------------------------------------ cache maintenance
-    def reset_prefix_cache(self) -> int:
-        """Forget every cached block: unreferenced ones return to the free ring (LRU first), referenced ones
-        stay with their sequences, uncached. Live sequences never cache their blocks afterwards (their KV may
-        predate whatever made the reset necessary, e.g. new weights); new sequences cache as usual. Returns how
-        many blocks were freed. O(cached blocks + live sequences)."""
-        if self._cache is None:
-            return 0
-        freed = self._cache.clear()
-        self._gpu.give(np.asarray(freed, dtype=np.int32))
-        if self._tier is not None:
-            self._tier.clear()
-        self._cpu_id[0] = 0
-        self._t.ccid[:] = 0  # break every live chain
-        return len(freed)
-
-
-    # ------------------------------------------------------------------ audit
-    def check_invariants(self) -> None:
-        """Check every invariant of the manager in O(blocks + total table length); raise AssertionError.
-
-        - each GPU (CPU) block's refcount equals the number of GPU-resident (swapped-out) tables holding it;
-        - no block appears twice in one table, released positions hold NULL_BLOCK, tables cover the tokens;
-        - free ring, evictor and used blocks partition each pool (free + cached-free + used == total);
-        - the free ring holds unreferenced uncached blocks, the evictor unreferenced cached ones, in a
-          consistent linked list; the cache map and the per-block entries agree (no block under two keys).
-        """
-        _invariants.check(self._blocks, self._tier, self._bs, [(self._t, self._window)],
-                          self._ext.extra_refs() + self._stores.extra_refs())
-        self._ext.check(_invariants.fail)
-        self._stores.check(_invariants.fail)
+BlockManager.__signature__ = init_signature(BlockManager)  # (not __new__'s: inspect, the docs)

@@ -20,6 +20,7 @@ from .._help import HelpFormatter, plain
 from ..errors import PagedKVError
 from ..retention.eviction import EVICTION_POLICIES
 from .command import DEFAULT_CAPACITIES, progress_bar
+from .point import all_or_nothing
 
 __all__ = ["main", "parse_tokens"]
 
@@ -150,7 +151,7 @@ def run(args: argparse.Namespace) -> dict:
             raise _CliError(f"--capacity {c} is less than one block of {bs} tokens")
     model = ServiceModel(args.prefill_tps, args.decode_step_ms / 1000.0, args.max_running, args.watermark)
     cls, impl = _manager_cls(args.impl)
-    if args.mode == "timed" and not getattr(cls, "atomic_append", False):
+    if args.mode == "timed" and not all_or_nothing(cls):
         raise _CliError(f"--mode timed needs an all-or-nothing decode_step; {impl} has none (use sequence mode)")
     tiered = bool(args.disk_capacity or args.shared_capacity)
     if tiered and (args.mode != "sequence" or impl != "pagedkv"):

@@ -121,7 +121,7 @@ def replay_cluster(trace: Trace, capacity_tokens: int, replicas: int, route: str
             if loaded:  # children first: a parent stays at least as recent as its children
                 shared_hits[r] += shared.read_many(loaded[::-1]) * block_size
         bm.free(i)
-        events = bm.take_events()
+        events = bm.events.take()
         if feeds_index:
             for e in events:
                 index.apply(r, e)

@@ -9,7 +9,7 @@ group, only the windows before the points where later prompts stop matching (win
 :mod:`pagedkv.hybrid._retention`). For each ``--capacity`` C (tokens of the one-table manager's pool):
 
 - ``one table``: ``BlockManager(C / block_size)`` blocks of all layers;
-- ``groups``: ``HybridBlockManager(G x C / block_size, kv_cache_groups=preset)``: the same bytes, retention on;
+- ``groups``: ``BlockManager(G x C / block_size, kv_cache_groups=preset, grouped_results=True)``: the same bytes, retention on;
 - ``groups, plain LRU``: the same without retention (``window_retention=False``), to show what it does.
 
 With ``--eviction-policy P`` (not ``lru``) every manager evicts in P's order and the names end in `` P``
@@ -56,33 +56,31 @@ def replay_groups(trace: Trace, capacity_tokens: int, groups: list | None, *, bl
                   retention: bool = True, progress=None, eviction_policy: str = "lru",
                   sessions=None) -> PointResult:
     """One sequence-mode replay at equal KV bytes: ``groups`` None is the one-table manager of
-    ``capacity_tokens // block_size`` blocks, else a HybridBlockManager of ``len(groups)`` times as many. The
+    ``capacity_tokens // block_size`` blocks, else one with the KV cache groups and ``len(groups)`` times as many. The
     result's ``extra`` holds ``tokens_held`` (mean full-attention tokens cached over the second half) and, for
     groups, ``sliding_blocks_held`` (mean sliding-group blocks cached, in one-table block equivalents).
     ``eviction_policy`` (:mod:`pagedkv.retention.eviction`) orders either manager's evictions (over the groups:
     after window retention's spare blocks); ``sessions`` (one conversation id per request,
     :func:`pagedkv.replay.sessions.conversation_ids`): each request's ``set_retention(session=)`` before its
     free, as :func:`pagedkv.replay.sequence.replay_sequence` does."""
+    from ..manager import BlockManager
+
     nb = capacity_tokens // block_size
     if groups is None:
-        from ..manager import BlockManager
-
         bm = BlockManager(nb, block_size, enable_prefix_caching=True, watermark=0.0,
                           eviction_policy=eviction_policy)
         G = 1
     else:
-        from ..hybrid import HybridBlockManager
-
         G = len(groups)
-        bm = HybridBlockManager(G * nb, block_size, kv_cache_groups=groups, enable_prefix_caching=True,
-                                watermark=0.0, window_retention=retention, eviction_policy=eviction_policy)
+        bm = BlockManager(G * nb, block_size, kv_cache_groups=groups, enable_prefix_caching=True, watermark=0.0,
+                          window_retention=retention, eviction_policy=eviction_policy, grouped_results=True)
         tag = np.full(G * nb, -1, dtype=np.int8)  # the group each block was last taken by
         cid = bm._cache.cid
     limit = G * nb
     need = (-(-trace.input_lengths // block_size)).tolist()
     lengths = trace.input_lengths.tolist()
     allocate, free, tokens = bm.allocate, bm.free, trace.tokens
-    hint = bm.set_retention if sessions is not None else None
+    hint = bm.retention.set_retention if sessions is not None else None
     sess = sessions.tolist() if sessions is not None else None
     hits = skipped = prompt = 0
     held: list[tuple[int, int]] = []
@@ -104,7 +102,7 @@ def replay_groups(trace: Trace, capacity_tokens: int, groups: list | None, *, bl
         prompt += lengths[i]
         if not i % _SAMPLE_EVERY:
             if G == 1:
-                held.append((bm.num_cached_blocks, 0))
+                held.append((bm.stats.num_cached_blocks, 0))
             else:
                 cached = cid != 0
                 full = int(np.count_nonzero(cached & (tag == 0)))

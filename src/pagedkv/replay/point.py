@@ -82,6 +82,20 @@ class PointResult:
         return d
 
 
+def setting(bm, name: str, default=None):
+    """A manager's construction setting: ``bm.config.<name>`` on a pagedkv BlockManager, else the attribute of that
+    name (a benchmark adapter of another system), else ``default``. O(1)."""
+    config = getattr(type(bm), "config", None)
+    return getattr(bm.config, name) if isinstance(config, property) else getattr(bm, name, default)
+
+
+def all_or_nothing(cls) -> bool:
+    """Whether ``cls``'s decode_step is all-or-nothing for the batch: its ``atomic_append`` flag where it has one,
+    else True for pagedkv's BlockManager (it has ``config``; every step of it is all or nothing)."""
+    flag = getattr(cls, "atomic_append", None)  # (a class that says so, a subclass of BlockManager included)
+    return bool(flag) if flag is not None else isinstance(getattr(cls, "config", None), property)
+
+
 def make_manager(cls, num_gpu_blocks: int, block_size: int, num_cpu_blocks: int = 0, watermark: float = 0.0,
                  eviction_policy: str = "lru", **options):
     """``cls(num_gpu_blocks, block_size, enable_prefix_caching=True, ...)`` with the CPU tier when

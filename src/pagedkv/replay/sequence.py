@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from .point import PointResult, make_manager, tier_figures
+from .point import PointResult, make_manager, setting, tier_figures
 from .trace import Trace
 
 __all__ = ["replay_sequence"]
@@ -30,14 +30,14 @@ def replay_sequence(trace: Trace, capacity_tokens: int, *, block_size: int = 16,
     num_blocks = capacity_tokens // block_size
     bm = make_manager(manager_cls, num_blocks, block_size, cpu_capacity_tokens // block_size,
                       eviction_policy=eviction_policy)
-    hint = bm.set_retention if sessions is not None else None
+    hint = bm.retention.set_retention if sessions is not None else None
     sess = sessions.tolist() if sessions is not None else None
-    limit = num_blocks - int(getattr(bm, "watermark_blocks", 0) or 0)
+    limit = num_blocks - int(setting(bm, "watermark_blocks", 0) or 0)
     need = (-(-trace.input_lengths // block_size)).tolist()
     lengths = trace.input_lengths.tolist()
     allocate, free, tokens = bm.allocate, bm.free, trace.tokens
     # with the CPU tier each request is one engine step: its copies are taken (and the pinned blocks released)
-    step = bm.take_copy_plan if getattr(bm, "cpu_prefix_cache", False) else None
+    step = bm.take_copy_plan if setting(bm, "cpu_prefix_cache", False) else None
     hits = skipped = prompt = 0
     t0, c0 = time.perf_counter(), time.process_time()
     for i, nb in enumerate(need):
@@ -61,7 +61,7 @@ def replay_sequence(trace: Trace, capacity_tokens: int, *, block_size: int = 16,
         impl = f"{impl} {eviction_policy}"
     res = PointResult(impl, "sequence", capacity_tokens, cpu_capacity_tokens, block_size, requests=len(need) - skipped,
                       skipped=skipped, prompt_tokens=prompt, hit_tokens=hits, seconds=seconds)
-    for k, v in tier_figures(bm.stats, bool(getattr(bm, "cpu_prefix_cache", False))).items():
+    for k, v in tier_figures(bm.stats, bool(setting(bm, "cpu_prefix_cache", False))).items():
         setattr(res, k, v)
     res.cpu_seconds = cpu_seconds
     return res

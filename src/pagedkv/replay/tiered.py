@@ -43,7 +43,7 @@ from ..errors import InvalidArgumentError
 from ..events import MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
 from ..blocks.prefix_cache import block_hashes
 from ..tiers.chain_order import ChainOrder
-from .point import PointResult, make_manager, tier_figures
+from .point import PointResult, make_manager, setting, tier_figures
 from .trace import Trace
 
 __all__ = ["ChainTier", "LruTier", "replay_tiered"]
@@ -242,17 +242,17 @@ def replay_tiered(trace: Trace, capacity_tokens: int, *, block_size: int = 16, c
     num_blocks = capacity_tokens // bs
     bm = make_manager(manager_cls, num_blocks, bs, cpu_capacity_tokens // bs, enable_kv_events=True,
                       max_kv_events=1 << 22)
-    has_cpu = bool(getattr(bm, "cpu_prefix_cache", False))
+    has_cpu = bool(setting(bm, "cpu_prefix_cache", False))
     tier_cls = ChainTier if tier_order == "chain" else LruTier
     disk = tier_cls(disk_capacity_tokens // bs)
     shared = tier_cls(shared_capacity_tokens // bs)
     chains = tier_order == "chain"
     parent_of: dict = {}  # chain key -> its parent's (from the BlockStored events): the chain tiers' parents
     demote_from = MEDIUM_CPU if has_cpu else MEDIUM_GPU
-    limit = num_blocks - int(getattr(bm, "watermark_blocks", 0) or 0)
+    limit = num_blocks - int(setting(bm, "watermark_blocks", 0) or 0)
     need = (-(-trace.input_lengths // bs)).tolist()
     lengths = trace.input_lengths.tolist()
-    allocate, free, tokens, take_events = bm.allocate, bm.free, trace.tokens, bm.take_events
+    allocate, free, tokens, take_events = bm.allocate, bm.free, trace.tokens, bm.events.take
     step = bm.take_copy_plan if has_cpu else None
     hits = disk_hits = shared_hits = skipped = prompt = 0
     t0, c0 = time.perf_counter(), time.process_time()

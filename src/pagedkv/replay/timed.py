@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from ..errors import InvalidArgumentError, OutOfBlocksError
-from .point import PointResult, make_manager, tier_figures
+from .point import PointResult, all_or_nothing, make_manager, setting, tier_figures
 from .trace import Trace
 
 __all__ = ["ServiceModel", "replay_timed"]
@@ -72,12 +72,12 @@ def replay_timed(trace: Trace, capacity_tokens: int, *, block_size: int = 16, cp
     ``mean_wait_s`` (arrival to first admission) and ``steps``. ``progress(k)``: k requests finished or skipped."""
     if manager_cls is None:
         from ..manager import BlockManager as manager_cls
-    if not getattr(manager_cls, "atomic_append", False):
+    if not all_or_nothing(manager_cls):
         raise InvalidArgumentError(f"timed mode needs a manager whose decode_step is all-or-nothing for the batch "
                                    f"(atomic_append); {getattr(manager_cls, '__name__', manager_cls)} is not")
     num_blocks = capacity_tokens // block_size
     bm = make_manager(manager_cls, num_blocks, block_size, cpu_capacity_tokens // block_size, model.watermark)
-    limit = num_blocks - int(getattr(bm, "watermark_blocks", 0) or 0)
+    limit = num_blocks - int(setting(bm, "watermark_blocks", 0) or 0)
     n = len(trace)
     arrival = (trace.timestamps / 1000.0).tolist()
     lengths = trace.input_lengths.tolist()
@@ -85,7 +85,7 @@ def replay_timed(trace: Trace, capacity_tokens: int, *, block_size: int = 16, cp
     allocate, free, decode_step = bm.allocate, bm.free, bm.decode_step
     if getattr(bm, "table_rows", None) is not None:  # pagedkv: the step hands back table changes, not tables
         decode_step = partial(decode_step, block_tables=False)
-    take_copies = bm.take_copy_plan if getattr(bm, "cpu_prefix_cache", False) else None
+    take_copies = bm.take_copy_plan if setting(bm, "cpu_prefix_cache", False) else None
     prepare = getattr(bm, "prepare_step", None)  # anchors: engine-side bookkeeping before each step
     waiting: deque[int] = deque()
     running: list[int] = []  # in admission order (the victim of a preemption is the last one)
@@ -194,7 +194,7 @@ def replay_timed(trace: Trace, capacity_tokens: int, *, block_size: int = 16, cp
         progress(done)
     res = PointResult(impl, "timed", capacity_tokens, cpu_capacity_tokens, block_size, requests=n - skipped,
                       skipped=skipped, prompt_tokens=prompt, hit_tokens=hits, seconds=seconds)
-    for k, v in tier_figures(bm.stats, bool(getattr(bm, "cpu_prefix_cache", False))).items():
+    for k, v in tier_figures(bm.stats, bool(setting(bm, "cpu_prefix_cache", False))).items():
         setattr(res, k, v)
     res.extra = {"preemptions": preempt, "truncated": truncated, "recompute_tokens": rc_tok,
                  "recompute_hit_tokens": rc_hit,
