@@ -215,3 +215,52 @@ def test_the_composite_asks_in_order_and_hands_leftover_loads_on():
         KVConnectors((object(),))
     with pytest.raises(NotImplementedError):
         KVConnector().on_add("r", (), None, None)
+
+
+def test_a_plain_served_request_calls_no_kv_connector_code_and_a_handoff_plugs_the_port_in(engine):
+    import sys
+    import threading
+
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from pagedkv.engine import LLM
+    from pagedkv.engine.kv_port import EngineKVPort
+    from pagedkv.server.launch import make_server
+
+    kv_files = ("engine/connector.py", "engine/kv_port.py", "engine/kv_fetch.py", "engine/kv_tiers.py",
+                "server/kv_handoff.py", "server/kv_transfer.py", "server/kv_reader.py", "server/kv_staging.py")
+    seen, on = set(), threading.Event()
+
+    def profile(frame, event, arg):  # (every call on every thread: the files of the functions called)
+        if on.is_set() and event == "call":
+            seen.add(frame.f_code.co_filename.replace("\\", "/"))
+
+    llm = LLM(engine.paged, num_gpu_blocks=64, max_num_seqs=4, block_size=BS)
+    threading.setprofile(profile)  # (before the server's threads start)
+    sys.setprofile(profile)
+    try:
+        srv = make_server(llm, model_name="m").start_in_thread()
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+    try:
+        body = {"model": "m", "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0,
+                "ignore_eos": True}
+        with httpx.Client(timeout=60) as c:
+            c.post(srv.url + "/v1/completions", json=body).raise_for_status()  # warm-up
+            on.set()
+            r = c.post(srv.url + "/v1/completions", json=body)
+            on.clear()
+            r.raise_for_status()
+            assert any(f.endswith("engine/core.py") for f in seen)  # (the recorder saw the request)
+            assert [f for f in seen if f.endswith(kv_files)] == []
+            assert llm.core.kv_connectors is None
+            # a prefill for a remote decode: the port joins the step loop and holds the prompt's blocks
+            r = c.post(srv.url + "/v1/completions", json={**body, "kv_transfer_params": {"do_remote_decode": True}})
+            r.raise_for_status()
+            assert r.json()["kv_transfer_params"]["remote_block_ids"]
+            (port,) = llm.core.kv_connectors.connectors
+            assert isinstance(port, EngineKVPort)
+    finally:
+        sys.setprofile(None)
+        srv.close()
