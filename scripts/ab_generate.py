@@ -2,7 +2,8 @@
 checkout's, loaded side by side under another package name, alternating run for run::
 
     git archive main src/pagedkv | tar -x -C /tmp/base_main
-    PYTHONPATH=$PWD/src .venv/bin/python scripts/ab_generate.py /tmp/base_main/src/pagedkv --rounds 7
+    PYTHONPATH=$PWD/src .venv/bin/python scripts/ab_generate.py /tmp/base_main/src/pagedkv --rounds 9
+    PYTHONPATH=$PWD/src .venv/bin/python scripts/ab_generate.py /tmp/base_main/src/pagedkv --rounds 9 --other-first
 
 Each round generates the same batch of greedy completions with each engine (the order alternates per round);
 prints each round's ratio this / other and their median. The default model (SmolLM2-135M) on the CPU, one thread.
@@ -34,6 +35,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--other-first", action="store_true",
+                    help="build the other tree's engine first (the engine built second runs a few %% faster here: "
+                         "an A/A run of one tree against itself shows the bias; run both orders)")
     args = ap.parse_args()
     import torch
 
@@ -46,7 +50,8 @@ def main() -> None:
     kw = dict(num_gpu_blocks=256, max_num_seqs=8)
     engines = {"this": this_engine, "other": base_engine}
     # one thread each, fixed (the automatic policy re-reads the free cores and sets torch's process-wide count)
-    llms = {k: e.LLM(None, run_config=e.ModelRunConfig(threads=1), **kw) for k, e in engines.items()}
+    order = ("other", "this") if args.other_first else ("this", "other")
+    llms = {k: engines[k].LLM(None, run_config=engines[k].ModelRunConfig(threads=1), **kw) for k in order}
     prompts = [f"Question {i}: what is the capital of France? Answer:" for i in range(args.batch)]
     params = {k: e.SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
               for k, e in engines.items()}
@@ -64,7 +69,7 @@ def main() -> None:
         ratios.append(t["this"] / t["other"])
         print(f"round {r}: this {t['this']:.3f} s, other {t['other']:.3f} s, ratio {ratios[-1]:.3f}")
     print(f"median ratio this / other: {statistics.median(ratios):.3f} ({args.rounds} rounds, batch "
-          f"{args.batch}, {args.tokens} tokens)")
+          f"{args.batch}, {args.tokens} tokens, built first: {order[0]})")
     del base
 
 
