@@ -28,7 +28,8 @@ def engine():
                       incremental_tables=True)
     kv = torch.zeros(L, 2, 32, BS, H, D)
     llm = SimpleNamespace(block_manager=bm, scheduler=sched, kv_cache=kv, kv_tiers=None, kv_cache_groups=None,
-                          model=SimpleNamespace(w=torch.arange(3.0)))
+                          model=SimpleNamespace(w=torch.arange(3.0)), plugged=[])
+    llm.add_kv_connector = lambda c, first=False: llm.plugged.append(c)  # (EngineCore's: the connectors stepped)
     return llm
 
 
@@ -63,13 +64,14 @@ def test_blocks_held_on_one_engine_arrive_in_the_right_blocks_of_another():
 
     pre, dec = engine(), engine()
     pport, dport = EngineKVPort(pre), EngineKVPort(dec)
-    assert pre.kv_tiers is pport and pport.payload_bytes == L * 2 * BS * H * D * 4
+    assert pre.plugged == [] and pport.payload_bytes == L * 2 * BS * H * D * 4  # (joins the loop when used)
     assert pport.fingerprint == dport.fingerprint  # the same model, dtype, block size and layout
     prompt = list(range(100, 123))  # 23 tokens: 5 whole blocks before the last token
 
     # prefill side: the request is marked, computed in chunks of at most 64 tokens, held at its last chunk
     req = add(pre, pport, "p", prompt, 1)
     pport.hold_on_finish(req, 30.0)
+    assert pre.plugged == [pport]  # the port joined the engine's step loop (EngineCore.add_kv_connector)
     by_id = {"p": req}
     while pre.scheduler.has_unfinished():
         step(pre, pport, by_id)

@@ -81,7 +81,7 @@ def decode(dec, salt, kvp):
 
 def shared(server):
     """(the engine's shared BlockStore, its connector's SHARED counters)"""
-    conn = server.engine.llm.kv_tiers.inner.connector
+    conn = server.engine.llm.kv_tiers.connector
     i = conn.media.index("SHARED")
     return conn.stores()[i], conn.counters()[i]
 
@@ -104,7 +104,7 @@ def test_through_the_shared_store_gives_the_reference_without_an_http_read(engin
     assert pre.kv.stats["store_answers"] >= 1
     # the answer came once every held block was in the store: the decode side's store holds all 5
     store, _ = shared(dec)
-    keys = dec.engine.llm.kv_tiers.store_keys(PROMPT, "store-1", 5)
+    keys = dec.kv.port.store_keys(PROMPT, "store-1", 5)
     assert store.prefix_length(keys) == 5
     st, ext, c = snapshot(dec)
     assert decode(dec, "store-1", kvp) == want_text(engine)
@@ -120,7 +120,7 @@ def test_a_store_missing_a_block_falls_back_to_the_hold(engine, split):
     kvp = prefill(pre, "store-2")
     assert "remote_kv_store" in kvp
     store, _ = shared(dec)
-    keys = dec.engine.llm.kv_tiers.store_keys(PROMPT, "store-2", 5)
+    keys = dec.kv.port.store_keys(PROMPT, "store-2", 5)
     store.backend.discard_many(store.names(keys[3:4]))  # (evicted between the answer and the decode request)
     st, ext, c = snapshot(dec)
     assert decode(dec, "store-2", kvp) == want_text(engine)
@@ -137,7 +137,7 @@ def test_a_corrupted_value_in_the_store_is_refused_and_computed(engine, split):
     pre, dec = split
     kvp = prefill(pre, "store-3")
     store, _ = shared(dec)
-    keys = dec.engine.llm.kv_tiers.store_keys(PROMPT, "store-3", 5)
+    keys = dec.kv.port.store_keys(PROMPT, "store-3", 5)
     (name,) = store.names(keys[2:3])
     (value,) = store.backend.read_many([name])
     bad = bytearray(value)
@@ -155,7 +155,7 @@ def test_a_corrupted_value_in_the_store_is_refused_and_computed(engine, split):
 
 def test_the_store_wait_timing_out_hands_over_by_http(engine, split, monkeypatch):
     pre, dec = split
-    port = pre.engine.llm.kv_tiers
+    port = pre.kv.port
     # the write-through lags: still in flight (as the hook sees it) when --kv-store-wait ends
     monkeypatch.setattr(port, "in_shared_store", lambda keys: False)
     monkeypatch.setattr(port, "stores_pending", lambda: True)
@@ -243,7 +243,7 @@ def test_gemma3_with_kv_cache_groups_through_the_shared_store(gemma, tmp_path):
         # 783 tokens: 48 whole blocks; the window at token 768 sees blocks 16..47 of each sliding group
         assert kvp["remote_kv_store"] == pre.kv.shared_store and kvp["remote_num_tokens"] == 768
         assert pre.kv.stats["store_answers"] == 1 and pre.kv.stats["store_waits_timed_out"] == 0
-        port = dec.engine.llm.kv_tiers
+        port = dec.kv.port
         keys = port.store_keys(case["prompt_ids"], "gemma", 48)
         assert len(keys) == 48 + 5 * 32 and {g for g, _ in keys} == set(range(6))
         assert port.probe_shared(keys) == len(keys)  # every group's keys, each in its group's store

@@ -39,6 +39,7 @@ from ..retention.steering import Pin
 from ..scheduler import FINISH_STOP, Scheduler
 from .build import build_cache, load_model_parts
 from .config import CacheConfig, ModelRunConfig, SchedulerConfig, TierConfig
+from .connector import KVConnector, KVConnectors
 from .kv_tiers import EngineTiers
 from .model import build_attention_metadata, build_group_attention_metadata, execute_copy_plan
 from .outputs import CompletionOutput, EngineTimes, RequestOutput, StepOutput
@@ -130,7 +131,8 @@ class EngineCore:
     ``cpu_kv_cache``, ``kv_cache_groups`` (the groups in use, or None: one table), ``max_model_len``,
     ``max_num_seqs``, ``sliding_window``, ``device``, ``fast_lm_head``, ``quant_kernels``,
     ``enable_chunked_prefill``, ``request_pins`` (:class:`~pagedkv.engine.request_pins.RequestPins`), ``kv_tiers``
-    (the storage tiers or a KV port over them, or None)."""
+    (the storage tiers, or None), ``kv_connectors`` (every KV connector, the tiers included, or None: see
+    :mod:`pagedkv.engine.connector`)."""
 
     def __init__(self, model: Any, cache: CacheConfig, sched: SchedulerConfig, run: ModelRunConfig,
                  tiers: TierConfig, *, seed: int = 0) -> None:
@@ -181,8 +183,10 @@ class EngineCore:
         # request id -> the exception its sampling raised in a step (that request got placeholder tokens and is
         # aborted after the step; the others of the step are unaffected)
         self._sample_faults: dict = {}
-        #: the storage tiers (kv_disk_dir, kv_shared), or None; a KV port may replace it by a wrapper
+        #: the storage tiers (kv_disk_dir, kv_shared), or None
         self.kv_tiers: EngineTiers | None = None
+        #: the KV connectors the step loop calls (the tiers, a KV port), or None: no KV enters or leaves
+        self.kv_connectors: KVConnectors | None = None
         if tiers.enabled:
             grouped = self.kv_cache_groups is not None
             self.kv_tiers = EngineTiers(self.model, self.kv_cache, cache.block_size, disk_dir=tiers.kv_disk_dir,
@@ -192,9 +196,7 @@ class EngineCore:
                                         cpu_kv_cache=self.cpu_kv_cache,
                                         windows=None if not grouped else
                                         tuple(getattr(g, "window", None) for g in self.kv_cache_groups))
-        # the engine's own tiers (a KV port may wrap kv_tiers later; the decode-filled blocks' check digests go
-        # to these)
-        self._own_tiers = self.kv_tiers
+            self.add_kv_connector(self.kv_tiers)
 
     # ------------------------------------------------------------------ read-only views
     @property
@@ -218,9 +220,16 @@ class EngineCore:
         return sched.has_unfinished() or bool(getattr(sched, "num_parked", 0))
 
     def close(self) -> None:
-        """Finish the storage tiers' stores in flight and close them. Nothing to do without tiers."""
-        if self.kv_tiers is not None:
-            self.kv_tiers.close()
+        """Finish the KV connectors' stores in flight and close them. Nothing to do without connectors."""
+        if self.kv_connectors is not None:
+            self.kv_connectors.close()
+
+    def add_kv_connector(self, connector: KVConnector, first: bool = False) -> None:
+        """Plug ``connector`` into the step loop (asked before the others when ``first``); already plugged:
+        nothing. May be called from another thread than the step loop's: the connectors are replaced as one
+        object, so a step sees the old set or the new one. O(connectors)."""
+        c = self.kv_connectors
+        self.kv_connectors = (KVConnectors((connector,)) if c is None else c.with_connector(connector, first))
 
     # ------------------------------------------------------------------ requests in
     def make_request(self, prompt: Any, params: SamplingParams | None = None, *, namespace: Any = None,
@@ -265,8 +274,9 @@ class EngineCore:
         scheduler refuses it."""
         r, p = request, request.params
         wait = False
-        if self.kv_tiers is not None:  # the disk / shared tiers may hold blocks past the GPU and CPU hit
-            wait = self.kv_tiers.on_add(r.request_id, r.prompt_token_ids, r.namespace, self.block_manager)
+        kvc = self.kv_connectors
+        if kvc is not None:  # a tier or a prefill replica may hold blocks past the GPU and CPU hit
+            wait = kvc.on_add(r.request_id, r.prompt_token_ids, r.namespace, self.block_manager)
         try:
             self.scheduler.add_request(r.request_id, r.prompt_token_ids, n=p.n, max_tokens=p.max_tokens,
                                        eos_token_id=self.tokenizer.eos_token_id, ignore_eos=p.ignore_eos,
@@ -274,7 +284,7 @@ class EngineCore:
                                        wait_for_kv=wait, session=r.session)
         except Exception:
             if wait:
-                self.kv_tiers.forget(r.request_id)
+                kvc.forget(r.request_id)
             raise
         self._requests[r.request_id] = r
 
@@ -285,23 +295,23 @@ class EngineCore:
         return self.scheduler.abort_request(request_id)
 
     def poll_tiers(self) -> None:
-        """Account the finished tier loads and stores without a step (an idle server's metrics stay right): loads
-        let their requests join the waiting queue, stores release their pinned blocks. O(finished transfers)."""
-        if self.kv_tiers is not None:
-            self.kv_tiers.poll(self.scheduler)
+        """Account the KV connectors' finished loads and stores without a step (an idle server's metrics stay
+        right): loads let their requests join the waiting queue, stores release their pinned blocks.
+        O(finished transfers)."""
+        if self.kv_connectors is not None:
+            self.kv_connectors.poll(self.scheduler)
 
     def tier_stores_pending(self) -> bool:
-        """Whether tier writes are in flight (a KV port wraps the engine's own tiers: its inner ones are asked)."""
-        t = getattr(self.kv_tiers, "inner", self.kv_tiers)
-        pending = getattr(t, "stores_pending", None)
-        return bool(pending is not None and pending())
+        """Whether a KV connector has writes in flight (or finished and not yet polled)."""
+        return self.kv_connectors is not None and self.kv_connectors.stores_pending()
 
     def wait_for_loads(self, timeout: float) -> bool:
-        """Nothing can run but requests wait for tier loads: block up to ``timeout`` s for one. True if any
+        """Nothing can run but requests wait for KV loads: block up to ``timeout`` s for one. True if any
         request is loading."""
-        if self.kv_tiers is None or not (self.scheduler.num_loading or self.scheduler.num_parked):
+        kvc = self.kv_connectors
+        if kvc is None or not (self.scheduler.num_loading or self.scheduler.num_parked):
             return False
-        self.kv_tiers.wait(timeout)
+        kvc.wait(timeout)
         return True
 
     # ------------------------------------------------------------------ the step
@@ -311,7 +321,7 @@ class EngineCore:
         scheduler itself fails (the engine is then unusable); a request's fault is in the output."""
         sched = self.scheduler
         t0 = time.perf_counter()
-        self.poll_tiers()  # finished tier loads let their requests join the waiting queue
+        self.poll_tiers()  # finished KV loads let their requests join the waiting queue
         plan = sched.schedule()
         t1 = time.perf_counter()
         self._sampling_s = 0.0
@@ -406,15 +416,14 @@ class EngineCore:
             self._update_tables(plan)  # first: every plan's table changes reach the engine, whatever fails later
         if len(plan.copies):  # every copy of the step, in the order the block manager handed them out
             execute_copy_plan(plan.copies, self.kv_cache, self.cpu_kv_cache)
-        if plan.kv_loads and self.kv_tiers is not None:  # reserved blocks: their KV is read off the step loop
-            self.kv_tiers.start_loads(plan.kv_loads)  # (a KV port starts its transfers, passes the tiers' on)
+        kvc = self.kv_connectors
+        if plan.kv_loads and kvc is not None:  # reserved blocks: their KV is read off the step loop
+            kvc.start_loads(plan.kv_loads)
         if not plan.has_forward:  # a step that only moved blocks
             return []
-        tiers = self.kv_tiers
-        if tiers is not None:  # KV loaded from the disk / shared tiers, into its blocks before the forward
-            tiers.write_loads(plan, self.kv_cache)
-        if self._own_tiers is not None:  # the check digests of the blocks decodes fill (their stores need them)
-            self._own_tiers.on_blocks_filled(plan, self.scheduler, by_id)
+        if kvc is not None:  # staged KV into its blocks, and what the step's blocks hold, before the forward
+            kvc.write_loads(plan, self.kv_cache)
+            kvc.on_blocks_filled(plan, self.scheduler, by_id)
         meta, owners, skip = self._metadata(plan, incremental)
         head = self.model.head if self.fast_lm_head else None
         if head is not None:
@@ -423,8 +432,8 @@ class EngineCore:
         else:
             logits = self.model(meta, self.kv_cache).cpu()
         if not owners:  # only chunks that sample nothing
-            if tiers is not None:  # the store plan's blocks: a snapshot for the tiers (written off the loop)
-                tiers.store_computed(plan, self.kv_cache, by_id)
+            if kvc is not None:  # the store plan's blocks: a snapshot for the tiers (written off the loop)
+                kvc.store_computed(plan, self.kv_cache, by_id)
             return [None] * len(plan.prefills)
         t = time.perf_counter()
         head_s = head.seconds if head is not None else 0.0
@@ -449,8 +458,8 @@ class EngineCore:
         out = [toks if num > 1 else toks[0] for toks, (_, num) in zip(drawn, owners)]
         for i in skip:  # (in order: each index counts the entries before it)
             out.insert(i, None)
-        if tiers is not None:  # after sampling (the first token waits for no snapshot): the store plan's blocks
-            tiers.store_computed(plan, self.kv_cache, by_id)
+        if kvc is not None:  # after sampling (the first token waits for no snapshot): what to store or hold
+            kvc.store_computed(plan, self.kv_cache, by_id)
         return out
 
     def _metadata(self, plan: Any, incremental: bool) -> tuple[Any, list, list]:

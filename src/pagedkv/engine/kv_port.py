@@ -3,9 +3,10 @@
 
 Built on the block manager's external KV (docs/external-kv.md: ``hold``, ``release_hold``, ``expire_holds``;
 ``allocate(num_external_tokens=)`` through the scheduler's waiting-for-KV state) and the engine's block payloads
-(:mod:`.kv_io`: ``read_blocks`` / ``write_blocks``, ``model_fingerprint``). It plugs into the step loop where the
-storage tiers do (``llm.kv_tiers``: the tiers' calls are passed on to the engine's own tiers, if any), so the
-engine's code is unchanged:
+(:mod:`.kv_io`: ``read_blocks`` / ``write_blocks``, ``model_fingerprint``). It is a
+:class:`~pagedkv.engine.connector.KVConnector`: it plugs itself into the engine's step loop
+(``EngineCore.add_kv_connector``, asked before the storage tiers) once it is given its first request (a hold to
+take, a transfer to expect or payloads to stage), so an engine that never hands KV over runs none of it:
 
 - **prefill side**: a request marked by :meth:`EngineKVPort.hold_on_finish` is held in the step whose forward
   computes its prompt's last chunk (after the forward, before the step's update frees the finished request):
@@ -44,13 +45,13 @@ prefill replica whose sliding window released a block the transfer needs (a chun
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
-from collections import deque
 from typing import Any, NamedTuple, Sequence
 
 from ..errors import PagedKVError
+from .connector import KVConnector
+from .kv_fetch import ExternalFetch
 from .kv_io import (group_hold_block_ids, group_transfer_order, model_fingerprint, payload_bytes, read_blocks,
                     usable_blocks, write_blocks, write_external, write_external_groups)
 
@@ -73,96 +74,12 @@ class _Held(NamedTuple):
     wire_block_ids: tuple | None = None  # KV cache groups: the blocks served, in group_transfer_order
 
 
-class ExternalFetch:
-    """One request's transfer into its reserved cache blocks (decode side), shared by the server's read (on the
-    event loop) and the engine's step loop (its thread). Made by :meth:`EngineKVPort.expect_external`.
-
-    Server side: ``await reserved()`` (the number of leading values the engine takes once the request's blocks
-    are reserved: all of them, or 0 when the request ended first or needs none), then ``put(payload)`` for each
-    checked value in wire order, then ``end(good, error)`` once (later calls are ignored); ``cancelled`` turns
-    True when the request ended meanwhile (the read may stop: nothing more is written). Engine side: the port
-    decides, takes the arrived payloads (:meth:`take`) and reads :attr:`ended`. Thread-safe; O(1) per call."""
-
-    def __init__(self, request_id: Any, num_blocks: int, num_values: int, wake: threading.Event) -> None:
-        self.request_id = request_id
-        self.num_blocks = int(num_blocks)  # prompt blocks handed over (remote_block_ids)
-        self.num_values = int(num_values)  # values on the wire (KV cache groups: several per block)
-        self._wake = wake
-        self._lock = threading.Lock()
-        self._decided: int | None = None
-        self._waiter: Any = None  # (loop, future) of the server's reserved()
-        self._queue: deque = deque()
-        self.ended: tuple | None = None  #: (good values, error) once the read ended
-        self.cancelled = False
-        self.taken = 0  #: values the engine took so far (written, or dropped)
-
-    # ---------------------------------------------------------------- server side
-    async def reserved(self, gone: Any = None, every_s: float = 0.5) -> int:
-        """Wait for the engine's answer (the values to read; 0: none). ``gone``: a callable checked every
-        ``every_s`` seconds meanwhile; once it returns True (the request's stream ended: the engine failed or
-        dropped it before the scheduler saw it) the wait ends with 0 and the transfer is cancelled."""
-        loop = asyncio.get_running_loop()
-        with self._lock:
-            if self._decided is not None:
-                return self._decided
-            fut = loop.create_future()
-            self._waiter = (loop, fut)
-        while True:
-            try:
-                return await asyncio.wait_for(asyncio.shield(fut), every_s if gone is not None else None)
-            except TimeoutError:
-                if gone():
-                    self.cancel()
-                    return await fut
-
-    def put(self, payload: Any) -> None:
-        if self.cancelled:
-            return  # (dropped at once: its room in the staging budget comes back)
-        self._queue.append(payload)
-        self._wake.set()
-
-    def end(self, good: int, error: str | None) -> None:
-        with self._lock:
-            if self.ended is not None:
-                return
-            self.ended = (int(good), error)
-        self._wake.set()
-
-    # ---------------------------------------------------------------- engine side
-    def decide(self, values: int) -> None:
-        """The engine's answer to :meth:`reserved` (once; later calls are ignored)."""
-        with self._lock:
-            if self._decided is not None:
-                return
-            self._decided = int(values)
-            w, self._waiter = self._waiter, None
-        if w is not None:
-            loop, fut = w
-            try:
-                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(int(values)))
-            except RuntimeError:  # (its loop closed)
-                pass
-
-    def cancel(self) -> None:
-        """The request ended: the read may stop, nothing more is written, queued payloads are dropped."""
-        self.cancelled = True
-        self.decide(0)
-        self._queue.clear()
-
-    def take(self) -> list:
-        out = []
-        q = self._queue
-        while q:
-            out.append(q.popleft())
-        return out
-
-
-class EngineKVPort:
+class EngineKVPort(KVConnector):
     """See the module docstring. ``lock``: the engine's step lock (``AsyncEngine._lock``), held by whoever
     steps the engine; the port takes it to read held blocks and to release or expire holds."""
 
     def __init__(self, llm: Any, lock: Any = None) -> None:
-        llm = getattr(llm, "core", llm)  # (an LLM: its engine core, whose kv_tiers the port takes over)
+        llm = getattr(llm, "core", llm)  # (an LLM: its engine core, whose step loop the port joins)
         bm = llm.block_manager
         if not hasattr(bm, "hold"):
             raise ValueError("a prefill/decode split needs a block manager with holds and external KV")
@@ -189,19 +106,27 @@ class EngineKVPort:
         # request id -> (ExternalFetch, ExternalLoad, wire order with KV cache groups): blocks reserved, KV arriving
         self._fetching: dict = {}
         self._wake = threading.Event()  # set when a read hands over a payload or ends (wait() returns)
-        self._inner = llm.kv_tiers  # the engine's own storage tiers (None without)
+        self._inner = llm.kv_tiers  # the engine's own storage tiers (None without): the shared-store path's
         self.stats = {"held": 0, "blocks_read": 0, "loaded": 0, "written_blocks": 0, "held_incomplete": 0,
                       "fetches_reserved": 0, "fetches_aborted": 0, "fetches_partial": 0}
-        llm.kv_tiers = self
+        self._engaged = False  # plugged into the engine's step loop (on the first request given)
         self._in_shared: dict = {}  # chain keys the shared tier is known to hold (oldest first, bounded)
         self._shared_lock = threading.Lock()
         self._watch_shared()
 
     @property
     def inner(self) -> Any:
-        """The engine's own storage tiers (:class:`pagedkv.engine.kv_tiers.EngineTiers`) this port passes the tiers'
-        calls on to, or None without tiers."""
+        """The engine's own storage tiers (:class:`pagedkv.engine.kv_tiers.EngineTiers`; the shared-store path
+        reads and probes their shared tier), or None without tiers."""
         return self._inner
+
+    def _engage(self) -> None:
+        """Plug the port into the engine's step loop, before the tiers (once; the first request it is given)."""
+        if not self._engaged:
+            add = getattr(self._llm, "add_kv_connector", None)  # (a test's stand-in engine drives the port itself)
+            if add is not None:
+                add(self, first=True)
+            self._engaged = True
 
     # ------------------------------------------------------------------------------------ KVPort (server side)
     @property
@@ -235,6 +160,7 @@ class EngineKVPort:
         return [per[g][j] for g, j in order]
 
     def hold_on_finish(self, request: Any, lease_s: float) -> None:
+        self._engage()
         self._marked[request.request_id] = float(lease_s)
 
     def take_hold(self, request_id: Any) -> _Held | None:
@@ -273,6 +199,7 @@ class EngineKVPort:
             got = {gj: p for gj, p in zip(order, payloads)}
             payloads = [m, {gj: got[gj] for gj in need}] if m else []
         if payloads:
+            self._engage()
             self._staged[request.request_id] = payloads
 
     def expect_external(self, request: Any, num_blocks: int) -> ExternalFetch:
@@ -288,6 +215,7 @@ class EngineKVPort:
         n = int(num_blocks)
         nv = n if self.windows is None else len(group_transfer_order(n, self.block_size, self.windows))
         t = ExternalFetch(request.request_id, n, nv, self._wake)
+        self._engage()
         self._expect[request.request_id] = t
         return t
 
@@ -307,7 +235,7 @@ class EngineKVPort:
         if payloads:
             self._adding[request_id] = payloads
             return True
-        return self._inner.on_add(request_id, token_ids, namespace, block_manager) if self._inner else False
+        return False
 
     def poll(self, scheduler: Any) -> int:
         n = 0
@@ -352,7 +280,7 @@ class EngineKVPort:
                 self._queued.pop(rid).cancel()  # (aborted in the queue: nothing was reserved)
         if self._fetching:
             self._write_arrived(scheduler)
-        return n + (self._inner.poll(scheduler) if self._inner else 0)
+        return n
 
     def _write_arrived(self, scheduler: Any) -> None:
         """Between two steps (the lock held): the payloads that arrived written into their reserved blocks, and
@@ -409,10 +337,10 @@ class EngineKVPort:
             else:
                 scheduler.kv_loaded(rid, k * bs)  # (the rest computed; a window-only load: computed whole)
 
-    def start_loads(self, kv_loads: Any) -> None:
+    def start_loads(self, kv_loads: Any) -> list:
         """After the copy plan of the step that admitted them: the reads of the requests whose blocks this step
-        reserved may start (their KV is written from the next step on); the other loads are the engine's own
-        tiers'. O(loads)."""
+        reserved may start (their KV is written from the next step on); returns the other loads (the storage
+        tiers'). O(loads)."""
         others = []
         for kl in kv_loads:
             t = self._queued.pop(kl.request_id, None)
@@ -424,8 +352,7 @@ class EngineKVPort:
             self._fetching[kl.request_id] = (t, kl.load, order)
             self.stats["fetches_reserved"] += 1
             t.decide(t.num_values)
-        if others and self._inner is not None:
-            self._inner.start_loads(others)
+        return others
 
     def forget(self, request_id: Any) -> None:
         for d in (self._staged, self._adding, self._ready, self._marked, self._held):
@@ -434,16 +361,15 @@ class EngineKVPort:
             t = d.pop(request_id, None)
             if t is not None:
                 t.cancel()
-        if self._inner:
-            self._inner.forget(request_id)
 
-    def wait(self, timeout: float) -> None:
+    def wait(self, timeout: float) -> bool:
         """Nothing else to run (the engine's loop): block until a read hands over a value or ends, or
         ``timeout``. A read hands its values over as its HTTP chunks complete them: once woken, it lingers up to
         ``_LINGER_S`` for more (until ``_LINGER_VALUES`` wait, or a read ended), so that one step writes a few
-        values rather than one step each."""
+        values rather than one step each. True when it had reads in flight or staged payloads to hand over
+        (the next step has work: no other connector need wait), False at once otherwise."""
         if self._fetching or self._asking:  # a read hands over a payload or ends: wake at once
-            self._wake.wait(timeout if self._inner is None else min(timeout, 0.005))
+            self._wake.wait(timeout)
             self._wake.clear()
             if self._fetching:
                 end = time.monotonic() + _LINGER_S
@@ -457,10 +383,8 @@ class EngineKVPort:
                         break
                     self._wake.wait(left)
                     self._wake.clear()
-            if self._inner:
-                self._inner.wait(0.0)
-        elif self._inner and not self._adding:
-            self._inner.wait(timeout)
+            return True
+        return bool(self._adding)
 
     def write_loads(self, plan: Any, kv_cache: Any) -> None:
         if self._queued:  # admitted without a load (its prefix cached here whole): its read is not needed
@@ -477,8 +401,6 @@ class EngineKVPort:
                 self.stats["written_blocks"] += write_external_groups(plan, kv_cache, ready, self.block_size)
             else:
                 self.stats["written_blocks"] += write_external(plan, kv_cache, self._ready, self.block_size)
-        if self._inner:
-            self._inner.write_loads(plan, kv_cache)
 
     def store_computed(self, plan: Any, kv_cache: Any, by_id: dict) -> None:
         if self._marked:
@@ -506,18 +428,6 @@ class EngineKVPort:
                     wire = tuple(wire)
                 self._held[pw.request_id] = _Held(h.hold_id, tuple(h.block_ids[:n]), n * bs, h.expires_at, wire)
                 self.stats["held"] += 1
-        if self._inner:
-            self._inner.store_computed(plan, kv_cache, by_id)
-
-    def take_events(self) -> list:
-        return self._inner.take_events() if self._inner else []
-
-    def snapshot(self) -> Any:
-        return self._inner.snapshot() if self._inner else None
-
-    def close(self, timeout: float = 30.0) -> None:
-        if self._inner:
-            self._inner.close(timeout)
 
     # ------------------------------------------------------------------------------ through the shared store
     # (docs/pd-split.md#through-the-shared-store: a prefill replica answers through the shared tier once its

@@ -2,7 +2,8 @@
 cache, wired into :class:`pagedkv.engine.LLM` on the block manager's external-KV contract (issue 24 items 2-3;
 docs/tiers.md#the-engine, docs/external-kv.md).
 
-One object per engine, used by the step loop only::
+One object per engine, a :class:`~pagedkv.engine.connector.KVConnector` the step loop calls (the prompts' and
+filled blocks' chain keys kept by :class:`~pagedkv.engine.kv_chains.ChainKeys`)::
 
     add a request    on_add: the GPU/CPU hit (lookup_prefix) -> TierConnector.request_lookup of the blocks past it
                      (how many the tiers hold; nothing read yet); the request waits in the scheduler's loading set
@@ -42,25 +43,18 @@ import time
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlparse, urlunparse
 
-import numpy as np
 
 from ..errors import InvalidArgumentError
-from ..blocks.prefix_cache import block_hashes
-from ..tiers import BlockStore, DiskBackend, RedisBackend, SharedDirBackend, check_digests
-from ..tiers.key import chain_next, chain_roots
+from ..tiers import BlockStore, DiskBackend, RedisBackend, SharedDirBackend
 from ..tiers.connector import MEDIUM_DISK, MEDIUM_SHARED, LookupDone, TierConnector
+from .connector import KVConnector
+from .kv_chains import ChainKeys
 from .kv_io import model_fingerprint, payload_bytes, read_blocks, write_blocks
 
 __all__ = ["EngineTiers", "open_shared_backend"]
 
 #: the most chain keys of loaded blocks remembered so that a store plan does not write them back (oldest dropped)
 _MAX_LOADED_KEYS = 1 << 16
-#: the most chain keys whose check digests (pagedkv.tiers.check_digests) are remembered for store plans (oldest
-#: dropped; a planned block whose digest is not known is not stored: a load would refuse it without one)
-_MAX_CHECK_KEYS = 1 << 18
-#: the most sequences (and requests) whose last full block's chain key is remembered, so that the next block a
-#: decode fills chains from it in O(1) (oldest dropped: a sequence that lost its entry rebuilds its chain once)
-_MAX_TAILS = 1 << 16
 _ABSENT = object()
 
 log = logging.getLogger("pagedkv.tiers")
@@ -96,8 +90,9 @@ def open_shared_backend(url: str) -> Any:
     raise InvalidArgumentError(f"kv_shared must be a redis://, rediss://, unix:// or file:/// URL, got {url!r}")
 
 
-class EngineTiers:
-    """The storage tiers of one engine (see the module docstring).
+class EngineTiers(KVConnector):
+    """The storage tiers of one engine, a :class:`~pagedkv.engine.connector.KVConnector` (see the module
+    docstring).
 
     Args:
         model: the engine's model (the fingerprint's weights digest comes from it).
@@ -174,16 +169,11 @@ class EngineTiers:
         self._given_up: set = set()  # reads past their timeout: their result is dropped when it comes
         # chain keys this engine loaded from the tiers (not written back by a store plan), oldest first, bounded
         self._loaded_keys: dict = {}
-        # chain key -> check digest of the prompt blocks of the requests added (store plans name blocks by key only;
-        # with KV cache groups every group's keys: they differ, each group's chain starting from a root of its own)
-        self._checks: dict = {}
-        # chain key -> its parent's chain key, for the same blocks (the store plans carry parents only with KV
-        # events on; the tiers evict a chain's tail before its head with them), bounded like _checks
-        self._parent_keys: dict = {}
-        # sequence id -> (index, chain key) of the last block it filled; request id -> the same for its prompt's
-        # last full block (on_blocks_filled chains the next block from there), each bounded by _MAX_TAILS
-        self._tails: dict = {}
-        self._prompt_tails: dict = {}
+        # the chain keys of the prompts added and the blocks steps fill: chain key -> check digest (store plans
+        # name blocks by key only; with KV cache groups every group's keys, each group's chain from a root of its
+        # own), -> its parent's key (the store plans carry parents only with KV events on), -> its group
+        self._chains = ChainKeys(self.block_size, self.windows)
+        self._checks, self._parent_keys = self._chains.checks, self._chains.parent_keys
         # duplicate loads: request id -> its prompt's chain keys until its lookup is done; chain key -> the request
         # whose reserved run loads it (until that load ends); that request -> the lookups (LookupDone) that wait
         # for it, whose first block it loads (they are made ready once it ends: they then hit its blocks)
@@ -191,8 +181,7 @@ class EngineTiers:
         self._loading_keys: dict = {}
         self._loading: dict = {}  # request id -> the chain keys of its pending load's run
         self._waiters: dict = {}
-        # (KV cache groups) chain key -> its group, for the same keys (a store plan names blocks of every group)
-        self._check_group: dict = {}
+        self._check_group = self._chains.check_group
         #: (KV cache groups) blocks loaded from the tiers into each group
         self.group_loaded_blocks = [0] * (1 if self.windows is None else len(self.windows))
         self.stats = {"loads": 0, "loads_failed": 0, "loads_timed_out": 0, "loaded_blocks": 0,
@@ -207,32 +196,7 @@ class EngineTiers:
         for the store plans and handed to the lookup. O(prompt x groups) (a BLAKE2b call per block, ~1 us)."""
         kw = {} if namespace is None else {"namespace": namespace}
         hit = block_manager.lookup_prefix(token_ids, **kw).num_cached_blocks
-        bs = self.block_size
-        full = list(token_ids[: len(token_ids) // bs * bs])
-        cd = self._checks
-        pk = self._parent_keys
-        if self.windows is None:
-            keys = block_hashes(full, bs, namespace)
-            cd.update(zip(keys, check_digests(full, bs, namespace)))
-            pk.update(zip(keys[1:], keys[:-1]))
-        else:
-            keys = [block_hashes(full, bs, namespace, g) for g in range(len(self.windows))]
-            cg = self._check_group
-            for g, kg in enumerate(keys):
-                cd.update(zip(kg, check_digests(full, bs, namespace, group=g)))
-                cg.update(dict.fromkeys(kg, g))
-                pk.update(zip(kg[1:], kg[:-1]))
-            while len(cg) > _MAX_CHECK_KEYS * len(self.windows):
-                del cg[next(iter(cg))]
-        while len(cd) > _MAX_CHECK_KEYS * len(self.group_loaded_blocks):
-            del cd[next(iter(cd))]
-        while len(pk) > _MAX_CHECK_KEYS * len(self.group_loaded_blocks):
-            del pk[next(iter(pk))]
-        if self.windows is None:
-            if keys:
-                _remember(self._prompt_tails, request_id, (len(keys) - 1, keys[-1]))
-        elif keys[0]:  # (KV cache groups: every group's last key, one chain per group)
-            _remember(self._prompt_tails, request_id, (len(keys[0]) - 1, tuple(kg[-1] for kg in keys)))
+        keys = self._chains.remember_prompt(request_id, token_ids, namespace)
         if not self.connector.request_lookup(request_id, token_ids, namespace, int(hit), keys=keys,
                                              windows=self.windows):
             return False
@@ -402,9 +366,10 @@ class EngineTiers:
             else:
                 scheduler.kv_loaded(rid)  # (aborted meanwhile: its parked blocks are freed)
 
-    def start_loads(self, kv_loads: Any) -> None:
+    def start_loads(self, kv_loads: Any) -> list:
         """Start reading the KV of the requests a step admitted with reserved blocks (``StepPlan.kv_loads``),
-        each from the tiers its lookup found, from its reserved range's first block on. O(loads) here."""
+        each from the tiers its lookup found, from its reserved range's first block on; takes every load (the
+        last connector asked). O(loads) here."""
         bs = self.block_size
         for kl in kv_loads:
             if self.windows is not None:
@@ -431,6 +396,7 @@ class EngineTiers:
             self._reads[kl.request_id] = time.monotonic()
             checks = [0 if c is None else c for c in checks]
             self.connector.request_read(kl.request_id, ext.keys, clipped, None, ext.start_token // bs, checks)
+        return []
 
     def _start_group_read(self, kl: Any) -> None:
         """:meth:`start_loads` of one request with KV cache groups: each group's reserved positions (NULL_BLOCK
@@ -467,107 +433,25 @@ class EngineTiers:
         self._runs.pop(request_id, None)
         self._keys_of.pop(request_id, None)
 
-    def wait(self, timeout: float) -> None:
+    def wait(self, timeout: float) -> bool:
         """Nothing else to run: block until a lookup or read finishes or ``timeout`` (never past the next
-        timeout)."""
+        timeout). True (it waited)."""
         started = list(self._lookups.values()) + list(self._reads.values())
         if started:
             left = min(started) + self.load_timeout_s - time.monotonic()
             timeout = max(0.0, min(timeout, left))
         self.connector.wait(timeout)
+        return True
 
     # ----------------------------------------------------------------------------------------- a step
 
     def on_blocks_filled(self, plan: Any, scheduler: Any, by_id: dict) -> None:
-        """Before a step's store plan is taken: the check digest of every block a sequence fills in this step past
-        its prompt's full blocks (a decode's block, or a recomputed sequence's generated tokens), chained from its
-        parent's (:func:`~pagedkv.tiers.key.chain_next`) and remembered with the prompts' digests, so that a store
-        plan stores decode-filled blocks too. O(1) per filled block (the block's tokens, one xxh3 and one BLAKE2b
-        call) plus a vectorised pass over the decode's positions; a sequence whose parent is not remembered
-        (more than ``_MAX_TAILS`` sequences since) rebuilds its chain once, O(its tokens). With KV cache groups
-        every group's chain is extended (each from its own root, :func:`~pagedkv.tiers.key.chain_roots` with its
-        group) and each key remembered with its group, so that a store plan stores every group's decode-filled
-        blocks under its group's fingerprint: O(groups) per filled block."""
+        """Before the forward: the chain keys and check digests of the blocks the step fills past the prompts'
+        (:meth:`pagedkv.engine.kv_chains.ChainKeys.on_blocks_filled`), so that a store plan stores decode-filled
+        blocks too. Nothing to do with loads only."""
         if self._bm is None or self.store_policy == "none":
             return
-        bs = self.block_size
-        fills = []  # (seq_id, block index)
-        d = plan.decode
-        if d is not None:
-            pos = d.positions
-            ends = (pos + 1) % bs == 0
-            if ends.any():
-                owners = np.repeat(d.seq_ids, d.query_lens)
-                fills += zip(owners[ends].tolist(), ((pos[ends] + 1) // bs - 1).tolist())
-        for pw in plan.prefills:  # (a recomputed sequence's prefill runs over its generated tokens too)
-            r = by_id.get(pw.request_id)
-            if r is None or pw.seq_len <= len(r.prompt_token_ids):
-                continue
-            start = int(pw.positions[0]) if pw.positions.size else pw.seq_len
-            first = max(len(r.prompt_token_ids) // bs, -(-(start + 1) // bs) - 1)
-            fills += [(pw.seq_id, j) for j in range(first, pw.seq_len // bs)]
-        for sid, j in fills:
-            view = scheduler.sequence(sid)
-            r = by_id.get(view.request_id)
-            if r is not None and j >= view.prompt_len // bs:  # (a prompt's full blocks are known since on_add)
-                self._fill(sid, j, r, view.output)
-
-    def _fill(self, sid: Any, j: int, r: Any, output: tuple) -> None:
-        """Chain block ``j`` of sequence ``sid`` (every group's key and check digest with KV cache groups) from its
-        parent's, remembered for the store plans; ``_tails[sid]`` then holds ``(j, key)`` (with groups ``(j,
-        keys)``, one per group)."""
-        bs, cd = self.block_size, self._checks
-        prompt = r.prompt_token_ids
-        plen = len(prompt)
-        ng = None if self.windows is None else len(self.windows)
-
-        def tokens(a: int, z: int) -> list:
-            return list(prompt[a:z]) + list(output[max(a - plen, 0):z - plen]) if z > plen else list(prompt[a:z])
-
-        gs = [0] if ng is None else range(ng)
-        parents = None  # per group (key, check) of block j - 1
-        if j == 0:
-            parents = [chain_roots(r.namespace, g) for g in gs]
-        else:
-            for tail in (self._tails.get(sid), self._prompt_tails.get(r.request_id)):
-                if tail is not None and tail[0] == j - 1:
-                    ks = (tail[1],) if ng is None else tail[1]
-                    cs = [cd.get(k) for k in ks]
-                    if None not in cs and len(ks) == len(gs):
-                        parents = list(zip(ks, cs))
-                        break
-        if parents is None:  # (its parent is no longer remembered: the chain rebuilt from its tokens, once)
-            head = tokens(0, j * bs)
-            parents = []
-            for g in gs:
-                keys, checks = block_hashes(head, bs, r.namespace, g), check_digests(head, bs, r.namespace, g)
-                cd.update(zip(keys, checks))
-                if ng is not None:
-                    self._check_group.update(dict.fromkeys(keys, g))
-                parents.append((keys[-1], checks[-1]))
-        block = tokens(j * bs, (j + 1) * bs)
-        made = []
-        for g, (pk, pc) in zip(gs, parents):
-            key, c = chain_next(pk, pc, block)
-            cd[key] = c
-            self._parent_keys[key] = None if j == 0 else pk
-            if ng is not None:
-                self._check_group[key] = g
-            made.append(key)
-        while len(cd) > _MAX_CHECK_KEYS * len(made):
-            del cd[next(iter(cd))]
-        pkd = self._parent_keys
-        while len(pkd) > _MAX_CHECK_KEYS * len(made):
-            del pkd[next(iter(pkd))]
-        if ng is not None:
-            cg = self._check_group
-            while len(cg) > _MAX_CHECK_KEYS * ng:
-                del cg[next(iter(cg))]
-        _remember(self._tails, sid, (j, made[0] if ng is None else tuple(made)))
-
-    def write_loads(self, plan: Any, kv_cache: Any) -> None:
-        """Nothing to do: a tier load is written into its reserved blocks when it arrives (:meth:`poll`). (Kept
-        for the engine's KV port, which writes its own staged loads here.)"""
+        self._chains.on_blocks_filled(plan, scheduler, by_id)
 
     def store_computed(self, plan: Any, kv_cache: Any, by_id: dict) -> None:
         """After the forward (the engine calls it after sampling, so that no first token waits for it): the block
@@ -650,14 +534,6 @@ class EngineTiers:
 def _runs_of(r: Any) -> Any:
     """A lookup's runs as its read takes them: per tier, or per group and tier with KV cache groups."""
     return r.runs if getattr(r, "group_tiers", None) is None else r.group_tiers
-
-
-def _remember(d: dict, k: Any, v: Any) -> None:
-    """``d[k] = v`` as its newest entry, the oldest dropped past ``_MAX_TAILS``. O(1)."""
-    d.pop(k, None)
-    d[k] = v
-    if len(d) > _MAX_TAILS:
-        del d[next(iter(d))]
 
 
 def _sum_stats(stores: Any) -> Any:

@@ -111,7 +111,7 @@ class LLM:
 
     @property
     def kv_tiers(self) -> Any:
-        """The storage tiers (``TierConfig``), a KV port over them, or None."""
+        """The storage tiers (``TierConfig``), or None (a KV connector: :mod:`pagedkv.engine.connector`)."""
         return self.core.kv_tiers
 
     def close(self) -> None:

@@ -114,8 +114,9 @@ async def _prepare(st: ServerState, req: Any, ids: list, chat: bool) -> Any:
     max_tokens = _max_tokens(st, req, len(ids), chat)
     try:
         st.fit(len(ids), max_tokens, "messages" if chat else "prompt")
-        check_request(kvt, role=kv.role, available=kv.available, block_size=st.bm.block_size,
-                      num_prompt_tokens=len(ids), n=req.n, stream=req.stream)
+        if kvt is not None:  # (a plain request runs no KV-handoff code)
+            check_request(kvt, role=kv.role, available=kv.available, block_size=st.bm.block_size,
+                          num_prompt_tokens=len(ids), n=req.n, stream=req.stream)
         if kvt is not None and kvt.do_remote_prefill:
             kv.check_peer(kvt)
         try:
@@ -165,6 +166,7 @@ async def start(st: ServerState, req: Any, chat: bool) -> RequestStream:
         # writes into them as it arrives (docs/pd-split.md#the-decode-side)
         into = kv.port.expect_external(request, len(kvt.remote_block_ids))
     if kvt is not None and kvt.do_remote_decode:
+        kv.ensure_sweeper()  # (holds are taken: the sweeper releases those past their lease)
         kv.expect_hold(request, ids, req.cache_salt)
     try:
         stream = st.engine.submit(request)
@@ -199,7 +201,8 @@ async def finish(st: ServerState, stream: RequestStream, request: Request,
             return done, extra
         return done, {"kv_transfer_params": await st.kv.answer_async(stream.request_id), **extra}
     finally:
-        st.kv.forget(stream.request_id)
+        if req.kv_transfer is not None:
+            st.kv.forget(stream.request_id)
 
 
 def _abort_on_disconnect(request: Request, stream: RequestStream) -> asyncio.Task:

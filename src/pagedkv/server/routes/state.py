@@ -107,7 +107,6 @@ class ServerState:
         """A ``/v1`` body: the key (401), the server open (503), then :meth:`read`."""
         self.check_auth(request)
         self.check_open()
-        self.kv.ensure_sweeper()
         return await self.read(request, parse)
 
 
