@@ -1,7 +1,7 @@
 """Chunked prefill's second stage: the next chunk of every partly prefilled prompt, appended by one multi-token
 ``decode_step`` (the first chunk comes with the admission, :class:`pagedkv.scheduler.core.Admitter`). A prompt that
 fits the step's token budget never comes here: the per-step loop calls :class:`Chunker` only when
-:func:`pagedkv.scheduler.core.chunks_due` finds a partly prefilled sequence."""
+:meth:`~pagedkv.scheduler.state.Queues.chunks_due` finds a partly prefilled sequence."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ class Chunker(Part):
     def schedule(self, items: list, prefills: list, budget: int, swap_out: list, preempted: list,
                  swapped_in: set) -> tuple[int, np.ndarray]:
         """The chunks ``items`` (``(group, seq, tokens)`` of partly prefilled sequences, oldest admission first:
-        :func:`pagedkv.scheduler.core.chunks_due`), appended by one multi-token ``decode_step``. When they do not fit, the most recently
+        ``Queues.chunks_due``), appended by one multi-token ``decode_step``. When they do not fit, the most recently
         admitted of them is preempted (or only left out of this step if it was swapped in in this step or also
         decodes in it) and the rest is tried again. Appends a :class:`~pagedkv.scheduler.PrefillWork` per chunk to
         ``prefills``; returns the budget left (``budget``: what the chunks left, plus any left out) and the
