@@ -6,7 +6,8 @@ its own: every attribute is the cache's, see that module's docstring); the cache
 
 - KV events (:mod:`pagedkv.events`): recorded only after ``enable_events``; every emission point of the hot path
   tests ``self.events is not None`` first;
-- held copies of cached contents and orphans (below);
+- held copies of cached contents (below; recording one, ``note_copy`` and ``forget_copies``, is on the hot path
+  and stays in the cache): the inheritance of a content by a held copy when its block is evicted; orphans;
 - swap-in's and the CPU tier's lookups by content id and their adoption of a known content;
 - withdrawal on an aborted step (``free(cache=False)``), the namespace sweep, the reset and introspection.
 
@@ -17,7 +18,7 @@ the copy: ``dupc[b]`` is the content id and ``dups`` lists the copies of each co
 evicted, a copy that is still held takes its cache identity (same key, content id and parent: no KV event, no
 demotion) and the evicted block leaves as usual, so the content stays findable while a sequence holds it. A record
 is valid only while ``dupc[b]`` still names the content: an uncached block that returns to the free ring clears it
-(:meth:`CachePeriphery.forget_copies`), a copy that takes an identity clears it, a reset clears all. O(1) a copy;
+(:meth:`~pagedkv.blocks.prefix_cache.PrefixCache.forget_copies`), a copy that takes an identity clears it, a reset clears all. O(1) a copy;
 an eviction pays one dict probe a block while copies are recorded.
 
 The helpers this code shares with the hot module come through the cache's class attributes ``_encode`` (a
@@ -147,30 +148,7 @@ class CachePeriphery:
             out.extend(self.tier.snapshot_events())
         return out
 
-    # ------------------------------------------------------------- held copies of cached contents, and orphans
-    def note_copy(self, block: int, c: int, key: int, pcid: int) -> None:
-        """Record the held, uncached ``block`` as a copy of content ``c`` (key ``key``, parent ``pcid``; see Copies):
-        ``key`` and ``pcid`` are kept in the block's entries (uncached, no map entry) so that the copy carries the
-        content's identity when it is swapped out. O(1) amortised: a list of copies drops its stale records when
-        it reaches 8."""
-        self.dupc_mv[block] = c
-        self.key_mv[block], self.pcid_mv[block] = key, pcid
-        self.has_copies = True
-        got = self.dups.get(c)
-        if got is None:
-            self.dups[c] = [block]
-            return
-        if len(got) >= 8:
-            dupc = self.dupc_mv
-            got[:] = [d for d in got if dupc[d] == c and d != block]
-        got.append(block)
-
-    def forget_copies(self, blocks: np.ndarray) -> None:
-        """Uncached ``blocks`` return to the free ring: they copy nothing any more. O(len(blocks)) once a copy was
-        recorded (since the last reset), else one test."""
-        if self.has_copies:
-            self.dupc[blocks] = 0
-
+    # ------------------------------------- held copies of cached contents (their eviction), and orphans
     def _heirs(self, blocks: np.ndarray) -> list:
         """For evicted ``blocks`` (still cached): ``(i, d)`` for each ``blocks[i]`` of which a held copy ``d``
         takes the identity (see Copies); each such content's record keeps its other copies. A few numpy calls

@@ -45,9 +45,9 @@ goes on without it) into the dict. Every method that reads the dict as the whole
 registration, eviction and the manager's lookup walk work with runs, so a workload of prompts allocated and freed
 keeps them, and a decode step after an allocation pays the inserts the allocation saved.
 
-Copies (held, uncached blocks whose content another block caches), orphans, KV events, swap-in's adoption,
-withdrawal, the namespace sweep and the reset are the cold parts: :mod:`pagedkv.blocks.cache_periphery`, the base
-class :class:`~pagedkv.blocks.cache_periphery.CachePeriphery`. This module keeps what a request calls.
+This module keeps what a request calls (recording a copy too: Copies in :mod:`.cache_periphery`); the cold parts
+(a copy's inheritance at eviction, orphans, KV events, swap-in's adoption, withdrawal, the namespace sweep, the
+reset) are its base class :class:`~pagedkv.blocks.cache_periphery.CachePeriphery`.
 """
 
 from __future__ import annotations
@@ -236,16 +236,11 @@ class PrefixCache(CachePeriphery):
     Internal to pagedkv. A *parent* is passed as ``(cid, key)``; ``cid == 0`` means a broken chain (nothing
     after it is cached).
 
-    **Shared state** (public attributes the manager's parts read, and where noted write, on their hot paths;
-    the arrays are never rebound): the per-block arrays ``tok`` (the parts write a block's tokens), ``key``,
-    ``cid``, ``pcid``, ``succ``, ``dl`` and their memoryviews ``tok_mv``, ``key_mv``, ``cid_mv``, ``pcid_mv``,
-    ``succ_mv``, ``dl_mv`` (plain-Python element access); ``map`` (dict key -> block of the cached blocks that are
-    not dict-less: a lookup probes it directly; only this class changes it) and ``ndl`` (how many cached blocks
-    are dict-less: while it is non-zero a reader that needs the map as the whole index calls :meth:`flush`);
-    ``roots`` (encoded namespace -> its root ``(cid, key)``; the manager sweeps it past ``sweep_at``);
-    ``serial`` (the last content id handed out); ``ns_list`` (namespace index -> namespace, for KV events);
-    ``block_size``; ``evictor`` and ``tier``. :meth:`emit`, :meth:`emit_stored` and :meth:`emit_removed` append KV
-    events (no-ops when events are off).
+    **Shared state**: the public attributes the manager's parts read, and where noted write, on their hot paths
+    (the per-block arrays, never rebound, and their memoryviews; ``map``, ``ndl``, ``roots``, ``serial``,
+    ``ns_list``, ``block_size``, ``evictor``, ``tier``; the KV-event emitters): docs/design.md, "The manager in
+    parts". Only this class changes ``map``; while ``ndl`` is non-zero a reader of the whole index calls
+    :meth:`flush`.
     """
 
     __slots__ = ("map", "tok", "key", "cid", "pcid", "evictor", "roots", "serial", "evictions", "_width",
@@ -382,6 +377,29 @@ class PrefixCache(CachePeriphery):
                     self._uncache(other)  # (an orphan: its parent left the cache); this block replaces it
                 return self.register(block, pcid, pkey, namespace, emit)
         return 0, 0
+
+    def note_copy(self, block: int, c: int, key: int, pcid: int) -> None:
+        """Record the held, uncached ``block`` as a copy of content ``c`` (key ``key``, parent ``pcid``; see Copies):
+        ``key`` and ``pcid`` are kept in the block's entries (uncached, no map entry) so that the copy carries the
+        content's identity when it is swapped out. O(1) amortised: a list of copies drops its stale records when
+        it reaches 8."""
+        self.dupc_mv[block] = c
+        self.key_mv[block], self.pcid_mv[block] = key, pcid
+        self.has_copies = True
+        got = self.dups.get(c)
+        if got is None:
+            self.dups[c] = [block]
+            return
+        if len(got) >= 8:
+            dupc = self.dupc_mv
+            got[:] = [d for d in got if dupc[d] == c and d != block]
+        got.append(block)
+
+    def forget_copies(self, blocks: np.ndarray) -> None:
+        """Uncached ``blocks`` return to the free ring: they copy nothing any more. O(len(blocks)) once a copy was
+        recorded (since the last reset), else one test."""
+        if self.has_copies:
+            self.dupc[blocks] = 0
 
     def register_chains(self, blocks: np.ndarray, counts: np.ndarray, pcids: np.ndarray,
                         pkeys: np.ndarray, namespaces: list | None = None,
