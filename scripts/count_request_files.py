@@ -62,12 +62,13 @@ def count_serve(rec: Recorder, llm, prompt: str) -> set[str]:
     srv = make_server(llm, model_name="m").start_in_thread()
     try:
         body = {"model": "m", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        url = srv.url + "/v1/completions"  # (read before recording: the client's own call is not the request's path)
         with httpx.Client(timeout=60) as c:
-            c.post(srv.url + "/v1/completions", json=body).raise_for_status()  # warm-up
+            c.post(url, json=body).raise_for_status()  # warm-up
             rec.files.clear()
             rec.on = True
             try:
-                r = c.post(srv.url + "/v1/completions", json=body)
+                r = c.post(url, json=body)
             finally:
                 rec.on = False
             r.raise_for_status()

@@ -20,7 +20,7 @@ from pagedkv.manager._offstep import OffStep
 from pagedkv.hybrid import GroupedManager
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "pagedkv"
-PART_MODULES = ["manager/_rows", "blocks/_blocks", "manager/_window", "manager/_registry", "manager/_step",
+PART_MODULES = ["manager/_rows", "blocks/pool", "manager/_window", "manager/_registry", "manager/_step",
                 "manager/_small", "manager/_alloc", "manager/_swap", "manager/_invariants", "manager/_external",
                 "manager/_stores",
                 "hybrid/_retention"]

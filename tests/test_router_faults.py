@@ -307,7 +307,7 @@ def test_hostile_requests_are_answered_4xx_by_the_router_and_never_reach_a_repli
 def test_non_finite_and_huge_numbers_get_the_servers_answer(cleanup):
     """The router answers what the server's own parser answers (NaN and Infinity, which Python's JSON reads,
     and a seed beyond 64 bits): never a 5xx, and a rejected request never reaches a replica."""
-    from pagedkv.server.protocol import APIError, parse_completion
+    from pagedkv.server.validation import APIError, parse_completion
 
     rep = ThreadReplica(0.01)
     cleanup.append(rep)

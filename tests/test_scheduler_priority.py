@@ -31,9 +31,9 @@ def test_victim_is_the_largest_priority_value():
         sched.add_request(rid, [1, 2, 3], priority=prio)
     for g in sorted(q.waiting, key=lambda g: g.arrival):  # as if admitted in arrival order
         q.running[g.arrival] = g
-    assert q.victim().request_id == "bulk"
+    assert sched._preemptor.victim().request_id == "bulk"
     q.by_priority = False
-    assert q.victim().request_id == "normal"  # fcfs: the most recently admitted
+    assert sched._preemptor.victim().request_id == "normal"  # fcfs: the most recently admitted
 
 
 def _run_two(policy):

@@ -2,11 +2,12 @@
 
 ::
 
-    pool          BlockPool: refcounts and the free ring of one pool (GPU or CPU)
-    prefix_cache  chained content keys, the cache map key -> block, its KV events
-    policy        EvictionPolicy, the base class of the eviction policies (segments of push logs), POLICIES
-    evictor       the eviction order of unreferenced cached blocks (LRU; RetentionEvictor)
-    _blocks       Blocks: taking and releasing blocks over the pools and the evictor
+    pool             BlockPool: refcounts and the free ring of one pool (GPU or CPU); Blocks: taking and releasing
+                     blocks over the pools and the evictor
+    prefix_cache     chained content keys, the cache map key -> block: what a request calls
+    cache_periphery  the prefix cache's cold parts (its base class): KV events, copies, swap-in adoption, reset
+    policy           EvictionPolicy, the base class of the eviction policies (segments of push logs), POLICIES
+    evictor          the eviction order of unreferenced cached blocks (LRU; RetentionEvictor)
 
 Nothing here knows about sequences; :mod:`pagedkv.manager` does.
 """

@@ -45,15 +45,9 @@ goes on without it) into the dict. Every method that reads the dict as the whole
 registration, eviction and the manager's lookup walk work with runs, so a workload of prompts allocated and freed
 keeps them, and a decode step after an allocation pays the inserts the allocation saved.
 
-Copies. A sequence that fills a block whose content another block caches already (held or idle) keeps its block
-uncached (one block a key) and chains on from the cached content: an abort of the step (``free(cache=False)``)
-then withdraws only contents its call cached anew, never one another sequence's chain runs through. It records
-the copy: ``dupc[b]`` is the content id and ``dups`` lists the copies of each content id. When the cached block is evicted, a copy that
-is still held takes its cache identity (same key, content id and parent: no KV event, no demotion) and the
-evicted block leaves as usual, so the content stays findable while a sequence holds it. A record is valid only
-while ``dupc[b]`` still names the content: an uncached block that returns to the free ring clears it
-(:meth:`forget_copies`), a copy that takes an identity clears it, a reset clears all. O(1) a copy; an eviction
-pays one dict probe a block while copies are recorded.
+This module keeps what a request calls (recording a copy too: Copies in :mod:`.cache_periphery`); the cold parts
+(a copy's inheritance at eviction, orphans, KV events, swap-in's adoption, withdrawal, the namespace sweep, the
+reset) are its base class :class:`~pagedkv.blocks.cache_periphery.CachePeriphery`.
 """
 
 from __future__ import annotations
@@ -65,7 +59,8 @@ import numpy as np
 import xxhash
 
 from ..errors import InvalidArgumentError, InvalidTokensError
-from ..events import AllBlocksCleared, BlockRemoved, BlockStored
+from ..events import BlockStored
+from .cache_periphery import CachePeriphery
 from .evictor import LRUEvictor
 
 __all__ = ["LRUEvictor", "PrefixCache", "PromptKeys", "block_hashes", "block_key"]
@@ -235,29 +230,30 @@ def _encode_namespace(namespace: object) -> bytes:
     raise InvalidArgumentError(f"namespace must be None, str, bytes or int, got {type(namespace).__name__}")
 
 
-class PrefixCache:
+class PrefixCache(CachePeriphery):
     """Per-block content state (see the module docstring), the map ``key -> block`` and the evictor.
 
     Internal to pagedkv. A *parent* is passed as ``(cid, key)``; ``cid == 0`` means a broken chain (nothing
     after it is cached).
 
-    **Shared state** (public attributes the manager's parts read, and where noted write, on their hot paths;
-    the arrays are never rebound): the per-block arrays ``tok`` (the parts write a block's tokens), ``key``,
-    ``cid``, ``pcid``, ``succ``, ``dl`` and their memoryviews ``tok_mv``, ``key_mv``, ``cid_mv``, ``pcid_mv``,
-    ``succ_mv``, ``dl_mv`` (plain-Python element access); ``map`` (dict key -> block of the cached blocks that are
-    not dict-less: a lookup probes it directly; only this class changes it) and ``ndl`` (how many cached blocks
-    are dict-less: while it is non-zero a reader that needs the map as the whole index calls :meth:`flush`);
-    ``roots`` (encoded namespace -> its root ``(cid, key)``; the manager sweeps it past ``sweep_at``);
-    ``serial`` (the last content id handed out); ``ns_list`` (namespace index -> namespace, for KV events);
-    ``block_size``; ``evictor`` and ``tier``. :meth:`emit`, :meth:`emit_stored` and :meth:`emit_removed` append KV
-    events (no-ops when events are off).
+    **Shared state**: the public attributes the manager's parts read, and where noted write, on their hot paths
+    (the per-block arrays, never rebound, and their memoryviews; ``map``, ``ndl``, ``roots``, ``serial``,
+    ``ns_list``, ``block_size``, ``evictor``, ``tier``; the KV-event emitters): docs/design.md, "The manager in
+    parts". Only this class changes ``map``; while ``ndl`` is non-zero a reader of the whole index calls
+    :meth:`flush`.
     """
 
     __slots__ = ("map", "tok", "key", "cid", "pcid", "evictor", "roots", "serial", "evictions", "_width",
                  "cid_mv", "tok_mv", "key_mv", "pcid_mv", "tier", "fresh", "fresh_serial", "events", "event_overflows", "_ev_max", "_ev_lost", "pkey", "nsid", "_ns_ids", "ns_list", "block_size",
                  "_root_serial", "_ns_free", "sweep_at", "grouped", "void", "dl", "succ", "ndl", "_runs",
                  "_runs_keep", "succ_mv", "dl_mv", "pool", "dupc", "dupc_mv",
-                 "dups", "has_copies")
+                 "dups", "has_copies", "_sweep_min")
+
+    # the helpers CachePeriphery's methods use (it cannot import this module)
+    _encode = staticmethod(_encode_namespace)
+    _block_key = staticmethod(block_key)
+    _stored_event = staticmethod(_stored_event)
+    _group_of = staticmethod(lambda ns: ns.group if type(ns) is _GroupNS else None)
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.map: dict[int, int] = {}
@@ -308,129 +304,8 @@ class PrefixCache:
         self.ns_list: list[object] = []
         self._ns_free: list[int] = []  # released slots of ns_list
         self._root_serial = 0  # roots handed out (a root's cid is -serial; never reused)
-        self.sweep_at = _SWEEP_MIN  # the manager releases unused namespaces when roots grows past this
+        self.sweep_at = self._sweep_min = _SWEEP_MIN  # the manager releases unused namespaces past sweep_at
         self.grouped = False  # a KV cache group's namespace was seen: removals carry their group (emit_removed)
-
-    # ------------------------------------------------------------------ KV events
-    def enable_events(self, max_events: int) -> None:
-        """Record KV events (:mod:`pagedkv.events`), at most ``max_events`` until taken. Adds 12 bytes a block
-        (each cached block's parent key and namespace, for the events and for a resynchronisation)."""
-        n = self.cid.size
-        self.events, self._ev_max = [], max_events
-        self.pkey = np.zeros(n, dtype=np.uint64)
-        self.nsid = np.zeros(n, dtype=np.int32)
-
-    def _ns_index(self, namespace: object) -> int:
-        data = _encode_namespace(namespace)
-        i = self._ns_ids.get(data)
-        if i is None:
-            if self._ns_free:
-                i = self._ns_free.pop()
-                self.ns_list[i] = namespace
-            else:
-                i = len(self.ns_list)
-                self.ns_list.append(namespace)
-            self._ns_ids[data] = i
-            if type(namespace) is _GroupNS:
-                self.grouped = True
-        return i
-
-    def emit_removed(self, keys: list, nsids, medium: str) -> None:
-        """Record a BlockRemoved for ``keys`` (whose namespace indexes are ``nsids``): one event, or one per KV
-        cache group, in order, when groups are in use."""
-        if not self.grouped:
-            self.emit(BlockRemoved(keys, medium))
-            return
-        by: dict = {}
-        nsl = self.ns_list
-        for k, i in zip(keys, nsids.tolist() if hasattr(nsids, "tolist") else nsids):
-            ns = nsl[i]
-            by.setdefault(ns.group if type(ns) is _GroupNS else None, []).append(k)
-        for g, ks in by.items():
-            self.emit(BlockRemoved(ks, medium, g))
-
-    def emit(self, event) -> None:
-        ev = self.events
-        if len(ev) >= self._ev_max:  # overflow: drop the buffer; the next take answers with a full resync
-            ev.clear()
-            self._ev_lost = True
-            self.event_overflows += 1
-            return
-        if not self._ev_lost:
-            ev.append(event)
-
-    def emit_stored(self, blocks: list[int], keys: list[int], pcid: int, pkey: int, namespace: object) -> None:
-        """Record a BlockStored for a chain of newly cached ``blocks`` (and their parent key and namespace)."""
-        nsi = self._ns_index(namespace)
-        bl = np.asarray(blocks, dtype=np.int64)
-        self.pkey[bl[0]] = pkey
-        if bl.size > 1:
-            self.pkey[bl[1:]] = np.asarray(keys[:-1], dtype=np.uint64)
-        self.nsid[bl] = nsi
-        self.emit(_stored_event(list(keys), None if pcid < 0 else pkey, self.tok[bl].reshape(-1).tolist(), self.block_size,
-                                 "GPU", namespace))
-
-    def _stored_chains(self, blocks: np.ndarray, bl: list, keys: list, counts: np.ndarray, pcids: np.ndarray,
-                       pkeys: np.ndarray, namespaces: list | None) -> None:
-        """:meth:`emit_stored` for the chains of one :meth:`register_chains` call: the per-block arrays in a few
-        vectorised writes, then one BlockStored per chain (a microsecond or so each)."""
-        cl = counts.tolist()
-        if len(cl) == len(keys):  # one block per chain
-            self.pkey[blocks] = pkeys
-        else:
-            parent = np.empty(len(keys), dtype=np.uint64)
-            parent[1:] = keys[:-1]
-            heads = np.cumsum(counts) - counts
-            parent[heads] = pkeys
-            self.pkey[blocks] = parent
-        nss = namespaces or [None] * len(cl)
-        nsi = [self._ns_index(ns) for ns in nss]
-        self.nsid[blocks] = np.repeat(np.array(nsi, dtype=np.int32), counts) if len(cl) != len(keys) else nsi
-        toks = self.tok[blocks].tolist()
-        bs, emit, pos = self.block_size, self.emit, 0
-        for m, pc, pk, ns in zip(cl, pcids.tolist(), pkeys.tolist(), nss):
-            if m == 1:
-                emit(_stored_event([keys[pos]], None if pc < 0 else pk, toks[pos], bs, "GPU", ns))
-            else:
-                emit(_stored_event(keys[pos : pos + m], None if pc < 0 else pk,
-                                   [t for row in toks[pos : pos + m] for t in row], bs, "GPU", ns))
-            pos += m
-
-    def take_events(self) -> list:
-        """The events since the last call, in order (and clear them); a full resync after an overflow."""
-        if self._ev_lost:
-            self._ev_lost = False
-            self.events = []
-            return [AllBlocksCleared()] + self.snapshot_events()
-        out, self.events = self.events, []
-        return out
-
-    def snapshot_events(self) -> list:
-        """One BlockStored per cached block, parents before children (content ids grow along a chain)."""
-        cached = np.flatnonzero(self.cid)
-        cached = cached[np.argsort(self.cid[cached], kind="stable")]
-        bs, ns = self.block_size, self.ns_list
-        out = []
-        for b, k, p, pc, i in zip(cached.tolist(), self.key[cached].tolist(), self.pkey[cached].tolist(),
-                                  self.pcid[cached].tolist(), self.nsid[cached].tolist()):
-            out.append(_stored_event([k], None if pc < 0 else p, self.tok[b].tolist(), bs, "GPU",
-                                     ns[i] if ns else None))
-        if self.tier is not None:
-            out.extend(self.tier.snapshot_events())
-        return out
-
-    def mapping(self) -> dict[int, int]:
-        """``key -> block`` of every cached block: the map plus the dict-less blocks. Changes nothing (for checks
-        and tests). O(cached blocks)."""
-        out = dict(self.map)
-        if self.ndl:
-            b = np.flatnonzero(self.dl)
-            out.update(zip(self.key[b].tolist(), b.tolist()))
-        return out
-
-    def __len__(self) -> int:
-        """Cached blocks (referenced or not)."""
-        return len(self.map) + self.ndl
 
     # ------------------------------------------------------------------ namespaces
     def root(self, namespace: object, intern: bool = True) -> tuple[int, int]:
@@ -450,52 +325,6 @@ class PrefixCache:
         n = len(self.roots)
         self.root(namespace, intern=True)
         return len(self.roots) != n
-
-    def release_namespaces(self, keep: set, cpu_ident: np.ndarray | None = None) -> int:
-        """Forget the namespaces nothing uses: no cached block chains from their root (GPU, or CPU rows of
-        ``cpu_ident`` with a content id: the tier's and swapped blocks), and their encoding is not in ``keep``
-        (the namespaces of live sequences). A namespace seen again later gets a new root (a new content id):
-        blocks cached under the old one cannot be hit then, and none exists. Then :attr:`sweep_at` becomes twice
-        the namespaces kept (at least 1024), so that memory stays proportional to the namespaces in use and the
-        sweeps cost O(1) amortised per new namespace. Returns how many were released. O(blocks + namespaces)."""
-        cached = self.cid != 0
-        pc = self.pcid[cached]
-        used = set(pc[pc < 0].tolist())
-        ns_used = set(self.nsid[cached].tolist()) if self.nsid is not None else set()
-        if cpu_ident is not None:
-            held = cpu_ident[0] != 0
-            pc = cpu_ident[2, held]
-            used.update(pc[pc < 0].tolist())
-            if self.nsid is not None:
-                ns_used.update(cpu_ident[4, held].tolist())
-        before = len(self.roots)
-        self.roots = {d: r for d, r in self.roots.items() if r[0] in used or d in keep}
-        for d, i in list(self._ns_ids.items()):
-            if i not in ns_used and d not in keep:
-                del self._ns_ids[d]
-                self.ns_list[i] = None
-                self._ns_free.append(i)
-        self.sweep_at = max(_SWEEP_MIN, 2 * len(self.roots))
-        return before - len(self.roots)
-
-    # ------------------------------------------------------------------ lookup
-    def find(self, pcid: int, pkey: int, data: bytes) -> tuple[int, int]:
-        """``(block, key)``: the block caching ``data`` after parent ``(pcid, pkey)``, or -1, and the key of
-        that content. O(1) plus one compare of ``data``."""
-        if self.ndl:
-            self.flush()
-        key = _xxh3(data, seed=pkey)
-        b = self.map.get(key, -1)
-        if b >= 0 and (self.pcid[b] != pcid or self.tok[b].tobytes() != data):
-            return -1, key  # hash collision: never a hit
-        return b, key
-
-    def lookup(self, cid: int, key: int) -> int:
-        """Block currently caching exactly the content ``cid`` (known by its ``key``), or -1."""
-        if self.ndl:
-            self.flush()
-        b = self.map.get(key, -1)
-        return b if b >= 0 and self.cid[b] == cid else -1
 
     # ------------------------------------------------------------------ registration
     def register(self, block: int, pcid: int, pkey: int, namespace: object = None, emit: bool = True) -> tuple[int, int]:
@@ -571,87 +400,6 @@ class PrefixCache:
         recorded (since the last reset), else one test."""
         if self.has_copies:
             self.dupc[blocks] = 0
-
-    def _heirs(self, blocks: np.ndarray) -> list:
-        """For evicted ``blocks`` (still cached): ``(i, d)`` for each ``blocks[i]`` of which a held copy ``d``
-        takes the identity (see Copies); each such content's record keeps its other copies. A few numpy calls
-        over ``blocks`` and the recorded contents, then O(1) a block whose content has copies."""
-        dups, dupc, ref, tok = self.dups, self.dupc_mv, self.pool.ref_mv, self.tok
-        cid = self.cid_mv
-        cids = self.cid[blocks]
-        rec = np.fromiter(dups.keys(), dtype=np.int64, count=len(dups))
-        out = []
-        for i in np.flatnonzero(np.isin(cids, rec)).tolist():  # (a few numpy calls, however many blocks)
-            b = int(blocks[i])
-            c = cid[b]
-            got = dups.pop(c, None)
-            if not got:
-                continue
-            for n, d in enumerate(got):
-                if dupc[d] == c and ref[d] > 0 and cid[d] == 0 and d != b and np.array_equal(tok[d], tok[b]):
-                    out.append((i, d))
-                    rest = [x for x in got[n + 1 :] if dupc[x] == c]
-                    if rest:
-                        dups[c] = rest
-                    break
-        return out
-
-    def _inherit(self, blocks: np.ndarray, heirs: list, cids: np.ndarray) -> np.ndarray:
-        """Give each heir ``d`` of ``heirs`` (from :meth:`_heirs`) the identity of the evicted ``blocks[i]`` whose
-        content id was ``cids[i]`` (the map side of their eviction done). Returns the mask of ``blocks`` whose
-        content left the cache. O(len(heirs))."""
-        gone = np.ones(blocks.size, dtype=bool)
-        mp = self.map
-        for i, d in heirs:
-            b = int(blocks[i])
-            k = self.key_mv[b]
-            if mp.setdefault(k, d) != d:  # (the key is cached again already: nothing to inherit)
-                continue
-            self.cid_mv[d], self.key_mv[d], self.pcid_mv[d] = int(cids[i]), k, self.pcid_mv[b]
-            self.succ_mv[d] = -1
-            self.dupc_mv[d] = 0
-            if self.fresh is not None:  # (its KV is written by this step's forward: never demoted in this step)
-                self.fresh[d] = self.fresh_serial
-            if self.events is not None:
-                self.pkey[d], self.nsid[d] = self.pkey[b], self.nsid[b]
-            gone[i] = False
-        return gone
-
-    def _parked(self, block: int) -> bool:
-        """Whether the idle ``block`` is parked by a pin (steering.SteeredEvictor): it cannot be evicted, so its
-        content stays cached, and the pin holds that very block. O(1)."""
-        parked = getattr(self.evictor, "parked", None)
-        return parked is not None and bool(parked[block])
-
-    def live_parent(self, pcid: int, pkey: int) -> bool:
-        """Whether the content ``pcid`` (key ``pkey``) is the one a lookup reaches under ``pkey``: a namespace root,
-        the GPU block cached under ``pkey``, or, with no GPU block under it, the CPU tier's. A cached block under
-        the key chained from ``pkey`` whose parent is another content is then unreachable (an orphan: its parent
-        was evicted; a content id is never reused). Map already flushed. O(1)."""
-        if pcid < 0:
-            return True
-        p = self.map.get(pkey)
-        if p is not None:
-            return self.cid_mv[p] == pcid
-        if self.tier is not None:
-            c = self.tier.map.get(pkey)
-            return c is not None and self.tier.cpu_id[0, c] == pcid
-        return False
-
-    def _uncache(self, block: int) -> None:
-        """Forget the cached content of ``block`` (in the map, map flushed): unreferenced, it goes to the free
-        ring; held, it stays with its sequences, uncached. A ``BlockRemoved`` event. O(1)."""
-        k = self.key_mv[block]
-        del self.map[k]
-        if self.dups:
-            self.dups.pop(self.cid_mv[block], None)
-        self.cid_mv[block] = 0
-        self.succ_mv[block] = -1
-        if self.events is not None:
-            self.emit_removed([k], [int(self.nsid[block])], "GPU")
-        if self.pool is not None and self.pool.ref_mv[block] == 0:
-            self.evictor.discard(block)
-            self.pool.give(np.array([block], dtype=np.int32))
 
     def register_chains(self, blocks: np.ndarray, counts: np.ndarray, pcids: np.ndarray,
                         pkeys: np.ndarray, namespaces: list | None = None,
@@ -807,75 +555,6 @@ class PrefixCache:
                 self.ndl -= orphan.size
         return keys
 
-    def adopt(self, block: int, cid: int, key: int, pcid: int, pkey: int = 0, namespace: object = None) -> bool:
-        """Cache ``block`` (uncached, ``tok`` written) as the existing content ``cid`` (swap-in of a block that
-        was cached before it left: blocks chained after it stay reachable). False when the key is taken."""
-        if self.ndl:
-            self.flush()
-        if key in self.map:
-            return False
-        self.cid[block], self.key[block], self.pcid[block] = cid, key, pcid
-        self.map[key] = block
-        if self.fresh is not None:
-            self.fresh[block] = self.fresh_serial
-        if self.events is not None:
-            self.emit_stored([block], [key], pcid, pkey, namespace)
-        return True
-
-    def adopt_many(self, blocks: np.ndarray, cids: np.ndarray, keys: np.ndarray, pcids: np.ndarray,
-                   pkeys: np.ndarray, nsids: np.ndarray) -> None:
-        """:meth:`adopt` of several blocks (promotions from the CPU tier; namespaces as indexes of this cache's
-        namespace list). A block whose key is taken stays uncached, unless the block holding the key is an orphan
-        (another parent): that one is uncached instead."""
-        if self.ndl:
-            self.flush()
-        kl = keys.tolist()
-        mp = self.map
-        free = np.fromiter((k not in mp for k in kl), dtype=bool, count=len(kl))
-        if not free.all():
-            # a key held by a block of another parent: an orphan (the promoted content's parent is the one a lookup
-            # just reached), replaced as registration replaces one (PrefixCache.register)
-            for i in np.flatnonzero(~free).tolist():
-                o = mp[kl[i]]
-                if self.pcid_mv[o] != pcids[i]:
-                    if self.pool is not None and self._parked(o):  # a pinned orphan: chained under the live
-                        if self.tok[o].tobytes() == self.tok[blocks[i]].tobytes():  # parent, the promoted block
-                            self.pcid_mv[o] = pcids[i]  # its copy (as register)
-                            self.note_copy(int(blocks[i]), self.cid_mv[o], kl[i], int(pcids[i]))
-                            if self.events is not None:
-                                self.pkey[blocks[i]], self.nsid[blocks[i]] = pkeys[i], nsids[i]
-                        continue
-                    self._uncache(o)
-                    free[i] = True
-        if not free.all():
-            blocks, cids, keys, pcids, pkeys, nsids = (a[free] for a in (blocks, cids, keys, pcids, pkeys, nsids))
-            kl = keys.tolist()
-        self.cid[blocks], self.key[blocks], self.pcid[blocks] = cids, keys, pcids
-        mp.update(zip(kl, blocks.tolist()))
-        if self.fresh is not None:
-            self.fresh[blocks] = self.fresh_serial
-        if self.events is not None:
-            for b, k, pc, pk, i in zip(blocks.tolist(), kl, pcids.tolist(), pkeys.tolist(), nsids.tolist()):
-                self.emit_stored([b], [k], pc, pk, self.ns_list[i] if self.ns_list else None)
-
-    def withdraw(self, blocks: list[int]) -> None:
-        """Uncache ``blocks`` (cached, referenced: their KV was never written). O(len(blocks))."""
-        if self.ndl:
-            self.flush()
-        keys = [int(self.key[b]) for b in blocks]
-        for k in keys:
-            del self.map[k]
-        if self.dups:  # (their copies' records go with them: a swapped-out copy carries no withdrawn content)
-            dupc = self.dupc_mv
-            for c in self.cid[blocks].tolist():
-                for d in self.dups.pop(c, ()):
-                    if dupc[d] == c:
-                        dupc[d] = 0
-        self.cid[blocks] = 0
-        self.succ[blocks] = -1
-        if self.events is not None and keys:
-            self.emit_removed(keys, self.nsid[blocks], "GPU")
-
     # ------------------------------------------------------------------ eviction
     def evict_many(self, n: int) -> np.ndarray:
         """:meth:`evict` of the ``n`` least recently used unreferenced blocks, LRU first (int32). Batch form:
@@ -899,24 +578,6 @@ class PrefixCache:
             self.tier.demote(blocks, cids)
         return blocks
 
-    def _evict_with_heirs(self, blocks: np.ndarray, heirs: list) -> np.ndarray:
-        """:meth:`evict_many`'s eviction of ``blocks`` when held copies inherit some of their contents: those
-        contents stay cached (no removal event, no demotion, not counted as evictions)."""
-        if self.ndl:
-            self._forget_runs(blocks)
-        else:
-            collections.deque(map(self.map.__delitem__, self.key[blocks].tolist()), maxlen=0)
-        cids = self.cid[blocks].copy()
-        self.cid[blocks] = 0
-        gone = self._inherit(blocks, heirs, cids)
-        out = blocks[gone]
-        self.evictions += int(out.size)
-        if self.events is not None and out.size:
-            self.emit_removed(self.key[out].tolist(), self.nsid[out], "GPU")
-        if self.tier is not None and out.size:
-            self.tier.demote(out, cids[gone])
-        return blocks
-
     def evict(self) -> int:
         """Evict the least recently used unreferenced block and return its id (now uncached)."""
         b = self.evictor.pop()
@@ -937,24 +598,3 @@ class PrefixCache:
         if self.tier is not None:
             self.tier.demote(np.array([b]), np.array([c]))
         return b
-
-    def clear(self) -> list[int]:
-        """Forget every cached content; return the unreferenced cached blocks (LRU first) for the free list."""
-        if self.ndl:
-            self.flush()
-        self.succ[:] = -1
-        self.dups.clear()
-        self.dupc[:] = 0
-        self.has_copies = False
-        freed = list(self.evictor)
-        self.evictor.discard_many(np.asarray(freed, dtype=np.int64))
-        drop = getattr(self.evictor, "drop_pins", None)  # (pagedkv.retention.steering: pinned idle blocks are freed too)
-        if drop is not None:
-            freed += drop()
-        self.cid[np.fromiter(self.map.values(), dtype=np.int64, count=len(self.map))] = 0
-        self.map.clear()
-        if self.events is not None:
-            self.events.clear()  # nothing before the clear matters to a consumer any more
-            self._ev_lost = False
-            self.events.append(AllBlocksCleared())
-        return freed

@@ -57,7 +57,6 @@ from .._checks import (as_tokens as _as_tokens, batch_args, batch_tokens, check_
                       new_token_counts, token_count)
 from . import _invariants
 from ._alloc import Allocator
-from ..blocks._blocks import Blocks
 from ._registry import Registry
 from ._rows import _EMPTY_I64, SeqTables
 from . import _small as small_path
@@ -74,7 +73,7 @@ from ..tiers.cpu import CpuTier
 from ..kv_groups import FullAttentionSpec, SlidingWindowSpec
 from ..retention.eviction import EvictionPolicy, make_evictor, policy_class
 from ..retention.steering import Pin, SteeredEvictor
-from ..blocks.pool import BlockPool
+from ..blocks.pool import BlockPool, Blocks
 from ..blocks.prefix_cache import PrefixCache, _encode_namespace
 from ..tiers.cpu import DEMOTE, PROMOTE
 from ..types import (_EMPTY_PLAN, NULL_BLOCK, AllocStatus, CacheCopies, CopyKind, CopyPlan, PrefillBatch, PrefixHit,

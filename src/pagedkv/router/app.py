@@ -41,7 +41,7 @@ log = logging.getLogger("pagedkv.router")
 def _error(status: int, message: str, type: str, code: str | None = None, param: str | None = None):
     from fastapi.responses import JSONResponse
 
-    from ..server.protocol import error_body
+    from ..server.validation import error_body
 
     return JSONResponse(error_body(message, type, code, param), status_code=status)
 
@@ -70,7 +70,7 @@ def build_app(state, builder, metrics, proxy=None, *, api_key: str | None = None
     from fastapi.responses import JSONResponse, Response
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    from ..server.protocol import APIError
+    from ..server.validation import APIError
     from ..server.tokenization import parse_detokenize, parse_tokenize
     from ..server.validation import Limits, check_content_type, read_body
     from .proxy import Proxy
@@ -157,7 +157,7 @@ def build_app(state, builder, metrics, proxy=None, *, api_key: str | None = None
         report = health_report(state)
         if report["status"] != "unavailable":
             return JSONResponse(report)
-        from ..server.protocol import error_body
+        from ..server.validation import error_body
 
         return JSONResponse({**error_body("no replica is available", "server_error", "no_replica"), **report},
                             status_code=503)

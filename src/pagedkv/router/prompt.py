@@ -1,6 +1,6 @@
 """The prompt of a request exactly as a ``pagedkv serve`` replica builds it, and its block hashes.
 
-Parsing and validation are the server's own (:func:`pagedkv.server.protocol.parse_completion` and
+Parsing and validation are the server's own (:func:`pagedkv.server.validation.parse_completion` and
 ``parse_chat``), so the router answers a bad request with the same 400 a replica would. Token ids come from the
 engine's tokenizer (:class:`pagedkv.engine.tokenizer.GGUFTokenizer`) built from the GGUF file's metadata only:
 the weights are never read, and torch is never imported (the ``gguf`` package reads the metadata;
@@ -67,7 +67,7 @@ class PromptBuilder:
 
     def build(self, kind: str, body: bytes) -> RoutedPrompt:
         """``kind``: ``"completions"`` or ``"chat"``. Raises the server's ``APIError`` (400) on a bad body."""
-        from ..server.protocol import APIError, parse_chat, parse_completion
+        from ..server.validation import APIError, parse_chat, parse_completion
 
         if kind == "chat":
             req = parse_chat(body)

@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 
 from starlette.responses import Response
 
-from ..server.protocol import error_body
+from ..server.validation import error_body
 
 __all__ = ["Proxy", "UpstreamOptions"]
 

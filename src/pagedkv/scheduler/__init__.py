@@ -114,32 +114,30 @@ and the decode's tables are then rows ``result.table_rows`` of it (docs/engine-c
 :class:`~pagedkv.HybridBlockManager` the result is a :class:`~pagedkv.HybridStepDelta`, the engine keeps one such
 matrix per KV cache group (same rows), and the whole tables it loads are tuples of one table per group.
 
-**Modules** (one job each; every import points down, none back up)::
+**Modules** (one job each; every import points down, none back up). A plain request goes through two::
 
-    facade.py    Scheduler: the public API, the settings, a step in the order above
-       |
-       |-- decode.py   Decoder    the decode batch (its victims: the Preemptor)
-       |-- chunks.py   Chunker    chunked prefill: the next chunk of each partly prefilled prompt (victims: idem)
-       |-- prefill.py  Admitter   admissions and their PrefillWork
-       |-- update.py   Updater    update(): append, stop, fork samples, finish
-       |      |
-       |-- preempt.py  Preemptor  preemption by recompute or swap, the swapped queue, swap-in
-       |      |
-       |-- state.py    Config (the settings), Queues (requests, sequences, waiting / running / swapped), Group, Seq
-       |-- calls.py    BlockCalls: the block manager's optional parts (tables, slots, rows, free, copy plan)
-       '-- plan.py     the results: StepPlan, PrefillWork, DecodeBatch, Preemption, RequestOutput, SequenceView,
-                       SchedulerStats, FINISH_*
+    core.py      Scheduler: the public API, a step in the order above; Decoder (the decode batch), Admitter
+       |         (admissions and their PrefillWork)
+       '-- state.py   Queues, Group, Seq (the requests and the queues), BlockCalls (the block manager's optional
+                      parts), Updater (update(): append, stop, fork samples, finish), the result types: StepPlan,
+                      PrefillWork, DecodeBatch, Preemption, RequestOutput, SequenceView, SchedulerStats, FINISH_*
+
+and the rest, each called only when it happens::
+
+    preempt.py   Preemptor: preemption by recompute or swap, swap-in, abort, early stops, ignored requests
+    chunks.py    Chunker: the later chunks of a prompt longer than the step's budget
+    loads.py     Loads: storage-tier loads (kv_ready, kv_loaded, finish_external, reserved admissions); KVLoad
+    config.py    Config: the settings, checked once
 
 Every public name is importable from ``pagedkv.scheduler``.
 """
 
-from .plan import (  # (in this order in the API reference)
+from .state import (  # (in this order in the API reference)
     FINISH_ABORT,
     FINISH_IGNORED,
     FINISH_LENGTH,
     FINISH_STOP,
     PrefillWork,
-    KVLoad,
     DecodeBatch,
     Preemption,
     StepPlan,
@@ -147,7 +145,8 @@ from .plan import (  # (in this order in the API reference)
     SequenceView,
     SchedulerStats,
 )
-from .facade import Scheduler
+from .loads import KVLoad
+from .core import Scheduler
 
 __all__ = [
     "Scheduler",

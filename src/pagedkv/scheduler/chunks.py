@@ -1,5 +1,7 @@
 """Chunked prefill's second stage: the next chunk of every partly prefilled prompt, appended by one multi-token
-``decode_step`` (the first chunk comes with the admission, :mod:`pagedkv.scheduler.prefill`)."""
+``decode_step`` (the first chunk comes with the admission, :class:`pagedkv.scheduler.core.Admitter`). A prompt that
+fits the step's token budget never comes here: the per-step loop calls :class:`Chunker` only when
+:meth:`~pagedkv.scheduler.state.Queues.chunks_due` finds a partly prefilled sequence."""
 
 from __future__ import annotations
 
@@ -7,11 +9,9 @@ import numpy as np
 
 from ..errors import OutOfBlocksError
 from ..types import CopyKind
-from .calls import BlockCalls
-from .plan import EMPTY_PAIRS, PrefillWork, pairs
 from .preempt import Preemptor
-from .state import Config, Group, Queues, Seq
-from .part import Part
+from .config import Config
+from .state import EMPTY_PAIRS, BlockCalls, Part, PrefillWork, Queues, pairs
 
 
 class Chunker(Part):
@@ -24,25 +24,15 @@ class Chunker(Part):
         super().__init__(cfg, q, calls)
         self.preemptor = preemptor
 
-    def schedule(self, prefills: list, budget: int, swap_out: list, preempted: list,
+    def schedule(self, items: list, prefills: list, budget: int, swap_out: list, preempted: list,
                  swapped_in: set) -> tuple[int, np.ndarray]:
-        """The next chunk of every partly prefilled sequence (oldest admission first) while the budget lasts,
-        appended by one multi-token ``decode_step``. When they do not fit, the most recently admitted of them is
-        preempted (or only left out of this step if it was swapped in in this step or also decodes in it) and
-        the rest is tried again. Appends a :class:`~pagedkv.scheduler.PrefillWork` per chunk to ``prefills``;
-        returns the budget left and the call's copy-on-write pairs."""
+        """The chunks ``items`` (``(group, seq, tokens)`` of partly prefilled sequences, oldest admission first:
+        ``Queues.chunks_due``), appended by one multi-token ``decode_step``. When they do not fit, the most recently
+        admitted of them is preempted (or only left out of this step if it was swapped in in this step or also
+        decodes in it) and the rest is tried again. Appends a :class:`~pagedkv.scheduler.PrefillWork` per chunk to
+        ``prefills``; returns the budget left (``budget``: what the chunks left, plus any left out) and the
+        call's copy-on-write pairs."""
         cfg = self.cfg
-        cap = cfg.long_prefill_token_threshold or budget
-        items: list[tuple[Group, Seq, int]] = []
-        for g in self.q.running.values():
-            for s in g.live:
-                if s.prefill is None:
-                    continue
-                if budget <= 0:
-                    break
-                c = min(len(s.prefill) - s.num_computed, budget, cap)
-                items.append((g, s, c))
-                budget -= c
         calls = self.calls
         bm = calls.bm
         result = None

@@ -27,9 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .fields import _bad, _bool, _check_keys, _is_int, _opt_text, _show, _text, _type_error, _unsupported
-from .http_body import load_json
-from .validation import DEFAULT_LIMITS, Limits, parse_chat
+from .api_error import _bad, _show, _type_error, _unsupported
+from .validation import DEFAULT_LIMITS, Limits, _bool, _check_keys, _is_int, _opt_text, _text, load_json, parse_chat
 
 __all__ = ["TokenizeRequest", "DetokenizeRequest", "parse_tokenize", "parse_detokenize", "tokenize",
            "detokenize"]

@@ -4,14 +4,12 @@ A plain module (standard library only; no torch, no pydantic, no web framework a
 
 * :class:`Limits`: the bounds a server enforces (body size, context, vocabulary, stop strings, cache_salt ...).
 * :func:`check_content_type`, :func:`read_body`, :func:`load_json`: the HTTP side (415, 413, 400) before any field
-  is read (their home: :mod:`pagedkv.server.http_body`; the field checks behind the parsers:
-  :mod:`pagedkv.server.fields`).
+  is read; then the field checks behind the parsers (each reads one field, returns it typed and in range, or
+  raises a 400 built by :mod:`pagedkv.server.api_error` whose ``param`` names the field as OpenAI does).
 * :func:`parse_completion`, :func:`parse_chat`: a raw body -> a validated :class:`CompletionRequest` /
   :class:`ChatRequest`, or :class:`APIError` (400, OpenAI's error shape, ``param`` naming the field at fault).
 * ``session_id`` and ``kv_retention`` (pagedkv's retention fields, docs/guide/serving.md#retention-per-request) are
   checked here for type and range; the engine checks ``kv_retention`` against the prompt and the pin budget.
-* :func:`parse_pin`: a POST /v1/pins body (a prefix to pin: ``prompt`` or ``messages``, ``ttl``, ``cache_salt``)
-  -> :class:`PinRequest`.
 * :func:`prompt_token_ids`: the request's prompt as token ids (tokenizing, or rendering the chat template), bounded
   by the context length *before* the work; blocking, so call it with ``asyncio.to_thread``.
 
@@ -30,32 +28,156 @@ Parsing costs O(body size) and never more: lengths are checked before elements, 
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .api_error import APIError, _printable, error_body  # noqa: F401 (their home; re-exported here)
-from .fields import (_bad, _bool, _check_keys, _int, _is_int, _num, _opt_text, _show, _text, _type_error,
-                     _unsupported)
-from .http_body import check_content_type, load_json, read_body  # noqa: F401 (their home; re-exported here)
+from .api_error import APIError, _bad, _show, _type_error, _unsupported, error_body  # noqa: F401 (re-exported)
 
-__all__ = [
-    "APIError",
-    "ChatRequest",
-    "CompletionRequest",
-    "GREEDY_TEMPERATURE",
-    "Limits",
-    "check_content_type",
-    "error_body",
-    "limits_for",
-    "load_json",
-    "parse_chat",
-    "parse_completion",
-    "parse_pin",
-    "PinRequest",
-    "prompt_token_ids",
-    "read_body",
-]
+__all__ = ["APIError", "ChatRequest", "CompletionRequest", "GREEDY_TEMPERATURE", "Limits", "MAX_PIN_TTL",
+           "check_content_type", "error_body", "limits_for", "load_json", "parse_chat", "parse_completion",
+           "prompt_token_ids", "read_body"]
 
+
+# --------------------------------------------------------------------------------- the HTTP side of a body
+def check_content_type(value: str | None) -> None:
+    """415 unless the body is declared JSON (``application/json``, ``application/*+json``) or not declared."""
+    if not value:
+        return
+    mime = value.split(";", 1)[0].strip().lower()
+    if mime == "application/json" or (mime.startswith("application/") and mime.endswith("+json")):
+        return
+    raise APIError(415, f"Unsupported Content-Type {mime[:80]!r}: send the request body as application/json",
+                   "invalid_request_error", "unsupported_media_type")
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"The request body is larger than the limit of {limit} bytes", "invalid_request_error",
+                    "request_too_large")
+
+
+async def read_body(request: Any, limit: int) -> bytes:
+    """The body of a Starlette ``request``, reading at most ``limit`` bytes: 413 as soon as the declared
+    ``Content-Length`` or the bytes received exceed it (the rest is never read)."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise _bad("Invalid Content-Length header", code="invalid_request")
+        if int(declared) > limit:
+            raise _too_large(limit)
+    parts, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def _nonfinite(token: str) -> float:
+    return float("nan") if token == "NaN" else float(token.replace("Infinity", "inf"))
+
+
+def load_json(body: bytes | str) -> dict:
+    """The body as a JSON object; 400 for invalid UTF-8, invalid JSON, nesting deeper than the parser's recursion
+    limit, or a top level that is not an object. ``NaN``/``Infinity`` parse (as non-finite floats) so that the
+    field checks can name the field."""
+    try:
+        data = json.loads(body, parse_constant=_nonfinite)
+    except UnicodeDecodeError:
+        raise _bad("The request body is not valid UTF-8", code="invalid_json") from None
+    except RecursionError:
+        raise _bad("The request body is nested too deeply", code="invalid_json") from None
+    except ValueError as e:
+        why = "a number has too many digits" if "integer string conversion" in str(e) else str(e)[:200]
+        raise _bad(f"We could not parse the JSON body of your request: {why}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise _bad("The request body must be a JSON object", code="invalid_json")
+    return data
+
+
+# -------------------------------------------------------------- field checks (O(the value's size) each)
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _int(d: dict, name: str, default: Any, lo: int, hi: int, *, nullable: bool = True,
+         path: str | None = None) -> Any:
+    v = d.get(name, default)
+    if v is None and nullable:
+        return default
+    p = path or name
+    if not _is_int(v):
+        raise _type_error(p, "an integer", v)
+    if v < lo:
+        raise _bad(f"Invalid '{p}': integer below minimum value. Expected a value >= {lo}, but got {_show(v)} "
+                   "instead.", p)
+    if v > hi:
+        raise _bad(f"Invalid '{p}': integer above maximum value. Expected a value <= {hi}, but got {_show(v)} "
+                   "instead.", p)
+    return v
+
+
+def _num(d: dict, name: str, default: float, lo: float, hi: float, *, lo_open: bool = False,
+         path: str | None = None) -> float:
+    v = d.get(name, default)
+    if v is None:
+        return default
+    name = path or name  # (the field as messages name it)
+    if not (isinstance(v, (int, float)) and not isinstance(v, bool)):
+        raise _type_error(name, "a decimal", v)
+    if isinstance(v, float) and not math.isfinite(v):
+        raise _bad(f"Invalid '{name}': expected a finite number, but got {_show(v)} instead.", name)
+    if v < lo or (lo_open and v == lo):
+        rel = ">" if lo_open else ">="
+        raise _bad(f"Invalid '{name}': decimal below minimum value. Expected a value {rel} {lo}, but got "
+                   f"{_show(v)} instead.", name)
+    if v > hi:
+        raise _bad(f"Invalid '{name}': decimal above maximum value. Expected a value <= {hi}, but got {_show(v)} "
+                   "instead.", name)
+    return float(v)
+
+
+def _bool(d: dict, name: str, default: bool = False) -> bool:
+    v = d.get(name, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise _type_error(name, "a boolean", v)
+    return v
+
+
+def _text(v: Any, path: str, max_chars: int | None = None) -> str:
+    """``v`` as a string of valid Unicode (no lone surrogates: they cannot be encoded as UTF-8)."""
+    if not isinstance(v, str):
+        raise _type_error(path, "a string", v)
+    if max_chars is not None and len(v) > max_chars:
+        raise _bad(f"Invalid '{path}': string too long. Expected a string with maximum length {max_chars}, but got "
+                   f"a string with length {len(v)} instead.", path, "string_above_max_length")
+    if not v.isascii():
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError:
+            raise _bad(f"Invalid '{path}': the string is not valid Unicode (it contains a lone surrogate).",
+                       path) from None
+    return v
+
+
+def _opt_text(d: dict, name: str, max_chars: int | None = 4096) -> str | None:
+    v = d.get(name)
+    return None if v is None else _text(v, name, max_chars)
+
+
+def _check_keys(d: dict, known: frozenset, prefix: str = "") -> None:
+    for k in d:
+        if k not in known:
+            name = f"{prefix}{k}"[:200]
+            raise _bad(f"Unrecognized request argument supplied: {name}", name, "unknown_parameter")
+
+
+#: the longest TTL a pin may ask for (seconds: 30 days); longer: pin without a TTL and unpin it
+MAX_PIN_TTL = 30 * 24 * 3600.0
 #: A temperature below this samples greedily (vLLM's epsilon): dividing logits by less overflows float32.
 GREEDY_TEMPERATURE = 1e-5
 
@@ -420,43 +542,6 @@ def parse_chat(body: bytes | dict, limits: Limits = DEFAULT_LIMITS) -> ChatReque
     for name in ("service_tier", "prompt_cache_key", "safety_identifier"):
         _opt_text(d, name)
     return ChatRequest(messages=tuple(out), **common)
-
-
-# ---------------------------------------------------------------------------------------------- pins
-_PIN_KEYS = frozenset({"model", "prompt", "messages", "ttl", "cache_salt"})
-#: the longest TTL a pin may ask for (seconds: 30 days); longer: pin without a TTL and unpin it
-MAX_PIN_TTL = 30 * 24 * 3600.0
-
-
-@dataclass(frozen=True)
-class PinRequest:
-    """A validated POST /v1/pins body: the prefix as a completion or chat request (its prompt, tokenized as those
-    routes tokenize it), the TTL in seconds (None: until unpinned) and the cache_salt (the namespace of the
-    prefix-cache blocks: a pin holds the blocks of requests with the same salt)."""
-
-    model: str | None
-    request: Any  # CompletionRequest | ChatRequest (only its prompt is used)
-    ttl: float | None
-    cache_salt: str | None
-
-
-def parse_pin(body: bytes | dict, limits: Limits = DEFAULT_LIMITS) -> PinRequest:
-    """Validate a /v1/pins body: exactly one of ``prompt`` (a string or token ids, as /v1/completions takes it)
-    and ``messages`` (as /v1/chat/completions takes them, rendered by the chat template); ``ttl`` a number of
-    seconds in (0, :data:`MAX_PIN_TTL`] or null; ``cache_salt`` and ``model`` as in the other routes. Raises
-    :class:`APIError` (400)."""
-    d = load_json(body) if not isinstance(body, dict) else body
-    _check_keys(d, _PIN_KEYS)
-    has_p, has_m = d.get("prompt") is not None, d.get("messages") is not None
-    if has_p == has_m:
-        raise _bad("Send exactly one of 'prompt' and 'messages': the prefix to pin.", "prompt"
-                   if not has_p else "messages", None if has_p else "missing_required_parameter")
-    sub = {k: d[k] for k in ("prompt", "messages", "cache_salt") if d.get(k) is not None}
-    req = parse_completion(sub, limits) if has_p else parse_chat(sub, limits)
-    ttl = d.get("ttl")
-    if ttl is not None:
-        ttl = _num(d, "ttl", 0.0, 0.0, MAX_PIN_TTL, lo_open=True)
-    return PinRequest(_opt_text(d, "model", 256), req, ttl, req.cache_salt)
 
 
 # ---------------------------------------------------------------------------------------------- tokens

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
+import uuid
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
@@ -18,7 +21,6 @@ from ...errors import PagedKVError
 from ..async_engine import (Delta, EngineDead, EngineDraining, EngineOverloaded, Finished, RequestFailed,
                             RequestStream)
 from ..kv_transfer import check_request
-from ..protocol import ResponseHead, usage
 from ..validation import APIError, error_body, parse_chat, parse_completion, prompt_token_ids
 from .retention import admit_pin, pin_answer
 from .state import ServerState, server_state
@@ -28,6 +30,35 @@ __all__ = ["router", "start", "finish", "until_done", "stream_events", "result_u
 router = APIRouter()
 
 
+# ------------------------------------------------------------------- response shapes (ids, usage)
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    """OpenAI's usage object, with the prefix-cache hit under ``prompt_tokens_details.cached_tokens``."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+@dataclass
+class ResponseHead:
+    """The fields every response and chunk of one request share."""
+
+    id: str
+    model: str
+    created: int
+
+    @classmethod
+    def make(cls, prefix: str, model: str) -> "ResponseHead":
+        return cls(new_id(prefix), model, int(time.time()))
+
+
+# ---------------------------------------------------------------------------------------------- routes
 @router.post("/v1/completions")
 async def completions(request: Request, st: ServerState = Depends(server_state)) -> Response:
     req = await st.parsed(request, parse_completion)

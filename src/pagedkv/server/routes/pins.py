@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -14,14 +15,48 @@ from fastapi.responses import JSONResponse, Response
 from ...errors import PagedKVError, PinBudgetError, UnknownPinError
 from ...retention.steering import Pin
 from ..async_engine import EngineDead, EngineOverloaded
-from ..validation import APIError, parse_pin, prompt_token_ids
+from ..validation import (DEFAULT_LIMITS, MAX_PIN_TTL, APIError, Limits, _bad, _check_keys, _num, _opt_text,
+                          load_json, parse_chat, parse_completion, prompt_token_ids)
 from .openai import until_done
 from .retention import pin_json, pins_on
 from .state import ServerState, server_state
 
-__all__ = ["router"]
+__all__ = ["router", "PinRequest", "parse_pin"]
 
 router = APIRouter()
+
+_PIN_KEYS = frozenset({"model", "prompt", "messages", "ttl", "cache_salt"})
+
+
+@dataclass(frozen=True)
+class PinRequest:
+    """A validated POST /v1/pins body: the prefix as a completion or chat request (its prompt, tokenized as those
+    routes tokenize it), the TTL in seconds (None: until unpinned) and the cache_salt (the namespace of the
+    prefix-cache blocks: a pin holds the blocks of requests with the same salt)."""
+
+    model: str | None
+    request: Any  # CompletionRequest | ChatRequest (only its prompt is used)
+    ttl: float | None
+    cache_salt: str | None
+
+
+def parse_pin(body: bytes | dict, limits: Limits = DEFAULT_LIMITS) -> PinRequest:
+    """Validate a /v1/pins body: exactly one of ``prompt`` (a string or token ids, as /v1/completions takes it)
+    and ``messages`` (as /v1/chat/completions takes them, rendered by the chat template); ``ttl`` a number of
+    seconds in (0, :data:`MAX_PIN_TTL`] or null; ``cache_salt`` and ``model`` as in the other routes. Raises
+    :class:`APIError` (400)."""
+    d = load_json(body) if not isinstance(body, dict) else body
+    _check_keys(d, _PIN_KEYS)
+    has_p, has_m = d.get("prompt") is not None, d.get("messages") is not None
+    if has_p == has_m:
+        raise _bad("Send exactly one of 'prompt' and 'messages': the prefix to pin.", "prompt"
+                   if not has_p else "messages", None if has_p else "missing_required_parameter")
+    sub = {k: d[k] for k in ("prompt", "messages", "cache_salt") if d.get(k) is not None}
+    req = parse_completion(sub, limits) if has_p else parse_chat(sub, limits)
+    ttl = d.get("ttl")
+    if ttl is not None:
+        ttl = _num(d, "ttl", 0.0, 0.0, MAX_PIN_TTL, lo_open=True)
+    return PinRequest(_opt_text(d, "model", 256), req, ttl, req.cache_salt)
 
 
 @router.post("/v1/pins")
