@@ -63,15 +63,15 @@ def rewrite(text: str, pat: re.Pattern) -> tuple[str, int]:
     return pat.sub(sub, text), n
 
 
-_CTOR = re.compile(r"(?<![\w.])(?:pagedkv\.)?HybridBlockManager\(")
+_CTOR = re.compile(r"(?<![\w.])(?<!class )(?:pagedkv\.)?HybridBlockManager\(")
 _ISINST = re.compile(r"isinstance\(([A-Za-z_][\w.]*(?:\[[^\]\n]*\])?), (?:pagedkv\.)?HybridBlockManager\)")
 
 
 def rewrite_constructors(text: str) -> tuple[str, int]:
-    """``BlockManager(args, grouped_results=True)`` -> ``BlockManager(args, grouped_results=True)`` (the exact equivalent: the
-    many-group manager for one group too) and ``x.config.grouped_results`` ->
-    ``x.config.grouped_results``; how many were rewritten. Imports are left as they are (the alias still
-    exists)."""
+    """``HybridBlockManager(args)`` -> ``BlockManager(args, grouped_results=True)`` (the exact equivalent: the
+    many-group manager for one group too) and ``isinstance(x, HybridBlockManager)`` ->
+    ``x.config.grouped_results``; how many were rewritten. A ``class HybridBlockManager(`` line is left alone, and
+    so are imports (the alias still exists)."""
     out, n, pos = [], 0, 0
     for m in _CTOR.finditer(text):
         if m.start() < pos:
@@ -106,7 +106,8 @@ def files(paths: list[str]) -> list[Path]:
     out = []
     for p in map(Path, paths):
         if p.is_dir():
-            out += sorted(f for f in p.rglob("*") if f.suffix in (".py", ".md") and ".venv" not in f.parts)
+            out += sorted(f for f in p.rglob("*") if f.suffix in (".py", ".md") and ".venv" not in f.parts
+                          and f.resolve() != Path(__file__).resolve())
         else:
             out.append(p)
     return out

@@ -89,7 +89,7 @@ def build_cache(model: Any, max_model_len: int, cache: CacheConfig, sched: Sched
             and (groups is not None or cache.sliding_window is None):
         common.update(store_policy=store_policy, store_min_hits=store_min_hits)
     if groups is not None:
-        bm = HybridBlockManager(num_gpu_blocks, bs, kv_cache_groups=groups, **common)
+        bm = BlockManager(num_gpu_blocks, bs, kv_cache_groups=groups, **common, grouped_results=True)
     else:
         bm = BlockManager(num_gpu_blocks, bs, sliding_window=cache.sliding_window, **common)
     kv_cache = model.allocate_kv_cache(num_gpu_blocks, bs, **kv_kw)

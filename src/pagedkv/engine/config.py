@@ -86,7 +86,7 @@ class CacheConfig:
     num_cpu_blocks: int = _opt(0, "CPU blocks for swap preemption and the CPU tier of the prefix cache")
     swap_space: float | None = _opt(None, "the CPU blocks given in GiB, as vLLM's --swap-space: as many blocks as "
                                           "fit (instead of --num-cpu-blocks, which must then be 0; "
-                                          "llm.block_manager.num_cpu_blocks says how many)", metavar="GIB")
+                                          "llm.block_manager.config.num_cpu_blocks says how many)", metavar="GIB")
     enable_prefix_caching: bool = _opt(True, "the prefix cache (on by default; vLLM's name)", cli="negated")
     cpu_prefix_cache: bool = _opt(False, "demote evicted prefix-cache blocks to the CPU blocks and promote them "
                                          "back on a hit")

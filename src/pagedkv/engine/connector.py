@@ -50,7 +50,7 @@ class KVConnectorScheduler:
         -> ``scheduler.kv_ready(rid, start, num_tokens, reserve=...)`` (the tokens to allocate as external, the
         reservation vLLM's ``update_state_after_alloc`` records); a load that ended -> ``scheduler.kv_loaded``
         (all, or the good leading tokens: the rest is computed); a store that ended ->
-        ``block_manager.complete_store`` (vLLM's ``get_finished``). Returns how many requests became ready."""
+        ``block_manager.external.complete_store`` (vLLM's ``get_finished``). Returns how many requests became ready."""
         raise NotImplementedError
 
     def forget(self, request_id: Any) -> None:

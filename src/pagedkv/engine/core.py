@@ -264,7 +264,7 @@ class EngineCore:
         if check_fit and self.block_manager.can_allocate(ids, namespace=namespace, **fit_kw) is AllocStatus.NEVER:
             raise PromptTooLongError(
                 f"prompt of {len(ids)} tokens can never fit in the KV cache of "
-                f"{self.block_manager.num_gpu_blocks} blocks of {self.block_manager.block_size} tokens"
+                f"{self.block_manager.config.num_gpu_blocks} blocks of {self.block_manager.block_size} tokens"
             )
         gen = torch.Generator().manual_seed(sp.seed) if sp.seed is not None else self._generator
         return Request(next(self._ids), text, tuple(ids), sp, gen, self.tokenizer, namespace)

@@ -10,7 +10,7 @@ take, a transfer to expect or payloads to stage), so an engine that never hands 
 
 - **prefill side**: a request marked by :meth:`EngineKVPort.hold_on_finish` is held in the step whose forward
   computes its prompt's last chunk (after the forward, before the step's update frees the finished request):
-  ``block_manager.hold(seq, lease)``; :meth:`take_hold` hands the hold over, cut to the prompt's whole blocks
+  ``block_manager.external.hold(seq, lease)``; :meth:`take_hold` hands the hold over, cut to the prompt's whole blocks
   before its last token. Blocks are read (:meth:`read_blocks`) and holds released or expired under the engine's
   step lock, so a hold can never be released (and its blocks reused) while its blocks are being copied out.
 - **decode side, into reserved blocks** (what ``pagedkv serve`` uses): :meth:`expect_external` marks the request
@@ -81,7 +81,7 @@ class EngineKVPort(KVConnector):
     def __init__(self, llm: Any, lock: Any = None) -> None:
         llm = getattr(llm, "core", llm)  # (an LLM: its engine core, whose step loop the port joins)
         bm = llm.block_manager
-        if not hasattr(bm, "hold"):
+        if not hasattr(getattr(bm, "external", None), "hold"):
             raise ValueError("a prefill/decode split needs a block manager with holds and external KV")
         groups = getattr(llm, "kv_cache_groups", None)
         #: per KV cache group its sliding window (None: full attention); None without KV cache groups

@@ -16,7 +16,7 @@ filled blocks' chain keys kept by :class:`~pagedkv.engine.kv_chains.ChainKeys`):
                        reads done     -> the payloads written into the reserved blocks (external_blocks), then
                                          Scheduler.kv_loaded (all, or the good leading blocks: the rest computed);
                                          the next schedule calls finish_external and prefills the rest
-                       stores done    -> block_manager.complete_store(store_id, success)
+                       stores done    -> block_manager.external.complete_store(store_id, success)
                        timeouts       -> a lookup: computed; a read: reported with what arrived (nothing)
     the step's plan  start_loads (after the plan's copies): each StepPlan.kv_loads -> request_read of its blocks
                      store_computed (after the forward): take_store_plan (write-through, selective, ...): the
@@ -154,7 +154,7 @@ class EngineTiers(KVConnector):
         #: the CPU KV cache (write-back over the CPU tier copies its store plans' blocks out of it), or None
         self.cpu_kv_cache = cpu_kv_cache
         self._bm = block_manager
-        policy = getattr(block_manager, "store_policy", "none") if block_manager is not None else "none"
+        policy = block_manager.config.store_policy if block_manager is not None else "none"
         #: the block manager's store policy ("none": loads only)
         self.store_policy = policy
         self.connector = TierConnector(tiers, block_size, io_threads=io_threads,
@@ -463,7 +463,7 @@ class EngineTiers(KVConnector):
         bm = self._bm
         if bm is None or self.store_policy == "none":
             return
-        sp = bm.take_store_plan()
+        sp = bm.external.take_store_plan()
         if sp is None:
             return
         ids, keys = sp.block_ids, sp.keys
@@ -491,7 +491,7 @@ class EngineTiers(KVConnector):
                 groups = [groups[x] for x in keep]
             self.stats["store_skipped_unchecked"] += n - len(sel)
         if not sel:
-            bm.complete_store(sp.store_id, True)
+            bm.external.complete_store(sp.store_id, True)
             return
         # (write-back over the CPU tier: the blocks about to leave the CPU pool, copied out of the CPU KV)
         src = self.cpu_kv_cache if getattr(sp, "medium", "GPU") == "CPU" else kv_cache
@@ -501,7 +501,7 @@ class EngineTiers(KVConnector):
                                 parents=None if parents is None else [parents[i] for i in sel], groups=groups):
             self.stats["stored_blocks"] += len(keys)
         else:  # (closed) the plan ends at once, its blocks unpinned
-            bm.complete_store(sp.store_id, False)
+            bm.external.complete_store(sp.store_id, False)
 
     # ----------------------------------------------------------------------------------------- state
 

@@ -58,7 +58,7 @@ class LLM:
     (``LLM(model, **engine_configs(eviction_policy="slru", kv_shared=url))``). A bad value raises
     :class:`~pagedkv.errors.InvalidArgumentError`.
 
-    KV events (``CacheConfig.enable_kv_events``) come out of ``llm.block_manager.take_events()`` and, for what the
+    KV events (``CacheConfig.enable_kv_events``) come out of ``llm.block_manager.events.take()`` and, for what the
     tiers stored (``medium`` ``"DISK"`` or ``"SHARED"``), ``llm.kv_tiers.take_events()``. The CPU tier of the
     prefix cache lives in the ``num_cpu_blocks`` CPU blocks, shared with swap preemption.
 
@@ -215,7 +215,7 @@ class LLM:
         else:
             raise InvalidArgumentError("a prompt to pin is a string, {'prompt_token_ids': [...]} or a list of token ids")
         bm = self.block_manager
-        if not bm.enable_prefix_caching or not bm.pin_budget_blocks:
+        if not bm.config.enable_prefix_caching or not bm.config.pin_budget_blocks:
             raise InvalidArgumentError("pin_prefix needs enable_prefix_caching=True and pin_budget_blocks > 0")
         if not ids:
             raise InvalidArgumentError("empty prompt")
@@ -225,19 +225,19 @@ class LLM:
                                          namespace=namespace)
             for _ in self._run([req]):
                 pass
-        pin = bm.pin_prefix(ids, ttl=ttl, namespace=namespace)
+        pin = bm.retention.pin_prefix(ids, ttl=ttl, namespace=namespace)
         # (requests of that prefix then need no new blocks)
         self.core.request_pins.remember(ids[: pin.num_tokens], pin, namespace)
         return pin
 
     def unpin(self, pin_id: int) -> None:
         """Drop a pin made by :meth:`pin_prefix` (UnknownPinError if there is none by that id, e.g. expired)."""
-        self.block_manager.unpin(pin_id)
+        self.block_manager.retention.unpin(pin_id)
 
     @property
     def pins(self) -> tuple:
         """The live pins (:class:`~pagedkv.Pin`; expired ones dropped first)."""
-        return self.block_manager.pins
+        return self.block_manager.retention.pins
 
     def chat(
         self,

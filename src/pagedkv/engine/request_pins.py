@@ -137,7 +137,7 @@ class RequestPins:
         docstring); returns ``(tokens to pin, ttl)`` (0 tokens: shorter than a block, nothing will be pinned).
         Raises InvalidArgumentError or PinBudgetError; changes nothing. O(prompt + pins)."""
         bm = self._bm
-        if not bm.enable_prefix_caching or not bm.pin_budget_blocks:
+        if not bm.config.enable_prefix_caching or not bm.config.pin_budget_blocks:
             raise InvalidArgumentError("kv_retention pins a prefix: it needs prefix caching and a pin budget "
                                        "(pin_budget_blocks > 0, pagedkv serve --pin-budget-blocks N)")
         n = len(ids) if spec.pin_tokens == "prompt" else spec.pin_tokens
@@ -147,15 +147,15 @@ class RequestPins:
         if not full:
             return 0, spec.ttl
         need = pin_blocks(self._groups, full, bm.block_size)
-        if need > bm.pin_budget_blocks:
+        if need > bm.config.pin_budget_blocks:
             raise PinBudgetError(f"kv_retention: pinning {full} tokens holds {need} blocks; the pin budget is "
-                                 f"{bm.pin_budget_blocks} blocks (pin_budget_blocks)")
+                                 f"{bm.config.pin_budget_blocks} blocks (pin_budget_blocks)")
         if self._live((namespace, tuple(ids[:full])), self._cover) is None:  # (else: those blocks are pinned)
-            bm.pins  # (drops expired pins first)
-            held = bm.num_pinned_blocks
-            if held + need > bm.pin_budget_blocks:
+            bm.retention.pins  # (drops expired pins first)
+            held = bm.retention.num_pinned_blocks
+            if held + need > bm.config.pin_budget_blocks:
                 raise PinBudgetError(f"kv_retention: pinning {full} tokens may hold {need} more blocks; other pins "
-                                     f"hold {held} of the pin budget of {bm.pin_budget_blocks} blocks now (unpin "
+                                     f"hold {held} of the pin budget of {bm.config.pin_budget_blocks} blocks now (unpin "
                                      "some, DELETE /v1/pins/{id}, or retry later)")
         return full, spec.ttl
 

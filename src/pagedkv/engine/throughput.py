@@ -56,7 +56,7 @@ def run_throughput(llm, *, input_len: int, output_len: int, num_prompts: int, n:
         "quant_kernels": bool(getattr(llm, "quant_kernels", False)),
         "block_manager_share": t.block_manager / t.total,
         "scheduler_share": (t.scheduler - t.block_manager) / t.total,
-        "num_gpu_blocks": llm.block_manager.num_gpu_blocks,
+        "num_gpu_blocks": llm.block_manager.config.num_gpu_blocks,
         "preemptions": llm.scheduler.stats.preemptions,
         "prefix_hit_rate": llm.block_manager.stats.hit_rate,
     }

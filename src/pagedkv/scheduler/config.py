@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..manager.parts import ManagerConfig
+
 
 class Config:
     """The scheduler's settings (the public attributes of :class:`~pagedkv.scheduler.Scheduler`, which reads and
@@ -32,7 +34,9 @@ class Config:
         if scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {scheduling_policy!r}")
         if precheck_append is None:
-            precheck_append = not getattr(block_manager, "atomic_append", False)
+            # pagedkv's BlockManager (its ``config`` a ManagerConfig) appends all or nothing; another manager says so
+            precheck_append = not (isinstance(getattr(block_manager, "config", None), ManagerConfig)
+                                   or getattr(block_manager, "atomic_append", False))
         if incremental_tables and getattr(block_manager, "table_rows", None) is None:
             raise ValueError("incremental_tables needs a block manager with table_rows (decode_step(..., "
                              "block_tables=False)), such as pagedkv.BlockManager")
@@ -44,3 +48,10 @@ class Config:
         self.incremental_tables = bool(incremental_tables)
         self.enable_chunked_prefill = bool(enable_chunked_prefill)
         self.long_prefill_token_threshold = int(long_prefill_token_threshold)
+
+
+def bm_setting(bm: Any, name: str, default: Any) -> Any:
+    """A manager setting: ``bm.config.<name>`` on pagedkv's BlockManager (its ``config`` a ManagerConfig), else the
+    attribute of that name on another BlockManager-like object (the benchmarks' anchors), else ``default``."""
+    cfg = getattr(bm, "config", None)
+    return getattr(cfg, name) if isinstance(cfg, ManagerConfig) else getattr(bm, name, default)

@@ -21,7 +21,7 @@ from ..errors import OutOfBlocksError
 from ..types import CopyKind
 from .chunks import Chunker
 from .loads import Loads
-from .config import Config
+from .config import Config, bm_setting
 from .preempt import Preemptor, full_tokens
 from .state import (EMPTY_PAIRS, FINISH_STOP, FINISHED, RUNNING, WAITING, BlockCalls, DecodeBatch, Group, Part,
                     PrefillWork, Queues, RequestOutput, SchedulerStats, Seq, SequenceView, StepPlan, Updater,
@@ -497,7 +497,7 @@ class Admitter(Part):
                     reason = f"{len(toks)} tokens can never fit in the pool"
                     break
                 try:
-                    if extra and not reserve and getattr(bm, "num_groups", 1) > 1:  # (P/D: staged, window-only)
+                    if extra and not reserve and bm_setting(bm, "num_groups", 1) > 1:  # (P/D: staged, window-only)
                         hit, extra = self.tier.allocate_loaded(bm, s.seq_id, toks, cur, extra, kw)
                     else:
                         hit = bm.allocate(s.seq_id, toks, **kw)
@@ -507,9 +507,9 @@ class Admitter(Part):
                     break
                 # its cached blocks' eviction class, and the conversation hint (once per request: sample 0's)
                 session = g.session if i == 0 else None
-                if (g.priority or session is not None) and getattr(bm, "enable_prefix_caching", False) \
-                        and hasattr(bm, "set_retention"):
-                    bm.set_retention(s.seq_id, priority=g.priority, session=session)
+                if (g.priority or session is not None) and bm_setting(bm, "enable_prefix_caching", False) \
+                        and hasattr(bm, "retention"):
+                    bm.retention.set_retention(s.seq_id, priority=g.priority, session=session)
                 if reserve:
                     fetch = self.tier.reserved(s.seq_id, kw)  # (None: allocate kept no external token)
                     if fetch is not None:

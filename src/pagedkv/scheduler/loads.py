@@ -11,7 +11,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 from .preempt import Preemptor
-from .config import Config
+from .config import Config, bm_setting
 from .state import FETCHING, LOADING, RUNNING, WAITING, BlockCalls, Group, Part, Queues, status_name
 
 
@@ -149,7 +149,7 @@ class Loads(Part):
             del failed[s]
             self.requeue_cut(s)
             done.append(s)  # (freed while LOADING: its parked blocks are released by this report)
-        got = bm.finish_external(done=done, failed=failed)
+        got = bm.external.finish_external(done=done, failed=failed)
         for s in cut:
             got.pop(s, None)
         computed = 0
@@ -209,14 +209,14 @@ class Loads(Part):
         if cap is not None:
             kw["num_new_tokens"] = cap
         kw["num_external_tokens"] = extra
-        if getattr(bm, "num_groups", 1) > 1:
+        if bm_setting(bm, "num_groups", 1) > 1:
             kw["external_window_only"] = True
         return st
 
     def reserved(self, seq_id: int, kw: dict) -> Any:
         """After the allocation of :meth:`can_reserve`: the manager's ExternalLoad of the sequence (its reserved
         blocks), or None when allocate kept no external token (``kw`` is then a plain allocation's again)."""
-        fetch = self.calls.bm.external_blocks(seq_id)
+        fetch = self.calls.bm.external.external_blocks(seq_id)
         if fetch is None:
             kw.pop("num_external_tokens")
             kw.pop("external_window_only", None)
@@ -249,15 +249,15 @@ class Loads(Part):
         if "num_new_tokens" in kx:  # (a chunk past the external tokens)
             kx["num_new_tokens"] = max(1, kx["num_new_tokens"] - extra)
         got = bm.allocate(seq_id, toks, num_external_tokens=extra, external_window_only=True, **kx)
-        ext = bm.external_blocks(seq_id)
+        ext = bm.external.external_blocks(seq_id)
         if ext is not None and ext.start_token == cur and ext.num_tokens == extra:
-            bm.finish_external(done=[seq_id])
+            bm.external.finish_external(done=[seq_id])
             return cur, extra
         self.stats.stale_external_loads += 1
         if ext is None:  # (nothing loaded: a plain allocation, its hit)
             return int(got), 0
         bm.free(seq_id)  # (aborted while loading: its blocks parked, released at once: nothing writes them)
-        bm.finish_external(done=[seq_id])
+        bm.external.finish_external(done=[seq_id])
         return bm.allocate(seq_id, toks, **kw), 0
 
 

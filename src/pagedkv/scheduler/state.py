@@ -29,7 +29,7 @@ from typing import Any, Hashable, NamedTuple, Sequence
 import numpy as np
 
 from ..types import CopyPlan
-from .config import Config
+from .config import Config, bm_setting
 
 FINISH_STOP = "stop"  # EOS or a stop token (the token is included in the output)
 FINISH_LENGTH = "length"  # max_tokens reached
@@ -413,8 +413,8 @@ class BlockCalls:
         self.has_slots = getattr(bm, "slot_mapping", None) is not None
         # per-group shapes when the manager's plain result names are per group (grouped_results; an adapter
         # without it: when it has num_groups); a BlockManager (num_groups 1) keeps the plain (T,) / one table
-        grouped = getattr(bm, "grouped_results", None)
-        self.num_groups = None if grouped is False else getattr(bm, "num_groups", None)
+        grouped = bm_setting(bm, "grouped_results", None)
+        self.num_groups = None if grouped is False else bm_setting(bm, "num_groups", None)
         self.own_plan = getattr(bm, "take_copy_plan", None) is None
         self.step_copies: list = []  # (kind, pairs) in call order (own_plan only)
 

@@ -183,7 +183,7 @@ class AsyncEngine:
         self.max_waiting = int(max_waiting)
         self._observer = observer
         self._event_sink = event_sink
-        self._take_events = getattr(self.core.block_manager, "take_events", None) if event_sink is not None else None
+        self._take_events = self.core.block_manager.events.take if event_sink is not None else None
         self._lock = threading.Lock()  # held by the engine thread while it touches the scheduler
         self._cond = threading.Condition()
         self._adds: list[_Live] = []
@@ -231,7 +231,7 @@ class AsyncEngine:
         no engine state, and reads only the pool's fixed sizes, so it runs while a step does."""
         req = self.core.make_request(prompt, params, namespace=namespace, check_fit=False)
         bm = self.core.block_manager
-        usable = bm.num_gpu_blocks - bm.watermark_blocks
+        usable = bm.config.num_gpu_blocks - bm.config.watermark_blocks
         need = -(-(len(req.prompt_token_ids) + params.max_tokens) // bm.block_size)
         if need > usable:
             raise PromptTooLongError(
@@ -532,7 +532,7 @@ class AsyncEngine:
             "num_requests_running": sched.num_running,
             "num_requests_waiting": sched.num_waiting + getattr(sched, "num_loading", 0) + queued,
             "num_requests_swapped": sched.num_swapped,
-            "kv_cache_usage_perc": bm.gpu_usage,
+            "kv_cache_usage_perc": bm.stats.gpu_usage,
             "prefix_cache_queries": st.prefix_query_tokens,
             "prefix_cache_hits": st.prefix_hit_tokens,
             "num_preemptions": sched.stats.preemptions,

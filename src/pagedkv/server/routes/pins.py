@@ -76,7 +76,7 @@ async def pin_prefix(request: Request, st: ServerState = Depends(server_state)) 
     def pin(require_full: bool) -> Any:
         if require_full and bm.lookup_prefix(ids + ids[:1], namespace=pr.cache_salt).num_cached_tokens < full:
             return None
-        pin = bm.pin_prefix(ids, ttl=pr.ttl, namespace=pr.cache_salt)
+        pin = bm.retention.pin_prefix(ids, ttl=pr.ttl, namespace=pr.cache_salt)
         rp = st.engine.core.request_pins
         if rp is not None:  # (requests asking to pin that prefix then need no room of the budget)
             rp.remember(ids[: pin.num_tokens], pin, pr.cache_salt)
@@ -113,9 +113,9 @@ async def list_pins(request: Request, st: ServerState = Depends(server_state)) -
     st.check_auth(request)
     pins_on(st)
     bm = st.bm
-    pins, n = await asyncio.to_thread(st.engine.between_steps, lambda: (bm.pins, bm.num_pinned_blocks))
+    pins, n = await asyncio.to_thread(st.engine.between_steps, lambda: (bm.retention.pins, bm.retention.num_pinned_blocks))
     return JSONResponse({"object": "list", "data": [pin_json(p) for p in pins], "num_pinned_blocks": n,
-                         "pin_budget_blocks": bm.pin_budget_blocks})
+                         "pin_budget_blocks": bm.config.pin_budget_blocks})
 
 
 @router.delete("/v1/pins/{pin_id}")
@@ -125,7 +125,7 @@ async def unpin(pin_id: str, request: Request, st: ServerState = Depends(server_
     if not pin_id.isascii() or not pin_id.isdigit() or len(pin_id) > 18:
         raise APIError(404, f"no pin {pin_id[:40]!r}", "not_found_error", "pin_not_found", "pin_id")
     try:
-        await asyncio.to_thread(st.engine.between_steps, lambda: st.bm.unpin(int(pin_id)))
+        await asyncio.to_thread(st.engine.between_steps, lambda: st.bm.retention.unpin(int(pin_id)))
     except UnknownPinError as e:
         raise APIError(404, str(e), "not_found_error", "pin_not_found", "pin_id") from None
     return JSONResponse({"object": "pin", "pin_id": int(pin_id), "deleted": True})

@@ -23,7 +23,7 @@ def pin_json(pin: Any) -> dict:
 
 def pins_on(st: ServerState) -> None:
     """400 ``pinning_disabled`` unless prefix caching is on with a pin budget."""
-    if not st.bm.enable_prefix_caching or not st.bm.pin_budget_blocks:
+    if not st.bm.config.enable_prefix_caching or not st.bm.config.pin_budget_blocks:
         raise APIError(400, "pinning is off on this server: start it with --pin-budget-blocks N (and prefix "
                        "caching on)", "invalid_request_error", "pinning_disabled")
 

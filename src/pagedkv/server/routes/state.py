@@ -38,7 +38,7 @@ class ServerState:
 
     def __post_init__(self) -> None:
         bm = self.llm.block_manager
-        self.kv_room = (bm.num_gpu_blocks - bm.watermark_blocks) * bm.block_size
+        self.kv_room = (bm.config.num_gpu_blocks - bm.config.watermark_blocks) * bm.block_size
 
     @property
     def llm(self) -> Any:
