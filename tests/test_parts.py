@@ -17,6 +17,9 @@ import pytest
 from pagedkv import BlockManager, FullAttentionSpec, HybridBlockManager, SlidingWindowSpec
 from pagedkv.manager.parts import Surface
 from pagedkv.manager._offstep import OffStep
+from pagedkv.manager._rows import Views
+from pagedkv.manager._small import LifeCalls
+from pagedkv.manager._step import AppendCalls
 from pagedkv.hybrid import GroupedManager
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "pagedkv"
@@ -112,10 +115,11 @@ def test_the_checker_finds_a_private_read(tmp_path):
 
 
 def test_the_facades_only_bases_are_the_stateless_shared_surface_and_it_wires_its_own_parts():
-    # the only base: the surface, stateless (empty __slots__, no __init__, no class data); the many-group manager
-    # is the one class's subclass
-    assert BlockManager.__bases__ == (Surface, OffStep) and GroupedManager.__bases__ == (BlockManager,)
-    for base in (Surface, OffStep):
+    # the only bases: the calls and views written beside their parts, and the surface, all stateless (empty
+    # __slots__, no __init__, no class data); the many-group manager is the one class's subclass
+    bases = (Views, AppendCalls, LifeCalls, Surface, OffStep)
+    assert BlockManager.__bases__ == bases and GroupedManager.__bases__ == (BlockManager,)
+    for base in bases:
         assert base.__bases__ == (object,) and base.__slots__ == () and "__init__" not in vars(base)
         assert all(callable(v) or isinstance(v, property) for k, v in vars(base).items() if not k.startswith("__"))
     a = BlockManager(64, 4, enable_prefix_caching=True, sliding_window=8)

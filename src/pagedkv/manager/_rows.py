@@ -18,10 +18,11 @@ other part of the manager reads and writes rows through this object; it depends 
 
 from __future__ import annotations
 
-from typing import Hashable, NamedTuple, Sequence
+from typing import Hashable, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
+from .._checks import check_int as _check_int
 from ..errors import DuplicateSequenceError, InvalidArgumentError, SequenceStateError, UnknownSequenceError
 from ..types import NULL_BLOCK
 
@@ -272,3 +273,79 @@ class SeqTables:
             dst, src, arr = self.snap = (memoryview(self.ntok0), memoryview(self.ntok), self.ntok)
         dst[:] = src  # the token counts at the step's end (a C-level copy)
         self.stepping = True
+
+
+_ZERO = 0  # (CPython keeps one object for every int 0: ``group is _ZERO`` is the one-group fast test)
+
+
+class Views:
+    """BlockManager's read-only views of its sequences (a base class of the facade), over its ``_t``
+    (SeqTables) and ``_bs``; ``_check_group`` refuses a group other than 0."""
+
+    __slots__ = ()
+
+    def __len__(self) -> int:
+        return len(self._t.row_of) + len(self._t.loading)
+
+    def __contains__(self, seq_id: object) -> bool:
+        try:
+            return seq_id in self._t.row_of or seq_id in self._t.loading
+        except TypeError:
+            return False
+
+    @property
+    def seq_ids(self) -> tuple:
+        """Live sequence ids (LOADING ones included): in allocation order, except that a sequence whose load
+        finished comes after the others."""
+        return tuple(self._t.row_of) + tuple(self._t.loading)
+
+    def num_tokens(self, seq_id: Hashable) -> int:
+        """Tokens appended to the sequence (prompt plus every appended token; a LOADING one's held prompt)."""
+        return int(self._t.ntok[self._t.any_row(seq_id)])
+
+    def is_swapped(self, seq_id: Hashable) -> bool:
+        return bool(self._t.swapped[self._t.any_row(seq_id)])
+
+    def block_table(self, seq_id: Hashable, group: int = 0) -> np.ndarray:
+        """The sequence's block table: a read-only int32 copy, one entry per block of
+        ``ceil((num_tokens + reserved lookahead) / block_size)``, NULL_BLOCK where the sliding window released the
+        block. While the sequence is swapped out the ids are CPU block ids. ``group`` must be 0 (the one KV cache
+        group; the argument is :meth:`HybridBlockManager.block_table`'s). O(table length)."""
+        row = self._t.any_row(seq_id)
+        if group is not _ZERO:  # (the common case in one identity test; anything else is checked)
+            self._check_group(group)
+        t = self._t.table[row, : self._t.nblk[row]].copy()
+        t.flags.writeable = False
+        return t
+
+    def table_rows(self, seq_ids: Iterable[Hashable]) -> np.ndarray:
+        """The table row of each sequence (read-only int64 (B,)): the row of :class:`StepDelta`'s
+        ``table_rows`` and ``table_updates``, for an engine that keeps its own block tables (one row per
+        sequence). A sequence keeps its row from ``allocate`` / ``fork`` to ``free``, swapped out or not; a
+        freed row is given to a later sequence. Rows are small ints (below the most sequences live at once,
+        rounded up to a power of two, at least 8). Swapped-out sequences are allowed. O(B)."""
+        rows = np.array([self._t.any_row(s) for s in seq_ids], dtype=np.int64)
+        rows.flags.writeable = False
+        return rows
+
+    def slot_mapping(self, seq_id: Hashable, start: int, end: int, group: int = 0) -> np.ndarray:
+        """Physical slots (``block * block_size + offset``) of token positions ``[start, end)`` (int64).
+
+        Positions up to the reserved lookahead slots are allowed. Raises SequenceStateError for a swapped-out
+        sequence or for positions released by the sliding window. ``group`` must be 0 (as for
+        :meth:`block_table`). O(end - start)."""
+        row = self._t.any_row(seq_id)
+        if group is not _ZERO:  # (the common case in one identity test; anything else is checked)
+            self._check_group(group)
+        start = _check_int("start", start, 0)
+        end = _check_int("end", end, start)
+        cap = int(self._t.nblk[row]) * self._bs
+        if end > cap:
+            raise InvalidArgumentError(f"slot range [{start}, {end}) exceeds the {cap} slots of sequence {seq_id!r}")
+        if self._t.swapped[row]:
+            raise SequenceStateError(f"sequence {seq_id!r} is swapped out; it has no GPU slots")
+        pos = np.arange(start, end, dtype=np.int64)
+        blocks = self._t.table[row, pos // self._bs].astype(np.int64)
+        if blocks.size and blocks.min() < 0:
+            raise SequenceStateError(f"positions [{start}, {end}) of {seq_id!r} include blocks released by the window")
+        return blocks * self._bs + pos % self._bs

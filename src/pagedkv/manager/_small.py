@@ -21,10 +21,16 @@ Work is O(B) Python operations plus O(1) per block taken, copied or registered.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Hashable
+
 import numpy as np
 
 from ._step import TABLES_DELTA, table_updates
+from ..errors import SequenceStateError
 from ..types import StepDelta, StepResult
+
+if TYPE_CHECKING:
+    from ._external import Hold
 
 SMALL_BATCH = 24
 """Batches of at most this many sequences take the plain-Python step (the measured crossover with the vectorised
@@ -364,3 +370,110 @@ class Small:
         tb.free_rows.append(row)
         tb.memo_ids = None
         return True
+
+
+class LifeCalls:
+    """BlockManager's ``fork`` and ``free`` (a base class of the facade; Small does the short-table work). Uses
+    the facade's ``_t``, ``_small``, ``_cache``, ``_reg``, ``_blocks``, ``_ext``, ``_hints`` and ``_steered``."""
+
+    __slots__ = ()
+
+    def fork(self, parent_seq_id: Hashable, child_seq_id: Hashable) -> None:
+        """Create ``child_seq_id`` sharing every block of the parent (refcounts + 1); a later write into a shared
+        block gets a copy-on-write pair. Works for swapped-out parents too (the child is swapped out as well).
+        A parent allocated a chunk of its prompt (``allocate(..., num_new_tokens=)``) is forked only once its
+        whole prompt is appended (SequenceStateError before, changing nothing). O(table length)."""
+        t = self._t
+        row_of = t.row_of
+        try:  # (the checks of SeqTables.row and check_new_id, inlined: fork is a per-sequence call)
+            prow = row_of[parent_seq_id]
+            fresh = child_seq_id not in row_of
+        except (KeyError, TypeError):
+            prow = t.row(parent_seq_id)
+            fresh = False
+        if not fresh or t.loading or t.parked:
+            t.check_new_id(child_seq_id)
+        if t.partial and parent_seq_id in t.partial:
+            n = t.partial[parent_seq_id]
+            if t.ntok[prow] < n:
+                raise SequenceStateError(
+                    f"fork({parent_seq_id!r}, ...): only {int(t.ntok[prow])} of its {n} prompt tokens are "
+                    "appended (chunked prefill); fork it once the whole prompt is")
+        if t.stepping and t.ntok[prow] != t.ntok0[prow]:
+            raise SequenceStateError(
+                f"fork({parent_seq_id!r}, ...): the parent was handed slots in this step and their KV is written "
+                "only by the step's forward; fork after it (after take_copy_plan() and the forward)")
+        if t.partial:
+            t.partial.pop(parent_seq_id, None)  # (complete: forget it only once the fork cannot fail)
+        self._small.fork_row(prow, child_seq_id)
+        if self._hints:
+            self._inherit(parent_seq_id, child_seq_id)
+        if t.stepping:
+            t.ntok0[t.row_of[child_seq_id]] = t.ntok0[prow]
+
+
+    def free(self, seq_id: Hashable, *, cache: bool = True, hold_for: float | None = None,
+             now: float | None = None) -> Hold | None:
+        """Release every block of the sequence and forget it. With prefix caching its full blocks stay cached
+        until evicted; they are released tail first, so under memory pressure a long prefix loses its tail
+        before its head. Freeing an unknown or already freed id raises UnknownSequenceError.
+        O(table length).
+
+        ``cache=False`` is for a request whose last call's KV was never written (aborted before the forward of
+        its step ran): the blocks that call put in the prefix cache are withdrawn from it (``BlockRemoved``
+        events), so nobody finds them as computed. If another sequence already holds one of them (a prefix hit
+        in the same step, or a fork), that sequence relies on KV nobody wrote: the call raises
+        SequenceStateError naming it and changes nothing; free the dependent sequences first (sequences
+        allocated later in the same step are the ones that can depend on it, so freeing in reverse order of
+        allocation always works), or run the step. Cached blocks chained after the withdrawn ones are withdrawn
+        too; a sequence that holds one of those but none of the withdrawn blocks wrote equal content itself
+        (registration deduplicated it): it keeps its blocks, uncached, and caches nothing more. Any other call
+        that touches the sequence (decode_step, append_slots, fork, swap_out) confirms that its earlier calls'
+        KV was written.
+
+        ``cache=True`` says the sequence's KV is written: before the step's forward it is for sequences not handed
+        slots in the step; abort one that was with ``cache=False`` and leave it out of the forward (see
+        docs/engine-contract.md). With prefix caching, once the same-step checks are on (after the first
+        :meth:`take_copy_plan`), ``free(seq_id)`` of a sequence handed slots in the current step (by ``allocate``,
+        ``decode_step`` or ``append_slots``) raises SequenceStateError and changes nothing: its
+        blocks would become prefix hits before anybody wrote their KV.
+
+        ``hold_for=s`` (seconds): ``external.hold`` the sequence's blocks for a reader outside with a lease of ``s``
+        (clock ``now``), then free it, all or nothing; returns the :class:`Hold` (None without ``hold_for``).
+
+        A LOADING sequence (external KV still arriving) is aborted: its blocks are released except those a
+        transfer may still write, which stay PARKED until ``external.finish_external`` reports the sequence
+        (docs/external-kv.md)."""
+        if hold_for is not None:
+            return self._hold_and_free(seq_id, hold_for, now, cache)
+        t = self._t
+        try:
+            row = t.row(seq_id)
+        except SequenceStateError:
+            if seq_id in t.loading:
+                self._hints.pop(seq_id, None)
+                self._ext.abort(seq_id)
+                return None
+            raise
+        if not cache:
+            self._check_unheld(seq_id)
+        if self._cache is not None and not t.swapped[row]:
+            if not cache:
+                self._reg.withdraw_pending(seq_id, row)  # may raise; changes nothing then
+            elif t.stepping and t.ntok[row] != t.ntok0[row]:
+                raise SequenceStateError(
+                    f"free({seq_id!r}): it was handed slots in this step and their KV is written only by the step's "
+                    "forward, so its blocks cannot be cached as computed; free it after the step (after "
+                    "take_copy_plan() and the forward), or abort it with free(..., cache=False)")
+        if self._hints or self._steered:
+            self._retain(seq_id, row)
+        if t.partial:
+            t.partial.pop(seq_id, None)
+        if self._small.free_small(seq_id, row):
+            return None
+        if t.swapped[row]:
+            self._blocks.release_cpu(t.table[row, t.nrel[row] : t.nblk[row]][::-1].copy())
+        else:
+            self._blocks.release(t.table[row, t.nrel[row] : t.nblk[row]][::-1].copy())
+        t.drop_row(seq_id, row)
+        return None

@@ -26,12 +26,14 @@ What the step hands back about the block tables (``tables``): the batch's tables
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Hashable, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
-from ..errors import InvalidTokensError, OutOfBlocksError, TableWidthError
+from .._checks import as_tokens as _as_tokens, batch_tokens, check_int as _check_int, flat_tokens, new_token_counts
+from ..errors import InvalidArgumentError, InvalidTokensError, OutOfBlocksError, TableWidthError
 from ..types import NULL_BLOCK, StepDelta, StepResult, TableUpdates
+from ._rows import _EMPTY_I64
 
 try:  # count_nonzero without its Python-level dispatcher (a quarter of a microsecond per call on the hot path)
     from numpy._core.multiarray import count_nonzero as _count_nonzero
@@ -372,3 +374,126 @@ class Stepper:
         if changed is not None:
             changed.append((g_rows, g_cols, ids))
         return ids
+
+
+class AppendCalls:
+    """BlockManager's per-step append calls (a base class of the facade: the contracts beside the algorithm).
+    Uses the facade's ``_t`` (SeqTables), ``_step`` (Stepper), ``_small`` (Small), ``_window`` and
+    ``_small_batch``."""
+
+    __slots__ = ()
+
+    def can_append_slots(self, seq_ids: Iterable[Hashable], num_lookahead_slots: int = 0, *,
+                         num_new_tokens: int | Sequence[int] = 1) -> bool:
+        """Whether appending ``num_new_tokens`` to each sequence (plus lookahead) fits in the free GPU blocks,
+        counting new blocks, copy-on-write copies and blocks the sliding window releases. ``num_new_tokens``:
+        one count for every sequence, or one per sequence (a ragged batch, as ``decode_step``'s
+        ``num_new_tokens``). O(batch)."""
+        rows = self._t.rows(list(seq_ids))
+        la = _check_int("num_lookahead_slots", num_lookahead_slots, 0)
+        counts = new_token_counts(num_new_tokens, rows.size)
+        if rows.size == 0:
+            return True
+        plan = self._step.plan(rows, counts, la)
+        return plan.needed <= plan.available
+
+    def append_slots(self, seq_id: Hashable, token_ids: Sequence[int], num_lookahead_slots: int = 0) -> list[tuple[int, int]]:
+        """Append ``token_ids`` (whose KV the engine is about to write) to one sequence and reserve
+        ``num_lookahead_slots`` empty slots after them. Returns the copy-on-write pairs (src, dst) to copy before
+        writing. A convenience over :meth:`decode_step`; raises OutOfBlocksError (changing nothing) when full."""
+        if num_lookahead_slots == 0 and self._small_batch and self._window is None and \
+                type(num_lookahead_slots) is int:
+            got = self._small.step_one(seq_id, token_ids, False)
+            if got is not None:  # the plain-Python path (see _small.py)
+                return got
+        rows = self._t.rows([seq_id])
+        arr = _as_tokens(token_ids)
+        la = _check_int("num_lookahead_slots", num_lookahead_slots, 0)
+        res = self._step.append(rows, np.array([arr.size], dtype=np.int64), arr, la, tables=False)
+        return [(int(s), int(d)) for s, d in res.cow]
+
+    def decode_step(self, seq_ids: Sequence[Hashable], token_ids: object, num_lookahead_slots: int = 0, *,
+                    num_new_tokens: object = None, block_tables: bool = True) -> StepResult | StepDelta:
+        """The batched hot path: append new tokens to every sequence of a batch in one call.
+
+        ``token_ids``: shape ``(B,)`` (one token per sequence), ``(B, k)``, or a ragged list of B token lists
+        (speculative decoding with a different number of accepted tokens per sequence). A ragged batch can also
+        come flat, as an engine's sampler produces it: ``token_ids`` 1-D with sequence 0's tokens first and
+        ``num_new_tokens`` (B,) the count of each sequence (>= 1); this skips converting Python lists. Reserves
+        ``num_lookahead_slots`` empty slots after each sequence's tokens. Returns :class:`StepResult`:
+
+        - ``slot_mapping`` int64 (total new tokens,): slot of each new token, sequence 0's tokens first;
+        - ``block_tables`` int32 (B, max table length, or ``block_table_width``) padded with NULL_BLOCK;
+        - ``seq_lens`` int32 (B,): tokens per sequence after the append, the new ones included (the attention
+          context length of each sequence's last new token; lookahead slots not counted);
+        - ``cow`` int64 (m, 2): copy-on-write pairs (src, dst), to copy before writing the new KV.
+
+        ``block_tables=False`` returns :class:`StepDelta` instead: the same slots, lengths and copy-on-write
+        pairs, and in place of the padded tables (whose gather costs O(B x longest table)) each sequence's
+        stable table row (``table_rows``) and the table entries the step changed (``table_updates``: blocks
+        appended, copy-on-write destinations, NULL_BLOCK where the window released a block), so the step costs
+        the same at 100k tokens of context as at 1k. An engine that keeps its own tables loads a sequence's row in
+        full after ``allocate``, ``fork`` and ``swap_in`` (``block_table(seq)`` at ``table_rows([seq])``) and applies
+        each step's updates (docs/engine-contract.md, "Incremental block tables").
+
+        The tokens are those whose KV this step computes: the token sampled in the previous step (from the
+        prompt's last logits after a prefill), or the tokens accepted by speculative decoding; they take
+        positions ``num_tokens .. num_tokens + k - 1`` and the logits of the last one give the next token.
+        Reserved lookahead slots (``slot_mapping(seq, num_tokens, num_tokens + num_lookahead_slots)`` after the
+        call) take the drafts' KV; a block still shared (a fork) that holds one of them is copied on write like a
+        written block. With ``block_table_width`` a step that would give a sequence more blocks raises
+        TableWidthError.
+
+        Blocks for the step come from the free ring (oldest first), then from evicting LRU cached blocks;
+        copy-on-write destinations are taken before new blocks. All or nothing: raises OutOfBlocksError and
+        changes nothing if the step does not fit (check with :meth:`can_append_slots`). Prefix caching: the
+        blocks this step fills enter the cache before it returns (burst sharing). Sliding window: blocks no
+        query of this step can see are released first. O(B) numpy work, plus O(1) C-level work per block that
+        fills (its key and map entry) and O(1) Python work per block released by the window or evicted; up to
+        ``SMALL_BATCH`` sequences with one token each take a plain-Python path of the same semantics (numpy's
+        fixed costs dominate there).
+        """
+        if block_tables is True:
+            mode = True  # (TABLES_FULL)
+        elif block_tables is False:
+            mode = TABLES_DELTA
+        else:
+            raise InvalidArgumentError(f"block_tables must be True or False, got {block_tables!r}")
+        if num_new_tokens is None and num_lookahead_slots == 0 and self._window is None and \
+                type(num_lookahead_slots) is int:  # the plain-Python path for small batches (see _small.py)
+            b = len(seq_ids)
+            if b == 1 and self._small_batch:
+                (s,) = seq_ids  # (any iterable of one id)
+                got = self._small.step_one(s, token_ids, mode)
+                if got is not None:
+                    return got
+            elif 0 < b <= self._small_batch:
+                got = self._small.step_small(seq_ids, token_ids, b, mode)
+                if got is not None:
+                    return got
+        rows = self._t.rows(seq_ids)
+        b = rows.size
+        if num_new_tokens is not None:
+            arr, counts = flat_tokens(token_ids, num_new_tokens, b)
+        elif type(token_ids) is np.ndarray and token_ids.ndim == 1 and token_ids.size == b:
+            arr, counts = token_ids, None  # the common case: one token each
+        else:
+            arr, counts = batch_tokens(token_ids, b)
+        if arr.dtype.kind not in "iu":
+            raise InvalidTokensError(f"token_ids must be integers, got dtype {arr.dtype}")
+        if arr.size and np.count_nonzero(arr >> 31):  # negative or >= 2**31, in one pass
+            raise InvalidTokensError("token_ids must lie in [0, 2**31)")
+        la = num_lookahead_slots if type(num_lookahead_slots) is int and num_lookahead_slots >= 0 else \
+            _check_int("num_lookahead_slots", num_lookahead_slots, 0)
+        if b == 0:
+            if mode == TABLES_DELTA:
+                return StepDelta(_EMPTY_I64, np.zeros(0, np.int32), np.zeros((0, 2), np.int64), _EMPTY_I64,
+                                 _NO_UPDATES)
+            return StepResult(_EMPTY_I64, np.zeros((0, 0), np.int32), np.zeros(0, np.int32), np.zeros((0, 2), np.int64))
+        step = self._step
+        if counts is None and la == 0:  # one token each (validated above): plan, check, commit
+            plan = step.plan(rows, None, 0)
+            if plan.needed > plan.available or step.fixed_w:
+                step.check(rows, plan)
+            return step.commit(rows, None, arr, plan, mode)
+        return step.append(rows, counts, arr, la, mode)

@@ -17,22 +17,17 @@ This module is the facade: the public contract of every call, argument checks, a
 does the work. The parts are objects with their own state, built by :meth:`BlockManager._wire`, each given the
 objects it works on (no part reaches another's private state; dependencies point down only)::
 
-    _alloc.py       Allocator   allocate / allocate_batch / lookup_prefix: plan, then commit
-    _step.py        Stepper     the vectorised append: plan (blocks, copy-on-write, releases), then commit
-    _small.py       Small       the same append in plain Python for small batches; fork; free of short tables
-    _swap.py        Swapper     swap_out / swap_in
-    _registry.py    Registry    prefix-cache registration (burst sharing), lookup, promotion, withdrawal
-    _window.py      Window      sliding-window releases
-    _rows.py        SeqTables   seq_id -> row; per-sequence row arrays and the block-table matrix
-    _blocks.py      Blocks      take / release GPU and CPU blocks (free ring, then LRU eviction)
-    _invariants.py  check       the O(n) audit behind check_invariants
-    _external.py    External    external KV: loads (LOADING, parked), holds with leases
-    parts.py        Surface, ManagerConfig, ExternalKV, Retention, Events   the named parts (bm.config, .external,
-                                .retention, .events) and the deprecated old names; shared with the
-                                many-group manager (pagedkv.hybrid.GroupedManager, a subclass)
-    _stores.py      Stores      store plans by write policy (pinned until complete_store)
-    pool.py, prefix_cache.py, evictor.py, cpu_tier.py   per-block flat arrays (refcounts, free ring; keys,
-                                tokens, LRU; the CPU tier)
+    _alloc.py     Allocator                allocate / allocate_batch / lookup_prefix: plan, then commit
+    _step.py      Stepper, AppendCalls     the append: plan (blocks, copy-on-write, releases), then commit;
+                                           decode_step / append_slots / can_append_slots
+    _small.py     Small, LifeCalls         the same append in plain Python for small batches; fork / free
+    _offstep.py   OffStep                  swaps, retention, lookahead slots, reset, audit (off a request's path)
+    _swap.py, _window.py, _registry.py     Swapper; sliding-window releases; prefix-cache registration, lookup
+    _rows.py      SeqTables                seq_id -> row; per-sequence row arrays and the block-table matrix
+    _external.py, _stores.py               external KV (loads, holds with leases); store plans by write policy
+    parts.py      Surface, ManagerConfig   the named parts (bm.config, .external, .retention, .events) and the
+                                           deprecated old names; shared with pagedkv.hybrid.GroupedManager
+    blocks/       pool, prefix_cache, policy   per-block flat arrays (refcounts, free ring; keys; eviction order)
 
 **KV layout.** A *slot* is ``block_id * block_size + offset``: the row of one token's K (or V) in a layer's KV
 tensor viewed as ``(num_gpu_blocks * block_size, num_kv_heads, head_dim)`` (e.g. ``kv_cache[layer, i]
@@ -49,30 +44,27 @@ hands it out returns (burst sharing: a prompt admitted in the same step as an id
 
 from __future__ import annotations
 
-from typing import Hashable, Iterable, Sequence
+from typing import Hashable, Sequence
 
 import numpy as np
 
-from .._checks import (as_tokens as _as_tokens, batch_args, batch_tokens, check_int as _check_int, flat_tokens,
-                      new_token_counts, token_count)
-from . import _invariants
+from .._checks import as_tokens as _as_tokens, batch_args, check_int as _check_int
 from ._alloc import Allocator
 from ._registry import Registry
-from ._rows import _EMPTY_I64, SeqTables
+from ._rows import SeqTables, Views
 from . import _small as small_path
-from ._small import Small
-from ._step import _NO_UPDATES, TABLES_DELTA, Stepper
+from ._small import LifeCalls, Small
+from ._step import AppendCalls, Stepper
 from ._swap import Swapper
 from ._window import Window
-from ._external import External, Hold
+from ._external import External
 from .parts import ExternalKV, Events, Surface, check_groups, init_signature, settings
 from ._offstep import OffStep
-from ._stores import STORE_POLICIES, Stores
-from ..errors import InvalidArgumentError, InvalidTokensError, OutOfBlocksError, SequenceStateError
+from ._stores import Stores
+from ..errors import InvalidArgumentError, OutOfBlocksError, SequenceStateError
 from ..tiers.cpu import CpuTier
 from ..kv_groups import FullAttentionSpec, SlidingWindowSpec
-from ..retention.eviction import EvictionPolicy, make_evictor, policy_class
-from ..retention.steering import Pin, SteeredEvictor
+from ..retention.eviction import EvictionPolicy, make_evictor
 from ..blocks.pool import BlockPool, Blocks
 from ..blocks.prefix_cache import PrefixCache, _encode_namespace
 from ..tiers.cpu import DEMOTE, PROMOTE
@@ -87,11 +79,6 @@ SWAP_OUT, SWAP_IN, COW = 0, 1, 2
 _KIND_OF_TAG = (CopyKind.GPU_TO_CPU, CopyKind.CPU_TO_GPU, CopyKind.GPU_TO_GPU, CopyKind.GPU_TO_CPU,
                 CopyKind.CPU_TO_GPU)
 
-_ZERO = 0  # (CPython keeps one object for every int 0: ``group is _ZERO`` is the one-group fast test)
-
-_NO_PAIRS = np.zeros((0, 2), dtype=np.int64)
-_NO_PAIRS.flags.writeable = False
-
 
 _GROUPED: list = []  # the many-group manager class (pagedkv.hybrid's GroupedManager, set when it is imported)
 
@@ -101,7 +88,7 @@ def set_grouped_class(cls: type) -> None:
     _GROUPED[:] = [cls]
 
 
-class BlockManager(Surface, OffStep):
+class BlockManager(Views, AppendCalls, LifeCalls, Surface, OffStep):
     """Paged KV-cache block manager (see module docstring).
 
     Args:
@@ -349,71 +336,7 @@ class BlockManager(Surface, OffStep):
             1.0 - b.num_free / self._gpu.num_blocks,
         )
 
-    def __len__(self) -> int:
-        return len(self._t.row_of) + len(self._t.loading)
-
-    def __contains__(self, seq_id: object) -> bool:
-        try:
-            return seq_id in self._t.row_of or seq_id in self._t.loading
-        except TypeError:
-            return False
-
-    @property
-    def seq_ids(self) -> tuple:
-        """Live sequence ids (LOADING ones included): in allocation order, except that a sequence whose load
-        finished comes after the others."""
-        return tuple(self._t.row_of) + tuple(self._t.loading)
-
-    def num_tokens(self, seq_id: Hashable) -> int:
-        """Tokens appended to the sequence (prompt plus every appended token; a LOADING one's held prompt)."""
-        return int(self._t.ntok[self._t.any_row(seq_id)])
-
-    def is_swapped(self, seq_id: Hashable) -> bool:
-        return bool(self._t.swapped[self._t.any_row(seq_id)])
-
-    def block_table(self, seq_id: Hashable, group: int = 0) -> np.ndarray:
-        """The sequence's block table: a read-only int32 copy, one entry per block of
-        ``ceil((num_tokens + reserved lookahead) / block_size)``, NULL_BLOCK where the sliding window released the
-        block. While the sequence is swapped out the ids are CPU block ids. ``group`` must be 0 (the one KV cache
-        group; the argument is :meth:`HybridBlockManager.block_table`'s). O(table length)."""
-        row = self._t.any_row(seq_id)
-        if group is not _ZERO:  # (the common case in one identity test; anything else is checked)
-            self._check_group(group)
-        t = self._t.table[row, : self._t.nblk[row]].copy()
-        t.flags.writeable = False
-        return t
-
-    def table_rows(self, seq_ids: Iterable[Hashable]) -> np.ndarray:
-        """The table row of each sequence (read-only int64 (B,)): the row of :class:`StepDelta`'s
-        ``table_rows`` and ``table_updates``, for an engine that keeps its own block tables (one row per
-        sequence). A sequence keeps its row from ``allocate`` / ``fork`` to ``free``, swapped out or not; a
-        freed row is given to a later sequence. Rows are small ints (below the most sequences live at once,
-        rounded up to a power of two, at least 8). Swapped-out sequences are allowed. O(B)."""
-        rows = np.array([self._t.any_row(s) for s in seq_ids], dtype=np.int64)
-        rows.flags.writeable = False
-        return rows
-
-    def slot_mapping(self, seq_id: Hashable, start: int, end: int, group: int = 0) -> np.ndarray:
-        """Physical slots (``block * block_size + offset``) of token positions ``[start, end)`` (int64).
-
-        Positions up to the reserved lookahead slots are allowed. Raises SequenceStateError for a swapped-out
-        sequence or for positions released by the sliding window. ``group`` must be 0 (as for
-        :meth:`block_table`). O(end - start)."""
-        row = self._t.any_row(seq_id)
-        if group is not _ZERO:  # (the common case in one identity test; anything else is checked)
-            self._check_group(group)
-        start = _check_int("start", start, 0)
-        end = _check_int("end", end, start)
-        cap = int(self._t.nblk[row]) * self._bs
-        if end > cap:
-            raise InvalidArgumentError(f"slot range [{start}, {end}) exceeds the {cap} slots of sequence {seq_id!r}")
-        if self._t.swapped[row]:
-            raise SequenceStateError(f"sequence {seq_id!r} is swapped out; it has no GPU slots")
-        pos = np.arange(start, end, dtype=np.int64)
-        blocks = self._t.table[row, pos // self._bs].astype(np.int64)
-        if blocks.size and blocks.min() < 0:
-            raise SequenceStateError(f"positions [{start}, {end}) of {seq_id!r} include blocks released by the window")
-        return blocks * self._bs + pos % self._bs
+    # __len__, __contains__, seq_ids, num_tokens, is_swapped, block_table, table_rows, slot_mapping: Views (_rows.py)
 
     # ------------------------------------------------------------------ admission and allocation
     def can_allocate(self, token_ids: Sequence[int], num_lookahead_slots: int = 0, *, namespace: object = None,
@@ -610,221 +533,7 @@ class BlockManager(Surface, OffStep):
         nb = -(-(n + la) // self._bs)
         return PrefixHit(h, len(hits), ncpu, nb - held)
 
-    def fork(self, parent_seq_id: Hashable, child_seq_id: Hashable) -> None:
-        """Create ``child_seq_id`` sharing every block of the parent (refcounts + 1); a later write into a shared
-        block gets a copy-on-write pair. Works for swapped-out parents too (the child is swapped out as well).
-        A parent allocated a chunk of its prompt (``allocate(..., num_new_tokens=)``) is forked only once its
-        whole prompt is appended (SequenceStateError before, changing nothing). O(table length)."""
-        t = self._t
-        row_of = t.row_of
-        try:  # (the checks of SeqTables.row and check_new_id, inlined: fork is a per-sequence call)
-            prow = row_of[parent_seq_id]
-            fresh = child_seq_id not in row_of
-        except (KeyError, TypeError):
-            prow = t.row(parent_seq_id)
-            fresh = False
-        if not fresh or t.loading or t.parked:
-            t.check_new_id(child_seq_id)
-        if t.partial and parent_seq_id in t.partial:
-            n = t.partial[parent_seq_id]
-            if t.ntok[prow] < n:
-                raise SequenceStateError(
-                    f"fork({parent_seq_id!r}, ...): only {int(t.ntok[prow])} of its {n} prompt tokens are "
-                    "appended (chunked prefill); fork it once the whole prompt is")
-        if t.stepping and t.ntok[prow] != t.ntok0[prow]:
-            raise SequenceStateError(
-                f"fork({parent_seq_id!r}, ...): the parent was handed slots in this step and their KV is written "
-                "only by the step's forward; fork after it (after take_copy_plan() and the forward)")
-        if t.partial:
-            t.partial.pop(parent_seq_id, None)  # (complete: forget it only once the fork cannot fail)
-        self._small.fork_row(prow, child_seq_id)
-        if self._hints:
-            self._inherit(parent_seq_id, child_seq_id)
-        if t.stepping:
-            t.ntok0[t.row_of[child_seq_id]] = t.ntok0[prow]
-
-
-    def free(self, seq_id: Hashable, *, cache: bool = True, hold_for: float | None = None,
-             now: float | None = None) -> Hold | None:
-        """Release every block of the sequence and forget it. With prefix caching its full blocks stay cached
-        until evicted; they are released tail first, so under memory pressure a long prefix loses its tail
-        before its head. Freeing an unknown or already freed id raises UnknownSequenceError.
-        O(table length).
-
-        ``cache=False`` is for a request whose last call's KV was never written (aborted before the forward of
-        its step ran): the blocks that call put in the prefix cache are withdrawn from it (``BlockRemoved``
-        events), so nobody finds them as computed. If another sequence already holds one of them (a prefix hit
-        in the same step, or a fork), that sequence relies on KV nobody wrote: the call raises
-        SequenceStateError naming it and changes nothing; free the dependent sequences first (sequences
-        allocated later in the same step are the ones that can depend on it, so freeing in reverse order of
-        allocation always works), or run the step. Cached blocks chained after the withdrawn ones are withdrawn
-        too; a sequence that holds one of those but none of the withdrawn blocks wrote equal content itself
-        (registration deduplicated it): it keeps its blocks, uncached, and caches nothing more. Any other call
-        that touches the sequence (decode_step, append_slots, fork, swap_out) confirms that its earlier calls'
-        KV was written.
-
-        ``cache=True`` says the sequence's KV is written: before the step's forward it is for sequences not handed
-        slots in the step; abort one that was with ``cache=False`` and leave it out of the forward (see
-        docs/engine-contract.md). With prefix caching, once the same-step checks are on (after the first
-        :meth:`take_copy_plan`), ``free(seq_id)`` of a sequence handed slots in the current step (by ``allocate``,
-        ``decode_step`` or ``append_slots``) raises SequenceStateError and changes nothing: its
-        blocks would become prefix hits before anybody wrote their KV.
-
-        ``hold_for=s`` (seconds): ``external.hold`` the sequence's blocks for a reader outside with a lease of ``s``
-        (clock ``now``), then free it, all or nothing; returns the :class:`Hold` (None without ``hold_for``).
-
-        A LOADING sequence (external KV still arriving) is aborted: its blocks are released except those a
-        transfer may still write, which stay PARKED until ``external.finish_external`` reports the sequence
-        (docs/external-kv.md)."""
-        if hold_for is not None:
-            return self._hold_and_free(seq_id, hold_for, now, cache)
-        t = self._t
-        try:
-            row = t.row(seq_id)
-        except SequenceStateError:
-            if seq_id in t.loading:
-                self._hints.pop(seq_id, None)
-                self._ext.abort(seq_id)
-                return None
-            raise
-        if not cache:
-            self._check_unheld(seq_id)
-        if self._cache is not None and not t.swapped[row]:
-            if not cache:
-                self._reg.withdraw_pending(seq_id, row)  # may raise; changes nothing then
-            elif t.stepping and t.ntok[row] != t.ntok0[row]:
-                raise SequenceStateError(
-                    f"free({seq_id!r}): it was handed slots in this step and their KV is written only by the step's "
-                    "forward, so its blocks cannot be cached as computed; free it after the step (after "
-                    "take_copy_plan() and the forward), or abort it with free(..., cache=False)")
-        if self._hints or self._steered:
-            self._retain(seq_id, row)
-        if t.partial:
-            t.partial.pop(seq_id, None)
-        if self._small.free_small(seq_id, row):
-            return None
-        if t.swapped[row]:
-            self._blocks.release_cpu(t.table[row, t.nrel[row] : t.nblk[row]][::-1].copy())
-        else:
-            self._blocks.release(t.table[row, t.nrel[row] : t.nblk[row]][::-1].copy())
-        t.drop_row(seq_id, row)
-        return None
-
-    # ------------------------------------------------------------------ appending (the per-step path)
-    def can_append_slots(self, seq_ids: Iterable[Hashable], num_lookahead_slots: int = 0, *,
-                         num_new_tokens: int | Sequence[int] = 1) -> bool:
-        """Whether appending ``num_new_tokens`` to each sequence (plus lookahead) fits in the free GPU blocks,
-        counting new blocks, copy-on-write copies and blocks the sliding window releases. ``num_new_tokens``:
-        one count for every sequence, or one per sequence (a ragged batch, as ``decode_step``'s
-        ``num_new_tokens``). O(batch)."""
-        rows = self._t.rows(list(seq_ids))
-        la = _check_int("num_lookahead_slots", num_lookahead_slots, 0)
-        counts = new_token_counts(num_new_tokens, rows.size)
-        if rows.size == 0:
-            return True
-        plan = self._step.plan(rows, counts, la)
-        return plan.needed <= plan.available
-
-    def append_slots(self, seq_id: Hashable, token_ids: Sequence[int], num_lookahead_slots: int = 0) -> list[tuple[int, int]]:
-        """Append ``token_ids`` (whose KV the engine is about to write) to one sequence and reserve
-        ``num_lookahead_slots`` empty slots after them. Returns the copy-on-write pairs (src, dst) to copy before
-        writing. A convenience over :meth:`decode_step`; raises OutOfBlocksError (changing nothing) when full."""
-        if num_lookahead_slots == 0 and self._small_batch and self._window is None and \
-                type(num_lookahead_slots) is int:
-            got = self._small.step_one(seq_id, token_ids, False)
-            if got is not None:  # the plain-Python path (see _small.py)
-                return got
-        rows = self._t.rows([seq_id])
-        arr = _as_tokens(token_ids)
-        la = _check_int("num_lookahead_slots", num_lookahead_slots, 0)
-        res = self._step.append(rows, np.array([arr.size], dtype=np.int64), arr, la, tables=False)
-        return [(int(s), int(d)) for s, d in res.cow]
-
-    def decode_step(self, seq_ids: Sequence[Hashable], token_ids: object, num_lookahead_slots: int = 0, *,
-                    num_new_tokens: object = None, block_tables: bool = True) -> StepResult | StepDelta:
-        """The batched hot path: append new tokens to every sequence of a batch in one call.
-
-        ``token_ids``: shape ``(B,)`` (one token per sequence), ``(B, k)``, or a ragged list of B token lists
-        (speculative decoding with a different number of accepted tokens per sequence). A ragged batch can also
-        come flat, as an engine's sampler produces it: ``token_ids`` 1-D with sequence 0's tokens first and
-        ``num_new_tokens`` (B,) the count of each sequence (>= 1); this skips converting Python lists. Reserves
-        ``num_lookahead_slots`` empty slots after each sequence's tokens. Returns :class:`StepResult`:
-
-        - ``slot_mapping`` int64 (total new tokens,): slot of each new token, sequence 0's tokens first;
-        - ``block_tables`` int32 (B, max table length, or ``block_table_width``) padded with NULL_BLOCK;
-        - ``seq_lens`` int32 (B,): tokens per sequence after the append, the new ones included (the attention
-          context length of each sequence's last new token; lookahead slots not counted);
-        - ``cow`` int64 (m, 2): copy-on-write pairs (src, dst), to copy before writing the new KV.
-
-        ``block_tables=False`` returns :class:`StepDelta` instead: the same slots, lengths and copy-on-write
-        pairs, and in place of the padded tables (whose gather costs O(B x longest table)) each sequence's
-        stable table row (``table_rows``) and the table entries the step changed (``table_updates``: blocks
-        appended, copy-on-write destinations, NULL_BLOCK where the window released a block), so the step costs
-        the same at 100k tokens of context as at 1k. An engine that keeps its own tables loads a sequence's row in
-        full after ``allocate``, ``fork`` and ``swap_in`` (``block_table(seq)`` at ``table_rows([seq])``) and applies
-        each step's updates (docs/engine-contract.md, "Incremental block tables").
-
-        The tokens are those whose KV this step computes: the token sampled in the previous step (from the
-        prompt's last logits after a prefill), or the tokens accepted by speculative decoding; they take
-        positions ``num_tokens .. num_tokens + k - 1`` and the logits of the last one give the next token.
-        Reserved lookahead slots (``slot_mapping(seq, num_tokens, num_tokens + num_lookahead_slots)`` after the
-        call) take the drafts' KV; a block still shared (a fork) that holds one of them is copied on write like a
-        written block. With ``block_table_width`` a step that would give a sequence more blocks raises
-        TableWidthError.
-
-        Blocks for the step come from the free ring (oldest first), then from evicting LRU cached blocks;
-        copy-on-write destinations are taken before new blocks. All or nothing: raises OutOfBlocksError and
-        changes nothing if the step does not fit (check with :meth:`can_append_slots`). Prefix caching: the
-        blocks this step fills enter the cache before it returns (burst sharing). Sliding window: blocks no
-        query of this step can see are released first. O(B) numpy work, plus O(1) C-level work per block that
-        fills (its key and map entry) and O(1) Python work per block released by the window or evicted; up to
-        ``SMALL_BATCH`` sequences with one token each take a plain-Python path of the same semantics (numpy's
-        fixed costs dominate there).
-        """
-        if block_tables is True:
-            mode = True  # (TABLES_FULL)
-        elif block_tables is False:
-            mode = TABLES_DELTA
-        else:
-            raise InvalidArgumentError(f"block_tables must be True or False, got {block_tables!r}")
-        if num_new_tokens is None and num_lookahead_slots == 0 and self._window is None and \
-                type(num_lookahead_slots) is int:  # the plain-Python path for small batches (see _small.py)
-            b = len(seq_ids)
-            if b == 1 and self._small_batch:
-                (s,) = seq_ids  # (any iterable of one id)
-                got = self._small.step_one(s, token_ids, mode)
-                if got is not None:
-                    return got
-            elif 0 < b <= self._small_batch:
-                got = self._small.step_small(seq_ids, token_ids, b, mode)
-                if got is not None:
-                    return got
-        rows = self._t.rows(seq_ids)
-        b = rows.size
-        if num_new_tokens is not None:
-            arr, counts = flat_tokens(token_ids, num_new_tokens, b)
-        elif type(token_ids) is np.ndarray and token_ids.ndim == 1 and token_ids.size == b:
-            arr, counts = token_ids, None  # the common case: one token each
-        else:
-            arr, counts = batch_tokens(token_ids, b)
-        if arr.dtype.kind not in "iu":
-            raise InvalidTokensError(f"token_ids must be integers, got dtype {arr.dtype}")
-        if arr.size and np.count_nonzero(arr >> 31):  # negative or >= 2**31, in one pass
-            raise InvalidTokensError("token_ids must lie in [0, 2**31)")
-        la = num_lookahead_slots if type(num_lookahead_slots) is int and num_lookahead_slots >= 0 else \
-            _check_int("num_lookahead_slots", num_lookahead_slots, 0)
-        if b == 0:
-            if mode == TABLES_DELTA:
-                return StepDelta(_EMPTY_I64, np.zeros(0, np.int32), np.zeros((0, 2), np.int64), _EMPTY_I64,
-                                 _NO_UPDATES)
-            return StepResult(_EMPTY_I64, np.zeros((0, 0), np.int32), np.zeros(0, np.int32), np.zeros((0, 2), np.int64))
-        step = self._step
-        if counts is None and la == 0:  # one token each (validated above): plan, check, commit
-            plan = step.plan(rows, None, 0)
-            if plan.needed > plan.available or step.fixed_w:
-                step.check(rows, plan)
-            return step.commit(rows, None, arr, plan, mode)
-        return step.append(rows, counts, arr, la, mode)
+    # fork / free: LifeCalls (_small.py); can_append_slots / append_slots / decode_step: AppendCalls (_step.py)
 
 
 BlockManager.__signature__ = init_signature(BlockManager)  # (not __new__'s: inspect, the docs)
