@@ -1,4 +1,5 @@
-/* Matrix products with GGUF-quantized weights and float32 activations (pagedkv.engine.qmatmul).
+/* Matrix products with GGUF-quantized weights and float32 activations (pagedkv.engine.model.QuantLinear; built by
+ * pagedkv.engine.cpu).
  *
  *   y[b, n] = sum_k w[n, k] * x[b, k]        b < B (a few rows), n in [n0, n1), k < K (a multiple of 32)
  *
@@ -409,3 +410,4 @@ int64_t pkv_paged_attn(const float *q, int64_t ldq, const float *kv, int64_t num
     }
     return bad;
 }
+

@@ -43,10 +43,10 @@ import torch.nn.functional as F
 
 from .gguf_loader import ArchMetadata, HeadShapes, TokenizerMetadata, check_shapes, inv_freq, load_tensors, open_gguf
 from .gguf_loader import read_tokenizer_metadata
-from .lm_head import LMHead
-from .model import AttentionMetadata, PagedDecoder, _rotate_half
-from .qmatmul import QuantBlocks, head_linear, load_blocks
+from .model import AttentionMetadata, PagedDecoder, _rotate_half, head_linear
 from .paged_attention import paged_attention, plan_paged_attention
+from .quant_blocks import QuantBlocks, load_blocks
+from .sampling import LMHead
 
 __all__ = ["ARCHITECTURE", "Gemma3Config", "PagedGemma3", "load_gemma3", "read_gemma3_config"]
 
@@ -207,7 +207,7 @@ class PagedGemma3(PagedDecoder):
         self.tok_embd = w("token_embd.weight")
         self.device = self.tok_embd.device
         self.lm_head = w("output.weight")
-        # exact float32 logits (soft-capped when configured), and the bounded fast path (lm_head.py)
+        # exact float32 logits (soft-capped when configured), and the bounded fast path (sampling.py)
         self.head = LMHead(self.lm_head, softcap=c.final_logit_softcapping,
                            quantized=head_linear(self.lm_head, quantized, max_rows=LMHead.QUANT_ROWS))
         self.out_norm = w("output_norm.weight")
