@@ -61,7 +61,7 @@ from typing import Any, Callable, NamedTuple
 from ..errors import InvalidArgumentError
 
 __all__ = ["ENTRY_POINTS", "FIRST_WINDOW_S", "FREE_MARGIN", "RECHECK_S", "SPIN_COUNT", "STALE_S", "CpuTimes",
-           "ThreadPolicy",
+           "FUSED_STEP", "ThreadPolicy", "layer_table", "step_kernel",
            "build_kernels", "kernel_status", "kernels", "nice_yields", "openmp_runtimes", "others_cores",
            "parse_proc_stat", "parse_self_stat", "pick_threads", "prepare_runtime", "read_cpu_times",
            "usable_cores", "validate_threads"]
@@ -169,6 +169,79 @@ def kernel_status() -> str:
     kernels()
     return _state["why"]
 
+
+# --------------------------------------------------------------------------------------------------- the fused step
+# ``pkv_llama_step`` / ``pkv_gemma3_step`` (``_qkernels.c``): every layer of a few-row decode step in one call (used
+# by ``PagedLlama.hidden`` / ``PagedGemma3.hidden`` when :data:`FUSED_STEP` and the step qualifies). The layer table
+# is built once per model from raw pointers (:func:`layer_table`); the tensors behind them stay owned by the model.
+
+#: whether few-row steps run as one C call (``PAGEDKV_FUSED_STEP=0`` turns it off, for A/B runs)
+FUSED_STEP = os.environ.get("PAGEDKV_FUSED_STEP", "1") != "0"
+_KIND_CODE = {"Q4_1": 0, "Q5_0": 1, "Q8_0": 2, "Q8_16": 3}
+_MAX_PARTS = 4
+
+
+class _Part(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int64), ("qs", ctypes.c_void_p), ("d", ctypes.c_void_p), ("aux", ctypes.c_void_p),
+                ("row", ctypes.c_int64), ("n", ctypes.c_int64)]
+
+
+class _Lin(ctypes.Structure):
+    _fields_ = [("parts", _Part * _MAX_PARTS), ("nparts", ctypes.c_int64)]
+
+
+_LINS = [("qkv", _Lin), ("o", _Lin), ("gu", _Lin), ("down", _Lin)]
+_vp = ctypes.c_void_p
+
+
+class _Layer(ctypes.Structure):  # pkv_layer
+    _fields_ = [("attn_norm", _vp), ("ffn_norm", _vp), *_LINS]
+
+
+class _GLayer(ctypes.Structure):  # pkv_glayer
+    _fields_ = [("attn_norm", _vp), ("qk_norm", _vp), ("post_attn_norm", _vp), ("ffn_norm", _vp),
+                ("post_ffw_norm", _vp), *_LINS]
+
+
+def layer_table(layers: list[tuple], gemma3: bool = False) -> Any:
+    """The C table of a model's layers (``pkv_layer``, or ``pkv_glayer`` with ``gemma3``), or ``None`` when a product
+    has more than 4 parts. ``layers[i]``: the norms' pointers (Llama: attention, MLP; Gemma 3: attention, query and
+    key, after the attention, MLP, after the MLP), then the products ``qkv, o, gate_up, down``, each a list of parts
+    ``(kind, qs, d, aux, first output row, rows)`` (``kind`` a :attr:`~pagedkv.engine.quant_blocks.QuantBlocks.kind`,
+    the others pointers or ints, ``aux`` possibly ``None``). O(layers)."""
+    cls = _GLayer if gemma3 else _Layer
+    n_norms = len(cls._fields_) - len(_LINS)
+    table = (cls * len(layers))()
+    for entry, layer in zip(table, layers):
+        for (name, _), ptr in zip(cls._fields_, layer[:n_norms]):
+            setattr(entry, name, ptr)
+        for (name, _), parts in zip(_LINS, layer[n_norms:]):
+            if len(parts) > _MAX_PARTS:
+                return None
+            lin = getattr(entry, name)
+            lin.nparts = len(parts)
+            for slot, (kind, qs, d, aux, row, n) in zip(lin.parts, parts):
+                slot.kind, slot.qs, slot.d, slot.aux, slot.row, slot.n = _KIND_CODE[kind], qs, d, aux, row, n
+    return table
+
+
+def step_kernel(name: str) -> Any:
+    """``pkv_llama_step`` or ``pkv_gemma3_step`` with its signature set, or ``None`` without kernels (or with
+    :data:`FUSED_STEP` off)."""
+    if name not in _state:
+        dll = kernels() if FUSED_STEP else None
+        fn = None if dll is None else getattr(dll, name)
+        if fn is not None:
+            i64, vp, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+            if name == "pkv_llama_step":
+                fn.argtypes = [vp, i64, i64, i64, i64, i64, i64, i64, f32, f32, *[vp] * 12, i64, i64, vp, i64, vp,
+                               i64, i64, vp, vp, ctypes.c_int]
+            else:
+                fn.argtypes = [vp, vp, i64, i64, i64, i64, i64, i64, i64, f32, f32, *[vp] * 8, i64, i64, vp, vp,
+                               ctypes.c_int]
+            fn.restype = i64
+        _state[name] = fn
+    return _state[name]
 
 # --------------------------------------------------------------------------------------------------- the threads
 

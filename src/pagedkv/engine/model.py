@@ -54,7 +54,7 @@ import torch.nn.functional as F
 
 from .gguf_loader import (ModelConfig, TokenizerMetadata, find_default_model, llama_row_convert, load_gguf,
                           open_gguf, rope_inv_freq)
-from .cpu import ENTRY_POINTS, kernels
+from .cpu import ENTRY_POINTS, kernels, layer_table, step_kernel
 from .paged_attention import (NULL_BLOCK, AttentionMetadata, AttentionPlan, AttentionWorkspace,
                               build_attention_metadata, build_group_attention_metadata, paged_attention,
                               plan_paged_attention)
@@ -209,6 +209,12 @@ class QuantLinear:
     def uses_kernel(self) -> bool:
         """Whether few-row products go through the quantized kernels (built, CPU, float32)."""
         return self._on
+
+    def part_pointers(self) -> list[tuple]:
+        """Per part: ``(kind, qs, d, aux, first output row, rows)``, the arrays as pointers (``aux`` ``None`` where
+        the layout has none), for :func:`pagedkv.engine.cpu.layer_table`."""
+        return [(k, qs.data_ptr(), d.data_ptr(), None if aux is None else aux.data_ptr(), row, n)
+                for k, (_, qs, d, aux, row, n) in zip(self.kinds, self._parts)]
 
     @property
     def nbytes(self) -> int:
@@ -464,6 +470,13 @@ class PagedLlama(PagedDecoder):
         self.scale = 1.0 / math.sqrt(config.head_dim)
         #: per layer, its four products (:meth:`PagedDecoder._make_linears`)
         self.linears = self._make_linears((1, 2, 4, 5), quantized)
+        # the fused few-row step (one C call for every layer) where every product reads quantized blocks
+        fusable = self.linears and all(lin.uses_kernel for layer in self.linears for lin in layer)
+        self._fused_table = layer_table(
+            [(layer[0].data_ptr(), layer[3].data_ptr(), *(lin.part_pointers() for lin in lins))
+             for layer, lins in zip(self.layers, self.linears)]) if fusable and self.dtype == torch.float32 else None
+        self._fused_linears = self.linears  # (a model whose products are replaced afterwards takes the torch path)
+        self._fused_rows = min((lin.max_rows for layer in self.linears for lin in layer), default=0) if fusable else 0
 
     @classmethod
     def from_gguf(
@@ -496,6 +509,10 @@ class PagedLlama(PagedDecoder):
         block_size = kv_cache.shape[3]
         n_tok = meta.num_tokens
         plan = plan_paged_attention(meta, block_size, dtype=self.dtype)
+        if plan.ragged is not None and not plan.groups and n_tok <= self._fused_rows:
+            fused = self._hidden_fused(meta, kv_cache, plan)
+            if fused is not None:
+                return fused
         cos, sin = self._rope(None, self._inv_freq, meta.positions, max(meta.context_lens_host, default=0))
         n_head, n_kv, d = c.n_head, c.n_head_kv, c.head_dim
         n_ff = self.layers[0][4].shape[0] // 2 if self.layers else 0
@@ -520,5 +537,38 @@ class PagedLlama(PagedDecoder):
         if idx is None:
             idx = meta.query_start_loc[1:] - 1
         return _rms_norm(x.index_select(0, idx), self.out_norm, c.rms_eps)
+
+    def _hidden_fused(self, meta: AttentionMetadata, kv_cache: torch.Tensor, plan: AttentionPlan) -> Any:
+        """:meth:`hidden` of a step whose attention is all ragged and whose products all read quantized blocks, as
+        one C call over every layer (``pkv_llama_step``, :mod:`pagedkv.engine.cpu`); ``None`` where it does not
+        apply (then the torch path runs). Buffers reused per thread and row count."""
+        fn, table = step_kernel("pkv_llama_step"), self._fused_table
+        if (fn is None or table is None or self.linears is not self._fused_linears or kv_cache.dtype != torch.float32
+                or not kv_cache.is_contiguous()):
+            return None
+        c, n_tok, rag = self.config, meta.num_tokens, plan.ragged
+        bufs = getattr(self._local, "fused", None)
+        if bufs is None:
+            bufs = self._local.fused = {}
+        b = bufs.get(n_tok)
+        if b is None:  # x, h, qkv, attn, tmp, gu, act, out
+            n_ff = self.layers[0][4].shape[0] // 2
+            widths = (c.n_embd, c.n_embd, (c.n_head + 2 * c.n_head_kv) * c.head_dim, c.n_head * c.head_dim,
+                      c.n_embd, 2 * n_ff, n_ff, c.n_embd)
+            b = bufs[n_tok] = [torch.empty(n_tok, w) for w in widths]
+        x, out = b[0], b[7]
+        torch.index_select(self.tok_embd, 0, meta.input_ids, out=x)
+        cos, sin = self._rope_table(None, self._inv_freq, max(meta.context_lens_host, default=0))
+        pos, slots = meta.positions, plan.slot_mapping
+        _, _, num_blocks, bs, _, _ = kv_cache.shape
+        bad = fn(table, c.n_layer, n_tok, c.n_embd, c.n_head, c.n_head_kv, c.head_dim, b[6].shape[1], c.rms_eps,
+                 self.scale, *(t.data_ptr() for t in b[:7]), cos.data_ptr(), sin.data_ptr(), pos.data_ptr(),
+                 slots.data_ptr(), kv_cache.data_ptr(), num_blocks, bs, rag.tables.data_ptr(), rag.tables.shape[1],
+                 rag.seqs.data_ptr(), rag.seqs.shape[0], rag.window, self.out_norm.data_ptr(), out.data_ptr(),
+                 torch.get_num_threads())
+        if bad:
+            raise RuntimeError(f"the fused step read {bad} keys through a NULL_BLOCK or out-of-range block id")
+        idx = meta.logits_indices
+        return out.index_select(0, meta.query_start_loc[1:] - 1 if idx is None else idx)
 
     __call__ = forward
