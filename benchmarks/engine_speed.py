@@ -19,7 +19,7 @@ HF, llama.cpp, engine, HF, ...), so a slow spell of a shared machine hits them a
 
 A backend whose virtualenv is missing is left out (and said so). Threads: every backend uses ``--threads``
 (default 1, see --threads); ``--threads default`` runs each backend at its own defaults instead (pagedkv with no
-setting: its thread policy, pagedkv.engine.threads; HF ``generate`` at torch's default; llama-cpp-python at its
+setting: its thread policy, pagedkv.engine.cpu; HF ``generate`` at torch's default; llama-cpp-python at its
 ``Llama`` class's default ``n_threads = cpu_count // 2``; thread variables removed from the workers'
 environment) and writes engine_speed_defaults.{md,json,png} beside the one-thread files.
 """

@@ -45,7 +45,7 @@ class PagedKV:
 
         from pagedkv.engine.registry import load_model
 
-        self.threads = threads  # None: the engine's own policy (pagedkv.engine.threads)
+        self.threads = threads  # None: the engine's own policy (pagedkv.engine.cpu)
         if threads is not None:
             torch.set_num_threads(threads)
         self.model = load_model(model)  # PagedLlama or PagedGemma3, after the file's architecture

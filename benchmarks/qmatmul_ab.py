@@ -43,8 +43,9 @@ def main() -> int:
     import copy
 
     from pagedkv.engine.llm import LLM
-    from pagedkv.engine.lm_head import LMHead
-    from pagedkv.engine.qmatmul import DenseLinear, kernel_status
+    from pagedkv.engine.cpu import kernel_status
+    from pagedkv.engine.model import DenseLinear
+    from pagedkv.engine.sampling import LMHead
     from pagedkv.engine.registry import load_model
     from pagedkv.engine.sampling import SamplingParams
 

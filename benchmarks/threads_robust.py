@@ -53,7 +53,7 @@ def worker(model: str, batch: int, out: int, inp: int) -> int:
     print(json.dumps({"ready": True}), flush=True)
     sys.stdin.readline()
     r = run_throughput(llm, input_len=inp, output_len=out, num_prompts=batch, use_tqdm=False)
-    from pagedkv.engine.threads import openmp_runtimes
+    from pagedkv.engine.cpu import openmp_runtimes
 
     print(json.dumps({"output_tokens_per_s": r["output_tokens_per_s"], "elapsed_s": r["elapsed_s"],
                       "threads": r["torch_threads"], "source": r["threads_source"], "checks": r["thread_checks"],

@@ -73,7 +73,7 @@ def engine() -> Iterator[Engine]:
     pytest.importorskip("jinja2")
     from pagedkv.engine.gguf_loader import ModelNotFoundError, find_default_model, llama_row_convert, load_gguf
     from pagedkv.engine.model import PagedLlama
-    from pagedkv.engine.qmatmul import load_blocks
+    from pagedkv.engine.quant_blocks import load_blocks
     from pagedkv.engine.reference import ReferenceLlama
     from pagedkv.engine.tokenizer import GGUFTokenizer
 
@@ -86,7 +86,7 @@ def engine() -> Iterator[Engine]:
             tokenizer_meta=tok_meta,
             tokenizer=GGUFTokenizer(tok_meta),
             reference=ReferenceLlama(config, weights, tok_meta),
-            # as from_gguf makes it: few-row steps read the file's quantized blocks (qmatmul.py)
+            # as from_gguf makes it: few-row steps read the file's quantized blocks (model.QuantLinear)
             paged=PagedLlama(config, weights, tokenizer_metadata=tok_meta,
                              quantized=load_blocks(path, llama_row_convert(config))),
         )

@@ -1,4 +1,4 @@
-"""The exact fast LM head (src/pagedkv/engine/lm_head.py) and the sampler on its bounds (sample_bounded).
+"""The exact fast LM head (src/pagedkv/engine/sampling.py) and the sampler on its bounds (sample_bounded).
 
 * the bound holds against float64 on random tables, tables with outlier rows, hidden states with outliers and
   huge norms, for one row and many (both product layouts);
@@ -16,7 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pagedkv.engine.lm_head import LMHead  # noqa: E402
+from pagedkv.engine.sampling import LMHead  # noqa: E402
 from pagedkv.engine.sampling import SamplingParams, sample_batch, sample_bounded  # noqa: E402
 
 
@@ -193,7 +193,7 @@ class _PerturbedHead:
     logic is tested where the proposal is far from the target. ``h[:, 0]`` holds the row of ``L``."""
 
     def __init__(self, logits: torch.Tensor, bound: float, seed: int) -> None:
-        from pagedkv.engine.lm_head import ApproxLogits
+        from pagedkv.engine.sampling import ApproxLogits
 
         self._A = ApproxLogits
         self.L = logits

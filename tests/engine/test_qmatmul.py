@@ -1,6 +1,6 @@
-"""The quantized kernels (pagedkv.engine.qmatmul): weights rebuilt bit for bit as gguf's dequantize rebuilds them,
-products within float32 rounding of the float64 product, every tile shape and ISA variant, the fallbacks, and the
-model's decode steps through them."""
+"""The quantized kernels (built by pagedkv.engine.cpu, called by pagedkv.engine.model.QuantLinear): weights rebuilt
+bit for bit as gguf's dequantize rebuilds them, products within float32 rounding of the float64 product, every tile
+shape and ISA variant, the fallbacks, and the model's decode steps through them."""
 
 from __future__ import annotations
 
@@ -15,16 +15,18 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
 
-from pagedkv.engine import qmatmul  # noqa: E402
-from pagedkv.engine.qmatmul import QuantBlocks, QuantLinear, build_kernels, split_blocks  # noqa: E402
+from pagedkv.engine import cpu  # noqa: E402
+from pagedkv.engine.cpu import build_kernels  # noqa: E402
+from pagedkv.engine.model import QuantLinear  # noqa: E402
+from pagedkv.engine.quant_blocks import QuantBlocks, split_blocks  # noqa: E402
 from pagedkv.engine.config import ModelRunConfig
 
 KINDS = ("Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K")
 
 
 def _kernels_or_skip():
-    if qmatmul.kernels() is None:
-        pytest.skip(f"quantized kernels: {qmatmul.kernel_status()}")
+    if cpu.kernels() is None:
+        pytest.skip(f"quantized kernels: {cpu.kernel_status()}")
 
 
 #: K-quant super-blocks: bytes per 256 weights, and where their float16 scales lie
@@ -155,10 +157,10 @@ def test_dense_fallback_and_errors():
 
 def test_disabled_by_environment(monkeypatch):
     """PAGEDKV_QKERNELS=0: no kernels, QuantLinear is the dense product (and says so)."""
-    monkeypatch.setattr(qmatmul, "_state", {})
+    monkeypatch.setattr(cpu, "_state", {})
     monkeypatch.setenv("PAGEDKV_QKERNELS", "0")
-    assert qmatmul.kernels() is None
-    assert "disabled" in qmatmul.kernel_status()
+    assert cpu.kernels() is None
+    assert "disabled" in cpu.kernel_status()
     dense, blocks = _quantized("Q4_1", 8, 32)
     lin = QuantLinear(dense, blocks)
     assert not lin.uses_kernel
@@ -167,12 +169,12 @@ def test_disabled_by_environment(monkeypatch):
 
 
 def test_a_failed_build_falls_back(monkeypatch, caplog, tmp_path):
-    monkeypatch.setattr(qmatmul, "_state", {})
+    monkeypatch.setattr(cpu, "_state", {})
     monkeypatch.delenv("PAGEDKV_QKERNELS", raising=False)
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("PAGEDKV_KERNEL_CACHE", str(tmp_path))
-    assert qmatmul.kernels() is None
-    assert qmatmul.kernel_status().startswith("unavailable")
+    assert cpu.kernels() is None
+    assert cpu.kernel_status().startswith("unavailable")
     assert "using float32 products" in caplog.text
 
 
@@ -207,7 +209,7 @@ def test_lm_head_reads_the_quantized_table_for_few_greedy_and_top_k_rows(engine)
     (bound 2 gamma C ||x||, checked against float64); the tokens equal those of the bf16 path and of float32 argmax;
     a plain-sampling row keeps the bf16 proposals whatever its batch (seeded draws unchanged)."""
     _kernels_or_skip()
-    from pagedkv.engine.lm_head import LMHead
+    from pagedkv.engine.sampling import LMHead
     from pagedkv.engine.sampling import SamplingParams, sample_bounded
 
     head = engine.paged.head
@@ -262,7 +264,7 @@ def test_the_switch_from_the_command_line_to_the_model(engine):
     assert not dense.quant_kernels and dense.head.quantized is None
     fast = LLM(engine.paged, num_gpu_blocks=16)
     slow = LLM(dense, num_gpu_blocks=16, run_config=ModelRunConfig(quant_kernels=False))
-    assert fast.quant_kernels is (qmatmul.kernels() is not None) and slow.quant_kernels is False
+    assert fast.quant_kernels is (cpu.kernels() is not None) and slow.quant_kernels is False
     sp = SamplingParams(temperature=0.0, max_tokens=12)
     prompt = {"prompt_token_ids": [1, 504, 3458, 282, 4077, 30, 216]}
     assert fast.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids == \
@@ -284,9 +286,9 @@ def test_without_a_usable_home_a_private_temporary_folder_holds_the_kernels(monk
     monkeypatch.delenv("PAGEDKV_KERNEL_CACHE", raising=False)
     monkeypatch.setattr(Path, "home", staticmethod(no_home))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    got = qmatmul._cache_dir()
+    got = cpu._cache_dir()
     assert got == tmp_path / f"pagedkv-kernels-{os.getuid()}"
     assert stat.S_IMODE(got.stat().st_mode) == 0o700
     got.chmod(0o777)
     with pytest.raises(OSError, match="private"):
-        qmatmul._cache_dir()
+        cpu._cache_dir()

@@ -19,9 +19,9 @@ MODES = pa.ATTENTION_MODES
 
 def _kernel_or_skip():
     if pa._kernel() is None:
-        from pagedkv.engine import qmatmul
+        from pagedkv.engine import cpu
 
-        pytest.skip(f"kernels: {qmatmul.kernel_status()}")
+        pytest.skip(f"kernels: {cpu.kernel_status()}")
 
 
 def dense(q, k, v, positions, window, scale):
@@ -122,12 +122,12 @@ def test_buckets_keep_a_long_sequence_apart_and_equal_contexts_together():
 
 @pytest.mark.parametrize("arch", [("-mavx2", "-mfma"), ()], ids=["avx2", "plain"])
 def test_kernel_variants_match(arch, monkeypatch):
-    from pagedkv.engine import qmatmul
+    from pagedkv.engine import cpu
 
     _kernel_or_skip()
-    if arch and "avx2" not in qmatmul._cpu_tag():
+    if arch and "avx2" not in cpu._cpu_tag():
         pytest.skip("no AVX2 on this CPU")
-    monkeypatch.setattr(pa, "_KERNEL", [pa.bind_kernel(qmatmul.build_kernels(arch))])
+    monkeypatch.setattr(pa, "_KERNEL", [pa.bind_kernel(cpu.build_kernels(arch))])
     meta, q, k, v, cache, want = random_step(3, [1, 4, 1], [700, 30, 2], n_head=9, n_kv=3, d=64, bs=16, window=100)
     plan = pa.plan_paged_attention(meta, 16, mode="ragged")
     assert plan.ragged is not None

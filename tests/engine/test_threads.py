@@ -1,11 +1,11 @@
-"""The engine's thread policy (pagedkv.engine.threads): its logic on injected /proc readings, the explicit
+"""The engine's thread policy (pagedkv.engine.cpu): its logic on injected /proc readings, the explicit
 settings that win over it, ``--threads`` in every engine command, and one OpenMP runtime in the process."""
 
 from __future__ import annotations
 
 import pytest
 
-from pagedkv.engine import threads as th
+from pagedkv.engine import cpu as th
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.engine.config import ModelRunConfig
 
@@ -225,9 +225,9 @@ def test_one_openmp_runtime(engine):
     """The kernels' libgomp.so.1 is the runtime torch loaded (one thread pool, one wait policy): one library of
     that soname mapped. (Wheels such as sentencepiece's may bring a renamed copy, libgomp-<hash>.so, used by
     their own code only.)"""
-    from pagedkv.engine import qmatmul
+    from pagedkv.engine import cpu
 
-    if qmatmul.kernels() is None:
+    if cpu.kernels() is None:
         pytest.skip("no kernels here")
     import os
 

@@ -1,4 +1,5 @@
-/* Matrix products with GGUF-quantized weights and float32 activations (pagedkv.engine.qmatmul).
+/* Matrix products with GGUF-quantized weights and float32 activations (pagedkv.engine.model.QuantLinear; built by
+ * pagedkv.engine.cpu).
  *
  *   y[b, n] = sum_k w[n, k] * x[b, k]        b < B (a few rows), n in [n0, n1), k < K (a multiple of 32)
  *
@@ -407,5 +408,195 @@ int64_t pkv_paged_attn(const float *q, int64_t ldq, const float *kv, int64_t num
         }
         free(acc);
     }
+    return bad;
+}
+
+/* ---------------------------------------------------------------- a whole few-row decode step of a Llama model
+ * (pagedkv.engine.cpu.FusedLlama): every layer in one call, for steps whose products all read quantized blocks
+ * and whose attention is all ragged (decodes, short queries). The layer's float32 arithmetic is that of the torch
+ * ops it replaces (PagedLlama.hidden), in the same order (-ffp-contract=off: no fused multiply-add), except for
+ * summation orders (the mean of squares of RMSNorm: accumulated in double) and expf (glibc's, where torch uses its
+ * own vectorized exp in SiLU): differences of the order of float32 rounding, as any BLAS makes. */
+typedef struct {
+    int64_t kind; /* PKV_Q4_1 .. PKV_Q8_16 */
+    const uint8_t *qs;
+    const float *d;
+    const void *aux;
+    int64_t row, n; /* output rows [row, row + n) of the product */
+} pkv_part;
+
+#define PKV_MAX_PARTS 4
+typedef struct {
+    pkv_part parts[PKV_MAX_PARTS];
+    int64_t nparts;
+} pkv_lin;
+
+typedef struct {
+    const float *attn_norm, *ffn_norm;
+    pkv_lin qkv, o, gu, down;
+} pkv_layer;
+
+static void lin_apply(const pkv_lin *lin, const float *x, int64_t B, int64_t ldx, int64_t K, float *y, int64_t ldy,
+                      int nthreads) {
+    for (int64_t i = 0; i < lin->nparts; i++) {
+        const pkv_part *p = lin->parts + i;
+        float *yp = y + p->row;
+        switch (p->kind) {
+        case PKV_Q4_1: pkv_q4_1_mm(x, B, ldx, K, p->qs, p->d, p->aux, 0, p->n, yp, ldy, nthreads); break;
+        case PKV_Q5_0: pkv_q5_0_mm(x, B, ldx, K, p->qs, p->d, p->aux, 0, p->n, yp, ldy, nthreads); break;
+        case PKV_Q8_0: pkv_q8_0_mm(x, B, ldx, K, p->qs, p->d, p->aux, 0, p->n, yp, ldy, nthreads); break;
+        default: pkv_q8_16_mm(x, B, ldx, K, p->qs, p->d, p->aux, 0, p->n, yp, ldy, nthreads); break;
+        }
+    }
+}
+
+/* x += add (add may be NULL), then out = (x * (1 / sqrt(mean(x^2) + eps))) * w; T rows of n floats */
+static void add_rmsnorm(float *x, const float *add, int64_t T, int64_t n, const float *w, float eps, float *out) {
+    for (int64_t t = 0; t < T; t++) {
+        float *xr = x + t * n;
+        if (add) {
+            const float *ar = add + t * n;
+            for (int64_t i = 0; i < n; i++) xr[i] = xr[i] + ar[i];
+        }
+        double ss = 0.0;
+        for (int64_t i = 0; i < n; i++) ss += (double)xr[i] * (double)xr[i];
+        const float mean = (float)(ss / (double)n);
+        const float r = 1.0f / sqrtf(mean + eps);
+        float *o = out + t * n;
+        for (int64_t i = 0; i < n; i++) o[i] = (xr[i] * r) * w[i];
+    }
+}
+
+int64_t pkv_llama_step(const pkv_layer *layers, int64_t n_layer, int64_t T, int64_t E, int64_t n_head, int64_t n_kv,
+                       int64_t hd, int64_t n_ff, float eps, float scale, float *x, float *h, float *qkv, float *attn,
+                       float *tmp, float *gu, float *act, const float *cos_t, const float *sin_t, const int64_t *pos,
+                       const int64_t *slots, float *kv, int64_t num_blocks, int64_t bs, const int32_t *tables,
+                       int64_t ldt, const int64_t *seqs, int64_t S, int64_t window, const float *out_norm, float *out,
+                       int nthreads) {
+    const int64_t nq = n_head * hd, nqkv = (n_head + 2 * n_kv) * hd, half = hd / 2;
+    const int64_t plane = num_blocks * bs * n_kv * hd; /* floats of one layer's keys (then its values) */
+    int64_t bad = 0;
+    for (int64_t l = 0; l < n_layer; l++) {
+        const pkv_layer *L = layers + l;
+        float *kvl = kv + 2 * plane * l;
+        add_rmsnorm(x, l ? tmp : NULL, T, E, L->attn_norm, eps, h); /* (the previous layer's down product) */
+        lin_apply(&L->qkv, h, T, E, E, qkv, nqkv, nthreads);
+        for (int64_t t = 0; t < T; t++) { /* rotary embeddings of queries and keys; keys and values into the cache */
+            const float *c = cos_t + pos[t] * hd, *s = sin_t + pos[t] * hd;
+            float *row = qkv + t * nqkv;
+            for (int64_t hh = 0; hh < n_head + n_kv; hh++) {
+                float *v = row + hh * hd;
+                for (int64_t i = 0; i < half; i++) {
+                    const float a = v[i], b = v[i + half];
+                    v[i] = a * c[i] + (-b) * s[i];
+                    v[i + half] = b * c[i + half] + a * s[i + half];
+                }
+            }
+            float *kd = kvl + slots[t] * n_kv * hd, *vd = kvl + plane + slots[t] * n_kv * hd;
+            for (int64_t i = 0; i < n_kv * hd; i++) {
+                kd[i] = row[nq + i];
+                vd[i] = row[nq + n_kv * hd + i];
+            }
+        }
+        const int64_t r = pkv_paged_attn(qkv, nqkv, kvl, num_blocks, bs, n_kv, hd, n_head, tables, ldt, seqs, S,
+                                         window, scale, attn, nq, nthreads);
+        if (r < 0) return r;
+        bad += r;
+        lin_apply(&L->o, attn, T, nq, nq, tmp, E, nthreads);
+        add_rmsnorm(x, tmp, T, E, L->ffn_norm, eps, h);
+        lin_apply(&L->gu, h, T, E, E, gu, 2 * n_ff, nthreads);
+        for (int64_t t = 0; t < T; t++) {
+            const float *g = gu + t * 2 * n_ff, *u = g + n_ff;
+            float *a = act + t * n_ff;
+            for (int64_t i = 0; i < n_ff; i++) a[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
+        }
+        lin_apply(&L->down, act, T, n_ff, n_ff, tmp, E, nthreads);
+    }
+    add_rmsnorm(x, n_layer ? tmp : NULL, T, E, out_norm, eps, out);
+    return bad;
+}
+
+/* Gemma 3's few-row step (pagedkv.engine.gemma3.PagedGemma3): as pkv_llama_step, with Gemma's layer: the scaled
+ * embedding, RMSNorm multipliers (1 + w, folded at load), per-head query and key norms, a norm after the attention
+ * and after the MLP, GELU (tanh form, torch's formula), and per layer its own KV slot, rotary tables and attention
+ * plan: lay[9 l ..] = (KV layer, cos table, sin table, block tables, their row stride, sequences, S, window, slots of
+ * the new tokens), the pointers as integers. */
+typedef struct {
+    const float *attn_norm, *qk_norm, *post_attn_norm, *ffn_norm, *post_ffw_norm;
+    pkv_lin qkv, o, gu, down;
+} pkv_glayer;
+
+/* out = (x * (1 / sqrt(mean(x^2) + eps))) * w over n floats; x and out may be the same */
+static void rmsnorm1(const float *x, int64_t n, const float *w, float eps, float *out) {
+    double ss = 0.0;
+    for (int64_t i = 0; i < n; i++) ss += (double)x[i] * (double)x[i];
+    const float r = 1.0f / sqrtf((float)(ss / (double)n) + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = (x[i] * r) * w[i];
+}
+
+int64_t pkv_gemma3_step(const pkv_glayer *layers, const int64_t *lay, int64_t n_layer, int64_t T, int64_t E,
+                        int64_t n_head, int64_t n_kv, int64_t hd, int64_t n_ff, float eps, float scale, float *x,
+                        float *h, float *qkv, float *attn, float *tmp, float *gu, float *act, const int64_t *pos,
+                        int64_t num_blocks, int64_t bs, const float *out_norm, float *out, int nthreads) {
+    const int64_t nq = n_head * hd, nqkv = (n_head + 2 * n_kv) * hd, half = hd / 2;
+    const int64_t plane = num_blocks * bs * n_kv * hd;
+    const float beta = (float)(M_SQRT2 * M_2_SQRTPI * 0.5), kappa = 0.044715f;
+    int64_t bad = 0;
+    for (int64_t l = 0; l < n_layer; l++) {
+        const pkv_glayer *L = layers + l;
+        const int64_t *e = lay + 9 * l;
+        const int64_t *slots = (const int64_t *)(intptr_t)e[8];
+        float *kvl = (float *)(intptr_t)e[0];
+        const float *cos_t = (const float *)(intptr_t)e[1], *sin_t = (const float *)(intptr_t)e[2];
+        for (int64_t t = 0; t < T; t++) rmsnorm1(x + t * E, E, L->attn_norm, eps, h + t * E);
+        lin_apply(&L->qkv, h, T, E, E, qkv, nqkv, nthreads);
+        for (int64_t t = 0; t < T; t++) {
+            const float *c = cos_t + pos[t] * hd, *s = sin_t + pos[t] * hd;
+            float *row = qkv + t * nqkv;
+            for (int64_t hh = 0; hh < n_head + n_kv; hh++) {
+                float *v = row + hh * hd;
+                rmsnorm1(v, hd, L->qk_norm + hh * hd, eps, v);
+                for (int64_t i = 0; i < half; i++) {
+                    const float a = v[i], b = v[i + half];
+                    v[i] = a * c[i] + (-b) * s[i];
+                    v[i + half] = b * c[i + half] + a * s[i + half];
+                }
+            }
+            float *kd = kvl + slots[t] * n_kv * hd, *vd = kvl + plane + slots[t] * n_kv * hd;
+            for (int64_t i = 0; i < n_kv * hd; i++) {
+                kd[i] = row[nq + i];
+                vd[i] = row[nq + n_kv * hd + i];
+            }
+        }
+        const int64_t r = pkv_paged_attn(qkv, nqkv, kvl, num_blocks, bs, n_kv, hd, n_head,
+                                         (const int32_t *)(intptr_t)e[3], e[4], (const int64_t *)(intptr_t)e[5], e[6],
+                                         e[7], scale, attn, nq, nthreads);
+        if (r < 0) return r;
+        bad += r;
+        lin_apply(&L->o, attn, T, nq, nq, tmp, E, nthreads);
+        for (int64_t t = 0; t < T; t++) {
+            float *xr = x + t * E, *tr = tmp + t * E;
+            rmsnorm1(tr, E, L->post_attn_norm, eps, tr);
+            for (int64_t i = 0; i < E; i++) xr[i] = xr[i] + tr[i];
+            rmsnorm1(xr, E, L->ffn_norm, eps, h + t * E);
+        }
+        lin_apply(&L->gu, h, T, E, E, gu, 2 * n_ff, nthreads);
+        for (int64_t t = 0; t < T; t++) {
+            const float *g = gu + t * 2 * n_ff, *u = g + n_ff;
+            float *a = act + t * n_ff;
+            for (int64_t i = 0; i < n_ff; i++) {
+                const float xv = g[i], cube = xv * xv * xv;
+                const float inner = beta * (xv + kappa * cube);
+                a[i] = ((0.5f * xv) * (1.0f + tanhf(inner))) * u[i];
+            }
+        }
+        lin_apply(&L->down, act, T, n_ff, n_ff, tmp, E, nthreads);
+        for (int64_t t = 0; t < T; t++) {
+            float *xr = x + t * E, *tr = tmp + t * E;
+            rmsnorm1(tr, E, L->post_ffw_norm, eps, tr);
+            for (int64_t i = 0; i < E; i++) xr[i] = xr[i] + tr[i];
+        }
+    }
+    for (int64_t t = 0; t < T; t++) rmsnorm1(x + t * E, E, out_norm, eps, out + t * E);
     return bad;
 }

@@ -195,7 +195,7 @@ class ModelRunConfig:
         if self.max_model_len is not None and not (_is_int(self.max_model_len) and self.max_model_len >= 1):
             raise InvalidArgumentError(f"max_model_len must be an int >= 1 (at most the model's context), got "
                                        f"{self.max_model_len!r}")
-        from .threads import validate_threads
+        from .cpu import validate_threads
 
         validate_threads(self.threads)
 

@@ -41,11 +41,12 @@ from .build import build_cache, load_model_parts
 from .config import CacheConfig, ModelRunConfig, SchedulerConfig, TierConfig
 from .connector import KVConnector, KVConnectors
 from .kv_tiers import EngineTiers
-from .model import build_attention_metadata, build_group_attention_metadata, execute_copy_plan
+from .model import execute_copy_plan
+from .paged_attention import build_attention_metadata, build_group_attention_metadata
 from .outputs import CompletionOutput, EngineTimes, RequestOutput, StepOutput
 from .request_pins import RequestPins
 from .sampling import SamplingParams, sample, sample_batch, sample_bounded
-from .threads import ThreadPolicy
+from .cpu import ThreadPolicy
 
 __all__ = ["EngineCore", "Request"]
 

@@ -32,6 +32,7 @@ matmul, gate/up another; the q and k norms and the rotary embedding of q and k a
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 from dataclasses import dataclass
@@ -42,11 +43,12 @@ import torch
 import torch.nn.functional as F
 
 from .gguf_loader import ArchMetadata, HeadShapes, TokenizerMetadata, check_shapes, inv_freq, load_tensors, open_gguf
+from .cpu import layer_table, step_kernel
 from .gguf_loader import read_tokenizer_metadata
-from .lm_head import LMHead
-from .model import AttentionMetadata, PagedDecoder, _rotate_half
-from .qmatmul import QuantBlocks, head_linear, load_blocks
+from .model import AttentionMetadata, PagedDecoder, _rotate_half, head_linear
 from .paged_attention import paged_attention, plan_paged_attention
+from .quant_blocks import QuantBlocks, load_blocks
+from .sampling import LMHead
 
 __all__ = ["ARCHITECTURE", "Gemma3Config", "PagedGemma3", "load_gemma3", "read_gemma3_config"]
 
@@ -207,7 +209,7 @@ class PagedGemma3(PagedDecoder):
         self.tok_embd = w("token_embd.weight")
         self.device = self.tok_embd.device
         self.lm_head = w("output.weight")
-        # exact float32 logits (soft-capped when configured), and the bounded fast path (lm_head.py)
+        # exact float32 logits (soft-capped when configured), and the bounded fast path (sampling.py)
         self.head = LMHead(self.lm_head, softcap=c.final_logit_softcapping,
                            quantized=head_linear(self.lm_head, quantized, max_rows=LMHead.QUANT_ROWS))
         self.out_norm = w("output_norm.weight")
@@ -234,6 +236,13 @@ class PagedGemma3(PagedDecoder):
         #: per layer, its four products (:meth:`PagedDecoder._make_linears`; Gemma 3 270M Q4_K_M: Q5_0 / Q8_0 Q, K,
         #: V, gate and up projections, Q4_K / Q6_K attention output and down, all read quantized in few-row steps)
         self.linears = self._make_linears((1, 3, 6, 7), quantized)
+        # the fused few-row step (one C call for every layer) where every product reads quantized blocks
+        fusable = self.dtype == torch.float32 and all(lin.uses_kernel for layer in self.linears for lin in layer)
+        self._fused_table = layer_table(
+            [(*(layer[j].data_ptr() for j in (0, 2, 4, 5, 8)), *(lin.part_pointers() for lin in lins))
+             for layer, lins in zip(self.layers, self.linears)], gemma3=True) if fusable and self.linears else None
+        self._fused_linears = self.linears  # (a model whose products are replaced afterwards takes the torch path)
+        self._fused_rows = min((lin.max_rows for layer in self.linears for lin in layer), default=0) if fusable else 0
         self.layer_windows = c.layer_windows
         self.kv_cache_groups, self.layer_groups = _kv_cache_groups(c)
         # sqrt(hidden) as a float32 tensor cast to the model dtype (as Gemma's scaled embedding does)
@@ -285,8 +294,6 @@ class PagedGemma3(PagedDecoder):
         n_head, n_kv, d, n_ff, eps = c.n_head, c.n_head_kv, c.head_dim, c.n_ff, c.rms_eps
         max_pos = max(meta.context_lens_host, default=0)
         windows = set(self.layer_windows)
-        ropes = {w: self._rope(None if w is None else "local", self._inv_freq[None if w is None else "local"],
-                               meta.positions, max_pos) for w in windows}
         if grouped:  # one plan per group (its own block tables), layer i -> (group, slot)
             if len(meta.groups) != len(self.kv_cache_groups):
                 raise ValueError(f"metadata has {len(meta.groups)} KV cache groups, the model "
@@ -298,6 +305,12 @@ class PagedGemma3(PagedDecoder):
             by_window = {w: plan_paged_attention(meta, block_size, sliding_window=w, dtype=self.dtype)
                          for w in windows}
             where = [(by_window[w], kv_cache[i]) for i, w in enumerate(self.layer_windows)]
+        if n_tok <= self._fused_rows and all(p.ragged is not None and not p.groups for p, _ in where):
+            fused = self._hidden_fused(meta, kv_cache, where, max_pos)
+            if fused is not None:
+                return fused
+        ropes = {w: self._rope(None if w is None else "local", self._inv_freq[None if w is None else "local"],
+                               meta.positions, max_pos) for w in windows}
         ws = self._workspace()
 
         x = self.tok_embd.index_select(0, meta.input_ids) * self.embed_scale
@@ -324,5 +337,40 @@ class PagedGemma3(PagedDecoder):
         if idx is None:
             idx = meta.query_start_loc[1:] - 1
         return _norm(x.index_select(0, idx), self.out_norm, eps)
+
+    def _hidden_fused(self, meta: AttentionMetadata, kv_cache: torch.Tensor, where: list, max_pos: int) -> Any:
+        """:meth:`hidden` of a step whose attention is all ragged and whose products all read quantized blocks, as
+        one C call over every layer (``pkv_gemma3_step``, :mod:`pagedkv.engine.cpu`); ``None`` where it does not
+        apply (then the torch path runs). ``where``: each layer's plan and KV slot. Buffers reused per thread."""
+        fn, table = step_kernel("pkv_gemma3_step"), self._fused_table
+        if (fn is None or table is None or self.linears is not self._fused_linears or kv_cache.dtype != torch.float32
+                or not kv_cache.is_contiguous()):
+            return None
+        c, n_tok = self.config, meta.num_tokens
+        bufs = getattr(self._local, "fused", None)
+        if bufs is None:
+            bufs = self._local.fused = {}
+        b = bufs.get(n_tok)
+        if b is None:  # x, h, qkv, attn, tmp, gu, act, out
+            widths = (c.n_embd, c.n_embd, (c.n_head + 2 * c.n_head_kv) * c.head_dim, c.n_head * c.head_dim,
+                      c.n_embd, 2 * c.n_ff, c.n_ff, c.n_embd)
+            b = bufs[n_tok] = [torch.empty(n_tok, w) for w in widths]
+        x, out = b[0], b[7]
+        torch.mul(self.tok_embd.index_select(0, meta.input_ids), self.embed_scale, out=x)
+        tables = {w: self._rope_table(None if w is None else "local", self._inv_freq[None if w is None else "local"],
+                                      max_pos) for w in set(self.layer_windows)}
+        lay = []
+        for (plan, kv_layer), w in zip(where, self.layer_windows):
+            rag, (cos, sin) = plan.ragged, tables[w]
+            lay += [kv_layer.data_ptr(), cos.data_ptr(), sin.data_ptr(), rag.tables.data_ptr(), rag.tables.shape[1],
+                    rag.seqs.data_ptr(), rag.seqs.shape[0], rag.window, plan.slot_mapping.data_ptr()]
+        _, _, num_blocks, bs, _, _ = kv_cache.shape
+        bad = fn(table, (ctypes.c_int64 * len(lay))(*lay), c.n_layer, n_tok, c.n_embd, c.n_head, c.n_head_kv,
+                 c.head_dim, c.n_ff, c.rms_eps, self.scale, *(t.data_ptr() for t in b[:7]), meta.positions.data_ptr(),
+                 num_blocks, bs, self.out_norm.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        if bad:
+            raise RuntimeError(f"the fused step read {bad} keys through a NULL_BLOCK or out-of-range block id")
+        idx = meta.logits_indices
+        return out.index_select(0, meta.query_start_loc[1:] - 1 if idx is None else idx)
 
     __call__ = forward

@@ -25,11 +25,18 @@ tokens of its context: with ``context_len`` tokens after the step, their positio
 3. reads each sequence's keys and values back *through its block table* and attends causally
    (optionally within a sliding window: a query at position ``p`` sees keys in ``(p - W, p]``).
 
-Steps 2 and 3 are :func:`~pagedkv.engine.paged_attention.paged_attention` (module
-:mod:`pagedkv.engine.paged_attention`): sequences with the same ``q_len`` are attended together as one dense
-group (all decode sequences form one group, no Python loop over sequences); whole new prompts attend their own
-keys directly (no read of the cache); other groups gather their blocks into a workspace reused by every layer
-and step. The per-step plan (groups, block ids, masks) is built once and shared by all layers.
+Steps 2 and 3 are :func:`~pagedkv.engine.paged_attention.paged_attention`, planned once per step and shared by
+all layers (:mod:`pagedkv.engine.paged_attention`, which also builds the step's :class:`AttentionMetadata`).
+
+The products
+------------
+At batch 1 a decode step reads every weight once: SmolLM2-135M's float32 weights are 428 MB per token (31.7 ms of
+a 45.7 ms step on one thread, measured), its file's Q4_1 blocks 0.625 bytes a weight instead of 4. So each product
+is a :class:`QuantLinear` where the file's blocks have a kernel (:mod:`pagedkv.engine.quant_blocks`): steps of up
+to ``max_rows`` rows read the quantized blocks through the C kernels (:mod:`pagedkv.engine.cpu`), each weight
+rebuilt in float32 bit for bit as gguf rebuilds it and the activations kept float32 (llama.cpp rounds them to 8
+bits), so the product is the dequantized float32 matrix's up to summation order and greedy tokens stay the
+reference's; larger steps (prefill, large batches: compute-bound) use the dense float32 matrix and BLAS.
 
 The code is device-agnostic: put the weights (``PagedLlama(..., device=...)``), the KV cache and the
 metadata (``build_attention_metadata(..., device=...)``) on the same device.
@@ -37,11 +44,8 @@ metadata (``build_attention_metadata(..., device=...)``) on the same device.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import threading
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -50,18 +54,24 @@ import torch.nn.functional as F
 
 from .gguf_loader import (ModelConfig, TokenizerMetadata, find_default_model, llama_row_convert, load_gguf,
                           open_gguf, rope_inv_freq)
-from .lm_head import LMHead
-from .qmatmul import QuantBlocks, head_linear, load_blocks, make_linear
-from .paged_attention import (NULL_BLOCK, AttentionPlan, AttentionWorkspace, paged_attention,
+from .cpu import ENTRY_POINTS, kernels, layer_table, step_kernel
+from .paged_attention import (NULL_BLOCK, AttentionMetadata, AttentionPlan, AttentionWorkspace,
+                              build_attention_metadata, build_group_attention_metadata, paged_attention,
                               plan_paged_attention)
+from .quant_blocks import QuantBlocks, load_blocks
+from .sampling import LMHead
 
 __all__ = [
     "NULL_BLOCK",
     "AttentionMetadata",
     "AttentionPlan",
     "AttentionWorkspace",
+    "DenseLinear",
     "PagedDecoder",
     "PagedLlama",
+    "QuantLinear",
+    "head_linear",
+    "make_linear",
     "paged_attention",
     "plan_paged_attention",
     "build_attention_metadata",
@@ -72,199 +82,6 @@ __all__ = [
     "swap_blocks",
 ]
 
-
-# --------------------------------------------------------------------------------------------------
-# metadata
-
-
-@dataclass
-class AttentionMetadata:
-    """Everything the paged forward needs for one step of ``B`` sequences and ``T`` new tokens.
-
-    Device tensors (all on the model's device):
-
-    ``input_ids``        int64 ``(T,)``: new tokens of all sequences, sequence 0's first.
-    ``positions``        int64 ``(T,)``: their positions (``context_len - q_len + i`` within a sequence).
-    ``slot_mapping``     int64 ``(T,)``: physical slot (``block * block_size + offset``) of each new token;
-                         must be ``>= 0`` (every new token is written).
-    ``query_start_loc``  int64 ``(B + 1,)``: cumulative query lengths (``cu_seqlens``); sequence ``b`` owns
-                         tokens ``query_start_loc[b]:query_start_loc[b + 1]``.
-    ``context_lens``     int64 ``(B,)``: tokens of each sequence after this step (cached + new).
-    ``block_tables``     int32 ``(B, max_blocks)``: block tables padded with ``NULL_BLOCK``; ``NULL_BLOCK``
-                         inside a table marks a block released by the sliding window.
-    ``logits_indices``   int64 ``(R,)``: rows of the flat token batch whose logits are returned
-                         (default: the last new token of every sequence, so ``R == B``).
-
-    Host copies used for planning (no device synchronisation): ``query_lens`` and ``context_lens_host``
-    (tuples of ``B`` ints).
-
-    ``sliding_window``: ``None`` for full attention, else ``W``: a query at position ``p`` attends the
-    keys at positions ``p - W + 1 .. p``.
-
-    ``groups``: with KV cache groups (:class:`pagedkv.HybridBlockManager`), one metadata per group (index order),
-    each with that group's ``slot_mapping`` and ``block_tables`` and the same tokens (see
-    :func:`build_group_attention_metadata`); ``None`` with one block table for all layers.
-    """
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    query_start_loc: torch.Tensor
-    context_lens: torch.Tensor
-    block_tables: torch.Tensor
-    query_lens: tuple[int, ...]
-    context_lens_host: tuple[int, ...]
-    sliding_window: int | None = None
-    logits_indices: torch.Tensor | None = None
-    groups: tuple[AttentionMetadata, ...] | None = None
-
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.query_lens)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
-
-    def to(self, device: torch.device | str) -> AttentionMetadata:
-        """A copy with every tensor moved to ``device``."""
-        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-        return AttentionMetadata(
-            input_ids=move(self.input_ids),
-            positions=move(self.positions),
-            slot_mapping=move(self.slot_mapping),
-            query_start_loc=move(self.query_start_loc),
-            context_lens=move(self.context_lens),
-            block_tables=move(self.block_tables),
-            query_lens=self.query_lens,
-            context_lens_host=self.context_lens_host,
-            sliding_window=self.sliding_window,
-            logits_indices=move(self.logits_indices),
-            groups=None if self.groups is None else tuple(g.to(device) for g in self.groups),
-        )
-
-
-def _as_int_list(x: Any) -> list[int]:
-    if isinstance(x, torch.Tensor):
-        return [int(v) for v in x.tolist()]
-    return [int(v) for v in np.asarray(x).reshape(-1).tolist()]
-
-
-def build_attention_metadata(
-    new_token_ids: Sequence[Sequence[int]],
-    num_computed: Sequence[int],
-    slot_mapping: Any,
-    block_tables: Any,
-    *,
-    block_size: int,
-    sliding_window: int | None = None,
-    logits: str | Sequence[int] = "last",
-    device: torch.device | str | None = None,
-    validate: bool = True,
-) -> AttentionMetadata:
-    """Build :class:`AttentionMetadata` from host data (lists / numpy arrays) and validate it.
-
-    ``new_token_ids[b]``: the new tokens of sequence ``b`` this step (prompt, prefill chunk or one
-    decode token). ``num_computed[b]``: tokens of sequence ``b`` already in the KV cache, i.e. the
-    position of its first new token. ``slot_mapping``: the ``T`` physical slots of the new tokens,
-    concatenated in batch order (e.g. ``StepResult.slot_mapping`` of ``BlockManager.decode_step``,
-    or ``BlockManager.slot_mapping(seq, start, end)`` per sequence, concatenated).
-    ``block_tables``: a ``(B, M)`` array padded with ``NULL_BLOCK`` (e.g. ``StepResult.block_tables``)
-    or a list of ``B`` 1-D tables (padded here). ``logits``: ``"last"`` (the last new token of each
-    sequence), ``"all"`` (every new token) or explicit flat token indices. ``validate`` checks that
-    every slot lies in the block its position maps to (cheap, vectorized numpy).
-    """
-    q_lens = [len(t) for t in new_token_ids]
-    n_comp = _as_int_list(num_computed)
-    if len(n_comp) != len(q_lens):
-        raise ValueError("new_token_ids and num_computed differ in length")
-    if any(q < 1 for q in q_lens):
-        raise ValueError("every sequence of a step needs at least one new token")
-    ctx = [c + q for c, q in zip(n_comp, q_lens)]
-    n_tok = sum(q_lens)
-    flat_ids = (np.concatenate([np.asarray(t, dtype=np.int64).reshape(-1) for t in new_token_ids])
-                if q_lens else np.zeros(0, dtype=np.int64))
-    starts = np.zeros(len(q_lens) + 1, dtype=np.int64)
-    np.cumsum(q_lens, out=starts[1:])
-    # position of flat token i of sequence b: num_computed[b] + (i - starts[b])
-    positions = np.arange(n_tok, dtype=np.int64) + np.repeat(np.asarray(n_comp, dtype=np.int64) - starts[:-1], q_lens)
-    slots = np.asarray(slot_mapping, dtype=np.int64).reshape(-1)
-    if slots.shape[0] != flat_ids.shape[0]:
-        raise ValueError(f"slot_mapping has {slots.shape[0]} entries for {flat_ids.shape[0]} new tokens")
-    if validate and slots.size and slots.min() < 0:
-        raise ValueError("slot_mapping contains negative slots")
-
-    if isinstance(block_tables, torch.Tensor):
-        block_tables = block_tables.cpu().numpy()
-    if isinstance(block_tables, np.ndarray) and block_tables.ndim == 2:
-        bt = block_tables.astype(np.int32, copy=False)
-    else:
-        rows = [np.asarray(t, dtype=np.int32).reshape(-1) for t in block_tables]
-        width = max((len(r) for r in rows), default=0)
-        bt = np.full((len(rows), max(width, 1)), NULL_BLOCK, dtype=np.int32)
-        for i, r in enumerate(rows):
-            bt[i, : len(r)] = r
-    if bt.shape[0] != len(q_lens):
-        raise ValueError(f"block_tables has {bt.shape[0]} rows for {len(q_lens)} sequences")
-    need = max((-(-c // block_size) for c in ctx), default=0)
-    if bt.shape[1] < need:
-        raise ValueError(f"block_tables has {bt.shape[1]} columns, the longest context needs {need}")
-    if validate and n_tok:
-        # the slot of every new token must lie in the block its position maps to
-        seq_of_token = np.repeat(np.arange(len(q_lens)), q_lens)
-        expected_blocks = bt[seq_of_token, positions // block_size]
-        if np.any(expected_blocks != slots // block_size) or np.any(slots % block_size != positions % block_size):
-            raise ValueError("slot_mapping disagrees with the block tables")
-
-    if isinstance(logits, str):
-        if logits == "last":
-            logits_idx = starts[1:] - 1
-        elif logits == "all":
-            logits_idx = np.arange(flat_ids.shape[0], dtype=np.int64)
-        else:
-            raise ValueError(f"logits must be 'last', 'all' or indices, not {logits!r}")
-    else:
-        logits_idx = np.asarray(logits, dtype=np.int64).reshape(-1)
-
-    dev = torch.device(device) if device is not None else torch.device("cpu")
-    as_t = lambda a, dt: torch.as_tensor(a, dtype=dt).to(dev)  # noqa: E731
-    return AttentionMetadata(
-        input_ids=as_t(flat_ids, torch.int64),
-        positions=as_t(positions, torch.int64),
-        slot_mapping=as_t(slots, torch.int64),
-        query_start_loc=as_t(starts, torch.int64),
-        context_lens=as_t(np.asarray(ctx, dtype=np.int64), torch.int64),
-        block_tables=as_t(bt, torch.int32),
-        query_lens=tuple(q_lens),
-        context_lens_host=tuple(ctx),
-        sliding_window=sliding_window,
-        logits_indices=as_t(logits_idx, torch.int64),
-    )
-
-
-def build_group_attention_metadata(
-    new_token_ids: Sequence[Sequence[int]],
-    num_computed: Sequence[int],
-    slot_mappings: Any,
-    block_tables: Sequence[Any],
-    *,
-    block_size: int,
-    logits: str | Sequence[int] = "last",
-    device: torch.device | str | None = None,
-    validate: bool = True,
-) -> AttentionMetadata:
-    """:class:`AttentionMetadata` for KV cache groups: ``slot_mappings`` is ``(G, T)`` (each group's slot of each
-    new token, e.g. ``HybridStepResult.slot_mapping``), ``block_tables[g]`` group ``g``'s tables (as
-    :func:`build_attention_metadata` takes them). Returns group 0's metadata with ``groups`` set to every group's
-    (validated as :func:`build_attention_metadata` validates one). O(G x the cost of one)."""
-    slots = np.asarray(slot_mappings, dtype=np.int64)
-    if slots.ndim != 2 or slots.shape[0] != len(block_tables):
-        raise ValueError(f"slot_mappings must be (G, T) with G = {len(block_tables)} groups, got {slots.shape}")
-    metas = tuple(build_attention_metadata(new_token_ids, num_computed, slots[g], block_tables[g],
-                                           block_size=block_size, logits=logits, device=device, validate=validate)
-                  for g in range(slots.shape[0]))
-    return dataclasses.replace(metas[0], groups=metas)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -334,6 +151,131 @@ def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor, pairs: Any) ->
     src, dst = idx
     moved = src_cache[:, :, src.to(src_cache.device)]
     dst_cache[:, :, dst.to(dst_cache.device)] = moved.to(dst_cache.device, dtype=dst_cache.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# the products: dense, or with the file's quantized weights
+
+
+class QuantLinear:
+    """``y = x @ W.T`` for a weight held both dense (float32 ``(N, K)``) and quantized: one :class:`QuantBlocks`, or
+    several stacked along the output rows (a fused projection whose parts have different kinds, e.g. Gemma 3's
+    Q5_0 Q/K with a Q8_0 V; adjacent parts of one kind are merged).
+
+    ``x`` of up to ``max_rows`` rows (float32, on the CPU) goes through the quantized kernels (one call per part,
+    each writing its columns of ``y``) on ``torch.get_num_threads()`` threads; anything else through ``F.linear``
+    on the dense weight. Both give the product with the same float32 matrix (summation order aside).
+    O(rows x N x K). ``ValueError`` when the shapes differ or ``x`` has another number of features."""
+
+    __slots__ = ("weight", "kinds", "max_rows", "_parts", "_n", "_k", "_on")
+
+    #: rows up to which the kernels are used (measured, benchmarks/qmatmul_ab.py: at 32 rows they still beat MKL on
+    #: SmolLM2's products, one thread, by 0.75x; at 48 the dense product is ahead)
+    DEFAULT_MAX_ROWS = 32
+
+    def __init__(self, weight: torch.Tensor, blocks: QuantBlocks | list[QuantBlocks], *,
+                 max_rows: int | None = None) -> None:
+        parts = [blocks] if isinstance(blocks, QuantBlocks) else list(blocks)
+        merged: list[QuantBlocks] = []
+        for b in parts:  # adjacent parts of one kind: one call
+            if merged and merged[-1].kind == b.kind:
+                merged[-1] = QuantBlocks.concat([merged[-1], b])
+            else:
+                merged.append(b)
+        ks = {b.shape[1] for b in merged}
+        n = sum(b.shape[0] for b in merged)
+        if len(ks) != 1 or (n, ks.pop()) != tuple(weight.shape):
+            raise ValueError(f"weight {tuple(weight.shape)} and blocks {[b.shape for b in parts]} differ in shape")
+        self.weight = weight
+        self.kinds = tuple(b.kind for b in merged)
+        self.max_rows = self.DEFAULT_MAX_ROWS if max_rows is None else max_rows
+        self._n, self._k = tuple(weight.shape)
+        dll = kernels() if weight.device.type == "cpu" and weight.dtype == torch.float32 else None
+        self._on = dll is not None
+        t = lambda a: None if a is None else torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
+        row = 0
+        self._parts = []
+        for b in merged:  # (kernel, qs, d, aux, first output row, rows)
+            self._parts.append((None if dll is None else getattr(dll, ENTRY_POINTS[b.kind]), t(b.qs), t(b.d), t(b.aux),
+                                row, b.shape[0]))
+            row += b.shape[0]
+
+    @property
+    def kind(self) -> str:
+        """The quantization type of the blocks (``"Q4_1+Q8_0"`` for parts of several)."""
+        return "+".join(self.kinds)
+
+    @property
+    def uses_kernel(self) -> bool:
+        """Whether few-row products go through the quantized kernels (built, CPU, float32)."""
+        return self._on
+
+    def part_pointers(self) -> list[tuple]:
+        """Per part: ``(kind, qs, d, aux, first output row, rows)``, the arrays as pointers (``aux`` ``None`` where
+        the layout has none), for :func:`pagedkv.engine.cpu.layer_table`."""
+        return [(k, qs.data_ptr(), d.data_ptr(), None if aux is None else aux.data_ptr(), row, n)
+                for k, (_, qs, d, aux, row, n) in zip(self.kinds, self._parts)]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the quantized copy."""
+        return sum(a.numel() * a.element_size() for p in self._parts for a in p[1:4] if a is not None)
+
+    def set_kernels(self, dll: ctypes.CDLL) -> None:
+        """Use the kernels of ``dll`` (a :func:`build_kernels` variant; for tests)."""
+        self._parts = [(getattr(dll, ENTRY_POINTS[k]), *p[1:]) for k, p in zip(self.kinds, self._parts)]
+        self._on = True
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0] if x.dim() == 2 else -1
+        if x.shape[-1] != self._k:
+            raise ValueError(f"input has {x.shape[-1]} features, the weight {self._k}")
+        if not self._on or not 0 < rows <= self.max_rows or x.dtype != torch.float32 or x.device.type != "cpu":
+            return F.linear(x, self.weight)
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        y = torch.empty((rows, self._n), dtype=torch.float32)
+        xp, ldx, yp, nt = x.data_ptr(), x.stride(0), y.data_ptr(), torch.get_num_threads()
+        for fn, qs, d, aux, row, n in self._parts:
+            fn(xp, rows, ldx, self._k, qs.data_ptr(), d.data_ptr(), None if aux is None else aux.data_ptr(),
+               0, n, yp + 4 * row, self._n, nt)
+        return y
+
+
+class DenseLinear:
+    """``F.linear`` with a fixed weight: the product of a weight without quantized blocks."""
+
+    __slots__ = ("weight",)
+    uses_kernel = False
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+def make_linear(weight: torch.Tensor, names: list[str], quantized: dict[str, QuantBlocks] | None) -> Any:
+    """The product with ``weight`` (the matrices ``names`` of a GGUF file stacked along the rows): a
+    :class:`QuantLinear` when every part has blocks a kernel reads and the weight is float32 on the CPU, else a
+    :class:`DenseLinear`."""
+    parts = [quantized.get(n) for n in names] if quantized else [None]
+    if any(p is None for p in parts) or weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return DenseLinear(weight)
+    return QuantLinear(weight, parts)
+
+
+def head_linear(weight: torch.Tensor, quantized: dict[str, QuantBlocks] | None, *, max_rows: int) -> Any:
+    """The LM head's quantized product (``output.weight``'s blocks, or ``token_embd.weight``'s when the file ties
+    the output to the embedding), or ``None`` (no blocks a kernel reads, no kernels)."""
+    if not quantized:
+        return None
+    name = "output.weight" if "output.weight" in quantized else "token_embd.weight"
+    lin = make_linear(weight, [name], quantized)
+    if not lin.uses_kernel:
+        return None
+    lin.max_rows = max_rows
+    return lin
 
 
 # --------------------------------------------------------------------------------------------------
@@ -446,6 +388,11 @@ class PagedDecoder:
               max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)`` of ``positions`` as ``(T, 1, head_dim)`` for the frequencies ``inv_freq`` (cached under
         ``key``, grown by doubling)."""
+        cos, sin = self._rope_table(key, inv_freq, max_pos)
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+
+    def _rope_table(self, key: Any, inv_freq: torch.Tensor, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole ``(cos, sin)`` tables, ``(P, head_dim)`` contiguous with ``P >= max_pos``."""
         cos, sin = self._rope_tables.get(key, (None, None))
         if cos is None or max_pos > cos.shape[0] or cos.device != self.device:
             n = max(max_pos, 2 * (cos.shape[0] if cos is not None else 0), 256)
@@ -453,7 +400,7 @@ class PagedDecoder:
             emb = torch.cat((freqs, freqs), dim=-1)
             cos, sin = emb.cos().to(self.device, self.dtype), emb.sin().to(self.device, self.dtype)
             self._rope_tables[key] = (cos, sin)
-        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+        return cos, sin
 
     # ------------------------------------------------------------------ the layers' products
     #: the four products of a layer, each the GGUF matrices stacked along its output rows
@@ -461,14 +408,14 @@ class PagedDecoder:
 
     def _make_linears(self, positions: tuple[int, ...], quantized: dict[str, QuantBlocks] | None) -> list[tuple]:
         """Per layer, its four products ``(qkv, attn_output, gate_up, down)`` (:data:`LINEAR_NAMES`; ``positions``:
-        where each weight sits in ``self.layers[i]``): a :class:`~pagedkv.engine.qmatmul.QuantLinear` where the
+        where each weight sits in ``self.layers[i]``): a :class:`QuantLinear` where the
         file's blocks have a kernel (few-row steps read the quantized weights), else the dense float32 product."""
         return [tuple(make_linear(self.layers[i][j], [f"blk.{i}.{n}.weight" for n in names], quantized)
                       for names, j in zip(self.LINEAR_NAMES, positions)) for i in range(self.config.n_layer)]
 
     @property
     def quant_kernels(self) -> bool:
-        """Whether few-row steps read some of the file's quantized weights (:mod:`pagedkv.engine.qmatmul`)."""
+        """Whether few-row steps read some of the file's quantized weights (:class:`QuantLinear`)."""
         return any(lin.uses_kernel for layer in self.linears for lin in layer)
 
     def _workspace(self) -> AttentionWorkspace:
@@ -505,7 +452,7 @@ class PagedLlama(PagedDecoder):
         self.device = self.tok_embd.device  # normalized, e.g. "cuda" -> "cuda:0"
         self.out_norm = w("output_norm.weight")
         self.lm_head = w("output.weight")
-        # exact float32 logits, and the bounded fast path (lm_head.py)
+        # exact float32 logits, and the bounded fast path (sampling.py)
         self.head = LMHead(self.lm_head, quantized=head_linear(self.lm_head, quantized, max_rows=LMHead.QUANT_ROWS))
         self.layers = [
             (
@@ -523,6 +470,13 @@ class PagedLlama(PagedDecoder):
         self.scale = 1.0 / math.sqrt(config.head_dim)
         #: per layer, its four products (:meth:`PagedDecoder._make_linears`)
         self.linears = self._make_linears((1, 2, 4, 5), quantized)
+        # the fused few-row step (one C call for every layer) where every product reads quantized blocks
+        fusable = self.linears and all(lin.uses_kernel for layer in self.linears for lin in layer)
+        self._fused_table = layer_table(
+            [(layer[0].data_ptr(), layer[3].data_ptr(), *(lin.part_pointers() for lin in lins))
+             for layer, lins in zip(self.layers, self.linears)]) if fusable and self.dtype == torch.float32 else None
+        self._fused_linears = self.linears  # (a model whose products are replaced afterwards takes the torch path)
+        self._fused_rows = min((lin.max_rows for layer in self.linears for lin in layer), default=0) if fusable else 0
 
     @classmethod
     def from_gguf(
@@ -531,7 +485,7 @@ class PagedLlama(PagedDecoder):
     ) -> PagedLlama:
         """Load a GGUF file (default: :func:`find_default_model`) into a model; the tokenizer metadata
         is kept as ``model.tokenizer_metadata``. ``quant_kernels``: few-row steps read the file's quantized blocks
-        (:mod:`pagedkv.engine.qmatmul`; float32 CPU weights only); False: every product is the dense float32 one."""
+        (:class:`QuantLinear`; float32 CPU weights only); False: every product is the dense float32 one."""
         reader = open_gguf(path if path is not None else find_default_model())  # read once, for both
         config, weights, tok_meta = load_gguf(reader=reader, dtype=dtype)
         quantized = load_blocks(reader, llama_row_convert(config)) if quant_kernels else None
@@ -555,6 +509,10 @@ class PagedLlama(PagedDecoder):
         block_size = kv_cache.shape[3]
         n_tok = meta.num_tokens
         plan = plan_paged_attention(meta, block_size, dtype=self.dtype)
+        if plan.ragged is not None and not plan.groups and n_tok <= self._fused_rows:
+            fused = self._hidden_fused(meta, kv_cache, plan)
+            if fused is not None:
+                return fused
         cos, sin = self._rope(None, self._inv_freq, meta.positions, max(meta.context_lens_host, default=0))
         n_head, n_kv, d = c.n_head, c.n_head_kv, c.head_dim
         n_ff = self.layers[0][4].shape[0] // 2 if self.layers else 0
@@ -579,5 +537,38 @@ class PagedLlama(PagedDecoder):
         if idx is None:
             idx = meta.query_start_loc[1:] - 1
         return _rms_norm(x.index_select(0, idx), self.out_norm, c.rms_eps)
+
+    def _hidden_fused(self, meta: AttentionMetadata, kv_cache: torch.Tensor, plan: AttentionPlan) -> Any:
+        """:meth:`hidden` of a step whose attention is all ragged and whose products all read quantized blocks, as
+        one C call over every layer (``pkv_llama_step``, :mod:`pagedkv.engine.cpu`); ``None`` where it does not
+        apply (then the torch path runs). Buffers reused per thread and row count."""
+        fn, table = step_kernel("pkv_llama_step"), self._fused_table
+        if (fn is None or table is None or self.linears is not self._fused_linears or kv_cache.dtype != torch.float32
+                or not kv_cache.is_contiguous()):
+            return None
+        c, n_tok, rag = self.config, meta.num_tokens, plan.ragged
+        bufs = getattr(self._local, "fused", None)
+        if bufs is None:
+            bufs = self._local.fused = {}
+        b = bufs.get(n_tok)
+        if b is None:  # x, h, qkv, attn, tmp, gu, act, out
+            n_ff = self.layers[0][4].shape[0] // 2
+            widths = (c.n_embd, c.n_embd, (c.n_head + 2 * c.n_head_kv) * c.head_dim, c.n_head * c.head_dim,
+                      c.n_embd, 2 * n_ff, n_ff, c.n_embd)
+            b = bufs[n_tok] = [torch.empty(n_tok, w) for w in widths]
+        x, out = b[0], b[7]
+        torch.index_select(self.tok_embd, 0, meta.input_ids, out=x)
+        cos, sin = self._rope_table(None, self._inv_freq, max(meta.context_lens_host, default=0))
+        pos, slots = meta.positions, plan.slot_mapping
+        _, _, num_blocks, bs, _, _ = kv_cache.shape
+        bad = fn(table, c.n_layer, n_tok, c.n_embd, c.n_head, c.n_head_kv, c.head_dim, b[6].shape[1], c.rms_eps,
+                 self.scale, *(t.data_ptr() for t in b[:7]), cos.data_ptr(), sin.data_ptr(), pos.data_ptr(),
+                 slots.data_ptr(), kv_cache.data_ptr(), num_blocks, bs, rag.tables.data_ptr(), rag.tables.shape[1],
+                 rag.seqs.data_ptr(), rag.seqs.shape[0], rag.window, self.out_norm.data_ptr(), out.data_ptr(),
+                 torch.get_num_threads())
+        if bad:
+            raise RuntimeError(f"the fused step read {bad} keys through a NULL_BLOCK or out-of-range block id")
+        idx = meta.logits_indices
+        return out.index_select(0, meta.query_start_loc[1:] - 1 if idx is None else idx)
 
     __call__ = forward

@@ -1,54 +1,46 @@
 """Paged attention: write one layer's new keys/values into the paged KV cache and attend through block tables.
 
-Two calls, so a model of any architecture can use them (``PagedLlama`` does; a model with a sliding window on
-some layers only, such as Gemma 3, builds one plan per distinct window and passes each layer the plan of its
-window)::
+Two calls (``PagedLlama`` makes them; Gemma 3, a sliding window on some layers only, builds one plan per window)::
 
     plans = {w: plan_paged_attention(meta, block_size, sliding_window=w) for w in set(layer_windows)}
     ws = AttentionWorkspace()                       # one per model: reused by every layer and every step
     for i, layer in enumerate(layers):
-        ...
         out = paged_attention(q, k, v, kv_cache[i], plans[layer_windows[i]], scale=..., workspace=ws)
 
-The plan (built once per step, shared by all layers with that window) sorts the step's sequences by query length
-and, in the default mode ``"ragged"`` (:data:`ATTENTION_MODES`; ``PAGEDKV_ATTENTION`` or
-:func:`set_attention_mode` pick another), sends each to one of three paths:
+The step's :class:`AttentionMetadata` (:func:`build_attention_metadata`, once per step, from the block manager's
+slots and tables) says what each sequence adds. The plan (once per step, shared by all layers with that window)
+sorts the sequences by query length and, in the default mode ``"ragged"`` (:data:`ATTENTION_MODES`;
+``PAGEDKV_ATTENTION`` or :func:`set_attention_mode` pick another), sends each to one of three paths:
 
 * **fresh prompts** (no token of the sequence is cached yet: ``context_len == q_len``): the keys are exactly the
   new tokens, so sequences of one query length attend their own ``k``/``v`` directly with a causal (or causal
   band) mask; the cache is written but never read back, no gather at all;
-* **decodes and short queries** (up to :data:`KERNEL_MAX_QUERY_LEN` new tokens after cached ones: decode steps,
-  short chunks, prompts after a prefix-cache hit): the C kernel ``pkv_paged_attn`` (``_qkernels.c``, built with the
-  quantized kernels) reads each sequence's own keys and values through its block table, exactly its context (its
-  window on sliding layers): no gather, no padding to the batch's longest, no mask; one call per layer for all of
-  them, OpenMP over (sequence, KV head);
+* **decodes and short queries** (up to :data:`KERNEL_MAX_QUERY_LEN` new tokens after cached ones): the C kernel
+  ``pkv_paged_attn`` (``_qkernels.c``, :mod:`pagedkv.engine.cpu`) reads each sequence's own keys and values
+  through its block table, exactly its context (its window on sliding layers): no gather, no padding to the
+  batch's longest, no mask; one call per layer for all of them, OpenMP over (sequence, KV head);
 * **longer chunks** (and everything not fresh when the kernel is off): split into groups of similar context
   (:func:`_buckets`: a sequence is padded by at most :data:`BUCKET_SLACK_KEYS` keys or a quarter of its group's
-  span), each group's blocks gathered from the layer's cache into a workspace buffer reused by every layer and
-  step (a fresh buffer per layer costs a page fault per 4 KiB: measured 2-3x the copy itself), then one
-  ``scaled_dot_product_attention`` over the group; the mask (additive, built once per step) is left out when every
-  sequence of a decode group has the same context and no window cuts it: the keys are then sliced to that length.
+  span), each group's blocks gathered (``index_select`` of its table rows) into a workspace buffer reused by every
+  layer and step (a fresh buffer per layer costs a page fault per 4 KiB: measured 2-3x the copy itself), then one
+  ``scaled_dot_product_attention``; the mask (additive, built once per step) is left out when every sequence of a
+  decode group has the same context and no window cuts it: the keys are then sliced to that length.
 
-``"bucketed"`` is the last path for everything not fresh (what runs without the kernels, or for a cache the kernel
-cannot read: not float32, not contiguous); ``"padded"`` is the former plan, one group per query length gathered up
-to its longest context, kept for A/B runs (``benchmarks/ragged_attention_ab.py``, ``benchmarks/mixed_lengths.py``).
+``"bucketed"`` is the last path for everything not fresh (without the kernels, or a cache the kernel cannot read:
+not float32, not contiguous); ``"padded"`` is the former plan, one group per query length gathered up to its
+longest context, kept for A/B runs (``benchmarks/ragged_attention_ab.py``, ``benchmarks/mixed_lengths.py``).
 
 Cost per layer: fresh prompts O(sum q_len^2) attention and no copy; the kernel O(sum over query rows of keys x
 n_head x d), reading each needed key once per query row; gathered groups O(G * M * block_size) bytes copied (``M``
 blocks of the group's longest context, fewer with a window) plus the attention.
-
-::
-
-    kv_layer (2, num_blocks, block_size, n_kv, d)        workspace (2, G*M, block_size, n_kv, d)
-    +----+----+----+----+----+----+                       +----+----+----+----+
-    | b0 | b1 | b2 | b3 | b4 | .. |  -- index_select -->  | b3 | b0 | b4 | b1 |  -> SDPA (G, n_kv, M*bs, d)
-    +----+----+----+----+----+----+    (table rows)       +----+----+----+----+
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,7 +56,8 @@ except ImportError:  # pragma: no cover - core not importable
 # grouped-query attention support in scaled_dot_product_attention (torch >= 2.5)
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
-__all__ = ["ATTENTION_MODES", "AttentionPlan", "AttentionWorkspace", "attention_mode", "paged_attention",
+__all__ = ["ATTENTION_MODES", "AttentionMetadata", "AttentionPlan", "AttentionWorkspace", "attention_mode",
+           "build_attention_metadata", "build_group_attention_metadata", "paged_attention",
            "plan_paged_attention", "set_attention_mode"]
 
 #: ``"ragged"``: non-fresh sequences with a query of up to :data:`KERNEL_MAX_QUERY_LEN` tokens go through the C
@@ -107,10 +100,10 @@ _KERNEL: list = []
 
 
 def _kernel() -> Any:
-    """The C entry point ``pkv_paged_attn`` (``_qkernels.c``, built by :func:`pagedkv.engine.qmatmul.kernels`), or
+    """The C entry point ``pkv_paged_attn`` (``_qkernels.c``, built by :func:`pagedkv.engine.cpu.kernels`), or
     ``None`` when the kernels are not built or disabled (``PAGEDKV_QKERNELS=0``)."""
     if not _KERNEL:
-        from .qmatmul import kernels
+        from .cpu import kernels
 
         dll = kernels()
         _KERNEL.append(None if dll is None else bind_kernel(dll))
@@ -118,7 +111,7 @@ def _kernel() -> Any:
 
 
 def bind_kernel(dll: ctypes.CDLL) -> Any:
-    """``dll.pkv_paged_attn`` with its signature set (``dll``: a :func:`pagedkv.engine.qmatmul.build_kernels`
+    """``dll.pkv_paged_attn`` with its signature set (``dll``: a :func:`pagedkv.engine.cpu.build_kernels`
     build; tests bind the AVX2 and plain-C variants this way)."""
     fn = dll.pkv_paged_attn
     i64, vp = ctypes.c_int64, ctypes.c_void_p
@@ -185,6 +178,175 @@ class AttentionWorkspace:
         if b is None or b.numel() < n or b.dtype != dtype or b.device != device:
             self._buf = b = torch.empty(max(n, int(1.25 * n)), dtype=dtype, device=device)
         return b[:n].view(shape)
+
+
+# --------------------------------------------------------------------------------------------------
+# metadata: one step's sequences, slots and tables
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything the paged forward needs for one step of ``B`` sequences and ``T`` new tokens.
+
+    Device tensors (all on the model's device):
+
+    ``input_ids``        int64 ``(T,)``: new tokens of all sequences, sequence 0's first.
+    ``positions``        int64 ``(T,)``: their positions (``context_len - q_len + i`` within a sequence).
+    ``slot_mapping``     int64 ``(T,)``: physical slot (``block * block_size + offset``) of each new token;
+                         must be ``>= 0`` (every new token is written).
+    ``query_start_loc``  int64 ``(B + 1,)``: cumulative query lengths (``cu_seqlens``); sequence ``b`` owns
+                         tokens ``query_start_loc[b]:query_start_loc[b + 1]``.
+    ``context_lens``     int64 ``(B,)``: tokens of each sequence after this step (cached + new).
+    ``block_tables``     int32 ``(B, max_blocks)``: block tables padded with ``NULL_BLOCK``; ``NULL_BLOCK``
+                         inside a table marks a block released by the sliding window.
+    ``logits_indices``   int64 ``(R,)``: rows of the flat token batch whose logits are returned
+                         (default: the last new token of every sequence, so ``R == B``).
+
+    Host copies used for planning (no device synchronisation): ``query_lens`` and ``context_lens_host``
+    (tuples of ``B`` ints).
+
+    ``sliding_window``: ``None`` for full attention, else ``W``: a query at position ``p`` attends the
+    keys at positions ``p - W + 1 .. p``.
+
+    ``groups``: with KV cache groups (:class:`pagedkv.HybridBlockManager`), one metadata per group (index order),
+    each with that group's ``slot_mapping`` and ``block_tables`` and the same tokens (see
+    :func:`build_group_attention_metadata`); ``None`` with one block table for all layers.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: torch.Tensor
+    query_lens: tuple[int, ...]
+    context_lens_host: tuple[int, ...]
+    sliding_window: int | None = None
+    logits_indices: torch.Tensor | None = None
+    groups: tuple[AttentionMetadata, ...] | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def to(self, device: torch.device | str) -> AttentionMetadata:
+        """A copy with every tensor moved to ``device``."""
+        moved = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        moved = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in moved.items()}
+        if self.groups is not None:
+            moved["groups"] = tuple(g.to(device) for g in self.groups)
+        return AttentionMetadata(**moved)
+
+
+def _as_int_list(x: Any) -> list[int]:
+    if isinstance(x, torch.Tensor):
+        return [int(v) for v in x.tolist()]
+    return [int(v) for v in np.asarray(x).reshape(-1).tolist()]
+
+
+def build_attention_metadata(new_token_ids: Sequence[Sequence[int]], num_computed: Sequence[int], slot_mapping: Any,
+                             block_tables: Any, *, block_size: int, sliding_window: int | None = None,
+                             logits: str | Sequence[int] = "last", device: torch.device | str | None = None,
+                             validate: bool = True) -> AttentionMetadata:
+    """Build :class:`AttentionMetadata` from host data (lists / numpy arrays) and validate it.
+
+    ``new_token_ids[b]``: the new tokens of sequence ``b`` this step (prompt, prefill chunk or one
+    decode token). ``num_computed[b]``: tokens of sequence ``b`` already in the KV cache, i.e. the
+    position of its first new token. ``slot_mapping``: the ``T`` physical slots of the new tokens,
+    concatenated in batch order (e.g. ``StepResult.slot_mapping`` of ``BlockManager.decode_step``,
+    or ``BlockManager.slot_mapping(seq, start, end)`` per sequence, concatenated).
+    ``block_tables``: a ``(B, M)`` array padded with ``NULL_BLOCK`` (e.g. ``StepResult.block_tables``)
+    or a list of ``B`` 1-D tables (padded here). ``logits``: ``"last"`` (the last new token of each
+    sequence), ``"all"`` (every new token) or explicit flat token indices. ``validate`` checks that
+    every slot lies in the block its position maps to (cheap, vectorized numpy).
+    """
+    q_lens = [len(t) for t in new_token_ids]
+    n_comp = _as_int_list(num_computed)
+    if len(n_comp) != len(q_lens):
+        raise ValueError("new_token_ids and num_computed differ in length")
+    if any(q < 1 for q in q_lens):
+        raise ValueError("every sequence of a step needs at least one new token")
+    ctx = [c + q for c, q in zip(n_comp, q_lens)]
+    n_tok = sum(q_lens)
+    flat_ids = (np.concatenate([np.asarray(t, dtype=np.int64).reshape(-1) for t in new_token_ids])
+                if q_lens else np.zeros(0, dtype=np.int64))
+    starts = np.zeros(len(q_lens) + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=starts[1:])
+    # position of flat token i of sequence b: num_computed[b] + (i - starts[b])
+    positions = np.arange(n_tok, dtype=np.int64) + np.repeat(np.asarray(n_comp, dtype=np.int64) - starts[:-1], q_lens)
+    slots = np.asarray(slot_mapping, dtype=np.int64).reshape(-1)
+    if slots.shape[0] != flat_ids.shape[0]:
+        raise ValueError(f"slot_mapping has {slots.shape[0]} entries for {flat_ids.shape[0]} new tokens")
+    if validate and slots.size and slots.min() < 0:
+        raise ValueError("slot_mapping contains negative slots")
+
+    if isinstance(block_tables, torch.Tensor):
+        block_tables = block_tables.cpu().numpy()
+    if isinstance(block_tables, np.ndarray) and block_tables.ndim == 2:
+        bt = block_tables.astype(np.int32, copy=False)
+    else:
+        rows = [np.asarray(t, dtype=np.int32).reshape(-1) for t in block_tables]
+        width = max((len(r) for r in rows), default=0)
+        bt = np.full((len(rows), max(width, 1)), NULL_BLOCK, dtype=np.int32)
+        for i, r in enumerate(rows):
+            bt[i, : len(r)] = r
+    if bt.shape[0] != len(q_lens):
+        raise ValueError(f"block_tables has {bt.shape[0]} rows for {len(q_lens)} sequences")
+    need = max((-(-c // block_size) for c in ctx), default=0)
+    if bt.shape[1] < need:
+        raise ValueError(f"block_tables has {bt.shape[1]} columns, the longest context needs {need}")
+    if validate and n_tok:
+        # the slot of every new token must lie in the block its position maps to
+        seq_of_token = np.repeat(np.arange(len(q_lens)), q_lens)
+        expected_blocks = bt[seq_of_token, positions // block_size]
+        if np.any(expected_blocks != slots // block_size) or np.any(slots % block_size != positions % block_size):
+            raise ValueError("slot_mapping disagrees with the block tables")
+
+    if isinstance(logits, str):
+        if logits == "last":
+            logits_idx = starts[1:] - 1
+        elif logits == "all":
+            logits_idx = np.arange(flat_ids.shape[0], dtype=np.int64)
+        else:
+            raise ValueError(f"logits must be 'last', 'all' or indices, not {logits!r}")
+    else:
+        logits_idx = np.asarray(logits, dtype=np.int64).reshape(-1)
+
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    as_t = lambda a, dt: torch.as_tensor(a, dtype=dt).to(dev)  # noqa: E731
+    return AttentionMetadata(
+        input_ids=as_t(flat_ids, torch.int64),
+        positions=as_t(positions, torch.int64),
+        slot_mapping=as_t(slots, torch.int64),
+        query_start_loc=as_t(starts, torch.int64),
+        context_lens=as_t(np.asarray(ctx, dtype=np.int64), torch.int64),
+        block_tables=as_t(bt, torch.int32),
+        query_lens=tuple(q_lens),
+        context_lens_host=tuple(ctx),
+        sliding_window=sliding_window,
+        logits_indices=as_t(logits_idx, torch.int64),
+    )
+
+
+def build_group_attention_metadata(new_token_ids: Sequence[Sequence[int]], num_computed: Sequence[int],
+                                   slot_mappings: Any, block_tables: Sequence[Any], *, block_size: int,
+                                   logits: str | Sequence[int] = "last", device: torch.device | str | None = None,
+                                   validate: bool = True) -> AttentionMetadata:
+    """:class:`AttentionMetadata` for KV cache groups: ``slot_mappings`` is ``(G, T)`` (each group's slot of each
+    new token, e.g. ``HybridStepResult.slot_mapping``), ``block_tables[g]`` group ``g``'s tables (as
+    :func:`build_attention_metadata` takes them). Returns group 0's metadata with ``groups`` set to every group's
+    (validated as :func:`build_attention_metadata` validates one). O(G x the cost of one)."""
+    slots = np.asarray(slot_mappings, dtype=np.int64)
+    if slots.ndim != 2 or slots.shape[0] != len(block_tables):
+        raise ValueError(f"slot_mappings must be (G, T) with G = {len(block_tables)} groups, got {slots.shape}")
+    metas = tuple(build_attention_metadata(new_token_ids, num_computed, slots[g], block_tables[g],
+                                           block_size=block_size, logits=logits, device=device, validate=validate)
+                  for g in range(slots.shape[0]))
+    return dataclasses.replace(metas[0], groups=metas)
 
 
 def plan_paged_attention(meta, block_size: int, *, sliding_window: int | None | str = "meta",

@@ -161,7 +161,7 @@ def model_class(arch: str) -> Any:
 def load_model(model: str | os.PathLike[str] | None = None, *, device: Any = None, dtype: Any = None,
                quant_kernels: bool = True) -> Any:
     """Load the model ``model`` names (see :func:`resolve_model_path`) with the class of its architecture;
-    ``quant_kernels``: few-row steps read the file's quantized blocks (:mod:`pagedkv.engine.qmatmul`)."""
+    ``quant_kernels``: few-row steps read the file's quantized blocks (:class:`pagedkv.engine.model.QuantLinear`)."""
     path = resolve_model_path(model)
     cls = model_class(read_architecture(path))
     kw = {"device": device, "quant_kernels": quant_kernels}

@@ -1,13 +1,20 @@
-"""How many CPU threads the engine computes with, and how they wait: robust at the defaults.
+"""The engine's CPU runtime, torch-free: the C kernels' build and the OpenMP threads they and torch run on.
 
-Why: torch and the quantized kernels (``_qkernels.c``) run their parallel loops on one OpenMP thread pool
+**The kernels** (``_qkernels.c``, AVX-512 / AVX2 / plain C by what the CPU has): the products with the file's
+quantized weights for the few-row steps (:class:`pagedkv.engine.model.QuantLinear`) and the ragged paged attention
+(:mod:`pagedkv.engine.paged_attention`). They are compiled once per machine with the system's C compiler (``cc -O3
+-march=native -ffp-contract=off -fopenmp``) into ``~/.cache/pagedkv/kernels`` (``PAGEDKV_KERNEL_CACHE`` overrides;
+a home that cannot be written: a private folder in the temporary directory; the file is keyed by the source, the
+compiler, its flags and the CPU) and loaded with ctypes. No compiler, a failed build or ``PAGEDKV_QKERNELS=0``:
+:func:`kernels` returns ``None`` and every product is the dense float32 one.
+
+**The threads.** Torch and the kernels run their parallel loops on one OpenMP thread pool
 (``torch.get_num_threads()`` threads; the kernels' ``libgomp.so.1`` resolves to the runtime torch already loaded,
 see :func:`openmp_runtimes`), and OpenMP threads spin at every barrier. Alone on a machine that wins, but as
 soon as another process wants a core, one of the threads is descheduled and the others spin waiting for it: on
 the 2-core development machine SmolLM2 at batch 1 fell from 52.3 output tok/s to 10.1 beside one busy process,
 and two engines side by side made 7.6 + 7.8 tok/s where one thread each gives 116 + 128 (docs/engine-speed.md).
-
-The policy (what :class:`ThreadPolicy` does with no explicit setting):
+What :class:`ThreadPolicy` does with no explicit setting:
 
 * **Thread count from the cores that are free**: the CPU time the machine spent busy, minus this process's own,
   over a window (``/proc/stat`` and ``/proc/self/stat``), says how many cores others use (niced processes not
@@ -30,24 +37,214 @@ The policy (what :class:`ThreadPolicy` does with no explicit setting):
 * **An explicit setting always wins**: ``ModelRunConfig(threads=N)`` / ``--threads N``, else ``OMP_NUM_THREADS``
   from the environment: that count, fixed, never re-checked.
 
-Torch-free: the caller applies the count (``torch.set_num_threads``). The /proc readings are injected
-(``reader``, ``clock``) so the logic is tested deterministically.
+The caller applies the count (``torch.set_num_threads``); this module does not import torch. The /proc readings
+are injected (``reader``, ``clock``) so the logic is tested deterministically.
 """
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
+import logging
 import os
+import platform
+import shutil
+import subprocess
 import sys
+import tempfile
+import threading
 import time
-from typing import Callable, NamedTuple
+from importlib import resources
+from pathlib import Path
+from typing import Any, Callable, NamedTuple
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["FIRST_WINDOW_S", "FREE_MARGIN", "RECHECK_S", "SPIN_COUNT", "STALE_S", "CpuTimes", "ThreadPolicy", "openmp_runtimes",
-           "nice_yields", "others_cores", "parse_proc_stat", "parse_self_stat", "pick_threads", "prepare_runtime",
-           "read_cpu_times", "usable_cores", "validate_threads"]
+__all__ = ["ENTRY_POINTS", "FIRST_WINDOW_S", "FREE_MARGIN", "RECHECK_S", "SPIN_COUNT", "STALE_S", "CpuTimes",
+           "FUSED_STEP", "ThreadPolicy", "layer_table", "step_kernel",
+           "build_kernels", "kernel_status", "kernels", "nice_yields", "openmp_runtimes", "others_cores",
+           "parse_proc_stat", "parse_self_stat", "pick_threads", "prepare_runtime", "read_cpu_times",
+           "usable_cores", "validate_threads"]
 
-#: ``GOMP_SPINCOUNT`` set before the OpenMP runtime starts: libgomp's own default (300000 spins), as the figures pick
+log = logging.getLogger(__name__)
+
+_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
+_NATIVE = ("-march=native",)
+#: the kernel entry point of each blocks layout (:attr:`pagedkv.engine.quant_blocks.QuantBlocks.kind`)
+ENTRY_POINTS = {"Q4_1": "pkv_q4_1_mm", "Q5_0": "pkv_q5_0_mm", "Q8_0": "pkv_q8_0_mm", "Q8_16": "pkv_q8_16_mm"}
+
+
+# --------------------------------------------------------------------------------------------------- the build
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {}
+
+
+def _cpu_tag() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return platform.machine() + flags
+
+
+def _cache_dir() -> Path:
+    """Where compiled kernels live: ``PAGEDKV_KERNEL_CACHE`` when set, else ``~/.cache/pagedkv/kernels``, else (a
+    home that cannot be written) a private folder of this user in the temporary directory. ``OSError`` when none
+    can be used."""
+    env = os.environ.get("PAGEDKV_KERNEL_CACHE")
+    if env:
+        Path(env).mkdir(parents=True, exist_ok=True)
+        return Path(env)
+    try:
+        home = Path.home() / ".cache" / "pagedkv" / "kernels"
+        home.mkdir(parents=True, exist_ok=True)
+        if os.access(home, os.W_OK):
+            return home
+    except (OSError, RuntimeError):  # (RuntimeError: no home directory)
+        pass
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    tmp = Path(tempfile.gettempdir()) / f"pagedkv-kernels-{uid}"
+    tmp.mkdir(mode=0o700, exist_ok=True)
+    st = tmp.stat()
+    if getattr(st, "st_uid", uid) != uid or st.st_mode & 0o022:  # another user's, or writable by others
+        raise OSError(f"{tmp} is not a private folder of this user")
+    return tmp
+
+
+def build_kernels(arch: tuple[str, ...] = _NATIVE) -> ctypes.CDLL:
+    """Compile (once; cached by source, compiler, flags and CPU) and load the kernels for the target ``arch``
+    (compiler flags; default ``-march=native``; ``("-mavx2", "-mfma")`` or ``()`` for the AVX2 and plain-C
+    variants, which the tests check too). ``RuntimeError`` when there is no compiler or it fails."""
+    src = resources.files("pagedkv.engine").joinpath("_qkernels.c").read_bytes()
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    flags = [*_FLAGS, *arch]
+    key = hashlib.sha256(src + " ".join([cc, *flags]).encode() + _cpu_tag().encode()).hexdigest()[:16]
+    cache = _cache_dir()
+    lib = cache / f"qkernels-{key}.so"
+    if not lib.is_file():
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+            c_file = Path(tmp) / "_qkernels.c"
+            c_file.write_bytes(src)
+            out = Path(tmp) / lib.name
+            r = subprocess.run([cc, *flags, str(c_file), "-o", str(out)], capture_output=True, text=True,
+                               timeout=300)
+            if r.returncode != 0:
+                raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-2000:]}")
+            os.replace(out, lib)  # atomic: concurrent builders each install a complete file
+    dll = ctypes.CDLL(str(lib))
+    vp, i64, ci = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    for name in ENTRY_POINTS.values():  # one signature: (x, B, ldx, K, qs, d, aux, n0, n1, y, ldy, threads)
+        fn = getattr(dll, name)
+        fn.argtypes = [vp, i64, i64, i64, vp, vp, vp, i64, i64, vp, i64, ci]
+        fn.restype = None
+    dll.pkv_isa.restype = ctypes.c_char_p
+    return dll
+
+
+def kernels() -> ctypes.CDLL | None:
+    """The compiled kernels, built on first use (a second or two); ``None`` when disabled
+    (``PAGEDKV_QKERNELS=0``) or the build failed (:func:`kernel_status` says why; logged once)."""
+    if "dll" not in _state:
+        with _lock:
+            if "dll" not in _state:
+                if os.environ.get("PAGEDKV_QKERNELS", "1") == "0":
+                    _state["dll"], _state["why"] = None, "disabled by PAGEDKV_QKERNELS=0"
+                else:
+                    try:
+                        dll = build_kernels()
+                        _state["dll"], _state["why"] = dll, f"built ({dll.pkv_isa().decode()})"
+                    except Exception as e:  # noqa: BLE001 - any failure falls back to the dense products
+                        _state["dll"], _state["why"] = None, f"unavailable: {e}"
+                        log.warning("pagedkv: quantized kernels %s; using float32 products", _state["why"])
+    return _state["dll"]
+
+
+def kernel_status() -> str:
+    """Whether the kernels are in use, and why not: ``"built (avx512)"``, ``"disabled by ..."``, ``"unavailable:
+    ..."``."""
+    kernels()
+    return _state["why"]
+
+
+# --------------------------------------------------------------------------------------------------- the fused step
+# ``pkv_llama_step`` / ``pkv_gemma3_step`` (``_qkernels.c``): every layer of a few-row decode step in one call (used
+# by ``PagedLlama.hidden`` / ``PagedGemma3.hidden`` when :data:`FUSED_STEP` and the step qualifies). The layer table
+# is built once per model from raw pointers (:func:`layer_table`); the tensors behind them stay owned by the model.
+
+#: whether few-row steps run as one C call (``PAGEDKV_FUSED_STEP=0`` turns it off, for A/B runs)
+FUSED_STEP = os.environ.get("PAGEDKV_FUSED_STEP", "1") != "0"
+_KIND_CODE = {"Q4_1": 0, "Q5_0": 1, "Q8_0": 2, "Q8_16": 3}
+_MAX_PARTS = 4
+
+
+class _Part(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int64), ("qs", ctypes.c_void_p), ("d", ctypes.c_void_p), ("aux", ctypes.c_void_p),
+                ("row", ctypes.c_int64), ("n", ctypes.c_int64)]
+
+
+class _Lin(ctypes.Structure):
+    _fields_ = [("parts", _Part * _MAX_PARTS), ("nparts", ctypes.c_int64)]
+
+
+_LINS = [("qkv", _Lin), ("o", _Lin), ("gu", _Lin), ("down", _Lin)]
+_vp = ctypes.c_void_p
+
+
+class _Layer(ctypes.Structure):  # pkv_layer
+    _fields_ = [("attn_norm", _vp), ("ffn_norm", _vp), *_LINS]
+
+
+class _GLayer(ctypes.Structure):  # pkv_glayer
+    _fields_ = [("attn_norm", _vp), ("qk_norm", _vp), ("post_attn_norm", _vp), ("ffn_norm", _vp),
+                ("post_ffw_norm", _vp), *_LINS]
+
+
+def layer_table(layers: list[tuple], gemma3: bool = False) -> Any:
+    """The C table of a model's layers (``pkv_layer``, or ``pkv_glayer`` with ``gemma3``), or ``None`` when a product
+    has more than 4 parts. ``layers[i]``: the norms' pointers (Llama: attention, MLP; Gemma 3: attention, query and
+    key, after the attention, MLP, after the MLP), then the products ``qkv, o, gate_up, down``, each a list of parts
+    ``(kind, qs, d, aux, first output row, rows)`` (``kind`` a :attr:`~pagedkv.engine.quant_blocks.QuantBlocks.kind`,
+    the others pointers or ints, ``aux`` possibly ``None``). O(layers)."""
+    cls = _GLayer if gemma3 else _Layer
+    n_norms = len(cls._fields_) - len(_LINS)
+    table = (cls * len(layers))()
+    for entry, layer in zip(table, layers):
+        for (name, _), ptr in zip(cls._fields_, layer[:n_norms]):
+            setattr(entry, name, ptr)
+        for (name, _), parts in zip(_LINS, layer[n_norms:]):
+            if len(parts) > _MAX_PARTS:
+                return None
+            lin = getattr(entry, name)
+            lin.nparts = len(parts)
+            for slot, (kind, qs, d, aux, row, n) in zip(lin.parts, parts):
+                slot.kind, slot.qs, slot.d, slot.aux, slot.row, slot.n = _KIND_CODE[kind], qs, d, aux, row, n
+    return table
+
+
+def step_kernel(name: str) -> Any:
+    """``pkv_llama_step`` or ``pkv_gemma3_step`` with its signature set, or ``None`` without kernels (or with
+    :data:`FUSED_STEP` off)."""
+    if name not in _state:
+        dll = kernels() if FUSED_STEP else None
+        fn = None if dll is None else getattr(dll, name)
+        if fn is not None:
+            i64, vp, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+            if name == "pkv_llama_step":
+                fn.argtypes = [vp, i64, i64, i64, i64, i64, i64, i64, f32, f32, *[vp] * 12, i64, i64, vp, i64, vp,
+                               i64, i64, vp, vp, ctypes.c_int]
+            else:
+                fn.argtypes = [vp, vp, i64, i64, i64, i64, i64, i64, i64, f32, f32, *[vp] * 8, i64, i64, vp, vp,
+                               ctypes.c_int]
+            fn.restype = i64
+        _state[name] = fn
+    return _state[name]
+
+# --------------------------------------------------------------------------------------------------- the threads
+
 #: (docs/engine-speed.md): alone, 2 threads with passive waits (0) lost to one thread (31.4 against 49.5 tok/s at
 #: batch 1), with the default spin they win (62.8); beside a busy process or a second engine the thread count drops
 #: to one core within a re-check, where the spin no longer matters (1.05-1.15x the one-thread figure)
