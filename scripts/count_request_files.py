@@ -28,12 +28,14 @@ class Recorder:
     def __init__(self) -> None:
         self.on = False
         self.files: set[str] = set()
+        self.funcs: set[tuple[str, str]] = set()  # (file, function)
 
     def __call__(self, frame, event, arg):  # (a profile function: every call and return)
         if self.on and event == "call":
             f = frame.f_code.co_filename
             if f.startswith(SRC):
                 self.files.add(f[len(SRC):])
+                self.funcs.add((f[len(SRC):], frame.f_code.co_qualname))
 
     def install(self) -> None:
         threading.setprofile(self)
@@ -46,6 +48,7 @@ def count_generate(rec: Recorder, llm, prompt: str) -> set[str]:
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     llm.generate(prompt, params, use_tqdm=False)  # warm-up
     rec.files.clear()
+    rec.funcs.clear()
     rec.on = True
     try:
         llm.generate(prompt, params, use_tqdm=False)
@@ -66,6 +69,7 @@ def count_serve(rec: Recorder, llm, prompt: str) -> set[str]:
         with httpx.Client(timeout=60) as c:
             c.post(url, json=body).raise_for_status()  # warm-up
             rec.files.clear()
+            rec.funcs.clear()
             rec.on = True
             try:
                 r = c.post(url, json=body)
@@ -80,6 +84,7 @@ def count_serve(rec: Recorder, llm, prompt: str) -> set[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--list", action="store_true", help="print the files too")
+    ap.add_argument("--functions", action="store_true", help="print the files and the functions called in each")
     ap.add_argument("--no-serve", action="store_true", help="LLM.generate only")
     args = ap.parse_args()
     rec = Recorder()
@@ -92,9 +97,12 @@ def main() -> None:
     for name, fn in runs:
         files = fn(rec, llm, prompt)
         print(f"{name}: {len(files)} files under src/pagedkv")
-        if args.list:
+        if args.list or args.functions:
             for f in sorted(files):
                 print("   ", f)
+                if args.functions:
+                    for fn_name in sorted(q for g, q in rec.funcs if g == f):
+                        print("       ", fn_name)
 
 
 if __name__ == "__main__":

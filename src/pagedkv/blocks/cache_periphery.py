@@ -394,6 +394,3 @@ class CachePeriphery:
             out.update(zip(self.key[b].tolist(), b.tolist()))
         return out
 
-    def __len__(self) -> int:
-        """Cached blocks (referenced or not)."""
-        return len(self.map) + self.ndl

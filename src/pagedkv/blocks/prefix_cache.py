@@ -288,17 +288,13 @@ class PrefixCache(CachePeriphery):
         # the CPU tier (cpu_tier.CpuTier) when on: evicted blocks spill into it; ``fresh`` stamps each block with
         # the step serial at which it was cached (a block cached in the current step is never demoted)
         self.tier = None
-        # the GPU pool whose blocks these are (set by the manager's Blocks): registration records a held block
-        # whose content another block caches as its copy, and eviction hands the content to a held copy (None:
-        # neither)
+        # the GPU pool of these blocks (set by Blocks; None: neither): registration records a held block whose
+        # content another block caches as its copy, and eviction hands the content to a held copy
         self.pool = None
-        self.fresh = None
-        self.fresh_serial = 0
-        # KV events (enable_events): None when off, so that every emission point costs one test
-        self.events: list | None = None
+        self.fresh, self.fresh_serial = None, 0
+        self.events: list | None = None  # KV events (enable_events): None when off (each emission point: one test)
         self.event_overflows = 0
-        self._ev_max = 0
-        self._ev_lost = False
+        self._ev_max, self._ev_lost = 0, False
         self.pkey = self.nsid = None  # per-block parent key and namespace index, kept only for events
         self._ns_ids: dict[bytes, int] = {}
         self.ns_list: list[object] = []
@@ -325,6 +321,10 @@ class PrefixCache(CachePeriphery):
         n = len(self.roots)
         self.root(namespace, intern=True)
         return len(self.roots) != n
+
+    def __len__(self) -> int:
+        """Cached blocks (referenced or not)."""
+        return len(self.map) + self.ndl
 
     # ------------------------------------------------------------------ registration
     def register(self, block: int, pcid: int, pkey: int, namespace: object = None, emit: bool = True) -> tuple[int, int]:

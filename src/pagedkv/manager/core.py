@@ -58,7 +58,7 @@ from ._step import AppendCalls, Stepper
 from ._swap import Swapper
 from ._window import Window
 from ._external import External
-from .parts import ExternalKV, Events, Surface, check_groups, init_signature, settings
+from .parts import Events, ExternalKV, ManagerConfig, Surface, check_groups, init_signature, settings
 from ._offstep import OffStep
 from ._stores import Stores
 from ..errors import InvalidArgumentError, OutOfBlocksError, SequenceStateError
@@ -271,6 +271,11 @@ class BlockManager(Views, AppendCalls, LifeCalls, Surface, OffStep):
     def block_size(self) -> int:
         """Tokens per block."""
         return self._bs
+
+    @property
+    def config(self) -> ManagerConfig:
+        """The construction settings (:class:`~pagedkv.manager.parts.ManagerConfig`, frozen)."""
+        return self._parts[0]
 
     @property
     def num_free_gpu_blocks(self) -> int:

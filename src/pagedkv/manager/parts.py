@@ -304,11 +304,6 @@ class Surface(metaclass=_SurfaceType):
     __slots__ = ()
 
     @property
-    def config(self) -> ManagerConfig:
-        """The construction settings (:class:`~pagedkv.manager.parts.ManagerConfig`, frozen)."""
-        return self._parts[0]
-
-    @property
     def external(self) -> ExternalKV:
         """External KV: loads, holds, store plans (:class:`~pagedkv.manager.parts.ExternalKV`)."""
         return self._parts[1]
