@@ -15,8 +15,8 @@ set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PYTHON=${PYTHON:-python3.11}
-HF_PKGS=(torch==2.13.0 transformers==5.24.0 accelerate==1.15.0 gguf==0.19.0 numpy==2.4.6)
-LLAMACPP_PKGS=(llama-cpp-python==0.3.36 numpy==2.4.6)
+HF_PKGS=(torch==2.13.0 transformers==5.24.0 accelerate==1.15.0 gguf==0.19.0 numpy==2.4.6 xxhash==4.1.0)
+LLAMACPP_PKGS=(llama-cpp-python==0.3.36 numpy==2.4.6 xxhash==4.1.0)
 
 say() { printf '[install_engine_anchors] %s\n' "$*"; }
 
@@ -32,7 +32,7 @@ make_venv() {  # make_venv DIR: (re)create it when FORCE=1 or missing
 install_hf() {
     local venv=$ROOT/.venv-hf
     make_venv "$venv"
-    if "$venv/bin/python" -c 'import transformers, accelerate, gguf, torch; assert torch.version.cuda is None' 2>/dev/null; then
+    if "$venv/bin/python" -c 'import transformers, accelerate, gguf, torch, xxhash; assert torch.version.cuda is None' 2>/dev/null; then
         say "hf: $venv is ready; nothing to do"
         return 0
     fi
@@ -44,7 +44,7 @@ install_hf() {
 install_llamacpp() {
     local venv=$ROOT/.venv-llamacpp
     make_venv "$venv"
-    if "$venv/bin/python" -c 'import llama_cpp' 2>/dev/null; then
+    if "$venv/bin/python" -c 'import llama_cpp, xxhash' 2>/dev/null; then
         say "llamacpp: $venv is ready; nothing to do"
         return 0
     fi
