@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import threading
 import time
@@ -79,11 +80,20 @@ def cmd_replay(endpoint: str, topic: str) -> dict:
     decoder = msgspec.msgpack.Decoder(type=KVEventBatch)  # as vLLM's example subscriber decodes
     batches = [decoder.decode(frames[-1]) for frames in ours[:-1]]
     # the same batches through vLLM's own publisher (PUB on ipc, bound; replay on a free loopback port)
-    sock = ctx.socket(zmq.ROUTER)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
-    sock.close(0)
-    pub_ep = f"ipc:///tmp/pagedkv-compat-{os.getpid()}-pub"
-    pub = ZmqEventPublisher(0, endpoint=pub_ep, replay_endpoint=f"tcp://127.0.0.1:{port}", topic=topic)
+    # (a port found with a plain socket, closed at once; zmq's own close is asynchronous, so a port it held may
+    # still be taken when the publisher binds it: a few tries, each on a fresh port)
+    for attempt in range(5):
+        pub_ep = f"ipc:///tmp/pagedkv-compat-{os.getpid()}-{attempt}-pub"
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            pub = ZmqEventPublisher(0, endpoint=pub_ep, replay_endpoint=f"tcp://127.0.0.1:{port}", topic=topic)
+            break
+        except zmq.error.ZMQError:
+            if attempt == 4:
+                raise
+            time.sleep(0.2)
     try:
         for b in batches:
             pub.publish(b)
