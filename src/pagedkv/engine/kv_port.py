@@ -169,7 +169,7 @@ class EngineKVPort(KVConnector):
 
     def read_blocks(self, hold_id: Any, block_ids: Sequence[int]) -> list:
         with self._lock:
-            if not any(h.hold_id == hold_id for h in self._bm.holds):
+            if not any(h.hold_id == hold_id for h in self._bm.external.holds):
                 raise LookupError(f"hold {hold_id} is gone")
             out = read_blocks(self._kv, list(block_ids))
         self.stats["blocks_read"] += len(out)
@@ -177,11 +177,11 @@ class EngineKVPort(KVConnector):
 
     def release_hold(self, hold_id: Any) -> None:
         with self._lock:
-            self._bm.release_hold(hold_id)  # (UnknownHoldError is a LookupError)
+            self._bm.external.release_hold(hold_id)  # (UnknownHoldError is a LookupError)
 
     def expire_holds(self) -> list:
         with self._lock:
-            return list(self._bm.expire_holds())
+            return list(self._bm.external.expire_holds())
 
     def attach_external(self, request: Any, payloads: Sequence, num_blocks: int | None = None) -> None:
         """Stage the payloads read for a request (its prompt's leading blocks). With KV cache groups they are a
@@ -415,13 +415,13 @@ class EngineKVPort(KVConnector):
                 if n <= 0:
                     self._held[pw.request_id] = None
                     continue
-                h = self._bm.hold(pw.seq_id, lease)
+                h = self._bm.external.hold(pw.seq_id, lease)
                 wire = None
                 if self.windows is not None:  # every group's blocks a load of n blocks needs, in wire order
                     tables = [self._bm.block_table(pw.seq_id, g) for g in range(len(self.windows))]
                     wire = group_hold_block_ids(tables, n, bs, self.windows)
                     if wire is None:  # (a sliding window released a needed block: nothing to hand over)
-                        self._bm.release_hold(h.hold_id)
+                        self._bm.external.release_hold(h.hold_id)
                         self._held[pw.request_id] = None
                         self.stats["held_incomplete"] += 1
                         continue

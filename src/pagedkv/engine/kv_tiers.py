@@ -228,7 +228,7 @@ class EngineTiers(KVConnector):
             for sid, ok in self.connector.poll_stores():
                 if not ok:
                     self.stats["stores_failed"] += 1
-                self._bm.complete_store(sid, ok)
+                self._bm.external.complete_store(sid, ok)
         if self._runs:
             for rid in [rid for rid in self._runs if not scheduler.has_request(rid)]:
                 del self._runs[rid]  # (aborted before its admission)
@@ -528,7 +528,7 @@ class EngineTiers(KVConnector):
         self.connector.close(timeout)
         if self._bm is not None and self.store_policy != "none":
             for sid, ok in self.connector.poll_stores():
-                self._bm.complete_store(sid, ok)
+                self._bm.external.complete_store(sid, ok)
 
 
 def _runs_of(r: Any) -> Any:

@@ -111,7 +111,7 @@ class RequestPins:
         pid = table.get(key)
         if pid is None:
             return None
-        for p in self._bm.pins:  # (expired pins dropped first)
+        for p in self._bm.retention.pins:  # (expired pins dropped first)
             if p.pin_id == pid:
                 return p
         del table[key]
@@ -123,7 +123,7 @@ class RequestPins:
         pin that requests of the same prefix and TTL reuse. Prunes the records of dead pins. O(pins + prefix)."""
         if not pin.pin_id:
             return
-        live_ids = {p.pin_id for p in self._bm.pins}
+        live_ids = {p.pin_id for p in self._bm.retention.pins}
         for table in (self._by_key, self._cover):
             for k in [k for k, pid in table.items() if pid not in live_ids]:
                 del table[k]
@@ -170,7 +170,7 @@ class RequestPins:
         if live is not None:
             return live, None
         try:
-            pin = self._bm.pin_prefix(list(ids[:num_tokens]), ttl=ttl, namespace=namespace)
+            pin = self._bm.retention.pin_prefix(list(ids[:num_tokens]), ttl=ttl, namespace=namespace)
         except PinBudgetError as e:
             return Pin(0, 0, 0, ttl), str(e)
         except PagedKVError as e:  # (not expected: admit checked the rest) the request goes on unpinned
