@@ -5,7 +5,7 @@ written for vLLM (llm-d, NVIDIA Dynamo, SGLang's router) reads them unchanged on
 vLLM's layout (:mod:`pagedkv.server` does that). A block's hash is its prefix-cache key, the chained xxh3 of
 :func:`pagedkv.block_hashes`, so a router computes the keys of a prompt it has not routed yet from its tokens.
 
-``BlockManager(..., enable_kv_events=True)`` records them; ``BlockManager.take_events()`` returns, in order, and
+``BlockManager(..., enable_kv_events=True)`` records them; ``BlockManager.events.take()`` returns, in order, and
 clears the events since the last call:
 
 - :class:`BlockStored`: blocks entered the prefix cache (a chain of consecutive blocks of one sequence:

@@ -614,7 +614,7 @@ def test_decode_filled_blocks_with_kv_cache_groups_load_after_a_restart(gemma, r
         (o,) = b.generate([{"prompt_token_ids": turn2}], sp, use_tqdm=False)
         assert list(o.outputs[0].token_ids) == list(want.outputs[0].token_ids)
         assert o.num_cached_tokens == b.scheduler.stats.external_tokens == 50 * BLOCK  # the answer's blocks too
-        windows = [getattr(g, "window", None) for g in b.config.kv_cache_groups]
+        windows = [getattr(g, "window", None) for g in b.kv_cache_groups]
         assert b.kv_tiers.group_loaded_blocks == [z - a for a, z in group_block_ranges(50, BLOCK, windows)] \
             == [50] + [32] * 5
         b.kv_tiers.connector.flush(60)

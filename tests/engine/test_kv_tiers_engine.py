@@ -283,8 +283,9 @@ def test_write_back_with_the_cpu_tier_stores_what_the_cpu_pool_drops(engine, tmp
     with make(engine, enable_kv_events=True, **kw) as a:
         assert a.block_manager.config.store_policy == "write_back"
         bm, media = a.kv_tiers._bm, []
-        take = bm.external.take_store_plan
-        monkeypatch.setattr(bm, "take_store_plan", lambda: (lambda p: media.append(p and p.medium) or p)(take()))
+        take = type(bm.external).take_store_plan  # (every plan the engine takes, through the external part)
+        monkeypatch.setattr(type(bm.external), "take_store_plan",
+                            lambda ext: (lambda p: media.append(p and p.medium) or p)(take(ext)))
         demoted, dropped = set(), set()
         for q in qs:  # one at a time: each pushes the previous ones' blocks GPU -> CPU -> out
             (o,) = run(a, [q])

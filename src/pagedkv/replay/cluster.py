@@ -2,7 +2,7 @@
 
 Each request is routed by a policy (:mod:`pagedkv.cluster.policy`), then allocated and freed on its replica (the Mooncake
 paper's sequence method, per replica). The replicas run with ``enable_kv_events=True``; after every request the
-replica's :meth:`~pagedkv.BlockManager.take_events` feed the router's index (:class:`~pagedkv.cluster.index.MemoryIndex`), the
+replica's ``events.take()`` feed the router's index (:class:`~pagedkv.cluster.index.MemoryIndex`), the
 same :meth:`~pagedkv.cluster.index.MemoryIndex.apply` path the live router takes for events that arrive over ZMQ. So the
 ``prefix`` policy sees exactly what a real router would, and nothing else; ``prefix-approx`` sees only its own
 decisions. The load of a replica is the prompt tokens routed to it so far.

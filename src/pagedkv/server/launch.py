@@ -226,12 +226,12 @@ def make_server(llm: Any, *, model_name: str, host: str = "127.0.0.1", port: int
     from .metrics import ServerMetrics
     from .validation import DEFAULT_LIMITS
 
-    if publisher is not None and not hasattr(llm.block_manager, "take_events"):
+    if publisher is not None and not hasattr(getattr(llm.block_manager, "events", None), "take"):
         raise RuntimeError("--kv-events-endpoint needs a block manager with take_events (enable_kv_events)")
     if publisher is None and kv_events_endpoint is not None:
         from .kv_events import KVEventPublisher
 
-        if not hasattr(llm.block_manager, "take_events"):
+        if not hasattr(getattr(llm.block_manager, "events", None), "take"):
             raise RuntimeError("--kv-events-endpoint needs a block manager with take_events (enable_kv_events)")
         publisher = KVEventPublisher(kv_events_endpoint, replay_endpoint=kv_events_replay_endpoint,
                                      topic=kv_events_topic)
