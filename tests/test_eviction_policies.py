@@ -198,11 +198,11 @@ def test_constructor_checks():
         BlockManager(4, 2, eviction_policy="slru")  # needs prefix caching
     with pytest.raises(InvalidArgumentError):
         BlockManager(4, 2, enable_prefix_caching=True, pin_budget_blocks=-1)
-    assert BlockManager(4, 2, enable_prefix_caching=True, pin_budget_blocks=2, sliding_window=4).pin_budget_blocks == 2
+    assert BlockManager(4, 2, enable_prefix_caching=True, pin_budget_blocks=2, sliding_window=4).config.pin_budget_blocks == 2
     assert EVICTION_POLICIES == ("lru", "slru", "session", "density", "arc")
     assert type(BlockManager(4, 2, enable_prefix_caching=True)._cache.evictor) is LRUEvictor  # the hot path as is
     assert type(BlockManager(4, 2, enable_prefix_caching=True, eviction_policy="slru")._cache.evictor) is SLRUEvictor
-    assert BlockManager(4, 2, enable_prefix_caching=True, eviction_policy="session").eviction_policy == "session"
+    assert BlockManager(4, 2, enable_prefix_caching=True, eviction_policy="session").config.eviction_policy == "session"
     assert isinstance(make_evictor("session", 3), SessionEvictor)
 
 
@@ -262,7 +262,7 @@ def test_pin_budget_refusal_changes_nothing():
 
 def test_pin_errors():
     with pytest.raises(InvalidArgumentError):
-        BlockManager(4, 2, enable_prefix_caching=True).pin_prefix([1, 2])  # no budget
+        BlockManager(4, 2, enable_prefix_caching=True).retention.pin_prefix([1, 2])  # no budget
     bm = _pinned_manager()
     with pytest.raises(InvalidArgumentError):
         bm.retention.pin_prefix(SYSTEM, ttl=0)

@@ -136,7 +136,7 @@ def test_hybrid_set_retention_checks_and_fork_inherits_the_priority():
     nc = BlockManager(8, BS, kv_cache_groups=GROUPS, grouped_results=True)
     nc.allocate("a", [1])
     with pytest.raises(InvalidArgumentError):
-        nc.set_retention("a", priority=1)
+        nc.retention.set_retention("a", priority=1)
 
 
 def test_block_manager_fork_inherits_the_priority():
@@ -217,7 +217,7 @@ def test_hybrid_pin_budget_errors_and_reset():
     with pytest.raises(InvalidArgumentError):
         hm.retention.pin_prefix(SYSTEM, ttl=-1)
     with pytest.raises(InvalidArgumentError):
-        hybrid().pin_prefix(SYSTEM)  # no budget
+        hybrid().retention.pin_prefix(SYSTEM)  # no budget
     assert hm.reset_prefix_cache() > 0
     assert hm.retention.pins == () and hm.retention.num_pinned_blocks == 0
     hm.check_invariants()
