@@ -12,21 +12,11 @@ prints each round's ratio this / other and their median. The default model (Smol
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import sys
 import time
-from pathlib import Path
 
-
-def load_baseline(path: str):
-    path = Path(path).resolve()
-    spec = importlib.util.spec_from_file_location("pagedkv_base", path / "__init__.py",
-                                                  submodule_search_locations=[str(path)])
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["pagedkv_base"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+from bench_groups import load_baseline  # noqa: E402 - (scripts/ is on a script's path)
 
 
 def main() -> None:
