@@ -120,7 +120,9 @@ class FakeLLM:
         self.tokenizer = ByteTokenizer()
         self.max_model_len = 4096
         self.max_num_seqs = 8
-        self.block_manager = SimpleNamespace(num_gpu_blocks=100_000, watermark_blocks=0, block_size=block_size)
+        # (the manager's surface the server reads: its settings part and the block size)
+        self.block_manager = SimpleNamespace(config=SimpleNamespace(num_gpu_blocks=100_000, watermark_blocks=0),
+                                             block_size=block_size)
 
 
 class FakeRequest:

@@ -188,7 +188,7 @@ def test_set_retention_errors_change_nothing():
     nc = BlockManager(4, 2)  # no prefix caching: the call refuses
     nc.allocate("a", [1])
     with pytest.raises(InvalidArgumentError):
-        nc.set_retention("a", priority=1)
+        nc.retention.set_retention("a", priority=1)
 
 
 def test_constructor_checks():

@@ -105,7 +105,7 @@ def test_a_class_or_a_new_instance_evicts_as_the_name_does(name):
     if inst is not None:
         bm, removed = _churn(inst)
         assert removed == by_name and bm._cache.evictor is inst
-    assert BlockManager(24, 4, enable_prefix_caching=True, eviction_policy=cls).eviction_policy == name
+    assert BlockManager(24, 4, enable_prefix_caching=True, eviction_policy=cls).config.eviction_policy == name
 
 
 def test_an_instance_must_be_new_and_sized_for_the_pool():
