@@ -120,9 +120,9 @@ class Scheduler:
         (unless ``ignore_eos``) or a token of ``stop_token_ids``; ``namespace`` isolates its prefix-cache
         entries. ``priority`` (vLLM's field, lower is more urgent): with ``scheduling_policy="priority"`` requests
         are admitted by (priority, arrival) and preempted from the largest (priority, arrival) first; with any
-        policy the block manager (if it has ``set_retention``, prefix caching on) evicts the cached blocks of a
+        policy the block manager (if it has a ``retention`` part, prefix caching on) evicts the cached blocks of a
         request of a larger value first. ``session`` (any hashable; None: no hint): the conversation the request
-        belongs to, passed to the block manager's ``set_retention`` with sample 0's allocation (a forked sample's
+        belongs to, passed to the block manager's ``retention.set_retention`` with sample 0's allocation (a forked sample's
         blocks carry none), for the ``"session"`` and ``"density"`` eviction policies; a request readmitted after a
         recompute preemption passes it again (its preempted run counts as one more request of the conversation).
 
@@ -507,9 +507,10 @@ class Admitter(Part):
                     break
                 # its cached blocks' eviction class, and the conversation hint (once per request: sample 0's)
                 session = g.session if i == 0 else None
-                if (g.priority or session is not None) and bm_setting(bm, "enable_prefix_caching", False) \
-                        and hasattr(bm, "retention"):
-                    bm.retention.set_retention(s.seq_id, priority=g.priority, session=session)
+                if (g.priority or session is not None) and bm_setting(bm, "enable_prefix_caching", False):
+                    retention = getattr(bm, "retention", None)  # (the part is built on each read: read it once)
+                    if retention is not None:
+                        retention.set_retention(s.seq_id, priority=g.priority, session=session)
                 if reserve:
                     fetch = self.tier.reserved(s.seq_id, kw)  # (None: allocate kept no external token)
                     if fetch is not None:
